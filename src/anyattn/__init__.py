@@ -1,0 +1,26 @@
+"""anyattn: scaled dot-product attention, forward and backward, for every mask,
+layout and precision, on CPU (NumPy), CUDA GPUs (Triton) and any GPU (WebGPU).
+
+The public surface is exactly ``__all__``.
+"""
+from .api import Gradients, attention, attention_backward
+from .backends.base import BackendUnavailable
+from .backends.registry import available_backends, describe_backends
+from .masks import Causal, Documents, KeepMask, Mask, Window
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "Gradients",
+    "Mask",
+    "Causal",
+    "Window",
+    "KeepMask",
+    "Documents",
+    "BackendUnavailable",
+    "available_backends",
+    "describe_backends",
+    "__version__",
+]

@@ -1,0 +1,125 @@
+"""The public entry points: attention and attention_backward.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys,
+D head dim.  ``layout="bhsd"`` (default) takes [B, H, S, D]; ``layout="bshd"``
+takes [B, S, H, D] and returns results in that layout too.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from .arrays import array_kind
+from .backends.registry import choose
+from .masks import Mask
+from .problem import Problem, describe
+from .reference import Gradients
+
+__all__ = ["attention", "attention_backward", "Gradients"]
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+def _to_bhsd(x, layout):
+    if x is None or layout == "bhsd":
+        return x
+    if array_kind(x) == "torch":
+        return x.transpose(1, 2)
+    return x.swapaxes(1, 2)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
+
+
+def _bias4(bias, p: Problem):
+    """The bias as a 4-D view (left-padded with size-1 dims)."""
+    if bias is None or bias.ndim == 4:
+        return bias
+    return bias.reshape(p.bias_shape)
+
+
+def _zeros_like(x, shape=None, dtype=None):
+    if array_kind(x) == "torch":
+        import torch
+
+        return torch.zeros(shape if shape is not None else x.shape,
+                           dtype=dtype or x.dtype, device=x.device)
+    import numpy as np
+
+    return np.zeros(shape if shape is not None else x.shape, dtype=dtype or x.dtype)
+
+
+def _full_lse(q, p: Problem):
+    import numpy as np
+
+    shape = (p.batch, p.heads_q, p.seq_q)
+    if array_kind(q) == "torch":
+        import torch
+
+        dt = torch.float64 if p.dtype == "float64" else torch.float32
+        return torch.full(shape, float("-inf"), dtype=dt, device=q.device)
+    return np.full(shape, -np.inf, dtype=np.float64 if p.dtype == "float64" else np.float32)
+
+
+def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
+              return_lse: bool = False, backend: Optional[str] = None,
+              precision: Optional[str] = None, layout: str = "bhsd",
+              q_offset: int = 0, k_offset: int = 0):
+    """Scaled dot-product attention.
+
+    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> out [B, Hq, Sq, D] (and lse
+    [B, Hq, Sq], float32 natural log, with ``return_lse=True``).  ``mask``:
+    Causal / Window / KeepMask / Documents, composed with ``&``; ``bias``:
+    additive, broadcastable to [B, Hq, Sq, Sk].  A query that keeps no key
+    gets out = 0 and lse = -inf.  ``q_offset``/``k_offset``: global positions
+    of the first query/key for the Causal/Window terms.
+    """
+    _check_layout(layout)
+    qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
+    p = describe(qb, kb, vb, mask=mask, bias=bias, scale=scale, precision=precision,
+                 q_offset=q_offset, k_offset=k_offset)
+    be = choose(p, backend)
+    if p.is_empty:
+        out, lse = _zeros_like(qb), _full_lse(qb, p)
+    else:
+        out, lse = be.forward(p, qb, kb, vb, _bias4(bias, p))
+    out = _to_bhsd(out, layout)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask] = None,
+                       bias=None, scale: Optional[float] = None,
+                       wrt: Iterable[str] = ("q", "k", "v"), backend: Optional[str] = None,
+                       precision: Optional[str] = None, layout: str = "bhsd",
+                       q_offset: int = 0, k_offset: int = 0) -> Gradients:
+    """Gradients of ``sum(attention(q, k, v, ...) * dout)``.
+
+    -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D],
+    dbias in the bias's own shape), None for what ``wrt`` (a subset of
+    'q', 'k', 'v', 'bias') leaves out.  ``out``/``lse`` from the forward may be
+    passed; otherwise they are recomputed.
+    """
+    _check_layout(layout)
+    if dout is None:
+        raise TypeError("dout: the gradient of the output is required, shape [B, Hq, Sq, D]")
+    qb, kb, vb, gb, ob = (_to_bhsd(x, layout) for x in (q, k, v, dout, out))
+    p = describe(qb, kb, vb, dout=gb, out=ob, lse=lse, mask=mask, bias=bias, scale=scale,
+                 precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset)
+    be = choose(p, backend)
+    if p.is_empty:
+        res = {"dq": _zeros_like(qb), "dk": _zeros_like(kb), "dv": _zeros_like(vb),
+               "dbias": None if bias is None else _zeros_like(bias)}
+    else:
+        b4 = _bias4(bias, p)
+        if ob is None:
+            ob, lse = be.forward(p, qb, kb, vb, b4)
+        res = be.backward(p, qb, kb, vb, gb, ob, lse, b4)
+    dq = res.get("dq") if "q" in p.wrt else None
+    dk = res.get("dk") if "k" in p.wrt else None
+    dv = res.get("dv") if "v" in p.wrt else None
+    db = res.get("dbias") if "bias" in p.wrt else None
+    if db is not None and tuple(db.shape) != tuple(bias.shape):
+        db = db.reshape(bias.shape)
+    return Gradients(dq=_to_bhsd(dq, layout), dk=_to_bhsd(dk, layout),
+                     dv=_to_bhsd(dv, layout), dbias=db)

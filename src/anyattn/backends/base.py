@@ -1,0 +1,102 @@
+"""What a backend is: capabilities as data, refusals with reasons, forward/backward.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
+Tensors reach a backend in the logical layout [B, H, S, D] with any strides; a
+bias arrives as a 4-D view broadcastable to [B, Hq, Sq, Sk].
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+from ..problem import Problem
+
+__all__ = ["Capabilities", "Backend", "BackendUnavailable"]
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run on this machine."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend accepts; checked by Backend.unsupported_reasons."""
+
+    array_kinds: FrozenSet[str]            # {'numpy'} or {'torch'}
+    device_types: FrozenSet[str]           # {'cpu'}, {'cuda'}, ...
+    dtypes: FrozenSet[str]
+    precisions: FrozenSet[str] = frozenset({"highest"})
+    max_head_dim: Optional[int] = None
+    band: bool = True                      # Causal / Window terms
+    documents: bool = True
+    keep_mask: bool = True
+    bias: bool = True
+    bias_grad: bool = True
+    gqa: bool = True
+    auto: bool = True                      # may auto-dispatch pick it?
+
+
+class Backend(ABC):
+    """Base of every backend.  Subclasses set ``name`` and ``capabilities``."""
+
+    name: str = "?"
+    capabilities: Capabilities
+
+    # -- availability and refusals ------------------------------------------------
+    def availability(self) -> Optional[str]:
+        """None when the backend can run here, else the reason it cannot."""
+        return None
+
+    def unsupported_reasons(self, p: Problem) -> List[str]:
+        """Why this backend cannot compute ``p`` (empty list: it can)."""
+        c = self.capabilities
+        why = []
+        if p.array_kind not in c.array_kinds:
+            why.append(f"takes {sorted(c.array_kinds)} arrays, got {p.array_kind}")
+        dev_type = p.device.split(":")[0]
+        if dev_type not in c.device_types:
+            why.append(f"runs on {sorted(c.device_types)} devices, the inputs are on {p.device}")
+        if p.dtype not in c.dtypes:
+            why.append(f"supports dtypes {sorted(c.dtypes)}, got {p.dtype}")
+        if p.precision not in c.precisions:
+            why.append(f"supports precision {sorted(c.precisions)}, got {p.precision!r}")
+        if c.max_head_dim is not None and p.head_dim > c.max_head_dim:
+            why.append(f"supports head_dim <= {c.max_head_dim}, got {p.head_dim}")
+        if p.mask.has_band and not c.band:
+            why.append("does not support Causal/Window masks")
+        if p.mask.q_ids is not None and not c.documents:
+            why.append("does not support Documents masks")
+        if p.mask.keep is not None and not c.keep_mask:
+            why.append("does not support KeepMask")
+        if p.has_bias and not c.bias:
+            why.append("does not support an additive bias")
+        if "bias" in p.wrt and not c.bias_grad:
+            why.append("does not compute the bias gradient")
+        if p.group > 1 and not c.gqa:
+            why.append("does not support GQA/MQA (Hq != Hkv)")
+        return why + self.extra_reasons(p)
+
+    def extra_reasons(self, p: Problem) -> List[str]:
+        """Backend-specific refusals beyond the capability table."""
+        return []
+
+    # -- work ---------------------------------------------------------------------
+    @abstractmethod
+    def forward(self, p: Problem, q, k, v, bias) -> Tuple[Any, Any]:
+        """-> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32/float64)."""
+
+    @abstractmethod
+    def backward(self, p: Problem, q, k, v, dout, out, lse, bias) -> Dict[str, Any]:
+        """-> {'dq', 'dk', 'dv', 'dbias'} for the names in ``p.wrt`` (others None).
+
+        dq [B, Hq, Sq, D]; dk, dv [B, Hkv, Sk, D] (summed over each kv head's
+        query group); dbias in ``p.bias_shape`` (summed over broadcast dims).
+        """
+
+    def backward_arena(self, arena, params) -> None:  # pragma: no cover - optional
+        """Seed-ABI entry on this backend's own arena type (see anyattn.abi)."""
+        raise NotImplementedError(f"backend {self.name!r} has no arena entry point")
+
+    def __repr__(self) -> str:
+        return f"<anyattn backend {self.name}>"

@@ -1,0 +1,63 @@
+"""The float64 dense reference as a backend: exact, slow, O(Sq*Sk) memory.
+
+Never chosen automatically; ask for it with ``backend="reference"``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference
+from ..arrays import to_numpy
+from .base import Backend, Capabilities
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    capabilities = Capabilities(
+        array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
+        dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
+        precisions=frozenset({"highest", "tf32"}), auto=False)
+
+    def _mask(self, p):
+        return _ResolvedAsMask(p.mask)
+
+    def forward(self, p, q, k, v, bias):
+        out, lse = reference.forward(q, k, v, mask=self._mask(p), bias=bias, scale=p.scale)
+        lse_dtype = "float64" if p.dtype == "float64" else "float32"
+        return _cast(out, p.dtype, p), _cast(lse, lse_dtype, p)
+
+    def backward(self, p, q, k, v, dout, out, lse, bias):
+        g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
+                               wrt=tuple(p.wrt))
+        res = {}
+        for name in ("dq", "dk", "dv"):
+            x = getattr(g, name)
+            res[name] = None if x is None else _cast(x, p.dtype, p)
+        res["dbias"] = None if g.dbias is None else _cast(g.dbias, p.bias_dtype, p)
+        return res
+
+
+def _cast(x: np.ndarray, dtype: str, p):
+    """float64 result -> the caller's dtype and array library."""
+    if p.array_kind == "torch":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, dtype))
+    return x.astype(dtype)
+
+
+class _ResolvedAsMask:
+    """Adapter: lets reference.forward take an already resolved mask."""
+
+    def __init__(self, rmask):
+        self.rmask = rmask
+
+    def _lower(self, acc):
+        r = self.rmask
+        acc.band(r.band_lo, r.band_hi)
+        if r.q_ids is not None:
+            acc.documents(to_numpy(r.q_ids), to_numpy(r.k_ids))
+        if r.keep is not None:
+            acc.keep(to_numpy(r.keep))

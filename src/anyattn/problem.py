@@ -1,0 +1,237 @@
+"""One validated description of an attention call.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads (G = Hq / Hkv),
+Sq queries, Sk keys, D head dim.  Logical layout [B, H, S, D]; any strides.
+
+Validation happens here, once, at the API boundary: every error names the
+argument, what was given, what was expected and the remedy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, FrozenSet, Iterable, Optional, Tuple
+
+from .arrays import array_kind, device_name, dtype_name
+from .masks import Mask, ResolvedMask, resolve
+
+__all__ = ["Problem", "describe", "FLOAT_DTYPES", "PRECISIONS", "GRAD_NAMES"]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: "highest": fp32 inputs computed to <= 1e-5 relative error (IEEE or 3xTF32);
+#: "tf32": explicit opt-in to single-pass TF32 tensor cores for fp32 inputs.
+PRECISIONS = ("highest", "tf32")
+GRAD_NAMES = ("q", "k", "v", "bias")
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Sizes, dtype, device, mask and options of one call (no tensor data)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str              # 'float32', 'bfloat16', ...
+    array_kind: str         # 'numpy' | 'torch'
+    device: str             # 'cpu', 'cuda:0', ...
+    scale: float
+    mask: ResolvedMask
+    bias_shape: Optional[Tuple[int, int, int, int]]  # 4-D, broadcastable to [B,Hq,Sq,Sk]
+    bias_dtype: Optional[str]
+    precision: str
+    wrt: FrozenSet[str]     # gradients asked for (backward); empty for forward
+    q_offset: int = 0
+    k_offset: int = 0
+
+    @property
+    def group(self) -> int:
+        """G = Hq / Hkv: query heads that share one key/value head."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_shape is not None
+
+    @property
+    def is_empty(self) -> bool:
+        """No output element to compute, or every row is empty (Sk == 0)."""
+        return 0 in (self.batch, self.heads_q, self.seq_q, self.seq_k)
+
+    @property
+    def mask_class(self) -> str:
+        """A coarse label for configs and benchmarks: none/band/documents/keep/mixed."""
+        parts = [n for n, on in (("band", self.mask.has_band),
+                                 ("documents", self.mask.q_ids is not None),
+                                 ("keep", self.mask.keep is not None)) if on]
+        if not parts:
+            return "none"
+        return parts[0] if len(parts) == 1 else "+".join(parts)
+
+    def flops(self, backward: bool = False) -> float:
+        """FLOPs by the FlashAttention convention: fwd 4*B*Hq*Sq*Sk*D, bwd 2.5x
+        (one causal band halves it); other masks are not discounted."""
+        f = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
+        if backward:
+            f *= 2.5
+        if self.mask.band_hi is not None and self.mask.band_lo is None \
+                and self.mask.q_ids is None and self.mask.keep is None:
+            f *= 0.5
+        return f
+
+
+def _fail(exc, msg):
+    raise exc(msg)
+
+
+def _describe_tensor(name: str, x: Any) -> str:
+    return f"{name} (shape {tuple(x.shape)}, dtype {dtype_name(x)})"
+
+
+def _check_tensor(name: str, x: Any, kind: Optional[str]) -> str:
+    k = array_kind(x)
+    if k is None:
+        _fail(TypeError, f"{name}: expected a NumPy array or torch tensor, got "
+                         f"{type(x).__name__}; convert it with np.asarray(...)")
+    if kind is not None and k != kind:
+        _fail(TypeError, f"{name}: is a {k} array but q is a {kind} array; pass all "
+                         "inputs from the same library")
+    if x.ndim != 4:
+        _fail(ValueError, f"{name}: expected 4 dims [B, H, S, D] (or [B, S, H, D] with "
+                          f"layout='bshd'), got shape {tuple(x.shape)}; add the missing "
+                          "dims with x[None] / reshape")
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        _fail(TypeError, f"{name}: dtype {dt} is not a floating type; expected one of "
+                         f"{FLOAT_DTYPES}")
+    return k
+
+
+def _same(name: str, x: Any, ref_dtype: str, ref_device: str) -> None:
+    if dtype_name(x) != ref_dtype:
+        _fail(TypeError, f"{_describe_tensor(name, x)}: dtype differs from q's {ref_dtype}; "
+                         "cast every input to one dtype")
+    if device_name(x) != ref_device:
+        _fail(ValueError, f"{name}: is on {device_name(x)} but q is on {ref_device}; move "
+                          "every input to one device")
+
+
+def _broadcast4(name: str, shape: Tuple[int, ...], target: Tuple[int, int, int, int]):
+    if len(shape) > 4:
+        _fail(ValueError, f"{name}: shape {shape} has more than 4 dims; expected a shape "
+                          f"broadcastable to [B, Hq, Sq, Sk] = {list(target)}")
+    s4 = (1,) * (4 - len(shape)) + tuple(shape)
+    for ax, (have, want) in enumerate(zip(s4, target)):
+        if have not in (1, want):
+            _fail(ValueError, f"{name}: shape {tuple(shape)} does not broadcast to "
+                              f"[B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, "
+                              f"expected 1 or {want})")
+    return s4
+
+
+def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = None,
+             bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
+             wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
+             k_offset: int = 0) -> Problem:
+    """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem."""
+    kind = _check_tensor("q", q, None)
+    _check_tensor("k", k, kind)
+    _check_tensor("v", v, kind)
+    dt, dev = dtype_name(q), device_name(q)
+    _same("k", k, dt, dev)
+    _same("v", v, dt, dev)
+    B, Hq, Sq, D = (int(s) for s in q.shape)
+    Bk, Hkv, Sk, Dk = (int(s) for s in k.shape)
+    if tuple(v.shape) != tuple(k.shape):
+        _fail(ValueError, f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}; "
+                          "k and v must both be [B, Hkv, Sk, D]")
+    if Bk != B:
+        _fail(ValueError, f"k: batch {Bk} differs from q's batch {B} (q {tuple(q.shape)}, "
+                          f"k {tuple(k.shape)})")
+    if Dk != D:
+        _fail(ValueError, f"k: head_dim {Dk} differs from q's head_dim {D} (q "
+                          f"{tuple(q.shape)}, k {tuple(k.shape)})")
+    if D < 1:
+        _fail(ValueError, f"q: head_dim is {D}; expected at least 1")
+    if Hkv == 0 or Hq % Hkv != 0:
+        _fail(ValueError, f"k: {Hkv} key/value heads do not divide q's {Hq} query heads; "
+                          "GQA/MQA needs Hq to be a multiple of Hkv")
+    for name, x in (("dout", dout), ("out", out)):
+        if x is None:
+            continue
+        _check_tensor(name, x, kind)
+        _same(name, x, dt, dev)
+        if tuple(x.shape) != tuple(q.shape):
+            _fail(ValueError, f"{name}: shape {tuple(x.shape)} differs from q's "
+                              f"{tuple(q.shape)}; expected [B, Hq, Sq, D]")
+    if lse is not None:
+        if array_kind(lse) != kind:
+            _fail(TypeError, f"lse: expected a {kind} array, got {type(lse).__name__}")
+        if tuple(lse.shape) != (B, Hq, Sq):
+            _fail(ValueError, f"lse: shape {tuple(lse.shape)}; expected [B, Hq, Sq] = "
+                              f"{[B, Hq, Sq]}, as returned by attention(..., return_lse=True)")
+        if dtype_name(lse) not in ("float32", "float64"):
+            _fail(TypeError, f"lse: dtype {dtype_name(lse)}; expected float32 (or float64)")
+        if device_name(lse) != dev:
+            _fail(ValueError, f"lse: is on {device_name(lse)} but q is on {dev}")
+    if (out is None) != (lse is None):
+        _fail(ValueError, "out and lse: pass both (from attention(..., return_lse=True)) or "
+                          "neither (the backward then recomputes them)")
+
+    bias_shape = bias_dtype = None
+    if bias is not None:
+        bk = array_kind(bias)
+        if bk != kind:
+            _fail(TypeError, f"bias: expected a {kind} array like q, got {type(bias).__name__}")
+        bias_dtype = dtype_name(bias)
+        if bias_dtype not in (dt, "float32"):
+            _fail(TypeError, f"bias: dtype {bias_dtype}; expected q's dtype {dt} or float32")
+        if device_name(bias) != dev:
+            _fail(ValueError, f"bias: is on {device_name(bias)} but q is on {dev}")
+        bias_shape = _broadcast4("bias", tuple(int(s) for s in bias.shape), (B, Hq, Sq, Sk))
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    else:
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            _fail(TypeError, f"scale: expected a float, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            _fail(ValueError, f"scale: {scale} is not finite; expected a finite float "
+                              "(default 1/sqrt(D))")
+
+    if precision is None:
+        precision = "highest"
+    if precision not in PRECISIONS:
+        _fail(ValueError, f"precision={precision!r} is unknown; expected one of {PRECISIONS} "
+                          "or None (= 'highest')")
+
+    wrt_set: FrozenSet[str] = frozenset()
+    if wrt is not None:
+        if isinstance(wrt, str):
+            wrt = (wrt,)
+        wrt_list = list(wrt)
+        bad = [w for w in wrt_list if w not in GRAD_NAMES]
+        if bad:
+            _fail(ValueError, f"wrt: {bad} not understood; expected a subset of {GRAD_NAMES}")
+        if not wrt_list:
+            _fail(ValueError, "wrt: is empty; ask for at least one of 'q', 'k', 'v', 'bias'")
+        if "bias" in wrt_list and bias is None:
+            _fail(ValueError, "wrt: 'bias' was asked for but no bias was given")
+        wrt_set = frozenset(wrt_list)
+
+    for name, val in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            _fail(TypeError, f"{name}: expected an int, got {type(val).__name__}")
+
+    rmask = resolve(mask, B, Hq, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
+    if rmask.keep is not None and array_kind(rmask.keep) == "torch" and kind == "torch":
+        if str(rmask.keep.device) != dev:
+            _fail(ValueError, f"mask: KeepMask is on {rmask.keep.device} but q is on {dev}")
+    return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_k=Sk, head_dim=D,
+                   dtype=dt, array_kind=kind, device=dev, scale=scale, mask=rmask,
+                   bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
+                   wrt=wrt_set, q_offset=q_offset, k_offset=k_offset)

@@ -1,0 +1,164 @@
+"""Float64 dense attention, forward and backward: the oracle of every test.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq/Sk
+queries/keys, D head dim.  Inputs in [B, H, S, D] (NumPy or torch, any dtype);
+results are float64 NumPy arrays.  Written for clarity, not speed: it builds
+the full [B, Hq, Sq, Sk] score tensor.
+
+``seed_backward`` reproduces the seed kernel's own semantics (DESIGN.md §2),
+sentinel scores and all.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from .arrays import to_numpy
+from .masks import Mask, resolve
+
+__all__ = ["Gradients", "forward", "backward", "seed_backward", "reduce_to_shape"]
+
+
+class Gradients(NamedTuple):
+    """Result of a backward: None for what was not requested."""
+
+    dq: Optional[object] = None
+    dk: Optional[object] = None
+    dv: Optional[object] = None
+    dbias: Optional[object] = None
+
+
+def _f64(x):
+    return None if x is None else to_numpy(x).astype(np.float64)
+
+
+def reduce_to_shape(x: np.ndarray, shape) -> np.ndarray:
+    """Sum a [B, Hq, Sq, Sk] array over the dims that ``shape`` broadcasts."""
+    shape = tuple(shape)
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def _scores(q, k, v, mask, bias, scale, q_offset, k_offset):
+    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kexp = np.repeat(k, G, axis=1)  # [B, Hq, Sk, D] (the oracle may expand)
+    vexp = np.repeat(v, G, axis=1)
+    s = scale * np.einsum("bhid,bhjd->bhij", q, kexp)
+    if bias is not None:
+        s = s + bias
+    keep = resolve(mask, B, Hq, Sq, Sk, q_offset, k_offset).dense_keep(B, Hq)
+    keep = np.broadcast_to(keep, s.shape)
+    s = np.where(keep, s, -np.inf)
+    return s, keep, kexp, vexp
+
+
+def _softmax(s):
+    """Row softmax that gives P = 0 and lse = -inf on rows with no finite score."""
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - m_safe)
+    tot = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+        lse = np.where(tot[..., 0] > 0, np.log(np.where(tot > 0, tot, 1.0))[..., 0]
+                       + m_safe[..., 0], -np.inf)
+    # NaN in the inputs must propagate, not vanish into the 0 branch
+    nan_rows = np.isnan(s).any(axis=-1)
+    if nan_rows.any():
+        p = np.where(nan_rows[..., None], np.nan, p)
+        lse = np.where(nan_rows, np.nan, lse)
+    return p, lse
+
+
+def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
+            q_offset: int = 0, k_offset: int = 0):
+    """-> (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in float64."""
+    q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    s, _, _, vexp = _scores(q, k, v, mask, bias, scale, q_offset, k_offset)
+    p, lse = _softmax(s)
+    return np.einsum("bhij,bhjd->bhid", p, vexp), lse
+
+
+def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
+             scale: Optional[float] = None, wrt: Sequence[str] = ("q", "k", "v"),
+             q_offset: int = 0, k_offset: int = 0) -> Gradients:
+    """Gradients of sum(out * dout), float64; dk/dv summed over each query group."""
+    q, k, v, g, bias0 = _f64(q), _f64(k), _f64(v), _f64(dout), _f64(bias)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / np.sqrt(D)
+    s, _, kexp, vexp = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset)
+    p, _ = _softmax(s)                                   # [B, Hq, Sq, Sk]
+    out = np.einsum("bhij,bhjd->bhid", p, vexp)
+    dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
+    delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>
+    ds = p * (dp - delta)                                # dS = P ∘ (dP − δ)
+    res = {}
+    if "q" in wrt:
+        res["dq"] = scale * np.einsum("bhij,bhjd->bhid", ds, kexp)
+    if "k" in wrt:
+        dk = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        res["dk"] = dk.reshape(B, Hkv, G, Sk, D).sum(axis=2)
+    if "v" in wrt:
+        dv = np.einsum("bhij,bhid->bhjd", p, g)
+        res["dv"] = dv.reshape(B, Hkv, G, Sk, D).sum(axis=2)
+    if "bias" in wrt:
+        res["dbias"] = reduce_to_shape(ds, np.shape(bias0))
+    return Gradients(**res)
+
+
+# ----------------------------------------------------------------------------- seed
+SEED_NONE, SEED_CAUSAL, SEED_KEEP, SEED_CAUSAL_WINDOW, SEED_BIAS = 0, 1, 2, 3, 4
+
+
+def seed_backward(q, k, v, dy, *, mask_kind: int, scale: float, mask=None, window: int = 0,
+                  wrt: int = 0) -> np.ndarray:
+    """The seed kernel's result in float64: dQ (wrt 0), dK (1) or dV (2), per head.
+
+    q, k, v, dy: [B, H, S, D] (one head count: the seed has no GQA);
+    ``mask``: [B, H, Sq, Sk]-broadcastable float array (kind 2: keep where
+    value >= 0.5 or NaN; kind 4: additive).  Excluded scores take the seed's
+    sentinels (-3.4e38 for kinds 1 and 3, -1e9 for kind 2) and the softmax
+    starts its running max at -3.4e38, so a row with no kept key attends
+    uniformly to every key, and under kind 4 a row of -inf gives zeros.
+    """
+    q, k, v, dy = _f64(q), _f64(k), _f64(v), _f64(dy)
+    s = scale * np.einsum("bhid,bhjd->bhij", q, k)
+    sq, sk = s.shape[-2:]
+    qi = np.arange(sq)[:, None]
+    kj = np.arange(sk)[None, :]
+    if mask_kind == SEED_CAUSAL:
+        s = np.where(kj > qi, -3.4e38, s)
+    elif mask_kind == SEED_KEEP:
+        m = _f64(mask)
+        s = np.where(m < 0.5, -1e9, s)   # NaN compares False: kept
+    elif mask_kind == SEED_CAUSAL_WINDOW:
+        s = np.where((kj > qi) | (qi - kj > window), -3.4e38, s)
+    elif mask_kind == SEED_BIAS:
+        s = s + _f64(mask)
+    elif mask_kind != SEED_NONE:
+        raise ValueError(f"mask_kind={mask_kind}: expected 0..4")
+    m = np.maximum(s.max(axis=-1, keepdims=True), -3.4e38)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(s - m)
+    p = e / np.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
+    dp = np.einsum("bhid,bhjd->bhij", dy, v)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    if wrt == 0:
+        return scale * np.einsum("bhij,bhjd->bhid", ds, k)
+    if wrt == 1:
+        return scale * np.einsum("bhij,bhid->bhjd", ds, q)
+    if wrt == 2:
+        return np.einsum("bhij,bhid->bhjd", p, dy)
+    raise ValueError(f"wrt={wrt}: expected 0 (dQ), 1 (dK) or 2 (dV)")
