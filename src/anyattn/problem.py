@@ -144,15 +144,15 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
     _same("v", v, dt, dev)
     B, Hq, Sq, D = (int(s) for s in q.shape)
     Bk, Hkv, Sk, Dk = (int(s) for s in k.shape)
-    if tuple(v.shape) != tuple(k.shape):
-        _fail(ValueError, f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}; "
-                          "k and v must both be [B, Hkv, Sk, D]")
     if Bk != B:
         _fail(ValueError, f"k: batch {Bk} differs from q's batch {B} (q {tuple(q.shape)}, "
                           f"k {tuple(k.shape)})")
     if Dk != D:
         _fail(ValueError, f"k: head_dim {Dk} differs from q's head_dim {D} (q "
                           f"{tuple(q.shape)}, k {tuple(k.shape)})")
+    if tuple(v.shape) != tuple(k.shape):
+        _fail(ValueError, f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}; "
+                          "k and v must both be [B, Hkv, Sk, D]")
     if D < 1:
         _fail(ValueError, f"q: head_dim is {D}; expected at least 1")
     if Hkv == 0 or Hq % Hkv != 0:

@@ -1,0 +1,306 @@
+"""The contract suite (DESIGN.md §1, §4): one set of cases, every registered backend.
+
+A backend joins by being registered in anyattn.backends.registry; where it is
+unavailable its cases skip with the backend's own reason.  Interpreted or
+emulated backends (Triton under TRITON_INTERPRET, WebGPU on lavapipe) run the
+small variant of each case.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn import reference as R
+from anyattn.backends.registry import unavailable_reason
+
+from helpers import assert_close, harness_for, make_qkv, to_np, TOL
+
+import os
+
+#: ANYATTN_SUITE_BACKENDS=reference,numpy runs the suite on a chosen list (the
+#: reference checks the suite itself).
+SUITE_BACKENDS = tuple(os.environ.get("ANYATTN_SUITE_BACKENDS", "numpy,triton,webgpu").split(","))
+
+
+def _backend_params():
+    out = []
+    for name in SUITE_BACKENDS:
+        why = unavailable_reason(name)
+        marks = [pytest.mark.skip(reason=f"{name} unavailable: {why}")] if why else []
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.fixture(params=_backend_params())
+def hx(request):
+    return harness_for(request.param)
+
+
+# (B, Hq, Hkv, Sq, Sk, D) full-size and small variants
+SHAPES = [
+    ("one", (1, 1, 1, 1, 1, 8), (1, 1, 1, 1, 1, 8)),
+    ("three", (1, 2, 2, 3, 3, 16), (1, 2, 2, 3, 3, 16)),
+    ("odd113", (1, 2, 2, 113, 113, 24), (1, 1, 1, 37, 37, 24)),
+    ("sq_ne_sk", (2, 2, 2, 70, 129, 40), (1, 1, 1, 19, 45, 16)),
+    ("sq_gt_sk", (1, 2, 2, 130, 33, 32), (1, 1, 1, 41, 17, 16)),
+    ("gqa", (2, 4, 2, 64, 80, 16), (1, 4, 2, 20, 24, 16)),
+    ("mqa", (1, 3, 1, 50, 50, 8), (1, 3, 1, 17, 17, 8)),
+]
+
+
+def _shape(case, hx):
+    return case[2] if hx.small else case[1]
+
+
+def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), scale=None):
+    """Run forward + backward on the backend and on the reference; compare everything."""
+    put = hx.put
+    out, lse = aa.attention(put(q), put(k), put(v), mask=mask, bias=put(bias), scale=scale,
+                            return_lse=True, backend=hx.name)
+    grads = aa.attention_backward(put(q), put(k), put(v), put(g), mask=mask, bias=put(bias),
+                                  scale=scale, wrt=wrt, backend=hx.name)
+    rmask = _np_mask(mask)
+    ro, rl = R.forward(q, k, v, mask=rmask, bias=bias, scale=scale)
+    rg = R.backward(q, k, v, g, mask=rmask, bias=bias, scale=scale, wrt=wrt)
+    assert_close(out, ro, dtype, "out")
+    lse_np = to_np(lse)
+    assert str(lse_np.dtype) in ("float32", "float64")
+    fin = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(lse_np), fin), "lse: -inf exactly on the empty rows"
+    if fin.any():
+        assert np.max(np.abs(lse_np[fin] - rl[fin])) <= 10 * TOL[dtype] * max(1, np.abs(rl[fin]).max())
+    for name in ("dq", "dk", "dv", "dbias"):
+        got, ref = getattr(grads, name), getattr(rg, name)
+        if ref is None:
+            assert got is None, f"{name} computed though not requested"
+        else:
+            assert got is not None, f"{name} missing"
+            assert tuple(got.shape) == tuple(ref.shape), (name, got.shape, ref.shape)
+            assert_close(got, ref, dtype, name)
+    return out, grads
+
+
+def _np_mask(mask):
+    """The same mask with NumPy arrays (the reference runs on NumPy)."""
+    if mask is None:
+        return None
+    if isinstance(mask, aa.KeepMask):
+        return aa.KeepMask(to_np(mask.mask))
+    if isinstance(mask, aa.Documents):
+        return aa.Documents(to_np(mask.q_ids), to_np(mask.k_ids))
+    if hasattr(mask, "terms"):
+        ms = [_np_mask(t) for t in mask.terms]
+        out = ms[0]
+        for m in ms[1:]:
+            out = out & m
+        return out
+    return mask
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=[c[0] for c in SHAPES])
+def test_dense_shapes(hx, case):
+    B, Hq, Hkv, Sq, Sk, D = _shape(case, hx)
+    for dtype in hx.dtypes:
+        rng = np.random.default_rng(1)
+        q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype)
+        _run_both(hx, dtype, q, k, v, g)
+
+
+MASKS = {
+    "causal_tl": lambda Sq, Sk, B, H, rng: aa.Causal(),
+    "causal_br": lambda Sq, Sk, B, H, rng: aa.Causal("bottom_right"),
+    "window_lr": lambda Sq, Sk, B, H, rng: aa.Window(left=5, right=3),
+    "sliding": lambda Sq, Sk, B, H, rng: aa.Causal() & aa.Window(left=7),
+    "window_br": lambda Sq, Sk, B, H, rng: aa.Window(left=4, right=None, align="bottom_right"),
+    "keep_2d": lambda Sq, Sk, B, H, rng: aa.KeepMask(rng.random((Sq, Sk)) < 0.6),
+    "keep_b1qk": lambda Sq, Sk, B, H, rng: aa.KeepMask(rng.random((B, 1, Sq, Sk)) < 0.5),
+    "keep_b11k": lambda Sq, Sk, B, H, rng: aa.KeepMask(rng.random((B, 1, 1, Sk)) < 0.7),
+    "docs_1d": lambda Sq, Sk, B, H, rng: aa.Documents(
+        np.sort(rng.integers(0, 3, Sq)), np.sort(rng.integers(0, 3, Sk))),
+    "docs_2d_causal": lambda Sq, Sk, B, H, rng: aa.Causal() & aa.Documents(
+        np.sort(rng.integers(0, 4, (B, Sq)), axis=1), np.sort(rng.integers(0, 4, (B, Sk)), axis=1)),
+    "keep_and_window": lambda Sq, Sk, B, H, rng: aa.KeepMask(rng.random((Sq, Sk)) < 0.8)
+    & aa.Window(left=6, right=6),
+}
+
+
+@pytest.mark.parametrize("mname", list(MASKS))
+@pytest.mark.parametrize("shape", [(2, 2, 1, 45, 61, 16), (1, 2, 2, 61, 45, 16)],
+                         ids=["sq<sk", "sq>sk"])
+def test_masks(hx, mname, shape):
+    B, Hq, Hkv, Sq, Sk, D = shape
+    if hx.small:
+        B, Sq, Sk = 1, max(3, Sq // 3), max(3, Sk // 3)
+    rng = np.random.default_rng(2)
+    mask = MASKS[mname](Sq, Sk, B, Hq, rng)
+    mask = _put_mask(hx, mask)
+    for dtype in hx.dtypes:
+        q, k, v, g = make_qkv(np.random.default_rng(3), B, Hq, Hkv, Sq, Sk, D, dtype)
+        _run_both(hx, dtype, q, k, v, g, mask=mask)
+
+
+def _put_mask(hx, mask):
+    if isinstance(mask, aa.KeepMask):
+        return aa.KeepMask(hx.put_mask(mask.mask))
+    if isinstance(mask, aa.Documents):
+        return aa.Documents(hx.put_mask(mask.q_ids), hx.put_mask(mask.k_ids))
+    if hasattr(mask, "terms"):
+        ms = [_put_mask(hx, t) for t in mask.terms]
+        out = ms[0]
+        for m in ms[1:]:
+            out = out & m
+        return out
+    return mask
+
+
+def test_empty_rows(hx):
+    """Rows that keep no key: out 0, lse -inf, zero gradients, never NaN."""
+    B, Hq, Hkv, Sq, Sk, D = (1, 2, 1, 24, 20, 16) if hx.small else (2, 2, 1, 70, 50, 16)
+    rng = np.random.default_rng(4)
+    keep = rng.random((B, 1, Sq, Sk)) < 0.5
+    keep[:, :, ::3, :] = False                     # every third row empty
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+    mask = aa.KeepMask(hx.put_mask(keep))
+    out, grads = _run_both(hx, "float32", q, k, v, g, mask=mask)
+    o = to_np(out)
+    assert np.all(o[:, :, ::3] == 0)
+    assert np.all(to_np(grads.dq)[:, :, ::3] == 0)
+    # bottom-right causal with Sq > Sk: the first Sq - Sk rows are empty
+    q, k, v, g = make_qkv(rng, 1, 1, 1, Sq, Sk // 2, D)
+    _run_both(hx, "float32", q, k, v, g, mask=aa.Causal("bottom_right"))
+
+
+BIAS_SHAPES = {
+    "full": lambda B, H, Sq, Sk: (B, H, Sq, Sk),
+    "1hqk": lambda B, H, Sq, Sk: (1, H, Sq, Sk),
+    "b1qk": lambda B, H, Sq, Sk: (B, 1, Sq, Sk),
+    "b11k": lambda B, H, Sq, Sk: (B, 1, 1, Sk),
+    "qk": lambda B, H, Sq, Sk: (Sq, Sk),
+}
+
+
+@pytest.mark.parametrize("bname", list(BIAS_SHAPES))
+def test_bias_and_dbias(hx, bname):
+    B, Hq, Hkv, Sq, Sk, D = (2, 2, 1, 19, 23, 16) if hx.small else (2, 4, 2, 67, 75, 24)
+    rng = np.random.default_rng(5)
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+    bias = rng.standard_normal(BIAS_SHAPES[bname](B, Hq, Sq, Sk)).astype(np.float32)
+    _run_both(hx, "float32", q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"),
+              mask=aa.Causal() if bname == "1hqk" else None)
+
+
+def test_bias_minus_inf_excludes(hx):
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 2, 17, 21, 16
+    rng = np.random.default_rng(6)
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+    bias = rng.standard_normal((1, 1, Sq, Sk)).astype(np.float32)
+    bias[..., rng.random((Sq, Sk)) < 0.3] = -np.inf
+    bias[..., 4, :] = -np.inf                     # one row fully excluded
+    out, grads = _run_both(hx, "float32", q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"))
+    assert np.all(to_np(out)[..., 4, :] == 0)
+
+
+def test_strided_inputs(hx):
+    """[B, S, H, D] memory, non-contiguous slices: results in logical layout."""
+    B, H, Sq, Sk, D = (1, 2, 13, 17, 16) if hx.small else (2, 3, 41, 57, 24)
+    rng = np.random.default_rng(7)
+    big = rng.standard_normal((B, Sk + 3, H, 2 * D)).astype(np.float32)
+    k = big[:, 3:, :, :D].swapaxes(1, 2)           # [B, H, Sk, D], strided view
+    v = big[:, 3:, :, D:].swapaxes(1, 2)
+    q = rng.standard_normal((B, Sq, H, D)).astype(np.float32).swapaxes(1, 2)
+    g = rng.standard_normal((B, H, Sq, D)).astype(np.float32)[:, :, ::-1]
+    if hx.kind == "numpy":
+        qq, kk, vv, gg = q, k, v, g
+    else:  # torch: build the same strided views on the device
+        import torch
+
+        bigt = torch.from_numpy(big).to(hx.device)
+        kk = bigt[:, 3:, :, :D].transpose(1, 2)
+        vv = bigt[:, 3:, :, D:].transpose(1, 2)
+        qq = torch.from_numpy(np.ascontiguousarray(q.swapaxes(1, 2))).to(hx.device).transpose(1, 2)
+        gg = torch.from_numpy(np.ascontiguousarray(g)).to(hx.device)
+    out = aa.attention(qq, kk, vv, mask=aa.Causal(), backend=hx.name)
+    gr = aa.attention_backward(qq, kk, vv, gg, mask=aa.Causal(), backend=hx.name)
+    ro, _ = R.forward(q, k, v, mask=aa.Causal())
+    rg = R.backward(q, k, v, g, mask=aa.Causal())
+    assert_close(out, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n), getattr(rg, n), "float32", n)
+
+
+def test_layout_bshd(hx):
+    B, H, S, D = 1, 2, 9, 16
+    rng = np.random.default_rng(8)
+    q, k, v, g = (hx.put(rng.standard_normal((B, S, H, D)).astype(np.float32)) for _ in range(4))
+    out = aa.attention(q, k, v, layout="bshd", backend=hx.name)
+    assert tuple(out.shape) == (B, S, H, D)
+    ro, _ = R.forward(*(to_np(x).swapaxes(1, 2) for x in (q, k, v)))
+    assert_close(to_np(out).swapaxes(1, 2), ro, "float32", "out")
+
+
+def test_wrt_subsets(hx):
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 1, 11, 13, 8
+    rng = np.random.default_rng(9)
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+    for wrt in (("q",), ("k",), ("v",), ("k", "v")):
+        _run_both(hx, "float32", q, k, v, g, wrt=wrt, mask=aa.Causal())
+
+
+def test_given_out_lse_is_used(hx):
+    """The backward with out/lse from the forward equals the one that recomputes."""
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 2, 15, 15, 16
+    rng = np.random.default_rng(10)
+    q, k, v, g = (hx.put(x) for x in make_qkv(rng, B, Hq, Hkv, Sq, Sk, D))
+    out, lse = aa.attention(q, k, v, return_lse=True, backend=hx.name)
+    a = aa.attention_backward(q, k, v, g, out=out, lse=lse, backend=hx.name)
+    b = aa.attention_backward(q, k, v, g, backend=hx.name)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(to_np(getattr(a, n)), to_np(getattr(b, n)))
+
+
+def test_deterministic(hx):
+    B, Hq, Hkv, Sq, Sk, D = (1, 2, 1, 21, 29, 16) if hx.small else (2, 4, 2, 100, 130, 32)
+    rng = np.random.default_rng(11)
+    q, k, v, g = (hx.put(x) for x in make_qkv(rng, B, Hq, Hkv, Sq, Sk, D))
+    bias = hx.put(rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32))
+    runs = [aa.attention_backward(q, k, v, g, bias=bias, mask=aa.Causal(),
+                                  wrt=("q", "k", "v", "bias"), backend=hx.name)
+            for _ in range(2)]
+    for n in ("dq", "dk", "dv", "dbias"):
+        np.testing.assert_array_equal(to_np(getattr(runs[0], n)), to_np(getattr(runs[1], n)))
+
+
+def test_key_permutation_invariance(hx):
+    B, H, Sq, Sk, D = 1, 2, 12, 19, 16
+    rng = np.random.default_rng(12)
+    q, k, v, _ = make_qkv(rng, B, H, H, Sq, Sk, D)
+    perm = rng.permutation(Sk)
+    o1 = to_np(aa.attention(hx.put(q), hx.put(k), hx.put(v), backend=hx.name))
+    o2 = to_np(aa.attention(hx.put(q), hx.put(np.ascontiguousarray(k[:, :, perm])),
+                            hx.put(np.ascontiguousarray(v[:, :, perm])), backend=hx.name))
+    assert np.max(np.abs(o1 - o2)) <= 1e-5 * np.max(np.abs(o1))
+
+
+def test_causal_ignores_future(hx):
+    B, H, S, D = 1, 1, 24, 16
+    rng = np.random.default_rng(13)
+    q, k, v, _ = make_qkv(rng, B, H, H, S, S, D)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 15:] = rng.standard_normal(k2[:, :, 15:].shape)
+    v2[:, :, 15:] = rng.standard_normal(v2[:, :, 15:].shape)
+    o1 = to_np(aa.attention(hx.put(q), hx.put(k), hx.put(v), mask=aa.Causal(), backend=hx.name))
+    o2 = to_np(aa.attention(hx.put(q), hx.put(k2), hx.put(v2), mask=aa.Causal(),
+                            backend=hx.name))
+    np.testing.assert_array_equal(o1[:, :, :15], o2[:, :, :15])
+
+
+def test_nan_propagates_not_created(hx):
+    B, H, S, D = 1, 1, 8, 8
+    rng = np.random.default_rng(14)
+    q, k, v, _ = make_qkv(rng, B, H, H, S, S, D)
+    q[0, 0, 2, 0] = np.nan
+    out = to_np(aa.attention(hx.put(q), hx.put(k), hx.put(v), mask=aa.Causal(), backend=hx.name))
+    assert np.isnan(out[0, 0, 2]).all()
+    others = np.delete(out[0, 0], 2, axis=0)
+    assert not np.isnan(others).any()
