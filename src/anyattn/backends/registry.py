@@ -39,7 +39,7 @@ def get_backend(name: str) -> Optional[Backend]:
     mod_name, cls_name = _ENTRIES[name].split(":")
     try:
         cls = getattr(importlib.import_module(mod_name), cls_name)
-    except ImportError as e:
+    except Exception as e:  # a broken optional backend must not break anyattn
         _load_errors[name] = f"cannot be imported ({type(e).__name__}: {e})"
         return None
     _instances[name] = inst = cls()

@@ -1,0 +1,254 @@
+"""Command line: ``python -m anyattn info | check | bench``.
+
+info   which backends can run here and, for each that cannot, why
+check  forward + backward of one problem on one backend vs the float64 reference;
+       exit status 1 on a mismatch
+bench  time backends on a set of shapes (see anyattn.bench)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+
+__all__ = ["main"]
+
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
+TF32_TOLERANCE = 3e-4
+
+
+def _cmd_info(args) -> int:
+    from . import __version__
+    from .backends.registry import describe_backends, get_backend
+
+    print(f"anyattn {__version__}")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
+    for name, why in describe_backends():
+        if why is None:
+            be = get_backend(name)
+            c = be.capabilities
+            extra = getattr(be, "describe_device", lambda: "")()
+            auto = "" if c.auto else " (explicit only)"
+            print(f"  {name:10s} available{auto}: dtypes {sorted(c.dtypes)}, "
+                  f"arrays {sorted(c.array_kinds)} on {sorted(c.device_types)}"
+                  + (f"; {extra}" if extra else ""))
+        else:
+            print(f"  {name:10s} unavailable: {why}")
+    return 0
+
+
+def _parse_shape(text: str):
+    parts = [int(x) for x in text.split(",")]
+    if len(parts) == 4:  # B,H,S,D
+        b, h, s, d = parts
+        return b, h, h, s, s, d
+    if len(parts) == 6:
+        return tuple(parts)
+    raise argparse.ArgumentTypeError(
+        f"--shape {text!r}: expected B,H,S,D or B,Hq,Hkv,Sq,Sk,D")
+
+
+def build_mask(spec: str, B: int, Sq: int, Sk: int, rng):
+    """Mask from a command-line spec: none, causal, causal_br, sliding:W, window:L:R,
+    documents:N (N equal packed docs, causal), keep:P (random KeepMask, P kept)."""
+    from . import masks as M
+
+    name, _, arg = spec.partition(":")
+    if name == "none":
+        return None
+    if name == "causal":
+        return M.Causal()
+    if name == "causal_br":
+        return M.Causal("bottom_right")
+    if name == "sliding":
+        return M.Causal() & M.Window(left=int(arg or 256))
+    if name == "window":
+        left, _, right = arg.partition(":")
+        return M.Window(left=int(left), right=int(right or left))
+    if name == "documents":
+        n = int(arg or 4)
+        q_ids = (np.arange(Sq) * n // max(Sq, 1)).astype(np.int32)
+        k_ids = (np.arange(Sk) * n // max(Sk, 1)).astype(np.int32)
+        return M.Causal() & M.Documents(q_ids, k_ids)
+    if name == "keep":
+        frac = float(arg or 0.5)
+        return M.KeepMask(rng.random((B, 1, Sq, Sk)) < frac)
+    raise argparse.ArgumentTypeError(
+        f"--mask {spec!r}: expected none, causal, causal_br, sliding:W, window:L:R, "
+        "documents:N or keep:P")
+
+
+def _to_backend(x, backend_name):
+    """NumPy -> what the backend takes (torch on CUDA for triton)."""
+    if x is None or backend_name != "triton":
+        return x
+    import os
+
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
+        else "cpu"
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+
+
+def _to_dtype(x, dtype, backend_name):
+    import torch
+
+    return x.to(getattr(torch, dtype))
+
+
+def _np(x):
+    from .arrays import to_numpy
+
+    return None if x is None else to_numpy(x).astype(np.float64)
+
+
+def _cmd_check(args) -> int:
+    from . import reference
+    from .api import attention, attention_backward
+
+    B, Hq, Hkv, Sq, Sk, D = args.shape
+    rng = np.random.default_rng(args.seed)
+    mask = build_mask(args.mask, B, Sq, Sk, rng)
+    q = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    g = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
+    bias = None
+    wrt = ["q", "k", "v"]
+    if args.bias != "none":
+        shapes = {"full": (B, Hq, Sq, Sk), "heads": (1, Hq, Sq, Sk), "batch": (B, 1, Sq, Sk),
+                  "keys": (B, 1, 1, Sk)}
+        bias = rng.standard_normal(shapes[args.bias]).astype(np.float32)
+        wrt.append("bias")
+    if B * Hq * Sq * Sk > 2 ** 28:
+        print("note: the float64 reference builds the full score tensor; this shape needs "
+              f"{B * Hq * Sq * Sk * 8 / 2 ** 30:.1f} GiB per copy", file=sys.stderr)
+    be = args.backend
+    dt = args.dtype
+    # inputs are rounded to the tested dtype first; the reference sees the rounded values
+    if be != "triton" and dt == "bfloat16":
+        raise TypeError(f"--dtype bfloat16: NumPy has no bfloat16; backend {be!r} takes "
+                        "NumPy arrays (use --backend triton, or float32/float16)")
+
+    def prepare(x):
+        if x is None:
+            return None
+        return _to_dtype(_to_backend(x, be), dt, be) if be == "triton" else x.astype(dt)
+
+    cast = [prepare(x) for x in (q, k, v, g, bias)]
+    qc, kc, vc, gc, bc = cast
+    bmask = mask
+    if be == "triton" and mask is not None:
+        bmask = _mask_to_backend(mask, be)
+
+    t0 = time.perf_counter()
+    out, lse = attention(qc, kc, vc, mask=bmask, bias=bc, backend=be, precision=args.precision,
+                         return_lse=True)
+    t1 = time.perf_counter()
+    grads = attention_backward(qc, kc, vc, gc, out=out, lse=lse, mask=bmask, bias=bc,
+                               wrt=wrt, backend=be, precision=args.precision)
+    _sync(out)
+    t2 = time.perf_counter()
+
+    r_in = [_np(x) for x in cast]
+    ro, rl = reference.forward(r_in[0], r_in[1], r_in[2], mask=mask, bias=r_in[4])
+    rg = reference.backward(r_in[0], r_in[1], r_in[2], r_in[3], mask=mask, bias=r_in[4],
+                            wrt=wrt)
+    tol = TF32_TOLERANCE if (args.precision == "tf32" and dt == "float32") else TOLERANCE[dt]
+    ok = True
+    print(f"backend {be}, shape B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D}, {dt}, "
+          f"mask {args.mask}, bias {args.bias}")
+    print(f"  forward {1e3 * (t1 - t0):.2f} ms, backward {1e3 * (t2 - t1):.2f} ms "
+          "(first call: includes compilation/warm-up)")
+    for name, got, ref in (("out", out, ro), ("lse", lse, rl), ("dq", grads.dq, rg.dq),
+                           ("dk", grads.dk, rg.dk), ("dv", grads.dv, rg.dv),
+                           ("dbias", grads.dbias, rg.dbias)):
+        if ref is None:
+            continue
+        gn = _np(got)
+        fin = np.isfinite(ref)
+        if not np.array_equal(np.isfinite(gn), fin):
+            print(f"  {name:6s} MISMATCH: non-finite entries differ from the reference")
+            ok = False
+            continue
+        scale = np.abs(ref[fin]).max() if fin.any() else 0.0
+        err = float(np.abs(gn[fin] - ref[fin]).max() / scale) if scale > 0 else 0.0
+        status = "ok" if err <= tol else "MISMATCH"
+        ok &= err <= tol
+        print(f"  {name:6s} rel err {err:.2e} (tol {tol:.0e}) {status}")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def _sync(x):
+    if type(x).__module__.startswith("torch") and x.is_cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _mask_to_backend(mask, be):
+    from .masks import AndMask, Documents, KeepMask
+
+    if isinstance(mask, KeepMask):
+        return KeepMask(_to_backend(mask.mask, be))
+    if isinstance(mask, Documents):
+        return Documents(_to_backend(mask.q_ids, be), _to_backend(mask.k_ids, be))
+    if isinstance(mask, AndMask):
+        return AndMask(tuple(_mask_to_backend(t, be) for t in mask.terms))
+    return mask
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="anyattn", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="which backends run here, and why the others don't")
+    ck = sub.add_parser("check", help="one problem on one backend vs the float64 reference")
+    ck.add_argument("--shape", type=_parse_shape, default=(1, 4, 4, 256, 256, 64),
+                    help="B,H,S,D or B,Hq,Hkv,Sq,Sk,D (default 1,4,4,256,256,64)")
+    ck.add_argument("--mask", default="causal",
+                    help="none | causal | causal_br | sliding:W | window:L:R | documents:N | "
+                         "keep:P (default causal)")
+    ck.add_argument("--bias", default="none", choices=["none", "full", "heads", "batch", "keys"])
+    ck.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
+    ck.add_argument("--backend", default="numpy")
+    ck.add_argument("--precision", default=None, choices=["highest", "tf32"])
+    ck.add_argument("--seed", type=int, default=0)
+    bn = sub.add_parser("bench", help="time backends on a set of shapes (GFLOP/s, JSON, PNG)")
+    try:
+        from . import bench as _bench
+    except ImportError as e:  # pragma: no cover - bench module missing
+        bn.set_defaults(_bench_error=str(e))
+    else:
+        _bench.add_arguments(bn)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "info":
+        return _cmd_info(args)
+    if args.cmd == "check":
+        try:
+            return _cmd_check(args)
+        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+    if args.cmd == "bench":
+        if getattr(args, "_bench_error", None):
+            print(f"error: the benchmark module cannot be loaded: {args._bench_error}",
+                  file=sys.stderr)
+            return 2
+        from . import bench as _bench
+
+        return _bench.run(args)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
