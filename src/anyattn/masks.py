@@ -294,7 +294,9 @@ class ResolvedMask:
         if self.keep is not None:
             km = to_numpy(self.keep)
             km = km[b if km.shape[0] > 1 else 0, h if km.shape[1] > 1 else 0]
-            km = km[i0:i1 if km.shape[0] > 1 else 1, j0:j1 if km.shape[1] > 1 else 1]
+            rows = slice(i0, i1) if km.shape[0] > 1 else slice(0, 1)  # broadcast dims: row 0
+            cols = slice(j0, j1) if km.shape[1] > 1 else slice(0, 1)
+            km = km[rows, cols]
             km = np.broadcast_to(km, (i1 - i0, j1 - j0))
             keep = km if keep is None else keep & km
         return keep

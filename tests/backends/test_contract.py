@@ -304,3 +304,58 @@ def test_nan_propagates_not_created(hx):
     assert np.isnan(out[0, 0, 2]).all()
     others = np.delete(out[0, 0], 2, axis=0)
     assert not np.isnan(others).any()
+
+
+# ----------------------------------------------------------------- Hypothesis-drawn
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+
+@st.composite
+def problems(draw, small):
+    top = 24 if small else 80
+    group = draw(st.sampled_from([1, 2, 3]))
+    hkv = draw(st.integers(1, 2))
+    sq = draw(st.integers(1, top))
+    sk = draw(st.integers(1, top))
+    d = draw(st.sampled_from([8, 16, 24] if small else [8, 16, 24, 40, 64]))
+    b = draw(st.integers(1, 2))
+    mask_kind = draw(st.sampled_from(["none", "causal", "causal_br", "window", "keep", "docs"]))
+    with_bias = draw(st.booleans())
+    seed = draw(st.integers(0, 2 ** 16))
+    return b, hkv * group, hkv, sq, sk, d, mask_kind, with_bias, seed
+
+
+def _draw_mask(kind, B, Sq, Sk, rng):
+    if kind == "causal":
+        return aa.Causal()
+    if kind == "causal_br":
+        return aa.Causal("bottom_right")
+    if kind == "window":
+        return aa.Window(left=int(rng.integers(0, 8)), right=int(rng.integers(0, 8)))
+    if kind == "keep":
+        return aa.KeepMask(rng.random((B, 1, Sq, Sk)) < 0.6)
+    if kind == "docs":
+        return aa.Documents(np.sort(rng.integers(0, 3, Sq)), np.sort(rng.integers(0, 3, Sk)))
+    return None
+
+
+@pytest.mark.parametrize("name", [p.values[0] for p in _backend_params()])
+def test_hypothesis_problems(name):
+    why = unavailable_reason(name)
+    if why:
+        pytest.skip(f"{name} unavailable: {why}")
+    hx = harness_for(name)
+
+    @settings(max_examples=6 if hx.small else 25, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(problems(hx.small))
+    def check(prob):
+        B, Hq, Hkv, Sq, Sk, D, mk, with_bias, seed = prob
+        rng = np.random.default_rng(seed)
+        q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+        mask = _put_mask(hx, _draw_mask(mk, B, Sq, Sk, rng))
+        bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32) if with_bias else None
+        wrt = ("q", "k", "v", "bias") if with_bias else ("q", "k", "v")
+        _run_both(hx, "float32", q, k, v, g, mask=mask, bias=bias, wrt=wrt)
+
+    check()

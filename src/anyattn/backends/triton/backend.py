@@ -1,0 +1,85 @@
+"""TritonBackend: the contract on torch CUDA tensors through Triton kernels.
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim (1..256).
+torch and triton are imported lazily, so ``import anyattn`` never needs them.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from ..base import Backend, Capabilities
+
+__all__ = ["TritonBackend"]
+
+MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonBackend(Backend):
+    """Forward with lse, backward as delta + dK/dV + dQ kernels (no atomics), every mask
+    with block-sparse skipping, bias with dbias, GQA, fp16/bf16/fp32 (+ tf32 opt-in)."""
+
+    name = "triton"
+
+    def __init__(self):
+        self._why: Optional[str] = None
+        self._checked = False
+        devices = {"cuda", "cpu"} if _interpreting() else {"cuda"}
+        self.capabilities = Capabilities(
+            array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
+            dtypes=frozenset({"float16", "bfloat16", "float32"}),
+            precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM)
+
+    # -- availability ---------------------------------------------------------------
+    def availability(self) -> Optional[str]:
+        if self._checked:
+            return self._why
+        self._checked = True
+        try:
+            import torch
+        except ImportError:
+            self._why = "needs torch (pip install torch)"
+            return self._why
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            self._why = "needs triton (pip install triton==3.6.0)"
+            return self._why
+        if not _interpreting() and not torch.cuda.is_available():
+            self._why = ("no CUDA device (torch.cuda.is_available() is False) and "
+                         "TRITON_INTERPRET=1 is not set for the CPU interpreter")
+            return self._why
+        self._why = None
+        return None
+
+    def describe_device(self) -> str:
+        import torch
+
+        if _interpreting():
+            return "Triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
+        return f"CUDA {torch.cuda.get_device_name()}"
+
+    def extra_reasons(self, p) -> List[str]:
+        why = []
+        if p.bias_dtype is not None and p.bias_dtype not in ("float16", "bfloat16", "float32"):
+            why.append(f"takes a float16/bfloat16/float32 bias, got {p.bias_dtype}")
+        dev_type = p.device.split(":")[0]
+        if dev_type == "cpu" and not _interpreting():
+            why.append("needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); "
+                       "move the inputs with .cuda()")
+        return why
+
+    # -- work -------------------------------------------------------------------------
+    def forward(self, p, q, k, v, bias):
+        from . import launch
+
+        return launch.forward(p, q, k, v, bias)
+
+    def backward(self, p, q, k, v, dout, out, lse, bias):
+        from . import launch
+
+        return launch.backward(p, q, k, v, dout, out, lse, bias)

@@ -1,0 +1,181 @@
+"""Tile configurations for the Triton kernels: frozen dataclasses, a heuristic table,
+an optional autotuner (cached per key), and a fixed small plan for tests.
+
+Key of a plan: (padded head dim DP, dtype, precision, mask class, bias?, length
+bucket).  ``ANYATTN_TRITON_CONFIG=fixed`` (or ``TRITON_INTERPRET=1``) selects the
+fixed test plan; ``ANYATTN_TRITON_AUTOTUNE=1`` times the candidates of each kernel
+once per key on the first call and caches the fastest.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
+           "tune", "candidates", "padded_dim", "length_bucket"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One kernel's launch shape: query tile bm, key tile bn, warps, pipeline stages."""
+
+    bm: int
+    bn: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every kernel's config for one problem class, plus the mask-block size of the
+    tile lists (sbq x sbk, multiples of every bm / bn) and the fp32 dot precision."""
+
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+    dbias: KernelConfig
+    pre_bm: int = 64
+    sbq: int = 128
+    sbk: int = 128
+    prec: str = "tf32"          # tl.dot input_precision for fp32 inputs
+
+    def check(self) -> "Plan":
+        for c in (self.fwd, self.dq):
+            assert self.sbq % c.bm == 0 and self.sbk % c.bn == 0, (self, c)
+        assert self.sbq % self.dkdv.bm == 0 and self.sbk % self.dkdv.bn == 0, self
+        return self
+
+
+def padded_dim(d: int) -> int:
+    """Head dim padded to a power of two, at least 16 (tl.dot's minimum)."""
+    dp = 16
+    while dp < d:
+        dp *= 2
+    return dp
+
+
+def length_bucket(s: int) -> int:
+    b = 128
+    while b < s and b < 16384:
+        b *= 2
+    return b
+
+
+def fixed_plan(prec: str = "ieee") -> Plan:
+    """Small tiles for the interpreter and tests: several tiles even at S ~ 40, and
+    mask blocks (32) larger than the tiles (16) so sub-tiling is exercised."""
+    return Plan(fwd=KernelConfig(32, 16, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
+                dq=KernelConfig(32, 16, 4, 1), dbias=KernelConfig(16, 16, 4, 1),
+                pre_bm=32, sbq=32, sbk=32, prec=prec).check()
+
+
+def use_fixed() -> bool:
+    return (os.environ.get("ANYATTN_TRITON_CONFIG") == "fixed"
+            or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("ANYATTN_TRITON_AUTOTUNE") == "1" and not use_fixed()
+
+
+def fp32_precision(precision: str, dtype: str) -> str:
+    """tl.dot input_precision: 'tf32x3' (3xTF32, ~fp32 accurate) unless tf32 is opted in.
+    ANYATTN_TRITON_FP32_DOT=ieee switches the accurate mode to plain FMA."""
+    if dtype != "float32":
+        return "tf32"   # ignored for 16-bit inputs
+    if precision == "tf32":
+        return "tf32"
+    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "tf32x3")
+
+
+def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
+             seq: int) -> Plan:
+    """The heuristic plan for a problem class (H100/H200 measurements, see docs/perf)."""
+    prec = fp32_precision(precision, dtype)
+    if use_fixed():
+        return fixed_plan(prec)
+    wide = dtype == "float32"
+    if dp <= 64:
+        if wide:
+            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 64, 4, 2),
+                     dq=KernelConfig(64, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+        else:
+            p = Plan(fwd=KernelConfig(128, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
+                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(64, 64, 4, 2))
+    elif dp <= 128:
+        if wide:
+            p = Plan(fwd=KernelConfig(64, 64, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
+                     dq=KernelConfig(64, 32, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+        else:
+            p = Plan(fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
+                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(64, 64, 4, 2))
+    else:  # 256
+        if wide:
+            p = Plan(fwd=KernelConfig(32, 32, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
+                     dq=KernelConfig(32, 16, 4, 1), dbias=KernelConfig(32, 32, 4, 1))
+        else:
+            p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
+                     dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
+    p = replace(p, prec=prec)
+    override = _overrides.get((dp, dtype, precision))
+    if override is not None:
+        p = replace(p, **override)
+    return p.check()
+
+
+#: (dp, dtype, precision) -> dict of Plan fields; set by set_override (bench / tuning).
+_overrides: Dict[Tuple[int, str, str], dict] = {}
+
+
+def set_override(dp: int, dtype: str, precision: str, **fields) -> None:
+    """Replace plan fields for a class (used by the GPU bench to try configs)."""
+    if fields:
+        _overrides[(dp, dtype, precision)] = fields
+    else:
+        _overrides.pop((dp, dtype, precision), None)
+
+
+def candidates(kernel: str, dp: int, dtype: str) -> List[KernelConfig]:
+    """Configs the autotuner tries for one kernel (all tiles divide 128)."""
+    wide = dtype == "float32"
+    if kernel == "fwd":
+        tiles = [(128, 64), (128, 128), (64, 64)] if not wide else [(64, 64), (128, 32), (64, 32)]
+    elif kernel == "dkdv":
+        tiles = [(64, 128), (32, 128), (64, 64)] if not wide else [(32, 64), (64, 64), (16, 64)]
+    else:
+        tiles = [(128, 64), (128, 32), (64, 64)] if not wide else [(64, 32), (64, 64), (32, 64)]
+    if dp > 128:
+        tiles = [(max(16, a // 2), max(16, b // 2)) for a, b in tiles]
+    out = []
+    for bm, bn in tiles:
+        for w, s in ((8, 3), (4, 3), (8, 2)) if not wide else ((4, 2), (8, 2)):
+            out.append(KernelConfig(bm, bn, w, s))
+    return out
+
+
+_tuned: Dict[tuple, KernelConfig] = {}
+
+
+def tune(key: tuple, cands: Sequence[KernelConfig],
+         run: Callable[[KernelConfig], Callable[[], None]]) -> KernelConfig:
+    """The fastest config of ``cands`` for ``key`` (timed once, then cached).
+    ``run(cfg)`` returns a zero-argument launch; configs that fail to compile are skipped."""
+    if key in _tuned:
+        return _tuned[key]
+    import triton.testing
+
+    best, best_t = None, float("inf")
+    for c in cands:
+        try:
+            fn = run(c)
+            fn()
+            t = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        except Exception:  # noqa: BLE001 - out of resources etc.: not a candidate
+            continue
+        if t < best_t:
+            best, best_t = c, t
+    if best is None:
+        raise RuntimeError(f"triton autotune: no candidate config ran for {key}")
+    _tuned[key] = best
+    return best

@@ -1,0 +1,666 @@
+"""Triton kernels (``@triton.jit`` only) for attention forward and backward.
+
+Shape legend: B batch, H = Hq query heads, Hkv key/value heads, G = H / Hkv,
+Sq queries, Sk keys, D head dim, DP = D padded to a power of two (>= 16),
+BM / BN the query / key tile of a kernel, SBQ / SBK the mask-block size of
+the tile lists (a multiple of every BM / BN).
+
+Scores are kept in base 2: ``s2 = log2(e) * (scale * q.k + bias)``; the
+forward stores lse in natural log; the backward preprocess turns it into
+``lse2 = log2(e) * lse`` with ``-inf`` (empty row) mapped to ``+inf`` so that
+``exp2(s2 - lse2)`` is 0 on empty rows and never NaN.
+
+Key-tile iteration (forward, dQ) and query-tile iteration (dK/dV) come in two
+modes (constexpr ``MODE``):
+  0  band or no mask: tile ranges computed here from ``lo <= j - i <= hi``,
+     split into masked edges and an unmasked middle;
+  1  tile lists (documents / KeepMask, band folded in): per row of mask blocks
+     a count and sorted indices of partial blocks and of full blocks, built
+     once per mask on the GPU (launch.py); full blocks load no mask.
+No kernel uses atomics: every output element has one owner program, so
+results are bitwise repeatable.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+#: Triton 3.6's interpreter multiplies bfloat16 tiles as raw integers; under it the
+#: dot operands are upcast to fp32 (after the usual rounding to the input dtype).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a [M, K] @ b [K, N] with fp32 accumulation (PREC: fp32 input precision)."""
+    if _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _cdiv_pos(x, b):
+    """ceil(x / b) for x of any sign, result clamped at 0."""
+    return (tl.maximum(x, 0) + b - 1) // b
+
+
+@triton.jit
+def _div_pos(x, b):
+    """floor(x / b) for x of any sign, result clamped at 0."""
+    return tl.maximum(x, 0) // b
+
+
+@triton.jit
+def _key_tile_range(i0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
+    """Key tiles of size BN seen by queries [i0, i0 + BM): all in [t0, t1),
+    unmasked (fully kept and in bounds) in [f0, f1), t0 <= f0 <= f1 <= t1."""
+    i1 = tl.minimum(i0 + BM, Sq)
+    nk = (Sk + BN - 1) // BN
+    t0 = _div_pos(i0 + lo, BN)
+    jmax = i1 - 1 + hi                         # largest key any query may see
+    t1 = tl.minimum(nk, _cdiv_pos(jmax + 1, BN))
+    t1 = tl.maximum(t0, t1)
+    f0 = _cdiv_pos(lo + i1 - 1, BN)            # j - i >= lo for the last query
+    f1 = _div_pos(hi + i0 + 1, BN)             # j - i <= hi for the first query
+    f1 = tl.minimum(f1, Sk // BN)              # in-bounds tiles only
+    f1 = f0 + (f1 - f0) * (i0 + BM <= Sq)      # partial query tile: keep the masks
+    f0 = tl.minimum(tl.maximum(f0, t0), t1)
+    f1 = tl.minimum(tl.maximum(f1, f0), t1)
+    return t0, f0, f1, t1
+
+
+@triton.jit
+def _query_tile_range(j0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
+    """Query tiles of size BM that see keys [j0, j0 + BN): all in [s0, s1),
+    unmasked in [g0, g1)."""
+    j1 = tl.minimum(j0 + BN, Sk)
+    nq = (Sq + BM - 1) // BM
+    s0 = _div_pos(j0 - hi, BM)
+    imax = j1 - 1 - lo                         # largest query that may see a key here
+    s1 = tl.minimum(nq, _cdiv_pos(imax + 1, BM))
+    s1 = tl.maximum(s0, s1)
+    g0 = _cdiv_pos(j1 - 1 - hi, BM)            # j - i <= hi for the last key
+    g1 = _div_pos(j0 - lo + 1, BM)             # j - i >= lo for the first key
+    g1 = tl.minimum(g1, Sq // BM)
+    g1 = g0 + (g1 - g0) * (j0 + BN <= Sk)
+    g0 = tl.minimum(tl.maximum(g0, s0), s1)
+    g1 = tl.minimum(tl.maximum(g1, g0), s1)
+    return s0, g0, g1, s1
+
+
+@triton.jit
+def _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+          HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr):
+    """Which pairs of a tile are kept: bool [BM, BN] (queries offs_m [BM], keys offs_n [BN])."""
+    inb_m = offs_m < Sq
+    inb_n = offs_n < Sk
+    keep = inb_m[:, None] & inb_n[None, :]
+    if HAS_BAND:
+        dd = offs_n[None, :] - offs_m[:, None]
+        keep = keep & (dd >= lo) & (dd <= hi)
+    if HAS_DOCS:
+        qd = tl.load(QID + offs_m, mask=inb_m, other=-1)
+        kd = tl.load(KID + offs_n, mask=inb_n, other=-2)
+        keep = keep & (qd[:, None] == kd[None, :])
+    if HAS_KEEP:
+        km = tl.load(KM + offs_m.to(tl.int64)[:, None] * skm_m + offs_n.to(tl.int64)[None, :] * skm_n,
+                     mask=keep, other=0)
+        keep = keep & (km != 0)
+    return keep
+
+
+@triton.jit
+def _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+            HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr):
+    """Transposed _keep: bool [BN, BM] (keys offs_n as rows, queries offs_m as columns)."""
+    inb_m = offs_m < Sq
+    inb_n = offs_n < Sk
+    keep = inb_n[:, None] & inb_m[None, :]
+    if HAS_BAND:
+        dd = offs_n[:, None] - offs_m[None, :]
+        keep = keep & (dd >= lo) & (dd <= hi)
+    if HAS_DOCS:
+        qd = tl.load(QID + offs_m, mask=inb_m, other=-1)
+        kd = tl.load(KID + offs_n, mask=inb_n, other=-2)
+        keep = keep & (kd[:, None] == qd[None, :])
+    if HAS_KEEP:
+        km = tl.load(KM + offs_m.to(tl.int64)[None, :] * skm_m + offs_n.to(tl.int64)[:, None] * skm_n,
+                     mask=keep, other=0)
+        keep = keep & (km != 0)
+    return keep
+
+
+@triton.jit
+def _load_rows(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
+               CHECK_S: tl.constexpr):
+    """Rows [start, start + R) of a [S, D] slice with row stride stride_s -> [R, DP]."""
+    base = ptr + tl.cast(start, tl.int64) * stride_s
+    p = base + offs_r[:, None] * stride_s + offs_d[None, :]
+    if CHECK_S:
+        if D == DP:
+            x = tl.load(p, mask=(start + offs_r)[:, None] < S, other=0.0)
+        else:
+            x = tl.load(p, mask=((start + offs_r)[:, None] < S) & (offs_d[None, :] < D), other=0.0)
+    else:
+        if D == DP:
+            x = tl.load(p)
+        else:
+            x = tl.load(p, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
+                 CHECK_S: tl.constexpr):
+    """Transposed _load_rows -> [DP, R]."""
+    base = ptr + tl.cast(start, tl.int64) * stride_s
+    p = base + offs_r[None, :] * stride_s + offs_d[:, None]
+    if CHECK_S:
+        if D == DP:
+            x = tl.load(p, mask=(start + offs_r)[None, :] < S, other=0.0)
+        else:
+            x = tl.load(p, mask=((start + offs_r)[None, :] < S) & (offs_d[:, None] < D), other=0.0)
+    else:
+        if D == DP:
+            x = tl.load(p)
+        else:
+            x = tl.load(p, mask=offs_d[:, None] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, CHECK: tl.constexpr):
+    """Bias tile [BM, BN] in fp32 (0 outside the problem)."""
+    p = BI + offs_m.to(tl.int64)[:, None] * sb_m + offs_n.to(tl.int64)[None, :] * sb_n
+    if CHECK:
+        b = tl.load(p, mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk), other=0.0)
+    else:
+        b = tl.load(p)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
+    """Transposed bias tile [BN, BM] in fp32."""
+    p = BI + offs_m.to(tl.int64)[None, :] * sb_m + offs_n.to(tl.int64)[:, None] * sb_n
+    if CHECK:
+        b = tl.load(p, mask=(offs_m[None, :] < Sq) & (offs_n[:, None] < Sk), other=0.0)
+    else:
+        b = tl.load(p)
+    return b.to(tl.float32)
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+              Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
+    offs_n = start_n + offs_nb
+    kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
+    if HAS_BIAS:
+        s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED) * 1.4426950408889634
+    if MASKED:
+        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                     HAS_BAND, HAS_DOCS, HAS_KEEP)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
+    if MASKED or HAS_BIAS:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing kept yet
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])                                      # [BM, BN]
+    alpha = tl.math.exp2(m_i - m_use)                                         # [BM]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED)      # [BN, DP]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+                sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                sc_b, sc_h, si_b, si_h, si_r,
+                H, G, Sq, Sk, qk_scale, lo, hi,
+                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): out [BM, D] and lse [BM] of one query tile."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    i0 = pid_m * BM
+    offs_mb = tl.arange(0, BM)
+    offs_m = i0 + offs_mb
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    Qh = Q + b * sq_b + h * sq_h
+    Kh = K + b * sk_b + hk * sk_h
+    Vh = V + b * sv_b + hk * sv_h
+    BI = BIAS + b * sb_b + h * sb_h
+    QIDb = QID + b * sqid_b
+    KIDb = KID + b * skid_b
+    KMb = KM + b * skm_b + h * skm_h
+
+    q = _load_rows(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)             # [BM, DP]
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+
+    if MODE == 0:
+        t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+        for t in range(t0, f0):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, PREC)
+        for t in range(f0, f1):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, PREC)
+        for t in range(f1, t1):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, PREC)
+    else:
+        row = i0 // SBQ
+        cb = b * sc_b + h * sc_h + row                     # sc_b / sc_h are 0 when broadcast
+        ib = b * si_b + h * si_h + row * si_r
+        n_part = tl.load(CNT + cb)
+        for t in range(0, n_part):
+            blk = tl.load(IDX + ib + t)
+            for sub in tl.static_range(SBK // BN):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN,
+                                          offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+        n_full = tl.load(FCNT + cb)
+        for t in range(0, n_full):
+            blk = tl.load(FIDX + ib + t)
+            for sub in tl.static_range(SBK // BN):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN,
+                                          offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+
+    # empty rows (l == 0): out 0, lse -inf; NaN rows stay NaN
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    Oh = O + b * so_b + h * so_h
+    o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_d[None, :]
+    inb = offs_m < Sq
+    if D == DP:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=inb)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, H, Sq,
+                    D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] and lse2 = log2(e) * lse
+    (+inf on empty rows) [BM], both fp32."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    i0 = pid_m * BM
+    offs_mb = tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    o = _load_rows(O + b * so_b + h * so_h, i0, so_s, Sq, offs_mb, offs_d, D, DP, True)
+    do = _load_rows(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                   # [BM]
+    offs_m = i0 + offs_mb
+    inb = offs_m < Sq
+    row = bh.to(tl.int64) * Sq + offs_m
+    lse = tl.load(LSE + row, mask=inb, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row, delta, mask=inb)
+    tl.store(L2 + row, lse2, mask=inb)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
+               Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """One query tile's contribution to dk, dv [BN, DP] of one key tile."""
+    offs_m = start_m + offs_mb
+    qT = _load_rows_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP, MASKED)   # [DP, BM]
+    if MASKED:
+        lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
+    else:
+        lse2 = tl.load(L2h + offs_m)
+    sT = _dot(k, qT, PREC) * qk_scale                       # [BN, BM]
+    if HAS_BIAS:
+        sT += _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED) * 1.4426950408889634
+    pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
+    if MASKED:
+        keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                       HAS_BAND, HAS_DOCS, HAS_KEEP)
+        pT = tl.where(keep, pT, 0.0)
+    do = _load_rows(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP, MASKED)   # [BM, DP]
+    dv += _dot(pT.to(do.dtype), do, PREC)                   # [BN, DP]
+    if MASKED:
+        dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
+    else:
+        dlt = tl.load(DLh + offs_m)
+    dpT = _dot(v, tl.trans(do), PREC)                       # [BN, BM]
+    dsT = pT * (dpT - dlt[None, :])
+    dk += _dot(dsT.to(qT.dtype), tl.trans(qT), PREC)        # [BN, DP]
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                 sc_b, sc_h, si_b, si_h, si_r,
+                 H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi,
+                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sk, BN), B * HKV): dk, dv [BN, D] of one key tile, summed over the
+    G query heads of its kv head and over every query tile (no atomics)."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // HKV).to(tl.int64)
+    hk = (bhk % HKV).to(tl.int64)
+    j0 = pid_n * BN
+    offs_nb = tl.arange(0, BN)
+    offs_n = j0 + offs_nb
+    offs_mb = tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    k = _load_rows(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [BN, DP]
+    v = _load_rows(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [BN, DP]
+    dk = tl.zeros([BN, DP], dtype=tl.float32)
+    dv = tl.zeros([BN, DP], dtype=tl.float32)
+    QIDb = QID + b * sqid_b
+    KIDb = KID + b * skid_b
+    for g in range(0, G):
+        h = hk * G + g
+        Qh = Q + b * sq_b + h * sq_h
+        DOh = DO + b * sdo_b + h * sdo_h
+        bh = b * H + h
+        L2h = L2 + bh * Sq
+        DLh = DELTA + bh * Sq
+        BI = BIAS + b * sb_b + h * sb_h
+        KMb = KM + b * skm_b + h * skm_h
+        if MODE == 0:
+            s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
+            for t in range(s0, g0):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+            for t in range(g0, g1):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+            for t in range(g1, s1):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+        else:
+            col = j0 // SBK
+            cb = b * sc_b + h * sc_h + col
+            ib = b * si_b + h * si_h + col * si_r
+            n_part = tl.load(CNT + cb)
+            for t in range(0, n_part):
+                blk = tl.load(IDX + ib + t)
+                for sub in tl.static_range(SBQ // BM):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh,
+                                        blk * SBQ + sub * BM, offs_n, offs_mb, offs_d, Sq, Sk,
+                                        qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                                        sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                                        HAS_BIAS, PREC)
+            n_full = tl.load(FCNT + cb)
+            for t in range(0, n_full):
+                blk = tl.load(FIDX + ib + t)
+                for sub in tl.static_range(SBQ // BM):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh,
+                                        blk * SBQ + sub * BM, offs_n, offs_mb, offs_d, Sq, Sk,
+                                        qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                                        sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                                        HAS_BIAS, PREC)
+    dk = dk * scale
+    inb = offs_n < Sk
+    dk_ptrs = DK + b * sdk_b + hk * sdk_h + j0.to(tl.int64) * sdk_s + offs_nb[:, None] * sdk_s + offs_d[None, :]
+    dv_ptrs = DV + b * sdv_b + hk * sdv_h + j0.to(tl.int64) * sdv_s + offs_nb[:, None] * sdv_s + offs_d[None, :]
+    if D == DP:
+        msk = inb[:, None]
+    else:
+        msk = inb[:, None] & (offs_d[None, :] < D)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=msk)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+             Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
+             D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+             HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+             HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+    """One key tile's contribution to dq [BM, DP] (and dbias for an unbroadcast bias)."""
+    offs_n = start_n + offs_nb
+    kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    vT = _load_rows_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
+    if HAS_BIAS:
+        s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED) * 1.4426950408889634
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                     HAS_BAND, HAS_DOCS, HAS_KEEP)
+        p = tl.where(keep, p, 0.0)
+    dp = _dot(do, vT, PREC)                                  # [BM, BN]
+    ds = p * (dp - dlt[:, None])
+    if WRITE_DB:
+        db_ptrs = DB + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
+        if MASKED:
+            tl.store(db_ptrs, ds.to(DB.dtype.element_ty),
+                     mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
+        else:
+            tl.store(db_ptrs, ds.to(DB.dtype.element_ty))
+    dq += _dot(ds.to(kT.dtype), tl.trans(kT), PREC)          # [BM, DP]
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+               sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+               sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
+               H, G, Sq, Sk, qk_scale, scale, lo, hi,
+               D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): dq [BM, D] of one query tile over every key tile."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    i0 = pid_m * BM
+    offs_mb = tl.arange(0, BM)
+    offs_m = i0 + offs_mb
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    q = _load_rows(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)
+    do = _load_rows(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)
+    row = bh.to(tl.int64) * Sq + offs_m
+    lse2 = tl.load(L2 + row, mask=offs_m < Sq, other=float("inf"))
+    dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
+    Kh = K + b * sk_b + hk * sk_h
+    Vh = V + b * sv_b + hk * sv_h
+    BI = BIAS + b * sb_b + h * sb_h
+    DBh = DB + b * sdb_b + h * sdb_h
+    QIDb = QID + b * sqid_b
+    KIDb = KID + b * skid_b
+    KMb = KM + b * skm_b + h * skm_h
+    dq = tl.zeros([BM, DP], dtype=tl.float32)
+    if MODE == 0:
+        t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+        for t in range(t0, f0):
+            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
+                          WRITE_DB, PREC)
+        for t in range(f0, f1):
+            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
+                          WRITE_DB, PREC)
+        for t in range(f1, t1):
+            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
+                          WRITE_DB, PREC)
+    else:
+        rw = i0 // SBQ
+        cb = b * sc_b + h * sc_h + rw
+        ib = b * si_b + h * si_h + rw * si_r
+        n_part = tl.load(CNT + cb)
+        for t in range(0, n_part):
+            blk = tl.load(IDX + ib + t)
+            for sub in tl.static_range(SBK // BN):
+                dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN, offs_m,
+                              offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                              skm_n, BI, sb_m, sb_n, DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND,
+                              HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, PREC)
+        n_full = tl.load(FCNT + cb)
+        for t in range(0, n_full):
+            blk = tl.load(FIDX + ib + t)
+            for sub in tl.static_range(SBK // BN):
+                dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN, offs_m,
+                              offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                              skm_n, BI, sb_m, sb_n, DBh, sdb_m, sdb_n, D, DP, False, HAS_BAND,
+                              HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, PREC)
+    dq = dq * scale
+    dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
+    inb = offs_m < Sq
+    if D == DP:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=inb[:, None])
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=inb[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
+                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                  sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                  sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                  B, H, G, Sq, Sk, qk_scale, lo, hi, NJ_OUT, HB,
+                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
+                  RED_N: tl.constexpr,
+                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                  PREC: tl.constexpr):
+    """dbias for a broadcast bias (shape [Bb, Hb, Mb, Nb], each 1 or full), no atomics.
+
+    Grid (n_i_out * NJ_OUT, Bb * Hb): one program owns a [BM, BN] tile (or a [BN]
+    row / [BM] column / scalar when Mb or Nb is 1) of dbias and sums dS over the
+    broadcast dims (batch RED_B, heads RED_H, queries RED_M, keys RED_N),
+    recomputing P and dP from q, k, v, dout, lse2 and delta.
+    """
+    pid = tl.program_id(0)
+    pbh = tl.program_id(1)
+    bb = (pbh // HB).to(tl.int64)
+    hb = (pbh % HB).to(tl.int64)
+    ti = pid // NJ_OUT
+    tj = pid % NJ_OUT
+    offs_mb = tl.arange(0, BM)
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    nb_ = B if RED_B else 1
+    nh_ = H if RED_H else 1
+    ni_ = (Sq + BM - 1) // BM if RED_M else 1
+    nj_ = (Sk + BN - 1) // BN if RED_N else 1
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for bi in range(0, nb_):
+        if RED_B:
+            b = tl.cast(bi, tl.int64)
+        else:
+            b = bb
+        for hi_ in range(0, nh_):
+            if RED_H:
+                h = tl.cast(hi_, tl.int64)
+            else:
+                h = hb
+            hk = h // G
+            bh = b * H + h
+            Qh = Q + b * sq_b + h * sq_h
+            DOh = DO + b * sdo_b + h * sdo_h
+            Kh = K + b * sk_b + hk * sk_h
+            Vh = V + b * sv_b + hk * sv_h
+            BI = BIAS + b * sb_b + h * sb_h
+            QIDb = QID + b * sqid_b
+            KIDb = KID + b * skid_b
+            KMb = KM + b * skm_b + h * skm_h
+            for it in range(0, ni_):
+                if RED_M:
+                    i0 = it * BM
+                else:
+                    i0 = ti * BM
+                offs_m = i0 + offs_mb
+                q = _load_rows(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)     # [BM, DP]
+                do = _load_rows(DOh, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)  # [BM, DP]
+                lse2 = tl.load(L2 + bh * Sq + offs_m, mask=offs_m < Sq, other=float("inf"))
+                dlt = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+                for jt in range(0, nj_):
+                    if RED_N:
+                        j0 = jt * BN
+                    else:
+                        j0 = tj * BN
+                    offs_n = j0 + offs_nb
+                    kT = _load_rows_t(Kh, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
+                    vT = _load_rows_t(Vh, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
+                    s = _dot(q, kT, PREC) * qk_scale
+                    s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True) * 1.4426950408889634
+                    p = tl.math.exp2(s - lse2[:, None])
+                    keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n,
+                                 HAS_BAND, HAS_DOCS, HAS_KEEP)
+                    p = tl.where(keep, p, 0.0)
+                    dp = _dot(do, vT, PREC)
+                    acc += p * (dp - dlt[:, None])                                # [BM, BN]
+    DBh = DB + bb * sdb_b + hb * sdb_h
+    if RED_M and RED_N:
+        tot = tl.sum(tl.sum(acc, 1), 0)
+        tl.store(DBh, tot.to(DB.dtype.element_ty))
+    elif RED_M:
+        col = tl.sum(acc, 0)                                                      # [BN]
+        offs_n = tj * BN + offs_nb
+        tl.store(DBh + offs_n.to(tl.int64) * sdb_n, col.to(DB.dtype.element_ty), mask=offs_n < Sk)
+    elif RED_N:
+        rowv = tl.sum(acc, 1)                                                     # [BM]
+        offs_m = ti * BM + offs_mb
+        tl.store(DBh + offs_m.to(tl.int64) * sdb_m, rowv.to(DB.dtype.element_ty), mask=offs_m < Sq)
+    else:
+        offs_m = ti * BM + offs_mb
+        offs_n = tj * BN + offs_nb
+        ptrs = DBh + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
+        tl.store(ptrs, acc.to(DB.dtype.element_ty),
+                 mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))

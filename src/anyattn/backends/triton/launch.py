@@ -1,0 +1,437 @@
+"""Launch code for the Triton kernels: layouts, strides, dtypes, mask tile lists, grids.
+
+Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
+queries / keys, D head dim, nQ / nK mask blocks along queries / keys.
+
+Inputs may have any strides; a tensor whose last dim is not contiguous is copied
+once (the kernels assume unit stride along D), every other layout is read in
+place.  Outputs are fresh contiguous [B, H, S, D] tensors.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import triton
+
+from . import configs as C
+from . import kernels as K
+
+__all__ = ["forward", "backward", "tile_lists", "clear_caches"]
+
+_BIG = 1 << 30            # an open band side
+
+
+def _interpreter_compat() -> None:
+    """Triton 3.6's interpreter converts scalar tensors (1-element arrays) to loop
+    bounds with int(array), which NumPy >= 2.4 refuses for 1-D arrays; convert
+    through .item() instead.  Only under TRITON_INTERPRET=1; idempotent."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter as I
+
+    if getattr(I._patch_lang_tensor, "_anyattn_compat", False):
+        return
+    orig = I._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._anyattn_compat = True
+    I._patch_lang_tensor = patched
+
+
+_interpreter_compat()
+
+
+def _unit_last(x):
+    """x with stride 1 along its last dim (a copy only when it is not)."""
+    if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
+def _s3(x):
+    """(batch, head, seq) strides of a [B, H, S, D] tensor."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+@dataclass
+class _MaskArgs:
+    """Everything the kernels need about mask and bias, ready to pass."""
+
+    lo: int
+    hi: int
+    has_band: bool
+    qid: Any
+    kid: Any
+    sqid_b: int
+    skid_b: int
+    km: Any
+    skm: tuple                 # (b, h, m, n) strides, 0 where broadcast
+    has_docs: bool
+    has_keep: bool
+    bias: Any                  # expanded [B, H, Sq, Sk] view or a dummy
+    sb: tuple                  # bias strides (b, h, m, n), 0 where broadcast
+    has_bias: bool
+    mode: int                  # 0 in-kernel ranges, 1 tile lists
+
+
+def _dummy(device, dtype=torch.int32):
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def _to_dev(x, device, dtype=None):
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        import numpy as np
+
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(device=device, dtype=dtype if dtype is not None else t.dtype)
+
+
+def _mask_args(p, q, bias) -> _MaskArgs:
+    rm = p.mask
+    dev = q.device
+    B, H, Sq, Sk = p.batch, p.heads_q, p.seq_q, p.seq_k
+    lo = -_BIG if rm.band_lo is None else int(rm.band_lo)
+    hi = _BIG if rm.band_hi is None else int(rm.band_hi)
+    lo, hi = max(lo, -_BIG), min(hi, _BIG)
+    has_docs = rm.q_ids is not None
+    if has_docs:
+        qid = _to_dev(rm.q_ids, dev, torch.int32).contiguous()
+        kid = _to_dev(rm.k_ids, dev, torch.int32).contiguous()
+        sqid_b = Sq if qid.shape[0] > 1 else 0
+        skid_b = Sk if kid.shape[0] > 1 else 0
+    else:
+        qid = kid = _dummy(dev)
+        sqid_b = skid_b = 0
+    has_keep = rm.keep is not None
+    if has_keep:
+        km = _to_dev(rm.keep, dev, torch.bool).view(torch.uint8).expand(B, H, Sq, Sk)
+        skm = tuple(km.stride())
+    else:
+        km, skm = _dummy(dev, torch.uint8), (0, 0, 0, 0)
+    if bias is not None:
+        bx = bias.expand(B, H, Sq, Sk)
+        sb = tuple(bx.stride())
+    else:
+        bx, sb = _dummy(dev, torch.float32), (0, 0, 0, 0)
+    return _MaskArgs(lo=lo, hi=hi, has_band=rm.has_band, qid=qid, kid=kid, sqid_b=sqid_b,
+                     skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
+                     bias=bx, sb=sb, has_bias=bias is not None,
+                     mode=1 if (has_docs or has_keep) else 0)
+
+
+# ----------------------------------------------------------------------------- tile lists
+@dataclass
+class TileLists:
+    """Per mask-block row (queries) and column (keys): counts and sorted indices of
+    partial and full blocks.  rows: cnt [Bm, Hm, nQ], idx [Bm, Hm, nQ, nK];
+    cols: cnt [Bm, Hm, nK], idx [Bm, Hm, nK, nQ]; Bm, Hm are 1 where nothing varies."""
+
+    row_cnt: Any
+    row_idx: Any
+    row_fcnt: Any
+    row_fidx: Any
+    col_cnt: Any
+    col_idx: Any
+    col_fcnt: Any
+    col_fidx: Any
+    bm: int
+    hm: int
+    nq: int
+    nk: int
+    kept_fraction: float = 1.0   # of mask blocks, partial counted as kept
+
+    def row_strides(self):
+        """(sc_b, sc_h, si_b, si_h, si_r) for the row lists (0 on broadcast dims)."""
+        return (self.hm * self.nq if self.bm > 1 else 0, self.nq if self.hm > 1 else 0,
+                self.hm * self.nq * self.nk if self.bm > 1 else 0,
+                self.nq * self.nk if self.hm > 1 else 0, self.nk)
+
+    def col_strides(self):
+        return (self.hm * self.nk if self.bm > 1 else 0, self.nk if self.hm > 1 else 0,
+                self.hm * self.nq * self.nk if self.bm > 1 else 0,
+                self.nq * self.nk if self.hm > 1 else 0, self.nq)
+
+
+_CACHE_SIZE = 16
+_list_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def clear_caches() -> None:
+    _list_cache.clear()
+
+
+def _tensor_key(x):
+    """Identity of a torch tensor's contents for caching: storage pointer, layout and
+    version counter (bumped by every in-place write).  None for NumPy arrays (not cached)."""
+    if x is None:
+        return ()
+    if not isinstance(x, torch.Tensor):
+        return None
+    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, str(x.device))
+
+
+def _block_reduce(x, sb_q, sb_k):
+    """any / all of a bool [Bx, Hx, Sq, Sk] over blocks -> two [Bx, Hx, nQ, nK]."""
+    bx, hx, sq, sk = x.shape
+    nq, nk = triton.cdiv(sq, sb_q), triton.cdiv(sk, sb_k)
+    pq, pk = nq * sb_q - sq, nk * sb_k - sk
+    xa = torch.nn.functional.pad(x, (0, pk, 0, pq), value=False) if (pq or pk) else x
+    xl = torch.nn.functional.pad(x, (0, pk, 0, pq), value=True) if (pq or pk) else x
+    shp = (bx, hx, nq, sb_q, nk, sb_k)
+    return xa.reshape(shp).any(dim=5).any(dim=3), xl.reshape(shp).all(dim=5).all(dim=3)
+
+
+def _doc_blocks(qid, kid, sb_q, sb_k):
+    """any / all of q_ids[i] == k_ids[j] per block -> two bool [Bd, 1, nQ, nK]."""
+    bd = max(qid.shape[0], kid.shape[0])
+    qid = qid.expand(bd, -1).to(torch.int64)
+    kid = kid.expand(bd, -1).to(torch.int64)
+    sq, sk = qid.shape[1], kid.shape[1]
+    nq, nk = triton.cdiv(sq, sb_q), triton.cdiv(sk, sb_k)
+
+    def pad_rep(x, n):  # repeat the last id: neutral for min / max
+        extra = n - x.shape[1]
+        return torch.cat([x, x[:, -1:].expand(-1, extra)], 1) if extra else x
+
+    sorted_ids = bool((qid[:, 1:] >= qid[:, :-1]).all()) and bool((kid[:, 1:] >= kid[:, :-1]).all())
+    if sorted_ids:
+        qp = pad_rep(qid, nq * sb_q).reshape(bd, nq, sb_q)
+        kp = pad_rep(kid, nk * sb_k).reshape(bd, nk, sb_k)
+        qmin, qmax = qp.min(2).values, qp.max(2).values        # [bd, nQ]
+        kmin, kmax = kp.min(2).values, kp.max(2).values        # [bd, nK]
+        # sorted ids: a block pair can match only where the id intervals overlap
+        a = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+        l = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
+             & (qmin[:, :, None] == kmin[:, None, :]))
+        return a[:, None], l[:, None]
+    a_parts, l_parts = [], []
+    rows = max(sb_q, (1 << 24) // max(1, sk) // sb_q * sb_q)
+    for r0 in range(0, sq, rows):
+        eq = qid[:, r0:r0 + rows, None] == kid[:, None, :]      # [bd, rows, Sk]
+        a, l = _block_reduce(eq[:, None], sb_q, sb_k)
+        a_parts.append(a)
+        l_parts.append(l)
+    return torch.cat(a_parts, 2), torch.cat(l_parts, 2)
+
+
+def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
+    rm = p.mask
+    Sq, Sk = p.seq_q, p.seq_k
+    nq, nk = triton.cdiv(Sq, sb_q), triton.cdiv(Sk, sb_k)
+    any_k = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
+    all_k = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
+    if rm.has_band:
+        i0 = torch.arange(nq, device=device) * sb_q
+        i1 = torch.clamp(i0 + sb_q, max=Sq) - 1
+        j0 = torch.arange(nk, device=device) * sb_k
+        j1 = torch.clamp(j0 + sb_k, max=Sk) - 1
+        dmin = j0[None, :] - i1[:, None]                      # [nQ, nK]
+        dmax = j1[None, :] - i0[:, None]
+        any_k = any_k & ((dmax >= ma.lo) & (dmin <= ma.hi))
+        all_k = all_k & ((dmin >= ma.lo) & (dmax <= ma.hi))
+    if ma.has_docs:
+        a, l = _doc_blocks(ma.qid, ma.kid, sb_q, sb_k)
+        any_k, all_k = any_k & a, all_k & l
+    if ma.has_keep:
+        keep = _to_dev(rm.keep, device, torch.bool)
+        bx, hx = keep.shape[0], keep.shape[1]
+        a, l = _block_reduce(keep.expand(bx, hx, Sq, Sk), sb_q, sb_k)
+        any_k, all_k = any_k & a, all_k & l
+    # blocks that cross the problem's edge keep the bounds checks of a partial block
+    if Sq % sb_q:
+        all_k[:, :, -1, :] = False
+    if Sk % sb_k:
+        all_k[:, :, :, -1] = False
+    bm_, hm_ = max(any_k.shape[0], all_k.shape[0]), max(any_k.shape[1], all_k.shape[1])
+    full = all_k.expand(bm_, hm_, nq, nk)
+    part = (any_k & ~all_k).expand(bm_, hm_, nq, nk)
+
+    def lists(m):  # m bool [..., n] -> count [...] and indices of the True entries first
+        cnt = m.sum(-1, dtype=torch.int32).contiguous()
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
+        return cnt, idx
+
+    rc, ri = lists(part)
+    rfc, rfi = lists(full)
+    cc, ci = lists(part.transpose(-1, -2))
+    cfc, cfi = lists(full.transpose(-1, -2))
+    kept = float((part | full).float().mean())
+    return TileLists(rc, ri, rfc, rfi, cc, ci, cfc, cfi, bm_, hm_, nq, nk, kept)
+
+
+def tile_lists(p, ma: _MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
+    """The tile lists of p's mask at block size sb_q x sb_k, cached per mask contents
+    (torch masks only; the cache holds the mask tensors so their memory stays theirs)."""
+    rm = p.mask
+    parts = [_tensor_key(rm.keep), _tensor_key(rm.q_ids), _tensor_key(rm.k_ids)]
+    if any(k is None for k in parts):
+        return _build_lists(p, ma, sb_q, sb_k, device)
+    key = (tuple(parts), ma.lo, ma.hi, p.batch, p.heads_q, p.seq_q, p.seq_k, sb_q, sb_k,
+           str(device))
+    hit = _list_cache.get(key)
+    if hit is not None:
+        _list_cache.move_to_end(key)
+        return hit[0]
+    tl_ = _build_lists(p, ma, sb_q, sb_k, device)
+    _list_cache[key] = (tl_, (rm.keep, rm.q_ids, rm.k_ids))
+    while len(_list_cache) > _CACHE_SIZE:
+        _list_cache.popitem(last=False)
+    return tl_
+
+
+def _no_lists(device):
+    z = _dummy(device)
+    return TileLists(z, z, z, z, z, z, z, z, 1, 1, 1, 1)
+
+
+# ----------------------------------------------------------------------------- plans
+def _plan(p, plan: Optional[C.Plan]) -> C.Plan:
+    if plan is not None:
+        return plan
+    return C.plan_for(C.padded_dim(p.head_dim), p.dtype, p.precision, p.mask_class,
+                      p.has_bias, max(p.seq_q, p.seq_k))
+
+
+def _lists_for(p, ma, plan, device):
+    if ma.mode == 0:
+        return _no_lists(device)
+    return tile_lists(p, ma, plan.sbq, plan.sbk, device)
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
+    """-> out [B, H, Sq, D] (q's dtype), lse [B, H, Sq] fp32 (natural log)."""
+    plan = _plan(p, plan)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
+    dev = q.device
+    ma = _mask_args(p, q, bias)
+    tlists = _lists_for(p, ma, plan, dev)
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    cfg = plan.fwd
+    grid = (triton.cdiv(Sq, cfg.bm), B * H)
+    _launch_fwd(grid, cfg, plan, p, q, k, v, out, lse, ma, tlists)
+    return out, lse
+
+
+def _launch_fwd(grid, cfg, plan, p, q, k, v, out, lse, ma, tlists):
+    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+        K._fwd_kernel[grid](
+            q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
+            *tlists.row_strides(),
+            p.heads_q, p.group, p.seq_q, p.seq_k, p.scale * K.LOG2E, ma.lo, ma.hi,
+            D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cfg.bm, BN=cfg.bn,
+            SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BAND=ma.has_band,
+            HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep, HAS_BIAS=ma.has_bias, PREC=plan.prec,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ----------------------------------------------------------------------------- backward
+def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) -> Dict[str, Any]:
+    """-> {'dq', 'dk', 'dv', 'dbias'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D] summed over
+    each kv head's query group, dbias in p.bias_shape summed over broadcast dims."""
+    plan = _plan(p, plan)
+    q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
+    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    DP = C.padded_dim(D)
+    dev = q.device
+    ma = _mask_args(p, q, bias)
+    tlists = _lists_for(p, ma, plan, dev)
+    lse = lse.to(torch.float32)
+    if not lse.is_contiguous():
+        lse = lse.contiguous()
+    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    lse2 = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
+    res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
+    qk_scale = p.scale * K.LOG2E
+    common = dict(D=D, DP=DP, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
+                  HAS_KEEP=ma.has_keep, PREC=plan.prec)
+    want_db = "bias" in p.wrt and bias is not None
+    full_bias = want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
+    with ctx:
+        K._bwd_pre_kernel[(triton.cdiv(Sq, plan.pre_bm), B * H)](
+            out, dout, lse, delta, lse2, *_s3(out), *_s3(dout), H, Sq,
+            D=D, DP=DP, BM=plan.pre_bm)
+        if "k" in p.wrt or "v" in p.wrt:
+            dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+            dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+            c = plan.dkdv
+            K._dkdv_kernel[(triton.cdiv(Sk, c.bn), B * Hkv)](
+                q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
+                tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
+                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+                *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(),
+                H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi,
+                BM=c.bm, BN=c.bn, SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
+                HAS_BIAS=ma.has_bias, num_warps=c.num_warps, num_stages=c.num_stages, **common)
+            res["dk"], res["dv"] = dk, dv
+        if full_bias:
+            dbias = torch.zeros((B, H, Sq, Sk), dtype=bias.dtype, device=dev)
+            sdb = tuple(dbias.stride())
+        else:
+            dbias, sdb = _dummy(dev, torch.float32), (0, 0, 0, 0)
+        if "q" in p.wrt or full_bias:
+            dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
+            c = plan.dq
+            K._dq_kernel[(triton.cdiv(Sq, c.bm), B * H)](
+                q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
+                ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
+                H, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi,
+                BM=c.bm, BN=c.bn, SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
+                HAS_BIAS=ma.has_bias, WRITE_DB=full_bias, num_warps=c.num_warps,
+                num_stages=c.num_stages, **common)
+            res["dq"] = dq
+        if full_bias:
+            res["dbias"] = dbias
+        elif want_db:
+            res["dbias"] = _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan)
+    return res
+
+
+def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
+    """dbias for a bias broadcast over some of [B, H, Sq, Sk]: one owner program per
+    output tile sums dS over the broadcast dims (no atomics, no [B, H, Sq, Sk] scratch)."""
+    B, H, Sq, Sk = p.batch, p.heads_q, p.seq_q, p.seq_k
+    bb, hb, mb, nb = p.bias_shape
+    red_b, red_h = bb == 1 and B > 1, hb == 1 and H > 1
+    red_m, red_n = mb == 1 and Sq > 1, nb == 1 and Sk > 1
+    c = plan.dbias
+    dbias = torch.empty((bb, hb, mb, nb), dtype=bias.dtype, device=q.device)
+    sdb = tuple(dbias.stride())
+    ni_out = 1 if red_m else triton.cdiv(Sq, c.bm)
+    nj_out = 1 if red_n else triton.cdiv(Sk, c.bn)
+    K._dbias_kernel[(ni_out * nj_out, bb * hb)](
+        q, k, v, dout, lse2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *ma.sb, *sdb,
+        ma.sqid_b, ma.skid_b, *ma.skm,
+        B, H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi, nj_out, hb,
+        D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=c.bm, BN=c.bn,
+        RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
+        HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep, PREC=plan.prec,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return dbias

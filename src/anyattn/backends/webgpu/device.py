@@ -1,0 +1,125 @@
+"""Adapter and device choice for the webgpu backend (wgpu is imported lazily).
+
+High-performance adapter by default; ``ANYATTN_WGPU_ADAPTER`` overrides it with a
+case-insensitive substring of the adapter's name, vendor, description or type
+(e.g. ``llvmpipe``, ``nvidia``, ``cpu``).  The limits the kernels need are
+requested explicitly at the adapter's own values (the WebGPU defaults are far
+lower); ``shader-f16`` is requested where the adapter has it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+__all__ = ["Context", "get_context", "unavailable_reason", "ENV_ADAPTER", "LLVMPIPE_LOOP_LIMIT"]
+
+ENV_ADAPTER = "ANYATTN_WGPU_ADAPTER"
+#: llvmpipe stops every loop of an invocation once their trips together reach
+#: 65,535 (and the results are wrong, silently); we keep a margin below it.
+LLVMPIPE_LOOP_LIMIT = 65_000
+
+_LIMIT_NAMES = (
+    "max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup", "max-compute-workgroup-size-x",
+    "max-compute-workgroups-per-dimension", "max-storage-buffers-per-shader-stage",
+    "max-bindings-per-bind-group", "max-uniform-buffer-binding-size",
+)
+_NEEDED = {"max-storage-buffers-per-shader-stage": 9, "max-compute-invocations-per-workgroup": 64,
+           "max-compute-workgroup-storage-size": 16384}
+
+
+@dataclass
+class Context:
+    """One wgpu device with what the launch code needs to know about it."""
+
+    adapter: object
+    device: object
+    info: Dict[str, object]
+    limits: Dict[str, int]
+    features: frozenset
+    is_cpu: bool             # llvmpipe / any CPU adapter
+    is_llvmpipe: bool
+    loop_limit: Optional[int]  # per-invocation loop-trip budget (None = unbounded)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def name(self) -> str:
+        return f"{self.info.get('device', '?')} ({self.info.get('backend_type', '?')})"
+
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+
+_ctx: Optional[Context] = None
+_err: Optional[str] = None
+_lock = threading.Lock()
+
+
+def _describe(adapter) -> str:
+    i = adapter.info
+    return " ".join(str(i.get(k, "")) for k in ("vendor", "device", "description",
+                                                 "adapter_type", "backend_type"))
+
+
+def _pick_adapter(wgpu):
+    want = os.environ.get(ENV_ADAPTER, "").strip()
+    if not want:
+        a = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+        if a is None:
+            raise RuntimeError("wgpu found no adapter (no Vulkan/Metal/DX12 driver; on Linux "
+                               "install mesa-vulkan-drivers libvulkan1 for lavapipe)")
+        return a
+    adapters = wgpu.gpu.enumerate_adapters_sync()
+    for a in adapters:
+        if want.lower() in _describe(a).lower():
+            return a
+    names = "; ".join(_describe(a) for a in adapters) or "none"
+    raise RuntimeError(f"{ENV_ADAPTER}={want!r} matches no adapter (found: {names})")
+
+
+def _create() -> Context:
+    try:
+        import wgpu
+    except ImportError as e:
+        raise RuntimeError(f"wgpu is not installed ({e}); pip install wgpu==0.32.0") from e
+    adapter = _pick_adapter(wgpu)
+    lim = adapter.limits
+    for k, need in _NEEDED.items():
+        if lim.get(k, 0) < need:
+            raise RuntimeError(f"adapter {_describe(adapter)!r} offers {k}={lim.get(k)}, the "
+                               f"kernels need {need}")
+    req = {k: lim[k] for k in _LIMIT_NAMES if k in lim}
+    feats = [f for f in ("shader-f16", "timestamp-query") if f in adapter.features]
+    device = adapter.request_device_sync(required_features=feats, required_limits=req)
+    info = dict(adapter.info)
+    desc = _describe(adapter).lower()
+    is_llvm = "llvmpipe" in desc
+    is_cpu = is_llvm or str(info.get("adapter_type", "")).lower() == "cpu"
+    return Context(adapter=adapter, device=device, info=info, limits=dict(device.limits),
+                   features=frozenset(device.features), is_cpu=is_cpu, is_llvmpipe=is_llvm,
+                   loop_limit=LLVMPIPE_LOOP_LIMIT if is_llvm else None)
+
+
+def get_context() -> Context:
+    """The process-wide device (created on first use); RuntimeError if there is none."""
+    global _ctx, _err
+    with _lock:
+        if _ctx is None and _err is None:
+            try:
+                _ctx = _create()
+            except Exception as e:  # no wgpu, no adapter, device request refused
+                _err = str(e) or type(e).__name__
+        if _ctx is None:
+            raise RuntimeError(_err)
+        return _ctx
+
+
+def unavailable_reason() -> Optional[str]:
+    try:
+        get_context()
+    except RuntimeError as e:
+        return str(e)
+    return None

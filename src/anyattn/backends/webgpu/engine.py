@@ -1,0 +1,282 @@
+"""Host side of one attention call on the GPU: uploads, uniforms, launch plans.
+
+Shape legend: B batch, HQ/HKV heads (G = HQ/HKV), SQ/SK queries/keys, D head dim,
+n = B*HQ*SQ rows.  Scratch layout of ``stats`` (f32): [0, n) lse, [n, 2n) delta,
+[2n, 4n) and [4n, 6n) two (m, l) sets for split forward launches.
+Outputs are f32 scratch: out/dq [B, HQ, SQ, D]; dk then dv [B, HKV, SK, D];
+dS [B, HQ, SQ, SK] for dbias.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .launch import Launch, LoopLimitError, Runner, TileConfig, ceil_div, split_range
+from .uniforms import FLAGS
+
+__all__ = ["Operand", "Call", "upload_view", "NEG_INF"]
+
+NEG_INF = float("-inf")
+_I32 = (1 << 31) - 1
+
+
+@dataclass
+class Operand:
+    """A [B, H, S, D] tensor in a buffer: element offset and b/h/s strides (d stride 1)."""
+
+    buf: object
+    off: int
+    sb: int
+    sh: int
+    ss: int
+
+    def fields(self, prefix: str) -> Dict[str, int]:
+        return {f"{prefix}_off": self.off, f"{prefix}_sb": self.sb, f"{prefix}_sh": self.sh,
+                f"{prefix}_ss": self.ss}
+
+
+def upload_view(run: Runner, role: str, x: np.ndarray, np_dtype) -> Operand:
+    """Upload a 4-D array with its strides where that is cheap (a strided view with unit
+    D stride and a compact span), else a contiguous copy."""
+    if x.dtype != np_dtype:
+        x = x.astype(np_dtype)
+    it = x.itemsize
+    st = [s if n > 1 else 0 for n, s in zip(x.shape, x.strides)]
+    if x.size and (st[3] in (0, it) or x.shape[3] == 1) and all(s >= 0 and s % it == 0 for s in st):
+        span = 1 + sum((n - 1) * (s // it) for n, s in zip(x.shape, st))
+        if span <= 2 * x.size + 4096:
+            flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(it,))
+            buf = run.upload(role, flat)
+            return Operand(buf, 0, st[0] // it, st[1] // it, st[2] // it)
+    c = np.ascontiguousarray(x)
+    buf = run.upload(role, c)
+    s = [v // it for v in c.strides]
+    return Operand(buf, 0, s[0], s[1], s[2])
+
+
+def _bcast_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
+    """Element strides of a C-contiguous array, 0 on size-1 dims."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc if n > 1 else 0)
+        acc *= n
+    return tuple(reversed(out))
+
+
+@dataclass
+class Call:
+    """Everything one forward/backward needs on the device, built once per call."""
+
+    run: Runner
+    cfg: TileConfig
+    B: int
+    HQ: int
+    HKV: int
+    SQ: int
+    SK: int
+    D: int
+    elem: str = "f32"
+    uni: Dict[str, object] = field(default_factory=dict)
+    flags: int = 0
+    bias_buf: object = None
+    aux_buf: object = None
+    q: Optional[Operand] = None
+    k: Optional[Operand] = None
+    v: Optional[Operand] = None
+    g: Optional[Operand] = None
+    debug: bool = False
+    _n_uni: int = 0
+
+    def __post_init__(self):
+        c = self.cfg
+        self.n = self.B * self.HQ * self.SQ
+        self.nqt = ceil_div(self.SQ, c.BQ)
+        self.nkt = ceil_div(self.SK, c.BK)
+        self.uni.update(B=self.B, HQ=self.HQ, HKV=self.HKV, G=self.HQ // self.HKV, SQ=self.SQ,
+                        SK=self.SK, D=self.D, neg_inf=NEG_INF, inv_sk=1.0 / max(self.SK, 1),
+                        nqt=self.nqt, nkt=self.nkt, stat_n=self.n)
+        self.bias_buf = self.aux_buf = self.run.dummy
+        self.limit = self.run.ctx.loop_limit
+        self.launches: List[Launch] = []
+        self.clears: List[object] = []
+
+    # ------------------------------------------------------------------ setup
+    def set_scale(self, scale: float) -> None:
+        self.uni["scale"] = struct.unpack("<f", struct.pack("<f", scale))[0]
+
+    def set_mask(self, rmask, use_tilemap: bool = True) -> None:
+        """Band, documents, keep mask and tile map of an anyattn ResolvedMask -> aux buffer."""
+        from ..._compat_np import to_numpy
+
+        F = FLAGS
+        parts: List[np.ndarray] = []
+        pos = 0
+
+        def put(a: np.ndarray) -> int:
+            nonlocal pos
+            a = np.ascontiguousarray(a).reshape(-1).view(np.uint32)
+            parts.append(a)
+            off = pos
+            pos += a.size
+            return off
+
+        lo_clip = -(self.SQ + 2)
+        hi_clip = self.SK + 2
+        if rmask.band_lo is not None:
+            self.flags |= F["HAS_LO"]
+            self.uni["band_lo"] = int(min(max(rmask.band_lo, lo_clip), hi_clip))
+        if rmask.band_hi is not None:
+            self.flags |= F["HAS_HI"]
+            self.uni["band_hi"] = int(min(max(rmask.band_hi, lo_clip), hi_clip))
+        if rmask.q_ids is not None:
+            qd = to_numpy(rmask.q_ids).astype(np.int64)
+            kd = to_numpy(rmask.k_ids).astype(np.int64)
+            _, inv = np.unique(np.concatenate([qd.ravel(), kd.ravel()]), return_inverse=True)
+            inv = inv.astype(np.int32)
+            qn, kn = inv[:qd.size].reshape(qd.shape), inv[qd.size:].reshape(kd.shape)
+            self.flags |= F["HAS_DOCS"]
+            self.uni["qid_off"] = put(qn)
+            self.uni["qid_sb"] = self.SQ if qn.shape[0] > 1 else 0
+            self.uni["kid_off"] = put(kn)
+            self.uni["kid_sb"] = self.SK if kn.shape[0] > 1 else 0
+        if rmask.keep is not None:
+            km = to_numpy(rmask.keep)
+            km = km.reshape((1,) * (4 - km.ndim) + tuple(km.shape))
+            kf = np.ascontiguousarray(km, dtype=np.float32)
+            sb, sh, si, sj = _bcast_strides(kf.shape)
+            self.flags |= F["HAS_KEEP"]
+            self.uni.update(kp_off=put(kf), kp_sb=sb, kp_sh=sh, kp_si=si, kp_sj=sj)
+        if use_tilemap and not rmask.is_empty_mask:
+            tm = np.asarray(rmask.tile_map(self.cfg.BQ, self.cfg.BK))
+            Bm, Hm, nq, nk = tm.shape
+            assert (nq, nk) == (self.nqt, self.nkt)
+            self.flags |= F["TILEMAP"]
+            self.uni.update(tm_off=put(tm.astype(np.uint32)), tm_sb=(Hm * nq * nk) if Bm > 1 else 0,
+                            tm_sh=(nq * nk) if Hm > 1 else 0)
+        if parts:
+            self.aux_buf = self.run.upload("aux", np.concatenate(parts))
+
+    def set_bias(self, bias: np.ndarray) -> None:
+        b4 = np.ascontiguousarray(bias, dtype=np.float32)
+        b4 = b4.reshape((1,) * (4 - b4.ndim) + b4.shape)
+        sb, sh, si, sj = _bcast_strides(b4.shape)
+        self.bias_buf = self.run.upload("bias", b4)
+        self.flags |= FLAGS["HAS_BIAS"]
+        self.uni.update(bi_off=0, bi_sb=sb, bi_sh=sh, bi_si=si, bi_sj=sj)
+
+    # ---------------------------------------------------------------- launches
+    def _u(self, extra: Dict[str, object]):
+        vals = dict(self.uni)
+        vals.update(extra)
+        buf = self.run.uniform(f"u{self._n_uni}", vals)
+        self._n_uni += 1
+        return buf
+
+    def _operands(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for name in ("q", "k", "v", "g"):
+            op = getattr(self, name)
+            if op is not None:
+                out.update(op.fields(name))
+        return out
+
+    def _tile_buffers(self, ubuf, stats, outb, dsb):
+        d = self.run.dummy
+        bufs = [ubuf] + [getattr(self, n).buf if getattr(self, n) is not None else d
+                         for n in ("q", "k", "v", "g")]
+        return bufs + [self.bias_buf, self.aux_buf, stats, outb, dsb if dsb is not None else d]
+
+    def _tile(self, kernel: str, n_units: int, grid_x: int, n_bh: int, stats, outb, dsb=None,
+              flags: int = 0, extra: Optional[Dict[str, object]] = None, dk=True, dv=True,
+              ml=False) -> None:
+        cfg = self.cfg
+        per = cfg.trips_per_unit(kernel, self.D, dk, dv)
+        pieces = split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
+        pipe = self.run.pipeline(kernel, "tile", cfg.consts(), self.elem, self.debug)
+        base = dict(self._operands())
+        base.update(extra or {})
+        self.pieces = getattr(self, "pieces", {})
+        self.pieces[kernel] = len(pieces)
+        for a, b_ in self.run.bh_chunks(n_bh):
+            for idx, (t0, t1) in enumerate(pieces):
+                fl = self.flags | flags
+                fl |= FLAGS["FIRST"] if idx == 0 else 0
+                fl |= FLAGS["LAST"] if idx == len(pieces) - 1 else 0
+                vals = dict(base, t0=t0, t1=t1, bh0=a, flags=fl)
+                if ml:
+                    vals["ml_rd"] = 2 * self.n + 2 * self.n * ((idx + 1) % 2)
+                    vals["ml_wr"] = 2 * self.n + 2 * self.n * (idx % 2)
+                ubuf = self._u(vals)
+                self.launches.append(Launch(kernel, pipe, "tile",
+                                            self._tile_buffers(ubuf, stats, outb, dsb),
+                                            (grid_x, b_ - a, cfg.slices(self.D))))
+
+    def forward(self, stats, outb) -> None:
+        """out [B, HQ, SQ, D] (f32) into outb, lse into stats[0:n]."""
+        self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
+
+    def delta(self, stats, out_op: Operand, vmean=None) -> None:
+        if self.limit is not None and self.D > self.limit:
+            raise LoopLimitError(f"webgpu kernel 'delta': D={self.D} loop trips > {self.limit}")
+        pipe = self.run.pipeline("delta", "delta", {}, self.elem)
+        vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)
+        ubuf = self._u(vals)
+        self.launches.append(Launch("delta", pipe, "delta",
+                                    [ubuf, self.g.buf, out_op.buf, stats,
+                                     vmean if vmean is not None else self.run.dummy],
+                                    self.run.flat_grid(self.n)))
+
+    def dkdv(self, stats, outb, want_dk: bool, want_dv: bool) -> None:
+        fl = (FLAGS["WANT_DK"] if want_dk else 0) | (FLAGS["WANT_DV"] if want_dv else 0)
+        G = self.HQ // self.HKV
+        self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb,
+                   flags=fl, extra={"out2_off": self.B * self.HKV * self.SK * self.D},
+                   dk=want_dk, dv=want_dv)
+
+    def dq(self, stats, outb, dsb=None) -> None:
+        fl = FLAGS["WRITE_DS"] if dsb is not None else 0
+        self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb, dsb, flags=fl)
+
+    def reduce_dbias(self, dsb, outb, bias_shape: Tuple[int, int, int, int]) -> int:
+        """dbias = dS summed over the broadcast dims -> outb[:numel]; returns numel."""
+        full = (self.B, self.HQ, self.SQ, self.SK)
+        red = [f if s == 1 and f > 1 else 1 for s, f in zip(bias_shape, full)]
+        nred = int(np.prod(red))
+        numel = int(np.prod(bias_shape))
+        pieces = split_range(nred, 1, self.limit, "webgpu kernel 'reduce_dbias'")
+        pipe = self.run.pipeline("reduce_dbias", "reduce", {}, "f32")
+        for idx, (t0, t1) in enumerate(pieces):
+            fl = (FLAGS["FIRST"] if idx == 0 else 0)
+            vals = dict(self.uni, t0=t0, t1=t1, flags=fl, n_out=numel,
+                        red_b=red[0], red_h=red[1], red_i=red[2], red_j=red[3],
+                        db_nb=bias_shape[0], db_nh=bias_shape[1], db_ni=bias_shape[2],
+                        db_nj=bias_shape[3])
+            ubuf = self._u(vals)
+            self.launches.append(Launch("reduce_dbias", pipe, "reduce", [ubuf, dsb, outb],
+                                        self.run.flat_grid(numel)))
+        return numel
+
+    def vmean(self, outb) -> None:
+        numel = self.B * self.HKV * self.D
+        pieces = split_range(self.SK, 1, self.limit, "webgpu kernel 'vmean'")
+        pipe = self.run.pipeline("vmean", "vmean", {}, self.elem)
+        for idx, (t0, t1) in enumerate(pieces):
+            fl = (FLAGS["FIRST"] if idx == 0 else 0) | (FLAGS["LAST"] if idx == len(pieces) - 1 else 0)
+            ubuf = self._u(dict(self.uni, **self.v.fields("v"), t0=t0, t1=t1, flags=fl,
+                                n_out=numel))
+            self.launches.append(Launch("vmean", pipe, "vmean", [ubuf, self.v.buf, outb],
+                                        self.run.flat_grid(numel)))
+
+    def scatter(self, src, arena, rows: int, o: Operand) -> None:
+        numel = self.B * self.HQ * rows * self.D
+        pipe = self.run.pipeline("scatter", "scatter", {}, "f32")
+        ubuf = self._u(dict(self.uni, SQ=rows, n_out=numel, **o.fields("o")))
+        self.launches.append(Launch("scatter", pipe, "scatter", [ubuf, src, arena],
+                                    self.run.flat_grid(numel)))
+
+    def submit(self) -> None:
+        self.run.run(self.launches, self.clears)
+        self.launches, self.clears = [], []

@@ -1,0 +1,267 @@
+"""Launch code: tile configs, loop-trip budgets, persistent buffers, uniforms, dispatch.
+
+Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim.
+Every tiled kernel loops over "units" (key tiles for forward/dq; (query head of
+the group, query tile) pairs for dkdv).  ``Runner.tile_launches`` splits that
+range into pieces whose per-invocation loop trips stay under the device's
+budget (llvmpipe: 65,535, see device.py); a piece continues from the partial
+results of the one before (stored in f32), so a split launch computes exactly
+what one launch would, in the same order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import uniforms
+from .device import Context
+from .pipelines import KernelError, PipelineCache
+
+__all__ = ["TileConfig", "choose_config", "LoopLimitError", "Runner", "Launch", "ceil_div"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class LoopLimitError(NotImplementedError):
+    """A launch would pass the adapter's per-invocation loop-trip limit and cannot be split."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Workgroup TY x TX threads; tiles BQ = 4*TY queries x BK = 4*TX keys; D in
+    chunks of DC; output columns per workgroup DS = 4*TX*NV; update row chunks IC."""
+
+    TX: int = 16
+    TY: int = 16
+    DC: int = 16
+    IC: int = 8
+    NV: int = 2
+
+    @property
+    def BQ(self) -> int:
+        return 4 * self.TY
+
+    @property
+    def BK(self) -> int:
+        return 4 * self.TX
+
+    @property
+    def NT(self) -> int:
+        return self.TX * self.TY
+
+    @property
+    def DS(self) -> int:
+        return 4 * self.TX * self.NV
+
+    def consts(self) -> Dict[str, int]:
+        c = dict(TX=self.TX, TY=self.TY, NT=self.NT, BQ=self.BQ, BK=self.BK, DC=self.DC,
+                 DC4=self.DC // 4, RSQ=self.DC // 4 + 1, NV=self.NV, DS=self.DS,
+                 DS4=self.DS // 4, IC=self.IC, IC4=self.IC // 4, RSP=self.BQ // 4 + 1,
+                 RSP2=self.BK // 4 + 1)
+        return c
+
+    def smem_bytes(self, kernel: str) -> int:
+        c = self.consts()
+        stage = c["BQ"] * c["RSQ"], c["BK"] * c["RSQ"]
+        if kernel == "forward":
+            return 16 * (sum(stage) + c["BQ"] * c["RSP2"]) + 4 * (self.BQ * self.TX + 3 * self.BQ + 1)
+        if kernel == "bwd_dq":
+            return 16 * (2 * sum(stage) + c["BQ"] * c["RSP2"]) + 4
+        return 16 * (2 * sum(stage) + c["BK"] * c["RSP"]) + 4
+
+    def check(self) -> None:
+        c = self.consts()
+        ok = (self.DC % 4 == 0 and self.IC % 4 == 0 and self.BQ % self.IC == 0
+              and self.BK % self.IC == 0
+              and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"])
+        if not ok:
+            raise ValueError(f"inconsistent tile config {self}")
+
+    def slices(self, D: int) -> int:
+        return ceil_div(D, self.DS)
+
+    # ---- loop trips per invocation (mirrors the loops of the kernels) ----------
+    def _sdp(self, D: int) -> int:
+        d4 = self.DC // 4
+        return ceil_div(D, self.DC) * (1 + ceil_div(self.BQ * d4, self.NT)
+                                      + ceil_div(self.BK * d4, self.NT))
+
+    def _upd(self, rows: int) -> int:
+        return (rows // self.IC) * (1 + ceil_div(self.IC * self.DS // 4, self.NT))
+
+    def trips_per_unit(self, kernel: str, D: int, dk: bool = True, dv: bool = True) -> int:
+        if kernel == "forward":
+            return 1 + self._sdp(D) + 2 * self.TX + self._upd(self.BK)
+        if kernel == "bwd_dq":
+            return 1 + self._sdp(D) + self._upd(self.BK)
+        if kernel == "bwd_dkdv":
+            return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv))
+        raise KeyError(kernel)
+
+
+GPU_CONFIGS = (TileConfig(16, 16, 16, 8, 2), TileConfig(8, 8, 16, 8, 2))
+CPU_CONFIGS = (TileConfig(8, 8, 16, 8, 2),)
+
+
+def choose_config(ctx: Context, D: int) -> TileConfig:
+    """The first config whose workgroup memory fits the adapter; NV = 1 for small D."""
+    limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
+    inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
+    for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
+        if D <= 4 * cfg.TX:
+            cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, cfg.IC, 1)
+        if cfg.NT <= inv and all(cfg.smem_bytes(k) <= limit
+                                 for k in ("forward", "bwd_dq", "bwd_dkdv")):
+            cfg.check()
+            return cfg
+    raise NotImplementedError(f"no tile config fits this adapter's workgroup memory "
+                              f"({limit} bytes) and {inv} invocations per workgroup")
+
+
+def split_range(n: int, per_unit: int, limit: Optional[int], what: str) -> List[Tuple[int, int]]:
+    """[0, n) in pieces of at most limit // per_unit units."""
+    if n <= 0:
+        return [(0, 0)]
+    if limit is None:
+        return [(0, n)]
+    m = limit // per_unit
+    if m < 1:
+        raise LoopLimitError(f"{what}: one unit takes {per_unit} loop trips per invocation, "
+                             f"past this adapter's limit of {limit} (llvmpipe stops loops "
+                             "there and returns wrong numbers); use a GPU adapter")
+    return [(a, min(n, a + m)) for a in range(0, n, m)]
+
+
+@dataclass
+class Launch:
+    kernel: str            # shader name (for messages)
+    pipeline: object
+    layout: str
+    buffers: Sequence[object]  # bind-group resources in binding order (0 = uniform)
+    grid: Tuple[int, int, int]
+
+
+_STORAGE = None
+
+
+class Runner:
+    """Persistent buffers (by role name, grown when too small), uniforms, dispatch, read-back."""
+
+    def __init__(self, ctx: Context):
+        import wgpu
+
+        self.wgpu = wgpu
+        self.ctx = ctx
+        self.device = ctx.device
+        self.pipes = PipelineCache(ctx.device)
+        self._bufs: Dict[str, object] = {}
+        self.usage = (wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
+                      | wgpu.BufferUsage.COPY_SRC)
+        self.max_binding = int(ctx.limits["max-storage-buffer-binding-size"])
+        self.max_buffer = int(ctx.limits.get("max-buffer-size", self.max_binding))
+        self.max_groups = int(ctx.limits.get("max-compute-workgroups-per-dimension", 65535))
+        self.dummy = self.buffer("_dummy", 16)
+
+    # ---- buffers -------------------------------------------------------------
+    def check_size(self, role: str, nbytes: int) -> None:
+        lim = min(self.max_binding, self.max_buffer)
+        if nbytes > lim:
+            raise ValueError(f"webgpu: the {role} buffer needs {nbytes} bytes, past this "
+                             f"adapter's max storage binding of {lim} bytes "
+                             f"({self.ctx.name}); use a smaller batch/sequence or another backend")
+
+    def buffer(self, role: str, nbytes: int, uniform: bool = False):
+        nbytes = max(16, (int(nbytes) + 15) // 16 * 16)
+        buf = self._bufs.get(role)
+        if buf is not None and buf.size >= nbytes:
+            return buf
+        if not uniform:
+            self.check_size(role, nbytes)
+        usage = (self.wgpu.BufferUsage.UNIFORM | self.wgpu.BufferUsage.COPY_DST) if uniform \
+            else self.usage
+        if buf is not None:
+            buf.destroy()
+        buf = self.device.create_buffer(label=role, size=nbytes, usage=usage)
+        self._bufs[role] = buf
+        return buf
+
+    def upload(self, role: str, arr: np.ndarray):
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        buf = self.buffer(role, data.nbytes)
+        if data.nbytes % 4:
+            data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
+        if data.nbytes:
+            self.device.queue.write_buffer(buf, 0, data)
+        return buf
+
+    def uniform(self, role: str, values: Dict[str, object]):
+        data = uniforms.pack(values)
+        buf = self.buffer(role, len(data), uniform=True)
+        self.device.queue.write_buffer(buf, 0, data)
+        return buf
+
+    def read(self, buf, count: int, offset_elems: int = 0, dtype=np.float32) -> np.ndarray:
+        nbytes = int(count) * np.dtype(dtype).itemsize
+        if nbytes == 0:
+            return np.zeros(0, dtype)
+        off = int(offset_elems) * np.dtype(dtype).itemsize
+        try:
+            mem = self.device.queue.read_buffer(buf, off, nbytes)
+        except Exception as e:
+            raise KernelError(f"webgpu: reading back {buf.label!r} failed (device lost?): {e}") from e
+        return np.frombuffer(mem, dtype=dtype).copy()
+
+    # ---- dispatch -------------------------------------------------------------
+    def pipeline(self, kernel: str, layout: str, consts: Dict[str, int], elem: str = "f32",
+                 debug: bool = False):
+        return self.pipes.get(kernel, layout, consts, elem, debug)
+
+    def run(self, launches: Sequence[Launch], clears: Sequence[object] = ()) -> None:
+        """Encode and submit: clears first, then every launch in order (one compute pass)."""
+        dev = self.device
+        names = sorted({l.kernel for l in launches})
+        try:
+            enc = dev.create_command_encoder()
+            for buf in clears:
+                enc.clear_buffer(buf)
+            cp = enc.begin_compute_pass()
+            for l in launches:
+                if 0 in l.grid:
+                    continue
+                for n, what in zip(l.grid, "xyz"):
+                    if n > self.max_groups:
+                        raise ValueError(f"webgpu kernel {l.kernel!r}: {n} workgroups along {what}"
+                                         f" > this adapter's limit {self.max_groups}")
+                bgl = self.pipes.layouts[l.layout][0]
+                entries = []
+                for i, b in enumerate(l.buffers):
+                    entries.append({"binding": i, "resource": {"buffer": b, "offset": 0,
+                                                               "size": b.size}})
+                bg = dev.create_bind_group(layout=bgl, entries=entries)
+                cp.set_pipeline(l.pipeline)
+                cp.set_bind_group(0, bg)
+                cp.dispatch_workgroups(*l.grid)
+            cp.end()
+            dev.queue.submit([enc.finish()])
+        except ValueError:
+            raise
+        except Exception as e:
+            raise KernelError(f"webgpu kernels {names} failed to launch: {e}") from e
+
+    def bh_chunks(self, n: int) -> List[Tuple[int, int]]:
+        """Split the batch*heads grid dim at the adapter's workgroup-count limit."""
+        m = self.max_groups
+        return [(a, min(n, a + m)) for a in range(0, max(n, 1), m)]
+
+    def flat_grid(self, n_items: int, per_group: int = 64) -> Tuple[int, int, int]:
+        g = ceil_div(n_items, per_group)
+        gx = min(g, self.max_groups)
+        gy = ceil_div(g, gx) if g else 0
+        if gy > self.max_groups:
+            raise ValueError(f"webgpu: {n_items} items exceed the dispatch limits")
+        return (gx, gy, 1)

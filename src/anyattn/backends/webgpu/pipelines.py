@@ -1,0 +1,188 @@
+"""WGSL assembly and the compute-pipeline cache.
+
+Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
+
+* ``//@include NAME``   -> the text of ``shaders/NAME.wgsl``
+* ``//@define X [val]`` / ``//@undef X`` / ``//@if X`` ... ``//@endif X``; ``$X$`` -> val
+* ``//@for n COUNT`` ... ``//@end n``  -> the block COUNT times (a number or a
+  constant name), ``{n}`` -> ``0u, 1u, ..`` and ``{n#}`` -> ``0, 1, ..``.  Unrolled
+  blocks give register indices and are no loops for llvmpipe's trip limit.
+* ``//@loaders`` -> vec4 loaders ``ld4_q/k/v/g`` (bounds-checked over D) and
+  ``ld4_out``/``st4_out`` for the f32 output buffer.
+* ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
+  written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
+
+The cache key is the final source text (constants and element type included)
+plus the bind-group layout name, so one specialization compiles once per device.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Dict, Mapping
+
+from .uniforms import wgsl_struct
+
+__all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS"]
+
+SHADER_DIR = Path(__file__).resolve().parent / "shaders"
+
+
+class KernelError(RuntimeError):
+    """A WGSL kernel failed to compile or to run; the message names the kernel."""
+
+
+def _read(name: str) -> str:
+    return (SHADER_DIR / f"{name}.wgsl").read_text()
+
+
+def _loaders() -> str:
+    out = []
+    for name, buf in (("q", "qb"), ("k", "kb"), ("v", "vb"), ("g", "gb")):
+        out.append(f"""
+fn ld4_{name}(base: u32, d: u32) -> vec4<f32> {{
+  if (d + 3u < U.D) {{
+    return vec4<f32>(f32({buf}[base + d]), f32({buf}[base + d + 1u]), f32({buf}[base + d + 2u]),
+                     f32({buf}[base + d + 3u]));
+  }}
+  var r = vec4<f32>(0.0);
+  if (d < U.D) {{ r.x = f32({buf}[base + d]); }}
+  if (d + 1u < U.D) {{ r.y = f32({buf}[base + d + 1u]); }}
+  if (d + 2u < U.D) {{ r.z = f32({buf}[base + d + 2u]); }}
+  return r;
+}}""")
+    out.append("""
+fn ld4_out(base: u32, d: u32) -> vec4<f32> {
+  var r = vec4<f32>(0.0);
+  if (d < U.D) { r.x = outb[base + d]; }
+  if (d + 1u < U.D) { r.y = outb[base + d + 1u]; }
+  if (d + 2u < U.D) { r.z = outb[base + d + 2u]; }
+  if (d + 3u < U.D) { r.w = outb[base + d + 3u]; }
+  return r;
+}
+fn st4_out(base: u32, d: u32, x: vec4<f32>) {
+  if (d < U.D) { outb[base + d] = x.x; }
+  if (d + 1u < U.D) { outb[base + d + 1u] = x.y; }
+  if (d + 2u < U.D) { outb[base + d + 2u] = x.z; }
+  if (d + 3u < U.D) { outb[base + d + 3u] = x.w; }
+}""")
+    return "\n".join(out) + "\n"
+
+
+def _expand_includes(text: str, depth: int = 0) -> str:
+    if depth > 8:
+        raise KernelError("WGSL include nesting too deep")
+    return re.sub(r"^[ \t]*//@include (\w+)[ \t]*$",
+                  lambda m: _expand_includes(_read(m.group(1)), depth + 1), text, flags=re.M)
+
+
+def _conditionals(text: str) -> str:
+    defs: Dict[str, str] = {}
+    out, skip = [], []
+    for line in text.split("\n"):
+        st = line.strip()
+        m = re.match(r"//@(define|undef|if|endif) (\w+)(?: (\S+))?$", st)
+        if m:
+            kind, name, val = m.groups()
+            if kind == "if":
+                skip.append(name not in defs)
+            elif kind == "endif":
+                skip.pop()
+            elif not any(skip):
+                if kind == "define":
+                    defs[name] = val if val is not None else "1"
+                else:
+                    defs.pop(name, None)
+            continue
+        if any(skip):
+            continue
+        out.append(re.sub(r"\$(\w+)\$", lambda mm: defs[mm.group(1)], line))
+    if skip:
+        raise KernelError("unbalanced //@if in WGSL source")
+    return "\n".join(out)
+
+
+_FOR = re.compile(r"^[ \t]*//@for (\w+) (\w+)[ \t]*\n(.*?)^[ \t]*//@end \1[ \t]*\n",
+                  flags=re.M | re.S)
+
+
+def _unroll(text: str, consts: Mapping[str, int]) -> str:
+    while True:
+        m = _FOR.search(text)
+        if not m:
+            return text
+        name, count, body = m.groups()
+        n = int(count) if count.isdigit() else int(consts[count])
+        rep = "".join(body.replace("{%s}" % name, f"{k}u").replace("{%s#}" % name, str(k))
+                      for k in range(n))
+        text = text[:m.start()] + rep + text[m.end():]
+
+
+def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
+                 debug: bool = False) -> str:
+    """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants."""
+    text = _expand_includes(_read(kernel))
+    text = _conditionals(text)
+    text = _unroll(text, consts)
+    text = text.replace("//@loaders", _loaders())
+    text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
+    dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"
+           if debug else "")
+    text = text.replace("DEBUG_TRIPS1", "").replace("DEBUG_TRIPS", dbg)
+    head = ["enable f16;"] if elem == "f16" else []
+    head.append(f"alias T = {elem};")
+    head += [f"const {k}: u32 = {int(v)}u;" for k, v in sorted(consts.items())]
+    return "\n".join(head) + "\n" + wgsl_struct() + text
+
+
+# binding kinds per layout: 'u' uniform, 'r' read-only storage, 'w' read-write storage
+LAYOUTS = {
+    "tile": "urrrrrrwww",     # U q k v dout bias aux | stats out ds
+    "delta": "urrwr",         # U dout out stats vmean
+    "reduce": "urw",          # U ds out
+    "vmean": "urw",           # U v out
+    "scatter": "urw",         # U src arena
+}
+
+
+class PipelineCache:
+    """Compiled pipelines of one device, keyed by (source, layout)."""
+
+    def __init__(self, device):
+        import wgpu
+
+        self._wgpu = wgpu
+        self.device = device
+        self._pipes: Dict[str, object] = {}
+        self.layouts: Dict[str, object] = {}
+        for name, kinds in LAYOUTS.items():
+            entries = []
+            for i, k in enumerate(kinds):
+                ty = {"u": wgpu.BufferBindingType.uniform,
+                      "r": wgpu.BufferBindingType.read_only_storage,
+                      "w": wgpu.BufferBindingType.storage}[k]
+                entries.append({"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+                                "buffer": {"type": ty}})
+            bgl = device.create_bind_group_layout(entries=entries)
+            self.layouts[name] = (bgl, device.create_pipeline_layout(bind_group_layouts=[bgl]))
+
+    def __len__(self) -> int:
+        return len(self._pipes)
+
+    def get(self, kernel: str, layout: str, consts: Mapping[str, int], elem: str = "f32",
+            debug: bool = False):
+        src = build_source(kernel, consts, elem, debug)
+        key = hashlib.sha1((layout + "\0" + src).encode()).hexdigest()
+        pipe = self._pipes.get(key)
+        if pipe is None:
+            try:
+                mod = self.device.create_shader_module(label=kernel, code=src)
+                pipe = self.device.create_compute_pipeline(
+                    label=kernel, layout=self.layouts[layout][1],
+                    compute={"module": mod, "entry_point": "main"})
+            except Exception as e:  # wgpu raises GPUValidationError and friends
+                raise KernelError(f"webgpu kernel {kernel!r} ({elem}, {dict(consts)}) failed "
+                                  f"to compile: {e}") from e
+            self._pipes[key] = pipe
+        return pipe

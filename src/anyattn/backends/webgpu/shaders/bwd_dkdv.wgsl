@@ -1,0 +1,101 @@
+// dK/dV pass: one workgroup per (key tile kt, batch b x kv head, column slice).
+// Loops over units u in [t0, t1) = (query head g of the kv group, query tile qt),
+// recomputing S and dP, and accumulates in registers (no atomics):
+//   dV[j, :] += sum_i P[i, j] dO[i, :]        dK[j, :] += scale * sum_i dS[i, j] Q[i, :]
+// Accumulators: rows j0 + ty*4 + r, vec4 columns dbase + 4*(tx + TX*v).
+//@include common
+var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
+var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk [BK][DC]
+var<workgroup> sg: array<vec4<f32>, BQ * RSQ>;   // dO chunk [BQ][DC] (then dO slice rows)
+var<workgroup> sv: array<vec4<f32>, BK * RSQ>;   // V chunk [BK][DC]
+var<workgroup> st: array<vec4<f32>, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
+
+@compute @workgroup_size(NT)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+  let tx = lid % TX;
+  let ty = lid / TX;
+  let kt = wid.x;
+  let bh = wid.y + U.bh0;
+  let b = bh / U.HKV;
+  let kvh = bh % U.HKV;
+  let dbase = wid.z * DS;
+  let j0 = kt * BK;
+  let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
+  let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  let want_dk = (U.flags & F_WANT_DK) != 0u;
+  let want_dv = (U.flags & F_WANT_DV) != 0u;
+  var adk: array<vec4<f32>, 4 * NV>;
+  var adv: array<vec4<f32>, 4 * NV>;
+  if ((U.flags & F_FIRST) == 0u) {   // continue a split launch: reload the partial sums
+    //@for r 4
+    //@for v NV
+    {
+      let j = j0 + ty * 4u + {r};
+      let d = dbase + 4u * (tx + {v} * TX);
+      if (j < U.SK) {
+        let o = (bh * U.SK + j) * U.D;
+        adk[{r#} * NV + {v#}] = ld4_out(o, d);
+        adv[{r#} * NV + {v#}] = ld4_out(U.out2_off + o, d);
+      }
+    }
+    //@end v
+    //@end r
+  }
+  for (var u = U.t0; u < U.t1; u++) {
+    TRIP
+    let g = u / U.nqt;
+    let qt = u % U.nqt;
+    let h = kvh * U.G + g;
+    if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
+    let code = workgroupUniformLoad(&wg_code);
+    if (code == 0u) { continue; }
+    let i0 = qt * BQ;
+    let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
+    let gbase = U.g_off + b * U.g_sb + h * U.g_sh;
+    var s: array<vec4<f32>, 4>;
+    var dp: array<vec4<f32>, 4>;
+    //@define DP
+    //@include sdp
+    //@include pds
+    if (want_dv) {
+      //@for c 4
+      st[(tx + {c} * TX) * RSP + ty] = vec4<f32>(p[0][{c#}], p[1][{c#}], p[2][{c#}], p[3][{c#}]);
+      //@end c
+      workgroupBarrier();
+      //@define UPD_SRC g
+      //@define UPD_ACC adv
+      //@include upd_kv
+      //@undef UPD_SRC
+      //@undef UPD_ACC
+    }
+    if (want_dk) {
+      //@for c 4
+      st[(tx + {c} * TX) * RSP + ty] = vec4<f32>(ds[0][{c#}], ds[1][{c#}], ds[2][{c#}], ds[3][{c#}]);
+      //@end c
+      workgroupBarrier();
+      //@define UPD_SRC q
+      //@define UPD_ACC adk
+      //@include upd_kv
+      //@undef UPD_SRC
+      //@undef UPD_ACC
+    }
+  }
+  let last = (U.flags & F_LAST) != 0u;
+  //@for r 4
+  //@for v NV
+  {
+    let j = j0 + ty * 4u + {r};
+    let d = dbase + 4u * (tx + {v} * TX);
+    if (j < U.SK) {
+      let o = (bh * U.SK + j) * U.D;
+      var k4 = adk[{r#} * NV + {v#}];
+      if (last) { k4 = k4 * U.scale; }
+      if (want_dk) { st4_out(o, d, k4); }
+      if (want_dv) { st4_out(U.out2_off + o, d, adv[{r#} * NV + {v#}]); }
+    }
+  }
+  //@end v
+  //@end r
+  DEBUG_TRIPS
+}

@@ -1,0 +1,113 @@
+// dQ pass: one workgroup per (query tile qt, batch b x query head h, column slice).
+// Loops over key tiles kt in [t0, t1), recomputing S and dP:
+//   dQ[i, :] += scale * sum_j dS[i, j] K[j, :]
+// and, with F_WRITE_DS (column slice 0 only), stores dS into dsb [B, HQ, SQ, SK]
+// for the dbias reduction.  Accumulators: rows i0 + ty*4 + r, vec4 columns
+// dbase + 4*(tx + TX*v).
+//@include common
+var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk
+var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk (then K slice rows)
+var<workgroup> sg: array<vec4<f32>, BQ * RSQ>;   // dO chunk
+var<workgroup> sv: array<vec4<f32>, BK * RSQ>;   // V chunk
+var<workgroup> sp: array<vec4<f32>, BQ * RSP2>;  // dS [BQ][BK], vec4 along j
+
+@compute @workgroup_size(NT)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+  let tx = lid % TX;
+  let ty = lid / TX;
+  let qt = wid.x;
+  let bh = wid.y + U.bh0;
+  let b = bh / U.HQ;
+  let h = bh % U.HQ;
+  let kvh = h / U.G;
+  let dbase = wid.z * DS;
+  let i0 = qt * BQ;
+  let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
+  let gbase = U.g_off + b * U.g_sb + h * U.g_sh;
+  let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
+  let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  let write_ds = (U.flags & F_WRITE_DS) != 0u && wid.z == 0u;
+  var acc: array<vec4<f32>, 4 * NV>;
+  if ((U.flags & F_FIRST) == 0u) {
+    //@for r 4
+    //@for v NV
+    {
+      let i = i0 + ty * 4u + {r};
+      if (i < U.SQ) { acc[{r#} * NV + {v#}] = ld4_out((bh * U.SQ + i) * U.D, dbase + 4u * (tx + {v} * TX)); }
+    }
+    //@end v
+    //@end r
+  }
+  for (var kt = U.t0; kt < U.t1; kt++) {
+    TRIP
+    if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
+    let code = workgroupUniformLoad(&wg_code);
+    if (code == 0u) { continue; }
+    let j0 = kt * BK;
+    var s: array<vec4<f32>, 4>;
+    var dp: array<vec4<f32>, 4>;
+    //@define DP
+    //@include sdp
+    //@include pds
+    //@for r 4
+    //@for c 4
+    {
+      let jl = tx + {c} * TX;
+      sp[(ty * 4u + {r}) * RSP2 + jl / 4u][jl % 4u] = ds[{r}][{c#}];
+      if (write_ds) {
+        let i = i0 + ty * 4u + {r};
+        let j = j0 + jl;
+        if (i < U.SQ && j < U.SK) { dsb[(bh * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
+      }
+    }
+    //@end c
+    //@end r
+    workgroupBarrier();
+    for (var jc = 0u; jc < BK; jc += IC) {
+      TRIP
+      for (var e = lid; e < IC * DS4; e += NT) {
+        TRIP
+        let r = e / DS4;
+        let c = e % DS4;
+        let j = j0 + jc + r;
+        var a = vec4<f32>(0.0);
+        if (j < U.SK) { a = ld4_k(kbase + j * U.k_ss, dbase + 4u * c); }
+        sk[e] = a;
+      }
+      workgroupBarrier();
+      //@for jj IC4
+      {
+        //@for r 4
+        let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + {jj}];
+        //@end r
+        //@for w 4
+        //@for v NV
+        {
+          let x = sk[({jj} * 4u + {w}) * DS4 + tx + {v} * TX];
+          //@for r 4
+          acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
+          //@end r
+        }
+        //@end v
+        //@end w
+      }
+      //@end jj
+      workgroupBarrier();
+    }
+  }
+  let last = (U.flags & F_LAST) != 0u;
+  //@for r 4
+  //@for v NV
+  {
+    let i = i0 + ty * 4u + {r};
+    if (i < U.SQ) {
+      var a = acc[{r#} * NV + {v#}];
+      if (last) { a = a * U.scale; }
+      st4_out((bh * U.SQ + i) * U.D, dbase + 4u * (tx + {v} * TX), a);
+    }
+  }
+  //@end v
+  //@end r
+  DEBUG_TRIPS
+}

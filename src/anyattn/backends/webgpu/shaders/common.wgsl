@@ -1,0 +1,46 @@
+// Shared bindings and helpers of the tiled kernels (forward, dq, dkdv).
+// Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim;
+// tiles BQ x BK; workgroup TY x TX threads, each owning a 4 x 4 score micro-tile
+// (rows ty*4 + r, columns tx + TX*c) and 4 x NV vec4 output columns.
+@group(0) @binding(0) var<uniform> U: Uni;
+@group(0) @binding(1) var<storage, read> qb: array<T>;
+@group(0) @binding(2) var<storage, read> kb: array<T>;
+@group(0) @binding(3) var<storage, read> vb: array<T>;
+@group(0) @binding(4) var<storage, read> gb: array<T>;
+@group(0) @binding(5) var<storage, read> biasb: array<f32>;
+@group(0) @binding(6) var<storage, read> aux: array<u32>;
+@group(0) @binding(7) var<storage, read_write> stats: array<f32>;
+@group(0) @binding(8) var<storage, read_write> outb: array<f32>;
+@group(0) @binding(9) var<storage, read_write> dsb: array<f32>;
+
+var<private> trips: u32;
+var<workgroup> wg_code: u32;
+
+// Keep rule of pair (i, j) of head h: band, documents, keep mask (NaN keeps).
+fn keep_ij(b: u32, h: u32, i: u32, j: u32) -> bool {
+  let f = U.flags;
+  let dl = i32(j) - i32(i);
+  var ok = true;
+  if ((f & F_HAS_LO) != 0u) { ok = ok && (dl >= U.band_lo); }
+  if ((f & F_HAS_HI) != 0u) { ok = ok && (dl <= U.band_hi); }
+  if ((f & F_HAS_DOCS) != 0u) {
+    ok = ok && (aux[U.qid_off + b * U.qid_sb + i] == aux[U.kid_off + b * U.kid_sb + j]);
+  }
+  if ((f & F_HAS_KEEP) != 0u) {
+    let m = bitcast<f32>(aux[U.kp_off + b * U.kp_sb + h * U.kp_sh + i * U.kp_si + j * U.kp_sj]);
+    ok = ok && !(m < 0.5);
+  }
+  return ok;
+}
+
+fn bias_ij(b: u32, h: u32, i: u32, j: u32) -> f32 {
+  return biasb[U.bi_off + b * U.bi_sb + h * U.bi_sh + i * U.bi_si + j * U.bi_sj];
+}
+
+// Tile code: 0 empty (skip), 1 partial (test every pair), 2 full (no test).
+fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
+  if ((U.flags & F_TILEMAP) == 0u) { return 1u; }
+  return aux[U.tm_off + b * U.tm_sb + h * U.tm_sh + qt * U.nkt + kt];
+}
+
+//@loaders

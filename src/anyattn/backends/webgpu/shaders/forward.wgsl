@@ -1,0 +1,202 @@
+// Forward: one workgroup per (query tile qt, batch b x query head h, column slice).
+// Online softmax over key tiles kt in [t0, t1):
+//   m_i = running max, l_i = running sum, acc[i, :] = sum_j exp(s_ij - m_i) V[j, :]
+// With F_LAST: out = acc / l (0 on an empty row), lse = m + log(l) (-inf on an empty
+// row) into stats[row]; otherwise acc (outb), m and l (stats[ml_wr + row],
+// stats[ml_wr + n + row]) are stored for the next piece of a split launch, which
+// reads them from ml_rd (two alternating sets: column slices read while slice 0 writes).
+//@include common
+var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk
+var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk (then V slice rows)
+var<workgroup> sp: array<vec4<f32>, BQ * RSP2>;  // P [BQ][BK], vec4 along j
+var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / sum
+var<workgroup> rowm: array<f32, BQ>;
+var<workgroup> rowl: array<f32, BQ>;
+var<workgroup> rowa: array<f32, BQ>;
+
+@compute @workgroup_size(NT)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+  let tx = lid % TX;
+  let ty = lid / TX;
+  let qt = wid.x;
+  let bh = wid.y + U.bh0;
+  let b = bh / U.HQ;
+  let h = bh % U.HQ;
+  let kvh = h / U.G;
+  let dbase = wid.z * DS;
+  let i0 = qt * BQ;
+  let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
+  let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
+  let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  let first = (U.flags & F_FIRST) != 0u;
+  var acc: array<vec4<f32>, 4 * NV>;
+  if (lid < BQ) {
+    let i = i0 + lid;
+    var m = U.neg_inf;
+    var l = 0.0;
+    if (!first && i < U.SQ) {
+      let row = bh * U.SQ + i;
+      m = stats[U.ml_rd + row];
+      l = stats[U.ml_rd + U.stat_n + row];
+    }
+    rowm[lid] = m;
+    rowl[lid] = l;
+  }
+  if (!first) {
+    //@for r 4
+    //@for v NV
+    {
+      let i = i0 + ty * 4u + {r};
+      if (i < U.SQ) { acc[{r#} * NV + {v#}] = ld4_out((bh * U.SQ + i) * U.D, dbase + 4u * (tx + {v} * TX)); }
+    }
+    //@end v
+    //@end r
+  }
+  for (var kt = U.t0; kt < U.t1; kt++) {
+    TRIP
+    if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
+    let code = workgroupUniformLoad(&wg_code);
+    if (code == 0u) { continue; }
+    let j0 = kt * BK;
+    var s: array<vec4<f32>, 4>;
+    //@undef DP
+    //@include sdp
+    // scores, masked to -inf; partial row maxima
+    //@for r 4
+    {
+      let i = i0 + ty * 4u + {r};
+      var mx = U.neg_inf;
+      //@for c 4
+      {
+        let j = j0 + tx + {c} * TX;
+        var x = U.neg_inf;
+        if (i < U.SQ && j < U.SK) {
+          var kept = true;
+          if (code == 1u) { kept = keep_ij(b, h, i, j); }
+          if (kept) {
+            x = s[{r}][{c#}] * U.scale;
+            if ((U.flags & F_HAS_BIAS) != 0u) { x += bias_ij(b, h, i, j); }
+          }
+        }
+        s[{r}][{c#}] = x;
+        mx = max(mx, x);
+      }
+      //@end c
+      red[(ty * 4u + {r}) * TX + tx] = mx;
+    }
+    //@end r
+    workgroupBarrier();
+    if (lid < BQ) {
+      let mo = rowm[lid];
+      var m = mo;
+      for (var t = 0u; t < TX; t++) {
+        TRIP
+        m = max(m, red[lid * TX + t]);
+      }
+      var a = 0.0;
+      if (mo > -3.0e38) { a = exp(mo - m); }
+      rowa[lid] = a;
+      rowm[lid] = m;
+    }
+    workgroupBarrier();
+    //@for r 4
+    {
+      let m = rowm[ty * 4u + {r}];
+      var sm = 0.0;
+      //@for c 4
+      {
+        var pv = 0.0;
+        if (m > -3.0e38 || m != m) { pv = exp(s[{r}][{c#}] - m); }
+        let jl = tx + {c} * TX;
+        sp[(ty * 4u + {r}) * RSP2 + jl / 4u][jl % 4u] = pv;
+        sm += pv;
+      }
+      //@end c
+      red[(ty * 4u + {r}) * TX + tx] = sm;
+      let a = rowa[ty * 4u + {r}];
+      //@for v NV
+      acc[{r#} * NV + {v#}] *= a;
+      //@end v
+    }
+    //@end r
+    workgroupBarrier();
+    if (lid < BQ) {
+      var l = rowl[lid] * rowa[lid];
+      for (var t = 0u; t < TX; t++) {
+        TRIP
+        l += red[lid * TX + t];
+      }
+      rowl[lid] = l;
+    }
+    for (var jc = 0u; jc < BK; jc += IC) {
+      TRIP
+      for (var e = lid; e < IC * DS4; e += NT) {
+        TRIP
+        let r = e / DS4;
+        let c = e % DS4;
+        let j = j0 + jc + r;
+        var a = vec4<f32>(0.0);
+        if (j < U.SK) { a = ld4_v(vbase + j * U.v_ss, dbase + 4u * c); }
+        sk[e] = a;
+      }
+      workgroupBarrier();
+      //@for jj IC4
+      {
+        //@for r 4
+        let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + {jj}];
+        //@end r
+        //@for w 4
+        //@for v NV
+        {
+          let x = sk[({jj} * 4u + {w}) * DS4 + tx + {v} * TX];
+          //@for r 4
+          acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
+          //@end r
+        }
+        //@end v
+        //@end w
+      }
+      //@end jj
+      workgroupBarrier();
+    }
+  }
+  workgroupBarrier();
+  let last = (U.flags & F_LAST) != 0u;
+  //@for r 4
+  {
+    let il = ty * 4u + {r};
+    let i = i0 + il;
+    if (i < U.SQ) {
+      let l = rowl[il];
+      let o = (bh * U.SQ + i) * U.D;
+      //@for v NV
+      {
+        var a = acc[{r#} * NV + {v#}];
+        if (last) {
+          if (l == 0.0) { a = vec4<f32>(0.0); } else { a = a / l; }
+        }
+        st4_out(o, dbase + 4u * (tx + {v} * TX), a);
+      }
+      //@end v
+    }
+  }
+  //@end r
+  if (lid < BQ && wid.z == 0u) {
+    let i = i0 + lid;
+    if (i < U.SQ) {
+      let row = bh * U.SQ + i;
+      let m = rowm[lid];
+      let l = rowl[lid];
+      if (last) {
+        var lse = m + log(l);
+        if (l == 0.0) { lse = U.neg_inf; }
+        stats[row] = lse;
+      } else {
+        stats[U.ml_wr + row] = m;
+        stats[U.ml_wr + U.stat_n + row] = l;
+      }
+    }
+  }
+  DEBUG_TRIPS
+}

@@ -1,0 +1,72 @@
+"""The uniform block every anyattn WGSL kernel reads (group 0, binding 0).
+
+One flat struct of 4-byte scalars; the WGSL text of the struct is generated
+from ``FIELDS`` so the shader and the packer cannot disagree.  Offsets and
+strides count elements of the bound buffer (u32); a broadcast dim has stride 0.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict
+
+__all__ = ["FIELDS", "FLAGS", "wgsl_struct", "pack", "NBYTES"]
+
+# (name, wgsl type) in order; every entry is 4 bytes.
+FIELDS = [
+    ("B", "u32"), ("HQ", "u32"), ("HKV", "u32"), ("G", "u32"),
+    ("SQ", "u32"), ("SK", "u32"), ("D", "u32"), ("flags", "u32"),
+    ("scale", "f32"), ("band_lo", "i32"), ("band_hi", "i32"), ("inv_sk", "f32"),
+    ("neg_inf", "f32"), ("t0", "u32"), ("t1", "u32"), ("bh0", "u32"),
+    ("q_off", "u32"), ("q_sb", "u32"), ("q_sh", "u32"), ("q_ss", "u32"),
+    ("k_off", "u32"), ("k_sb", "u32"), ("k_sh", "u32"), ("k_ss", "u32"),
+    ("v_off", "u32"), ("v_sb", "u32"), ("v_sh", "u32"), ("v_ss", "u32"),
+    ("g_off", "u32"), ("g_sb", "u32"), ("g_sh", "u32"), ("g_ss", "u32"),
+    ("o_off", "u32"), ("o_sb", "u32"), ("o_sh", "u32"), ("o_ss", "u32"),
+    ("bi_off", "u32"), ("bi_sb", "u32"), ("bi_sh", "u32"), ("bi_si", "u32"),
+    ("bi_sj", "u32"), ("kp_off", "u32"), ("kp_sb", "u32"), ("kp_sh", "u32"),
+    ("kp_si", "u32"), ("kp_sj", "u32"), ("qid_off", "u32"), ("qid_sb", "u32"),
+    ("kid_off", "u32"), ("kid_sb", "u32"), ("tm_off", "u32"), ("tm_sb", "u32"),
+    ("tm_sh", "u32"), ("nqt", "u32"), ("nkt", "u32"), ("stat_n", "u32"),
+    ("out2_off", "u32"), ("n_out", "u32"), ("red_b", "u32"), ("red_h", "u32"),
+    ("red_i", "u32"), ("red_j", "u32"), ("db_sb", "u32"), ("db_sh", "u32"),
+    ("db_si", "u32"), ("db_sj", "u32"), ("db_nb", "u32"), ("db_nh", "u32"),
+    ("db_ni", "u32"), ("db_nj", "u32"), ("ml_rd", "u32"), ("ml_wr", "u32"),
+]
+while len(FIELDS) % 4:
+    FIELDS.append((f"_pad{len(FIELDS)}", "u32"))
+NBYTES = 4 * len(FIELDS)
+
+#: bits of ``flags``
+FLAGS = dict(HAS_LO=1, HAS_HI=2, HAS_DOCS=4, HAS_KEEP=8, HAS_BIAS=16, QUIRK=32,
+             FIRST=64, LAST=128, TILEMAP=256, WRITE_DS=512, WANT_DK=1024, WANT_DV=2048)
+
+_FMT = {"u32": "I", "i32": "i", "f32": "f"}
+
+
+def wgsl_struct() -> str:
+    body = ",\n".join(f"  {n}: {t}" for n, t in FIELDS)
+    consts = "\n".join(f"const F_{k}: u32 = {v}u;" for k, v in FLAGS.items())
+    return f"struct Uni {{\n{body},\n}};\n{consts}\n"
+
+
+def pack(values: Dict[str, object]) -> bytes:
+    """Values by field name (missing -> 0) -> the little-endian uniform bytes."""
+    unknown = set(values) - {n for n, _ in FIELDS}
+    if unknown:
+        raise KeyError(f"unknown uniform fields {sorted(unknown)}")
+    out = []
+    for n, t in FIELDS:
+        v = values.get(n, 0)
+        if t == "u32":
+            v = int(v)
+            if not 0 <= v < 1 << 32:
+                raise OverflowError(f"uniform field {n}={v} does not fit a u32 (an index past "
+                                    "2**32 elements); split the problem")
+        elif t == "i32":
+            v = int(v)
+            if not -(1 << 31) <= v < 1 << 31:
+                raise OverflowError(f"uniform field {n}={v} does not fit an i32")
+        else:
+            v = float(v)
+        out.append(struct.pack("<" + _FMT[t], v))
+    return b"".join(out)

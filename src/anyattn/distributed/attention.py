@@ -1,0 +1,218 @@
+"""``ring_attention``: context-parallel attention over a ring of ranks, with autograd.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads, N ranks, S global
+sequence length, S_loc = S/N local length, L chunk length (S_loc or S_loc/2),
+D head dim.  Local tensors are [B, H, S_loc, D] (``layout="bhsd"``) or
+[B, S_loc, H, D] (``layout="bshd"``).
+
+Forward, on rank r: N steps; at step t the rank holds the key/value shard of
+rank (r - t) mod N, posts the exchange that passes it on (next rank) and
+brings the following one (previous rank), computes its chunk pairs with the
+core ``anyattn.attention(..., return_lse=True, q_offset, k_offset)`` and
+merges each partial into float32 accumulators through the lse.
+
+Backward: the same ring of K/V; each block pair runs
+``anyattn.attention_backward`` with the FINAL merged out/lse of its rows,
+which makes the blockwise gradients exact (P_block = exp(s - lse_final),
+delta = rowsum(dout * out_final)).  dq accumulates locally; dk/dv partials
+for the visiting shard are added to the sums that arrived with it and sent on,
+so after N hops each shard's dk/dv is back at its owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..api import attention, attention_backward
+from ..backends.registry import choose
+from ..masks import Mask
+from ..problem import describe
+from .blockmask import GlobalMask
+from .merge import merge_into
+from .plan import RingPlan
+from .ring import Ring
+from .sharding import SHARDINGS, chunk_count
+
+__all__ = ["ring_attention"]
+
+#: backends whose backward recomputes the softmax from its own (block-local)
+#: keys instead of using the out/lse it is given: blockwise ring gradients
+#: would be wrong with them.  tests/distributed/test_units.py checks this list.
+RECOMPUTES_OUT_LSE = frozenset({"reference"})
+
+_TAG_KV, _TAG_DKV = 0, 2
+
+
+@dataclass
+class _Setup:
+    """Everything a call needs besides the tensors."""
+
+    ring: Ring
+    plan: RingPlan
+    scale: Optional[float]
+    backend: Optional[str]
+    precision: Optional[str]
+
+
+def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------- forward
+def _forward(s: _Setup, q, k, v):
+    """-> (out [B,Hq,S_loc,D] in q's dtype, lse [B,Hq,S_loc] float32/float64)."""
+    B, Hq, S_loc, D = q.shape
+    acc = _acc_dtype(q.dtype)
+    o_acc = torch.zeros((B, Hq, S_loc, D), dtype=acc, device=q.device)
+    lse_acc = torch.full((B, Hq, S_loc), float("-inf"), dtype=acc, device=q.device)
+    kv = [k.contiguous(), v.contiguous()]
+    N = s.ring.size
+    for t in range(N):
+        ex = s.ring.exchange(kv, _TAG_KV) if t < N - 1 else None   # overlaps the compute
+        kt, vt = kv
+        for c in s.plan.calls(t):
+            o, lse = attention(q[:, :, c.q_rows], kt[:, :, c.k_rows], vt[:, :, c.k_rows],
+                               mask=c.mask, scale=s.scale, return_lse=True,
+                               backend=s.backend, precision=s.precision,
+                               q_offset=c.qc.start, k_offset=c.kc.start)
+            merge_into(o_acc[:, :, c.q_rows], lse_acc[:, :, c.q_rows], o, lse)
+        if ex is not None:
+            kv = ex.wait()
+    lse_out = lse_acc if acc == torch.float64 else lse_acc.float()
+    return o_acc.to(q.dtype), lse_out
+
+
+# -------------------------------------------------------------------- backward
+def _backward(s: _Setup, q, k, v, out, lse, dout, want):
+    """-> (dq, dk, dv), None where ``want`` (flags for q, k, v) is False."""
+    want_q, want_k, want_v = want
+    acc = _acc_dtype(q.dtype)
+    wrt = tuple(n for n, w in zip("qkv", want) if w)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if want_q else None
+    kv = [k.contiguous(), v.contiguous()]
+    dout = dout.contiguous()
+    N = s.ring.size
+    dkv_ex = None
+    dkv = None
+    for t in range(N):
+        kv_ex = s.ring.exchange(kv, _TAG_KV) if t < N - 1 else None
+        kt, vt = kv
+        dk_t = torch.zeros(k.shape, dtype=acc, device=k.device) if want_k else None
+        dv_t = torch.zeros(v.shape, dtype=acc, device=v.device) if want_v else None
+        for c in s.plan.calls(t):
+            qr, kr = c.q_rows, c.k_rows
+            g = attention_backward(q[:, :, qr], kt[:, :, kr], vt[:, :, kr], dout[:, :, qr],
+                                   out=out[:, :, qr], lse=lse[:, :, qr], mask=c.mask,
+                                   scale=s.scale, wrt=wrt, backend=s.backend,
+                                   precision=s.precision, q_offset=c.qc.start,
+                                   k_offset=c.kc.start)
+            if want_q:
+                dq[:, :, qr] += g.dq
+            if want_k:
+                dk_t[:, :, kr] += g.dk
+            if want_v:
+                dv_t[:, :, kr] += g.dv
+        mine = [x for x in (dk_t, dv_t) if x is not None]
+        if mine:
+            if N == 1:
+                dkv = mine
+            else:
+                if dkv_ex is not None:           # sums of the ranks before us for this shard
+                    for x, y in zip(mine, dkv_ex.wait()):
+                        x += y
+                dkv_ex = s.ring.exchange(mine, _TAG_DKV)
+        if kv_ex is not None:
+            kv = kv_ex.wait()
+    if dkv_ex is not None:
+        dkv = dkv_ex.wait()                      # the last hop brings our own shard's sums
+    it = iter(dkv or [])
+    dk = next(it).to(k.dtype) if want_k else None
+    dv = next(it).to(v.dtype) if want_v else None
+    return (dq.to(q.dtype) if want_q else None), dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, setup: _Setup):
+        out, lse = _forward(setup, q, k, v)
+        ctx.setup = setup
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        want = tuple(bool(x) for x in ctx.needs_input_grad[:3])
+        if not any(want):
+            return None, None, None, None
+        dq, dk, dv = _backward(ctx.setup, q, k, v, out, lse, dout, want)
+        return dq, dk, dv, None
+
+
+# ---------------------------------------------------------------------- public
+def _check(name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor (this rank's shard), got "
+                        f"{type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{name}: expected 4 dims [B, H, S_loc, D] (or [B, S_loc, H, D] with "
+                         f"layout='bshd'), got shape {tuple(x.shape)}")
+
+
+def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
+                   sharding: str = "contiguous", scale: Optional[float] = None,
+                   backend: Optional[str] = None, precision: Optional[str] = None,
+                   layout: str = "bhsd", return_lse: bool = False):
+    """Attention over a sequence sharded across the ranks of ``group``, differentiable.
+
+    q [B, Hq, S_loc, D], k/v [B, Hkv, S_loc, D]: this rank's shard of a global
+    sequence of length S = N * S_loc, laid out by ``sharding`` ("contiguous":
+    rank r holds positions [r*S_loc, (r+1)*S_loc); "zigzag": rank r holds chunks
+    r and 2N-1-r of 2N, in that order; see ``anyattn.distributed.shard``).
+    ``mask``: None, Causal, Window, Documents (GLOBAL ids, length S, the same on
+    every rank), KeepMask (GLOBAL, broadcastable to [B, Hq, S, S]) or a ``&`` of
+    these.  -> out [B, Hq, S_loc, D] (and lse [B, Hq, S_loc], not differentiable,
+    with ``return_lse=True``).  Every rank of the group must call it with the same
+    shapes and arguments.  ``backend``/``precision``/``scale``: as in
+    ``anyattn.attention`` (used for every block pair).
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout={layout!r} is unknown; expected 'bhsd' or 'bshd'")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(name, x)
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is unknown; expected one of {SHARDINGS}")
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: local length {k.shape[2]} differs from q's {q.shape[2]}; ring "
+                         "attention shards q, k and v of one sequence the same way")
+    ring = Ring(group)
+    N = ring.size
+    S_loc = q.shape[2]
+    per_rank = chunk_count(N, sharding) // N
+    if S_loc % per_rank:
+        raise ValueError(f"q: local length {S_loc} is odd; sharding='zigzag' holds two equal "
+                         "chunks per rank")
+    S = S_loc * N
+    gmask = GlobalMask(mask, S, q.shape[0], q.shape[1])
+    L = S_loc // per_rank
+    # validate tensors, options and the backend once, before any work or communication
+    probe = describe(q[:, :, :L], k[:, :, :L], v[:, :, :L], mask=None, scale=scale,
+                     precision=precision)
+    be = choose(probe, backend)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if needs_grad and be.name in RECOMPUTES_OUT_LSE:
+        raise NotImplementedError(
+            f"backend={be.name!r}: its backward recomputes the softmax from the block's own "
+            "keys instead of using the given out/lse, so blockwise ring gradients would be "
+            "wrong; use backend='numpy' on CPU (or the default)")
+    setup = _Setup(ring=ring, plan=RingPlan(gmask, ring.rank, N, S_loc, sharding),
+                   scale=scale, backend=backend, precision=precision)
+    out, lse = _RingAttention.apply(q, k, v, setup)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out

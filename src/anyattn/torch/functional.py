@@ -1,0 +1,102 @@
+"""``anyattn.torch.attention``: the differentiable entry point for torch tensors.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq / Hkv), Sq/Sk
+queries/keys, D head dim.  ``layout="bhsd"`` takes [B, H, S, D];
+``layout="bshd"`` takes [B, S, H, D] and returns ``out`` in that layout.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from .. import api
+from ..backends.registry import choose
+from ..problem import describe
+from . import ops
+from .lowering import lower
+
+__all__ = ["attention", "use_backend"]
+
+#: the backend used when a call passes ``backend=None`` (None: automatic choice).
+_default_backend: Optional[str] = None
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[None]:
+    """Within the block, calls that pass no ``backend=`` (SDPA drop-in, transformers) use ``name``."""
+    global _default_backend
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"use_backend: expected a backend name or None, got {type(name).__name__}")
+    old, _default_backend = _default_backend, name
+    try:
+        yield
+    finally:
+        _default_backend = old
+
+
+def _bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x if layout == "bhsd" else x.transpose(1, 2)
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}; for NumPy "
+                        "arrays use anyattn.attention")
+
+
+def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset):
+    """Every check of the core, before any work and before autograd records anything.
+
+    Also asks the chosen backend whether it can compute the gradients that will
+    be needed, so that an unsupported backward fails now rather than in
+    ``loss.backward()``.
+    """
+    p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
+                 q_offset=q_offset, k_offset=k_offset)
+    choose(p, backend)
+    wrt = [n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
+           if x is not None and x.requires_grad]
+    if wrt and torch.is_grad_enabled():
+        pb = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
+                      wrt=wrt, q_offset=q_offset, k_offset=k_offset)
+        choose(pb, backend)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
+              bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+              backend: Optional[str] = None, precision: Optional[str] = None,
+              layout: str = "bhsd", q_offset: int = 0, k_offset: int = 0,
+              return_lse: bool = False):
+    """Scaled dot-product attention on torch tensors, differentiable in q, k, v and bias.
+
+    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] (Hq a multiple of Hkv) -> out
+    [B, Hq, Sq, D] in q's dtype; with ``return_lse=True`` also lse [B, Hq, Sq]
+    (float32; not differentiable).  ``mask``: Causal / Window / KeepMask /
+    Documents composed with ``&``; ``bias``: additive, broadcastable to
+    [B, Hq, Sq, Sk] (a -inf entry excludes that key).  A query that keeps no
+    key gets out = 0 and zero gradients.  ``backend``: None picks ``numpy`` for
+    CPU tensors and ``triton`` for CUDA tensors.  Works under
+    ``torch.compile(fullgraph=True)``.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if bias is not None:
+        _check_tensor("bias", bias)
+    api._check_layout(layout)
+    if backend is None:
+        backend = _default_backend
+    qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
+    if not torch.compiler.is_compiling():
+        _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset)
+    B, Hq, Sq, D = qb.shape
+    Sk = kb.shape[2]
+    band_lo, band_hi, q_ids, k_ids, keep = lower(mask, B, Hq, Sq, Sk, q_offset, k_offset,
+                                                 device=qb.device)
+    if scale is None:
+        scale = D ** -0.5
+    out, lse = ops.attention_fwd(qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi,
+                                 float(scale), backend, precision)
+    out = _bhsd(out, layout)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,146 @@
+"""The two ``torch.library.custom_op``s behind ``anyattn.torch``: forward and backward.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys,
+D head dim.  Every tensor argument is in the logical layout [B, H, S, D]
+(any strides); results come back contiguous.
+
+A mask object (Causal, Window, Documents, KeepMask) is not a tensor, so it
+crosses the op boundary already lowered to what every backend consumes
+(``anyattn.masks.ResolvedMask``): two optional ints for the band
+``band_lo <= j - i <= band_hi``, optional document ids ``q_ids [Bd, Sq]`` /
+``k_ids [Bd, Sk]`` and an optional bool ``keep`` broadcastable to
+[B, Hq, Sq, Sk].  Only tensors, ints, floats, bools and strings appear in the
+schemas, so ``torch.compile(fullgraph=True)`` traces a call as one opaque node
+and the fake implementations give its output shapes.
+
+Inside the ops the work is done by the core API (``anyattn.attention`` /
+``anyattn.attention_backward``), which validates and dispatches to a backend
+(``numpy`` for CPU tensors, ``triton`` for CUDA tensors, or the one named).
+The forward keeps only ``out`` and ``lse`` for the backward.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import api
+from ..masks import Mask
+
+__all__ = ["attention_fwd", "attention_bwd", "LoweredMask"]
+
+Tensor = torch.Tensor
+
+
+class LoweredMask(Mask):
+    """An already lowered mask handed back to the core API (band, ids, keep)."""
+
+    def __init__(self, band_lo, band_hi, q_ids, k_ids, keep):
+        self.band_lo, self.band_hi = band_lo, band_hi
+        self.q_ids, self.k_ids, self.keep = q_ids, k_ids, keep
+
+    def _lower(self, acc) -> None:
+        acc.band(self.band_lo, self.band_hi)
+        if self.q_ids is not None:
+            acc.documents(self.q_ids, self.k_ids)
+        if self.keep is not None:
+            acc.keep(self.keep)
+
+    def __repr__(self) -> str:
+        return (f"LoweredMask(band=[{self.band_lo}, {self.band_hi}], "
+                f"documents={self.q_ids is not None}, keep={self.keep is not None})")
+
+
+def _as_torch(x, like: Tensor) -> Tensor:
+    """A backend result as a contiguous torch tensor on ``like``'s device."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.from_numpy(x)
+    return x.to(like.device).contiguous()
+
+
+def _empty(like: Tensor) -> Tensor:
+    """Placeholder for a gradient that was not asked for."""
+    return like.new_empty((0,))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------- forward
+@torch.library.custom_op("anyattn::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                  keep: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+                  band_lo: Optional[int], band_hi: Optional[int], scale: float,
+                  backend: Optional[str], precision: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """-> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 (float64 for float64 q))."""
+    mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
+    out, lse = api.attention(q, k, v, mask=mask, bias=bias, scale=scale, return_lse=True,
+                             backend=backend, precision=precision)
+    return _as_torch(out, q), _as_torch(lse, q)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
+                        precision):
+    B, Hq, Sq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q))
+
+
+# ---------------------------------------------------------------------- backward
+@torch.library.custom_op("anyattn::attention_bwd", mutates_args=())
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  bias: Optional[Tensor], keep: Optional[Tensor], q_ids: Optional[Tensor],
+                  k_ids: Optional[Tensor], band_lo: Optional[int], band_hi: Optional[int],
+                  scale: float, backend: Optional[str], precision: Optional[str],
+                  grad_q: bool, grad_k: bool, grad_v: bool,
+                  grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dbias); a gradient not asked for (``grad_*`` False) is an empty [0]."""
+    wrt = [n for n, on in (("q", grad_q), ("k", grad_k), ("v", grad_v),
+                           ("bias", grad_bias and bias is not None)) if on]
+    if not wrt:
+        return _empty(q), _empty(k), _empty(v), _empty(q)
+    mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
+    g = api.attention_backward(q, k, v, dout, out=out, lse=lse, mask=mask, bias=bias,
+                               scale=scale, wrt=wrt, backend=backend, precision=precision)
+    dq = _as_torch(g.dq, q) if grad_q else _empty(q)
+    dk = _as_torch(g.dk, k) if grad_k else _empty(k)
+    dv = _as_torch(g.dv, v) if grad_v else _empty(v)
+    db = _as_torch(g.dbias, bias) if "bias" in wrt else _empty(q)
+    return dq, dk, dv, db
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, bias, keep, q_ids, k_ids, band_lo, band_hi,
+                        scale, backend, precision, grad_q, grad_k, grad_v, grad_bias):
+    dq = q.new_empty(q.shape) if grad_q else _empty(q)
+    dk = k.new_empty(k.shape) if grad_k else _empty(k)
+    dv = v.new_empty(v.shape) if grad_v else _empty(v)
+    db = bias.new_empty(bias.shape) if (grad_bias and bias is not None) else _empty(q)
+    return dq, dk, dv, db
+
+
+# ---------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    (q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, lse)
+    ctx.band = (band_lo, band_hi)
+    ctx.opts = (scale, backend, precision)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    """dlse is ignored: lse is marked non-differentiable."""
+    q, k, v, bias, keep, q_ids, k_ids, out, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    gq, gk, gv, gb = need[0], need[1], need[2], bias is not None and need[3]
+    dq = dk = dv = db = None
+    if gq or gk or gv or gb:
+        dq, dk, dv, db = attention_bwd(dout, q, k, v, out, lse, bias, keep, q_ids, k_ids,
+                                       ctx.band[0], ctx.band[1], *ctx.opts, gq, gk, gv, gb)
+    return (dq if gq else None, dk if gk else None, dv if gv else None, db if gb else None,
+            None, None, None, None, None, None, None, None)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)

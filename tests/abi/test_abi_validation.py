@@ -1,0 +1,192 @@
+"""Every validation error of the arena entry point: raised before any work, naming the field."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from anyattn import abi as A
+from anyattn.abi_regions import Region, first_common, first_duplicate
+
+from abi_cases import BACKEND, inputs, mask_for, run_and_check
+
+B, H, SQ, SK, D = 2, 2, 3, 4, 5
+
+REGION_FIELDS = {
+    "q": ("q_off", "q_batch_stride", "q_head_stride", "q_seq_stride"),
+    "k": ("k_off", "k_batch_stride", "k_head_stride", "k_seq_stride"),
+    "v": ("v_off", "v_batch_stride", "v_head_stride", "v_seq_stride"),
+    "dy": ("dy_off",),
+    "mask": ("mask_off", "mask_batch_stride", "mask_head_stride", "seq_q_stride",
+             "seq_k_stride"),
+    "out": ("out_off", "o_batch_stride", "o_head_stride", "o_seq_stride"),
+}
+
+
+def _case(kind=A.MASK_KEEP, wrt=A.WRT_K, layout="bhsd", seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, dy = inputs(rng, B, H, SQ, SK, D)
+    m = mask_for(rng, kind, (B, H, SQ, SK))
+    arena, p = A.pack_arena(q, k, v, dy, wrt=wrt, mask_kind=kind, mask=m, layout=layout, gap=1)
+    return arena, p, (q, k, v, dy, m)
+
+
+def _untouched_after_error(arena, p, match, exc=ValueError):
+    before = arena.copy()
+    with pytest.raises(exc, match=match):
+        A.attention_backward_arena(arena, p, backend=BACKEND)
+    assert np.array_equal(arena.view(np.uint32), before.view(np.uint32)), \
+        "arena changed before the error"
+
+
+@pytest.mark.parametrize("field", [f for fs in REGION_FIELDS.values() for f in fs])
+@pytest.mark.parametrize("kind", [A.MASK_KEEP, A.MASK_BIAS])
+def test_every_field_past_the_arena_end(field, kind):
+    arena, p, _ = _case(kind)
+    p = dataclasses.replace(p, **{field: getattr(p, field) + arena.size})
+    _untouched_after_error(arena, p, rf"{field}=\d+.*past the arena's end .*{arena.size} "
+                                     "elements")
+
+
+@pytest.mark.parametrize("field", ["batch", "heads", "seq_q", "seq_k", "head_dim"])
+def test_sizes_past_the_arena_end(field):
+    arena, p, _ = _case()
+    p = dataclasses.replace(p, **{field: getattr(p, field) * 50})
+    _untouched_after_error(arena, p, "past the arena's end")
+
+
+@pytest.mark.parametrize("wrt", [0, 1, 2])
+def test_output_rows_follow_wrt(wrt):
+    """dQ writes seq_q rows, dK/dV seq_k rows: an arena ending right after R rows is fine."""
+    rng = np.random.default_rng(1)
+    q, k, v, dy = inputs(rng, 1, 1, 3, 6, 2)
+    arena, p = A.pack_arena(q, k, v, dy, wrt=wrt)
+    assert arena.size == p.out_off + p.out_rows * 2
+    run_and_check(arena, p, q, k, v, dy)
+    with pytest.raises(ValueError, match="out_off"):
+        A.attention_backward_arena(arena[:-1].copy(), p, backend=BACKEND)
+
+
+@pytest.mark.parametrize("kind", [A.MASK_NONE, A.MASK_CAUSAL, A.MASK_CAUSAL_WINDOW])
+def test_mask_fields_ignored_when_not_read(kind):
+    rng = np.random.default_rng(2)
+    q, k, v, dy = inputs(rng, B, H, SQ, SK, D)
+    arena, p = A.pack_arena(q, k, v, dy, wrt=0, mask_kind=kind, window=1)
+    p = dataclasses.replace(p, mask_off=2**32 - 1, mask_batch_stride=2**31, seq_q_stride=7,
+                            mask_head_stride=9, seq_k_stride=2**32 - 1)
+    run_and_check(arena, p, q, k, v, dy)
+
+
+@pytest.mark.parametrize("field,val,match", [
+    ("head_dim", 0, r"head_dim=0: expected >= 1"),
+    ("mask_kind", 5, r"mask_kind=5: expected 0\.\.4"),
+    ("mask_kind", 2**32 - 1, r"mask_kind=4294967295"),
+    ("wrt", 3, r"wrt=3: expected 0 \(dQ\), 1 \(dK\) or 2 \(dV\)"),
+    ("scale_bits", 0x7FC00000, r"scale_bits=0x7fc00000.*finite"),
+    ("scale_bits", 0x7F800000, r"scale_bits=0x7f800000.*finite"),
+])
+def test_bad_kinds_and_values(field, val, match):
+    arena, p, _ = _case()
+    _untouched_after_error(arena, dataclasses.replace(p, **{field: val}), match)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "dy", "mask"])
+def test_output_overlapping_an_input(name):
+    arena, p, _ = _case(A.MASK_BIAS, wrt=A.WRT_Q)
+    off = {"q": p.q_off, "k": p.k_off, "v": p.v_off, "dy": p.dy_off, "mask": p.mask_off}[name]
+    _untouched_after_error(arena, dataclasses.replace(p, out_off=off),
+                           rf"out_off={off}.*overlaps the input {name} ")
+
+
+def test_output_partly_overlapping_an_input():
+    arena, p, _ = _case(A.MASK_NONE, wrt=A.WRT_Q)
+    # the output starting at dy's last element overlaps dy there only
+    last = p.regions()["dy"].extent()[1]
+    assert last < p.out_off
+    bad = dataclasses.replace(p, out_off=last)
+    _untouched_after_error(arena, bad, rf"overlaps the input dy .* at element {last};")
+
+
+def test_interleaved_output_sharing_an_input_element():
+    """Strides interleave out with q; the intervals overlap, the exact check finds the hit."""
+    arena, p, _ = _case(A.MASK_NONE, wrt=A.WRT_Q, layout="bshd")
+    # q in [B, S, H, D]; out placed at q's head 1 of the same rows (same strides)
+    bad = dataclasses.replace(p, out_off=p.q_off + D, o_batch_stride=p.q_batch_stride,
+                              o_head_stride=p.q_head_stride, o_seq_stride=p.q_seq_stride)
+    _untouched_after_error(arena, bad, r"overlaps the input q ")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(o_seq_stride=0), "written more than once"),
+    (dict(o_seq_stride=D - 1), "written more than once"),
+    (dict(o_head_stride=0), "written more than once"),
+    (dict(o_batch_stride=D), "written more than once"),
+])
+def test_duplicate_writes(change, match):
+    arena, p, _ = _case(A.MASK_NONE, wrt=A.WRT_V)
+    _untouched_after_error(arena, dataclasses.replace(p, **change),
+                           rf"{next(iter(change))}=\d+.*{match}")
+
+
+def test_injective_but_not_nested_output_is_accepted():
+    """o_head_stride=3, o_seq_stride=2 with D=1: indices h*3 + s*2 are distinct."""
+    rng = np.random.default_rng(3)
+    q, k, v, dy = inputs(rng, 1, 2, 3, 3, 1)
+    arena, p = A.pack_arena(q, k, v, dy, wrt=A.WRT_Q)
+    arena = np.concatenate([arena, np.full(8, np.nan, np.float32)])
+    p = dataclasses.replace(p, o_head_stride=3, o_seq_stride=2, o_batch_stride=0)
+    assert first_duplicate(p.regions()["out"]) is None
+    run_and_check(arena, p, q, k, v, dy)
+
+
+def test_arena_type_errors():
+    arena, p, _ = _case()
+    with pytest.raises(TypeError, match="arena: expected a 1-D float32"):
+        A.attention_backward_arena(list(arena), p)
+    with pytest.raises(TypeError, match="arena: dtype float64"):
+        A.attention_backward_arena(arena.astype(np.float64), p)
+    with pytest.raises(ValueError, match="arena: shape .*expected 1-D"):
+        A.attention_backward_arena(arena.reshape(1, -1), p)
+    big = np.zeros(2 * arena.size, np.float32)
+    with pytest.raises(ValueError, match="arena: stride 8 bytes"):
+        A.attention_backward_arena(big[::2], p)
+    ro = arena.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        A.attention_backward_arena(ro, p)
+    with pytest.raises(TypeError, match="params: expected anyattn.abi.Params"):
+        A.attention_backward_arena(arena, dataclasses.asdict(p))
+    with pytest.raises(ValueError, match="152 bytes"):
+        A.attention_backward_arena(arena, p.pack()[:-4])
+    with pytest.raises(TypeError, match="backend: expected"):
+        A.attention_backward_arena(arena, p, backend=3)
+    with pytest.raises(ValueError, match="backend='nope' is unknown"):
+        A.attention_backward_arena(arena, p, backend="nope")
+
+
+def test_torch_arena_errors():
+    torch = pytest.importorskip("torch")
+    arena, p, _ = _case()
+    with pytest.raises(TypeError, match="arena: dtype float64"):
+        A.attention_backward_arena(torch.zeros(arena.size, dtype=torch.float64), p)
+    with pytest.raises(ValueError, match="arena: stride 2"):
+        A.attention_backward_arena(torch.zeros(2 * arena.size)[::2], p)
+    with pytest.raises(ValueError, match="expected 1-D"):
+        A.attention_backward_arena(torch.zeros(1, arena.size), p)
+    t = torch.from_numpy(arena.copy())
+    with pytest.raises(ValueError, match="q_off"):
+        A.attention_backward_arena(t, dataclasses.replace(p, q_off=arena.size))
+
+
+def test_regions_geometry():
+    r = Region("x", 5, (2, 3), (3, 1), ())
+    assert r.extent() == (5, 10) and first_duplicate(r) is None
+    assert first_duplicate(Region("x", 5, (2, 3), (2, 1), ())) == 7
+    assert Region("x", 0, (0, 3), (3, 1), ()).extent() is None
+    a = Region("a", 0, (4, 2), (4, 1), ())     # 0 1 4 5 8 9 12 13
+    b = Region("b", 2, (4, 2), (4, 1), ())     # 2 3 6 7 ...
+    assert first_common(a, b) is None
+    assert first_common(a, Region("c", 9, (1,), (1,), ())) == 9
+    chunks = list(Region("x", 1, (3, 2, 2), (10, 0, 1), ()).indices(chunk=5))
+    assert np.concatenate(chunks).tolist() == [1, 2, 1, 2, 11, 12, 11, 12, 21, 22, 21, 22]

@@ -1,0 +1,23 @@
+"""Shared fixtures of the torch-integration tests (CPU; GPU tests are marked ``gpu``)."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from anyattn.backends.registry import unavailable_reason  # noqa: E402
+
+#: the backend the CPU tests run on: numpy when it is there (named, because the root
+#: conftest sets TRITON_INTERPRET=1, which lets auto-dispatch pick the interpreted Triton
+#: backend for CPU tensors); ANYATTN_TORCH_TEST_BACKEND=reference forces the reference.
+CPU_BACKEND = os.environ.get("ANYATTN_TORCH_TEST_BACKEND") or (
+    "numpy" if unavailable_reason("numpy") is None else "reference")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend():
+    import anyattn.torch as at
+
+    torch.manual_seed(0)
+    with at.use_backend(CPU_BACKEND):
+        yield

@@ -1,0 +1,90 @@
+"""Bad input to anyattn.torch.attention: raised before any work, naming the argument."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import anyattn.torch as at
+from anyattn import Causal, Documents, KeepMask
+
+q0, k0, v0 = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+
+BAD = {
+    "q_not_tensor": (TypeError, "q", lambda: at.attention(q0.numpy(), k0, v0)),
+    "integer_q": (TypeError, "q", lambda: at.attention(q0.long(), k0, v0)),
+    "mixed_dtype": (TypeError, "k", lambda: at.attention(q0, k0.double(), v0)),
+    "v_shape": (ValueError, "v", lambda: at.attention(q0, k0, v0[:, :, :5])),
+    "heads": (ValueError, "k", lambda: at.attention(q0, k0[:, :1].expand(2, 3, 11, 8), v0[:, :1]
+                                                    .expand(2, 3, 11, 8))),
+    "three_dims": (ValueError, "q", lambda: at.attention(q0[0], k0[0], v0[0])),
+    "bias_shape": (ValueError, "bias", lambda: at.attention(q0, k0, v0, bias=torch.randn(9, 9))),
+    "bias_integer": (TypeError, "bias", lambda: at.attention(
+        q0, k0, v0, bias=torch.ones(9, 11, dtype=torch.int64))),
+    "bias_float64": (TypeError, "bias", lambda: at.attention(q0, k0, v0, bias=torch.randn(
+        9, 11, dtype=torch.float64))),
+    "keep_shape": (ValueError, "KeepMask", lambda: at.attention(
+        q0, k0, v0, mask=KeepMask(torch.ones(9, 9, dtype=torch.bool)))),
+    "keep_float": (TypeError, "KeepMask", lambda: at.attention(
+        q0, k0, v0, mask=KeepMask(torch.ones(9, 11)))),
+    "doc_ids_float": (TypeError, "Documents", lambda: at.attention(
+        q0, k0, v0, mask=Documents(torch.zeros(9), torch.zeros(11)))),
+    "doc_ids_shape": (ValueError, "Documents", lambda: at.attention(
+        q0, k0, v0, mask=Documents(torch.zeros(9, dtype=torch.long),
+                                   torch.zeros(9, dtype=torch.long)))),
+    "mask_is_tensor": (TypeError, "mask", lambda: at.attention(
+        q0, k0, v0, mask=torch.ones(9, 11, dtype=torch.bool))),
+    "layout": (ValueError, "layout", lambda: at.attention(q0, k0, v0, layout="sbhd")),
+    "backend": (ValueError, "backend", lambda: at.attention(q0, k0, v0, backend="cuda")),
+    "precision": (ValueError, "precision", lambda: at.attention(q0, k0, v0, precision="low")),
+    "scale": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="x")),
+    "meta_device": (ValueError, "k", lambda: at.attention(q0, k0.to("meta"), v0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_names_the_argument(case):
+    exc, name, call = BAD[case]
+    with pytest.raises(exc) as err:
+        call()
+    assert str(err.value).startswith(name) or f"{name}:" in str(err.value) or \
+        f"{name}=" in str(err.value), str(err.value)
+
+
+def test_integer_tensor_cannot_ask_for_gradients():
+    """torch refuses requires_grad on integer tensors itself; ids and keep masks carry none."""
+    with pytest.raises(RuntimeError):
+        torch.zeros(3, dtype=torch.long).requires_grad_()
+    q = q0.clone().requires_grad_()
+    out = at.attention(q, k0, v0, mask=Documents(torch.arange(9) // 3, torch.arange(11) // 4))
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_unsupported_combination_fails_before_any_work():
+    """numpy has no TF32 mode: an explicit backend that cannot serve the call raises."""
+    with pytest.raises(NotImplementedError) as err:
+        at.attention(q0, k0, v0, backend="numpy", precision="tf32")
+    assert "numpy" in str(err.value) and "precision" in str(err.value)
+
+
+def test_dropout_and_error_classes_of_sdpa():
+    with pytest.raises(NotImplementedError):
+        at.scaled_dot_product_attention(q0, q0, q0, dropout_p=0.5)
+
+
+def test_import_anyattn_does_not_import_torch():
+    import anyattn
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(anyattn.__file__)))
+    code = "import sys, anyattn; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": src})
+    assert r.returncode == 0, r.stderr
+
+
+def test_numpy_inputs_of_masks_are_accepted():
+    out = at.attention(q0, k0, v0, mask=Causal() & KeepMask(np.ones((9, 11), dtype=bool)))
+    assert out.shape == q0.shape

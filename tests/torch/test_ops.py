@@ -1,0 +1,48 @@
+"""torch.library.opcheck on both custom ops (schema, fake impl, autograd registration, AOT)."""
+import pytest
+import torch
+
+import anyattn.torch.ops  # noqa: F401  (registers torch.ops.anyattn.*)
+from anyattn.torch import functional
+
+
+def _backend():
+    return functional._default_backend
+
+
+def _fwd_cases():
+    torch.manual_seed(0)
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 9, 11, 8
+    q = torch.randn(B, Hq, Sq, D, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, D, requires_grad=True)
+    bias = torch.randn(1, Hq, Sq, Sk, requires_grad=True)
+    keep = torch.rand(B, 1, Sq, Sk) > 0.2
+    qi, ki = (torch.arange(Sq) // 4)[None], (torch.arange(Sk) // 5)[None]
+    sc = D ** -0.5
+    return {
+        "plain": (q, k, v, None, None, None, None, None, None, sc, _backend(), None),
+        "causal": (q, k, v, None, None, None, None, None, 0, sc, _backend(), None),
+        "window_bias": (q, k, v, bias, None, None, None, -3, 0, 0.3, _backend(), None),
+        "keep_docs": (q, k, v, None, keep, qi, ki, None, 2, sc, _backend(), "highest"),
+        "no_grad": tuple(x.detach() if isinstance(x, torch.Tensor) else x
+                         for x in (q, k, v, None, None, None, None, None, None, sc,
+                                   _backend(), None)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_fwd_cases()))
+def test_opcheck_forward(case):
+    args = _fwd_cases()[case]
+    torch.library.opcheck(torch.ops.anyattn.attention_fwd.default, args)
+
+
+@pytest.mark.parametrize("grads", [(True, True, True, False), (True, False, False, False),
+                                   (False, True, True, True)])
+def test_opcheck_backward(grads):
+    q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr = _fwd_cases()["window_bias"]
+    q, k, v, bias = (x.detach() for x in (q, k, v, bias))
+    out, lse = torch.ops.anyattn.attention_fwd(q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr)
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, bias, keep, qi, ki, lo, hi, sc, be, pr, *grads)
+    torch.library.opcheck(torch.ops.anyattn.attention_bwd.default, args)

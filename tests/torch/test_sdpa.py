@@ -1,0 +1,137 @@
+"""The SDPA drop-in: torch's semantics, and errors where torch raises."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anyattn.torch import scaled_dot_product_attention as sdpa
+
+
+def _close(a, b, tol=1e-5):
+    a, b = a.detach(), b.detach()
+    scale = b.abs().max().clamp_min(1e-30)
+    return float((a - b).abs().max() / scale) <= tol
+
+
+def _inputs(qs=(2, 4, 9, 8), ks=(2, 4, 11, 8), grad=True):
+    q, k, v = torch.randn(qs), torch.randn(ks), torch.randn(ks)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "scale": dict(scale=0.37),
+    "bool_mask": dict(attn_mask="bool"),
+    "float_mask": dict(attn_mask="float"),
+    "bool_mask_and_causal": dict(attn_mask="bool", is_causal=True),
+}
+
+
+def _mask(kind, L=9, S=11):
+    if kind == "bool":
+        return torch.rand(1, 4, L, S) > 0.3
+    if kind == "float":
+        return torch.randn(L, S)
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch(case):
+    kw = dict(CASES[case])
+    kw["attn_mask"] = _mask(kw.get("attn_mask"))
+    q, k, v = _inputs()
+    got, want = sdpa(q, k, v, **kw), F.scaled_dot_product_attention(q, k, v, **kw)
+    assert _close(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g),
+                    torch.autograd.grad(want, (q, k, v), g)):
+        assert _close(a, b)
+
+
+def test_float_mask_gradient():
+    q, k, v = _inputs()
+    m = torch.randn(2, 1, 9, 11, requires_grad=True)
+    got, want = sdpa(q, k, v, attn_mask=m), F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    (ga,) = torch.autograd.grad(got.sum(), m)
+    (gb,) = torch.autograd.grad(want.sum(), m)
+    assert _close(ga, gb)
+
+
+@pytest.mark.parametrize("shapes", [((2, 4, 9, 8), (2, 2, 11, 8)), ((2, 4, 9, 8), (2, 1, 11, 8))])
+def test_gqa(shapes):
+    q, k, v = _inputs(*shapes)
+    got = sdpa(q, k, v, enable_gqa=True, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    assert _close(got, want)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((9, 8), (11, 8)),                        # [L, E]
+    ((4, 9, 8), (4, 11, 8)),                  # [H, L, E]
+    ((3, 2, 4, 9, 8), (3, 2, 4, 11, 8)),      # two batch dims
+    ((2, 4, 9, 8), (1, 4, 11, 8)),            # key/value batch broadcast
+])
+def test_other_ranks_and_broadcast(shapes):
+    q, k, v = _inputs(*shapes)
+    m = torch.rand(9, 11) > 0.2
+    got = sdpa(q, k, v, attn_mask=m)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert got.shape == want.shape and _close(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g),
+                    torch.autograd.grad(want, (q, k, v), g)):
+        assert _close(a, b)
+
+
+def test_fully_masked_row_is_zero_like_torch_cpu():
+    q, k, v = _inputs(grad=False)
+    m = torch.ones(9, 11, dtype=torch.bool)
+    m[2] = False
+    got = sdpa(q, k, v, attn_mask=m)
+    assert torch.all(got[:, :, 2] == 0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # torch 2.13 CPU: 0 as well
+    assert torch.allclose(got.nan_to_num(), want.nan_to_num(), atol=1e-5)
+
+
+q0, k0, v0 = torch.randn(2, 4, 9, 8), torch.randn(2, 4, 11, 8), torch.randn(2, 4, 11, 8)
+BAD = {
+    "mixed_dtype": lambda f: f(q0, k0.double(), v0),
+    "integer_inputs": lambda f: f(q0.int(), k0.int(), v0.int()),
+    "int_mask": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 11, dtype=torch.int32)),
+    "float64_mask": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 11, dtype=torch.float64)),
+    "mask_shape": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 9, dtype=torch.bool)),
+    "mask_batch": lambda f: f(q0, k0, v0, attn_mask=torch.ones(3, 1, 9, 11, dtype=torch.bool)),
+    "mask_5d": lambda f: f(q0, k0, v0, attn_mask=torch.ones(1, 1, 1, 9, 11, dtype=torch.bool)),
+    "heads_without_gqa": lambda f: f(q0, k0[:, :2], v0[:, :2]),
+    "gqa_not_a_divisor": lambda f: f(q0, k0[:, :3], v0[:, :3], enable_gqa=True),
+    "head_dim": lambda f: f(q0, k0[..., :4], v0[..., :4]),
+    "scale_type": lambda f: f(q0, k0, v0, scale="a"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_raises_where_torch_raises(case):
+    with pytest.raises(Exception) as torch_err:
+        BAD[case](F.scaled_dot_product_attention)
+    with pytest.raises(type(torch_err.value)) as ours:
+        BAD[case](sdpa)
+    assert str(ours.value)  # a message, naming the argument
+    first_word = str(ours.value).split(":")[0]
+    assert any(n in first_word for n in ("query", "key", "value", "attn_mask", "scale")), \
+        str(ours.value)
+
+
+def test_key_value_length_mismatch_raises():
+    """torch's math kernel raises; its flash CPU kernel silently accepts.  We raise."""
+    with pytest.raises(RuntimeError, match="value"):
+        sdpa(q0, k0, v0[:, :, :5])
+
+
+def test_dropout_not_implemented():
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        sdpa(q0, k0, v0, dropout_p=0.1)
+
+
+def test_value_head_dim_differs_not_implemented():
+    with pytest.raises(NotImplementedError, match="value"):
+        sdpa(q0, k0, v0[..., :4])

@@ -1,0 +1,347 @@
+"""The triton backend: numerics vs the float64 reference, tile skipping, caches,
+determinism and every error path.
+
+Runs on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py where no GPU is present) at tiny sizes with the fixed test
+plan (tiles 16/32, mask blocks 32); ``gpu`` tests need CUDA.
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.backends.registry import unavailable_reason  # noqa: E402
+
+from helpers import TOL, assert_close, make_qkv, to_np  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+RUNNABLE = unavailable_reason("triton") is None
+
+needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+
+def T(x, dtype=None):
+    if x is None:
+        return None
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(DEV)
+    return t if dtype is None else t.to(dtype)
+
+
+def np_mask(m):
+    """The same mask with NumPy arrays, for the reference."""
+    if isinstance(m, aa.KeepMask):
+        return aa.KeepMask(to_np(m.mask))
+    if isinstance(m, aa.Documents):
+        return aa.Documents(to_np(m.q_ids), to_np(m.k_ids))
+    if hasattr(m, "terms"):
+        out = None
+        for t in m.terms:
+            out = np_mask(t) if out is None else out & np_mask(t)
+        return out
+    return m
+
+
+def check(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), dtype="float32",
+          tdtype=None, precision=None, tol=None, qt=None, kt=None, vt=None, gt=None):
+    """Forward + backward on triton vs the float64 reference; returns the triton results."""
+    qt = T(q, tdtype) if qt is None else qt
+    kt = T(k, tdtype) if kt is None else kt
+    vt = T(v, tdtype) if vt is None else vt
+    gt = T(g, tdtype) if gt is None else gt
+    bt = T(bias)
+    out, lse = aa.attention(qt, kt, vt, mask=mask, bias=bt, return_lse=True, backend="triton",
+                            precision=precision)
+    gr = aa.attention_backward(qt, kt, vt, gt, mask=mask, bias=bt, wrt=wrt, backend="triton",
+                               precision=precision)
+    rm = np_mask(mask)
+    # the reference sees the inputs as rounded to the tested dtype
+    qr, kr, vr, gr_ = (to_np(x).astype(np.float64) for x in (qt, kt, vt, gt))
+    ro, rl = R.forward(qr, kr, vr, mask=rm, bias=bias)
+    rg = R.backward(qr, kr, vr, gr_, mask=rm, bias=bias, wrt=wrt)
+    assert_close(out, ro, dtype, "out", tol=tol)
+    l = to_np(lse)
+    assert l.dtype == np.float32
+    assert np.array_equal(np.isfinite(l), np.isfinite(rl)), "lse -inf exactly on empty rows"
+    fin = np.isfinite(rl)
+    if fin.any():
+        assert np.abs(l[fin] - rl[fin]).max() <= 1e-4 * max(1.0, np.abs(rl[fin]).max())
+    for n in ("dq", "dk", "dv", "dbias"):
+        ref = getattr(rg, n)
+        got = getattr(gr, n)
+        if ref is None:
+            assert got is None, n
+            continue
+        assert tuple(got.shape) == tuple(ref.shape), (n, got.shape, ref.shape)
+        assert_close(got, ref, dtype, n, tol=tol)
+    return out, lse, gr
+
+
+# ----------------------------------------------------------------------------- numerics
+@needs_triton
+@pytest.mark.parametrize("D", [8, 24, 40])
+def test_head_dims_not_power_of_two(D):
+    rng = np.random.default_rng(0)
+    q, k, v, g = make_qkv(rng, 1, 2, 1, 21, 35, D)
+    check(q, k, v, g, mask=aa.Causal("bottom_right"))
+
+
+@needs_triton
+def test_gqa_group3_window_sq_gt_sk():
+    rng = np.random.default_rng(1)
+    q, k, v, g = make_qkv(rng, 2, 6, 2, 40, 23, 16)
+    check(q, k, v, g, mask=aa.Window(left=9, right=2, align="bottom_right"))
+
+
+def _block_keep(rng, Sq, Sk, blk=32):
+    """A keep mask with empty, full and partial 32x32 blocks."""
+    nq, nk = -(-Sq // blk), -(-Sk // blk)
+    code = rng.integers(0, 3, (nq, nk))
+    code[0, 0], code[0, -1], code[-1, 0] = 0, 2, 1
+    m = np.zeros((nq * blk, nk * blk), bool)
+    for a in range(nq):
+        for b in range(nk):
+            tile = (np.ones((blk, blk), bool) if code[a, b] == 2 else
+                    rng.random((blk, blk)) < 0.5 if code[a, b] == 1 else np.zeros((blk, blk), bool))
+            m[a * blk:(a + 1) * blk, b * blk:(b + 1) * blk] = tile
+    return m[:Sq, :Sk]
+
+
+@needs_triton
+def test_keepmask_block_skipping_and_cache():
+    from anyattn.backends.triton import launch
+    from anyattn.problem import describe
+
+    rng = np.random.default_rng(2)
+    Sq, Sk = 64, 96
+    keep = _block_keep(rng, Sq, Sk)
+    q, k, v, g = make_qkv(rng, 1, 2, 2, Sq, Sk, 16)
+    km = torch.from_numpy(keep).to(DEV)
+    mask = aa.KeepMask(km)
+    check(q, k, v, g, mask=mask)
+    # the tile lists: counts match the block codes of the mask, and are cached
+    p = describe(T(q), T(k), T(v), mask=mask)
+    ma = launch._mask_args(p, T(q), None)
+    a = launch.tile_lists(p, ma, 32, 32, torch.device(DEV))
+    b = launch.tile_lists(p, ma, 32, 32, torch.device(DEV))
+    assert a is b
+    codes = p.mask.tile_map(32, 32)[0, 0]                    # core's NumPy tile map
+    assert to_np(a.row_fcnt).reshape(-1).tolist() == (codes == 2).sum(1).tolist()
+    assert to_np(a.row_cnt).reshape(-1).tolist() == (codes == 1).sum(1).tolist()
+    assert to_np(a.col_fcnt).reshape(-1).tolist() == (codes == 2).sum(0).tolist()
+    km[0, 0] = True                                        # in-place change: rebuilt
+    c = launch.tile_lists(p, ma, 32, 32, torch.device(DEV))
+    assert c is not a
+
+
+@needs_triton
+def test_documents_unsorted_and_sorted_with_empty_rows():
+    rng = np.random.default_rng(3)
+    B, Sq, Sk = 2, 37, 50
+    q, k, v, g = make_qkv(rng, B, 2, 1, Sq, Sk, 16)
+    qi = rng.integers(0, 4, (B, Sq))                      # unsorted: dense block path
+    ki = rng.integers(1, 4, (B, Sk))                      # id 0 has no keys: empty rows
+    check(q, k, v, g, mask=aa.Documents(T(qi), T(ki)))
+    qs, ks = np.sort(qi, axis=1), np.sort(ki, axis=1)      # sorted: interval path
+    check(q, k, v, g, mask=aa.Documents(T(qs), T(ks)) & aa.Causal("bottom_right"))
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(1, 3, 31, 45), (2, 1, 31, 45), (2, 1, 1, 45)],
+                         ids=["1hqk", "b1qk", "b11k"])
+def test_dbias_broadcast(shape):
+    rng = np.random.default_rng(4)
+    B, H, Sq, Sk = 2, 3, 31, 45
+    q, k, v, g = make_qkv(rng, B, H, H, Sq, Sk, 16)
+    bias = rng.standard_normal(shape).astype(np.float32)
+    check(q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"), mask=aa.Causal())
+
+
+@needs_triton
+def test_dbias_broadcast_over_keys_is_zero():
+    """Sum over keys of dS is 0 (softmax rows sum to 1): [B,H,Sq,1] and scalar biases."""
+    rng = np.random.default_rng(4)
+    q, k, v, g = (T(x) for x in make_qkv(rng, 2, 3, 3, 31, 45, 16))
+    for shape in ((2, 3, 31, 1), (1, 1, 1, 1)):
+        bias = T(rng.standard_normal(shape).astype(np.float32))
+        gr = aa.attention_backward(q, k, v, g, bias=bias, wrt=("bias",), backend="triton")
+        assert tuple(gr.dbias.shape) == shape
+        assert float(gr.dbias.abs().max()) <= 1e-5
+
+
+@needs_triton
+def test_dbias_full_with_keepmask_and_minus_inf_rows():
+    rng = np.random.default_rng(5)
+    B, H, Sq, Sk = 2, 2, 33, 40
+    q, k, v, g = make_qkv(rng, B, H, 1, Sq, Sk, 16)
+    bias = rng.standard_normal((B, H, Sq, Sk)).astype(np.float32)
+    bias[:, :, 5, :] = -np.inf                            # fully excluded rows
+    keep = rng.random((B, 1, Sq, Sk)) < 0.7
+    out, _, gr = check(q, k, v, g, bias=bias, mask=aa.KeepMask(T(keep)),
+                       wrt=("q", "k", "v", "bias"))
+    assert np.all(to_np(out)[:, :, 5] == 0)
+    assert np.all(to_np(gr.dbias)[:, :, 5] == 0)
+
+
+@needs_triton
+def test_strided_views_and_copy_path():
+    rng = np.random.default_rng(6)
+    B, H, S, D = 1, 2, 29, 16
+    packed = torch.from_numpy(rng.standard_normal((B, S, 3, H, D)).astype(np.float32)).to(DEV)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))   # [B,H,S,D] views
+    wide = torch.from_numpy(rng.standard_normal((B, H, S, 2 * D)).astype(np.float32)).to(DEV)
+    g = wide[..., ::2]                                     # last-dim stride 2: copied
+    check(*(to_np(x) for x in (q, k, v, g)), qt=q, kt=k, vt=v, gt=g, mask=aa.Causal())
+
+
+@needs_triton
+@pytest.mark.parametrize("dt, tol", [("float16", 3e-3), ("bfloat16", 2e-2)])
+def test_half_precisions(dt, tol):
+    rng = np.random.default_rng(7)
+    q, k, v, g = make_qkv(rng, 1, 2, 1, 19, 26, 16)
+    out, lse, gr = check(q, k, v, g, mask=aa.Causal(), tdtype=getattr(torch, dt), dtype=dt)
+    assert out.dtype == getattr(torch, dt) and gr.dk.dtype == getattr(torch, dt)
+    assert lse.dtype == torch.float32
+
+
+@needs_triton
+def test_tf32_opt_in_accepted():
+    rng = np.random.default_rng(8)
+    q, k, v, g = make_qkv(rng, 1, 1, 1, 17, 17, 16)
+    check(q, k, v, g, precision="tf32", tol=TOL["tf32"])
+
+
+@needs_triton
+def test_bitwise_repeatable_gqa_bias_mask():
+    rng = np.random.default_rng(9)
+    q, k, v, g = (T(x) for x in make_qkv(rng, 1, 4, 2, 33, 41, 16))
+    bias = T(rng.standard_normal((1, 4, 33, 41)).astype(np.float32))
+    keep = aa.KeepMask(T(rng.random((33, 41)) < 0.6))
+    runs = [aa.attention_backward(q, k, v, g, bias=bias, mask=keep, backend="triton",
+                                  wrt=("q", "k", "v", "bias")) for _ in range(2)]
+    for n in ("dq", "dk", "dv", "dbias"):
+        assert torch.equal(getattr(runs[0], n), getattr(runs[1], n)), n
+
+
+@needs_triton
+def test_nan_propagates_only_in_its_row():
+    rng = np.random.default_rng(10)
+    q, k, v, _ = make_qkv(rng, 1, 1, 1, 20, 20, 16)
+    q[0, 0, 3, 1] = np.nan
+    out = to_np(aa.attention(T(q), T(k), T(v), backend="triton"))
+    assert np.isnan(out[0, 0, 3]).all()
+    assert not np.isnan(np.delete(out[0, 0], 3, axis=0)).any()
+
+
+# ----------------------------------------------------------------------------- errors
+def _tq(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def test_cpu_tensors_without_interpreter_refused(monkeypatch):
+    from anyattn.backends.triton.backend import TritonBackend
+    from anyattn.problem import describe
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    be = TritonBackend()
+    assert be.capabilities.device_types == frozenset({"cuda"})
+    p = describe(_tq(1, 1, 4, 8), _tq(1, 1, 4, 8), _tq(1, 1, 4, 8))
+    why = " ".join(be.unsupported_reasons(p))
+    assert "cuda" in why and "cpu" in why
+
+
+def test_availability_explains_without_cuda(monkeypatch):
+    from anyattn.backends.triton.backend import TritonBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    be = TritonBackend()
+    why = be.availability()
+    if HAS_CUDA:
+        assert why is None
+    else:
+        assert "CUDA" in why and "TRITON_INTERPRET" in why
+
+
+@needs_triton
+def test_interpreter_accepts_cpu():
+    from anyattn.backends.registry import get_backend
+
+    caps = get_backend("triton").capabilities
+    assert "cuda" in caps.device_types
+    if INTERP:
+        assert "cpu" in caps.device_types
+
+
+@needs_triton
+def test_float64_refused_naming_dtype_and_alternative():
+    x = torch.randn(1, 1, 4, 8, dtype=torch.float64, device=DEV)
+    with pytest.raises(NotImplementedError) as ei:
+        aa.attention(x, x, x, backend="triton")
+    msg = str(ei.value)
+    assert "triton" in msg and "float64" in msg
+    if DEV == "cpu":
+        assert "reference" in msg          # a backend that can serve it is named
+
+
+@needs_triton
+def test_head_dim_too_large_refused():
+    x = _tq(1, 1, 4, 300, device=DEV)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        aa.attention(x, x, x, backend="triton")
+
+
+@needs_triton
+def test_numpy_inputs_refused_explicitly():
+    x = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="torch"):
+        aa.attention(x, x, x, backend="triton")
+
+
+@needs_triton
+def test_mixed_devices_refused():
+    q = _tq(1, 1, 4, 8, device=DEV)
+    k = torch.empty(1, 1, 4, 8, device="meta")
+    with pytest.raises(ValueError, match="k: is on meta"):
+        aa.attention(q, k, k, backend="triton")
+
+
+@needs_triton
+def test_bad_bias_refused_before_work():
+    q = _tq(1, 2, 4, 8, device=DEV)
+    with pytest.raises(ValueError, match="bias"):
+        aa.attention(q, q, q, bias=_tq(3, 4, 4, device=DEV), backend="triton")
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding", "docs", "keep"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_larger(dt, mask):
+    rng = np.random.default_rng(11)
+    B, Hq, Hkv, S, D = 2, 4, 2, 1000, 128
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, S, S, D)
+    m = {"none": None, "causal": aa.Causal(), "sliding": aa.Causal() & aa.Window(left=200),
+         "docs": aa.Documents(T(np.sort(rng.integers(0, 5, S)))),
+         "keep": aa.KeepMask(T(rng.random((S, S)) < 0.5))}[mask]
+    check(q, k, v, g, mask=m, tdtype=getattr(torch, dt), dtype=dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_head_dims_and_bias():
+    rng = np.random.default_rng(12)
+    for D in (8, 72, 256):
+        q, k, v, g = make_qkv(rng, 1, 2, 1, 300, 257, D)
+        bias = rng.standard_normal((1, 2, 300, 257)).astype(np.float32)
+        check(q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"), mask=aa.Causal())
