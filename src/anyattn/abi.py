@@ -12,7 +12,10 @@ elements of the arena; the last (D) dim of every tensor has stride 1.
   dV into the arena), for any size, after validating every index it touches.
 * :func:`arena_views`: Params + arena -> the logical views, the anyattn mask or
   bias, ``wrt`` and the rows where the seed attends uniformly (its quirk).
+* :func:`seed_mask`: an anyattn mask/bias -> the seed's mask kind and values.
 * :func:`pack_arena` / :func:`read_output`: test and user conveniences.
+
+Geometry checks (bounds, duplicate writes, overlaps) live in ``abi_regions``.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ __all__ = [
     "Params", "FIELD_NAMES", "PARAMS_NBYTES",
     "MASK_NONE", "MASK_CAUSAL", "MASK_KEEP", "MASK_CAUSAL_WINDOW", "MASK_BIAS", "MASK_KINDS",
     "WRT_Q", "WRT_K", "WRT_V", "WRT_NAMES",
-    "f32_bits", "bits_f32", "layout_strides",
+    "f32_bits", "bits_f32", "layout_strides", "seed_mask",
     "ArenaViews", "arena_views", "attention_backward_arena", "pack_arena", "read_output",
 ]
 
@@ -470,12 +473,12 @@ class _Ops:
         self.torch = kind == "torch"
         self.device = getattr(like, "device", None)
 
-    def f64(self, x):
+    def f64(self, x, copy: bool = False):
         if self.torch:
             import torch
 
-            return x.to(torch.float64)
-        return np.asarray(x, dtype=np.float64)
+            return x.to(torch.float64, copy=copy)
+        return np.array(x, dtype=np.float64, copy=copy or None)
 
     def mean_rows(self, x):          # [..., S, D] -> [..., 1, D]
         return x.mean(dim=-2, keepdim=True) if self.torch else x.mean(axis=-2, keepdims=True)
@@ -540,7 +543,9 @@ def attention_backward_arena(arena, params, backend: Optional[str] = None) -> No
     Validates first (ValueError naming the field and the bound; TypeError for
     a wrong arena); then writes exactly the B·H·R·D output elements.
     ``backend``: the anyattn backend for the gradient (None: automatic; a torch
-    CPU arena then runs on NumPy views of the same memory).
+    CPU arena then runs on NumPy views of the same memory, so the choice is the
+    one made for NumPy arrays).  With a name, a torch arena gives that backend
+    torch views.
     """
     p = _as_params(params)
     kind = _arena_kind(arena)
@@ -555,7 +560,7 @@ def attention_backward_arena(arena, params, backend: Optional[str] = None) -> No
     if kind == "wgpu":
         return _run_webgpu(arena, p)
     if kind == "torch" and backend is None and arena.device.type == "cpu":
-        arena, kind = arena.detach().numpy(), "numpy"   # same memory, NumPy backend
+        arena, kind = arena.detach().numpy(), "numpy"   # same memory, NumPy views
     _run_host(arena, kind, p, backend)
 
 
@@ -583,13 +588,14 @@ def _run_host(arena, kind: str, p: Params, backend: Optional[str]) -> None:
                              bias=views.bias, scale=views.scale, wrt=(views.wrt,),
                              backend=backend)
     g = getattr(res, "d" + views.wrt)       # [B, H, R, D]
-    if views.uniform_rows is not None:
-        ops = _Ops(kind, arena)
-        g = _add_uniform_rows(ops.f64(g).clone() if ops.torch else
-                              np.array(g, dtype=np.float64), views, ops)
     if kind == "torch":
         import torch
 
+        g = torch.as_tensor(g, device=arena.device)
+    if views.uniform_rows is not None:
+        ops = _Ops(kind, arena)
+        g = _add_uniform_rows(ops.f64(g, copy=True), views, ops)
+    if kind == "torch":
         with torch.no_grad():
             views.out.copy_(g)
     else:
@@ -597,6 +603,37 @@ def _run_host(arena, kind: str, p: Params, backend: Optional[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- conveniences
+def seed_mask(mask=None, bias=None, *, batch: int, heads: int, seq_q: int,
+              seq_k: int) -> Tuple[int, int, Optional[np.ndarray]]:
+    """An anyattn mask/bias -> the seed's (mask_kind, window, stored values or None).
+
+    ``Causal()`` -> kind 1; ``Causal() & Window(left=w)`` -> kind 3, window w;
+    any other mask (KeepMask, Documents, other bands) -> kind 2 with its dense
+    keep pattern as 1.0/0.0 [B|1, H|1, Sq, Sk]; a ``bias`` -> kind 4, with the
+    mask (if any) folded in as -inf.  Beware the seed's quirk: under kinds 1-3 a
+    row that keeps no key attends uniformly instead of giving zeros, so a
+    problem with empty rows keeps the contract only as kind 4.
+    """
+    from .arrays import to_numpy
+    from .masks import resolve
+
+    r = resolve(mask, batch, heads, seq_q, seq_k)
+    if bias is not None:
+        b = np.asarray(to_numpy(bias), dtype=np.float32)
+        b = b.reshape((1,) * (4 - b.ndim) + b.shape)
+        if not r.is_empty_mask:
+            b = np.where(r.dense_keep(batch, heads), b, np.float32(-np.inf))
+        return MASK_BIAS, 0, b.astype(np.float32)
+    if r.is_empty_mask:
+        return MASK_NONE, 0, None
+    band_only = r.q_ids is None and r.keep is None
+    if band_only and r.band_hi == 0 and r.band_lo is None:
+        return MASK_CAUSAL, 0, None
+    if band_only and r.band_hi == 0 and r.band_lo is not None and r.band_lo <= 0:
+        return MASK_CAUSAL_WINDOW, -r.band_lo, None
+    return MASK_KEEP, 0, r.dense_keep(batch, heads).astype(np.float32)
+
+
 def pack_arena(q, k, v, dy, *, wrt: int, mask_kind: int = MASK_NONE, mask=None,
                window: int = 0, scale: Optional[float] = None, layout: str = "bhsd",
                gap: int = 0, fill: float = float("nan")) -> Tuple[np.ndarray, Params]:

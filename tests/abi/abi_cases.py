@@ -14,10 +14,10 @@ from anyattn.backends.registry import unavailable_reason
 
 from helpers import assert_close
 
-#: the backend the ABI tests run on: automatic once 'numpy' is registered, else the
-#: reference; ANYATTN_ABI_BACKEND=<name> picks one.
+#: the backend the ABI tests run on: 'numpy' once it is registered, else the reference;
+#: ANYATTN_ABI_BACKEND=<name> picks another.  (test_default_backend_* covers backend=None.)
 BACKEND = os.environ.get("ANYATTN_ABI_BACKEND") or (
-    None if unavailable_reason("numpy") is None else "reference")
+    "numpy" if unavailable_reason("numpy") is None else "reference")
 
 
 def inputs(rng, B, H, Sq, Sk, D):

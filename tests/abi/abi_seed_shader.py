@@ -82,10 +82,10 @@ def run_seed(arena: np.ndarray, params) -> np.ndarray:
     return np.frombuffer(dev.queue.read_buffer(abuf), dtype=np.float32).copy()
 
 
-def make_buffer(arena: np.ndarray):
-    """A wgpu storage buffer holding ``arena`` (for the webgpu arena entry)."""
+def make_buffer(arena: np.ndarray, device=None):
+    """A wgpu storage buffer holding ``arena`` (on ``device``, default this module's)."""
     import wgpu
 
-    return _device().create_buffer_with_data(
+    return (device or _device()).create_buffer_with_data(
         data=np.ascontiguousarray(arena, dtype=np.float32).tobytes(),
         usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)

@@ -23,17 +23,40 @@ KINDS = [A.MASK_NONE, A.MASK_CAUSAL, A.MASK_KEEP, A.MASK_CAUSAL_WINDOW, A.MASK_B
 WRTS = [A.WRT_Q, A.WRT_K, A.WRT_V]
 
 
+def _host_backends():
+    out = []
+    for name in ("numpy", "reference"):
+        why = unavailable_reason(name)
+        out.append(pytest.param(name, id=name, marks=[pytest.mark.skip(
+            reason=f"{name} unavailable: {why}")] if why else []))
+    return out
+
+
+@pytest.mark.parametrize("backend", _host_backends())
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("wrt", WRTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_kind_and_wrt(kind, wrt, layout):
+def test_every_kind_and_wrt(kind, wrt, layout, backend):
     rng = np.random.default_rng(100 * kind + 10 * wrt + (layout == "bshd"))
     B, H, Sq, Sk, D = 2, 3, 9, 6, 5          # Sq > Sk + window: kind 3's last row keeps nothing
     q, k, v, dy = inputs(rng, B, H, Sq, Sk, D)
     m = mask_for(rng, kind, (B, H, Sq, Sk))
     arena, p = A.pack_arena(q, k, v, dy, wrt=wrt, mask_kind=kind, mask=m, window=2,
                             layout=layout, gap=3, scale=0.37)
-    run_and_check(arena, p, q, k, v, dy, m)
+    run_and_check(arena, p, q, k, v, dy, m, backend=backend)
+
+
+@pytest.mark.skipif(unavailable_reason("webgpu") is not None, reason="webgpu unavailable")
+@pytest.mark.parametrize("kind", KINDS)
+def test_numpy_arena_on_the_webgpu_backend(kind):
+    """backend= picks the gradient's backend; here WebGPU kernels on NumPy views."""
+    rng = np.random.default_rng(50 + kind)
+    q, k, v, dy = inputs(rng, 1, 2, 9, 6, 4)
+    m = mask_for(rng, kind, (1, 2, 9, 6))
+    for wrt in WRTS:
+        arena, p = A.pack_arena(q, k, v, dy, wrt=wrt, mask_kind=kind, mask=m, window=2,
+                                layout="bshd")
+        run_and_check(arena, p, q, k, v, dy, m, backend="webgpu")
 
 
 @pytest.mark.parametrize("wrt", WRTS)
@@ -238,7 +261,7 @@ def test_bias_rows_of_minus_inf_give_zeros():
             assert np.array_equal(got[0, 0, 1], np.zeros(2, np.float32))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), H=st.integers(1, 2), Sq=st.integers(1, 11), Sk=st.integers(1, 11),
        D=st.integers(1, 9), kind=st.sampled_from(KINDS), wrt=st.sampled_from(WRTS),
        layout=st.sampled_from(["bhsd", "bshd"]), window=st.integers(0, 4),
@@ -262,9 +285,10 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 @needs_torch
+@pytest.mark.parametrize("backend", _host_backends())
 @pytest.mark.parametrize("wrt", WRTS)
 @pytest.mark.parametrize("kind", [A.MASK_KEEP, A.MASK_CAUSAL_WINDOW, A.MASK_BIAS])
-def test_torch_cpu_arena_through_torch_views(kind, wrt):
+def test_torch_cpu_arena_through_torch_views(kind, wrt, backend):
     """An explicit backend taking torch tensors: views and the correction in torch."""
     rng = np.random.default_rng(20 + kind + wrt)
     B, H, Sq, Sk, D = 2, 2, 8, 5, 3
@@ -275,7 +299,7 @@ def test_torch_cpu_arena_through_torch_views(kind, wrt):
     t = big[7:]                                   # a view with a storage offset
     t.copy_(torch.from_numpy(arena))
     before = t.clone()
-    A.attention_backward_arena(t, p, backend="reference")
+    A.attention_backward_arena(t, p, backend=backend)
     got = A.read_output(t, p)
     assert isinstance(got, torch.Tensor)
     ref = R.seed_backward(q, k, v, dy, mask_kind=kind, scale=p.scale, mask=m, window=1, wrt=wrt)
@@ -317,3 +341,53 @@ def test_cuda_arena(kind, wrt):
     A.attention_backward_arena(t, p)
     ref = R.seed_backward(q, k, v, dy, mask_kind=kind, scale=p.scale, mask=m, window=5, wrt=wrt)
     assert_close(A.read_output(t, p).cpu().numpy(), ref, "float32")
+
+
+# ----------------------------------------------------------------------------- anyattn -> seed
+def test_seed_mask_kinds():
+    import anyattn as aa
+
+    sz = dict(batch=2, heads=3, seq_q=5, seq_k=5)
+    assert A.seed_mask(None, **sz) == (A.MASK_NONE, 0, None)
+    assert A.seed_mask(aa.Causal(), **sz) == (A.MASK_CAUSAL, 0, None)
+    assert A.seed_mask(aa.Causal() & aa.Window(left=3), **sz) == (A.MASK_CAUSAL_WINDOW, 3, None)
+    assert A.seed_mask(aa.Window(left=2, right=0), **sz) == (A.MASK_CAUSAL_WINDOW, 2, None)
+    kind, w, vals = A.seed_mask(aa.Causal(align="bottom_right"), **{**sz, "seq_k": 7})
+    assert kind == A.MASK_KEEP and vals.shape == (1, 1, 5, 7)
+    np.testing.assert_array_equal(vals[0, 0], np.tril(np.ones((5, 7)), 2))
+    keep = np.random.default_rng(0).random((2, 1, 5, 5)) > 0.5
+    kind, _, vals = A.seed_mask(aa.KeepMask(keep), **sz)
+    assert kind == A.MASK_KEEP and np.array_equal(vals, keep.astype(np.float32))
+    ids = np.array([0, 0, 1, 1, 1])
+    kind, _, vals = A.seed_mask(aa.Documents(ids), **sz)
+    assert kind == A.MASK_KEEP and np.array_equal(vals[0, 0], (ids[:, None] == ids).astype("f4"))
+    bias = np.ones((5, 5), np.float32)
+    kind, _, vals = A.seed_mask(aa.Causal(), bias=bias, **sz)
+    assert kind == A.MASK_BIAS
+    np.testing.assert_array_equal(vals[0, 0], np.where(np.tril(np.ones((5, 5))) > 0, 1, -np.inf))
+
+
+@pytest.mark.parametrize("wrt", WRTS)
+def test_contract_problems_through_the_seed_abi(wrt):
+    """Without empty rows (or with them as kind 4) the ABI gives anyattn's own gradients."""
+    import anyattn as aa
+
+    rng = np.random.default_rng(60 + wrt)
+    B, H, S, D = 2, 2, 8, 4
+    q, k, v, dy = inputs(rng, B, H, S, S, D)
+    keep = rng.random((B, 1, S, S)) > 0.5
+    keep[0, 0, 3] = False                                   # an empty row: use kind 4
+    bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
+    cases = [(aa.Documents(np.array([0, 0, 0, 1, 1, 2, 2, 2])), None),
+             (aa.Causal() & aa.Window(left=2), None),
+             (aa.KeepMask(keep), bias)]
+    for mask, b in cases:
+        kind, window, vals = A.seed_mask(mask, bias=b, batch=B, heads=H, seq_q=S, seq_k=S)
+        arena, p = A.pack_arena(q, k, v, dy, wrt=wrt, mask_kind=kind, mask=vals, window=window)
+        A.attention_backward_arena(arena, p, backend=BACKEND)
+        want = aa.attention_backward(q.astype(np.float64), k.astype(np.float64),
+                                     v.astype(np.float64), dy.astype(np.float64), mask=mask,
+                                     bias=None if b is None else b.astype(np.float64),
+                                     wrt=("qkv"[wrt],), backend="reference")
+        assert_close(A.read_output(arena, p), getattr(want, "d" + "qkv"[wrt]), "float32",
+                     repr(mask))

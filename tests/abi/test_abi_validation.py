@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings, strategies as st
 
 from anyattn import abi as A
 from anyattn.abi_regions import Region, first_common, first_duplicate
@@ -190,3 +191,60 @@ def test_regions_geometry():
     assert first_common(a, Region("c", 9, (1,), (1,), ())) == 9
     chunks = list(Region("x", 1, (3, 2, 2), (10, 0, 1), ()).indices(chunk=5))
     assert np.concatenate(chunks).tolist() == [1, 2, 1, 2, 11, 12, 11, 12, 21, 22, 21, 22]
+
+
+def _brute(off, shape, strides):
+    idx = np.full(shape, off, dtype=np.int64)
+    for ax, (n, s) in enumerate(zip(shape, strides)):
+        sh = [1] * len(shape)
+        sh[ax] = n
+        idx = idx + (np.arange(n) * s).reshape(sh)
+    return idx.reshape(-1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_validation_agrees_with_brute_force(data):
+    """Random small Params: accepted iff every index is in the arena, the output is
+    injective and disjoint from every input (checked by enumerating them all)."""
+    d = data.draw
+    sizes = dict(batch=d(st.integers(1, 2)), heads=d(st.integers(1, 2)),
+                 seq_q=d(st.integers(1, 3)), seq_k=d(st.integers(1, 3)),
+                 head_dim=d(st.integers(1, 3)))
+    kind = d(st.sampled_from([A.MASK_NONE, A.MASK_KEEP, A.MASK_BIAS]))
+    fields = {n: d(st.integers(0, 160) if n.endswith("_off") else st.integers(0, 12))
+              for n in A.FIELD_NAMES if n.endswith(("_off", "_stride")) and n[0] != "_"}
+    p = A.Params(**sizes, **fields, mask_kind=kind, wrt=d(st.sampled_from([0, 1, 2])))
+    n = d(st.integers(1, 250))
+    regs = p.regions()
+    sets = {k: _brute(r.off, r.shape, r.strides) for k, r in regs.items()}
+    out = sets.pop("out")
+    ok = (all(s.max() < n for s in sets.values()) and out.max() < n
+          and np.unique(out).size == out.size
+          and not any(np.intersect1d(out, s).size for s in sets.values()))
+    event("accepted" if ok else "rejected")
+    if ok:
+        p.validate(n)
+        rng = np.random.default_rng(0)
+        arena = rng.standard_normal(n).astype(np.float32)
+        arena[out] = np.nan
+        before = arena.copy()
+        A.attention_backward_arena(arena, p, backend=BACKEND)
+        changed = np.nonzero(arena.view(np.uint32) != before.view(np.uint32))[0]
+        assert set(changed.tolist()) <= set(out.tolist())
+        assert not np.isnan(arena[out]).any() or np.isnan(before[np.concatenate(
+            list(sets.values()))]).any()
+    else:
+        with pytest.raises(ValueError, match="Params"):
+            p.validate(n)
+
+
+def test_backend_that_cannot_take_the_arena_is_refused_cleanly():
+    """A NumPy arena on the triton backend (torch only): a clear error, arena untouched."""
+    from anyattn import BackendUnavailable
+
+    arena, p, _ = _case()
+    before = arena.copy()
+    with pytest.raises((BackendUnavailable, NotImplementedError), match="backend='triton'"):
+        A.attention_backward_arena(arena, p, backend="triton")
+    assert np.array_equal(arena.view(np.uint32), before.view(np.uint32))

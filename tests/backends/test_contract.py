@@ -14,7 +14,7 @@ import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.registry import unavailable_reason
 
-from helpers import assert_close, harness_for, make_qkv, to_np, TOL
+from helpers import assert_close, harness_for, make_qkv, term_magnitudes, to_np, TOL
 
 import os
 
@@ -63,7 +63,8 @@ def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), 
     rmask = _np_mask(mask)
     ro, rl = R.forward(q, k, v, mask=rmask, bias=bias, scale=scale)
     rg = R.backward(q, k, v, g, mask=rmask, bias=bias, scale=scale, wrt=wrt)
-    assert_close(out, ro, dtype, "out")
+    mag = term_magnitudes(q, k, v, g, mask=rmask, bias=bias, scale=scale)
+    assert_close(out, ro, dtype, "out", magnitude=mag["out"])
     lse_np = to_np(lse)
     assert str(lse_np.dtype) in ("float32", "float64")
     fin = np.isfinite(rl)
@@ -77,7 +78,7 @@ def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), 
         else:
             assert got is not None, f"{name} missing"
             assert tuple(got.shape) == tuple(ref.shape), (name, got.shape, ref.shape)
-            assert_close(got, ref, dtype, name)
+            assert_close(got, ref, dtype, name, magnitude=mag[name])
     return out, grads
 
 

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import anyattn as aa
+from anyattn import reference as R
 
+from helpers import rel_err
 from np_util import check, qkv
 
 DTYPES = ["float64", "float32"]
@@ -165,3 +167,16 @@ def test_float16_inputs():
 
 def test_scale_argument():
     check(*qkv(12, 1, 1, 1, 40, 50, 8), dtype="float64", scale=0.37)
+
+
+def test_float16_with_bias_and_float64_with_float32_bias():
+    q, k, v, g = qkv(13, 1, 2, 1, 50, 60, 16, dtype="float16")
+    bias = np.random.default_rng(4).standard_normal((50, 60)).astype(np.float16)
+    check(q, k, v, g, dtype="float16", bias=bias, wrt=("q", "k", "v", "bias"), tol=3e-3)
+    q, k, v, g = qkv(14, 1, 2, 1, 50, 60, 16)
+    bias = np.random.default_rng(5).standard_normal((1, 2, 50, 60)).astype(np.float32)
+    check(q, k, v, g, dtype="float64", bias=bias)
+    # dbias comes back in the bias's own dtype (float32): float32 rounding only
+    db = aa.attention_backward(q, k, v, g, bias=bias, wrt=("bias",), backend="numpy").dbias
+    ref = R.backward(q, k, v, g, bias=bias, wrt=("bias",)).dbias
+    assert db.dtype == np.float32 and rel_err(db, ref) < 1e-6

@@ -88,3 +88,11 @@ def test_import_anyattn_does_not_import_torch():
 def test_numpy_inputs_of_masks_are_accepted():
     out = at.attention(q0, k0, v0, mask=Causal() & KeepMask(np.ones((9, 11), dtype=bool)))
     assert out.shape == q0.shape
+
+
+def test_subpackage_imports_the_real_torch():
+    """``import torch`` inside anyattn/torch/ is absolute: it is PyTorch, not this package."""
+    import anyattn.torch.ops as ops
+
+    assert ops.torch is torch and hasattr(ops.torch, "library")
+    assert "anyattn" not in torch.__file__

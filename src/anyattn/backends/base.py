@@ -48,6 +48,11 @@ class Backend(ABC):
         """None when the backend can run here, else the reason it cannot."""
         return None
 
+    def auto_eligible(self) -> bool:
+        """May automatic dispatch pick this backend here?  (An emulated device, such
+        as a CPU WebGPU adapter, answers False: it stays available on request.)"""
+        return self.capabilities.auto
+
     def unsupported_reasons(self, p: Problem) -> List[str]:
         """Why this backend cannot compute ``p`` (empty list: it can)."""
         c = self.capabilities

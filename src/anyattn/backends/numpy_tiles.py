@@ -182,7 +182,7 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
             st = sbuf[:nj * ni].reshape(nj, ni)
             np.matmul(k[j0:j1], qt.T, out=st)                  # sT [nj, ni]
             if plan.bias is not None:
-                st += plan.bias_t(b, h, i0, i1, j0, j1) * LOG2E
+                st += np.multiply(plan.bias_t(b, h, i0, i1, j0, j1), LOG2E, dtype=dt)
             if code == TILE_PARTIAL:
                 np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
                 counts.partial += 1
@@ -265,7 +265,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, k: np.ndarray, v: n
                 st = sbuf[:nj * ni].reshape(nj, ni)
                 np.matmul(kt, hs.q2[gi][i0:i1].T, out=st)      # sT [nj, ni]
                 if plan.bias is not None:
-                    st += plan.bias_t(b, h, i0, i1, j0, j1) * LOG2E
+                    st += np.multiply(plan.bias_t(b, h, i0, i1, j0, j1), LOG2E, dtype=dt)
                 if code == TILE_PARTIAL:
                     np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
                     counts.partial += 1

@@ -87,7 +87,7 @@ def choose(p: Problem, backend: Optional[str] = None) -> Backend:
         if why is not None:
             refusals.append(f"{name}: {why}")
             continue
-        if not be.capabilities.auto:
+        if not be.auto_eligible():
             continue
         reasons = be.unsupported_reasons(p)
         if not reasons:

@@ -76,7 +76,7 @@ def _forward(s: _Setup, q, k, v):
             o, lse = attention(q[:, :, c.q_rows], kt[:, :, c.k_rows], vt[:, :, c.k_rows],
                                mask=c.mask, scale=s.scale, return_lse=True,
                                backend=s.backend, precision=s.precision,
-                               q_offset=c.qc.start, k_offset=c.kc.start)
+                               q_offset=c.q_offset, k_offset=c.k_offset)
             merge_into(o_acc[:, :, c.q_rows], lse_acc[:, :, c.q_rows], o, lse)
         if ex is not None:
             kv = ex.wait()
@@ -106,8 +106,8 @@ def _backward(s: _Setup, q, k, v, out, lse, dout, want):
             g = attention_backward(q[:, :, qr], kt[:, :, kr], vt[:, :, kr], dout[:, :, qr],
                                    out=out[:, :, qr], lse=lse[:, :, qr], mask=c.mask,
                                    scale=s.scale, wrt=wrt, backend=s.backend,
-                                   precision=s.precision, q_offset=c.qc.start,
-                                   k_offset=c.kc.start)
+                                   precision=s.precision, q_offset=c.q_offset,
+                                   k_offset=c.k_offset)
             if want_q:
                 dq[:, :, qr] += g.dq
             if want_k:

@@ -49,19 +49,18 @@ def _check_tensor(name: str, x) -> None:
 def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset):
     """Every check of the core, before any work and before autograd records anything.
 
-    Also asks the chosen backend whether it can compute the gradients that will
-    be needed, so that an unsupported backward fails now rather than in
-    ``loss.backward()``.
+    The problem carries the gradients that the backward will need, so an explicit
+    backend that cannot compute them fails now rather than in ``loss.backward()``.
+    (One ``describe`` + ``choose``, ~20 us; the op validates again inside, which is
+    what catches bad input under ``torch.compile``, where this step is skipped.)
     """
-    p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
+    wrt = None
+    if torch.is_grad_enabled():
+        wrt = [n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
+               if x is not None and x.requires_grad] or None
+    p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision, wrt=wrt,
                  q_offset=q_offset, k_offset=k_offset)
     choose(p, backend)
-    wrt = [n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
-           if x is not None and x.requires_grad]
-    if wrt and torch.is_grad_enabled():
-        pb = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
-                      wrt=wrt, q_offset=q_offset, k_offset=k_offset)
-        choose(pb, backend)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,

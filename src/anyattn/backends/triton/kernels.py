@@ -67,7 +67,7 @@ def _key_tile_range(i0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
     f0 = _cdiv_pos(lo + i1 - 1, BN)            # j - i >= lo for the last query
     f1 = _div_pos(hi + i0 + 1, BN)             # j - i <= hi for the first query
     f1 = tl.minimum(f1, Sk // BN)              # in-bounds tiles only
-    f1 = f0 + (f1 - f0) * (i0 + BM <= Sq)      # partial query tile: keep the masks
+    f1 = f0 + (f1 - f0) * (i0 + BM <= Sq).to(tl.int32)   # partial query tile: keep the masks
     f0 = tl.minimum(tl.maximum(f0, t0), t1)
     f1 = tl.minimum(tl.maximum(f1, f0), t1)
     return t0, f0, f1, t1
@@ -86,7 +86,7 @@ def _query_tile_range(j0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
     g0 = _cdiv_pos(j1 - 1 - hi, BM)            # j - i <= hi for the last key
     g1 = _div_pos(j0 - lo + 1, BM)             # j - i >= lo for the first key
     g1 = tl.minimum(g1, Sq // BM)
-    g1 = g0 + (g1 - g0) * (j0 + BN <= Sk)
+    g1 = g0 + (g1 - g0) * (j0 + BN <= Sk).to(tl.int32)
     g0 = tl.minimum(tl.maximum(g0, s0), s1)
     g1 = tl.minimum(tl.maximum(g1, g0), s1)
     return s0, g0, g1, s1

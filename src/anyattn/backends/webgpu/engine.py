@@ -88,6 +88,7 @@ class Call:
     v: Optional[Operand] = None
     g: Optional[Operand] = None
     debug: bool = False
+    uprefix: str = "u"          # role prefix of this call's uniform buffers
     _n_uni: int = 0
 
     def __post_init__(self):
@@ -109,7 +110,7 @@ class Call:
 
     def set_mask(self, rmask, use_tilemap: bool = True) -> None:
         """Band, documents, keep mask and tile map of an anyattn ResolvedMask -> aux buffer."""
-        from ..._compat_np import to_numpy
+        from ...arrays import to_numpy
 
         F = FLAGS
         parts: List[np.ndarray] = []
@@ -171,7 +172,7 @@ class Call:
     def _u(self, extra: Dict[str, object]):
         vals = dict(self.uni)
         vals.update(extra)
-        buf = self.run.uniform(f"u{self._n_uni}", vals)
+        buf = self.run.uniform(f"{self.uprefix}{self._n_uni}", vals)
         self._n_uni += 1
         return buf
 
@@ -187,7 +188,7 @@ class Call:
         d = self.run.dummy
         bufs = [ubuf] + [getattr(self, n).buf if getattr(self, n) is not None else d
                          for n in ("q", "k", "v", "g")]
-        return bufs + [self.bias_buf, self.aux_buf, stats, outb, dsb if dsb is not None else d]
+        return bufs + [self.bias_buf, self.aux_buf, stats, outb, dsb if dsb is not None else self.run.dummy_w]
 
     def _tile(self, kernel: str, n_units: int, grid_x: int, n_bh: int, stats, outb, dsb=None,
               flags: int = 0, extra: Optional[Dict[str, object]] = None, dk=True, dv=True,
@@ -196,6 +197,11 @@ class Call:
         per = cfg.trips_per_unit(kernel, self.D, dk, dv)
         pieces = split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
         pipe = self.run.pipeline(kernel, "tile", cfg.consts(), self.elem, self.debug)
+        if self.debug and dsb is None:   # debug builds write each invocation's loop trips here
+            n_inv = grid_x * n_bh * cfg.slices(self.D) * cfg.NT
+            dsb = self.trip_buf = self.run.buffer(f"trips_{kernel}", 4 * n_inv)
+            self.clears.append(dsb)
+            self.trip_count = n_inv
         base = dict(self._operands())
         base.update(extra or {})
         self.pieces = getattr(self, "pieces", {})
@@ -270,13 +276,35 @@ class Call:
             self.launches.append(Launch("vmean", pipe, "vmean", [ubuf, self.v.buf, outb],
                                         self.run.flat_grid(numel)))
 
-    def scatter(self, src, arena, rows: int, o: Operand) -> None:
+    def scatter(self, src, src_off: int, arena, rows: int, o: Operand) -> None:
         numel = self.B * self.HQ * rows * self.D
         pipe = self.run.pipeline("scatter", "scatter", {}, "f32")
-        ubuf = self._u(dict(self.uni, SQ=rows, n_out=numel, **o.fields("o")))
+        ubuf = self._u(dict(self.uni, SQ=rows, n_out=numel, q_off=src_off, **o.fields("o")))
         self.launches.append(Launch("scatter", pipe, "scatter", [ubuf, src, arena],
                                     self.run.flat_grid(numel)))
 
     def submit(self) -> None:
         self.run.run(self.launches, self.clears)
         self.launches, self.clears = [], []
+
+    def freeze(self) -> "Plan":
+        """The launches built so far as a re-submittable plan (benchmarks)."""
+        plan = Plan(self.run, self.run.encode(self.launches), list(self.clears))
+        self.launches, self.clears = [], []
+        return plan
+
+
+@dataclass
+class Plan:
+    """Encoded launches over persistent buffers; ``submit(repeat)`` runs them again."""
+
+    run: Runner
+    encoded: list
+    clears: list
+
+    def submit(self, repeat: int = 1) -> None:
+        self.run.submit(self.encoded, self.clears, repeat)
+
+    def wait(self) -> None:
+        """Block until the queue is idle (read a few bytes back: DESIGN.md §6)."""
+        self.run.read(self.run.dummy, 1)

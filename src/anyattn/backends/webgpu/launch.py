@@ -165,7 +165,8 @@ class Runner:
         self.max_binding = int(ctx.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(ctx.limits.get("max-buffer-size", self.max_binding))
         self.max_groups = int(ctx.limits.get("max-compute-workgroups-per-dimension", 65535))
-        self.dummy = self.buffer("_dummy", 16)
+        self.dummy = self.buffer("_dummy", 16)       # read-only slots
+        self.dummy_w = self.buffer("_dummy_w", 16)   # read-write slots (exclusive use)
 
     # ---- buffers -------------------------------------------------------------
     def check_size(self, role: str, nbytes: int) -> None:
@@ -189,6 +190,14 @@ class Runner:
         buf = self.device.create_buffer(label=role, size=nbytes, usage=usage)
         self._bufs[role] = buf
         return buf
+
+    def poison(self) -> None:
+        """Fill every pooled storage buffer with NaN (tests: every output element must be
+        written by the next call)."""
+        for role, buf in self._bufs.items():
+            if role.startswith("_") or not (buf.usage & self.wgpu.BufferUsage.STORAGE):
+                continue
+            self.device.queue.write_buffer(buf, 0, np.full(buf.size // 4, np.nan, np.float32))
 
     def upload(self, role: str, arr: np.ndarray):
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
@@ -221,37 +230,47 @@ class Runner:
                  debug: bool = False):
         return self.pipes.get(kernel, layout, consts, elem, debug)
 
-    def run(self, launches: Sequence[Launch], clears: Sequence[object] = ()) -> None:
-        """Encode and submit: clears first, then every launch in order (one compute pass)."""
-        dev = self.device
-        names = sorted({l.kernel for l in launches})
+    def encode(self, launches: Sequence[Launch]) -> List[tuple]:
+        """Launches -> [(pipeline, bind group, grid, kernel)] ready to submit (and re-submit)."""
+        out = []
+        for l in launches:
+            if 0 in l.grid:
+                continue
+            for n, what in zip(l.grid, "xyz"):
+                if n > self.max_groups:
+                    raise ValueError(f"webgpu kernel {l.kernel!r}: {n} workgroups along {what} "
+                                     f"> this adapter's limit {self.max_groups}")
+            bgl = self.pipes.layouts[l.layout][0]
+            entries = [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+                       for i, b in enumerate(l.buffers)]
+            try:
+                bg = self.device.create_bind_group(layout=bgl, entries=entries)
+            except Exception as e:
+                raise KernelError(f"webgpu kernel {l.kernel!r}: bind group rejected: {e}") from e
+            out.append((l.pipeline, bg, l.grid, l.kernel))
+        return out
+
+    def submit(self, encoded: Sequence[tuple], clears: Sequence[object] = (),
+               repeat: int = 1) -> None:
+        """Clears, then every encoded launch in order (one compute pass), ``repeat`` times."""
+        names = sorted({e[3] for e in encoded})
         try:
-            enc = dev.create_command_encoder()
-            for buf in clears:
-                enc.clear_buffer(buf)
-            cp = enc.begin_compute_pass()
-            for l in launches:
-                if 0 in l.grid:
-                    continue
-                for n, what in zip(l.grid, "xyz"):
-                    if n > self.max_groups:
-                        raise ValueError(f"webgpu kernel {l.kernel!r}: {n} workgroups along {what}"
-                                         f" > this adapter's limit {self.max_groups}")
-                bgl = self.pipes.layouts[l.layout][0]
-                entries = []
-                for i, b in enumerate(l.buffers):
-                    entries.append({"binding": i, "resource": {"buffer": b, "offset": 0,
-                                                               "size": b.size}})
-                bg = dev.create_bind_group(layout=bgl, entries=entries)
-                cp.set_pipeline(l.pipeline)
-                cp.set_bind_group(0, bg)
-                cp.dispatch_workgroups(*l.grid)
-            cp.end()
-            dev.queue.submit([enc.finish()])
-        except ValueError:
-            raise
+            enc = self.device.create_command_encoder()
+            for _ in range(repeat):
+                for buf in clears:
+                    enc.clear_buffer(buf)
+                cp = enc.begin_compute_pass()
+                for pipe, bg, grid, _ in encoded:
+                    cp.set_pipeline(pipe)
+                    cp.set_bind_group(0, bg)
+                    cp.dispatch_workgroups(*grid)
+                cp.end()
+            self.device.queue.submit([enc.finish()])
         except Exception as e:
             raise KernelError(f"webgpu kernels {names} failed to launch: {e}") from e
+
+    def run(self, launches: Sequence[Launch], clears: Sequence[object] = ()) -> None:
+        self.submit(self.encode(launches), clears)
 
     def bh_chunks(self, n: int) -> List[Tuple[int, int]]:
         """Split the batch*heads grid dim at the adapter's workgroup-count limit."""

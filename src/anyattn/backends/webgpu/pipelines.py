@@ -119,12 +119,32 @@ def _unroll(text: str, consts: Mapping[str, int]) -> str:
         text = text[:m.start()] + rep + text[m.end():]
 
 
+_VAR = re.compile(r"^([ \t]+)var (\w+)(?:: ([^=;]+?))?(?: = ([^;]+))?;[ \t]*$", flags=re.M)
+
+
+def _reinit_vars(text: str) -> str:
+    """Re-initialise every function-scope ``var`` where it is declared.
+
+    naga hoists a local variable's (zero or constant) initializer to the function
+    entry, so a ``var`` declared inside a loop keeps the previous iteration's value.
+    WGSL says it is initialised at each declaration; an explicit store restores that.
+    """
+    def fix(m):
+        ind, name, ty, init = m.groups()
+        if init is None:
+            return f"{ind}var {name}: {ty}; {name} = {ty.strip()}();"
+        decl = f"{ind}var {name}: {ty.strip()}" if ty else f"{ind}var {name}"
+        return f"{decl} = {init}; {name} = {init};"
+    return _VAR.sub(fix, text)
+
+
 def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
                  debug: bool = False) -> str:
     """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants."""
     text = _expand_includes(_read(kernel))
     text = _conditionals(text)
     text = _unroll(text, consts)
+    text = _reinit_vars(text)
     text = text.replace("//@loaders", _loaders())
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
     dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"

@@ -43,4 +43,7 @@ fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
   return aux[U.tm_off + b * U.tm_sb + h * U.tm_sh + qt * U.nkt + kt];
 }
 
+// NaN test on the bits (compilers may fold x != x away).
+fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+
 //@loaders

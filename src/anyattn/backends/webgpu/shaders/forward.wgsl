@@ -107,7 +107,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       //@for c 4
       {
         var pv = 0.0;
-        if (m > -3.0e38 || m != m) { pv = exp(s[{r}][{c#}] - m); }
+        let x = s[{r}][{c#}];
+        // max() may drop a NaN score: test it here so that NaN still propagates
+        if (m > -3.0e38 || is_nan(m) || is_nan(x)) { pv = exp(x - m); }
         let jl = tx + {c} * TX;
         sp[(ty * 4u + {r}) * RSP2 + jl / 4u][jl % 4u] = pv;
         sm += pv;

@@ -1,5 +1,6 @@
 // Seed ABI: copy a contiguous [B, H, R, D] f32 result (src) into the arena at the
-// output's offset and strides (o_off, o_sb, o_sh, o_ss), writing nothing else.
+// output's offset and strides (o_off, o_sb, o_sh, o_ss), writing nothing else;
+// src starts at element q_off.
 @group(0) @binding(0) var<uniform> U: Uni;
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> arena: array<f32>;
@@ -15,5 +16,5 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let bh = e / (U.D * U.SQ);
   let b = bh / U.HQ;
   let h = bh % U.HQ;
-  arena[U.o_off + b * U.o_sb + h * U.o_sh + r * U.o_ss + d] = src[e];
+  arena[U.o_off + b * U.o_sb + h * U.o_sh + r * U.o_ss + d] = src[U.q_off + e];
 }

@@ -1,0 +1,526 @@
+"""GPU benchmark of the triton backend (one command, one process), for the H200.
+
+    PYTHONUNBUFFERED=1 python bench/gpu_bench.py --check --bench --out $OUT
+
+Phases (any subset, in this order):
+  --check  correctness sweep on the GPU at large sizes vs a float64 torch computation
+           (every mask, bf16/fp16/fp32/tf32, GQA, bias+dbias, odd head dims, Sq != Sk)
+  --tune   time candidate tile configs of each kernel on a few problem classes
+  --bench  anyattn-triton vs torch SDPA (flash, cuDNN, mem-efficient) and FlexAttention
+           (torch.compile), same process: dense 16k tokens, hidden 2048, D in {64, 128},
+           S in {512 .. 16k}, causal and not, bf16 / fp32 / tf32; masked B=4 H=16 S=4096
+           D=128 (sliding-window causal 512, document-causal 8 docs, random 50 % block
+           KeepMask, bias + dbias [1, H, S, S]), bf16 and fp32.
+TFLOP/s by the FlashAttention convention (fwd 4*B*H*Sq*Sk*D, bwd 2.5x, causal 1/2);
+masked cases also by kept pairs.  Writes JSON (and a log) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import anyattn as aa  # noqa: E402
+from anyattn.backends.triton import configs as C  # noqa: E402
+from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+
+TOKENS, HIDDEN = 16384, 2048
+TOL = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 1e-5, "tf32": 3e-4}
+ANCHOR_DIR = os.path.join(os.path.dirname(HERE), "..", "shared", "anchors")
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+RESULTS = {"meta": {}, "check": [], "tune": [], "bench": []}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench_ms(fn, rep=50):
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def fa_flops(b, h, sq, sk, d, causal):
+    f = 4.0 * b * h * sq * sk * d
+    return f / 2 if causal else f
+
+
+# ----------------------------------------------------------------------------- masks
+def make_mask(kind, B, H, Sq, Sk, dev, gen):
+    """-> (anyattn mask, dense keep bool broadcastable to [B,H,Sq,Sk] or None, flex mod or None)."""
+    i = torch.arange(Sq, device=dev)[:, None]
+    j = torch.arange(Sk, device=dev)[None, :]
+    if kind == "none":
+        return None, None, None
+    if kind == "causal":
+        return aa.Causal(), (j <= i), (lambda b, h, qi, ki: qi >= ki)
+    if kind == "causal_br":
+        return aa.Causal("bottom_right"), (j <= i + (Sk - Sq)), None
+    if kind.startswith("sliding"):
+        w = int(kind.split(":")[1]) if ":" in kind else 512
+        keep = (j <= i) & (i - j <= w)
+        return aa.Causal() & aa.Window(left=w), keep, (lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= w))
+    if kind.startswith("doc"):
+        n = 8
+        doc = torch.sort(torch.randint(0, n, (Sq,), device=dev, generator=gen)).values
+        keep = (doc[:, None] == doc[None, :]) & (j <= i)
+        return (aa.Causal() & aa.Documents(doc.to(torch.int32)), keep,
+                (lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki)))
+    if kind.startswith("blocks"):
+        blk = 128
+        nq, nk = triton.cdiv(Sq, blk), triton.cdiv(Sk, blk)
+        bm = torch.rand(nq, nk, device=dev, generator=gen) < 0.5
+        keep = bm.repeat_interleave(blk, 0).repeat_interleave(blk, 1)[:Sq, :Sk].contiguous()
+        return aa.KeepMask(keep), keep, (lambda b, h, qi, ki: bm[qi // blk, ki // blk])
+    if kind == "keep_rand":
+        keep = torch.rand(Sq, Sk, device=dev, generator=gen) < 0.5
+        return aa.KeepMask(keep), keep, None
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- float64 oracle
+def ref64(q, k, v, g, keep, bias, scale, bias_shape=None):
+    """Dense float64 forward + backward on the GPU -> dict(out, lse, dq, dk, dv, dbias)."""
+    B, H, Sq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qd, kd, vd, gd = (x.double() for x in (q, k, v, g))
+    kx, vx = kd.repeat_interleave(G, 1), vd.repeat_interleave(G, 1)
+    s = scale * qd @ kx.transpose(-1, -2)
+    if bias is not None:
+        s = s + bias.double()
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    del s
+    tot = e.sum(-1, keepdim=True)
+    p = torch.where(tot > 0, e / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(e))
+    del e
+    lse = torch.where(tot[..., 0] > 0, torch.log(tot[..., 0].clamp_min(1e-300)) + m[..., 0],
+                      torch.full_like(m[..., 0], float("-inf")))
+    out = p @ vx
+    dp = gd @ vx.transpose(-1, -2)
+    ds = p * (dp - (gd * out).sum(-1, keepdim=True))
+    del dp
+    dq = scale * ds @ kx
+    dk = (scale * ds.transpose(-1, -2) @ qd).reshape(B, Hkv, G, -1, D).sum(2)
+    dv = (p.transpose(-1, -2) @ gd).reshape(B, Hkv, G, -1, D).sum(2)
+    dbias = None
+    if bias_shape is not None:
+        dims = [a for a, n in enumerate(bias_shape) if n == 1 and ds.shape[a] != 1]
+        dbias = ds.sum(dim=dims, keepdim=True) if dims else ds
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    fin = torch.isfinite(ref)
+    sc = ref[fin].abs().max().item() if fin.any() else 0.0
+    if torch.isnan(got).any():
+        return float("nan")
+    d = (got - ref).abs()[fin].max().item() if fin.any() else 0.0
+    return d / sc if sc > 0 else d
+
+
+DEV = "cuda"
+
+
+def check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape=None):
+    dev = DEV
+    gen = torch.Generator(device=dev).manual_seed(hash(name) % 2**31)
+    dtype = DT[dt]
+    q = torch.randn(B, Hq, Sq, D, device=dev, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, Sk, D, device=dev, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, device=dev, generator=gen).to(dtype)
+    g = torch.randn(B, Hq, Sq, D, device=dev, generator=gen).to(dtype)
+    mask, keep, _ = make_mask(mask_kind, B, Hq, Sq, Sk, dev, gen)
+    bias = None
+    wrt = ("q", "k", "v")
+    if bias_shape is not None:
+        bias = torch.randn(*bias_shape, device=dev, generator=gen).to(dtype)
+        wrt = wrt + ("bias",)
+    precision = "tf32" if prec == "tf32" else None
+    t0 = time.time()
+    out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="triton",
+                            precision=precision)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
+                               backend="triton", precision=precision)
+    gr2 = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
+                                backend="triton", precision=precision)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t_run = time.time() - t0
+    repeat = all(torch.equal(getattr(gr, n), getattr(gr2, n)) for n in ("dq", "dk", "dv"))
+    r = ref64(q, k, v, g, keep, bias, 1.0 / math.sqrt(D), bias_shape)
+    tolkey = "tf32" if prec == "tf32" else ("float32" if dt == "fp32" else
+                                             {"bf16": "bfloat16", "fp16": "float16"}[dt])
+    errs = {"out": rel_err(out, r["out"]), "dq": rel_err(gr.dq, r["dq"]),
+            "dk": rel_err(gr.dk, r["dk"]), "dv": rel_err(gr.dv, r["dv"])}
+    lfin = torch.isfinite(r["lse"])
+    errs["lse_abs"] = (lse.double() - r["lse"])[lfin].abs().max().item() if lfin.any() else 0.0
+    lse_inf_ok = bool(torch.equal(torch.isfinite(lse), lfin))
+    if bias_shape is not None:
+        errs["dbias"] = rel_err(gr.dbias, r["dbias"])
+    ok = all(e <= TOL[tolkey] for n, e in errs.items() if n != "lse_abs") and repeat and lse_inf_ok
+    row = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D, dtype=dt, prec=prec,
+               mask=mask_kind, bias=bias_shape, errs={k_: float(f"{v_:.3g}") for k_, v_ in errs.items()},
+               tol=TOL[tolkey], bitwise_repeatable=repeat, lse_inf_ok=lse_inf_ok, ok=ok,
+               first_run_s=round(t_run, 2))
+    RESULTS["check"].append(row)
+    log(("PASS " if ok else "FAIL ") + json.dumps(row))
+    del r
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def phase_check():
+    cases = [
+        ("S8192_causal_bf16", 1, 2, 2, 8192, 8192, 128, "bf16", "", "causal", None),
+        ("S8192_none_fp32", 1, 2, 2, 8192, 8192, 128, "fp32", "", "none", None),
+        ("S8192_none_tf32", 1, 2, 2, 8192, 8192, 128, "fp32", "tf32", "none", None),
+        ("S8192_causal_fp16", 1, 2, 2, 8192, 8192, 64, "fp16", "", "causal", None),
+        ("S4096_sliding_bf16", 1, 4, 4, 4096, 4096, 128, "bf16", "", "sliding:512", None),
+        ("S4096_doc_fp32", 1, 4, 4, 4096, 4096, 128, "fp32", "", "doc", None),
+        ("S4096_blocks_bf16", 1, 4, 4, 4096, 4096, 128, "bf16", "", "blocks", None),
+        ("S2048_keeprand_fp32", 1, 2, 2, 2048, 2048, 64, "fp32", "", "keep_rand", None),
+        ("S4096_bias1H_bf16", 2, 4, 4, 4096, 4096, 128, "bf16", "", "none", (1, 4, 4096, 4096)),
+        ("S2048_biasfull_fp32", 2, 2, 2, 2048, 2048, 128, "fp32", "", "causal", (2, 2, 2048, 2048)),
+        ("S2048_biasB11S_fp32", 2, 4, 4, 2048, 2048, 64, "fp32", "", "none", (2, 1, 1, 2048)),
+        ("gqa4_S4096_bf16", 1, 8, 2, 4096, 4096, 128, "bf16", "", "causal", None),
+        ("gqa4_S2048_fp32", 1, 8, 2, 2048, 2048, 128, "fp32", "", "sliding:300", None),
+        ("D256_S2048_bf16", 1, 2, 2, 2048, 2048, 256, "bf16", "", "causal", None),
+        ("D256_S1024_fp32", 1, 2, 2, 1024, 1024, 256, "fp32", "", "none", None),
+        ("D80_S3000_fp16", 1, 2, 1, 3000, 3000, 80, "fp16", "", "doc", None),
+        ("D8_S1000_fp32", 1, 2, 2, 1000, 1000, 8, "fp32", "", "causal", None),
+        ("SqneSk_br_bf16", 1, 2, 2, 1000, 3000, 128, "bf16", "", "causal_br", None),
+        ("SqgtSk_br_fp32", 1, 2, 2, 3000, 1000, 64, "fp32", "", "causal_br", None),
+    ]
+    for c in cases:
+        try:
+            check_case(*c)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["check"].append(dict(name=c[0], ok=False, error=repr(e)[:400]))
+            log("ERROR", c[0], repr(e)[:400])
+            traceback.print_exc()
+
+
+# ----------------------------------------------------------------------------- tuning
+def _inputs(B, Hq, Hkv, S, D, dtype, gen=None):
+    mk = lambda h: torch.randn(B, h, S, D, device="cuda", dtype=dtype)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+
+
+def phase_tune():
+    KC = C.KernelConfig
+    classes = [
+        ("bf16", None, 128, 4, 16, 4096, [KC(128, 64, 8, 3), KC(128, 128, 8, 3), KC(128, 64, 4, 3),
+                                         KC(128, 128, 8, 2), KC(64, 64, 4, 3), KC(128, 32, 4, 4)],
+         [KC(64, 128, 8, 3), KC(32, 128, 4, 3), KC(64, 128, 8, 2), KC(32, 128, 8, 3),
+          KC(64, 64, 4, 3), KC(128, 128, 8, 2), KC(64, 128, 4, 3)],
+         [KC(128, 64, 8, 3), KC(128, 32, 4, 3), KC(64, 64, 4, 3), KC(128, 128, 8, 2),
+          KC(128, 64, 8, 2), KC(128, 64, 4, 3)]),
+        ("bf16", None, 64, 8, 32, 2048, [KC(128, 64, 4, 3), KC(128, 128, 8, 3), KC(128, 64, 8, 3),
+                                        KC(64, 64, 4, 3)],
+         [KC(64, 128, 8, 3), KC(32, 128, 4, 3), KC(64, 128, 4, 3), KC(128, 128, 8, 3)],
+         [KC(128, 64, 8, 3), KC(128, 32, 4, 3), KC(128, 64, 4, 3), KC(128, 128, 8, 3)]),
+        ("fp32", None, 128, 4, 16, 4096, [KC(64, 64, 4, 2), KC(128, 64, 8, 2), KC(64, 32, 4, 2),
+                                         KC(128, 32, 4, 2)],
+         [KC(32, 64, 4, 2), KC(64, 64, 8, 2), KC(32, 128, 8, 2), KC(16, 64, 4, 2)],
+         [KC(64, 32, 4, 2), KC(64, 64, 8, 2), KC(128, 32, 8, 2), KC(32, 64, 4, 2)]),
+        ("fp32", "tf32", 128, 4, 16, 4096, [KC(64, 64, 4, 2), KC(128, 64, 8, 2), KC(128, 32, 4, 2)],
+         [KC(32, 64, 4, 2), KC(64, 64, 8, 2), KC(32, 128, 8, 2)],
+         [KC(64, 32, 4, 2), KC(64, 64, 8, 2), KC(128, 32, 8, 2)]),
+    ]
+    for dt, prec, D, B, H, S, fwd_c, dkdv_c, dq_c in classes:
+        dtype = DT[dt]
+        q, k, v, g = _inputs(B, H, H, S, D, dtype)
+        precision = prec or "highest"
+        p = describe(q, k, v, dout=g, precision=prec, wrt=("q", "k", "v"))
+        base = C.plan_for(C.padded_dim(D), p.dtype, precision, "none", False, S)
+        precs = [base.prec] if dt != "fp32" or prec == "tf32" else ["tf32x3", "ieee"]
+        ff = fa_flops(B, H, S, S, D, False)
+        out, lse = L.forward(p, q, k, v, None, base)
+        for pr in precs:
+            for kind, cands in (("fwd", fwd_c), ("dkdv", dkdv_c), ("dq", dq_c)):
+                if pr == "ieee" and kind != "fwd" and len(cands) > 2:
+                    cands = cands[:2]
+                for c in cands:
+                    plan = C.Plan(**{**{f: getattr(base, f) for f in ("fwd", "dkdv", "dq", "dbias",
+                                                                      "pre_bm", "sbq", "sbk")},
+                                     kind: c, "prec": pr})
+                    try:
+                        if kind == "fwd":
+                            fn = lambda: L.forward(p, q, k, v, None, plan)  # noqa: E731
+                        else:
+                            wrt = ("k", "v") if kind == "dkdv" else ("q",)
+                            p2 = describe(q, k, v, dout=g, out=out, lse=lse, precision=prec, wrt=wrt)
+                            fn = lambda: L.backward(p2, q, k, v, g, out, lse, None, plan)  # noqa: E731
+                        fn()
+                        ms = bench_ms(fn, rep=30)
+                        share = 1.0 if kind == "fwd" else (4 / 5 if kind == "dkdv" else 3 / 5)
+                        tf = (ff if kind == "fwd" else ff * 2.5 * share) / ms / 1e9
+                        row = dict(dtype=dt, prec=pr, D=D, B=B, H=H, S=S, kernel=kind,
+                                   cfg=[c.bm, c.bn, c.num_warps, c.num_stages], ms=round(ms, 4),
+                                   tflops_own=round(tf, 1))
+                    except Exception as e:  # noqa: BLE001
+                        row = dict(dtype=dt, prec=pr, D=D, kernel=kind,
+                                   cfg=[c.bm, c.bn, c.num_warps, c.num_stages], error=repr(e)[:200])
+                    RESULTS["tune"].append(row)
+                    log("TUNE", json.dumps(row))
+        del q, k, v, g, out, lse
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- timing
+def time_triton(q, k, v, g, mask, bias, precision, wrt):
+    out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="triton",
+                            precision=precision)
+    fwd = bench_ms(lambda: aa.attention(q, k, v, mask=mask, bias=bias, backend="triton",
+                                        precision=precision))
+    bwd_fn = lambda: aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias,  # noqa: E731
+                                           wrt=wrt, backend="triton", precision=precision)
+    bwd = bench_ms(bwd_fn)
+    del out, lse
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o2, l2 = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="triton",
+                          precision=precision)
+    gr = aa.attention_backward(q, k, v, g, out=o2, lse=l2, mask=mask, bias=bias, wrt=wrt,
+                               backend="triton", precision=precision)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del o2, l2, gr
+    return fwd, bwd, peak
+
+
+def time_autograd(attn, q, k, v, g, params=()):
+    qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+    fwd = bench_ms(lambda: attn(qq, kk, vv))
+    o = attn(qq, kk, vv)
+    bwd = bench_ms(lambda: torch.autograd.grad(o, (qq, kk, vv) + tuple(params), g, retain_graph=True))
+    del o
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o = attn(qq, kk, vv)
+    torch.autograd.grad(o, (qq, kk, vv) + tuple(params), g)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return fwd, bwd, peak
+
+
+def record(impl, case, dt, prec, b, h, s, d, causal, fwd, bwd, peak, density=None, err=None):
+    ff = fa_flops(b, h, s, s, d, causal)
+    row = dict(impl=impl, case=case, dtype=dt, prec=prec, B=b, H=h, S=s, D=d, causal=causal)
+    if err is not None:
+        row["error"] = err[:200]
+    else:
+        row.update(fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4),
+                   fwd_tflops=round(ff / fwd / 1e9, 1), bwd_tflops=round(2.5 * ff / bwd / 1e9, 1),
+                   peak_mem_mib=round(peak / 2**20, 1))
+        if density is not None:
+            row["density"] = round(density, 4)
+            row["fwd_tflops_kept"] = round(density * ff / fwd / 1e9, 1)
+            row["bwd_tflops_kept"] = round(density * 2.5 * ff / bwd / 1e9, 1)
+    RESULTS["bench"].append(row)
+    log("BENCH", json.dumps(row))
+
+
+def _try(impl, case, dt, prec, b, h, s, d, causal, fn, density=None):
+    try:
+        fwd, bwd, peak = fn()
+        record(impl, case, dt, prec, b, h, s, d, causal, fwd, bwd, peak, density)
+    except Exception as e:  # noqa: BLE001
+        record(impl, case, dt, prec, b, h, s, d, causal, 0, 0, 0, density, err=repr(e))
+    torch.cuda.empty_cache()
+
+
+def sdpa_fn(backend, causal, mask=None):
+    def f(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=mask)
+    return f
+
+
+def phase_bench(seqs, flex_dense, with_sdpa=True, precs=("bf16", "fp32", "tf32"), dims=(64, 128)):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.config.recompile_limit = 10_000
+    torch._dynamo.config.accumulated_recompile_limit = 10_000
+    flex = torch.compile(flex_attention, dynamic=False)
+    for pk in precs:
+        dt = "fp32" if pk == "tf32" else pk
+        dtype = DT[dt]
+        precision = "tf32" if pk == "tf32" else None
+        for d in dims:
+            h = HIDDEN // d
+            for s in seqs:
+                b = max(1, TOKENS // s)
+                for causal in (False, True):
+                    q, k, v, g = _inputs(b, h, h, s, d, dtype)
+                    mask = aa.Causal() if causal else None
+                    _try("anyattn-triton", "dense", pk, precision or "highest", b, h, s, d, causal,
+                         lambda: time_triton(q, k, v, g, mask, None, precision, ("q", "k", "v")))
+                    if with_sdpa and pk != "tf32":
+                        backs = [("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                                 ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                                 ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)]
+                        if dt == "fp32":
+                            backs = backs[2:]
+                        for name, be in backs:
+                            _try(name, "dense", pk, "native", b, h, s, d, causal,
+                                 lambda: time_autograd(sdpa_fn(be, causal), q, k, v, g))
+                    if flex_dense and pk == "bf16" and d == 128 and s in flex_dense:
+                        bm = (create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s,
+                                                device="cuda") if causal else None)
+                        _try("flex", "dense", pk, "native", b, h, s, d, causal,
+                             lambda: time_autograd(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm),
+                                                   q, k, v, g))
+                    del q, k, v, g
+                    torch.cuda.empty_cache()
+
+
+def phase_masked(precs=("bf16", "fp32"), with_flex=True):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    b, h, s, d = 4, 16, 4096, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for pk in precs:
+        dt = "fp32" if pk == "tf32" else pk
+        dtype = DT[dt]
+        precision = "tf32" if pk == "tf32" else None
+        for kind in ("sliding:512", "doc", "blocks"):
+            q, k, v, g = _inputs(b, h, h, s, d, dtype)
+            mask, keep, mod = make_mask(kind, b, h, s, s, "cuda", gen)
+            dens = keep.float().mean().item()
+            _try("anyattn-triton", kind, pk, precision or "highest", b, h, s, d, False,
+                 lambda: time_triton(q, k, v, g, mask, None, precision, ("q", "k", "v")), dens)
+            if with_flex and pk == "bf16":
+                bm = create_block_mask(mod, None, None, s, s, device="cuda")
+                _try("flex", kind, pk, "native", b, h, s, d, False,
+                     lambda: time_autograd(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm),
+                                           q, k, v, g), dens)
+            _try("sdpa-efficient-boolmask", kind, pk, "native", b, h, s, d, False,
+                 lambda: time_autograd(sdpa_fn(SDPBackend.EFFICIENT_ATTENTION, False, keep),
+                                       q, k, v, g), dens)
+            del q, k, v, g, keep
+            torch.cuda.empty_cache()
+        # additive bias with its gradient, broadcast over batch
+        q, k, v, g = _inputs(b, h, h, s, d, dtype)
+        bias = torch.randn(1, h, s, s, device="cuda", dtype=dtype)
+        _try("anyattn-triton", "bias_1HSS", pk, precision or "highest", b, h, s, d, False,
+             lambda: time_triton(q, k, v, g, None, bias, precision, ("q", "k", "v", "bias")))
+        bias_g = bias.clone().requires_grad_(True)
+        _try("sdpa-efficient", "bias_1HSS", pk, "native", b, h, s, d, False,
+             lambda: time_autograd(sdpa_fn(SDPBackend.EFFICIENT_ATTENTION, False, bias_g),
+                                   q, k, v, g, params=(bias_g,)))
+        if with_flex and pk == "bf16":
+            bias2 = bias[0].clone().requires_grad_(True)
+            _try("flex", "bias_1HSS", pk, "native", b, h, s, d, False,
+                 lambda: time_autograd(lambda q_, k_, v_: flex(
+                     q_, k_, v_, score_mod=lambda sc, b_, h_, qi, ki: sc + bias2[h_, qi, ki]),
+                     q, k, v, g, params=(bias2,)))
+        # determinism of the bias gradient on this shape
+        gr1 = aa.attention_backward(q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"), backend="triton")
+        gr2 = aa.attention_backward(q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"), backend="triton")
+        RESULTS["meta"].setdefault("bias_bitwise_repeatable", {})[pk] = all(
+            torch.equal(getattr(gr1, n), getattr(gr2, n)) for n in ("dq", "dk", "dv", "dbias"))
+        del q, k, v, g, bias, bias_g, gr1, gr2
+        torch.cuda.empty_cache()
+
+
+def attach_anchors():
+    """Ratio of each triton row to the anchors measured earlier on this GPU."""
+    rows = []
+    for fn in ("h200_sdpa_2026-12-02.json", "h200_flex_masks_2026-12-02.json"):
+        path = os.path.join(ANCHOR_DIR, fn)
+        if os.path.exists(path):
+            rows += json.load(open(path))
+    RESULTS["meta"]["anchors_found"] = len(rows)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
+    ap.add_argument("--masked", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    RESULTS["meta"].update(torch=torch.__version__, triton=triton.__version__,
+                           device=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                           cudnn=torch.backends.cudnn.version(),
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           flops="FA convention: fwd 4*B*H*Sq*Sk*D, bwd 2.5x fwd, causal 1/2")
+    log(json.dumps(RESULTS["meta"]))
+    t0 = time.time()
+    path = os.path.join(a.out, "triton_bench.json")
+
+    def save():
+        RESULTS["meta"]["elapsed_s"] = round(time.time() - t0, 1)
+        with open(path, "w") as fh:
+            json.dump(RESULTS, fh, indent=1)
+
+    try:
+        if a.check:
+            phase_check()
+            save()
+            log(f"check done {time.time() - t0:.0f}s")
+        if a.tune:
+            phase_tune()
+            save()
+            log(f"tune done {time.time() - t0:.0f}s")
+        if a.bench:
+            if a.quick:
+                phase_bench([1024, 4096], [] if a.no_flex else [4096], with_sdpa=True,
+                            precs=("bf16", "fp32", "tf32"), dims=(128,))
+            else:
+                phase_bench([512, 1024, 2048, 4096, 8192, 16384],
+                            [] if a.no_flex else [1024, 4096, 16384])
+            save()
+            log(f"bench done {time.time() - t0:.0f}s")
+        if a.masked:
+            phase_masked(with_flex=not a.no_flex)
+            save()
+            log(f"masked done {time.time() - t0:.0f}s")
+    finally:
+        save()
+    summary()
+
+
+def summary():
+    log("\n== check ==")
+    for r in RESULTS["check"]:
+        log(("ok  " if r.get("ok") else "BAD ") + r["name"] + " " + json.dumps(r.get("errs", r.get("error"))))
+    log("\n== bench (fwd / bwd TFLOP/s) ==")
+    for r in RESULTS["bench"]:
+        if "error" in r:
+            log(f"{r['impl']:24s} {r['case']:10s} {r['dtype']:5s} D={r['D']} S={r['S']} c={int(r['causal'])} ERROR {r['error'][:80]}")
+        else:
+            log(f"{r['impl']:24s} {r['case']:10s} {r['dtype']:5s} D={r['D']:3d} S={r['S']:5d} c={int(r['causal'])} "
+                f"fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}  ({r['fwd_ms']:.3f} / {r['bwd_ms']:.3f} ms) mem {r['peak_mem_mib']} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The "torch module" column: forward + backward of one attention layer through anyattn.torch.
+
+Shape legend: B batch, H heads, S = Sq = Sk tokens, D head dim.
+
+Per size it times, side by side in one process, a full step ``out = f(q, k, v);
+out.backward(g)`` of:
+
+- ``module``: ``anyattn.torch.attention`` (custom ops + autograd: what a model sees);
+- ``api``: the core API called directly (``anyattn.attention(return_lse=True)`` then
+  ``anyattn.attention_backward(out=, lse=)``): same backend, no torch wrapper;
+- ``kernel``: the backend's own ``forward``/``backward`` with a prebuilt Problem (no
+  validation, no dispatch): the raw kernels;
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with autograd.
+
+Wrapper overhead = module / kernel - 1 (and module / api - 1).  FLOPs by the
+FlashAttention convention: fwd 4*B*H*S*S*D, bwd 2.5x fwd, causal halves both; the
+step is fwd + bwd = 3.5x.  It also checks the module's output and gradients against
+torch's SDPA before timing.  Results as JSON (and a PNG with --png).
+
+    PYTHONPATH=src python bench/torch_module_bench.py --device cpu --out docs/perf/torch-module-cpu-<date>.json --png docs/perf/torch-module-cpu-<date>.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import anyattn  # noqa: E402
+import anyattn.torch as at  # noqa: E402
+from anyattn import Causal  # noqa: E402
+from anyattn.backends.registry import choose  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+from anyattn.torch import functional  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, dev, reps: int, warmup: int, budget_s: float):
+    """Median and min seconds of ``fn()`` over up to ``reps`` runs (stops after budget_s)."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    times, t_start = [], time.perf_counter()
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if time.perf_counter() - t_start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times), min(times), len(times)
+
+
+def variants(q, k, v, g, causal, backend):
+    """The four steps to time, each a zero-argument callable."""
+    mask = Causal() if causal else None
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def module():
+        for x in (qg, kg, vg):
+            x.grad = None
+        at.attention(qg, kg, vg, mask=mask, backend=backend).backward(g)
+
+    def api():
+        out, lse = anyattn.attention(q, k, v, mask=mask, return_lse=True, backend=backend)
+        anyattn.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, backend=backend)
+
+    p = describe(q, k, v, mask=mask, wrt=("q", "k", "v"))
+    be = choose(p, backend)
+
+    def kernel():
+        out, lse = be.forward(p, q, k, v, None)
+        be.backward(p, q, k, v, g, out, lse, None)
+
+    def sdpa():
+        for x in (qg, kg, vg):
+            x.grad = None
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(g)
+
+    def module_nocheck():
+        """``module`` without the eager pre-validation (what torch.compile runs)."""
+        keep, functional._validate_eagerly = functional._validate_eagerly, lambda *a: None
+        try:
+            module()
+        finally:
+            functional._validate_eagerly = keep
+
+    return {"module": module, "api": api, "kernel": kernel, "sdpa": sdpa,
+            "module_nocheck": module_nocheck}, be.name
+
+
+def probe_fully_masked(dev):
+    """What torch SDPA returns for a query row that keeps no key, per dtype (for docs)."""
+    res = {}
+    for dname, dt in DTYPES.items():
+        q = torch.randn(1, 2, 8, 64, device=dev, dtype=dt)
+        m = torch.ones(8, 8, dtype=torch.bool, device=dev)
+        m[3] = False
+        try:
+            o = F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+            row = o[0, 0, 3].float()
+            res[dname] = "nan" if torch.isnan(row).any() else f"max|row|={float(row.abs().max())}"
+        except Exception as e:  # noqa: BLE001 - recorded, not raised
+            res[dname] = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+def check(q, k, v, g, causal, backend):
+    """Relative max-abs errors of the module's out/dq/dk/dv against torch SDPA (fp32 math)."""
+    qs, ks, vs = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    rgr = torch.autograd.grad(ref, (qs, ks, vs), g.float())
+    qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
+    agr = torch.autograd.grad(out, (qa, ka, va), g)
+    errs = {}
+    for name, a, b in (("out", out, ref), *zip(("dq", "dk", "dv"), agr, rgr)):
+        a, b = a.detach().float(), b.detach().float()
+        errs[name] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    return errs
+
+
+def run(args):
+    dev = torch.device(args.device)
+    rows = []
+    for dname in args.dtypes:
+        dt = DTYPES[dname]
+        for S in args.seqs:
+            for causal in (False, True):
+                torch.manual_seed(0)
+                B, H, D = args.batch, args.heads, args.head_dim
+                q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(4))
+                flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+                fns, be_name = variants(q, k, v, g, causal, args.backend)
+                row = dict(dtype=dname, B=B, H=H, S=S, D=D, causal=causal, backend=be_name,
+                           flops=flops)
+                if S <= args.check_max_s:
+                    row["err_vs_sdpa"] = check(q, k, v, g, causal, args.backend)
+                for name in ("kernel", "api", "module", "module_nocheck", "sdpa"):
+                    med, mn, n = timeit(fns[name], dev, args.reps, args.warmup, args.budget)
+                    row[f"{name}_ms"] = med * 1e3
+                    row[f"{name}_min_ms"] = mn * 1e3
+                    row[f"{name}_n"] = n
+                    row[f"{name}_tflops"] = flops / med / 1e12
+                row["overhead_vs_kernel"] = row["module_ms"] / row["kernel_ms"] - 1
+                row["overhead_vs_api"] = row["module_ms"] / row["api_ms"] - 1
+                row["overhead_nocheck_vs_kernel"] = row["module_nocheck_ms"] / row["kernel_ms"] - 1
+                rows.append(row)
+                print(f"{dname} S={S:5d} causal={int(causal)} {be_name}: kernel "
+                      f"{row['kernel_ms']:.2f} api {row['api_ms']:.2f} module "
+                      f"{row['module_ms']:.2f} sdpa {row['sdpa_ms']:.2f} ms; overhead "
+                      f"{100 * row['overhead_vs_kernel']:+.1f}% vs kernel; "
+                      f"{row['module_tflops'] * 1e3:.1f} GFLOP/s; errs "
+                      f"{row.get('err_vs_sdpa')}", flush=True)
+    return rows
+
+
+def machine(dev):
+    info = dict(python=platform.python_version(), torch=torch.__version__,
+                platform=platform.platform(), processor=platform.processor(),
+                threads=torch.get_num_threads())
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["dtype"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, (dt, causal) in zip(axes[0], keys):
+        sel = [r for r in rows if r["dtype"] == dt and r["causal"] == causal]
+        xs = [r["S"] for r in sel]
+        for name in ("module", "api", "kernel", "sdpa"):
+            ax.plot(xs, [r[f"{name}_tflops"] * 1e3 for r in sel], marker="o",
+                    label={"module": "anyattn.torch", "api": "anyattn core API",
+                           "kernel": "backend kernels", "sdpa": "torch SDPA"}[name])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S")
+        ax.set_ylabel("fwd+bwd GFLOP/s (FA convention)")
+        ax.set_title(f"{dt}{' causal' if causal else ''}, B={sel[0]['B']} H={sel[0]['H']} "
+                     f"D={sel[0]['D']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES))
+    ap.add_argument("--seqs", nargs="+", type=int, default=[256, 512, 1024, 2048])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=6.0, help="seconds per variant and size")
+    ap.add_argument("--check-max-s", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch and the numpy backend (default: all cores)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["ANYATTN_NUMPY_THREADS"] = str(args.threads)  # read when numpy is loaded
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    rows = run(args)
+    doc = dict(bench="torch_module_bench", date=datetime.now(timezone.utc).isoformat(),
+               machine=machine(torch.device(args.device)), args=vars(args),
+               load_average_1min_at_start=load,
+               flop_convention="fwd 4*B*H*S*S*D, bwd 2.5x, causal 0.5x; step = fwd+bwd",
+               sdpa_fully_masked_row=probe_fully_masked(torch.device(args.device)),
+               rows=rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.out}")
+    if args.png:
+        plot(rows, args.png)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""webgpu backend: correctness at large sizes and side-by-side timings, one process.
+
+python bench/webgpu_bench.py [--out DIR] [--small] [--plot JSON]
+
+On the H200 (Vulkan): checks anyattn-webgpu against a float64 torch reference
+(up to S=8192), then times the backward (dQ+dK+dV; delta + dK/dV + dQ passes,
+device-resident, from the forward's out/lse) of anyattn-webgpu (fp32, f16), the
+seed kernel (same Params, S=128..512; WGSL carried in .seed/), anyattn's seed-ABI
+path on a wgpu arena, anyattn-triton when importable and torch SDPA mem-efficient
+fp32.  On lavapipe (--small / no CUDA): anyattn-webgpu against the NumPy backend.
+FLOP convention (FlashAttention): fwd 4*B*H*Sq*Sk*D, bwd 2.5x that, causal 1/2.
+wgpu timing: N submissions of the encoded plan, then a read-back; wall / N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import anyattn as aa  # noqa: E402
+from anyattn import abi  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+from anyattn.backends.registry import get_backend, unavailable_reason  # noqa: E402
+
+RESULTS = {"checks": [], "timings": [], "errors": []}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def flops_bwd(B, H, Sq, Sk, D, causal=False):
+    f = 2.5 * 4.0 * B * H * Sq * Sk * D
+    return f / 2 if causal else f
+
+
+def rel(got, ref):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-300))
+
+
+# ---------------------------------------------------------------- references
+def torch_ref(q, k, v, g, causal=False, bias=None):
+    """float64 dense reference on the GPU (torch autograd) -> dict of numpy arrays."""
+    import torch
+
+    dev = "cuda"
+    G = q.shape[1] // k.shape[1]
+    t = [torch.from_numpy(np.ascontiguousarray(x)).to(dev, torch.float64).requires_grad_(True)
+         for x in (q, k, v)]
+    qq, kk, vv = t
+    ke, ve = kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1)
+    s = qq @ ke.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    bt = None
+    if bias is not None:
+        bt = torch.from_numpy(bias).to(dev, torch.float64).requires_grad_(True)
+        s = s + bt
+    if causal:
+        Sq, Sk = s.shape[-2:]
+        m = torch.ones(Sq, Sk, dtype=torch.bool, device=dev).tril()
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ ve
+    gg = torch.from_numpy(np.ascontiguousarray(g)).to(dev, torch.float64)
+    o.backward(gg)
+    out = {"out": o, "lse": lse, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
+    if bt is not None:
+        out["dbias"] = bt.grad
+    res = {k_: x.detach().cpu().numpy() for k_, x in out.items()}
+    del t, qq, kk, vv, ke, ve, s, o, out
+    torch.cuda.empty_cache()
+    return res
+
+
+def np_ref(q, k, v, g, causal=False, bias=None):
+    from anyattn import reference as R
+
+    mask = aa.Causal() if causal else None
+    o, l = R.forward(q, k, v, mask=mask, bias=bias)
+    gr = R.backward(q, k, v, g, mask=mask, bias=bias,
+                    wrt=("q", "k", "v") + (("bias",) if bias is not None else ()))
+    out = {"out": o, "lse": l, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+    if bias is not None:
+        out["dbias"] = gr.dbias
+    return out
+
+
+# ------------------------------------------------------------------ anyattn webgpu
+def wgpu_plan(be, q, k, v, g, mask=None, bias=None):
+    wrt = ("q", "k", "v") + (("bias",) if bias is not None else ())
+    p = describe(q, k, v, dout=g, mask=mask, bias=bias, wrt=wrt)
+    return be.plan(p, q, k, v, g, bias)
+
+
+def time_plan(plan, min_s=0.3, max_n=200):
+    plan.submit(1)
+    plan.wait()
+    t = time.perf_counter()
+    plan.submit(1)
+    plan.wait()
+    one = time.perf_counter() - t
+    n = int(max(3, min(max_n, min_s / max(one, 1e-6))))
+    t = time.perf_counter()
+    for _ in range(n):
+        plan.submit(1)
+    plan.wait()
+    return (time.perf_counter() - t) / n, n
+
+
+def check_case(be, name, B, Hq, Hkv, S, Sk, D, causal=False, bias_shape=None, gpu=True, rng=None):
+    rng = rng or np.random.default_rng(0)
+    q = rng.standard_normal((B, Hq, S, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    g = rng.standard_normal((B, Hq, S, D)).astype(np.float32)
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape).astype(np.float32)
+    mask = aa.Causal() if causal else None
+    t = time.perf_counter()
+    o, l = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
+    gr = aa.attention_backward(q, k, v, g, out=o, lse=l, mask=mask, bias=bias,
+                               wrt=("q", "k", "v") + (("bias",) if bias is not None else ()),
+                               backend="webgpu")
+    dt = time.perf_counter() - t
+    ref = (torch_ref if gpu else np_ref)(q, k, v, g, causal, bias)
+    errs = {"out": rel(o, ref["out"]), "dq": rel(gr.dq, ref["dq"]), "dk": rel(gr.dk, ref["dk"]),
+            "dv": rel(gr.dv, ref["dv"])}
+    fin = np.isfinite(ref["lse"])
+    errs["lse_abs"] = float(np.max(np.abs(l[fin] - ref["lse"][fin])))
+    if bias is not None:
+        errs["dbias"] = rel(gr.dbias, ref["dbias"])
+    worst = max(v_ for k_, v_ in errs.items() if k_ != "lse_abs")
+    rec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, Sq=S, Sk=Sk, D=D, causal=causal,
+               bias=bias_shape, errors=errs, worst_rel=worst, ok=worst <= 1e-5,
+               api_seconds=dt, pieces=dict(be.last_pieces))
+    RESULTS["checks"].append(rec)
+    log(f"check {name}: worst rel {worst:.2e} ok={worst <= 1e-5} ({dt:.2f}s) {errs}")
+
+
+def bench_webgpu(be, B, H, S, D, dtype="float32", causal=False, cfg=None, tag=""):
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
+    be.config_override = cfg
+    try:
+        fwd, bwd, _, _ = wgpu_plan(be, q, k, v, g, mask=aa.Causal() if causal else None)
+        tf, nf = time_plan(fwd)
+        tb, nb = time_plan(bwd)
+    finally:
+        be.config_override = None
+    fl = flops_bwd(B, H, S, S, D, causal)
+    rec = dict(impl="anyattn-webgpu" + tag, dtype=dtype, B=B, H=H, S=S, D=D, causal=causal,
+               bwd_ms=tb * 1e3, fwd_ms=tf * 1e3, bwd_tflops=fl / tb / 1e12,
+               fwd_tflops=fl / 2.5 / tf / 1e12, n=nb, config=str(cfg) if cfg else "auto")
+    RESULTS["timings"].append(rec)
+    log(f"webgpu{tag} {dtype} B={B} H={H} S={S} D={D} causal={causal}: bwd {tb*1e3:.3f} ms "
+        f"({rec['bwd_tflops']:.2f} TFLOP/s), fwd {tf*1e3:.3f} ms ({rec['fwd_tflops']:.2f})")
+    return rec
+
+
+# ------------------------------------------------------------------ seed kernel + ABI
+class Seed:
+    def __init__(self, device, src):
+        import wgpu
+
+        self.wgpu, self.device = wgpu, device
+        mod = device.create_shader_module(code=src)
+        self.pipe = device.create_compute_pipeline(
+            layout="auto", compute={"module": mod, "entry_point": "attention_bwd"})
+
+    def encode(self, arena_buf, params_list):
+        out = []
+        for p in params_list:
+            ub = self.device.create_buffer_with_data(data=p.pack() + b"\0" * 8,
+                                                     usage=self.wgpu.BufferUsage.UNIFORM)
+            bg = self.device.create_bind_group(layout=self.pipe.get_bind_group_layout(0), entries=[
+                {"binding": 0, "resource": {"buffer": arena_buf, "offset": 0, "size": arena_buf.size}},
+                {"binding": 1, "resource": {"buffer": ub, "offset": 0, "size": ub.size}}])
+            rows = p.batch * p.heads * p.out_rows
+            out.append((bg, (math.ceil(rows / 64), 1, 1), ub))
+        return out
+
+    def run(self, enc_list):
+        enc = self.device.create_command_encoder()
+        for bg, grid, _ in enc_list:
+            cp = enc.begin_compute_pass()
+            cp.set_pipeline(self.pipe)
+            cp.set_bind_group(0, bg)
+            cp.dispatch_workgroups(*grid)
+            cp.end()
+        self.device.queue.submit([enc.finish()])
+
+
+def arena_setup(device, B, H, S, D, rng):
+    import wgpu
+
+    q, k, v, dy = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
+    arenas = []
+    for wrt in range(3):
+        arena, p = abi.pack_arena(q, k, v, dy, wrt=wrt)
+        arenas.append((arena, p))
+    # one arena with three output regions is what a runtime would plan; keep it simple:
+    # three arenas of identical inputs, one per wrt
+    bufs = []
+    for arena, p in arenas:
+        buf = device.create_buffer_with_data(
+            data=arena, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+            | wgpu.BufferUsage.COPY_DST)
+        bufs.append((buf, p, arena))
+    return (q, k, v, dy), bufs
+
+
+def bench_seed_and_abi(be, seed_src, sizes, seed_max_s=512):
+    from anyattn import reference as R
+
+    dev = be.device
+    rng = np.random.default_rng(2)
+    seed = Seed(dev, seed_src) if seed_src else None
+    for S in sizes:
+        B, H, D = 1, 8, 64
+        (q, k, v, dy), bufs = arena_setup(dev, B, H, S, D, rng)
+        fl = flops_bwd(B, H, S, S, D)
+        # anyattn ABI path: three backward_arena calls (dQ, dK, dV)
+        for buf, p, _ in bufs:
+            abi.attention_backward_arena(buf, p)
+        be.run_wait = None
+        wait = lambda: dev.queue.read_buffer(bufs[0][0], 0, 4)  # noqa: E731
+        wait()
+        errs = []
+        for wrt, (buf, p, arena) in enumerate(bufs):
+            got = abi.read_output(np.frombuffer(dev.queue.read_buffer(buf), np.float32).copy(), p)
+            ref = R.seed_backward(q, k, v, dy, mask_kind=0, scale=1 / math.sqrt(D), wrt=wrt)
+            errs.append(rel(got, ref))
+        n = 20 if S <= 512 else 5
+        t = time.perf_counter()
+        for _ in range(n):
+            for buf, p, _ in bufs:
+                abi.attention_backward_arena(buf, p)
+        wait()
+        ta = (time.perf_counter() - t) / n
+        rec = dict(impl="anyattn-webgpu-abi", dtype="float32", B=B, H=H, S=S, D=D,
+                   bwd_ms=ta * 1e3, bwd_tflops=fl / ta / 1e12, max_rel_err=max(errs), n=n)
+        RESULTS["timings"].append(rec)
+        log(f"abi S={S}: {ta*1e3:.3f} ms dQ+dK+dV ({rec['bwd_tflops']:.3f} TFLOP/s) err {max(errs):.2e}")
+        if seed is None or S > seed_max_s:
+            continue
+        # the seed kernel, same Params (fresh arenas: it writes the outputs in place)
+        enc = [seed.encode(buf, [p])[0] for buf, p, _ in bufs]
+        if S <= 256:
+            seed.run(enc)
+            wait()
+        reps = 3 if S <= 256 else 1
+        t = time.perf_counter()
+        for _ in range(reps):
+            seed.run(enc)
+        wait()
+        ts = (time.perf_counter() - t) / reps
+        serr = []
+        for wrt, (buf, p, arena) in enumerate(bufs):
+            got = abi.read_output(np.frombuffer(dev.queue.read_buffer(buf), np.float32).copy(), p)
+            ref = R.seed_backward(q, k, v, dy, mask_kind=0, scale=1 / math.sqrt(D), wrt=wrt)
+            serr.append(rel(got, ref))
+        rec = dict(impl="seed", dtype="float32", B=B, H=H, S=S, D=D, bwd_ms=ts * 1e3,
+                   bwd_tflops=fl / ts / 1e12, max_rel_err=max(serr), n=reps)
+        RESULTS["timings"].append(rec)
+        log(f"seed S={S}: {ts*1e3:.1f} ms ({rec['bwd_tflops']:.5f} TFLOP/s) err {max(serr):.2e}; "
+            f"anyattn ABI speedup {ts / ta:.0f}x")
+
+
+# ------------------------------------------------------------------ torch side
+def cuda_time(fn, n=None, min_s=0.3):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    one = s.elapsed_time(e) / 1e3
+    n = n or int(max(3, min(100, min_s / max(one, 1e-6))))
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / 1e3 / n
+
+
+def bench_sdpa(B, H, S, D, causal=False):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, g = (torch.randn(B, H, S, D, device="cuda") for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        tb = cuda_time(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+    fl = flops_bwd(B, H, S, S, D, causal)
+    rec = dict(impl="torch-sdpa-memeff", dtype="float32", B=B, H=H, S=S, D=D, causal=causal,
+               bwd_ms=tb * 1e3, bwd_tflops=fl / tb / 1e12)
+    RESULTS["timings"].append(rec)
+    log(f"sdpa mem-eff fp32 S={S} D={D}: bwd {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} TFLOP/s)")
+
+
+def bench_triton(B, H, S, D, causal=False):
+    import torch
+
+    q, k, v, g = (torch.randn(B, H, S, D, device="cuda") for _ in range(4))
+    mask = aa.Causal() if causal else None
+    o, l = aa.attention(q, k, v, mask=mask, return_lse=True, backend="triton")
+    tb = cuda_time(lambda: aa.attention_backward(q, k, v, g, out=o, lse=l, mask=mask,
+                                                 backend="triton"))
+    fl = flops_bwd(B, H, S, S, D, causal)
+    rec = dict(impl="anyattn-triton", dtype="float32", B=B, H=H, S=S, D=D, causal=causal,
+               bwd_ms=tb * 1e3, bwd_tflops=fl / tb / 1e12)
+    RESULTS["timings"].append(rec)
+    log(f"triton fp32 S={S} D={D}: bwd {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} TFLOP/s)")
+
+
+def guarded(what, fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except Exception as e:  # keep going: one failure must not lose the other numbers
+        msg = f"{what}: {type(e).__name__}: {e}"
+        log("ERROR", msg)
+        traceback.print_exc()
+        RESULTS["errors"].append(msg[:2000])
+
+
+# ------------------------------------------------------------------ lavapipe
+def bench_cpu(be):
+    """lavapipe vs the NumPy backend, B=1 H=8 S=256 D=64 fp32 (API calls, host arrays)."""
+    B, H, S, D = 1, 8, 256, 64
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
+    fl = flops_bwd(B, H, S, S, D)
+    for name in ("webgpu", "numpy"):
+        if unavailable_reason(name):
+            continue
+        run = lambda: aa.attention_backward(q, k, v, g, backend=name)  # noqa: E731
+        runf = lambda: aa.attention(q, k, v, backend=name)  # noqa: E731
+        run()
+        n = 5
+        t = time.perf_counter()
+        for _ in range(n):
+            run()
+        tb = (time.perf_counter() - t) / n
+        t = time.perf_counter()
+        for _ in range(n):
+            runf()
+        tf = (time.perf_counter() - t) / n
+        rec = dict(impl=f"anyattn-{name}", device="cpu", dtype="float32", B=B, H=H, S=S, D=D,
+                   fwdbwd_ms=tb * 1e3, fwd_ms=tf * 1e3,
+                   fwdbwd_gflops=(fl + fl / 2.5) / tb / 1e9)
+        RESULTS["timings"].append(rec)
+        log(f"cpu {name}: fwd+bwd {tb*1e3:.1f} ms ({rec['fwdbwd_gflops']:.2f} GFLOP/s), fwd {tf*1e3:.1f} ms")
+
+
+# ------------------------------------------------------------------ plot
+def plot(json_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(json_path).read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    rows = [r for r in res["timings"] if r.get("D") == 64 and r.get("B") == 1 and r.get("H") == 8
+            and not r.get("causal") and "bwd_ms" in r and r["impl"] in
+            ("seed", "anyattn-webgpu-abi", "anyattn-webgpu", "torch-sdpa-memeff", "anyattn-triton")
+            and r.get("dtype") == "float32" and r.get("config", "auto") == "auto"]
+    for impl in sorted({r["impl"] for r in rows}):
+        pts = sorted((r["S"], r["bwd_ms"]) for r in rows if r["impl"] == impl)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("S (B=1, H=8, D=64, fp32)")
+    ax.set_ylabel("backward dQ+dK+dV, ms")
+    ax.set_title("H200: backward time vs the seed kernel")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    bars = [r for r in res["timings"] if r.get("S") == 4096 and "bwd_tflops" in r
+            and not r.get("causal")]
+    labels = [f"{r['impl']}\n{r['dtype']} D={r['D']}" + ("" if r.get("config", "auto") == "auto"
+                                                          else "\n" + r["config"][10:40])
+              for r in bars]
+    ax.bar(range(len(bars)), [r["bwd_tflops"] for r in bars])
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+    ax.axhline(10, color="r", ls="--", lw=1, label="target 10 TFLOP/s")
+    ax.set_ylabel("backward TFLOP/s (FA convention)")
+    ax.set_title("S=4096, B=1, H=8")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+# ------------------------------------------------------------------ main
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "perf")))
+    ap.add_argument("--small", action="store_true", help="tiny sizes (a smoke test on lavapipe)")
+    ap.add_argument("--plot", help="only render the PNG from a results JSON")
+    ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
+    a = ap.parse_args()
+    if a.plot:
+        plot(a.plot, Path(a.plot).with_suffix(".png"))
+        return
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    why = unavailable_reason("webgpu")
+    if why:
+        log("webgpu unavailable:", why)
+        return
+    be = get_backend("webgpu")
+    ctx = be.context
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    RESULTS["machine"] = dict(adapter=ctx.name, info={k: str(v) for k, v in ctx.info.items()},
+                              limits={k: int(v) for k, v in ctx.limits.items()
+                                      if "compute" in k or "storage" in k or "buffer" in k},
+                              host=platform.node(), python=sys.version.split()[0],
+                              date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                              torch_cuda=gpu)
+    log("adapter:", ctx.name, "f16:", ctx.has_f16)
+    seed_src = Path(a.seed).read_text() if Path(a.seed).exists() else None
+    t0 = time.time()
+    if a.small or not gpu:
+        guarded("check small", check_case, be, "small-causal-gqa", 1, 4, 2, 70, 70, 64,
+                causal=True, gpu=False)
+        guarded("check small bias", check_case, be, "small-bias", 1, 2, 2, 40, 50, 32,
+                bias_shape=(1, 2, 40, 50), gpu=False)
+        guarded("abi", bench_seed_and_abi, be, seed_src, (32,) if a.small else (128, 256),
+                seed_max_s=128)
+        guarded("webgpu small", bench_webgpu, be, 1, 2, 128, 64)
+        if ctx.has_f16:
+            guarded("webgpu small f16", bench_webgpu, be, 1, 2, 128, 64, "float16")
+        guarded("cpu", bench_cpu, be)
+    else:
+        # correctness at large sizes
+        for args, kw in [
+            (("S8192-D64-causal", 1, 2, 2, 8192, 8192, 64), dict(causal=True)),
+            (("S8192-D64", 1, 1, 1, 8192, 8192, 64), {}),
+            (("S4096-D128-gqa", 1, 4, 2, 4096, 4096, 128), {}),
+            (("S2048-D256-causal", 1, 2, 1, 2048, 2048, 256), dict(causal=True)),
+            (("S1000x3001-D160", 2, 2, 2, 1000, 3001, 160), {}),
+            (("S1024-bias-1hqk", 2, 4, 4, 1024, 1024, 64), dict(bias_shape=(1, 4, 1024, 1024))),
+        ]:
+            guarded("check " + args[0], check_case, be, *args, **kw)
+        log(f"checks done at {time.time() - t0:.1f}s")
+        guarded("abi+seed", bench_seed_and_abi, be, seed_src, (128, 256, 512, 2048))
+        log(f"seed done at {time.time() - t0:.1f}s")
+        for S in (512, 1024, 4096):
+            for D in (64, 128):
+                guarded("webgpu", bench_webgpu, be, 1, 8, S, D)
+                if ctx.has_f16:
+                    guarded("webgpu f16", bench_webgpu, be, 1, 8, S, D, "float16")
+        guarded("webgpu causal", bench_webgpu, be, 1, 8, 4096, 128, causal=True)
+        guarded("webgpu S8192", bench_webgpu, be, 1, 8, 8192, 64)
+        from anyattn.backends.webgpu.launch import TileConfig
+
+        for cfg in (TileConfig(8, 8, 16, 8, 2), TileConfig(16, 16, 16, 8, 1)):
+            guarded("webgpu cfg", bench_webgpu, be, 1, 8, 4096, 64, cfg=cfg, tag="-cfg")
+        log(f"webgpu timings done at {time.time() - t0:.1f}s")
+        for S in (512, 1024, 4096):
+            for D in (64, 128):
+                guarded("sdpa", bench_sdpa, 1, 8, S, D)
+        tri = unavailable_reason("triton")
+        if tri is None:
+            for S in (512, 4096):
+                for D in (64, 128):
+                    guarded("triton", bench_triton, 1, 8, S, D)
+        else:
+            RESULTS["errors"].append(f"anyattn-triton not timed: {tri}")
+    RESULTS["total_seconds"] = time.time() - t0
+    name = "webgpu_bench_small.json" if (a.small or not gpu) else "webgpu_bench_h200.json"
+    (out / name).write_text(json.dumps(RESULTS, indent=1))
+    log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The seed's ABI on a wgpu storage-buffer arena (DESIGN.md §2).
+
+Shape legend: B ``batch``, H ``heads`` (the seed has no GQA), Sq/Sk, D, R the
+output rows (Sq for dQ, Sk for dK/dV).  The arena is bound read-only to the
+attention kernels (q, k, v, dy and, for kinds 2/4, the mask at its strides);
+lse/delta/results live in scratch buffers of our own; a last kernel writes
+exactly the B*H*R*D output elements at the o strides.  Seed quirk: under mask
+kinds 1-3 a row that keeps no key attends uniformly to all Sk keys.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .engine import Operand
+from .uniforms import FLAGS
+
+__all__ = ["run_arena"]
+
+
+def _check_buffer(run, buffer) -> None:
+    import wgpu
+
+    dev = getattr(buffer, "_device", None)
+    if dev is not None and dev is not run.device:
+        raise ValueError("arena: the wgpu buffer belongs to another device; create it on "
+                         "WebGPUBackend().device (anyattn's device)")
+    if not buffer.usage & wgpu.BufferUsage.STORAGE:
+        raise ValueError("arena: the wgpu buffer lacks BufferUsage.STORAGE; create it with "
+                         "STORAGE | COPY_DST | COPY_SRC")
+    n = buffer.size // 4
+    if n >= 1 << 32:
+        raise ValueError(f"arena: {n} f32 elements; u32 offsets address at most 2**32")
+    lim = run.max_binding
+    if buffer.size > lim:
+        raise ValueError(f"arena: {buffer.size} bytes exceeds this adapter's max storage "
+                         f"binding of {lim} bytes")
+
+
+def run_arena(be, buffer, p) -> None:
+    from ...abi import bits_f32
+
+    run = be._run()
+    _check_buffer(run, buffer)
+    B, H, SQ, SK, D = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim
+    wrt, kind = p.wrt, p.mask_kind
+    R = SQ if wrt == 0 else SK
+    numel = B * H * R * D
+    if numel == 0:
+        return
+    out_op = Operand(buffer, p.out_off, p.o_batch_stride, p.o_head_stride, p.o_seq_stride)
+    call = be._call((B, H, H, SQ, SK), D, "f32")
+    if SQ == 0 or SK == 0:          # nothing attends: the seed's gradient is zero
+        zeros = run.upload("abi_zero", np.zeros(numel, np.float32))
+        call.scatter(zeros, 0, buffer, R, out_op)
+        call.submit()
+        return
+    call.uni["scale"] = bits_f32(p.scale_bits)
+    call.q = Operand(buffer, p.q_off, p.q_batch_stride, p.q_head_stride, p.q_seq_stride)
+    call.g = Operand(buffer, p.dy_off, p.q_batch_stride, p.q_head_stride, p.q_seq_stride)
+    call.k = Operand(buffer, p.k_off, p.k_batch_stride, p.k_head_stride, p.k_seq_stride)
+    call.v = Operand(buffer, p.v_off, p.v_batch_stride, p.v_head_stride, p.v_seq_stride)
+    mstr = dict(sb=p.mask_batch_stride, sh=p.mask_head_stride, si=p.seq_q_stride,
+                sj=p.seq_k_stride)
+    if kind in (1, 3):
+        call.flags |= FLAGS["HAS_HI"]
+        call.uni["band_hi"] = 0
+        if kind == 3:
+            call.flags |= FLAGS["HAS_LO"]
+            call.uni["band_lo"] = -min(int(p.window), SQ + 2)
+    elif kind == 2:
+        call.flags |= FLAGS["HAS_KEEP"]
+        call.aux_buf = buffer
+        call.uni.update(kp_off=p.mask_off, **{"kp_" + k: v for k, v in mstr.items()})
+    elif kind == 4:
+        call.flags |= FLAGS["HAS_BIAS"]
+        call.bias_buf = buffer
+        call.uni.update(bi_off=p.mask_off, **{"bi_" + k: v for k, v in mstr.items()})
+    quirk = kind in (1, 2, 3)
+    n = call.n
+    stats = run.buffer("abi_stats", 4 * 6 * n)
+    outb = run.buffer("abi_out", 4 * n * D)
+    call.forward(stats, outb)
+    vm = None
+    if quirk:
+        call.flags |= FLAGS["QUIRK"]
+        vm = run.buffer("abi_vmean", 4 * B * H * D)
+        call.vmean(vm)
+    call.delta(stats, Operand(outb, 0, H * SQ * D, SQ * D, D), vm)
+    if wrt == 0:
+        res = run.buffer("abi_dq", 4 * n * D)
+        call.dq(stats, res)
+        src_off = 0
+    else:
+        nkv = B * H * SK * D
+        res = run.buffer("abi_dkdv", 4 * 2 * nkv)
+        call.dkdv(stats, res, wrt == 1, wrt == 2)
+        src_off = 0 if wrt == 1 else nkv
+    call.scatter(res, src_off, buffer, R, out_op)
+    call.submit()
+    be.last_pieces = dict(call.pieces)

@@ -1,0 +1,232 @@
+"""The ``webgpu`` backend: tiled WGSL kernels through wgpu-py (Vulkan, Metal, DX12, lavapipe).
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
+NumPy arrays in and out: float32, or float16 storage with f32 accumulation where
+the adapter has ``shader-f16``.  Forward: one pass with lse.  Backward: delta
+pass, dK/dV pass per key tile (looping over the query tiles of every query head
+of the kv group), dQ pass per query tile (which also writes dS for dbias), then a
+deterministic dbias reduction.  No float atomics anywhere: repeated runs are
+bitwise equal.  ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..base import Backend, Capabilities
+from ...problem import Problem
+
+__all__ = ["WebGPUBackend"]
+
+_NP = {"float32": np.float32, "float16": np.float16}
+_ELEM = {"float32": "f32", "float16": "f16"}
+
+
+class WebGPUBackend(Backend):
+    name = "webgpu"
+    capabilities = Capabilities(
+        array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+        dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
+        max_head_dim=None)
+
+    def __init__(self):
+        self._runner = None
+        self._lock = threading.Lock()
+        #: for tests: override the per-invocation loop budget (None: the adapter's)
+        self.loop_limit_override: Optional[int] = None
+        #: for tests: compile kernels that record their loop trips into the dS buffer
+        self.debug_trips = False
+        #: for benchmarks: force a launch.TileConfig (None: chosen per adapter and D)
+        self.config_override = None
+        self.last_pieces: Dict[str, int] = {}
+
+    # ------------------------------------------------------------ availability
+    def availability(self) -> Optional[str]:
+        from .device import unavailable_reason
+
+        return unavailable_reason()
+
+    @property
+    def context(self):
+        from .device import get_context
+
+        return get_context()
+
+    @property
+    def device(self):
+        """The wgpu device (create arenas for ``backward_arena`` on it)."""
+        return self.context.device
+
+    def is_cpu_adapter(self) -> bool:
+        return self.availability() is None and self.context.is_cpu
+
+    def extra_reasons(self, p: Problem) -> List[str]:
+        why = []
+        if self.availability() is None:
+            if p.dtype == "float16" and not self.context.has_f16:
+                why.append(f"float16 needs the adapter feature 'shader-f16', which "
+                           f"{self.context.name} lacks; pass float32")
+            if p.bias_dtype not in (None, "float32", "float16"):
+                why.append(f"bias dtype {p.bias_dtype} is not supported")
+        return why
+
+    def _run(self):
+        from .launch import Runner
+
+        if self._runner is None:
+            self._runner = Runner(self.context)
+        return self._runner
+
+    def _call(self, p_sizes, D, elem, uprefix="u"):
+        from .engine import Call
+        from .launch import choose_config
+
+        run = self._run()
+        cfg = self.config_override or choose_config(run.ctx, D)
+        call = Call(run, cfg, *p_sizes, D, elem=elem, debug=self.debug_trips, uprefix=uprefix)
+        if self.loop_limit_override is not None:
+            call.limit = self.loop_limit_override
+        return call
+
+    # ------------------------------------------------------------------ common
+    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u"):
+        from .engine import upload_view
+
+        if p.dtype not in _NP:
+            raise NotImplementedError(f"webgpu: dtype {p.dtype} is not supported")
+        npdt = _NP[p.dtype]
+        call = self._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
+                          _ELEM[p.dtype], uprefix)
+        run = call.run
+        call.set_scale(p.scale)
+        call.q = upload_view(run, "q", q, npdt)
+        call.k = upload_view(run, "k", k, npdt)
+        call.v = upload_view(run, "v", v, npdt)
+        if dout is not None:
+            call.g = upload_view(run, "dout", dout, npdt)
+        call.set_mask(p.mask)
+        if bias is not None:
+            call.set_bias(bias)
+        return call
+
+    def _stats(self, call):
+        return call.run.buffer("stats", 4 * 6 * call.n)
+
+    # ----------------------------------------------------------------- forward
+    def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u"):
+        call = self._setup(p, q, k, v, None, bias, uprefix)
+        run = call.run
+        stats = self._stats(call)
+        outb = run.buffer("out", 4 * call.n * p.head_dim)
+        call.forward(stats, outb)
+
+        def read():
+            out = run.read(outb, call.n * p.head_dim).reshape(p.batch, p.heads_q, p.seq_q,
+                                                              p.head_dim)
+            lse = run.read(stats, call.n).reshape(p.batch, p.heads_q, p.seq_q)
+            return out.astype(_NP[p.dtype], copy=False), lse
+        return call, read
+
+    def forward(self, p: Problem, q, k, v, bias):
+        with self._lock:
+            call, read = self._build_forward(p, q, k, v, bias)
+            call.submit()
+            self.last_pieces = dict(call.pieces)
+            return read()
+
+    # ---------------------------------------------------------------- backward
+    def _build_backward(self, p: Problem, q, k, v, dout, out, lse, bias, resident=None,
+                        uprefix="u"):
+        """Uploads and launches of one backward; ``resident`` = (stats, out buffer) of a
+        forward already on the device (benchmarks), else out/lse are uploaded."""
+        from .engine import Operand
+
+        B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+                                 p.head_dim)
+        want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
+        want_b = "bias" in p.wrt
+        call = self._setup(p, q, k, v, dout, bias, uprefix)
+        run = call.run
+        if resident is None:
+            stats = self._stats(call)
+            lse32 = np.ascontiguousarray(lse, dtype=np.float32).reshape(-1)
+            run.device.queue.write_buffer(stats, 0, lse32)
+            ob = run.upload("out_in", np.ascontiguousarray(out, dtype=np.float32))
+        else:
+            stats, ob = resident
+        call.delta(stats, Operand(ob, 0, HQ * SQ * D, SQ * D, D))
+        nkv = B * HKV * SK * D
+        bufs = {}
+        if want_k or want_v:
+            bufs["kv"] = run.buffer("dkdv", 4 * 2 * nkv)
+            call.dkdv(stats, bufs["kv"], want_k, want_v)
+        dsb = None
+        if want_b:
+            dsb = run.buffer("ds", 4 * B * HQ * SQ * SK)
+            call.clears.append(dsb)
+        if want_q or want_b:
+            bufs["q"] = run.buffer("dq", 4 * call.n * D)
+            call.dq(stats, bufs["q"], dsb)
+        full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
+        if want_b and not full:
+            bufs["b"] = run.buffer("dbias", 4 * int(np.prod(p.bias_shape)))
+            call.reduce_dbias(dsb, bufs["b"], tuple(p.bias_shape))
+
+        def read():
+            dt = _NP[p.dtype]
+            res: Dict[str, object] = {"dq": None, "dk": None, "dv": None, "dbias": None}
+            if want_k:
+                res["dk"] = run.read(bufs["kv"], nkv).reshape(B, HKV, SK, D).astype(dt, copy=False)
+            if want_v:
+                res["dv"] = run.read(bufs["kv"], nkv, nkv).reshape(B, HKV, SK, D).astype(
+                    dt, copy=False)
+            if want_q:
+                res["dq"] = run.read(bufs["q"], call.n * D).reshape(B, HQ, SQ, D).astype(
+                    dt, copy=False)
+            if want_b:
+                n_b = int(np.prod(p.bias_shape))
+                db = run.read(dsb, n_b) if full else run.read(bufs["b"], n_b)
+                bdt = _NP.get(p.bias_dtype or "float32", np.float32)
+                res["dbias"] = db.reshape(p.bias_shape).astype(bdt, copy=False)
+            return res
+        return call, read
+
+    def backward(self, p: Problem, q, k, v, dout, out, lse, bias):
+        with self._lock:
+            call, read = self._build_backward(p, q, k, v, dout, out, lse, bias)
+            call.submit()
+            self.last_pieces = dict(call.pieces)
+            return read()
+
+    # -------------------------------------------------------------- benchmarks
+    def plan(self, p: Problem, q, k, v, dout=None, bias=None):
+        """Device-resident forward and backward plans over persistent buffers:
+        -> (fwd_plan, bwd_plan, read_fwd, read_bwd); ``plan.submit(n)`` re-runs one
+        without any host transfer (the backward reads the forward's out and lse)."""
+        with self._lock:
+            call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu")
+            fwd = call.freeze()
+            run = call.run
+            resident = (self._stats(call), run.buffer("out", 4 * call.n * p.head_dim))
+            bwd, read_b = None, None
+            if dout is not None:
+                call, read_b = self._build_backward(p, q, k, v, dout, None, None, bias,
+                                                    resident=resident, uprefix="plan_bu")
+                bwd = call.freeze()
+        return fwd, bwd, read_f, read_b
+
+    # --------------------------------------------------------------- seed ABI
+    def backward_arena(self, buffer, params) -> None:
+        """The seed's result (dQ, dK or dV per ``params.wrt``) into the wgpu ``buffer``.
+
+        ``params``: anyattn.abi.Params, already validated against the arena by
+        anyattn.abi.attention_backward_arena.  The arena is only read by the
+        attention kernels; a last kernel writes exactly the output elements.
+        """
+        from .abi_bridge import run_arena
+
+        with self._lock:
+            run_arena(self, buffer, params)

@@ -1,0 +1,180 @@
+"""Worker processes of the gloo ring tests: one spawn per world size runs every case.
+
+Each rank computes its shard with ``ring_attention`` (forward, lse and every
+gradient) and compares it with its shard of the single-process float64
+``anyattn.reference``; it writes {case: {quantity: relative error}} as JSON.
+Shape legend: B batch, Hq/Hkv heads, S global length, D head dim.
+"""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+B, HQ, HKV, S, D = 2, 4, 2, 64, 16
+
+
+def cases(world: int):
+    """(name, options) of every case run with ``world`` ranks."""
+    out = []
+    for sharding in ("contiguous", "zigzag"):
+        for mask in ("none", "causal", "docs", "causal_docs", "causal_window"):
+            for dtype in ("float32", "float64"):
+                out.append((f"{sharding}-{mask}-{dtype}",
+                            dict(sharding=sharding, mask=mask, dtype=dtype)))
+    out += [
+        ("zigzag-keep_empty_rows-float64", dict(sharding="zigzag", mask="keep", dtype="float64")),
+        ("contiguous-docs_empty_rows-float64",
+         dict(sharding="contiguous", mask="docs_qk", dtype="float64")),
+        ("zigzag-causal-bshd-float32", dict(sharding="zigzag", mask="causal", dtype="float32",
+                                            layout="bshd")),
+        ("contiguous-causal-only_dq-float64", dict(sharding="contiguous", mask="causal",
+                                                   dtype="float64", wrt="q")),
+        ("zigzag-causal_docs-only_dkdv-float32", dict(sharding="zigzag", mask="causal_docs",
+                                                      dtype="float32", wrt="kv")),
+        ("zigzag-causal-mha-S128-float32", dict(sharding="zigzag", mask="causal",
+                                                 dtype="float32", hkv=HQ, seq=128)),
+        # a sub-group of the world: ranks (0,) for 2 processes, (1, 3) for 4
+        ("subgroup-zigzag-causal-float64", dict(sharding="zigzag", mask="causal",
+                                                dtype="float64", subgroup=True)),
+        # the Triton backend's kernels through its interpreter (CPU tensors)
+        ("triton-zigzag-causal_docs-float32", dict(sharding="zigzag", mask="causal_docs",
+                                                   dtype="float32", backend="triton")),
+        ("triton-contiguous-causal_window-float32",
+         dict(sharding="contiguous", mask="causal_window", dtype="float32", backend="triton")),
+    ]
+    return out
+
+
+def _mask(name, seq, rng):
+    from anyattn import Causal, Documents, KeepMask, Window
+
+    ids = np.repeat(np.arange(4), np.diff(np.r_[0, np.sort(rng.choice(np.arange(1, seq), 3,
+                                                                      replace=False)), seq]))
+    if name == "none":
+        return None
+    if name == "causal":
+        return Causal()
+    if name == "docs":
+        return Documents(np.stack([ids, ids[::-1].copy()]).astype(np.int32))   # [B, S]
+    if name == "causal_docs":
+        return Causal() & Documents(ids)
+    if name == "causal_window":
+        return Causal() & Window(left=5)
+    if name == "docs_qk":   # query ids 4 and 5 never appear among the keys: empty rows
+        qi = ids.copy()
+        qi[::7] = 4 + (np.arange(len(qi[::7])) % 2)
+        return Documents(qi, ids)
+    if name == "keep":      # random keep mask, with whole rows dropped
+        keep = rng.random((B, 1, seq, seq)) < 0.3
+        keep[:, :, ::5] = False
+        return Causal() & KeepMask(keep)
+    raise ValueError(name)
+
+
+def _rel(got, ref):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if np.isnan(got).any():
+        return float("nan")
+    fin = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(got), fin) or not np.array_equal(got[~fin], ref[~fin]):
+        return float("inf")     # -inf lse rows must match exactly
+    if not fin.any():
+        return 0.0
+    scale = np.abs(ref[fin]).max()
+    diff = np.abs(got[fin] - ref[fin]).max()
+    return float(diff / scale) if scale else float(diff)
+
+
+def run_case(rank, world, opts):
+    import torch
+    import torch.distributed as dist
+
+    from anyattn import reference
+    from anyattn.backends.registry import unavailable_reason
+    from anyattn.distributed import ring_attention, shard
+
+    backend = opts.get("backend", "numpy")
+    if unavailable_reason(backend):
+        return {"skipped": f"{backend}: {unavailable_reason(backend)}"}
+
+    seq = opts.get("seq", S)
+    hkv = opts.get("hkv", HKV)
+    rng = np.random.default_rng(1234)     # the same on every rank
+    dt = getattr(torch, opts["dtype"])
+    q, dout = (torch.from_numpy(rng.standard_normal((B, HQ, seq, D))).to(dt) for _ in "12")
+    k, v = (torch.from_numpy(rng.standard_normal((B, hkv, seq, D))).to(dt) for _ in "12")
+    mask = _mask(opts["mask"], seq, rng)
+    group, members = None, list(range(world))
+    if opts.get("subgroup"):
+        members = [0] if world == 2 else [1, 3]
+        group = dist.new_group(members)         # every rank must take part in new_group
+        if rank not in members:
+            return None
+    n, me = len(members), members.index(rank)
+    sharding = opts["sharding"]
+    wrt = opts.get("wrt", "qkv")
+
+    ref_out, ref_lse = reference.forward(q, k, v, mask=mask)
+    ref_g = reference.backward(q, k, v, dout, mask=mask)
+
+    def loc(x):
+        return shard(x, me, n, sharding=sharding)
+
+    ql, kl, vl = (loc(x).clone().requires_grad_(name in wrt) for name, x in
+                  (("q", q), ("k", k), ("v", v)))
+    gl = loc(dout)
+    layout = opts.get("layout", "bhsd")
+    if layout == "bshd":
+        qi, ki, vi = (x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+                      .requires_grad_(x.requires_grad) for x in (ql, kl, vl))
+        ql, kl, vl = qi, ki, vi
+        o, lse = ring_attention(ql.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2),
+                                mask=mask, group=group, sharding=sharding, backend=backend,
+                                layout="bshd", return_lse=True)
+        o = o.transpose(1, 2)
+    else:
+        o, lse = ring_attention(ql, kl, vl, mask=mask, group=group, sharding=sharding,
+                                backend=backend, return_lse=True)
+    (o * gl).sum().backward()
+    res = {"out": _rel(o.detach(), loc(torch.from_numpy(ref_out))),
+           "lse": _rel(lse, loc(torch.from_numpy(ref_lse)[..., None])[..., 0])}
+    for name, x, r in (("dq", ql, ref_g.dq), ("dk", kl, ref_g.dk), ("dv", vl, ref_g.dv)):
+        if name[1] in wrt:
+            res[name] = _rel(x.grad, loc(torch.from_numpy(r)))
+        elif x.grad is not None:
+            res[name] = float("nan")   # a gradient that was not asked for
+    res["dtype_out"] = str(o.dtype)
+    return res
+
+
+def run(rank, world, port, out_dir):
+    """mp.spawn entry: join the gloo group on loopback, run every case, write JSON."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      ANYATTN_NUMPY_THREADS="1", OMP_NUM_THREADS="1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # CPU tensors: Triton's interpreter
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    results = {}
+    try:
+        for name, opts in cases(world):
+            try:
+                r = run_case(rank, world, opts)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+                raise                       # mp.spawn stops the other ranks
+            if r is not None:
+                results[name] = r
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()

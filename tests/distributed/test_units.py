@@ -1,0 +1,227 @@
+"""In-process tests of the ring pieces: lse merge, sharding layouts, the pair plan,
+the backends' out/lse contract the ring relies on, a ring of one rank, and errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from anyattn import Causal, Documents, KeepMask, Window, attention, attention_backward  # noqa: E402
+from anyattn import reference  # noqa: E402
+from anyattn.backends.registry import unavailable_reason  # noqa: E402
+from anyattn.distributed import (chunk_ids, local_positions, ring_attention, shard,  # noqa: E402
+                                 unshard_local)
+from anyattn.distributed.attention import RECOMPUTES_OUT_LSE  # noqa: E402
+from anyattn.distributed.blockmask import EMPTY, FULL, PARTIAL, GlobalMask  # noqa: E402
+from anyattn.distributed.merge import merge_into  # noqa: E402
+from anyattn.distributed.plan import RingPlan  # noqa: E402
+from anyattn.distributed.sharding import Chunk  # noqa: E402
+
+
+def _rand(rng, *shape, dtype=torch.float64):
+    return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+
+
+# ----------------------------------------------------------------------- merge
+def test_merge_of_key_blocks_equals_full_attention():
+    rng = np.random.default_rng(0)
+    q, k, v = _rand(rng, 2, 3, 10, 8), _rand(rng, 2, 3, 24, 8), _rand(rng, 2, 3, 24, 8)
+    mask = Causal(align="bottom_right") & Window(left=9, align="bottom_right")
+    ref_o, ref_l = reference.forward(q, k, v, mask=mask)
+    o_acc = torch.zeros(2, 3, 10, 8, dtype=torch.float64)
+    l_acc = torch.full((2, 3, 10), float("-inf"), dtype=torch.float64)
+    for j0 in range(0, 24, 8):   # global offsets place the band in each key block
+        o, l = attention(q, k[:, :, j0:j0 + 8], v[:, :, j0:j0 + 8], backend="numpy",
+                         mask=Causal() & Window(left=9), return_lse=True,
+                         q_offset=14, k_offset=j0)
+        merge_into(o_acc, l_acc, o, l)
+    np.testing.assert_allclose(o_acc.numpy(), ref_o, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(l_acc.numpy(), ref_l, rtol=0, atol=1e-12)
+
+
+def test_merge_empty_rows_stay_zero_and_nan_propagates():
+    ninf = float("-inf")
+    o_acc = torch.zeros(1, 1, 3, 2)
+    l_acc = torch.full((1, 1, 3), ninf)
+    merge_into(o_acc, l_acc, torch.zeros(1, 1, 3, 2), torch.full((1, 1, 3), ninf))
+    assert torch.all(o_acc == 0) and torch.all(l_acc == ninf)
+    o = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]])
+    merge_into(o_acc, l_acc, o, torch.tensor([[[0.5, ninf, float("nan")]]]))
+    assert torch.equal(o_acc[0, 0, 0], o[0, 0, 0]) and l_acc[0, 0, 0] == 0.5
+    assert torch.all(o_acc[0, 0, 1] == 0) and l_acc[0, 0, 1] == ninf
+    assert torch.isnan(o_acc[0, 0, 2]).all() and torch.isnan(l_acc[0, 0, 2])
+
+
+# -------------------------------------------------------------------- sharding
+def test_zigzag_positions_and_chunks():
+    assert chunk_ids(0, 2, "zigzag") == (0, 3)
+    assert chunk_ids(1, 2, "zigzag") == (1, 2)
+    assert local_positions(0, 2, 8, "zigzag") == [0, 1, 6, 7]
+    assert local_positions(1, 2, 8, "zigzag") == [2, 3, 4, 5]
+    assert local_positions(1, 2, 8, "contiguous") == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(sharding, world):
+    x = torch.arange(2 * 3 * 24 * 2).reshape(2, 3, 24, 2)
+    shards = [shard(x, r, world, sharding=sharding) for r in range(world)]
+    assert torch.equal(unshard_local(shards, sharding=sharding), x)
+    pos = sum((local_positions(r, world, 24, sharding) for r in range(world)), [])
+    assert sorted(pos) == list(range(24))
+    for r in range(world):
+        assert torch.equal(shards[r][0, 0, :, 0] // 2, torch.tensor(
+            local_positions(r, world, 24, sharding)))
+
+
+def test_shard_rejects_indivisible_length():
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        shard(torch.zeros(1, 1, 12, 2), 0, 4, sharding="zigzag")
+    with pytest.raises(ValueError, match="sharding"):
+        shard(torch.zeros(1, 1, 12, 2), 0, 4, sharding="striped")
+
+
+# ------------------------------------------------------------------------ plan
+def test_zigzag_balances_causal_work_and_skips_empty_pairs():
+    N, S_loc = 4, 32
+    g = GlobalMask(Causal(), N * S_loc, 1, 1)
+    zig = [RingPlan(g, r, N, S_loc, "zigzag").work() for r in range(N)]
+    con = [RingPlan(g, r, N, S_loc, "contiguous").work() for r in range(N)]
+    assert len(set(zig)) == 1                  # every rank: the same work
+    assert con == [(r + 0.5) * S_loc ** 2 for r in range(N)]   # r full blocks + a diagonal
+    assert sum(zig) == sum(con)
+    p0 = RingPlan(g, 0, N, S_loc, "contiguous")
+    assert [len(p0.calls(t)) for t in range(N)] == [1, 0, 0, 0]
+    # zig-zag: 2 full pairs at every step but the first (3: two diagonals + one full),
+    # fused into one [2L x L] or [L x 2L] call without a mask
+    unfused = RingPlan(g, 2, N, S_loc, "zigzag", fuse=False)
+    assert [len(unfused.calls(t)) for t in range(N)] == [3, 2, 2, 2]
+    pz = RingPlan(g, 2, N, S_loc, "zigzag")
+    assert [len(pz.calls(t)) for t in range(N)] == [3, 1, 1, 1]
+    assert pz.work() == unfused.work()
+    for t in range(1, N):
+        (c,) = pz.calls(t)
+        assert c.full and c.mask is None
+        assert sorted([c.q1 - c.q0, c.k1 - c.k0]) == [S_loc // 2, S_loc]
+    # no mask: one call per step over the whole local shard
+    pn = RingPlan(GlobalMask(None, N * S_loc, 1, 1), 1, N, S_loc, "zigzag")
+    assert all(len(pn.calls(t)) == 1 and pn.calls(t)[0].q1 == S_loc for t in range(N))
+
+
+def test_pair_states():
+    S = 32
+    a, b = Chunk(0, 0, 0, 8), Chunk(1, 8, 8, 8)
+    g = GlobalMask(Causal(), S, 1, 1)
+    assert (g.state(a, a), g.state(b, a), g.state(a, b)) == (PARTIAL, FULL, EMPTY)
+    w = GlobalMask(Causal() & Window(left=3), S, 1, 1)
+    assert w.state(Chunk(3, 24, 0, 8), a) == EMPTY
+    ids = np.repeat([0, 1, 2, 3], 8)
+    d = GlobalMask(Documents(ids), S, 1, 1)
+    assert d.state(a, b) == EMPTY and d.state(a, a) == PARTIAL
+    keep = np.ones((S, S), dtype=bool)
+    km = GlobalMask(KeepMask(keep), S, 1, 1)
+    assert km.state(a, b) == PARTIAL           # array masks are never assumed full
+    pm = km.pair_mask(a, b, PARTIAL)
+    assert pm.mask.shape == (1, 1, 8, 8)
+
+
+def test_global_mask_errors():
+    with pytest.raises(ValueError, match="GLOBAL ids"):
+        GlobalMask(Documents(np.zeros(16, np.int32)), 32, 1, 1)
+    with pytest.raises(ValueError, match="GLOBAL mask"):
+        GlobalMask(KeepMask(np.ones((16, 16), bool)), 32, 1, 1)
+    with pytest.raises(TypeError, match="mask"):
+        GlobalMask("causal", 32, 1, 1)
+
+
+# ------------------------------------------------- the backends' out/lse contract
+def _honours_given_out_lse(backend: str) -> bool:
+    """Does ``attention_backward(..., out=, lse=)`` use the given (row-global) out/lse?
+
+    Block of keys [8, 16) of a 24-key problem (float32); the exact block gradients
+    come from the full problem's reference (a recomputing backend is off by O(1))."""
+    rng = np.random.default_rng(3)
+    q, k, v, g = (_rand(rng, 1, 2, 6, 4, dtype=torch.float32),
+                  _rand(rng, 1, 2, 24, 4, dtype=torch.float32),
+                  _rand(rng, 1, 2, 24, 4, dtype=torch.float32),
+                  _rand(rng, 1, 2, 6, 4, dtype=torch.float32))
+    out, lse = reference.forward(q, k, v)
+    blk = slice(8, 16)
+    got = attention_backward(q, k[:, :, blk], v[:, :, blk], g,
+                             out=torch.from_numpy(out).float(),
+                             lse=torch.from_numpy(lse).float(), backend=backend)
+    full = reference.backward(q, k, v, g)
+    return bool(np.allclose(got.dk.numpy(), full.dk[:, :, blk], atol=1e-4)
+                and np.allclose(got.dv.numpy(), full.dv[:, :, blk], atol=1e-4))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "reference", "triton"])
+def test_recomputing_backends_are_listed(backend):
+    if unavailable_reason(backend):
+        pytest.skip(f"{backend}: {unavailable_reason(backend)}")
+    assert _honours_given_out_lse(backend) == (backend not in RECOMPUTES_OUT_LSE), (
+        f"backend {backend!r}: update RECOMPUTES_OUT_LSE in anyattn/distributed/attention.py")
+
+
+# ------------------------------------------------------------ a ring of one rank
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    if not dist.is_gloo_available():
+        pytest.skip("gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+def test_ring_of_one_rank(world1, sharding):
+    rng = np.random.default_rng(5)
+    q, g = _rand(rng, 1, 4, 32, 8), _rand(rng, 1, 4, 32, 8)
+    k, v = _rand(rng, 1, 2, 32, 8), _rand(rng, 1, 2, 32, 8)
+    ids = np.repeat([0, 1, 2], [5, 20, 7])
+    mask = Causal() & Documents(ids)
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    out = ring_attention(qq, kk, vv, mask=mask, sharding=sharding, backend="numpy")
+    out.backward(g)
+    ro, _ = reference.forward(q, k, v, mask=mask)
+    rg = reference.backward(q, k, v, g, mask=mask)
+    for got, ref in ((out, ro), (qq.grad, rg.dq), (kk.grad, rg.dk), (vv.grad, rg.dv)):
+        np.testing.assert_allclose(got.detach().numpy(), ref, rtol=0, atol=1e-12)
+
+
+def test_ring_refuses_backend_that_recomputes(world1):
+    q = torch.zeros(1, 1, 8, 4, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="given out/lse"):
+        ring_attention(q, q, q, backend="reference", sharding="zigzag")
+    with torch.no_grad():   # forward-only is fine on any backend
+        ring_attention(q, q, q, backend="reference", sharding="zigzag")
+
+
+def test_ring_argument_errors(world1):
+    q = torch.zeros(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="odd"):
+        ring_attention(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4),
+                       torch.zeros(1, 2, 5, 4), sharding="zigzag", backend="numpy")
+    with pytest.raises(ValueError, match="GLOBAL ids"):
+        ring_attention(q, q, q, mask=Documents(np.zeros(3, np.int32)), backend="numpy")
+    with pytest.raises(ValueError, match="head"):
+        ring_attention(q, torch.zeros(1, 3, 6, 4), torch.zeros(1, 3, 6, 4), backend="numpy")
+
+
+def test_argument_errors_before_any_communication():
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        ring_attention(np.zeros((1, 2, 8, 4)), q, q)
+    with pytest.raises(ValueError, match="sharding"):
+        ring_attention(q, q, q, sharding="striped")
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, q, q, layout="sbhd")
+    with pytest.raises(ValueError, match="k: local length"):
+        ring_attention(q, torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match="4 dims"):
+        ring_attention(q[0], q, q)
