@@ -43,6 +43,7 @@ ANCHOR_DIR = os.path.join(os.path.dirname(HERE), "..", "shared", "anchors")
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 RESULTS = {"meta": {}, "check": [], "tune": [], "bench": []}
+SAVE = None   # set by main: writes the JSON after every row
 
 
 def log(*a):
@@ -140,7 +141,20 @@ def rel_err(got, ref):
 DEV = "cuda"
 
 
-def check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape=None):
+def check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape=None, env=None):
+    old = {k_: os.environ.get(k_) for k_ in (env or {})}
+    os.environ.update(env or {})
+    try:
+        _check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape, env)
+    finally:
+        for k_, v_ in old.items():
+            if v_ is None:
+                os.environ.pop(k_, None)
+            else:
+                os.environ[k_] = v_
+
+
+def _check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape, env):
     dev = DEV
     gen = torch.Generator(device=dev).manual_seed(hash(name) % 2**31)
     dtype = DT[dt]
@@ -179,7 +193,7 @@ def check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape=None
     ok = all(e <= TOL[tolkey] for n, e in errs.items() if n != "lse_abs") and repeat and lse_inf_ok
     row = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D, dtype=dt, prec=prec,
                mask=mask_kind, bias=bias_shape, errs={k_: float(f"{v_:.3g}") for k_, v_ in errs.items()},
-               tol=TOL[tolkey], bitwise_repeatable=repeat, lse_inf_ok=lse_inf_ok, ok=ok,
+               env=env, tol=TOL[tolkey], bitwise_repeatable=repeat, lse_inf_ok=lse_inf_ok, ok=ok,
                first_run_s=round(t_run, 2))
     RESULTS["check"].append(row)
     log(("PASS " if ok else "FAIL ") + json.dumps(row))
@@ -188,7 +202,26 @@ def check_case(name, B, Hq, Hkv, Sq, Sk, D, dt, prec, mask_kind, bias_shape=None
         torch.cuda.empty_cache()
 
 
-def phase_check():
+NEW_CHECKS = [
+    ("S4096_causal_bias_fp32_bf16x6", 1, 4, 4, 4096, 4096, 128, "fp32", "", "causal",
+     (1, 4, 4096, 4096), {"ANYATTN_TRITON_FP32_DOT": "bf16x6"}),
+    ("S8192_none_fp32_bf16x6", 1, 2, 2, 8192, 8192, 128, "fp32", "", "none", None,
+     {"ANYATTN_TRITON_FP32_DOT": "bf16x6"}),
+    ("S4096_doc_tf32_bf16x3", 1, 4, 4, 4096, 4096, 128, "fp32", "tf32", "doc", None,
+     {"ANYATTN_TRITON_TF32_DOT": "bf16x3"}),
+    ("D80_S3000_fp16", 1, 2, 1, 3000, 3000, 80, "fp16", "", "doc", None),
+]
+
+
+def phase_check(which="full"):
+    if which == "new":
+        for c in NEW_CHECKS:
+            try:
+                check_case(*c)
+            except Exception as e:  # noqa: BLE001
+                RESULTS["check"].append(dict(name=c[0], ok=False, error=repr(e)[:400]))
+                log("ERROR", c[0], repr(e)[:400])
+        return
     cases = [
         ("S8192_causal_bf16", 1, 2, 2, 8192, 8192, 128, "bf16", "", "causal", None),
         ("S8192_none_fp32", 1, 2, 2, 8192, 8192, 128, "fp32", "", "none", None),
@@ -340,6 +373,8 @@ def record(impl, case, dt, prec, b, h, s, d, causal, fwd, bwd, peak, density=Non
             row["bwd_tflops_kept"] = round(density * 2.5 * ff / bwd / 1e9, 1)
     RESULTS["bench"].append(row)
     log("BENCH", json.dumps(row))
+    if SAVE is not None:
+        SAVE()
 
 
 def _try(impl, case, dt, prec, b, h, s, d, causal, fn, density=None):
@@ -358,13 +393,21 @@ def sdpa_fn(backend, causal, mask=None):
     return f
 
 
-def phase_bench(seqs, flex_dense, with_sdpa=True, precs=("bf16", "fp32", "tf32"), dims=(64, 128)):
+def phase_bench(plan_rows, flex_dense, with_sdpa=True):
+    """plan_rows: [(precision key, head dims, sequence lengths)]."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.config.recompile_limit = 10_000
     torch._dynamo.config.accumulated_recompile_limit = 10_000
     flex = torch.compile(flex_attention, dynamic=False)
-    for pk in precs:
+    for row_spec in plan_rows:
+        pk, dims, seqs = row_spec[:3]
+        env = row_spec[3] if len(row_spec) > 3 else {}
+        causals = row_spec[4] if len(row_spec) > 4 else (False, True)
+        os.environ.pop("ANYATTN_TRITON_FP32_DOT", None)
+        os.environ.pop("ANYATTN_TRITON_TF32_DOT", None)
+        os.environ.update(env)
+        variant = "/".join(env.values())
         dt = "fp32" if pk == "tf32" else pk
         dtype = DT[dt]
         precision = "tf32" if pk == "tf32" else None
@@ -372,12 +415,13 @@ def phase_bench(seqs, flex_dense, with_sdpa=True, precs=("bf16", "fp32", "tf32")
             h = HIDDEN // d
             for s in seqs:
                 b = max(1, TOKENS // s)
-                for causal in (False, True):
+                for causal in causals:
                     q, k, v, g = _inputs(b, h, h, s, d, dtype)
                     mask = aa.Causal() if causal else None
-                    _try("anyattn-triton", "dense", pk, precision or "highest", b, h, s, d, causal,
+                    label = "anyattn-triton" + (f"[{variant}]" if variant else "")
+                    _try(label, "dense", pk, precision or "highest", b, h, s, d, causal,
                          lambda: time_triton(q, k, v, g, mask, None, precision, ("q", "k", "v")))
-                    if with_sdpa and pk != "tf32":
+                    if with_sdpa and pk != "tf32" and not variant:
                         backs = [("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                  ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                                  ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)]
@@ -394,9 +438,11 @@ def phase_bench(seqs, flex_dense, with_sdpa=True, precs=("bf16", "fp32", "tf32")
                                                    q, k, v, g))
                     del q, k, v, g
                     torch.cuda.empty_cache()
+    os.environ.pop("ANYATTN_TRITON_FP32_DOT", None)
+    os.environ.pop("ANYATTN_TRITON_TF32_DOT", None)
 
 
-def phase_masked(precs=("bf16", "fp32"), with_flex=True):
+def phase_masked(precs=("bf16", "fp32"), with_flex=True, fp32_masks=False):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
@@ -407,12 +453,14 @@ def phase_masked(precs=("bf16", "fp32"), with_flex=True):
         dtype = DT[dt]
         precision = "tf32" if pk == "tf32" else None
         for kind in ("sliding:512", "doc", "blocks"):
+            if dt == "fp32" and not fp32_masks:
+                continue
             q, k, v, g = _inputs(b, h, h, s, d, dtype)
             mask, keep, mod = make_mask(kind, b, h, s, s, "cuda", gen)
             dens = keep.float().mean().item()
             _try("anyattn-triton", kind, pk, precision or "highest", b, h, s, d, False,
                  lambda: time_triton(q, k, v, g, mask, None, precision, ("q", "k", "v")), dens)
-            if with_flex and pk == "bf16":
+            if with_flex and pk == "bf16" and kind != "blocks":
                 bm = create_block_mask(mod, None, None, s, s, device="cuda")
                 _try("flex", kind, pk, "native", b, h, s, d, False,
                      lambda: time_autograd(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm),
@@ -431,7 +479,7 @@ def phase_masked(precs=("bf16", "fp32"), with_flex=True):
         _try("sdpa-efficient", "bias_1HSS", pk, "native", b, h, s, d, False,
              lambda: time_autograd(sdpa_fn(SDPBackend.EFFICIENT_ATTENTION, False, bias_g),
                                    q, k, v, g, params=(bias_g,)))
-        if with_flex and pk == "bf16":
+        if with_flex and pk == "bf16" and fp32_masks:
             bias2 = bias[0].clone().requires_grad_(True)
             _try("flex", "bias_1HSS", pk, "native", b, h, s, d, False,
                  lambda: time_autograd(lambda q_, k_, v_: flex(
@@ -465,6 +513,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
     ap.add_argument("--masked", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--flex-seqs", default="4096", help="dense S values timed with FlexAttention")
+    ap.add_argument("--fp32-masks", action="store_true", help="also time fp32 masked cases")
+    ap.add_argument("--flex-masked", action="store_true", help="FlexAttention on masked cases")
+    ap.add_argument("--fp32", action="store_true", help="fp32 / tf32 dense variants + fp32 bias")
+    ap.add_argument("--check-new", action="store_true", help="correctness of the newer variants")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -482,6 +535,9 @@ def main():
         with open(path, "w") as fh:
             json.dump(RESULTS, fh, indent=1)
 
+    global SAVE
+    SAVE = save
+
     try:
         if a.check:
             phase_check()
@@ -492,18 +548,33 @@ def main():
             save()
             log(f"tune done {time.time() - t0:.0f}s")
         if a.bench:
+            allS = [512, 1024, 2048, 4096, 8192, 16384]
             if a.quick:
-                phase_bench([1024, 4096], [] if a.no_flex else [4096], with_sdpa=True,
-                            precs=("bf16", "fp32", "tf32"), dims=(128,))
+                rows = [("bf16", (128,), [1024, 4096]), ("fp32", (128,), [4096]),
+                        ("tf32", (128,), [4096])]
             else:
-                phase_bench([512, 1024, 2048, 4096, 8192, 16384],
-                            [] if a.no_flex else [1024, 4096, 16384])
+                rows = [("bf16", (64, 128), allS)]
+            phase_bench(rows, [] if a.no_flex else [int(x) for x in a.flex_seqs.split(",")])
             save()
             log(f"bench done {time.time() - t0:.0f}s")
         if a.masked:
-            phase_masked(with_flex=not a.no_flex)
+            phase_masked(precs=("bf16",), with_flex=not a.no_flex and a.flex_masked,
+                         fp32_masks=a.fp32_masks)
             save()
             log(f"masked done {time.time() - t0:.0f}s")
+        if a.fp32:
+            phase_bench([("fp32", (128,), [4096, 16384]),
+                         ("fp32", (128,), [4096, 16384], {"ANYATTN_TRITON_FP32_DOT": "bf16x6"}),
+                         ("tf32", (128,), [4096, 16384]),
+                         ("tf32", (128,), [4096], {"ANYATTN_TRITON_TF32_DOT": "bf16x3"}, (False,))],
+                        [], with_sdpa=True)
+            phase_masked(precs=("fp32",), with_flex=False, fp32_masks=a.fp32_masks)
+            save()
+            log(f"fp32 done {time.time() - t0:.0f}s")
+        if a.check_new:
+            phase_check("new")
+            save()
+            log(f"check-new done {time.time() - t0:.0f}s")
     finally:
         save()
     summary()

@@ -50,27 +50,38 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def timeit(fn, dev, reps: int, warmup: int, budget_s: float):
-    """Median and min seconds of ``fn()`` over up to ``reps`` runs (stops after budget_s)."""
-    for _ in range(warmup):
+def _time_once(fn, dev, inner: int = 1):
+    """Seconds per step of ``inner`` steps run back to back (inner > 1 lets the host run
+    ahead of the GPU, as in a model, so that only overhead the GPU cannot hide shows)."""
+    if dev.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3 / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
         fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: int = 1):
+    """{name: [seconds, ...]}: the variants timed in turn, rep after rep, so that a load
+    change on a shared machine hits all of them alike (stops after budget_s, >= 3 reps)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     _sync(dev)
-    times, t_start = [], time.perf_counter()
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        if time.perf_counter() - t_start > budget_s and len(times) >= 3:
+    times = {n: [] for n in fns}
+    t_start = time.perf_counter()
+    for r in range(reps):
+        for n, fn in fns.items():
+            times[n].append(_time_once(fn, dev, inner))
+        if time.perf_counter() - t_start > budget_s and r >= 2:
             break
-    return statistics.median(times), min(times), len(times)
+    return times
 
 
 def variants(q, k, v, g, causal, backend):
@@ -142,7 +153,7 @@ def check(q, k, v, g, causal, backend):
     return errs
 
 
-def run(args):
+def run(args, on_row=lambda rows: None):
     dev = torch.device(args.device)
     rows = []
     for dname in args.dtypes:
@@ -155,23 +166,30 @@ def run(args):
                 flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
                 fns, be_name = variants(q, k, v, g, causal, args.backend)
                 row = dict(dtype=dname, B=B, H=H, S=S, D=D, causal=causal, backend=be_name,
-                           flops=flops)
+                           flops=flops, inner=args.inner)
                 if S <= args.check_max_s:
                     row["err_vs_sdpa"] = check(q, k, v, g, causal, args.backend)
-                for name in ("kernel", "api", "module", "module_nocheck", "sdpa"):
-                    med, mn, n = timeit(fns[name], dev, args.reps, args.warmup, args.budget)
+                times = time_round_robin(fns, dev, args.reps, args.warmup, args.budget,
+                                         args.inner)
+                for name, ts in times.items():
+                    med = statistics.median(ts)
                     row[f"{name}_ms"] = med * 1e3
-                    row[f"{name}_min_ms"] = mn * 1e3
-                    row[f"{name}_n"] = n
+                    row[f"{name}_min_ms"] = min(ts) * 1e3
+                    row[f"{name}_n"] = len(ts)
                     row[f"{name}_tflops"] = flops / med / 1e12
-                row["overhead_vs_kernel"] = row["module_ms"] / row["kernel_ms"] - 1
-                row["overhead_vs_api"] = row["module_ms"] / row["api_ms"] - 1
-                row["overhead_nocheck_vs_kernel"] = row["module_nocheck_ms"] / row["kernel_ms"] - 1
+                for tag, key in (("", "ms"), ("_min", "min_ms")):
+                    row[f"overhead_vs_kernel{tag}"] = row[f"module_{key}"] / row[f"kernel_{key}"] - 1
+                    row[f"overhead_vs_api{tag}"] = row[f"module_{key}"] / row[f"api_{key}"] - 1
+                    row[f"overhead_nocheck_vs_kernel{tag}"] = (row[f"module_nocheck_{key}"]
+                                                               / row[f"kernel_{key}"] - 1)
                 rows.append(row)
+                on_row(rows)
                 print(f"{dname} S={S:5d} causal={int(causal)} {be_name}: kernel "
                       f"{row['kernel_ms']:.2f} api {row['api_ms']:.2f} module "
                       f"{row['module_ms']:.2f} sdpa {row['sdpa_ms']:.2f} ms; overhead "
-                      f"{100 * row['overhead_vs_kernel']:+.1f}% vs kernel; "
+                      f"{100 * row['overhead_vs_kernel']:+.1f}% vs kernel (min "
+                      f"{100 * row['overhead_vs_kernel_min']:+.1f}%, no pre-check "
+                      f"{100 * row['overhead_nocheck_vs_kernel_min']:+.1f}%); "
                       f"{row['module_tflops'] * 1e3:.1f} GFLOP/s; errs "
                       f"{row.get('err_vs_sdpa')}", flush=True)
     return rows
@@ -225,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget", type=float, default=6.0, help="seconds per variant and size")
     ap.add_argument("--check-max-s", type=int, default=2048)
+    ap.add_argument("--inner", type=int, default=1,
+                    help="steps per timed sample, back to back (1: one isolated step)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and the numpy backend (default: all cores)")
     ap.add_argument("--out", default=None)
@@ -234,16 +254,21 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
         os.environ["ANYATTN_NUMPY_THREADS"] = str(args.threads)  # read when numpy is loaded
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    rows = run(args)
     doc = dict(bench="torch_module_bench", date=datetime.now(timezone.utc).isoformat(),
                machine=machine(torch.device(args.device)), args=vars(args),
                load_average_1min_at_start=load,
                flop_convention="fwd 4*B*H*S*S*D, bwd 2.5x, causal 0.5x; step = fwd+bwd",
                sdpa_fully_masked_row=probe_fully_masked(torch.device(args.device)),
-               rows=rows)
+               rows=[])
+
+    def save(rows):  # after every row, so a run cut short keeps what it measured
+        doc["rows"] = rows
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+
+    rows = run(args, save)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
     if args.png:
         plot(rows, args.png)

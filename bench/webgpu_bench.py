@@ -169,6 +169,23 @@ def bench_webgpu(be, B, H, S, D, dtype="float32", causal=False, cfg=None, tag=""
     return rec
 
 
+def bench_api(B, H, S, D):
+    """The public API with NumPy arrays in and out (uploads and read-backs included)."""
+    rng = np.random.default_rng(4)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
+    o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
+    aa.attention_backward(q, k, v, g, out=o, lse=l, backend="webgpu")
+    n = 20
+    t = time.perf_counter()
+    for _ in range(n):
+        aa.attention_backward(q, k, v, g, out=o, lse=l, backend="webgpu")
+    tb = (time.perf_counter() - t) / n
+    rec = dict(impl="anyattn-webgpu-numpy-api", dtype="float32", B=B, H=H, S=S, D=D,
+               bwd_ms=tb * 1e3, bwd_tflops=flops_bwd(B, H, S, S, D) / tb / 1e12, n=n)
+    RESULTS["timings"].append(rec)
+    log(f"numpy API bwd S={S}: {tb*1e3:.3f} ms (host transfers included)")
+
+
 # ------------------------------------------------------------------ seed kernel + ABI
 class Seed:
     def __init__(self, device, src):
@@ -467,7 +484,7 @@ def main():
         ]:
             guarded("check " + args[0], check_case, be, *args, **kw)
         log(f"checks done at {time.time() - t0:.1f}s")
-        guarded("abi+seed", bench_seed_and_abi, be, seed_src, (128, 256, 512, 2048))
+        guarded("abi+seed", bench_seed_and_abi, be, seed_src, (128, 256, 512, 2048, 8192))
         log(f"seed done at {time.time() - t0:.1f}s")
         for S in (512, 1024, 4096):
             for D in (64, 128):
@@ -478,8 +495,11 @@ def main():
         guarded("webgpu S8192", bench_webgpu, be, 1, 8, 8192, 64)
         from anyattn.backends.webgpu.launch import TileConfig
 
-        for cfg in (TileConfig(8, 8, 16, 8, 2), TileConfig(16, 16, 16, 8, 1)):
-            guarded("webgpu cfg", bench_webgpu, be, 1, 8, 4096, 64, cfg=cfg, tag="-cfg")
+        for D, cfgs in ((64, (TileConfig(16, 16, 16, 8, 1), TileConfig(8, 8, 16, 16, 1))),
+                        (128, (TileConfig(8, 8, 16, 8, 2),))):
+            for cfg in cfgs:
+                guarded("webgpu cfg", bench_webgpu, be, 1, 8, 4096, D, cfg=cfg, tag="-cfg")
+        guarded("api", bench_api, 1, 8, 512, 64)
         log(f"webgpu timings done at {time.time() - t0:.1f}s")
         for S in (512, 1024, 4096):
             for D in (64, 128):

@@ -135,6 +135,8 @@ def machine_info() -> Dict:
         info["blas_core"] = blas_core_name()
     except Exception:  # pragma: no cover - informational only
         pass
+    if hasattr(os, "getloadavg"):
+        info["loadavg_at_start"] = list(os.getloadavg())
     info["env"] = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                               "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                               "ANYATTN_NUMPY_THREADS") if k in os.environ}
@@ -421,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
         results += _time_case(case, impls, args.repeats, args.warmup, args.seed, step, n_steps)
     print(_table(results))
     report["results"] = [asdict(r) for r in results]
+    if hasattr(os, "getloadavg"):
+        report["machine"]["loadavg_at_end"] = list(os.getloadavg())
     _write_json(args.json, report)
     if args.plot:
         core = report["machine"].get("blas_core")

@@ -90,8 +90,13 @@ def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[
 
 def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
              scale: Optional[float] = None, wrt: Sequence[str] = ("q", "k", "v"),
-             q_offset: int = 0, k_offset: int = 0) -> Gradients:
-    """Gradients of sum(out * dout), float64; dk/dv summed over each query group."""
+             q_offset: int = 0, k_offset: int = 0, out=None, lse=None) -> Gradients:
+    """Gradients of sum(out * dout), float64; dk/dv summed over each query group.
+
+    With ``out``/``lse`` given (from a forward, possibly over more keys than
+    these, as in ring attention) they define P = exp(s - lse) and δ = <dout, out>;
+    otherwise both are computed here.
+    """
     q, k, v, g, bias0 = _f64(q), _f64(k), _f64(v), _f64(dout), _f64(bias)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -99,8 +104,15 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     if scale is None:
         scale = 1.0 / np.sqrt(D)
     s, _, kexp, vexp = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset)
-    p, _ = _softmax(s)                                   # [B, Hq, Sq, Sk]
-    out = np.einsum("bhij,bhjd->bhid", p, vexp)
+    if lse is None:
+        p, _ = _softmax(s)                               # [B, Hq, Sq, Sk]
+        out = np.einsum("bhij,bhjd->bhid", p, vexp)
+    else:
+        lse = _f64(lse)[..., None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = np.where(np.isfinite(lse) & (s > -np.inf), np.exp(s - lse), 0.0)
+        p = np.where(np.isnan(s) | np.isnan(lse), np.nan, p)
+        out = _f64(out)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
     delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>
     ds = p * (dp - delta)                                # dS = P ∘ (dP − δ)

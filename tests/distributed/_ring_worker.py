@@ -40,6 +40,10 @@ def cases(world: int):
         # a sub-group of the world: ranks (0,) for 2 processes, (1, 3) for 4
         ("subgroup-zigzag-causal-float64", dict(sharding="zigzag", mask="causal",
                                                 dtype="float64", subgroup=True)),
+        # bf16 inputs (the numpy backend computes them in fp32, rounds each block result)
+        ("zigzag-causal-bfloat16", dict(sharding="zigzag", mask="causal", dtype="bfloat16")),
+        ("contiguous-causal_docs-bfloat16", dict(sharding="contiguous", mask="causal_docs",
+                                                 dtype="bfloat16")),
         # the Triton backend's kernels through its interpreter (CPU tensors)
         ("triton-zigzag-causal_docs-float32", dict(sharding="zigzag", mask="causal_docs",
                                                    dtype="float32", backend="triton")),
@@ -90,6 +94,18 @@ def _rel(got, ref):
     return float(diff / scale) if scale else float(diff)
 
 
+def cases_gpu(world: int):
+    """Cases of the NCCL run (CUDA tensors, automatic backend: Triton)."""
+    out = []
+    for sharding in ("contiguous", "zigzag"):
+        for mask in ("causal", "causal_docs", "none"):
+            for dtype in ("float32", "bfloat16"):
+                out.append((f"cuda-{sharding}-{mask}-{dtype}",
+                            dict(sharding=sharding, mask=mask, dtype=dtype, backend=None,
+                                 device="cuda", seq=256)))
+    return out
+
+
 def run_case(rank, world, opts):
     import torch
     import torch.distributed as dist
@@ -99,7 +115,9 @@ def run_case(rank, world, opts):
     from anyattn.distributed import ring_attention, shard
 
     backend = opts.get("backend", "numpy")
-    if unavailable_reason(backend):
+    device = torch.device(opts.get("device", "cpu"), rank) if opts.get("device") == "cuda" \
+        else torch.device("cpu")
+    if backend is not None and unavailable_reason(backend):
         return {"skipped": f"{backend}: {unavailable_reason(backend)}"}
 
     seq = opts.get("seq", S)
@@ -125,9 +143,12 @@ def run_case(rank, world, opts):
     def loc(x):
         return shard(x, me, n, sharding=sharding)
 
-    ql, kl, vl = (loc(x).clone().requires_grad_(name in wrt) for name, x in
+    def cpu(x):
+        return x.detach().float().cpu() if x.dtype == torch.bfloat16 else x.detach().cpu()
+
+    ql, kl, vl = (loc(x).to(device).requires_grad_(name in wrt) for name, x in
                   (("q", q), ("k", k), ("v", v)))
-    gl = loc(dout)
+    gl = loc(dout).to(device)
     layout = opts.get("layout", "bhsd")
     if layout == "bshd":
         qi, ki, vi = (x.detach().transpose(1, 2).contiguous().transpose(1, 2)
@@ -141,31 +162,35 @@ def run_case(rank, world, opts):
         o, lse = ring_attention(ql, kl, vl, mask=mask, group=group, sharding=sharding,
                                 backend=backend, return_lse=True)
     (o * gl).sum().backward()
-    res = {"out": _rel(o.detach(), loc(torch.from_numpy(ref_out))),
-           "lse": _rel(lse, loc(torch.from_numpy(ref_lse)[..., None])[..., 0])}
+    res = {"out": _rel(cpu(o), loc(torch.from_numpy(ref_out))),
+           "lse": _rel(cpu(lse), loc(torch.from_numpy(ref_lse)[..., None])[..., 0])}
     for name, x, r in (("dq", ql, ref_g.dq), ("dk", kl, ref_g.dk), ("dv", vl, ref_g.dv)):
         if name[1] in wrt:
-            res[name] = _rel(x.grad, loc(torch.from_numpy(r)))
+            res[name] = _rel(cpu(x.grad), loc(torch.from_numpy(r)))
         elif x.grad is not None:
             res[name] = float("nan")   # a gradient that was not asked for
     res["dtype_out"] = str(o.dtype)
     return res
 
 
-def run(rank, world, port, out_dir):
-    """mp.spawn entry: join the gloo group on loopback, run every case, write JSON."""
+def run(rank, world, port, out_dir, transport="gloo"):
+    """mp.spawn entry: join the group on loopback (gloo: CPU cases; nccl: one GPU per
+    rank, the CUDA cases), run every case, write JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       ANYATTN_NUMPY_THREADS="1", OMP_NUM_THREADS="1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # CPU tensors: Triton's interpreter
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    if transport == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # CPU tensors: Triton's interpreter
+    dist.init_process_group(transport, rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     results = {}
     try:
-        for name, opts in cases(world):
+        for name, opts in (cases(world) if transport == "gloo" else cases_gpu(world)):
             try:
                 r = run_case(rank, world, opts)
             except Exception:

@@ -30,7 +30,7 @@ class ReferenceBackend(Backend):
 
     def backward(self, p, q, k, v, dout, out, lse, bias):
         g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
-                               wrt=tuple(p.wrt))
+                               wrt=tuple(p.wrt), out=out, lse=lse)
         res = {}
         for name in ("dq", "dk", "dv"):
             x = getattr(g, name)

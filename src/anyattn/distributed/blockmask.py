@@ -15,7 +15,6 @@ block is skipped), ``FULL`` (every pair kept: called with no mask at all) or
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np

@@ -6,7 +6,7 @@ the transfer overlaps whatever the caller computes in between.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist

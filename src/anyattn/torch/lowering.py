@@ -20,9 +20,10 @@ __all__ = ["lower"]
 
 
 def _tensor(x, device) -> torch.Tensor:
-    """A NumPy array or tensor as a tensor on ``device`` (no copy when already there)."""
+    """A NumPy array as a tensor on ``device``; a tensor as it is (one on another device
+    than q is refused by the core inside the op, naming the mask term)."""
     if isinstance(x, torch.Tensor):
-        return x if x.device == device else x.to(device)
+        return x
     return torch.as_tensor(x, device=device)
 
 

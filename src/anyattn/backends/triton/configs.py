@@ -80,12 +80,14 @@ def autotune_enabled() -> bool:
 
 
 def fp32_precision(precision: str, dtype: str) -> str:
-    """tl.dot input_precision: 'tf32x3' (3xTF32, ~fp32 accurate) unless tf32 is opted in.
-    ANYATTN_TRITON_FP32_DOT=ieee switches the accurate mode to plain FMA."""
+    """The fp32 dot mode.  'highest': ANYATTN_TRITON_FP32_DOT, default 'tf32x3'
+    (3xTF32; 'bf16x6' = six bf16 split products, 'ieee' = FMA), all <= 1e-5;
+    'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default 'tf32' ('bf16x3' = three bf16
+    split products, ~1e-5)."""
     if dtype != "float32":
         return "tf32"   # ignored for 16-bit inputs
     if precision == "tf32":
-        return "tf32"
+        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "tf32")
     return os.environ.get("ANYATTN_TRITON_FP32_DOT", "tf32x3")
 
 
@@ -96,19 +98,22 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     if use_fixed():
         return fixed_plan(prec)
     wide = dtype == "float32"
+    # measured on the H200 (docs/perf/triton_h200.json, "tune"): bf16 S=4096 D=128 best
+    # fwd 128x128 w8 s3, dK/dV 64x128 w8 s3, dQ 128x64 w8 s3; D=64 fwd 64x64 w4 s3,
+    # dQ 128x64 w4 s3; fp32 (3xTF32) fwd 128x32 w4 s2, dK/dV 32x64 w4 s2, dQ 32x64 w4 s2.
     if dp <= 64:
         if wide:
-            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 64, 4, 2),
-                     dq=KernelConfig(64, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+            p = Plan(fwd=KernelConfig(128, 32, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
+                     dq=KernelConfig(32, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
         else:
-            p = Plan(fwd=KernelConfig(128, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
-                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(64, 64, 4, 2))
+            p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
+                     dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
     elif dp <= 128:
         if wide:
-            p = Plan(fwd=KernelConfig(64, 64, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
-                     dq=KernelConfig(64, 32, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+            p = Plan(fwd=KernelConfig(128, 32, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
+                     dq=KernelConfig(32, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
         else:
-            p = Plan(fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
+            p = Plan(fwd=KernelConfig(128, 128, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(64, 64, 4, 2))
     else:  # 256
         if wide:

@@ -34,12 +34,67 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 # ----------------------------------------------------------------------------- helpers
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    """a [M, K] @ b [K, N] with fp32 accumulation (PREC: fp32 input precision)."""
+def _dot16(a, b, acc):
+    """acc + a @ b for bf16 tiles (upcast under the interpreter, see _INTERPRETED)."""
     if _INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _split3(x):
+    """fp32 tile -> three bf16 tiles with x ~= hi + mid + lo (24 mantissa bits)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_bf16x6(a, b):
+    """fp32 a [M, K] @ b [K, N] to ~fp32 accuracy with six bf16 tensor-core products
+    (the terms below 2^-24 relative, mid*lo, lo*mid and lo*lo, are dropped)."""
+    ah, am, al = _split3(a)
+    bh, bm, bl = _split3(b)
+    acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
+    acc = _dot16(al, bh, acc)           # smallest terms first
+    acc = _dot16(ah, bl, acc)
+    acc = _dot16(am, bm, acc)
+    acc = _dot16(am, bh, acc)
+    acc = _dot16(ah, bm, acc)
+    acc = _dot16(ah, bh, acc)
+    return acc
+
+
+@triton.jit
+def _dot_bf16x3(a, b):
+    """fp32 a @ b to ~2^-16 relative with three bf16 products (hi*hi + hi*mid + mid*hi):
+    a faster, more accurate stand-in for single-pass TF32."""
+    ah, am, al = _split3(a)
+    bh, bm, bl = _split3(b)
+    acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
+    acc = _dot16(am, bh, acc)
+    acc = _dot16(ah, bm, acc)
+    acc = _dot16(ah, bh, acc)
+    return acc
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a [M, K] @ b [K, N] with fp32 accumulation.  PREC, for fp32 operands: 'tf32',
+    'tf32x3', 'ieee' (tl.dot's own), 'bf16x6' or 'bf16x3' (split products); ignored
+    for 16-bit operands."""
+    if PREC == "bf16x6" and a.dtype == tl.float32:
+        return _dot_bf16x6(a, b)
+    elif PREC == "bf16x3" and a.dtype == tl.float32:
+        return _dot_bf16x3(a, b)
+    else:
+        if _INTERPRETED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit

@@ -295,6 +295,49 @@ def _no_lists(device):
     return TileLists(z, z, z, z, z, z, z, z, 1, 1, 1, 1)
 
 
+# ----------------------------------------------------------------------------- launching
+_fallback_cache: Dict[tuple, C.KernelConfig] = {}
+
+
+def _fallbacks(cfg: C.KernelConfig):
+    """cfg, then cheaper variants (fewer stages, then smaller tiles) for when a config
+    needs more shared memory than the GPU has (e.g. mask sub-tiling at large D)."""
+    yield cfg
+    if cfg.num_stages > 2:
+        yield C.KernelConfig(cfg.bm, cfg.bn, cfg.num_warps, 2)
+    if cfg.num_stages > 1:
+        yield C.KernelConfig(cfg.bm, cfg.bn, cfg.num_warps, 1)
+    if cfg.bm > 16:
+        yield C.KernelConfig(cfg.bm // 2, cfg.bn, cfg.num_warps, 2)
+        yield C.KernelConfig(cfg.bm // 2, cfg.bn, cfg.num_warps, 1)
+    if cfg.bm > 16 and cfg.bn > 16:
+        yield C.KernelConfig(cfg.bm // 2, cfg.bn // 2, 4, 1)
+
+
+def _launch(kernel, grid_of, cfg: C.KernelConfig, args, kw, sig):
+    """kernel[grid_of(cfg)](*args, BM=, BN=, **kw) with the first config of
+    _fallbacks(cfg) that fits the GPU's resources (remembered per signature)."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), cfg, sig)
+    first = _fallback_cache.get(key)
+    tries = [first] if first is not None else list(_fallbacks(cfg))
+    err = None
+    for c in tries:
+        try:
+            kernel[grid_of(c)](*args, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
+                               num_stages=c.num_stages, **kw)
+            _fallback_cache[key] = c
+            return c
+        except OutOfResources as e:
+            err = e
+    raise err
+
+
+def _sig(**kw):
+    return tuple(sorted(kw.items()))
+
+
 # ----------------------------------------------------------------------------- plans
 def _plan(p, plan: Optional[C.Plan]) -> C.Plan:
     if plan is not None:
@@ -320,24 +363,18 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
     tlists = _lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
-    cfg = plan.fwd
-    grid = (triton.cdiv(Sq, cfg.bm), B * H)
-    _launch_fwd(grid, cfg, plan, p, q, k, v, out, lse, ma, tlists)
-    return out, lse
-
-
-def _launch_fwd(grid, cfg, plan, p, q, k, v, out, lse, ma, tlists):
-    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
-        K._fwd_kernel[grid](
-            q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
+    kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
+              MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
+              HAS_BIAS=ma.has_bias, PREC=plan.prec)
+    args = (q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.row_strides(),
-            p.heads_q, p.group, p.seq_q, p.seq_k, p.scale * K.LOG2E, ma.lo, ma.hi,
-            D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cfg.bm, BN=cfg.bn,
-            SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BAND=ma.has_band,
-            HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep, HAS_BIAS=ma.has_bias, PREC=plan.prec,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi)
+    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+        _launch(K._fwd_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.fwd, args, kw,
+                _sig(dt=str(q.dtype), **kw))
+    return out, lse
 
 
 class _nullctx:
@@ -378,15 +415,14 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
         if "k" in p.wrt or "v" in p.wrt:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
             dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
-            c = plan.dkdv
-            K._dkdv_kernel[(triton.cdiv(Sk, c.bn), B * Hkv)](
-                q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
-                tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
-                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(),
-                H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi,
-                BM=c.bm, BN=c.bn, SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
-                HAS_BIAS=ma.has_bias, num_warps=c.num_warps, num_stages=c.num_stages, **common)
+            args = (q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
+                    tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
+                    *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+                    *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(),
+                    H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
+            kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
+            _launch(K._dkdv_kernel, lambda c: (triton.cdiv(Sk, c.bn), B * Hkv), plan.dkdv,
+                    args, kw, _sig(dt=str(q.dtype), **kw))
             res["dk"], res["dv"] = dk, dv
         if full_bias:
             dbias = torch.zeros((B, H, Sq, Sk), dtype=bias.dtype, device=dev)
@@ -395,16 +431,15 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
             dbias, sdb = _dummy(dev, torch.float32), (0, 0, 0, 0)
         if "q" in p.wrt or full_bias:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
-            c = plan.dq
-            K._dq_kernel[(triton.cdiv(Sq, c.bm), B * H)](
-                q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-                tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
-                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
-                ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
-                H, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi,
-                BM=c.bm, BN=c.bn, SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
-                HAS_BIAS=ma.has_bias, WRITE_DB=full_bias, num_warps=c.num_warps,
-                num_stages=c.num_stages, **common)
+            args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                    tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+                    *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
+                    ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
+                    H, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
+            kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
+                      WRITE_DB=full_bias, **common)
+            _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq, args, kw,
+                    _sig(dt=str(q.dtype), **kw))
             res["dq"] = dq
         if full_bias:
             res["dbias"] = dbias
@@ -414,6 +449,8 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
 
 
 def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
+    from triton.runtime.errors import OutOfResources
+
     """dbias for a bias broadcast over some of [B, H, Sq, Sk]: one owner program per
     output tile sums dS over the broadcast dims (no atomics, no [B, H, Sq, Sk] scratch)."""
     B, H, Sq, Sk = p.batch, p.heads_q, p.seq_q, p.seq_k
@@ -423,15 +460,21 @@ def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
     c = plan.dbias
     dbias = torch.empty((bb, hb, mb, nb), dtype=bias.dtype, device=q.device)
     sdb = tuple(dbias.stride())
-    ni_out = 1 if red_m else triton.cdiv(Sq, c.bm)
-    nj_out = 1 if red_n else triton.cdiv(Sk, c.bn)
-    K._dbias_kernel[(ni_out * nj_out, bb * hb)](
-        q, k, v, dout, lse2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *ma.sb, *sdb,
-        ma.sqid_b, ma.skid_b, *ma.skm,
-        B, H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi, nj_out, hb,
-        D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=c.bm, BN=c.bn,
-        RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
-        HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep, PREC=plan.prec,
-        num_warps=c.num_warps, num_stages=c.num_stages)
-    return dbias
+    err = None
+    for cc in _fallbacks(c):   # the grid and NJ_OUT depend on the tile: no _launch here
+        ni_o = 1 if red_m else triton.cdiv(Sq, cc.bm)
+        nj_o = 1 if red_n else triton.cdiv(Sk, cc.bn)
+        try:
+            K._dbias_kernel[(ni_o * nj_o, bb * hb)](
+                q, k, v, dout, lse2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *ma.sb, *sdb,
+                ma.sqid_b, ma.skid_b, *ma.skm,
+                B, H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi, nj_o, hb,
+                D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
+                RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
+                HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
+                PREC=plan.prec, num_warps=cc.num_warps, num_stages=cc.num_stages)
+            return dbias
+        except OutOfResources as e:
+            err = e
+    raise err

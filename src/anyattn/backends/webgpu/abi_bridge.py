@@ -9,12 +9,17 @@ kinds 1-3 a row that keeps no key attends uniformly to all Sk keys.
 """
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
+
 import numpy as np
 
 from .engine import Operand
 from .uniforms import FLAGS
 
 __all__ = ["run_arena"]
+
+_COUNTER = itertools.count()
 
 
 def _check_buffer(run, buffer) -> None:
@@ -36,24 +41,48 @@ def _check_buffer(run, buffer) -> None:
                          f"binding of {lim} bytes")
 
 
-def run_arena(be, buffer, p) -> None:
-    from ...abi import bits_f32
+#: encoded launch plans of recent (arena, Params) pairs: a runtime calls the same
+#: launch again and again, so a repeat only re-submits (no uniform writes, no bind
+#: groups).  Each plan owns its scratch buffers and holds its arena (ids stay unique).
+_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MAX_PLANS = 8
 
+
+def run_arena(be, buffer, p) -> None:
     run = be._run()
     _check_buffer(run, buffer)
+    key = (id(buffer), buffer.size, p.pack(), be.loop_limit_override, be.config_override)
+    hit = _PLANS.get(key)
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        hit[1].submit()
+        be.last_pieces = dict(hit[2])
+        return
+    n = len(_PLANS)
+    prefix = f"abi{next(_COUNTER)}_"
+    plan, pieces = _build(be, run, buffer, p, prefix)
+    _PLANS[key] = (buffer, plan, pieces, prefix)
+    if n + 1 > _MAX_PLANS:
+        _, (_, _, _, old) = _PLANS.popitem(last=False)
+        run.release(old)
+    plan.submit()
+    be.last_pieces = dict(pieces)
+
+
+def _build(be, run, buffer, p, prefix):
+    from ...abi import bits_f32
     B, H, SQ, SK, D = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim
     wrt, kind = p.wrt, p.mask_kind
     R = SQ if wrt == 0 else SK
     numel = B * H * R * D
     if numel == 0:
-        return
+        return _Noop(), {}
     out_op = Operand(buffer, p.out_off, p.o_batch_stride, p.o_head_stride, p.o_seq_stride)
-    call = be._call((B, H, H, SQ, SK), D, "f32")
+    call = be._call((B, H, H, SQ, SK), D, "f32", uprefix=prefix + "u")
     if SQ == 0 or SK == 0:          # nothing attends: the seed's gradient is zero
-        zeros = run.upload("abi_zero", np.zeros(numel, np.float32))
+        zeros = run.upload(prefix + "zero", np.zeros(numel, np.float32))
         call.scatter(zeros, 0, buffer, R, out_op)
-        call.submit()
-        return
+        return call.freeze(), {}
     call.uni["scale"] = bits_f32(p.scale_bits)
     call.q = Operand(buffer, p.q_off, p.q_batch_stride, p.q_head_stride, p.q_seq_stride)
     call.g = Operand(buffer, p.dy_off, p.q_batch_stride, p.q_head_stride, p.q_seq_stride)
@@ -77,24 +106,28 @@ def run_arena(be, buffer, p) -> None:
         call.uni.update(bi_off=p.mask_off, **{"bi_" + k: v for k, v in mstr.items()})
     quirk = kind in (1, 2, 3)
     n = call.n
-    stats = run.buffer("abi_stats", 4 * 6 * n)
-    outb = run.buffer("abi_out", 4 * n * D)
+    stats = run.buffer(prefix + "stats", 4 * 6 * n)
+    outb = run.buffer(prefix + "out", 4 * n * D)
     call.forward(stats, outb)
     vm = None
     if quirk:
         call.flags |= FLAGS["QUIRK"]
-        vm = run.buffer("abi_vmean", 4 * B * H * D)
+        vm = run.buffer(prefix + "vmean", 4 * B * H * D)
         call.vmean(vm)
     call.delta(stats, Operand(outb, 0, H * SQ * D, SQ * D, D), vm)
     if wrt == 0:
-        res = run.buffer("abi_dq", 4 * n * D)
+        res = run.buffer(prefix + "dq", 4 * n * D)
         call.dq(stats, res)
         src_off = 0
     else:
         nkv = B * H * SK * D
-        res = run.buffer("abi_dkdv", 4 * 2 * nkv)
+        res = run.buffer(prefix + "dkdv", 4 * 2 * nkv)
         call.dkdv(stats, res, wrt == 1, wrt == 2)
         src_off = 0 if wrt == 1 else nkv
     call.scatter(res, src_off, buffer, R, out_op)
-    call.submit()
-    be.last_pieces = dict(call.pieces)
+    return call.freeze(), dict(call.pieces)
+
+
+class _Noop:
+    def submit(self, repeat: int = 1) -> None:
+        pass

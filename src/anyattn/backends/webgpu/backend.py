@@ -86,6 +86,7 @@ class WebGPUBackend(Backend):
 
         run = self._run()
         cfg = self.config_override or choose_config(run.ctx, D)
+        cfg.check()
         call = Call(run, cfg, *p_sizes, D, elem=elem, debug=self.debug_trips, uprefix=uprefix)
         if self.loop_limit_override is not None:
             call.limit = self.loop_limit_override

@@ -225,7 +225,7 @@ class Call:
         self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
 
     def delta(self, stats, out_op: Operand, vmean=None) -> None:
-        if self.limit is not None and self.D > self.limit:
+        if self.limit is not None and self.D + TileConfig.FIXED_TRIPS > self.limit:
             raise LoopLimitError(f"webgpu kernel 'delta': D={self.D} loop trips > {self.limit}")
         pipe = self.run.pipeline("delta", "delta", {}, self.elem)
         vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)

@@ -174,7 +174,8 @@ class PipelineCache:
 
         self._wgpu = wgpu
         self.device = device
-        self._pipes: Dict[str, object] = {}
+        self._pipes: Dict[str, object] = {}      # sha1(layout, source) -> pipeline
+        self._by_args: Dict[tuple, object] = {}  # (kernel, layout, consts, elem, debug) -> same
         self.layouts: Dict[str, object] = {}
         for name, kinds in LAYOUTS.items():
             entries = []
@@ -192,6 +193,10 @@ class PipelineCache:
 
     def get(self, kernel: str, layout: str, consts: Mapping[str, int], elem: str = "f32",
             debug: bool = False):
+        fast = (kernel, layout, tuple(sorted(consts.items())), elem, debug)
+        pipe = self._by_args.get(fast)
+        if pipe is not None:       # skip re-assembling the source on every launch
+            return pipe
         src = build_source(kernel, consts, elem, debug)
         key = hashlib.sha1((layout + "\0" + src).encode()).hexdigest()
         pipe = self._pipes.get(key)
@@ -205,4 +210,5 @@ class PipelineCache:
                 raise KernelError(f"webgpu kernel {kernel!r} ({elem}, {dict(consts)}) failed "
                                   f"to compile: {e}") from e
             self._pipes[key] = pipe
+        self._by_args[fast] = pipe
         return pipe
