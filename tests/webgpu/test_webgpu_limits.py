@@ -166,6 +166,8 @@ def test_uniform_overflow_raises():
 def test_tile_config_consistency():
     with pytest.raises(ValueError):
         TileConfig(16, 16, 16, 16, 2).check()      # update chunk does not fit the staging
+    with pytest.raises(ValueError):
+        TileConfig(16, 8, 16, 8, 1).check()        # the dK/dV pass needs TX == TY
     TileConfig(16, 16, 16, 8, 2).check()
 
 

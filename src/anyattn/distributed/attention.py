@@ -38,11 +38,6 @@ from .sharding import SHARDINGS, chunk_count
 
 __all__ = ["ring_attention"]
 
-#: backends whose backward recomputes the softmax from its own (block-local)
-#: keys instead of using the out/lse it is given: blockwise ring gradients
-#: would be wrong with them.  tests/distributed/test_units.py checks this list.
-RECOMPUTES_OUT_LSE: frozenset = frozenset()  # every backend honours given out/lse today
-
 _TAG_KV, _TAG_DKV = 0, 2
 
 
@@ -205,13 +200,7 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     # validate tensors, options and the backend once, before any work or communication
     probe = describe(q[:, :, :L], k[:, :, :L], v[:, :, :L], mask=None, scale=scale,
                      precision=precision)
-    be = choose(probe, backend)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if needs_grad and be.name in RECOMPUTES_OUT_LSE:
-        raise NotImplementedError(
-            f"backend={be.name!r}: its backward recomputes the softmax from the block's own "
-            "keys instead of using the given out/lse, so blockwise ring gradients would be "
-            "wrong; use backend='numpy' on CPU (or the default)")
+    choose(probe, backend)  # raises early if the backend cannot serve these blocks
     setup = _Setup(ring=ring, plan=RingPlan(gmask, ring.rank, N, S_loc, sharding),
                    scale=scale, backend=backend, precision=precision)
     out, lse = _RingAttention.apply(q, k, v, setup)
