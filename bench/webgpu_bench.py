@@ -18,7 +18,6 @@ import json
 import math
 import os
 import platform
-import struct
 import sys
 import time
 import traceback
@@ -251,7 +250,6 @@ def bench_seed_and_abi(be, seed_src, sizes, seed_max_s=512):
         # anyattn ABI path: three backward_arena calls (dQ, dK, dV)
         for buf, p, _ in bufs:
             abi.attention_backward_arena(buf, p)
-        be.run_wait = None
         wait = lambda: dev.queue.read_buffer(bufs[0][0], 0, 4)  # noqa: E731
         wait()
         errs = []
@@ -387,6 +385,64 @@ def bench_cpu(be):
         log(f"cpu {name}: fwd+bwd {tb*1e3:.1f} ms ({rec['fwdbwd_gflops']:.2f} GFLOP/s), fwd {tf*1e3:.1f} ms")
 
 
+_PROBE = """
+@group(0) @binding(0) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> k: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> o: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  var qr: array<vec4<f32>, 16>;
+  for (var d = 0u; d < 16u; d++) { qr[d] = q[i * 16u + d]; }
+  var acc = 0.0;
+  for (var j = 0u; j < 256u; j++) {
+    var s = vec4<f32>(0.0);
+    for (var d = 0u; d < 16u; d++) { s += qr[d] * k[j * 16u + d]; }
+    acc += exp(dot(s, vec4<f32>(1.0)) * 0.01);
+  }
+  o[i] = acc;
+}"""
+
+
+def probe_ceiling(be):
+    """The simplest attention-like inner loop (one row per invocation, q in registers,
+    k addresses uniform across lanes, no barriers): what this adapter gives at best."""
+    import wgpu
+
+    dev = be.device
+    mod = dev.create_shader_module(code=_PROBE)
+    pipe = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
+    N = 2048
+    rng = np.random.default_rng(5)
+    qb = dev.create_buffer_with_data(data=rng.random(N * 64, dtype=np.float32),
+                                     usage=wgpu.BufferUsage.STORAGE)
+    kb = dev.create_buffer_with_data(data=rng.random(256 * 64, dtype=np.float32),
+                                     usage=wgpu.BufferUsage.STORAGE)
+    ob = dev.create_buffer(size=N * 4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+        {"binding": i, "resource": {"buffer": b}} for i, b in enumerate((qb, kb, ob))])
+
+    def run():
+        enc = dev.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(N // 64)
+        cp.end()
+        dev.queue.submit([enc.finish()])
+        dev.queue.read_buffer(ob, 0, 4)
+
+    run()
+    t = time.perf_counter()
+    for _ in range(5):
+        run()
+    dt = (time.perf_counter() - t) / 5
+    gf = 2 * N * 256 * 64 / dt / 1e9
+    RESULTS["timings"].append(dict(impl="probe-gemv-uniform-k", device=be.context.name,
+                                   ms=dt * 1e3, gflops=gf))
+    log(f"probe (register-resident row dot products, no barriers): {gf:.2f} GFLOP/s")
+
+
 # ------------------------------------------------------------------ plot
 def plot(json_path, png_path):
     import matplotlib
@@ -433,6 +489,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "perf")))
     ap.add_argument("--small", action="store_true", help="tiny sizes (a smoke test on lavapipe)")
     ap.add_argument("--plot", help="only render the PNG from a results JSON")
+    ap.add_argument("--quick", action="store_true",
+                    help="GPU: two large checks, no triton, fewer sizes (a re-run after a change)")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
     if a.plot:
@@ -472,21 +530,24 @@ def main():
         if ctx.has_f16:
             guarded("webgpu small f16", bench_webgpu, be, 1, 2, 128, 64, "float16")
         guarded("cpu", bench_cpu, be)
+        guarded("probe", probe_ceiling, be)
     else:
         # correctness at large sizes
-        for args, kw in [
+        cases = [
             (("S8192-D64-causal", 1, 2, 2, 8192, 8192, 64), dict(causal=True)),
             (("S8192-D64", 1, 1, 1, 8192, 8192, 64), {}),
             (("S4096-D128-gqa", 1, 4, 2, 4096, 4096, 128), {}),
             (("S2048-D256-causal", 1, 2, 1, 2048, 2048, 256), dict(causal=True)),
             (("S1000x3001-D160", 2, 2, 2, 1000, 3001, 160), {}),
             (("S1024-bias-1hqk", 2, 4, 4, 1024, 1024, 64), dict(bias_shape=(1, 4, 1024, 1024))),
-        ]:
+        ]
+        for args, kw in (cases[:2] + cases[-1:] if a.quick else cases):
             guarded("check " + args[0], check_case, be, *args, **kw)
         log(f"checks done at {time.time() - t0:.1f}s")
-        guarded("abi+seed", bench_seed_and_abi, be, seed_src, (128, 256, 512, 2048, 8192))
+        guarded("abi+seed", bench_seed_and_abi, be, seed_src, (128, 256, 512, 2048))
+        sizes = (512, 4096) if a.quick else (512, 1024, 4096)
         log(f"seed done at {time.time() - t0:.1f}s")
-        for S in (512, 1024, 4096):
+        for S in sizes:
             for D in (64, 128):
                 guarded("webgpu", bench_webgpu, be, 1, 8, S, D)
                 if ctx.has_f16:
@@ -501,18 +562,21 @@ def main():
                 guarded("webgpu cfg", bench_webgpu, be, 1, 8, 4096, D, cfg=cfg, tag="-cfg")
         guarded("api", bench_api, 1, 8, 512, 64)
         log(f"webgpu timings done at {time.time() - t0:.1f}s")
-        for S in (512, 1024, 4096):
+        for S in sizes:
             for D in (64, 128):
                 guarded("sdpa", bench_sdpa, 1, 8, S, D)
         tri = unavailable_reason("triton")
-        if tri is None:
+        if a.quick:
+            RESULTS["errors"].append("--quick: anyattn-triton not timed in this run")
+        elif tri is None:
             for S in (512, 4096):
                 for D in (64, 128):
                     guarded("triton", bench_triton, 1, 8, S, D)
         else:
             RESULTS["errors"].append(f"anyattn-triton not timed: {tri}")
     RESULTS["total_seconds"] = time.time() - t0
-    name = "webgpu_bench_small.json" if (a.small or not gpu) else "webgpu_bench_h200.json"
+    name = "webgpu_bench_small.json" if (a.small or not gpu) else \
+        ("webgpu_bench_h200_quick.json" if a.quick else "webgpu_bench_h200.json")
     (out / name).write_text(json.dumps(RESULTS, indent=1))
     log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")
 

@@ -66,3 +66,22 @@ def test_sdpa_drop_in_compiles_fullgraph():
     got = torch.compile(f, fullgraph=True)(q, k, v, m)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_dynamic_shapes_bottom_right_band():
+    """With dynamic shapes the band offset Sk - Sq is a SymInt argument of the op."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return at.attention(q, k, v, mask=Causal("bottom_right"))
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True)
+    for sq, sk in ((5, 9), (7, 12)):
+        q = torch.randn(1, 2, sq, 8, requires_grad=True)
+        k, v = torch.randn(1, 2, sk, 8), torch.randn(1, 2, sk, 8)
+        got = cf(q, k, v)
+        want = f(q, k, v)
+        assert torch.allclose(got, want, atol=1e-6)
+        (g1,) = torch.autograd.grad(got.sum(), q)
+        (g2,) = torch.autograd.grad(want.sum(), q)
+        assert torch.allclose(g1, g2, atol=1e-5)

@@ -345,3 +345,53 @@ def test_gpu_head_dims_and_bias():
         q, k, v, g = make_qkv(rng, 1, 2, 1, 300, 257, D)
         bias = rng.standard_normal((1, 2, 300, 257)).astype(np.float32)
         check(q, k, v, g, bias=bias, wrt=("q", "k", "v", "bias"), mask=aa.Causal())
+
+
+# ----------------------------------------------------------------------------- configs
+def test_configs_plans_and_tuner():
+    from anyattn.backends.triton import configs as C
+    from anyattn.backends.triton.launch import _fallbacks
+
+    for dp in (16, 64, 128, 256):
+        for dt in ("bfloat16", "float16", "float32"):
+            p = C.plan_for(dp, dt, "highest", "none", False, 4096)   # fixed under the interpreter
+            for c in (p.fwd, p.dq, p.dkdv):
+                assert p.sbq % c.bm == 0 and p.sbk % c.bn == 0
+    assert C.fp32_precision("highest", "float32") in ("bf16x6", "tf32x3", "ieee")
+    assert C.fp32_precision("tf32", "float32") in ("tf32", "bf16x3")
+    # every fallback keeps tiles that divide the mask block (128)
+    for c in _fallbacks(C.KernelConfig(128, 64, 8, 3)):
+        assert 128 % c.bm == 0 and 128 % c.bn == 0 and c.num_stages >= 1
+    # the tuner picks the fastest runnable candidate once and caches it
+    cands = [C.KernelConfig(64, 64), C.KernelConfig(128, 64), C.KernelConfig(32, 32)]
+    times = {64: 2.0, 128: 1.0, 32: 0.5}
+    calls = []
+
+    def run(c):
+        if c.bm == 32:
+            def boom():
+                raise RuntimeError("out of resources")
+            return boom
+        return lambda: calls.append(c)
+
+    best = C.tune(("test", 1), cands, run, timer=lambda fn: times[calls[-1].bm])
+    assert best == C.KernelConfig(128, 64)
+    assert C.tune(("test", 1), cands, run, timer=None) == best      # cached: no timing
+
+
+def test_import_is_lazy_and_strided_views_are_not_copied():
+    import subprocess
+    import sys
+
+    code = ("import sys, anyattn; from anyattn.backends.registry import get_backend; "
+            "get_backend('triton'); print('triton' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.stdout.strip() == "False", r.stderr
+    from anyattn.backends.triton.launch import _unit_last
+
+    arena = torch.zeros(4 * 3 * 10 * 8 * 2)                  # a float32 arena
+    view = arena.as_strided((4, 3, 10, 8), (480, 160, 16, 1))  # strided, last stride 1
+    assert _unit_last(view) is view                          # read in place, no copy
+    odd = arena.as_strided((4, 3, 10, 8), (480, 160, 16, 2))
+    assert _unit_last(odd).stride(-1) == 1                   # copied once

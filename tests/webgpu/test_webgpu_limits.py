@@ -84,7 +84,6 @@ def test_real_llvmpipe_limit_splits_and_is_right(be):
     r = np.random.default_rng(3)
     Sq, Sk, D = 4, 22000, 256
     q, k, v = (r.standard_normal((1, 1, s, D)).astype(np.float32) for s in (Sq, Sk, Sk))
-    cfg = be.config_override or None
     out = aa.attention(q, k, v, backend="webgpu")
     assert be.last_pieces["forward"] >= 2
     ro, _ = R.forward(q, k, v)

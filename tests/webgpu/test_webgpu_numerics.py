@@ -126,6 +126,17 @@ def test_strided_views(be):
     run_both(q, k, v, g, mask=aa.Causal())
 
 
+def test_broadcast_views(be):
+    """Stride-0 views: k/v broadcast over batch (read in place), q broadcast along D (copied)."""
+    r = np.random.default_rng(12)
+    k1 = r.standard_normal((1, 2, 19, 8)).astype(np.float32)
+    k = np.broadcast_to(k1, (3, 2, 19, 8))
+    v = np.broadcast_to(r.standard_normal((1, 2, 19, 8)).astype(np.float32), (3, 2, 19, 8))
+    q = np.broadcast_to(r.standard_normal((3, 2, 11, 1)).astype(np.float32), (3, 2, 11, 8))
+    g = r.standard_normal((3, 2, 11, 8)).astype(np.float32)
+    run_both(q, k, v, g)
+
+
 def test_wrt_subsets(be):
     r = np.random.default_rng(7)
     q, k, v, g = make_qkv(r, 1, 2, 1, 11, 13, 8)

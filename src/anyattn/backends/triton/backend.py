@@ -56,6 +56,10 @@ class TritonBackend(Backend):
         self._why = None
         return None
 
+    def auto_eligible(self) -> bool:
+        """The interpreter is for tests: automatic dispatch never picks it for CPU tensors."""
+        return not _interpreting()
+
     def describe_device(self) -> str:
         import torch
 

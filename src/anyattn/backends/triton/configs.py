@@ -80,15 +80,17 @@ def autotune_enabled() -> bool:
 
 
 def fp32_precision(precision: str, dtype: str) -> str:
-    """The fp32 dot mode.  'highest': ANYATTN_TRITON_FP32_DOT, default 'tf32x3'
-    (3xTF32; 'bf16x6' = six bf16 split products, 'ieee' = FMA), all <= 1e-5;
-    'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default 'tf32' ('bf16x3' = three bf16
-    split products, ~1e-5)."""
+    """The fp32 dot mode.  'highest': ANYATTN_TRITON_FP32_DOT, default 'bf16x6' (six bf16
+    split products; on the H200 1.3x faster than Triton's 'tf32x3', docs/perf/LOG.md),
+    'tf32x3' (3xTF32) or 'ieee' (FMA; its forward ran 27x slower than tf32x3), all <= 1e-5;
+    'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default 'bf16x3' (three bf16 split products,
+    ~1e-4 at S=512), since single-pass 'tf32' measured 3.4e-3 relative error at S=8192 on
+    the H200, over the ~3e-4 that precision='tf32' promises."""
     if dtype != "float32":
         return "tf32"   # ignored for 16-bit inputs
     if precision == "tf32":
-        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "tf32")
-    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "tf32x3")
+        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "bf16x3")
+    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "bf16x6")
 
 
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
@@ -163,19 +165,25 @@ _tuned: Dict[tuple, KernelConfig] = {}
 
 
 def tune(key: tuple, cands: Sequence[KernelConfig],
-         run: Callable[[KernelConfig], Callable[[], None]]) -> KernelConfig:
+         run: Callable[[KernelConfig], Callable[[], None]],
+         timer: Optional[Callable[[Callable[[], None]], float]] = None) -> KernelConfig:
     """The fastest config of ``cands`` for ``key`` (timed once, then cached).
-    ``run(cfg)`` returns a zero-argument launch; configs that fail to compile are skipped."""
+    ``run(cfg)`` returns a zero-argument launch; configs that fail (e.g. out of shared
+    memory) are skipped.  ``timer(fn) -> ms`` defaults to triton.testing.do_bench."""
     if key in _tuned:
         return _tuned[key]
-    import triton.testing
+    if timer is None:
+        import triton.testing
+
+        def timer(fn):
+            return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
     best, best_t = None, float("inf")
     for c in cands:
         try:
             fn = run(c)
             fn()
-            t = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+            t = timer(fn)
         except Exception:  # noqa: BLE001 - out of resources etc.: not a candidate
             continue
         if t < best_t:

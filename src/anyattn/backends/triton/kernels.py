@@ -19,6 +19,11 @@ modes (constexpr ``MODE``):
      once per mask on the GPU (launch.py); full blocks load no mask.
 No kernel uses atomics: every output element has one owner program, so
 results are bitwise repeatable.
+
+fp16 / bf16 tiles multiply on tensor cores with fp32 accumulation.  fp32 tiles go
+through ``_dot`` with PREC: 'bf16x6' (six bf16 split products, ~fp32 accurate, the
+"highest" default), 'bf16x3' (the tf32 opt-in default), or tl.dot's own 'tf32',
+'tf32x3', 'ieee'.
 """
 import os
 

@@ -4,8 +4,15 @@ Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
 queries / keys, D head dim, nQ / nK mask blocks along queries / keys.
 
 Inputs may have any strides; a tensor whose last dim is not contiguous is copied
-once (the kernels assume unit stride along D), every other layout is read in
-place.  Outputs are fresh contiguous [B, H, S, D] tensors.
+once (the kernels assume unit stride along D), every other layout (including
+strided float32 views into an ABI arena) is read in place.  Outputs are fresh
+contiguous [B, H, S, D] tensors.
+
+Every launch goes through ``_launch``: a config that needs more shared memory than
+the GPU has falls back to fewer stages / smaller tiles (remembered per kernel
+signature); with ANYATTN_TRITON_AUTOTUNE=1 the candidates of configs.py are timed
+once per key.  Documents / KeepMask problems use tile lists built on the GPU once per
+mask and cached on the mask tensors' identity and version counter.
 """
 from __future__ import annotations
 
@@ -314,12 +321,26 @@ def _fallbacks(cfg: C.KernelConfig):
         yield C.KernelConfig(cfg.bm // 2, cfg.bn // 2, 4, 1)
 
 
-def _launch(kernel, grid_of, cfg: C.KernelConfig, args, kw, sig):
+def _launch(kernel, grid_of, cfg: C.KernelConfig, args, kw, sig, tune_key=None):
     """kernel[grid_of(cfg)](*args, BM=, BN=, **kw) with the first config of
-    _fallbacks(cfg) that fits the GPU's resources (remembered per signature)."""
+    _fallbacks(cfg) that fits the GPU's resources (remembered per signature).
+    With ANYATTN_TRITON_AUTOTUNE=1 and a ``tune_key`` (kernel, DP, dtype, precision, mask
+    class, bias, length bucket), the candidates of configs.candidates are timed once
+    on these inputs and the fastest is used from then on."""
     from triton.runtime.errors import OutOfResources
 
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), cfg, sig)
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
+    if tune_key is not None and C.autotune_enabled():
+        sbq, sbk = kw.get("SBQ", 128), kw.get("SBK", 128)
+        cands = [cfg] + [c for c in C.candidates(tune_key[0], kw["DP"], tune_key[2])
+                         if sbq % c.bm == 0 and sbk % c.bn == 0 and c != cfg]
+
+        def run(c):
+            return lambda: kernel[grid_of(c)](*args, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
+                                              num_stages=c.num_stages, **kw)
+
+        cfg = C.tune(tune_key + (sig,), cands, run)
+    key = (name, cfg, sig)
     first = _fallback_cache.get(key)
     tries = [first] if first is not None else list(_fallbacks(cfg))
     err = None
@@ -332,6 +353,11 @@ def _launch(kernel, grid_of, cfg: C.KernelConfig, args, kw, sig):
         except OutOfResources as e:
             err = e
     raise err
+
+
+def _tune_key(kernel: str, p, plan) -> tuple:
+    return (kernel, C.padded_dim(p.head_dim), p.dtype, plan.prec, p.mask_class, p.has_bias,
+            C.length_bucket(max(p.seq_q, p.seq_k)))
 
 
 def _sig(**kw):
@@ -373,7 +399,7 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
             H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi)
     with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
         _launch(K._fwd_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.fwd, args, kw,
-                _sig(dt=str(q.dtype), **kw))
+                _sig(dt=str(q.dtype), **kw), _tune_key("fwd", p, plan))
     return out, lse
 
 
@@ -422,7 +448,7 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
                     H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
             kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
             _launch(K._dkdv_kernel, lambda c: (triton.cdiv(Sk, c.bn), B * Hkv), plan.dkdv,
-                    args, kw, _sig(dt=str(q.dtype), **kw))
+                    args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
             res["dk"], res["dv"] = dk, dv
         if full_bias:
             dbias = torch.zeros((B, H, Sq, Sk), dtype=bias.dtype, device=dev)
@@ -439,7 +465,7 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
             kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
                       WRITE_DB=full_bias, **common)
             _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq, args, kw,
-                    _sig(dt=str(q.dtype), **kw))
+                    _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
             res["dq"] = dq
         if full_bias:
             res["dbias"] = dbias

@@ -10,7 +10,6 @@ bitwise equal.  ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 """
 from __future__ import annotations
 
-import math
 import threading
 from typing import Dict, List, Optional
 

@@ -71,6 +71,12 @@ def _pick_adapter(wgpu):
         if a is None:
             raise RuntimeError("wgpu found no adapter (no Vulkan/Metal/DX12 driver; on Linux "
                                "install mesa-vulkan-drivers libvulkan1 for lavapipe)")
+        if "opengl" in str(a.info.get("backend_type", "")).lower():
+            # the GL backend's compute path is the least capable: take a native one if any
+            native = [b for b in wgpu.gpu.enumerate_adapters_sync()
+                      if "opengl" not in str(b.info.get("backend_type", "")).lower()]
+            if native:
+                return native[0]
         return a
     adapters = wgpu.gpu.enumerate_adapters_sync()
     for a in adapters:

@@ -45,7 +45,7 @@ def upload_view(run: Runner, role: str, x: np.ndarray, np_dtype) -> Operand:
         x = x.astype(np_dtype)
     it = x.itemsize
     st = [s if n > 1 else 0 for n, s in zip(x.shape, x.strides)]
-    if x.size and (st[3] in (0, it) or x.shape[3] == 1) and all(s >= 0 and s % it == 0 for s in st):
+    if x.size and (st[3] == it or x.shape[3] == 1) and all(s >= 0 and s % it == 0 for s in st):
         span = 1 + sum((n - 1) * (s // it) for n, s in zip(x.shape, st))
         if span <= 2 * x.size + 4096:
             flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(it,))
@@ -103,6 +103,7 @@ class Call:
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
         self.clears: List[object] = []
+        self.pieces: Dict[str, int] = {}     # kernel -> launches it was split into
 
     # ------------------------------------------------------------------ setup
     def set_scale(self, scale: float) -> None:
@@ -153,7 +154,9 @@ class Call:
         if use_tilemap and not rmask.is_empty_mask:
             tm = np.asarray(rmask.tile_map(self.cfg.BQ, self.cfg.BK))
             Bm, Hm, nq, nk = tm.shape
-            assert (nq, nk) == (self.nqt, self.nkt)
+            if (nq, nk) != (self.nqt, self.nkt):
+                raise RuntimeError(f"tile map {tm.shape} does not match the {self.nqt}x{self.nkt} "
+                                   "tiles of this launch")
             self.flags |= F["TILEMAP"]
             self.uni.update(tm_off=put(tm.astype(np.uint32)), tm_sb=(Hm * nq * nk) if Bm > 1 else 0,
                             tm_sh=(nq * nk) if Hm > 1 else 0)
@@ -204,7 +207,6 @@ class Call:
             self.trip_count = n_inv
         base = dict(self._operands())
         base.update(extra or {})
-        self.pieces = getattr(self, "pieces", {})
         self.pieces[kernel] = len(pieces)
         for a, b_ in self.run.bh_chunks(n_bh):
             for idx, (t0, t1) in enumerate(pieces):

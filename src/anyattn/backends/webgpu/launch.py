@@ -10,7 +10,6 @@ what one launch would, in the same order.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -161,7 +160,6 @@ class Launch:
     grid: Tuple[int, int, int]
 
 
-_STORAGE = None
 
 
 class Runner:
