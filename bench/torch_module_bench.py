@@ -17,7 +17,8 @@ FlashAttention convention: fwd 4*B*H*S*S*D, bwd 2.5x fwd, causal halves both; th
 step is fwd + bwd = 3.5x.  It also checks the module's output and gradients against
 torch's SDPA before timing.  Results as JSON (and a PNG with --png).
 
-    PYTHONPATH=src python bench/torch_module_bench.py --device cpu --out docs/perf/torch-module-cpu-<date>.json --png docs/perf/torch-module-cpu-<date>.png
+    PYTHONPATH=src python bench/torch_module_bench.py --device cpu --threads 1 \
+        --out docs/perf/torch-module-cpu-<date>.json --png docs/perf/torch-module-cpu-<date>.png
 """
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def run(args, on_row=lambda rows: None):
                     row[f"{name}_n"] = len(ts)
                     row[f"{name}_tflops"] = flops / med / 1e12
                 for tag, key in (("", "ms"), ("_min", "min_ms")):
-                    row[f"overhead_vs_kernel{tag}"] = row[f"module_{key}"] / row[f"kernel_{key}"] - 1
+                    row[f"overhead_vs_kernel{tag}"] = (row[f"module_{key}"]
+                                                       / row[f"kernel_{key}"] - 1)
                     row[f"overhead_vs_api{tag}"] = row[f"module_{key}"] / row[f"api_{key}"] - 1
                     row[f"overhead_nocheck_vs_kernel{tag}"] = (row[f"module_nocheck_{key}"]
                                                                / row[f"kernel_{key}"] - 1)

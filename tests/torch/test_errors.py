@@ -20,6 +20,9 @@ BAD = {
     "heads": (ValueError, "k", lambda: at.attention(q0, k0[:, :1].expand(2, 3, 11, 8), v0[:, :1]
                                                     .expand(2, 3, 11, 8))),
     "three_dims": (ValueError, "q", lambda: at.attention(q0[0], k0[0], v0[0])),
+    "two_dims_bshd": (ValueError, "q", lambda: at.attention(q0[0, 0], k0[0, 0], v0[0, 0],
+                                                            layout="bshd")),
+    "backend_type": (TypeError, "backend", lambda: at.attention(q0, k0, v0, backend=5)),
     "bias_shape": (ValueError, "bias", lambda: at.attention(q0, k0, v0, bias=torch.randn(9, 9))),
     "bias_integer": (TypeError, "bias", lambda: at.attention(
         q0, k0, v0, bias=torch.ones(9, 11, dtype=torch.int64))),
@@ -41,6 +44,11 @@ BAD = {
     "precision": (ValueError, "precision", lambda: at.attention(q0, k0, v0, precision="low")),
     "scale": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="x")),
     "meta_device": (ValueError, "k", lambda: at.attention(q0, k0.to("meta"), v0)),
+    "keep_device": (ValueError, "mask", lambda: at.attention(
+        q0, k0, v0, mask=KeepMask(torch.ones(9, 11, dtype=torch.bool, device="meta")))),
+    "ids_device": (ValueError, "mask", lambda: at.attention(q0, k0, v0, mask=Documents(
+        torch.zeros(9, dtype=torch.long, device="meta"),
+        torch.zeros(11, dtype=torch.long, device="meta")))),
 }
 
 

@@ -103,6 +103,32 @@ def test_buffer_too_large_raises_before_work(be, monkeypatch):
     q, k, v, _ = make_qkv(np.random.default_rng(4), 1, 2, 2, 64, 64, 16)
     with pytest.raises(ValueError, match="max storage binding"):
         aa.attention(q, k, v, backend="webgpu")
+    with pytest.raises(ValueError, match="max storage binding"):
+        run.buffer("big", 4096)
+
+
+def test_batches_split_at_the_binding_limit(be, monkeypatch):
+    """Buffers past the storage-binding limit: the batch is split, results as one call."""
+    r = np.random.default_rng(13)
+    B, Hq, Hkv, Sq, Sk, D = 5, 2, 1, 19, 23, 16
+    q, k, v, g = make_qkv(r, B, Hq, Hkv, Sq, Sk, D)
+    bias = r.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    keep = r.random((B, 1, Sq, Sk)) < 0.7
+    mask = aa.KeepMask(keep) & aa.Causal("bottom_right")
+    kw = dict(mask=mask, bias=bias)
+    wrt = ("q", "k", "v", "bias")
+    o1 = aa.attention(q, k, v, backend="webgpu", **kw)
+    g1 = aa.attention_backward(q, k, v, g, wrt=wrt, backend="webgpu", **kw)
+    monkeypatch.setattr(be._run(), "max_binding", 2 * 4 * 6 * Hq * Sq + 4 * Hq * Sq * Sk)
+    o2 = aa.attention(q, k, v, backend="webgpu", **kw)
+    assert be.last_pieces.get("batch_chunks", 1) > 1
+    g2 = aa.attention_backward(q, k, v, g, wrt=wrt, backend="webgpu", **kw)
+    assert be.last_pieces.get("batch_chunks", 1) > 1
+    np.testing.assert_array_equal(o1, o2)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(g1, n), getattr(g2, n))
+    rg = R.backward(q, k, v, g, wrt=wrt, **kw)
+    assert_close(g2.dbias, rg.dbias, "float32", "dbias")
 
 
 def test_dispatch_limit(be, monkeypatch):

@@ -25,7 +25,8 @@ _default_backend: Optional[str] = None
 
 @contextlib.contextmanager
 def use_backend(name: Optional[str]) -> Iterator[None]:
-    """Within the block, calls that pass no ``backend=`` (SDPA drop-in, transformers) use ``name``."""
+    """Within the block, calls that pass no ``backend=`` use ``name`` (the SDPA drop-in
+    and the transformers backend have no backend argument of their own)."""
     global _default_backend
     if name is not None and not isinstance(name, str):
         raise TypeError(f"use_backend: expected a backend name or None, got {type(name).__name__}")
@@ -50,15 +51,15 @@ def _needs_precheck(q, k, v, bias) -> bool:
     """True when the op could not validate the call itself (or would do so too late).
 
     The op runs the core API, which validates everything before any work with the
-    same messages; the wrapper re-checks up front only where that is not enough:
-    inputs that are not 4-D (the wrapper unpacks shapes), tensors on different or
+    same messages; the wrapper re-checks up front only where that is not enough
+    (besides inputs that are not 4-D, checked first): tensors on different or
     meta devices (the dispatcher would pick one device's kernel, or the fake one),
     and a bias that asks for its gradient (a backend without dbias must refuse now,
     not in ``loss.backward()``).  Skipping the full check elsewhere saves ~20 us of
     Python per call (measured: bench/torch_module_bench.py).
     """
     dev = q.device
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or dev.type == "meta":
+    if dev.type == "meta":
         return True
     if k.device != dev or v.device != dev:
         return True
@@ -99,6 +100,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     api._check_layout(layout)
     if backend is None:
         backend = _default_backend
+    for name, val in (("backend", backend), ("precision", precision)):
+        if val is not None and not isinstance(val, str):
+            raise TypeError(f"{name}: expected a name (str) or None, got {type(val).__name__}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:  # raises, naming the argument
+        _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset)
     qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
     if not torch.compiler.is_compiling() and _needs_precheck(qb, kb, vb, bias):
         _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset)
@@ -106,6 +112,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     Sk = kb.shape[2]
     band_lo, band_hi, q_ids, k_ids, keep = lower(mask, B, Hq, Sq, Sk, q_offset, k_offset,
                                                  device=qb.device)
+    for term, t in (("KeepMask", keep), ("Documents", q_ids), ("Documents", k_ids)):
+        if t is not None and t.device != qb.device:
+            raise ValueError(f"mask: the {term} tensor is on {t.device} but q is on "
+                             f"{qb.device}; move it with .to(q.device)")
     if scale is None:
         scale = D ** -0.5
     try:
@@ -113,7 +123,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     except (TypeError, ValueError):
         raise TypeError(f"scale: expected a float (default 1/sqrt(D)), got "
                         f"{type(scale).__name__}") from None
-    out, lse = ops.attention_fwd(qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi,
-                                 scale, backend, precision)
+    out, lse = ops.attention_with_grad(qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi,
+                                       scale, backend, precision)
     out = _bhsd(out, layout)
     return (out, lse) if return_lse else out

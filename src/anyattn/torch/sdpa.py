@@ -145,7 +145,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention``, computed by anyattn (see module doc)."""
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by anyattn (module doc)."""
     _check_args(query, key, value, attn_mask, dropout_p, scale)
     _heads(query, key, value, enable_gqa)
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]

@@ -10,6 +10,7 @@ bitwise equal.  ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Dict, List, Optional
 
@@ -24,12 +25,22 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _ELEM = {"float32": "f32", "float16": "f16"}
 
 
+_CAPS = Capabilities(
+    array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+    dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
+    max_head_dim=None)
+
+
 class WebGPUBackend(Backend):
     name = "webgpu"
-    capabilities = Capabilities(
-        array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
-        dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-        max_head_dim=None)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """On a CPU adapter (lavapipe) auto-dispatch passes this backend over: it runs
+        there at ~1-2 GFLOP/s, far behind the NumPy backend (backend='webgpu' still works)."""
+        if self.availability() is None and self.context.is_cpu:
+            return dataclasses.replace(_CAPS, auto=False)
+        return _CAPS
 
     def __init__(self):
         self._runner = None
@@ -130,7 +141,58 @@ class WebGPUBackend(Backend):
             return out.astype(_NP[p.dtype], copy=False), lse
         return call, read
 
+    # ------------------------------------------------- batch chunks (binding limit)
+    def _batch_chunks(self, p: Problem, backward: bool):
+        """Batch ranges whose buffers all fit the adapter's storage-binding limit."""
+        run = self._run()
+        it = np.dtype(_NP.get(p.dtype, np.float32)).itemsize
+        Hq, Hk, Sq, Sk, D = p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+        per_b = {"q": Hq * Sq * D * it, "k/v": Hk * Sk * D * it, "out": 4 * Hq * Sq * D,
+                 "stats": 4 * 6 * Hq * Sq}
+        if backward:
+            per_b["dkdv"] = 4 * 2 * Hk * Sk * D
+            if "bias" in p.wrt:
+                per_b["ds"] = 4 * Hq * Sq * Sk
+        if p.bias_shape is not None and p.bias_shape[0] > 1:
+            per_b["bias"] = 4 * int(np.prod(p.bias_shape[1:]))
+        role, worst = max(per_b.items(), key=lambda kv: kv[1])
+        lim = min(run.max_binding, run.max_buffer)
+        if worst > lim:
+            raise ValueError(f"webgpu: one batch of the {role} buffer needs {worst} bytes, past "
+                             f"this adapter's max storage binding of {lim} bytes "
+                             f"({run.ctx.name}); shorten the sequence or use another backend")
+        nb = max(1, lim // worst)
+        return [(b0, min(p.batch, b0 + nb)) for b0 in range(0, p.batch, nb)]
+
+    @staticmethod
+    def _sub(p: Problem, b0: int, b1: int):
+        """The problem restricted to batches [b0, b1) (mask and bias sliced where they vary)."""
+        import dataclasses
+
+        from ...masks import ResolvedMask
+
+        def sl(x):
+            return None if x is None else (x if x.shape[0] == 1 else x[b0:b1])
+        m = p.mask
+        sm = ResolvedMask(sq=m.sq, sk=m.sk, band_lo=m.band_lo, band_hi=m.band_hi,
+                          q_ids=sl(m.q_ids), k_ids=sl(m.k_ids), keep=sl(m.keep))
+        bs = p.bias_shape
+        if bs is not None and bs[0] > 1:
+            bs = (b1 - b0,) + tuple(bs[1:])
+        return dataclasses.replace(p, batch=b1 - b0, mask=sm, bias_shape=bs), sl
+
     def forward(self, p: Problem, q, k, v, bias):
+        chunks = self._batch_chunks(p, backward=False)
+        if len(chunks) > 1:
+            parts = []
+            for b0, b1 in chunks:
+                sp, sl = self._sub(p, b0, b1)
+                parts.append(self._forward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], sl(bias)))
+            self.last_pieces["batch_chunks"] = len(chunks)
+            return (np.concatenate([o for o, _ in parts]), np.concatenate([l for _, l in parts]))
+        return self._forward_one(p, q, k, v, bias)
+
+    def _forward_one(self, p: Problem, q, k, v, bias):
         with self._lock:
             call, read = self._build_forward(p, q, k, v, bias)
             call.submit()
@@ -195,6 +257,30 @@ class WebGPUBackend(Backend):
         return call, read
 
     def backward(self, p: Problem, q, k, v, dout, out, lse, bias):
+        chunks = self._batch_chunks(p, backward=True)
+        if len(chunks) == 1:
+            return self._backward_one(p, q, k, v, dout, out, lse, bias)
+        parts = []
+        for b0, b1 in chunks:
+            sp, sl = self._sub(p, b0, b1)
+            parts.append(self._backward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], dout[b0:b1],
+                                            out[b0:b1], lse[b0:b1], sl(bias)))
+        res = {}
+        for n in ("dq", "dk", "dv"):
+            res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
+        res["dbias"] = None
+        if parts[0]["dbias"] is not None:
+            if p.bias_shape[0] > 1:
+                res["dbias"] = np.concatenate([r["dbias"] for r in parts])
+            else:                       # broadcast over batch: sum the chunks in order
+                acc = parts[0]["dbias"].astype(np.float32)
+                for r in parts[1:]:
+                    acc = acc + r["dbias"]
+                res["dbias"] = acc.astype(parts[0]["dbias"].dtype, copy=False)
+        self.last_pieces["batch_chunks"] = len(chunks)
+        return res
+
+    def _backward_one(self, p: Problem, q, k, v, dout, out, lse, bias):
         with self._lock:
             call, read = self._build_backward(p, q, k, v, dout, out, lse, bias)
             call.submit()

@@ -86,7 +86,17 @@ def _pick_adapter(wgpu):
     raise RuntimeError(f"{ENV_ADAPTER}={want!r} matches no adapter (found: {names})")
 
 
+def _quiet_loader_env() -> None:
+    """Mesa's Vulkan WSI layer prints 'XDG_RUNTIME_DIR is invalid' on headless machines;
+    give it a private directory when the variable is unset (compute never uses it)."""
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        import tempfile
+
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="anyattn-xdg-")
+
+
 def _create() -> Context:
+    _quiet_loader_env()
     try:
         import wgpu
     except ImportError as e:
