@@ -92,3 +92,18 @@ def test_dropout_raises():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="dropout"):
         anyattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+def test_compiles_fullgraph_with_padding():
+    """torch.compile(fullgraph=True) of a whole model using attn_implementation="anyattn"."""
+    torch._dynamo.reset()
+    _, ours = _pair(_configs()["llama"])
+    batch = _batch("right")
+    ref = ours(**batch)
+    ref.loss.backward()
+    ref_grad = ours.model.embed_tokens.weight.grad.clone()
+    ours.zero_grad()
+    out = torch.compile(ours, fullgraph=True)(**batch)
+    out.loss.backward()
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5)
+    assert torch.allclose(ours.model.embed_tokens.weight.grad, ref_grad, atol=1e-5, rtol=1e-4)

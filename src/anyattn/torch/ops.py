@@ -16,7 +16,11 @@ and the fake implementations give its output shapes.
 Inside the ops the work is done by the core API (``anyattn.attention`` /
 ``anyattn.attention_backward``), which validates and dispatches to a backend
 (``numpy`` for CPU tensors, ``triton`` for CUDA tensors, or the one named).
-The forward keeps only ``out`` and ``lse`` for the backward.
+The forward keeps only ``out`` and ``lse`` for the backward.  Autograd: registered on
+the forward op (used by torch.compile, export and opcheck) and, for eager calls, the
+same formulas through a small ``autograd.Function`` (``attention_with_grad``), which
+is cheaper per call.  Double backward is not supported (the backward op has no
+autograd: a second ``backward`` through it raises).
 """
 from __future__ import annotations
 
