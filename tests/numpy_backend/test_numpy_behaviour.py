@@ -247,6 +247,7 @@ def test_worker_exception_propagates(np_config, monkeypatch):
         raise RuntimeError("tile failure")
 
     monkeypatch.setattr(nb, "forward_rows", boom)
+    monkeypatch.setattr(nb, "forward_rows_bounded", boom)
     q, k, v, _ = qkv(33, 1, 2, 1, 8, 8, 4)
     with pytest.raises(RuntimeError, match="tile failure"):
         aa.attention(q, k, v, backend="numpy")
@@ -260,3 +261,37 @@ def test_instance_with_own_config():
     ro, rl = R.forward(q, k, v, mask=aa.Causal())
     assert rel_err(out, ro) < 1e-12
     assert be.last_counts["forward"].computed == 6
+
+
+# ---------------------------------------------------------------- bounded forward
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_bounded_forward_falls_back_on_underflow(dtype, np_config):
+    """A bound far above the true row max (big orthogonal keys) must not lose rows."""
+    np_config(fwd_bq=16, fwd_bk=16, threads=1)
+    q, k, v, g = qkv(40, 1, 1, 1, 40, 48, 4, dtype=dtype)
+    q[..., 0] *= 300.0                           # large queries along axis 0
+    k[..., 0] = 0.01                             # keys nearly orthogonal to them ...
+    k[0, 0, 5, 1] = 300.0                        # ... one huge key along axis 1
+    for mask in (aa.Causal("bottom_right"), None):
+        if dtype == "float64":
+            check(q, k, v, g, dtype=dtype, mask=mask)
+            continue
+        # float32: logits ~1e2-1e4 make the gradients ill-conditioned; check the forward
+        out, lse = aa.attention(q, k, v, mask=mask, return_lse=True, backend="numpy")
+        ro, rl = R.forward(q, k, v, mask=mask)
+        fin = np.isfinite(rl)
+        assert rel_err(out, ro) < 1e-5 and np.array_equal(np.isfinite(lse), fin)
+        assert np.max(np.abs(lse[fin] - rl[fin]) / np.maximum(1, np.abs(rl[fin]))) < 1e-5
+
+
+def test_bounded_and_running_max_agree(np_config):
+    q, k, v, g = qkv(41, 2, 2, 1, 90, 70, 16)
+    keep = np.random.default_rng(0).random((90, 70)) < 0.3
+    mask = aa.KeepMask(keep) & aa.Window(left=40, right=5)
+    np_config(fwd_bq=32, fwd_bk=16, bounded=True)
+    a = aa.attention(q, k, v, mask=mask, return_lse=True, backend="numpy")
+    np_config(fwd_bq=32, fwd_bk=16, bounded=False)
+    b = aa.attention(q, k, v, mask=mask, return_lse=True, backend="numpy")
+    assert rel_err(a[0], b[0]) < 1e-13
+    assert np.array_equal(np.isinf(a[1]), np.isinf(b[1]))
+    check(q, k, v, g, dtype="float64", mask=mask)

@@ -4,14 +4,15 @@ Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq/Sk
 queries/keys, D head dim.
 
 This module is the launch side: dtype/array-library conversion, the tile plan
-and a small static thread schedule.  The tile math lives in
+and a small thread schedule.  The tile math lives in
 :mod:`anyattn.backends.numpy_tiles`.
 
 Work is split into units: (batch, query head, query tiles) for the forward and
-(batch, kv head, key tiles) for the backward.  Units are dealt to a fixed
-number of worker threads in a fixed order (NumPy releases the GIL inside its
-loops and BLAS calls), and partial sums are added in unit order, so results
-are bitwise repeatable for a given thread count.  While the workers run,
+(batch, kv head, key tiles) for the backward, at least 4 per worker thread
+(NumPy releases the GIL inside its loops and BLAS calls).  Every unit writes
+its own outputs (split key ranges get their own dq partials, added in unit
+order), so results are bitwise repeatable for a given thread count, whichever
+worker ran which unit.  While the workers run,
 OpenBLAS is held to one thread each (:mod:`anyattn.backends.blas_threads`).
 
 Knobs: ``NumpyBackend.config`` (a frozen :class:`NumpyConfig`), or the
@@ -30,7 +31,8 @@ import numpy as np
 
 from .base import Backend, Capabilities
 from .blas_threads import limit_this_thread
-from .numpy_tiles import LOG2E, BackwardHeads, TileCounts, TilePlan, backward_keys, forward_rows
+from .numpy_tiles import (LOG2E, BackwardHeads, TileCounts, TilePlan, backward_keys, forward_rows,
+                          forward_rows_bounded, key_tile_norms, with_ones_column)
 
 __all__ = ["NumpyBackend", "NumpyConfig"]
 
@@ -54,6 +56,8 @@ class NumpyConfig:
 
     ``threads=None``: one worker per CPU core (``os.cpu_count()``).
     Forward tiles ``fwd_bq x fwd_bk``, backward tiles ``bwd_bq x bwd_bk``.
+    ``bounded``: use :func:`~anyattn.backends.numpy_tiles.forward_rows_bounded`
+    (no running max; exact fallback on underflow) for bias-free forwards.
     """
 
     fwd_bq: int = 256
@@ -61,6 +65,8 @@ class NumpyConfig:
     bwd_bq: int = 256
     bwd_bk: int = 256
     threads: Optional[int] = None
+    #: forward without a running max (a Cauchy-Schwarz bound per row) when there is no bias
+    bounded: bool = True
 
     @classmethod
     def from_env(cls) -> "NumpyConfig":
@@ -139,27 +145,50 @@ def _executor(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> TileCounts:
-    """Run callables dealt round-robin to ``n_threads`` workers; sum their tile counts."""
+def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
+               static: bool = False) -> TileCounts:
+    """Run the callables on ``n_threads`` workers; sum their tile counts.
+
+    Units write disjoint outputs, so by default workers pull the next unit
+    from a shared queue (balances load when another process shares a core)
+    and the result does not depend on which worker ran what.  ``static=True``
+    deals unit i to worker i % n instead, for per-worker accumulators.
+    """
     total = TileCounts()
     nw = max(1, min(n_threads, len(units)))
     if nw == 1:
         for u in units:
             total.add(u())
         return total
+    lock = threading.Lock()
+    queue = iter(range(len(units)))
 
     def worker(w: int) -> TileCounts:
         if _limit_blas:
             limit_this_thread(1)
         c = TileCounts()
-        for u in units[w::nw]:
-            c.add(u())
-        return c
+        if static:
+            for u in units[w::nw]:
+                c.add(u())
+            return c
+        while True:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return c
+            c.add(units[i]())
 
     futures = [_executor(nw).submit(worker, w) for w in range(nw)]
     for f in futures:  # re-raises a worker's exception
         total.add(f.result())
     return total
+
+
+def _n_chunks(n_tiles: int, n_heads: int, n_threads: int) -> int:
+    """Split each head's tiles into chunks so that there are >= 4 units per worker."""
+    if n_threads <= 1:
+        return 1
+    return max(1, min(n_tiles, -(-4 * n_threads // n_heads)))
 
 
 def _split(n: int, parts: int) -> List[List[int]]:
@@ -208,13 +237,17 @@ class NumpyBackend(Backend):
         lse = np.empty((B, Hq, Sq), dtype=dt)
         qmul = dt.type(p.scale * LOG2E)
         nt = cfg.n_threads()
-        chunks = _split(plan.nq, 1 if B * Hq >= nt else nt)
+        chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, nt))
 
         def unit(b: int, h: int, tiles: List[int]) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
                 q2 = np.multiply(q[b, h], qmul)                        # [Sq, D]
-                return forward_rows(plan, b, h, q2, _blasable(k[b, h // G]),
-                                    _blasable(v[b, h // G]), out[b, h], lse[b, h], tiles)
+                kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
+                if bias is not None or not cfg.bounded:
+                    return forward_rows(plan, b, h, q2, kh, vh, out[b, h], lse[b, h], tiles)
+                return forward_rows_bounded(plan, b, h, q2, with_ones_column(kh, dt), vh,
+                                            key_tile_norms(plan, kh), out[b, h], lse[b, h],
+                                            tiles, kh)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
@@ -237,7 +270,7 @@ class NumpyBackend(Backend):
                                     p.head_dim, p.group)
         plan = self._plan(p, cfg.bwd_bq, cfg.bwd_bk, bias)
         nt = cfg.n_threads()
-        chunks = _split(plan.nk, 1 if B * Hkv >= nt else nt)
+        chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, nt))
         nc = len(chunks)
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
@@ -258,29 +291,31 @@ class NumpyBackend(Backend):
                 heads = list(range(hk * G, (hk + 1) * G))
                 o = out[b, hk * G:(hk + 1) * G]                        # [G, Sq, D]
                 gg = g[b, hk * G:(hk + 1) * G]
-                lse2 = lse[b, hk * G:(hk + 1) * G] * dt.type(LOG2E)    # [G, Sq]
-                lse2[lse2 == -np.inf] = np.inf                         # empty rows -> P = 0
+                q2a = np.empty((G, Sq, D + 1), dtype=dt)               # [q·scale·log2e | -lse2]
+                np.multiply(q[b, hk * G:(hk + 1) * G], qmul, out=q2a[..., :D])
+                np.multiply(lse[b, hk * G:(hk + 1) * G], -LOG2E, out=q2a[..., D])
+                q2a[..., D][q2a[..., D] == np.inf] = -np.inf           # empty rows -> P = 0
+                ga = np.empty((G, Sq, D + 1), dtype=dt)                # [dout | -delta]
+                ga[..., :D] = gg
                 if need_ds:
-                    delta = np.einsum("gid,gid->gi", gg, o)            # [G, Sq]
+                    np.negative(np.einsum("gid,gid->gi", gg, o), out=ga[..., D])
                 else:
-                    delta = np.zeros((G, Sq), dtype=dt)
+                    ga[..., D] = 0
                 if want_q:
                     dqa = dq[b, hk * G:(hk + 1) * G] if c == 0 else dq_parts[(b, hk, c)]
                 hs = BackwardHeads(
-                    heads=heads,
-                    q2=[np.multiply(q[b, h], qmul) for h in heads],
-                    q=[_blasable(q[b, h]) for h in heads],
-                    g=[_blasable(gg[i]) for i in range(G)],
-                    lse2=list(lse2), delta=list(delta),
-                    dq=[dqa[i] for i in range(G)] if want_q else None)
+                    heads=heads, q2a=list(q2a), q=[_blasable(q[b, h]) for h in heads],
+                    ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None)
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
-                return backward_keys(plan, b, hs, _blasable(k[b, hk]), _blasable(v[b, hk]),
+                return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
+                                     with_ones_column(v[b, hk], dt),
                                      dk[b, hk] if want_k else None,
                                      dv[b, hk] if want_v else None, db, chunks[c], p.scale)
             return run
 
         units = [unit(i, *key) for i, key in enumerate(units_keys)]
-        self.last_counts = {"backward": _run_units(units, nt)}
+        per_worker = dbias_bufs is not None and len(dbias_bufs) > 1
+        self.last_counts = {"backward": _run_units(units, nt, static=per_worker)}
 
         res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
         if want_q:

@@ -1,9 +1,9 @@
-"""Tile kernels of the NumPy backend: blocked online-softmax forward, one-pass backward.
+"""Tile kernels of the NumPy backend: blocked softmax forward, one-pass backward.
 
 Shape legend: Sq/Sk queries/keys of one head, D head dim, ni/nj rows of one
 query/key tile (<= bq/bk), G query heads per key/value head.
 
-Two choices run through every kernel here:
+Three choices run through the kernels here:
 
 * Scores are kept **transposed**, ``sT [nj, ni]`` (keys x queries).  The
   softmax reductions over keys then run along axis 0, which NumPy vectorises
@@ -13,6 +13,11 @@ Two choices run through every kernel here:
   (and a bias by ``log2(e)``), so ``P = exp2(sT - m)``; ``exp2`` is ~1.6x
   faster than ``exp`` in NumPy's float32 SIMD loops.  ``lse`` is converted
   back to the natural log at the edges.
+* **Extra GEMM columns** instead of elementwise passes: ``[k | 1]`` against
+  ``[q2 | -lse2]`` gives ``s - lse`` and ``[v | 1]`` against ``[g | -delta]``
+  gives ``dP - delta`` in the GEMMs themselves (the backward), and the
+  bias-free forward (:func:`forward_rows_bounded`) subtracts a fixed per-row
+  Cauchy-Schwarz bound the same way, so it needs no running max at all.
 
 Every function works on one (batch, head) slice of 2-D arrays, writes only its
 own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
@@ -27,7 +32,8 @@ import numpy as np
 
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 
-__all__ = ["TilePlan", "TileCounts", "forward_rows", "backward_keys", "LOG2E", "LN2"]
+__all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
+           "BackwardHeads", "with_ones_column", "key_tile_norms", "LOG2E", "LN2"]
 
 LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453    # ln(2)
@@ -210,26 +216,117 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
     return counts
 
 
+#: a row whose bounded-softmax sum falls below this may have lost precision to
+#: underflow (its true max lies far below the bound): it is recomputed exactly.
+UNDERFLOW_SUM = {np.dtype(np.float32): 2.0 ** -80, np.dtype(np.float64): 2.0 ** -800}
+
+
+def with_ones_column(x: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """[S, D] -> [S, D+1] = [x | 1] (contiguous): one GEMM then also adds a per-row term."""
+    out = np.empty((x.shape[0], x.shape[1] + 1), dtype=dt)
+    out[:, :-1] = x
+    out[:, -1] = 1
+    return out
+
+
+def key_tile_norms(plan: TilePlan, k: np.ndarray) -> np.ndarray:
+    """max_j |k_j| per key tile, [nK] (NaN keys ignored: they propagate through the GEMM)."""
+    norms = np.sqrt(np.einsum("jd,jd->j", k, k))                    # [Sk]
+    pad = plan.nk * plan.bk - plan.sk
+    if pad:
+        norms = np.concatenate([norms, np.zeros(pad, dtype=norms.dtype)])
+    return np.fmax.reduce(norms.reshape(plan.nk, plan.bk), axis=1)  # [nK]
+
+
+def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.ndarray,
+                         v: np.ndarray, knorm: np.ndarray, out: np.ndarray, lse: np.ndarray,
+                         q_tiles: Sequence[int], k: np.ndarray) -> TileCounts:
+    """Forward without a running max, for problems without a bias.
+
+    Each query row i uses a fixed bound instead of the running max:
+    ``c_i = |q2_i| * max_{kept key tiles} |k_j| >= s_ij`` (Cauchy-Schwarz), so
+    ``P~ = exp2(s - c) <= 1`` never overflows and no rescaling is needed: per
+    tile one GEMM gives ``s - c`` (``ka = [k | 1]`` against ``[q2 | -c]``), then
+    exp2, a row-sum GEMV and the P·V GEMM.  Rows whose sum ends below
+    :data:`UNDERFLOW_SUM` (bound far above the true max) are recomputed with
+    the exact running-max path, :func:`forward_rows`.
+
+    q2 [Sq, D] scaled queries; ka [Sk, D+1]; v [Sk, D]; knorm [nK]; k [Sk, D]
+    (for the fallback); writes out [Sq, D], lse [Sq] on the rows of ``q_tiles``.
+    """
+    dt = plan.dtype
+    D = v.shape[1]
+    counts = TileCounts()
+    codes = plan.codes_bh(b, h)
+    sbuf = np.empty(plan.bq * plan.bk, dtype=dt)
+    ones = np.ones(plan.bk, dtype=dt)
+    neg_inf = dt.type(-np.inf)
+    tiny = UNDERFLOW_SUM[dt]
+    qnorm = np.sqrt(np.einsum("id,id->i", q2, q2))                  # [Sq]
+    for it in q_tiles:
+        i0, i1 = plan.q_range(it)
+        ni = i1 - i0
+        tiles = _kept_tiles(None if codes is None else codes[it], plan.nk)
+        counts.skipped += plan.nk - len(tiles)
+        qa = np.empty((ni, D + 1), dtype=dt)                          # [q2 | -c]
+        qa[:, :D] = q2[i0:i1]
+        kmax = np.fmax.reduce(knorm[[t for t, _ in tiles]]) if tiles else dt.type(0)
+        np.multiply(qnorm[i0:i1], -kmax, out=qa[:, D])
+        l = np.zeros(ni, dtype=dt)                                    # sum of exp2(s - c)
+        acc = np.zeros((ni, D), dtype=dt)                             # P~·V
+        seen = np.zeros(ni, dtype=bool)                               # row kept some key
+        for jt, code in tiles:
+            j0, j1 = plan.k_range(jt)
+            nj = j1 - j0
+            st = sbuf[:nj * ni].reshape(nj, ni)
+            np.matmul(ka[j0:j1], qa.T, out=st)                        # s - c, [nj, ni]
+            np.exp2(st, out=st)                                       # P~ [nj, ni]
+            if code == TILE_PARTIAL:
+                # zero the dropped pairs after exp2: exp2(-inf) takes NumPy's slow
+                # special-value path (~5x); c bounds every score, so no overflow
+                ex = plan.excluded_t(b, h, i0, i1, j0, j1)
+                np.copyto(st, dt.type(0), where=ex)
+                seen |= ~np.logical_and.reduce(ex, axis=0)
+                counts.partial += 1
+            else:
+                seen[:] = True
+                counts.full += 1
+            l += np.matmul(ones[:nj], st)                             # [ni]
+            acc += np.matmul(st.T, v[j0:j1])                          # [ni, D]
+        if np.any(seen & (l < tiny)):   # underflow risk (or a row of -inf/NaN bound)
+            counts.add(forward_rows(plan, b, h, q2, k, v, out, lse, [it]))
+            continue
+        empty = ~seen
+        np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
+        acc[empty] = 0
+        out[i0:i1] = acc
+        with np.errstate(divide="ignore"):
+            lrow = (np.log2(l) - qa[:, D]) * dt.type(LN2)
+        lrow[empty] = -np.inf
+        lse[i0:i1] = lrow
+    return counts
+
+
 @dataclass
 class BackwardHeads:
     """Per-query-head inputs of one key/value head's backward (lists of length G).
 
-    q2 [Sq, D] queries scaled by scale·log2(e); q [Sq, D] raw queries; g [Sq, D]
-    dout; lse2 [Sq] lse in log2 units with -inf replaced by +inf (empty rows ->
-    P = 0); delta [Sq] = rowsum(dout * out); dq [Sq, D] accumulators (unscaled:
-    the caller multiplies by ``scale``) or None; heads: the query-head indices.
+    q2a [Sq, D+1] = [q·scale·log2(e) | -lse2] (lse2: lse in log2 units, -inf
+    replaced by +inf so that empty rows get P = 0); q [Sq, D] raw queries;
+    ga [Sq, D+1] = [dout | -delta] with delta = rowsum(dout * out); dq [Sq, D]
+    accumulators (unscaled: the caller multiplies by ``scale``) or None; heads:
+    the query-head indices.  The extra columns let one GEMM against
+    ``[k | 1]`` / ``[v | 1]`` produce ``s - lse`` and ``dP - delta`` directly.
     """
 
     heads: List[int]
-    q2: List[np.ndarray]
+    q2a: List[np.ndarray]
     q: List[np.ndarray]
-    g: List[np.ndarray]
-    lse2: List[np.ndarray]
-    delta: List[np.ndarray]
+    ga: List[np.ndarray]
     dq: Optional[List[np.ndarray]]
 
 
-def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, k: np.ndarray, v: np.ndarray,
+def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
                   dk: Optional[np.ndarray], dv: Optional[np.ndarray],
                   dbias: Optional[np.ndarray], k_tiles: Sequence[int],
                   scale: float) -> TileCounts:
@@ -239,10 +336,11 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, k: np.ndarray, v: n
     P = exp2(s - lse) per tile: dv[j] += Pᵀ g, dk[j] += scale·dSᵀ q (both
     finished per key tile, rows of ``k_tiles`` only), dq[h] += dS k (full
     accumulators, unscaled), dbias += dS (summed over its broadcast dims).
-    k, v [Sk, D]; dk, dv [Sk, D] outputs or None; dbias [Bb, Hb, Sqb, Skb] or None.
+    ka, va [Sk, D+1] = [k | 1], [v | 1]; dk, dv [Sk, D] outputs or None;
+    dbias [Bb, Hb, Sqb, Skb] or None.
     """
     dt = plan.dtype
-    D = v.shape[1]
+    D = va.shape[1] - 1
     counts = TileCounts()
     need_ds = dk is not None or hs.dq is not None or dbias is not None
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # P tile
@@ -252,7 +350,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, k: np.ndarray, v: n
     for jt in k_tiles:
         j0, j1 = plan.k_range(jt)
         nj = j1 - j0
-        kt, vt = k[j0:j1], v[j0:j1]                            # [nj, D]
+        kta, vta = ka[j0:j1], va[j0:j1]                        # [nj, D+1]
+        kt = kta[:, :D]                                         # [nj, D]
         dk_acc = np.zeros((nj, D), dtype=dt) if dk is not None else None
         dv_acc = np.zeros((nj, D), dtype=dt) if dv is not None else None
         for gi, h in enumerate(hs.heads):
@@ -263,24 +362,24 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, k: np.ndarray, v: n
                 i0, i1 = plan.q_range(it)
                 ni = i1 - i0
                 st = sbuf[:nj * ni].reshape(nj, ni)
-                np.matmul(kt, hs.q2[gi][i0:i1].T, out=st)      # sT [nj, ni]
+                np.matmul(kta, hs.q2a[gi][i0:i1].T, out=st)    # s - lse, [nj, ni]
                 if plan.bias is not None:
                     st += np.multiply(plan.bias_t(b, h, i0, i1, j0, j1), LOG2E, dtype=dt)
+                with np.errstate(over="ignore"):                # dropped pairs may overflow
+                    np.exp2(st, out=st)                         # Pᵀ [nj, ni]
                 if code == TILE_PARTIAL:
-                    np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
+                    # zeroed after exp2: exp2(-inf) is NumPy's slow special-value path
+                    np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, j0, j1))
                     counts.partial += 1
                 else:
                     counts.full += 1
-                st -= hs.lse2[gi][i0:i1]
-                np.exp2(st, out=st)                             # Pᵀ [nj, ni]
-                gt = hs.g[gi][i0:i1]                            # [ni, D]
+                gta = hs.ga[gi][i0:i1]                          # [ni, D+1]
                 if dv_acc is not None:
-                    dv_acc += np.matmul(st, gt)                 # [nj, D]
+                    dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
                 if not need_ds:
                     continue
                 dst = pbuf[:nj * ni].reshape(nj, ni)
-                np.matmul(vt, gt.T, out=dst)                    # dPᵀ [nj, ni]
-                dst -= hs.delta[gi][i0:i1]
+                np.matmul(vta, gta.T, out=dst)                  # dPᵀ - delta, [nj, ni]
                 dst *= st                                       # dSᵀ [nj, ni]
                 if dbias is not None:
                     plan.add_dbias(dbias, dst, b, h, i0, i1, j0, j1)
