@@ -260,7 +260,6 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.
     codes = plan.codes_bh(b, h)
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)
     ones = np.ones(plan.bk, dtype=dt)
-    neg_inf = dt.type(-np.inf)
     tiny = UNDERFLOW_SUM[dt]
     qnorm = np.sqrt(np.einsum("id,id->i", q2, q2))                  # [Sq]
     for it in q_tiles:
@@ -345,7 +344,6 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     need_ds = dk is not None or hs.dq is not None or dbias is not None
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # P tile
     pbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # dP / dS tile
-    neg_inf = dt.type(-np.inf)
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     for jt in k_tiles:
         j0, j1 = plan.k_range(jt)
