@@ -49,7 +49,7 @@ def assert_close(got, ref, dtype: str, what: str = "", tol: Optional[float] = No
     assert e <= tol, f"{what}: relative error {e:.3g} > {tol:.1g} ({dtype})"
 
 
-def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None):
+def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0, k_offset=0):
     """Sum of |terms| behind out, dq, dk, dv, dbias (float64): the rounding scale.
 
     out_i = Σ_j P_ij v_j -> Σ_j P_ij |v_j|; dS = P(dP - δ) -> P(|dP| + |δ|);
@@ -63,7 +63,7 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None):
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = 1.0 / np.sqrt(D) if scale is None else scale
-    s, _, kexp, vexp = R._scores(q, k, v, mask, b, scale, 0, 0)
+    s, _, kexp, vexp = R._scores(q, k, v, mask, b, scale, q_offset, k_offset)
     p, _ = R._softmax(s)
     out = np.einsum("bhij,bhjd->bhid", p, vexp)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)

@@ -94,7 +94,7 @@ def _to_backend(x, backend_name):
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
 
-def _to_dtype(x, dtype, backend_name):
+def _to_dtype(x, dtype):
     import torch
 
     return x.to(getattr(torch, dtype))
@@ -137,7 +137,7 @@ def _cmd_check(args) -> int:
     def prepare(x):
         if x is None:
             return None
-        return _to_dtype(_to_backend(x, be), dt, be) if be == "triton" else x.astype(dt)
+        return _to_dtype(_to_backend(x, be), dt) if be == "triton" else x.astype(dt)
 
     cast = [prepare(x) for x in (q, k, v, g, bias)]
     qc, kc, vc, gc, bc = cast

@@ -400,7 +400,7 @@ def _tile_reduce(keep4: np.ndarray, bq: int, bk: int):
     return (k_any.reshape(shape).any(axis=(3, 5)), k_all.reshape(shape).all(axis=(3, 5)))
 
 
-def _expand4(arr, name: str):
+def _expand4(arr):
     """Left-pad an array to 4 dims (NumPy broadcasting rules)."""
     while arr.ndim < 4:
         arr = arr[None]
@@ -445,7 +445,7 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
 
     keep = None
     for km in acc.keeps:
-        k4 = _expand4(km, "mask")
+        k4 = _expand4(km)
         target = (b, hq, sq, sk)
         for ax, (have, want) in enumerate(zip(k4.shape, target)):
             if have not in (1, want):
