@@ -6,6 +6,8 @@ Phases (any subset, in this order):
   --check  correctness sweep on the GPU at large sizes vs a float64 torch computation
            (every mask, bf16/fp16/fp32/tf32, GQA, bias+dbias, odd head dims, Sq != Sk)
   --tune   time candidate tile configs of each kernel on a few problem classes
+  --ab     one-launch (fused) vs two-launch backward, plan variants and dbias configs,
+           side by side with FlexAttention on the same shapes (bf16)
   --bench  anyattn-triton vs torch SDPA (flash, cuDNN, mem-efficient) and FlexAttention
            (torch.compile), same process: dense 16k tokens, hidden 2048, D in {64, 128},
            S in {512 .. 16k}, causal and not, bf16 / fp32 / tf32; masked B=4 H=16 S=4096
@@ -213,7 +215,7 @@ NEW_CHECKS = [
 ]
 
 
-def phase_check(which="full"):
+def phase_check(which="full", names=()):
     if which == "new":
         for c in NEW_CHECKS:
             try:
@@ -244,6 +246,8 @@ def phase_check(which="full"):
         ("SqgtSk_br_fp32", 1, 2, 2, 3000, 1000, 64, "fp32", "", "causal_br", None),
     ]
     for c in cases:
+        if names and c[0] not in names:
+            continue
         try:
             check_case(*c)
         except Exception as e:  # noqa: BLE001
@@ -494,6 +498,147 @@ def phase_masked(precs=("bf16", "fp32"), with_flex=True, fp32_masks=False):
         torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------------------------------- A/B
+def _set_env(env):
+    old = {k_: os.environ.get(k_) for k_ in env}
+    for k_, v_ in env.items():
+        if v_ is None:
+            os.environ.pop(k_, None)
+        else:
+            os.environ[k_] = v_
+    return old
+
+
+def _bwd_ms(q, k, v, g, mask, bias, wrt, env, plan_fields=None):
+    """Backward ms of anyattn-triton under env (and optional plan overrides)."""
+    old = _set_env(env)
+    dtn = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[q.dtype]
+    dp = C.padded_dim(q.shape[-1])
+    if plan_fields:
+        C.set_override(dp, dtn, "highest", **plan_fields)
+    try:
+        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="triton")
+        fn = lambda: aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias,  # noqa: E731
+                                           wrt=wrt, backend="triton")
+        r = fn()
+        ms = bench_ms(fn)
+        return ms, r
+    finally:
+        C.set_override(dp, dtn, "highest")
+        _set_env(old)
+
+
+KC = C.KernelConfig
+AB_PLANS_D128 = {   # fused, other tiles (bf16 D=128)
+    "fused_s2": dict(dkdv=KC(64, 128, 8, 2), dq=KC(128, 64, 8, 2)),
+    "fused_dq64x128": dict(dkdv=KC(64, 128, 8, 3), dq=KC(64, 128, 8, 3)),
+    "fused_dkdv128x128_s2": dict(dkdv=KC(128, 128, 8, 2), dq=KC(128, 64, 8, 2)),
+    "fused_dkdv32x128": dict(dkdv=KC(32, 128, 8, 3), dq=KC(128, 64, 8, 3)),
+}
+DBIAS_CFGS = [KC(64, 64, 4, 2), KC(128, 128, 8, 2), KC(128, 64, 8, 2), KC(64, 128, 8, 2),
+              KC(64, 64, 4, 3), KC(128, 128, 8, 3)]
+
+
+def _ab_row(case, b, h, s, d, kind, dtype, variants, with_flex, flex, gen, bias_shape=None):
+    """Backward ms of each variant {name: (env, plan fields)} on one shape, side by side
+    (and FlexAttention's when with_flex), with bitwise checks against the first."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v, g = _inputs(b, h, h, s, d, dtype)
+    mask, keep, mod = make_mask(kind, b, h, s, s, "cuda", gen)
+    causal = kind == "causal"
+    bias = None if bias_shape is None else torch.randn(*bias_shape, device="cuda", dtype=dtype)
+    wrt = ("q", "k", "v") + (("bias",) if bias is not None else ())
+    dens = 1.0 if keep is None else keep.float().mean().item()
+    ff = fa_flops(b, h, s, s, d, causal) * (1.0 if kind in ("none", "causal") else dens)
+    dt = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    row = dict(case=case, dtype=dt, B=b, H=h, S=s, D=d, mask=kind, bias=bias_shape,
+               density=round(dens, 4), ms={})
+    first = None
+    for name, (env, fields) in variants.items():
+        try:
+            ms, r = _bwd_ms(q, k, v, g, mask, bias, wrt, env, fields)
+            row["ms"][name] = round(ms, 4)
+            if first is None:
+                first = r
+            else:
+                row.setdefault("equal_to_first", {})[name] = all(
+                    torch.equal(getattr(first, "d" + n), getattr(r, "d" + n)) for n in wrt)
+                if bias is not None:
+                    row.setdefault("dbias_rel_diff", {})[name] = float(
+                        (r.dbias.float() - first.dbias.float()).abs().max()
+                        / first.dbias.float().abs().max())
+            del r
+        except Exception as e:  # noqa: BLE001
+            row["ms"][name] = repr(e)[:200]
+    del first
+    if with_flex and kind != "blocks" and bias is None and dt == "bf16":
+        try:
+            bm = None if mod is None else create_block_mask(mod, None, None, s, s, device="cuda")
+            _, fb, _ = time_autograd(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), q, k, v, g)
+            row["ms"]["flex"] = round(fb, 4)
+        except Exception as e:  # noqa: BLE001
+            row["ms"]["flex"] = repr(e)[:200]
+    row["bwd_tflops"] = {n: round(2.5 * ff / m / 1e9, 1) for n, m in row["ms"].items()
+                         if isinstance(m, float)}
+    RESULTS.setdefault("ab", []).append(row)
+    log("AB", json.dumps(row))
+    if SAVE is not None:
+        SAVE()
+    del q, k, v, g, bias
+    torch.cuda.empty_cache()
+
+
+def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
+    """A/B timings.  Groups: dense / masked (fused vs two launches, + Flex), dbias (dbias
+    kernel configs), bias (in-place dbias sum vs recompute, dq configs), fp32, variants."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.recompile_limit = 10_000
+    torch._dynamo.config.accumulated_recompile_limit = 10_000
+    flex = torch.compile(flex_attention, dynamic=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    two = {"fused": ({}, None), "two_launch": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, None)}
+    if "dense" in groups:
+        for b, h, s, d, kind in ((16, 16, 1024, 128, "none"), (8, 16, 2048, 128, "none"),
+                                 (4, 16, 4096, 128, "none"), (4, 16, 4096, 128, "causal"),
+                                 (1, 16, 16384, 128, "none"), (4, 32, 4096, 64, "none")):
+            var = dict(two)
+            if d == 128 and s == 4096 and kind == "none":
+                var.update({n: ({}, f) for n, f in AB_PLANS_D128.items()})
+            _ab_row("dense", b, h, s, d, kind, bf, var, with_flex, flex, gen)
+    if "masked" in groups:
+        for kind in ("sliding:512", "doc", "blocks"):
+            _ab_row(kind, 4, 16, 4096, 128, kind, bf, two, with_flex, flex, gen)
+    if "dbias" in groups:
+        var = {f"dbias{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}": ({"ANYATTN_TRITON_DBIAS": "recompute"},
+                                                                    dict(dbias=c)) for c in DBIAS_CFGS}
+        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", bf, var, False, flex, gen, (1, 16, 4096, 4096))
+    if "bias" in groups:
+        var = {"owner": ({}, None),
+               "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, dict(dbias=KC(128, 64, 8, 2)))}
+        var.update({f"owner_dq{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}": ({}, dict(dq=c))
+                    for c in (KC(64, 64, 4, 3), KC(128, 64, 8, 2), KC(64, 128, 8, 3),
+                              KC(128, 128, 8, 2))})
+        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", bf, var, False, flex, gen, (1, 16, 4096, 4096))
+    if "variants" in groups:
+        var = {"fused": ({}, None),
+               "fused_s4": ({}, dict(dkdv=KC(64, 128, 8, 4), dq=KC(128, 64, 8, 4)))}
+        _ab_row("dense", 4, 16, 4096, 128, "none", bf, var, False, flex, gen)
+        var = {"two_launch": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, None),
+               "fused_w4": ({"ANYATTN_TRITON_FUSED_BWD": "1"},
+                            dict(dkdv=KC(64, 128, 4, 3), dq=KC(128, 64, 4, 3))),
+               "fused_w8": ({"ANYATTN_TRITON_FUSED_BWD": "1"}, None),
+               "two_launch_dq_w8": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, dict(dq=KC(128, 64, 8, 3)))}
+        _ab_row("dense", 4, 32, 4096, 64, "none", bf, var, False, flex, gen)
+    if "fp32" in groups:
+        _ab_row("dense", 4, 16, 4096, 128, "none", torch.float32, two, False, flex, gen)
+        var = {"owner": ({}, None), "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, None)}
+        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", torch.float32, var, False, flex, gen,
+                (1, 16, 4096, 4096))
+
+
 def attach_anchors():
     """Ratio of each triton row to the anchors measured earlier on this GPU."""
     rows = []
@@ -509,6 +654,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,fp32")
+    ap.add_argument("--checks", default="", help="comma-separated names of --check cases (default all)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
     ap.add_argument("--masked", action="store_true")
@@ -540,9 +687,13 @@ def main():
 
     try:
         if a.check:
-            phase_check()
+            phase_check(names=[x for x in a.checks.split(",") if x])
             save()
             log(f"check done {time.time() - t0:.0f}s")
+        if a.ab:
+            phase_ab(groups=a.ab.split(","), with_flex=not a.no_flex)
+            save()
+            log(f"ab done {time.time() - t0:.0f}s")
         if a.tune:
             phase_tune()
             save()

@@ -1,6 +1,6 @@
 """webgpu backend: correctness at large sizes and side-by-side timings, one process.
 
-python bench/webgpu_bench.py [--out DIR] [--small] [--plot JSON]
+python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--plot JSON]
 
 On the H200 (Vulkan): checks anyattn-webgpu against a float64 torch reference
 (up to S=8192), then times the backward (dQ+dK+dV; delta + dK/dV + dQ passes,
@@ -8,6 +8,10 @@ device-resident, from the forward's out/lse) of anyattn-webgpu (fp32, f16), the
 seed kernel (same Params, S=128..512; WGSL carried in .seed/), anyattn's seed-ABI
 path on a wgpu arena, anyattn-triton when importable and torch SDPA mem-efficient
 fp32.  On lavapipe (--small / no CUDA): anyattn-webgpu against the NumPy backend.
+--f16: only the float16 study at S=4096 (D=64, 128): errors of the f16 default and of
+other f16 run lengths vs float64 and vs a naive fp16 torch implementation, fp32 and
+f16 fwd/bwd timings side by side, f16 checks with masks/GQA/D=256 at size;
+webgpu_bench_f16.{json,png} under --out (small sizes and the NumPy reference on a CPU).
 FLOP convention (FlashAttention): fwd 4*B*H*Sq*Sk*D, bwd 2.5x that, causal 1/2.
 wgpu timing: N submissions of the encoded plan, then a read-back; wall / N.
 """
@@ -34,6 +38,12 @@ from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.registry import get_backend, unavailable_reason  # noqa: E402
 
 RESULTS = {"checks": [], "timings": [], "errors": []}
+PARTIAL = []   # a path to write RESULTS to after each step of a long study (if set)
+
+
+def save_partial():
+    if PARTIAL:
+        Path(PARTIAL[0]).write_text(json.dumps(RESULTS, indent=1))
 
 
 def log(*a):
@@ -183,6 +193,164 @@ def bench_api(B, H, S, D):
                bwd_ms=tb * 1e3, bwd_tflops=flops_bwd(B, H, S, S, D) / tb / 1e12, n=n)
     RESULTS["timings"].append(rec)
     log(f"numpy API bwd S={S}: {tb*1e3:.3f} ms (host transfers included)")
+
+
+# ------------------------------------------------------------------ f16 study
+def torch_naive16(q, k, v, g, causal=False):
+    """A naive float16 implementation (torch math attention in fp16 on the GPU: fp16
+    matmuls with fp32 accumulation, S/P/dS rounded to fp16) -> numpy float64 dict."""
+    import torch
+
+    G = q.shape[1] // k.shape[1]
+    t = [torch.from_numpy(np.ascontiguousarray(x)).cuda().half().requires_grad_(True)
+         for x in (q, k, v)]
+    qq, kk, vv = t
+    ke, ve = kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1)
+    s = (qq @ ke.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
+    if causal:
+        Sq, Sk = s.shape[-2:]
+        m = torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").tril()
+        s = s.masked_fill(~m, float("-inf"))
+    o = torch.softmax(s, -1) @ ve
+    o.backward(torch.from_numpy(np.ascontiguousarray(g)).cuda().half())
+    res = {"out": o, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
+    res = {k_: x.detach().double().cpu().numpy() for k_, x in res.items()}
+    del t, qq, kk, vv, ke, ve, s, o
+    torch.cuda.empty_cache()
+    return res
+
+
+def f16_errors(be, q, k, v, g, ref, causal=False, cfg=None):
+    mask = aa.Causal() if causal else None
+    be.config_override = cfg
+    try:
+        o, l = aa.attention(q, k, v, mask=mask, return_lse=True, backend="webgpu")
+        gr = aa.attention_backward(q, k, v, g, out=o, lse=l, mask=mask, backend="webgpu")
+    finally:
+        be.config_override = None
+    errs = {"out": rel(o, ref["out"]), "dq": rel(gr.dq, ref["dq"]), "dk": rel(gr.dk, ref["dk"]),
+            "dv": rel(gr.dv, ref["dv"])}
+    if "lse" in ref:
+        fin = np.isfinite(ref["lse"])
+        errs["lse_abs"] = float(np.max(np.abs(l[fin] - ref["lse"][fin])))
+    return errs
+
+
+def f16_study(be, gpu=True):
+    """f16 vs fp32 at S=4096 (B=1, H=8; D=64, 128): errors of every f16 config against
+    float64 (and of a naive fp16 torch implementation), fwd/bwd timings side by side;
+    then f16 checks with masks/GQA/Sq != Sk/D=256 at size (default config)."""
+    import dataclasses
+
+    from anyattn.backends.webgpu.launch import choose_config, half_config
+
+    TOL16 = 3e-3
+    B, H, S = (1, 8, 4096) if gpu else (1, 2, 128)
+    rows = []
+    for D in (64, 128):
+        base = choose_config(be.context, D)          # the fp32 config
+        dflt = choose_config(be.context, D, "f16")   # the f16 default
+        hc = half_config(base)
+        variants = [("f16-storage-only", base), ("f16-default", dflt)]
+        for DC, HC, IC, UC in ((32, 2, 16, 0), (32, 2, 8, 0), (32, 8, 16, 0), (64, 2, 16, 0),
+                               (64, 2, 32, 16), (64, 2, 64, 16), (64, 4, 32, 16)):
+            c = dataclasses.replace(hc, DC=DC, HC=HC, IC=IC, UC=UC)
+            if c != dflt:
+                try:
+                    c.check()
+                except ValueError:
+                    continue
+                lim = be.context.limits.get("max-compute-workgroup-storage-size", 16384)
+                if any(c.smem_bytes(k_) > lim for k_ in ("forward", "bwd_dq", "bwd_dkdv")):
+                    continue
+                variants.append((f"f16-DC{DC}-HC{HC}-IC{IC}-UC{UC or IC}", c))
+        rng = np.random.default_rng(7)
+        x16 = [rng.standard_normal((B, H, S, D)).astype(np.float16) for _ in range(4)]
+        q, k, v, g = x16
+        ref = (torch_ref if gpu else np_ref)(q, k, v, g)
+        naive = {}
+        if gpu:
+            nv = torch_naive16(q, k, v, g)
+            naive = {n: rel(nv[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
+        log(f"f16 study D={D}: naive fp16 torch errors {naive}")
+        t32 = bench_webgpu(be, B, H, S, D, "float32", tag="-f16study")
+        for name, cfg in variants:
+            try:
+                errs = f16_errors(be, q, k, v, g, ref, cfg=cfg)
+                t = bench_webgpu(be, B, H, S, D, "float16", cfg=cfg, tag="-" + name)
+            except Exception as e:  # keep the other variants
+                RESULTS["errors"].append(f"f16 study {name} D={D}: {type(e).__name__}: {e}"[:2000])
+                log("ERROR", name, e)
+                continue
+            worst = max(v_ for k_, v_ in errs.items() if k_ != "lse_abs")
+            ratio = {n: errs[n] / naive[n] for n in naive if naive[n] > 0}
+            rec = dict(variant=name, config=str(cfg), D=D, S=S, B=B, H=H, errors=errs,
+                       worst_rel=worst, ok=worst <= TOL16, naive_errors=naive,
+                       err_vs_naive=ratio, worst_vs_naive=max(ratio.values()) if ratio else None,
+                       fwd_tflops=t["fwd_tflops"], bwd_tflops=t["bwd_tflops"],
+                       fp32_fwd_tflops=t32["fwd_tflops"], fp32_bwd_tflops=t32["bwd_tflops"],
+                       fwd_speedup=t["fwd_tflops"] / t32["fwd_tflops"],
+                       bwd_speedup=t["bwd_tflops"] / t32["bwd_tflops"])
+            rows.append(rec)
+            RESULTS["f16_study"] = rows
+            save_partial()
+            log(f"  {name}: bwd {rec['bwd_speedup']:.2f}x fwd {rec['fwd_speedup']:.2f}x fp32; "
+                f"worst rel {worst:.2e} (naive x{rec['worst_vs_naive'] or 0:.2f}) {errs}")
+    RESULTS["f16_study"] = rows
+    # f16 correctness at size with masks, GQA, Sq != Sk, D up to 256 (default config)
+    cases = [("f16-S4096-D128-gqa-causal", 1, 4, 2, 4096, 4096, 128, True),
+             ("f16-S2048-D256-causal", 1, 2, 1, 2048, 2048, 256, True),
+             ("f16-S1000x3001-D160", 2, 2, 2, 1000, 3001, 160, False)] if gpu else \
+        [("f16-small-gqa-causal", 1, 4, 2, 70, 90, 40, True)]
+    for name, B_, Hq, Hkv, Sq, Sk, D, causal in cases:
+        rng = np.random.default_rng(8)
+        q = rng.standard_normal((B_, Hq, Sq, D)).astype(np.float16)
+        k = rng.standard_normal((B_, Hkv, Sk, D)).astype(np.float16)
+        v = rng.standard_normal((B_, Hkv, Sk, D)).astype(np.float16)
+        g = rng.standard_normal((B_, Hq, Sq, D)).astype(np.float16)
+        ref = (torch_ref if gpu else np_ref)(q, k, v, g, causal)
+        errs = f16_errors(be, q, k, v, g, ref, causal)
+        naive = {}
+        if gpu:
+            nv = torch_naive16(q, k, v, g, causal)
+            naive = {n: rel(nv[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
+        worst = max(v_ for k_, v_ in errs.items() if k_ != "lse_abs")
+        RESULTS["checks"].append(dict(name=name, dtype="float16", B=B_, Hq=Hq, Hkv=Hkv, Sq=Sq,
+                                      Sk=Sk, D=D, causal=causal, errors=errs, worst_rel=worst,
+                                      ok=worst <= TOL16, naive_errors=naive))
+        log(f"check {name}: worst rel {worst:.2e} ok={worst <= TOL16} {errs} naive {naive}")
+        save_partial()
+
+
+def plot_f16(json_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(json_path).read_text())
+    rows = res.get("f16_study", [])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, what in zip(axes, ("bwd", "fwd")):
+        labels, vals, cols = [], [], []
+        for D in (64, 128):
+            rr = [r for r in rows if r["D"] == D]
+            if not rr:
+                continue
+            labels.append(f"fp32 D={D}")
+            vals.append(rr[0][f"fp32_{what}_tflops"])
+            cols.append("gray")
+            for r in rr:
+                labels.append(f"{r['variant']} D={D}\nerr {r['worst_rel']:.1e}")
+                vals.append(r[f"{what}_tflops"])
+                cols.append("tab:blue" if r["ok"] else "tab:red")
+        ax.bar(range(len(vals)), vals, color=cols)
+        ax.set_xticks(range(len(vals)))
+        ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+        ax.set_ylabel(f"{what} TFLOP/s (FA convention)")
+        ax.set_title(f"webgpu {what}, S=4096 B=1 H=8 (red: error over 3e-3)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
 
 
 # ------------------------------------------------------------------ seed kernel + ABI
@@ -491,10 +659,15 @@ def main():
     ap.add_argument("--plot", help="only render the PNG from a results JSON")
     ap.add_argument("--quick", action="store_true",
                     help="GPU: two large checks, no triton, fewer sizes (a re-run after a change)")
+    ap.add_argument("--f16", action="store_true",
+                    help="only the f16 study (errors vs float64, f16 vs fp32 timings) + PNG")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
     if a.plot:
-        plot(a.plot, Path(a.plot).with_suffix(".png"))
+        if "f16_study" in json.loads(Path(a.plot).read_text()):
+            plot_f16(a.plot, Path(a.plot).with_suffix(".png"))
+        else:
+            plot(a.plot, Path(a.plot).with_suffix(".png"))
         return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -519,6 +692,18 @@ def main():
     log("adapter:", ctx.name, "f16:", ctx.has_f16)
     seed_src = Path(a.seed).read_text() if Path(a.seed).exists() else None
     t0 = time.time()
+    if a.f16:
+        if not ctx.has_f16:
+            log("the adapter has no shader-f16: no f16 study")
+            return
+        name = "webgpu_bench_f16.json" if gpu and not a.small else "webgpu_bench_f16_small.json"
+        PARTIAL.append(out / name)
+        guarded("f16 study", f16_study, be, gpu and not a.small)
+        RESULTS["total_seconds"] = time.time() - t0
+        (out / name).write_text(json.dumps(RESULTS, indent=1))
+        guarded("plot", plot_f16, out / name, (out / name).with_suffix(".png"))
+        log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")
+        return
     if a.small or not gpu:
         guarded("check small", check_case, be, "small-causal-gqa", 1, 4, 2, 70, 70, 64,
                 causal=True, gpu=False)

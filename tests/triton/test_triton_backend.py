@@ -234,6 +234,66 @@ def test_bitwise_repeatable_gqa_bias_mask():
 
 
 @needs_triton
+@pytest.mark.parametrize("case", ["band_gqa", "docs_bias", "keep_fullbias"])
+def test_fused_backward_equals_two_launches(case, monkeypatch):
+    """The one-launch backward (dK/dV and dQ programs in one grid) gives the same bits
+    as the separate dK/dV and dQ kernels, in both iteration modes and with dbias."""
+    rng = np.random.default_rng(11)
+    Sq, Sk = 45, 70
+    q, k, v, g = (T(x) for x in make_qkv(rng, 2, 4, 2, Sq, Sk, 24))
+    mask, bias, wrt = None, None, ("q", "k", "v")
+    if case == "band_gqa":
+        mask = aa.Causal("bottom_right") & aa.Window(left=20)
+    elif case == "docs_bias":
+        ids = np.sort(rng.integers(0, 3, (2, Sq)), axis=1)
+        kid = np.sort(rng.integers(0, 3, (2, Sk)), axis=1)
+        mask = aa.Documents(T(ids), T(kid))
+        bias, wrt = T(rng.standard_normal((1, 4, Sq, Sk)).astype(np.float32)), wrt + ("bias",)
+    else:
+        mask = aa.KeepMask(T(rng.random((Sq, Sk)) < 0.5))
+        bias, wrt = T(rng.standard_normal((2, 4, Sq, Sk)).astype(np.float32)), wrt + ("bias",)
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", fused)
+        runs[fused] = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt,
+                                            backend="triton")
+    for n in wrt:
+        n = "d" + n
+        assert torch.equal(getattr(runs["1"], n), getattr(runs["0"], n)), (case, n)
+    if case == "band_gqa":   # and both are right
+        rm = np_mask(mask)
+        rg = R.backward(*(to_np(x).astype(np.float64) for x in (q, k, v, g)), mask=rm)
+        for n in ("dq", "dk", "dv"):
+            assert_close(getattr(runs["1"], n), getattr(rg, n), "float32", n)
+
+
+@needs_triton
+@pytest.mark.parametrize("bshape", ["1H", "B1"])
+def test_dbias_owner_sum_with_batch_varying_masks(bshape, monkeypatch):
+    """A bias broadcast over batch or heads: the dq programs sum dS into dbias in place
+    (tiles one batch's mask skips and another's keeps included); same numbers as the
+    recomputing reduction kernel and the reference, bitwise repeatable."""
+    rng = np.random.default_rng(12)
+    B, Hq, Hkv, Sq, Sk = 3, 4, 2, 40, 67
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, 16)
+    shape = (1, Hq, Sq, Sk) if bshape == "1H" else (B, 1, Sq, Sk)
+    bias = rng.standard_normal(shape).astype(np.float32)
+    qi = np.sort(rng.integers(0, 3, (B, Sq)), axis=1)
+    ki = np.sort(rng.integers(0, 3, (B, Sk)), axis=1)
+    mask = aa.Documents(T(qi), T(ki)) & aa.Causal("bottom_right")
+    wrt = ("q", "k", "v", "bias")
+    _, _, gr = check(q, k, v, g, mask=mask, bias=bias, wrt=wrt)
+    qt, kt, vt, gt, bt = (T(x) for x in (q, k, v, g, bias))
+    again = aa.attention_backward(qt, kt, vt, gt, mask=mask, bias=bt, wrt=wrt, backend="triton")
+    for n in ("dq", "dk", "dv", "dbias"):
+        assert torch.equal(getattr(gr, n), getattr(again, n)), n
+    monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
+    other = aa.attention_backward(qt, kt, vt, gt, mask=mask, bias=bt, wrt=wrt, backend="triton")
+    assert torch.equal(gr.dq, other.dq) and torch.equal(gr.dk, other.dk)
+    assert_close(gr.dbias, to_np(other.dbias).astype(np.float64), "float32", "dbias")
+
+
+@needs_triton
 def test_nan_propagates_only_in_its_row():
     rng = np.random.default_rng(10)
     q, k, v, _ = make_qkv(rng, 1, 1, 1, 20, 20, 16)

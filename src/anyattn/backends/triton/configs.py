@@ -4,7 +4,8 @@ an optional autotuner (cached per key), and a fixed small plan for tests.
 Key of a plan: (padded head dim DP, dtype, precision, mask class, bias?, length
 bucket).  ``ANYATTN_TRITON_CONFIG=fixed`` (or ``TRITON_INTERPRET=1``) selects the
 fixed test plan; ``ANYATTN_TRITON_AUTOTUNE=1`` times the candidates of each kernel
-once per key on the first call and caches the fastest.
+once per key on the first call and caches the fastest; ``ANYATTN_TRITON_FUSED_BWD=0``
+launches dK/dV and dQ as two kernels instead of one.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
-           "tune", "candidates", "padded_dim", "length_bucket"]
+           "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Plan:
     sbq: int = 128
     sbk: int = 128
     prec: str = "tf32"          # tl.dot input_precision for fp32 inputs
+    fused_bwd: bool = True      # dK/dV and dQ in one launch (dkdv's warps / stages)
 
     def check(self) -> "Plan":
         for c in (self.fwd, self.dq):
@@ -62,12 +64,16 @@ def length_bucket(s: int) -> int:
     return b
 
 
+def fused_enabled() -> bool:
+    return os.environ.get("ANYATTN_TRITON_FUSED_BWD", "1") != "0"
+
+
 def fixed_plan(prec: str = "ieee") -> Plan:
     """Small tiles for the interpreter and tests: several tiles even at S ~ 40, and
     mask blocks (32) larger than the tiles (16) so sub-tiling is exercised."""
     return Plan(fwd=KernelConfig(32, 16, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
                 dq=KernelConfig(32, 16, 4, 1), dbias=KernelConfig(16, 16, 4, 1),
-                pre_bm=32, sbq=32, sbk=32, prec=prec).check()
+                pre_bm=32, sbq=32, sbk=32, prec=prec, fused_bwd=fused_enabled()).check()
 
 
 def use_fixed() -> bool:
@@ -102,7 +108,8 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     wide = dtype == "float32"
     # measured on the H200 (docs/perf/triton_h200.json, "tune"): bf16 S=4096 D=128 best
     # fwd 128x128 w8 s3, dK/dV 64x128 w8 s3, dQ 128x64 w8 s3; D=64 fwd 64x64 w4 s3,
-    # dQ 128x64 w4 s3; fp32 (3xTF32) fwd 128x32 w4 s2, dK/dV 32x64 w4 s2, dQ 32x64 w4 s2.
+    # dQ 128x64 w4 s3; fp32 (3xTF32) fwd 128x32 w4 s2, dK/dV 32x64 w4 s2, dQ 32x64 w4 s2;
+    # broadcast-dbias reduction at bf16 D=128 128x64 w8 s2 (docs/perf/triton_h200_ab_*.json).
     if dp <= 64:
         if wide:
             p = Plan(fwd=KernelConfig(128, 32, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
@@ -116,7 +123,7 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
                      dq=KernelConfig(32, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
         else:
             p = Plan(fwd=KernelConfig(128, 128, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
-                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(64, 64, 4, 2))
+                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(128, 64, 8, 2))
     else:  # 256
         if wide:
             p = Plan(fwd=KernelConfig(32, 32, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
@@ -124,7 +131,11 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
         else:
             p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
                      dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
-    p = replace(p, prec=prec)
+    # one-launch backward: measured faster for 16-bit D=128 (+5 % at S=4k, +9 % at 2k) but
+    # slower for D<=64 (its dQ wants 4 warps, the dK/dV 8) and for fp32 (-2 %), see
+    # docs/perf/LOG.md; ANYATTN_TRITON_FUSED_BWD=0 turns it off everywhere.
+    fused = fused_enabled() and not wide and dp > 64
+    p = replace(p, prec=prec, fused_bwd=fused)
     override = _overrides.get((dp, dtype, precision))
     if override is not None:
         p = replace(p, **override)
@@ -161,7 +172,18 @@ def candidates(kernel: str, dp: int, dtype: str) -> List[KernelConfig]:
     return out
 
 
-_tuned: Dict[tuple, KernelConfig] = {}
+def fused_candidates(dp: int, dtype: str) -> List[Tuple[KernelConfig, KernelConfig]]:
+    """(dK/dV, dQ) config pairs the autotuner tries for the fused backward launch
+    (the pair shares the first config's warps and stages)."""
+    out = []
+    for a in candidates("dkdv", dp, dtype):
+        for b in candidates("dq", dp, dtype):
+            if (b.num_warps, b.num_stages) == (a.num_warps, a.num_stages):
+                out.append((a, b))
+    return out
+
+
+_tuned: Dict[tuple, object] = {}
 
 
 def tune(key: tuple, cands: Sequence[KernelConfig],

@@ -264,9 +264,11 @@ def _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, of
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
     offs_n = start_n + offs_nb
     kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    if HAS_BIAS:   # issued before the product, to overlap it
+        bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
     s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
     if HAS_BIAS:
-        s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED) * 1.4426950408889634
+        s += bt * 1.4426950408889634
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)
@@ -336,25 +338,25 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
     else:
+        # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
         cb = b * sc_b + h * sc_h + row                     # sc_b / sc_h are 0 when broadcast
         ib = b * si_b + h * si_h + row * si_r
+        NSUB = SBK // BN
         n_part = tl.load(CNT + cb)
-        for t in range(0, n_part):
-            blk = tl.load(IDX + ib + t)
-            for sub in tl.static_range(SBK // BN):
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN,
-                                          offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
-                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
-                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+        for t in range(0, n_part * NSUB):
+            start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
+                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         n_full = tl.load(FCNT + cb)
-        for t in range(0, n_full):
-            blk = tl.load(FIDX + ib + t)
-            for sub in tl.static_range(SBK // BN):
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN,
-                                          offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
-                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
-                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+        for t in range(0, n_full * NSUB):
+            start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
+                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
 
     # empty rows (l == 0): out 0, lse -inf; NaN rows stay NaN
     empty = l_i == 0.0
@@ -409,9 +411,11 @@ def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, of
         lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
     else:
         lse2 = tl.load(L2h + offs_m)
+    if HAS_BIAS:   # issued before the product, to overlap it
+        bT = _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED)         # [BN, BM]
     sT = _dot(k, qT, PREC) * qk_scale                       # [BN, BM]
     if HAS_BIAS:
-        sT += _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED) * 1.4426950408889634
+        sT += bT * 1.4426950408889634
     pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
     if MASKED:
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
@@ -430,22 +434,19 @@ def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, of
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
-                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
-                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
-                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                 sc_b, sc_h, si_b, si_h, si_r,
-                 H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi,
-                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
-                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    """Grid (cdiv(Sk, BN), B * HKV): dk, dv [BN, D] of one key tile, summed over the
-    G query heads of its kv head and over every query tile (no atomics)."""
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = (bhk // HKV).to(tl.int64)
-    hk = (bhk % HKV).to(tl.int64)
+def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
+                  CNT, IDX, FCNT, FIDX,
+                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                  sc_b, sc_h, si_b, si_h, si_r,
+                  H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
+    the G query heads of the group and over every query tile."""
     j0 = pid_n * BN
     offs_nb = tl.arange(0, BN)
     offs_n = j0 + offs_nb
@@ -484,27 +485,25 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         else:
+            # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
             cb = b * sc_b + h * sc_h + col
             ib = b * si_b + h * si_h + col * si_r
+            NSUB = SBQ // BM
             n_part = tl.load(CNT + cb)
-            for t in range(0, n_part):
-                blk = tl.load(IDX + ib + t)
-                for sub in tl.static_range(SBQ // BM):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh,
-                                        blk * SBQ + sub * BM, offs_n, offs_mb, offs_d, Sq, Sk,
-                                        qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
-                                        sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                                        HAS_BIAS, PREC)
+            for t in range(0, n_part * NSUB):
+                start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
+                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             n_full = tl.load(FCNT + cb)
-            for t in range(0, n_full):
-                blk = tl.load(FIDX + ib + t)
-                for sub in tl.static_range(SBQ // BM):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh,
-                                        blk * SBQ + sub * BM, offs_n, offs_mb, offs_d, Sq, Sk,
-                                        qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
-                                        sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                                        HAS_BIAS, PREC)
+            for t in range(0, n_full * NSUB):
+                start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
+                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
     dk = dk * scale
     inb = offs_n < Sk
     dk_ptrs = DK + b * sdk_b + hk * sdk_h + j0.to(tl.int64) * sdk_s + offs_nb[:, None] * sdk_s + offs_d[None, :]
@@ -518,18 +517,51 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
 
 
 @triton.jit
+def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                 sc_b, sc_h, si_b, si_h, si_r,
+                 H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi,
+                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
+    bhk = tl.program_id(1)
+    _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
+                  Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+
+
+@triton.jit
 def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
              Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
+             db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-             HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
-    """One key tile's contribution to dq [BM, DP] (and dbias for an unbroadcast bias)."""
+             HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
+             PREC: tl.constexpr):
+    """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
+    tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
     kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
     vT = _load_rows_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    # loads that feed no product are issued first, so that they overlap the products
+    if HAS_BIAS:
+        bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
+    if WRITE_DB:
+        db_ptrs = DB + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
+        inb = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)
+        if DB_ACC:   # this program wrote the tile before (earlier batch / head): add to it
+            db_old = tl.load(db_ptrs, mask=inb & (db_add != 0), other=0.0).to(tl.float32)
     s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
     if HAS_BIAS:
-        s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED) * 1.4426950408889634
+        s += bt * 1.4426950408889634
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
@@ -538,32 +570,33 @@ def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
     dp = _dot(do, vT, PREC)                                  # [BM, BN]
     ds = p * (dp - dlt[:, None])
     if WRITE_DB:
-        db_ptrs = DB + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
+        db = ds
+        if DB_ACC:
+            db += db_old
         if MASKED:
-            tl.store(db_ptrs, ds.to(DB.dtype.element_ty),
-                     mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
+            tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
-            tl.store(db_ptrs, ds.to(DB.dtype.element_ty))
+            tl.store(db_ptrs, db.to(DB.dtype.element_ty))
     dq += _dot(ds.to(kT.dtype), tl.trans(kT), PREC)          # [BM, DP]
     return dq
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
-               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
-               sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
-               sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-               H, G, Sq, Sk, qk_scale, scale, lo, hi,
-               D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
-               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-               HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H): dq [BM, D] of one query tile over every key tile."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
+                CNT, IDX, FCNT, FIDX,
+                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi, db_add,
+                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
+                PREC: tl.constexpr):
+    """dq [BM, D] of query tile pid_m of head h in batch b (int64) over every key tile
+    (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
+    bh = b * H + h
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -571,7 +604,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
     offs_d = tl.arange(0, DP)
     q = _load_rows(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)
     do = _load_rows(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)
-    row = bh.to(tl.int64) * Sq + offs_m
+    row = bh * Sq + offs_m
     lse2 = tl.load(L2 + row, mask=offs_m < Sq, other=float("inf"))
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
     Kh = K + b * sk_b + hk * sk_h
@@ -587,38 +620,38 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
         for t in range(t0, f0):
             dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                          WRITE_DB, PREC)
+                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                          WRITE_DB, PREC)
+                          DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                          WRITE_DB, PREC)
+                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
     else:
+        # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         rw = i0 // SBQ
         cb = b * sc_b + h * sc_h + rw
         ib = b * si_b + h * si_h + rw * si_r
+        NSUB = SBK // BN
         n_part = tl.load(CNT + cb)
-        for t in range(0, n_part):
-            blk = tl.load(IDX + ib + t)
-            for sub in tl.static_range(SBK // BN):
-                dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN, offs_m,
-                              offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
-                              skm_n, BI, sb_m, sb_n, DBh, sdb_m, sdb_n, D, DP, True, HAS_BAND,
-                              HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, PREC)
+        for t in range(0, n_part * NSUB):
+            start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
+            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+                          offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         n_full = tl.load(FCNT + cb)
-        for t in range(0, n_full):
-            blk = tl.load(FIDX + ib + t)
-            for sub in tl.static_range(SBK // BN):
-                dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, blk * SBK + sub * BN, offs_m,
-                              offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
-                              skm_n, BI, sb_m, sb_n, DBh, sdb_m, sdb_n, D, DP, False, HAS_BAND,
-                              HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, PREC)
+        for t in range(0, n_full * NSUB):
+            start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
+            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+                          offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
     dq = dq * scale
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -626,6 +659,117 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=inb[:, None])
     else:
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=inb[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+               sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+               sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
+               H, G, Sq, Sk, qk_scale, scale, lo, hi,
+               D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
+    bh = tl.program_id(1)
+    _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
+                Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
+
+
+@triton.jit
+def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
+                     B, H, G, Sq, Sk, qk_scale, scale, lo, hi, HB,
+                     D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                     RED_B: tl.constexpr, RED_H: tl.constexpr,
+                     HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                     PREC: tl.constexpr):
+    """dq and the dbias of a bias broadcast over batch (RED_B) and/or heads (RED_H) but
+    full over queries and keys, no atomics and no scratch.
+
+    Grid (cdiv(Sq, BM), Bb * HB): a program owns the dbias rows [BM, Sk] of one
+    (bias batch, bias head) and runs the dq program of every (b, h) that maps onto
+    them, in order; the first writes dS, the later ones add theirs (sdb_b / sdb_h are 0
+    on the reduced dims, so every (b, h) addresses the same rows)."""
+    pid_m = tl.program_id(0)
+    pbh = tl.program_id(1)
+    bb = (pbh // HB).to(tl.int64)
+    hb = (pbh % HB).to(tl.int64)
+    nb_ = B if RED_B else 1
+    nh_ = H if RED_H else 1
+    for bi in range(0, nb_):
+        for hi_ in range(0, nh_):
+            if RED_B:
+                b = tl.cast(bi, tl.int64)
+            else:
+                b = bb
+            if RED_H:
+                h = tl.cast(hi_, tl.int64)
+            else:
+                h = hb
+            tl.debug_barrier()   # the previous (b, h)'s dbias stores are visible to all
+            _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
+                        CNT, IDX, FCNT, FIDX,
+                        sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h,
+                        sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
+                        sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                        sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                        bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
+                        HAS_KEEP, True, True, True, PREC)
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
+                CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX,
+                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sdq_b, sdq_h, sdq_s,
+                sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
+                H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi, NKV_TILES, NQ_TILES,
+                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BM2: tl.constexpr, BN2: tl.constexpr,
+                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
+                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+    """The whole backward after the delta pass in one launch.
+
+    Grid (NKV_TILES + G * NQ_TILES, B * HKV): programs [0, NKV_TILES) own a key tile
+    (BN keys) of kv head hk and write its dk, dv (query tiles of BM); the rest own a
+    query tile (BM2 queries) of one of the G query heads of hk and write its dq (key
+    tiles of BN2).  Same results as _dkdv_kernel + _dq_kernel, bit for bit."""
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // HKV).to(tl.int64)
+    hk = (bhk % HKV).to(tl.int64)
+    if pid < NKV_TILES:
+        _dkdv_program(pid, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
+                      CCNT, CIDX, CFCNT, CFIDX,
+                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                      sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+                      sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
+                      cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                      D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
+                      PREC)
+    else:
+        r = pid - NKV_TILES
+        h = hk * G + r // NQ_TILES
+        _dq_program(r % NQ_TILES, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
+                    RCNT, RIDX, RFCNT, RFIDX,
+                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
+                    sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
+                    sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
+                    H, G, Sq, Sk, qk_scale, scale, lo, hi, 0, D, DP, BM2, BN2, SBQ, SBK, MODE,
+                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
 
 
 @triton.jit

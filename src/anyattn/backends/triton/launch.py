@@ -17,6 +17,7 @@ mask and cached on the mask tensors' identity and version counter.
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -434,44 +435,152 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
                   HAS_KEEP=ma.has_keep, PREC=plan.prec)
     want_db = "bias" in p.wrt and bias is not None
     full_bias = want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
+    # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
+    owner_db = (want_db and not full_bias and tuple(p.bias_shape[2:]) == (Sq, Sk)
+                and os.environ.get("ANYATTN_TRITON_DBIAS") != "recompute")
     with ctx:
         K._bwd_pre_kernel[(triton.cdiv(Sq, plan.pre_bm), B * H)](
             out, dout, lse, delta, lse2, *_s3(out), *_s3(dout), H, Sq,
             D=D, DP=DP, BM=plan.pre_bm)
-        if "k" in p.wrt or "v" in p.wrt:
-            dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
-            dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
-            args = (q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
-                    tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
-                    *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                    *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(),
-                    H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
-            kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
-            _launch(K._dkdv_kernel, lambda c: (triton.cdiv(Sk, c.bn), B * Hkv), plan.dkdv,
-                    args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
-            res["dk"], res["dv"] = dk, dv
+        want_kv = "k" in p.wrt or "v" in p.wrt
+        want_q = "q" in p.wrt or full_bias or owner_db
         if full_bias:
             dbias = torch.zeros((B, H, Sq, Sk), dtype=bias.dtype, device=dev)
             sdb = tuple(dbias.stride())
         else:
             dbias, sdb = _dummy(dev, torch.float32), (0, 0, 0, 0)
-        if "q" in p.wrt or full_bias:
+        dk = dv = dq = None
+        if want_kv:
+            dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+            dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+        if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
-            args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-                    tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
-                    *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
-                    ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
-                    H, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
-            kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
-                      WRITE_DB=full_bias, **common)
-            _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq, args, kw,
-                    _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
+        scalars = (H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
+        if owner_db:
+            if want_kv:
+                _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars,
+                             common)
+            res["dbias"] = _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma,
+                                            tlists, scalars, common)
+        elif want_kv and want_q and plan.fused_bwd:
+            _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sdb,
+                              ma, tlists, scalars, common, full_bias)
+        else:
+            if want_kv:
+                _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars,
+                             common)
+            if want_q:
+                args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                        tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+                        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
+                        ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
+                        scalars[0], *scalars[2:])
+                kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
+                          WRITE_DB=full_bias, **common)
+                _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq,
+                        args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
+        if want_kv:
+            res["dk"], res["dv"] = dk, dv
+        if "q" in p.wrt:
             res["dq"] = dq
         if full_bias:
             res["dbias"] = dbias
-        elif want_db:
+        elif want_db and not owner_db:
             res["dbias"] = _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan)
     return res
+
+
+def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars, common):
+    """dk, dv through K._dkdv_kernel (one program per key tile and kv head)."""
+    args = (q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
+            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+            *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
+    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
+    B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
+    _launch(K._dkdv_kernel, lambda c: (triton.cdiv(Sk, c.bn), B * Hkv), plan.dkdv,
+            args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
+
+
+def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, scalars,
+                     common):
+    """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
+    and/or heads, through K._dq_dbias_kernel: the programs of one (bias batch, bias head)
+    run the dq of every (b, h) mapped onto it in turn and sum dS in place; the dbias
+    starts at zero, so tiles a mask skips stay exact zeros."""
+    B, H, Sq = p.batch, p.heads_q, p.seq_q
+    bb, hb = p.bias_shape[0], p.bias_shape[1]
+    red_b, red_h = bb == 1 and B > 1, hb == 1 and H > 1
+    dev = q.device
+    dbias = torch.zeros(tuple(p.bias_shape), dtype=bias.dtype, device=dev)
+    st = dbias.stride()
+    sdb = (0 if red_b else st[0], 0 if red_h else st[1], st[2], st[3])
+    args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
+            ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
+            B, H, *scalars[2:], hb)
+    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, RED_B=red_b, RED_H=red_h, **common)
+    _launch(K._dq_dbias_kernel, lambda c: (triton.cdiv(Sq, c.bm), bb * hb), plan.dq, args, kw,
+            _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
+    return dbias
+
+
+def _fused_fallbacks(c1: C.KernelConfig, c2: C.KernelConfig):
+    """(dK/dV config, dQ config) pairs for the fused launch, cheaper after the first;
+    both halves share the first config's warps and stages."""
+    for a in _fallbacks(c1):
+        yield a, C.KernelConfig(c2.bm if a.bm == c1.bm else max(16, c2.bm // 2),
+                                c2.bn if a.bn == c1.bn else max(16, c2.bn // 2),
+                                a.num_warps, a.num_stages)
+
+
+def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sdb, ma,
+                      tlists, scalars, common, full_bias):
+    """dK/dV and dQ in one launch of K._bwd_kernel (plan.dkdv gives BM/BN, warps and
+    stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
+    (remembered per signature); autotuned over config pairs with ANYATTN_TRITON_AUTOTUNE=1."""
+    from triton.runtime.errors import OutOfResources
+
+    B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
+    args = (q, k, v, dout, lse2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq),
+            *ma.sb, *sdb, ma.sqid_b, ma.skid_b, *ma.skm,
+            *tlists.col_strides(), *tlists.row_strides(), *scalars)
+    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
+              WRITE_DB=full_bias, **common)
+
+    def launch(pair):
+        c1, c2 = pair
+        nkv, nq = triton.cdiv(Sk, c1.bn), triton.cdiv(Sq, c2.bm)
+        K._bwd_kernel[(nkv + G * nq, B * Hkv)](
+            *args, nkv, nq, BM=c1.bm, BN=c1.bn, BM2=c2.bm, BN2=c2.bn,
+            num_warps=c1.num_warps, num_stages=c1.num_stages, **kw)
+
+    c1 = plan.dkdv
+    c2 = C.KernelConfig(plan.dq.bm, plan.dq.bn, c1.num_warps, c1.num_stages)
+    sig = _sig(dt=str(q.dtype), **kw)
+    if C.autotune_enabled():
+        cands = [(c1, c2)] + [pair for pair in C.fused_candidates(kw["DP"], p.dtype)
+                              if plan.sbq % pair[0].bm == 0 and plan.sbk % pair[0].bn == 0
+                              and plan.sbq % pair[1].bm == 0 and plan.sbk % pair[1].bn == 0]
+        c1, c2 = C.tune(_tune_key("bwd", p, plan) + (sig,), cands,
+                        lambda pair: (lambda: launch(pair)))
+    key = ("_bwd_kernel", c1, c2, sig)
+    first = _fallback_cache.get(key)
+    tries = [first] if first is not None else list(_fused_fallbacks(c1, c2))
+    err = None
+    for pair in tries:
+        try:
+            launch(pair)
+            _fallback_cache[key] = pair
+            return pair
+        except OutOfResources as e:
+            err = e
+    raise err
+
 
 
 def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):

@@ -1,12 +1,13 @@
 """The ``webgpu`` backend: tiled WGSL kernels through wgpu-py (Vulkan, Metal, DX12, lavapipe).
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
-NumPy arrays in and out: float32, or float16 storage with f32 accumulation where
-the adapter has ``shader-f16``.  Forward: one pass with lse.  Backward: delta
-pass, dK/dV pass per key tile (looping over the query tiles of every query head
-of the kv group), dQ pass per query tile (which also writes dS for dbias), then a
-deterministic dbias reduction.  No float atomics anywhere: repeated runs are
-bitwise equal.  ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
+NumPy arrays in and out: float32, or float16 (f16 tiles and packed f16 products over
+short runs, f32 accumulation: launch.half_config) where the adapter has
+``shader-f16``.  Forward: one pass with lse.  Backward: delta pass, dK/dV pass per
+key tile (looping over the query tiles of every query head of the kv group), dQ pass
+per query tile (which also writes dS for dbias), then a deterministic dbias
+reduction.  No float atomics anywhere: repeated runs are bitwise equal.
+``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 """
 from __future__ import annotations
 
@@ -90,13 +91,15 @@ class WebGPUBackend(Backend):
             self._runner = Runner(self.context)
         return self._runner
 
-    def _call(self, p_sizes, D, elem, uprefix="u"):
+    def _call(self, p_sizes, D, elem, uprefix="u", backward=False):
         from .engine import Call
         from .launch import choose_config
 
         run = self._run()
-        cfg = self.config_override or choose_config(run.ctx, D)
+        cfg = self.config_override or choose_config(run.ctx, D, elem, backward)
         cfg.check()
+        if cfg.half and elem != "f16":
+            raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")
         call = Call(run, cfg, *p_sizes, D, elem=elem, debug=self.debug_trips, uprefix=uprefix)
         if self.loop_limit_override is not None:
             call.limit = self.loop_limit_override
@@ -104,13 +107,14 @@ class WebGPUBackend(Backend):
 
     # ------------------------------------------------------------------ common
     def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u"):
+        """Uploads and masks of one call; a backward config when ``dout`` is given."""
         from .engine import upload_view
 
         if p.dtype not in _NP:
             raise NotImplementedError(f"webgpu: dtype {p.dtype} is not supported")
         npdt = _NP[p.dtype]
         call = self._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
-                          _ELEM[p.dtype], uprefix)
+                          _ELEM[p.dtype], uprefix, backward=dout is not None)
         run = call.run
         call.set_scale(p.scale)
         call.q = upload_view(run, "q", q, npdt)

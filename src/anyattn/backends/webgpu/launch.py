@@ -10,6 +10,7 @@ what one launch would, in the same order.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ from . import uniforms
 from .device import Context
 from .pipelines import KernelError, PipelineCache
 
-__all__ = ["TileConfig", "choose_config", "LoopLimitError", "Runner", "Launch", "ceil_div"]
+__all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch", "ceil_div"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -33,13 +34,22 @@ class LoopLimitError(NotImplementedError):
 @dataclass(frozen=True)
 class TileConfig:
     """Workgroup TY x TX threads; tiles BQ = 4*TY queries x BK = 4*TX keys; D in
-    chunks of DC; output columns per workgroup DS = 4*TX*NV; update row chunks IC."""
+    chunks of DC; output columns per workgroup DS = 4*TX*NV; update row chunks IC.
+
+    ``half`` (f16 inputs only): workgroup tiles in f16 and packed f16 products, summed
+    in f16 over short runs (HC vec4 columns = 2*HC products per lane for S and dP; IC
+    rows, UC (default IC) per f16 flush as two chains of UC/2, for the updates), each
+    run's partial added into the f32 accumulators.
+    Softmax, lse, delta and every longer sum stay f32."""
 
     TX: int = 16
     TY: int = 16
     DC: int = 16
     IC: int = 8
     NV: int = 2
+    half: bool = False
+    HC: int = 4
+    UC: int = 0        # f16 flush period of the updates in rows (0: IC)
 
     @property
     def BQ(self) -> int:
@@ -54,6 +64,10 @@ class TileConfig:
         return self.TX * self.TY
 
     @property
+    def uc(self) -> int:
+        return self.UC or self.IC
+
+    @property
     def DS(self) -> int:
         return 4 * self.TX * self.NV
 
@@ -61,17 +75,21 @@ class TileConfig:
         c = dict(TX=self.TX, TY=self.TY, NT=self.NT, BQ=self.BQ, BK=self.BK, DC=self.DC,
                  DC4=self.DC // 4, RSQ=self.DC // 4 + 1, NV=self.NV, DS=self.DS,
                  DS4=self.DS // 4, IC=self.IC, IC4=self.IC // 4, RSP=self.BQ // 4 + 1,
-                 RSP2=self.BK // 4 + 1)
+                 RSP2=self.BK // 4 + 1, NACC=4 * self.NV, UC4=self.uc // 4,
+                 NUC=self.IC // self.uc)
+        if self.half:
+            c.update(HALF=1, HC=self.HC, NHC=self.DC // 4 // self.HC)
         return c
 
     def smem_bytes(self, kernel: str) -> int:
         c = self.consts()
+        sv = 8 if self.half else 16          # bytes of one tile element (4 values)
         stage = c["BQ"] * c["RSQ"], c["BK"] * c["RSQ"]
         if kernel == "forward":
-            return 16 * (sum(stage) + c["BQ"] * c["RSP2"]) + 4 * (self.BQ * self.TX + 3 * self.BQ + 1)
+            return sv * (sum(stage) + c["BQ"] * c["RSP2"]) + 4 * (self.BQ * self.TX + 3 * self.BQ + 1)
         if kernel == "bwd_dq":
-            return 16 * (2 * sum(stage) + c["BQ"] * c["RSP2"]) + 4
-        return 16 * (2 * sum(stage) + c["BK"] * c["RSP"]) + 4
+            return sv * (2 * sum(stage) + c["BQ"] * c["RSP2"]) + 4
+        return sv * (2 * sum(stage) + c["BK"] * c["RSP"]) + 4
 
     def check(self) -> None:
         c = self.consts()
@@ -79,7 +97,9 @@ class TileConfig:
         ok = (self.TX == self.TY and self.DC % 4 == 0 and self.IC % 4 == 0
               and self.BQ % self.IC == 0
               and self.BK % self.IC == 0
-              and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"])
+              and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"]
+              and self.uc % 4 == 0 and self.IC % self.uc == 0
+              and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0)))
         if not ok:
             raise ValueError(f"inconsistent tile config {self}")
 
@@ -122,13 +142,37 @@ GPU_CONFIGS = (TileConfig(16, 16, 16, 8, 2), TileConfig(8, 8, 16, 8, 2))
 CPU_CONFIGS = (TileConfig(8, 8, 16, 8, 2),)
 
 
-def choose_config(ctx: Context, D: int) -> TileConfig:
-    """The first config whose workgroup memory fits the adapter; NV = 1 for small D."""
+def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0) -> TileConfig:
+    """The f16-math variant of an f32 config: S/dP in f16 runs of 4 products per lane
+    (HC = 2), updates flushed every 16 rows as two f16 chains of 8 (errors at the level
+    of a naive fp16 implementation).  Forward: D chunks of 32 (same workgroup bytes
+    per row as f32), IC = 16.  Backward on a GPU (``smem_limit`` > 0): D chunks of 64
+    and the longest staged row chunk IC in (64, 32) that fits (fewer barriers;
+    measured on the H200: bwd 1.25x / 1.27x the f32 speed at D = 64 / 128 against
+    1.18x / 1.25x with the forward's chunks, docs/perf/LOG.md 2026-12-02 evening)."""
+    h = dataclasses.replace(cfg, DC=32, IC=16, UC=16, half=True, HC=2)
+    if backward and smem_limit:
+        for ic in (64, 32):
+            c = dataclasses.replace(h, DC=64, IC=ic)
+            try:
+                c.check()
+            except ValueError:
+                continue
+            if all(c.smem_bytes(k) <= smem_limit for k in ("bwd_dq", "bwd_dkdv")):
+                return c
+    return h
+
+
+def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False) -> TileConfig:
+    """The first config whose workgroup memory fits the adapter; NV = 1 for small D;
+    the f16-math variant (``half_config``, its backward variant on GPUs) for f16."""
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
     for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
         if D <= 4 * cfg.TX:       # one vec4 column group per thread; longer update chunks
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
+        if elem == "f16":
+            cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit)
         if cfg.NT <= inv and all(cfg.smem_bytes(k) <= limit
                                  for k in ("forward", "bwd_dq", "bwd_dkdv")):
             cfg.check()

@@ -3,12 +3,15 @@
 Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
 
 * ``//@include NAME``   -> the text of ``shaders/NAME.wgsl``
-* ``//@define X [val]`` / ``//@undef X`` / ``//@if X`` ... ``//@endif X``; ``$X$`` -> val
+* ``//@define X [val]`` / ``//@undef X`` / ``//@if X`` (``//@ifn X``: if not defined)
+  ... ``//@endif X``; ``$X$`` -> val.  ``HALF`` is defined for the f16-math kernels
+  (constant ``HALF`` = 1: workgroup tiles ``SV`` = vec4<f16>, packed f16 products).
 * ``//@for n COUNT`` ... ``//@end n``  -> the block COUNT times (a number or a
   constant name), ``{n}`` -> ``0u, 1u, ..`` and ``{n#}`` -> ``0, 1, ..``.  Unrolled
   blocks give register indices and are no loops for llvmpipe's trip limit.
-* ``//@loaders`` -> vec4 loaders ``ld4_q/k/v/g`` (bounds-checked over D) and
-  ``ld4_out``/``st4_out`` for the f32 output buffer.
+* ``//@loaders`` -> loaders ``lds_q/k/v/g`` of 4 consecutive elements as one ``SV``
+  (bounds-checked over D; vec4<f32>, or vec4<f16> in HALF mode, read as one vec4<f16>
+  when aligned) and ``ld4_out``/``st4_out`` for the f32 output buffer.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -37,11 +40,27 @@ def _read(name: str) -> str:
     return (SHADER_DIR / f"{name}.wgsl").read_text()
 
 
-def _loaders() -> str:
+def _loaders(half: bool) -> str:
     out = []
     for name, buf in (("q", "qb"), ("k", "kb"), ("v", "vb"), ("g", "gb")):
+        if half:    # buf: array<vec4<f16>>; element e is buf[e / 4][e % 4]
+            out.append(f"""
+fn h1_{name}(e: u32) -> f16 {{ return {buf}[e >> 2u][e & 3u]; }}
+fn lds_{name}(base: u32, d: u32) -> vec4<f16> {{
+  let e = base + d;
+  if (d + 3u < U.D) {{
+    if ((e & 3u) == 0u) {{ return {buf}[e >> 2u]; }}
+    return vec4<f16>(h1_{name}(e), h1_{name}(e + 1u), h1_{name}(e + 2u), h1_{name}(e + 3u));
+  }}
+  var r = vec4<f16>(0.0h);
+  if (d < U.D) {{ r.x = h1_{name}(e); }}
+  if (d + 1u < U.D) {{ r.y = h1_{name}(e + 1u); }}
+  if (d + 2u < U.D) {{ r.z = h1_{name}(e + 2u); }}
+  return r;
+}}""")
+            continue
         out.append(f"""
-fn ld4_{name}(base: u32, d: u32) -> vec4<f32> {{
+fn lds_{name}(base: u32, d: u32) -> vec4<f32> {{
   if (d + 3u < U.D) {{
     return vec4<f32>(f32({buf}[base + d]), f32({buf}[base + d + 1u]), f32({buf}[base + d + 2u]),
                      f32({buf}[base + d + 3u]));
@@ -82,11 +101,13 @@ def _conditionals(text: str) -> str:
     out, skip = [], []
     for line in text.split("\n"):
         st = line.strip()
-        m = re.match(r"//@(define|undef|if|endif) (\w+)(?: (\S+))?$", st)
+        m = re.match(r"//@(define|undef|ifn|if|endif) (\w+)(?: (\S+))?$", st)
         if m:
             kind, name, val = m.groups()
             if kind == "if":
                 skip.append(name not in defs)
+            elif kind == "ifn":
+                skip.append(name in defs)
             elif kind == "endif":
                 skip.pop()
             elif not any(skip):
@@ -119,7 +140,8 @@ def _unroll(text: str, consts: Mapping[str, int]) -> str:
         text = text[:m.start()] + rep + text[m.end():]
 
 
-_VAR = re.compile(r"^([ \t]+)var (\w+)(?:: ([^=;]+?))?(?: = ([^;]+))?;[ \t]*$", flags=re.M)
+_VAR = re.compile(r"^([ \t]+)var (\w+)(?:: ([^=;]+?))?(?: = ([^;]+))?;[ \t]*(?://.*)?$",
+                  flags=re.M)
 
 
 def _reinit_vars(text: str) -> str:
@@ -128,6 +150,7 @@ def _reinit_vars(text: str) -> str:
     naga hoists a local variable's (zero or constant) initializer to the function
     entry, so a ``var`` declared inside a loop keeps the previous iteration's value.
     WGSL says it is initialised at each declaration; an explicit store restores that.
+    (A trailing ``//`` comment on the declaration is dropped.)
     """
     def fix(m):
         ind, name, ty, init = m.groups()
@@ -140,18 +163,26 @@ def _reinit_vars(text: str) -> str:
 
 def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
                  debug: bool = False) -> str:
-    """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants."""
+    """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants
+    (``consts["HALF"]`` = 1 with elem f16: the f16-math variant)."""
+    half = bool(consts.get("HALF", 0))
+    if half and elem != "f16":
+        raise KernelError(f"webgpu kernel {kernel!r}: HALF needs f16 elements, got {elem}")
     text = _expand_includes(_read(kernel))
+    if half:
+        text = "//@define HALF\n" + text
     text = _conditionals(text)
     text = _unroll(text, consts)
     text = _reinit_vars(text)
-    text = text.replace("//@loaders", _loaders())
+    text = text.replace("//@loaders", _loaders(half))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
     dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"
            if debug else "")
     text = text.replace("DEBUG_TRIPS1", "").replace("DEBUG_TRIPS", dbg)
     head = ["enable f16;"] if elem == "f16" else []
     head.append(f"alias T = {elem};")
+    head.append(f"alias TB = {'vec4<f16>' if half else elem};")   # q/k/v/dout binding element
+    head.append(f"alias SV = {'vec4<f16>' if half else 'vec4<f32>'};")  # workgroup tile element
     head += [f"const {k}: u32 = {int(v)}u;" for k, v in sorted(consts.items())]
     return "\n".join(head) + "\n" + wgsl_struct() + text
 

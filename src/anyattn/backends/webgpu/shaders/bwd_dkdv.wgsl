@@ -4,11 +4,11 @@
 //   dV[j, :] += sum_i P[i, j] dO[i, :]        dK[j, :] += scale * sum_i dS[i, j] Q[i, :]
 // Accumulators: rows j0 + ty*4 + r, vec4 columns dbase + 4*(tx + TX*v).
 //@include common
-var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
-var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk [BK][DC]
-var<workgroup> sg: array<vec4<f32>, BQ * RSQ>;   // dO chunk [BQ][DC] (then dO slice rows)
-var<workgroup> sv: array<vec4<f32>, BK * RSQ>;   // V chunk [BK][DC]
-var<workgroup> st: array<vec4<f32>, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
+var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
+var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk [BK][DC]
+var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk [BQ][DC] (then dO slice rows)
+var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk [BK][DC]
+var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -60,7 +60,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@include pds
     if (want_dv) {
       //@for c 4
-      st[(tx + {c} * TX) * RSP + ty] = vec4<f32>(p[0][{c#}], p[1][{c#}], p[2][{c#}], p[3][{c#}]);
+      st[(tx + {c} * TX) * RSP + ty] = SV(vec4<f32>(p[0][{c#}], p[1][{c#}], p[2][{c#}], p[3][{c#}]));
       //@end c
       workgroupBarrier();
       //@define UPD_SRC g
@@ -71,7 +71,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
     if (want_dk) {
       //@for c 4
-      st[(tx + {c} * TX) * RSP + ty] = vec4<f32>(ds[0][{c#}], ds[1][{c#}], ds[2][{c#}], ds[3][{c#}]);
+      st[(tx + {c} * TX) * RSP + ty] = SV(vec4<f32>(ds[0][{c#}], ds[1][{c#}], ds[2][{c#}], ds[3][{c#}]));
       //@end c
       workgroupBarrier();
       //@define UPD_SRC q

@@ -5,11 +5,11 @@
 // for the dbias reduction.  Accumulators: rows i0 + ty*4 + r, vec4 columns
 // dbase + 4*(tx + TX*v).
 //@include common
-var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk
-var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk (then K slice rows)
-var<workgroup> sg: array<vec4<f32>, BQ * RSQ>;   // dO chunk
-var<workgroup> sv: array<vec4<f32>, BK * RSQ>;   // V chunk
-var<workgroup> sp: array<vec4<f32>, BQ * RSP2>;  // dS [BQ][BK], vec4 along j
+var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
+var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then K slice rows)
+var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk
+var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk
+var<workgroup> sp: array<SV, BQ * RSP2>;  // dS [BQ][TX] (element m: keys m + TX*c)
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -51,50 +51,23 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@include sdp
     //@include pds
     //@for r 4
-    //@for c 4
     {
-      let jl = tx + {c} * TX;
-      sp[(ty * 4u + {r}) * RSP2 + jl / 4u][jl % 4u] = ds[{r}][{c#}];
+      sp[(ty * 4u + {r}) * RSP2 + tx] = SV(ds[{r}]);
       if (write_ds) {
         let i = i0 + ty * 4u + {r};
-        let j = j0 + jl;
-        if (i < U.SQ && j < U.SK) { dsb[(bh * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
+        //@for c 4
+        {
+          let j = j0 + tx + {c} * TX;
+          if (i < U.SQ && j < U.SK) { dsb[(bh * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
+        }
+        //@end c
       }
     }
-    //@end c
     //@end r
     workgroupBarrier();
-    for (var jc = 0u; jc < BK; jc += IC) {
-      TRIP
-      for (var e = lid; e < IC * DS4; e += NT) {
-        TRIP
-        let r = e / DS4;
-        let c = e % DS4;
-        let j = j0 + jc + r;
-        var a = vec4<f32>(0.0);
-        if (j < U.SK) { a = ld4_k(kbase + j * U.k_ss, dbase + 4u * c); }
-        sk[e] = a;
-      }
-      workgroupBarrier();
-      //@for jj IC4
-      {
-        //@for r 4
-        let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + {jj}];
-        //@end r
-        //@for w 4
-        //@for v NV
-        {
-          let x = sk[({jj} * 4u + {w}) * DS4 + tx + {v} * TX];
-          //@for r 4
-          acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
-          //@end r
-        }
-        //@end v
-        //@end w
-      }
-      //@end jj
-      workgroupBarrier();
-    }
+    //@define UPD_SRC k
+    //@include upd_q
+    //@undef UPD_SRC
   }
   let last = (U.flags & F_LAST) != 0u;
   //@for r 4

@@ -3,10 +3,10 @@
 // tiles BQ x BK; workgroup TY x TX threads, each owning a 4 x 4 score micro-tile
 // (rows ty*4 + r, columns tx + TX*c) and 4 x NV vec4 output columns.
 @group(0) @binding(0) var<uniform> U: Uni;
-@group(0) @binding(1) var<storage, read> qb: array<T>;
-@group(0) @binding(2) var<storage, read> kb: array<T>;
-@group(0) @binding(3) var<storage, read> vb: array<T>;
-@group(0) @binding(4) var<storage, read> gb: array<T>;
+@group(0) @binding(1) var<storage, read> qb: array<TB>;
+@group(0) @binding(2) var<storage, read> kb: array<TB>;
+@group(0) @binding(3) var<storage, read> vb: array<TB>;
+@group(0) @binding(4) var<storage, read> gb: array<TB>;
 @group(0) @binding(5) var<storage, read> biasb: array<f32>;
 @group(0) @binding(6) var<storage, read> aux: array<u32>;
 @group(0) @binding(7) var<storage, read_write> stats: array<f32>;
@@ -45,5 +45,10 @@ fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
 
 // NaN test on the bits (compilers may fold x != x away).
 fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+
+//@if HALF
+// f32 sum of the two lanes of a packed f16 partial
+fn hsum(h: vec2<f16>) -> f32 { return f32(h.x) + f32(h.y); }
+//@endif HALF
 
 //@loaders

@@ -6,9 +6,9 @@
 // stats[ml_wr + n + row]) are stored for the next piece of a split launch, which
 // reads them from ml_rd (two alternating sets: column slices read while slice 0 writes).
 //@include common
-var<workgroup> sq: array<vec4<f32>, BQ * RSQ>;   // Q chunk
-var<workgroup> sk: array<vec4<f32>, BK * RSQ>;   // K chunk (then V slice rows)
-var<workgroup> sp: array<vec4<f32>, BQ * RSP2>;  // P [BQ][BK], vec4 along j
+var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
+var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then V slice rows)
+var<workgroup> sp: array<SV, BQ * RSP2>;  // P [BQ][TX] (element m: keys m + TX*c)
 var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / sum
 var<workgroup> rowm: array<f32, BQ>;
 var<workgroup> rowl: array<f32, BQ>;
@@ -104,17 +104,18 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     {
       let m = rowm[ty * 4u + {r}];
       var sm = 0.0;
+      var pr = vec4<f32>(0.0);
       //@for c 4
       {
         var pv = 0.0;
         let x = s[{r}][{c#}];
         // max() may drop a NaN score: test it here so that NaN still propagates
         if (m > -3.0e38 || is_nan(m) || is_nan(x)) { pv = exp(x - m); }
-        let jl = tx + {c} * TX;
-        sp[(ty * 4u + {r}) * RSP2 + jl / 4u][jl % 4u] = pv;
+        pr[{c#}] = pv;
         sm += pv;
       }
       //@end c
+      sp[(ty * 4u + {r}) * RSP2 + tx] = SV(pr);
       red[(ty * 4u + {r}) * TX + tx] = sm;
       let a = rowa[ty * 4u + {r}];
       //@for v NV
@@ -131,37 +132,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       }
       rowl[lid] = l;
     }
-    for (var jc = 0u; jc < BK; jc += IC) {
-      TRIP
-      for (var e = lid; e < IC * DS4; e += NT) {
-        TRIP
-        let r = e / DS4;
-        let c = e % DS4;
-        let j = j0 + jc + r;
-        var a = vec4<f32>(0.0);
-        if (j < U.SK) { a = ld4_v(vbase + j * U.v_ss, dbase + 4u * c); }
-        sk[e] = a;
-      }
-      workgroupBarrier();
-      //@for jj IC4
-      {
-        //@for r 4
-        let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + {jj}];
-        //@end r
-        //@for w 4
-        //@for v NV
-        {
-          let x = sk[({jj} * 4u + {w}) * DS4 + tx + {v} * TX];
-          //@for r 4
-          acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
-          //@end r
-        }
-        //@end v
-        //@end w
-      }
-      //@end jj
-      workgroupBarrier();
-    }
+    //@define UPD_SRC v
+    //@include upd_q
+    //@undef UPD_SRC
   }
   workgroupBarrier();
   let last = (U.flags & F_LAST) != 0u;

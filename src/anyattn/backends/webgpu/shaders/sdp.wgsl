@@ -1,6 +1,9 @@
 // S = Q_i K_j^T and (with DP) dP = dO_i V_j^T over D in chunks of DC:
 // s[r][c], dp[r][c] for query i0 + ty*4 + r, key j0 + tx + TX*c.
 // Needs: qbase, gbase (row 0 of this head's q / dout), kbase, vbase, i0, j0.
+// Workgroup tiles hold SV = 4 consecutive d values (vec4<f32>; vec4<f16> in HALF mode).
+// HALF: products in packed f16 (vec2<f16> FMA, lanes = even/odd d) over runs of HC
+// vec4 columns (2*HC products per lane), each run's partial added into f32 s / dp.
 for (var d0 = 0u; d0 < U.D; d0 += DC) {
   TRIP
   for (var e = lid; e < BQ * DC4; e += NT) {
@@ -8,14 +11,14 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     let r = e / DC4;
     let c = e % DC4;
     let i = i0 + r;
-    var a = vec4<f32>(0.0);
+    var a = SV();
     //@if DP
-    var g4 = vec4<f32>(0.0);
+    var g4 = SV();
     //@endif DP
     if (i < U.SQ) {
-      a = ld4_q(qbase + i * U.q_ss, d0 + 4u * c);
+      a = lds_q(qbase + i * U.q_ss, d0 + 4u * c);
       //@if DP
-      g4 = ld4_g(gbase + i * U.g_ss, d0 + 4u * c);
+      g4 = lds_g(gbase + i * U.g_ss, d0 + 4u * c);
       //@endif DP
     }
     sq[r * RSQ + c] = a;
@@ -28,14 +31,14 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     let r = e / DC4;
     let c = e % DC4;
     let j = j0 + r;
-    var a = vec4<f32>(0.0);
+    var a = SV();
     //@if DP
-    var v4 = vec4<f32>(0.0);
+    var v4 = SV();
     //@endif DP
     if (j < U.SK) {
-      a = ld4_k(kbase + j * U.k_ss, d0 + 4u * c);
+      a = lds_k(kbase + j * U.k_ss, d0 + 4u * c);
       //@if DP
-      v4 = ld4_v(vbase + j * U.v_ss, d0 + 4u * c);
+      v4 = lds_v(vbase + j * U.v_ss, d0 + 4u * c);
       //@endif DP
     }
     sk[r * RSQ + c] = a;
@@ -44,6 +47,7 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     //@endif DP
   }
   workgroupBarrier();
+  //@ifn HALF
   //@for c DC4
   {
     //@for x 4
@@ -64,5 +68,49 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     //@end r
   }
   //@end c
+  //@endif HALF
+  //@if HALF
+  //@for cr NHC
+  {
+    // hs[r*4 + x]: f16 partial of s[r][x] over the HC columns of this run (2 lanes)
+    var hs: array<vec2<f16>, 16>;
+    //@if DP
+    var hp: array<vec2<f16>, 16>;
+    //@endif DP
+    //@for ci HC
+    {
+      //@for x 4
+      let k{x#} = sk[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
+      //@if DP
+      let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
+      //@endif DP
+      //@end x
+      //@for r 4
+      {
+        let a = sq[(ty * 4u + {r}) * RSQ + {cr} * HC + {ci}];
+        //@if DP
+        let g4 = sg[(ty * 4u + {r}) * RSQ + {cr} * HC + {ci}];
+        //@endif DP
+        //@for x 4
+        hs[{r#} * 4 + {x#}] = fma(a.zw, k{x#}.zw, fma(a.xy, k{x#}.xy, hs[{r#} * 4 + {x#}]));
+        //@if DP
+        hp[{r#} * 4 + {x#}] = fma(g4.zw, v{x#}.zw, fma(g4.xy, v{x#}.xy, hp[{r#} * 4 + {x#}]));
+        //@endif DP
+        //@end x
+      }
+      //@end r
+    }
+    //@end ci
+    //@for r 4
+    s[{r}] += vec4<f32>(hsum(hs[{r#} * 4]), hsum(hs[{r#} * 4 + 1]), hsum(hs[{r#} * 4 + 2]),
+                        hsum(hs[{r#} * 4 + 3]));
+    //@if DP
+    dp[{r}] += vec4<f32>(hsum(hp[{r#} * 4]), hsum(hp[{r#} * 4 + 1]), hsum(hp[{r#} * 4 + 2]),
+                         hsum(hp[{r#} * 4 + 3]));
+    //@endif DP
+    //@end r
+  }
+  //@end cr
+  //@endif HALF
   workgroupBarrier();
 }

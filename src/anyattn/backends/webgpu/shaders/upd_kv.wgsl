@@ -1,5 +1,8 @@
 // acc[j, :] += sum_i st[j][i] * SRC[i, dbase:dbase+DS] over the BQ rows of this
 // query tile, in row chunks of IC staged through sg (dO) or sq (Q).
+// HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
+// (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
+// accumulator every UC rows (UC divides IC).
 for (var ic = 0u; ic < BQ; ic += IC) {
   TRIP
   for (var e = lid; e < IC * DS4; e += NT) {
@@ -7,27 +10,45 @@ for (var ic = 0u; ic < BQ; ic += IC) {
     let r = e / DS4;
     let c = e % DS4;
     let i = i0 + ic + r;
-    var a = vec4<f32>(0.0);
-    if (i < U.SQ) { a = ld4_$UPD_SRC$($UPD_SRC$base + i * U.$UPD_SRC$_ss, dbase + 4u * c); }
+    var a = SV();
+    if (i < U.SQ) { a = lds_$UPD_SRC$($UPD_SRC$base + i * U.$UPD_SRC$_ss, dbase + 4u * c); }
     s$UPD_SRC$[e] = a;
   }
   workgroupBarrier();
-  //@for ii IC4
+  //@if HALF
+  var hacc: array<vec4<f16>, 2 * NACC>;
+  //@endif HALF
+  //@for jo NUC
   {
-    //@for r 4
-    let p{r#} = st[(ty * 4u + {r}) * RSP + ic / 4u + {ii}];
-    //@end r
-    //@for w 4
-    //@for v NV
+  //@for ji UC4
     {
-      let x = s$UPD_SRC$[({ii} * 4u + {w}) * DS4 + tx + {v} * TX];
       //@for r 4
-      $UPD_ACC$[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
+      let p{r#} = st[(ty * 4u + {r}) * RSP + ic / 4u + ({jo} * UC4 + {ji})];
       //@end r
+      //@for w 4
+      //@for v NV
+      {
+        let x = s$UPD_SRC$[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
+        //@for r 4
+        //@ifn HALF
+        $UPD_ACC$[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
+        //@endif HALF
+        //@if HALF
+        hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}] = fma(vec4<f16>(p{r#}[{w#}]), x, hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}]);
+        //@endif HALF
+        //@end r
+      }
+      //@end v
+      //@end w
     }
-    //@end v
-    //@end w
+  //@end ji
+    //@if HALF
+    //@for a NACC
+    $UPD_ACC$[{a#}] += vec4<f32>(hacc[{a#}] + hacc[NACC + {a#}]);
+    //@end a
+    hacc = array<vec4<f16>, 2 * NACC>();
+    //@endif HALF
   }
-  //@end ii
+  //@end jo
   workgroupBarrier();
 }

@@ -1,0 +1,57 @@
+// acc[i, :] += sum_j sp[i][j] * SRC[j, dbase:dbase+DS] over the BK keys of this key
+// tile (SRC = V in the forward, K in the dQ pass), in key chunks of IC staged through
+// sk.  sp row i holds P or dS as SV elements m in [0, TX): element m = keys
+// (m, m + TX, m + 2TX, m + 3TX) (the 4 columns of thread tx = m), so staged row
+// jj*4 + w of chunk jc is key jc/4 + jj + w*TX.
+// HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
+// (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
+// accumulator every UC rows (UC divides IC).
+for (var jc = 0u; jc < BK; jc += IC) {
+  TRIP
+  for (var e = lid; e < IC * DS4; e += NT) {
+    TRIP
+    let r = e / DS4;
+    let c = e % DS4;
+    let j = j0 + jc / 4u + r / 4u + (r % 4u) * TX;
+    var a = SV();
+    if (j < U.SK) { a = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * c); }
+    sk[e] = a;
+  }
+  workgroupBarrier();
+  //@if HALF
+  var hacc: array<vec4<f16>, 2 * NACC>;
+  //@endif HALF
+  //@for jo NUC
+  {
+  //@for ji UC4
+    {
+      //@for r 4
+      let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + ({jo} * UC4 + {ji})];
+      //@end r
+      //@for w 4
+      //@for v NV
+      {
+        let x = sk[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
+        //@for r 4
+        //@ifn HALF
+        acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
+        //@endif HALF
+        //@if HALF
+        hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}] = fma(vec4<f16>(p{r#}[{w#}]), x, hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}]);
+        //@endif HALF
+        //@end r
+      }
+      //@end v
+      //@end w
+    }
+  //@end ji
+    //@if HALF
+    //@for a NACC
+    acc[{a#}] += vec4<f32>(hacc[{a#}] + hacc[NACC + {a#}]);
+    //@end a
+    hacc = array<vec4<f16>, 2 * NACC>();
+    //@endif HALF
+  }
+  //@end jo
+  workgroupBarrier();
+}
