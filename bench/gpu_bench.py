@@ -632,6 +632,13 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
                "fused_w8": ({"ANYATTN_TRITON_FUSED_BWD": "1"}, None),
                "two_launch_dq_w8": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, dict(dq=KC(128, 64, 8, 3)))}
         _ab_row("dense", 4, 32, 4096, 64, "none", bf, var, False, flex, gen)
+    if "recheck" in groups:   # the default plan only, with Flex, after a kernel change
+        one = {"default": ({}, None)}
+        for kind in ("none", "causal", "sliding:512", "doc", "blocks"):
+            _ab_row("dense" if kind in ("none", "causal") else kind, 4, 16, 4096, 128, kind, bf,
+                    one, with_flex, flex, gen)
+        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", bf, one, False, flex, gen,
+                (1, 16, 4096, 4096))
     if "fp32" in groups:
         _ab_row("dense", 4, 16, 4096, 128, "none", torch.float32, two, False, flex, gen)
         var = {"owner": ({}, None), "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, None)}
@@ -654,7 +661,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,fp32")
+    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,recheck,fp32")
     ap.add_argument("--checks", default="", help="comma-separated names of --check cases (default all)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")

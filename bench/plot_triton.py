@@ -76,8 +76,13 @@ def main():
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for ax, (dt, D) in zip(axes, (("bf16", 128), ("bf16", 64), ("fp32", 128))):
+    panels = [(dt, D) for dt, D in (("bf16", 128), ("bf16", 64), ("fp32", 128))
+              if any(r["case"] == "dense" and r["D"] == D and "bwd_tflops" in r
+                     and (r["dtype"] == "bf16") == (dt == "bf16") for r in rows)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.7 * len(panels), 5), squeeze=False)
+    for ax, (dt, D) in zip(axes[0], panels):
         series = defaultdict(list)
         for r in rows:
             if r["case"] != "dense" or r["D"] != D:

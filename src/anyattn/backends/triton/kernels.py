@@ -266,12 +266,13 @@ def _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, of
     kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
+    if MASKED:     # (its id / keep-mask loads too)
+        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                     HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
     if HAS_BIAS:
         s += bt * 1.4426950408889634
     if MASKED:
-        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
-                     HAS_BAND, HAS_DOCS, HAS_KEEP)
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
     if MASKED or HAS_BIAS:
@@ -413,13 +414,14 @@ def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, of
         lse2 = tl.load(L2h + offs_m)
     if HAS_BIAS:   # issued before the product, to overlap it
         bT = _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED)         # [BN, BM]
+    if MASKED:     # (its id / keep-mask loads too)
+        keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                       HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
     sT = _dot(k, qT, PREC) * qk_scale                       # [BN, BM]
     if HAS_BIAS:
         sT += bT * 1.4426950408889634
     pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
     if MASKED:
-        keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
-                       HAS_BAND, HAS_DOCS, HAS_KEEP)
         pT = tl.where(keep, pT, 0.0)
     do = _load_rows(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP, MASKED)   # [BM, DP]
     dv += _dot(pT.to(do.dtype), do, PREC)                   # [BN, DP]
@@ -559,13 +561,14 @@ def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
         inb = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)
         if DB_ACC:   # this program wrote the tile before (earlier batch / head): add to it
             db_old = tl.load(db_ptrs, mask=inb & (db_add != 0), other=0.0).to(tl.float32)
+    if MASKED:
+        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
+                     HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
     if HAS_BIAS:
         s += bt * 1.4426950408889634
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
-        keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
-                     HAS_BAND, HAS_DOCS, HAS_KEEP)
         p = tl.where(keep, p, 0.0)
     dp = _dot(do, vT, PREC)                                  # [BM, BN]
     ds = p * (dp - dlt[:, None])
