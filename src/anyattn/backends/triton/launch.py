@@ -36,8 +36,6 @@ def _interpreter_compat() -> None:
     """Triton 3.6's interpreter converts scalar tensors (1-element arrays) to loop
     bounds with int(array), which NumPy >= 2.4 refuses for 1-D arrays; convert
     through .item() instead.  Only under TRITON_INTERPRET=1; idempotent."""
-    import os
-
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     from triton.runtime import interpreter as I
