@@ -21,9 +21,15 @@ No kernel uses atomics: every output element has one owner program, so
 results are bitwise repeatable.
 
 fp16 / bf16 tiles multiply on tensor cores with fp32 accumulation.  fp32 tiles go
-through ``_dot`` with PREC: 'bf16x6' (six bf16 split products, ~fp32 accurate, the
-"highest" default), 'bf16x3' (the tf32 opt-in default), or tl.dot's own 'tf32',
-'tf32x3', 'ieee'.
+through ``_dot`` with PREC: 'bf16x6' (six bf16 split products, ~fp32 accurate),
+'bf16x3' (three), both split in registers, or tl.dot's own 'tf32', 'tf32x3', 'ieee'.
+The forward and backward kernels also take PREC 'split6' / 'split3': the same six /
+three products, but with q, k, v and dout split once by the launcher into bf16 parts
+stored side by side along the last dim ([.., S, 3 * D]: hi, mid, lo; [.., S, 2 * D]:
+hi, mid), so that loaded tiles go to the tensor cores straight from shared memory and
+only the computed tiles (p, dS) are split in registers.  Operands travel as part
+triples (x0, x1, x2) through ``_load_op`` / ``_op_parts`` / ``_dotp``; with one part
+(every other PREC) x1 and x2 repeat x0 and the compiler drops them.
 """
 import os
 
@@ -100,6 +106,41 @@ def _dot(a, b, PREC: tl.constexpr):
             return tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _dotp(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
+    """a @ b [M, N] from part triples (see module doc): 'split6' six products of the
+    bf16 parts (hi, mid, lo), smallest first, as _dot_bf16x6; 'split3' three of (hi, mid)
+    as _dot_bf16x3; otherwise _dot(a0, b0, PREC)."""
+    if PREC == "split6":
+        acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
+        acc = _dot16(a2, b0, acc)
+        acc = _dot16(a0, b2, acc)
+        acc = _dot16(a1, b1, acc)
+        acc = _dot16(a1, b0, acc)
+        acc = _dot16(a0, b1, acc)
+        acc = _dot16(a0, b0, acc)
+        return acc
+    elif PREC == "split3":
+        acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
+        acc = _dot16(a1, b0, acc)
+        acc = _dot16(a0, b1, acc)
+        acc = _dot16(a0, b0, acc)
+        return acc
+    else:
+        return _dot(a0, b0, PREC)
+
+
+@triton.jit
+def _op_parts(x, like, PREC: tl.constexpr):
+    """A computed fp32 tile (p, dS) as an operand part triple: split in registers for
+    'split6' / 'split3', else cast to the dtype of the loaded operand ``like``."""
+    if PREC == "split6" or PREC == "split3":
+        return _split3(x)
+    else:
+        y = x.to(like.dtype)
+        return y, y, y
 
 
 @triton.jit
@@ -233,6 +274,35 @@ def _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: t
 
 
 @triton.jit
+def _load_op(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
+             CHECK_S: tl.constexpr, PREC: tl.constexpr):
+    """Rows of an operand as a part triple of [R, DP] tiles (part i at column i * D
+    for 'split6' / 'split3', see module doc)."""
+    x0 = _load_rows(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    x1 = x0
+    x2 = x0
+    if PREC == "split6" or PREC == "split3":
+        x1 = _load_rows(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    if PREC == "split6":
+        x2 = _load_rows(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    return x0, x1, x2
+
+
+@triton.jit
+def _load_op_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
+               CHECK_S: tl.constexpr, PREC: tl.constexpr):
+    """Transposed _load_op: a part triple of [DP, R] tiles."""
+    x0 = _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    x1 = x0
+    x2 = x0
+    if PREC == "split6" or PREC == "split3":
+        x1 = _load_rows_t(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    if PREC == "split6":
+        x2 = _load_rows_t(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    return x0, x1, x2
+
+
+@triton.jit
 def _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, CHECK: tl.constexpr):
     """Bias tile [BM, BN] in fp32 (0 outside the problem)."""
     p = BI + offs_m.to(tl.int64)[:, None] * sb_m + offs_n.to(tl.int64)[None, :] * sb_n
@@ -256,20 +326,20 @@ def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
               Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
     offs_n = start_n + offs_nb
-    kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
+    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC) * qk_scale     # [BM, BN]
     if HAS_BIAS:
         s += bt * 1.4426950408889634
     if MASKED:
@@ -282,8 +352,9 @@ def _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, of
     p = tl.math.exp2(s - m_use[:, None])                                      # [BM, BN]
     alpha = tl.math.exp2(m_i - m_use)                                         # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED)      # [BN, DP]
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [BN, DP]
+    p0, p1, p2 = _op_parts(p, v0, PREC)
+    acc = acc * alpha[:, None] + _dotp(p0, p1, p2, v0, v1, v2, PREC)
     return acc, l_i, m_new
 
 
@@ -316,7 +387,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
 
-    q = _load_rows(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)             # [BM, DP]
+    q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -324,17 +395,17 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f0, f1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f1, t1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
@@ -347,14 +418,14 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
@@ -400,14 +471,14 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
+def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
                Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile."""
     offs_m = start_m + offs_mb
-    qT = _load_rows_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP, MASKED)   # [DP, BM]
+    qT0, qT1, qT2 = _load_op_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP, MASKED, PREC)  # [DP, BM]
     if MASKED:
         lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
     else:
@@ -417,21 +488,23 @@ def _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, of
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
-    sT = _dot(k, qT, PREC) * qk_scale                       # [BN, BM]
+    sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC) * qk_scale   # [BN, BM]
     if HAS_BIAS:
         sT += bT * 1.4426950408889634
     pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
-    do = _load_rows(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP, MASKED)   # [BM, DP]
-    dv += _dot(pT.to(do.dtype), do, PREC)                   # [BN, DP]
+    do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP, MASKED, PREC)  # [BM, DP]
+    pT0, pT1, pT2 = _op_parts(pT, do0, PREC)
+    dv += _dotp(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
     else:
         dlt = tl.load(DLh + offs_m)
-    dpT = _dot(v, tl.trans(do), PREC)                       # [BN, BM]
+    dpT = _dotp(v0, v1, v2, tl.trans(do0), tl.trans(do1), tl.trans(do2), PREC)  # [BN, BM]
     dsT = pT * (dpT - dlt[None, :])
-    dk += _dot(dsT.to(qT.dtype), tl.trans(qT), PREC)        # [BN, DP]
+    ds0, ds1, ds2 = _op_parts(dsT, qT0, PREC)
+    dk += _dotp(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
     return dk, dv
 
 
@@ -454,8 +527,10 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     offs_n = j0 + offs_nb
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
-    k = _load_rows(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [BN, DP]
-    v = _load_rows(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [BN, DP]
+    k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
+                          True, PREC)                                          # [BN, DP]
+    v0, v1, v2 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
+                          True, PREC)                                          # [BN, DP]
     dk = tl.zeros([BN, DP], dtype=tl.float32)
     dv = tl.zeros([BN, DP], dtype=tl.float32)
     QIDb = QID + b * sqid_b
@@ -472,17 +547,17 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
@@ -495,14 +570,14 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_part = tl.load(CNT + cb)
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
@@ -541,7 +616,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+def _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
              Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
@@ -551,8 +626,8 @@ def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
-    kT = _load_rows_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
-    vT = _load_rows_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED)   # [DP, BN]
+    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
+    vT0, vT1, vT2 = _load_op_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -564,13 +639,13 @@ def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dot(q, kT, PREC) * qk_scale                         # [BM, BN]
+    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC) * qk_scale     # [BM, BN]
     if HAS_BIAS:
         s += bt * 1.4426950408889634
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
         p = tl.where(keep, p, 0.0)
-    dp = _dot(do, vT, PREC)                                  # [BM, BN]
+    dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
     ds = p * (dp - dlt[:, None])
     if WRITE_DB:
         db = ds
@@ -580,7 +655,8 @@ def _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
-    dq += _dot(ds.to(kT.dtype), tl.trans(kT), PREC)          # [BM, DP]
+    ds0, ds1, ds2 = _op_parts(ds, kT0, PREC)
+    dq += _dotp(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
     return dq
 
 
@@ -605,8 +681,10 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     offs_m = i0 + offs_mb
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
-    q = _load_rows(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)
-    do = _load_rows(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)
+    q0, q1, q2 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
+                          True, PREC)                                          # [BM, DP]
+    do0, do1, do2 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
+                             DP, True, PREC)                                   # [BM, DP]
     row = bh * Sq + offs_m
     lse2 = tl.load(L2 + row, mask=offs_m < Sq, other=float("inf"))
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
@@ -621,17 +699,17 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f0, f1):
-            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f1, t1):
-            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
@@ -644,14 +722,14 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q, do, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)

@@ -63,6 +63,43 @@ def _unit_last(x):
     return x.contiguous()
 
 
+#: fp32 product scheme of the plan -> (PREC of the fwd / bwd kernels, bf16 parts per
+#: operand).  'bf16x6' / 'bf16x3' split q, k, v, dout once here ('split6' / 'split3');
+#: the '...r' variants split every tile in registers inside the kernels instead.
+_KERNEL_PREC = {"bf16x6": ("split6", 3), "bf16x3": ("split3", 2),
+                "bf16x6r": ("bf16x6", 1), "bf16x3r": ("bf16x3", 1)}
+
+
+def _kernel_prec(p, plan):
+    """(PREC for the forward / backward kernels, parts per operand) of a problem."""
+    if p.dtype == "float32" and plan.prec in _KERNEL_PREC:
+        return _KERNEL_PREC[plan.prec]
+    return plan.prec, 1
+
+
+def _register_prec(prec: str) -> str:
+    """The in-register form of a product scheme (for kernels that take fp32 tiles)."""
+    return prec[:-1] if prec in ("bf16x6r", "bf16x3r") else prec
+
+
+def _split_parts(x, n: int):
+    """fp32 [B, H, S, D] -> contiguous bf16 [B, H, S, n * D] holding the parts of x side
+    by side along the last dim: hi, mid (n = 2) and lo (n = 3), x ~= hi + mid + lo, each
+    rounded to nearest as the kernels' in-register split does (n = 1: x itself)."""
+    if n == 1:
+        return x
+    D = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], n * D), dtype=torch.bfloat16, device=x.device)
+    hi = x.to(torch.bfloat16)
+    out[..., :D] = hi
+    r = x - hi.to(torch.float32)
+    mid = r.to(torch.bfloat16)
+    out[..., D:2 * D] = mid
+    if n == 3:
+        out[..., 2 * D:] = (r - mid.to(torch.float32)).to(torch.bfloat16)
+    return out
+
+
 def _s3(x):
     """(batch, head, seq) strides of a [B, H, S, D] tensor."""
     return x.stride(0), x.stride(1), x.stride(2)
@@ -388,9 +425,11 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
     tlists = _lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    prec, nparts = _kernel_prec(p, plan)
+    q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
     kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
               MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-              HAS_BIAS=ma.has_bias, PREC=plan.prec)
+              HAS_BIAS=ma.has_bias, PREC=prec)
     args = (q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
@@ -429,8 +468,9 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
     ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
     qk_scale = p.scale * K.LOG2E
+    prec, nparts = _kernel_prec(p, plan)
     common = dict(D=D, DP=DP, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
-                  HAS_KEEP=ma.has_keep, PREC=plan.prec)
+                  HAS_KEEP=ma.has_keep, PREC=prec)
     want_db = "bias" in p.wrt and bias is not None
     full_bias = want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
     # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
@@ -454,29 +494,31 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
         scalars = (H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
+        # the operands as the kernels read them (bf16 parts for the split fp32 schemes)
+        qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
-                _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, scalars,
                              common)
-            res["dbias"] = _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma,
+            res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, lse2, delta, dq, bias, ma,
                                             tlists, scalars, common)
         elif want_kv and want_q and plan.fused_bwd:
-            _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sdb,
+            _launch_fused_bwd(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, dq, dbias, sdb,
                               ma, tlists, scalars, common, full_bias)
         else:
             if want_kv:
-                _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, scalars,
                              common)
             if want_q:
-                args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                args = (qo, ko, vo, doo, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
-                        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
+                        *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
                         ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
                         scalars[0], *scalars[2:])
                 kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
                           WRITE_DB=full_bias, **common)
                 _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq,
-                        args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
+                        args, kw, _sig(dt=str(qo.dtype), **kw), _tune_key("dq", p, plan))
         if want_kv:
             res["dk"], res["dv"] = dk, dv
         if "q" in p.wrt:
@@ -606,7 +648,7 @@ def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
                 D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-                PREC=plan.prec, num_warps=cc.num_warps, num_stages=cc.num_stages)
+                PREC=_register_prec(plan.prec), num_warps=cc.num_warps, num_stages=cc.num_stages)
             return dbias
         except OutOfResources as e:
             err = e
