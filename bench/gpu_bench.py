@@ -639,11 +639,96 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
                     one, with_flex, flex, gen)
         _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", bf, one, False, flex, gen,
                 (1, 16, 4096, 4096))
+    if "fp32split" in groups:
+        phase_fp32_variants()
     if "fp32" in groups:
         _ab_row("dense", 4, 16, 4096, 128, "none", torch.float32, two, False, flex, gen)
         var = {"owner": ({}, None), "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, None)}
         _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", torch.float32, var, False, flex, gen,
                 (1, 16, 4096, 4096))
+
+
+def _fp32_variant_ms(q, k, v, g, precision, fields):
+    """(fwd ms, bwd ms, configs that ran) of anyattn-triton fp32 under plan overrides for
+    ``precision`` ('highest' / 'tf32')."""
+    dp = C.padded_dim(q.shape[-1])
+    C.set_override(dp, "float32", precision, **fields)
+    before = set(L._fallback_cache)
+    try:
+        fwd = lambda: aa.attention(q, k, v, return_lse=True, backend="triton",  # noqa: E731
+                                   precision=precision)
+        out, lse = fwd()
+        bwd = lambda: aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="triton",  # noqa: E731
+                                            precision=precision)
+        bwd()
+        ran = {k_[0]: str(v_) for k_, v_ in L._fallback_cache.items() if k_ not in before}
+        return bench_ms(fwd, rep=30), bench_ms(bwd, rep=30), ran
+    finally:
+        C.set_override(dp, "float32", precision)
+
+
+#: fp32 product-scheme / tile variants (name, precision, plan fields); the plan's default
+#: fp32 D=128 tiles are fwd 128x32 w4 s2, dK/dV 32x64 w4 s2, dQ 32x64 w4 s2 (two launches).
+FP32_VARIANTS = [
+    ("reg6", "highest", dict(prec="bf16x6r")),
+    ("split6", "highest", {}),
+    ("split6_fused", "highest", dict(fused_bwd=True)),
+    ("split6_dkdv32x64w8", "highest", dict(dkdv=KC(32, 64, 8, 2))),
+    ("split6_dkdv16x64w4", "highest", dict(dkdv=KC(16, 64, 4, 2))),
+    ("split6_dkdv64x64w4s1", "highest", dict(dkdv=KC(64, 64, 4, 1))),
+    ("split6_dq64x32w4", "highest", dict(dq=KC(64, 32, 4, 2))),
+    ("split6_dq64x64w4s1", "highest", dict(dq=KC(64, 64, 4, 1))),
+    ("split6_dq64x32w8", "highest", dict(dq=KC(64, 32, 8, 2))),
+    ("split6_fwd128x32w8", "highest", dict(fwd=KC(128, 32, 8, 2))),
+    ("split6_fwd64x32w4", "highest", dict(fwd=KC(64, 32, 4, 2))),
+    ("reg3", "tf32", dict(prec="bf16x3r")),
+    ("split3", "tf32", {}),
+    ("split3_dkdv32x64w8_dq64x32w4_fwd128x32w8", "tf32",
+     dict(dkdv=KC(32, 64, 8, 2), dq=KC(64, 32, 4, 2), fwd=KC(128, 32, 8, 2))),
+    ("split3_dkdv64x64w8_dq64x64w4", "tf32", dict(dkdv=KC(64, 64, 8, 2), dq=KC(64, 64, 4, 2))),
+    ("tf32x3", "highest", dict(prec="tf32x3")),
+]
+
+
+def phase_fp32_variants(only=()):
+    """fp32 / tf32 variants at B=4 H=16 S=4096 D=128 (16k tokens): fwd and bwd TFLOP/s, and
+    each variant's error vs float64 at B=1 H=2 S=4096 (same code paths, smaller batch)."""
+    b, h, s, d = 4, 16, 4096, 128
+    q, k, v, g = _inputs(b, h, h, s, d, torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qs, ks, vs, gs = (torch.randn(1, 2, s, d, device="cuda", generator=gen) for _ in range(4))
+    r = ref64(qs, ks, vs, gs, None, None, 1.0 / math.sqrt(d))
+    ff = fa_flops(b, h, s, s, d, False)
+    for name, precision, fields in FP32_VARIANTS:
+        if only and name not in only:
+            continue
+        row = dict(case="fp32_variant", variant=name, precision=precision, fields=str(fields),
+                   B=b, H=h, S=s, D=d)
+        try:
+            t0 = time.time()
+            fm, bm_, ran = _fp32_variant_ms(q, k, v, g, precision, fields)
+            row.update(fwd_ms=round(fm, 3), bwd_ms=round(bm_, 3), ran=ran,
+                       fwd_tflops=round(ff / fm / 1e9, 1), bwd_tflops=round(2.5 * ff / bm_ / 1e9, 1),
+                       wall_s=round(time.time() - t0, 1))
+            dp = C.padded_dim(d)
+            C.set_override(dp, "float32", precision, **fields)
+            try:
+                out, lse = aa.attention(qs, ks, vs, return_lse=True, backend="triton",
+                                        precision=precision)
+                gr = aa.attention_backward(qs, ks, vs, gs, out=out, lse=lse, backend="triton",
+                                           precision=precision)
+            finally:
+                C.set_override(dp, "float32", precision)
+            row["errs"] = {n: float(f"{rel_err(x, r[n]):.3g}") for n, x in
+                           (("out", out), ("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv))}
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:300]
+        RESULTS.setdefault("fp32_variants", []).append(row)
+        log("FP32", json.dumps(row))
+        if SAVE is not None:
+            SAVE()
+    del q, k, v, g
+    torch.cuda.empty_cache()
 
 
 def attach_anchors():
@@ -661,7 +746,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,recheck,fp32")
+    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,recheck,fp32,fp32split")
     ap.add_argument("--checks", default="", help="comma-separated names of --check cases (default all)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
