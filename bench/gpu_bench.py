@@ -641,6 +641,8 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
                 (1, 16, 4096, 4096))
     if "fp32split" in groups:
         phase_fp32_variants()
+    if "fp32split2" in groups:
+        phase_fp32_variants(variants=FP32_VARIANTS2)
     if "fp32" in groups:
         _ab_row("dense", 4, 16, 4096, 128, "none", torch.float32, two, False, flex, gen)
         var = {"owner": ({}, None), "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, None)}
@@ -690,7 +692,25 @@ FP32_VARIANTS = [
 ]
 
 
-def phase_fp32_variants(only=()):
+#: second round, around the plan's new fp32 defaults (fwd 128x32 w8; six products dK/dV
+#: 32x64 w4, dQ 64x32 w4; three products dK/dV 64x64 w8, dQ 64x64 w4)
+FP32_VARIANTS2 = [
+    ("split6", "highest", {}),
+    ("reg6", "highest", dict(prec="bf16x6r")),
+    ("split6_fused", "highest", dict(fused_bwd=True)),
+    ("split6_dq64x16w4", "highest", dict(dq=KC(64, 16, 4, 2))),
+    ("split6_dkdv32x64w4s1", "highest", dict(dkdv=KC(32, 64, 4, 1))),
+    ("split3", "tf32", {}),
+    ("reg3", "tf32", dict(prec="bf16x3r")),
+    ("split3_dq64x32w4", "tf32", dict(dq=KC(64, 32, 4, 2))),
+    ("split3_dq64x64w8", "tf32", dict(dq=KC(64, 64, 8, 2))),
+    ("split3_dkdv32x128w8", "tf32", dict(dkdv=KC(32, 128, 8, 2))),
+    ("split3_fused", "tf32", dict(fused_bwd=True)),
+    ("tf32_single", "tf32", dict(prec="tf32")),
+]
+
+
+def phase_fp32_variants(only=(), variants=None):
     """fp32 / tf32 variants at B=4 H=16 S=4096 D=128 (16k tokens): fwd and bwd TFLOP/s, and
     each variant's error vs float64 at B=1 H=2 S=4096 (same code paths, smaller batch)."""
     b, h, s, d = 4, 16, 4096, 128
@@ -699,7 +719,7 @@ def phase_fp32_variants(only=()):
     qs, ks, vs, gs = (torch.randn(1, 2, s, d, device="cuda", generator=gen) for _ in range(4))
     r = ref64(qs, ks, vs, gs, None, None, 1.0 / math.sqrt(d))
     ff = fa_flops(b, h, s, s, d, False)
-    for name, precision, fields in FP32_VARIANTS:
+    for name, precision, fields in (variants or FP32_VARIANTS):
         if only and name not in only:
             continue
         row = dict(case="fp32_variant", variant=name, precision=precision, fields=str(fields),
@@ -746,7 +766,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,recheck,fp32,fp32split")
+    ap.add_argument("--ab", default="", help="A/B groups, comma-separated: dense,masked,dbias,bias,variants,recheck,fp32,fp32split,fp32split2")
     ap.add_argument("--checks", default="", help="comma-separated names of --check cases (default all)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
@@ -806,10 +826,9 @@ def main():
             save()
             log(f"masked done {time.time() - t0:.0f}s")
         if a.fp32:
-            phase_bench([("fp32", (128,), [4096, 16384]),
-                         ("fp32", (128,), [4096, 16384], {"ANYATTN_TRITON_FP32_DOT": "bf16x6"}),
-                         ("tf32", (128,), [4096, 16384]),
-                         ("tf32", (128,), [4096], {"ANYATTN_TRITON_TF32_DOT": "bf16x3"}, (False,))],
+            phase_bench([("fp32", (64, 128), [2048, 4096, 16384]),
+                         ("fp32", (128,), [4096], {"ANYATTN_TRITON_FP32_DOT": "bf16x6r"}, (False,)),
+                         ("tf32", (64, 128), [4096, 16384])],
                         [], with_sdpa=True)
             phase_masked(precs=("fp32",), with_flex=False, fp32_masks=a.fp32_masks)
             save()

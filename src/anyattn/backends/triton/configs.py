@@ -108,19 +108,27 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     wide = dtype == "float32"
     # measured on the H200 (docs/perf/triton_h200.json, "tune"): bf16 S=4096 D=128 best
     # fwd 128x128 w8 s3, dK/dV 64x128 w8 s3, dQ 128x64 w8 s3; D=64 fwd 64x64 w4 s3,
-    # dQ 128x64 w4 s3; fp32 (3xTF32) fwd 128x32 w4 s2, dK/dV 32x64 w4 s2, dQ 32x64 w4 s2;
+    # dQ 128x64 w4 s3;
     # broadcast-dbias reduction at bf16 D=128 128x64 w8 s2 (docs/perf/triton_h200_ab_*.json).
+    # fp32 split products (docs/perf/triton_h200_fp32split_2026-12-02.json, D=128 S=4096):
+    # six products fwd 128x32 w8 s2, dK/dV 32x64 w4 s2, dQ 64x32 w4 s2 (a 32-row dQ tile
+    # cannot use wgmma); three products ('tf32') dK/dV 64x64 w8 s2, dQ 64x64 w4 s2.
+    three = prec in ("bf16x3", "bf16x3r")
     if dp <= 64:
         if wide:
-            p = Plan(fwd=KernelConfig(128, 32, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
-                     dq=KernelConfig(32, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+            p = Plan(fwd=KernelConfig(128, 32, 8, 2),
+                     dkdv=KernelConfig(64, 64, 8, 2) if three else KernelConfig(32, 64, 4, 2),
+                     dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
+                     dbias=KernelConfig(64, 64, 4, 2))
         else:
             p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
     elif dp <= 128:
         if wide:
-            p = Plan(fwd=KernelConfig(128, 32, 4, 2), dkdv=KernelConfig(32, 64, 4, 2),
-                     dq=KernelConfig(32, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+            p = Plan(fwd=KernelConfig(128, 32, 8, 2),
+                     dkdv=KernelConfig(64, 64, 8, 2) if three else KernelConfig(32, 64, 4, 2),
+                     dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
+                     dbias=KernelConfig(64, 64, 4, 2))
         else:
             p = Plan(fwd=KernelConfig(128, 128, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(128, 64, 8, 2))
