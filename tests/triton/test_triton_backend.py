@@ -268,6 +268,54 @@ def test_fused_backward_equals_two_launches(case, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("n", [2, 3])
+def test_split_parts_are_the_rounded_residuals(n):
+    """The launcher's fp32 -> bf16 parts (hi, mid[, lo] side by side) of a strided view
+    sum back to x within 2^-7 per part (elementwise), and on a GPU they are the
+    round-to-nearest residuals bit for bit (Triton's interpreter truncates instead)."""
+    from anyattn.backends.triton.launch import _split_parts
+
+    base = torch.randn(2, 37, 3, 20, device=DEV) * 10.0
+    x = base.permute(0, 2, 1, 3)                       # [B, H, S, D], row stride 60
+    y = _split_parts(x, n)
+    assert y.shape == (2, 3, 37, n * 20) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    hi = x.to(torch.bfloat16)
+    r = x - hi.float()
+    mid = r.to(torch.bfloat16)
+    want = [hi, mid] + ([(r - mid.float()).to(torch.bfloat16)] if n == 3 else [])
+    if HAS_CUDA:
+        assert torch.equal(y, torch.cat(want, dim=-1))
+    back = sum(y[..., i * 20:(i + 1) * 20].double() for i in range(n))
+    assert ((back - x.double()).abs() <= x.double().abs() * 2.0 ** (-7 * n)).all()
+    assert not torch.equal(back, x.double() * 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["bf16x6", "bf16x3"])
+def test_presplit_operands_equal_register_split(scheme, monkeypatch):
+    """fp32 inputs split once by the launcher give the same bits as splitting every tile
+    in registers (same products, same order), forward and backward, with a bias."""
+    rng = np.random.default_rng(13)
+    Sq, Sk = 40, 52
+    q, k, v, g = (T(x) for x in make_qkv(rng, 1, 4, 2, Sq, Sk, 24))
+    bias = T(rng.standard_normal((1, 4, Sq, Sk)).astype(np.float32))
+    mask = aa.Causal("bottom_right")
+    precision = "tf32" if scheme == "bf16x3" else "highest"
+    env = "ANYATTN_TRITON_TF32_DOT" if scheme == "bf16x3" else "ANYATTN_TRITON_FP32_DOT"
+    res = {}
+    for var in (scheme, scheme + "r"):
+        monkeypatch.setenv(env, var)
+        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True,
+                                backend="triton", precision=precision)
+        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias,
+                                   wrt=("q", "k", "v", "bias"), backend="triton",
+                                   precision=precision)
+        res[var] = (out, lse, gr.dq, gr.dk, gr.dv, gr.dbias)
+    for a, b in zip(res[scheme], res[scheme + "r"]):
+        assert torch.equal(a, b)
+
+
+@needs_triton
 @pytest.mark.parametrize("bshape", ["1H", "B1"])
 def test_dbias_owner_sum_with_batch_varying_masks(bshape, monkeypatch):
     """A bias broadcast over batch or heads: the dq programs sum dS into dbias in place

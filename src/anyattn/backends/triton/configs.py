@@ -112,7 +112,8 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     # broadcast-dbias reduction at bf16 D=128 128x64 w8 s2 (docs/perf/triton_h200_ab_*.json).
     # fp32 split products (docs/perf/triton_h200_fp32split_2026-12-02.json, D=128 S=4096):
     # six products fwd 128x32 w8 s2, dK/dV 32x64 w4 s2, dQ 64x32 w4 s2 (a 32-row dQ tile
-    # cannot use wgmma); three products ('tf32') dK/dV 64x64 w8 s2, dQ 64x64 w4 s2.
+    # cannot use wgmma), one launch; three products ('tf32') dK/dV 64x64 w8 s2 (D=128:
+    # 32x128 w8 s2, 1.44x faster), dQ 64x64 w4 s2, two launches (fused, dQ runs at w8).
     three = prec in ("bf16x3", "bf16x3r")
     if dp <= 64:
         if wide:
@@ -126,7 +127,7 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     elif dp <= 128:
         if wide:
             p = Plan(fwd=KernelConfig(128, 32, 8, 2),
-                     dkdv=KernelConfig(64, 64, 8, 2) if three else KernelConfig(32, 64, 4, 2),
+                     dkdv=KernelConfig(32, 128, 8, 2) if three else KernelConfig(32, 64, 4, 2),
                      dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
                      dbias=KernelConfig(64, 64, 4, 2))
         else:
@@ -139,10 +140,11 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
         else:
             p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
                      dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
-    # one-launch backward: measured faster for 16-bit D=128 (+5 % at S=4k, +9 % at 2k) but
-    # slower for D<=64 (its dQ wants 4 warps, the dK/dV 8) and for fp32 (-2 %), see
-    # docs/perf/LOG.md; ANYATTN_TRITON_FUSED_BWD=0 turns it off everywhere.
-    fused = fused_enabled() and not wide and dp > 64
+    # one-launch backward: measured faster for 16-bit D=128 (+5 % at S=4k, +9 % at 2k) and
+    # six-product fp32 D=128 (+7 %), slower for 16-bit D<=64 (its dQ wants 4 warps, the
+    # dK/dV 8) and three-product fp32 (its dQ wants 4 warps), see docs/perf/LOG.md;
+    # ANYATTN_TRITON_FUSED_BWD=0 turns it off everywhere.
+    fused = fused_enabled() and dp > 64 and not (wide and three)
     p = replace(p, prec=prec, fused_bwd=fused)
     override = _overrides.get((dp, dtype, precision))
     if override is not None:

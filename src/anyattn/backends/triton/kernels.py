@@ -324,6 +324,30 @@ def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
     return b.to(tl.float32)
 
 
+# ----------------------------------------------------------------------------- operand split
+@triton.jit
+def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
+                  NP: tl.constexpr, BM: tl.constexpr):
+    """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (any batch / head / row strides,
+    unit last stride) -> bf16 parts side by side in contiguous Y [B, H, S, NP * D]:
+    hi, mid (NP = 2), lo (NP = 3), each rounded to nearest (as _split3)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
+    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
+                mask=msk, other=0.0)                                             # [BM, DP]
+    hi, mid, lo = _split3(x)
+    yp = Y + bh.to(tl.int64) * S * (NP * D) + offs_m.to(tl.int64)[:, None] * (NP * D) + offs_d[None, :]
+    tl.store(yp, hi, mask=msk)
+    tl.store(yp + D, mid, mask=msk)
+    if NP == 3:
+        tl.store(yp + 2 * D, lo, mask=msk)
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,

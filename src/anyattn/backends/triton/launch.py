@@ -88,15 +88,12 @@ def _split_parts(x, n: int):
     rounded to nearest as the kernels' in-register split does (n = 1: x itself)."""
     if n == 1:
         return x
-    D = x.shape[-1]
-    out = torch.empty((*x.shape[:-1], n * D), dtype=torch.bfloat16, device=x.device)
-    hi = x.to(torch.bfloat16)
-    out[..., :D] = hi
-    r = x - hi.to(torch.float32)
-    mid = r.to(torch.bfloat16)
-    out[..., D:2 * D] = mid
-    if n == 3:
-        out[..., 2 * D:] = (r - mid.to(torch.float32)).to(torch.bfloat16)
+    B, H, S, D = x.shape
+    out = torch.empty((B, H, S, n * D), dtype=torch.bfloat16, device=x.device)
+    bm = 32
+    with torch.cuda.device(x.device) if x.is_cuda else _nullctx():
+        K._split_kernel[(triton.cdiv(S, bm), B * H)](x, out, *_s3(x), H, S, D=D,
+                                                      DP=C.padded_dim(D), NP=n, BM=bm)
     return out
 
 
