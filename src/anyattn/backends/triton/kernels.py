@@ -341,7 +341,8 @@ def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexp
     x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
                 mask=msk, other=0.0)                                             # [BM, DP]
     hi, mid, lo = _split3(x)
-    yp = Y + bh.to(tl.int64) * S * (NP * D) + offs_m.to(tl.int64)[:, None] * (NP * D) + offs_d[None, :]
+    row0 = (bh.to(tl.int64) * S + offs_m.to(tl.int64)) * (NP * D)         # [BM]
+    yp = Y + row0[:, None] + offs_d[None, :]
     tl.store(yp, hi, mask=msk)
     tl.store(yp + D, mid, mask=msk)
     if NP == 3:
@@ -357,7 +358,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
+    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+                               MASKED, PREC)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
     if MASKED:     # (its id / keep-mask loads too)
@@ -419,17 +421,20 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f0, f1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f1, t1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
@@ -495,14 +500,16 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
+def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+               Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
                Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile."""
     offs_m = start_m + offs_mb
-    qT0, qT1, qT2 = _load_op_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP, MASKED, PREC)  # [DP, BM]
+    qT0, qT1, qT2 = _load_op_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
+                               MASKED, PREC)  # [DP, BM]
     if MASKED:
         lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
     else:
@@ -518,7 +525,8 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, s
     pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
-    do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP, MASKED, PREC)  # [BM, DP]
+    do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
+                             MASKED, PREC)  # [BM, DP]
     pT0, pT1, pT2 = _op_parts(pT, do0, PREC)
     dv += _dotp(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
     if MASKED:
@@ -571,17 +579,20 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
@@ -594,14 +605,16 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_part = tl.load(CNT + cb)
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2, Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
@@ -640,7 +653,8 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
 
 
 @triton.jit
-def _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+             lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
              Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
@@ -650,8 +664,10 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
-    vT0, vT1, vT2 = _load_op_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [DP, BN]
+    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+                               MASKED, PREC)  # [DP, BN]
+    vT0, vT1, vT2 = _load_op_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+                               MASKED, PREC)  # [DP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -723,17 +739,20 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f0, f1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f1, t1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
@@ -746,14 +765,16 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2, lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)

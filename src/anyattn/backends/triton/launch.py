@@ -85,7 +85,8 @@ def _register_prec(prec: str) -> str:
 def _split_parts(x, n: int):
     """fp32 [B, H, S, D] -> contiguous bf16 [B, H, S, n * D] holding the parts of x side
     by side along the last dim: hi, mid (n = 2) and lo (n = 3), x ~= hi + mid + lo, each
-    rounded to nearest as the kernels' in-register split does (n = 1: x itself)."""
+    rounded as the kernels' in-register split rounds (to nearest on a GPU; Triton's
+    interpreter truncates), so both give the same bits (n = 1: x itself)."""
     if n == 1:
         return x
     B, H, S, D = x.shape
