@@ -275,31 +275,27 @@ def _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: t
 
 @triton.jit
 def _load_op(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
-             CHECK_S: tl.constexpr, PREC: tl.constexpr):
-    """Rows of an operand as a part triple of [R, DP] tiles (part i at column i * D
-    for 'split6' / 'split3', see module doc)."""
-    x0 = _load_rows(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+             CHECK_S: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
+    """Rows of an operand as a part triple of [R, DP] tiles ([DP, R] with TRANS); part i
+    sits at column i * D for 'split6' / 'split3' (see module doc)."""
+    x0 = _load_part(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     x1 = x0
     x2 = x0
     if PREC == "split6" or PREC == "split3":
-        x1 = _load_rows(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+        x1 = _load_part(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     if PREC == "split6":
-        x2 = _load_rows(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+        x2 = _load_part(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     return x0, x1, x2
 
 
 @triton.jit
-def _load_op_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
-               CHECK_S: tl.constexpr, PREC: tl.constexpr):
-    """Transposed _load_op: a part triple of [DP, R] tiles."""
-    x0 = _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
-    x1 = x0
-    x2 = x0
-    if PREC == "split6" or PREC == "split3":
-        x1 = _load_rows_t(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
-    if PREC == "split6":
-        x2 = _load_rows_t(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
-    return x0, x1, x2
+def _load_part(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
+               CHECK_S: tl.constexpr, TRANS: tl.constexpr):
+    """_load_rows, or _load_rows_t with TRANS."""
+    if TRANS:
+        return _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
+    else:
+        return _load_rows(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S)
 
 
 @triton.jit
@@ -358,8 +354,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
-                               MASKED, PREC)  # [DP, BN]
+    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+                             MASKED, PREC, True)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
     if MASKED:     # (its id / keep-mask loads too)
@@ -378,9 +374,11 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     p = tl.math.exp2(s - m_use[:, None])                                      # [BM, BN]
     alpha = tl.math.exp2(m_i - m_use)                                         # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP, MASKED, PREC)  # [BN, DP]
-    p0, p1, p2 = _op_parts(p, v0, PREC)
-    acc = acc * alpha[:, None] + _dotp(p0, p1, p2, v0, v1, v2, PREC)
+    v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+                          MASKED, PREC, False)  # [BN, DP]
+    acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
+    p0, p1, p2 = _op_parts(p, v0, PREC)     #  the 16-bit kernel was tuned with)
+    acc = acc + _dotp(p0, p1, p2, v0, v1, v2, PREC)
     return acc, l_i, m_new
 
 
@@ -413,7 +411,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
 
-    q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC)  # [BM, DP]
+    q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -508,8 +506,8 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile."""
     offs_m = start_m + offs_mb
-    qT0, qT1, qT2 = _load_op_t(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
-                               MASKED, PREC)  # [DP, BM]
+    qT0, qT1, qT2 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
+                             MASKED, PREC, True)  # [DP, BM]
     if MASKED:
         lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
     else:
@@ -526,7 +524,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
     do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
-                             MASKED, PREC)  # [BM, DP]
+                             MASKED, PREC, False)  # [BM, DP]
     pT0, pT1, pT2 = _op_parts(pT, do0, PREC)
     dv += _dotp(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
     if MASKED:
@@ -560,9 +558,9 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
     k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
-                          True, PREC)                                          # [BN, DP]
+                          True, PREC, False)                                          # [BN, DP]
     v0, v1, v2 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
-                          True, PREC)                                          # [BN, DP]
+                          True, PREC, False)                                          # [BN, DP]
     dk = tl.zeros([BN, DP], dtype=tl.float32)
     dv = tl.zeros([BN, DP], dtype=tl.float32)
     QIDb = QID + b * sqid_b
@@ -664,10 +662,10 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op_t(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
-                               MASKED, PREC)  # [DP, BN]
-    vT0, vT1, vT2 = _load_op_t(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
-                               MASKED, PREC)  # [DP, BN]
+    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+                             MASKED, PREC, True)  # [DP, BN]
+    vT0, vT1, vT2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+                             MASKED, PREC, True)  # [DP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -722,9 +720,9 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     q0, q1, q2 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
-                          True, PREC)                                          # [BM, DP]
+                          True, PREC, False)                                          # [BM, DP]
     do0, do1, do2 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
-                             DP, True, PREC)                                   # [BM, DP]
+                             DP, True, PREC, False)                                   # [BM, DP]
     row = bh * Sq + offs_m
     lse2 = tl.load(L2 + row, mask=offs_m < Sq, other=float("inf"))
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
