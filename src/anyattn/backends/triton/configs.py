@@ -170,9 +170,9 @@ def candidates(kernel: str, dp: int, dtype: str) -> List[KernelConfig]:
     if kernel == "fwd":
         tiles = [(128, 64), (128, 128), (64, 64)] if not wide else [(64, 64), (128, 32), (64, 32)]
     elif kernel == "dkdv":
-        tiles = [(64, 128), (32, 128), (64, 64)] if not wide else [(32, 64), (64, 64), (16, 64)]
+        tiles = [(64, 128), (32, 128), (64, 64)] if not wide else [(32, 64), (32, 128), (64, 64)]
     else:
-        tiles = [(128, 64), (128, 32), (64, 64)] if not wide else [(64, 32), (64, 64), (32, 64)]
+        tiles = [(128, 64), (128, 32), (64, 64)] if not wide else [(64, 32), (64, 64), (64, 16)]
     if dp > 128:
         tiles = [(max(16, a // 2), max(16, b // 2)) for a, b in tiles]
     out = []
