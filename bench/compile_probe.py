@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 _FLOAT_PTRS = {"Q", "K", "V", "DO", "O", "DK", "DV", "DQ", "BIAS", "DB"}
-_F32_PTRS = {"L2", "DELTA", "LSE"}
+_F32_PTRS = {"L2", "DELTA", "LSE", "SC"}
 _F32_SCALARS = {"qk_scale", "scale"}
 _INT_SCALARS = {"B", "H", "HKV", "G", "HB", "NKV_TILES", "NQ_TILES", "NJ_OUT"}
 _TT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -215,6 +215,56 @@ NEW_CHECKS = [
 ]
 
 
+def phase_check_scaled():
+    """The scaled fp16 schemes on inputs far from unit size: every (batch, head) of q, k,
+    v, dout multiplied by its own power of ten (1e-6 .. 1e6, differing within a GQA group),
+    plus rows of huge and tiny values, with a causal mask and a [1, H, S, S] bias; errors
+    vs float64 for each scheme and precision."""
+    dev = DEV
+    gen = torch.Generator(device=dev).manual_seed(3)
+    B, Hq, Hkv, S, D = 2, 4, 2, 2048, 128
+    q, k, v, g = (torch.randn(B, h_, S, D, device=dev, generator=gen)
+                  for h_ in (Hq, Hkv, Hkv, Hq))
+    ex = lambda n: torch.randint(-6, 7, (B, n, 1, 1), device=dev, generator=gen).float()  # noqa: E731
+    q = q * 10.0 ** (ex(Hq) / 4)       # scores stay O(10): softmax neither flat nor one-hot
+    k = k * 10.0 ** (ex(Hkv) / 4)
+    v = v * 10.0 ** ex(Hkv)
+    g = g * 10.0 ** ex(Hq)
+    v[0, 0, 5] *= 1e4                  # one huge value row, one tiny
+    v[0, 0, 6] *= 1e-4
+    bias = torch.randn(1, Hq, S, S, device=dev, generator=gen)
+    keep = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
+    r = ref64(q, k, v, g, keep, bias, 1.0 / math.sqrt(D), (1, Hq, S, S))
+    for scheme, precision in (("f16x3", "highest"), ("bf16x6", "highest"), ("f16x3", "tf32"),
+                              ("f16x31", "tf32"), ("f16x1", "tf32"), ("bf16x3", "tf32")):
+        env = "ANYATTN_TRITON_TF32_DOT" if precision == "tf32" else "ANYATTN_TRITON_FP32_DOT"
+        old = _set_env({env: scheme})
+        try:
+            out, lse = aa.attention(q, k, v, mask=aa.Causal(), bias=bias, return_lse=True,
+                                    backend="triton", precision=precision)
+            gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=aa.Causal(), bias=bias,
+                                       wrt=("q", "k", "v", "bias"), backend="triton",
+                                       precision=precision)
+            errs = {n: float(f"{rel_err(x, r[n]):.3g}") for n, x in
+                    (("out", out), ("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv),
+                     ("dbias", gr.dbias))}
+            tol = TOL["float32" if precision == "highest" else "tf32"]
+            row = dict(name=f"scaled_inputs_{scheme}_{precision}", errs=errs, tol=tol,
+                       ok=max(errs.values()) <= tol,
+                       finite=all(bool(torch.isfinite(x).all()) for x in
+                                  (out, gr.dq, gr.dk, gr.dv, gr.dbias)))
+        except Exception as e:  # noqa: BLE001
+            row = dict(name=f"scaled_inputs_{scheme}_{precision}", ok=False, error=repr(e)[:300])
+        finally:
+            _set_env(old)
+        RESULTS["check"].append(row)
+        log(("PASS " if row.get("ok") else "FAIL ") + json.dumps(row))
+        if SAVE is not None:
+            SAVE()
+    del r
+    torch.cuda.empty_cache()
+
+
 def phase_check(which="full", names=()):
     if which == "new":
         for c in NEW_CHECKS:
@@ -710,13 +760,45 @@ FP32_VARIANTS2 = [
 ]
 
 
-def phase_fp32_variants(only=(), variants=None):
-    """fp32 / tf32 variants at B=4 H=16 S=4096 D=128 (16k tokens): fwd and bwd TFLOP/s, and
+#: third round: the scaled fp16 schemes ('f16x3' now the default of both precisions; its
+#: plan: fwd 128x32 w8, dK/dV 32x128 w8 (D=128) / 64x64 w8 (D=64), dQ 64x64 w4, two
+#: launches) against the previous defaults and tile variants.
+_OLD_SPLIT6 = dict(prec="bf16x6", dkdv=KC(32, 64, 4, 2), dq=KC(64, 32, 4, 2), fused_bwd=True)
+_BF16_TILES = dict(fwd=KC(128, 128, 8, 3), dkdv=KC(64, 128, 8, 3), dq=KC(128, 64, 8, 3),
+                   fused_bwd=True)
+FP32_VARIANTS3 = [
+    ("f16x3", "highest", {}),
+    ("old_split6", "highest", _OLD_SPLIT6),
+    ("f16x3_fused", "highest", dict(fused_bwd=True)),
+    ("f16x3_dq64x32w4", "highest", dict(dq=KC(64, 32, 4, 2))),
+    ("f16x3_dq128x64w8", "highest", dict(dq=KC(128, 64, 8, 2))),
+    ("f16x3_dkdv64x64w8", "highest", dict(dkdv=KC(64, 64, 8, 2))),
+    ("f16x3_dkdv32x64w4", "highest", dict(dkdv=KC(32, 64, 4, 2))),
+    ("f16x3_fwd128x64w8", "highest", dict(fwd=KC(128, 64, 8, 2))),
+    ("old_bf16x3", "tf32", dict(prec="bf16x3")),
+    ("f16x31", "tf32", dict(prec="f16x31")),
+    ("f16x1_bf16tiles", "tf32", dict(prec="f16x1", **_BF16_TILES)),
+]
+FP32_VARIANTS3_D64 = [
+    ("f16x3", "highest", {}),
+    ("old_split6", "highest", dict(prec="bf16x6", dkdv=KC(32, 64, 4, 2), dq=KC(64, 32, 4, 2),
+                                   fused_bwd=False)),
+    ("f16x3_dkdv64x128w8", "highest", dict(dkdv=KC(64, 128, 8, 2))),
+    ("f16x3_dkdv32x128w8", "highest", dict(dkdv=KC(32, 128, 8, 2))),
+    ("f16x3_dq128x64w4", "highest", dict(dq=KC(128, 64, 4, 2))),
+    ("f16x3_dq64x64w8", "highest", dict(dq=KC(64, 64, 8, 2))),
+    ("f16x3_fwd128x64w8", "highest", dict(fwd=KC(128, 64, 8, 2))),
+]
+
+
+def phase_fp32_variants(only=(), variants=None, d=128):
+    """fp32 / tf32 variants at 16k tokens, S=4096 (B=4, H=2048/D): fwd and bwd TFLOP/s, and
     each variant's error vs float64 at B=1 H=2 S=4096 (same code paths, smaller batch)."""
-    b, h, s, d = 4, 16, 4096, 128
+    b, h, s = 4, 2048 // d, 4096
     q, k, v, g = _inputs(b, h, h, s, d, torch.float32)
     gen = torch.Generator(device="cuda").manual_seed(7)
     qs, ks, vs, gs = (torch.randn(1, 2, s, d, device="cuda", generator=gen) for _ in range(4))
+    log(f"fp32 variants D={d}: {len(variants or FP32_VARIANTS)}")
     r = ref64(qs, ks, vs, gs, None, None, 1.0 / math.sqrt(d))
     ff = fa_flops(b, h, s, s, d, False)
     for name, precision, fields in (variants or FP32_VARIANTS):
@@ -777,6 +859,9 @@ def main():
     ap.add_argument("--flex-masked", action="store_true", help="FlexAttention on masked cases")
     ap.add_argument("--fp32", action="store_true", help="fp32 / tf32 dense variants + fp32 bias")
     ap.add_argument("--check-new", action="store_true", help="correctness of the newer variants")
+    ap.add_argument("--f16", action="store_true",
+                    help="scaled fp16 schemes: far-from-unit inputs, fp32 checks, variants "
+                         "(D=128, 64), fp32 / tf32 bench vs SDPA, fp32 bias")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -833,6 +918,23 @@ def main():
             phase_masked(precs=("fp32",), with_flex=False, fp32_masks=a.fp32_masks)
             save()
             log(f"fp32 done {time.time() - t0:.0f}s")
+        if a.f16:
+            phase_check_scaled()
+            phase_check(names=["S8192_none_fp32", "S8192_none_tf32", "S4096_doc_fp32",
+                               "S2048_keeprand_fp32", "S2048_biasfull_fp32",
+                               "S2048_biasB11S_fp32", "gqa4_S2048_fp32", "D256_S1024_fp32",
+                               "D8_S1000_fp32", "SqgtSk_br_fp32"])
+            save()
+            log(f"f16 checks done {time.time() - t0:.0f}s")
+            phase_fp32_variants(variants=FP32_VARIANTS3)
+            phase_fp32_variants(variants=FP32_VARIANTS3_D64, d=64)
+            save()
+            log(f"f16 variants done {time.time() - t0:.0f}s")
+            phase_bench([("fp32", (64, 128), [2048, 4096, 16384]),
+                         ("tf32", (128,), [4096])], [], with_sdpa=True)
+            phase_masked(precs=("fp32",), with_flex=False)
+            save()
+            log(f"f16 bench done {time.time() - t0:.0f}s")
         if a.check_new:
             phase_check("new")
             save()

@@ -86,17 +86,20 @@ def autotune_enabled() -> bool:
 
 
 def fp32_precision(precision: str, dtype: str) -> str:
-    """The fp32 dot mode.  'highest': ANYATTN_TRITON_FP32_DOT, default 'bf16x6' (six bf16
-    split products; on the H200 1.3x faster than Triton's 'tf32x3', docs/perf/LOG.md),
-    'tf32x3' (3xTF32) or 'ieee' (FMA; its forward ran 27x slower than tf32x3), all <= 1e-5;
-    'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default 'bf16x3' (three bf16 split products,
-    ~1e-4 at S=512), since single-pass 'tf32' measured 3.4e-3 relative error at S=8192 on
-    the H200, over the ~3e-4 that precision='tf32' promises."""
+    """The fp32 product scheme (docs/triton.md, "Precision").  'highest' (default):
+    ANYATTN_TRITON_FP32_DOT, default 'f16x3' (operands scaled by powers of two into
+    fp16 range and split into fp16 hi + lo; three fp16 products, ~2^-22 per product,
+    <= 1e-5 vs float64), or 'bf16x6' (six bf16 split products), 'tf32x3' (3xTF32),
+    'ieee' (FMA), all <= 1e-5.  'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default
+    'f16x3' as well, since every single-rounding 11-bit scheme ('tf32', 'f16x1',
+    'f16x31') measured above the ~3e-4 that precision='tf32' promises (a lone fp16 or
+    tf32 rounding of an operand is already 2.4e-4); 'bf16x3' (three bf16 products,
+    ~2^-16) costs the same as 'f16x3'."""
     if dtype != "float32":
         return "tf32"   # ignored for 16-bit inputs
     if precision == "tf32":
-        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "bf16x3")
-    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "bf16x6")
+        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "f16x3")
+    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "f16x3")
 
 
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
@@ -114,7 +117,9 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     # six products fwd 128x32 w8 s2, dK/dV 32x64 w4 s2, dQ 64x32 w4 s2 (a 32-row dQ tile
     # cannot use wgmma), one launch; three products ('tf32') dK/dV 64x64 w8 s2 (D=128:
     # 32x128 w8 s2, 1.44x faster), dQ 64x64 w4 s2, two launches (fused, dQ runs at w8).
-    three = prec in ("bf16x3", "bf16x3r")
+    three = prec in ("bf16x3", "bf16x3r", "f16x3")
+    if prec == "f16x1":   # one fp16 product per product: the kernels see fp16 operands
+        wide = False
     if dp <= 64:
         if wide:
             p = Plan(fwd=KernelConfig(128, 32, 8, 2),

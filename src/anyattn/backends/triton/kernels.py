@@ -30,6 +30,21 @@ hi, mid), so that loaded tiles go to the tensor cores straight from shared memor
 only the computed tiles (p, dS) are split in registers.  Operands travel as part
 triples (x0, x1, x2) through ``_load_op`` / ``_op_parts`` / ``_dotp``; with one part
 (every other PREC) x1 and x2 repeat x0 and the compiler drops them.
+
+PREC 'hsplit3' / 'hsplit1' (fp32 inputs, "scaled fp16 parts"): the launcher scales q, k,
+v and dout by powers of two sigma (one per batch and kv-head group, from the finite
+max |x|, so that |x * sigma| <= 2^14) and stores fp16 parts of the scaled values: hi and
+lo ([.., S, 2 * D], x * sigma ~= hi + lo to ~2^-22) or hi alone ([.., S, D], ~2^-12).
+'hsplit3' sums three fp16 products (hi*hi + hi*lo + lo*hi: ~fp32 accuracy at the cost of
+the 'split3' bf16 scheme, fp16 keeping 11 mantissa bits to bf16's 8), 'hsplit1' one;
+'hsplit31' three for the score products (s, dP: their error goes through exp) and one
+for the accumulating products (p.v, pT.dout, dS.k, dST.q; ``_dotacc``).
+The computed tiles are split after a power-of-two scaling too: p by PS_FWD / PS_BWD
+(p <= 1), dS by gamma = 2^10 / bound(|dS|) from |dS| <= p (|dP| + |delta|) <=
+max|dout_i| max|v_j| + max|delta| (row norms).  Every scale is undone exactly on the
+fp32 results through the per-(batch, kv head) factors of SC [B * Hkv, 8] (see
+launch._f16_scales): 0 1/(sq sk) on scores, 1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv)
+on out, 4 1/(PS_BWD sdo) on dv, 5 1/(gamma sq) on dk, 6 1/(gamma sk) on dq.
 """
 import os
 
@@ -38,6 +53,10 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+#: power-of-two scales of p before its fp16 split (forward: p <= 1; backward: p <= 1 for
+#: a true lse, and a given lse may understate it by up to ln 64 before p * PS_BWD overflows)
+PS_FWD = tl.constexpr(16384.0)
+PS_BWD = tl.constexpr(1024.0)
 #: Triton 3.6's interpreter multiplies bfloat16 tiles as raw integers; under it the
 #: dot operands are upcast to fp32 (after the usual rounding to the input dtype).
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -61,6 +80,15 @@ def _split3(x):
     mid = r.to(tl.bfloat16)
     lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
     return hi, mid, lo
+
+
+@triton.jit
+def _split2h(x):
+    """fp32 tile (already scaled into fp16 range) -> two fp16 tiles, x ~= hi + lo
+    (22 mantissa bits where lo is normal)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
 
 
 @triton.jit
@@ -122,22 +150,41 @@ def _dotp(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
         acc = _dot16(a0, b1, acc)
         acc = _dot16(a0, b0, acc)
         return acc
-    elif PREC == "split3":
+    elif PREC == "split3" or PREC == "hsplit3" or PREC == "hsplit31":
         acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
         acc = _dot16(a1, b0, acc)
         acc = _dot16(a0, b1, acc)
         acc = _dot16(a0, b0, acc)
         return acc
+    elif PREC == "hsplit1":
+        return _dot16(a0, b0, tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32))
     else:
         return _dot(a0, b0, PREC)
 
 
 @triton.jit
-def _op_parts(x, like, PREC: tl.constexpr):
+def _dotacc(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
+    """An accumulating product (p.v, pT.dout, dS.k, dST.q): as _dotp, except that
+    'hsplit31' multiplies the hi parts alone (its score products p, dP take three)."""
+    if PREC == "hsplit31":
+        return _dot16(a0, b0, tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32))
+    else:
+        return _dotp(a0, a1, a2, b0, b1, b2, PREC)
+
+
+@triton.jit
+def _op_parts(x, f, like, PREC: tl.constexpr):
     """A computed fp32 tile (p, dS) as an operand part triple: split in registers for
-    'split6' / 'split3', else cast to the dtype of the loaded operand ``like``."""
+    'split6' / 'split3'; x * f (f a power of two) split into fp16 for 'hsplit3' / cast
+    for 'hsplit1' (f is ignored otherwise); else cast to the dtype of ``like``."""
     if PREC == "split6" or PREC == "split3":
         return _split3(x)
+    elif PREC == "hsplit3":
+        hi, lo = _split2h(x * f)
+        return hi, lo, lo
+    elif PREC == "hsplit1" or PREC == "hsplit31":
+        y = (x * f).to(tl.float16)
+        return y, y, y
     else:
         y = x.to(like.dtype)
         return y, y, y
@@ -281,7 +328,7 @@ def _load_op(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.co
     x0 = _load_part(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     x1 = x0
     x2 = x0
-    if PREC == "split6" or PREC == "split3":
+    if PREC == "split6" or PREC == "split3" or PREC == "hsplit3" or PREC == "hsplit31":
         x1 = _load_part(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     if PREC == "split6":
         x2 = _load_part(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
@@ -345,6 +392,52 @@ def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexp
         tl.store(yp + 2 * D, lo, mask=msk)
 
 
+@triton.jit
+def _split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
+                      DP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
+    """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (unit last stride) times the
+    power of two SIG[b * (H // G) + h // G] -> fp16 parts side by side in contiguous
+    Y [B, H, S, NP * D]: hi (NP = 1), lo (NP = 2), as _split2h."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    sig = tl.load(SIG + b * (H // G) + h // G)
+    offs_m = pid * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
+    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
+                mask=msk, other=0.0) * sig                                       # [BM, DP]
+    hi, lo = _split2h(x)
+    row0 = (bh.to(tl.int64) * S + offs_m.to(tl.int64)) * (NP * D)         # [BM]
+    yp = Y + row0[:, None] + offs_d[None, :]
+    tl.store(yp, hi, mask=msk)
+    if NP == 2:
+        tl.store(yp + D, lo, mask=msk)
+
+
+@triton.jit
+def _row_stats_kernel(X, AMAX, SSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
+                      DP: tl.constexpr, BM: tl.constexpr):
+    """Grid (cdiv(S, BM), B * H): per row of X [B, H, S, D] (unit last stride) the max
+    |x| and the sum of x^2 over its finite entries (NaN / inf count as 0, so that they
+    propagate through the products, not through the scales) -> AMAX, SSQ [B * H * S]."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
+    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
+                mask=msk, other=0.0).to(tl.float32)                              # [BM, DP]
+    a = tl.abs(x)
+    a = tl.where(a < float("inf"), a, 0.0)       # NaN compares false too
+    row = bh.to(tl.int64) * S + offs_m
+    tl.store(AMAX + row, tl.max(a, 1), mask=offs_m < S)
+    tl.store(SSQ + row, tl.sum(a * a, 1), mask=offs_m < S)
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
@@ -377,13 +470,13 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
-    p0, p1, p2 = _op_parts(p, v0, PREC)     #  the 16-bit kernel was tuned with)
-    acc = acc + _dotp(p0, p1, p2, v0, v1, v2, PREC)
+    p0, p1, p2 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
+    acc = acc + _dotacc(p0, p1, p2, v0, v1, v2, PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
@@ -398,6 +491,12 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
+    out_mul = 1.0
+    # the scaled fp16 schemes: undo the operand scales (module doc)
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        scp = SC + (b * (H // G) + hk) * 8
+        qk_scale = qk_scale * tl.load(scp)
+        out_mul = tl.load(scp + 3)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -460,7 +559,10 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
     # empty rows (l == 0): out 0, lse -inf; NaN rows stay NaN
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
+    else:
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     Oh = O + b * so_b + h * so_h
     o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_d[None, :]
@@ -500,7 +602,7 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
-               Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+               Sq, Sk, qk_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
@@ -525,22 +627,24 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
         pT = tl.where(keep, pT, 0.0)
     do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, False)  # [BM, DP]
-    pT0, pT1, pT2 = _op_parts(pT, do0, PREC)
-    dv += _dotp(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
+    pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
+    dv += _dotacc(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
     else:
         dlt = tl.load(DLh + offs_m)
     dpT = _dotp(v0, v1, v2, tl.trans(do0), tl.trans(do1), tl.trans(do2), PREC)  # [BN, BM]
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        dpT = dpT * mvo
     dsT = pT * (dpT - dlt[None, :])
-    ds0, ds1, ds2 = _op_parts(dsT, qT0, PREC)
-    dk += _dotp(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
+    ds0, ds1, ds2 = _op_parts(dsT, gam, qT0, PREC)
+    dk += _dotacc(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
-                  CNT, IDX, FCNT, FIDX,
+                  CNT, IDX, FCNT, FIDX, SC,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -552,6 +656,18 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
+    mvo = 1.0
+    gam = 1.0
+    dk_mul = scale
+    dv_mul = 1.0
+    # the scaled fp16 schemes: undo the operand scales (module doc)
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        scp = SC + (b * (H // G) + hk) * 8
+        qk_scale = qk_scale * tl.load(scp)
+        mvo = tl.load(scp + 1)
+        gam = tl.load(scp + 2)
+        dv_mul = tl.load(scp + 4)
+        dk_mul = scale * tl.load(scp + 5)
     j0 = pid_n * BN
     offs_nb = tl.arange(0, BN)
     offs_n = j0 + offs_nb
@@ -579,19 +695,19 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         else:
@@ -605,7 +721,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             n_full = tl.load(FCNT + cb)
@@ -613,10 +729,12 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
-    dk = dk * scale
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        dv = dv * dv_mul
+    dk = dk * dk_mul
     inb = offs_n < Sk
     dk_ptrs = DK + b * sdk_b + hk * sdk_h + j0.to(tl.int64) * sdk_s + offs_nb[:, None] * sdk_s + offs_d[None, :]
     dv_ptrs = DV + b * sdv_b + hk * sdv_h + j0.to(tl.int64) * sdv_s + offs_nb[:, None] * sdv_s + offs_d[None, :]
@@ -629,7 +747,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -642,7 +760,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
-                  Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                  Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -653,7 +771,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
 @triton.jit
 def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
              lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-             Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
+             Sq, Sk, qk_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -684,6 +802,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     if MASKED:
         p = tl.where(keep, p, 0.0)
     dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        dp = dp * mvo
     ds = p * (dp - dlt[:, None])
     if WRITE_DB:
         db = ds
@@ -693,14 +813,14 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
-    ds0, ds1, ds2 = _op_parts(ds, kT0, PREC)
-    dq += _dotp(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
+    ds0, ds1, ds2 = _op_parts(ds, gam, kT0, PREC)
+    dq += _dotacc(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
     return dq
 
 
 @triton.jit
 def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                CNT, IDX, FCNT, FIDX,
+                CNT, IDX, FCNT, FIDX, SC,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
@@ -714,6 +834,16 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
     bh = b * H + h
+    mvo = 1.0
+    gam = 1.0
+    dq_mul = scale
+    # the scaled fp16 schemes: undo the operand scales (module doc)
+    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        scp = SC + (b * (H // G) + hk) * 8
+        qk_scale = qk_scale * tl.load(scp)
+        mvo = tl.load(scp + 1)
+        gam = tl.load(scp + 2)
+        dq_mul = scale * tl.load(scp + 6)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -739,19 +869,19 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
     else:
@@ -765,7 +895,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         n_full = tl.load(FCNT + cb)
@@ -773,10 +903,10 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
-    dq = dq * scale
+    dq = dq * dq_mul
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
     if D == DP:
@@ -786,7 +916,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
@@ -798,7 +928,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
     """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
     bh = tl.program_id(1)
     _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
-                Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
@@ -808,6 +938,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
 
 @triton.jit
 def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+                     SC,
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
@@ -842,7 +973,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                 h = hb
             tl.debug_barrier()   # the previous (b, h)'s dbias stores are visible to all
             _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                        CNT, IDX, FCNT, FIDX,
+                        CNT, IDX, FCNT, FIDX, SC,
                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h,
                         sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -853,7 +984,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
 
 @triton.jit
 def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
-                CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX,
+                CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX, SC,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sdq_b, sdq_h, sdq_s,
                 sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
@@ -877,7 +1008,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
     hk = (bhk % HKV).to(tl.int64)
     if pid < NKV_TILES:
         _dkdv_program(pid, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
-                      CCNT, CIDX, CFCNT, CFIDX,
+                      CCNT, CIDX, CFCNT, CFIDX, SC,
                       sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                       sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -888,7 +1019,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
         _dq_program(r % NQ_TILES, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                    RCNT, RIDX, RFCNT, RFIDX,
+                    RCNT, RIDX, RFCNT, RFIDX, SC,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,

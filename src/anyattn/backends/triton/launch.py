@@ -63,11 +63,16 @@ def _unit_last(x):
     return x.contiguous()
 
 
-#: fp32 product scheme of the plan -> (PREC of the fwd / bwd kernels, bf16 parts per
-#: operand).  'bf16x6' / 'bf16x3' split q, k, v, dout once here ('split6' / 'split3');
-#: the '...r' variants split every tile in registers inside the kernels instead.
+#: fp32 product scheme of the plan -> (PREC of the fwd / bwd kernels, parts per
+#: operand).  'bf16x6' / 'bf16x3' split q, k, v, dout once here into bf16 parts
+#: ('split6' / 'split3'); the '...r' variants split every tile in registers inside the
+#: kernels instead; 'f16x3' / 'f16x1' store scaled fp16 parts (hi, lo / hi alone) and
+#: multiply them in three / one fp16 products ('hsplit3' / 'hsplit1', kernels.py doc);
+#: 'f16x31' three for the score products, one for the accumulating ones ('hsplit31').
 _KERNEL_PREC = {"bf16x6": ("split6", 3), "bf16x3": ("split3", 2),
-                "bf16x6r": ("bf16x6", 1), "bf16x3r": ("bf16x3", 1)}
+                "bf16x6r": ("bf16x6", 1), "bf16x3r": ("bf16x3", 1),
+                "f16x3": ("hsplit3", 2), "f16x1": ("hsplit1", 1), "f16x31": ("hsplit31", 2)}
+_SCALED = ("hsplit3", "hsplit1", "hsplit31")
 
 
 def _kernel_prec(p, plan):
@@ -78,8 +83,11 @@ def _kernel_prec(p, plan):
 
 
 def _register_prec(prec: str) -> str:
-    """The in-register form of a product scheme (for kernels that take fp32 tiles)."""
-    return prec[:-1] if prec in ("bf16x6r", "bf16x3r") else prec
+    """The in-register form of a product scheme (for the kernel that takes fp32 tiles:
+    the broadcast dbias reduction); the scaled fp16 schemes use the bf16 one of the
+    same accuracy class there."""
+    return {"bf16x6r": "bf16x6", "bf16x3r": "bf16x3", "f16x3": "bf16x6",
+            "f16x1": "bf16x3", "f16x31": "bf16x3"}.get(prec, prec)
 
 
 def _split_parts(x, n: int):
@@ -95,6 +103,75 @@ def _split_parts(x, n: int):
     with torch.cuda.device(x.device) if x.is_cuda else _nullctx():
         K._split_kernel[(triton.cdiv(S, bm), B * H)](x, out, *_s3(x), H, S, D=D,
                                                       DP=C.padded_dim(D), NP=n, BM=bm)
+    return out
+
+
+def _row_stats(x):
+    """Per row of x [B, H, S, D]: (max |x|, sqrt(sum x^2)) over its finite entries,
+    each [B, H, S] fp32 (K._row_stats_kernel)."""
+    B, H, S, D = x.shape
+    amax = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
+    ssq = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
+    bm = 32
+    K._row_stats_kernel[(triton.cdiv(S, bm), B * H)](x, amax, ssq, *_s3(x), H, S, D=D,
+                                                     DP=C.padded_dim(D), BM=bm)
+    return amax, ssq.sqrt()
+
+
+def _group_max(t, B, Hkv):
+    """[B, H, S] -> [B * Hkv]: the max over each kv head's query-head group and S."""
+    return t.reshape(B, Hkv, -1).amax(dim=2).reshape(-1)
+
+
+#: |x * sigma| <= 2^SIGMA_EXP for every operand part; |dS * gamma| <= 2^GAMMA_EXP when p <= 1
+SIGMA_EXP = 14
+GAMMA_EXP = 10
+
+
+def _pow2_scale(m, target_exp: int):
+    """The power of two 2^(target_exp - e) with m <= 2^e (m >= 0; m = 0 -> 2^target_exp),
+    e clamped to [-100, 100] so that every product of scales stays a normal fp32."""
+    _, e = torch.frexp(m)
+    e = torch.where(m > 0, e, torch.zeros_like(e)).clamp(-100, 100)
+    return torch.ldexp(torch.ones_like(m), (target_exp - e).to(torch.float32))
+
+
+def _f16_scales(p, q, k, v, dout=None, delta=None):
+    """Scales of the scaled-fp16 schemes, all powers of two, per (batch, kv head):
+    sigma of q, k, v, dout (from the finite max |x| over the kv head's group), gamma of
+    dS (from max_i |dout_i| * max_j |v_j| + max |delta|, row norms; the bound of |dS|
+    when p <= 1) and the table SC [B * Hkv, 8] of their inverses the kernels apply
+    (kernels.py doc).  Everything stays on the device (no host synchronisation).
+    Returns (SC, {name: sigma [B * Hkv]})."""
+    B, Hkv = p.batch, p.heads_kv
+    st = {n: _row_stats(x) for n, x in (("q", q), ("k", k), ("v", v), ("do", dout))
+          if x is not None}
+    sig = {n: _pow2_scale(_group_max(a, B, Hkv), SIGMA_EXP) for n, (a, _) in st.items()}
+    sc = torch.zeros((B * Hkv, 8), dtype=torch.float32, device=q.device)
+    sc[:, 0] = 1.0 / (sig["q"] * sig["k"])
+    sc[:, 3] = 1.0 / (sig["v"] * float(K.PS_FWD.value))
+    if dout is not None:
+        nrm = _group_max(st["do"][1], B, Hkv) * _group_max(st["v"][1], B, Hkv)
+        dl = delta.abs()
+        dl = _group_max(torch.where(dl < float("inf"), dl, torch.zeros_like(dl)), B, Hkv)
+        gam = _pow2_scale(nrm + dl, GAMMA_EXP)
+        sc[:, 1] = 1.0 / (sig["v"] * sig["do"])
+        sc[:, 2] = gam
+        sc[:, 4] = 1.0 / (sig["do"] * float(K.PS_BWD.value))
+        sc[:, 5] = 1.0 / (gam * sig["q"])
+        sc[:, 6] = 1.0 / (gam * sig["k"])
+    return sc, sig
+
+
+def _split_half(x, sig, group: int, n: int):
+    """fp32 [B, H, S, D] times sigma [B * Hkv] (per kv-head group of `group` heads) ->
+    contiguous fp16 [B, H, S, n * D]: hi (n = 1) and lo (n = 2) of the scaled values,
+    rounded to nearest (K._split_f16_kernel)."""
+    B, H, S, D = x.shape
+    out = torch.empty((B, H, S, n * D), dtype=torch.float16, device=x.device)
+    bm = 32
+    K._split_f16_kernel[(triton.cdiv(S, bm), B * H)](x, out, sig, *_s3(x), H, group, S, D=D,
+                                                     DP=C.padded_dim(D), NP=n, BM=bm)
     return out
 
 
@@ -424,12 +501,19 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
     prec, nparts = _kernel_prec(p, plan)
-    q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
+    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+        if prec in _SCALED:
+            sc, sig = _f16_scales(p, q, k, v)
+            q, k, v = (_split_half(x, sig[n], g, nparts)
+                       for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
+        else:
+            sc = _dummy(dev, torch.float32)
+            q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
     kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
               MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
               HAS_BIAS=ma.has_bias, PREC=prec)
     args = (q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.row_strides(),
             H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi)
@@ -492,24 +576,32 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
         scalars = (H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
-        # the operands as the kernels read them (bf16 parts for the split fp32 schemes)
-        qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
+        # the operands as the kernels read them (bf16 / scaled fp16 parts for the split
+        # fp32 schemes); sc: the scaled schemes' factors (after delta: gamma needs it)
+        if prec in _SCALED:
+            sc, sig = _f16_scales(p, q, k, v, dout, delta)
+            qo, ko, vo, doo = (_split_half(x, sig[n], g, nparts) for x, n, g in
+                               ((q, "q", p.group), (k, "k", 1), (v, "v", 1),
+                                (dout, "do", p.group)))
+        else:
+            sc = _dummy(dev, torch.float32)
+            qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, scalars,
-                             common)
+                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, sc,
+                             scalars, common)
             res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, lse2, delta, dq, bias, ma,
-                                            tlists, scalars, common)
+                                            tlists, sc, scalars, common)
         elif want_kv and want_q and plan.fused_bwd:
             _launch_fused_bwd(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, dq, dbias, sdb,
-                              ma, tlists, scalars, common, full_bias)
+                              ma, tlists, sc, scalars, common, full_bias)
         else:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, scalars,
-                             common)
+                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, sc,
+                             scalars, common)
             if want_q:
                 args = (qo, ko, vo, doo, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-                        tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+                        tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
                         *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
                         ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
                         scalars[0], *scalars[2:])
@@ -528,10 +620,11 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
     return res
 
 
-def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalars, common):
+def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, sc, scalars,
+                 common):
     """dk, dv through K._dkdv_kernel (one program per key tile and kv head)."""
     args = (q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
-            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
+            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
@@ -540,8 +633,8 @@ def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, scalar
             args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
 
 
-def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, scalars,
-                     common):
+def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, sc,
+                     scalars, common):
     """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
     and/or heads, through K._dq_dbias_kernel: the programs of one (bias batch, bias head)
     run the dq of every (b, h) mapped onto it in turn and sum dS in place; the dbias
@@ -554,7 +647,7 @@ def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, 
     st = dbias.stride()
     sdb = (0 if red_b else st[0], 0 if red_h else st[1], st[2], st[3])
     args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
             ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
             B, H, *scalars[2:], hb)
@@ -574,7 +667,7 @@ def _fused_fallbacks(c1: C.KernelConfig, c2: C.KernelConfig):
 
 
 def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sdb, ma,
-                      tlists, scalars, common, full_bias):
+                      tlists, sc, scalars, common, full_bias):
     """dK/dV and dQ in one launch of K._bwd_kernel (plan.dkdv gives BM/BN, warps and
     stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
     (remembered per signature); autotuned over config pairs with ANYATTN_TRITON_AUTOTUNE=1."""
@@ -583,7 +676,7 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sd
     B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
     args = (q, k, v, dout, lse2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq),
             *ma.sb, *sdb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.col_strides(), *tlists.row_strides(), *scalars)
