@@ -791,6 +791,53 @@ FP32_VARIANTS3_D64 = [
 ]
 
 
+#: fourth round, around the f16x3 plan of round three (D=128: fwd 128x64 w8, dK/dV 32x128
+#: w8, dQ 128x64 w8 s1; D=64: fwd 128x64 w8, dK/dV 64x128 w8, dQ 64x64 w4)
+FP32_VARIANTS4 = [
+    ("f16x3", "highest", {}),
+    ("f16x3_dq128x32w8", "highest", dict(dq=KC(128, 32, 8, 2))),
+    ("f16x3_dq64x64w4", "highest", dict(dq=KC(64, 64, 4, 2))),
+    ("f16x3_dkdv32x128w8s1", "highest", dict(dkdv=KC(32, 128, 8, 1))),
+    ("f16x3_dkdv64x128w8s1", "highest", dict(dkdv=KC(64, 128, 8, 1))),
+    ("f16x3_fused", "highest", dict(fused_bwd=True)),
+    ("bf16x3", "tf32", dict(prec="bf16x3")),
+    ("f16x1_bf16tiles", "tf32", dict(prec="f16x1", **_BF16_TILES)),
+]
+FP32_VARIANTS4_D64 = [
+    ("f16x3", "highest", {}),
+    ("f16x3_dkdv64x128w8s3", "highest", dict(dkdv=KC(64, 128, 8, 3))),
+    ("f16x3_dkdv128x128w8", "highest", dict(dkdv=KC(128, 128, 8, 2))),
+    ("f16x3_dq128x32w4", "highest", dict(dq=KC(128, 32, 4, 2))),
+    ("f16x3_dq64x32w4", "highest", dict(dq=KC(64, 32, 4, 2))),
+    ("f16x3_dq128x64w8", "highest", dict(dq=KC(128, 64, 8, 2))),
+    ("f16x3_fused", "highest", dict(fused_bwd=True)),
+    ("f16x1_bf16tiles", "tf32", dict(prec="f16x1", fwd=KC(64, 64, 4, 3), dkdv=KC(64, 128, 8, 3),
+                                      dq=KC(128, 64, 4, 3), fused_bwd=False)),
+]
+
+
+def phase_naive_tf32(d=128, s=4096):
+    """Error of a naive attention in fp32 with TF32 matmuls (torch autograd, allow_tf32)
+    vs float64, on the inputs of phase_fp32_variants: the 'naive implementation in the
+    same precision' that DESIGN.md section 4 measures tolerances against."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qs, ks, vs, gs = (torch.randn(1, 2, s, d, device="cuda", generator=gen) for _ in range(4))
+    r = ref64(qs, ks, vs, gs, None, None, 1.0 / math.sqrt(d))
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        q, k, v = (x.clone().requires_grad_(True) for x in (qs, ks, vs))
+        p = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(d), dim=-1)
+        out = p @ v
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), gs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    row = dict(case="naive_tf32", D=d, S=s, errs={n: float(f"{rel_err(x, r[n]):.3g}") for n, x in
+                                                    (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))})
+    RESULTS.setdefault("fp32_variants", []).append(row)
+    log("NAIVE", json.dumps(row))
+
+
 def phase_fp32_variants(only=(), variants=None, d=128):
     """fp32 / tf32 variants at 16k tokens, S=4096 (B=4, H=2048/D): fwd and bwd TFLOP/s, and
     each variant's error vs float64 at B=1 H=2 S=4096 (same code paths, smaller batch)."""
@@ -859,6 +906,9 @@ def main():
     ap.add_argument("--flex-masked", action="store_true", help="FlexAttention on masked cases")
     ap.add_argument("--fp32", action="store_true", help="fp32 / tf32 dense variants + fp32 bias")
     ap.add_argument("--check-new", action="store_true", help="correctness of the newer variants")
+    ap.add_argument("--f16b", action="store_true",
+                    help="scaled fp16, round 2: bf16 re-check, variants, naive tf32 error, "
+                         "fp32 / tf32 bench vs SDPA, fp32 masks and bias")
     ap.add_argument("--f16", action="store_true",
                     help="scaled fp16 schemes: far-from-unit inputs, fp32 checks, variants "
                          "(D=128, 64), fp32 / tf32 bench vs SDPA, fp32 bias")
@@ -935,6 +985,18 @@ def main():
             phase_masked(precs=("fp32",), with_flex=False)
             save()
             log(f"f16 bench done {time.time() - t0:.0f}s")
+        if a.f16b:
+            phase_bench([("bf16", (128,), [4096])], [], with_sdpa=False)
+            phase_naive_tf32()
+            phase_fp32_variants(variants=FP32_VARIANTS4)
+            phase_fp32_variants(variants=FP32_VARIANTS4_D64, d=64)
+            save()
+            log(f"f16b variants done {time.time() - t0:.0f}s")
+            phase_bench([("fp32", (64, 128), [2048, 4096, 16384]),
+                         ("tf32", (64, 128), [4096, 16384])], [], with_sdpa=True)
+            phase_masked(precs=("fp32",), with_flex=False, fp32_masks=True)
+            save()
+            log(f"f16b bench done {time.time() - t0:.0f}s")
         if a.check_new:
             phase_check("new")
             save()

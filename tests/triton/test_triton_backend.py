@@ -316,6 +316,101 @@ def test_presplit_operands_equal_register_split(scheme, monkeypatch):
 
 
 @needs_triton
+def test_scaled_fp16_parts_and_scales():
+    """The scaled-fp16 split: sigma is a power of two per (batch, kv-head group) from the
+    finite max |x| (NaN / inf ignored), |x * sigma| <= 2^14, and hi + lo (fp16, side by
+    side) give x * sigma to 2^-21 of the group max elementwise."""
+    from anyattn.backends.triton import launch as L
+    from anyattn.problem import describe
+
+    B, Hq, Hkv, S, D = 2, 4, 2, 37, 20
+    base = torch.randn(B, S, Hq, D, device=DEV)
+    base = base * (10.0 ** torch.arange(-3, 5, device=DEV).reshape(B, 1, Hq, 1))
+    q = base.permute(0, 2, 1, 3)                          # [B, H, S, D], a strided view
+    q[1, 3, 4, 2] = float("nan")                          # ignored by the scales
+    q[1, 3, 5, 0] = float("inf")
+    k = torch.randn(B, Hkv, S, D, device=DEV) * 1e-6
+    v = torch.randn(B, Hkv, S, D, device=DEV) * 1e5
+    p = describe(q, k, v)
+    sc, sig = L._f16_scales(p, q, k, v)
+    fin = torch.where(torch.isfinite(q), q.abs(), torch.zeros_like(q))
+    for name, x, g in (("q", q, 2), ("k", k, 1), ("v", v, 1)):
+        s = sig[name]
+        assert s.shape == (B * Hkv,)
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)          # powers of two
+        xa = (fin if name == "q" else x.abs()).reshape(B * Hkv, -1).amax(1)
+        assert ((xa * s) <= 2.0 ** 14).all() and ((xa * s) > 2.0 ** 13).all()
+        y = L._split_half(x, s, g, 2)
+        assert y.dtype == torch.float16 and y.shape == (B, x.shape[1], S, 2 * D)
+        xs = x.double() * s.double().repeat_interleave(g).reshape(B, -1, 1, 1)
+        back = y[..., :D].double() + y[..., D:].double()
+        ok = torch.isfinite(xs)
+        err = (back - xs).abs()[ok].max()
+        assert err <= 2.0 ** -21 * 2.0 ** 14, (name, float(err))
+    assert torch.equal(sc[:, 0], 1.0 / (sig["q"] * sig["k"]))
+
+
+@needs_triton
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+def test_scaled_fp16_far_from_unit_inputs(precision):
+    """fp32 through the default scaled-fp16 products with every (batch, head) of q, k, v,
+    dout at its own power of ten (1e-6 .. 1e6, differing inside a GQA group), a huge and
+    a tiny row, a causal mask and a head-broadcast bias: fp32 accuracy (1e-5)."""
+    rng = np.random.default_rng(21)
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 33, 47, 24
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D)
+    ex = lambda n: rng.integers(-6, 7, (B, n, 1, 1)).astype(np.float64)  # noqa: E731
+    q = (q * 10.0 ** (ex(Hq) / 4)).astype(np.float32)
+    k = (k * 10.0 ** (ex(Hkv) / 4)).astype(np.float32)
+    v = (v * 10.0 ** ex(Hkv)).astype(np.float32)
+    g = (g * 10.0 ** ex(Hq)).astype(np.float32)
+    v[0, 0, 5] *= 1e4
+    v[0, 0, 6] *= 1e-4
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    check(q, k, v, g, mask=aa.Causal("bottom_right"), bias=bias,
+          wrt=("q", "k", "v", "bias"), precision=precision, tol=TOL["float32"])
+
+
+@needs_triton
+def test_scaled_fp16_given_lse_below_the_true_one():
+    """A given lse may understate the row's log-sum-exp (p > 1) by up to ln 64 under the
+    scaled fp16 products (p * 2^10 and dS * gamma stay in fp16 range): here by 2 (p up to
+    e^2), checked against the reference backward with the same out / lse."""
+    rng = np.random.default_rng(22)
+    q, k, v, g = make_qkv(rng, 1, 2, 1, 29, 31, 16)
+    qt, kt, vt, gt = (T(x) for x in (q, k, v, g))
+    out, lse = aa.attention(qt, kt, vt, return_lse=True, backend="triton")
+    low = lse - 2.0
+    gr = aa.attention_backward(qt, kt, vt, gt, out=out, lse=low, backend="triton")
+    args = [to_np(x).astype(np.float64) for x in (qt, kt, vt, gt)]
+    rg = R.backward(*args, out=to_np(out).astype(np.float64), lse=to_np(low).astype(np.float64))
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n), getattr(rg, n), "float32", n)
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["f16x1", "f16x31"])
+def test_fp16_class_schemes_selectable(scheme, monkeypatch):
+    """The faster opt-in schemes (one fp16 rounding of an operand: fp16-class accuracy,
+    over the ~3e-4 of precision='tf32', docs/triton.md) meet the fp16 tolerance."""
+    monkeypatch.setenv("ANYATTN_TRITON_TF32_DOT", scheme)
+    rng = np.random.default_rng(23)
+    q, k, v, g = make_qkv(rng, 1, 2, 1, 27, 35, 16)
+    qt, kt, vt, gt = (T(x) for x in (q, k, v, g))
+    out, lse = aa.attention(qt, kt, vt, mask=aa.Causal(), return_lse=True, backend="triton",
+                            precision="tf32")
+    gr = aa.attention_backward(qt, kt, vt, gt, mask=aa.Causal(), backend="triton",
+                               precision="tf32")
+    ro, rl = R.forward(q, k, v, mask=aa.Causal())
+    rg = R.backward(q, k, v, g, mask=aa.Causal())
+    tol = TOL["float16"]
+    assert_close(out, ro, "float16", "out", tol=tol)
+    assert np.abs(to_np(lse) - rl).max() <= tol * max(1.0, np.abs(rl).max())
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n), getattr(rg, n), "float16", n, tol=tol)
+
+
+@needs_triton
 @pytest.mark.parametrize("bshape", ["1H", "B1"])
 def test_dbias_owner_sum_with_batch_varying_masks(bshape, monkeypatch):
     """A bias broadcast over batch or heads: the dq programs sum dS into dbias in place
@@ -465,8 +560,10 @@ def test_configs_plans_and_tuner():
             p = C.plan_for(dp, dt, "highest", "none", False, 4096)   # fixed under the interpreter
             for c in (p.fwd, p.dq, p.dkdv):
                 assert p.sbq % c.bm == 0 and p.sbk % c.bn == 0
-    assert C.fp32_precision("highest", "float32") in ("bf16x6", "tf32x3", "ieee")
-    assert C.fp32_precision("tf32", "float32") in ("tf32", "bf16x3")
+    # the defaults (without ANYATTN_TRITON_*_DOT): fp32-accurate for both precisions
+    if not any(os.environ.get(n) for n in ("ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT")):
+        assert C.fp32_precision("highest", "float32") == "f16x3"
+        assert C.fp32_precision("tf32", "float32") == "f16x3"
     # every fallback keeps tiles that divide the mask block (128)
     for c in _fallbacks(C.KernelConfig(128, 64, 8, 3)):
         assert 128 % c.bm == 0 and 128 % c.bn == 0 and c.num_stages >= 1

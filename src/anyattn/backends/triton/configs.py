@@ -117,11 +117,18 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     # six products fwd 128x32 w8 s2, dK/dV 32x64 w4 s2, dQ 64x32 w4 s2 (a 32-row dQ tile
     # cannot use wgmma), one launch; three products ('tf32') dK/dV 64x64 w8 s2 (D=128:
     # 32x128 w8 s2, 1.44x faster), dQ 64x64 w4 s2, two launches (fused, dQ runs at w8).
+    # Scaled fp16 three products ('f16x3', docs/perf/triton_h200_f16_2026-12-03.json,
+    # S=4096): D=64 dK/dV 64x128 w8 (121.5 bwd TFLOP/s vs 69.2 at 64x64), fwd 128x64 w8
+    # (129.6 vs 96.8); D=128 dQ 128x64 w8 s1 (94.9 vs 91.3 at 64x64 w4), fwd 128x64 w8
+    # (150.2 vs 122.5); two launches (fused 74.6).
     three = prec in ("bf16x3", "bf16x3r", "f16x3")
     if prec == "f16x1":   # one fp16 product per product: the kernels see fp16 operands
         wide = False
     if dp <= 64:
-        if wide:
+        if wide and prec == "f16x3":
+            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 2),
+                     dq=KernelConfig(64, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
+        elif wide:
             p = Plan(fwd=KernelConfig(128, 32, 8, 2),
                      dkdv=KernelConfig(64, 64, 8, 2) if three else KernelConfig(32, 64, 4, 2),
                      dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
@@ -130,7 +137,10 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
             p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
     elif dp <= 128:
-        if wide:
+        if wide and prec == "f16x3":
+            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(32, 128, 8, 2),
+                     dq=KernelConfig(128, 64, 8, 1), dbias=KernelConfig(64, 64, 4, 2))
+        elif wide:
             p = Plan(fwd=KernelConfig(128, 32, 8, 2),
                      dkdv=KernelConfig(32, 128, 8, 2) if three else KernelConfig(32, 64, 4, 2),
                      dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
