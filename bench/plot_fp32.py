@@ -27,14 +27,14 @@ def main(argv=None):
         for r in json.load(open(path)).get("fp32_variants", []):
             if "bwd_tflops" not in r:
                 continue
-            names.append(f"run {i + 1}: {r['variant']}")
+            names.append(f"run {i + 1}: D={r.get('D', 128)} {r['variant']}")
             vals.append(r["bwd_tflops"])
             cols.append("tab:blue" if r["precision"] == "highest" else "tab:orange")
     ax.barh(range(len(vals)), vals, color=cols)
     ax.set_yticks(range(len(vals)), names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("backward TFLOP/s (B=4 H=16 S=4096 D=128)")
-    ax.set_title("fp32 variants: blue = accurate (six products), orange = tf32 opt-in")
+    ax.set_xlabel("backward TFLOP/s (16k tokens, hidden 2048, S=4096)")
+    ax.set_title("fp32 variants: blue = precision 'highest', orange = 'tf32'")
     for y, v in enumerate(vals):
         ax.text(v, y, f" {v:.1f}", va="center", fontsize=7)
     ax = axes[1]

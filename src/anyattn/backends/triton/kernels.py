@@ -417,11 +417,12 @@ def _split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
 
 
 @triton.jit
-def _row_stats_kernel(X, AMAX, SSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
+def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
                       DP: tl.constexpr, BM: tl.constexpr):
-    """Grid (cdiv(S, BM), B * H): per row of X [B, H, S, D] (unit last stride) the max
-    |x| and the sum of x^2 over its finite entries (NaN / inf count as 0, so that they
-    propagate through the products, not through the scales) -> AMAX, SSQ [B * H * S]."""
+    """Grid (cdiv(S, BM), B * H): per row of X [B, H, S, D] (unit last stride), over its
+    finite entries (NaN / inf count as 0, so that they propagate through the products,
+    not through the scales): a = max |x| -> AMAX and sum (x / a)^2 -> RSQ [B * H * S]
+    (the row's norm is a * sqrt(RSQ), without overflow)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -433,9 +434,11 @@ def _row_stats_kernel(X, AMAX, SSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
                 mask=msk, other=0.0).to(tl.float32)                              # [BM, DP]
     a = tl.abs(x)
     a = tl.where(a < float("inf"), a, 0.0)       # NaN compares false too
+    amax = tl.max(a, 1)                                                           # [BM]
+    r = a / tl.where(amax > 0.0, amax, 1.0)[:, None]
     row = bh.to(tl.int64) * S + offs_m
-    tl.store(AMAX + row, tl.max(a, 1), mask=offs_m < S)
-    tl.store(SSQ + row, tl.sum(a * a, 1), mask=offs_m < S)
+    tl.store(AMAX + row, amax, mask=offs_m < S)
+    tl.store(RSQ + row, tl.sum(r * r, 1), mask=offs_m < S)
 
 
 # ----------------------------------------------------------------------------- forward

@@ -107,20 +107,25 @@ def _split_parts(x, n: int):
 
 
 def _row_stats(x):
-    """Per row of x [B, H, S, D]: (max |x|, sqrt(sum x^2)) over its finite entries,
-    each [B, H, S] fp32 (K._row_stats_kernel)."""
+    """Per row of x [B, H, S, D], over its finite entries: (max |x|, Euclidean norm), each
+    [B, H, S] float64 (K._row_stats_kernel; float64 so that huge rows do not overflow)."""
     B, H, S, D = x.shape
     amax = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
-    ssq = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
+    rsq = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
     bm = 32
-    K._row_stats_kernel[(triton.cdiv(S, bm), B * H)](x, amax, ssq, *_s3(x), H, S, D=D,
+    K._row_stats_kernel[(triton.cdiv(S, bm), B * H)](x, amax, rsq, *_s3(x), H, S, D=D,
                                                      DP=C.padded_dim(D), BM=bm)
-    return amax, ssq.sqrt()
+    amax = amax.double()
+    return amax, amax * rsq.double().sqrt()
 
 
 def _group_max(t, B, Hkv):
-    """[B, H, S] -> [B * Hkv]: the max over each kv head's query-head group and S."""
-    return t.reshape(B, Hkv, -1).amax(dim=2).reshape(-1)
+    """[B, H, S] -> [B * Hkv]: the max over each kv head's query-head group and S
+    (0 where that is empty)."""
+    t = t.reshape(B * Hkv, -1)
+    if t.shape[1] == 0:
+        return torch.zeros(B * Hkv, dtype=t.dtype, device=t.device)
+    return t.amax(dim=1)
 
 
 #: |x * sigma| <= 2^SIGMA_EXP for every operand part; |dS * gamma| <= 2^GAMMA_EXP when p <= 1
@@ -129,30 +134,31 @@ GAMMA_EXP = 10
 
 
 def _pow2_scale(m, target_exp: int):
-    """The power of two 2^(target_exp - e) with m <= 2^e (m >= 0; m = 0 -> 2^target_exp),
-    e clamped to [-100, 100] so that every product of scales stays a normal fp32."""
+    """float64 m >= 0 -> the power of two 2^(target_exp - e) with m <= 2^e (m = 0 ->
+    2^target_exp); e is clamped so that the scale is a normal fp32 (m below that range
+    keeps fewer bits, as fp32 subnormals do)."""
     _, e = torch.frexp(m)
-    e = torch.where(m > 0, e, torch.zeros_like(e)).clamp(-100, 100)
-    return torch.ldexp(torch.ones_like(m), (target_exp - e).to(torch.float32))
+    e = torch.where(m > 0, e, torch.zeros_like(e)).clamp(target_exp - 126, target_exp + 126)
+    return torch.ldexp(torch.ones_like(m), (target_exp - e).to(m.dtype))
 
 
 def _f16_scales(p, q, k, v, dout=None, delta=None):
     """Scales of the scaled-fp16 schemes, all powers of two, per (batch, kv head):
     sigma of q, k, v, dout (from the finite max |x| over the kv head's group), gamma of
     dS (from max_i |dout_i| * max_j |v_j| + max |delta|, row norms; the bound of |dS|
-    when p <= 1) and the table SC [B * Hkv, 8] of their inverses the kernels apply
-    (kernels.py doc).  Everything stays on the device (no host synchronisation).
-    Returns (SC, {name: sigma [B * Hkv]})."""
+    when p <= 1) and the table SC [B * Hkv, 8] fp32 of the factors the kernels apply
+    (kernels.py doc), computed in float64.  Everything stays on the device (no host
+    synchronisation).  Returns (SC, {name: sigma [B * Hkv] fp32})."""
     B, Hkv = p.batch, p.heads_kv
     st = {n: _row_stats(x) for n, x in (("q", q), ("k", k), ("v", v), ("do", dout))
           if x is not None}
     sig = {n: _pow2_scale(_group_max(a, B, Hkv), SIGMA_EXP) for n, (a, _) in st.items()}
-    sc = torch.zeros((B * Hkv, 8), dtype=torch.float32, device=q.device)
+    sc = torch.zeros((B * Hkv, 8), dtype=torch.float64, device=q.device)
     sc[:, 0] = 1.0 / (sig["q"] * sig["k"])
     sc[:, 3] = 1.0 / (sig["v"] * float(K.PS_FWD.value))
     if dout is not None:
         nrm = _group_max(st["do"][1], B, Hkv) * _group_max(st["v"][1], B, Hkv)
-        dl = delta.abs()
+        dl = delta.double().abs()
         dl = _group_max(torch.where(dl < float("inf"), dl, torch.zeros_like(dl)), B, Hkv)
         gam = _pow2_scale(nrm + dl, GAMMA_EXP)
         sc[:, 1] = 1.0 / (sig["v"] * sig["do"])
@@ -160,7 +166,7 @@ def _f16_scales(p, q, k, v, dout=None, delta=None):
         sc[:, 4] = 1.0 / (sig["do"] * float(K.PS_BWD.value))
         sc[:, 5] = 1.0 / (gam * sig["q"])
         sc[:, 6] = 1.0 / (gam * sig["k"])
-    return sc, sig
+    return sc.float(), {n: s.float() for n, s in sig.items()}
 
 
 def _split_half(x, sig, group: int, n: int):
