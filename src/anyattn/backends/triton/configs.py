@@ -183,16 +183,19 @@ def candidates(kernel: str, dp: int, dtype: str) -> List[KernelConfig]:
     """Configs the autotuner tries for one kernel (all tiles divide 128)."""
     wide = dtype == "float32"
     if kernel == "fwd":
-        tiles = [(128, 64), (128, 128), (64, 64)] if not wide else [(64, 64), (128, 32), (64, 32)]
+        tiles = ([(128, 64), (128, 128), (64, 64)] if not wide
+                 else [(64, 64), (128, 32), (64, 32), (128, 64)])
     elif kernel == "dkdv":
-        tiles = [(64, 128), (32, 128), (64, 64)] if not wide else [(32, 64), (32, 128), (64, 64)]
+        tiles = ([(64, 128), (32, 128), (64, 64)] if not wide
+                 else [(32, 64), (32, 128), (64, 64), (64, 128)])
     else:
-        tiles = [(128, 64), (128, 32), (64, 64)] if not wide else [(64, 32), (64, 64), (64, 16)]
+        tiles = ([(128, 64), (128, 32), (64, 64)] if not wide
+                 else [(64, 32), (64, 64), (64, 16), (128, 64)])
     if dp > 128:
         tiles = [(max(16, a // 2), max(16, b // 2)) for a, b in tiles]
     out = []
     for bm, bn in tiles:
-        for w, s in ((8, 3), (4, 3), (8, 2)) if not wide else ((4, 2), (8, 2)):
+        for w, s in ((8, 3), (4, 3), (8, 2)) if not wide else ((4, 2), (8, 2), (8, 1)):
             out.append(KernelConfig(bm, bn, w, s))
     return out
 
