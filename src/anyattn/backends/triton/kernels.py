@@ -369,23 +369,32 @@ def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
 
 # ----------------------------------------------------------------------------- operand split
 @triton.jit
+def _row_block(X, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
+               BM: tl.constexpr):
+    """The rows [BM, DP] of program (row block, b * H + h) of fp32 X [B, H, S, D] (any
+    batch / head / row strides, unit last stride; 0 outside) -> (x, b, h, row index of
+    each row in a contiguous [B, H, S] (int64) [BM], offs_d [DP], in-bounds mask [BM, DP],
+    in-bounds rows [BM])."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
+    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
+                mask=msk, other=0.0).to(tl.float32)                              # [BM, DP]
+    return x, b, h, bh.to(tl.int64) * S + offs_m.to(tl.int64), offs_d, msk, offs_m < S
+
+
+@triton.jit
 def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
                   NP: tl.constexpr, BM: tl.constexpr):
     """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (any batch / head / row strides,
     unit last stride) -> bf16 parts side by side in contiguous Y [B, H, S, NP * D]:
     hi, mid (NP = 2), lo (NP = 3), each rounded to nearest (as _split3)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
-    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
-                mask=msk, other=0.0)                                             # [BM, DP]
+    x, b, h, row, offs_d, msk, inb = _row_block(X, sx_b, sx_h, sx_s, H, S, D, DP, BM)
     hi, mid, lo = _split3(x)
-    row0 = (bh.to(tl.int64) * S + offs_m.to(tl.int64)) * (NP * D)         # [BM]
-    yp = Y + row0[:, None] + offs_d[None, :]
+    yp = Y + (row * (NP * D))[:, None] + offs_d[None, :]
     tl.store(yp, hi, mask=msk)
     tl.store(yp + D, mid, mask=msk)
     if NP == 3:
@@ -398,19 +407,9 @@ def _split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
     """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (unit last stride) times the
     power of two SIG[b * (H // G) + h // G] -> fp16 parts side by side in contiguous
     Y [B, H, S, NP * D]: hi (NP = 1), lo (NP = 2), as _split2h."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    sig = tl.load(SIG + b * (H // G) + h // G)
-    offs_m = pid * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
-    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
-                mask=msk, other=0.0) * sig                                       # [BM, DP]
-    hi, lo = _split2h(x)
-    row0 = (bh.to(tl.int64) * S + offs_m.to(tl.int64)) * (NP * D)         # [BM]
-    yp = Y + row0[:, None] + offs_d[None, :]
+    x, b, h, row, offs_d, msk, inb = _row_block(X, sx_b, sx_h, sx_s, H, S, D, DP, BM)
+    hi, lo = _split2h(x * tl.load(SIG + b * (H // G) + h // G))
+    yp = Y + (row * (NP * D))[:, None] + offs_d[None, :]
     tl.store(yp, hi, mask=msk)
     if NP == 2:
         tl.store(yp + D, lo, mask=msk)
@@ -423,22 +422,13 @@ def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
     finite entries (NaN / inf count as 0, so that they propagate through the products,
     not through the scales): a = max |x| -> AMAX and sum (x / a)^2 -> RSQ [B * H * S]
     (the row's norm is a * sqrt(RSQ), without overflow)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    msk = (offs_m[:, None] < S) & (offs_d[None, :] < D)
-    x = tl.load(X + b * sx_b + h * sx_h + offs_m.to(tl.int64)[:, None] * sx_s + offs_d[None, :],
-                mask=msk, other=0.0).to(tl.float32)                              # [BM, DP]
+    x, b, h, row, offs_d, msk, inb = _row_block(X, sx_b, sx_h, sx_s, H, S, D, DP, BM)
     a = tl.abs(x)
     a = tl.where(a < float("inf"), a, 0.0)       # NaN compares false too
     amax = tl.max(a, 1)                                                           # [BM]
     r = a / tl.where(amax > 0.0, amax, 1.0)[:, None]
-    row = bh.to(tl.int64) * S + offs_m
-    tl.store(AMAX + row, amax, mask=offs_m < S)
-    tl.store(RSQ + row, tl.sum(r * r, 1), mask=offs_m < S)
+    tl.store(AMAX + row, amax, mask=inb)
+    tl.store(RSQ + row, tl.sum(r * r, 1), mask=inb)
 
 
 # ----------------------------------------------------------------------------- forward
