@@ -907,6 +907,8 @@ def main():
     ap.add_argument("--f16b", action="store_true",
                     help="scaled fp16, round 2: bf16 re-check, variants, naive tf32 error, "
                          "fp32 / tf32 bench vs SDPA, fp32 masks and bias")
+    ap.add_argument("--f16c", action="store_true",
+                    help="scaled fp16, confirmation: fp32 D=128 dense and bias vs SDPA")
     ap.add_argument("--f16", action="store_true",
                     help="scaled fp16 schemes: far-from-unit inputs, fp32 checks, variants "
                          "(D=128, 64), fp32 / tf32 bench vs SDPA, fp32 bias")
@@ -995,6 +997,11 @@ def main():
             phase_masked(precs=("fp32",), with_flex=False, fp32_masks=True)
             save()
             log(f"f16b bench done {time.time() - t0:.0f}s")
+        if a.f16c:
+            phase_bench([("fp32", (128,), [2048, 4096, 16384])], [], with_sdpa=True)
+            phase_masked(precs=("fp32",), with_flex=False)
+            save()
+            log(f"f16c done {time.time() - t0:.0f}s")
         if a.check_new:
             phase_check("new")
             save()

@@ -120,7 +120,8 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     # Scaled fp16 three products ('f16x3', docs/perf/triton_h200_f16_2026-12-03.json,
     # S=4096): D=64 dK/dV 64x128 w8 (121.5 bwd TFLOP/s vs 69.2 at 64x64), fwd 128x64 w8
     # (129.6 vs 96.8); D=128 dQ 128x64 w8 s1 (94.9 vs 91.3 at 64x64 w4), fwd 128x64 w8
-    # (150.2 vs 122.5); two launches (fused 74.6).
+    # (150.2 vs 122.5); two launches (fused 74.6); round two
+    # (triton_h200_f16b_2026-12-03.json): D=128 dK/dV 64x128 w8 s1 99.7 vs 93.9 at 32x128.
     three = prec in ("bf16x3", "bf16x3r", "f16x3")
     if prec == "f16x1":   # one fp16 product per product: the kernels see fp16 operands
         wide = False
@@ -138,7 +139,7 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
     elif dp <= 128:
         if wide and prec == "f16x3":
-            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(32, 128, 8, 2),
+            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 1),
                      dq=KernelConfig(128, 64, 8, 1), dbias=KernelConfig(64, 64, 4, 2))
         elif wide:
             p = Plan(fwd=KernelConfig(128, 32, 8, 2),
