@@ -176,7 +176,8 @@ def _dotacc(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
 def _op_parts(x, f, like, PREC: tl.constexpr):
     """A computed fp32 tile (p, dS) as an operand part triple: split in registers for
     'split6' / 'split3'; x * f (f a power of two) split into fp16 for 'hsplit3' / cast
-    for 'hsplit1' (f is ignored otherwise); else cast to the dtype of ``like``."""
+    to fp16 for 'hsplit1' and 'hsplit31' (f is ignored otherwise); else cast to the dtype
+    of ``like``."""
     if PREC == "split6" or PREC == "split3":
         return _split3(x)
     elif PREC == "hsplit3":
@@ -188,6 +189,17 @@ def _op_parts(x, f, like, PREC: tl.constexpr):
     else:
         y = x.to(like.dtype)
         return y, y, y
+
+
+@triton.jit
+def _scale_factors(SC, b, hk, H, G, qk_scale, scale):
+    """The scaled fp16 schemes' factors of (batch b, kv head hk) from SC [B * Hkv, 8]
+    (module doc) -> (qk_scale with the score factor, dP factor mvo, dS scale gamma,
+    out factor, dv factor, scale * dk factor, scale * dq factor); a program loads only
+    those it uses (the others are dead code)."""
+    scp = SC + (b * (H // G) + hk) * 8
+    return (qk_scale * tl.load(scp), tl.load(scp + 1), tl.load(scp + 2), tl.load(scp + 3),
+            tl.load(scp + 4), scale * tl.load(scp + 5), scale * tl.load(scp + 6))
 
 
 @triton.jit
@@ -487,9 +499,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
     out_mul = 1.0
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        scp = SC + (b * (H // G) + hk) * 8
-        qk_scale = qk_scale * tl.load(scp)
-        out_mul = tl.load(scp + 3)
+        qk_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, qk_scale, 1.0)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -655,12 +665,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     dv_mul = 1.0
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        scp = SC + (b * (H // G) + hk) * 8
-        qk_scale = qk_scale * tl.load(scp)
-        mvo = tl.load(scp + 1)
-        gam = tl.load(scp + 2)
-        dv_mul = tl.load(scp + 4)
-        dk_mul = scale * tl.load(scp + 5)
+        qk_scale, mvo, gam, _, dv_mul, dk_mul, _ = _scale_factors(SC, b, hk, H, G, qk_scale,
+                                                                  scale)
     j0 = pid_n * BN
     offs_nb = tl.arange(0, BN)
     offs_n = j0 + offs_nb
@@ -832,11 +838,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     dq_mul = scale
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        scp = SC + (b * (H // G) + hk) * 8
-        qk_scale = qk_scale * tl.load(scp)
-        mvo = tl.load(scp + 1)
-        gam = tl.load(scp + 2)
-        dq_mul = scale * tl.load(scp + 6)
+        qk_scale, mvo, gam, _, _, _, dq_mul = _scale_factors(SC, b, hk, H, G, qk_scale,
+                                                             scale)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
