@@ -4,6 +4,7 @@ layout and precision, on CPU (NumPy), CUDA GPUs (Triton) and any GPU (WebGPU).
 The public surface is exactly ``__all__``.
 """
 from .api import Gradients, attention, attention_backward
+from .rowstats import RowStats
 from .backends.base import BackendUnavailable
 from .backends.registry import available_backends, describe_backends
 from .masks import Causal, Documents, KeepMask, Mask, Window
@@ -14,6 +15,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "Gradients",
+    "RowStats",
     "Mask",
     "Causal",
     "Window",

@@ -13,8 +13,9 @@ from .backends.registry import choose
 from .masks import Mask
 from .problem import Problem, describe
 from .reference import Gradients
+from .rowstats import RowStats, needs_refine, refine
 
-__all__ = ["attention", "attention_backward", "Gradients"]
+__all__ = ["attention", "attention_backward", "Gradients", "RowStats"]
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -50,7 +51,8 @@ def _zeros_like(x, shape=None, dtype=None):
     return np.zeros(shape if shape is not None else x.shape, dtype=dtype or x.dtype)
 
 
-def _full_lse(q, p: Problem):
+def _empty_stats(q, p: Problem) -> RowStats:
+    """Statistics of rows that keep no key: max = -inf, log_norm = 0."""
     import numpy as np
 
     shape = (p.batch, p.heads_q, p.seq_q)
@@ -58,8 +60,25 @@ def _full_lse(q, p: Problem):
         import torch
 
         dt = torch.float64 if p.dtype == "float64" else torch.float32
-        return torch.full(shape, float("-inf"), dtype=dt, device=q.device)
-    return np.full(shape, -np.inf, dtype=np.float64 if p.dtype == "float64" else np.float32)
+        return RowStats(torch.full(shape, float("-inf"), dtype=dt, device=q.device),
+                        torch.zeros(shape, dtype=dt, device=q.device))
+    dt = np.float64 if p.dtype == "float64" else np.float32
+    return RowStats(np.full(shape, -np.inf, dtype=dt), np.zeros(shape, dtype=dt))
+
+
+def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
+                       scale: Optional[float] = None, backend: Optional[str] = None,
+                       precision: Optional[str] = None, q_offset: int = 0,
+                       k_offset: int = 0):
+    """[B, H, S, D] inputs -> (out, RowStats): the forward with its row statistics
+    kept apart, for callers that pass them on to :func:`attention_backward` (the
+    torch autograd and ring attention do)."""
+    p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
+                 q_offset=q_offset, k_offset=k_offset)
+    be = choose(p, backend)
+    if p.is_empty:
+        return _zeros_like(q), _empty_stats(q, p)
+    return be.forward(p, q, k, v, _bias4(bias, p))
 
 
 def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
@@ -81,11 +100,24 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
                  q_offset=q_offset, k_offset=k_offset)
     be = choose(p, backend)
     if p.is_empty:
-        out, lse = _zeros_like(qb), _full_lse(qb, p)
+        out, stats = _zeros_like(qb), _empty_stats(qb, p)
     else:
-        out, lse = be.forward(p, qb, kb, vb, _bias4(bias, p))
+        out, stats = be.forward(p, qb, kb, vb, _bias4(bias, p))
     out = _to_bhsd(out, layout)
-    return (out, lse) if return_lse else out
+    return (out, stats.lse) if return_lse else out
+
+
+def _check_stats(st: RowStats) -> None:
+    for name in ("max", "log_norm"):
+        x = getattr(st, name)
+        if array_kind(x) is None:
+            raise TypeError(f"lse: RowStats.{name} is a {type(x).__name__}; expected an "
+                            "array like q")
+    if tuple(st.max.shape) != tuple(st.log_norm.shape) or \
+            str(st.max.dtype) != str(st.log_norm.dtype):
+        raise ValueError(f"lse: RowStats.max {tuple(st.max.shape)} {st.max.dtype} and "
+                         f"log_norm {tuple(st.log_norm.shape)} {st.log_norm.dtype} differ; "
+                         "pass the statistics a forward returned")
 
 
 def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask] = None,
@@ -104,6 +136,10 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     if dout is None:
         raise TypeError("dout: the gradient of the output is required, shape [B, Hq, Sq, D]")
     qb, kb, vb, gb, ob = (_to_bhsd(x, layout) for x in (q, k, v, dout, out))
+    given = lse if isinstance(lse, RowStats) else None
+    if given is not None:
+        _check_stats(given)
+        lse = given.max
     p = describe(qb, kb, vb, dout=gb, out=ob, lse=lse, mask=mask, bias=bias, scale=scale,
                  precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset)
     be = choose(p, backend)
@@ -113,8 +149,14 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     else:
         b4 = _bias4(bias, p)
         if ob is None:
-            ob, lse = be.forward(p, qb, kb, vb, b4)
-        res = be.backward(p, qb, kb, vb, gb, ob, lse, b4)
+            ob, stats = be.forward(p, qb, kb, vb, b4)
+        elif given is not None:
+            stats = given
+        elif needs_refine(lse):
+            stats = refine(lse, be.forward(p, qb, kb, vb, b4)[1])
+        else:
+            stats = RowStats.from_lse(lse)
+        res = be.backward(p, qb, kb, vb, gb, ob, stats, b4)
     dq = res.get("dq") if "q" in p.wrt else None
     dk = res.get("dk") if "k" in p.wrt else None
     dv = res.get("dv") if "v" in p.wrt else None

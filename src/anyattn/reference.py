@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from .arrays import to_numpy
+from .rowstats import RowStats
 from .masks import Mask, resolve
 
 __all__ = ["Gradients", "forward", "backward", "seed_backward", "reduce_to_shape"]
@@ -58,8 +59,9 @@ def _scores(q, k, v, mask, bias, scale, q_offset, k_offset):
     return s, keep, kexp, vexp
 
 
-def _softmax(s):
-    """Row softmax that gives P = 0 and lse = -inf on rows with no finite score."""
+def _softmax_stats(s):
+    """Row softmax -> (P, max, log_norm): P = 0, max = -inf, log_norm = 0 on rows with
+    no finite score; NaN rows give NaN.  P = exp((s - max) - log_norm), float64."""
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(invalid="ignore"):
@@ -67,14 +69,21 @@ def _softmax(s):
     tot = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
-        lse = np.where(tot[..., 0] > 0, np.log(np.where(tot > 0, tot, 1.0))[..., 0]
-                       + m_safe[..., 0], -np.inf)
+        log_norm = np.where(tot > 0, np.log(np.where(tot > 0, tot, 1.0)), 0.0)[..., 0]
+    row_max = np.where(tot[..., 0] > 0, m_safe[..., 0], -np.inf)
     # NaN in the inputs must propagate, not vanish into the 0 branch
     nan_rows = np.isnan(s).any(axis=-1)
     if nan_rows.any():
         p = np.where(nan_rows[..., None], np.nan, p)
-        lse = np.where(nan_rows, np.nan, lse)
-    return p, lse
+        row_max = np.where(nan_rows, np.nan, row_max)
+        log_norm = np.where(nan_rows, np.nan, log_norm)
+    return p, row_max, log_norm
+
+
+def _softmax(s):
+    """Row softmax that gives P = 0 and lse = -inf on rows with no finite score."""
+    p, row_max, log_norm = _softmax_stats(s)
+    return p, row_max + log_norm
 
 
 def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
@@ -88,14 +97,26 @@ def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[
     return np.einsum("bhij,bhjd->bhid", p, vexp), lse
 
 
+def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
+                  scale: Optional[float] = None, q_offset: int = 0, k_offset: int = 0):
+    """-> (out [B, Hq, Sq, D], RowStats(max, log_norm) [B, Hq, Sq]) in float64."""
+    q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    s, _, _, vexp = _scores(q, k, v, mask, bias, scale, q_offset, k_offset)
+    p, row_max, log_norm = _softmax_stats(s)
+    return np.einsum("bhij,bhjd->bhid", p, vexp), RowStats(row_max, log_norm)
+
+
 def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
              scale: Optional[float] = None, wrt: Sequence[str] = ("q", "k", "v"),
-             q_offset: int = 0, k_offset: int = 0, out=None, lse=None) -> Gradients:
+             q_offset: int = 0, k_offset: int = 0, out=None, lse=None,
+             stats: Optional[RowStats] = None) -> Gradients:
     """Gradients of sum(out * dout), float64; dk/dv summed over each query group.
 
-    With ``out``/``lse`` given (from a forward, possibly over more keys than
-    these, as in ring attention) they define P = exp(s - lse) and δ = <dout, out>;
-    otherwise both are computed here.
+    With ``out`` and ``lse`` or ``stats`` given (from a forward, possibly over more
+    keys than these, as in ring attention) they define P = exp(s - lse) (with stats:
+    exp((s - max) - log_norm)) and δ = <dout, out>; otherwise both are computed here.
     """
     q, k, v, g, bias0 = _f64(q), _f64(k), _f64(v), _f64(dout), _f64(bias)
     B, Hq, Sq, D = q.shape
@@ -104,14 +125,19 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     if scale is None:
         scale = 1.0 / np.sqrt(D)
     s, _, kexp, vexp = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset)
-    if lse is None:
-        p, _ = _softmax(s)                               # [B, Hq, Sq, Sk]
+    if lse is not None and stats is not None:
+        raise ValueError("lse and stats: pass one of them, not both")
+    if lse is None and stats is None:
+        p, _, _ = _softmax_stats(s)                      # [B, Hq, Sq, Sk]
         out = np.einsum("bhij,bhjd->bhid", p, vexp)
     else:
-        lse = _f64(lse)[..., None]
+        if stats is None:
+            stats = RowStats(_f64(lse), np.zeros(np.shape(lse)))
+        m = _f64(stats.max)[..., None]
+        ln = _f64(stats.log_norm)[..., None]
         with np.errstate(invalid="ignore", over="ignore"):
-            p = np.where(np.isfinite(lse) & (s > -np.inf), np.exp(s - lse), 0.0)
-        p = np.where(np.isnan(s) | np.isnan(lse), np.nan, p)
+            p = np.where(np.isfinite(m) & (s > -np.inf), np.exp((s - m) - ln), 0.0)
+        p = np.where(np.isnan(s) | np.isnan(m) | np.isnan(ln), np.nan, p)
         out = _f64(out)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
     delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>

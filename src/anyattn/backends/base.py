@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from ..problem import Problem
+from ..rowstats import RowStats
 
 __all__ = ["Capabilities", "Backend", "BackendUnavailable"]
 
@@ -88,12 +89,20 @@ class Backend(ABC):
 
     # -- work ---------------------------------------------------------------------
     @abstractmethod
-    def forward(self, p: Problem, q, k, v, bias) -> Tuple[Any, Any]:
-        """-> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32/float64)."""
+    def forward(self, p: Problem, q, k, v, bias) -> Tuple[Any, RowStats]:
+        """-> (out [B, Hq, Sq, D] in q's dtype, RowStats of [B, Hq, Sq] float32/float64).
+
+        The statistics keep the row maximum and the log-normaliser apart (see
+        :mod:`anyattn.rowstats`); their lse is what the public API returns.
+        """
 
     @abstractmethod
-    def backward(self, p: Problem, q, k, v, dout, out, lse, bias) -> Dict[str, Any]:
+    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats,
+                 bias) -> Dict[str, Any]:
         """-> {'dq', 'dk', 'dv', 'dbias'} for the names in ``p.wrt`` (others None).
+
+        ``stats`` define ``P = exp((s - stats.max) - stats.log_norm)`` (P = 0 where
+        ``stats.max`` is -inf); the bias is added to ``s`` before ``max`` is subtracted.
 
         dq [B, Hq, Sq, D]; dk, dv [B, Hkv, Sk, D] (summed over each kv head's
         query group); dbias in ``p.bias_shape`` (summed over broadcast dims).

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import reference
 from ..arrays import to_numpy
+from ..rowstats import RowStats
 from .base import Backend, Capabilities
 
 __all__ = ["ReferenceBackend"]
@@ -24,13 +25,15 @@ class ReferenceBackend(Backend):
         return _ResolvedAsMask(p.mask)
 
     def forward(self, p, q, k, v, bias):
-        out, lse = reference.forward(q, k, v, mask=self._mask(p), bias=bias, scale=p.scale)
-        lse_dtype = "float64" if p.dtype == "float64" else "float32"
-        return _cast(out, p.dtype, p), _cast(lse, lse_dtype, p)
+        out, st = reference.forward_stats(q, k, v, mask=self._mask(p), bias=bias,
+                                          scale=p.scale)
+        sdt = "float64" if p.dtype == "float64" else "float32"
+        return _cast(out, p.dtype, p), RowStats(_cast(st.max, sdt, p),
+                                                _cast(st.log_norm, sdt, p))
 
-    def backward(self, p, q, k, v, dout, out, lse, bias):
+    def backward(self, p, q, k, v, dout, out, stats, bias):
         g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
-                               wrt=tuple(p.wrt), out=out, lse=lse)
+                               wrt=tuple(p.wrt), out=out, stats=stats)
         res = {}
         for name in ("dq", "dk", "dv"):
             x = getattr(g, name)
