@@ -123,7 +123,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     except (TypeError, ValueError):
         raise TypeError(f"scale: expected a float (default 1/sqrt(D)), got "
                         f"{type(scale).__name__}") from None
-    out, lse = ops.attention_with_grad(qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi,
-                                       scale, backend, precision)
+    out, row_max, log_norm = ops.attention_with_grad(qb, kb, vb, bias, keep, q_ids, k_ids,
+                                                     band_lo, band_hi, scale, backend,
+                                                     precision)
     out = _bhsd(out, layout)
-    return (out, lse) if return_lse else out
+    return (out, row_max + log_norm) if return_lse else out

@@ -16,7 +16,8 @@ and the fake implementations give its output shapes.
 Inside the ops the work is done by the core API (``anyattn.attention`` /
 ``anyattn.attention_backward``), which validates and dispatches to a backend
 (``numpy`` for CPU tensors, ``triton`` for CUDA tensors, or the one named).
-The forward keeps only ``out`` and ``lse`` for the backward.  Autograd: registered on
+The forward keeps only ``out`` and the row statistics (row max and log-normaliser, kept
+apart: see ``anyattn.rowstats``) for the backward.  Autograd: registered on
 the forward op (used by torch.compile, export and opcheck) and, for eager calls, the
 same formulas through a small ``autograd.Function`` (``attention_with_grad``), which
 is cheaper per call.  Double backward is not supported (the backward op has no
@@ -30,6 +31,7 @@ import torch
 
 from .. import api
 from ..masks import Mask
+from ..rowstats import RowStats
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_with_grad", "LoweredMask"]
 
@@ -76,25 +78,28 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   keep: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
                   band_lo: Optional[int], band_hi: Optional[int], scale: float,
-                  backend: Optional[str], precision: Optional[str]) -> Tuple[Tensor, Tensor]:
-    """-> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 (float64 for float64 q))."""
+                  backend: Optional[str],
+                  precision: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """-> (out [B, Hq, Sq, D] in q's dtype, row_max, log_norm [B, Hq, Sq] float32
+    (float64 for float64 q)); lse = row_max + log_norm."""
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
-    out, lse = api.attention(q, k, v, mask=mask, bias=bias, scale=scale, return_lse=True,
-                             backend=backend, precision=precision)
-    return _as_torch(out, q), _as_torch(lse, q)
+    out, st = api.forward_with_stats(q, k, v, mask=mask, bias=bias, scale=scale,
+                                     backend=backend, precision=precision)
+    return _as_torch(out, q), _as_torch(st.max, q), _as_torch(st.log_norm, q)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
                         precision):
     B, Hq, Sq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q))
+    return (q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)),
+            q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)))
 
 
 # ---------------------------------------------------------------------- backward
 @torch.library.custom_op("anyattn::attention_bwd", mutates_args=())
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  bias: Optional[Tensor], keep: Optional[Tensor], q_ids: Optional[Tensor],
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                  row_max: Tensor, log_norm: Tensor, bias: Optional[Tensor], keep: Optional[Tensor], q_ids: Optional[Tensor],
                   k_ids: Optional[Tensor], band_lo: Optional[int], band_hi: Optional[int],
                   scale: float, backend: Optional[str], precision: Optional[str],
                   grad_q: bool, grad_k: bool, grad_v: bool,
@@ -105,7 +110,8 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     if not wrt:
         return _empty(q), _empty(k), _empty(v), _empty(q)
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
-    g = api.attention_backward(q, k, v, dout, out=out, lse=lse, mask=mask, bias=bias,
+    g = api.attention_backward(q, k, v, dout, out=out, lse=RowStats(row_max, log_norm),
+                               mask=mask, bias=bias,
                                scale=scale, wrt=wrt, backend=backend, precision=precision)
     dq = _as_torch(g.dq, q) if grad_q else _empty(q)
     dk = _as_torch(g.dk, k) if grad_k else _empty(k)
@@ -115,7 +121,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, bias, keep, q_ids, k_ids, band_lo, band_hi,
+def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids, band_lo, band_hi,
                         scale, backend, precision, grad_q, grad_k, grad_v, grad_bias):
     dq = q.new_empty(q.shape) if grad_q else _empty(q)
     dk = k.new_empty(k.shape) if grad_k else _empty(k)
@@ -127,21 +133,21 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, bias, keep, q_ids, k_ids, band_
 # ---------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     (q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, lse)
+    out, row_max, log_norm = output
+    ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm)
     ctx.band = (band_lo, band_hi)
     ctx.opts = (scale, backend, precision)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(row_max, log_norm)
 
 
-def _backward(ctx, dout, dlse):
-    """dlse is ignored: lse is marked non-differentiable."""
-    q, k, v, bias, keep, q_ids, k_ids, out, lse = ctx.saved_tensors
+def _backward(ctx, dout, dmax, dlog_norm):
+    """dmax/dlog_norm are ignored: the statistics are marked non-differentiable."""
+    q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm = ctx.saved_tensors
     need = ctx.needs_input_grad
     gq, gk, gv, gb = need[0], need[1], need[2], bias is not None and need[3]
     dq = dk = dv = db = None
     if gq or gk or gv or gb:
-        dq, dk, dv, db = attention_bwd(dout, q, k, v, out, lse, bias, keep, q_ids, k_ids,
+        dq, dk, dv, db = attention_bwd(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids,
                                        ctx.band[0], ctx.band[1], *ctx.opts, gq, gk, gv, gb)
     return (dq if gq else None, dk if gk else None, dv if gv else None, db if gb else None,
             None, None, None, None, None, None, None, None)
@@ -160,16 +166,16 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        out, lse = attention_fwd(*inputs)
-        _setup_context(ctx, inputs, (out, lse))
-        return out, lse
+        outputs = attention_fwd(*inputs)
+        _setup_context(ctx, inputs, outputs)
+        return outputs
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+    def backward(ctx, dout, dmax, dlog_norm):
+        return _backward(ctx, dout, dmax, dlog_norm)
 
 
-def attention_with_grad(*inputs) -> Tuple[Tensor, Tensor]:
+def attention_with_grad(*inputs) -> Tuple[Tensor, Tensor, Tensor]:
     """``attention_fwd(*inputs)`` with autograd: the registered autograd when tracing
     (torch.compile, export, opcheck), the fast path above in eager mode."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
