@@ -66,6 +66,20 @@ def _empty_stats(q, p: Problem) -> RowStats:
     return RowStats(np.full(shape, -np.inf, dtype=dt), np.zeros(shape, dtype=dt))
 
 
+def _lse_out(stats: RowStats, p: Problem):
+    """The public lse: max + log_norm in float32 (float64 for float64 inputs); a backend
+    may keep its statistics wider than that (the float64 reference does)."""
+    want = "float64" if p.dtype == "float64" else "float32"
+    lse = stats.lse
+    if str(lse.dtype).replace("torch.", "") == want:
+        return lse
+    if array_kind(lse) == "torch":
+        import torch
+
+        return lse.to(getattr(torch, want))
+    return lse.astype(want)
+
+
 def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                        scale: Optional[float] = None, backend: Optional[str] = None,
                        precision: Optional[str] = None, q_offset: int = 0,
@@ -104,7 +118,7 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     else:
         out, stats = be.forward(p, qb, kb, vb, _bias4(bias, p))
     out = _to_bhsd(out, layout)
-    return (out, stats.lse) if return_lse else out
+    return (out, _lse_out(stats, p)) if return_lse else out
 
 
 def _check_stats(st: RowStats) -> None:

@@ -27,9 +27,10 @@ class ReferenceBackend(Backend):
     def forward(self, p, q, k, v, bias):
         out, st = reference.forward_stats(q, k, v, mask=self._mask(p), bias=bias,
                                           scale=p.scale)
-        sdt = "float64" if p.dtype == "float64" else "float32"
-        return _cast(out, p.dtype, p), RowStats(_cast(st.max, sdt, p),
-                                                _cast(st.log_norm, sdt, p))
+        # the statistics stay float64: the backward recomputes s in float64, and a
+        # max rounded to float32 would shift P by |s|·2⁻²⁴ (the API rounds the lse)
+        return _cast(out, p.dtype, p), RowStats(_cast(st.max, "float64", p),
+                                                _cast(st.log_norm, "float64", p))
 
     def backward(self, p, q, k, v, dout, out, stats, bias):
         g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,

@@ -85,7 +85,9 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
     out, st = api.forward_with_stats(q, k, v, mask=mask, bias=bias, scale=scale,
                                      backend=backend, precision=precision)
-    return _as_torch(out, q), _as_torch(st.max, q), _as_torch(st.log_norm, q)
+    sdt = _lse_dtype(q)
+    return (_as_torch(out, q), _as_torch(st.max, q).to(sdt),
+            _as_torch(st.log_norm, q).to(sdt))
 
 
 @attention_fwd.register_fake
