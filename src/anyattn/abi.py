@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from .abi_regions import Region, first_common, first_duplicate
+from .abi_regions import Region, Undecided, first_common, first_duplicate
 from .arrays import array_kind
 
 __all__ = [
@@ -46,6 +46,7 @@ WRT_Q, WRT_K, WRT_V = 0, 1, 2
 WRT_NAMES = {WRT_Q: "q", WRT_K: "k", WRT_V: "v"}
 
 _U32 = 1 << 32
+_F32_MAX = float(np.finfo(np.float32).max)
 LAYOUTS = ("bhsd", "bshd")
 
 
@@ -138,6 +139,9 @@ class Params:
                 scale = float(scale)
             except (TypeError, ValueError):
                 raise TypeError(f"Params.scale={scale!r}: expected a float") from None
+            if not math.isfinite(scale) or abs(scale) > _F32_MAX:
+                raise ValueError(f"Params.scale={scale!r}: not a finite float32 (|scale| <= "
+                                 f"{_F32_MAX:.6g}); the seed's scale_bits hold a float32")
             object.__setattr__(self, "scale_bits", f32_bits(scale))
         elif self.scale_bits is None:
             hd = self.head_dim
@@ -317,7 +321,14 @@ def _validate(p: Params, n: int) -> None:
                 f"{ext[1]}, past the arena's end (it holds {n} elements, last index {n - 1}); "
                 "lower the offset or strides, or grow the arena")
     out = regs["out"]
-    dup = first_duplicate(out)
+    try:
+        dup = first_duplicate(out)
+    except Undecided:
+        raise ValueError(
+            f"Params {_describe_region(p, out)}: the output strides interleave in a way the "
+            "check cannot prove free of repeated writes within its budget; use strides "
+            "that nest (o_seq_stride >= head_dim, o_head_stride >= R*o_seq_stride, ...)"
+        ) from None
     if dup is not None:
         raise ValueError(
             f"Params {_describe_region(p, out)}: element {dup} would be written more than "
@@ -326,7 +337,14 @@ def _validate(p: Params, n: int) -> None:
     for name, r in regs.items():
         if name == "out":
             continue
-        hit = first_common(out, r)
+        try:
+            hit = first_common(out, r)
+        except Undecided:
+            raise ValueError(
+                f"Params {_describe_region(p, out)}: the output interleaves with the input "
+                f"{_describe_region(p, r)} in a way the check cannot prove disjoint within "
+                "its budget; place the output (out_off, o_*_stride) apart from every input"
+            ) from None
         if hit is not None:
             raise ValueError(
                 f"Params {_describe_region(p, out)}: the output overlaps the input "
@@ -353,6 +371,10 @@ def _arena_len(arena, kind: str, write: bool = True) -> int:
             raise ValueError(f"arena: wgpu buffer of {arena.size} bytes is not a whole number "
                              "of f32 elements")
         return arena.size // 4
+    if kind == "numpy" and arena.dtype.kind == "f" and not arena.dtype.isnative:
+        raise TypeError(f"arena: dtype {arena.dtype.str} is float32 in non-native (big-endian) "
+                        "byte order; the seed's arena is little-endian f32: convert it with "
+                        "arena.astype('<f4') and read the output from the converted array")
     dt = str(arena.dtype).replace("torch.", "")
     if dt != "float32":
         raise TypeError(f"arena: dtype {dt}; expected float32 (the seed's arena is f32)")

@@ -248,3 +248,113 @@ def test_backend_that_cannot_take_the_arena_is_refused_cleanly():
     with pytest.raises((BackendUnavailable, NotImplementedError), match="backend='triton'"):
         A.attention_backward_arena(arena, p, backend="triton")
     assert np.array_equal(arena.view(np.uint32), before.view(np.uint32))
+
+
+# ------------------------------------------------- geometry without enumeration
+def _huge_params(log_rows=16, **change):
+    """[1, 1, R, D] tensors with R = D = 2**log_rows, all inputs at offset 0 (2**32
+    elements each by default; nothing is allocated: validate() takes the arena length)."""
+    R = D_ = 1 << log_rows
+    f = dict(batch=1, heads=1, seq_q=R, seq_k=R, head_dim=D_, wrt=A.WRT_Q,
+             q_off=0, k_off=0, v_off=0, dy_off=0, out_off=0,
+             q_batch_stride=0, q_head_stride=0, q_seq_stride=D_,
+             k_batch_stride=0, k_head_stride=0, k_seq_stride=D_,
+             v_batch_stride=0, v_head_stride=0, v_seq_stride=D_,
+             o_batch_stride=0, o_head_stride=0, o_seq_stride=D_)
+    f.update(change)
+    return A.Params(**f)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(o_seq_stride=1), r"o_seq_stride=1\b.*written more than once"),   # 2**32 overlaps
+    (dict(o_seq_stride=(1 << 16) - 3), "written more than once"),
+    (dict(out_off=(1 << 32) - 1), r"overlaps the input q .* at element 4294967295;"),
+])
+def test_huge_overlaps_are_found_in_constant_time(change, match):
+    """Before: 2**32 overlapping elements were enumerated (2**28 took 24 s; 2**32: 83 s,
+    then MemoryError)."""
+    import time
+
+    p = _huge_params(**change)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        p.validate(1 << 40)
+    assert time.perf_counter() - t < 0.5
+
+
+def test_huge_interleaved_disjoint_regions_are_accepted_in_constant_time():
+    """Every input on the even rows of a [2R, D] block, the output on the odd ones: the
+    extents overlap, no element does.  Decided exactly without enumerating 2**30 indices
+    per region (before: about 2 minutes)."""
+    import time
+
+    D_ = 1 << 15
+    p = _huge_params(15, q_seq_stride=2 * D_, k_seq_stride=2 * D_, v_seq_stride=2 * D_,
+                     out_off=D_, o_seq_stride=2 * D_)
+    t = time.perf_counter()
+    p.validate(1 << 32)
+    assert time.perf_counter() - t < 0.5
+    row = 2 * D_ - 2                       # onto the inputs' last row
+    with pytest.raises(ValueError, match=r"overlaps the input q .* at element \d+;") as ei:
+        dataclasses.replace(p, out_off=row * D_).validate(1 << 32)
+    hit = int(str(ei.value).split("at element ")[1].split(";")[0])
+    assert row * D_ <= hit < (row + 1) * D_        # an element of that row
+
+
+def _brute_region(r):
+    return _brute(r.off, r.shape, r.strides)
+
+
+def test_region_checks_agree_with_brute_force_on_random_geometry():
+    """Duplicates and common elements on 3000 random small regions: the solver's answer
+    exists iff the enumeration finds one, and the element it names is a real hit."""
+    rng = np.random.default_rng(7)
+    choices = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 16, 20, 24, 30, 36]
+
+    def region(name):
+        nd = int(rng.integers(1, 5))
+        return Region(name, int(rng.integers(0, 60)), tuple(int(x) for x in
+                      rng.integers(1, 7, nd)), tuple(int(x) for x in rng.choice(choices, nd)),
+                      ())
+
+    for _ in range(3000):
+        a, b = region("a"), region("b")
+        ia, ib = _brute_region(a), _brute_region(b)
+        d = first_duplicate(a)
+        assert (d is not None) == (np.unique(ia).size < ia.size), a
+        assert d is None or (ia == d).sum() >= 2, (a, d)
+        c = first_common(a, b)
+        common = np.intersect1d(ia, ib)
+        assert (c is not None) == (common.size > 0), (a, b)
+        assert c is None or c in common, (a, b, c)
+
+
+def test_solver_out_of_budget(monkeypatch):
+    """Past its budget the solver enumerates small regions (still exact) and refuses
+    large ones with a ValueError that names the fields (never a wrong answer)."""
+    from anyattn import abi_regions
+
+    monkeypatch.setattr(abi_regions, "BUDGET", 0)
+    assert first_duplicate(Region("x", 5, (2, 3), (2, 1), ())) == 7
+    a = Region("a", 0, (4, 2), (4, 1), ())
+    assert first_common(a, Region("b", 2, (4, 2), (4, 1), ())) is None
+    with pytest.raises(ValueError, match=r"o_seq_stride=1\b.*cannot prove"):
+        _huge_params(o_seq_stride=1).validate(1 << 40)
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, float("inf"), float("nan")])
+def test_scale_that_is_no_float32_is_refused(scale):
+    """Params(scale=1e39) was an unnamed OverflowError from struct; now a ValueError."""
+    _, p, _ = _case()
+    fields_ = {f: getattr(p, f) for f in A.FIELD_NAMES if f != "scale_bits"}
+    with pytest.raises(ValueError, match=r"Params\.scale=.*not a finite float32"):
+        A.Params(**fields_, scale=scale)
+
+
+def test_big_endian_arena_is_refused_with_a_true_message():
+    arena, p, _ = _case()
+    be = arena.astype(">f4")
+    with pytest.raises(TypeError, match=r"arena: dtype >f4 is float32 in non-native "
+                                        r"\(big-endian\) byte order.*astype\('<f4'\)"):
+        A.attention_backward_arena(be, p, backend=BACKEND)
+    assert np.array_equal(be, arena, equal_nan=True)
