@@ -1,6 +1,7 @@
-"""Command line: ``python -m anyattn info | check | bench``.
+"""Command line: ``python -m anyattn info | check | bench`` (``--version``).
 
-info   which backends can run here and, for each that cannot, why
+info   which backends can run here and, for each that cannot, why; which arrays
+       automatic dispatch gives each
 check  forward + backward of one problem on one backend vs the float64 reference;
        exit status 1 on a mismatch
 bench  time backends on a set of shapes (see anyattn.bench)
@@ -22,7 +23,7 @@ TF32_TOLERANCE = 3e-4
 
 def _cmd_info(args) -> int:
     from . import __version__
-    from .backends.registry import describe_backends, get_backend
+    from .backends.registry import auto_array_kinds, describe_backends, get_backend
 
     print(f"anyattn {__version__}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
@@ -31,7 +32,10 @@ def _cmd_info(args) -> int:
             be = get_backend(name)
             c = be.capabilities
             extra = getattr(be, "describe_device", lambda: "")()
-            auto = "" if c.auto else " (explicit only)"
+            kinds = sorted(auto_array_kinds(name) & c.array_kinds)
+            auto = (f" (automatic for {', '.join(kinds)} arrays)"
+                    if kinds and c.auto and be.auto_eligible()
+                    else " (only when named: backend=%r)" % name)
             print(f"  {name:10s} available{auto}: dtypes {sorted(c.dtypes)}, "
                   f"arrays {sorted(c.array_kinds)} on {sorted(c.device_types)}"
                   + (f"; {extra}" if extra else ""))
@@ -79,6 +83,17 @@ def build_mask(spec: str, B: int, Sq: int, Sk: int, rng):
     raise argparse.ArgumentTypeError(
         f"--mask {spec!r}: expected none, causal, causal_br, sliding:W, window:L:R, "
         "documents:N or keep:P")
+
+
+def _mask_spec(text: str) -> str:
+    """argparse type of ``--mask``: the spec, checked now (a bad one is a usage error)."""
+    try:
+        build_mask(text, 1, 1, 1, np.random.default_rng(0))
+    except argparse.ArgumentTypeError as e:  # argparse prefixes "argument --mask: "
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--mask ")) from None
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
 
 
 def _to_backend(x, backend_name):
@@ -204,14 +219,17 @@ def _mask_to_backend(mask, be):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="anyattn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"anyattn {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="which backends run here, and why the others don't")
     ck = sub.add_parser("check", help="one problem on one backend vs the float64 reference")
     ck.add_argument("--shape", type=_parse_shape, default=(1, 4, 4, 256, 256, 64),
                     help="B,H,S,D or B,Hq,Hkv,Sq,Sk,D (default 1,4,4,256,256,64)")
-    ck.add_argument("--mask", default="causal",
+    ck.add_argument("--mask", default="causal", type=_mask_spec,
                     help="none | causal | causal_br | sliding:W | window:L:R | documents:N | "
                          "keep:P (default causal)")
     ck.add_argument("--bias", default="none", choices=["none", "full", "heads", "batch", "keys"])

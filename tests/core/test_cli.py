@@ -43,3 +43,44 @@ def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "anyattn", "info"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0 and "reference" in r.stdout
+
+
+def _run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    return subprocess.run([sys.executable, "-m", "anyattn", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("spec", ["diagonal", "sliding:x", "window:-1", "keep:half"])
+def test_unknown_mask_is_a_usage_error(spec):
+    """argparse style: exit code 2, the last line names --mask, no traceback."""
+    r = _run_cli("check", "--backend", "reference", "--shape", "1,1,4,8", "--mask", spec)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("anyattn check: error: argument --mask:") and repr(spec) in last
+
+
+def test_unknown_mask_in_process_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--backend", "reference", "--shape", "1,1,4,8", "--mask", "diagonal"])
+    assert e.value.code == 2
+    assert "argument --mask" in capsys.readouterr().err
+
+
+def test_version():
+    import anyattn
+
+    r = _run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"anyattn {anyattn.__version__}"
+
+
+def test_info_says_how_each_backend_is_dispatched(capsys):
+    assert main(["info"]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[2:]}
+    assert set(lines) == {"numpy", "triton", "webgpu", "reference"}
+    if "unavailable" not in lines["numpy"]:
+        assert "automatic for numpy" in lines["numpy"]
+    assert "unavailable" in lines["reference"] or "only when named" in lines["reference"]
+    if "unavailable" not in lines["webgpu"]:
+        assert "only when named" in lines["webgpu"]

@@ -3,40 +3,103 @@
 An explicit ``backend=`` raises when that backend cannot serve the problem
 (never a silent fallback); auto-dispatch takes the first one that can and,
 when none can, raises with every backend's reason.
+
+Cheap before heavy: every backend has an entry here that says, as plain data,
+which arrays it could ever take (array kind, device type, dtype).  A call is
+checked against these entries first; only a backend that passes is imported and
+asked for its ``availability()`` (which may import torch, triton or wgpu and
+open a device).  So a call on NumPy arrays never imports torch, triton or wgpu.
+
+Automatic dispatch, the rule:
+
+- torch tensors on a CUDA device: ``triton``;
+- NumPy arrays and torch CPU tensors: ``numpy`` (host memory stays on the host);
+- ``webgpu`` and ``reference`` only when named (``backend="webgpu"``).  Auto-
+  dispatch never moves host arrays to a GPU: it would create a wgpu device
+  (0.5-1 s and GPU memory the caller did not ask for), copy every input to the
+  GPU and the results back on each call, and return bits that depend on the
+  driver.  On a machine with a GPU and large NumPy problems, pass
+  ``backend="webgpu"`` (``python -m anyattn info`` says whether it runs there).
 """
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Optional, Tuple
+import os
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from ..problem import Problem
 from .base import Backend, BackendUnavailable
 
-__all__ = ["BACKEND_NAMES", "get_backend", "choose", "describe_backends", "available_backends"]
+__all__ = ["BACKEND_NAMES", "Entry", "ENTRIES", "get_backend", "choose", "describe_backends",
+           "available_backends", "unavailable_reason", "reach_reasons", "auto_array_kinds"]
 
-#: name -> "module:Class"; auto-dispatch tries them in this order.
-_ENTRIES: Dict[str, str] = {
-    "triton": "anyattn.backends.triton.backend:TritonBackend",
-    "webgpu": "anyattn.backends.webgpu.backend:WebGPUBackend",
-    "numpy": "anyattn.backends.numpy_backend:NumpyBackend",
-    "reference": "anyattn.backends.reference_backend:ReferenceBackend",
+_F16_32 = frozenset({"float16", "bfloat16", "float32"})
+_ALL = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a backend could ever take, readable without importing it or its libraries.
+
+    A superset of the backend's own ``Capabilities`` (tests check it); the backend
+    still refuses finer cases itself once it is loaded.
+    """
+
+    target: str                        # "module:Class"
+    array_kinds: FrozenSet[str]        # 'numpy', 'torch'
+    device_types: FrozenSet[str]       # 'cpu', 'cuda'
+    dtypes: FrozenSet[str]
+    auto_array_kinds: FrozenSet[str]   # the array kinds auto-dispatch may give it
+    #: (variable, value): with this environment setting the backend takes CPU
+    #: devices too (Triton's interpreter); never for auto-dispatch.
+    cpu_when_env: Optional[Tuple[str, str]] = None
+
+    def device_types_now(self, auto: bool = False) -> FrozenSet[str]:
+        if auto or self.cpu_when_env is None:
+            return self.device_types
+        if os.environ.get(self.cpu_when_env[0]) == self.cpu_when_env[1]:
+            return self.device_types | {"cpu"}
+        return self.device_types
+
+
+#: name -> Entry; auto-dispatch tries them in this order.
+ENTRIES: Dict[str, Entry] = {
+    "triton": Entry("anyattn.backends.triton.backend:TritonBackend",
+                    frozenset({"torch"}), frozenset({"cuda"}), _F16_32,
+                    auto_array_kinds=frozenset({"torch"}),
+                    cpu_when_env=("TRITON_INTERPRET", "1")),
+    "webgpu": Entry("anyattn.backends.webgpu.backend:WebGPUBackend",
+                    frozenset({"numpy"}), frozenset({"cpu"}), frozenset({"float32", "float16"}),
+                    auto_array_kinds=frozenset()),           # host arrays: by name only
+    "numpy": Entry("anyattn.backends.numpy_backend:NumpyBackend",
+                   frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
+                   auto_array_kinds=frozenset({"numpy", "torch"})),
+    "reference": Entry("anyattn.backends.reference_backend:ReferenceBackend",
+                       frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
+                       auto_array_kinds=frozenset()),        # the oracle: by name only
 }
-BACKEND_NAMES: Tuple[str, ...] = tuple(_ENTRIES)
+BACKEND_NAMES: Tuple[str, ...] = tuple(ENTRIES)
 
 _instances: Dict[str, Backend] = {}
 _load_errors: Dict[str, str] = {}
 
 
-def get_backend(name: str) -> Optional[Backend]:
-    """The backend instance, or None if its module cannot be imported (see describe_backends)."""
-    if name not in _ENTRIES:
+def _check_name(name: str) -> Entry:
+    if name not in ENTRIES:
         raise ValueError(f"backend={name!r} is unknown; expected one of {BACKEND_NAMES} "
                          "or None (automatic choice)")
+    return ENTRIES[name]
+
+
+def get_backend(name: str) -> Optional[Backend]:
+    """The backend instance, or None if its module cannot be imported (see describe_backends)."""
+    entry = _check_name(name)
     if name in _instances:
         return _instances[name]
     if name in _load_errors:
         return None
-    mod_name, cls_name = _ENTRIES[name].split(":")
+    mod_name, cls_name = entry.target.split(":")
     try:
         cls = getattr(importlib.import_module(mod_name), cls_name)
     except Exception as e:  # a broken optional backend must not break anyattn
@@ -47,15 +110,37 @@ def get_backend(name: str) -> Optional[Backend]:
 
 
 def unavailable_reason(name: str) -> Optional[str]:
-    """None if the named backend can run on this machine, else why not."""
+    """None if the named backend can run on this machine, else why not (may import
+    the backend's libraries and open its device)."""
     be = get_backend(name)
     if be is None:
         return _load_errors[name]
     return be.availability()
 
 
+def reach_reasons(name: str, p: Problem, auto: bool = False) -> List[str]:
+    """Why the named backend can never take ``p``'s arrays, from its entry alone
+    (imports nothing; empty list: it may, ask the backend itself).  ``auto``: for
+    automatic dispatch (no interpreter devices)."""
+    e = _check_name(name)
+    why = []
+    if p.array_kind not in e.array_kinds:
+        why.append(f"takes {sorted(e.array_kinds)} arrays, got {p.array_kind}")
+    devices = e.device_types_now(auto)
+    if p.device.split(":")[0] not in devices:
+        why.append(f"runs on {sorted(devices)} devices, the inputs are on {p.device}")
+    if p.dtype not in e.dtypes:
+        why.append(f"supports dtypes {sorted(e.dtypes)}, got {p.dtype}")
+    return why
+
+
+def auto_array_kinds(name: str) -> FrozenSet[str]:
+    """The array kinds automatic dispatch may give the named backend (see the rule above)."""
+    return _check_name(name).auto_array_kinds
+
+
 def describe_backends() -> List[Tuple[str, Optional[str]]]:
-    """[(name, None | reason it is unavailable)] for every backend."""
+    """[(name, None | reason it is unavailable)] for every backend (imports them all)."""
     return [(n, unavailable_reason(n)) for n in BACKEND_NAMES]
 
 
@@ -69,32 +154,47 @@ def choose(p: Problem, backend: Optional[str] = None) -> Backend:
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a name from {BACKEND_NAMES} or None, got "
                             f"{type(backend).__name__}")
-        why = unavailable_reason(backend)
-        if why is not None:
-            raise BackendUnavailable(f"backend={backend!r} is not available here: {why}")
-        be = get_backend(backend)
-        reasons = be.unsupported_reasons(p)
+        _check_name(backend)
+        reasons = reach_reasons(backend, p)
+        if not reasons:
+            why = unavailable_reason(backend)
+            if why is not None:
+                raise BackendUnavailable(f"backend={backend!r} is not available here: {why}")
+            reasons = get_backend(backend).unsupported_reasons(p)
         if reasons:
             others = [n for n in BACKEND_NAMES if n != backend and _can(n, p)]
             hint = f"; backends that can: {others}" if others else ""
             raise NotImplementedError(
                 f"backend={backend!r} cannot compute this problem: " + "; ".join(reasons) + hint)
-        return be
+        return get_backend(backend)
     refusals = []
     for name in BACKEND_NAMES:
-        be = get_backend(name)
+        if p.array_kind not in ENTRIES[name].auto_array_kinds:
+            continue                      # by name only for these arrays: not even loaded
+        reasons = reach_reasons(name, p, auto=True)
+        if reasons:
+            refusals.append(f"{name}: " + "; ".join(reasons))
+            continue
         why = unavailable_reason(name)
         if why is not None:
             refusals.append(f"{name}: {why}")
             continue
+        be = get_backend(name)
         if not be.auto_eligible():
             continue
         reasons = be.unsupported_reasons(p)
         if not reasons:
             return be
         refusals.append(f"{name}: " + "; ".join(reasons))
-    raise NotImplementedError("no backend can compute this problem:\n  " + "\n  ".join(refusals))
+    by_name = [n for n in BACKEND_NAMES if p.array_kind not in ENTRIES[n].auto_array_kinds
+               and not reach_reasons(n, p)]
+    hint = (f"\n(automatic dispatch does not use {by_name} for {p.array_kind} arrays; "
+            "pass backend=... to use one)") if by_name else ""
+    raise NotImplementedError("no backend can compute this problem:\n  "
+                              + "\n  ".join(refusals) + hint)
 
 
 def _can(name: str, p: Problem) -> bool:
-    return unavailable_reason(name) is None and not get_backend(name).unsupported_reasons(p)
+    """Can the named backend compute ``p`` (cheap entry first, then the backend)?"""
+    return (not reach_reasons(name, p) and unavailable_reason(name) is None
+            and not get_backend(name).unsupported_reasons(p))
