@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
@@ -54,6 +55,9 @@ class Entry:
     #: (variable, value): with this environment setting the backend takes CPU
     #: devices too (Triton's interpreter); never for auto-dispatch.
     cpu_when_env: Optional[Tuple[str, str]] = None
+    #: modules its availability() imports: a refusal's hint probes the backend only
+    #: when they are already loaded (an error message never imports them)
+    heavy: Tuple[str, ...] = ()
 
     def device_types_now(self, auto: bool = False) -> FrozenSet[str]:
         if auto or self.cpu_when_env is None:
@@ -68,10 +72,10 @@ ENTRIES: Dict[str, Entry] = {
     "triton": Entry("anyattn.backends.triton.backend:TritonBackend",
                     frozenset({"torch"}), frozenset({"cuda"}), _F16_32,
                     auto_array_kinds=frozenset({"torch"}),
-                    cpu_when_env=("TRITON_INTERPRET", "1")),
+                    cpu_when_env=("TRITON_INTERPRET", "1"), heavy=("torch", "triton")),
     "webgpu": Entry("anyattn.backends.webgpu.backend:WebGPUBackend",
                     frozenset({"numpy"}), frozenset({"cpu"}), frozenset({"float32", "float16"}),
-                    auto_array_kinds=frozenset()),           # host arrays: by name only
+                    auto_array_kinds=frozenset(), heavy=("wgpu",)),  # host arrays: by name only
     "numpy": Entry("anyattn.backends.numpy_backend:NumpyBackend",
                    frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
                    auto_array_kinds=frozenset({"numpy", "torch"})),
@@ -162,10 +166,9 @@ def choose(p: Problem, backend: Optional[str] = None) -> Backend:
                 raise BackendUnavailable(f"backend={backend!r} is not available here: {why}")
             reasons = get_backend(backend).unsupported_reasons(p)
         if reasons:
-            others = [n for n in BACKEND_NAMES if n != backend and _can(n, p)]
-            hint = f"; backends that can: {others}" if others else ""
             raise NotImplementedError(
-                f"backend={backend!r} cannot compute this problem: " + "; ".join(reasons) + hint)
+                f"backend={backend!r} cannot compute this problem: " + "; ".join(reasons)
+                + _hint(backend, p))
         return get_backend(backend)
     refusals = []
     for name in BACKEND_NAMES:
@@ -194,7 +197,19 @@ def choose(p: Problem, backend: Optional[str] = None) -> Backend:
                               + "\n  ".join(refusals) + hint)
 
 
-def _can(name: str, p: Problem) -> bool:
-    """Can the named backend compute ``p`` (cheap entry first, then the backend)?"""
-    return (not reach_reasons(name, p) and unavailable_reason(name) is None
-            and not get_backend(name).unsupported_reasons(p))
+def _hint(refused: str, p: Problem) -> str:
+    """The other backends that can compute ``p``.  One whose probe would import a
+    module not yet loaded (torch, triton, wgpu) is named as a maybe, not probed."""
+    can, maybe = [], []
+    for name in BACKEND_NAMES:
+        if name == refused or reach_reasons(name, p):
+            continue
+        if not all(m in sys.modules for m in ENTRIES[name].heavy):
+            maybe.append(name)
+        elif unavailable_reason(name) is None and not get_backend(name).unsupported_reasons(p):
+            can.append(name)
+    hint = f"; backends that can: {can}" if can else ""
+    if maybe:
+        hint += (f"; perhaps also {maybe} (not probed: `python -m anyattn info` says "
+                 "whether it runs here)")
+    return hint
