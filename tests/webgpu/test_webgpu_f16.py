@@ -127,7 +127,7 @@ def test_f16_trip_model_bounds_the_loops(be16):
     o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
     p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
     be16.debug_trips = True
-    call, _ = be16._build_backward(p, q, k, v, g, o, l, None)
+    call, _ = be16._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
     assert call.cfg.half
     for lch in call.launches:
         if lch.kernel in ("bwd_dq", "bwd_dkdv"):

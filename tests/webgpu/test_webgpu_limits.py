@@ -28,7 +28,7 @@ def test_trip_counts_are_bounded_by_the_model(be):
 
     p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
     be.debug_trips = True
-    call, _ = be._build_backward(p, q, k, v, g, p_fwd[0], p_fwd[1], None)
+    call, _ = be._build_backward(p, q, k, v, g, p_fwd[0], aa.RowStats.from_lse(p_fwd[1]), None)
     measured = {}
     for l in call.launches:
         if l.kernel in ("bwd_dq", "bwd_dkdv"):

@@ -3,7 +3,8 @@
 Shape legend: B ``batch``, H ``heads`` (the seed has no GQA), Sq/Sk, D, R the
 output rows (Sq for dQ, Sk for dK/dV).  The arena is bound read-only to the
 attention kernels (q, k, v, dy and, for kinds 2/4, the mask at its strides);
-lse/delta/results live in scratch buffers of our own; a last kernel writes
+row statistics (row max and log-normaliser, kept apart), delta and results live
+in scratch buffers of our own; a last kernel writes
 exactly the B*H*R*D output elements at the o strides.  Seed quirk: under mask
 kinds 1-3 a row that keeps no key attends uniformly to all Sk keys.
 """
@@ -14,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .engine import Operand
+from .engine import STATS_ROWS, Operand
 from .uniforms import FLAGS
 
 __all__ = ["run_arena"]
@@ -106,7 +107,7 @@ def _build(be, run, buffer, p, prefix):
         call.uni.update(bi_off=p.mask_off, **{"bi_" + k: v for k, v in mstr.items()})
     quirk = kind in (1, 2, 3)
     n = call.n
-    stats = run.buffer(prefix + "stats", 4 * 6 * n)
+    stats = run.buffer(prefix + "stats", 4 * STATS_ROWS * n)   # row max, log-norm, delta
     outb = run.buffer(prefix + "out", 4 * n * D)
     call.forward(stats, outb)
     vm = None

@@ -3,7 +3,8 @@
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 NumPy arrays in and out: float32, or float16 (f16 tiles and packed f16 products over
 short runs, f32 accumulation: launch.half_config) where the adapter has
-``shader-f16``.  Forward: one pass with lse.  Backward: delta pass, dK/dV pass per
+``shader-f16``.  Forward: one pass with the row statistics (row max and
+log-normaliser, kept apart: anyattn.rowstats).  Backward: delta pass, dK/dV pass per
 key tile (looping over the query tiles of every query head of the kv group), dQ pass
 per query tile (which also writes dS for dbias), then a deterministic dbias
 reduction.  No float atomics anywhere: repeated runs are bitwise equal.
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..base import Backend, Capabilities
 from ...problem import Problem
+from ...rowstats import RowStats
 
 __all__ = ["WebGPUBackend"]
 
@@ -128,7 +130,26 @@ class WebGPUBackend(Backend):
         return call
 
     def _stats(self, call):
-        return call.run.buffer("stats", 4 * 6 * call.n)
+        from .engine import STATS_ROWS
+
+        return call.run.buffer("stats", 4 * STATS_ROWS * call.n)
+
+    @staticmethod
+    def _read_stats(run, stats, n: int, shape) -> RowStats:
+        from .engine import LOG_NORM_ROW
+
+        return RowStats(run.read(stats, n).reshape(shape),
+                        run.read(stats, n, LOG_NORM_ROW * n).reshape(shape))
+
+    @staticmethod
+    def _write_stats(run, stats, st: RowStats, n: int) -> None:
+        from .engine import LOG_NORM_ROW
+
+        for arr, row in ((st.max, 0), (st.log_norm, LOG_NORM_ROW)):
+            a = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+            if a.size != n:
+                raise ValueError(f"lse: {a.size} row statistics for {n} rows")
+            run.device.queue.write_buffer(stats, 4 * row * n, a)
 
     # ----------------------------------------------------------------- forward
     def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u"):
@@ -141,26 +162,42 @@ class WebGPUBackend(Backend):
         def read():
             out = run.read(outb, call.n * p.head_dim).reshape(p.batch, p.heads_q, p.seq_q,
                                                               p.head_dim)
-            lse = run.read(stats, call.n).reshape(p.batch, p.heads_q, p.seq_q)
-            return out.astype(_NP[p.dtype], copy=False), lse
+            st = self._read_stats(run, stats, call.n, (p.batch, p.heads_q, p.seq_q))
+            return out.astype(_NP[p.dtype], copy=False), st
         return call, read
 
     # ------------------------------------------------- batch chunks (binding limit)
-    def _batch_chunks(self, p: Problem, backward: bool):
-        """Batch ranges whose buffers all fit the adapter's storage-binding limit."""
+    def _batch_chunks(self, p: Problem, backward: bool, bias=None):
+        """Batch ranges whose buffers all fit the adapter's storage-binding limit.
+
+        Checked from shapes alone, before anything is copied or uploaded: the bias
+        counts with its broadcast dims at size 1 (engine.compact_broadcast, what
+        set_bias uploads), and a bias shared by every batch must fit whole."""
+        from .engine import STATS_ROWS, compact_broadcast
+
         run = self._run()
+        lim = min(run.max_binding, run.max_buffer)
         it = np.dtype(_NP.get(p.dtype, np.float32)).itemsize
         Hq, Hk, Sq, Sk, D = p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
         per_b = {"q": Hq * Sq * D * it, "k/v": Hk * Sk * D * it, "out": 4 * Hq * Sq * D,
-                 "stats": 4 * 6 * Hq * Sq}
+                 "stats": 4 * STATS_ROWS * Hq * Sq}
+        if bias is not None:
+            b4 = np.asarray(bias)
+            b4 = compact_broadcast(b4.reshape((1,) * (4 - b4.ndim) + b4.shape))
+            nb = 4 * int(np.prod(b4.shape[1:]))
+            if b4.shape[0] > 1:
+                per_b["bias"] = nb
+            elif nb > lim:
+                raise ValueError(f"webgpu: the bias {tuple(np.shape(bias))} needs {nb} bytes "
+                                 f"as float32 (its broadcast dims counted once), past this "
+                                 f"adapter's max storage binding of {lim} bytes "
+                                 f"({run.ctx.name}); shorten the sequence or use another "
+                                 "backend")
         if backward:
             per_b["dkdv"] = 4 * 2 * Hk * Sk * D
             if "bias" in p.wrt:
                 per_b["ds"] = 4 * Hq * Sq * Sk
-        if p.bias_shape is not None and p.bias_shape[0] > 1:
-            per_b["bias"] = 4 * int(np.prod(p.bias_shape[1:]))
         role, worst = max(per_b.items(), key=lambda kv: kv[1])
-        lim = min(run.max_binding, run.max_buffer)
         if worst > lim:
             raise ValueError(f"webgpu: one batch of the {role} buffer needs {worst} bytes, past "
                              f"this adapter's max storage binding of {lim} bytes "
@@ -186,14 +223,16 @@ class WebGPUBackend(Backend):
         return dataclasses.replace(p, batch=b1 - b0, mask=sm, bias_shape=bs), sl
 
     def forward(self, p: Problem, q, k, v, bias):
-        chunks = self._batch_chunks(p, backward=False)
+        chunks = self._batch_chunks(p, backward=False, bias=bias)
         if len(chunks) > 1:
             parts = []
             for b0, b1 in chunks:
                 sp, sl = self._sub(p, b0, b1)
                 parts.append(self._forward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], sl(bias)))
             self.last_pieces["batch_chunks"] = len(chunks)
-            return (np.concatenate([o for o, _ in parts]), np.concatenate([l for _, l in parts]))
+            st = RowStats(np.concatenate([s.max for _, s in parts]),
+                          np.concatenate([s.log_norm for _, s in parts]))
+            return np.concatenate([o for o, _ in parts]), st
         return self._forward_one(p, q, k, v, bias)
 
     def _forward_one(self, p: Problem, q, k, v, bias):
@@ -204,10 +243,11 @@ class WebGPUBackend(Backend):
             return read()
 
     # ---------------------------------------------------------------- backward
-    def _build_backward(self, p: Problem, q, k, v, dout, out, lse, bias, resident=None,
+    def _build_backward(self, p: Problem, q, k, v, dout, out, stats, bias, resident=None,
                         uprefix="u"):
         """Uploads and launches of one backward; ``resident`` = (stats, out buffer) of a
-        forward already on the device (benchmarks), else out/lse are uploaded."""
+        forward already on the device (benchmarks), else out and the RowStats ``stats``
+        are uploaded."""
         from .engine import Operand
 
         B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
@@ -217,9 +257,9 @@ class WebGPUBackend(Backend):
         call = self._setup(p, q, k, v, dout, bias, uprefix)
         run = call.run
         if resident is None:
+            st_in = stats
             stats = self._stats(call)
-            lse32 = np.ascontiguousarray(lse, dtype=np.float32).reshape(-1)
-            run.device.queue.write_buffer(stats, 0, lse32)
+            self._write_stats(run, stats, st_in, call.n)
             ob = run.upload("out_in", np.ascontiguousarray(out, dtype=np.float32))
         else:
             stats, ob = resident
@@ -260,15 +300,16 @@ class WebGPUBackend(Backend):
             return res
         return call, read
 
-    def backward(self, p: Problem, q, k, v, dout, out, lse, bias):
-        chunks = self._batch_chunks(p, backward=True)
+    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias):
+        chunks = self._batch_chunks(p, backward=True, bias=bias)
         if len(chunks) == 1:
-            return self._backward_one(p, q, k, v, dout, out, lse, bias)
+            return self._backward_one(p, q, k, v, dout, out, stats, bias)
         parts = []
         for b0, b1 in chunks:
             sp, sl = self._sub(p, b0, b1)
             parts.append(self._backward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], dout[b0:b1],
-                                            out[b0:b1], lse[b0:b1], sl(bias)))
+                                            out[b0:b1], stats.select(slice(b0, b1)),
+                                            sl(bias)))
         res = {}
         for n in ("dq", "dk", "dv"):
             res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
@@ -284,9 +325,9 @@ class WebGPUBackend(Backend):
         self.last_pieces["batch_chunks"] = len(chunks)
         return res
 
-    def _backward_one(self, p: Problem, q, k, v, dout, out, lse, bias):
+    def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias):
         with self._lock:
-            call, read = self._build_backward(p, q, k, v, dout, out, lse, bias)
+            call, read = self._build_backward(p, q, k, v, dout, out, stats, bias)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
@@ -295,7 +336,8 @@ class WebGPUBackend(Backend):
     def plan(self, p: Problem, q, k, v, dout=None, bias=None):
         """Device-resident forward and backward plans over persistent buffers:
         -> (fwd_plan, bwd_plan, read_fwd, read_bwd); ``plan.submit(n)`` re-runs one
-        without any host transfer (the backward reads the forward's out and lse)."""
+        without any host transfer (the backward reads the forward's out and row
+        statistics)."""
         with self._lock:
             call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu")
             fwd = call.freeze()

@@ -1,14 +1,18 @@
 """Host side of one attention call on the GPU: uploads, uniforms, launch plans.
 
 Shape legend: B batch, HQ/HKV heads (G = HQ/HKV), SQ/SK queries/keys, D head dim,
-n = B*HQ*SQ rows.  Scratch layout of ``stats`` (f32): [0, n) lse, [n, 2n) delta,
-[2n, 4n) and [4n, 6n) two (m, l) sets for split forward launches.
+n = B*HQ*SQ rows.  Scratch layout of ``stats`` (f32, STATS_ROWS * n): [0, n) row max,
+[n, 2n) delta, [2n, 4n) and [4n, 6n) two (m, l) sets for split forward launches,
+[6n, 7n) log-normaliser.  The row max and the log-normaliser stay apart (DESIGN.md §1):
+the backward forms P = exp((s - max) - log_norm), never exp(s - lse).
+Sentinels: an excluded score and the max of an empty row are -inf (the ``neg_inf``
+uniform, tested on its bits in the kernels); a finite bias, even finfo(float32).min,
+is a score.
 Outputs are f32 scratch: out/dq [B, HQ, SQ, D]; dk then dv [B, HKV, SK, D];
 dS [B, HQ, SQ, SK] for dbias.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -17,9 +21,40 @@ import numpy as np
 from .launch import Launch, LoopLimitError, Runner, TileConfig, ceil_div, split_range
 from .uniforms import FLAGS
 
-__all__ = ["Operand", "Call", "upload_view", "NEG_INF"]
+__all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
+           "LOG_NORM_ROW", "f32_scalar"]
 
 NEG_INF = float("-inf")
+#: f32 values per softmax row in the ``stats`` scratch buffer (see the module doc)
+STATS_ROWS = 7
+#: the log-normaliser's block of ``stats``: [LOG_NORM_ROW * n, (LOG_NORM_ROW + 1) * n)
+LOG_NORM_ROW = 6
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def f32_scalar(name: str, value: float) -> float:
+    """``value`` rounded to float32; ValueError naming ``name`` when it is not finite
+    there (e.g. a scale of 1e39, finite in float64, overflows float32)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{name}: {value!r} is not a float ({e})") from None
+    with np.errstate(over="ignore"):
+        f = np.float32(v)
+    if not np.isfinite(v):
+        raise ValueError(f"{name}: {v!r} is not finite; pass a finite float32 value")
+    if not np.isfinite(f):
+        raise ValueError(f"{name}: {v!r} overflows float32 (largest finite {_F32_MAX:.8g}), "
+                         "the precision the webgpu kernels compute in; pass a smaller value")
+    return float(f)
+
+
+def compact_broadcast(x: np.ndarray) -> np.ndarray:
+    """A view of ``x`` with every stride-0 (broadcast) dim cut to size 1: the data a
+    broadcast array really holds, without materialising the broadcast."""
+    idx = tuple(slice(0, 1) if (n > 1 and s == 0) else slice(None)
+                for n, s in zip(x.shape, x.strides))
+    return x[idx]
 _I32 = (1 << 31) - 1
 
 
@@ -107,7 +142,7 @@ class Call:
 
     # ------------------------------------------------------------------ setup
     def set_scale(self, scale: float) -> None:
-        self.uni["scale"] = struct.unpack("<f", struct.pack("<f", scale))[0]
+        self.uni["scale"] = f32_scalar("scale", scale)
 
     def set_mask(self, rmask, use_tilemap: bool = True) -> None:
         """Band, documents, keep mask and tile map of an anyattn ResolvedMask -> aux buffer."""
@@ -146,7 +181,8 @@ class Call:
             self.uni["kid_sb"] = self.SK if kn.shape[0] > 1 else 0
         if rmask.keep is not None:
             km = to_numpy(rmask.keep)
-            km = km.reshape((1,) * (4 - km.ndim) + tuple(km.shape))
+            km = compact_broadcast(km.reshape((1,) * (4 - km.ndim) + tuple(km.shape)))
+            self.run.check_size("keep mask", 4 * km.size)
             kf = np.ascontiguousarray(km, dtype=np.float32)
             sb, sh, si, sj = _bcast_strides(kf.shape)
             self.flags |= F["HAS_KEEP"]
@@ -164,8 +200,14 @@ class Call:
             self.aux_buf = self.run.upload("aux", np.concatenate(parts))
 
     def set_bias(self, bias: np.ndarray) -> None:
-        b4 = np.ascontiguousarray(bias, dtype=np.float32)
-        b4 = b4.reshape((1,) * (4 - b4.ndim) + b4.shape)
+        """Upload the bias as float32 with its broadcast dims kept at size 1 (stride 0
+        in the kernels): a broadcast view is never materialised, and the size is
+        checked against the adapter's limit before anything is copied.  -inf stays
+        -inf (it excludes the key); every finite value is a score."""
+        b4 = np.asarray(bias)
+        b4 = compact_broadcast(b4.reshape((1,) * (4 - b4.ndim) + b4.shape))
+        self.run.check_size("bias", 4 * b4.size)
+        b4 = np.ascontiguousarray(b4, dtype=np.float32)
         sb, sh, si, sj = _bcast_strides(b4.shape)
         self.bias_buf = self.run.upload("bias", b4)
         self.flags |= FLAGS["HAS_BIAS"]
@@ -223,7 +265,8 @@ class Call:
                                             (grid_x, b_ - a, cfg.slices(self.D))))
 
     def forward(self, stats, outb) -> None:
-        """out [B, HQ, SQ, D] (f32) into outb, lse into stats[0:n]."""
+        """out [B, HQ, SQ, D] (f32) into outb; row max into stats[0:n], log-normaliser
+        into stats[6n:7n]."""
         self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
 
     def delta(self, stats, out_op: Operand, vmean=None) -> None:

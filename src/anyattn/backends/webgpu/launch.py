@@ -40,7 +40,7 @@ class TileConfig:
     in f16 over short runs (HC vec4 columns = 2*HC products per lane for S and dP; IC
     rows, UC (default IC) per f16 flush as two chains of UC/2, for the updates), each
     run's partial added into the f32 accumulators.
-    Softmax, lse, delta and every longer sum stay f32."""
+    Softmax, row statistics, delta and every longer sum stay f32."""
 
     TX: int = 16
     TY: int = 16

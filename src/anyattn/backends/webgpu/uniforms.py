@@ -68,5 +68,10 @@ def pack(values: Dict[str, object]) -> bytes:
                 raise OverflowError(f"uniform field {n}={v} does not fit an i32")
         else:
             v = float(v)
+            try:
+                struct.pack("<f", v)
+            except OverflowError:
+                raise ValueError(f"{n}: {v!r} overflows float32 (the uniform field {n} of the "
+                                 "webgpu kernels); pass a value within float32's range") from None
         out.append(struct.pack("<" + _FMT[t], v))
     return b"".join(out)

@@ -37,6 +37,26 @@ fn bias_ij(b: u32, h: u32, i: u32, j: u32) -> f32 {
   return biasb[U.bi_off + b * U.bi_sb + h * U.bi_sh + i * U.bi_si + j * U.bi_sj];
 }
 
+// Sentinels: an excluded score and the max of a row that keeps no key are U.neg_inf
+// (-inf from the uniform block, never a literal: compilers may fold infinities), and
+// are recognised by their bits.  Every finite value, down to -FLT_MAX, is a score.
+fn is_ninf(x: f32) -> bool { return bitcast<u32>(x) == 0xff800000u; }
+const NEG_FLT_MAX: f32 = -3.40282346638528859812e38;
+
+// The score of a mask-kept pair from its scaled dot product x: + bias.  A bias of
+// -inf excludes the key (-> U.neg_inf, without arithmetic on the infinity); a finite
+// bias is a number (torch semantics: a row of finfo.min attends uniformly), so a sum
+// that overflows to -inf is clamped to -FLT_MAX.  Forward and backward share it, so
+// both see the same score.
+fn biased(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+  if ((U.flags & F_HAS_BIAS) == 0u) { return x; }
+  let bv = bias_ij(b, h, i, j);
+  if (is_ninf(bv)) { return U.neg_inf; }
+  let y = x + bv;
+  if (is_ninf(y) && !is_ninf(x)) { return NEG_FLT_MAX; }
+  return y;
+}
+
 // Tile code: 0 empty (skip), 1 partial (test every pair), 2 full (no test).
 fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
   if ((U.flags & F_TILEMAP) == 0u) { return 1u; }

@@ -1,12 +1,14 @@
 // delta pass: delta[row] = <dO[row, :], out[row, :]> into stats[n + row], one row
 // per invocation (row = (b*HQ + h)*SQ + i).  Seed quirk (F_QUIRK): a row with
-// lse = -inf attends uniformly, so out is the mean of V over all keys (vmean).
+// max = -inf (no kept key) attends uniformly, so out is the mean of V over all keys (vmean).
 @group(0) @binding(0) var<uniform> U: Uni;
 @group(0) @binding(1) var<storage, read> gb: array<T>;
 @group(0) @binding(2) var<storage, read> ob: array<f32>;
 @group(0) @binding(3) var<storage, read_write> stats: array<f32>;
 @group(0) @binding(4) var<storage, read> vmean: array<f32>;
 var<private> trips: u32;
+
+fn is_ninf(x: f32) -> bool { return bitcast<u32>(x) == 0xff800000u; }
 
 @compute @workgroup_size(64)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -19,7 +21,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let h = bh % U.HQ;
   let gbase = U.g_off + b * U.g_sb + h * U.g_sh + i * U.g_ss;
   let obase = U.o_off + b * U.o_sb + h * U.o_sh + i * U.o_ss;
-  let uni = (U.flags & F_QUIRK) != 0u && stats[row] <= -3.0e38;
+  let uni = (U.flags & F_QUIRK) != 0u && is_ninf(stats[row]);
   var acc = 0.0;
   for (var d = 0u; d < U.D; d++) {
     TRIP

@@ -1,8 +1,9 @@
 // Forward: one workgroup per (query tile qt, batch b x query head h, column slice).
 // Online softmax over key tiles kt in [t0, t1):
 //   m_i = running max, l_i = running sum, acc[i, :] = sum_j exp(s_ij - m_i) V[j, :]
-// With F_LAST: out = acc / l (0 on an empty row), lse = m + log(l) (-inf on an empty
-// row) into stats[row]; otherwise acc (outb), m and l (stats[ml_wr + row],
+// With F_LAST: out = acc / l (0 on an empty row), the row max m into stats[row] and
+// the log-normaliser log(l) into stats[6n + row] (kept apart: DESIGN.md §1; an empty
+// row: m = -inf, 0; a NaN row: NaN, NaN); otherwise acc (outb), m and l (stats[ml_wr + row],
 // stats[ml_wr + n + row]) are stored for the next piece of a split launch, which
 // reads them from ml_rd (two alternating sets: column slices read while slice 0 writes).
 //@include common
@@ -75,8 +76,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           var kept = true;
           if (code == 1u) { kept = keep_ij(b, h, i, j); }
           if (kept) {
-            x = s[{r}][{c#}] * U.scale;
-            if ((U.flags & F_HAS_BIAS) != 0u) { x += bias_ij(b, h, i, j); }
+            x = biased(s[{r}][{c#}] * U.scale, b, h, i, j);
           }
         }
         s[{r}][{c#}] = x;
@@ -95,7 +95,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         m = max(m, red[lid * TX + t]);
       }
       var a = 0.0;
-      if (mo > -3.0e38) { a = exp(mo - m); }
+      if (!is_ninf(mo)) { a = exp(mo - m); }
       rowa[lid] = a;
       rowm[lid] = m;
     }
@@ -109,8 +109,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       {
         var pv = 0.0;
         let x = s[{r}][{c#}];
-        // max() may drop a NaN score: test it here so that NaN still propagates
-        if (m > -3.0e38 || is_nan(m) || is_nan(x)) { pv = exp(x - m); }
+        // excluded scores (-inf) give 0; a kept one is finite (m >= x) or NaN, and
+        // max() may drop a NaN score, so NaN reaches pv and propagates
+        if (!is_ninf(x)) { pv = exp(x - m); }
         pr[{c#}] = pv;
         sm += pv;
       }
@@ -164,9 +165,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       let m = rowm[lid];
       let l = rowl[lid];
       if (last) {
-        var lse = m + log(l);
-        if (l == 0.0) { lse = U.neg_inf; }
-        stats[row] = lse;
+        var mx = m;
+        var ln = log(l);
+        if (l == 0.0) { mx = U.neg_inf; ln = 0.0; }
+        if (is_nan(l)) { mx = l; }
+        stats[row] = mx;
+        stats[6u * U.stat_n + row] = ln;
       } else {
         stats[U.ml_wr + row] = m;
         stats[U.ml_wr + U.stat_n + row] = l;

@@ -1,19 +1,24 @@
-// P = exp(scale*s + bias - lse) on kept pairs, dS = P * (dP - delta), per micro-tile.
-// Empty rows (lse = -inf): P = 0, or 1/SK for every key in the seed's quirk mode.
+// P = exp((x - max) - log_norm) on kept pairs, x = biased(scale*s) (the bias is added
+// before the max is subtracted; never one combined lse: DESIGN.md §1),
+// dS = P * (dP - delta), per micro-tile.  Row statistics: max in stats[row],
+// delta in stats[n + row], log_norm in stats[6n + row].
+// Empty rows (max = -inf): P = 0, or 1/SK for every key in the seed's quirk mode.
 // Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (vec4 over c).
 var p: array<vec4<f32>, 4>;
 var ds: array<vec4<f32>, 4>;
 //@for r 4
 {
   let i = i0 + ty * 4u + {r};
-  var lse = U.neg_inf;
+  var mx = U.neg_inf;
+  var ln = 0.0;
   var dl = 0.0;
   if (i < U.SQ) {
     let row = (b * U.HQ + h) * U.SQ + i;
-    lse = stats[row];
+    mx = stats[row];
     dl = stats[U.stat_n + row];
+    ln = stats[6u * U.stat_n + row];
   }
-  let empty = lse <= -3.0e38;
+  let empty = is_ninf(mx);
   //@for c 4
   {
     let j = j0 + tx + {c} * TX;
@@ -22,11 +27,10 @@ var ds: array<vec4<f32>, 4>;
       if (empty) {
         if ((U.flags & F_QUIRK) != 0u) { pv = U.inv_sk; }
       } else {
-        var x = s[{r}][{c#}] * U.scale;
-        if ((U.flags & F_HAS_BIAS) != 0u) { x += bias_ij(b, h, i, j); }
-        var kept = true;
-        if (code == 1u) { kept = keep_ij(b, h, i, j); }
-        if (kept) { pv = exp(x - lse); }
+        let x = biased(s[{r}][{c#}] * U.scale, b, h, i, j);
+        var kept = !is_ninf(x);
+        if (kept && code == 1u) { kept = keep_ij(b, h, i, j); }
+        if (kept) { pv = exp((x - mx) - ln); }
       }
     }
     p[{r}][{c#}] = pv;
