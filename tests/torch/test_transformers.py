@@ -107,3 +107,152 @@ def test_compiles_fullgraph_with_padding():
     out.loss.backward()
     assert torch.allclose(out.logits, ref.logits, atol=1e-5)
     assert torch.allclose(ours.model.embed_tokens.weight.grad, ref_grad, atol=1e-5, rtol=1e-4)
+
+
+# -- every argument honoured or refused (issue 12, item 6) ------------------------------
+
+def _tiny(kind):
+    small = dict(SMALL, head_dim=16)
+    if kind == "gpt_oss":
+        cfg = transformers.GptOssConfig(**dict(small, intermediate_size=64), num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=6)
+    else:
+        cfg = transformers.Gemma2Config(**small, sliding_window=6)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="anyattn")
+
+
+@pytest.mark.parametrize("kind, arg", [("gpt_oss", "s_aux"), ("gemma2", "softcap")])
+def test_unimplemented_model_features_raise(kind, arg):
+    """gpt-oss passes its sinks as s_aux, Gemma 2 its logit soft-cap as softcap: until
+    anyattn implements them the call raises, naming the argument (it used to drop them
+    and return a different attention)."""
+    model = _tiny(kind)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(NotImplementedError, match=rf"^{arg}="):
+        model(input_ids=ids)
+
+
+def test_unknown_arguments_raise_and_known_ones_pass():
+    from anyattn.torch.transformers_backend import IGNORED_KWARGS, anyattn_attention_forward
+
+    q = torch.randn(1, 2, 5, 8)
+    mod = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match=r"^indices=<tensor \(5,\) int64>"):
+        anyattn_attention_forward(mod, q, q, q, None, indices=torch.arange(5))
+    with pytest.raises(NotImplementedError, match="^output_attentions=True"):
+        anyattn_attention_forward(mod, q, q, q, None, output_attentions=True)
+    ref, _ = anyattn_attention_forward(mod, q, q, q, None)
+    given = {n: torch.arange(5)[None] if n == "position_ids" else True for n in IGNORED_KWARGS}
+    out, _ = anyattn_attention_forward(mod, q, q, q, None, dropout=0.0, scaling=None,
+                                       softcap=None, s_aux=None, position_bias=None,
+                                       sliding_window=None, some_future_flag=None, **given)
+    assert torch.equal(out, ref)
+
+
+def _eager_formula(q, k, v, keep=None, bias=None, scale=None):
+    """HF's eager attention: scores + (0 | finfo.min) (+ bias), softmax, @ v."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s + torch.zeros_like(s).masked_fill(~keep, torch.finfo(s.dtype).min)
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+def _grads(fn, *xs):
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    out = fn(*xs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+    return [out.detach()] + [x.grad for x in xs]
+
+
+def _assert_all_close(got, want, tol=1e-5):
+    for g, w in zip(got, want):
+        scale = w.abs().max().clamp_min(1e-12)
+        assert float((g - w).abs().max() / scale) < tol
+
+
+@pytest.mark.parametrize("window", [3, 12])
+def test_sliding_window_without_a_mask_is_applied(window):
+    from anyattn.torch.transformers_backend import anyattn_attention_forward
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4 if i == 0 else 2, 10, 8, generator=g) for i in range(3))
+    i, j = torch.arange(10)[:, None], torch.arange(10)[None]
+    keep = (j <= i) & (j > i - window)                       # HF's sliding-window pattern
+    got = _grads(lambda a, b, c: anyattn_attention_forward(
+        torch.nn.Module(), a, b, c, None, sliding_window=window)[0], q, k, v)
+    _assert_all_close(got, _grads(lambda a, b, c: _eager_formula(a, b, c, keep), q, k, v))
+    with pytest.raises(NotImplementedError, match="^sliding_window=3"):
+        anyattn_attention_forward(torch.nn.Module(), q, k, v, None, is_causal=False,
+                                  sliding_window=3)
+
+
+def test_position_bias_is_added_with_its_gradient():
+    """T5-style relative position bias [1, H, Sq, Sk] with a padding mask (bool)."""
+    from anyattn.torch.transformers_backend import anyattn_attention_forward
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 7, 8, generator=g) for _ in range(3))
+    pb = torch.randn(1, 4, 7, 7, generator=g)
+    keep = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    keep[1, ..., :2] = False
+    got = _grads(lambda a, b, c, d: anyattn_attention_forward(
+        torch.nn.Module(), a, b, c, keep, scaling=1.0, position_bias=d)[0], q, k, v, pb)
+    want = _grads(lambda a, b, c, d: _eager_formula(a, b, c, keep, d, 1.0), q, k, v, pb)
+    _assert_all_close(got, want)
+
+
+def test_packed_sequences_from_cu_seq_lens():
+    """cu_seq_lens_q/k (flash-attention packing kwargs) become a Documents mask."""
+    from anyattn.torch.transformers_backend import anyattn_attention_forward
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    keep = (doc[:, None] == doc[None]) & torch.ones(9, 9, dtype=torch.bool).tril()
+    got, _ = anyattn_attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu,
+                                       cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+    _assert_all_close([got], [_eager_formula(q, k, v, keep)])
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        anyattn_attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu[:-1])
+
+
+def test_rows_without_keys_attend_uniformly_like_eager():
+    """A bool mask row that keeps no key (a left-pad query) gives eager's uniform average
+    of the values and eager's gradients (sdpa gives 0 there)."""
+    from anyattn.torch.transformers_backend import anyattn_attention_forward
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    keep = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+    keep[1, ..., :3] = False                                  # 3 left pads in batch row 1
+    got = _grads(lambda a, b, c: anyattn_attention_forward(
+        torch.nn.Module(), a, b, c, keep)[0], q, k, v)
+    _assert_all_close(got, _grads(lambda a, b, c: _eager_formula(a, b, c, keep), q, k, v))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
+def test_left_padded_training_step_matches_eager(arch):
+    """One training step on a left-padded batch with the usual labels (pads -> -100,
+    nothing else dropped: the first real token is predicted from a pad query, whose
+    row keeps no key): loss and every gradient as eager's."""
+    eager, ours = _pair(_configs()[arch])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (3, 21), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :6] = 0
+    am[2, :11] = 0
+    batch = dict(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
+    le, ge = _loss_and_grads(eager, batch)
+    lo, go = _loss_and_grads(ours, batch)
+    assert torch.allclose(lo, le, rtol=1e-5, atol=1e-6), (lo.item(), le.item())
+    for name in ge:
+        scale = ge[name].abs().max().clamp_min(1e-12)
+        err = float((go[name] - ge[name]).abs().max() / scale)
+        assert err < 1e-4, f"{name}: relative gradient error {err:.2g}"
