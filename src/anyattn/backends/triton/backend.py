@@ -20,8 +20,9 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(Backend):
-    """Forward with lse, backward as delta + dK/dV + dQ kernels (no atomics), every mask
-    with block-sparse skipping, bias with dbias, GQA, fp16/bf16/fp32 (+ tf32 opt-in)."""
+    """Forward with the row statistics (max, log_norm), backward as delta + dK/dV + dQ
+    kernels (no atomics), every mask with block-sparse skipping, bias with dbias, GQA,
+    fp16/bf16/fp32 (+ tf32 opt-in)."""
 
     name = "triton"
 
@@ -83,7 +84,7 @@ class TritonBackend(Backend):
 
         return launch.forward(p, q, k, v, bias)
 
-    def backward(self, p, q, k, v, dout, out, lse, bias):
+    def backward(self, p, q, k, v, dout, out, stats, bias):
         from . import launch
 
-        return launch.backward(p, q, k, v, dout, out, lse, bias)
+        return launch.backward(p, q, k, v, dout, out, stats, bias)

@@ -5,10 +5,25 @@ Sq queries, Sk keys, D head dim, DP = D padded to a power of two (>= 16),
 BM / BN the query / key tile of a kernel, SBQ / SBK the mask-block size of
 the tile lists (a multiple of every BM / BN).
 
-Scores are kept in base 2: ``s2 = log2(e) * (scale * q.k + bias)``; the
-forward stores lse in natural log; the backward preprocess turns it into
-``lse2 = log2(e) * lse`` with ``-inf`` (empty row) mapped to ``+inf`` so that
-``exp2(s2 - lse2)`` is 0 on empty rows and never NaN.
+Row statistics, kept apart (anyattn.rowstats): the forward stores per row the largest
+kept score ``max`` and ``log_norm = log sum_kept exp(s - max)`` (natural log, two fp32
+planes [2, B * H * Sq]), never one rounded lse folded into the exponent (that loses
+|lse| * 2^-24 absolutely, and a uniform bias of -1e30 absorbs log(Sk) entirely).
+Scores are compared only in the units they were computed in, so that the largest one
+gives exactly exp2(0) = 1:
+  forward   with a bias the natural score ``s = fma(q.k, scale, bias)`` (the bias in
+            fp32, never multiplied by log2(e): finfo.min stays finite), without one the
+            raw product ``x = q.k`` (``fl(x * scale)`` is monotone in x, so the row's
+            max score is ``fl(max x * scale)``); ``p = exp2((x - m) * c)`` with
+            c = log2(e) resp. scale * log2(e) (no fused multiply can round x - m);
+  backward  ``s = fma(q.k, scale, bias or 0)`` (an explicit fma: the compiler cannot
+            contract the product into the subtraction), then
+            ``p = exp2((s - max) * log2(e) - log_norm2)``: exact 0 at the row max, so a
+            row attending to one key gets p = 1 exactly, whatever |s| is.
+The backward preprocess writes, per (b, h), ``max`` (``+inf`` on empty rows, so that p
+is 0 there and never NaN) and ``log_norm2 = log2(e) * log_norm`` side by side into
+L2 [B * H, 2, Sq]; a plain lse given by a caller arrives as (max = lse, log_norm = 0),
+its literal meaning p = exp(s - lse).
 
 Key-tile iteration (forward, dQ) and query-tile iteration (dK/dV) come in two
 modes (constexpr ``MODE``):
@@ -54,7 +69,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 #: power-of-two scales of p before its fp16 split (forward: p <= 1; backward: p <= 1 for
-#: a true lse, and a given lse may understate it by up to ln 64 before p * PS_BWD overflows)
+#: the forward's own row statistics, and a given lse (max = lse, log_norm = 0) may
+#: understate the row's log-sum-exp by up to ln 64 before p * PS_BWD overflows)
 PS_FWD = tl.constexpr(16384.0)
 PS_BWD = tl.constexpr(1024.0)
 #: Triton 3.6's interpreter multiplies bfloat16 tiles as raw integers; under it the
@@ -192,13 +208,14 @@ def _op_parts(x, f, like, PREC: tl.constexpr):
 
 
 @triton.jit
-def _scale_factors(SC, b, hk, H, G, qk_scale, scale):
+def _scale_factors(SC, b, hk, H, G, scale):
     """The scaled fp16 schemes' factors of (batch b, kv head hk) from SC [B * Hkv, 8]
-    (module doc) -> (qk_scale with the score factor, dP factor mvo, dS scale gamma,
-    out factor, dv factor, scale * dk factor, scale * dq factor); a program loads only
-    those it uses (the others are dead code)."""
+    (module doc) -> (scale * score factor, dP factor mvo, dS scale gamma, out factor,
+    dv factor, scale * dk factor, scale * dq factor); a program loads only those it uses
+    (the others are dead code).  The factors are powers of two: the score scale of the
+    scaled products is the natural one times a power of two, in every kernel alike."""
     scp = SC + (b * (H // G) + hk) * 8
-    return (qk_scale * tl.load(scp), tl.load(scp + 1), tl.load(scp + 2), tl.load(scp + 3),
+    return (scale * tl.load(scp), tl.load(scp + 1), tl.load(scp + 2), tl.load(scp + 3),
             tl.load(scp + 4), scale * tl.load(scp + 5), scale * tl.load(scp + 6))
 
 
@@ -446,11 +463,14 @@ def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-              Sq, Sk, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+              Sq, Sk, s_scale, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated."""
+    """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
+    the running row max in the tile's units (module doc): natural scores with a bias
+    (s_scale the natural score scale), raw products q.k without (qk_scale = s_scale *
+    log2(e) takes them to base 2)."""
     offs_n = start_n + offs_nb
     kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
@@ -459,9 +479,12 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC) * qk_scale     # [BM, BN]
+    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw q.k
     if HAS_BIAS:
-        s += bt * 1.4426950408889634
+        s = tl.fma(s, s_scale, bt)           # natural scores, as the backward forms them
+        c = 1.4426950408889634
+    else:
+        c = qk_scale
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
@@ -469,8 +492,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing kept yet
     else:
         m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])                                      # [BM, BN]
-    alpha = tl.math.exp2(m_i - m_use)                                         # [BM]
+    p = tl.math.exp2((s - m_use[:, None]) * c)     # [BM, BN]; exactly 1 at the row max
+    alpha = tl.math.exp2((m_i - m_use) * c)                                   # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
     v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
@@ -485,21 +508,26 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, lo, hi,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H): out [BM, D] and lse [BM] of one query tile."""
+    """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
+    max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
+    the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
+    registers across the loop)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
     out_mul = 1.0
+    s_scale = scale
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        qk_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, qk_scale, 1.0)
+        s_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, scale)
+        qk_scale = s_scale * 1.4426950408889634
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -523,19 +551,19 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
         for t in range(t0, f0):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, PREC)
     else:
@@ -548,25 +576,31 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, qk_scale, lo, hi, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
 
-    # empty rows (l == 0): out 0, lse -inf; NaN rows stay NaN
+    # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
     else:
         out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if HAS_BIAS:
+        row_max = m_i                      # natural units already
+    else:
+        row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
+    row_max = tl.where(empty, float("-inf"), row_max)
+    row_max = tl.where(l_i == l_i, row_max, l_i)
+    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
     Oh = O + b * so_b + h * so_h
     o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -574,15 +608,18 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_d[None, :] < D))
-    tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=inb)
+    row = bh.to(tl.int64) * Sq + offs_m
+    tl.store(LSE + row, row_max, mask=inb)
+    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
 
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, H, Sq,
+def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, H, Sq,
                     D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] and lse2 = log2(e) * lse
-    (+inf on empty rows) [BM], both fp32."""
+    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq]; the row
+    statistics max MX and log_norm LN [B * H * Sq] to L2 [B * H, 2, Sq]: max (+inf where
+    it is -inf, an empty row: p = 0 there) and log2(e) * log_norm, all fp32."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -596,36 +633,44 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s
     offs_m = i0 + offs_mb
     inb = offs_m < Sq
     row = bh.to(tl.int64) * Sq + offs_m
-    lse = tl.load(LSE + row, mask=inb, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    mx = tl.load(MX + row, mask=inb, other=0.0)
+    mx = tl.where(mx == float("-inf"), float("inf"), mx)
+    ln2 = tl.load(LN + row, mask=inb, other=0.0) * 1.4426950408889634
     tl.store(DELTA + row, delta, mask=inb)
-    tl.store(L2 + row, lse2, mask=inb)
+    l2p = L2 + bh.to(tl.int64) * (2 * Sq) + offs_m
+    tl.store(l2p, mx, mask=inb)
+    tl.store(l2p + Sq, ln2, mask=inb)
 
 
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
-               Sq, Sk, qk_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+               Sq, Sk, s_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    """One query tile's contribution to dk, dv [BN, DP] of one key tile."""
+    """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
+    [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
     qT0, qT1, qT2 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BM]
     if MASKED:
-        lse2 = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))     # [BM]
+        mx = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))       # [BM]
+        ln2 = tl.load(L2h + Sq + offs_m, mask=offs_m < Sq, other=0.0)          # [BM]
     else:
-        lse2 = tl.load(L2h + offs_m)
+        mx = tl.load(L2h + offs_m)
+        ln2 = tl.load(L2h + Sq + offs_m)
     if HAS_BIAS:   # issued before the product, to overlap it
         bT = _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED)         # [BN, BM]
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
-    sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC) * qk_scale   # [BN, BM]
+    sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC)               # [BN, BM] raw
     if HAS_BIAS:
-        sT += bT * 1.4426950408889634
-    pT = tl.math.exp2(sT - lse2[None, :])                                     # [BN, BM]
+        sT = tl.fma(sT, s_scale, bT)                          # natural scores
+    else:
+        sT = tl.fma(sT, s_scale, 0.0)    # (an fma: never contracted into the next line)
+    pT = tl.math.exp2((sT - mx[None, :]) * 1.4426950408889634 - ln2[None, :])  # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
     do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
@@ -652,7 +697,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r,
-                  H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  H, G, Sq, Sk, scale, lo, hi,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -661,12 +706,12 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     the G query heads of the group and over every query tile."""
     mvo = 1.0
     gam = 1.0
+    s_scale = scale
     dk_mul = scale
     dv_mul = 1.0
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        qk_scale, mvo, gam, _, dv_mul, dk_mul, _ = _scale_factors(SC, b, hk, H, G, qk_scale,
-                                                                  scale)
+        s_scale, mvo, gam, _, dv_mul, dk_mul, _ = _scale_factors(SC, b, hk, H, G, scale)
     j0 = pid_n * BN
     offs_nb = tl.arange(0, BN)
     offs_n = j0 + offs_nb
@@ -685,7 +730,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         Qh = Q + b * sq_b + h * sq_h
         DOh = DO + b * sdo_b + h * sdo_h
         bh = b * H + h
-        L2h = L2 + bh * Sq
+        L2h = L2 + bh * (2 * Sq)
         DLh = DELTA + bh * Sq
         BI = BIAS + b * sb_b + h * sb_h
         KMb = KM + b * skm_b + h * skm_h
@@ -694,19 +739,19 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
         else:
@@ -720,7 +765,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
             n_full = tl.load(FCNT + cb)
@@ -728,7 +773,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
@@ -751,7 +796,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                  sc_b, sc_h, si_b, si_h, si_r,
-                 H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi,
+                 H, HKV, G, Sq, Sk, scale, lo, hi,
                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -763,14 +808,14 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
                   D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
 
 
 @triton.jit
 def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-             lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-             Sq, Sk, qk_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
+             mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+             Sq, Sk, s_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -794,10 +839,12 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC) * qk_scale     # [BM, BN]
+    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw
     if HAS_BIAS:
-        s += bt * 1.4426950408889634
-    p = tl.math.exp2(s - lse2[:, None])
+        s = tl.fma(s, s_scale, bt)                            # natural scores
+    else:
+        s = tl.fma(s, s_scale, 0.0)      # (an fma: never contracted into the next line)
+    p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
     if MASKED:
         p = tl.where(keep, p, 0.0)
     dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
@@ -823,7 +870,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, scale, lo, hi, db_add,
+                H, G, Sq, Sk, scale, lo, hi, db_add,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -835,11 +882,11 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     bh = b * H + h
     mvo = 1.0
     gam = 1.0
+    s_scale = scale
     dq_mul = scale
     # the scaled fp16 schemes: undo the operand scales (module doc)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        qk_scale, mvo, gam, _, _, _, dq_mul = _scale_factors(SC, b, hk, H, G, qk_scale,
-                                                             scale)
+        s_scale, mvo, gam, _, _, _, dq_mul = _scale_factors(SC, b, hk, H, G, scale)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
@@ -850,7 +897,9 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     do0, do1, do2 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
                              DP, True, PREC, False)                                   # [BM, DP]
     row = bh * Sq + offs_m
-    lse2 = tl.load(L2 + row, mask=offs_m < Sq, other=float("inf"))
+    l2p = L2 + bh * (2 * Sq) + offs_m
+    mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))                  # [BM]
+    ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)                      # [BM]
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
     Kh = K + b * sk_b + hk * sk_h
     Vh = V + b * sv_b + hk * sv_h
@@ -864,20 +913,20 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          lse2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, PREC)
     else:
@@ -890,16 +939,16 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          lse2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, qk_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
     dq = dq * dq_mul
@@ -916,7 +965,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-               H, G, Sq, Sk, qk_scale, scale, lo, hi,
+               H, G, Sq, Sk, scale, lo, hi,
                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -928,7 +977,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, scale, lo, hi, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                H, G, Sq, Sk, scale, lo, hi, 0, D, DP, BM, BN, SBQ, SBK, MODE,
                 HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
 
 
@@ -938,7 +987,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                     B, H, G, Sq, Sk, qk_scale, scale, lo, hi, HB,
+                     B, H, G, Sq, Sk, scale, lo, hi, HB,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
@@ -973,7 +1022,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h,
                         sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                        sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                        sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
                         HAS_KEEP, True, True, True, PREC)
 
@@ -986,7 +1035,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
-                H, HKV, G, Sq, Sk, qk_scale, scale, lo, hi, NKV_TILES, NQ_TILES,
+                H, HKV, G, Sq, Sk, scale, lo, hi, NKV_TILES, NQ_TILES,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BM2: tl.constexpr, BN2: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
@@ -1008,7 +1057,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                       sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                      cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                      cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
                       PREC)
     else:
@@ -1019,7 +1068,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
-                    H, G, Sq, Sk, qk_scale, scale, lo, hi, 0, D, DP, BM2, BN2, SBQ, SBK, MODE,
+                    H, G, Sq, Sk, scale, lo, hi, 0, D, DP, BM2, BN2, SBQ, SBK, MODE,
                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
 
 
@@ -1028,7 +1077,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  B, H, G, Sq, Sk, qk_scale, lo, hi, NJ_OUT, HB,
+                  B, H, G, Sq, Sk, scale, lo, hi, NJ_OUT, HB,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
                   RED_N: tl.constexpr,
@@ -1039,7 +1088,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
     Grid (n_i_out * NJ_OUT, Bb * Hb): one program owns a [BM, BN] tile (or a [BN]
     row / [BM] column / scalar when Mb or Nb is 1) of dbias and sums dS over the
     broadcast dims (batch RED_B, heads RED_H, queries RED_M, keys RED_N),
-    recomputing P and dP from q, k, v, dout, lse2 and delta.
+    recomputing P and dP from q, k, v, dout, the row statistics L2 and delta.
     """
     pid = tl.program_id(0)
     pbh = tl.program_id(1)
@@ -1083,7 +1132,9 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
                 offs_m = i0 + offs_mb
                 q = _load_rows(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)     # [BM, DP]
                 do = _load_rows(DOh, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)  # [BM, DP]
-                lse2 = tl.load(L2 + bh * Sq + offs_m, mask=offs_m < Sq, other=float("inf"))
+                l2p = L2 + bh * (2 * Sq) + offs_m
+                mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))           # [BM]
+                ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)               # [BM]
                 dlt = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
                 for jt in range(0, nj_):
                     if RED_N:
@@ -1093,9 +1144,9 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
                     offs_n = j0 + offs_nb
                     kT = _load_rows_t(Kh, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
                     vT = _load_rows_t(Vh, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
-                    s = _dot(q, kT, PREC) * qk_scale
-                    s += _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True) * 1.4426950408889634
-                    p = tl.math.exp2(s - lse2[:, None])
+                    s = tl.fma(_dot(q, kT, PREC), scale,
+                               _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True))
+                    p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
                     keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n,
                                  HAS_BAND, HAS_DOCS, HAS_KEEP)
                     p = tl.where(keep, p, 0.0)

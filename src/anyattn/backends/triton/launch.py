@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 import triton
 
+from ...rowstats import RowStats
 from . import configs as C
 from . import kernels as K
 
@@ -497,7 +498,8 @@ def _lists_for(p, ma, plan, device):
 
 # ----------------------------------------------------------------------------- forward
 def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
-    """-> out [B, H, Sq, D] (q's dtype), lse [B, H, Sq] fp32 (natural log)."""
+    """-> out [B, H, Sq, D] (q's dtype), RowStats(max, log_norm) of [B, H, Sq] fp32
+    (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer)."""
     plan = _plan(p, plan)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
@@ -505,7 +507,7 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
     ma = _mask_args(p, q, bias)
     tlists = _lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec, nparts = _kernel_prec(p, plan)
     with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
         if prec in _SCALED:
@@ -518,15 +520,15 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
     kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
               MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
               HAS_BIAS=ma.has_bias, PREC=prec)
-    args = (q, k, v, out, lse, ma.bias, ma.qid, ma.kid, ma.km,
+    args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.row_strides(),
-            H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi)
+            H, p.group, Sq, Sk, p.scale * K.LOG2E, p.scale, ma.lo, ma.hi)
     with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
         _launch(K._fwd_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.fwd, args, kw,
                 _sig(dt=str(q.dtype), **kw), _tune_key("fwd", p, plan))
-    return out, lse
+    return out, RowStats(stats[0], stats[1])
 
 
 class _nullctx:
@@ -538,9 +540,18 @@ class _nullctx:
 
 
 # ----------------------------------------------------------------------------- backward
-def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) -> Dict[str, Any]:
+def _stat_plane(x, dev):
+    """One row-statistics array as a contiguous fp32 [B, H, Sq] tensor on dev."""
+    x = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    return x.to(device=dev, dtype=torch.float32).contiguous()
+
+
+def backward(p, q, k, v, dout, out, stats: RowStats, bias,
+             plan: Optional[C.Plan] = None) -> Dict[str, Any]:
     """-> {'dq', 'dk', 'dv', 'dbias'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D] summed over
-    each kv head's query group, dbias in p.bias_shape summed over broadcast dims."""
+    each kv head's query group, dbias in p.bias_shape summed over broadcast dims.
+    ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
+    tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse)."""
     plan = _plan(p, plan)
     q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -548,14 +559,14 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
     dev = q.device
     ma = _mask_args(p, q, bias)
     tlists = _lists_for(p, ma, plan, dev)
-    lse = lse.to(torch.float32)
-    if not lse.is_contiguous():
-        lse = lse.contiguous()
+    if not isinstance(stats, RowStats):
+        stats = RowStats.from_lse(stats)
+    mx, ln = _stat_plane(stats.max, dev), _stat_plane(stats.log_norm, dev)
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
-    lse2 = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    # per (b, h): max (+inf on empty rows) and log2(e) * log_norm side by side (kernels doc)
+    l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
     ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
-    qk_scale = p.scale * K.LOG2E
     prec, nparts = _kernel_prec(p, plan)
     common = dict(D=D, DP=DP, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
                   HAS_KEEP=ma.has_keep, PREC=prec)
@@ -566,7 +577,7 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
                 and os.environ.get("ANYATTN_TRITON_DBIAS") != "recompute")
     with ctx:
         K._bwd_pre_kernel[(triton.cdiv(Sq, plan.pre_bm), B * H)](
-            out, dout, lse, delta, lse2, *_s3(out), *_s3(dout), H, Sq,
+            out, dout, mx, ln, delta, l2, *_s3(out), *_s3(dout), H, Sq,
             D=D, DP=DP, BM=plan.pre_bm)
         want_kv = "k" in p.wrt or "v" in p.wrt
         want_q = "q" in p.wrt or full_bias or owner_db
@@ -581,7 +592,7 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
             dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
-        scalars = (H, Hkv, p.group, Sq, Sk, qk_scale, p.scale, ma.lo, ma.hi)
+        scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi)
         # the operands as the kernels read them (bf16 / scaled fp16 parts for the split
         # fp32 schemes); sc: the scaled schemes' factors (after delta: gamma needs it)
         if prec in _SCALED:
@@ -594,19 +605,19 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
             qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, sc,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, tlists, sc,
                              scalars, common)
-            res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, lse2, delta, dq, bias, ma,
+            res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, l2, delta, dq, bias, ma,
                                             tlists, sc, scalars, common)
         elif want_kv and want_q and plan.fused_bwd:
-            _launch_fused_bwd(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, dq, dbias, sdb,
+            _launch_fused_bwd(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
                               ma, tlists, sc, scalars, common, full_bias)
         else:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, lse2, delta, dk, dv, ma, tlists, sc,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, tlists, sc,
                              scalars, common)
             if want_q:
-                args = (qo, ko, vo, doo, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
                         *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
                         ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
@@ -622,14 +633,14 @@ def backward(p, q, k, v, dout, out, lse, bias, plan: Optional[C.Plan] = None) ->
         if full_bias:
             res["dbias"] = dbias
         elif want_db and not owner_db:
-            res["dbias"] = _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan)
+            res["dbias"] = _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, plan)
     return res
 
 
-def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, sc, scalars,
+def _launch_dkdv(p, plan, q, k, v, dout, l2, delta, dk, dv, ma, tlists, sc, scalars,
                  common):
     """dk, dv through K._dkdv_kernel (one program per key tile and kv head)."""
-    args = (q, k, v, dout, lse2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
+    args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
@@ -639,7 +650,7 @@ def _launch_dkdv(p, plan, q, k, v, dout, lse2, delta, dk, dv, ma, tlists, sc, sc
             args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
 
 
-def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, sc,
+def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, tlists, sc,
                      scalars, common):
     """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
     and/or heads, through K._dq_dbias_kernel: the programs of one (bias batch, bias head)
@@ -652,7 +663,7 @@ def _launch_dq_dbias(p, plan, q, k, v, dout, lse2, delta, dq, bias, ma, tlists, 
     dbias = torch.zeros(tuple(p.bias_shape), dtype=bias.dtype, device=dev)
     st = dbias.stride()
     sdb = (0 if red_b else st[0], 0 if red_h else st[1], st[2], st[3])
-    args = (q, k, v, dout, lse2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+    args = (q, k, v, dout, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
             ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
@@ -672,7 +683,7 @@ def _fused_fallbacks(c1: C.KernelConfig, c2: C.KernelConfig):
                                 a.num_warps, a.num_stages)
 
 
-def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sdb, ma,
+def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma,
                       tlists, sc, scalars, common, full_bias):
     """dK/dV and dQ in one launch of K._bwd_kernel (plan.dkdv gives BM/BN, warps and
     stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
@@ -680,7 +691,7 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sd
     from triton.runtime.errors import OutOfResources
 
     B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
-    args = (q, k, v, dout, lse2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+    args = (q, k, v, dout, l2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq),
@@ -720,7 +731,7 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, lse2, delta, dk, dv, dq, dbias, sd
 
 
 
-def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
+def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, plan):
     from triton.runtime.errors import OutOfResources
 
     """dbias for a bias broadcast over some of [B, H, Sq, Sk]: one owner program per
@@ -738,10 +749,10 @@ def _dbias_broadcast(p, q, k, v, dout, lse2, delta, bias, ma, plan):
         nj_o = 1 if red_n else triton.cdiv(Sk, cc.bn)
         try:
             K._dbias_kernel[(ni_o * nj_o, bb * hb)](
-                q, k, v, dout, lse2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                q, k, v, dout, l2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                 *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *ma.sb, *sdb,
                 ma.sqid_b, ma.skid_b, *ma.skm,
-                B, H, p.group, Sq, Sk, p.scale * K.LOG2E, ma.lo, ma.hi, nj_o, hb,
+                B, H, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, nj_o, hb,
                 D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
