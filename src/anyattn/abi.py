@@ -283,7 +283,8 @@ def _mask_strides(shape, full) -> Tuple[int, int, int, int]:
     shape = (1,) * (4 - len(shape)) + shape
     for ax, (have, want) in enumerate(zip(shape, full)):
         if have not in (1, want):
-            raise ValueError(f"mask_shape={shape}: dim {ax} is {have}, expected 1 or {want} "
+            raise ValueError(f"mask_shape={shape}: dim {ax} is {have}, expected "
+                             + ("1 " if want == 1 else f"1 or {want} ") +
                              f"(broadcastable to [B, H, Sq, Sk] = {list(full)})")
     strides, acc = [0] * 4, 1
     for ax in range(3, -1, -1):

@@ -158,6 +158,11 @@ class KeepMask(Mask):
                 f"KeepMask(mask=...): expected a NumPy array or torch tensor, got "
                 f"{type(self.mask).__name__}; wrap it with np.asarray(..., dtype=bool)"
             )
+        if isinstance(self.mask, np.ma.MaskedArray):
+            raise TypeError(
+                "KeepMask(mask=...): is a NumPy masked array; its mask would be ignored. "
+                "Pass a plain boolean array, e.g. mask.filled(False)"
+            )
         if str(self.mask.dtype) not in ("bool", "torch.bool"):
             raise TypeError(
                 f"KeepMask(mask=...): expected dtype bool (True = attend), got "
@@ -451,8 +456,8 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
             if have not in (1, want):
                 raise ValueError(
                     f"KeepMask(mask=...): shape {tuple(km.shape)} does not broadcast to "
-                    f"[B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, expected 1 "
-                    f"or {want})"
+                    f"[B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, expected "
+                    + ("1)" if want == 1 else f"1 or {want})")
                 )
         if keep is None:
             keep = k4

@@ -9,6 +9,7 @@ argument, what was given, what was expected and the remedy.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterable, Optional, Tuple
 
@@ -90,11 +91,35 @@ def _describe_tensor(name: str, x: Any) -> str:
     return f"{name} (shape {tuple(x.shape)}, dtype {dtype_name(x)})"
 
 
+#: the largest finite value of the dtype the scores are computed in (float32 for
+#: fp16/bf16/fp32 inputs, float64 for float64).
+_COMPUTE_MAX = {"float64": 1.7976931348623157e308}
+_F32_MAX = 3.4028234663852886e38
+
+
+def _check_plain(name: str, x: Any) -> None:
+    """NumPy arrays whose values the backends would misread: masked arrays (the mask
+    would be ignored) and non-native byte order (big-endian on this machine)."""
+    import numpy as np
+
+    if not isinstance(x, np.ndarray):
+        return
+    if isinstance(x, np.ma.MaskedArray):
+        _fail(TypeError, f"{name}: is a NumPy masked array; its mask would be ignored. Pass "
+                         f"a plain array ({name}.filled(value)) and express masked keys with "
+                         "mask=KeepMask(...) or a -inf bias")
+    if not x.dtype.isnative:
+        _fail(TypeError, f"{name}: dtype {x.dtype.str} is {x.dtype.newbyteorder('=').name} in "
+                         "non-native (big-endian) byte order; convert it with "
+                         f"{name}.astype({name}.dtype.newbyteorder('='))")
+
+
 def _check_tensor(name: str, x: Any, kind: Optional[str]) -> str:
     k = array_kind(x)
     if k is None:
         _fail(TypeError, f"{name}: expected a NumPy array or torch tensor, got "
                          f"{type(x).__name__}; convert it with np.asarray(...)")
+    _check_plain(name, x)
     if kind is not None and k != kind:
         _fail(TypeError, f"{name}: is a {k} array but q is a {kind} array; pass all "
                          "inputs from the same library")
@@ -125,9 +150,10 @@ def _broadcast4(name: str, shape: Tuple[int, ...], target: Tuple[int, int, int, 
     s4 = (1,) * (4 - len(shape)) + tuple(shape)
     for ax, (have, want) in enumerate(zip(s4, target)):
         if have not in (1, want):
+            want_s = "1" if want == 1 else f"1 or {want}"
             _fail(ValueError, f"{name}: shape {tuple(shape)} does not broadcast to "
                               f"[B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, "
-                              f"expected 1 or {want})")
+                              f"expected {want_s})")
     return s4
 
 
@@ -135,7 +161,16 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
              bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
              wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
              k_offset: int = 0) -> Problem:
-    """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem."""
+    """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem.
+
+    ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
+    None describes a forward.  A backward (``dout`` given) with ``wrt=None`` is a
+    TypeError: an explicit None would otherwise compute nothing without a word.
+    ``q_offset``/``k_offset``: any integer (``operator.index``: int, np.int64, ...),
+    not bool or float.  ``scale`` must be finite in the compute dtype (float32 for
+    16/32-bit inputs, float64 for float64).  NumPy masked arrays and non-native byte
+    orders are refused (the mask / the byte order would be misread).
+    """
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
     _check_tensor("v", v, kind)
@@ -166,9 +201,13 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
         if tuple(x.shape) != tuple(q.shape):
             _fail(ValueError, f"{name}: shape {tuple(x.shape)} differs from q's "
                               f"{tuple(q.shape)}; expected [B, Hq, Sq, D]")
+    if dout is not None and wrt is None:
+        _fail(TypeError, "wrt=None: name the gradients to compute, e.g. wrt=('q', 'k', 'v') "
+                         "(the default) or any subset of ('q', 'k', 'v', 'bias')")
     if lse is not None:
         if array_kind(lse) != kind:
             _fail(TypeError, f"lse: expected a {kind} array, got {type(lse).__name__}")
+        _check_plain("lse", lse)
         if tuple(lse.shape) != (B, Hq, Sq):
             _fail(ValueError, f"lse: shape {tuple(lse.shape)}; expected [B, Hq, Sq] = "
                               f"{[B, Hq, Sq]}, as returned by attention(..., return_lse=True)")
@@ -185,9 +224,11 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
         bk = array_kind(bias)
         if bk != kind:
             _fail(TypeError, f"bias: expected a {kind} array like q, got {type(bias).__name__}")
+        _check_plain("bias", bias)
         bias_dtype = dtype_name(bias)
         if bias_dtype not in (dt, "float32"):
-            _fail(TypeError, f"bias: dtype {bias_dtype}; expected q's dtype {dt} or float32")
+            want = "float32" if dt == "float32" else f"q's dtype {dt} or float32"
+            _fail(TypeError, f"bias: dtype {bias_dtype}; expected {want}")
         if device_name(bias) != dev:
             _fail(ValueError, f"bias: is on {device_name(bias)} but q is on {dev}")
         bias_shape = _broadcast4("bias", tuple(int(s) for s in bias.shape), (B, Hq, Sq, Sk))
@@ -202,6 +243,12 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
         if not math.isfinite(scale):
             _fail(ValueError, f"scale: {scale} is not finite; expected a finite float "
                               "(default 1/sqrt(D))")
+        limit = _COMPUTE_MAX.get(dt, _F32_MAX)
+        if abs(scale) > limit:
+            comp = "float64" if dt == "float64" else "float32"
+            _fail(ValueError, f"scale: {scale:g} overflows the {comp} the scores of {dt} "
+                              f"inputs are computed in (|scale| <= {limit:.6g}); expected a "
+                              "finite float (default 1/sqrt(D))")
 
     if precision is None:
         precision = "highest"
@@ -223,9 +270,15 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
             _fail(ValueError, "wrt: 'bias' was asked for but no bias was given")
         wrt_set = frozenset(wrt_list)
 
+    offsets = []
     for name, val in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if isinstance(val, bool) or not isinstance(val, int):
+        if isinstance(val, bool):
+            _fail(TypeError, f"{name}: expected an int, got bool")
+        try:
+            offsets.append(operator.index(val))     # int, np.int64, 0-d integer arrays...
+        except TypeError:
             _fail(TypeError, f"{name}: expected an int, got {type(val).__name__}")
+    q_offset, k_offset = offsets
 
     rmask = resolve(mask, B, Hq, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
     if rmask.keep is not None and array_kind(rmask.keep) == "torch" and kind == "torch":

@@ -96,3 +96,97 @@ def test_zero_length_inputs_give_empty_or_zero_results():
     k0 = np.zeros((1, 2, 0, 8), np.float32)
     out, lse = aa.attention(Q[:1], k0, k0, return_lse=True, backend="reference")
     assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+# ------------------------------------------------ issue 12, item 5: every input, cheaply
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e39), (np.float32, -4e38),
+                                         (np.float16, 1e39)])
+def test_scale_overflowing_the_compute_dtype(dtype, scale):
+    """1e39 is a finite Python float but inf in float32: numpy wrote NaN, webgpu raised an
+    unnamed OverflowError.  Now a ValueError naming scale, for every backend."""
+    q = Q.astype(dtype)
+    with pytest.raises(ValueError, match=r"scale: .* overflows the float32"):
+        aa.attention(q, K.astype(dtype), V.astype(dtype), scale=scale, backend="reference")
+    with pytest.raises(ValueError, match="scale"):
+        describe(q, K.astype(dtype), V.astype(dtype), scale=scale)
+
+
+def test_large_scale_is_fine_in_float64():
+    out = aa.attention(Q.astype(np.float64) * 0, K.astype(np.float64), V.astype(np.float64),
+                       scale=1e39, backend="reference")
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "bias"])
+def test_big_endian_arrays_are_refused_with_a_true_message(name):
+    """'>f4' was 'not a floating type' (untrue): now the byte order is named, with the fix."""
+    args = dict(q=Q, k=K, v=V, bias=np.zeros((5, 6), np.float32))
+    args[name] = args[name].astype(args[name].dtype.newbyteorder(">"))
+    with pytest.raises(TypeError, match=rf"{name}: dtype >f4 is float32 in non-native "
+                                        r"\(big-endian\) byte order; convert it with"):
+        call(**args)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "bias"])
+def test_masked_arrays_are_refused(name):
+    """np.ma arrays were accepted and their mask silently ignored."""
+    args = dict(q=Q, k=K, v=V, bias=np.zeros((5, 6), np.float32))
+    args[name] = np.ma.masked_array(args[name], mask=args[name] > 0.5)
+    with pytest.raises(TypeError, match=rf"{name}: is a NumPy masked array; its mask would "
+                                        "be ignored"):
+        call(**args)
+
+
+def test_masked_dout_out_lse_and_keep_mask_are_refused():
+    out, lse = aa.attention(Q, K, V, return_lse=True, backend="reference")
+    for name, kw in (("dout", {}), ("out", dict(out=np.ma.masked_array(out), lse=lse)),
+                     ("lse", dict(out=out, lse=np.ma.masked_array(lse)))):
+        g = np.ma.masked_array(G) if name == "dout" else G
+        with pytest.raises(TypeError, match=f"{name}: is a NumPy masked array"):
+            aa.attention_backward(Q, K, V, g, backend="reference", **kw)
+    with pytest.raises(TypeError, match="KeepMask.*masked array"):
+        aa.KeepMask(np.ma.masked_array(np.ones((5, 6), bool)))
+
+
+def test_numpy_integer_offsets_are_accepted():
+    """q_offset=np.int64(3) was a TypeError; it is an integer (operator.index)."""
+    m = aa.Causal()
+    want = aa.attention(Q, K, V, mask=m, q_offset=3, k_offset=1, backend="reference")
+    got = aa.attention(Q, K, V, mask=m, q_offset=np.int64(3), k_offset=np.uint8(1),
+                       backend="reference")
+    np.testing.assert_array_equal(got, want)
+    for bad in (True, np.float64(2.0), 2.0, "2"):
+        with pytest.raises(TypeError, match="q_offset: expected an int"):
+            aa.attention(Q, K, V, q_offset=bad, backend="reference")
+
+
+def test_wrt_none_is_an_error_not_a_silent_no_op():
+    """wrt=None returned Gradients of all None; now a TypeError naming wrt and the remedy."""
+    with pytest.raises(TypeError, match=r"wrt=None: .*wrt=\('q', 'k', 'v'\)"):
+        aa.attention_backward(Q, K, V, G, wrt=None, backend="reference")
+
+
+@pytest.mark.parametrize("bias_dtype,q_dtype,want", [
+    (np.float16, np.float32, "expected float32$"),
+    (np.float64, np.float16, "expected q's dtype float16 or float32$"),
+])
+def test_bias_dtype_message_names_each_alternative_once(bias_dtype, q_dtype, want):
+    """It said 'expected q's dtype float32 or float32'."""
+    with pytest.raises(TypeError, match=want):
+        aa.attention(Q.astype(q_dtype), K.astype(q_dtype), V.astype(q_dtype),
+                     bias=np.zeros((5, 6), bias_dtype), backend="reference")
+
+
+def test_broadcast_messages_name_each_alternative_once():
+    """A dim that must be 1 said 'expected 1 or 1'."""
+    q, k, v = Q[:1], K[:1], V[:1]
+    with pytest.raises(ValueError, match=r"dim -4 is 2, expected 1\)") as ei:
+        aa.attention(q, k, v, bias=np.zeros((2, 4, 5, 6), np.float32), backend="reference")
+    assert "1 or 1" not in str(ei.value)
+    with pytest.raises(ValueError, match=r"dim -4 is 2, expected 1\)"):
+        aa.attention(q, k, v, mask=aa.KeepMask(np.ones((2, 1, 5, 6), bool)),
+                     backend="reference")
+    from anyattn import abi as A
+
+    with pytest.raises(ValueError, match=r"dim 0 is 2, expected 1 \("):
+        A._mask_strides((2, 1, 5, 6), (1, 1, 5, 6))

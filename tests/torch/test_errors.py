@@ -104,3 +104,32 @@ def test_subpackage_imports_the_real_torch():
 
     assert ops.torch is torch and hasattr(ops.torch, "library")
     assert "anyattn" not in torch.__file__
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_head_dim_zero_is_a_value_error(layout):
+    """D = 0 was a ZeroDivisionError from the default scale 1/sqrt(D)."""
+    z = torch.zeros(1, 2, 3, 0)
+    with pytest.raises(ValueError, match="q: head_dim is 0; expected at least 1"):
+        at.attention(z, z, z, layout=layout)
+    with pytest.raises(ValueError, match="head_dim is 0"):
+        at.attention(z, z, z, scale=1.0)
+
+
+def test_scale_overflowing_float32_is_a_value_error():
+    q = q0.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"scale: 1e\+39 overflows the float32"):
+        at.attention(q, k0, v0, scale=1e39, backend="reference")
+
+
+def test_numpy_integer_offsets_are_accepted():
+    """np.int64 offsets reached the op schema (int) unconverted; now operator.index."""
+    q = q0.clone().requires_grad_()
+    want = at.attention(q0, k0, v0, mask=Causal(), q_offset=2, k_offset=1, backend="reference")
+    got = at.attention(q, k0, v0, mask=Causal(), q_offset=np.int64(2), k_offset=np.int32(1),
+                       backend="reference")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    for bad in (True, 1.5, np.float64(1)):
+        with pytest.raises(TypeError, match="q_offset: expected an int"):
+            at.attention(q0, k0, v0, q_offset=bad, backend="reference")

@@ -7,6 +7,7 @@ queries/keys, D head dim.  ``layout="bhsd"`` takes [B, H, S, D];
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Iterator, Optional
 
 import torch
@@ -45,6 +46,16 @@ def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}; for NumPy "
                         "arrays use anyattn.attention")
+
+
+def _offset(name: str, val) -> int:
+    """An integer offset as a Python int (np.int64 and other integers accepted)."""
+    if isinstance(val, bool):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(val)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(val).__name__}") from None
 
 
 def _needs_precheck(q, k, v, bias) -> bool:
@@ -103,10 +114,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     for name, val in (("backend", backend), ("precision", precision)):
         if val is not None and not isinstance(val, str):
             raise TypeError(f"{name}: expected a name (str) or None, got {type(val).__name__}")
+    q_offset, k_offset = _offset("q_offset", q_offset), _offset("k_offset", k_offset)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:  # raises, naming the argument
         _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset)
     qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
-    if not torch.compiler.is_compiling() and _needs_precheck(qb, kb, vb, bias):
+    if qb.shape[-1] == 0 or (not torch.compiler.is_compiling()
+                             and _needs_precheck(qb, kb, vb, bias)):
+        # head_dim 0 raises here (the default scale 1/sqrt(D) below would divide by 0)
         _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset)
     B, Hq, Sq, D = qb.shape
     Sk = kb.shape[2]
