@@ -256,3 +256,47 @@ def test_left_padded_training_step_matches_eager(arch):
         scale = ge[name].abs().max().clamp_min(1e-12)
         err = float((go[name] - ge[name]).abs().max() / scale)
         assert err < 1e-4, f"{name}: relative gradient error {err:.2g}"
+
+
+def test_t5_position_bias_matches_eager():
+    """T5 passes its relative position bias as position_bias (trainable in layer 0)."""
+    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                pad_token_id=0)
+    torch.manual_seed(0)
+    eager = transformers.T5ForConditionalGeneration._from_config(copy.deepcopy(cfg),
+                                                                 attn_implementation="eager")
+    ours = transformers.T5ForConditionalGeneration._from_config(copy.deepcopy(cfg),
+                                                                attn_implementation="anyattn")
+    ours.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 97, (2, 9), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    batch = dict(input_ids=ids, attention_mask=am,
+                 labels=torch.randint(1, 97, (2, 5), generator=g))
+    le, ge = _loss_and_grads(eager, batch)
+    lo, go = _loss_and_grads(ours, batch)
+    assert torch.allclose(lo, le, rtol=1e-5, atol=1e-6), (lo.item(), le.item())
+    for name in ge:
+        scale = ge[name].abs().max().clamp_min(1e-12)
+        assert float((go[name] - ge[name]).abs().max() / scale) < 1e-4, name
+
+
+# The SDPA drop-in follows the same rule (its own suite is test_sdpa.py): an argument
+# torch would reject, or one it does not implement, is refused, never ignored.
+@pytest.mark.parametrize("kw, exc, text", [
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
+    (dict(dropout_p=float("nan")), ValueError, "dropout_p=nan"),
+    (dict(is_causal=1), TypeError, "'is_causal' must be bool"),
+    (dict(is_causal=None), TypeError, "'is_causal' must be bool"),
+    (dict(enable_gqa=1), TypeError, "'enable_gqa' must be bool"),
+])
+def test_sdpa_drop_in_refuses_what_it_does_not_honour(kw, exc, text):
+    from anyattn.torch import scaled_dot_product_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(exc, match=text):
+        scaled_dot_product_attention(q, q, q, **kw)
+    with pytest.raises(TypeError):
+        scaled_dot_product_attention(q, q, q, softcap=30.0)   # not an SDPA argument

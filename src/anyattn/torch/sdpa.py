@@ -10,7 +10,8 @@ only with ``enable_gqa=True`` (a key/value head dim of 1 broadcasts, as in
 torch).  ``attn_mask`` together with ``is_causal`` keeps the pairs both keep
 (as torch's default CPU kernel does; its math kernel raises instead).
 
-Errors are raised where torch raises, with an exception that is an instance
+Every argument is honoured or refused, none is ignored.  Errors are raised
+where torch raises, with an exception that is an instance
 of torch's class (RuntimeError) *and* of anyattn's (TypeError / ValueError),
 naming the argument.  Differences: ``dropout_p > 0`` raises
 NotImplementedError; a value head dim different from E raises
@@ -36,7 +37,11 @@ class SDPATypeError(TypeError, RuntimeError):
     """Bad dtype for the SDPA drop-in (a RuntimeError in torch)."""
 
 
-def _check_args(query, key, value, attn_mask, dropout_p, scale):
+def _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enable_gqa):
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be "
+                            f"bool, not {type(flag).__name__}")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be "
@@ -46,6 +51,8 @@ def _check_args(query, key, value, attn_mask, dropout_p, scale):
                                  f"{tuple(x.shape)}")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
+    if dropout_p != dropout_p:
+        raise SDPAValueError("dropout_p=nan: expected a probability in [0, 1)")
     if dropout_p > 0.0:
         raise NotImplementedError(
             f"dropout_p={dropout_p}: anyattn has no attention dropout; pass dropout_p=0.0 "
@@ -146,7 +153,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` computed by anyattn (module doc)."""
-    _check_args(query, key, value, attn_mask, dropout_p, scale)
+    _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enable_gqa)
     _heads(query, key, value, enable_gqa)
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     batch = _batch_dims(*(x for x in (query, key, value) if x.ndim > 3))
