@@ -5,17 +5,32 @@ case-insensitive substring of the adapter's name, vendor, description or type
 (e.g. ``llvmpipe``, ``nvidia``, ``cpu``).  The limits the kernels need are
 requested explicitly at the adapter's own values (the WebGPU defaults are far
 lower); ``shader-f16`` is requested where the adapter has it.
+
+Native backends only (Vulkan, Metal, DX12), unless GL is asked for: wgpu's GL/EGL
+backend loads Mesa's EGL driver (libEGL_mesa, swrast_dri), which brings Mesa's libLLVM
+into the global symbol scope; a later ``import triton`` (automatic dispatch,
+``anyattn.torch``, ``torch.compile``) can then crash with SIGSEGV (issue 12).  The
+instance is created with ``set_instance_extras(backends=[Vulkan, Metal, DX12])`` before
+wgpu creates it.  ``ANYATTN_WGPU_ADAPTER`` naming GL (a word ``gl``, ``opengl``,
+``gles`` or ``egl``, e.g. ``opengl`` or ``llvmpipe gl``: the words other than the GL
+one then select the adapter) enables every backend.  If the process created wgpu's
+instance before anyattn did, that instance (and its backends) is used as it is.
 """
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-__all__ = ["Context", "get_context", "unavailable_reason", "ENV_ADAPTER", "LLVMPIPE_LOOP_LIMIT"]
+__all__ = ["Context", "get_context", "unavailable_reason", "ENV_ADAPTER", "LLVMPIPE_LOOP_LIMIT",
+           "wants_gl", "NATIVE_BACKENDS"]
 
 ENV_ADAPTER = "ANYATTN_WGPU_ADAPTER"
+#: the wgpu instance backends used unless GL is asked for (InstanceBackend flag names)
+NATIVE_BACKENDS = ("Vulkan", "Metal", "DX12")
+_GL_WORDS = frozenset({"gl", "opengl", "gles", "egl"})
 #: llvmpipe stops every loop of an invocation once their trips together reach
 #: 65,535 (and the results are wrong, silently); we keep a margin below it.
 LLVMPIPE_LOOP_LIMIT = 65_000
@@ -64,15 +79,56 @@ def _describe(adapter) -> str:
                                                  "adapter_type", "backend_type"))
 
 
+def _words(text: str):
+    return [w for w in re.split(r"[^0-9a-z]+", text.lower()) if w]
+
+
+def wants_gl(want: Optional[str] = None) -> bool:
+    """Does ``ANYATTN_WGPU_ADAPTER`` (or ``want``) ask for wgpu's GL backend?"""
+    if want is None:
+        want = os.environ.get(ENV_ADAPTER, "")
+    return any(w in _GL_WORDS for w in _words(want))
+
+
+def _limit_instance_backends() -> Optional[str]:
+    """Create wgpu's instance with the native backends only (unless GL is asked for).
+
+    Returns a note when it could not (the instance existed already, or this wgpu has no
+    ``set_instance_extras``); the adapter choice then proceeds as before."""
+    if wants_gl():
+        return None
+    try:
+        from wgpu.backends.wgpu_native.extras import set_instance_extras
+    except ImportError as e:        # another wgpu implementation: nothing to restrict
+        return f"no set_instance_extras ({e})"
+    try:
+        set_instance_extras(backends=list(NATIVE_BACKENDS))
+    except RuntimeError as e:       # "Instance already exists": created by the caller
+        return str(e)
+    return None
+
+
 def _pick_adapter(wgpu):
     want = os.environ.get(ENV_ADAPTER, "").strip()
+    if wants_gl(want):              # the GL word picks the backend, other words the adapter
+        adapters = wgpu.gpu.enumerate_adapters_sync()
+        rest = [w for w in _words(want) if w not in _GL_WORDS]
+        for a in adapters:
+            if "opengl" in str(a.info.get("backend_type", "")).lower() and \
+                    all(w in _describe(a).lower() for w in rest):
+                return a
+        names = "; ".join(_describe(a) for a in adapters) or "none"
+        raise RuntimeError(f"{ENV_ADAPTER}={want!r} asks for wgpu's GL backend, but no GL "
+                           f"adapter matches (found: {names})")
     if not want:
         a = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
         if a is None:
             raise RuntimeError("wgpu found no adapter (no Vulkan/Metal/DX12 driver; on Linux "
-                               "install mesa-vulkan-drivers libvulkan1 for lavapipe)")
+                               "install mesa-vulkan-drivers libvulkan1 for lavapipe; "
+                               f"{ENV_ADAPTER}=opengl allows wgpu's GL backend)")
         if "opengl" in str(a.info.get("backend_type", "")).lower():
-            # the GL backend's compute path is the least capable: take a native one if any
+            # an instance created by the caller may include GL, whose compute path is the
+            # least capable: take a native adapter if there is one
             native = [b for b in wgpu.gpu.enumerate_adapters_sync()
                       if "opengl" not in str(b.info.get("backend_type", "")).lower()]
             if native:
@@ -101,6 +157,7 @@ def _create() -> Context:
         import wgpu
     except ImportError as e:
         raise RuntimeError(f"wgpu is not installed ({e}); pip install wgpu==0.32.0") from e
+    _limit_instance_backends()
     adapter = _pick_adapter(wgpu)
     lim = adapter.limits
     for k, need in _NEEDED.items():
