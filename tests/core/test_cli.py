@@ -84,3 +84,24 @@ def test_info_says_how_each_backend_is_dispatched(capsys):
     assert "unavailable" in lines["reference"] or "only when named" in lines["reference"]
     if "unavailable" not in lines["webgpu"]:
         assert "only when named" in lines["webgpu"]
+
+
+# -- the package: license, typing marker, extras ------------------------------------------
+
+def test_package_metadata():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    extras = meta["project"]["optional-dependencies"]
+    assert {"torch", "triton", "webgpu", "transformers", "test"} <= set(extras)
+    for name, reqs in extras.items():
+        for req in reqs:
+            assert "==" not in req.split(";")[0], f"extra {name!r} pins {req!r}: use a range"
+    for pkg in ("pytest", "hypothesis", "torch", "wgpu", "transformers"):
+        assert any(r.startswith(pkg) for r in extras["test"]), pkg
+    assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["anyattn"]
+    assert os.path.isfile(os.path.join(ROOT, "src", "anyattn", "py.typed"))
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        text = f.read()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
