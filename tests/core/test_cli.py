@@ -105,3 +105,14 @@ def test_package_metadata():
         text = f.read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_ci_runs_the_readme_test_command_with_mesa_egl():
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    cmd = ci.split("# --- the README's test command (keep the two in step) ---\n")[1].strip()
+    assert f"```bash\n{cmd}\n```" in readme
+    for pkg in ("mesa-vulkan-drivers", "libvulkan1", "libegl1", "libegl-mesa0"):
+        assert pkg in ci and pkg in readme.split("## Using it")[0]
