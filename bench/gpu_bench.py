@@ -341,7 +341,7 @@ def phase_tune():
         base = C.plan_for(C.padded_dim(D), p.dtype, precision, "none", False, S)
         precs = [base.prec] if dt != "fp32" or prec == "tf32" else ["tf32x3", "ieee"]
         ff = fa_flops(B, H, S, S, D, False)
-        out, lse = L.forward(p, q, k, v, None, base)
+        out, st = L.forward(p, q, k, v, None, base)     # st: RowStats(max, log_norm)
         for pr in precs:
             for kind, cands in (("fwd", fwd_c), ("dkdv", dkdv_c), ("dq", dq_c)):
                 if pr == "ieee" and kind != "fwd" and len(cands) > 2:
@@ -355,8 +355,9 @@ def phase_tune():
                             fn = lambda: L.forward(p, q, k, v, None, plan)  # noqa: E731
                         else:
                             wrt = ("k", "v") if kind == "dkdv" else ("q",)
-                            p2 = describe(q, k, v, dout=g, out=out, lse=lse, precision=prec, wrt=wrt)
-                            fn = lambda: L.backward(p2, q, k, v, g, out, lse, None, plan)  # noqa: E731
+                            p2 = describe(q, k, v, dout=g, out=out, lse=st.lse, precision=prec,
+                                          wrt=wrt)
+                            fn = lambda: L.backward(p2, q, k, v, g, out, st, None, plan)  # noqa: E731
                         fn()
                         ms = bench_ms(fn, rep=30)
                         share = 1.0 if kind == "fwd" else (4 / 5 if kind == "dkdv" else 3 / 5)
@@ -369,7 +370,7 @@ def phase_tune():
                                    cfg=[c.bm, c.bn, c.num_warps, c.num_stages], error=repr(e)[:200])
                     RESULTS["tune"].append(row)
                     log("TUNE", json.dumps(row))
-        del q, k, v, g, out, lse
+        del q, k, v, g, out, st
         torch.cuda.empty_cache()
 
 
