@@ -104,3 +104,27 @@ def test_arena_errors(be):
     small = _arena_buffer(be, arena[:10].copy())
     with pytest.raises(ValueError):
         abi.attention_backward_arena(small, p)
+
+
+@pytest.mark.parametrize("wrt", [0, 1, 2])
+def test_kind4_large_finite_bias_rows(be, wrt):
+    """Kind 4 rows of one large finite bias: -1e30 and -3.2e38 are scores (the seed
+    attends uniformly; a single rounded lse gave P = 1 per key, Sk x too large), while
+    finfo.min lies below the seed's -3.4e38 running-max floor and gives zeros there,
+    like -inf; mixed rows drop only their finfo.min keys."""
+    r = np.random.default_rng(40 + wrt)
+    B, H, Sq, Sk, D = 1, 2, 21, 45, 8
+    q, k, v, dy = (r.standard_normal((B, H, s, D)) for s in (Sq, Sk, Sk, Sq))
+    f32min = np.finfo(np.float32).min
+    mask = r.standard_normal((B, H, Sq, Sk)).astype(np.float32)
+    mask[..., 1, :] = -1e30
+    mask[..., 2, :] = -3.2e38
+    mask[..., 3, :] = f32min
+    mask[..., 4, :] = -np.inf
+    mask[..., 5, ::2] = f32min
+    arena, after, p = _run(be, q, k, v, dy, wrt, 4, mask)
+    got = abi.read_output(after, p)
+    ref = R.seed_backward(q, k, v, dy, mask_kind=4, scale=1 / np.sqrt(D), mask=mask, wrt=wrt)
+    err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+    assert err <= 1e-5, err
+    assert not np.isnan(got).any()

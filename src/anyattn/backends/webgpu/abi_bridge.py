@@ -102,7 +102,10 @@ def _build(be, run, buffer, p, prefix):
         call.aux_buf = buffer
         call.uni.update(kp_off=p.mask_off, **{"kp_" + k: v for k, v in mstr.items()})
     elif kind == 4:
-        call.flags |= FLAGS["HAS_BIAS"]
+        # the seed's running max starts at -3.4e38: scores below it weigh nothing (a row
+        # of finfo.min gives zeros there, like a row of -inf); finite ones above it,
+        # even -1e30, are scores (P = exp((s - max) - log_norm): uniform, not Sk x 1)
+        call.flags |= FLAGS["HAS_BIAS"] | FLAGS["SEED_FLOOR"]
         call.bias_buf = buffer
         call.uni.update(bi_off=p.mask_off, **{"bi_" + k: v for k, v in mstr.items()})
     quirk = kind in (1, 2, 3)

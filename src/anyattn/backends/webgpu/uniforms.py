@@ -38,7 +38,8 @@ NBYTES = 4 * len(FIELDS)
 
 #: bits of ``flags``
 FLAGS = dict(HAS_LO=1, HAS_HI=2, HAS_DOCS=4, HAS_KEEP=8, HAS_BIAS=16, QUIRK=32,
-             FIRST=64, LAST=128, TILEMAP=256, WRITE_DS=512, WANT_DK=1024, WANT_DV=2048)
+             FIRST=64, LAST=128, TILEMAP=256, WRITE_DS=512, WANT_DK=1024, WANT_DV=2048,
+             SEED_FLOOR=4096)
 
 _FMT = {"u32": "I", "i32": "i", "f32": "f"}
 

@@ -47,12 +47,14 @@ const NEG_FLT_MAX: f32 = -3.40282346638528859812e38;
 // -inf excludes the key (-> U.neg_inf, without arithmetic on the infinity); a finite
 // bias is a number (torch semantics: a row of finfo.min attends uniformly), so a sum
 // that overflows to -inf is clamped to -FLT_MAX.  Forward and backward share it, so
-// both see the same score.
+// both see the same score.  F_SEED_FLOOR (the seed ABI's kind 4): the seed starts its
+// running max at -3.4e38, so a score below that weighs exp(-2e31) = 0: excluded.
 fn biased(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
   if ((U.flags & F_HAS_BIAS) == 0u) { return x; }
   let bv = bias_ij(b, h, i, j);
   if (is_ninf(bv)) { return U.neg_inf; }
   let y = x + bv;
+  if ((U.flags & F_SEED_FLOOR) != 0u && y < -3.4e38) { return U.neg_inf; }
   if (is_ninf(y) && !is_ninf(x)) { return NEG_FLT_MAX; }
   return y;
 }
