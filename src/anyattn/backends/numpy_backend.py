@@ -21,20 +21,26 @@ environment variables ``ANYATTN_NUMPY_THREADS``, ``ANYATTN_NUMPY_BLOCK_Q``,
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..rowstats import RowStats
+from . import blas_threads
 from .base import Backend, Capabilities
-from .blas_threads import limit_this_thread
-from .numpy_tiles import (LOG2E, BackwardHeads, TileCounts, TilePlan, backward_keys, forward_rows,
-                          forward_rows_bounded, key_tile_norms, with_ones_column)
+from .numpy_tiles import (BASE2_LIMIT, LOG2E, BackwardHeads, TileCounts, TilePlan,
+                          backward_columns, backward_keys, forward_rows, forward_rows_bounded,
+                          key_tile_norms, saturating_cast, snap_plan, tile_blocks,
+                          with_ones_column)
 
-__all__ = ["NumpyBackend", "NumpyConfig"]
+__all__ = ["NumpyBackend", "NumpyConfig", "available_cpus", "cgroup_cpu_quota"]
 
 
 def _env_int(name: str, default: Optional[int]) -> Optional[int]:
@@ -54,7 +60,8 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
 class NumpyConfig:
     """Tile sizes and thread count of the NumPy backend.
 
-    ``threads=None``: one worker per CPU core (``os.cpu_count()``).
+    ``threads=None``: one worker per CPU this process may use
+    (:func:`available_cpus`: affinity mask and cgroup quota).
     Forward tiles ``fwd_bq x fwd_bk``, backward tiles ``bwd_bq x bwd_bk``.
     ``bounded``: use :func:`~anyattn.backends.numpy_tiles.forward_rows_bounded`
     (no running max; exact fallback on underflow) for bias-free forwards.
@@ -80,7 +87,7 @@ class NumpyConfig:
         return replace(c, threads=_env_int("ANYATTN_NUMPY_THREADS", None))
 
     def n_threads(self) -> int:
-        return self.threads if self.threads is not None else max(1, os.cpu_count() or 1)
+        return self.threads if self.threads is not None else _default_threads()
 
 
 # --------------------------------------------------------------------- arrays
@@ -127,22 +134,116 @@ def _to_caller(x: np.ndarray, dtype: str, kind: str):
 
 
 # ------------------------------------------------------------------ scheduling
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup",
+                     self_cgroup: str = "/proc/self/cgroup") -> Optional[float]:
+    """The CPU quota of this process's cgroup in CPUs (e.g. 1.5), or None if unlimited.
+
+    cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of the process's own
+    cgroup and each of its ancestors (the smallest applies); cgroup v1:
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: no quota) under ``cpu`` /
+    ``cpu,cpuacct``.  Files that are missing or unreadable count as no quota.
+    """
+    limits: List[float] = []
+    own = "/"
+    text = _read(self_cgroup) or ""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+            own = parts[2] or "/"
+    # v2: walk from the process's cgroup up to the root
+    rel = own.strip("/")
+    dirs = []
+    while True:
+        dirs.append(os.path.join(root, rel) if rel else root)
+        if not rel:
+            break
+        rel = rel.rpartition("/")[0]
+    for d in dirs:
+        txt = _read(os.path.join(d, "cpu.max"))
+        if not txt:
+            continue
+        fields = txt.split()
+        try:
+            if len(fields) >= 2 and fields[0] != "max":
+                quota, period = float(fields[0]), float(fields[1])
+                if quota > 0 and period > 0:
+                    limits.append(quota / period)
+        except ValueError:
+            continue
+    # v1
+    for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        q = _read(os.path.join(root, sub, "cpu.cfs_quota_us"))
+        per = _read(os.path.join(root, sub, "cpu.cfs_period_us"))
+        if q is None or per is None:
+            continue
+        try:
+            quota, period = float(q.strip()), float(per.strip())
+        except ValueError:
+            continue
+        if quota > 0 and period > 0:
+            limits.append(quota / period)
+    return min(limits) if limits else None
+
+
+def available_cpus(affinity: Optional[Callable[[], Any]] = None, **cgroup_paths) -> int:
+    """How many CPUs this process may actually use (>= 1).
+
+    The CPUs of its affinity mask (``os.sched_getaffinity(0)``; ``os.cpu_count()``
+    where that does not exist), capped by the cgroup CPU quota rounded up
+    (:func:`cgroup_cpu_quota`; a container limited to 1.5 CPUs gets 2 workers).
+    ``affinity`` and ``cgroup_paths`` (``root``, ``self_cgroup``) are for tests.
+    """
+    get = affinity if affinity is not None else getattr(os, "sched_getaffinity", None)
+    n = 0
+    if get is not None:
+        try:
+            n = len(get(0))
+        except OSError:
+            n = 0
+    if n <= 0:
+        n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(**cgroup_paths)
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota - 1e-9)))
+    return max(1, n)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_threads() -> int:
+    return available_cpus()
+
+
 _pool_lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_size = 0
-#: hold OpenBLAS to one thread inside the workers (ANYATTN_NUMPY_BLAS_LOCAL=0 turns it off)
+#: hold BLAS to one thread inside the workers (ANYATTN_NUMPY_BLAS_LOCAL=0 turns it off)
 _limit_blas = os.environ.get("ANYATTN_NUMPY_BLAS_LOCAL", "1") != "0"
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
+def _submit_all(fn: Callable[[int], TileCounts], n: int) -> List[Future]:
+    """Submit ``fn(0) .. fn(n-1)`` to the shared pool, growing it first if needed.
+
+    Everything happens under one lock, so no call ever submits to a pool that
+    another call has just replaced: a replaced pool is shut down without waiting
+    (the work already queued on it still runs) and receives nothing new.
+    """
     global _pool, _pool_size
     with _pool_lock:
         if _pool is None or _pool_size < n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+            old = _pool
             _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="anyattn-numpy")
             _pool_size = n
-        return _pool
+            if old is not None:
+                old.shutdown(wait=False)
+        return [_pool.submit(fn, w) for w in range(n)]
 
 
 def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
@@ -150,9 +251,11 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
     """Run the callables on ``n_threads`` workers; sum their tile counts.
 
     Units write disjoint outputs, so by default workers pull the next unit
-    from a shared queue (balances load when another process shares a core)
-    and the result does not depend on which worker ran what.  ``static=True``
-    deals unit i to worker i % n instead, for per-worker accumulators.
+    from a queue of this call (balances load when another process shares a
+    core) and the result does not depend on which worker ran what.
+    ``static=True`` deals unit i to worker i % n instead, for per-worker
+    accumulators.  Any number of threads may call this at once: each call has
+    its own queue and outputs, the pool threads are shared.
     """
     total = TileCounts()
     nw = max(1, min(n_threads, len(units)))
@@ -162,10 +265,11 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
         return total
     lock = threading.Lock()
     queue = iter(range(len(units)))
+    per_thread_blas = _limit_blas and blas_threads.per_thread_supported()
 
     def worker(w: int) -> TileCounts:
-        if _limit_blas:
-            limit_this_thread(1)
+        if per_thread_blas:
+            blas_threads.limit_this_thread(1)
         c = TileCounts()
         if static:
             for u in units[w::nw]:
@@ -178,8 +282,12 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
                 return c
             c.add(units[i]())
 
-    futures = [_executor(nw).submit(worker, w) for w in range(nw)]
-    for f in futures:  # re-raises a worker's exception
+    limit = (blas_threads.limited(1) if _limit_blas and not per_thread_blas
+             else contextlib.nullcontext())
+    with limit:
+        futures = _submit_all(worker, nw)
+        wait(futures)                  # every worker done before results are read
+    for f in futures:                  # re-raises a worker's exception
         total.add(f.result())
     return total
 
@@ -221,47 +329,73 @@ class NumpyBackend(Backend):
                         mask=m, bias=bias, codes=codes)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, p, q, k, v, bias) -> Tuple[Any, Any]:
-        out, lse = self._forward_np(p, q, k, v, bias)
-        lse_dtype = "float64" if p.dtype == "float64" else "float32"
-        return _to_caller(out, p.dtype, p.array_kind), _to_caller(lse, lse_dtype, p.array_kind)
+    def forward(self, p, q, k, v, bias) -> Tuple[Any, RowStats]:
+        out, rmax, rlog = self._forward_np(p, q, k, v, bias)
+        sdt = "float64" if p.dtype == "float64" else "float32"
+        kind = p.array_kind
+        return _to_caller(out, p.dtype, kind), RowStats(_to_caller(rmax, sdt, kind),
+                                                        _to_caller(rlog, sdt, kind))
 
-    def _forward_np(self, p, q, k, v, bias) -> Tuple[np.ndarray, np.ndarray]:
-        """-> (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in the compute dtype."""
+    def _forward_np(self, p, q, k, v, bias) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> (out [B, Hq, Sq, D], row max [B, Hq, Sq], log-normaliser [B, Hq, Sq]) in
+        the compute dtype (statistics in natural-log units, see anyattn.rowstats).
+
+        Without a bias: base-2 scores, the bounded forward where the logits are small
+        and the running-max path where they are not (natural units past
+        BASE2_LIMIT).  With a bias: natural units throughout (a finite bias, even
+        finfo.min, is a number; only -inf excludes)."""
         cfg = self.config
         dt = _compute_dtype(p.dtype)
-        q, k, v, bias = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt), _as_np(bias)
+        q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
+        bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, cfg.fwd_bq, cfg.fwd_bk, bias)
         B, Hq, Sq, D, G = p.batch, p.heads_q, p.seq_q, p.head_dim, p.group
         out = np.empty((B, Hq, Sq, D), dtype=dt)
-        lse = np.empty((B, Hq, Sq), dtype=dt)
-        qmul = dt.type(p.scale * LOG2E)
+        rmax = np.empty((B, Hq, Sq), dtype=dt)
+        rlog = np.empty((B, Hq, Sq), dtype=dt)
+        q2mul = dt.type(p.scale * LOG2E)           # base 2
+        qsmul = dt.type(p.scale)                   # natural units
         nt = cfg.n_threads()
         chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, nt))
 
         def unit(b: int, h: int, tiles: List[int]) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
-                q2 = np.multiply(q[b, h], qmul)                        # [Sq, D]
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
-                if bias is not None or not cfg.bounded:
-                    return forward_rows(plan, b, h, q2, kh, vh, out[b, h], lse[b, h], tiles)
+                o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
+                if bias is not None:
+                    qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
+                    return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
+                                        tile_blocks(plan, tiles), base2=False)
+                q2 = np.multiply(q[b, h], q2mul)                       # [Sq, D]
+
+                def exact(blocks, cmax: float) -> TileCounts:
+                    if cmax <= BASE2_LIMIT:
+                        return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True)
+                    qs = np.multiply(q[b, h], qsmul)
+                    return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False)
+
+                if not cfg.bounded:
+                    bound = float(np.sqrt(np.max(np.einsum("id,id->i", q2, q2))) *
+                                  np.sqrt(np.max(np.einsum("jd,jd->j", kh, kh)))) \
+                        if q2.size and kh.size else 0.0
+                    return exact(tile_blocks(plan, tiles), bound)
                 return forward_rows_bounded(plan, b, h, q2, with_ones_column(kh, dt), vh,
-                                            key_tile_norms(plan, kh), out[b, h], lse[b, h],
-                                            tiles, kh)
+                                            key_tile_norms(plan, kh), o, mx, ln, tiles, exact)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
         self.last_counts = {"forward": _run_units(units, nt)}
-        return out, lse
+        return out, rmax, rlog
 
     # ----------------------------------------------------------------- backward
-    def backward(self, p, q, k, v, dout, out, lse, bias) -> Dict[str, Any]:
+    def backward(self, p, q, k, v, dout, out, stats: RowStats, bias) -> Dict[str, Any]:
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))
-        bias = _as_np(bias)
+        bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         out = _as_np(out, dt)
-        lse = _as_np(lse, dt)
+        row_max = _as_np(stats.max).astype(np.float64)
+        log_norm = _as_np(stats.log_norm).astype(np.float64)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b = "bias" in p.wrt
         need_ds = want_q or want_k or want_b
@@ -272,6 +406,13 @@ class NumpyBackend(Backend):
         nt = cfg.n_threads()
         chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, nt))
         nc = len(chunks)
+
+        # units: base 2 where there is no bias and the maxima are moderate
+        fin = np.isfinite(row_max)
+        base2 = bias is None and (not fin.any() or
+                                  float(np.max(np.abs(row_max[fin]))) * LOG2E <= BASE2_LIMIT)
+        col, w, unit_max, single = backward_columns(row_max, log_norm, dt, base2)
+        qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
         dk = np.empty((B, Hkv, Sk, D), dtype=dt) if want_k else None
@@ -284,28 +425,33 @@ class NumpyBackend(Backend):
         units_keys = [(b, hk, c) for b in range(B) for hk in range(Hkv) for c in range(nc)]
         nw = max(1, min(nt, len(units_keys)))
         dbias_bufs = self._dbias_buffers(p, bias, units_keys, nw, dt) if want_b else None
-        qmul = dt.type(p.scale * LOG2E)
 
         def unit(idx: int, b: int, hk: int, c: int) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
+                hsl = slice(hk * G, (hk + 1) * G)
                 heads = list(range(hk * G, (hk + 1) * G))
-                o = out[b, hk * G:(hk + 1) * G]                        # [G, Sq, D]
-                gg = g[b, hk * G:(hk + 1) * G]
-                q2a = np.empty((G, Sq, D + 1), dtype=dt)               # [q·scale·log2e | -lse2]
-                np.multiply(q[b, hk * G:(hk + 1) * G], qmul, out=q2a[..., :D])
-                np.multiply(lse[b, hk * G:(hk + 1) * G], -LOG2E, out=q2a[..., D])
-                q2a[..., D][q2a[..., D] == np.inf] = -np.inf           # empty rows -> P = 0
-                ga = np.empty((G, Sq, D + 1), dtype=dt)                # [dout | -delta]
-                ga[..., :D] = gg
+                o = out[b, hsl]                                        # [G, Sq, D]
+                gg = g[b, hsl]
+                q2a = np.empty((G, Sq, D + 1), dtype=dt)               # [q·scale·u | -max_u]
+                np.multiply(q[b, hsl], qmul, out=q2a[..., :D])
+                q2a[..., D] = col[b, hsl]
+                wr = w[b, hsl]                                         # [G, Sq]
+                ga = np.empty((G, Sq, D + 1), dtype=dt)                # w·[dout | -delta]
+                np.multiply(gg, wr[..., None], out=ga[..., :D])
                 if need_ds:
-                    np.negative(np.einsum("gid,gid->gi", gg, o), out=ga[..., D])
+                    delta = np.einsum("gid,gid->gi", gg, o)
+                    np.multiply(delta, -wr, out=ga[..., D])
                 else:
                     ga[..., D] = 0
+                snap = None
+                if single[b, hsl].any():
+                    snap = [snap_plan(plan, single[b, h], unit_max[b, h]) for h in heads]
                 if want_q:
-                    dqa = dq[b, hk * G:(hk + 1) * G] if c == 0 else dq_parts[(b, hk, c)]
+                    dqa = dq[b, hsl] if c == 0 else dq_parts[(b, hk, c)]
                 hs = BackwardHeads(
                     heads=heads, q2a=list(q2a), q=[_blasable(q[b, h]) for h in heads],
-                    ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None)
+                    ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
+                    base2=base2, snap=snap)
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
                 return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
                                      with_ones_column(v[b, hk], dt),

@@ -3,21 +3,32 @@
 Shape legend: Sq/Sk queries/keys of one head, D head dim, ni/nj rows of one
 query/key tile (<= bq/bk), G query heads per key/value head.
 
-Three choices run through the kernels here:
+Four choices run through the kernels here:
 
 * Scores are kept **transposed**, ``sT [nj, ni]`` (keys x queries).  The
   softmax reductions over keys then run along axis 0, which NumPy vectorises
   across the query columns (several times faster than a reduction along the
   contiguous axis), and the backward needs Pᵀ and dSᵀ for dV and dK anyway.
-* Scores are in **base 2**: queries are pre-multiplied by ``scale * log2(e)``
-  (and a bias by ``log2(e)``), so ``P = exp2(sT - m)``; ``exp2`` is ~1.6x
-  faster than ``exp`` in NumPy's float32 SIMD loops.  ``lse`` is converted
-  back to the natural log at the edges.
+* **Units.**  Without a bias, scores are in **base 2**: queries are
+  pre-multiplied by ``scale * log2(e)``, so ``P = exp2(sT - m)``; ``exp2`` is
+  ~1.6x faster than ``exp`` in NumPy's float32 SIMD loops.  With a bias, or
+  where scores may pass :data:`BASE2_LIMIT`, they stay in **natural** units
+  (queries times ``scale``, the bias added as it is, ``exp``): a bias times
+  log2(e) would overflow at ``finfo.min`` and the row maximum could not go to
+  natural units and back exactly at huge magnitudes.
+* **Row statistics kept apart** (:mod:`anyattn.rowstats`): the forward returns
+  the row maximum and the log-normaliser, never one rounded lse; base-2 maxima
+  are converted to natural units rounded down with the rounding residual moved
+  into the (small) log-normaliser, so ``exp((s - max) - log_norm)`` stays exact
+  to a few ulps at any |s|.  The backward applies ``max`` in the score GEMM
+  and ``log_norm`` as a factor ``w = exp(-log_norm)`` folded into ``[dout |
+  -delta]`` (:class:`BackwardHeads`), i.e. after the bias, as the contract's
+  order ``((s - max) + bias) - log_norm`` requires.
 * **Extra GEMM columns** instead of elementwise passes: ``[k | 1]`` against
-  ``[q2 | -lse2]`` gives ``s - lse`` and ``[v | 1]`` against ``[g | -delta]``
-  gives ``dP - delta`` in the GEMMs themselves (the backward), and the
+  ``[q2 | -max2]`` gives ``s - max`` and ``[v | 1]`` against ``w·[g | -delta]``
+  gives ``w·(dP - delta)`` in the GEMMs themselves (the backward), and the
   bias-free forward (:func:`forward_rows_bounded`) subtracts a fixed per-row
-  Cauchy-Schwarz bound the same way, so it needs no running max at all.
+  Cauchy-Schwarz bound the same way, so it needs no running max.
 
 Every function works on one (batch, head) slice of 2-D arrays, writes only its
 own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
@@ -26,17 +37,40 @@ so results are bitwise repeatable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
-           "BackwardHeads", "with_ones_column", "key_tile_norms", "LOG2E", "LN2"]
+           "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
+           "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
+           "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY"]
 
 LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453    # ln(2)
+
+#: base-2 scores stay below this magnitude (log2 units); beyond it (and with any bias)
+#: the kernels work in natural units, where the row maximum needs no conversion.
+BASE2_LIMIT = 2.0 ** 20
+
+#: the bounded forward serves query tiles whose Cauchy-Schwarz bound c (log2 units) is at
+#: most this; larger logits go to the running-max path, whose error does not grow with c.
+BOUNDED_MAX_C = 64.0
+
+#: a row whose bounded-softmax sum falls below this may have lost precision to
+#: underflow (its true max lies far below the bound): it is recomputed exactly.
+UNDERFLOW_SUM = {np.dtype(np.float32): 2.0 ** -80, np.dtype(np.float64): 2.0 ** -800}
+
+#: ``log_norm`` of a row that the forward found carried by one key (the other keys' weights
+#: sum to less than the rounding of 1): zero with the sign bit set, so ``lse = max`` and
+#: ``log_norm >= 0`` still hold, while the backward can tell it from a plain lse's +0.0.
+ONE_KEY = -0.0
+
+#: snapping tolerance for rows with ``log_norm == +0`` (a plain lse, another backend's
+#: statistics): P within ``SNAP_ULPS·eps·(1 + |max|)`` of 1 (see :func:`snap_plan`).
+SNAP_ULPS = 1.0
 
 
 @dataclass
@@ -46,11 +80,13 @@ class TileCounts:
     full: int = 0       # tiles computed without any mask work
     partial: int = 0    # tiles that needed a keep-array
     skipped: int = 0    # TILE_EMPTY tiles never touched
+    recomputed: int = 0  # tiles computed again for a few rows on the running-max path
 
     def add(self, other: "TileCounts") -> None:
         self.full += other.full
         self.partial += other.partial
         self.skipped += other.skipped
+        self.recomputed += other.recomputed
 
     @property
     def computed(self) -> int:
@@ -157,14 +193,184 @@ def _kept_tiles(codes_row: Optional[np.ndarray], n: int) -> List[Tuple[int, int]
     return [(int(t), int(codes_row[t])) for t in idx]
 
 
-def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
-                 v: np.ndarray, out: np.ndarray, lse: np.ndarray,
-                 q_tiles: Sequence[int]) -> TileCounts:
-    """Forward of one (batch b, query head h) over the query tiles ``q_tiles``.
 
-    q2 [Sq, D]: queries already scaled by ``scale * log2(e)``; k, v [Sk, D]
-    (any row stride, unit column stride); writes out [Sq, D] and lse [Sq]
-    (natural log) on the rows of ``q_tiles`` only.
+# ----------------------------------------------------------------- row statistics
+def _two_prod(a: np.ndarray, b: float) -> Tuple[np.ndarray, np.ndarray]:
+    """float64 ``a * b = p + e`` exactly (Dekker's product; |a| < 1e290, finite)."""
+    p = a * b
+    split = 134217729.0                                   # 2**27 + 1
+    t = split * a
+    ah = t - (t - a)
+    al = a - ah
+    t = split * b
+    bh = t - (t - b)
+    bl = b - bh
+    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    return p, e
+
+
+def export_base2(m2: np.ndarray, l2: np.ndarray, dt: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
+    """Base-2 row statistics -> natural (max, log_norm) in ``dt``.
+
+    m2: float64 row maxima in log2 units (-inf on empty rows, NaN on NaN rows);
+    l2: float64 ``log2 Σ exp2(s - m2)`` (>= 0).  The natural maximum is rounded
+    *down* to ``dt`` and the residual (>= 0, below one ulp of it) is added to the
+    log-normaliser, so ``max + log_norm`` and ``exp((s - max) - log_norm)`` keep full
+    precision.  A row with ``l2 == 0`` (one key carries all the weight: the
+    others add less than the rounding of 1) gets ``log_norm = -0.0``
+    (:data:`ONE_KEY`); the backward reads that as "this row's top key has P = 1"
+    (the residual it drops is below the rounding of the other keys' P).
+    """
+    fin = np.isfinite(m2)
+    all_fin = bool(fin.all())
+    ms = m2 if all_fin else np.where(fin, m2, 0.0)
+    if dt == np.float32:                      # float64 holds m2·ln2 to 2⁻⁵³: enough
+        hi, lo = ms * LN2, 0.0
+    else:
+        hi, lo = _two_prod(ms, LN2)           # m2·ln2 = hi + lo exactly
+    mx = hi.astype(dt)
+    down = mx.astype(np.float64) > hi
+    if dt != np.float32:
+        down |= (mx == hi) & (lo < 0)
+    if down.any():
+        mx[down] = np.nextafter(mx[down], dt.type(-np.inf))
+    r = (hi - mx) + lo                                        # >= 0, < ulp(max)
+    ln = l2 * LN2 + r
+    ln[l2 == 0] = ONE_KEY
+    if not all_fin:
+        mx = np.where(fin, mx, m2.astype(dt))
+        ln = np.where(fin, ln, np.where(np.isnan(m2), np.nan, 0.0))
+    return mx, ln.astype(dt)
+
+
+def backward_columns(row_max: np.ndarray, log_norm: np.ndarray, dt: np.dtype, base2: bool
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Row statistics -> what the backward GEMMs take, per row (all float64 in, ``dt`` out).
+
+    Returns ``(col, w, unit_max, single)``: ``col`` = ``-max`` in the kernel's units
+    (base 2 or natural; -inf on empty rows so that P = 0 there, NaN stays NaN),
+    ``w = exp(-log_norm)`` (the backward multiplies [dout | -delta] by it), the
+    maximum in the kernel's units (for :func:`snap_plan`) and ``single``, int8 per
+    row: 2 where ``log_norm`` is :data:`ONE_KEY` (the forward found one key carrying
+    the row), 1 where it is +0 (a plain lse: maybe so), else 0; w = 1 exactly there.
+
+    In base 2, ``max·log2(e)`` is split into its ``dt`` rounding (the GEMM column)
+    and a residual that joins ``log_norm``, so no precision is lost in the change
+    of units.  In natural units a ``max`` wider than ``dt`` (float64 statistics for
+    float32 inputs) is rounded and its residual joins ``log_norm`` the same way.
+    """
+    m = row_max
+    fin = np.isfinite(m)
+    ms = np.where(fin, m, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if base2:
+            hi, lo = _two_prod(ms, LOG2E)
+            unit = hi.astype(dt)
+            corr = (hi - unit.astype(np.float64)) + lo
+            ln_u = log_norm * LOG2E + corr
+        else:
+            unit = ms.astype(dt)
+            res = ms - unit.astype(np.float64)
+            ln_u = log_norm + np.where(np.abs(res) <= 1.0, res, 0.0)
+        zero = fin & (log_norm == 0)
+        single = np.where(zero, np.where(np.signbit(log_norm), 2, 1), 0).astype(np.int8)
+        ln_u = np.where(zero, 0.0, ln_u)
+        w = (np.exp2(-ln_u) if base2 else np.exp(-ln_u)).astype(dt)
+        col = np.where(fin, -unit.astype(np.float64), np.where(np.isnan(m), np.nan, -np.inf))
+    return col.astype(dt), w, np.where(fin, unit, 0).astype(np.float64), single
+
+
+def snap_plan(plan: "TilePlan", single: np.ndarray, unit_max: np.ndarray
+              ) -> Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per query tile, the rows whose top key gets P = 1 exactly in the backward.
+
+    The top key's ``exp(s - max)`` is 1 only up to the rounding of two differently
+    shaped score GEMMs (forward vs backward: ``eps·|q|·|k|``, 0.1 at logits of
+    1e6).  ``single`` (from :func:`backward_columns`): rows marked :data:`ONE_KEY`
+    by the forward have every other key's weight below 2⁻²⁴, so there any P >= 1/2
+    is the top key: it is set to 1 and its dS to 0 (dP - delta of a row carried by
+    one key is exactly 0, as torch's softmax backward computes it).  Rows with a
+    plain ``log_norm = +0`` set P to 1 only within ``SNAP_ULPS·eps·(1 + |max|)`` of
+    it and keep dS.  Either way a row attending to one key gives ``dv = dout``.
+    Returns {tile: (local columns, low, high, zero dS)} over the marked rows.
+    """
+    if not single.any():
+        return {}
+    dt = plan.dtype
+    eps = float(np.finfo(dt).eps)
+    tau = SNAP_ULPS * eps * (1.0 + np.abs(unit_max))
+    cert = single == 2
+    lo = np.where(cert, 0.5, 1.0 - tau).astype(dt)
+    hi = np.where(cert, np.inf, 1.0 + tau).astype(dt)
+    out = {}
+    for it in range(plan.nq):
+        i0, i1 = plan.q_range(it)
+        sel = np.flatnonzero(single[i0:i1])
+        if sel.size:
+            r = sel + i0
+            out[it] = (sel, lo[r], hi[r], cert[r])
+    return out
+
+
+def _snap(st: np.ndarray, sel: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+          zero: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Set the P tile's entries in [lo, hi] to 1 on the columns ``sel`` (in place).
+
+    Returns (columns, hits) where dS must be 0, or None."""
+    if sel.size * 4 > st.shape[1]:          # many columns: look only where a P is near 1
+        near = np.maximum.reduce(st, axis=0)[sel] >= lo
+        sel, lo, hi, zero = sel[near], lo[near], hi[near], zero[near]
+        if not sel.size:
+            return None
+    sub = st[:, sel]                                              # [nj, ns]
+    hit = (sub >= lo) & (sub <= hi)
+    if not hit.any():
+        return None
+    sub[hit] = 1
+    st[:, sel] = sub
+    if zero.any():
+        hz = hit & zero
+        if hz.any():
+            return sel, hz
+    return None
+
+
+def saturating_cast(x: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """``x`` in ``dt`` with finite values kept finite (clamped to ±finfo(dt).max)."""
+    if x.dtype == dt:
+        return x
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(dt)
+    bad = np.isinf(y) & np.isfinite(x)
+    if bad.any():
+        big = np.finfo(dt).max
+        y[bad] = np.where(x[bad] > 0, big, -big)
+    return y
+
+
+def tile_blocks(plan: "TilePlan", q_tiles: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """Whole query tiles as row blocks ``(tile, i0, i1)``."""
+    return [(it,) + plan.q_range(it) for it in q_tiles]
+
+
+def _runs(flags: np.ndarray) -> List[Tuple[int, int]]:
+    """[(a, b)] half-open runs of True in a 1-D bool array."""
+    d = np.diff(np.concatenate(([0], flags.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+# ----------------------------------------------------------------------- forward
+def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
+                 v: np.ndarray, out: np.ndarray, rmax: np.ndarray, rlog: np.ndarray,
+                 blocks: Sequence[Tuple[int, int, int]], base2: bool) -> TileCounts:
+    """Running-max forward of one (batch b, query head h) over row blocks.
+
+    qop [Sq, D]: queries times ``scale·log2(e)`` (``base2``) or times ``scale``
+    (natural units; required with a bias, which is added as it is); k, v [Sk, D]
+    (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row ranges
+    inside query tiles.  Writes out [Sq, D] and the natural row statistics rmax,
+    rlog [Sq] on those rows only.
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -173,12 +379,12 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # scores of one tile
     ones = np.ones(plan.bk, dtype=dt)              # row sums as a GEMV
     neg_inf = dt.type(-np.inf)
-    for it in q_tiles:
-        i0, i1 = plan.q_range(it)
+    expf = np.exp2 if base2 else np.exp
+    for it, i0, i1 in blocks:
         ni = i1 - i0
-        qt = q2[i0:i1]                                         # [ni, D]
-        m = np.full(ni, neg_inf, dtype=dt)                     # running max (log2 units)
-        l = np.zeros(ni, dtype=dt)                             # running sum of exp2
+        qt = qop[i0:i1]                                        # [ni, D]
+        m = np.full(ni, neg_inf, dtype=dt)                     # running max
+        l = np.zeros(ni, dtype=dt)                             # running sum of exp(s - m)
         acc = np.zeros((ni, D), dtype=dt)                      # running P·V
         tiles = _kept_tiles(None if codes is None else codes[it], plan.nk)
         counts.skipped += plan.nk - len(tiles)
@@ -188,7 +394,7 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
             st = sbuf[:nj * ni].reshape(nj, ni)
             np.matmul(k[j0:j1], qt.T, out=st)                  # sT [nj, ni]
             if plan.bias is not None:
-                st += np.multiply(plan.bias_t(b, h, i0, i1, j0, j1), LOG2E, dtype=dt)
+                st += plan.bias_t(b, h, i0, i1, j0, j1)
             if code == TILE_PARTIAL:
                 np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
                 counts.partial += 1
@@ -197,9 +403,9 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
             m_new = np.maximum(m, st.max(axis=0))              # [ni]
             # rows that have kept nothing yet: subtract 0, not -inf (no -inf - -inf)
             m_use = np.where(m_new == neg_inf, dt.type(0), m_new)
-            st -= m_use                                         # [nj, ni]
-            np.exp2(st, out=st)                                 # P~ [nj, ni]
-            corr = np.exp2(m - m_use)                           # [ni] rescale old terms
+            st -= m_use                                         # [nj, ni], exact at the max
+            expf(st, out=st)                                    # P~ [nj, ni]
+            corr = expf(m - m_use)                              # [ni] rescale old terms
             l *= corr
             l += np.matmul(ones[:nj], st)                       # [ni]
             acc *= corr[:, None]
@@ -209,16 +415,16 @@ def forward_rows(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
         np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
         acc[empty] = 0
         out[i0:i1] = acc
+        m64 = np.where(empty, -np.inf, m.astype(np.float64))
         with np.errstate(divide="ignore"):
-            lrow = (m + np.log2(l)) * dt.type(LN2)
-        lrow[empty] = -np.inf
-        lse[i0:i1] = lrow
+            if base2:
+                mx, ln = export_base2(m64, np.where(empty, 0.0, np.log2(l.astype(np.float64))), dt)
+            else:
+                mx = m64.astype(dt)
+                ln = np.where(empty, dt.type(0), np.where(l == 1, dt.type(ONE_KEY), np.log(l)))
+        rmax[i0:i1] = mx
+        rlog[i0:i1] = ln
     return counts
-
-
-#: a row whose bounded-softmax sum falls below this may have lost precision to
-#: underflow (its true max lies far below the bound): it is recomputed exactly.
-UNDERFLOW_SUM = {np.dtype(np.float32): 2.0 ** -80, np.dtype(np.float64): 2.0 ** -800}
 
 
 def with_ones_column(x: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -238,21 +444,30 @@ def key_tile_norms(plan: TilePlan, k: np.ndarray) -> np.ndarray:
     return np.fmax.reduce(norms.reshape(plan.nk, plan.bk), axis=1)  # [nK]
 
 
+ExactRows = Callable[[Sequence[Tuple[int, int, int]], float], TileCounts]
+
+
 def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.ndarray,
-                         v: np.ndarray, knorm: np.ndarray, out: np.ndarray, lse: np.ndarray,
-                         q_tiles: Sequence[int], k: np.ndarray) -> TileCounts:
-    """Forward without a running max, for problems without a bias.
+                         v: np.ndarray, knorm: np.ndarray, out: np.ndarray, rmax: np.ndarray,
+                         rlog: np.ndarray, q_tiles: Sequence[int], exact: ExactRows
+                         ) -> TileCounts:
+    """Forward without a running max, for problems without a bias (base 2).
 
     Each query row i uses a fixed bound instead of the running max:
     ``c_i = |q2_i| * max_{kept key tiles} |k_j| >= s_ij`` (Cauchy-Schwarz), so
     ``P~ = exp2(s - c) <= 1`` never overflows and no rescaling is needed: per
     tile one GEMM gives ``s - c`` (``ka = [k | 1]`` against ``[q2 | -c]``), then
-    exp2, a row-sum GEMV and the P·V GEMM.  Rows whose sum ends below
-    :data:`UNDERFLOW_SUM` (bound far above the true max) are recomputed with
-    the exact running-max path, :func:`forward_rows`.
+    exp2, a row-sum GEMV, the P·V GEMM and a column max (the row maximum, for
+    the statistics: ``max = c + log2 max P~``).
 
-    q2 [Sq, D] scaled queries; ka [Sk, D+1]; v [Sk, D]; knorm [nK]; k [Sk, D]
-    (for the fallback); writes out [Sq, D], lse [Sq] on the rows of ``q_tiles``.
+    The running-max path ``exact(blocks, c_max)`` takes over for: query tiles
+    whose bound passes :data:`BOUNDED_MAX_C` (large logits: the GEMM rounds
+    ``s - c`` to ``eps·c``); rows whose sum ends below :data:`UNDERFLOW_SUM` (bound
+    far above the true max); rows where one key carries all the weight
+    (``sum == max P~``), so that such a row gets P = 1 and out = v exactly.
+
+    q2 [Sq, D] scaled queries; ka [Sk, D+1]; v [Sk, D]; knorm [nK]; writes
+    out [Sq, D], rmax, rlog [Sq] on the rows of ``q_tiles``.
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -261,17 +476,32 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)
     ones = np.ones(plan.bk, dtype=dt)
     tiny = UNDERFLOW_SUM[dt]
+    ibits = np.int32 if dt == np.float32 else np.int64
+    pvbuf = np.empty(plan.bq * D, dtype=dt)
     qnorm = np.sqrt(np.einsum("id,id->i", q2, q2))                  # [Sq]
+    Sq = q2.shape[0]
+    done = np.zeros(Sq, dtype=bool)                 # rows finished here (bulk statistics)
+    bc, bl, btop = (np.empty(Sq, dtype=dt) for _ in range(3))
+    bseen = np.empty(Sq, dtype=bool)
+    redos: List[Tuple[Tuple[int, int, int], float]] = []
     for it in q_tiles:
         i0, i1 = plan.q_range(it)
         ni = i1 - i0
         tiles = _kept_tiles(None if codes is None else codes[it], plan.nk)
+        kmax = np.fmax.reduce(knorm[[t for t, _ in tiles]]) if tiles else dt.type(0)
+        c = np.multiply(qnorm[i0:i1], kmax)                            # [ni] bounds
+        cmax = float(np.max(c))
+        if not cmax <= BOUNDED_MAX_C:         # large logits (or NaN): the running-max path
+            counts.add(exact([(it, i0, i1)], cmax))
+            continue
         counts.skipped += plan.nk - len(tiles)
         qa = np.empty((ni, D + 1), dtype=dt)                          # [q2 | -c]
         qa[:, :D] = q2[i0:i1]
-        kmax = np.fmax.reduce(knorm[[t for t, _ in tiles]]) if tiles else dt.type(0)
-        np.multiply(qnorm[i0:i1], -kmax, out=qa[:, D])
+        np.negative(c, out=qa[:, D])
         l = np.zeros(ni, dtype=dt)                                    # sum of exp2(s - c)
+        # max of exp2(s - c) >= 0, kept as its bits: an integer max of non-negative
+        # floats orders them like the floats and runs ~1.4x faster than np.maximum
+        top_bits = np.zeros(ni, dtype=ibits)
         acc = np.zeros((ni, D), dtype=dt)                             # P~·V
         seen = np.zeros(ni, dtype=bool)                               # row kept some key
         for jt, code in tiles:
@@ -291,18 +521,38 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.
                 seen[:] = True
                 counts.full += 1
             l += np.matmul(ones[:nj], st)                             # [ni]
-            acc += np.matmul(st.T, v[j0:j1])                          # [ni, D]
-        if np.any(seen & (l < tiny)):   # underflow risk (or a row of -inf/NaN bound)
-            counts.add(forward_rows(plan, b, h, q2, k, v, out, lse, [it]))
-            continue
+            np.maximum(top_bits, np.maximum.reduce(st.view(ibits), axis=0), out=top_bits)
+            pv = pvbuf[:ni * D].reshape(ni, D)
+            np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
+            acc += pv
+        top = top_bits.view(dt)                                       # [ni]
+        # underflow risk (or a row of -inf/NaN bound), or one key carrying the row
+        redo = seen & ((l < tiny) | (l == top))
         empty = ~seen
         np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
         acc[empty] = 0
         out[i0:i1] = acc
-        with np.errstate(divide="ignore"):
-            lrow = (np.log2(l) - qa[:, D]) * dt.type(LN2)
-        lrow[empty] = -np.inf
-        lse[i0:i1] = lrow
+        bc[i0:i1], bl[i0:i1], btop[i0:i1], bseen[i0:i1] = c, l, top, seen
+        done[i0:i1] = True
+        if redo.any():
+            redos += [((it, i0 + a, i0 + e), cmax) for a, e in _runs(redo)]
+    if done.any():          # statistics of all bounded rows at once: m2 = c + log2 max P~
+        rows = np.flatnonzero(done)
+        top64 = btop[rows].astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lt = np.log2(top64)
+            m2 = bc[rows].astype(np.float64) + lt
+            l2 = np.log2(bl[rows].astype(np.float64)) - lt
+        np.maximum(l2, 0.0, out=l2)
+        seen_r = bseen[rows]
+        if not seen_r.all():
+            m2[~seen_r] = -np.inf
+            l2[~seen_r] = 0.0
+        mx, ln = export_base2(m2, l2, dt)
+        rmax[rows] = mx
+        rlog[rows] = ln
+    for block, cmax in redos:
+        counts.recomputed += exact([block], cmax).computed
     return counts
 
 
@@ -310,12 +560,14 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, ka: np.
 class BackwardHeads:
     """Per-query-head inputs of one key/value head's backward (lists of length G).
 
-    q2a [Sq, D+1] = [q·scale·log2(e) | -lse2] (lse2: lse in log2 units, -inf
-    replaced by +inf so that empty rows get P = 0); q [Sq, D] raw queries;
-    ga [Sq, D+1] = [dout | -delta] with delta = rowsum(dout * out); dq [Sq, D]
-    accumulators (unscaled: the caller multiplies by ``scale``) or None; heads:
-    the query-head indices.  The extra columns let one GEMM against
-    ``[k | 1]`` / ``[v | 1]`` produce ``s - lse`` and ``dP - delta`` directly.
+    q2a [Sq, D+1] = [q·scale·u | -max_u] with u = log2(e) (``base2``) or 1
+    (natural units), -inf in the last column on empty rows (P = 0 there); q
+    [Sq, D] raw queries; ga [Sq, D+1] = w·[dout | -delta] with delta = rowsum(dout
+    * out) and w = exp(-log_norm); dq [Sq, D] accumulators (unscaled: the caller
+    multiplies by ``scale``) or None; heads: the query-head indices; snap: per
+    head, :func:`snap_plan`'s rows whose top key gets P = 1 exactly.  The extra
+    columns let one GEMM against ``[k | 1]`` / ``[v | 1]`` produce ``s - max`` and
+    ``w·(dP - delta)`` directly; ``P = exp(s - max)·w`` never forms.
     """
 
     heads: List[int]
@@ -323,6 +575,8 @@ class BackwardHeads:
     q: List[np.ndarray]
     ga: List[np.ndarray]
     dq: Optional[List[np.ndarray]]
+    base2: bool = True
+    snap: Optional[List[Dict[int, Tuple[np.ndarray, np.ndarray]]]] = None
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -332,7 +586,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     """Backward of one (batch b, kv head) over the key tiles ``k_tiles``.
 
     Loops key tiles x query heads of the group x query tiles, recomputing
-    P = exp2(s - lse) per tile: dv[j] += Pᵀ g, dk[j] += scale·dSᵀ q (both
+    P~ = exp((s - max) + bias) per tile (P = w·P~, w folded into ``ga``):
+    dv[j] += P~ᵀ (w g), dk[j] += scale·dSᵀ q (both
     finished per key tile, rows of ``k_tiles`` only), dq[h] += dS k (full
     accumulators, unscaled), dbias += dS (summed over its broadcast dims).
     ka, va [Sk, D+1] = [k | 1], [v | 1]; dk, dv [Sk, D] outputs or None;
@@ -345,6 +600,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # P tile
     pbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # dP / dS tile
     codes = [plan.codes_bh(b, h) for h in hs.heads]
+    expf = np.exp2 if hs.base2 else np.exp
+    snaps = hs.snap if hs.snap and any(hs.snap) else None
     for jt in k_tiles:
         j0, j1 = plan.k_range(jt)
         nj = j1 - j0
@@ -360,24 +617,33 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                 i0, i1 = plan.q_range(it)
                 ni = i1 - i0
                 st = sbuf[:nj * ni].reshape(nj, ni)
-                np.matmul(kta, hs.q2a[gi][i0:i1].T, out=st)    # s - lse, [nj, ni]
-                if plan.bias is not None:
-                    st += np.multiply(plan.bias_t(b, h, i0, i1, j0, j1), LOG2E, dtype=dt)
+                np.matmul(kta, hs.q2a[gi][i0:i1].T, out=st)    # s - max, [nj, ni]
+                if plan.bias is not None:                       # natural units
+                    st += plan.bias_t(b, h, i0, i1, j0, j1)     # (s - max) + bias
                 with np.errstate(over="ignore"):                # dropped pairs may overflow
-                    np.exp2(st, out=st)                         # Pᵀ [nj, ni]
+                    expf(st, out=st)                            # P~ᵀ [nj, ni]
                 if code == TILE_PARTIAL:
-                    # zeroed after exp2: exp2(-inf) is NumPy's slow special-value path
+                    # zeroed after exp: exp(-inf) is NumPy's slow special-value path
                     np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, j0, j1))
                     counts.partial += 1
                 else:
                     counts.full += 1
+                zero_ds = None
+                if snaps is not None:
+                    sn = snaps[gi].get(it)
+                    if sn is not None:                          # rows carried by one key
+                        zero_ds = _snap(st, *sn)
                 gta = hs.ga[gi][i0:i1]                          # [ni, D+1]
                 if dv_acc is not None:
                     dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
                 if not need_ds:
                     continue
                 dst = pbuf[:nj * ni].reshape(nj, ni)
-                np.matmul(vta, gta.T, out=dst)                  # dPᵀ - delta, [nj, ni]
+                np.matmul(vta, gta.T, out=dst)                  # w·(dPᵀ - delta), [nj, ni]
+                if zero_ds is not None:                         # P = 1: dP - delta = 0
+                    sub = dst[:, zero_ds[0]]
+                    sub[zero_ds[1]] = 0
+                    dst[:, zero_ds[0]] = sub
                 dst *= st                                       # dSᵀ [nj, ni]
                 if dbias is not None:
                     plan.add_dbias(dbias, dst, b, h, i0, i1, j0, j1)
