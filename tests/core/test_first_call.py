@@ -67,7 +67,7 @@ def test_numpy_call_with_explicit_refusal_imports_no_heavy_module(dtype):
         """ % (dtype, HEAVY))
     assert res["heavy"] == []
     assert res["msgs"] and all("backends that can" in m and "'numpy'" in m for m in res["msgs"])
-    assert "takes ['torch'] arrays, got numpy" in res["msgs"][0]
+    assert "takes ['torch'] arrays, got numpy: pass torch CUDA tensors" in res["msgs"][0]
 
 
 def test_torch_cpu_tensors_never_probe_triton():

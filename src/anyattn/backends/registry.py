@@ -58,6 +58,9 @@ class Entry:
     #: modules its availability() imports: a refusal's hint probes the backend only
     #: when they are already loaded (an error message never imports them)
     heavy: Tuple[str, ...] = ()
+    #: the remedy appended to a refusal for the array kind / the device
+    kind_remedy: str = ""
+    device_remedy: str = ""
 
     def device_types_now(self, auto: bool = False) -> FrozenSet[str]:
         if auto or self.cpu_when_env is None:
@@ -72,16 +75,22 @@ ENTRIES: Dict[str, Entry] = {
     "triton": Entry("anyattn.backends.triton.backend:TritonBackend",
                     frozenset({"torch"}), frozenset({"cuda"}), _F16_32,
                     auto_array_kinds=frozenset({"torch"}),
-                    cpu_when_env=("TRITON_INTERPRET", "1"), heavy=("torch", "triton")),
+                    cpu_when_env=("TRITON_INTERPRET", "1"), heavy=("torch", "triton"),
+                    kind_remedy="pass torch CUDA tensors",
+                    device_remedy="move the inputs with .cuda() (CPU tensors run only "
+                                  "under Triton's interpreter, TRITON_INTERPRET=1)"),
     "webgpu": Entry("anyattn.backends.webgpu.backend:WebGPUBackend",
                     frozenset({"numpy"}), frozenset({"cpu"}), frozenset({"float32", "float16"}),
-                    auto_array_kinds=frozenset(), heavy=("wgpu",)),  # host arrays: by name only
+                    auto_array_kinds=frozenset(), heavy=("wgpu",),  # host arrays: by name only
+                    kind_remedy="pass NumPy arrays, e.g. x.numpy()"),
     "numpy": Entry("anyattn.backends.numpy_backend:NumpyBackend",
                    frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
-                   auto_array_kinds=frozenset({"numpy", "torch"})),
+                   auto_array_kinds=frozenset({"numpy", "torch"}),
+                   device_remedy="move the inputs with .cpu()"),
     "reference": Entry("anyattn.backends.reference_backend:ReferenceBackend",
                        frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
-                       auto_array_kinds=frozenset()),        # the oracle: by name only
+                       auto_array_kinds=frozenset(),         # the oracle: by name only
+                       device_remedy="move the inputs with .cpu()"),
 }
 BACKEND_NAMES: Tuple[str, ...] = tuple(ENTRIES)
 
@@ -129,10 +138,12 @@ def reach_reasons(name: str, p: Problem, auto: bool = False) -> List[str]:
     e = _check_name(name)
     why = []
     if p.array_kind not in e.array_kinds:
-        why.append(f"takes {sorted(e.array_kinds)} arrays, got {p.array_kind}")
+        why.append(f"takes {sorted(e.array_kinds)} arrays, got {p.array_kind}"
+                   + (f": {e.kind_remedy}" if e.kind_remedy else ""))
     devices = e.device_types_now(auto)
-    if p.device.split(":")[0] not in devices:
-        why.append(f"runs on {sorted(devices)} devices, the inputs are on {p.device}")
+    if p.array_kind in e.array_kinds and p.device.split(":")[0] not in devices:
+        why.append(f"runs on {sorted(devices)} devices, the inputs are on {p.device}"
+                   + (f": {e.device_remedy}" if e.device_remedy else ""))
     if p.dtype not in e.dtypes:
         why.append(f"supports dtypes {sorted(e.dtypes)}, got {p.dtype}")
     return why
