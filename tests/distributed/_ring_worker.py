@@ -49,8 +49,31 @@ def cases(world: int):
                                                    dtype="float32", backend="triton")),
         ("triton-contiguous-causal_window-float32",
          dict(sharding="contiguous", mask="causal_window", dtype="float32", backend="triton")),
+        # logits at any magnitude (DESIGN.md "Numerics at any magnitude"): every score is
+        # 2**e plus a small integer, exact in the dtype, so the float64 reference is exact
+        # and any error is the ring's (a merge through one rounded lse lost |lse|·eps)
+        ("zigzag-causal-logits1e6-float32", dict(sharding="zigzag", mask="causal",
+                                                  dtype="float32", logits=20)),
+        ("contiguous-docs-logits1e3-float32", dict(sharding="contiguous", mask="causal_docs",
+                                                   dtype="float32", logits=10)),
+        ("contiguous-docs-logits1e3-reference-float32",
+         dict(sharding="contiguous", mask="causal_docs", dtype="float32", logits=10,
+              backend="reference")),
+        ("zigzag-causal_window-logits1e12-float64",
+         dict(sharding="zigzag", mask="causal_window", dtype="float64", logits=40)),
+        ("zigzag-causal-logits1e6-triton-float32",
+         dict(sharding="zigzag", mask="causal", dtype="float32", logits=20, backend="triton")),
     ]
     return out
+
+
+def _large_logits(rng, q_shape, k_shape, e):
+    """q, k of these shapes [B, H, S, D] whose scores at scale 1 are 2**e + an integer in
+    [-(D-1), D-1]: entries in {-1, 0, 1} and a last column of 2**(e/2) in both."""
+    q = rng.integers(-1, 2, q_shape).astype(np.float64)
+    k = rng.integers(-1, 2, k_shape).astype(np.float64)
+    q[..., -1] = k[..., -1] = 2.0 ** (e / 2)
+    return q, k
 
 
 def _mask(name, seq, rng):
@@ -126,6 +149,11 @@ def run_case(rank, world, opts):
     dt = getattr(torch, opts["dtype"])
     q, dout = (torch.from_numpy(rng.standard_normal((B, HQ, seq, D))).to(dt) for _ in "12")
     k, v = (torch.from_numpy(rng.standard_normal((B, hkv, seq, D))).to(dt) for _ in "12")
+    scale = None
+    if opts.get("logits"):
+        qn, kn = _large_logits(rng, q.shape, k.shape, opts["logits"])
+        q, k = torch.from_numpy(qn).to(dt), torch.from_numpy(kn).to(dt)
+        scale = 1.0
     mask = _mask(opts["mask"], seq, rng)
     group, members = None, list(range(world))
     if opts.get("subgroup"):
@@ -137,8 +165,8 @@ def run_case(rank, world, opts):
     sharding = opts["sharding"]
     wrt = opts.get("wrt", "qkv")
 
-    ref_out, ref_lse = reference.forward(q, k, v, mask=mask)
-    ref_g = reference.backward(q, k, v, dout, mask=mask)
+    ref_out, ref_lse = reference.forward(q, k, v, mask=mask, scale=scale)
+    ref_g = reference.backward(q, k, v, dout, mask=mask, scale=scale)
 
     def loc(x):
         return shard(x, me, n, sharding=sharding)
@@ -156,11 +184,11 @@ def run_case(rank, world, opts):
         ql, kl, vl = qi, ki, vi
         o, lse = ring_attention(ql.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2),
                                 mask=mask, group=group, sharding=sharding, backend=backend,
-                                layout="bshd", return_lse=True)
+                                layout="bshd", return_lse=True, scale=scale)
         o = o.transpose(1, 2)
     else:
         o, lse = ring_attention(ql, kl, vl, mask=mask, group=group, sharding=sharding,
-                                backend=backend, return_lse=True)
+                                backend=backend, return_lse=True, scale=scale)
     (o * gl).sum().backward()
     res = {"out": _rel(cpu(o), loc(torch.from_numpy(ref_out))),
            "lse": _rel(cpu(lse), loc(torch.from_numpy(ref_lse)[..., None])[..., 0])}
@@ -170,6 +198,18 @@ def run_case(rank, world, opts):
         elif x.grad is not None:
             res[name] = float("nan")   # a gradient that was not asked for
     res["dtype_out"] = str(o.dtype)
+    if opts.get("logits"):   # the same backend on the whole sequence, in one process
+        from anyattn.api import attention_backward, forward_with_stats
+
+        qd, kd, vd, gd = (x.to(device) for x in (q, k, v, dout))
+        so, st = forward_with_stats(qd, kd, vd, mask=mask, scale=scale, backend=backend)
+        sg = attention_backward(qd, kd, vd, gd, out=so, lse=st, mask=mask, scale=scale,
+                                backend=backend)
+        single = {"out": (so, ref_out), "lse": (st.lse, ref_lse), "dq": (sg.dq, ref_g.dq),
+                  "dk": (sg.dk, ref_g.dk), "dv": (sg.dv, ref_g.dv)}
+        for name, (x, r) in single.items():
+            res["single_" + name] = _rel(cpu(loc(x)), loc(torch.from_numpy(r)[..., None])[..., 0]
+                                         if name == "lse" else loc(torch.from_numpy(r)))
     return res
 
 
@@ -190,7 +230,10 @@ def run(rank, world, port, out_dir, transport="gloo"):
                             timeout=timedelta(seconds=120))
     results = {}
     try:
+        only = os.environ.get("ANYATTN_RING_CASES")      # a substring: run those cases only
         for name, opts in (cases(world) if transport == "gloo" else cases_gpu(world)):
+            if only and only not in name:
+                continue
             try:
                 r = run_case(rank, world, opts)
             except Exception:

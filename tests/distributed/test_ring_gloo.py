@@ -1,6 +1,7 @@
 """ring_attention on CPU over gloo, 2 and 4 processes: output, lse and every gradient
 against the single-process float64 reference (fp32 within 1e-5, float64 within 1e-10,
-bf16 within 2e-2)."""
+bf16 within 2e-2; at logits of 1e3..1e12 within 3x the error of the same backend on the
+whole sequence in one process)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 2e-2}
+#: logits at 1e3..1e12: the ring within 3x the single-process error of the same backend
+#: (both against float64), or this floor
+FLOOR = {"float32": 1e-6, "float64": 1e-13}
 WORLDS = (2, 4)
 
 
@@ -74,5 +78,14 @@ def test_ring_matches_reference(world, case, tmp_path_factory):
                 continue
             e = r[what]
             assert not math.isnan(e), f"rank {rank}: {what} has NaN (or an unrequested grad)"
+            if "logits" in opts:
+                # a large logit scale: the large parts of the scores cancel in every merge
+                # and block backward (row max and log-normaliser kept apart), so the ring is
+                # as accurate as one process (dq's reference is ~0 in its large column, so
+                # both carry the fp32 rounding of sum(dS) times 2**(e/2) there)
+                lim = max(3 * r["single_" + what], FLOOR[opts["dtype"]])
+                assert e <= lim, (f"rank {rank}: {what} relative error {e:.3g} > {lim:.3g} "
+                                  f"(single process: {r['single_' + what]:.3g})")
+                continue
             assert e <= tol, f"rank {rank}: {what} relative error {e:.3g} > {tol:g}"
     assert seen, f"no rank reported case {case}" + (f" ({err})" if err else "")

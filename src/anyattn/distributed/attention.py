@@ -8,15 +8,19 @@ D head dim.  Local tensors are [B, H, S_loc, D] (``layout="bhsd"``) or
 Forward, on rank r: N steps; at step t the rank holds the key/value shard of
 rank (r - t) mod N, posts the exchange that passes it on (next rank) and
 brings the following one (previous rank), computes its chunk pairs with the
-core ``anyattn.attention(..., return_lse=True, q_offset, k_offset)`` and
-merges each partial into float32 accumulators through the lse.
+core ``anyattn.api.forward_with_stats(..., q_offset, k_offset)`` and merges
+each partial into float32 accumulators through its row statistics (row max
+and log-normaliser kept apart: ``merge.py``), so the result does not depend on
+where the logits sit (|s| up to 1e6, finite biases down to finfo.min).
 
 Backward: the same ring of K/V; each block pair runs
-``anyattn.attention_backward`` with the FINAL merged out/lse of its rows,
-which makes the blockwise gradients exact (P_block = exp(s - lse_final),
+``anyattn.attention_backward`` with the FINAL merged out and row statistics
+of its rows (``lse=RowStats(max, log_norm)``), which makes the blockwise
+gradients exact (P_block = exp((s - max_final) - log_norm_final),
 delta = rowsum(dout * out_final)).  dq accumulates locally; dk/dv partials
 for the visiting shard are added to the sums that arrived with it and sent on,
-so after N hops each shard's dk/dv is back at its owner.
+so after N hops each shard's dk/dv is back at its owner.  The returned lse is
+max + log_norm.
 """
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..api import attention, attention_backward
+from ..api import attention_backward, forward_with_stats
 from ..backends.registry import choose
 from ..masks import Mask
 from ..problem import describe
+from ..rowstats import RowStats
+from .agree import as_timeout, describe_call, exchange_and_check, failed_descriptor
 from .blockmask import GlobalMask
-from .merge import merge_into
+from .merge import merge_stats_into
 from .plan import RingPlan
 from .ring import Ring
 from .sharding import SHARDINGS, chunk_count
@@ -58,31 +64,34 @@ def _acc_dtype(dt: torch.dtype) -> torch.dtype:
 
 # --------------------------------------------------------------------- forward
 def _forward(s: _Setup, q, k, v):
-    """-> (out [B,Hq,S_loc,D] in q's dtype, lse [B,Hq,S_loc] float32/float64)."""
+    """-> (out [B,Hq,S_loc,D] in q's dtype, RowStats of [B,Hq,S_loc] float32/float64)."""
     B, Hq, S_loc, D = q.shape
     acc = _acc_dtype(q.dtype)
     o_acc = torch.zeros((B, Hq, S_loc, D), dtype=acc, device=q.device)
-    lse_acc = torch.full((B, Hq, S_loc), float("-inf"), dtype=acc, device=q.device)
+    m_acc = torch.full((B, Hq, S_loc), float("-inf"), dtype=acc, device=q.device)
+    ln_acc = torch.zeros((B, Hq, S_loc), dtype=acc, device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     N = s.ring.size
     for t in range(N):
         ex = s.ring.exchange(kv, _TAG_KV) if t < N - 1 else None   # overlaps the compute
         kt, vt = kv
         for c in s.plan.calls(t):
-            o, lse = attention(q[:, :, c.q_rows], kt[:, :, c.k_rows], vt[:, :, c.k_rows],
-                               mask=c.mask, scale=s.scale, return_lse=True,
-                               backend=s.backend, precision=s.precision,
-                               q_offset=c.q_offset, k_offset=c.k_offset)
-            merge_into(o_acc[:, :, c.q_rows], lse_acc[:, :, c.q_rows], o, lse)
+            o, st = forward_with_stats(q[:, :, c.q_rows], kt[:, :, c.k_rows],
+                                       vt[:, :, c.k_rows], mask=c.mask, scale=s.scale,
+                                       backend=s.backend, precision=s.precision,
+                                       q_offset=c.q_offset, k_offset=c.k_offset)
+            r = c.q_rows
+            merge_stats_into(o_acc[:, :, r], m_acc[:, :, r], ln_acc[:, :, r], o,
+                             st.max, st.log_norm)
         if ex is not None:
             kv = ex.wait()
-    lse_out = lse_acc if acc == torch.float64 else lse_acc.float()
-    return o_acc.to(q.dtype), lse_out
+    return o_acc.to(q.dtype), RowStats(m_acc, ln_acc)
 
 
 # -------------------------------------------------------------------- backward
-def _backward(s: _Setup, q, k, v, out, lse, dout, want):
-    """-> (dq, dk, dv), None where ``want`` (flags for q, k, v) is False."""
+def _backward(s: _Setup, q, k, v, out, stats: RowStats, dout, want):
+    """-> (dq, dk, dv), None where ``want`` (flags for q, k, v) is False.  ``stats``: the
+    merged row statistics of the forward (each block's P = exp((s - max) - log_norm))."""
     want_q, want_k, want_v = want
     acc = _acc_dtype(q.dtype)
     wrt = tuple(n for n, w in zip("qkv", want) if w)
@@ -100,7 +109,9 @@ def _backward(s: _Setup, q, k, v, out, lse, dout, want):
         for c in s.plan.calls(t):
             qr, kr = c.q_rows, c.k_rows
             g = attention_backward(q[:, :, qr], kt[:, :, kr], vt[:, :, kr], dout[:, :, qr],
-                                   out=out[:, :, qr], lse=lse[:, :, qr], mask=c.mask,
+                                   out=out[:, :, qr], lse=stats.select((slice(None),
+                                                                        slice(None), qr)),
+                                   mask=c.mask,
                                    scale=s.scale, wrt=wrt, backend=s.backend,
                                    precision=s.precision, q_offset=c.q_offset,
                                    k_offset=c.k_offset)
@@ -132,20 +143,22 @@ def _backward(s: _Setup, q, k, v, out, lse, dout, want):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, setup: _Setup):
-        out, lse = _forward(setup, q, k, v)
+        out, st = _forward(setup, q, k, v)
+        lse = st.lse
         ctx.setup = setup
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, st.max, st.log_norm)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, row_max, log_norm = ctx.saved_tensors
         want = tuple(bool(x) for x in ctx.needs_input_grad[:3])
         if not any(want):
             return None, None, None, None
-        dq, dk, dv = _backward(ctx.setup, q, k, v, out, lse, dout, want)
+        dq, dk, dv = _backward(ctx.setup, q, k, v, out, RowStats(row_max, log_norm), dout,
+                               want)
         return dq, dk, dv, None
 
 
@@ -159,23 +172,8 @@ def _check(name, x):
                          f"layout='bshd'), got shape {tuple(x.shape)}")
 
 
-def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
-                   sharding: str = "contiguous", scale: Optional[float] = None,
-                   backend: Optional[str] = None, precision: Optional[str] = None,
-                   layout: str = "bhsd", return_lse: bool = False):
-    """Attention over a sequence sharded across the ranks of ``group``, differentiable.
-
-    q [B, Hq, S_loc, D], k/v [B, Hkv, S_loc, D]: this rank's shard of a global
-    sequence of length S = N * S_loc, laid out by ``sharding`` ("contiguous":
-    rank r holds positions [r*S_loc, (r+1)*S_loc); "zigzag": rank r holds chunks
-    r and 2N-1-r of 2N, in that order; see ``anyattn.distributed.shard``).
-    ``mask``: None, Causal, Window, Documents (GLOBAL ids, length S, the same on
-    every rank), KeepMask (GLOBAL, broadcastable to [B, Hq, S, S]) or a ``&`` of
-    these.  -> out [B, Hq, S_loc, D] (and lse [B, Hq, S_loc], not differentiable,
-    with ``return_lse=True``).  Every rank of the group must call it with the same
-    shapes and arguments.  ``backend``/``precision``/``scale``: as in
-    ``anyattn.attention`` (used for every block pair).
-    """
+def _local_checks(q, k, v, sharding, layout):
+    """Checks that need no process group -> q, k, v in the [B, H, S_loc, D] layout."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout={layout!r} is unknown; expected 'bhsd' or 'bshd'")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -187,7 +185,11 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"k: local length {k.shape[2]} differs from q's {q.shape[2]}; ring "
                          "attention shards q, k and v of one sequence the same way")
-    ring = Ring(group)
+    return q, k, v
+
+
+def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision):
+    """Checks that need the ring's size -> (GlobalMask, the validated probe Problem)."""
     N = ring.size
     S_loc = q.shape[2]
     per_rank = chunk_count(N, sharding) // N
@@ -197,11 +199,74 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     S = S_loc * N
     gmask = GlobalMask(mask, S, q.shape[0], q.shape[1])
     L = S_loc // per_rank
-    # validate tensors, options and the backend once, before any work or communication
     probe = describe(q[:, :, :L], k[:, :, :L], v[:, :, :L], mask=None, scale=scale,
                      precision=precision)
     choose(probe, backend)  # raises early if the backend cannot serve these blocks
-    setup = _Setup(ring=ring, plan=RingPlan(gmask, ring.rank, N, S_loc, sharding),
+    return gmask, probe
+
+
+def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
+                   sharding: str = "contiguous", scale: Optional[float] = None,
+                   backend: Optional[str] = None, precision: Optional[str] = None,
+                   layout: str = "bhsd", return_lse: bool = False, timeout=None,
+                   check_ranks: bool = True):
+    """Attention over a sequence sharded across the ranks of ``group``, differentiable.
+
+    q [B, Hq, S_loc, D], k/v [B, Hkv, S_loc, D]: this rank's shard of a global
+    sequence of length S = N * S_loc, laid out by ``sharding`` ("contiguous":
+    rank r holds positions [r*S_loc, (r+1)*S_loc); "zigzag": rank r holds chunks
+    r and 2N-1-r of 2N, in that order; see ``anyattn.distributed.shard``).
+    ``mask``: None, Causal, Window, Documents (GLOBAL ids, length S, the same on
+    every rank), KeepMask (GLOBAL, broadcastable to [B, Hq, S, S]) or a ``&`` of
+    these.  -> out [B, Hq, S_loc, D] (and lse [B, Hq, S_loc], not differentiable,
+    with ``return_lse=True``).  ``backend``/``precision``/``scale``: as in
+    ``anyattn.attention`` (used for every block pair).
+
+    Every rank of the group must call it with the same shapes and arguments.  Before
+    the first exchange the ranks all-gather a small descriptor of their call (shapes,
+    dtype, device type, scale, sharding, layout, gradients asked for, a fingerprint of
+    the mask, precision) and each raises the same ``ValueError`` naming what differs
+    on which ranks; a rank whose own arguments are refused takes part with a failure
+    flag, so the others raise at once instead of waiting.  ``timeout`` (seconds or a
+    ``datetime.timedelta``; None: the process group's own timeout) bounds that wait:
+    if some rank never reaches the call, the others raise ``TimeoutError`` after it.
+    ``check_ranks=False`` skips the descriptor exchange (one small all-gather and, on
+    CUDA, a host sync per call) once a program is known to be consistent.
+    """
+    tmo = as_timeout(timeout)
+    err: Optional[BaseException] = None
+    try:
+        q, k, v = _local_checks(q, k, v, sharding, layout)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        err = e
+    try:
+        ring = Ring(group)
+    except Exception:
+        if err is not None:
+            raise err from None
+        raise
+    gmask = probe = None
+    if err is None:
+        try:
+            gmask, probe = _ring_checks(ring, q, k, v, mask, sharding, scale, backend, precision)
+        except Exception as e:          # refused here: tell the other ranks, then raise
+            err = e
+    if check_ranks and ring.size > 1:
+        if err is not None:
+            try:
+                exchange_and_check(ring, failed_descriptor(ring.size), q, tmo, SHARDINGS)
+            except (ValueError, TimeoutError):
+                pass                    # this rank's own error says more
+            raise err
+        grad = torch.is_grad_enabled()
+        desc = describe_call(world=ring.size, q=q, k=k, v=v, scale=probe.scale,
+                             sharding=sharding, layout=layout,
+                             wrt=tuple(grad and x.requires_grad for x in (q, k, v)),
+                             gmask=gmask, precision=precision, sharding_names=SHARDINGS)
+        exchange_and_check(ring, desc, q, tmo, SHARDINGS)
+    elif err is not None:
+        raise err
+    setup = _Setup(ring=ring, plan=RingPlan(gmask, ring.rank, ring.size, q.shape[2], sharding),
                    scale=scale, backend=backend, precision=precision)
     out, lse = _RingAttention.apply(q, k, v, setup)
     if layout == "bshd":
