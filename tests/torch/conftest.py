@@ -7,9 +7,10 @@ torch = pytest.importorskip("torch")
 
 from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
-#: the backend the CPU tests run on: numpy when it is there (named, because the root
-#: conftest sets TRITON_INTERPRET=1, which lets auto-dispatch pick the interpreted Triton
-#: backend for CPU tensors); ANYATTN_TORCH_TEST_BACKEND=reference forces the reference.
+#: the backend the CPU tests run on: numpy when it is there (named, so that a test never
+#: depends on the dispatch rule; auto-dispatch never picks the interpreted Triton backend
+#: that the root conftest's TRITON_INTERPRET=1 enables for CPU tensors);
+#: ANYATTN_TORCH_TEST_BACKEND=reference forces the reference.
 CPU_BACKEND = os.environ.get("ANYATTN_TORCH_TEST_BACKEND") or (
     "numpy" if unavailable_reason("numpy") is None else "reference")
 
