@@ -53,6 +53,73 @@ def test_merge_empty_rows_stay_zero_and_nan_propagates():
     assert torch.isnan(o_acc[0, 0, 2]).all() and torch.isnan(l_acc[0, 0, 2])
 
 
+def test_merge_of_row_statistics_at_large_logits():
+    """Key blocks at logits of 2**20 merged in float32 through (max, log_norm): as exact
+    as the block results (a merge through one rounded fp32 lse was off by 3e-2)."""
+    from anyattn.api import forward_with_stats
+    from anyattn.distributed.merge import merge_stats_into
+
+    rng = np.random.default_rng(4)
+    q = rng.integers(-1, 2, (1, 2, 6, 8)).astype(np.float32)
+    k = rng.integers(-1, 2, (1, 2, 24, 8)).astype(np.float32)
+    q[..., -1] = k[..., -1] = 2.0 ** 10                  # scores 2**20 + small integers
+    v = rng.standard_normal((1, 2, 24, 8)).astype(np.float32)
+    ref_o, ref_l = reference.forward(q, k, v, scale=1.0)
+    o_acc = torch.zeros(1, 2, 6, 8)
+    m_acc = torch.full((1, 2, 6), float("-inf"))
+    ln_acc = torch.zeros(1, 2, 6)
+    T = torch.from_numpy
+    for j0 in range(0, 24, 8):
+        o, st = forward_with_stats(T(q), T(k[:, :, j0:j0 + 8]), T(v[:, :, j0:j0 + 8]),
+                                   scale=1.0, backend="reference")
+        merge_stats_into(o_acc, m_acc, ln_acc, o, st.max, st.log_norm)
+    assert np.abs(o_acc.numpy() - ref_o).max() <= 1e-6 * np.abs(ref_o).max()
+    gap = m_acc.numpy() - 2.0 ** 20                       # the row max: an exact score
+    assert np.all(ln_acc.numpy() >= 0) and np.array_equal(gap, np.round(gap))
+    np.testing.assert_allclose((m_acc + ln_acc).numpy(), ref_l, rtol=1e-7)
+    # rows empty on both sides stay (max -inf, log_norm 0, out 0)
+    o2, m2, l2 = torch.zeros(1, 1, 2, 3), torch.full((1, 1, 2), float("-inf")), torch.zeros(1, 1, 2)
+    merge_stats_into(o2, m2, l2, torch.zeros(1, 1, 2, 3), m2.clone(), l2.clone())
+    assert torch.all(o2 == 0) and torch.all(m2 == float("-inf")) and torch.all(l2 == 0)
+
+
+# ------------------------------------------------------------ rank agreement
+def test_agreement_table_messages():
+    from anyattn.distributed.agree import FIELDS, check_table, failed_descriptor
+
+    base = np.zeros((3, len(FIELDS)), np.int64)
+    base[:, 0] = 0x616E79_0001
+    check_table(base, 0, ("contiguous", "zigzag"))             # all agree: no error
+    t = base.copy()
+    t[2, [i for i, (n, _) in enumerate(FIELDS) if n == "q2"][0]] = 5
+    with pytest.raises(ValueError, match=r"q local length: 0 on ranks 0, 1; 5 on rank 2"):
+        check_table(t, 1, ("contiguous", "zigzag"))
+    t = base.copy()
+    t[1] = failed_descriptor(3)
+    with pytest.raises(ValueError, match="rank 1 of 3 refused their own arguments"):
+        check_table(t, 0, ("contiguous", "zigzag"))
+    t = base.copy()
+    t[0, 0] = 7
+    with pytest.raises(ValueError, match="rank 0 sent a descriptor of another anyattn"):
+        check_table(t, 2, ("contiguous", "zigzag"))
+
+
+def test_timeout_argument_errors():
+    from datetime import timedelta
+
+    from anyattn.distributed.agree import as_timeout
+
+    assert as_timeout(None) is None and as_timeout(2) == timedelta(seconds=2)
+    assert as_timeout(timedelta(milliseconds=500)) == timedelta(seconds=0.5)
+    for bad, exc in ((0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                     ("5", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="timeout"):
+            as_timeout(bad)
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="timeout"):
+        ring_attention(q, q, q, timeout=0)
+
+
 # -------------------------------------------------------------------- sharding
 def test_zigzag_positions_and_chunks():
     assert chunk_ids(0, 2, "zigzag") == (0, 3)
