@@ -202,6 +202,15 @@ class Documents(Mask):
                     f"Documents({name}=...): expected an integer NumPy array or torch "
                     f"tensor, got {type(ids).__name__}"
                 )
+            if isinstance(ids, np.ndarray):
+                if isinstance(ids, np.ma.MaskedArray):
+                    raise TypeError(
+                        f"Documents({name}=...): is a NumPy masked array; its mask would be "
+                        "ignored. Pass plain integer ids (ids.filled(-1))"
+                    )
+                if not ids.dtype.isnative:    # '>i4' on this machine: native ids, same values
+                    ids = ids.astype(ids.dtype.newbyteorder("="))
+                    object.__setattr__(self, name, ids)
             dt = str(ids.dtype).replace("torch.", "")
             if not (dt.startswith("int") or dt.startswith("uint")):
                 raise TypeError(

@@ -190,3 +190,21 @@ def test_broadcast_messages_name_each_alternative_once():
 
     with pytest.raises(ValueError, match=r"dim 0 is 2, expected 1 \("):
         A._mask_strides((2, 1, 5, 6), (1, 1, 5, 6))
+
+
+def test_big_endian_document_ids_are_converted():
+    """'>i8' ids were refused as 'expected an integer dtype, got >i8' (untrue): ids are
+    converted to native byte order (values unchanged; native ids are not copied)."""
+    ids = np.array([0, 0, 1, 1, 1, 2])
+    d = aa.Documents(ids.astype(">i8"), ids[:6].astype(">i4"))
+    assert d.q_ids.dtype.isnative and d.k_ids.dtype.isnative
+    np.testing.assert_array_equal(d.q_ids, ids)
+    assert aa.Documents(ids).q_ids is ids
+    k, v = K[:, :, :6], V[:, :, :6]
+    want = aa.attention(Q[:, :, :5], k, v, mask=aa.Documents(ids[:5], ids), backend="reference")
+    got = aa.attention(Q[:, :, :5], k, v, mask=aa.Documents(ids[:5].astype(">i4"),
+                                                           ids.astype(">i8")),
+                       backend="reference")
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="Documents.*masked array"):
+        aa.Documents(np.ma.masked_array(ids))
