@@ -144,11 +144,16 @@ def _pick_adapter(wgpu):
 
 def _quiet_loader_env() -> None:
     """Mesa's Vulkan WSI layer prints 'XDG_RUNTIME_DIR is invalid' on headless machines;
-    give it a private directory when the variable is unset (compute never uses it)."""
+    give it a private directory when the variable is unset (compute never uses it),
+    removed again when the process exits."""
     if not os.environ.get("XDG_RUNTIME_DIR"):
+        import atexit
+        import shutil
         import tempfile
 
-        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="anyattn-xdg-")
+        path = tempfile.mkdtemp(prefix="anyattn-xdg-")
+        os.environ["XDG_RUNTIME_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
 def _create() -> Context:
