@@ -379,8 +379,8 @@ class NumpyBackend(Backend):
                                   np.sqrt(np.max(np.einsum("jd,jd->j", kh, kh)))) \
                         if q2.size and kh.size else 0.0
                     return exact(tile_blocks(plan, tiles), bound)
-                return forward_rows_bounded(plan, b, h, q2, with_ones_column(kh, dt), vh,
-                                            key_tile_norms(plan, kh), o, mx, ln, tiles, exact)
+                return forward_rows_bounded(plan, b, h, q2, kh, vh, key_tile_norms(plan, kh),
+                                            o, mx, ln, tiles, exact)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
