@@ -373,7 +373,8 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     D = v.shape[1]
     counts = TileCounts()
     codes = plan.codes_bh(b, h)
-    sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # scores of one tile
+    rows = max((i1 - i0 for _, i0, i1 in blocks), default=0)
+    sbuf = np.empty(rows * plan.bk, dtype=dt)      # scores of one tile
     ones = np.ones(plan.bk, dtype=dt)              # row sums as a GEMV
     neg_inf = dt.type(-np.inf)
     expf = np.exp2 if base2 else np.exp
@@ -514,10 +515,10 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
                 seen[:] = True
                 counts.full += 1
             l += np.matmul(ones[:nj], st)                             # [ni]
-            np.maximum(top_bits, np.maximum.reduce(st.view(ibits), axis=0), out=top_bits)
             pv = pvbuf[:ni * D].reshape(ni, D)
             np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
             acc += pv
+            np.maximum(top_bits, np.maximum.reduce(st.view(ibits), axis=0), out=top_bits)
         top = top_bits.view(dt)                                       # [ni]
         redo = seen & (l == top)                  # one key carries the row: exactly
         empty = ~seen
