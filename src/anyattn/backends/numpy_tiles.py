@@ -77,13 +77,11 @@ class TileCounts:
     full: int = 0       # tiles computed without any mask work
     partial: int = 0    # tiles that needed a keep-array
     skipped: int = 0    # TILE_EMPTY tiles never touched
-    recomputed: int = 0  # tiles computed again for a few rows on the running-max path
 
     def add(self, other: "TileCounts") -> None:
         self.full += other.full
         self.partial += other.partial
         self.skipped += other.skipped
-        self.recomputed += other.recomputed
 
     @property
     def computed(self) -> int:
@@ -206,7 +204,8 @@ def _two_prod(a: np.ndarray, b: float) -> Tuple[np.ndarray, np.ndarray]:
     return p, e
 
 
-def export_base2(m2: np.ndarray, l2: np.ndarray, dt: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
+def export_base2(m2: np.ndarray, l2: np.ndarray, dt: np.dtype,
+                 one_key: bool = True) -> Tuple[np.ndarray, np.ndarray]:
     """Base-2 row statistics -> natural (max, log_norm) in ``dt``.
 
     m2: float64 row maxima in log2 units (-inf on empty rows, NaN on NaN rows);
@@ -217,6 +216,7 @@ def export_base2(m2: np.ndarray, l2: np.ndarray, dt: np.dtype) -> Tuple[np.ndarr
     others add less than the rounding of 1) gets ``log_norm = -0.0``
     (:data:`ONE_KEY`); the backward reads that as "this row's top key has P = 1"
     (the residual it drops is below the rounding of the other keys' P).
+    ``one_key=False``: never (``m2`` is then not a row maximum but the lse).
     """
     fin = np.isfinite(m2)
     all_fin = bool(fin.all())
@@ -233,7 +233,8 @@ def export_base2(m2: np.ndarray, l2: np.ndarray, dt: np.dtype) -> Tuple[np.ndarr
         mx[down] = np.nextafter(mx[down], dt.type(-np.inf))
     r = (hi - mx) + lo                                        # >= 0, < ulp(max)
     ln = l2 * LN2 + r
-    ln[l2 == 0] = ONE_KEY
+    if one_key:
+        ln[l2 == 0] = ONE_KEY
     if not all_fin:
         mx = np.where(fin, mx, m2.astype(dt))
         ln = np.where(fin, ln, np.where(np.isnan(m2), np.nan, 0.0))
@@ -350,13 +351,6 @@ def tile_blocks(plan: "TilePlan", q_tiles: Sequence[int]) -> List[Tuple[int, int
     return [(it,) + plan.q_range(it) for it in q_tiles]
 
 
-def _runs(flags: np.ndarray) -> List[Tuple[int, int]]:
-    """[(a, b)] half-open runs of True in a 1-D bool array."""
-    d = np.diff(np.concatenate(([0], flags.view(np.int8), [0])))
-    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
-    return list(zip(starts.tolist(), ends.tolist()))
-
-
 # ----------------------------------------------------------------------- forward
 def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                  v: np.ndarray, out: np.ndarray, rmax: np.ndarray, rlog: np.ndarray,
@@ -455,13 +449,20 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     (Cauchy-Schwarz).  Where every bound of a query tile is at most
     :data:`BOUNDED_MAX_C` (= 64), ``P~ = exp2(s)`` lies in [2⁻⁶⁴, 2⁶⁴] and its sums
     stay far inside the float range, so no maximum needs subtracting at all: per
-    tile one GEMM gives ``s``, then exp2, a row-sum GEMV, a column max (the row
-    maximum, for the statistics: ``max = log2 max P~``) and the P·V GEMM.
+    tile one GEMM gives ``s``, then exp2, a row-sum GEMV and the P·V GEMM.
+
+    Statistics (:mod:`anyattn.rowstats`): these rows keep no maximum (a column max
+    per tile would cost ~5-10 % of this path), so they are derived from the sum:
+    ``max`` = the lse rounded down, ``log_norm`` = the rounding residual (>= 0,
+    below one ulp of max).  ``P = exp((s - max) - log_norm)`` and ``lse = max +
+    log_norm`` hold as for every row; ``max`` is an upper bound of the row's largest
+    score (by at most log of its key count), not that score itself.
 
     The running-max path ``exact(blocks, c_max)`` takes over for query tiles whose
-    bound passes :data:`BOUNDED_MAX_C` (large logits, or NaN), and recomputes rows
-    where one key carries all the weight (``sum == max P~``), so that such a row
-    gets P = 1 and out = v exactly.
+    bound passes :data:`BOUNDED_MAX_C` (large logits, or NaN).  A row that keeps
+    exactly one key (counted on the mask's partial tiles, which also name the key)
+    gets P = 1: out = v of that key, ``max`` = its score, ``log_norm`` =
+    :data:`ONE_KEY`.
 
     q2 [Sq, D] scaled queries; k, v [Sk, D]; knorm [nK]; writes out [Sq, D], rmax,
     rlog [Sq] on the rows of ``q_tiles``.
@@ -472,14 +473,12 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     codes = plan.codes_bh(b, h)
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)
     ones = np.ones(plan.bk, dtype=dt)
-    ibits = np.int32 if dt == np.float32 else np.int64
     pvbuf = np.empty(plan.bq * D, dtype=dt)
     qnorm = np.sqrt(np.einsum("id,id->i", q2, q2))                  # [Sq]
     Sq = q2.shape[0]
     done = np.zeros(Sq, dtype=bool)                 # rows finished here (bulk statistics)
-    bl, btop = np.empty(Sq, dtype=dt), np.empty(Sq, dtype=dt)
-    bseen = np.empty(Sq, dtype=bool)
-    redos: List[Tuple[Tuple[int, int, int], float]] = []
+    bl = np.empty(Sq, dtype=dt)
+    single = np.zeros(Sq, dtype=bool)               # rows keeping exactly one key
     for it in q_tiles:
         i0, i1 = plan.q_range(it)
         ni = i1 - i0
@@ -493,11 +492,11 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
         counts.skipped += plan.nk - len(tiles)
         qt = q2[i0:i1]                                                # [ni, D]
         l = np.zeros(ni, dtype=dt)                                    # sum of exp2(s)
-        # max of exp2(s) > 0, kept as its bits: an integer max of non-negative floats
-        # orders them like the floats and runs ~1.4x faster than np.maximum
-        top_bits = np.zeros(ni, dtype=ibits)
         acc = np.zeros((ni, D), dtype=dt)                             # P~·V
-        seen = np.zeros(ni, dtype=bool)                               # row kept some key
+        n_full = 0                                                    # keys of full tiles
+        n_part = np.zeros(ni, dtype=np.int64)                         # kept in partial ones
+        key_of = np.zeros(ni, dtype=np.int64)       # a row's key, where it keeps only one
+        pv = pvbuf[:ni * D].reshape(ni, D)
         for jt, code in tiles:
             j0, j1 = plan.k_range(jt)
             nj = j1 - j0
@@ -509,41 +508,46 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
                 # special-value path (~5x); |s| <= 64, so no overflow
                 ex = plan.excluded_t(b, h, i0, i1, j0, j1)
                 np.copyto(st, dt.type(0), where=ex)
-                seen |= ~np.logical_and.reduce(ex, axis=0)
+                if n_full < 2:        # else every row keeps >= 2 keys: no count needed
+                    # [ni] kept here (a uint8 sum: 4x faster than count_nonzero(axis=0))
+                    cnt = nj - np.add.reduce(ex.view(np.uint8), axis=0,
+                                             dtype=np.uint16 if nj < 65536 else np.int64)
+                    n_part += cnt
+                    sel = np.flatnonzero(cnt == 1)
+                    if sel.size:
+                        key_of[sel] = j0 + np.argmin(ex[:, sel], axis=0)
                 counts.partial += 1
             else:
-                seen[:] = True
+                n_full += nj
+                if nj == 1:
+                    key_of[:] = j0
                 counts.full += 1
             l += np.matmul(ones[:nj], st)                             # [ni]
-            pv = pvbuf[:ni * D].reshape(ni, D)
             np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
             acc += pv
-            np.maximum(top_bits, np.maximum.reduce(st.view(ibits), axis=0), out=top_bits)
-        top = top_bits.view(dt)                                       # [ni]
-        redo = seen & (l == top)                  # one key carries the row: exactly
-        empty = ~seen
-        np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
-        acc[empty] = 0
+        if n_full >= 2:                          # every row kept keys (>= 2)
+            acc /= l[:, None]
+            bl[i0:i1] = l
+        else:
+            kept = n_part + n_full
+            empty = kept == 0
+            np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
+            acc[empty] = 0
+            one = (kept == 1) & np.isfinite(l)    # one key: P = 1, out = its v exactly
+            if one.any():
+                acc[one] = v[key_of[one]]
+                single[i0:i1] = one
+            bl[i0:i1] = np.where(empty, 0, l)
         out[i0:i1] = acc
-        bl[i0:i1], btop[i0:i1], bseen[i0:i1] = l, top, seen
         done[i0:i1] = True
-        if redo.any():
-            redos += [((it, i0 + a, i0 + e), cmax) for a, e in _runs(redo)]
-    if done.any():          # statistics of all bounded rows at once: m2 = log2 max P~
+    if done.any():          # statistics of all bounded rows at once, from lse2 = log2 l
         rows = np.flatnonzero(done)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            m2 = np.log2(btop[rows].astype(np.float64))
-            l2 = np.log2(bl[rows].astype(np.float64)) - m2
-        np.maximum(l2, 0.0, out=l2)
-        seen_r = bseen[rows]
-        if not seen_r.all():
-            m2[~seen_r] = -np.inf
-            l2[~seen_r] = 0.0
-        mx, ln = export_base2(m2, l2, dt)
+        with np.errstate(divide="ignore"):
+            m2 = np.log2(bl[rows].astype(np.float64))               # -inf on empty rows
+        mx, ln = export_base2(m2, np.zeros_like(m2), dt, one_key=False)
+        ln[single[rows]] = ONE_KEY               # lse = max there: the key's own score
         rmax[rows] = mx
         rlog[rows] = ln
-    for block, cmax in redos:
-        counts.recomputed += exact([block], cmax).computed
     return counts
 
 
