@@ -271,32 +271,54 @@ def test_float64_stays_float64(qscale):
 # ------------------------------------------------------------------ the statistics
 @pytest.mark.parametrize("qscale", [1.0, 20.0, 1e3, 1e6 / 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_forward_statistics_are_row_max_and_log_normaliser(qscale, bias):
-    """max = the largest kept score (natural log), log_norm = log Σ exp(s - max) >= 0,
-    on every forward path (bounded, running max, natural units); -inf / 0 on empty rows."""
-    S = 80
-    q, k, v, _ = _data(13, S=S)
+def test_forward_statistics(qscale, bias):
+    """The forward's statistics on every path (bounded, running max, natural units):
+    ``P = exp((s - max) - log_norm)`` is the softmax, ``max + log_norm`` the lse,
+    ``log_norm >= 0``, -inf / 0 on empty rows.  Where the forward keeps a running max
+    (a bias, logits past the bounded path's 64), ``max`` is the row's largest score;
+    the bounded path (small logits, no bias) derives it from the sum (an upper bound
+    of the largest score by at most log Sk)."""
+    S, D = 80, 32
+    q, k, v, _ = _data(13, S=S, D=D)
     q = (q * qscale).astype(np.float32)
     keep = np.random.default_rng(1).random((S, S)) < 0.5
     keep[5] = False
+    keep[7] = False
+    keep[7, 3] = True                             # a row with one key
     b = (np.random.default_rng(2).standard_normal((1, 1, S, S)).astype(np.float32)
          if bias else None)
     mask = aa.KeepMask(keep)
     out, st = forward_with_stats(q, k, v, mask=mask, bias=b, backend="numpy")
-    _, rs = R.forward_stats(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                            mask=mask, bias=None if b is None else b.astype(np.float64))
+    f64 = lambda x: None if x is None else x.astype(np.float64)  # noqa: E731
+    _, rs = R.forward_stats(f64(q), f64(k), f64(v), mask=mask, bias=f64(b))
     assert st.max.dtype == np.float32 and st.log_norm.dtype == np.float32
     fin = np.isfinite(rs.max)
     assert np.array_equal(np.isfinite(st.max), fin)
     assert np.all(st.max[~fin] == -np.inf) and np.all(st.log_norm[~fin] == 0)
     assert np.all(st.log_norm >= 0)
-    scale = max(1.0, np.abs(rs.max[fin]).max())
-    # the row max to the rounding of the scores (the GEMM: eps·|q|·|k|)
-    bound = np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1)) / np.sqrt(32)
-    assert np.max(np.abs(st.max[fin] - rs.max[fin])) <= 4e-7 * max(scale, bound) + 1e-6
-    assert np.max(np.abs(st.log_norm[fin] - rs.log_norm[fin])) <= 4e-7 * bound + 1e-6
-    lse = st.max + st.log_norm
-    assert np.max(np.abs(lse[fin] - (rs.max + rs.log_norm)[fin])) <= 4e-7 * max(scale, bound) + 1e-6
+    # rounding scale of the scores: eps·|q|·|k|
+    bound = max(1.0, np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1))
+                / np.sqrt(D))
+    tol = 4e-7 * bound + 1e-6
+    lse, rlse = st.max.astype(np.float64) + st.log_norm, rs.max + rs.log_norm
+    assert np.max(np.abs(lse[fin] - rlse[fin])) <= tol
+    assert np.all(st.max[fin] >= rs.max[fin] - tol)
+    assert np.all(st.max[fin] <= rlse[fin] + tol)
+    # P from the statistics is the softmax
+    s = np.einsum("bhid,bhjd->bhij", f64(q), f64(k)) / np.sqrt(D)
+    if b is not None:
+        s = s + b
+    s = np.where(keep, s, -np.inf)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp((s - st.max[..., None].astype(np.float64)) - st.log_norm[..., None])
+        p_ref = np.exp((s - rs.max[..., None]) - rs.log_norm[..., None])
+    p, p_ref = np.where(fin[..., None], p, 0), np.where(fin[..., None], p_ref, 0)
+    assert np.max(np.abs(p - p_ref)) <= 2 * tol
+    assert np.all(st.log_norm[:, :, 7] == 0) and np.array_equal(st.max[:, :, 7], lse[:, :, 7])
+    tracks_max = bias or qscale * np.sqrt(D) * 1.5 > 64        # past the bounded path
+    if tracks_max:
+        assert np.max(np.abs(st.max[fin] - rs.max[fin])) <= tol
+        assert np.max(np.abs(st.log_norm[fin] - rs.log_norm[fin])) <= tol
 
 
 def test_given_global_lse_keeps_its_literal_meaning():
