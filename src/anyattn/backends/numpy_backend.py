@@ -3,8 +3,8 @@
 Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq/Sk
 queries/keys, D head dim.
 
-This module is the launch side: dtype/array-library conversion, the tile plan
-and a small thread schedule.  The tile math lives in
+This module is the launch side: dtype/array-library conversion, the tile plan,
+the row statistics' units and a small thread schedule.  The tile math lives in
 :mod:`anyattn.backends.numpy_tiles`.
 
 Work is split into units: (batch, query head, query tiles) for the forward and
@@ -12,12 +12,15 @@ Work is split into units: (batch, query head, query tiles) for the forward and
 (NumPy releases the GIL inside its loops and BLAS calls).  Every unit writes
 its own outputs (split key ranges get their own dq partials, added in unit
 order), so results are bitwise repeatable for a given thread count, whichever
-worker ran which unit.  While the workers run,
-OpenBLAS is held to one thread each (:mod:`anyattn.backends.blas_threads`).
+worker ran which unit.  The worker pool is shared by all calls and safe for
+any number of calling threads (each call has its own queue; the pool is only
+ever replaced under a lock); its default size is the number of CPUs this
+process may use (:func:`available_cpus`).  While the workers run, BLAS is held
+to one thread each (:mod:`anyattn.backends.blas_threads`, via threadpoolctl).
 
 Knobs: ``NumpyBackend.config`` (a frozen :class:`NumpyConfig`), or the
 environment variables ``ANYATTN_NUMPY_THREADS``, ``ANYATTN_NUMPY_BLOCK_Q``,
-``ANYATTN_NUMPY_BLOCK_K``.
+``ANYATTN_NUMPY_BLOCK_K``, ``ANYATTN_NUMPY_BLAS_LOCAL=0`` (leave BLAS threads alone).
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ class NumpyConfig:
     (:func:`available_cpus`: affinity mask and cgroup quota).
     Forward tiles ``fwd_bq x fwd_bk``, backward tiles ``bwd_bq x bwd_bk``.
     ``bounded``: use :func:`~anyattn.backends.numpy_tiles.forward_rows_bounded`
-    (no running max; exact fallback on underflow) for bias-free forwards.
+    (no running max where the logits are small) for bias-free forwards.
     """
 
     fwd_bq: int = 256
