@@ -13,7 +13,10 @@ uniform finite bias of -1e30 on a row absorbs ``log(Sk)`` entirely and makes eve
 gradient Sk× too large.  ``s - max`` is exact where it matters (Sterbenz) and
 ``log_norm`` is small, so P carries a relative error of a few ulps whatever |s| is.
 
-Conventions every backend follows: a row that keeps no key has ``max = -inf`` and
+``max`` is the row maximum of the kept scores, or (where a backend does not track it)
+a value at most a few units above it, with ``log_norm`` the matching remainder; either
+way the two define P exactly as above.  Conventions every backend follows: a row that
+keeps no key has ``max = -inf`` and
 ``log_norm = 0`` (so lse = -inf and P = 0); NaN in a row makes both NaN.
 
 A caller may still pass a plain lse to the backward (e.g. a row's global lse over more
@@ -51,8 +54,9 @@ def _xp(x):
 class RowStats:
     """Row statistics of a softmax (float32, float64 for float64 inputs).
 
-    max [B, Hq, Sq]: the largest kept score of each row (-inf on a row keeping none);
-    log_norm [B, Hq, Sq]: ``log Σ_kept exp(s - max)`` (>= 0; 0 on an empty row).
+    max [B, Hq, Sq]: the largest kept score of each row, or a bound a few units above
+    it (-inf on a row keeping none);
+    log_norm [B, Hq, Sq]: ``log Σ_kept exp(s - max)`` (0 on an empty row).
     """
 
     max: Any

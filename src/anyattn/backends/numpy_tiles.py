@@ -52,8 +52,11 @@ LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453    # ln(2)
 
 #: base-2 scores stay below this magnitude (log2 units); beyond it (and with any bias)
-#: the kernels work in natural units, where the row maximum needs no conversion.
-BASE2_LIMIT = 2.0 ** 20
+#: the kernels work in natural units, where the row maximum needs no conversion.  The
+#: statistics are stored in natural units, so a base-2 backward converts the row max
+#: back (max·log2e), which rounds at |max|·2⁻²⁴: kept below 2⁶ that is < 4e-6 in P
+#: (at 2²⁰ it was 6e-5 at logits of 1e3, 5x worse than one process in ring attention).
+BASE2_LIMIT = 64.0
 
 #: the bounded forward serves query tiles whose Cauchy-Schwarz bound c (log2 units) is at
 #: most this: exp2(s) then stays within [2⁻⁶⁴, 2⁶⁴] (no max to subtract, no overflow or
