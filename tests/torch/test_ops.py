@@ -42,9 +42,11 @@ def test_opcheck_forward(case):
 def test_opcheck_backward(grads):
     q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr = _fwd_cases()["window_bias"]
     q, k, v, bias = (x.detach() for x in (q, k, v, bias))
-    out, lse = torch.ops.anyattn.attention_fwd(q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr)
+    out, row_max, log_norm = torch.ops.anyattn.attention_fwd(q, k, v, bias, keep, qi, ki, lo,
+                                                             hi, sc, be, pr)
     dout = torch.randn_like(out)
-    args = (dout, q, k, v, out, lse, bias, keep, qi, ki, lo, hi, sc, be, pr, *grads)
+    args = (dout, q, k, v, out, row_max, log_norm, bias, keep, qi, ki, lo, hi, sc, be, pr,
+            *grads)
     torch.library.opcheck(torch.ops.anyattn.attention_bwd.default, args)
 
 
