@@ -24,6 +24,7 @@ import pytest
 import anyattn as aa
 from anyattn.backends.registry import unavailable_reason
 
+from helpers import magnitude_oracle as oracle, rel_to_terms, torch_math_sdpa as torch_math
 from helpers import to_np
 
 torch = pytest.importorskip("torch")
@@ -44,82 +45,6 @@ def _params():
                 continue
             out.append(pytest.param(name, dt, marks=marks, id=f"{name}-{dt}"))
     return out
-
-
-# ----------------------------------------------------------------------------- oracle
-def oracle(q, k, v, g, bias, scale, keep):
-    """Dense attention forward + backward in np.longdouble -> dict of float64 arrays."""
-    L = np.longdouble
-    q, k, v, g = (x.astype(L) for x in (q, k, v, g))
-    G = q.shape[1] // k.shape[1]
-    ke, ve = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, ke) * L(scale)
-    if bias is not None:
-        s = s + bias.astype(L)
-    s = np.where(keep, s, L(-np.inf))
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - m)
-    tot = e.sum(axis=-1, keepdims=True)
-    p = e / tot
-    out = np.einsum("bhij,bhjd->bhid", p, ve)
-    lse = (m + np.log(tot))[..., 0]
-    dp = np.einsum("bhid,bhjd->bhij", g, ve)
-    delta = (g * out).sum(-1, keepdims=True)
-    ds = p * (dp - delta)
-    B, Hkv, Sk, D = k.shape
-    res = dict(out=out, lse=lse,
-               dq=L(scale) * np.einsum("bhij,bhjd->bhid", ds, ke),
-               dk=(L(scale) * np.einsum("bhij,bhid->bhjd", ds, q)).reshape(
-                   B, Hkv, G, Sk, D).sum(2),
-               dv=np.einsum("bhij,bhid->bhjd", p, g).reshape(B, Hkv, G, Sk, D).sum(2))
-    red = None if bias is None else tuple(a for a in range(4) if bias.shape[a] == 1)
-    if bias is not None:
-        res["dbias"] = ds.sum(axis=red, keepdims=True)
-    # the rounding scale of each sum (its absolute terms): dq of a one-hot row is ~0,
-    # so its error is judged against |dS|·|k| terms, not against max|dq|
-    ads = p * (np.abs(dp) + np.abs(delta))
-    mag = dict(out=np.einsum("bhij,bhjd->bhid", p, np.abs(ve)), lse=np.abs(lse),
-               dq=L(scale) * np.einsum("bhij,bhjd->bhid", ads, np.abs(ke)),
-               dk=L(scale) * np.einsum("bhij,bhid->bhjd", ads, np.abs(q)),
-               dv=np.einsum("bhij,bhid->bhjd", p, np.abs(g)))
-    if bias is not None:
-        mag["dbias"] = ads.sum(axis=red, keepdims=True)
-    return ({n: x.astype(np.float64) for n, x in res.items()},
-            {n: float(np.max(x)) if x.size else 0.0 for n, x in mag.items()})
-
-
-def torch_math(q, k, v, g, bias, scale, keep):
-    """PyTorch's math SDPA in the inputs' precision -> dict of float64 arrays."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
-    mask = torch.zeros(keep.shape, dtype=tq.dtype).masked_fill(
-        torch.from_numpy(~keep), float("-inf"))
-    tb = None
-    if bias is not None:
-        tb = torch.from_numpy(bias.copy()).requires_grad_()
-        mask = mask + tb
-    G = q.shape[1] // k.shape[1]
-    with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, attn_mask=mask, scale=scale, enable_gqa=G > 1)
-    out.backward(torch.from_numpy(g.copy()))
-    ke = tk.detach().repeat_interleave(G, 1)
-    s = (tq.detach() @ ke.transpose(-1, -2)) * scale + mask.detach()
-    res = dict(out=out, lse=torch.logsumexp(s, -1), dq=tq.grad, dk=tk.grad, dv=tv.grad)
-    if bias is not None:
-        res["dbias"] = tb.grad
-    return {n: x.detach().double().numpy() for n, x in res.items()}
-
-
-def rel(got, ref, magnitude: float = 0.0) -> float:
-    """max|got - ref| / max(max|ref|, magnitude of the terms behind ref)."""
-    got = np.asarray(to_np(got), np.float64)
-    scale = max(np.max(np.abs(ref)) if ref.size else 0.0, magnitude)
-    d = np.max(np.abs(got - ref)) if ref.size else 0.0
-    if np.isnan(d):
-        return float("inf")
-    return float(d / scale) if scale > 0 else float(d)
 
 
 # ------------------------------------------------------------------------------ cases
@@ -185,7 +110,7 @@ def test_error_no_worse_than_torch_math(backend, dt, case, given):
         got["dbias"] = gr.dbias
     report = []
     for n, x in got.items():
-        e, et = rel(x, ref[n], mag[n]), rel(yard[n], ref[n], mag[n])
+        e, et = rel_to_terms(to_np(x), ref[n], mag[n]), rel_to_terms(yard[n], ref[n], mag[n])
         report.append((n, e, et))
     bad = [(n, e, et) for n, e, et in report if not e <= max(3 * et, FLOOR[dt])]
     assert not bad, "errors vs extended precision (ours, torch math): " + ", ".join(
@@ -255,4 +180,4 @@ if os.environ.get("ANYATTN_PRINT_MAGNITUDES"):      # pragma: no cover - a repor
             q, k, v, g, bias, scale, keep, mask = _case(case, "float32", rng)
             ref, mag = oracle(q, k, v, g, bias, scale, keep)
             yard = torch_math(q, k, v, g, bias, scale, keep)
-            print(case, {n: f"{rel(yard[n], ref[n], mag[n]):.1e}" for n in yard})
+            print(case, {n: f"{rel_to_terms(yard[n], ref[n], mag[n]):.1e}" for n in yard})

@@ -22,6 +22,8 @@ import pytest
 import anyattn as aa
 from anyattn import reference as R
 
+from helpers import magnitude_oracle as oracle, rel_to_terms as rel, torch_math_sdpa as torch_math
+
 torch = pytest.importorskip("torch")
 
 F32_MIN = float(np.finfo(np.float32).min)
@@ -30,92 +32,6 @@ SHAPE = (1, 2, 1, 37, 70, 16)      # B, Hq, Hkv, Sq, Sk, D: 3 key tiles, 2 query
 
 
 # ----------------------------------------------------------------------------- oracle
-def oracle(q, k, v, g, bias, scale, keep):
-    """Dense forward + backward in np.longdouble -> (results, magnitudes) in float64.
-
-    Magnitudes: the largest sum of absolute terms behind an entry of each result (the
-    rounding scale of a sum whose terms cancel)."""
-    L = np.longdouble
-    q, k, v, g = (x.astype(L) for x in (q, k, v, g))
-    G = q.shape[1] // k.shape[1]
-    ke, ve = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, ke) * L(scale)
-    if bias is not None:
-        s = s + bias.astype(L)
-    s = np.where(keep, s, L(-np.inf))
-    m = s.max(axis=-1, keepdims=True)
-    empty = ~np.isfinite(m)
-    ms = np.where(empty, L(0), m)
-    e = np.exp(s - ms)
-    tot = e.sum(axis=-1, keepdims=True)
-    p = np.where(empty, L(0), e / np.where(empty, L(1), tot))
-    out = np.einsum("bhij,bhjd->bhid", p, ve)
-    lse = np.where(empty, L(-np.inf), ms + np.log(np.where(empty, L(1), tot)))[..., 0]
-    dp = np.einsum("bhid,bhjd->bhij", g, ve)
-    delta = (g * out).sum(-1, keepdims=True)
-    ds = p * (dp - delta)
-    B, Hkv, Sk, D = k.shape
-    res = dict(out=out, lse=lse,
-               dq=L(scale) * np.einsum("bhij,bhjd->bhid", ds, ke),
-               dk=(L(scale) * np.einsum("bhij,bhid->bhjd", ds, q)).reshape(
-                   B, Hkv, G, Sk, D).sum(2),
-               dv=np.einsum("bhij,bhid->bhjd", p, g).reshape(B, Hkv, G, Sk, D).sum(2))
-    ads = p * (np.abs(dp) + np.abs(delta))
-    mag = dict(out=np.einsum("bhij,bhjd->bhid", p, np.abs(ve)),
-               lse=np.abs(np.where(np.isfinite(lse), lse, L(0))),
-               dq=L(scale) * np.einsum("bhij,bhjd->bhid", ads, np.abs(ke)),
-               dk=L(scale) * np.einsum("bhij,bhid->bhjd", ads, np.abs(q)),
-               dv=np.einsum("bhij,bhid->bhjd", p, np.abs(g)))
-    if bias is not None:
-        red = tuple(a for a in range(4) if bias.shape[a] == 1)
-        res["dbias"] = ds.sum(axis=red, keepdims=True)
-        mag["dbias"] = ads.sum(axis=red, keepdims=True)
-    return ({n: x.astype(np.float64) for n, x in res.items()},
-            {n: float(np.max(x)) if x.size else 0.0 for n, x in mag.items()})
-
-
-def torch_math(q, k, v, g, bias, scale, keep):
-    """PyTorch's math SDPA in the inputs' precision -> dict of float64 arrays."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
-    mask = torch.zeros(keep.shape, dtype=tq.dtype).masked_fill(
-        torch.from_numpy(~keep), float("-inf"))
-    tb = None
-    if bias is not None:
-        tb = torch.from_numpy(bias.copy()).requires_grad_()
-        mask = mask + tb
-    G = q.shape[1] // k.shape[1]
-    with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, attn_mask=mask, scale=scale, enable_gqa=G > 1)
-    out.backward(torch.from_numpy(g.copy()))
-    ke = tk.detach().repeat_interleave(G, 1)
-    s = (tq.detach() @ ke.transpose(-1, -2)) * scale + mask.detach()
-    res = dict(out=out, lse=torch.logsumexp(s, -1), dq=tq.grad, dk=tk.grad, dv=tv.grad)
-    if bias is not None:
-        res["dbias"] = tb.grad
-    return {n: x.detach().double().numpy() for n, x in res.items()}
-
-
-def rel(got, ref, magnitude: float = 0.0) -> float:
-    """max|got - ref| / max(max|ref|, magnitude) over entries where ref is finite;
-    got must be -inf exactly where ref is (empty rows' lse)."""
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    fin = np.isfinite(ref)
-    if not np.array_equal(np.isfinite(got) | np.isnan(got), fin | np.isnan(got)) or \
-            not np.array_equal(got[~fin], ref[~fin]):
-        return float("inf")
-    if not fin.any():
-        return 0.0
-    d = np.max(np.abs(got[fin] - ref[fin]))
-    if np.isnan(d):
-        return float("inf")
-    scale = max(float(np.max(np.abs(ref[fin]))), magnitude)
-    return float(d / scale) if scale > 0 else float(d)
-
-
 # ------------------------------------------------------------------------------ cases
 def make_case(name, rng, shape=SHAPE):
     """-> (q, k, v, g, bias or None, scale, keep [B, Hq, Sq, Sk] bool, mask or None)."""
