@@ -152,6 +152,13 @@ def problem(kind, L, rng, B=1, Hq=2, Hkv=1, S=24, D=16):
         q = rng.integers(-3, 4, q.shape).astype(np.float64)
         k = rng.integers(-3, 4, k.shape).astype(np.float64)
         bias = np.repeat(np.where(rng.random((B, Hq, S, 1)) < 0.5, -L, L), S, -1)
+    elif kind == "exact_common":
+        # no bias: integer q, k sharing a large first component a (a^2 / 4 ~ L), the rest
+        # in -3..3: exact scores L + O(1), rows far from one-hot
+        a = np.round(np.sqrt(4 * L))
+        q = rng.integers(-3, 4, q.shape).astype(np.float64)
+        k = rng.integers(-3, 4, k.shape).astype(np.float64)
+        q[..., 0], k[..., 0] = a, a
     elif kind == "scaled":                       # |s| ~ L: rows nearly one-hot
         q, k = q * np.sqrt(L), k * np.sqrt(L)
     elif kind == "uniform_bias":                 # 40 % of the rows: bias L on every key
@@ -168,11 +175,11 @@ def problem(kind, L, rng, B=1, Hq=2, Hkv=1, S=24, D=16):
 # ----------------------------------------------------------------------------- 3x torch
 @needs_triton
 @pytest.mark.parametrize("kind, L", [
-    ("exact_offset", 1e3), ("exact_offset", 1e6),
+    ("exact_offset", 1e3), ("exact_offset", 1e6), ("exact_common", 1e3), ("exact_common", 1e6),
     ("uniform_bias", -1e12), ("uniform_bias", -1e30), ("uniform_bias", F32_MIN),
     ("scaled", 1e3), ("scaled", 1e6), ("single_key", 1e6)],
-    ids=["exact1e3", "exact1e6", "bias-1e12", "bias-1e30", "bias_f32min", "scaled1e3",
-         "scaled1e6", "onekey1e6"])
+    ids=["exact1e3", "exact1e6", "common1e3", "common1e6", "bias-1e12", "bias-1e30",
+         "bias_f32min", "scaled1e3", "scaled1e6", "onekey1e6"])
 def test_fp32_any_magnitude_within_3x_torch_math(kind, L):
     """fp32 (default scaled-fp16 products): out, lse, dq, dk, dv, dbias at logits up to
     1e6 and finite bias rows down to finfo.min, GQA, against float64 — no worse than 3x

@@ -137,6 +137,12 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
         else:
             p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
+            if dp == 64 and dtype != "float32":
+                # the kernels with the row statistics kept apart (H200 2026-12-03, B=4
+                # H=32 S=4096 bf16, ms non-causal / causal): fwd 128x64 w8 s3 1.37 / 0.76
+                # vs 1.41 / 0.89 at 64x64 w4 s3; dK/dV 64x64 w4 s3 4.17 / 2.41 (with the
+                # dQ) vs 4.30 / 2.59 at 64x128 w8 s3
+                p = replace(p, fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 64, 4, 3))
     elif dp <= 128:
         if wide and prec == "f16x3":
             p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 1),
