@@ -24,12 +24,13 @@ def _configs():
     }
 
 
-def _pair(cfg):
+def _pair(cfg, build=None):
+    """(eager model, anyattn model) with the same weights; ``build(cfg, attn_implementation=)``
+    makes one (default: AutoModelForCausalLM.from_config)."""
+    build = build or transformers.AutoModelForCausalLM.from_config
     torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
-                                                          attn_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
-                                                         attn_implementation="anyattn")
+    eager = build(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = build(copy.deepcopy(cfg), attn_implementation="anyattn")
     ours.load_state_dict(eager.state_dict())
     assert ours.config._attn_implementation == "anyattn"
     assert eager.config._attn_implementation == "eager"
@@ -263,12 +264,7 @@ def test_t5_position_bias_matches_eager():
     cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
                                 pad_token_id=0)
-    torch.manual_seed(0)
-    eager = transformers.T5ForConditionalGeneration._from_config(copy.deepcopy(cfg),
-                                                                 attn_implementation="eager")
-    ours = transformers.T5ForConditionalGeneration._from_config(copy.deepcopy(cfg),
-                                                                attn_implementation="anyattn")
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = _pair(cfg, transformers.T5ForConditionalGeneration._from_config)
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(1, 97, (2, 9), generator=g)
     am = torch.ones_like(ids)
