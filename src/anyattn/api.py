@@ -87,12 +87,20 @@ def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
     """[B, H, S, D] inputs -> (out, RowStats): the forward with its row statistics
     kept apart, for callers that pass them on to :func:`attention_backward` (the
     torch autograd and ring attention do)."""
+    out, stats, _ = _forward(q, k, v, mask, bias, scale, backend, precision, q_offset,
+                             k_offset)
+    return out, stats
+
+
+def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset):
+    """Validate, dispatch, run -> (out, RowStats, Problem); inputs in [B, H, S, D]."""
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
                  q_offset=q_offset, k_offset=k_offset)
     be = choose(p, backend)
     if p.is_empty:
-        return _zeros_like(q), _empty_stats(q, p)
-    return be.forward(p, q, k, v, _bias4(bias, p))
+        return _zeros_like(q), _empty_stats(q, p), p
+    out, stats = be.forward(p, q, k, v, _bias4(bias, p))
+    return out, stats, p
 
 
 def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
@@ -110,13 +118,8 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     """
     _check_layout(layout)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
-    p = describe(qb, kb, vb, mask=mask, bias=bias, scale=scale, precision=precision,
-                 q_offset=q_offset, k_offset=k_offset)
-    be = choose(p, backend)
-    if p.is_empty:
-        out, stats = _zeros_like(qb), _empty_stats(qb, p)
-    else:
-        out, stats = be.forward(p, qb, kb, vb, _bias4(bias, p))
+    out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
+                             k_offset)
     out = _to_bhsd(out, layout)
     return (out, _lse_out(stats, p)) if return_lse else out
 
@@ -143,8 +146,11 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
 
     -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D],
     dbias in the bias's own shape), None for what ``wrt`` (a subset of
-    'q', 'k', 'v', 'bias') leaves out.  ``out``/``lse`` from the forward may be
-    passed; otherwise they are recomputed.
+    'q', 'k', 'v', 'bias'; None is a TypeError) leaves out.  ``out``/``lse`` from the
+    forward may be passed; otherwise they are recomputed.  ``lse`` is a [B, Hq, Sq] array
+    (it defines ``P = exp(s - lse)``; one whose magnitude reaches 64 is refined by
+    recomputed row statistics, one extra forward pass, see :mod:`anyattn.rowstats`) or
+    a :class:`RowStats` from :func:`forward_with_stats`.
     """
     _check_layout(layout)
     if dout is None:
