@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from anyattn.modifiers import NO_MODS
 import anyattn  # noqa: E402
 import anyattn.torch as at  # noqa: E402
 from anyattn import Causal  # noqa: E402
@@ -103,8 +104,8 @@ def variants(q, k, v, g, causal, backend):
     be = choose(p, backend)
 
     def kernel():
-        out, lse = be.forward(p, q, k, v, None)
-        be.backward(p, q, k, v, g, out, lse, None)
+        out, lse = be.forward(p, q, k, v, None, NO_MODS)
+        be.backward(p, q, k, v, g, out, lse, None, NO_MODS)
 
     def sdpa():
         for x in (qg, kg, vg):

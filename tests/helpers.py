@@ -63,7 +63,7 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = 1.0 / np.sqrt(D) if scale is None else scale
-    s, _, kexp, vexp = R._scores(q, k, v, mask, b, scale, q_offset, k_offset)
+    s, _, kexp, vexp, _ = R._scores(q, k, v, mask, b, scale, q_offset, k_offset)
     p, _ = R._softmax(s)
     out = np.einsum("bhij,bhjd->bhid", p, vexp)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)

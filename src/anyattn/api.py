@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 from .arrays import array_kind
 from .backends.registry import choose
 from .masks import Mask
+from .modifiers import ScoreMods
 from .problem import Problem, describe
 from .reference import Gradients
 from .rowstats import RowStats, needs_refine, refine
@@ -51,8 +52,9 @@ def _zeros_like(x, shape=None, dtype=None):
     return np.zeros(shape if shape is not None else x.shape, dtype=dtype or x.dtype)
 
 
-def _empty_stats(q, p: Problem) -> RowStats:
-    """Statistics of rows that keep no key: max = -inf, log_norm = 0."""
+def _empty_stats(q, p: Problem, mods: ScoreMods) -> RowStats:
+    """Statistics of rows that keep no key: max = -inf (the sink, with sinks),
+    log_norm = 0."""
     import numpy as np
 
     shape = (p.batch, p.heads_q, p.seq_q)
@@ -60,10 +62,22 @@ def _empty_stats(q, p: Problem) -> RowStats:
         import torch
 
         dt = torch.float64 if p.dtype == "float64" else torch.float32
-        return RowStats(torch.full(shape, float("-inf"), dtype=dt, device=q.device),
-                        torch.zeros(shape, dtype=dt, device=q.device))
+        mx = torch.full(shape, float("-inf"), dtype=dt, device=q.device)
+        if mods.sinks is not None:
+            mx = mods.sinks.to(dt).reshape(1, -1, 1).expand(shape).clone()
+        return RowStats(mx, torch.zeros(shape, dtype=dt, device=q.device))
     dt = np.float64 if p.dtype == "float64" else np.float32
-    return RowStats(np.full(shape, -np.inf, dtype=dt), np.zeros(shape, dtype=dt))
+    mx = np.full(shape, -np.inf, dtype=dt)
+    if mods.sinks is not None:
+        mx[...] = mods.sinks.astype(dt).reshape(1, -1, 1)
+    return RowStats(mx, np.zeros(shape, dtype=dt))
+
+
+def _mods(p: Problem, alibi_slopes, sinks) -> ScoreMods:
+    """The validated modifier arrays; slopes as a [Ba, Hq] view."""
+    if alibi_slopes is not None and alibi_slopes.ndim == 1:
+        alibi_slopes = alibi_slopes.reshape(p.alibi_shape)
+    return ScoreMods(alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def _lse_out(stats: RowStats, p: Problem):
@@ -83,30 +97,35 @@ def _lse_out(stats: RowStats, p: Problem):
 def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                        scale: Optional[float] = None, backend: Optional[str] = None,
                        precision: Optional[str] = None, q_offset: int = 0,
-                       k_offset: int = 0):
+                       k_offset: int = 0, softcap: Optional[float] = None,
+                       alibi_slopes=None, sinks=None):
     """[B, H, S, D] inputs -> (out, RowStats): the forward with its row statistics
     kept apart, for callers that pass them on to :func:`attention_backward` (the
-    torch autograd and ring attention do)."""
+    torch autograd and ring attention do).  With sinks the statistics include them."""
     out, stats, _ = _forward(q, k, v, mask, bias, scale, backend, precision, q_offset,
-                             k_offset)
+                             k_offset, softcap, alibi_slopes, sinks)
     return out, stats
 
 
-def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset):
+def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
+             softcap=None, alibi_slopes=None, sinks=None):
     """Validate, dispatch, run -> (out, RowStats, Problem); inputs in [B, H, S, D]."""
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
-                 q_offset=q_offset, k_offset=k_offset)
+                 q_offset=q_offset, k_offset=k_offset, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
     be = choose(p, backend)
+    mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:
-        return _zeros_like(q), _empty_stats(q, p), p
-    out, stats = be.forward(p, q, k, v, _bias4(bias, p))
+        return _zeros_like(q), _empty_stats(q, p, mods), p
+    out, stats = be.forward(p, q, k, v, _bias4(bias, p), mods)
     return out, stats, p
 
 
 def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
               return_lse: bool = False, backend: Optional[str] = None,
               precision: Optional[str] = None, layout: str = "bhsd",
-              q_offset: int = 0, k_offset: int = 0):
+              q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
+              alibi_slopes=None, sinks=None):
     """Scaled dot-product attention.
 
     q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> out [B, Hq, Sq, D] (and lse
@@ -114,12 +133,18 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     Causal / Window / KeepMask / Documents, composed with ``&``; ``bias``:
     additive, broadcastable to [B, Hq, Sq, Sk].  A query that keeps no key
     gets out = 0 and lse = -inf.  ``q_offset``/``k_offset``: global positions
-    of the first query/key for the Causal/Window terms.
+    of the first query/key for the Causal/Window terms and ALiBi.
+
+    Score modifiers (:mod:`anyattn.modifiers`): ``softcap`` c > 0 caps the scaled
+    score to ``c·tanh(s / c)`` before bias, ALiBi and masks; ``alibi_slopes`` [Hq] or
+    [B, Hq] subtracts ``slope·|i' − j'|`` (bottom-right aligned positions);
+    ``sinks`` [Hq] adds ``exp(sinks[h])`` to every row's softmax denominator (lse
+    includes it; a row keeping no key then has lse = sinks[h]).
     """
     _check_layout(layout)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
-                             k_offset)
+                             k_offset, softcap, alibi_slopes, sinks)
     out = _to_bhsd(out, layout)
     return (out, _lse_out(stats, p)) if return_lse else out
 
@@ -141,12 +166,15 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                        bias=None, scale: Optional[float] = None,
                        wrt: Iterable[str] = ("q", "k", "v"), backend: Optional[str] = None,
                        precision: Optional[str] = None, layout: str = "bhsd",
-                       q_offset: int = 0, k_offset: int = 0) -> Gradients:
+                       q_offset: int = 0, k_offset: int = 0,
+                       softcap: Optional[float] = None, alibi_slopes=None,
+                       sinks=None) -> Gradients:
     """Gradients of ``sum(attention(q, k, v, ...) * dout)``.
 
     -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D],
-    dbias in the bias's own shape), None for what ``wrt`` (a subset of
-    'q', 'k', 'v', 'bias'; None is a TypeError) leaves out.  ``out``/``lse`` from the
+    dbias in the bias's own shape, dsinks [Hq]), None for what ``wrt`` (a subset of
+    'q', 'k', 'v', 'bias', 'sinks'; None is a TypeError) leaves out.  The score
+    modifiers are those of :func:`attention` and must match the forward's.  ``out``/``lse`` from the
     forward may be passed; otherwise they are recomputed.  ``lse`` is a [B, Hq, Sq] array
     (it defines ``P = exp(s - lse)``; one whose magnitude reaches 64 is refined by
     recomputed row statistics, one extra forward pass, see :mod:`anyattn.rowstats`) or
@@ -161,27 +189,31 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
         _check_stats(given)
         lse = given.max
     p = describe(qb, kb, vb, dout=gb, out=ob, lse=lse, mask=mask, bias=bias, scale=scale,
-                 precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset)
+                 precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset,
+                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     be = choose(p, backend)
+    mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:
         res = {"dq": _zeros_like(qb), "dk": _zeros_like(kb), "dv": _zeros_like(vb),
-               "dbias": None if bias is None else _zeros_like(bias)}
+               "dbias": None if bias is None else _zeros_like(bias),
+               "dsinks": None if sinks is None else _zeros_like(sinks)}
     else:
         b4 = _bias4(bias, p)
         if ob is None:
-            ob, stats = be.forward(p, qb, kb, vb, b4)
+            ob, stats = be.forward(p, qb, kb, vb, b4, mods)
         elif given is not None:
             stats = given
         elif needs_refine(lse):
-            stats = refine(lse, be.forward(p, qb, kb, vb, b4)[1])
+            stats = refine(lse, be.forward(p, qb, kb, vb, b4, mods)[1])
         else:
             stats = RowStats.from_lse(lse)
-        res = be.backward(p, qb, kb, vb, gb, ob, stats, b4)
+        res = be.backward(p, qb, kb, vb, gb, ob, stats, b4, mods)
     dq = res.get("dq") if "q" in p.wrt else None
     dk = res.get("dk") if "k" in p.wrt else None
     dv = res.get("dv") if "v" in p.wrt else None
     db = res.get("dbias") if "bias" in p.wrt else None
     if db is not None and tuple(db.shape) != tuple(bias.shape):
         db = db.reshape(bias.shape)
+    ds = res.get("dsinks") if "sinks" in p.wrt else None
     return Gradients(dq=_to_bhsd(dq, layout), dk=_to_bhsd(dk, layout),
-                     dv=_to_bhsd(dv, layout), dbias=db)
+                     dv=_to_bhsd(dv, layout), dbias=db, dsinks=ds)

@@ -9,6 +9,7 @@ argument, what was given, what was expected and the remedy.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterable, Optional, Tuple
@@ -22,7 +23,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: "highest": fp32 inputs computed to <= 1e-5 relative error (IEEE or 3xTF32);
 #: "tf32": explicit opt-in to single-pass TF32 tensor cores for fp32 inputs.
 PRECISIONS = ("highest", "tf32")
-GRAD_NAMES = ("q", "k", "v", "bias")
+GRAD_NAMES = ("q", "k", "v", "bias", "sinks")
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +47,23 @@ class Problem:
     wrt: FrozenSet[str]     # gradients asked for (backward); empty for forward
     q_offset: int = 0
     k_offset: int = 0
+    softcap: Optional[float] = None                 # c > 0: s = c·tanh(scale·qk / c)
+    alibi_shape: Optional[Tuple[int, int]] = None   # (Ba, Hq), Ba in {1, B}
+    alibi_dtype: Optional[str] = None
+    sinks_dtype: Optional[str] = None               # None: no sinks; else sinks [Hq]
+
+    @property
+    def has_alibi(self) -> bool:
+        return self.alibi_shape is not None
+
+    @property
+    def has_sinks(self) -> bool:
+        return self.sinks_dtype is not None
+
+    @property
+    def has_modifiers(self) -> bool:
+        """softcap, ALiBi or sinks present."""
+        return self.softcap is not None or self.has_alibi or self.has_sinks
 
     @property
     def group(self) -> int:
@@ -157,10 +175,49 @@ def _broadcast4(name: str, shape: Tuple[int, ...], target: Tuple[int, int, int, 
     return s4
 
 
+def _check_softcap(softcap) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        _fail(TypeError, f"softcap: expected a positive float or None, got "
+                         f"{type(softcap).__name__}")
+    c = float(softcap)
+    if not math.isfinite(c) or c <= 0:
+        _fail(ValueError, f"softcap: {c} is not a positive finite float; expected c > 0 "
+                          "(scores become c·tanh(s / c)), or None for no capping")
+    return c
+
+
+def _check_mod_array(name: str, x, kind: str, dt: str, dev: str,
+                     shapes: Tuple[Tuple[int, ...], ...], legend: str) -> Tuple[int, ...]:
+    """alibi_slopes / sinks: the caller's library, q's device, q's dtype or float32,
+    one of ``shapes``."""
+    xk = array_kind(x)
+    if xk is None:
+        _fail(TypeError, f"{name}: expected a {kind} array {legend}, got {type(x).__name__}")
+    if xk != kind:
+        _fail(TypeError, f"{name}: is a {xk} array but q is a {kind} array; pass all "
+                         "inputs from the same library")
+    _check_plain(name, x)
+    xdt = dtype_name(x)
+    if xdt not in (dt, "float32"):
+        want = "float32" if dt == "float32" else f"q's dtype {dt} or float32"
+        _fail(TypeError, f"{name}: dtype {xdt}; expected {want}")
+    if device_name(x) != dev:
+        _fail(ValueError, f"{name}: is on {device_name(x)} but q is on {dev}; move it to "
+                          "q's device")
+    shape = tuple(int(n) for n in x.shape)
+    if shape not in shapes:
+        _fail(ValueError, f"{name}: shape {shape}; expected {legend} = "
+                          + " or ".join(str(list(s)) for s in shapes))
+    return shape
+
+
 def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = None,
              bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
              wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
-             k_offset: int = 0) -> Problem:
+             k_offset: int = 0, softcap: Optional[float] = None, alibi_slopes=None,
+             sinks=None) -> Problem:
     """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem.
 
     ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
@@ -203,7 +260,7 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
                               f"{tuple(q.shape)}; expected [B, Hq, Sq, D]")
     if dout is not None and wrt is None:
         _fail(TypeError, "wrt=None: name the gradients to compute, e.g. wrt=('q', 'k', 'v') "
-                         "(the default) or any subset of ('q', 'k', 'v', 'bias')")
+                         "(the default) or any subset of ('q', 'k', 'v', 'bias', 'sinks')")
     if lse is not None:
         if array_kind(lse) != kind:
             _fail(TypeError, f"lse: expected a {kind} array, got {type(lse).__name__}")
@@ -250,6 +307,17 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
                               f"inputs are computed in (|scale| <= {limit:.6g}); expected a "
                               "finite float (default 1/sqrt(D))")
 
+    softcap = _check_softcap(softcap)
+    alibi_shape = alibi_dtype = sinks_dtype = None
+    if alibi_slopes is not None:
+        sh = _check_mod_array("alibi_slopes", alibi_slopes, kind, dt, dev,
+                              ((Hq,), (B, Hq)), "[Hq] or [B, Hq]")
+        alibi_shape = (1, Hq) if len(sh) == 1 else (B, Hq)
+        alibi_dtype = dtype_name(alibi_slopes)
+    if sinks is not None:
+        _check_mod_array("sinks", sinks, kind, dt, dev, ((Hq,),), "[Hq]")
+        sinks_dtype = dtype_name(sinks)
+
     if precision is None:
         precision = "highest"
     if precision not in PRECISIONS:
@@ -265,9 +333,12 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
         if bad:
             _fail(ValueError, f"wrt: {bad} not understood; expected a subset of {GRAD_NAMES}")
         if not wrt_list:
-            _fail(ValueError, "wrt: is empty; ask for at least one of 'q', 'k', 'v', 'bias'")
+            _fail(ValueError, "wrt: is empty; ask for at least one of "
+                              f"{', '.join(repr(n) for n in GRAD_NAMES)}")
         if "bias" in wrt_list and bias is None:
             _fail(ValueError, "wrt: 'bias' was asked for but no bias was given")
+        if "sinks" in wrt_list and sinks is None:
+            _fail(ValueError, "wrt: 'sinks' was asked for but no sinks were given")
         wrt_set = frozenset(wrt_list)
 
     offsets = []
@@ -287,4 +358,5 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
     return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_k=Sk, head_dim=D,
                    dtype=dt, array_kind=kind, device=dev, scale=scale, mask=rmask,
                    bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
-                   wrt=wrt_set, q_offset=q_offset, k_offset=k_offset)
+                   wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,
+                   alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype)

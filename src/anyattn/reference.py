@@ -28,6 +28,7 @@ class Gradients(NamedTuple):
     dk: Optional[object] = None
     dv: Optional[object] = None
     dbias: Optional[object] = None
+    dsinks: Optional[object] = None
 
 
 def _f64(x):
@@ -43,25 +44,45 @@ def reduce_to_shape(x: np.ndarray, shape) -> np.ndarray:
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def _scores(q, k, v, mask, bias, scale, q_offset, k_offset):
-    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp)."""
+def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_slopes=None):
+    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th).
+
+    ``th`` = tanh(scale·qk / softcap) [B,Hq,Sq,Sk] (None without softcap): the backward
+    needs 1 − th²."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     kexp = np.repeat(k, G, axis=1)  # [B, Hq, Sk, D] (the oracle may expand)
     vexp = np.repeat(v, G, axis=1)
     s = scale * np.einsum("bhid,bhjd->bhij", q, kexp)
+    th = None
+    if softcap is not None:
+        th = np.tanh(s / softcap)
+        s = softcap * th
     if bias is not None:
         s = s + bias
+    if alibi_slopes is not None:
+        slopes = _f64(alibi_slopes)
+        slopes = slopes.reshape((-1, Hq, 1, 1))                  # [1 or B, Hq, 1, 1]
+        diag = Sk - Sq + q_offset - k_offset                    # i' - j' = i - j + diag
+        dist = np.abs(np.arange(Sq)[:, None] - np.arange(Sk)[None, :] + diag)
+        s = s - slopes * dist
     keep = resolve(mask, B, Hq, Sq, Sk, q_offset, k_offset).dense_keep(B, Hq)
     keep = np.broadcast_to(keep, s.shape)
     s = np.where(keep, s, -np.inf)
-    return s, keep, kexp, vexp
+    return s, keep, kexp, vexp, th
 
 
-def _softmax_stats(s):
+def _softmax_stats(s, sinks=None):
     """Row softmax -> (P, max, log_norm): P = 0, max = -inf, log_norm = 0 on rows with
-    no finite score; NaN rows give NaN.  P = exp((s - max) - log_norm), float64."""
+    no finite score; NaN rows give NaN.  P = exp((s - max) - log_norm), float64.
+    ``sinks`` [Hq]: one more term exp(sinks[h]) in each row's denominator (a column
+    of its own, left out of P)."""
+    if sinks is not None:
+        B, Hq, Sq, _ = s.shape
+        col = np.broadcast_to(_f64(sinks).reshape(1, Hq, 1, 1), (B, Hq, Sq, 1))
+        p, row_max, log_norm = _softmax_stats(np.concatenate([s, col], axis=-1))
+        return p[..., :-1], row_max, log_norm
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(invalid="ignore"):
@@ -87,36 +108,43 @@ def _softmax(s):
 
 
 def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
-            q_offset: int = 0, k_offset: int = 0):
+            q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
+            alibi_slopes=None, sinks=None):
     """-> (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in float64."""
-    q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
-    if scale is None:
-        scale = 1.0 / np.sqrt(q.shape[-1])
-    s, _, _, vexp = _scores(q, k, v, mask, bias, scale, q_offset, k_offset)
-    p, lse = _softmax(s)
-    return np.einsum("bhij,bhjd->bhid", p, vexp), lse
+    out, st = forward_stats(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset,
+                            k_offset=k_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks)
+    return out, st.max + st.log_norm
 
 
 def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
-                  scale: Optional[float] = None, q_offset: int = 0, k_offset: int = 0):
-    """-> (out [B, Hq, Sq, D], RowStats(max, log_norm) [B, Hq, Sq]) in float64."""
+                  scale: Optional[float] = None, q_offset: int = 0, k_offset: int = 0,
+                  softcap: Optional[float] = None, alibi_slopes=None, sinks=None):
+    """-> (out [B, Hq, Sq, D], RowStats(max, log_norm) [B, Hq, Sq]) in float64.
+
+    Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c, ``alibi_slopes``
+    [Hq] or [B, Hq], ``sinks`` [Hq] (in the statistics: lse includes the sink)."""
     q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    s, _, _, vexp = _scores(q, k, v, mask, bias, scale, q_offset, k_offset)
-    p, row_max, log_norm = _softmax_stats(s)
+    s, _, _, vexp, _ = _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
+                               alibi_slopes)
+    p, row_max, log_norm = _softmax_stats(s, sinks)
     return np.einsum("bhij,bhjd->bhid", p, vexp), RowStats(row_max, log_norm)
 
 
 def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
              scale: Optional[float] = None, wrt: Sequence[str] = ("q", "k", "v"),
              q_offset: int = 0, k_offset: int = 0, out=None, lse=None,
-             stats: Optional[RowStats] = None) -> Gradients:
-    """Gradients of sum(out * dout), float64; dk/dv summed over each query group.
+             stats: Optional[RowStats] = None, softcap: Optional[float] = None,
+             alibi_slopes=None, sinks=None) -> Gradients:
+    """Gradients of sum(out * dout), float64; dk/dv summed over each query group;
+    dsinks [Hq] (``wrt`` names 'sinks') summed over batch and queries.
 
     With ``out`` and ``lse`` or ``stats`` given (from a forward, possibly over more
     keys than these, as in ring attention) they define P = exp(s - lse) (with stats:
     exp((s - max) - log_norm)) and δ = <dout, out>; otherwise both are computed here.
+    With sinks, a given lse / stats must include the sink (as a forward returns them).
     """
     q, k, v, g, bias0 = _f64(q), _f64(k), _f64(v), _f64(dout), _f64(bias)
     B, Hq, Sq, D = q.shape
@@ -124,11 +152,13 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     G = Hq // Hkv
     if scale is None:
         scale = 1.0 / np.sqrt(D)
-    s, _, kexp, vexp = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset)
+    s, _, kexp, vexp, th = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset,
+                                   softcap, alibi_slopes)
     if lse is not None and stats is not None:
         raise ValueError("lse and stats: pass one of them, not both")
     if lse is None and stats is None:
-        p, _, _ = _softmax_stats(s)                      # [B, Hq, Sq, Sk]
+        p, row_max, log_norm = _softmax_stats(s, sinks)          # [B, Hq, Sq, Sk]
+        stats = RowStats(row_max, log_norm)
         out = np.einsum("bhij,bhjd->bhid", p, vexp)
     else:
         if stats is None:
@@ -142,17 +172,25 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
     delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>
     ds = p * (dp - delta)                                # dS = P ∘ (dP − δ)
+    dx = ds if th is None else ds * (1.0 - th * th)      # through c·tanh(x / c)
     res = {}
     if "q" in wrt:
-        res["dq"] = scale * np.einsum("bhij,bhjd->bhid", ds, kexp)
+        res["dq"] = scale * np.einsum("bhij,bhjd->bhid", dx, kexp)
     if "k" in wrt:
-        dk = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        dk = scale * np.einsum("bhij,bhid->bhjd", dx, q)
         res["dk"] = dk.reshape(B, Hkv, G, Sk, D).sum(axis=2)
     if "v" in wrt:
         dv = np.einsum("bhij,bhid->bhjd", p, g)
         res["dv"] = dv.reshape(B, Hkv, G, Sk, D).sum(axis=2)
     if "bias" in wrt:
         res["dbias"] = reduce_to_shape(ds, np.shape(bias0))
+    if "sinks" in wrt:
+        t = _f64(sinks).reshape(1, Hq, 1)
+        m = _f64(stats.max)
+        ln = _f64(stats.log_norm)
+        with np.errstate(invalid="ignore", over="ignore"):
+            p_sink = np.where(np.isfinite(m) & np.isfinite(t), np.exp((t - m) - ln), 0.0)
+        res["dsinks"] = -(p_sink * delta[..., 0]).sum(axis=(0, 2))
     return Gradients(**res)
 
 

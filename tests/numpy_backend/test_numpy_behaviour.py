@@ -7,6 +7,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from anyattn.modifiers import NO_MODS
 import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.numpy_backend import NumpyBackend, NumpyConfig
@@ -63,7 +64,7 @@ def test_torch_cpu_tensors_in_and_out():
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and lse.dtype == torch.float32
     gr = aa.attention_backward(tq, tk, tv, tg, mask=mask, bias=bias, out=out, lse=lse,
                                wrt=("q", "k", "v", "bias"), backend="numpy")
-    for x in gr:
+    for x in (gr.dq, gr.dk, gr.dv, gr.dbias):
         assert isinstance(x, torch.Tensor) and x.dtype == torch.float32
     # same numbers as the NumPy path, bit for bit
     nmask = aa.Causal() & aa.KeepMask(mask.terms[1].mask.numpy())
@@ -257,7 +258,7 @@ def test_instance_with_own_config():
     be = NumpyBackend(NumpyConfig(fwd_bq=8, fwd_bk=8, threads=1))
     q, k, v, _ = qkv(34, 1, 1, 1, 20, 20, 4)
     p = describe(q, k, v, mask=aa.Causal())
-    out, lse = be.forward(p, q, k, v, None)
+    out, lse = be.forward(p, q, k, v, None, NO_MODS)
     ro, rl = R.forward(q, k, v, mask=aa.Causal())
     assert rel_err(out, ro) < 1e-12
     assert be.last_counts["forward"].computed == 6

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from anyattn.modifiers import NO_MODS
 import anyattn as aa
 from anyattn.backends import blas_threads
 from anyattn.backends import numpy_backend as nb
@@ -28,9 +29,9 @@ def _problem(seed):
 def _call(be, q, k, v, g, bias, mask):
     """forward + backward on one backend instance: every result array."""
     p = describe(q, k, v, mask=mask, bias=bias)
-    out, st = be.forward(p, q, k, v, bias)
+    out, st = be.forward(p, q, k, v, bias, NO_MODS)
     pb = describe(q, k, v, dout=g, mask=mask, bias=bias, wrt=("q", "k", "v", "bias"))
-    r = be.backward(pb, q, k, v, g, out, st, bias)
+    r = be.backward(pb, q, k, v, g, out, st, bias, NO_MODS)
     return (out, st.max, st.log_norm, r["dq"], r["dk"], r["dv"], r["dbias"])
 
 
@@ -130,7 +131,7 @@ def test_worker_exception_leaves_no_worker_running(monkeypatch):
     q, k, v, _ = qkv(3, 1, 4, 1, 40, 40, 8)
     bias = np.zeros((1, 1, 40, 40))
     with pytest.raises(RuntimeError, match="tile failure"):
-        be.forward(describe(q, k, v, bias=bias), q, k, v, bias)
+        be.forward(describe(q, k, v, bias=bias), q, k, v, bias, NO_MODS)
     n = len(running)
     assert n >= 1 and len(running) == n            # nothing still running afterwards
 

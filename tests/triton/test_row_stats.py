@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from anyattn.modifiers import NO_MODS
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 from anyattn.backends.registry import unavailable_reason  # noqa: E402
@@ -364,7 +365,7 @@ def test_given_lse_keeps_its_literal_meaning():
     wrt = ("q", "k", "v", "bias")
     for lse in (st.lse, st.lse + float(np.log(3.0))):
         p = describe(qt, kt, vt, dout=gt, out=out, lse=lse, bias=bt, wrt=wrt)
-        got = be.backward(p, qt, kt, vt, gt, out, RowStats.from_lse(lse), bt)
+        got = be.backward(p, qt, kt, vt, gt, out, RowStats.from_lse(lse), bt, NO_MODS)
         f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
         rg = R.backward(f64(qt), f64(kt), f64(vt), f64(gt), bias=f64(bt), wrt=wrt,
                         out=f64(out), lse=f64(lse))
@@ -372,7 +373,7 @@ def test_given_lse_keeps_its_literal_meaning():
             ref = getattr(rg, n)
             assert np.abs(to_np(got[n]) - ref).max() <= 2e-6 * np.abs(ref).max(), n
     p = describe(qt, kt, vt, dout=gt, out=out, lse=st.lse, bias=bt, wrt=wrt)
-    a = be.backward(p, qt, kt, vt, gt, out, st, bt)
-    b = be.backward(p, qt, kt, vt, gt, out, RowStats.from_lse(st.lse), bt)
+    a = be.backward(p, qt, kt, vt, gt, out, st, bt, NO_MODS)
+    b = be.backward(p, qt, kt, vt, gt, out, RowStats.from_lse(st.lse), bt, NO_MODS)
     for n in ("dq", "dk", "dv", "dbias"):
         assert torch.allclose(a[n], b[n], rtol=0, atol=2e-6 * float(a[n].abs().max())), n

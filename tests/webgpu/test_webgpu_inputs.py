@@ -14,6 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from anyattn.modifiers import NO_MODS
 import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.webgpu import uniforms
@@ -28,11 +29,11 @@ def test_scale_overflowing_f32_is_named(be, scale):
     q, k, v, g = make_qkv(np.random.default_rng(0), 1, 1, 1, 4, 4, 8)
     p = dataclasses.replace(describe(q, k, v), scale=scale)   # past any API-level check
     with pytest.raises(ValueError, match=r"^scale: .*overflows float32"):
-        be.forward(p, q, k, v, None)
+        be.forward(p, q, k, v, None, NO_MODS)
     pb = dataclasses.replace(describe(q, k, v, dout=g, wrt=("q", "k", "v")), scale=scale)
     st = aa.RowStats(np.zeros((1, 1, 4), np.float32), np.zeros((1, 1, 4), np.float32))
     with pytest.raises(ValueError, match=r"^scale: "):
-        be.backward(pb, q, k, v, g, q, st, None)
+        be.backward(pb, q, k, v, g, q, st, None, NO_MODS)
 
 
 def test_scale_through_the_api_is_named(be):

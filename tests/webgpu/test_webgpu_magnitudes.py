@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from anyattn.modifiers import NO_MODS
 import anyattn as aa
 from anyattn import reference as R
 
@@ -186,8 +187,8 @@ def test_given_plain_lse_keeps_literal_meaning(be):
     p = describe(q, k, v, dout=g, wrt=("v",))
     b = get_backend("webgpu")
     a = b.backward(p, q, k, v, g, out, aa.RowStats.from_lse(lse + np.float32(np.log(3.0))),
-                   None)
-    c = b.backward(p, q, k, v, g, out, aa.RowStats.from_lse(lse), None)
+                   None, NO_MODS)
+    c = b.backward(p, q, k, v, g, out, aa.RowStats.from_lse(lse), None, NO_MODS)
     np.testing.assert_allclose(a["dv"], c["dv"] / 3.0, rtol=2e-6, atol=1e-7)
 
 
@@ -203,7 +204,7 @@ def test_forward_returns_row_stats(be):
     bias[0, 0, 0] = -1e30
     bias[0, 0, 2] = -np.inf
     p = describe(q, k, v, bias=bias)
-    _, st = get_backend("webgpu").forward(p, q, k, v, bias)
+    _, st = get_backend("webgpu").forward(p, q, k, v, bias, NO_MODS)
     assert st.max.dtype == np.float32 and st.log_norm.dtype == np.float32
     assert st.max[0, 0, 0] == np.float32(-1e30)
     np.testing.assert_allclose(st.log_norm[0, 0, 0], np.log(3.0), rtol=1e-6)

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
+from ..modifiers import ScoreMods
 from ..problem import Problem
 from ..rowstats import RowStats
 
@@ -35,6 +36,9 @@ class Capabilities:
     bias: bool = True
     bias_grad: bool = True
     gqa: bool = True
+    softcap: bool = False                  # score modifiers (anyattn.modifiers)
+    alibi: bool = False
+    sinks: bool = False                    # forward and dsinks
     auto: bool = True                      # may auto-dispatch pick it?
 
 
@@ -81,6 +85,12 @@ class Backend(ABC):
             why.append("does not compute the bias gradient")
         if p.group > 1 and not c.gqa:
             why.append("does not support GQA/MQA (Hq != Hkv)")
+        if p.softcap is not None and not c.softcap:
+            why.append("does not support softcap (logit soft-capping)")
+        if p.has_alibi and not c.alibi:
+            why.append("does not support alibi_slopes")
+        if p.has_sinks and not c.sinks:
+            why.append("does not support sinks (attention sinks)")
         return why + self.extra_reasons(p)
 
     def extra_reasons(self, p: Problem) -> List[str]:
@@ -89,23 +99,27 @@ class Backend(ABC):
 
     # -- work ---------------------------------------------------------------------
     @abstractmethod
-    def forward(self, p: Problem, q, k, v, bias) -> Tuple[Any, RowStats]:
+    def forward(self, p: Problem, q, k, v, bias, mods: ScoreMods) -> Tuple[Any, RowStats]:
         """-> (out [B, Hq, Sq, D] in q's dtype, RowStats of [B, Hq, Sq] float32/float64).
 
         The statistics keep the row maximum and the log-normaliser apart (see
-        :mod:`anyattn.rowstats`); their lse is what the public API returns.
+        :mod:`anyattn.rowstats`); their lse is what the public API returns.  With
+        sinks (``mods.sinks``) the statistics include the sink; ``p.softcap`` and
+        ``mods.alibi_slopes`` [Ba, Hq] modify the scores (:mod:`anyattn.modifiers`).
         """
 
     @abstractmethod
     def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats,
-                 bias) -> Dict[str, Any]:
-        """-> {'dq', 'dk', 'dv', 'dbias'} for the names in ``p.wrt`` (others None).
+                 bias, mods: ScoreMods) -> Dict[str, Any]:
+        """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'} for the names in ``p.wrt`` (others
+        None or absent).
 
         ``stats`` define ``P = exp((s - stats.max) - stats.log_norm)`` (P = 0 where
         ``stats.max`` is -inf); the bias is added to ``s`` before ``max`` is subtracted.
 
         dq [B, Hq, Sq, D]; dk, dv [B, Hkv, Sk, D] (summed over each kv head's
-        query group); dbias in ``p.bias_shape`` (summed over broadcast dims).
+        query group); dbias in ``p.bias_shape`` (summed over broadcast dims); dsinks
+        [Hq] in the sinks' dtype.  With sinks, ``stats`` include the sink.
         """
 
     def backward_arena(self, arena, params) -> None:  # pragma: no cover - optional

@@ -332,7 +332,7 @@ class NumpyBackend(Backend):
                         mask=m, bias=bias, codes=codes)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, p, q, k, v, bias) -> Tuple[Any, RowStats]:
+    def forward(self, p, q, k, v, bias, mods) -> Tuple[Any, RowStats]:
         out, rmax, rlog = self._forward_np(p, q, k, v, bias)
         sdt = "float64" if p.dtype == "float64" else "float32"
         kind = p.array_kind
@@ -391,7 +391,7 @@ class NumpyBackend(Backend):
         return out, rmax, rlog
 
     # ----------------------------------------------------------------- backward
-    def backward(self, p, q, k, v, dout, out, stats: RowStats, bias) -> Dict[str, Any]:
+    def backward(self, p, q, k, v, dout, out, stats: RowStats, bias, mods) -> Dict[str, Any]:
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))

@@ -19,28 +19,37 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest", "tf32"}), auto=False)
+        precisions=frozenset({"highest", "tf32"}), softcap=True, alibi=True, sinks=True,
+        auto=False)
 
     def _mask(self, p):
-        return _ResolvedAsMask(p.mask)
+        return _ResolvedAsMask(p.mask, p.q_offset - p.k_offset)
 
-    def forward(self, p, q, k, v, bias):
+    def forward(self, p, q, k, v, bias, mods):
         out, st = reference.forward_stats(q, k, v, mask=self._mask(p), bias=bias,
-                                          scale=p.scale)
+                                          scale=p.scale, **_mod_args(p, mods))
         # the statistics stay float64: the backward recomputes s in float64, and a
         # max rounded to float32 would shift P by |s|·2⁻²⁴ (the API rounds the lse)
         return _cast(out, p.dtype, p), RowStats(_cast(st.max, "float64", p),
                                                 _cast(st.log_norm, "float64", p))
 
-    def backward(self, p, q, k, v, dout, out, stats, bias):
+    def backward(self, p, q, k, v, dout, out, stats, bias, mods):
         g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
-                               wrt=tuple(p.wrt), out=out, stats=stats)
+                               wrt=tuple(p.wrt), out=out, stats=stats, **_mod_args(p, mods))
         res = {}
         for name in ("dq", "dk", "dv"):
             x = getattr(g, name)
             res[name] = None if x is None else _cast(x, p.dtype, p)
         res["dbias"] = None if g.dbias is None else _cast(g.dbias, p.bias_dtype, p)
+        res["dsinks"] = None if g.dsinks is None else _cast(g.dsinks, p.sinks_dtype, p)
         return res
+
+
+def _mod_args(p, mods):
+    """The score modifiers as reference keyword arguments (offsets included: the
+    reference's masks and ALiBi both take them)."""
+    return dict(softcap=p.softcap, alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
+                q_offset=p.q_offset, k_offset=p.k_offset)
 
 
 def _cast(x: np.ndarray, dtype: str, p):
@@ -55,12 +64,14 @@ def _cast(x: np.ndarray, dtype: str, p):
 class _ResolvedAsMask:
     """Adapter: lets reference.forward take an already resolved mask."""
 
-    def __init__(self, rmask):
+    def __init__(self, rmask, shift: int):
         self.rmask = rmask
+        self.shift = shift          # resolve() adds q_offset - k_offset back
 
     def _lower(self, acc):
         r = self.rmask
-        acc.band(r.band_lo, r.band_hi)
+        acc.band(None if r.band_lo is None else r.band_lo - self.shift,
+                 None if r.band_hi is None else r.band_hi - self.shift)
         if r.q_ids is not None:
             acc.documents(to_numpy(r.q_ids), to_numpy(r.k_ids))
         if r.keep is not None:

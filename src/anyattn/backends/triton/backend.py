@@ -79,12 +79,12 @@ class TritonBackend(Backend):
         return why
 
     # -- work -------------------------------------------------------------------------
-    def forward(self, p, q, k, v, bias):
+    def forward(self, p, q, k, v, bias, mods):
         from . import launch
 
         return launch.forward(p, q, k, v, bias)
 
-    def backward(self, p, q, k, v, dout, out, stats, bias):
+    def backward(self, p, q, k, v, dout, out, stats, bias, mods):
         from . import launch
 
         return launch.backward(p, q, k, v, dout, out, stats, bias)

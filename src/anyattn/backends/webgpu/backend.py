@@ -222,7 +222,7 @@ class WebGPUBackend(Backend):
             bs = (b1 - b0,) + tuple(bs[1:])
         return dataclasses.replace(p, batch=b1 - b0, mask=sm, bias_shape=bs), sl
 
-    def forward(self, p: Problem, q, k, v, bias):
+    def forward(self, p: Problem, q, k, v, bias, mods):
         chunks = self._batch_chunks(p, backward=False, bias=bias)
         if len(chunks) > 1:
             parts = []
@@ -300,7 +300,7 @@ class WebGPUBackend(Backend):
             return res
         return call, read
 
-    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias):
+    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods):
         chunks = self._batch_chunks(p, backward=True, bias=bias)
         if len(chunks) == 1:
             return self._backward_one(p, q, k, v, dout, out, stats, bias)
