@@ -7,6 +7,7 @@ queries/keys, D head dim.  ``layout="bhsd"`` takes [B, H, S, D];
 from __future__ import annotations
 
 import contextlib
+import numbers
 import operator
 from typing import Iterator, Optional
 
@@ -58,15 +59,16 @@ def _offset(name: str, val) -> int:
         raise TypeError(f"{name}: expected an int, got {type(val).__name__}") from None
 
 
-def _needs_precheck(q, k, v, bias) -> bool:
+def _needs_precheck(q, k, v, bias, softcap=None, alibi_slopes=None, sinks=None) -> bool:
     """True when the op could not validate the call itself (or would do so too late).
 
     The op runs the core API, which validates everything before any work with the
     same messages; the wrapper re-checks up front only where that is not enough
     (besides inputs that are not 4-D, checked first): tensors on different or
     meta devices (the dispatcher would pick one device's kernel, or the fake one),
-    and a bias that asks for its gradient (a backend without dbias must refuse now,
-    not in ``loss.backward()``).  Skipping the full check elsewhere saves ~20 us of
+    a bias that asks for its gradient (a backend without dbias must refuse now,
+    not in ``loss.backward()``), and any score modifier (a backend that lacks it, or
+    dsinks, must refuse now too).  Skipping the full check elsewhere saves ~20 us of
     Python per call (measured: bench/torch_module_bench.py).
     """
     dev = q.device
@@ -74,17 +76,26 @@ def _needs_precheck(q, k, v, bias) -> bool:
         return True
     if k.device != dev or v.device != dev:
         return True
+    if softcap is not None or alibi_slopes is not None or sinks is not None:
+        return True                      # checked in full before any work
     return bias is not None and (bias.device != dev or bias.requires_grad)
 
 
-def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset):
+def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
+                      softcap=None, alibi_slopes=None, sinks=None):
     """Every check of the core, with the gradients the backward will need."""
     wrt = None
     if torch.is_grad_enabled():
-        wrt = [n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
+        wrt = [n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias), ("sinks", sinks))
                if x is not None and x.requires_grad] or None
+    if alibi_slopes is not None and isinstance(alibi_slopes, torch.Tensor) \
+            and alibi_slopes.requires_grad:
+        raise ValueError("alibi_slopes: requires grad, but ALiBi slopes are not trainable "
+                         "here (no gradient is computed for them); pass "
+                         "alibi_slopes.detach()")
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision, wrt=wrt,
-                 q_offset=q_offset, k_offset=k_offset)
+                 q_offset=q_offset, k_offset=k_offset, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
     choose(p, backend)
 
 
@@ -92,8 +103,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
               backend: Optional[str] = None, precision: Optional[str] = None,
               layout: str = "bhsd", q_offset: int = 0, k_offset: int = 0,
-              return_lse: bool = False):
-    """Scaled dot-product attention on torch tensors, differentiable in q, k, v and bias.
+              return_lse: bool = False, softcap: Optional[float] = None,
+              alibi_slopes: Optional[torch.Tensor] = None,
+              sinks: Optional[torch.Tensor] = None):
+    """Scaled dot-product attention on torch tensors, differentiable in q, k, v, bias
+    and sinks.
 
     q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] (Hq a multiple of Hkv) -> out
     [B, Hq, Sq, D] in q's dtype; with ``return_lse=True`` also lse [B, Hq, Sq]
@@ -103,11 +117,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     key gets out = 0 and zero gradients.  ``backend``: None picks ``numpy`` for
     CPU tensors and ``triton`` for CUDA tensors.  Works under
     ``torch.compile(fullgraph=True)``.
+
+    Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c > 0 (scores
+    ``c·tanh(s / c)``), ``alibi_slopes`` [Hq] or [B, Hq] (not trainable), ``sinks`` [Hq]
+    (trainable: a learnable term ``exp(sinks[h])`` in every softmax denominator).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
-    if bias is not None:
-        _check_tensor("bias", bias)
+    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _check_tensor(name, x)
     api._check_layout(layout)
     if backend is None:
         backend = _default_backend
@@ -115,16 +134,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         if val is not None and not isinstance(val, str):
             raise TypeError(f"{name}: expected a name (str) or None, got {type(val).__name__}")
     q_offset, k_offset = _offset("q_offset", q_offset), _offset("k_offset", k_offset)
+    mods = (softcap, alibi_slopes, sinks)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:  # raises, naming the argument
-        _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset)
+        _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
+                          *mods)
     qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
     if qb.shape[-1] == 0 or (not torch.compiler.is_compiling()
-                             and _needs_precheck(qb, kb, vb, bias)):
+                             and _needs_precheck(qb, kb, vb, bias, *mods)):
         # head_dim 0 raises here (the default scale 1/sqrt(D) below would divide by 0)
-        _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset)
+        _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset,
+                          *mods)
     B, Hq, Sq, D = qb.shape
     Sk = kb.shape[2]
-    band_lo, band_hi, q_ids, k_ids, keep = lower(mask, B, Hq, Sq, Sk, q_offset, k_offset,
+    # the band before the offsets: the op hands them to the core, which shifts the band
+    # and positions ALiBi with them
+    band_lo, band_hi, q_ids, k_ids, keep = lower(mask, B, Hq, Sq, Sk, 0, 0,
                                                  device=qb.device)
     for term, t in (("KeepMask", keep), ("Documents", q_ids), ("Documents", k_ids)):
         if t is not None and t.device != qb.device:
@@ -137,8 +161,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     except (TypeError, ValueError):
         raise TypeError(f"scale: expected a float (default 1/sqrt(D)), got "
                         f"{type(scale).__name__}") from None
-    out, row_max, log_norm = ops.attention_with_grad(qb, kb, vb, bias, keep, q_ids, k_ids,
-                                                     band_lo, band_hi, scale, backend,
-                                                     precision)
+    if softcap is not None and (isinstance(softcap, bool)
+                                or not isinstance(softcap, numbers.Real)):
+        raise TypeError(f"softcap: expected a positive float or None, got "
+                        f"{type(softcap).__name__}")
+    args = (qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision)
+    if q_offset or k_offset or softcap is not None or alibi_slopes is not None \
+            or sinks is not None:
+        args += (q_offset, k_offset, None if softcap is None else float(softcap),
+                 alibi_slopes, sinks)
+    out, row_max, log_norm = ops.attention_with_grad(*args)
     out = _bhsd(out, layout)
     return (out, row_max + log_norm) if return_lse else out

@@ -78,13 +78,20 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   keep: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
                   band_lo: Optional[int], band_hi: Optional[int], scale: float,
-                  backend: Optional[str],
-                  precision: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+                  backend: Optional[str], precision: Optional[str], q_offset: int = 0,
+                  k_offset: int = 0, softcap: Optional[float] = None,
+                  alibi_slopes: Optional[Tensor] = None,
+                  sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """-> (out [B, Hq, Sq, D] in q's dtype, row_max, log_norm [B, Hq, Sq] float32
-    (float64 for float64 q)); lse = row_max + log_norm."""
+    (float64 for float64 q)); lse = row_max + log_norm (the sink included).
+
+    The band is given before the offsets shift it (the core applies
+    ``q_offset``/``k_offset`` to the band and to ALiBi alike)."""
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
     out, st = api.forward_with_stats(q, k, v, mask=mask, bias=bias, scale=scale,
-                                     backend=backend, precision=precision)
+                                     backend=backend, precision=precision,
+                                     q_offset=q_offset, k_offset=k_offset, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, sinks=sinks)
     sdt = _lse_dtype(q)
     return (_as_torch(out, q), _as_torch(st.max, q).to(sdt),
             _as_torch(st.log_norm, q).to(sdt))
@@ -92,7 +99,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
-                        precision):
+                        precision, q_offset=0, k_offset=0, softcap=None, alibi_slopes=None,
+                        sinks=None):
     B, Hq, Sq, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)),
             q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)))
@@ -101,58 +109,92 @@ def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, sca
 # ---------------------------------------------------------------------- backward
 @torch.library.custom_op("anyattn::attention_bwd", mutates_args=())
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                  row_max: Tensor, log_norm: Tensor, bias: Optional[Tensor], keep: Optional[Tensor], q_ids: Optional[Tensor],
+                  row_max: Tensor, log_norm: Tensor, bias: Optional[Tensor],
+                  keep: Optional[Tensor], q_ids: Optional[Tensor],
                   k_ids: Optional[Tensor], band_lo: Optional[int], band_hi: Optional[int],
                   scale: float, backend: Optional[str], precision: Optional[str],
                   grad_q: bool, grad_k: bool, grad_v: bool,
-                  grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv, dbias); a gradient not asked for (``grad_*`` False) is an empty [0]."""
+                  grad_bias: bool, q_offset: int = 0, k_offset: int = 0,
+                  softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                  sinks: Optional[Tensor] = None,
+                  grad_sinks: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dbias, dsinks); a gradient not asked for (``grad_*`` False) is an
+    empty [0]."""
     wrt = [n for n, on in (("q", grad_q), ("k", grad_k), ("v", grad_v),
-                           ("bias", grad_bias and bias is not None)) if on]
+                           ("bias", grad_bias and bias is not None),
+                           ("sinks", grad_sinks and sinks is not None)) if on]
     if not wrt:
-        return _empty(q), _empty(k), _empty(v), _empty(q)
+        return _empty(q), _empty(k), _empty(v), _empty(q), _empty(q)
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
     g = api.attention_backward(q, k, v, dout, out=out, lse=RowStats(row_max, log_norm),
-                               mask=mask, bias=bias,
-                               scale=scale, wrt=wrt, backend=backend, precision=precision)
+                               mask=mask, bias=bias, scale=scale, wrt=wrt, backend=backend,
+                               precision=precision, q_offset=q_offset, k_offset=k_offset,
+                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     dq = _as_torch(g.dq, q) if grad_q else _empty(q)
     dk = _as_torch(g.dk, k) if grad_k else _empty(k)
     dv = _as_torch(g.dv, v) if grad_v else _empty(v)
     db = _as_torch(g.dbias, bias) if "bias" in wrt else _empty(q)
-    return dq, dk, dv, db
+    ds = _as_torch(g.dsinks, sinks) if "sinks" in wrt else _empty(q)
+    return dq, dk, dv, db, ds
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids, band_lo, band_hi,
-                        scale, backend, precision, grad_q, grad_k, grad_v, grad_bias):
+def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids,
+                        band_lo, band_hi, scale, backend, precision, grad_q, grad_k, grad_v,
+                        grad_bias, q_offset=0, k_offset=0, softcap=None, alibi_slopes=None,
+                        sinks=None, grad_sinks=False):
     dq = q.new_empty(q.shape) if grad_q else _empty(q)
     dk = k.new_empty(k.shape) if grad_k else _empty(k)
     dv = v.new_empty(v.shape) if grad_v else _empty(v)
     db = bias.new_empty(bias.shape) if (grad_bias and bias is not None) else _empty(q)
-    return dq, dk, dv, db
+    ds = sinks.new_empty(sinks.shape) if (grad_sinks and sinks is not None) else _empty(q)
+    return dq, dk, dv, db, ds
 
 
 # ---------------------------------------------------------------------- autograd
+#: positions of the differentiable inputs of attention_fwd
+_Q, _K, _V, _BIAS, _SINKS = 0, 1, 2, 3, 16
+_N_INPUTS = 17
+
+
+def _full(inputs):
+    """The forward's inputs with the defaulted trailing ones filled in."""
+    defaults = (0, 0, None, None, None)
+    return tuple(inputs) + defaults[len(inputs) - 12:]
+
+
 def _setup_context(ctx, inputs, output):
-    (q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision) = inputs
+    (q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision,
+     q_offset, k_offset, softcap, alibi_slopes, sinks) = _full(inputs)
     out, row_max, log_norm = output
-    ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm)
+    ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm,
+                          alibi_slopes, sinks)
     ctx.band = (band_lo, band_hi)
     ctx.opts = (scale, backend, precision)
+    ctx.mods = (q_offset, k_offset, softcap)
     ctx.mark_non_differentiable(row_max, log_norm)
 
 
 def _backward(ctx, dout, dmax, dlog_norm):
     """dmax/dlog_norm are ignored: the statistics are marked non-differentiable."""
-    q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    gq, gk, gv, gb = need[0], need[1], need[2], bias is not None and need[3]
-    dq = dk = dv = db = None
-    if gq or gk or gv or gb:
-        dq, dk, dv, db = attention_bwd(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids,
-                                       ctx.band[0], ctx.band[1], *ctx.opts, gq, gk, gv, gb)
-    return (dq if gq else None, dk if gk else None, dv if gv else None, db if gb else None,
-            None, None, None, None, None, None, None, None)
+    (q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm, alibi_slopes,
+     sinks) = ctx.saved_tensors
+    need = tuple(ctx.needs_input_grad) + (False,) * _N_INPUTS
+    gq, gk, gv = need[_Q], need[_K], need[_V]
+    gb = bias is not None and need[_BIAS]
+    gs = sinks is not None and need[_SINKS]
+    dq = dk = dv = db = ds = None
+    if gq or gk or gv or gb or gs:
+        dq, dk, dv, db, ds = attention_bwd(dout, q, k, v, out, row_max, log_norm, bias, keep,
+                                           q_ids, k_ids, ctx.band[0], ctx.band[1],
+                                           *ctx.opts, gq, gk, gv, gb, *ctx.mods,
+                                           alibi_slopes, sinks, gs)
+    grads = [None] * len(ctx.needs_input_grad)
+    for pos, on, val in ((_Q, gq, dq), (_K, gk, dk), (_V, gv, dv), (_BIAS, gb, db),
+                         (_SINKS, gs, ds)):
+        if on:
+            grads[pos] = val
+    return tuple(grads)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -162,7 +204,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The same forward op and the same formulas as ``register_autograd`` above, for
     eager mode, minus torch's per-call custom-op autograd wrapper: its
-    ``torch._library.utils.fill_defaults`` rebuilds the 12-argument schema list once
+    ``torch._library.utils.fill_defaults`` rebuilds the 17-argument schema list once
     per argument, ~30-60 us per call here, more than the rest of the wrapper.
     Inside ``forward`` grad mode is off, so the op takes its no-grad path."""
 
