@@ -22,7 +22,8 @@ def _interpreting() -> bool:
 class TritonBackend(Backend):
     """Forward with the row statistics (max, log_norm), backward as delta + dK/dV + dQ
     kernels (no atomics), every mask with block-sparse skipping, bias with dbias, GQA,
-    fp16/bf16/fp32 (+ tf32 opt-in)."""
+    fp16/bf16/fp32 (+ tf32 opt-in), the score modifiers softcap / ALiBi / sinks (+ dsinks)
+    inside the kernels."""
 
     name = "triton"
 
@@ -33,7 +34,8 @@ class TritonBackend(Backend):
         self.capabilities = Capabilities(
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
-            precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM)
+            precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
+            softcap=True, alibi=True, sinks=True)
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:
@@ -82,9 +84,9 @@ class TritonBackend(Backend):
     def forward(self, p, q, k, v, bias, mods):
         from . import launch
 
-        return launch.forward(p, q, k, v, bias)
+        return launch.forward(p, q, k, v, bias, mods=mods)
 
     def backward(self, p, q, k, v, dout, out, stats, bias, mods):
         from . import launch
 
-        return launch.backward(p, q, k, v, dout, out, stats, bias)
+        return launch.backward(p, q, k, v, dout, out, stats, bias, mods=mods)

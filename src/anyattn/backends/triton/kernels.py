@@ -396,6 +396,75 @@ def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
     return b.to(tl.float32)
 
 
+# ----------------------------------------------------------------------------- score modifiers
+#: tanh(a) = a + a^3 (T3 + a^2 (T5 + ...)) for |a| < TANH_SMALL (Taylor, float32 Horner:
+#: <= 2 ulp there); (1 - e) / (1 + e), e = exp(-2|a|), above (no cancellation there)
+TANH_SMALL = 0.4
+T3 = -0.3333333333333333
+T5 = 0.13333333333333333
+T7 = -0.05396825396825397
+T9 = 0.021869488536155203
+T11 = -0.008863235529902197
+
+
+@triton.jit
+def _tanh_d(y):
+    """-> (tanh y, 1 - tanh^2 y) in fp32, accurate to a few ulps everywhere: an odd
+    polynomial near 0, exp-based beyond (one exp2 and one approximate division); it
+    saturates to +-1 / 0 for huge |y| (e underflows to 0: no inf / inf), NaN stays NaN.
+    1 - tanh^2 = 4 e / (1 + e)^2 keeps its relative accuracy as tanh -> 1."""
+    a = tl.abs(y)
+    e = tl.math.exp2(a * -2.8853900817779268)           # exp(-2a), in (0, 1]
+    r = tl.math.fdiv(1.0, 1.0 + e)
+    a2 = a * a
+    poly = a + (a * a2) * (T3 + a2 * (T5 + a2 * (T7 + a2 * (T9 + a2 * T11))))
+    small = a < TANH_SMALL
+    t = tl.where(small, poly, (1.0 - e) * r)
+    dt = tl.where(small, 1.0 - poly * poly, (4.0 * e) * (r * r))
+    return tl.where(y < 0.0, -t, t), dt
+
+
+@triton.jit
+def _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                TRANS: tl.constexpr):
+    """Raw products q.k of a tile -> natural scores with the score modifiers, in the
+    contract's order: x = scale * q.k; softcap c * tanh(x / c); + bias (bt, fp32, or 0.0);
+    ALiBi - slope * |i - j + adiag|.  [BM, BN] tiles (queries offs_m as rows), or with
+    TRANS [BN, BM] (keys offs_n as rows).  Returns (scores, 1 - tanh^2) (the second is
+    the scores again without SOFTCAP, unused).  Every kernel forms the scores with this
+    one function, fused multiply-adds written out, so forward and backward agree."""
+    if SOFTCAP:
+        th, dt = _tanh_d(tl.fma(s, s_scale, 0.0) * (1.0 / cap))
+        if HAS_BIAS:
+            s = tl.fma(th, cap, bt)
+        else:
+            s = tl.fma(th, cap, 0.0)
+    else:
+        if HAS_BIAS:
+            s = tl.fma(s, s_scale, bt)
+        else:
+            s = tl.fma(s, s_scale, 0.0)
+        dt = s
+    if ALIBI:
+        if TRANS:
+            dd = offs_m[None, :] - offs_n[:, None] + adiag
+        else:
+            dd = offs_m[:, None] - offs_n[None, :] + adiag
+        s = tl.fma(tl.abs(dd).to(tl.float32), -slope, s)
+    return s, dt
+
+
+@triton.jit
+def _load_slope(SLOPES, b, h, sl_b, ALIBI: tl.constexpr):
+    """The ALiBi slope of (batch b, head h) from fp32 SLOPES [Ba, H] (sl_b = H, or 0 when
+    one row serves every batch); 0.0 without ALiBi (never read)."""
+    if ALIBI:
+        return tl.load(SLOPES + b * sl_b + h)
+    else:
+        return 0.0
+
+
 # ----------------------------------------------------------------------------- operand split
 @triton.jit
 def _row_block(X, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
@@ -463,24 +532,32 @@ def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-              Sq, Sk, s_scale, qk_scale, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag,
+              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-              HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              PREC: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
-    the running row max in the tile's units (module doc): natural scores with a bias
-    (s_scale the natural score scale), raw products q.k without (qk_scale = s_scale *
-    log2(e) takes them to base 2)."""
+    the running row max in the tile's units (module doc): natural scores with a bias or
+    a score modifier (s_scale the natural score scale), raw products q.k without
+    (qk_scale = s_scale * log2(e) takes them to base 2)."""
     offs_n = start_n + offs_nb
     kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
+    else:
+        bt = 0.0
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw q.k
-    if HAS_BIAS:
+    if SOFTCAP or ALIBI:   # natural scores with the modifiers, as the backward forms them
+        s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
+                           HAS_BIAS, SOFTCAP, ALIBI, False)
+        c = 1.4426950408889634
+    elif HAS_BIAS:
         s = tl.fma(s, s_scale, bt)           # natural scores, as the backward forms them
         c = 1.4426950408889634
     else:
@@ -488,7 +565,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
-    if MASKED or HAS_BIAS:
+    if MASKED or HAS_BIAS or ALIBI:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing kept yet
     else:
         m_use = m_new
@@ -504,19 +581,23 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SLOPES, SINKS,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                HAS_SINKS: tl.constexpr, PREC: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
     the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
-    registers across the loop)."""
+    registers across the loop).  Score modifiers (constexpr flags; off, the kernel is
+    the plain one): SOFTCAP cap c, ALIBI slopes SLOPES [Ba, H] fp32 (batch stride sl_b)
+    with adiag = alibi_diag, HAS_SINKS sinks SINKS [H] fp32 folded into the statistics
+    and out in the epilogue."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -540,6 +621,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
+    slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
 
     q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
@@ -551,21 +633,21 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
         for t in range(t0, f0):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
@@ -576,29 +658,49 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
-                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                      ALIBI, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
-                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                      HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                      ALIBI, PREC)
 
     # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
-        out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
-    else:
-        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    if HAS_BIAS:
+    if HAS_BIAS or SOFTCAP or ALIBI:
         row_max = m_i                      # natural units already
     else:
         row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
     row_max = tl.where(empty, float("-inf"), row_max)
+    if HAS_SINKS:
+        # the sink is one more term of the normaliser (anyattn.modifiers.sink_terms):
+        # max2 = max(max, sink), l2 = l e^(max - max2) + e^(sink - max2), out scaled by
+        # e^(max - max2) / l2 in fp32; a row keeping no key: out 0, max = sink, l2 = 1;
+        # a -inf sink changes nothing
+        snk = tl.load(SINKS + h)
+        mx2 = tl.maximum(row_max, snk)
+        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
+        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
+        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+            out = tl.where(empty[:, None], 0.0, (acc * (out_mul * alpha)[:, None]) / l_safe[:, None])
+        else:
+            out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
+        row_max = mx2
+    else:
+        l_safe = tl.where(empty, 1.0, l_i)
+        if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+            out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
+        else:
+            out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     row_max = tl.where(l_i == l_i, row_max, l_i)
     log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
     Oh = O + b * so_b + h * so_h
@@ -615,11 +717,14 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, H, Sq,
-                    D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
+                    H, Sq, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                    HAS_SINKS: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq]; the row
     statistics max MX and log_norm LN [B * H * Sq] to L2 [B * H, 2, Sq]: max (+inf where
-    it is -inf, an empty row: p = 0 there) and log2(e) * log_norm, all fp32."""
+    it is -inf, an empty row: p = 0 there) and log2(e) * log_norm, all fp32.  HAS_SINKS:
+    each row's term of dsinks, -exp((sink - max) - log_norm) * delta (0 where max or the
+    sink is -inf), to DSR [B * H * Sq] (summed by the launcher, in a fixed order)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -634,8 +739,15 @@ def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sd
     inb = offs_m < Sq
     row = bh.to(tl.int64) * Sq + offs_m
     mx = tl.load(MX + row, mask=inb, other=0.0)
+    ln = tl.load(LN + row, mask=inb, other=0.0)
+    if HAS_SINKS:
+        snk = tl.load(SINKS + h)                 # a -inf sink gives exp2(-inf) = 0
+        fin = mx != float("-inf")
+        ms = tl.where(fin, mx, 0.0)
+        p_sink = tl.where(fin, tl.math.exp2(((snk - ms) - ln) * 1.4426950408889634), 0.0)
+        tl.store(DSR + row, -(p_sink * delta), mask=inb)
     mx = tl.where(mx == float("-inf"), float("inf"), mx)
-    ln2 = tl.load(LN + row, mask=inb, other=0.0) * 1.4426950408889634
+    ln2 = ln * 1.4426950408889634
     tl.store(DELTA + row, delta, mask=inb)
     l2p = L2 + bh.to(tl.int64) * (2 * Sq) + offs_m
     tl.store(l2p, mx, mask=inb)
@@ -645,10 +757,12 @@ def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, so_b, so_h, so_s, sdo_b, sdo_h, sd
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
-               Sq, Sk, s_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+               Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag,
+               QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               PREC: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
@@ -662,11 +776,16 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
         ln2 = tl.load(L2h + Sq + offs_m)
     if HAS_BIAS:   # issued before the product, to overlap it
         bT = _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, MASKED)         # [BN, BM]
+    else:
+        bT = 0.0
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
     sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC)               # [BN, BM] raw
-    if HAS_BIAS:
+    if SOFTCAP or ALIBI:
+        sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
+                              HAS_BIAS, SOFTCAP, ALIBI, True)
+    elif HAS_BIAS:
         sT = tl.fma(sT, s_scale, bT)                          # natural scores
     else:
         sT = tl.fma(sT, s_scale, 0.0)    # (an fma: never contracted into the next line)
@@ -685,6 +804,8 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dpT = dpT * mvo
     dsT = pT * (dpT - dlt[None, :])
+    if SOFTCAP:
+        dsT = dsT * dtT                                       # through c tanh(x / c)
     ds0, ds1, ds2 = _op_parts(dsT, gam, qT0, PREC)
     dk += _dotacc(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
     return dk, dv
@@ -692,16 +813,17 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
 
 @triton.jit
 def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
-                  CNT, IDX, FCNT, FIDX, SC,
+                  CNT, IDX, FCNT, FIDX, SC, SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r,
-                  H, G, Sq, Sk, scale, lo, hi,
+                  H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  PREC: tl.constexpr):
     """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
     mvo = 1.0
@@ -734,26 +856,27 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         DLh = DELTA + bh * Sq
         BI = BIAS + b * sb_b + h * sb_h
         KMb = KM + b * skm_b + h * skm_h
+        slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -765,17 +888,19 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                    ALIBI, PREC)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                    ALIBI, PREC)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dv = dv * dv_mul
     dk = dk * dk_mul
@@ -792,35 +917,40 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+                 SLOPES,
                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                  sc_b, sc_h, si_b, si_h, si_r,
-                 H, HKV, G, Sq, Sk, scale, lo, hi,
+                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 PREC: tl.constexpr):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
                   Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+                  SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
-                  D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, PREC)
+                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
+                  D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
+                  SOFTCAP, ALIBI, PREC)
 
 
 @triton.jit
 def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
              mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-             Sq, Sk, s_scale, mvo, gam, lo, hi, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
+             Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag,
+             QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
              HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-             PREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
@@ -831,6 +961,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
+    else:
+        bt = 0.0
     if WRITE_DB:
         db_ptrs = DB + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
         inb = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)
@@ -840,7 +972,10 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw
-    if HAS_BIAS:
+    if SOFTCAP or ALIBI:
+        s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
+                            HAS_BIAS, SOFTCAP, ALIBI, False)
+    elif HAS_BIAS:
         s = tl.fma(s, s_scale, bt)                            # natural scores
     else:
         s = tl.fma(s, s_scale, 0.0)      # (an fma: never contracted into the next line)
@@ -859,6 +994,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
+    if SOFTCAP:
+        ds = ds * dt                                          # through c tanh(x / c)
     ds0, ds1, ds2 = _op_parts(ds, gam, kT0, PREC)
     dq += _dotacc(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
     return dq
@@ -866,16 +1003,16 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
 
 @triton.jit
 def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                CNT, IDX, FCNT, FIDX, SC,
+                CNT, IDX, FCNT, FIDX, SC, SLOPES,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, db_add,
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, db_add,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-                PREC: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
     """dq [BM, D] of query tile pid_m of head h in batch b (int64) over every key tile
     (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
@@ -905,6 +1042,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     Vh = V + b * sv_b + hk * sv_h
     BI = BIAS + b * sb_b + h * sb_h
     DBh = DB + b * sdb_b + h * sdb_h
+    slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
@@ -914,21 +1052,21 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         rw = i0 // SBQ
@@ -940,17 +1078,17 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
     dq = dq * dq_mul
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -962,37 +1100,40 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
 
 @triton.jit
 def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+               SLOPES,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-               H, G, Sq, Sk, scale, lo, hi,
+               H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-               HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+               HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, PREC: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
     bh = tl.program_id(1)
     _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
                 Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+                SLOPES,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, 0, D, DP, BM, BN, SBQ, SBK, MODE,
-                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, PREC)
 
 
 @triton.jit
 def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
-                     SC,
+                     SC, SLOPES,
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                     B, H, G, Sq, Sk, scale, lo, hi, HB,
+                     B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, HB,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
                      HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                     PREC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
     """dq and the dbias of a bias broadcast over batch (RED_B) and/or heads (RED_H) but
     full over queries and keys, no atomics and no scratch.
 
@@ -1018,29 +1159,31 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                 h = hb
             tl.debug_barrier()   # the previous (b, h)'s dbias stores are visible to all
             _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                        CNT, IDX, FCNT, FIDX, SC,
+                        CNT, IDX, FCNT, FIDX, SC, SLOPES,
                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h,
                         sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
+                        sl_b, cap, adiag,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
-                        HAS_KEEP, True, True, True, PREC)
+                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, PREC)
 
 
 @triton.jit
 def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
-                CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX, SC,
+                CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX, SC, SLOPES,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sdq_b, sdq_h, sdq_s,
                 sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
-                H, HKV, G, Sq, Sk, scale, lo, hi, NKV_TILES, NQ_TILES,
+                H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, NKV_TILES, NQ_TILES,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BM2: tl.constexpr, BN2: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, PREC: tl.constexpr):
+                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, PREC: tl.constexpr):
     """The whole backward after the delta pass in one launch.
 
     Grid (NKV_TILES + G * NQ_TILES, B * HKV): programs [0, NKV_TILES) own a key tile
@@ -1053,36 +1196,38 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
     hk = (bhk % HKV).to(tl.int64)
     if pid < NKV_TILES:
         _dkdv_program(pid, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM,
-                      CCNT, CIDX, CFCNT, CFIDX, SC,
+                      CCNT, CIDX, CFCNT, CFIDX, SC, SLOPES,
                       sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                       sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
+                      sl_b, cap, adiag,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                      PREC)
+                      SOFTCAP, ALIBI, PREC)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
         _dq_program(r % NQ_TILES, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
-                    RCNT, RIDX, RFCNT, RFIDX, SC,
+                    RCNT, RIDX, RFCNT, RFIDX, SC, SLOPES,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
-                    H, G, Sq, Sk, scale, lo, hi, 0, D, DP, BM2, BN2, SBQ, SBK, MODE,
-                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, PREC)
+                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, 0, D, DP, BM2, BN2, SBQ, SBK,
+                    MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
+                    ALIBI, PREC)
 
 
 @triton.jit
-def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
+def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  B, H, G, Sq, Sk, scale, lo, hi, NJ_OUT, HB,
+                  B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, NJ_OUT, HB,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
                   RED_N: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  PREC: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
     """dbias for a broadcast bias (shape [Bb, Hb, Mb, Nb], each 1 or full), no atomics.
 
     Grid (n_i_out * NJ_OUT, Bb * Hb): one program owns a [BM, BN] tile (or a [BN]
@@ -1124,6 +1269,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
             QIDb = QID + b * sqid_b
             KIDb = KID + b * skid_b
             KMb = KM + b * skm_b + h * skm_h
+            slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
             for it in range(0, ni_):
                 if RED_M:
                     i0 = it * BM
@@ -1144,8 +1290,12 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM,
                     offs_n = j0 + offs_nb
                     kT = _load_rows_t(Kh, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
                     vT = _load_rows_t(Vh, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
-                    s = tl.fma(_dot(q, kT, PREC), scale,
-                               _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True))
+                    bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True)
+                    if SOFTCAP or ALIBI:
+                        s, _ = _mod_scores(_dot(q, kT, PREC), scale, bt, cap, slope, offs_m,
+                                           offs_n, adiag, True, SOFTCAP, ALIBI, False)
+                    else:
+                        s = tl.fma(_dot(q, kT, PREC), scale, bt)
                     p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
                     keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QIDb, KIDb, KMb, skm_m, skm_n,
                                  HAS_BAND, HAS_DOCS, HAS_KEEP)

@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 import triton
 
+from ...modifiers import NO_MODS, ScoreMods, alibi_diag
 from ...rowstats import RowStats
 from . import configs as C
 from . import kernels as K
@@ -253,6 +254,47 @@ def _mask_args(p, q, bias) -> _MaskArgs:
                      skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
                      bias=bx, sb=sb, has_bias=bias is not None,
                      mode=1 if (has_docs or has_keep) else 0)
+
+
+@dataclass
+class _ModArgs:
+    """The score modifiers as the kernels take them (anyattn.modifiers): constexpr flags,
+    fp32 buffers (a 1-element dummy where absent) and scalars."""
+
+    softcap: bool
+    alibi: bool
+    sinks: bool
+    slopes: Any                # fp32 [Ba, H] contiguous
+    sl_b: int                  # batch stride of slopes (0: one row for every batch)
+    sink_t: Any                # fp32 [H]
+    cap: float                 # c (1.0 unused)
+    adiag: int                 # alibi_diag(p)
+
+    @property
+    def scalars(self):
+        return (self.sl_b, self.cap, self.adiag)
+
+    @property
+    def flags(self):
+        return dict(SOFTCAP=self.softcap, ALIBI=self.alibi)
+
+
+def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
+    mods = NO_MODS if mods is None else mods
+    if p.softcap is not None and not p.softcap > 0:
+        raise ValueError(f"softcap {p.softcap}: expected c > 0")
+    slopes, sl_b = _dummy(dev, torch.float32), 0
+    if mods.alibi_slopes is not None:
+        slopes = _to_dev(mods.alibi_slopes, dev, torch.float32).reshape(-1, p.heads_q)
+        slopes = slopes.contiguous()
+        sl_b = p.heads_q if slopes.shape[0] > 1 else 0
+    sink_t = _dummy(dev, torch.float32)
+    if mods.sinks is not None:
+        sink_t = _to_dev(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
+    return _ModArgs(softcap=p.softcap is not None, alibi=mods.alibi_slopes is not None,
+                    sinks=mods.sinks is not None, slopes=slopes, sl_b=sl_b, sink_t=sink_t,
+                    cap=float(p.softcap) if p.softcap is not None else 1.0,
+                    adiag=int(alibi_diag(p)) if mods.alibi_slopes is not None else 0)
 
 
 # ----------------------------------------------------------------------------- tile lists
@@ -497,14 +539,18 @@ def _lists_for(p, ma, plan, device):
 
 
 # ----------------------------------------------------------------------------- forward
-def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
+def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
+            mods: Optional[ScoreMods] = None):
     """-> out [B, H, Sq, D] (q's dtype), RowStats(max, log_norm) of [B, H, Sq] fp32
-    (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer)."""
+    (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer).  ``mods``:
+    the score modifiers (p.softcap, mods.alibi_slopes, mods.sinks), applied in the
+    kernel; with sinks the statistics include the sink."""
     plan = _plan(p, plan)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
     dev = q.device
     ma = _mask_args(p, q, bias)
+    md = _mod_args(p, mods, dev)
     tlists = _lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
@@ -519,12 +565,13 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None):
             q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
     kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
               MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-              HAS_BIAS=ma.has_bias, PREC=prec)
+              HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
     args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
+            md.slopes, md.sink_t,
             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.row_strides(),
-            H, p.group, Sq, Sk, p.scale * K.LOG2E, p.scale, ma.lo, ma.hi)
+            H, p.group, Sq, Sk, p.scale * K.LOG2E, p.scale, ma.lo, ma.hi, *md.scalars)
     with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
         _launch(K._fwd_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.fwd, args, kw,
                 _sig(dt=str(q.dtype), **kw), _tune_key("fwd", p, plan))
@@ -546,18 +593,24 @@ def _stat_plane(x, dev):
     return x.to(device=dev, dtype=torch.float32).contiguous()
 
 
-def backward(p, q, k, v, dout, out, stats: RowStats, bias,
-             plan: Optional[C.Plan] = None) -> Dict[str, Any]:
-    """-> {'dq', 'dk', 'dv', 'dbias'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D] summed over
-    each kv head's query group, dbias in p.bias_shape summed over broadcast dims.
+def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan] = None,
+             mods: Optional[ScoreMods] = None) -> Dict[str, Any]:
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D]
+    summed over each kv head's query group, dbias in p.bias_shape summed over broadcast
+    dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
     ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
-    tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse)."""
+    tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse).  With
+    sinks the statistics include the sink (as the forward returns them): the score
+    kernels need nothing more, and the delta kernel writes each row's term of dsinks,
+    summed here over batch and queries in a fixed order (no atomics)."""
     plan = _plan(p, plan)
     q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     DP = C.padded_dim(D)
     dev = q.device
     ma = _mask_args(p, q, bias)
+    md = _mod_args(p, mods, dev)
+    want_ds = "sinks" in p.wrt and md.sinks
     tlists = _lists_for(p, ma, plan, dev)
     if not isinstance(stats, RowStats):
         stats = RowStats.from_lse(stats)
@@ -566,10 +619,12 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias,
     # per (b, h): max (+inf on empty rows) and log2(e) * log_norm side by side (kernels doc)
     l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
     ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
-    res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
+    res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None, "dsinks": None}
     prec, nparts = _kernel_prec(p, plan)
     common = dict(D=D, DP=DP, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
-                  HAS_KEEP=ma.has_keep, PREC=prec)
+                  HAS_KEEP=ma.has_keep, PREC=prec, **md.flags)
+    dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds
+           else _dummy(dev, torch.float32))
     want_db = "bias" in p.wrt and bias is not None
     full_bias = want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
     # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
@@ -577,8 +632,10 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias,
                 and os.environ.get("ANYATTN_TRITON_DBIAS") != "recompute")
     with ctx:
         K._bwd_pre_kernel[(triton.cdiv(Sq, plan.pre_bm), B * H)](
-            out, dout, mx, ln, delta, l2, *_s3(out), *_s3(dout), H, Sq,
-            D=D, DP=DP, BM=plan.pre_bm)
+            out, dout, mx, ln, delta, l2, md.sink_t, dsr, *_s3(out), *_s3(dout), H, Sq,
+            D=D, DP=DP, BM=plan.pre_bm, HAS_SINKS=want_ds)
+        if want_ds:   # torch's reduction: a fixed order, the same bits every run
+            res["dsinks"] = dsr.sum(dim=(0, 2)).to(mods.sinks.dtype)
         want_kv = "k" in p.wrt or "v" in p.wrt
         want_q = "q" in p.wrt or full_bias or owner_db
         if full_bias:
@@ -592,7 +649,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias,
             dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
-        scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi)
+        scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars)
         # the operands as the kernels read them (bf16 / scaled fp16 parts for the split
         # fp32 schemes); sc: the scaled schemes' factors (after delta: gamma needs it)
         if prec in _SCALED:
@@ -605,23 +662,23 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias,
             qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, tlists, sc,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists, sc,
                              scalars, common)
             res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, l2, delta, dq, bias, ma,
-                                            tlists, sc, scalars, common)
+                                            md, tlists, sc, scalars, common)
         elif want_kv and want_q and plan.fused_bwd:
             _launch_fused_bwd(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
-                              ma, tlists, sc, scalars, common, full_bias)
+                              ma, md, tlists, sc, scalars, common, full_bias)
         else:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, tlists, sc,
+                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists, sc,
                              scalars, common)
             if want_q:
                 args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
-                        *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
+                        md.slopes, *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
                         ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
-                        scalars[0], *scalars[2:])
+                        scalars[0], *scalars[2:])   # (no Hkv)
                 kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
                           WRITE_DB=full_bias, **common)
                 _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq,
@@ -633,15 +690,15 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias,
         if full_bias:
             res["dbias"] = dbias
         elif want_db and not owner_db:
-            res["dbias"] = _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, plan)
+            res["dbias"] = _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan)
     return res
 
 
-def _launch_dkdv(p, plan, q, k, v, dout, l2, delta, dk, dv, ma, tlists, sc, scalars,
+def _launch_dkdv(p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
                  common):
     """dk, dv through K._dkdv_kernel (one program per key tile and kv head)."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
-            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc,
+            tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
@@ -650,7 +707,7 @@ def _launch_dkdv(p, plan, q, k, v, dout, l2, delta, dk, dv, ma, tlists, sc, scal
             args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
 
 
-def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, tlists, sc,
+def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists, sc,
                      scalars, common):
     """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
     and/or heads, through K._dq_dbias_kernel: the programs of one (bias batch, bias head)
@@ -664,7 +721,7 @@ def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, tlists, sc
     st = dbias.stride()
     sdb = (0 if red_b else st[0], 0 if red_h else st[1], st[2], st[3])
     args = (q, k, v, dout, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc, md.slopes,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
             ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
             B, H, *scalars[2:], hb)
@@ -683,7 +740,7 @@ def _fused_fallbacks(c1: C.KernelConfig, c2: C.KernelConfig):
                                 a.num_warps, a.num_stages)
 
 
-def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma,
+def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma, md,
                       tlists, sc, scalars, common, full_bias):
     """dK/dV and dQ in one launch of K._bwd_kernel (plan.dkdv gives BM/BN, warps and
     stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
@@ -693,7 +750,7 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb,
     B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
     args = (q, k, v, dout, l2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
+            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc, md.slopes,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq),
             *ma.sb, *sdb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.col_strides(), *tlists.row_strides(), *scalars)
@@ -731,7 +788,7 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb,
 
 
 
-def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, plan):
+def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
     from triton.runtime.errors import OutOfResources
 
     """dbias for a bias broadcast over some of [B, H, Sq, Sk]: one owner program per
@@ -749,14 +806,15 @@ def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, plan):
         nj_o = 1 if red_n else triton.cdiv(Sk, cc.bn)
         try:
             K._dbias_kernel[(ni_o * nj_o, bb * hb)](
-                q, k, v, dout, l2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km,
+                q, k, v, dout, l2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km, md.slopes,
                 *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *ma.sb, *sdb,
                 ma.sqid_b, ma.skid_b, *ma.skm,
-                B, H, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, nj_o, hb,
+                B, H, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars, nj_o, hb,
                 D=p.head_dim, DP=C.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-                PREC=_register_prec(plan.prec), num_warps=cc.num_warps, num_stages=cc.num_stages)
+                PREC=_register_prec(plan.prec), num_warps=cc.num_warps, num_stages=cc.num_stages,
+                **md.flags)
             return dbias
         except OutOfResources as e:
             err = e
