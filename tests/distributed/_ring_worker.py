@@ -61,6 +61,14 @@ def cases(world: int):
               backend="reference")),
         ("zigzag-causal_window-logits1e12-float64",
          dict(sharding="zigzag", mask="causal_window", dtype="float64", logits=40)),
+        # score modifiers: softcap and ALiBi in every block (ALiBi at global positions),
+        # the sink counted once per row, dsinks summed over the group
+        ("zigzag-causal-mods-reference-float64",
+         dict(sharding="zigzag", mask="causal", dtype="float64", mods=True,
+              backend="reference")),
+        ("contiguous-docs-mods-reference-float64",
+         dict(sharding="contiguous", mask="causal_docs", dtype="float64", mods=True,
+              backend="reference")),
     ]
     return out
 
@@ -163,8 +171,18 @@ def run_case(rank, world, opts):
     sharding = opts["sharding"]
     wrt = opts.get("wrt", "qkv")
 
-    ref_out, ref_lse = reference.forward(q, k, v, mask=mask, scale=scale)
-    ref_g = reference.backward(q, k, v, dout, mask=mask, scale=scale)
+    mods, sinks = {}, None
+    if opts.get("mods"):
+        mods = dict(softcap=2.0, alibi_slopes=rng.uniform(0.05, 0.5, HQ),
+                    sinks=rng.standard_normal(HQ))
+    ref_out, ref_lse = reference.forward(q, k, v, mask=mask, scale=scale, **mods)
+    ref_g = reference.backward(q, k, v, dout, mask=mask, scale=scale,
+                               wrt=("q", "k", "v") + (("sinks",) if mods else ()), **mods)
+    tmods = {}
+    if mods:
+        sinks = torch.from_numpy(mods["sinks"]).to(dt).to(device).requires_grad_()
+        tmods = dict(softcap=mods["softcap"], sinks=sinks,
+                     alibi_slopes=torch.from_numpy(mods["alibi_slopes"]).to(dt).to(device))
 
     def loc(x):
         return shard(x, me, n, sharding=sharding)
@@ -182,11 +200,11 @@ def run_case(rank, world, opts):
         ql, kl, vl = qi, ki, vi
         o, lse = ring_attention(ql.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2),
                                 mask=mask, group=group, sharding=sharding, backend=backend,
-                                layout="bshd", return_lse=True, scale=scale)
+                                layout="bshd", return_lse=True, scale=scale, **tmods)
         o = o.transpose(1, 2)
     else:
         o, lse = ring_attention(ql, kl, vl, mask=mask, group=group, sharding=sharding,
-                                backend=backend, return_lse=True, scale=scale)
+                                backend=backend, return_lse=True, scale=scale, **tmods)
     (o * gl).sum().backward()
     res = {"out": _rel(cpu(o), loc(torch.from_numpy(ref_out))),
            "lse": _rel(cpu(lse), loc(torch.from_numpy(ref_lse)[..., None])[..., 0])}
@@ -195,6 +213,10 @@ def run_case(rank, world, opts):
             res[name] = _rel(cpu(x.grad), loc(torch.from_numpy(r)))
         elif x.grad is not None:
             res[name] = float("nan")   # a gradient that was not asked for
+    if sinks is not None:       # each rank holds its queries' share: sum over the group
+        ds = sinks.grad.detach().clone()
+        dist.all_reduce(ds, group=group)
+        res["dsinks"] = _rel(cpu(ds), torch.from_numpy(ref_g.dsinks))
     res["dtype_out"] = str(o.dtype)
     if opts.get("logits"):   # the same backend on the whole sequence, in one process
         from anyattn.api import attention_backward, forward_with_stats

@@ -73,7 +73,7 @@ def test_ring_matches_reference(world, case, tmp_path_factory):
             pytest.skip(r["skipped"])
         assert r["dtype_out"] == f"torch.{opts['dtype']}"
         seen += 1
-        for what in ("out", "lse", "dq", "dk", "dv"):
+        for what in ("out", "lse", "dq", "dk", "dv", "dsinks"):
             if what not in r:
                 continue
             e = r[what]

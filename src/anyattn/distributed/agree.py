@@ -30,7 +30,7 @@ import torch.distributed as dist
 __all__ = ["FIELDS", "Descriptor", "describe_call", "failed_descriptor", "exchange_and_check",
            "as_timeout"]
 
-_MAGIC = 0x616E79_0001           # 'any' + version 1
+_MAGIC = 0x616E79_0002           # 'any' + version 2 (score modifiers)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 #: the descriptor's fields, in order: (name, how an error message calls it)
@@ -50,6 +50,8 @@ FIELDS: Tuple[Tuple[str, str], ...] = (
     ("mask_terms", "mask terms"),
     ("mask", "mask (fingerprint of its terms and their global ids / keep arrays)"),
     ("precision", "precision"),
+    ("softcap", "softcap"),
+    ("modifiers", "alibi_slopes (values) and sinks (shape, dtype)"),
 )
 _INDEX = {name: i for i, (name, _) in enumerate(FIELDS)}
 _OK, _FAILED = 0, 1
@@ -118,7 +120,8 @@ def mask_terms(gmask) -> int:
 
 def describe_call(*, world: int, q, k, v, scale: float, sharding: str, layout: str,
                   wrt: Tuple[bool, bool, bool], gmask, precision: Optional[str],
-                  sharding_names: Sequence[str]) -> Descriptor:
+                  sharding_names: Sequence[str], softcap: Optional[float] = None,
+                  alibi_slopes=None, sinks=None) -> Descriptor:
     """This rank's descriptor (q, k, v in the logical [B, H, S_loc, D] layout)."""
     d = [0] * len(FIELDS)
     d[_INDEX["magic"]] = _MAGIC
@@ -136,6 +139,13 @@ def describe_call(*, world: int, q, k, v, scale: float, sharding: str, layout: s
     d[_INDEX["mask"]] = mask_fingerprint(gmask)
     d[_INDEX["mask_terms"]] = mask_terms(gmask)
     d[_INDEX["precision"]] = _code(precision or "highest", ("highest", "tf32"))
+    d[_INDEX["softcap"]] = 0 if softcap is None else _f64_bits(softcap)
+    parts = []
+    if alibi_slopes is not None:
+        parts.append(b"alibi" + _array_fingerprint(alibi_slopes))
+    if sinks is not None:
+        parts.append(b"sinks" + repr((tuple(sinks.shape), str(sinks.dtype))).encode())
+    d[_INDEX["modifiers"]] = _hash64(*parts) if parts else 0
     return d
 
 

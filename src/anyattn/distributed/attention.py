@@ -37,6 +37,7 @@ from ..problem import describe
 from ..rowstats import RowStats
 from .agree import as_timeout, describe_call, exchange_and_check, failed_descriptor
 from .blockmask import GlobalMask
+from ..modifiers import fold_sinks, sinks_grad
 from .merge import merge_stats_into
 from .plan import RingPlan
 from .ring import Ring
@@ -56,6 +57,12 @@ class _Setup:
     scale: Optional[float]
     backend: Optional[str]
     precision: Optional[str]
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+
+    def block_mods(self):
+        """The per-block score modifiers (sinks are folded once, after the merge)."""
+        return dict(softcap=self.softcap, alibi_slopes=self.alibi_slopes)
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
@@ -63,8 +70,9 @@ def _acc_dtype(dt: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------- forward
-def _forward(s: _Setup, q, k, v):
-    """-> (out [B,Hq,S_loc,D] in q's dtype, RowStats of [B,Hq,S_loc] float32/float64)."""
+def _forward(s: _Setup, q, k, v, sinks=None):
+    """-> (out [B,Hq,S_loc,D] in q's dtype, RowStats of [B,Hq,S_loc] float32/float64).
+    ``sinks`` [Hq]: counted once, folded into the merged statistics at the end."""
     B, Hq, S_loc, D = q.shape
     acc = _acc_dtype(q.dtype)
     o_acc = torch.zeros((B, Hq, S_loc, D), dtype=acc, device=q.device)
@@ -79,13 +87,17 @@ def _forward(s: _Setup, q, k, v):
             o, st = forward_with_stats(q[:, :, c.q_rows], kt[:, :, c.k_rows],
                                        vt[:, :, c.k_rows], mask=c.mask, scale=s.scale,
                                        backend=s.backend, precision=s.precision,
-                                       q_offset=c.q_offset, k_offset=c.k_offset)
+                                       q_offset=c.q_offset, k_offset=c.k_offset,
+                                       **s.block_mods())
             r = c.q_rows
             merge_stats_into(o_acc[:, :, r], m_acc[:, :, r], ln_acc[:, :, r], o,
                              st.max, st.log_norm)
         if ex is not None:
             kv = ex.wait()
-    return o_acc.to(q.dtype), RowStats(m_acc, ln_acc)
+    stats = RowStats(m_acc, ln_acc)
+    if sinks is not None:
+        o_acc, stats = fold_sinks(o_acc, stats, sinks)
+    return o_acc.to(q.dtype), stats
 
 
 # -------------------------------------------------------------------- backward
@@ -114,7 +126,7 @@ def _backward(s: _Setup, q, k, v, out, stats: RowStats, dout, want):
                                    mask=c.mask,
                                    scale=s.scale, wrt=wrt, backend=s.backend,
                                    precision=s.precision, q_offset=c.q_offset,
-                                   k_offset=c.k_offset)
+                                   k_offset=c.k_offset, **s.block_mods())
             if want_q:
                 dq[:, :, qr] += g.dq
             if want_k:
@@ -142,24 +154,28 @@ def _backward(s: _Setup, q, k, v, out, stats: RowStats, dout, want):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, setup: _Setup):
-        out, st = _forward(setup, q, k, v)
+    def forward(ctx, q, k, v, sinks, setup: _Setup):
+        out, st = _forward(setup, q, k, v, sinks)
         lse = st.lse
         ctx.setup = setup
-        ctx.save_for_backward(q, k, v, out, st.max, st.log_norm)
+        ctx.save_for_backward(q, k, v, out, st.max, st.log_norm, sinks)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, row_max, log_norm = ctx.saved_tensors
+        q, k, v, out, row_max, log_norm, sinks = ctx.saved_tensors
         want = tuple(bool(x) for x in ctx.needs_input_grad[:3])
-        if not any(want):
-            return None, None, None, None
-        dq, dk, dv = _backward(ctx.setup, q, k, v, out, RowStats(row_max, log_norm), dout,
-                               want)
-        return dq, dk, dv, None
+        stats = RowStats(row_max, log_norm)
+        dq = dk = dv = dsinks = None
+        if any(want):
+            dq, dk, dv = _backward(ctx.setup, q, k, v, out, stats, dout, want)
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # this rank's queries only: summed over the group like every parameter's
+            # gradient under context parallelism
+            dsinks = sinks_grad(dout, out, stats, sinks)
+        return dq, dk, dv, dsinks, None
 
 
 # ---------------------------------------------------------------------- public
@@ -188,7 +204,8 @@ def _local_checks(q, k, v, sharding, layout):
     return q, k, v
 
 
-def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision):
+def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision,
+                 softcap=None, alibi_slopes=None, sinks=None):
     """Checks that need the ring's size -> (GlobalMask, the validated probe Problem)."""
     N = ring.size
     S_loc = q.shape[2]
@@ -199,8 +216,12 @@ def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision)
     S = S_loc * N
     gmask = GlobalMask(mask, S, q.shape[0], q.shape[1])
     L = S_loc // per_rank
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError("alibi_slopes: requires grad, but ALiBi slopes are not trainable "
+                         "here; pass alibi_slopes.detach()")
     probe = describe(q[:, :, :L], k[:, :, :L], v[:, :, :L], mask=None, scale=scale,
-                     precision=precision)
+                     precision=precision, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks)
     choose(probe, backend)  # raises early if the backend cannot serve these blocks
     return gmask, probe
 
@@ -209,7 +230,9 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
                    sharding: str = "contiguous", scale: Optional[float] = None,
                    backend: Optional[str] = None, precision: Optional[str] = None,
                    layout: str = "bhsd", return_lse: bool = False, timeout=None,
-                   check_ranks: bool = True):
+                   check_ranks: bool = True, softcap: Optional[float] = None,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None):
     """Attention over a sequence sharded across the ranks of ``group``, differentiable.
 
     q [B, Hq, S_loc, D], k/v [B, Hkv, S_loc, D]: this rank's shard of a global
@@ -220,7 +243,10 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     every rank), KeepMask (GLOBAL, broadcastable to [B, Hq, S, S]) or a ``&`` of
     these.  -> out [B, Hq, S_loc, D] (and lse [B, Hq, S_loc], not differentiable,
     with ``return_lse=True``).  ``backend``/``precision``/``scale``: as in
-    ``anyattn.attention`` (used for every block pair).
+    ``anyattn.attention`` (used for every block pair).  ``softcap``, ``alibi_slopes``
+    ([Hq] or [B, Hq]; positions are global) and ``sinks`` ([Hq], counted once per row;
+    differentiable): as in ``anyattn.attention``.  The sinks' gradient on each rank covers
+    that rank's queries; sum it over the group as for every other parameter.
 
     Every rank of the group must call it with the same shapes and arguments.  Before
     the first exchange the ranks all-gather a small descriptor of their call (shapes,
@@ -248,7 +274,8 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     gmask = probe = None
     if err is None:
         try:
-            gmask, probe = _ring_checks(ring, q, k, v, mask, sharding, scale, backend, precision)
+            gmask, probe = _ring_checks(ring, q, k, v, mask, sharding, scale, backend,
+                                        precision, softcap, alibi_slopes, sinks)
         except Exception as e:          # refused here: tell the other ranks, then raise
             err = e
     if check_ranks and ring.size > 1:
@@ -262,13 +289,17 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
         desc = describe_call(world=ring.size, q=q, k=k, v=v, scale=probe.scale,
                              sharding=sharding, layout=layout,
                              wrt=tuple(grad and x.requires_grad for x in (q, k, v)),
-                             gmask=gmask, precision=precision, sharding_names=SHARDINGS)
+                             gmask=gmask, precision=precision, sharding_names=SHARDINGS,
+                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         exchange_and_check(ring, desc, q, tmo, SHARDINGS)
     elif err is not None:
         raise err
-    setup = _Setup(ring=ring, plan=RingPlan(gmask, ring.rank, ring.size, q.shape[2], sharding),
-                   scale=scale, backend=backend, precision=precision)
-    out, lse = _RingAttention.apply(q, k, v, setup)
+    # ALiBi needs every block at its own global offsets, so blocks are not fused
+    plan = RingPlan(gmask, ring.rank, ring.size, q.shape[2], sharding,
+                    fuse=alibi_slopes is None)
+    setup = _Setup(ring=ring, plan=plan, scale=scale, backend=backend, precision=precision,
+                   softcap=probe.softcap, alibi_slopes=alibi_slopes)
+    out, lse = _RingAttention.apply(q, k, v, sinks, setup)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
