@@ -85,10 +85,10 @@ def test_merge_of_row_statistics_at_large_logits():
 
 # ------------------------------------------------------------ rank agreement
 def test_agreement_table_messages():
-    from anyattn.distributed.agree import FIELDS, check_table, failed_descriptor
+    from anyattn.distributed.agree import _MAGIC, FIELDS, check_table, failed_descriptor
 
     base = np.zeros((3, len(FIELDS)), np.int64)
-    base[:, 0] = 0x616E79_0001
+    base[:, 0] = _MAGIC
     check_table(base, 0, ("contiguous", "zigzag"))             # all agree: no error
     t = base.copy()
     t[2, [i for i, (n, _) in enumerate(FIELDS) if n == "q2"][0]] = 5
