@@ -35,12 +35,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
-from .numpy_tiles import (BASE2_LIMIT, LOG2E, BackwardHeads, TileCounts, TilePlan,
-                          backward_columns, backward_keys, forward_rows, forward_rows_bounded,
-                          key_tile_norms, saturating_cast, snap_plan, tile_blocks,
+from .numpy_tiles import (BASE2_LIMIT, LOG2E, AlibiRows, BackwardHeads, TileCounts,
+                          TileMods, TilePlan, alibi_row_shift, backward_columns,
+                          backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
+                          saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
                           with_ones_column)
 
 __all__ = ["NumpyBackend", "NumpyConfig", "available_cpus", "cgroup_cpu_quota"]
@@ -308,6 +310,50 @@ def _split(n: int, parts: int) -> List[List[int]]:
     return [list(range(w, n, parts)) for w in range(parts)]
 
 
+# ------------------------------------------------------------------ modifiers
+def _slopes64(p, mods) -> Optional[np.ndarray]:
+    """ALiBi slopes as float64 [Ba, Hq] (Ba in {1, B}), or None."""
+    if mods.alibi_slopes is None:
+        return None
+    return _as_np(mods.alibi_slopes).astype(np.float64).reshape(p.alibi_shape)
+
+
+def _alibi_rows(p, slopes: np.ndarray, b: int, h: int, u: float, dt: np.dtype
+                ) -> AlibiRows:
+    """The ALiBi tile term of (batch b, query head h) in units u (log2 e or 1)."""
+    slope = slopes[b if slopes.shape[0] > 1 else 0, h]
+    return AlibiRows(slope * u, p.seq_q, p.seq_k, alibi_diag(p), dt)
+
+
+def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> np.ndarray:
+    """dsinks [Hq] (float64) = -Σ_{b,i} exp((sink - max) - log_norm)·δ from the given
+    statistics (float64 [B, Hq, Sq], sink included) and δ [B, Hq, Sq]; rows with an
+    infinite max or sink contribute 0."""
+    m, ln = stats64
+    t = _as_np(mods.sinks).astype(np.float64)[None, :, None]          # [1, Hq, 1]
+    fin = np.isfinite(m) & np.isfinite(t)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p_sink = np.where(fin, np.exp((t - np.where(fin, m, 0.0)) - ln), 0.0)  # [B, Hq, Sq]
+    return -(p_sink * delta.astype(np.float64)).sum(axis=(0, 2))
+
+
+def _tile_mods(p, slopes: Optional[np.ndarray], b: int, h: int, dt: np.dtype
+               ) -> Callable[[bool], Optional[TileMods]]:
+    """units -> the TileMods of (batch b, query head h) in base 2 (True) or natural
+    units (False), None without softcap and ALiBi; made on first use, one per unit of
+    work (AlibiRows caches views: never shared between threads)."""
+    made: Dict[bool, Optional[TileMods]] = {}
+
+    def get(base2: bool) -> Optional[TileMods]:
+        if base2 not in made:
+            u = LOG2E if base2 else 1.0
+            al = None if slopes is None else _alibi_rows(p, slopes, b, h, u, dt)
+            cap = None if p.softcap is None else p.softcap * u
+            made[base2] = None if cap is None and al is None else TileMods(cap, al)
+        return made[base2]
+    return get
+
+
 # --------------------------------------------------------------------- backend
 class NumpyBackend(Backend):
     """Blocked online-softmax attention on the CPU with NumPy (float32/float64)."""
@@ -316,7 +362,7 @@ class NumpyBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest"}))
+        precisions=frozenset({"highest"}), softcap=True, alibi=True, sinks=True)
 
     def __init__(self, config: Optional[NumpyConfig] = None):
         self.config = config if config is not None else NumpyConfig.from_env()
@@ -332,32 +378,49 @@ class NumpyBackend(Backend):
                         mask=m, bias=bias, codes=codes)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, p, q, k, v, bias, mods) -> Tuple[Any, RowStats]:
-        out, rmax, rlog = self._forward_np(p, q, k, v, bias)
+    def forward(self, p, q, k, v, bias, mods=NO_MODS) -> Tuple[Any, RowStats]:
+        out, rmax, rlog = self._forward_np(p, q, k, v, bias, mods)
         sdt = "float64" if p.dtype == "float64" else "float32"
         kind = p.array_kind
         return _to_caller(out, p.dtype, kind), RowStats(_to_caller(rmax, sdt, kind),
                                                         _to_caller(rlog, sdt, kind))
 
-    def _forward_np(self, p, q, k, v, bias) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _forward_np(self, p, q, k, v, bias, mods=NO_MODS
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (out [B, Hq, Sq, D], row max [B, Hq, Sq], log-normaliser [B, Hq, Sq]) in
         the compute dtype (statistics in natural-log units, see anyattn.rowstats).
 
         Without a bias: base-2 scores, the bounded forward where the logits are small
         and the running-max path where they are not (natural units past
         BASE2_LIMIT).  With a bias: natural units throughout (a finite bias, even
-        finfo.min, is a number; only -inf excludes)."""
+        finfo.min, is a number; only -inf excludes).
+
+        Score modifiers (anyattn.modifiers): a softcap c scales the queries by
+        ``scale / c`` so that tanh sees natural-unit x/c, the kernels multiply by
+        ``c·u`` (u = log2 e in base 2); ALiBi's tile term is added per tile
+        (:class:`~anyattn.backends.numpy_tiles.AlibiRows`) and its row term joins the
+        statistics here (:func:`~anyattn.backends.numpy_tiles.shift_stats`); sinks are
+        folded into the wide accumulator and the statistics at the end
+        (:func:`anyattn.modifiers.fold_sinks`)."""
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, cfg.fwd_bq, cfg.fwd_bk, bias)
-        B, Hq, Sq, D, G = p.batch, p.heads_q, p.seq_q, p.head_dim, p.group
+        B, Hq, Sq, Sk, D, G = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.group
         out = np.empty((B, Hq, Sq, D), dtype=dt)
         rmax = np.empty((B, Hq, Sq), dtype=dt)
         rlog = np.empty((B, Hq, Sq), dtype=dt)
-        q2mul = dt.type(p.scale * LOG2E)           # base 2
-        qsmul = dt.type(p.scale)                   # natural units
+        cap = p.softcap
+        slopes = _slopes64(p, mods)                                    # [Ba, Hq] or None
+        diag = alibi_diag(p)
+        if cap is None:
+            q2mul = dt.type(p.scale * LOG2E)       # base 2
+            qsmul = dt.type(p.scale)               # natural units
+            bmul, bcap = 1.0, None                 # |q2|·|k| bounds |s| in log2 units
+        else:                                      # x/c in natural units for tanh
+            q2mul = qsmul = dt.type(p.scale / cap)
+            bmul = bcap = cap * LOG2E              # |s| <= c·log2e (log2 units)
         nt = cfg.n_threads()
         chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, nt))
 
@@ -365,33 +428,54 @@ class NumpyBackend(Backend):
             def run() -> TileCounts:
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
                 o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
+                tm = _tile_mods(p, slopes, b, h, dt)
                 if bias is not None:
                     qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
-                                        tile_blocks(plan, tiles), base2=False)
+                                        tile_blocks(plan, tiles), False, tm(False))
                 q2 = np.multiply(q[b, h], q2mul)                       # [Sq, D]
 
                 def exact(blocks, cmax: float) -> TileCounts:
                     if cmax <= BASE2_LIMIT:
-                        return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True)
-                    qs = np.multiply(q[b, h], qsmul)
-                    return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False)
+                        return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True,
+                                            tm(True))
+                    qs = q2 if cap is not None else np.multiply(q[b, h], qsmul)
+                    return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False,
+                                        tm(False))
 
                 if not cfg.bounded:
                     bound = float(np.sqrt(np.max(np.einsum("id,id->i", q2, q2))) *
-                                  np.sqrt(np.max(np.einsum("jd,jd->j", kh, kh)))) \
+                                  np.sqrt(np.max(np.einsum("jd,jd->j", kh, kh))) * bmul) \
                         if q2.size and kh.size else 0.0
+                    if bcap is not None:
+                        bound = float(np.minimum(bound, bcap))         # NaN stays NaN
                     return exact(tile_blocks(plan, tiles), bound)
                 return forward_rows_bounded(plan, b, h, q2, kh, vh, key_tile_norms(plan, kh),
-                                            o, mx, ln, tiles, exact)
+                                            o, mx, ln, tiles, exact, tm(True), bmul, bcap)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
         self.last_counts = {"forward": _run_units(units, nt)}
+        if slopes is not None:                     # ALiBi's row term -slope·dmin_i
+            dmin = alibi_row_shift(Sq, Sk, diag)                       # [Sq]
+            if dmin.any():
+                rmax, rlog = shift_stats(rmax, rlog, -slopes[:, :, None] * dmin)
+        if mods.sinks is not None:                 # one more term of every denominator
+            sinks = _as_np(mods.sinks).astype(dt)                      # [Hq]
+            out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
+            no_sink = (sinks == -np.inf)[None, :, None]                # keep ONE_KEY marks
+            rmax, rlog = st.max, np.where(no_sink, rlog, st.log_norm)
         return out, rmax, rlog
 
     # ----------------------------------------------------------------- backward
-    def backward(self, p, q, k, v, dout, out, stats: RowStats, bias, mods) -> Dict[str, Any]:
+    def backward(self, p, q, k, v, dout, out, stats: RowStats, bias,
+                 mods=NO_MODS) -> Dict[str, Any]:
+        """Gradients (see Backend.backward).  Score modifiers: a softcap makes the
+        kernels recompute tanh and multiply dS by 1 - tanh² before dq/dk; ALiBi's row
+        term moves from the given maxima into the kernels' rebased ones (exactly:
+        TwoSum, the rounding joins log_norm); dsinks [Hq] =
+        -Σ_{b,i} exp((sink - max) - log_norm)·δ with the δ = <dout, out> [B, Hq, Sq]
+        that the units compute anyway, reduced in float64."""
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))
@@ -400,8 +484,19 @@ class NumpyBackend(Backend):
         row_max = _as_np(stats.max).astype(np.float64)
         log_norm = _as_np(stats.log_norm).astype(np.float64)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
-        want_b = "bias" in p.wrt
+        want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
         need_ds = want_q or want_k or want_b
+        stats64 = (row_max, log_norm)              # as given: the sink's P uses these
+        cap = p.softcap
+        slopes = _slopes64(p, mods)
+        if slopes is not None:                     # kernels see ALiBi rebased per row
+            dmin = alibi_row_shift(p.seq_q, p.seq_k, alibi_diag(p))           # [Sq]
+            if dmin.any():
+                fin = np.isfinite(row_max)
+                m, e = two_sum(np.where(fin, row_max, 0.0),
+                               np.broadcast_to(slopes[:, :, None] * dmin, row_max.shape))
+                row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
+                log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
 
         B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                     p.head_dim, p.group)
@@ -416,6 +511,10 @@ class NumpyBackend(Backend):
                                   float(np.max(np.abs(row_max[fin]))) * LOG2E <= BASE2_LIMIT)
         col, w, unit_max, single = backward_columns(row_max, log_norm, dt, base2)
         qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
+        capu = None
+        if cap is not None:                        # x/c in natural units for tanh
+            qmul = dt.type(p.scale / cap)
+            capu = cap * LOG2E if base2 else cap
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
         dk = np.empty((B, Hkv, Sk, D), dtype=dt) if want_k else None
@@ -425,6 +524,7 @@ class NumpyBackend(Backend):
                      for b in range(B) for hk in range(Hkv) for c in range(1, nc)}
                     if want_q and nc > 1 else {})
 
+        delta_all = np.empty((B, Hq, Sq), dtype=dt) if want_s else None   # δ for dsinks
         units_keys = [(b, hk, c) for b in range(B) for hk in range(Hkv) for c in range(nc)]
         nw = max(1, min(nt, len(units_keys)))
         dbias_bufs = self._dbias_buffers(p, bias, units_keys, nw, dt) if want_b else None
@@ -441,8 +541,11 @@ class NumpyBackend(Backend):
                 wr = w[b, hsl]                                         # [G, Sq]
                 ga = np.empty((G, Sq, D + 1), dtype=dt)                # w·[dout | -delta]
                 np.multiply(gg, wr[..., None], out=ga[..., :D])
+                if need_ds or want_s:
+                    delta = np.einsum("gid,gid->gi", gg, o)            # [G, Sq]
+                    if want_s and c == 0:
+                        delta_all[b, hsl] = delta
                 if need_ds:
-                    delta = np.einsum("gid,gid->gi", gg, o)
                     np.multiply(delta, -wr, out=ga[..., D])
                 else:
                     ga[..., D] = 0
@@ -454,7 +557,9 @@ class NumpyBackend(Backend):
                 hs = BackwardHeads(
                     heads=heads, q2a=list(q2a), q=[_blasable(q[b, h]) for h in heads],
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
-                    base2=base2, snap=snap)
+                    base2=base2, snap=snap, cap=capu,
+                    alibi=None if slopes is None else
+                    [_alibi_rows(p, slopes, b, h, LOG2E if base2 else 1.0, dt) for h in heads])
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
                 return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
                                      with_ones_column(v[b, hk], dt),
@@ -464,9 +569,16 @@ class NumpyBackend(Backend):
 
         units = [unit(i, *key) for i, key in enumerate(units_keys)]
         per_worker = dbias_bufs is not None and len(dbias_bufs) > 1
-        self.last_counts = {"backward": _run_units(units, nt, static=per_worker)}
+        if want_q or want_k or want_v or want_b:
+            self.last_counts = {"backward": _run_units(units, nt, static=per_worker)}
+        elif want_s:                               # dsinks alone: δ is all it needs
+            delta_all = np.einsum("bhid,bhid->bhi", g, out)            # [B, Hq, Sq]
 
-        res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None}
+        res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None,
+                               "dsinks": None}
+        if want_s:
+            res["dsinks"] = _to_caller(_dsinks(mods, stats64, delta_all),
+                                       p.sinks_dtype, p.array_kind)
         if want_q:
             for (b, hk, c) in sorted(dq_parts):  # fixed order: chunk 1, 2, ...
                 dq[b, hk * G:(hk + 1) * G] += dq_parts[(b, hk, c)]

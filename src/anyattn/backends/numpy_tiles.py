@@ -46,7 +46,8 @@ from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
-           "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY"]
+           "AlibiRows", "TileMods", "alibi_row_shift", "shift_stats", "two_sum",
+           "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM"]
 
 LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453    # ln(2)
@@ -62,6 +63,11 @@ BASE2_LIMIT = 64.0
 #: most this: exp2(s) then stays within [2⁻⁶⁴, 2⁶⁴] (no max to subtract, no overflow or
 #: underflow in float32); larger logits go to the running-max path.
 BOUNDED_MAX_C = 64.0
+
+#: with ALiBi the bounded forward's row sums may underflow (far keys only): a query tile
+#: where a row that keeps keys sums to less than this (its largest term then may lie
+#: below the normal range) is recomputed by the running-max path.
+BOUNDED_MIN_SUM = 2.0 ** -70
 
 #: ``log_norm`` of a row that the forward found carried by one key (the other keys' weights
 #: sum to less than the rounding of 1): zero with the sign bit set, so ``lse = max`` and
@@ -354,17 +360,129 @@ def tile_blocks(plan: "TilePlan", q_tiles: Sequence[int]) -> List[Tuple[int, int
     return [(it,) + plan.q_range(it) for it in q_tiles]
 
 
+# ------------------------------------------------------------------ score modifiers
+def alibi_row_shift(sq: int, sk: int, diag: int) -> np.ndarray:
+    """int64 [Sq]: ``dmin_i = min_j |i - j + diag|`` over the keys j = 0..Sk-1 (the
+    distance of position i + diag to the key range).
+
+    ALiBi's ``-slope·|i - j + diag|`` splits into a row term ``-slope·dmin_i`` (kept in
+    the row statistics by the launcher, in float64) and the tile term
+    ``-slope·|c_i - j|`` with ``c_i = clip(i + diag, 0, Sk - 1)``, which is 0 at the
+    row's nearest key: the kernels' scores stay small near every row's maximum
+    whatever the offsets (no |diag|·eps rounding)."""
+    t = np.arange(sq, dtype=np.int64) + diag
+    return np.maximum(0, np.maximum(-t, t - (sk - 1)))
+
+
+class AlibiRows:
+    """The tile term of ALiBi for one (batch, query head) in a kernel's units.
+
+    Adds ``-slope_u·|c_i - j|`` (``c_i = clip(i + diag, 0, Sk - 1)``, see
+    :func:`alibi_row_shift`) to transposed score tiles [nj, ni] from one table
+    ``f [2Sk - 1]``, ``f[u + Sk - 1] = -slope_u·|u|`` (float64 product, one rounding):
+    rows with ``0 <= i + diag <= Sk - 1`` read a Toeplitz view of f, clamped rows one
+    reversed slice of it; no [Sq, Sk] or per-tile distance array is ever built.
+    Holds a cache of views: one instance per unit of work, never shared by threads.
+    """
+
+    def __init__(self, slope_u: float, sq: int, sk: int, diag: int, dt: np.dtype):
+        u = np.abs(np.arange(-(sk - 1), sk, dtype=np.float64))            # [2Sk-1] |u|
+        self.f = (u * -float(slope_u)).astype(dt)                        # [2Sk-1]
+        self.sk, self.diag = sk, diag
+        self.lo = min(max(-diag, 0), sq)          # rows i >= lo: i + diag >= 0
+        self.hi = min(max(sk - diag, 0), sq)      # rows i <  hi: i + diag <= Sk - 1
+        self._win: Dict[int, np.ndarray] = {}
+
+    def add_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> None:
+        """st [nj, ni] += the tile term of queries i0..i1-1 and keys j0..j1-1 (in place)."""
+        sk, f = self.sk, self.f
+        nj = j1 - j0
+        a = min(max(self.lo, i0), i1)             # [i0, a): c_i = 0
+        b = min(max(self.hi, a), i1)              # [a, b): Toeplitz; [b, i1): c_i = Sk-1
+        if a > i0:                                # f[(0 - j) + Sk - 1], [nj, 1]
+            st[:, :a - i0] += f[sk - j0 - nj:sk - j0][::-1, None]
+        if b > a:
+            w = b - a
+            win = self._win.get(w)
+            if win is None:                       # win[r, x] = f[r + x], [2Sk - w, w]
+                win = self._win[w] = np.lib.stride_tricks.sliding_window_view(f, w)
+            r0 = a + self.diag - j0 + sk - 1      # f index of (key j0, query a)
+            st[:, a - i0:b - i0] += win[r0 - nj + 1:r0 + 1][::-1]    # [nj, w] f[r0 - jj + x]
+        if i1 > b:                                # f[(Sk - 1 - j) + Sk - 1], [nj, 1]
+            st[:, b - i0:] += f[2 * sk - 1 - j0 - nj:2 * sk - 1 - j0][::-1, None]
+
+
+@dataclass
+class TileMods:
+    """Score modifiers of one (batch, query head) in a kernel's units (u = log2(e) in
+    base 2, else 1).
+
+    ``cap`` = c·u or None: the kernel's query operand then carries ``scale / c``, so its
+    score GEMM gives x/c in natural units (x = scale·qk) and :meth:`cap_t` turns that
+    into ``c·u·tanh(x / c)``; ``alibi``: :class:`AlibiRows` or None.
+    """
+
+    cap: Optional[float] = None
+    alibi: Optional[AlibiRows] = None
+
+    def cap_t(self, st: np.ndarray, t: Optional[np.ndarray] = None) -> None:
+        """st [nj, ni] = x/c -> c·u·tanh(x/c) in place; tanh(x/c) also into ``t`` if given."""
+        if t is None:
+            np.tanh(st, out=st)                                     # [nj, ni]
+            st *= st.dtype.type(self.cap)
+        else:
+            np.tanh(st, out=t)                                      # [nj, ni]
+            np.multiply(t, t.dtype.type(self.cap), out=st)
+
+
+def two_sum(a: np.ndarray, b: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """float64 ``a + b = s + e`` exactly (Knuth's TwoSum; finite a, b)."""
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, e
+
+
+def shift_stats(rmax: np.ndarray, rlog: np.ndarray, shift: np.ndarray
+                ) -> Tuple[np.ndarray, np.ndarray]:
+    """Natural row statistics [..] (``dt``) of scores s -> those of s + shift (float64
+    shift, broadcastable to rmax).
+
+    The new max is ``rmax + shift`` rounded *down* to ``dt`` and the residual (>= 0,
+    below one ulp of it, including the float64 sum's own rounding) joins log_norm, so
+    ``max + log_norm`` and ``exp((s - max) - log_norm)`` lose nothing to the shift.
+    Rows marked :data:`ONE_KEY` keep the marker (their residual, under one ulp of
+    max, is dropped); empty and NaN rows (max -inf / NaN) are unchanged."""
+    dt = rmax.dtype
+    r64 = rmax.astype(np.float64)
+    fin = np.isfinite(r64)
+    m64, err = two_sum(np.where(fin, r64, 0.0), np.broadcast_to(shift, r64.shape))
+    mx = m64.astype(dt)
+    res = (m64 - mx.astype(np.float64)) + err
+    down = res < 0
+    if down.any():
+        mx[down] = np.nextafter(mx[down], dt.type(-np.inf))
+        res = (m64 - mx.astype(np.float64)) + err                    # >= 0, < ulp(max)
+    one = (rlog == 0) & np.signbit(rlog)
+    ln = np.where(one, rlog, (rlog.astype(np.float64) + res).astype(dt))
+    return np.where(fin, mx, rmax).astype(dt), np.where(fin, ln, rlog).astype(dt)
+
+
 # ----------------------------------------------------------------------- forward
 def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                  v: np.ndarray, out: np.ndarray, rmax: np.ndarray, rlog: np.ndarray,
-                 blocks: Sequence[Tuple[int, int, int]], base2: bool) -> TileCounts:
+                 blocks: Sequence[Tuple[int, int, int]], base2: bool,
+                 mods: Optional[TileMods] = None) -> TileCounts:
     """Running-max forward of one (batch b, query head h) over row blocks.
 
     qop [Sq, D]: queries times ``scale·log2(e)`` (``base2``) or times ``scale``
-    (natural units; required with a bias, which is added as it is); k, v [Sk, D]
-    (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row ranges
-    inside query tiles.  Writes out [Sq, D] and the natural row statistics rmax,
-    rlog [Sq] on those rows only.
+    (natural units; required with a bias, which is added as it is), or times
+    ``scale / c`` with a softcap (``mods.cap`` = c in the kernel's units); k, v
+    [Sk, D] (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row
+    ranges inside query tiles; ``mods``: softcap and ALiBi (:class:`TileMods`) in the
+    same units.  Writes out [Sq, D] and the natural row statistics rmax, rlog [Sq] on
+    those rows only (of the scores without ALiBi's row term, see
+    :func:`alibi_row_shift`).
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -375,6 +493,8 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     ones = np.ones(plan.bk, dtype=dt)              # row sums as a GEMV
     neg_inf = dt.type(-np.inf)
     expf = np.exp2 if base2 else np.exp
+    cap = mods is not None and mods.cap is not None
+    alibi = None if mods is None else mods.alibi
     for it, i0, i1 in blocks:
         ni = i1 - i0
         qt = qop[i0:i1]                                        # [ni, D]
@@ -387,9 +507,13 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
             j0, j1 = plan.k_range(jt)
             nj = j1 - j0
             st = sbuf[:nj * ni].reshape(nj, ni)
-            np.matmul(k[j0:j1], qt.T, out=st)                  # sT [nj, ni]
+            np.matmul(k[j0:j1], qt.T, out=st)                  # sT [nj, ni] (x/c: cap)
+            if cap:
+                mods.cap_t(st)                                  # c·tanh(x/c) [nj, ni]
             if plan.bias is not None:
                 st += plan.bias_t(b, h, i0, i1, j0, j1)
+            if alibi is not None:
+                alibi.add_t(st, i0, i1, j0, j1)                # - slope·|c_i - j|
             if code == TILE_PARTIAL:
                 np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
                 counts.partial += 1
@@ -444,8 +568,9 @@ ExactRows = Callable[[Sequence[Tuple[int, int, int]], float], TileCounts]
 
 def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.ndarray,
                          v: np.ndarray, knorm: np.ndarray, out: np.ndarray, rmax: np.ndarray,
-                         rlog: np.ndarray, q_tiles: Sequence[int], exact: ExactRows
-                         ) -> TileCounts:
+                         rlog: np.ndarray, q_tiles: Sequence[int], exact: ExactRows,
+                         mods: Optional[TileMods] = None, bound_mul: float = 1.0,
+                         bound_cap: Optional[float] = None) -> TileCounts:
     """Forward without a running max, for problems without a bias (base 2).
 
     Each query row i has a bound ``c_i = |q2_i| * max_{kept key tiles} |k_j| >= |s_ij|``
@@ -467,6 +592,14 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     gets P = 1: out = v of that key, ``max`` = its score, ``log_norm`` =
     :data:`ONE_KEY`.
 
+    Score modifiers (``mods``, base 2): with a softcap q2 carries ``scale / c`` (the
+    GEMM gives x/c), ``bound_mul`` = c·log2(e) turns ``|q2_i|·|k_j|`` into a score bound
+    and ``bound_cap`` = c·log2(e) caps it (|c·tanh| <= c).  ALiBi's tile term is <= 0
+    (0 at each row's nearest key, :func:`alibi_row_shift`), so the bound holds; far
+    keys may underflow, harmlessly unless a row's sum drops below
+    :data:`BOUNDED_MIN_SUM` (its nearest key masked out): that query tile is then
+    recomputed by ``exact``.
+
     q2 [Sq, D] scaled queries; k, v [Sk, D]; knorm [nK]; writes out [Sq, D], rmax,
     rlog [Sq] on the rows of ``q_tiles``.
     """
@@ -478,6 +611,10 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     ones = np.ones(plan.bk, dtype=dt)
     pvbuf = np.empty(plan.bq * D, dtype=dt)
     qnorm = np.sqrt(np.einsum("id,id->i", q2, q2))                  # [Sq]
+    if bound_mul != 1.0:
+        qnorm *= dt.type(bound_mul)
+    cap = mods is not None and mods.cap is not None
+    alibi = None if mods is None else mods.alibi
     Sq = q2.shape[0]
     done = np.zeros(Sq, dtype=bool)                 # rows finished here (bulk statistics)
     bl = np.empty(Sq, dtype=dt)
@@ -488,11 +625,13 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
         tiles = _kept_tiles(None if codes is None else codes[it], plan.nk)
         kmax = np.fmax.reduce(knorm[[t for t, _ in tiles]]) if tiles else dt.type(0)
         c = np.multiply(qnorm[i0:i1], kmax)                            # [ni] bounds
+        if bound_cap is not None:
+            c = np.minimum(c, dt.type(bound_cap))                      # NaN stays NaN
         cmax = float(np.max(c))
         if not cmax <= BOUNDED_MAX_C:         # large logits (or NaN): the running-max path
             counts.add(exact([(it, i0, i1)], cmax))
             continue
-        counts.skipped += plan.nk - len(tiles)
+        tc = TileCounts(skipped=plan.nk - len(tiles))
         qt = q2[i0:i1]                                                # [ni, D]
         l = np.zeros(ni, dtype=dt)                                    # sum of exp2(s)
         acc = np.zeros((ni, D), dtype=dt)                             # P~·V
@@ -505,6 +644,10 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
             nj = j1 - j0
             st = sbuf[:nj * ni].reshape(nj, ni)
             np.matmul(k[j0:j1], qt.T, out=st)                         # s, [nj, ni]
+            if cap:
+                mods.cap_t(st)                                        # c·tanh(x/c)
+            if alibi is not None:
+                alibi.add_t(st, i0, i1, j0, j1)                       # <= 0 [nj, ni]
             np.exp2(st, out=st)                                       # P~ [nj, ni]
             if code == TILE_PARTIAL:
                 # zero the dropped pairs after exp2: exp2(-inf) takes NumPy's slow
@@ -519,15 +662,23 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
                     sel = np.flatnonzero(cnt == 1)
                     if sel.size:
                         key_of[sel] = j0 + np.argmin(ex[:, sel], axis=0)
-                counts.partial += 1
+                tc.partial += 1
             else:
                 n_full += nj
                 if nj == 1:
                     key_of[:] = j0
-                counts.full += 1
+                tc.full += 1
             l += np.matmul(ones[:nj], st)                             # [ni]
             np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
             acc += pv
+        if alibi is not None:                    # a kept row whose terms all underflowed?
+            low = l < dt.type(BOUNDED_MIN_SUM)
+            if n_full < 2:
+                low &= (n_part + n_full) > 0
+            if low.any():
+                counts.add(exact([(it, i0, i1)], cmax))
+                continue
+        counts.add(tc)
         if n_full >= 2:                          # every row kept keys (>= 2)
             acc /= l[:, None]
             bl[i0:i1] = l
@@ -566,6 +717,11 @@ class BackwardHeads:
     head, :func:`snap_plan`'s rows whose top key gets P = 1 exactly.  The extra
     columns let one GEMM against ``[k | 1]`` / ``[v | 1]`` produce ``s - max`` and
     ``w·(dP - delta)`` directly; ``P = exp(s - max)·w`` never forms.
+
+    Score modifiers: ``cap`` = c·u (softcap) or None; q2a then holds
+    ``[q·scale/c | -max_u]`` and the kernel applies the max after the cap (GEMM
+    against k alone, ``c·u·tanh``, then ``- max_u``).  ``alibi``: per head an
+    :class:`AlibiRows` (the maxima in q2a are then those of the rebased scores) or None.
     """
 
     heads: List[int]
@@ -575,6 +731,8 @@ class BackwardHeads:
     dq: Optional[List[np.ndarray]]
     base2: bool = True
     snap: Optional[List[Dict[int, Tuple[np.ndarray, np.ndarray]]]] = None
+    cap: Optional[float] = None
+    alibi: Optional[List[AlibiRows]] = None
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -587,7 +745,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     P~ = exp((s - max) + bias) per tile (P = w·P~, w folded into ``ga``):
     dv[j] += P~ᵀ (w g), dk[j] += scale·dSᵀ q (both
     finished per key tile, rows of ``k_tiles`` only), dq[h] += dS k (full
-    accumulators, unscaled), dbias += dS (summed over its broadcast dims).
+    accumulators, unscaled), dbias += dS (summed over its broadcast dims).  With a
+    softcap dS is multiplied by ``1 - tanh²(x/c)`` after dbias, before dq and dk.
     ka, va [Sk, D+1] = [k | 1], [v | 1]; dk, dv [Sk, D] outputs or None;
     dbias [Bb, Hb, Sqb, Skb] or None.
     """
@@ -597,6 +756,9 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     need_ds = dk is not None or hs.dq is not None or dbias is not None
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # P tile
     pbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # dP / dS tile
+    cap = hs.cap is not None
+    tbuf = np.empty(plan.bq * plan.bk, dtype=dt) if cap else None   # tanh(x/c) tile
+    capu = dt.type(hs.cap) if cap else None
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     expf = np.exp2 if hs.base2 else np.exp
     snaps = hs.snap if hs.snap and any(hs.snap) else None
@@ -618,9 +780,19 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     i0, i1 = plan.q_range(it)
                     ni = i1 - i0
                     st = sbuf[:nj * ni].reshape(nj, ni)
-                    np.matmul(kta, hs.q2a[gi][i0:i1].T, out=st)    # s - max, [nj, ni]
+                    qa = hs.q2a[gi][i0:i1]                          # [ni, D+1]
+                    if cap:
+                        tt = tbuf[:nj * ni].reshape(nj, ni)
+                        np.matmul(kt, qa[:, :D].T, out=tt)          # x/c, [nj, ni]
+                        np.tanh(tt, out=tt)                         # t = tanh(x/c)
+                        np.multiply(tt, capu, out=st)               # c·t
+                        st += qa[:, D]                              # c·t - max [nj, ni]
+                    else:
+                        np.matmul(kta, qa.T, out=st)                # s - max, [nj, ni]
                     if plan.bias is not None:                       # natural units
                         st += plan.bias_t(b, h, i0, i1, j0, j1)     # (s - max) + bias
+                    if hs.alibi is not None:
+                        hs.alibi[gi].add_t(st, i0, i1, j0, j1)      # - slope·|c_i - j|
                     expf(st, out=st)                                # P~ᵀ [nj, ni]
                     if code == TILE_PARTIAL:
                         # zeroed after exp: exp(-inf) is NumPy's slow special-value path
@@ -647,6 +819,10 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     dst *= st                                       # dSᵀ [nj, ni]
                     if dbias is not None:
                         plan.add_dbias(dbias, dst, b, h, i0, i1, j0, j1)
+                    if cap and (dk_acc is not None or hs.dq is not None):
+                        np.multiply(tt, tt, out=tt)                 # t²
+                        np.subtract(dt.type(1), tt, out=tt)         # 1 - t² [nj, ni]
+                        dst *= tt                                   # dS·(1 - t²)
                     if dk_acc is not None:
                         dk_acc += np.matmul(dst, hs.q[gi][i0:i1])   # [nj, D]
                     if hs.dq is not None:
