@@ -49,11 +49,13 @@ def assert_close(got, ref, dtype: str, what: str = "", tol: Optional[float] = No
     assert e <= tol, f"{what}: relative error {e:.3g} > {tol:.1g} ({dtype})"
 
 
-def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0, k_offset=0):
-    """Sum of |terms| behind out, dq, dk, dv, dbias (float64): the rounding scale.
+def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0, k_offset=0,
+                    softcap=None, alibi_slopes=None, sinks=None):
+    """Sum of |terms| behind out, dq, dk, dv, dbias, dsinks (float64): the rounding scale.
 
     out_i = Σ_j P_ij v_j -> Σ_j P_ij |v_j|; dS = P(dP - δ) -> P(|dP| + |δ|);
-    dq = scale·dS·k -> scale·|dS|·|k|; dk likewise with q; dv = Pᵀg -> Pᵀ|g|.
+    dq = scale·dS·(1 − tanh²)·k -> scale·|dS|·(1 − tanh²)·|k|; dk likewise with q;
+    dv = Pᵀg -> Pᵀ|g|; dsinks = −Σ P_sink·δ -> Σ P_sink·Σ_d|g·out|.
     """
     from anyattn import reference as R
 
@@ -63,21 +65,29 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = 1.0 / np.sqrt(D) if scale is None else scale
-    s, _, kexp, vexp, _ = R._scores(q, k, v, mask, b, scale, q_offset, k_offset)
-    p, _ = R._softmax(s)
+    s, _, kexp, vexp, th = R._scores(q, k, v, mask, b, scale, q_offset, k_offset, softcap,
+                                     None if alibi_slopes is None else to_np(alibi_slopes))
+    sk = None if sinks is None else np.asarray(to_np(sinks), np.float64)
+    p, row_max, log_norm = R._softmax_stats(s, sk)
     out = np.einsum("bhij,bhjd->bhid", p, vexp)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)
     delta = np.sum(g * out, axis=-1, keepdims=True)
     ads = p * (np.abs(dp) + np.abs(delta))
+    adx = ads if th is None else ads * (1.0 - th * th)
     res = {
         "out": np.einsum("bhij,bhjd->bhid", p, np.abs(vexp)),
-        "dq": scale * np.einsum("bhij,bhjd->bhid", ads, np.abs(kexp)),
-        "dk": (scale * np.einsum("bhij,bhid->bhjd", ads, np.abs(q))).reshape(
+        "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
+        "dk": (scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q))).reshape(
             B, Hkv, G, Sk, D).sum(2),
         "dv": np.einsum("bhij,bhid->bhjd", p, np.abs(g)).reshape(B, Hkv, G, Sk, D).sum(2),
     }
     if b is not None:
         res["dbias"] = R.reduce_to_shape(ads, b.shape)
+    if sk is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            p_sink = np.where(np.isfinite(row_max) & np.isfinite(sk[None, :, None]),
+                              np.exp((sk[None, :, None] - row_max) - log_norm), 0.0)
+        res["dsinks"] = (p_sink * np.sum(np.abs(g * out), axis=-1)).sum(axis=(0, 2))
     return res
 
 

@@ -53,17 +53,21 @@ def _shape(case, hx):
     return case[2] if hx.small else case[1]
 
 
-def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), scale=None):
-    """Run forward + backward on the backend and on the reference; compare everything."""
+def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), scale=None,
+              mods=None):
+    """Run forward + backward on the backend and on the reference; compare everything.
+    ``mods``: score modifiers and offsets (softcap, alibi_slopes, sinks, q/k_offset)."""
     put = hx.put
+    mods = dict(mods or {})
+    bmods = {n: (put(x) if isinstance(x, np.ndarray) else x) for n, x in mods.items()}
     out, lse = aa.attention(put(q), put(k), put(v), mask=mask, bias=put(bias), scale=scale,
-                            return_lse=True, backend=hx.name)
+                            return_lse=True, backend=hx.name, **bmods)
     grads = aa.attention_backward(put(q), put(k), put(v), put(g), mask=mask, bias=put(bias),
-                                  scale=scale, wrt=wrt, backend=hx.name)
+                                  scale=scale, wrt=wrt, backend=hx.name, **bmods)
     rmask = _np_mask(mask)
-    ro, rl = R.forward(q, k, v, mask=rmask, bias=bias, scale=scale)
-    rg = R.backward(q, k, v, g, mask=rmask, bias=bias, scale=scale, wrt=wrt)
-    mag = term_magnitudes(q, k, v, g, mask=rmask, bias=bias, scale=scale)
+    ro, rl = R.forward(q, k, v, mask=rmask, bias=bias, scale=scale, **mods)
+    rg = R.backward(q, k, v, g, mask=rmask, bias=bias, scale=scale, wrt=wrt, **mods)
+    mag = term_magnitudes(q, k, v, g, mask=rmask, bias=bias, scale=scale, **mods)
     assert_close(out, ro, dtype, "out", magnitude=mag["out"])
     lse_np = to_np(lse)
     assert str(lse_np.dtype) in ("float32", "float64")
@@ -71,7 +75,7 @@ def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), 
     assert np.array_equal(np.isfinite(lse_np), fin), "lse: -inf exactly on the empty rows"
     if fin.any():
         assert np.max(np.abs(lse_np[fin] - rl[fin])) <= 10 * TOL[dtype] * max(1, np.abs(rl[fin]).max())
-    for name in ("dq", "dk", "dv", "dbias"):
+    for name in ("dq", "dk", "dv", "dbias", "dsinks"):
         got, ref = getattr(grads, name), getattr(rg, name)
         if ref is None:
             assert got is None, f"{name} computed though not requested"
@@ -388,3 +392,66 @@ def test_given_out_lse_define_p_and_delta(hx):
     ref = R.backward(q, kb, vb, g, out=out, lse=lse, mask=aa.Causal(), q_offset=Sk - Sq)
     for n in ("dq", "dk", "dv"):
         assert_close(getattr(got, n), getattr(ref, n), "float32", n)
+
+
+# ------------------------------------------------------------------- score modifiers
+def _mods(rng, case, B, Hq, dtype):
+    """The modifiers of a case: softcap c, ALiBi slopes ([Hq] or [B, Hq]), sinks [Hq]."""
+    out = {}
+    if "softcap" in case:
+        out["softcap"] = 1.5
+    if "alibi" in case:
+        shape = (B, Hq) if "alibi_b" in case else (Hq,)
+        out["alibi_slopes"] = rng.uniform(0.05, 0.6, shape).astype(dtype)
+    if "sinks" in case:
+        out["sinks"] = rng.standard_normal(Hq).astype(dtype)
+    if "offsets" in case:
+        out.update(q_offset=5, k_offset=2)
+    return out
+
+
+MOD_CASES = [
+    # (name, shape index in SHAPES, mask, bias)
+    ("softcap", "gqa", None, False),
+    ("alibi", "sq_ne_sk", None, False),
+    ("alibi_b-offsets", "sq_gt_sk", "causal_br", False),
+    ("sinks", "gqa", "causal", False),
+    ("softcap-alibi-sinks", "odd113", "window", True),
+    ("softcap-alibi_b-sinks-offsets", "gqa", "causal_br", True),
+]
+
+
+@pytest.mark.parametrize("case,shape,mname,with_bias", MOD_CASES,
+                         ids=[c[0] for c in MOD_CASES])
+def test_score_modifiers(hx, case, shape, mname, with_bias):
+    """softcap / ALiBi / sinks (DESIGN.md §1) alone and together, with masks, bias+dbias,
+    GQA, Sq != Sk and offsets; dsinks against the reference."""
+    B, Hq, Hkv, Sq, Sk, D = _shape(dict((c[0], c) for c in SHAPES)[shape], hx)
+    mask = {None: None, "causal": aa.Causal(), "causal_br": aa.Causal("bottom_right"),
+            "window": aa.Window(left=7, right=3)}[mname]
+    for dtype in hx.dtypes:
+        rng = np.random.default_rng(7)
+        q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype)
+        mods = _mods(rng, case, B, Hq, dtype)
+        bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(dtype) if with_bias else None
+        wrt = ("q", "k", "v") + (("bias",) if with_bias else ()) + \
+            (("sinks",) if "sinks" in mods else ())
+        _run_both(hx, dtype, q, k, v, g, mask=mask, bias=bias, wrt=wrt, mods=mods)
+
+
+def test_sinks_on_rows_that_keep_no_key(hx):
+    """A row that keeps no key: out 0, lse = sinks[h], zero dq; -inf sinks are no sinks."""
+    rng = np.random.default_rng(8)
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 1, 9, 6, 8
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, "float32")
+    sinks = np.array([0.7, -np.inf], np.float32)
+    mask = aa.Causal() & aa.Window(left=1)          # queries 7, 8 keep no key (Sk = 6)
+    out, grads = _run_both(hx, "float32", q, k, v, g, mask=mask, wrt=("q", "k", "v", "sinks"),
+                           mods=dict(sinks=sinks, softcap=3.0))
+    _, lse = aa.attention(hx.put(q), hx.put(k), hx.put(v), mask=mask, sinks=hx.put(sinks),
+                          softcap=3.0, return_lse=True, backend=hx.name)
+    lse = to_np(lse)
+    assert np.all(to_np(out)[:, :, 7:] == 0)
+    np.testing.assert_array_equal(lse[0, 0, 7:], np.float32(0.7))
+    assert np.all(lse[0, 1, 7:] == -np.inf)
+    assert np.all(to_np(grads.dq)[:, :, 7:] == 0)
