@@ -66,6 +66,8 @@ def cases(world: int):
         ("zigzag-causal-mods-reference-float64",
          dict(sharding="zigzag", mask="causal", dtype="float64", mods=True,
               backend="reference")),
+        ("zigzag-causal_window-mods-float32",
+         dict(sharding="zigzag", mask="causal_window", dtype="float32", mods=True)),
         ("contiguous-docs-mods-reference-float64",
          dict(sharding="contiguous", mask="causal_docs", dtype="float64", mods=True,
               backend="reference")),
