@@ -8,6 +8,10 @@ log-normaliser, kept apart: anyattn.rowstats).  Backward: delta pass, dK/dV pass
 key tile (looping over the query tiles of every query head of the kv group), dQ pass
 per query tile (which also writes dS for dbias), then a deterministic dbias
 reduction.  No float atomics anywhere: repeated runs are bitwise equal.
+Score modifiers (anyattn.modifiers) in the kernels: softcap (accurate tanh, dS times
+1 - tanh² before dQ/dK) and ALiBi (from indices) in the score of every tiled kernel,
+sinks in the forward's epilogue (the row statistics include them); dsinks on the host
+from the row statistics (modifiers.sinks_grad, float64).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..base import Backend, Capabilities
+from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
 from ...rowstats import RowStats
 
@@ -31,7 +36,7 @@ _ELEM = {"float32": "f32", "float16": "f16"}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None)
+    max_head_dim=None, softcap=True, alibi=True, sinks=True)
 
 
 class WebGPUBackend(Backend):
@@ -108,8 +113,9 @@ class WebGPUBackend(Backend):
         return call
 
     # ------------------------------------------------------------------ common
-    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u"):
-        """Uploads and masks of one call; a backward config when ``dout`` is given."""
+    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS):
+        """Uploads, masks and score modifiers of one call; a backward config when
+        ``dout`` is given."""
         from .engine import upload_view
 
         if p.dtype not in _NP:
@@ -127,6 +133,7 @@ class WebGPUBackend(Backend):
         call.set_mask(p.mask)
         if bias is not None:
             call.set_bias(bias)
+        call.set_mods(p.softcap, mods.alibi_slopes, alibi_diag(p), mods.sinks)
         return call
 
     def _stats(self, call):
@@ -152,8 +159,8 @@ class WebGPUBackend(Backend):
             run.device.queue.write_buffer(stats, 4 * row * n, a)
 
     # ----------------------------------------------------------------- forward
-    def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u"):
-        call = self._setup(p, q, k, v, None, bias, uprefix)
+    def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u", mods=NO_MODS):
+        call = self._setup(p, q, k, v, None, bias, uprefix, mods)
         run = call.run
         stats = self._stats(call)
         outb = run.buffer("out", 4 * call.n * p.head_dim)
@@ -206,6 +213,14 @@ class WebGPUBackend(Backend):
         return [(b0, min(p.batch, b0 + nb)) for b0 in range(0, p.batch, nb)]
 
     @staticmethod
+    def _sub_mods(mods: ScoreMods, b0: int, b1: int) -> ScoreMods:
+        """The modifiers of batches [b0, b1): per-batch ALiBi slopes sliced."""
+        sl = mods.alibi_slopes
+        if sl is None or sl.shape[0] == 1:
+            return mods
+        return dataclasses.replace(mods, alibi_slopes=sl[b0:b1])
+
+    @staticmethod
     def _sub(p: Problem, b0: int, b1: int):
         """The problem restricted to batches [b0, b1) (mask and bias sliced where they vary)."""
         import dataclasses
@@ -220,41 +235,47 @@ class WebGPUBackend(Backend):
         bs = p.bias_shape
         if bs is not None and bs[0] > 1:
             bs = (b1 - b0,) + tuple(bs[1:])
-        return dataclasses.replace(p, batch=b1 - b0, mask=sm, bias_shape=bs), sl
+        als = p.alibi_shape
+        if als is not None and als[0] > 1:
+            als = (b1 - b0, als[1])
+        return dataclasses.replace(p, batch=b1 - b0, mask=sm, bias_shape=bs,
+                                   alibi_shape=als), sl
 
-    def forward(self, p: Problem, q, k, v, bias, mods):
+    def forward(self, p: Problem, q, k, v, bias, mods=NO_MODS):
         chunks = self._batch_chunks(p, backward=False, bias=bias)
         if len(chunks) > 1:
             parts = []
             for b0, b1 in chunks:
                 sp, sl = self._sub(p, b0, b1)
-                parts.append(self._forward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], sl(bias)))
+                parts.append(self._forward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], sl(bias),
+                                               self._sub_mods(mods, b0, b1)))
             self.last_pieces["batch_chunks"] = len(chunks)
             st = RowStats(np.concatenate([s.max for _, s in parts]),
                           np.concatenate([s.log_norm for _, s in parts]))
             return np.concatenate([o for o, _ in parts]), st
-        return self._forward_one(p, q, k, v, bias)
+        return self._forward_one(p, q, k, v, bias, mods)
 
-    def _forward_one(self, p: Problem, q, k, v, bias):
+    def _forward_one(self, p: Problem, q, k, v, bias, mods=NO_MODS):
         with self._lock:
-            call, read = self._build_forward(p, q, k, v, bias)
+            call, read = self._build_forward(p, q, k, v, bias, mods=mods)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
 
     # ---------------------------------------------------------------- backward
     def _build_backward(self, p: Problem, q, k, v, dout, out, stats, bias, resident=None,
-                        uprefix="u"):
-        """Uploads and launches of one backward; ``resident`` = (stats, out buffer) of a
-        forward already on the device (benchmarks), else out and the RowStats ``stats``
-        are uploaded."""
+                        uprefix="u", mods=NO_MODS):
+        """Uploads and launches of one backward (dq, dk, dv, dbias; dsinks is the
+        host's, see ``backward``); ``resident`` = (stats, out buffer) of a forward
+        already on the device (benchmarks), else out and the RowStats ``stats`` are
+        uploaded."""
         from .engine import Operand
 
         B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                  p.head_dim)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b = "bias" in p.wrt
-        call = self._setup(p, q, k, v, dout, bias, uprefix)
+        call = self._setup(p, q, k, v, dout, bias, uprefix, mods)
         run = call.run
         if resident is None:
             st_in = stats
@@ -300,16 +321,35 @@ class WebGPUBackend(Backend):
             return res
         return call, read
 
-    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods):
+    def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods=NO_MODS):
+        res = self._backward_device(p, q, k, v, dout, out, stats, bias, mods)
+        if "sinks" in p.wrt:
+            res["dsinks"] = self._dsinks(p, dout, out, stats, mods.sinks)
+        return res
+
+    @staticmethod
+    def _dsinks(p: Problem, dout, out, stats: RowStats, sinks):
+        """dsinks [Hq] = −Σ_{b,i} exp((sink − max) − log_norm)·<dout, out>, from the row
+        statistics the forward returned (they include the sink), reduced in float64
+        (modifiers.sinks_grad; the δ of every row is computed there in float64 too),
+        in the sinks' dtype."""
+        st64 = RowStats(np.asarray(stats.max, np.float64), np.asarray(stats.log_norm,
+                                                                       np.float64))
+        return sinks_grad(np.asarray(dout), np.asarray(out), st64, np.asarray(sinks))
+
+    def _backward_device(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
+                         mods: ScoreMods) -> Dict[str, object]:
+        if not ({"q", "k", "v", "bias"} & set(p.wrt)):      # dsinks alone: no kernel
+            return {"dq": None, "dk": None, "dv": None, "dbias": None}
         chunks = self._batch_chunks(p, backward=True, bias=bias)
         if len(chunks) == 1:
-            return self._backward_one(p, q, k, v, dout, out, stats, bias)
+            return self._backward_one(p, q, k, v, dout, out, stats, bias, mods)
         parts = []
         for b0, b1 in chunks:
             sp, sl = self._sub(p, b0, b1)
             parts.append(self._backward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], dout[b0:b1],
                                             out[b0:b1], stats.select(slice(b0, b1)),
-                                            sl(bias)))
+                                            sl(bias), self._sub_mods(mods, b0, b1)))
         res = {}
         for n in ("dq", "dk", "dv"):
             res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
@@ -325,28 +365,29 @@ class WebGPUBackend(Backend):
         self.last_pieces["batch_chunks"] = len(chunks)
         return res
 
-    def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias):
+    def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias, mods=NO_MODS):
         with self._lock:
-            call, read = self._build_backward(p, q, k, v, dout, out, stats, bias)
+            call, read = self._build_backward(p, q, k, v, dout, out, stats, bias, mods=mods)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
 
     # -------------------------------------------------------------- benchmarks
-    def plan(self, p: Problem, q, k, v, dout=None, bias=None):
+    def plan(self, p: Problem, q, k, v, dout=None, bias=None, mods=NO_MODS):
         """Device-resident forward and backward plans over persistent buffers:
         -> (fwd_plan, bwd_plan, read_fwd, read_bwd); ``plan.submit(n)`` re-runs one
         without any host transfer (the backward reads the forward's out and row
         statistics)."""
         with self._lock:
-            call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu")
+            call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu", mods=mods)
             fwd = call.freeze()
             run = call.run
             resident = (self._stats(call), run.buffer("out", 4 * call.n * p.head_dim))
             bwd, read_b = None, None
             if dout is not None:
                 call, read_b = self._build_backward(p, q, k, v, dout, None, None, bias,
-                                                    resident=resident, uprefix="plan_bu")
+                                                    resident=resident, uprefix="plan_bu",
+                                                    mods=mods)
                 bwd = call.freeze()
         return fwd, bwd, read_f, read_b
 

@@ -135,6 +135,11 @@ class Call:
                         SK=self.SK, D=self.D, neg_inf=NEG_INF, inv_sk=1.0 / max(self.SK, 1),
                         nqt=self.nqt, nkt=self.nkt, stat_n=self.n)
         self.bias_buf = self.aux_buf = self.run.dummy
+        self._aux_parts: List[np.ndarray] = []   # u32 words of aux (masks, modifiers)
+        self._aux_pos = 0
+        #: score-modifier constants (anyattn.modifiers): SOFTCAP, ALIBI for every tiled
+        #: kernel, SINKS for the forward only; empty = the plain kernels
+        self.mod_consts: Dict[str, int] = {}
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
         self.clears: List[object] = []
@@ -149,17 +154,8 @@ class Call:
         from ...arrays import to_numpy
 
         F = FLAGS
-        parts: List[np.ndarray] = []
-        pos = 0
-
-        def put(a: np.ndarray) -> int:
-            nonlocal pos
-            a = np.ascontiguousarray(a).reshape(-1).view(np.uint32)
-            parts.append(a)
-            off = pos
-            pos += a.size
-            return off
-
+        put = self._aux_put
+        n_parts = len(self._aux_parts)
         lo_clip = -(self.SQ + 2)
         hi_clip = self.SK + 2
         if rmask.band_lo is not None:
@@ -196,8 +192,52 @@ class Call:
             self.flags |= F["TILEMAP"]
             self.uni.update(tm_off=put(tm.astype(np.uint32)), tm_sb=(Hm * nq * nk) if Bm > 1 else 0,
                             tm_sh=(nq * nk) if Hm > 1 else 0)
-        if parts:
-            self.aux_buf = self.run.upload("aux", np.concatenate(parts))
+        if len(self._aux_parts) > n_parts:
+            self._aux_upload()
+
+    def _aux_put(self, a: np.ndarray) -> int:
+        """Append 4-byte words to the aux buffer's contents -> their u32 offset."""
+        a = np.ascontiguousarray(a).reshape(-1).view(np.uint32)
+        self._aux_parts.append(a)
+        off = self._aux_pos
+        self._aux_pos += a.size
+        return off
+
+    def _aux_upload(self) -> None:
+        self.aux_buf = self.run.upload("aux", np.concatenate(self._aux_parts))
+
+    def set_mods(self, softcap: Optional[float], alibi_slopes, alibi_diag: int,
+                 sinks) -> None:
+        """Score modifiers (anyattn.modifiers) -> uniforms, aux words, kernel defines.
+
+        softcap c (f32); alibi_slopes [Ba, HQ] (Ba in {1, B}) with the signed diagonal
+        ``i' - j' = i - j + alibi_diag``; sinks [HQ].  Slopes and sinks go into aux as
+        f32 bits (exact for f16 and f32 arrays)."""
+        if softcap is not None:
+            self.uni["softcap"] = f32_scalar("softcap", softcap)
+            self.mod_consts["SOFTCAP"] = 1
+        if alibi_slopes is not None:
+            sl = np.asarray(alibi_slopes)
+            if sl.ndim != 2 or sl.shape[1] != self.HQ or sl.shape[0] not in (1, self.B):
+                raise ValueError(f"alibi_slopes: shape {sl.shape}, expected [1 or {self.B}, "
+                                 f"{self.HQ}]")
+            # i - j + diag in i32 for every pair: |diag| + SQ + SK must stay below 2**31
+            if abs(int(alibi_diag)) + self.SQ + self.SK >= _I32:
+                raise ValueError(f"q_offset/k_offset: the ALiBi distance |i - j + {alibi_diag}| "
+                                 "passes the i32 range of the webgpu kernels; bring the "
+                                 "offsets closer together")
+            self.uni.update(al_off=self._aux_put(sl.astype(np.float32)),
+                            al_sb=self.HQ if sl.shape[0] > 1 else 0,
+                            alibi_diag=int(alibi_diag))
+            self.mod_consts["ALIBI"] = 1
+        if sinks is not None:
+            t = np.asarray(sinks).astype(np.float32).reshape(-1)
+            if t.size != self.HQ:
+                raise ValueError(f"sinks: {t.size} values, expected [{self.HQ}]")
+            self.uni["snk_off"] = self._aux_put(t)
+            self.mod_consts["SINKS"] = 1
+        if alibi_slopes is not None or sinks is not None:
+            self._aux_upload()
 
     def set_bias(self, bias: np.ndarray) -> None:
         """Upload the bias as float32 with its broadcast dims kept at size 1 (stride 0
@@ -241,7 +281,10 @@ class Call:
         cfg = self.cfg
         per = cfg.trips_per_unit(kernel, self.D, dk, dv)
         pieces = split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
-        pipe = self.run.pipeline(kernel, "tile", cfg.consts(), self.elem, self.debug)
+        consts = cfg.consts()
+        consts.update({k: v for k, v in self.mod_consts.items()
+                       if k != "SINKS" or kernel == "forward"})   # the sink: forward only
+        pipe = self.run.pipeline(kernel, "tile", consts, self.elem, self.debug)
         if self.debug and dsb is None:   # debug builds write each invocation's loop trips here
             n_inv = grid_x * n_bh * cfg.slices(self.D) * cfg.NT
             dsb = self.trip_buf = self.run.buffer(f"trips_{kernel}", 4 * n_inv)

@@ -12,6 +12,8 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
 * ``//@loaders`` -> loaders ``lds_q/k/v/g`` of 4 consecutive elements as one ``SV``
   (bounds-checked over D; vec4<f32>, or vec4<f16> in HALF mode, read as one vec4<f16>
   when aligned) and ``ld4_out``/``st4_out`` for the f32 output buffer.
+* ``SOFTCAP`` / ``ALIBI`` / ``SINKS`` (constants = 1) are defined for kernels with
+  those score modifiers; without them the kernels are the plain ones, text for text.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -27,7 +29,10 @@ from typing import Dict, Mapping
 
 from .uniforms import wgsl_struct
 
-__all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS"]
+__all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES"]
+
+#: constants that, when 1, also become ``//@define`` names (score modifiers)
+MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -171,6 +176,9 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     text = _expand_includes(_read(kernel))
     if half:
         text = "//@define HALF\n" + text
+    for name in MOD_DEFINES:          # score modifiers: compiled in only where used
+        if consts.get(name, 0):
+            text = f"//@define {name}\n" + text
     text = _conditionals(text)
     text = _unroll(text, consts)
     text = _reinit_vars(text)

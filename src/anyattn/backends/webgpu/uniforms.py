@@ -31,6 +31,11 @@ FIELDS = [
     ("red_i", "u32"), ("red_j", "u32"), ("db_sb", "u32"), ("db_sh", "u32"),
     ("db_si", "u32"), ("db_sj", "u32"), ("db_nb", "u32"), ("db_nh", "u32"),
     ("db_ni", "u32"), ("db_nj", "u32"), ("ml_rd", "u32"), ("ml_wr", "u32"),
+    # score modifiers (anyattn.modifiers; read only by kernels compiled with the
+    # SOFTCAP / ALIBI / SINKS defines): the cap c, ALiBi's diagonal (signed: i' - j' =
+    # i - j + alibi_diag), the slopes [Ba, HQ] and sinks [HQ] as f32 bits in aux
+    ("softcap", "f32"), ("alibi_diag", "i32"), ("al_off", "u32"), ("al_sb", "u32"),
+    ("snk_off", "u32"),
 ]
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))

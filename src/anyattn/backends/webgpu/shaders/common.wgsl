@@ -59,6 +59,60 @@ fn biased(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
   return y;
 }
 
+//@if SOFTCAP
+// Soft-capping (SOFTCAP): the scaled score x becomes c·tanh(x / c); -> (c·tanh(y),
+// 1 − tanh²(y)) with y = x / c (the backward multiplies dS by the second).  Not WGSL's
+// tanh: on llvmpipe it is off by up to 3e-8 absolutely near 0 (6.9e-5 relative at
+// |y| = 1e-3, any relative error below) and 6 ulp at 0.5.  |y| < 0.55: the odd Taylor
+// series to y^17 (<= 0.73 ulp measured); else (1 − e)/(1 + e), e = exp(−2|y|), no
+// cancellation there (<= 2.6 ulp), and 1 − tanh² = 4e/(1 + e)² without the
+// cancellation of 1 − t·t near saturation.  Saturates to ±c (e = 0), never NaN
+// unless x is NaN.
+fn softcap_t(x: f32) -> vec2<f32> {
+  let y = x / U.softcap;
+  let a = abs(y);
+  var t: f32;
+  var d: f32;
+  if (a < 0.55) {
+    let z = a * a;
+    var p = -0.00059002744094558598;     // y^17: 6404582/10854718875
+    p = p * z + 0.0014558343870513183;   // y^15
+    p = p * z - 0.0035921280365724810;   // y^13
+    p = p * z + 0.0088632355299021966;   // y^11
+    p = p * z - 0.021869488536155203;    // y^9
+    p = p * z + 0.053968253968253968;    // y^7
+    p = p * z - 0.13333333333333333;     // y^5
+    p = p * z + 0.33333333333333333;     // y^3
+    t = y - y * z * p;
+    d = 1.0 - t * t;
+  } else {
+    let e = exp(-2.0 * a);
+    let u = (1.0 - e) / (1.0 + e);
+    t = select(-u, u, y >= 0.0);
+    d = 4.0 * e / ((1.0 + e) * (1.0 + e));
+  }
+  return vec2<f32>(U.softcap * t, d);
+}
+//@endif SOFTCAP
+
+// The modified score of a mask-kept pair from its scaled (and soft-capped) dot
+// product x: + bias (biased), then ALiBi (ALIBI): − slope[b, h]·|i − j + alibi_diag|
+// as one fma from indices (slopes in aux); a finite score stays finite (clamped to
+// −FLT_MAX like a finite bias), an excluded one stays −inf.  Forward and backward
+// share it.
+fn score_ij(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+  var y = biased(x, b, h, i, j);
+  //@if ALIBI
+  if (!is_ninf(y)) {
+    let dist = f32(abs(i32(i) - i32(j) + U.alibi_diag));
+    let slope = bitcast<f32>(aux[U.al_off + b * U.al_sb + h]);
+    y = fma(-slope, dist, y);
+    if (is_ninf(y)) { y = NEG_FLT_MAX; }
+  }
+  //@endif ALIBI
+  return y;
+}
+
 // Tile code: 0 empty (skip), 1 partial (test every pair), 2 full (no test).
 fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
   if ((U.flags & F_TILEMAP) == 0u) { return 1u; }

@@ -6,6 +6,8 @@
 // row: m = -inf, 0; a NaN row: NaN, NaN); otherwise acc (outb), m and l (stats[ml_wr + row],
 // stats[ml_wr + n + row]) are stored for the next piece of a split launch, which
 // reads them from ml_rd (two alternating sets: column slices read while slice 0 writes).
+// Score modifiers (SOFTCAP, ALIBI: score_ij in common; SINKS: the epilogue) where
+// compiled in.
 //@include common
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then V slice rows)
@@ -76,7 +78,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           var kept = true;
           if (code == 1u) { kept = keep_ij(b, h, i, j); }
           if (kept) {
-            x = biased(s[{r}][{c#}] * U.scale, b, h, i, j);
+            //@ifn SOFTCAP
+            x = score_ij(s[{r}][{c#}] * U.scale, b, h, i, j);
+            //@endif SOFTCAP
+            //@if SOFTCAP
+            x = score_ij(softcap_t(s[{r}][{c#}] * U.scale).x, b, h, i, j);
+            //@endif SOFTCAP
           }
         }
         s[{r}][{c#}] = x;
@@ -139,6 +146,26 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   }
   workgroupBarrier();
   let last = (U.flags & F_LAST) != 0u;
+  //@if SINKS
+  // Sinks (with F_LAST): the sink t = sinks[h] joins the row statistics as one more
+  // term of the normaliser: m2 = max(m, t), l2 = l·exp(m − m2) + exp(t − m2), and
+  // out = acc·exp(m − m2) / l2 (rowa holds the factor).  A row keeping no key: m2 = t,
+  // l2 = 1, out 0 (lse = t); a sink of −inf changes nothing; NaN stays NaN.
+  if (last && lid < BQ) {
+    let t = bitcast<f32>(aux[U.snk_off + h]);
+    let m = rowm[lid];
+    var a = 1.0;
+    if (!is_ninf(t)) {
+      let m2 = max(m, t);
+      a = 0.0;
+      if (!is_ninf(m)) { a = exp(m - m2); }
+      rowm[lid] = m2;
+      rowl[lid] = rowl[lid] * a + exp(t - m2);
+    }
+    rowa[lid] = a;
+  }
+  workgroupBarrier();
+  //@endif SINKS
   //@for r 4
   {
     let il = ty * 4u + {r};
@@ -150,7 +177,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       {
         var a = acc[{r#} * NV + {v#}];
         if (last) {
+          //@ifn SINKS
           if (l == 0.0) { a = vec4<f32>(0.0); } else { a = a / l; }
+          //@endif SINKS
+          //@if SINKS
+          if (l == 0.0) { a = vec4<f32>(0.0); } else { a = (a * rowa[il]) / l; }
+          //@endif SINKS
         }
         st4_out(o, dbase + 4u * (tx + {v} * TX), a);
       }

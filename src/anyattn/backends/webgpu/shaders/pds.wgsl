@@ -4,8 +4,13 @@
 // delta in stats[n + row], log_norm in stats[6n + row].
 // Empty rows (max = -inf): P = 0, or 1/SK for every key in the seed's quirk mode.
 // Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (vec4 over c).
+// SOFTCAP: ds is dS·(1 − tanh²) (what the dQ/dK products take) and dsr the plain dS
+// (dbias).
 var p: array<vec4<f32>, 4>;
 var ds: array<vec4<f32>, 4>;
+//@if SOFTCAP
+var dsr: array<vec4<f32>, 4>;
+//@endif SOFTCAP
 //@for r 4
 {
   let i = i0 + ty * 4u + {r};
@@ -23,11 +28,21 @@ var ds: array<vec4<f32>, 4>;
   {
     let j = j0 + tx + {c} * TX;
     var pv = 0.0;
+    //@if SOFTCAP
+    var dth = 1.0;
+    //@endif SOFTCAP
     if (i < U.SQ && j < U.SK) {
       if (empty) {
         if ((U.flags & F_QUIRK) != 0u) { pv = U.inv_sk; }
       } else {
-        let x = biased(s[{r}][{c#}] * U.scale, b, h, i, j);
+        //@ifn SOFTCAP
+        let x = score_ij(s[{r}][{c#}] * U.scale, b, h, i, j);
+        //@endif SOFTCAP
+        //@if SOFTCAP
+        let tc = softcap_t(s[{r}][{c#}] * U.scale);
+        dth = tc.y;
+        let x = score_ij(tc.x, b, h, i, j);
+        //@endif SOFTCAP
         var kept = !is_ninf(x);
         if (kept && code == 1u) { kept = keep_ij(b, h, i, j); }
         if (kept) { pv = exp((x - mx) - ln); }
@@ -35,6 +50,10 @@ var ds: array<vec4<f32>, 4>;
     }
     p[{r}][{c#}] = pv;
     ds[{r}][{c#}] = pv * (dp[{r}][{c#}] - dl);
+    //@if SOFTCAP
+    dsr[{r}][{c#}] = ds[{r}][{c#}];
+    ds[{r}][{c#}] *= dth;
+    //@endif SOFTCAP
   }
   //@end c
 }
