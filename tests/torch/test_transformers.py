@@ -1,7 +1,10 @@
 """attn_implementation="anyattn" in transformers: loss and gradients match "eager" (CPU, fp32).
 
 Tiny models from configs with random weights (nothing is downloaded): Llama with GQA,
-Mistral with a sliding window, Qwen2; padded batches (right and left padding).
+Mistral with a sliding window, Qwen2, T5; Gemma 2 (logit soft-capping), Gemma 3 (text,
+alternating sliding layers, with and without soft-capping) and gpt-oss (attention sinks,
+sliding layers, MoE); padded batches (right and left padding).  The mask builder is
+checked against transformers' own ``sdpa_mask``.
 """
 import copy
 
@@ -112,28 +115,6 @@ def test_compiles_fullgraph_with_padding():
 
 # -- every argument honoured or refused (issue 12, item 6) ------------------------------
 
-def _tiny(kind):
-    small = dict(SMALL, head_dim=16)
-    if kind == "gpt_oss":
-        cfg = transformers.GptOssConfig(**dict(small, intermediate_size=64), num_local_experts=4,
-                                        num_experts_per_tok=2, sliding_window=6)
-    else:
-        cfg = transformers.Gemma2Config(**small, sliding_window=6)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="anyattn")
-
-
-@pytest.mark.parametrize("kind, arg", [("gpt_oss", "s_aux"), ("gemma2", "softcap")])
-def test_unimplemented_model_features_raise(kind, arg):
-    """gpt-oss passes its sinks as s_aux, Gemma 2 its logit soft-cap as softcap: until
-    anyattn implements them the call raises, naming the argument (it used to drop them
-    and return a different attention)."""
-    model = _tiny(kind)
-    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
-    with pytest.raises(NotImplementedError, match=rf"^{arg}="):
-        model(input_ids=ids)
-
-
 def test_unknown_arguments_raise_and_known_ones_pass():
     from anyattn.torch.transformers_backend import IGNORED_KWARGS, anyattn_attention_forward
 
@@ -151,17 +132,23 @@ def test_unknown_arguments_raise_and_known_ones_pass():
     assert torch.equal(out, ref)
 
 
-def _eager_formula(q, k, v, keep=None, bias=None, scale=None):
-    """HF's eager attention: scores + (0 | finfo.min) (+ bias), softmax, @ v."""
+def _eager_formula(q, k, v, keep=None, bias=None, scale=None, softcap=None, sinks=None):
+    """HF's eager attention: scores (soft-capped: Gemma 2/3) + (0 | finfo.min) (+ bias),
+    softmax (with a sink column: gpt-oss), @ v."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if bias is not None:
         s = s + bias
     if keep is not None:
         s = s + torch.zeros_like(s).masked_fill(~keep, torch.finfo(s.dtype).min)
-    return (s.softmax(-1) @ v).transpose(1, 2)
+    if sinks is None:
+        return (s.softmax(-1) @ v).transpose(1, 2)
+    s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    return (s.softmax(-1)[..., :-1] @ v).transpose(1, 2)
 
 
 def _grads(fn, *xs):
@@ -296,3 +283,231 @@ def test_sdpa_drop_in_refuses_what_it_does_not_honour(kw, exc, text):
         scaled_dot_product_attention(q, q, q, **kw)
     with pytest.raises(TypeError):
         scaled_dot_product_attention(q, q, q, softcap=30.0)   # not an SDPA argument
+
+
+# -- Gemma 2 / Gemma 3 (softcap) and gpt-oss (sinks); masks as structure ----------------
+
+MODS = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, attention_dropout=0.0, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"])
+
+
+def _modifier_configs():
+    # Gemma scales by query_pre_attn_scalar**-0.5; 16 (= head_dim) and Gemma 2's larger
+    # initial weights give O(1) scores, where a soft-cap of 2 is far from linear.
+    return {
+        "gemma2": transformers.Gemma2Config(**MODS, query_pre_attn_scalar=16,
+                                            attn_logit_softcapping=2.0, initializer_range=0.2),
+        "gemma3": transformers.Gemma3TextConfig(**MODS, query_pre_attn_scalar=16),
+        "gemma3_softcap": transformers.Gemma3TextConfig(**MODS, query_pre_attn_scalar=16,
+                                                        attn_logit_softcapping=2.0),
+        "gpt_oss": transformers.GptOssConfig(**MODS, num_local_experts=4, num_experts_per_tok=2),
+    }
+
+
+def _padded_batch(padding):
+    """3 rows of 12 tokens; pads are labelled -100 and nothing else is dropped, so with
+    left padding the first real token is predicted from a pad query that keeps no key,
+    and with right padding a sliding layer (window 4) has such rows past a short row."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 97, (3, 12), generator=g)
+    am = torch.ones_like(ids)
+    if padding == "right":
+        am[1, 9:] = 0
+        am[2, 5:] = 0
+    else:
+        am[1, :3] = 0
+        am[2, :7] = 0
+    return dict(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
+
+
+def _rel(got, want):
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def _dense_masks(mask):
+    """The KeepMask terms of ``mask`` that vary over queries (a dense [.., Sq, Sk] mask)."""
+    from anyattn.masks import AndMask, KeepMask
+
+    terms = mask.terms if isinstance(mask, AndMask) else (mask,)
+    return [t for t in terms if isinstance(t, KeepMask) and t.mask.shape[-2] != 1]
+
+
+@pytest.fixture
+def masks_seen(monkeypatch):
+    """Every mask the transformers backend hands to anyattn.torch.attention."""
+    from anyattn.torch import transformers_backend as tb
+
+    seen, inner = [], tb.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("mask"))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "attention", spy)
+    return seen
+
+
+def _without(model, arch):
+    """A copy of ``model`` without its score modifier (soft-cap off, sinks at -inf)."""
+    model = copy.deepcopy(model)
+    for mod in model.modules():
+        if hasattr(mod, "attn_logit_softcapping"):
+            mod.attn_logit_softcapping = None
+        if arch == "gpt_oss" and hasattr(mod, "sinks"):
+            with torch.no_grad():
+                mod.sinks.fill_(float("-inf"))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gemma3_softcap", "gpt_oss"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_modifier_models_train_like_eager(arch, padding, masks_seen):
+    """One training step: loss, logits (pad positions included) and every parameter
+    gradient (gpt-oss's sinks included) as eager's; the masks reach anyattn as structure
+    (no KeepMask that varies over queries)."""
+    eager, ours = _pair(_modifier_configs()[arch])
+    batch = _padded_batch(padding)
+    eager.zero_grad()
+    out_e = eager(**batch)
+    out_e.loss.backward()
+    ours.zero_grad()
+    out_o = ours(**batch)
+    out_o.loss.backward()
+    assert _rel(out_o.loss, out_e.loss) <= 1e-4, (out_o.loss.item(), out_e.loss.item())
+    assert _rel(out_o.logits, out_e.logits) <= 1e-4
+    grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    grads_o = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert grads_o.keys() == grads_e.keys()
+    assert arch != "gpt_oss" or any(n.endswith("sinks") for n in grads_e)
+    for name in grads_e:
+        err = _rel(grads_o[name], grads_e[name])
+        assert err <= 1e-3, f"{name}: relative gradient error {err:.2g}"
+    assert len(masks_seen) >= 2 and not any(m is not None and _dense_masks(m)
+                                            for m in masks_seen)
+    if arch != "gemma3":
+        # the modifier is not negligible here: without it eager's logits move.  Except in
+        # Gemma 3: transformers 5.17's Gemma3Attention keeps attn_logit_softcapping but
+        # passes no softcap to the attention function, eager's or ours.
+        with torch.no_grad():
+            plain = _without(eager, arch)(**batch).logits
+        assert (_rel(plain, out_e.logits) > 1e-2) == (arch != "gemma3_softcap")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_softcap", "gpt_oss"])
+def test_modifier_models_generate_like_eager(arch):
+    """Greedy decoding from a left-padded batch past the sliding window (the sliding
+    layers' cache drops keys: the mask's key offset moves) gives eager's tokens."""
+    eager, ours = _pair(_modifier_configs()[arch])
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(12))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
+
+
+def _hf_cases():
+    from transformers import masking_utils as mu
+
+    fns = {"causal": mu.causal_mask_function,
+           "sliding4": mu.sliding_window_causal_mask_function(4),
+           "bidirectional": mu.bidirectional_mask_function,
+           "sliding_bidirectional2": mu.sliding_window_bidirectional_mask_function(2)}
+    # (Sq, Sk, q_offset, kv_offset): no cache, decoding, a full sliding cache, chunks
+    sizes = [(10, 10, 0, 0), (1, 11, 10, 0), (1, 4, 10, 7), (3, 6, 3, 0), (2, 5, 8, 5)]
+    return [(f, pad, size) for f in fns for pad in ("none", "right", "left", "all")
+            for size in sizes], fns
+
+
+@pytest.mark.parametrize("fn, padding, size", _hf_cases()[0])
+def test_mask_builder_gives_structure_equal_to_sdpa_mask(fn, padding, size):
+    """The "anyattn" mask builder returns structure (no dense tensor) that keeps exactly
+    what transformers' sdpa_mask keeps, and lists exactly the rows that keep no key."""
+    from transformers import masking_utils as mu
+
+    from anyattn.masks import KeepMask
+    from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
+
+    Sq, Sk, qo, ko = size
+    B = 3
+    am = None
+    if padding != "none":
+        am = torch.ones(B, max(qo + Sq, ko + Sk), dtype=torch.bool)
+        if padding == "right":
+            am[1, -3:] = False
+            am[2, -7:] = False
+        elif padding == "left":
+            am[1, :3] = False
+            am[2, :7] = False
+        else:
+            am[2] = False                                  # a row of nothing but pads
+    mask_function = _hf_cases()[1][fn]
+    got = anyattn_mask(B, Sq, Sk, qo, ko, mask_function=mask_function, attention_mask=am)
+    want = mu.sdpa_mask(batch_size=B, q_length=Sq, kv_length=Sk, q_offset=qo, kv_offset=ko,
+                        mask_function=mask_function, attention_mask=am,
+                        allow_is_causal_skip=False).expand(B, 1, Sq, Sk)
+    assert isinstance(got, StructuredMask) and got.shape == (B, 1, Sq, Sk)
+    assert got.mask is None or not _dense_masks(got.mask)
+    assert torch.equal(got.to_dense(), want)
+    empty = ~want[:, 0].any(-1)                                       # [B, Sq]
+    listed = torch.zeros_like(empty)
+    if got.empty_rows is not None:
+        rows, valid = got.empty_rows
+        listed[torch.arange(B)[:, None].expand_as(rows)[valid], rows[valid]] = True
+    assert torch.equal(listed, empty)
+    terms = getattr(got.mask, "terms", (got.mask,))
+    padded = am is not None and not bool(am[:, ko:ko + Sk].all())
+    assert any(isinstance(t, KeepMask) for t in terms) == padded   # key padding [B,1,1,Sk]
+
+
+def test_mask_builder_falls_back_to_the_dense_mask_only_where_it_must():
+    """A mask function the builder cannot read (an OR: blockwise image tokens) gives
+    transformers' dense bool mask, unchanged; packed sequences become Documents."""
+    from transformers import masking_utils as mu
+
+    from anyattn.masks import Documents
+    from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
+
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1]])
+    fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks))
+    got = anyattn_mask(1, 6, 6, mask_function=fn)
+    want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
+                        allow_is_causal_skip=False)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(ids))
+    got = anyattn_mask(1, 6, 6, mask_function=fn)
+    assert isinstance(got, StructuredMask)
+    assert any(isinstance(t, Documents) for t in got.mask.terms)
+    want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
+                        allow_is_causal_skip=False)
+    assert torch.equal(got.to_dense(), want) and got.empty_rows is None
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_softcap_and_sinks_through_a_structured_mask(with_sinks):
+    """anyattn_attention_forward with the builder's mask (sliding window, left padding:
+    rows without keys), softcap and s_aux: eager's output and gradients, s_aux's too."""
+    from transformers import masking_utils as mu
+
+    from anyattn.torch.transformers_backend import anyattn_attention_forward, anyattn_mask
+
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 4, 9, 8, generator=g) * 2
+    k, v = (torch.randn(2, 2, 9, 8, generator=g) * 2 for _ in range(2))
+    sinks = torch.randn(4, generator=g)
+    am = torch.ones(2, 9, dtype=torch.bool)
+    am[1, :4] = False
+    fn = mu.sliding_window_causal_mask_function(3)
+    sm = anyattn_mask(2, 9, 9, mask_function=fn, attention_mask=am)
+    assert sm.empty_rows is not None
+    keep = mu.sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=fn,
+                        attention_mask=am, allow_is_causal_skip=False)
+    xs = (q, k, v) + ((sinks,) if with_sinks else ())
+    got = _grads(lambda a, b, c, *d: anyattn_attention_forward(
+        torch.nn.Module(), a, b, c, sm, softcap=1.5, s_aux=d[0] if d else None)[0], *xs)
+    want = _grads(lambda a, b, c, *d: _eager_formula(
+        a, b, c, keep, softcap=1.5, sinks=d[0] if d else None), *xs)
+    _assert_all_close(got, want)

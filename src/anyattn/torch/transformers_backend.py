@@ -2,53 +2,95 @@
 
 Shape legend: B batch, H/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
 
-Importing this module registers two things under the name ``"anyattn"``:
-the attention function with ``transformers.AttentionInterface`` and the mask
-builder with ``transformers.masking_utils.AttentionMaskInterface`` (the
-boolean ``sdpa_mask``: True = attend, [B, 1, Sq, Sk], or None when the pattern
-is plain causal, which then runs as anyattn's ``Causal()`` without a dense
-mask).  Then::
+Importing this module registers two things under the name ``"anyattn"``: the
+attention function (:func:`anyattn_attention_forward`) with
+``transformers.AttentionInterface`` and the mask builder (:func:`anyattn_mask`) with
+``transformers.masking_utils.AttentionMaskInterface``.  Then::
 
     import anyattn.torch.transformers_backend  # noqa: F401
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="anyattn")
 
-GQA runs natively (K/V are never repeated); padding masks become a KeepMask;
-a float 4-D mask is added to the scores as a bias.  Results follow the
-``"eager"`` implementation, also where a query keeps no key (a pad query under
-left padding): eager's finite ``finfo.min`` mask makes that row attend to every
-key uniformly, and so does this backend (``sdpa`` returns 0 there instead).
+Results follow the ``"eager"`` implementation, Gemma 2/3 logit soft-capping and
+gpt-oss attention sinks included; GQA runs natively (K/V are never repeated).
+
+**Masks as structure.**  transformers describes a layer's mask by a mask function
+(``causal_mask_function``, ``sliding_window_causal_mask_function(w)``, ...), the
+positions of the first query and key (``q_offset``, ``kv_offset``: from the cache)
+and the 2-D padding mask, and hands them to the registered builder once per forward
+and layer type.  :func:`anyattn_mask` returns a :class:`StructuredMask` of anyattn
+mask terms, with no dense [B, 1, Sq, Sk] tensor:
+
+- causal layers: ``Causal()``; sliding layers: ``Causal() & Window(left=w - 1)``
+  (transformers keeps ``j > i - w``); ``sliding_window_bidirectional_mask_function(w)``:
+  ``Window(left=w, right=w)``; all placed by the cache positions (anyattn's
+  ``q_offset``/``k_offset``), so decoding with a (sliding-window) cache needs nothing
+  dense either;
+- padding: a key-padding ``KeepMask`` [B, 1, 1, Sk] (left out when nothing is padded);
+  packed sequences (found by transformers from ``position_ids``): ``Documents``;
+- rows that keep no key -- the pad queries of a left-padded batch, and in a sliding
+  layer the pad queries ``w`` or more past the end of a right-padded sequence -- are
+  found by the builder from prefix sums of the padding ([B, Sq + Sk] work) and given
+  eager's result: eager adds ``finfo.min`` to every masked score, so such a row attends
+  to *every* key uniformly (``sdpa`` returns 0 there instead).  The attention function
+  computes just those query rows again, over every key with a ``finfo.min`` bias, and
+  adds them to the structured result, which is exactly 0 on them.  With sinks (gpt-oss)
+  nothing is added: eager's sink then takes all the weight, which is anyattn's empty
+  row (out 0, no gradient).
+
+The builder returns transformers' dense bool mask (its ``sdpa_mask``; a ``KeepMask``
+here, its empty rows given eager's result per call) only where structure is
+impossible:
+
+- a mask function it does not know: any ``or_mask_function`` (Gemma 3's bidirectional
+  image tokens, ``block_sequence_ids``), a model's own ``and_mask_function``, chunked
+  attention (Llama 4), or packed-sequence ids together with padding or a cache;
+- while tracing (``torch.compile``, ``torch.export``): dynamo cannot read a mask
+  function's closure, and which rows are empty is data (transformers' own ``sdpa``
+  mask is dense under tracing too);
+- cache positions given as tensors (a static cache) where they cannot be read as ints.
+
+A 4-D mask passed in by the caller is used as given (bool: a KeepMask; float: added to
+the scores as a bias).  The builder's dense work runs once per forward and layer type;
+off the CPU its ``.all()``/``.any()`` checks synchronise with the device, as
+transformers' own ``sdpa_mask`` does.
 
 Every argument transformers passes is honoured or refused (transformers 5.x
 calling convention: ``attention_interface(module, q, k, v, attention_mask,
 dropout=, scaling=, [is_causal=, sliding_window=, softcap=, s_aux=,
 position_bias=], **kwargs)`` with the model's ``TransformersKwargs``):
 
-- honoured: ``attention_mask`` (bool or float), ``scaling``, ``is_causal``,
-  ``sliding_window`` (the masks HF builds contain the window; without a mask it
-  is applied where it can bind, see :func:`anyattn_attention_forward`),
-  ``position_bias`` (added to the scores, with its gradient), ``cu_seq_lens_q`` /
-  ``cu_seq_lens_k`` and ``seq_idx`` (packed sequences: a Documents mask),
-  ``deterministic`` (anyattn's backward is always deterministic);
+- honoured: ``attention_mask`` (a :class:`StructuredMask`, or a bool or float 4-D
+  tensor), ``scaling``, ``is_causal``, ``sliding_window`` (the masks transformers builds
+  contain the window; without a mask it is applied where it can bind, see
+  :func:`anyattn_attention_forward`), ``softcap`` (Gemma 2/3 logit soft-capping:
+  anyattn's ``softcap=``), ``s_aux`` (gpt-oss attention sinks [H], in the model dtype
+  or float32: anyattn's ``sinks=``, with their gradient), ``position_bias`` (added to
+  the scores, with its gradient), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` and ``seq_idx``
+  (packed sequences: a Documents mask), ``deterministic`` (anyattn's backward is always
+  deterministic);
 - accepted, without effect on attention: ``position_ids`` (rotary embeddings are
   applied before; packing reaches us through the mask built from them),
   ``max_length_q`` / ``max_length_k``, ``use_cache``, ``cache_position``,
   ``output_hidden_states``, ``output_router_logits``, ``num_items_in_batch``,
   ``return_dict``; ``dropout=0.0``; ``output_attentions=False``;
 - refused with NotImplementedError naming the argument: ``dropout > 0``,
-  ``output_attentions=True``, ``softcap`` (Gemma 2 logit soft-capping) and
-  ``s_aux`` (gpt-oss attention sinks) until anyattn has score modifiers, and any
-  other keyword argument that is not None.
+  ``output_attentions=True``, and any other keyword argument that is not None.
 """
 from __future__ import annotations
 
+import functools
+import numbers
+import operator
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from ..masks import Causal, Documents, KeepMask, Window
+from ..masks import Causal, Documents, KeepMask, Mask, Window, resolve
 from .functional import attention
 
-__all__ = ["anyattn_attention_forward", "register", "NAME", "IGNORED_KWARGS"]
+__all__ = ["anyattn_attention_forward", "anyattn_mask", "StructuredMask", "register", "NAME",
+           "IGNORED_KWARGS"]
 
 NAME = "anyattn"
 
@@ -137,8 +179,224 @@ def _empty_rows_like_eager(keep: torch.Tensor, dtype: torch.dtype):
     return keep | empty, bias
 
 
+# -- the mask builder: transformers' mask description -> anyattn mask terms ------------
+
+@dataclass(frozen=True, eq=False)
+class StructuredMask:
+    """One layer type's mask as anyattn terms; what :func:`anyattn_mask` returns.
+
+    ``mask``: the terms (Causal, Window, a key-padding KeepMask [B, 1, 1, Sk],
+    Documents; None keeps every key); ``q_offset`` / ``k_offset``: the positions of
+    query 0 and key 0, which place the Causal and Window terms (passed on as
+    ``anyattn.torch.attention``'s arguments of those names); ``shape``: (B, 1, Sq, Sk),
+    the shape of the dense mask it stands for; ``empty_rows``: None, or
+    (rows [B, n] int64, valid [B, n] bool), the query rows that keep no key (entries
+    with ``valid`` False only fill a batch row's list up to n).
+    """
+
+    mask: Optional[Mask]
+    q_offset: int
+    k_offset: int
+    shape: Tuple[int, int, int, int]
+    empty_rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    #: transformers asks a prepared mask for ``ndim`` (a 2-D padding mask is rebuilt)
+    ndim = 4
+
+    def to_dense(self) -> torch.Tensor:
+        """The mask as the dense bool [B, 1, Sq, Sk] it stands for (True = attend), on
+        the CPU; for tests and inspection."""
+        B, _, Sq, Sk = self.shape
+        r = resolve(self.mask, B, 1, Sq, Sk, q_offset=self.q_offset, k_offset=self.k_offset)
+        dense = torch.from_numpy(r.dense_keep(B, 1))
+        return dense.expand(B, 1, Sq, Sk).clone()
+
+    def __repr__(self) -> str:
+        n = 0 if self.empty_rows is None else self.empty_rows[0].shape[1]
+        return (f"StructuredMask({self.mask!r}, q_offset={self.q_offset}, "
+                f"k_offset={self.k_offset}, shape={self.shape}, empty rows <= {n} per batch)")
+
+
+@functools.lru_cache(maxsize=None)
+def _known_codes():
+    """Code objects of the transformers mask-function factories the builder reads."""
+    from transformers import masking_utils as mu
+
+    one = torch.ones(1, 1, dtype=torch.bool)
+    return {
+        "and": mu.and_masks(mu.causal_mask_function).__code__,
+        "sliding": mu.sliding_window_overlay(1).__code__,
+        "sliding_bidirectional": mu.sliding_window_bidirectional_overlay(1).__code__,
+        "packed": mu.packed_sequence_mask_function(one).__code__,
+    }
+
+
+def _cell(fn, name: str):
+    """The value ``fn`` closes over under ``name``."""
+    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _read_mask_function(fn, terms: list, docs: list) -> bool:
+    """Append the AND-terms of a transformers mask function (index terms to ``terms``,
+    packed-sequence ids [B, S] to ``docs``); False where any part is unknown."""
+    from transformers import masking_utils as mu
+
+    if fn is mu.causal_mask_function:              # kv_idx <= q_idx
+        terms.append(Causal())
+        return True
+    if fn is mu.bidirectional_mask_function:       # every key
+        return True
+    code, known = getattr(fn, "__code__", None), _known_codes()
+    if code is known["and"]:
+        return all(_read_mask_function(f, terms, docs) for f in _cell(fn, "mask_functions"))
+    if code is known["sliding"]:                   # kv_idx > q_idx - w
+        w = _cell(fn, "sliding_window")
+        if not _is_int(w) or w < 1:
+            return False
+        terms.append(Window(left=int(w) - 1))
+        return True
+    if code is known["sliding_bidirectional"]:     # |q_idx - kv_idx| <= w
+        w = _cell(fn, "sliding_window")
+        if not _is_int(w) or w < 0:
+            return False
+        terms.append(Window(left=int(w), right=int(w)))
+        return True
+    if code is known["packed"]:                    # ids[b, q_idx] == ids[b, kv_idx]
+        docs.append(_cell(fn, "packed_sequence_mask"))
+        return True
+    return False
+
+
+def _empty_rows(band_lo, band_hi, keys: Optional[torch.Tensor], B: int, Sq: int, Sk: int,
+                device):
+    """(rows [B, n], valid [B, n]) of the queries that keep no key under the band
+    ``band_lo <= j - i <= band_hi`` and the key padding ``keys`` [B, Sk], or None."""
+    i = torch.arange(Sq, device=device)
+    first = (i + band_lo).clamp(0, Sk) if band_lo is not None else torch.zeros_like(i)
+    stop = (i + band_hi + 1).clamp(0, Sk) if band_hi is not None else torch.full_like(i, Sk)
+    stop = torch.maximum(stop, first)                               # [Sq] key range
+    if keys is None:
+        empty = (stop == first)[None].expand(B, Sq)
+    else:
+        kept = torch.nn.functional.pad(keys.to(torch.int32).cumsum(1), (1, 0))  # [B, Sk + 1]
+        empty = kept[:, stop] == kept[:, first]                     # [B, Sq]
+    if not bool(empty.any()):
+        return None
+    n = int(empty.sum(1).max())
+    rows = torch.argsort((~empty).to(torch.int8), dim=1, stable=True)[:, :n]  # empty first
+    return rows, empty.gather(1, rows)
+
+
+def _structure(B: int, Sq: int, Sk: int, q_offset: int, k_offset: int, mask_function,
+               attention_mask: Optional[torch.Tensor], device) -> Optional[StructuredMask]:
+    """The StructuredMask for transformers' description, or None where it cannot be one."""
+    from transformers import masking_utils as mu
+
+    terms, docs = [], []
+    if not _read_mask_function(mask_function, terms, docs):
+        return None
+    keys = None
+    if attention_mask is not None:
+        # as sdpa_mask: padding_mask[b, kv_offset + j], zero-padded to the cache's length
+        pad = mu.prepare_padding_mask(attention_mask, Sk, k_offset)
+        if pad.ndim != 2 or pad.shape[0] != B:
+            return None
+        keys = pad[:, k_offset:k_offset + Sk].to(device=device, dtype=torch.bool)
+        if keys.shape[1] != Sk:
+            return None
+        if bool(keys.all()):
+            keys = None
+    band = resolve(functools.reduce(operator.and_, terms) if terms else None, B, 1, Sq, Sk,
+                   q_offset=q_offset, k_offset=k_offset)
+    for ids in docs:
+        # transformers finds packed sequences only without padding and without a cache;
+        # there every query keeps its own key, so no row is empty
+        if (keys is not None or q_offset != k_offset or Sq != Sk or ids.ndim != 2
+                or ids.shape[1] < k_offset + Sk or ids.shape[0] not in (1, B)
+                or (band.band_lo is not None and band.band_lo > 0)
+                or (band.band_hi is not None and band.band_hi < 0)):
+            return None
+        ids = ids.to(device)
+        terms.append(Documents(ids[:, q_offset:q_offset + Sq], ids[:, k_offset:k_offset + Sk]))
+    if keys is not None:
+        terms.append(KeepMask(keys[:, None, None, :]))
+    mask = functools.reduce(operator.and_, terms) if terms else None
+    return StructuredMask(mask, q_offset, k_offset, (B, 1, Sq, Sk),
+                          _empty_rows(band.band_lo, band.band_hi, keys, B, Sq, Sk, device))
+
+
+def _as_int(x) -> Optional[int]:
+    if _is_int(x):
+        return int(x)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point():
+        return int(x)
+    return None
+
+
+def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                 mask_function=None, attention_mask: Optional[torch.Tensor] = None,
+                 local_size: Optional[int] = None, allow_is_causal_skip: bool = True,
+                 allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
+                 device="cpu", **kwargs):
+    """The ``"anyattn"`` mask builder (``AttentionMaskInterface``; transformers'
+    ``sdpa_mask`` signature): the layer's mask as a :class:`StructuredMask`, or, where
+    structure is impossible (see the module docstring), transformers' dense bool mask
+    [B, 1, Sq, Sk] (True = attend), never None.
+
+    ``local_size``, ``allow_is_causal_skip`` and ``allow_is_bidirectional_skip`` only
+    steer the dense fallback (``sdpa_mask`` may skip a mask that torch's ``is_causal``
+    would replace; the structure is never skipped, so they are not needed here).
+    """
+    from transformers import masking_utils as mu
+    from transformers.utils.import_utils import is_tracing
+
+    if isinstance(attention_mask, StructuredMask):
+        return attention_mask           # prepared before (generate), as a 4-D mask would be
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    if not is_tracing(attention_mask):
+        qo, ko = _as_int(q_offset), _as_int(kv_offset)
+        if qo is not None and ko is not None:
+            built = _structure(batch_size, q_length, kv_length, qo, ko, mask_function,
+                               attention_mask, device)
+            if built is not None:
+                return built
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, local_size=local_size,
+                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                        use_vmap=use_vmap, device=device, **kwargs)
+
+
+def _eager_empty_rows(out, query, key, value, rows, valid, bias, scaling, softcap):
+    """``out`` [B, H, Sq, D] (0 on the rows that keep no key) with eager's result on
+    those rows: every key, uniformly (scores + finfo.min), with eager's gradients."""
+    B, H, _, D = query.shape
+    n = rows.shape[1]
+    index = rows[:, None, :, None]                                  # [B, 1, n, 1]
+    q_rows = query.gather(2, index.expand(B, H, n, D))               # [B, H, n, D]
+    if bias is None:
+        low = torch.full((1, 1, 1, 1), torch.finfo(torch.float32).min, dtype=torch.float32,
+                         device=query.device)
+    else:
+        while bias.ndim < 4:
+            bias = bias[None]
+        Sk = key.shape[2]
+        if bias.shape[2] != 1:
+            bias = bias.expand(B, -1, -1, -1).gather(
+                2, index.expand(B, bias.shape[1], n, Sk))            # [B, Hb, n, Sk|1]
+        low = bias + torch.finfo(bias.dtype).min                    # rounds to finfo.min
+    out_rows = attention(q_rows, key, value, bias=low, scale=scaling, softcap=softcap)
+    out_rows = torch.where(valid[:, None, :, None], out_rows, out_rows.new_zeros(()))
+    return out.scatter_add(2, index.expand(B, H, n, D), out_rows)
+
+
 def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                              value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                              value: torch.Tensor, attention_mask=None,
                               dropout: float = 0.0, scaling: Optional[float] = None,
                               is_causal: Optional[bool] = None,
                               sliding_window: Optional[int] = None,
@@ -152,6 +410,9 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               **kwargs) -> Tuple[torch.Tensor, None]:
     """query [B, H, Sq, D], key/value [B, Hkv, Sk, D] -> (out [B, Sq, H, D], None).
 
+    ``attention_mask``: a :class:`StructuredMask` (from :func:`anyattn_mask`), a 4-D
+    bool (True = attend) or float (added) tensor broadcastable to [B, H, Sq, Sk], or
+    None.  ``softcap``: scores ``c·tanh(s / c)`` before the mask; ``s_aux``: sinks [H].
     Which arguments are honoured, accepted or refused: see the module docstring.
     ``sliding_window`` without ``attention_mask``: in a causal call it is applied as
     ``Causal() & Window(left=sliding_window - 1)`` (HF's ``j > i - sliding_window``)
@@ -163,24 +424,34 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if output_attentions:
         raise _refuse("output_attentions", output_attentions, "anyattn never forms the "
                       "attention weights; use attn_implementation='eager' for them")
-    if softcap is not None:
-        raise _refuse("softcap", softcap, "attention logit soft-capping (Gemma 2) is not "
-                      "implemented by the anyattn backend yet; use attn_implementation="
-                      "'eager' for this model")
-    if s_aux is not None:
-        raise _refuse("s_aux", s_aux, "attention sinks (gpt-oss) are not implemented by the "
-                      "anyattn backend yet; use attn_implementation='eager' for this model")
     for name, val in kwargs.items():
         if name not in IGNORED_KWARGS and val is not None:
             raise _refuse(name, val, "the anyattn backend does not implement this argument "
                           "of transformers' attention interface (use attn_implementation="
                           "'eager' or 'sdpa')")
-    Sq, Sk = query.shape[2], key.shape[2]
+    if s_aux is not None:
+        if not isinstance(s_aux, torch.Tensor):
+            raise TypeError(f"s_aux: expected the attention sinks as a tensor [H], got "
+                            f"{type(s_aux).__name__}")
+        if s_aux.dtype not in (query.dtype, torch.float32):
+            s_aux = s_aux.to(query.dtype)
+    B, Sq, Sk = query.shape[0], query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As transformers' sdpa backend: no mask means the plain causal (or full) pattern.
     is_causal = Sq > 1 and attention_mask is None and is_causal
-    mask = bias = None
-    if attention_mask is not None:
+    mask = bias = empty = None
+    q_offset = k_offset = 0
+    if isinstance(attention_mask, StructuredMask):
+        sm = attention_mask
+        if (sm.shape[0], sm.shape[2], sm.shape[3]) != (B, Sq, Sk):
+            raise ValueError(f"attention_mask: {sm!r} was built for batch {sm.shape[0]}, "
+                             f"{sm.shape[2]} queries and {sm.shape[3]} keys, but the call has "
+                             f"batch {B}, {Sq} queries and {Sk} keys")
+        mask, q_offset, k_offset, empty = sm.mask, sm.q_offset, sm.k_offset, sm.empty_rows
+    elif attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask: expected a StructuredMask (from anyattn_mask), a "
+                            f"tensor or None, got {type(attention_mask).__name__}")
         if attention_mask.dtype == torch.bool:
             keep, bias = _empty_rows_like_eager(attention_mask, torch.float32)
             mask = KeepMask(keep)
@@ -197,17 +468,20 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         bias = position_bias if bias is None else position_bias + bias
     if bias is not None and bias.dtype not in (query.dtype, torch.float32):
         bias = bias.to(query.dtype)
-    out = attention(query, key, value, mask=mask, bias=bias, scale=scaling)
+    out = attention(query, key, value, mask=mask, bias=bias, scale=scaling,
+                    q_offset=q_offset, k_offset=k_offset, softcap=softcap, sinks=s_aux)
+    if empty is not None and s_aux is None:
+        out = _eager_empty_rows(out, query, key, value, *empty, bias, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
     """Register ``"anyattn"`` with transformers (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, anyattn_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, anyattn_mask)
 
 
 register()
