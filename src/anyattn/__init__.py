@@ -7,6 +7,7 @@ from .api import Gradients, attention, attention_backward
 from .rowstats import RowStats
 from .backends.base import BackendUnavailable
 from .backends.registry import available_backends, describe_backends
+from .dropout import dropout_mask
 from .masks import Causal, Documents, KeepMask, Mask, Window
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "Window",
     "KeepMask",
     "Documents",
+    "dropout_mask",
     "BackendUnavailable",
     "available_backends",
     "describe_backends",

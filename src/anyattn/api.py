@@ -98,21 +98,23 @@ def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                        scale: Optional[float] = None, backend: Optional[str] = None,
                        precision: Optional[str] = None, q_offset: int = 0,
                        k_offset: int = 0, softcap: Optional[float] = None,
-                       alibi_slopes=None, sinks=None):
+                       alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                       dropout_seed: Optional[int] = None):
     """[B, H, S, D] inputs -> (out, RowStats): the forward with its row statistics
     kept apart, for callers that pass them on to :func:`attention_backward` (the
     torch autograd and ring attention do).  With sinks the statistics include them."""
     out, stats, _ = _forward(q, k, v, mask, bias, scale, backend, precision, q_offset,
-                             k_offset, softcap, alibi_slopes, sinks)
+                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
     return out, stats
 
 
 def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
-             softcap=None, alibi_slopes=None, sinks=None):
+             softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None):
     """Validate, dispatch, run -> (out, RowStats, Problem); inputs in [B, H, S, D]."""
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
                  q_offset=q_offset, k_offset=k_offset, softcap=softcap,
-                 alibi_slopes=alibi_slopes, sinks=sinks)
+                 alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                 dropout_seed=dropout_seed)
     be = choose(p, backend)
     mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:
@@ -125,7 +127,8 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
               return_lse: bool = False, backend: Optional[str] = None,
               precision: Optional[str] = None, layout: str = "bhsd",
               q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
-              alibi_slopes=None, sinks=None):
+              alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+              dropout_seed: Optional[int] = None):
     """Scaled dot-product attention.
 
     q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> out [B, Hq, Sq, D] (and lse
@@ -140,11 +143,16 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     [B, Hq] subtracts ``slope·|i' − j'|`` (bottom-right aligned positions);
     ``sinks`` [Hq] adds ``exp(sinks[h])`` to every row's softmax denominator (lse
     includes it; a row keeping no key then has lse = sinks[h]).
+
+    Dropout (:mod:`anyattn.dropout`): ``dropout_p`` in [0, 1) with ``dropout_seed`` (an
+    int in [0, 2**64)) gives ``out = (P ∘ keep / (1 − p))·v`` with
+    ``keep = anyattn.dropout_mask((B, Hq, Sq, Sk), p, seed, q_offset=, k_offset=)``, the
+    same bits on every backend; lse is that of the undropped softmax.
     """
     _check_layout(layout)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
-                             k_offset, softcap, alibi_slopes, sinks)
+                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
     out = _to_bhsd(out, layout)
     return (out, _lse_out(stats, p)) if return_lse else out
 
@@ -168,13 +176,15 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                        precision: Optional[str] = None, layout: str = "bhsd",
                        q_offset: int = 0, k_offset: int = 0,
                        softcap: Optional[float] = None, alibi_slopes=None,
-                       sinks=None) -> Gradients:
+                       sinks=None, dropout_p: float = 0.0,
+                       dropout_seed: Optional[int] = None) -> Gradients:
     """Gradients of ``sum(attention(q, k, v, ...) * dout)``.
 
     -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D],
     dbias in the bias's own shape, dsinks [Hq]), None for what ``wrt`` (a subset of
     'q', 'k', 'v', 'bias', 'sinks'; None is a TypeError) leaves out.  The score
-    modifiers are those of :func:`attention` and must match the forward's.  ``out``/``lse`` from the
+    modifiers and dropout are those of :func:`attention` and must match the forward's
+    (the backward regenerates the dropout mask from the seed).  ``out``/``lse`` from the
     forward may be passed; otherwise they are recomputed.  ``lse`` is a [B, Hq, Sq] array
     (it defines ``P = exp(s - lse)``; one whose magnitude reaches 64 is refined by
     recomputed row statistics, one extra forward pass, see :mod:`anyattn.rowstats`) or
@@ -190,7 +200,8 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
         lse = given.max
     p = describe(qb, kb, vb, dout=gb, out=ob, lse=lse, mask=mask, bias=bias, scale=scale,
                  precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset,
-                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed)
     be = choose(p, backend)
     mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterable, Optional, Tuple
 
 from .arrays import array_kind, device_name, dtype_name
+from .dropout import U32_LIMIT, check_dropout
 from .masks import Mask, ResolvedMask, resolve
 
 __all__ = ["Problem", "describe", "FLOAT_DTYPES", "PRECISIONS", "GRAD_NAMES"]
@@ -51,6 +52,12 @@ class Problem:
     alibi_shape: Optional[Tuple[int, int]] = None   # (Ba, Hq), Ba in {1, B}
     alibi_dtype: Optional[str] = None
     sinks_dtype: Optional[str] = None               # None: no sinks; else sinks [Hq]
+    dropout_p: float = 0.0                          # keep = anyattn.dropout_mask(...)
+    dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p > 0.0
 
     @property
     def has_alibi(self) -> bool:
@@ -217,7 +224,7 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
              bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
              wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
              k_offset: int = 0, softcap: Optional[float] = None, alibi_slopes=None,
-             sinks=None) -> Problem:
+             sinks=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None) -> Problem:
     """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem.
 
     ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
@@ -351,6 +358,13 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
             _fail(TypeError, f"{name}: expected an int, got {type(val).__name__}")
     q_offset, k_offset = offsets
 
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
+    if dropout_p > 0:
+        for name, off, n in (("q_offset", q_offset, Sq), ("k_offset", k_offset, Sk)):
+            if off < 0 or off + n > U32_LIMIT:
+                _fail(ValueError, f"{name}: positions {off}..{off + n - 1} leave [0, 2**32); "
+                                  "dropout counts global positions as 32-bit unsigned ints")
+
     rmask = resolve(mask, B, Hq, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
     if rmask.keep is not None and array_kind(rmask.keep) == "torch" and kind == "torch":
         if str(rmask.keep.device) != dev:
@@ -359,4 +373,5 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
                    dtype=dt, array_kind=kind, device=dev, scale=scale, mask=rmask,
                    bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
                    wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,
-                   alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype)
+                   alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype,
+                   dropout_p=dropout_p, dropout_seed=dropout_seed)

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from .arrays import to_numpy
+from .dropout import dropout_mask
 from .rowstats import RowStats
 from .masks import Mask, resolve
 
@@ -109,35 +110,50 @@ def _softmax(s):
 
 def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
             q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
-            alibi_slopes=None, sinks=None):
+            alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+            dropout_seed: Optional[int] = None):
     """-> (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in float64."""
     out, st = forward_stats(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset,
                             k_offset=k_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks)
+                            sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed)
     return out, st.max + st.log_norm
+
+
+def _dropped(p, dropout_p, dropout_seed, q_offset, k_offset):
+    """P ∘ keep / (1 − p) with keep = anyattn.dropout_mask at the global positions."""
+    if not dropout_p:
+        return p
+    keep = dropout_mask(p.shape, dropout_p, dropout_seed, q_offset=q_offset,
+                        k_offset=k_offset)
+    return np.where(keep, p / (1.0 - dropout_p), 0.0)
 
 
 def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                   scale: Optional[float] = None, q_offset: int = 0, k_offset: int = 0,
-                  softcap: Optional[float] = None, alibi_slopes=None, sinks=None):
+                  softcap: Optional[float] = None, alibi_slopes=None, sinks=None,
+                  dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
     """-> (out [B, Hq, Sq, D], RowStats(max, log_norm) [B, Hq, Sq]) in float64.
 
     Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c, ``alibi_slopes``
-    [Hq] or [B, Hq], ``sinks`` [Hq] (in the statistics: lse includes the sink)."""
+    [Hq] or [B, Hq], ``sinks`` [Hq] (in the statistics: lse includes the sink).
+    ``dropout_p``/``dropout_seed``: out = (P ∘ keep / (1 − p))·v (see
+    :mod:`anyattn.dropout`); the statistics are those of the undropped softmax."""
     q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     s, _, _, vexp, _ = _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
                                alibi_slopes)
     p, row_max, log_norm = _softmax_stats(s, sinks)
-    return np.einsum("bhij,bhjd->bhid", p, vexp), RowStats(row_max, log_norm)
+    pd = _dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
+    return np.einsum("bhij,bhjd->bhid", pd, vexp), RowStats(row_max, log_norm)
 
 
 def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
              scale: Optional[float] = None, wrt: Sequence[str] = ("q", "k", "v"),
              q_offset: int = 0, k_offset: int = 0, out=None, lse=None,
              stats: Optional[RowStats] = None, softcap: Optional[float] = None,
-             alibi_slopes=None, sinks=None) -> Gradients:
+             alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+             dropout_seed: Optional[int] = None) -> Gradients:
     """Gradients of sum(out * dout), float64; dk/dv summed over each query group;
     dsinks [Hq] (``wrt`` names 'sinks') summed over batch and queries.
 
@@ -159,7 +175,8 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     if lse is None and stats is None:
         p, row_max, log_norm = _softmax_stats(s, sinks)          # [B, Hq, Sq, Sk]
         stats = RowStats(row_max, log_norm)
-        out = np.einsum("bhij,bhjd->bhid", p, vexp)
+        out = np.einsum("bhij,bhjd->bhid",
+                        _dropped(p, dropout_p, dropout_seed, q_offset, k_offset), vexp)
     else:
         if stats is None:
             stats = RowStats(_f64(lse), np.zeros(np.shape(lse)))
@@ -169,9 +186,10 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
             p = np.where(np.isfinite(m) & (s > -np.inf), np.exp((s - m) - ln), 0.0)
         p = np.where(np.isnan(s) | np.isnan(m) | np.isnan(ln), np.nan, p)
         out = _f64(out)
+    pd = _dropped(p, dropout_p, dropout_seed, q_offset, k_offset)   # P ∘ keep / (1 − p)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
     delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>
-    ds = p * (dp - delta)                                # dS = P ∘ (dP − δ)
+    ds = pd * dp - p * delta                             # dS = P ∘ (dP ∘ keep/(1−p) − δ)
     dx = ds if th is None else ds * (1.0 - th * th)      # through c·tanh(x / c)
     res = {}
     if "q" in wrt:
@@ -180,7 +198,7 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
         dk = scale * np.einsum("bhij,bhid->bhjd", dx, q)
         res["dk"] = dk.reshape(B, Hkv, G, Sk, D).sum(axis=2)
     if "v" in wrt:
-        dv = np.einsum("bhij,bhid->bhjd", p, g)
+        dv = np.einsum("bhij,bhid->bhjd", pd, g)
         res["dv"] = dv.reshape(B, Hkv, G, Sk, D).sum(axis=2)
     if "bias" in wrt:
         res["dbias"] = reduce_to_shape(ds, np.shape(bias0))

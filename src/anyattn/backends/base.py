@@ -39,6 +39,7 @@ class Capabilities:
     softcap: bool = False                  # score modifiers (anyattn.modifiers)
     alibi: bool = False
     sinks: bool = False                    # forward and dsinks
+    dropout: bool = False                  # anyattn.dropout: the shared keep mask
     auto: bool = True                      # may auto-dispatch pick it?
 
 
@@ -91,6 +92,8 @@ class Backend(ABC):
             why.append("does not support alibi_slopes")
         if p.has_sinks and not c.sinks:
             why.append("does not support sinks (attention sinks)")
+        if p.has_dropout and not c.dropout:
+            why.append("does not support dropout_p > 0")
         return why + self.extra_reasons(p)
 
     def extra_reasons(self, p: Problem) -> List[str]:

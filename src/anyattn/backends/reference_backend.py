@@ -20,7 +20,7 @@ class ReferenceBackend(Backend):
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         precisions=frozenset({"highest", "tf32"}), softcap=True, alibi=True, sinks=True,
-        auto=False)
+        dropout=True, auto=False)
 
     def _mask(self, p):
         return _ResolvedAsMask(p.mask, p.q_offset - p.k_offset)
@@ -49,7 +49,8 @@ def _mod_args(p, mods):
     """The score modifiers as reference keyword arguments (offsets included: the
     reference's masks and ALiBi both take them)."""
     return dict(softcap=p.softcap, alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
-                q_offset=p.q_offset, k_offset=p.k_offset)
+                q_offset=p.q_offset, k_offset=p.k_offset, dropout_p=p.dropout_p,
+                dropout_seed=p.dropout_seed)
 
 
 def _cast(x: np.ndarray, dtype: str, p):
