@@ -463,8 +463,9 @@ def test_mask_builder_gives_structure_equal_to_sdpa_mask(fn, padding, size):
 
 
 def test_mask_builder_falls_back_to_the_dense_mask_only_where_it_must():
-    """A mask function the builder cannot read (an OR: blockwise image tokens) gives
-    transformers' dense bool mask, unchanged; packed sequences become Documents."""
+    """A mask function the builder cannot read (an OR: blockwise image tokens) and a
+    caller that asks for the tensor get transformers' dense bool mask, unchanged; packed
+    sequences become Documents."""
     from transformers import masking_utils as mu
 
     from anyattn.masks import Documents
@@ -476,9 +477,17 @@ def test_mask_builder_falls_back_to_the_dense_mask_only_where_it_must():
     want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
                         allow_is_causal_skip=False)
     assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    # the caller asks for the tensor (both skips off: Falcon then adds ALiBi onto it)
+    am = torch.tensor([[True] * 6, [False] * 2 + [True] * 4])
+    got = anyattn_mask(2, 6, 6, attention_mask=am, allow_is_causal_skip=False)
+    want = mu.sdpa_mask(batch_size=2, q_length=6, kv_length=6, attention_mask=am,
+                        allow_is_causal_skip=False)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    assert isinstance(anyattn_mask(2, 6, 6, attention_mask=am), StructuredMask)
+    # transformers turns the skip off for packed sequences too: they stay structure
     ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
     fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(ids))
-    got = anyattn_mask(1, 6, 6, mask_function=fn)
+    got = anyattn_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False)
     assert isinstance(got, StructuredMask)
     assert any(isinstance(t, Documents) for t in got.mask.terms)
     want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
@@ -511,3 +520,21 @@ def test_softcap_and_sinks_through_a_structured_mask(with_sinks):
     want = _grads(lambda a, b, c, *d: _eager_formula(
         a, b, c, keep, softcap=1.5, sinks=d[0] if d else None), *xs)
     _assert_all_close(got, want)
+
+
+def test_packed_position_ids_become_documents(masks_seen):
+    """Sequences packed into one row (position_ids restart, no attention mask): the
+    mask reaches anyattn as Causal() & Documents, and the step matches eager."""
+    from anyattn.masks import Documents
+
+    eager, ours = _pair(_configs()["llama"])
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(14))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    batch = dict(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)  # no cache: packed
+    le, ge = _loss_and_grads(eager, batch)
+    lo, go = _loss_and_grads(ours, batch)
+    assert _rel(lo, le) <= 1e-5
+    for name in ge:
+        assert _rel(go[name], ge[name]) <= 1e-4, name
+    assert masks_seen and all(any(isinstance(t, Documents) for t in m.terms)
+                              for m in masks_seen)

@@ -42,17 +42,23 @@ here, its empty rows given eager's result per call) only where structure is
 impossible:
 
 - a mask function it does not know: any ``or_mask_function`` (Gemma 3's bidirectional
-  image tokens, ``block_sequence_ids``), a model's own ``and_mask_function``, chunked
-  attention (Llama 4), or packed-sequence ids together with padding or a cache;
+  image tokens, ``block_sequence_ids``), chunked attention (Llama 4), packed-sequence ids
+  together with padding or a cache;
+- a caller that asks for the tensor itself: both ``allow_is_causal_skip`` and
+  ``allow_is_bidirectional_skip`` False, transformers' convention for a mask that the
+  model then edits (Falcon adds ALiBi onto it, T5Gemma 2 concatenates two, Longformer
+  slices it); ``create_causal_mask`` also turns the skip off for an
+  ``and_mask_function`` and for decoding with a static (compileable) cache, which are
+  dense for that reason;
 - while tracing (``torch.compile``, ``torch.export``): dynamo cannot read a mask
   function's closure, and which rows are empty is data (transformers' own ``sdpa``
   mask is dense under tracing too);
-- cache positions given as tensors (a static cache) where they cannot be read as ints.
+- cache positions given as tensors that cannot be read as ints.
 
 A 4-D mask passed in by the caller is used as given (bool: a KeepMask; float: added to
-the scores as a bias).  The builder's dense work runs once per forward and layer type;
-off the CPU its ``.all()``/``.any()`` checks synchronise with the device, as
-transformers' own ``sdpa_mask`` does.
+the scores as a bias).  The builder runs once per forward and layer type; off the CPU
+its ``.all()``/``.any()`` checks synchronise with the device, as transformers' own
+``sdpa_mask`` does.
 
 Every argument transformers passes is honoured or refused (transformers 5.x
 calling convention: ``attention_interface(module, q, k, v, attention_mask,
@@ -329,6 +335,10 @@ def _structure(B: int, Sq: int, Sk: int, q_offset: int, k_offset: int, mask_func
                           _empty_rows(band.band_lo, band.band_hi, keys, B, Sq, Sk, device))
 
 
+def _has_documents(mask: Optional[Mask]) -> bool:
+    return any(isinstance(t, Documents) for t in getattr(mask, "terms", (mask,)))
+
+
 def _as_int(x) -> Optional[int]:
     if _is_int(x):
         return int(x)
@@ -347,9 +357,11 @@ def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     structure is impossible (see the module docstring), transformers' dense bool mask
     [B, 1, Sq, Sk] (True = attend), never None.
 
-    ``local_size``, ``allow_is_causal_skip`` and ``allow_is_bidirectional_skip`` only
-    steer the dense fallback (``sdpa_mask`` may skip a mask that torch's ``is_causal``
-    would replace; the structure is never skipped, so they are not needed here).
+    The structure is never skipped (never None); ``allow_is_causal_skip`` and
+    ``allow_is_bidirectional_skip`` both False is read as a request for the tensor
+    itself (transformers' convention for callers that edit the mask), answered with
+    the dense mask unless the mask has packed-sequence Documents (transformers turns
+    the skip off for those too).  ``local_size`` only reaches the dense fallback.
     """
     from transformers import masking_utils as mu
     from transformers.utils.import_utils import is_tracing
@@ -358,12 +370,16 @@ def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         return attention_mask           # prepared before (generate), as a 4-D mask would be
     if mask_function is None:
         mask_function = mu.causal_mask_function
+    # Both skips off: the caller wants the tensor itself (Falcon adds ALiBi onto it,
+    # T5Gemma 2 concatenates two, Longformer slices it), or transformers turned the skip
+    # off for a packed batch (structure: Documents) or for decoding with a static cache.
+    materialize = not allow_is_causal_skip and not allow_is_bidirectional_skip
     if not is_tracing(attention_mask):
         qo, ko = _as_int(q_offset), _as_int(kv_offset)
         if qo is not None and ko is not None:
             built = _structure(batch_size, q_length, kv_length, qo, ko, mask_function,
                                attention_mask, device)
-            if built is not None:
+            if built is not None and (not materialize or _has_documents(built.mask)):
                 return built
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
