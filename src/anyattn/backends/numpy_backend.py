@@ -40,7 +40,7 @@ from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
 from .numpy_tiles import (BASE2_LIMIT, LOG2E, AlibiRows, BackwardHeads, TileCounts,
-                          TileMods, TilePlan, alibi_row_shift, backward_columns,
+                          TileMods, TilePlan, alibi_anchors, backward_columns,
                           backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
                           saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
                           with_ones_column)
@@ -318,11 +318,12 @@ def _slopes64(p, mods) -> Optional[np.ndarray]:
     return _as_np(mods.alibi_slopes).astype(np.float64).reshape(p.alibi_shape)
 
 
-def _alibi_rows(p, slopes: np.ndarray, b: int, h: int, u: float, dt: np.dtype
-                ) -> AlibiRows:
-    """The ALiBi tile term of (batch b, query head h) in units u (log2 e or 1)."""
+def _alibi_rows(p, slopes: np.ndarray, anchor: np.ndarray, b: int, h: int, u: float,
+                dt: np.dtype) -> AlibiRows:
+    """The ALiBi tile term of (batch b, query head h) in units u (log2 e or 1);
+    anchor [Sq] from alibi_anchors."""
     slope = slopes[b if slopes.shape[0] > 1 else 0, h]
-    return AlibiRows(slope * u, p.seq_q, p.seq_k, alibi_diag(p), dt)
+    return AlibiRows(slope * u, anchor, p.seq_k, dt)
 
 
 def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> np.ndarray:
@@ -337,8 +338,8 @@ def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> 
     return -(p_sink * delta.astype(np.float64)).sum(axis=(0, 2))
 
 
-def _tile_mods(p, slopes: Optional[np.ndarray], b: int, h: int, dt: np.dtype
-               ) -> Callable[[bool], Optional[TileMods]]:
+def _tile_mods(p, slopes: Optional[np.ndarray], anchor: Optional[np.ndarray], b: int,
+               h: int, dt: np.dtype) -> Callable[[bool], Optional[TileMods]]:
     """units -> the TileMods of (batch b, query head h) in base 2 (True) or natural
     units (False), None without softcap and ALiBi; made on first use, one per unit of
     work (AlibiRows caches views: never shared between threads)."""
@@ -347,7 +348,7 @@ def _tile_mods(p, slopes: Optional[np.ndarray], b: int, h: int, dt: np.dtype
     def get(base2: bool) -> Optional[TileMods]:
         if base2 not in made:
             u = LOG2E if base2 else 1.0
-            al = None if slopes is None else _alibi_rows(p, slopes, b, h, u, dt)
+            al = None if slopes is None else _alibi_rows(p, slopes, anchor, b, h, u, dt)
             cap = None if p.softcap is None else p.softcap * u
             made[base2] = None if cap is None and al is None else TileMods(cap, al)
         return made[base2]
@@ -413,7 +414,9 @@ class NumpyBackend(Backend):
         rlog = np.empty((B, Hq, Sq), dtype=dt)
         cap = p.softcap
         slopes = _slopes64(p, mods)                                    # [Ba, Hq] or None
-        diag = alibi_diag(p)
+        anchor = dmin = None
+        if slopes is not None:                     # ALiBi rebased per row: [Sq] each
+            anchor, dmin = alibi_anchors(plan.mask, Sq, Sk, alibi_diag(p))
         if cap is None:
             q2mul = dt.type(p.scale * LOG2E)       # base 2
             qsmul = dt.type(p.scale)               # natural units
@@ -428,7 +431,7 @@ class NumpyBackend(Backend):
             def run() -> TileCounts:
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
                 o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
-                tm = _tile_mods(p, slopes, b, h, dt)
+                tm = _tile_mods(p, slopes, anchor, b, h, dt)
                 if bias is not None:
                     qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
@@ -456,10 +459,8 @@ class NumpyBackend(Backend):
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
         self.last_counts = {"forward": _run_units(units, nt)}
-        if slopes is not None:                     # ALiBi's row term -slope·dmin_i
-            dmin = alibi_row_shift(Sq, Sk, diag)                       # [Sq]
-            if dmin.any():
-                rmax, rlog = shift_stats(rmax, rlog, -slopes[:, :, None] * dmin)
+        if slopes is not None and dmin.any():      # ALiBi's row term -slope·dmin_i
+            rmax, rlog = shift_stats(rmax, rlog, -slopes[:, :, None] * dmin)
         if mods.sinks is not None:                 # one more term of every denominator
             sinks = _as_np(mods.sinks).astype(dt)                      # [Hq]
             out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
@@ -488,19 +489,19 @@ class NumpyBackend(Backend):
         need_ds = want_q or want_k or want_b
         stats64 = (row_max, log_norm)              # as given: the sink's P uses these
         cap = p.softcap
+        B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+                                    p.head_dim, p.group)
+        plan = self._plan(p, cfg.bwd_bq, cfg.bwd_bk, bias)
         slopes = _slopes64(p, mods)
+        anchor = None
         if slopes is not None:                     # kernels see ALiBi rebased per row
-            dmin = alibi_row_shift(p.seq_q, p.seq_k, alibi_diag(p))           # [Sq]
+            anchor, dmin = alibi_anchors(plan.mask, Sq, Sk, alibi_diag(p))   # [Sq] each
             if dmin.any():
                 fin = np.isfinite(row_max)
                 m, e = two_sum(np.where(fin, row_max, 0.0),
                                np.broadcast_to(slopes[:, :, None] * dmin, row_max.shape))
                 row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
                 log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
-
-        B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
-                                    p.head_dim, p.group)
-        plan = self._plan(p, cfg.bwd_bq, cfg.bwd_bk, bias)
         nt = cfg.n_threads()
         chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, nt))
         nc = len(chunks)
@@ -559,7 +560,8 @@ class NumpyBackend(Backend):
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
                     base2=base2, snap=snap, cap=capu,
                     alibi=None if slopes is None else
-                    [_alibi_rows(p, slopes, b, h, LOG2E if base2 else 1.0, dt) for h in heads])
+                    [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)
+                     for h in heads])
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
                 return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
                                      with_ones_column(v[b, hk], dt),

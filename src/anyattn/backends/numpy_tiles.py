@@ -46,7 +46,7 @@ from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
-           "AlibiRows", "TileMods", "alibi_row_shift", "shift_stats", "two_sum",
+           "AlibiRows", "TileMods", "alibi_anchors", "shift_stats", "two_sum",
            "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM"]
 
 LOG2E = 1.4426950408889634  # log2(e)
@@ -361,55 +361,76 @@ def tile_blocks(plan: "TilePlan", q_tiles: Sequence[int]) -> List[Tuple[int, int
 
 
 # ------------------------------------------------------------------ score modifiers
-def alibi_row_shift(sq: int, sk: int, diag: int) -> np.ndarray:
-    """int64 [Sq]: ``dmin_i = min_j |i - j + diag|`` over the keys j = 0..Sk-1 (the
-    distance of position i + diag to the key range).
+def alibi_anchors(mask: ResolvedMask, sq: int, sk: int, diag: int
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """ALiBi rebased per row -> (anchor [Sq], dmin [Sq]), both int64.
 
-    ALiBi's ``-slope·|i - j + diag|`` splits into a row term ``-slope·dmin_i`` (kept in
-    the row statistics by the launcher, in float64) and the tile term
-    ``-slope·|c_i - j|`` with ``c_i = clip(i + diag, 0, Sk - 1)``, which is 0 at the
-    row's nearest key: the kernels' scores stay small near every row's maximum
-    whatever the offsets (no |diag|·eps rounding)."""
-    t = np.arange(sq, dtype=np.int64) + diag
-    return np.maximum(0, np.maximum(-t, t - (sk - 1)))
+    ``anchor_i`` is the key position nearest to i's ALiBi diagonal ``t_i = i + diag``
+    that the band terms keep (``clip(t_i, L_i, R_i)`` with L_i/R_i the first/last key
+    of row i's band, clipped to the keys 0..Sk-1) and ``dmin_i = |t_i - anchor_i|``.
+    On every kept key j, ``|i - j + diag| = dmin_i + |anchor_i - j|``, so ALiBi splits
+    into a row term ``-slope·dmin_i`` (kept in the row statistics by the launcher, in
+    float64) and the tile term ``-slope·|anchor_i - j|`` (:class:`AlibiRows`), which is
+    0 at the anchor: near each row's maximum the kernels' scores stay small whatever
+    the offsets or how far the band sits from the diagonal, so they carry no
+    |slope·dmin|·eps rounding.  Document and KeepMask terms are not consulted (a row
+    whose kept keys lie far from its anchor only rounds like a plain fp32 score).
+    """
+    i = np.arange(sq, dtype=np.int64)
+    lo = np.zeros(sq, np.int64) if mask.band_lo is None else np.maximum(0, i + mask.band_lo)
+    hi = np.full(sq, sk - 1, np.int64) if mask.band_hi is None else \
+        np.minimum(sk - 1, i + mask.band_hi)
+    t = i + diag
+    anchor = np.clip(np.minimum(np.maximum(t, lo), hi), 0, max(sk - 1, 0))
+    return anchor, np.abs(t - anchor)
 
 
 class AlibiRows:
     """The tile term of ALiBi for one (batch, query head) in a kernel's units.
 
-    Adds ``-slope_u·|c_i - j|`` (``c_i = clip(i + diag, 0, Sk - 1)``, see
-    :func:`alibi_row_shift`) to transposed score tiles [nj, ni] from one table
-    ``f [2Sk - 1]``, ``f[u + Sk - 1] = -slope_u·|u|`` (float64 product, one rounding):
-    rows with ``0 <= i + diag <= Sk - 1`` read a Toeplitz view of f, clamped rows one
-    reversed slice of it; no [Sq, Sk] or per-tile distance array is ever built.
-    Holds a cache of views: one instance per unit of work, never shared by threads.
+    Adds ``-slope_u·|anchor_i - j|`` (see :func:`alibi_anchors`) to transposed score
+    tiles [nj, ni] from one table ``f [2Sk - 1]``, ``f[u + Sk - 1] = -slope_u·|u|``
+    (float64 product, one rounding).  The rows split into a few runs: where
+    ``anchor_i - i`` is constant a run reads a Toeplitz view of f, where ``anchor_i``
+    is constant one reversed slice of it [nj, 1]; no [Sq, Sk] or per-tile distance
+    array is ever built.  Caches views: one instance per unit of work, never shared
+    by threads.
     """
 
-    def __init__(self, slope_u: float, sq: int, sk: int, diag: int, dt: np.dtype):
+    def __init__(self, slope_u: float, anchor: np.ndarray, sk: int, dt: np.dtype):
         u = np.abs(np.arange(-(sk - 1), sk, dtype=np.float64))            # [2Sk-1] |u|
         self.f = (u * -float(slope_u)).astype(dt)                        # [2Sk-1]
-        self.sk, self.diag = sk, diag
-        self.lo = min(max(-diag, 0), sq)          # rows i >= lo: i + diag >= 0
-        self.hi = min(max(sk - diag, 0), sq)      # rows i <  hi: i + diag <= Sk - 1
+        self.sk = sk
+        self.runs: List[Tuple[int, int, bool, int]] = []   # (i0, i1, column?, anchor|offset)
+        sq = len(anchor)
+        off = anchor - np.arange(sq)
+        i = 0
+        while i < sq:
+            column = i + 1 < sq and anchor[i + 1] == anchor[i]
+            vals = anchor if column else off
+            rest = vals[i + 1:] != vals[i]
+            e = i + 1 + (int(np.argmax(rest)) if rest.any() else len(rest))
+            self.runs.append((i, e, column, int(vals[i])))
+            i = e
         self._win: Dict[int, np.ndarray] = {}
 
     def add_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> None:
         """st [nj, ni] += the tile term of queries i0..i1-1 and keys j0..j1-1 (in place)."""
         sk, f = self.sk, self.f
         nj = j1 - j0
-        a = min(max(self.lo, i0), i1)             # [i0, a): c_i = 0
-        b = min(max(self.hi, a), i1)              # [a, b): Toeplitz; [b, i1): c_i = Sk-1
-        if a > i0:                                # f[(0 - j) + Sk - 1], [nj, 1]
-            st[:, :a - i0] += f[sk - j0 - nj:sk - j0][::-1, None]
-        if b > a:
-            w = b - a
+        for r0, r1, column, val in self.runs:
+            a, b = max(r0, i0), min(r1, i1)
+            if a >= b:
+                continue
+            if column:                            # f[(anchor - j) + Sk - 1], [nj, 1]
+                st[:, a - i0:b - i0] += f[val + sk - j0 - nj:val + sk - j0][::-1, None]
+                continue
+            w = b - a                             # anchor_i = i + val: Toeplitz
             win = self._win.get(w)
             if win is None:                       # win[r, x] = f[r + x], [2Sk - w, w]
                 win = self._win[w] = np.lib.stride_tricks.sliding_window_view(f, w)
-            r0 = a + self.diag - j0 + sk - 1      # f index of (key j0, query a)
-            st[:, a - i0:b - i0] += win[r0 - nj + 1:r0 + 1][::-1]    # [nj, w] f[r0 - jj + x]
-        if i1 > b:                                # f[(Sk - 1 - j) + Sk - 1], [nj, 1]
-            st[:, b - i0:] += f[2 * sk - 1 - j0 - nj:2 * sk - 1 - j0][::-1, None]
+            r = a + val - j0 + sk - 1             # f index of (key j0, query a)
+            st[:, a - i0:b - i0] += win[r - nj + 1:r + 1][::-1]      # [nj, w] f[r - jj + x]
 
 
 @dataclass
@@ -482,7 +503,7 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     ranges inside query tiles; ``mods``: softcap and ALiBi (:class:`TileMods`) in the
     same units.  Writes out [Sq, D] and the natural row statistics rmax, rlog [Sq] on
     those rows only (of the scores without ALiBi's row term, see
-    :func:`alibi_row_shift`).
+    :func:`alibi_anchors`).
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -595,7 +616,7 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     Score modifiers (``mods``, base 2): with a softcap q2 carries ``scale / c`` (the
     GEMM gives x/c), ``bound_mul`` = c·log2(e) turns ``|q2_i|·|k_j|`` into a score bound
     and ``bound_cap`` = c·log2(e) caps it (|c·tanh| <= c).  ALiBi's tile term is <= 0
-    (0 at each row's nearest key, :func:`alibi_row_shift`), so the bound holds; far
+    (0 at each row's anchor, :func:`alibi_anchors`), so the bound holds; far
     keys may underflow, harmlessly unless a row's sum drops below
     :data:`BOUNDED_MIN_SUM` (its nearest key masked out): that query tile is then
     recomputed by ``exact``.
