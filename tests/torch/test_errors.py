@@ -79,8 +79,10 @@ def test_unsupported_combination_fails_before_any_work():
 
 
 def test_dropout_and_error_classes_of_sdpa():
-    with pytest.raises(NotImplementedError):
-        at.scaled_dot_product_attention(q0, q0, q0, dropout_p=0.5)
+    with pytest.raises(RuntimeError, match="dropout_p"):        # torch's class
+        at.scaled_dot_product_attention(q0, q0, q0, dropout_p=-0.5)
+    with pytest.raises(ValueError, match="dropout_p"):          # and anyattn's
+        at.scaled_dot_product_attention(q0, q0, q0, dropout_p=1.5)
 
 
 def test_import_anyattn_does_not_import_torch():

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import anyattn.torch as at
 from anyattn.torch import scaled_dot_product_attention as sdpa
 
 
@@ -127,9 +128,26 @@ def test_key_value_length_mismatch_raises():
         sdpa(q0, k0, v0[:, :, :5])
 
 
-def test_dropout_not_implemented():
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        sdpa(q0, k0, v0, dropout_p=0.1)
+def test_dropout_draws_the_shared_mask_from_torchs_seed():
+    """dropout_p > 0: anyattn.dropout_mask with a seed drawn from torch's generator, so
+    torch.manual_seed reproduces the call; p >= 1 is refused."""
+    import anyattn
+    from anyattn import reference as R
+
+    q, k, v = (x.double() for x in (q0, k0, v0))
+    with at.use_backend("reference"):
+        torch.manual_seed(3)
+        a = sdpa(q, k, v, dropout_p=0.25, is_causal=True)
+        torch.manual_seed(3)
+        b = sdpa(q, k, v, dropout_p=0.25, is_causal=True)
+        torch.manual_seed(3)
+        seed = int(torch.randint(0, 2 ** 63 - 1, (1,), dtype=torch.int64)[0])
+    assert torch.equal(a, b)
+    want, _ = R.forward(q.numpy(), k.numpy(), v.numpy(), mask=anyattn.Causal(),
+                        dropout_p=0.25, dropout_seed=seed)
+    torch.testing.assert_close(a, torch.from_numpy(want), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="dropout_p"):
+        sdpa(q0, k0, v0, dropout_p=1.0)
 
 
 def test_value_head_dim_differs_not_implemented():

@@ -59,6 +59,30 @@ def _offset(name: str, val) -> int:
         raise TypeError(f"{name}: expected an int, got {type(val).__name__}") from None
 
 
+#: seeds drawn from a torch generator lie in [0, 2**63) (an int64 tensor carries them)
+_SEED_HIGH = 2 ** 63 - 1
+
+
+def _dropout_seed(dropout_p, generator, dropout_seed) -> Optional[torch.Tensor]:
+    """-> a one-element int64 CPU tensor holding the seed, or None without dropout."""
+    from ..dropout import check_dropout
+
+    p, seed = check_dropout(dropout_p, dropout_seed, need_seed=False)
+    if p == 0.0:
+        return None
+    if seed is not None:
+        if seed > _SEED_HIGH:
+            raise ValueError(f"dropout_seed: {seed} >= 2**63; anyattn.torch carries seeds in "
+                             "int64 (the core API takes any seed in [0, 2**64))")
+        return torch.tensor([seed], dtype=torch.int64)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got "
+                        f"{type(generator).__name__}")
+    dev = "cpu" if generator is None else generator.device
+    return torch.randint(0, _SEED_HIGH, (1,), generator=generator, dtype=torch.int64,
+                         device=dev).cpu()
+
+
 def _needs_precheck(q, k, v, bias, softcap=None, alibi_slopes=None, sinks=None) -> bool:
     """True when the op could not validate the call itself (or would do so too late).
 
@@ -105,7 +129,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               layout: str = "bhsd", q_offset: int = 0, k_offset: int = 0,
               return_lse: bool = False, softcap: Optional[float] = None,
               alibi_slopes: Optional[torch.Tensor] = None,
-              sinks: Optional[torch.Tensor] = None):
+              sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+              generator: Optional[torch.Generator] = None,
+              dropout_seed: Optional[int] = None):
     """Scaled dot-product attention on torch tensors, differentiable in q, k, v, bias
     and sinks.
 
@@ -121,6 +147,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c > 0 (scores
     ``c·tanh(s / c)``), ``alibi_slopes`` [Hq] or [B, Hq] (not trainable), ``sinks`` [Hq]
     (trainable: a learnable term ``exp(sinks[h])`` in every softmax denominator).
+
+    Dropout: ``dropout_p`` in [0, 1) drops with ``anyattn.dropout_mask`` (the same mask
+    on every backend and device for one seed).  The seed is drawn from ``generator``
+    (default: torch's CPU default generator, so ``torch.manual_seed`` reproduces a run)
+    once per call and saved for the backward; ``dropout_seed`` (an int) fixes it instead.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -165,11 +196,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
                                 or not isinstance(softcap, numbers.Real)):
         raise TypeError(f"softcap: expected a positive float or None, got "
                         f"{type(softcap).__name__}")
+    seed_t = _dropout_seed(dropout_p, generator, dropout_seed)
     args = (qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision)
     if q_offset or k_offset or softcap is not None or alibi_slopes is not None \
-            or sinks is not None:
+            or sinks is not None or seed_t is not None:
         args += (q_offset, k_offset, None if softcap is None else float(softcap),
                  alibi_slopes, sinks)
+    if seed_t is not None:
+        args += (float(dropout_p), seed_t)
     out, row_max, log_norm = ops.attention_with_grad(*args)
     out = _bhsd(out, layout)
     return (out, row_max + log_norm) if return_lse else out

@@ -69,6 +69,11 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
+def _seed(t: Optional[Tensor]) -> Optional[int]:
+    """The dropout seed a one-element int64 tensor carries (None: no seed)."""
+    return None if t is None else int(t.reshape(-1)[0].item())
+
+
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -81,17 +86,21 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   backend: Optional[str], precision: Optional[str], q_offset: int = 0,
                   k_offset: int = 0, softcap: Optional[float] = None,
                   alibi_slopes: Optional[Tensor] = None,
-                  sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
+                  dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """-> (out [B, Hq, Sq, D] in q's dtype, row_max, log_norm [B, Hq, Sq] float32
     (float64 for float64 q)); lse = row_max + log_norm (the sink included).
 
     The band is given before the offsets shift it (the core applies
-    ``q_offset``/``k_offset`` to the band and to ALiBi alike)."""
+    ``q_offset``/``k_offset`` to the band, ALiBi and dropout alike).  ``dropout_seed``:
+    a one-element int64 CPU tensor (a tensor, so that a seed drawn inside a compiled
+    graph reaches the op without a graph break)."""
     mask = LoweredMask(band_lo, band_hi, q_ids, k_ids, keep)
     out, st = api.forward_with_stats(q, k, v, mask=mask, bias=bias, scale=scale,
                                      backend=backend, precision=precision,
                                      q_offset=q_offset, k_offset=k_offset, softcap=softcap,
-                                     alibi_slopes=alibi_slopes, sinks=sinks)
+                                     alibi_slopes=alibi_slopes, sinks=sinks,
+                                     dropout_p=dropout_p, dropout_seed=_seed(dropout_seed))
     sdt = _lse_dtype(q)
     return (_as_torch(out, q), _as_torch(st.max, q).to(sdt),
             _as_torch(st.log_norm, q).to(sdt))
@@ -100,7 +109,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
                         precision, q_offset=0, k_offset=0, softcap=None, alibi_slopes=None,
-                        sinks=None):
+                        sinks=None, dropout_p=0.0, dropout_seed=None):
     B, Hq, Sq, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)),
             q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)))
@@ -117,7 +126,9 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                   grad_bias: bool, q_offset: int = 0, k_offset: int = 0,
                   softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                   sinks: Optional[Tensor] = None,
-                  grad_sinks: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  grad_sinks: bool = False, dropout_p: float = 0.0,
+                  dropout_seed: Optional[Tensor] = None
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dbias, dsinks); a gradient not asked for (``grad_*`` False) is an
     empty [0]."""
     wrt = [n for n, on in (("q", grad_q), ("k", grad_k), ("v", grad_v),
@@ -129,7 +140,8 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     g = api.attention_backward(q, k, v, dout, out=out, lse=RowStats(row_max, log_norm),
                                mask=mask, bias=bias, scale=scale, wrt=wrt, backend=backend,
                                precision=precision, q_offset=q_offset, k_offset=k_offset,
-                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               dropout_p=dropout_p, dropout_seed=_seed(dropout_seed))
     dq = _as_torch(g.dq, q) if grad_q else _empty(q)
     dk = _as_torch(g.dk, k) if grad_k else _empty(k)
     dv = _as_torch(g.dv, v) if grad_v else _empty(v)
@@ -142,7 +154,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids, k_ids,
                         band_lo, band_hi, scale, backend, precision, grad_q, grad_k, grad_v,
                         grad_bias, q_offset=0, k_offset=0, softcap=None, alibi_slopes=None,
-                        sinks=None, grad_sinks=False):
+                        sinks=None, grad_sinks=False, dropout_p=0.0, dropout_seed=None):
     dq = q.new_empty(q.shape) if grad_q else _empty(q)
     dk = k.new_empty(k.shape) if grad_k else _empty(k)
     dv = v.new_empty(v.shape) if grad_v else _empty(v)
@@ -154,31 +166,32 @@ def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids
 # ---------------------------------------------------------------------- autograd
 #: positions of the differentiable inputs of attention_fwd
 _Q, _K, _V, _BIAS, _SINKS = 0, 1, 2, 3, 16
-_N_INPUTS = 17
+_N_INPUTS = 19
 
 
 def _full(inputs):
     """The forward's inputs with the defaulted trailing ones filled in."""
-    defaults = (0, 0, None, None, None)
+    defaults = (0, 0, None, None, None, 0.0, None)
     return tuple(inputs) + defaults[len(inputs) - 12:]
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision,
-     q_offset, k_offset, softcap, alibi_slopes, sinks) = _full(inputs)
+     q_offset, k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed) = _full(inputs)
     out, row_max, log_norm = output
     ctx.save_for_backward(q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm,
-                          alibi_slopes, sinks)
+                          alibi_slopes, sinks, dropout_seed)
     ctx.band = (band_lo, band_hi)
     ctx.opts = (scale, backend, precision)
     ctx.mods = (q_offset, k_offset, softcap)
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(row_max, log_norm)
 
 
 def _backward(ctx, dout, dmax, dlog_norm):
     """dmax/dlog_norm are ignored: the statistics are marked non-differentiable."""
     (q, k, v, bias, keep, q_ids, k_ids, out, row_max, log_norm, alibi_slopes,
-     sinks) = ctx.saved_tensors
+     sinks, dropout_seed) = ctx.saved_tensors
     need = tuple(ctx.needs_input_grad) + (False,) * _N_INPUTS
     gq, gk, gv = need[_Q], need[_K], need[_V]
     gb = bias is not None and need[_BIAS]
@@ -188,7 +201,8 @@ def _backward(ctx, dout, dmax, dlog_norm):
         dq, dk, dv, db, ds = attention_bwd(dout, q, k, v, out, row_max, log_norm, bias, keep,
                                            q_ids, k_ids, ctx.band[0], ctx.band[1],
                                            *ctx.opts, gq, gk, gv, gb, *ctx.mods,
-                                           alibi_slopes, sinks, gs)
+                                           alibi_slopes, sinks, gs, ctx.dropout_p,
+                                           dropout_seed)
     grads = [None] * len(ctx.needs_input_grad)
     for pos, on, val in ((_Q, gq, dq), (_K, gk, dk), (_V, gv, dv), (_BIAS, gb, db),
                          (_SINKS, gs, ds)):
@@ -204,7 +218,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The same forward op and the same formulas as ``register_autograd`` above, for
     eager mode, minus torch's per-call custom-op autograd wrapper: its
-    ``torch._library.utils.fill_defaults`` rebuilds the 17-argument schema list once
+    ``torch._library.utils.fill_defaults`` rebuilds the 19-argument schema list once
     per argument, ~30-60 us per call here, more than the rest of the wrapper.
     Inside ``forward`` grad mode is off, so the op takes its no-grad path."""
 

@@ -13,8 +13,10 @@ torch).  ``attn_mask`` together with ``is_causal`` keeps the pairs both keep
 Every argument is honoured or refused, none is ignored.  Errors are raised
 where torch raises, with an exception that is an instance
 of torch's class (RuntimeError) *and* of anyattn's (TypeError / ValueError),
-naming the argument.  Differences: ``dropout_p > 0`` raises
-NotImplementedError; a value head dim different from E raises
+naming the argument.  ``dropout_p > 0`` drops with ``anyattn.dropout_mask`` (a seed
+drawn from torch's default CPU generator per call, so ``torch.manual_seed`` reproduces
+it; the mask differs from torch's own, which depends on its kernel and device).
+Differences: ``dropout_p`` must be below 1; a value head dim different from E raises
 NotImplementedError; a query row that keeps no key returns 0.
 """
 from __future__ import annotations
@@ -53,11 +55,7 @@ def _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enabl
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
     if dropout_p != dropout_p:
         raise SDPAValueError("dropout_p=nan: expected a probability in [0, 1)")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: anyattn has no attention dropout; pass dropout_p=0.0 "
-            "(e.g. model.eval() or attention_dropout=0.0)")
-    if dropout_p < 0.0:
+    if not 0.0 <= dropout_p < 1.0:
         raise SDPAValueError(f"dropout_p={dropout_p}: expected a probability in [0, 1)")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         raise TypeError(f"scaled_dot_product_attention(): argument 'scale' must be float, "
@@ -168,5 +166,5 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         mask = keep if mask is None else mask & keep
     elif attn_mask is not None:
         bias = attn_mask
-    out = attention(q4, k4, v4, mask=mask, bias=bias, scale=scale)
+    out = attention(q4, k4, v4, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p))
     return out.reshape(*batch, hq, L, E) if query.ndim > 2 else out.reshape(L, E)
