@@ -90,6 +90,19 @@ def test_generate_runs_with_a_kv_cache():
     assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
 
 
+def test_generate_with_a_static_cache():
+    """generate prepares the masks before the forward when the cache is static; the
+    prepared StructuredMask passes through the model's own mask call (its ``ndim`` is
+    not 2) and decoding gives eager's tokens from a left-padded batch."""
+    eager, ours = _pair(_configs()["llama"])
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
+
+
 def test_dropout_raises():
     from anyattn.torch.transformers_backend import anyattn_attention_forward
 
@@ -269,7 +282,7 @@ def test_t5_position_bias_matches_eager():
 # The SDPA drop-in follows the same rule (its own suite is test_sdpa.py): an argument
 # torch would reject, or one it does not implement, is refused, never ignored.
 @pytest.mark.parametrize("kw, exc, text", [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p=1\.0"),     # 0 < p < 1 is honoured
     (dict(dropout_p=float("nan")), ValueError, "dropout_p=nan"),
     (dict(is_causal=1), TypeError, "'is_causal' must be bool"),
     (dict(is_causal=None), TypeError, "'is_causal' must be bool"),
@@ -376,15 +389,15 @@ def test_modifier_models_train_like_eager(arch, padding, masks_seen):
     ours.zero_grad()
     out_o = ours(**batch)
     out_o.loss.backward()
-    assert _rel(out_o.loss, out_e.loss) <= 1e-4, (out_o.loss.item(), out_e.loss.item())
-    assert _rel(out_o.logits, out_e.logits) <= 1e-4
+    assert _rel(out_o.loss, out_e.loss) <= 1e-5, (out_o.loss.item(), out_e.loss.item())
+    assert _rel(out_o.logits, out_e.logits) <= 1e-5
     grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
     grads_o = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     assert grads_o.keys() == grads_e.keys()
     assert arch != "gpt_oss" or any(n.endswith("sinks") for n in grads_e)
     for name in grads_e:
         err = _rel(grads_o[name], grads_e[name])
-        assert err <= 1e-3, f"{name}: relative gradient error {err:.2g}"
+        assert err <= 1e-4, f"{name}: relative gradient error {err:.2g}"
     assert len(masks_seen) >= 2 and not any(m is not None and _dense_masks(m)
                                             for m in masks_seen)
     if arch != "gemma3":

@@ -435,8 +435,9 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     where it can bind; a non-causal call where it could bind is refused.
     """
     if dropout and dropout > 0.0:
-        raise _refuse("dropout", dropout, "anyattn has no attention dropout; set the config's "
-                      "attention_dropout=0.0 (or call model.eval())")
+        raise _refuse("dropout", dropout, "the anyattn transformers backend does not apply "
+                      "attention dropout; set the config's attention_dropout=0.0 (or call "
+                      "model.eval())")
     if output_attentions:
         raise _refuse("output_attentions", output_attentions, "anyattn never forms the "
                       "attention weights; use attn_implementation='eager' for them")
