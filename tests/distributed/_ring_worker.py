@@ -68,6 +68,11 @@ def cases(world: int):
               backend="reference")),
         ("zigzag-causal_window-mods-float32",
          dict(sharding="zigzag", mask="causal_window", dtype="float32", mods=True)),
+        # dropout: every block draws the shared mask at its global positions, so the
+        # sharded run drops what the one-process reference with the same seed drops
+        ("zigzag-causal-dropout-reference-float64",
+         dict(sharding="zigzag", mask="causal", dtype="float64", dropout=True,
+              backend="reference")),
         ("contiguous-docs-mods-reference-float64",
          dict(sharding="contiguous", mask="causal_docs", dtype="float64", mods=True,
               backend="reference")),
@@ -177,14 +182,19 @@ def run_case(rank, world, opts):
     if opts.get("mods"):
         mods = dict(softcap=2.0, alibi_slopes=rng.uniform(0.05, 0.5, HQ),
                     sinks=rng.standard_normal(HQ))
+    if opts.get("dropout"):
+        mods.update(dropout_p=0.2, dropout_seed=2 ** 63 + 12345, softcap=4.0)
     ref_out, ref_lse = reference.forward(q, k, v, mask=mask, scale=scale, **mods)
     ref_g = reference.backward(q, k, v, dout, mask=mask, scale=scale,
-                               wrt=("q", "k", "v") + (("sinks",) if mods else ()), **mods)
+                               wrt=("q", "k", "v") + (("sinks",) if "sinks" in mods else ()),
+                               **mods)
     tmods = {}
-    if mods:
+    if "sinks" in mods:
         sinks = torch.from_numpy(mods["sinks"]).to(dt).to(device).requires_grad_()
         tmods = dict(softcap=mods["softcap"], sinks=sinks,
                      alibi_slopes=torch.from_numpy(mods["alibi_slopes"]).to(dt).to(device))
+    elif mods:
+        tmods = dict(mods)
 
     def loc(x):
         return shard(x, me, n, sharding=sharding)

@@ -52,6 +52,8 @@ FIELDS: Tuple[Tuple[str, str], ...] = (
     ("precision", "precision"),
     ("softcap", "softcap"),
     ("modifiers", "alibi_slopes (values) and sinks (shape, dtype)"),
+    ("dropout_p", "dropout_p"),
+    ("dropout_seed", "dropout_seed"),
 )
 _INDEX = {name: i for i, (name, _) in enumerate(FIELDS)}
 _OK, _FAILED = 0, 1
@@ -121,7 +123,8 @@ def mask_terms(gmask) -> int:
 def describe_call(*, world: int, q, k, v, scale: float, sharding: str, layout: str,
                   wrt: Tuple[bool, bool, bool], gmask, precision: Optional[str],
                   sharding_names: Sequence[str], softcap: Optional[float] = None,
-                  alibi_slopes=None, sinks=None) -> Descriptor:
+                  alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                  dropout_seed: Optional[int] = None) -> Descriptor:
     """This rank's descriptor (q, k, v in the logical [B, H, S_loc, D] layout)."""
     d = [0] * len(FIELDS)
     d[_INDEX["magic"]] = _MAGIC
@@ -146,6 +149,10 @@ def describe_call(*, world: int, q, k, v, scale: float, sharding: str, layout: s
     if sinks is not None:
         parts.append(b"sinks" + repr((tuple(sinks.shape), str(sinks.dtype))).encode())
     d[_INDEX["modifiers"]] = _hash64(*parts) if parts else 0
+    d[_INDEX["dropout_p"]] = _f64_bits(dropout_p)
+    # as a signed int64 (the all-gather's dtype): seeds in [0, 2**64) wrap around
+    seed = -1 if dropout_seed is None else int(dropout_seed)
+    d[_INDEX["dropout_seed"]] = seed - (1 << 64) if seed >= 1 << 63 else seed
     return d
 
 
@@ -216,8 +223,14 @@ def _show(name: str, value: int, sharding_names: Sequence[str]) -> str:
         return _DTYPES[value - 1] if 0 < value <= len(_DTYPES) else f"code {value}"
     if name == "device":
         return {1: "cpu", 2: "cuda"}.get(value, "other")
-    if name == "scale":
+    if name in ("scale", "dropout_p"):
         return f"{_bits_f64(value)!r}"
+    if name == "softcap":
+        return "None" if value == 0 else f"{_bits_f64(value)!r}"
+    if name == "dropout_seed":
+        return "None" if value == -1 else str(value % (1 << 64))
+    if name == "modifiers":
+        return f"{value & 0xFFFFFFFFFFFFFFFF:016x}" if value else "None"
     if name == "sharding":
         return repr(sharding_names[value - 1]) if 0 < value <= len(sharding_names) else "?"
     if name == "layout":

@@ -59,10 +59,14 @@ class _Setup:
     precision: Optional[str]
     softcap: Optional[float] = None
     alibi_slopes: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    dropout_seed: Optional[int] = None
 
     def block_mods(self):
-        """The per-block score modifiers (sinks are folded once, after the merge)."""
-        return dict(softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+        """The per-block score modifiers and dropout (sinks are folded once, after the
+        merge); each block draws dropout at its global positions."""
+        return dict(softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                    dropout_p=self.dropout_p, dropout_seed=self.dropout_seed)
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
@@ -205,7 +209,8 @@ def _local_checks(q, k, v, sharding, layout):
 
 
 def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision,
-                 softcap=None, alibi_slopes=None, sinks=None):
+                 softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                 dropout_seed=None):
     """Checks that need the ring's size -> (GlobalMask, the validated probe Problem)."""
     N = ring.size
     S_loc = q.shape[2]
@@ -221,7 +226,8 @@ def _ring_checks(ring: Ring, q, k, v, mask, sharding, scale, backend, precision,
                          "here; pass alibi_slopes.detach()")
     probe = describe(q[:, :, :L], k[:, :, :L], v[:, :, :L], mask=None, scale=scale,
                      precision=precision, softcap=softcap, alibi_slopes=alibi_slopes,
-                     sinks=sinks)
+                     sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                     q_offset=0, k_offset=S - L)   # dropout: the last global position fits
     choose(probe, backend)  # raises early if the backend cannot serve these blocks
     return gmask, probe
 
@@ -232,7 +238,8 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
                    layout: str = "bhsd", return_lse: bool = False, timeout=None,
                    check_ranks: bool = True, softcap: Optional[float] = None,
                    alibi_slopes: Optional[torch.Tensor] = None,
-                   sinks: Optional[torch.Tensor] = None):
+                   sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                   dropout_seed: Optional[int] = None):
     """Attention over a sequence sharded across the ranks of ``group``, differentiable.
 
     q [B, Hq, S_loc, D], k/v [B, Hkv, S_loc, D]: this rank's shard of a global
@@ -247,6 +254,9 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     ([Hq] or [B, Hq]; positions are global) and ``sinks`` ([Hq], counted once per row;
     differentiable): as in ``anyattn.attention``.  The sinks' gradient on each rank covers
     that rank's queries; sum it over the group as for every other parameter.
+    ``dropout_p`` with ``dropout_seed`` (required, the same int on every rank): each
+    block draws ``anyattn.dropout_mask`` at its global positions, so the sharded run
+    drops exactly what the unsharded call with that seed drops.
 
     Every rank of the group must call it with the same shapes and arguments.  Before
     the first exchange the ranks all-gather a small descriptor of their call (shapes,
@@ -275,7 +285,8 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
     if err is None:
         try:
             gmask, probe = _ring_checks(ring, q, k, v, mask, sharding, scale, backend,
-                                        precision, softcap, alibi_slopes, sinks)
+                                        precision, softcap, alibi_slopes, sinks, dropout_p,
+                                        dropout_seed)
         except Exception as e:          # refused here: tell the other ranks, then raise
             err = e
     if check_ranks and ring.size > 1:
@@ -290,15 +301,17 @@ def ring_attention(q, k, v, *, mask: Optional[Mask] = None, group=None,
                              sharding=sharding, layout=layout,
                              wrt=tuple(grad and x.requires_grad for x in (q, k, v)),
                              gmask=gmask, precision=precision, sharding_names=SHARDINGS,
-                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                             dropout_p=probe.dropout_p, dropout_seed=probe.dropout_seed)
         exchange_and_check(ring, desc, q, tmo, SHARDINGS)
     elif err is not None:
         raise err
-    # ALiBi needs every block at its own global offsets, so blocks are not fused
+    # ALiBi and dropout need every block at its own global offsets: blocks stay unfused
     plan = RingPlan(gmask, ring.rank, ring.size, q.shape[2], sharding,
-                    fuse=alibi_slopes is None)
+                    fuse=alibi_slopes is None and not probe.has_dropout)
     setup = _Setup(ring=ring, plan=plan, scale=scale, backend=backend, precision=precision,
-                   softcap=probe.softcap, alibi_slopes=alibi_slopes)
+                   softcap=probe.softcap, alibi_slopes=alibi_slopes,
+                   dropout_p=probe.dropout_p, dropout_seed=probe.dropout_seed)
     out, lse = _RingAttention.apply(q, k, v, sinks, setup)
     if layout == "bshd":
         out = out.transpose(1, 2)
