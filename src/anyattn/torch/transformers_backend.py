@@ -237,9 +237,17 @@ def _known_codes():
     }
 
 
+_MISSING = object()
+
+
 def _cell(fn, name: str):
-    """The value ``fn`` closes over under ``name``."""
-    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+    """The value ``fn`` closes over under ``name`` (_MISSING if none: a transformers
+    version whose factory closes over other names is then not read, and the builder
+    returns the dense mask)."""
+    names = fn.__code__.co_freevars
+    if name not in names or fn.__closure__ is None:
+        return _MISSING
+    return fn.__closure__[names.index(name)].cell_contents
 
 
 def _is_int(x) -> bool:
@@ -258,7 +266,9 @@ def _read_mask_function(fn, terms: list, docs: list) -> bool:
         return True
     code, known = getattr(fn, "__code__", None), _known_codes()
     if code is known["and"]:
-        return all(_read_mask_function(f, terms, docs) for f in _cell(fn, "mask_functions"))
+        parts = _cell(fn, "mask_functions")
+        return isinstance(parts, tuple) and all(_read_mask_function(f, terms, docs)
+                                                for f in parts)
     if code is known["sliding"]:                   # kv_idx > q_idx - w
         w = _cell(fn, "sliding_window")
         if not _is_int(w) or w < 1:
@@ -272,7 +282,10 @@ def _read_mask_function(fn, terms: list, docs: list) -> bool:
         terms.append(Window(left=int(w), right=int(w)))
         return True
     if code is known["packed"]:                    # ids[b, q_idx] == ids[b, kv_idx]
-        docs.append(_cell(fn, "packed_sequence_mask"))
+        ids = _cell(fn, "packed_sequence_mask")
+        if not isinstance(ids, torch.Tensor):
+            return False
+        docs.append(ids)
         return True
     return False
 
