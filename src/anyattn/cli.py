@@ -139,6 +139,16 @@ def _cmd_check(args) -> int:
                   "keys": (B, 1, 1, Sk)}
         bias = rng.standard_normal(shapes[args.bias]).astype(np.float32)
         wrt.append("bias")
+    mods = {}                                   # score modifiers and dropout
+    if args.softcap is not None:
+        mods["softcap"] = args.softcap
+    if args.alibi:                              # the usual geometric slopes 2^(-8h/Hq)
+        mods["alibi_slopes"] = (2.0 ** (-8.0 * np.arange(1, Hq + 1) / Hq)).astype(np.float32)
+    if args.sinks:
+        mods["sinks"] = rng.standard_normal(Hq).astype(np.float32)
+        wrt.append("sinks")
+    if args.dropout:
+        mods.update(dropout_p=args.dropout, dropout_seed=args.seed)
     if B * Hq * Sq * Sk > 2 ** 28:
         print("note: the float64 reference builds the full score tensor; this shape needs "
               f"{B * Hq * Sq * Sk * 8 / 2 ** 30:.1f} GiB per copy", file=sys.stderr)
@@ -155,6 +165,8 @@ def _cmd_check(args) -> int:
         return _to_dtype(_to_backend(x, be), dt) if be == "triton" else x.astype(dt)
 
     cast = [prepare(x) for x in (q, k, v, g, bias)]
+    bmods = {n: (prepare(x) if isinstance(x, np.ndarray) else x) for n, x in mods.items()}
+    rmods = {n: (_np(x) if isinstance(x, np.ndarray) else x) for n, x in bmods.items()}
     qc, kc, vc, gc, bc = cast
     bmask = mask
     if be == "triton" and mask is not None:
@@ -162,26 +174,29 @@ def _cmd_check(args) -> int:
 
     t0 = time.perf_counter()
     out, lse = attention(qc, kc, vc, mask=bmask, bias=bc, backend=be, precision=args.precision,
-                         return_lse=True)
+                         return_lse=True, **bmods)
     t1 = time.perf_counter()
     grads = attention_backward(qc, kc, vc, gc, out=out, lse=lse, mask=bmask, bias=bc,
-                               wrt=wrt, backend=be, precision=args.precision)
+                               wrt=wrt, backend=be, precision=args.precision, **bmods)
     _sync(out)
     t2 = time.perf_counter()
 
     r_in = [_np(x) for x in cast]
-    ro, rl = reference.forward(r_in[0], r_in[1], r_in[2], mask=mask, bias=r_in[4])
+    ro, rl = reference.forward(r_in[0], r_in[1], r_in[2], mask=mask, bias=r_in[4], **rmods)
     rg = reference.backward(r_in[0], r_in[1], r_in[2], r_in[3], mask=mask, bias=r_in[4],
-                            wrt=wrt)
+                            wrt=wrt, **rmods)
     tol = TF32_TOLERANCE if (args.precision == "tf32" and dt == "float32") else TOLERANCE[dt]
     ok = True
     print(f"backend {be}, shape B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D}, {dt}, "
-          f"mask {args.mask}, bias {args.bias}")
+          f"mask {args.mask}, bias {args.bias}"
+          + "".join(f", {n} {'on' if isinstance(x, np.ndarray) else x}"
+                    for n, x in mods.items() if n != "dropout_seed"))
     print(f"  forward {1e3 * (t1 - t0):.2f} ms, backward {1e3 * (t2 - t1):.2f} ms "
           "(first call: includes compilation/warm-up)")
     for name, got, ref in (("out", out, ro), ("lse", lse, rl), ("dq", grads.dq, rg.dq),
                            ("dk", grads.dk, rg.dk), ("dv", grads.dv, rg.dv),
-                           ("dbias", grads.dbias, rg.dbias)):
+                           ("dbias", grads.dbias, rg.dbias),
+                           ("dsinks", grads.dsinks, rg.dsinks)):
         if ref is None:
             continue
         gn = _np(got)
@@ -236,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     ck.add_argument("--backend", default="numpy")
     ck.add_argument("--precision", default=None, choices=["highest", "tf32"])
-    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--seed", type=int, default=0,
+                    help="inputs' random seed (also the dropout seed)")
+    ck.add_argument("--softcap", type=float, default=None, help="logit soft-cap c > 0")
+    ck.add_argument("--alibi", action="store_true", help="ALiBi with slopes 2^(-8h/Hq)")
+    ck.add_argument("--sinks", action="store_true", help="learnable sinks (random), dsinks")
+    ck.add_argument("--dropout", type=float, default=0.0, help="dropout_p in [0, 1)")
     bn = sub.add_parser("bench", help="time backends on a set of shapes (GFLOP/s, JSON, PNG)")
     try:
         from . import bench as _bench

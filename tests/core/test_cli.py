@@ -116,3 +116,11 @@ def test_ci_runs_the_readme_test_command_with_mesa_egl():
     assert f"```bash\n{cmd}\n```" in readme
     for pkg in ("mesa-vulkan-drivers", "libvulkan1", "libegl1", "libegl-mesa0"):
         assert pkg in ci and pkg in readme.split("## Using it")[0]
+
+
+def test_check_with_score_modifiers_and_dropout(capsys):
+    rc = main(["check", "--backend", "reference", "--shape", "1,4,2,9,13,8", "--mask",
+               "causal_br", "--softcap", "3", "--alibi", "--sinks", "--dropout", "0.2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS" in out
+    assert "softcap 3.0" in out and "dropout_p 0.2" in out and "dsinks" in out
