@@ -508,10 +508,12 @@ def test_mask_builder_falls_back_to_the_dense_mask_only_where_it_must():
     assert torch.equal(got.to_dense(), want) and got.empty_rows is None
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_softcap_and_sinks_through_a_structured_mask(with_sinks):
+def test_softcap_and_sinks_through_a_structured_mask(with_sinks, dense):
     """anyattn_attention_forward with the builder's mask (sliding window, left padding:
-    rows without keys), softcap and s_aux: eager's output and gradients, s_aux's too."""
+    rows without keys), softcap and s_aux: eager's output and gradients, s_aux's too;
+    the same through the dense bool mask (the builder's fallback)."""
     from transformers import masking_utils as mu
 
     from anyattn.torch.transformers_backend import anyattn_attention_forward, anyattn_mask
@@ -528,8 +530,9 @@ def test_softcap_and_sinks_through_a_structured_mask(with_sinks):
     keep = mu.sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=fn,
                         attention_mask=am, allow_is_causal_skip=False)
     xs = (q, k, v) + ((sinks,) if with_sinks else ())
+    given = keep if dense else sm
     got = _grads(lambda a, b, c, *d: anyattn_attention_forward(
-        torch.nn.Module(), a, b, c, sm, softcap=1.5, s_aux=d[0] if d else None)[0], *xs)
+        torch.nn.Module(), a, b, c, given, softcap=1.5, s_aux=d[0] if d else None)[0], *xs)
     want = _grads(lambda a, b, c, *d: _eager_formula(
         a, b, c, keep, softcap=1.5, sinks=d[0] if d else None), *xs)
     _assert_all_close(got, want)
