@@ -399,12 +399,12 @@ def _load_bias_t(BI, sb_m, sb_n, offs_n, offs_m, Sq, Sk, CHECK: tl.constexpr):
 # ----------------------------------------------------------------------------- score modifiers
 #: tanh(a) = a + a^3 (T3 + a^2 (T5 + ...)) for |a| < TANH_SMALL (Taylor, float32 Horner:
 #: <= 2 ulp there); (1 - e) / (1 + e), e = exp(-2|a|), above (no cancellation there)
-TANH_SMALL = 0.4
-T3 = -0.3333333333333333
-T5 = 0.13333333333333333
-T7 = -0.05396825396825397
-T9 = 0.021869488536155203
-T11 = -0.008863235529902197
+TANH_SMALL = tl.constexpr(0.4)
+T3 = tl.constexpr(-0.3333333333333333)
+T5 = tl.constexpr(0.13333333333333333)
+T7 = tl.constexpr(-0.05396825396825397)
+T9 = tl.constexpr(0.021869488536155203)
+T11 = tl.constexpr(-0.008863235529902197)
 
 
 @triton.jit
@@ -422,6 +422,27 @@ def _tanh_d(y):
     t = tl.where(small, poly, (1.0 - e) * r)
     dt = tl.where(small, 1.0 - poly * poly, (4.0 * e) * (r * r))
     return tl.where(y < 0.0, -t, t), dt
+
+
+@triton.jit
+def _alibi_dist(offs_m, offs_n, adiag, TRANS: tl.constexpr):
+    """|i - j + adiag| of a tile as fp32, [BM, BN] (queries as rows) or with TRANS [BN, BM]:
+    one exact fp32 subtraction per element of positions converted once per row / column
+    (integers below 2^24 are exact in fp32; no per-element integer conversion)."""
+    fi = (offs_m + adiag).to(tl.float32)
+    fj = offs_n.to(tl.float32)
+    if TRANS:
+        return tl.abs(fi[None, :] - fj[:, None])
+    else:
+        return tl.abs(fi[:, None] - fj[None, :])
+
+
+@triton.jit
+def _raw_alibi(s, slope_raw, offs_m, offs_n, adiag, TRANS: tl.constexpr):
+    """ALiBi alone (no softcap, no bias): applied to the raw products q.k, which the
+    kernels keep in the plain kernels' units (module doc), with slope_raw = slope /
+    (natural score scale); the natural score is then fl(s * scale) as without ALiBi."""
+    return tl.fma(_alibi_dist(offs_m, offs_n, adiag, TRANS), -slope_raw, s)
 
 
 @triton.jit
@@ -447,20 +468,20 @@ def _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
             s = tl.fma(s, s_scale, 0.0)
         dt = s
     if ALIBI:
-        if TRANS:
-            dd = offs_m[None, :] - offs_n[:, None] + adiag
-        else:
-            dd = offs_m[:, None] - offs_n[None, :] + adiag
-        s = tl.fma(tl.abs(dd).to(tl.float32), -slope, s)
+        s = tl.fma(_alibi_dist(offs_m, offs_n, adiag, TRANS), -slope, s)
     return s, dt
 
 
 @triton.jit
-def _load_slope(SLOPES, b, h, sl_b, ALIBI: tl.constexpr):
+def _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI: tl.constexpr, RAW: tl.constexpr):
     """The ALiBi slope of (batch b, head h) from fp32 SLOPES [Ba, H] (sl_b = H, or 0 when
-    one row serves every batch); 0.0 without ALiBi (never read)."""
+    one row serves every batch), divided by the natural score scale s_scale with RAW
+    (ALiBi alone, see _raw_alibi); 0.0 without ALiBi (never read)."""
     if ALIBI:
-        return tl.load(SLOPES + b * sl_b + h)
+        if RAW:
+            return tl.load(SLOPES + b * sl_b + h) / s_scale
+        else:
+            return tl.load(SLOPES + b * sl_b + h)
     else:
         return 0.0
 
@@ -553,14 +574,16 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw q.k
-    if SOFTCAP or ALIBI:   # natural scores with the modifiers, as the backward forms them
-        s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
+    if SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
+        s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,  # backward's
                            HAS_BIAS, SOFTCAP, ALIBI, False)
         c = 1.4426950408889634
     elif HAS_BIAS:
         s = tl.fma(s, s_scale, bt)           # natural scores, as the backward forms them
         c = 1.4426950408889634
     else:
+        if ALIBI:
+            s = _raw_alibi(s, slope, offs_m, offs_n, adiag, False)
         c = qk_scale
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
@@ -621,7 +644,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
-    slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
+    slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
 
     q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
@@ -673,7 +696,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
 
     # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
-    if HAS_BIAS or SOFTCAP or ALIBI:
+    if HAS_BIAS or SOFTCAP:
         row_max = m_i                      # natural units already
     else:
         row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
@@ -782,12 +805,14 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
     sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC)               # [BN, BM] raw
-    if SOFTCAP or ALIBI:
+    if SOFTCAP or (ALIBI and HAS_BIAS):
         sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
                               HAS_BIAS, SOFTCAP, ALIBI, True)
     elif HAS_BIAS:
         sT = tl.fma(sT, s_scale, bT)                          # natural scores
     else:
+        if ALIBI:
+            sT = _raw_alibi(sT, slope, offs_m, offs_n, adiag, True)
         sT = tl.fma(sT, s_scale, 0.0)    # (an fma: never contracted into the next line)
     pT = tl.math.exp2((sT - mx[None, :]) * 1.4426950408889634 - ln2[None, :])  # [BN, BM]
     if MASKED:
@@ -856,7 +881,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         DLh = DELTA + bh * Sq
         BI = BIAS + b * sb_b + h * sb_h
         KMb = KM + b * skm_b + h * skm_h
-        slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
+        slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
@@ -972,12 +997,14 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
     s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw
-    if SOFTCAP or ALIBI:
+    if SOFTCAP or (ALIBI and HAS_BIAS):
         s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
                             HAS_BIAS, SOFTCAP, ALIBI, False)
     elif HAS_BIAS:
         s = tl.fma(s, s_scale, bt)                            # natural scores
     else:
+        if ALIBI:
+            s = _raw_alibi(s, slope, offs_m, offs_n, adiag, False)
         s = tl.fma(s, s_scale, 0.0)      # (an fma: never contracted into the next line)
     p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
     if MASKED:
@@ -1042,7 +1069,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     Vh = V + b * sv_b + hk * sv_h
     BI = BIAS + b * sb_b + h * sb_h
     DBh = DB + b * sdb_b + h * sdb_h
-    slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
+    slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
@@ -1269,7 +1296,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
             QIDb = QID + b * sqid_b
             KIDb = KID + b * skid_b
             KMb = KM + b * skm_b + h * skm_h
-            slope = _load_slope(SLOPES, b, h, sl_b, ALIBI)
+            slope = _load_slope(SLOPES, b, h, sl_b, scale, ALIBI, False)
             for it in range(0, ni_):
                 if RED_M:
                     i0 = it * BM
