@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import anyattn.torch.transformers_backend  # noqa: E402,F401  (registers "anyattn")
+import anyattn.torch as at  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -103,12 +104,13 @@ def test_generate_with_a_static_cache():
     assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
 
 
-def test_dropout_raises():
+def test_bad_dropout_raises():
     from anyattn.torch.transformers_backend import anyattn_attention_forward
 
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        anyattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ValueError, match="dropout"):
+            anyattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=bad)
 
 
 def test_compiles_fullgraph_with_padding():
@@ -554,3 +556,55 @@ def test_packed_position_ids_become_documents(masks_seen):
         assert _rel(go[name], ge[name]) <= 1e-4, name
     assert masks_seen and all(any(isinstance(t, Documents) for t in m.terms)
                               for m in masks_seen)
+
+
+# ------------------------------------------------------------------ attention dropout
+def _bert(seed=0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=32,
+                     attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0)
+    cfg._attn_implementation = "anyattn"
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(cfg)
+    assert model.config._attn_implementation == "anyattn"
+    return model
+
+
+def _bert_step(model, backend, seed):
+    """One training step with dropout on: (loss, {name: grad})."""
+    ids = torch.arange(2 * 12).view(2, 12) % 61 + 3
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, 9:] = 0                                     # right padding
+    labels = torch.where(am.bool(), ids, torch.full_like(ids, -100))
+    model.train()
+    model.zero_grad()
+    torch.manual_seed(seed)
+    with at.use_backend(backend):
+        loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def test_bert_trains_with_attention_dropout_and_the_same_mask_on_every_backend():
+    """A BERT-style model (attention dropout 0.1) trains one step: torch.manual_seed
+    fixes the mask, numpy and the float64 reference draw the same one (same loss and
+    gradients), another seed or eval mode gives another loss."""
+    model = _bert()
+    loss_np, g_np = _bert_step(model, "numpy", 7)
+    loss_ref, g_ref = _bert_step(model, "reference", 7)
+    again, _ = _bert_step(model, "numpy", 7)
+    other, _ = _bert_step(model, "numpy", 8)
+    assert torch.isfinite(loss_np) and torch.equal(loss_np, again)
+    assert abs(float(loss_np - loss_ref)) <= 1e-5 * abs(float(loss_ref))
+    for name, g in g_ref.items():
+        scale = float(g.abs().max())
+        assert float((g_np[name] - g).abs().max()) <= 1e-4 * max(scale, 1e-6), name
+    assert float(loss_np) != float(other)
+    model.eval()
+    with torch.no_grad():
+        ids = torch.arange(24).view(2, 12) % 61 + 3
+        no_drop = model(input_ids=ids, labels=ids).loss
+    assert float(no_drop) != float(loss_np)

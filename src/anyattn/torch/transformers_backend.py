@@ -73,14 +73,19 @@ position_bias=], **kwargs)`` with the model's ``TransformersKwargs``):
   or float32: anyattn's ``sinks=``, with their gradient), ``position_bias`` (added to
   the scores, with its gradient), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` and ``seq_idx``
   (packed sequences: a Documents mask), ``deterministic`` (anyattn's backward is always
-  deterministic);
+  deterministic), ``dropout`` (attention dropout in training mode: anyattn's
+  ``dropout_p=`` with ``anyattn.dropout_mask``, the seed drawn from torch's default
+  generator per call, so ``torch.manual_seed`` reproduces a step on any backend; the
+  mask is not eager's, which draws torch's own. Rows that keep no key, which eager
+  makes attend uniformly, are recomputed without dropout: they are padding queries whose
+  output reaches no real token);
 - accepted, without effect on attention: ``position_ids`` (rotary embeddings are
   applied before; packing reaches us through the mask built from them),
   ``max_length_q`` / ``max_length_k``, ``use_cache``, ``cache_position``,
   ``output_hidden_states``, ``output_router_logits``, ``num_items_in_batch``,
-  ``return_dict``; ``dropout=0.0``; ``output_attentions=False``;
-- refused with NotImplementedError naming the argument: ``dropout > 0``,
-  ``output_attentions=True``, and any other keyword argument that is not None.
+  ``return_dict``; ``output_attentions=False``;
+- refused with NotImplementedError naming the argument: ``output_attentions=True``, and
+  any other keyword argument that is not None.
 """
 from __future__ import annotations
 
@@ -447,10 +452,10 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``Causal() & Window(left=sliding_window - 1)`` (HF's ``j > i - sliding_window``)
     where it can bind; a non-causal call where it could bind is refused.
     """
-    if dropout and dropout > 0.0:
-        raise _refuse("dropout", dropout, "the anyattn transformers backend does not apply "
-                      "attention dropout; set the config's attention_dropout=0.0 (or call "
-                      "model.eval())")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+            or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout={dropout!r}: expected the attention dropout probability "
+                         "in [0, 1)")
     if output_attentions:
         raise _refuse("output_attentions", output_attentions, "anyattn never forms the "
                       "attention weights; use attn_implementation='eager' for them")
@@ -499,7 +504,8 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if bias is not None and bias.dtype not in (query.dtype, torch.float32):
         bias = bias.to(query.dtype)
     out = attention(query, key, value, mask=mask, bias=bias, scale=scaling,
-                    q_offset=q_offset, k_offset=k_offset, softcap=softcap, sinks=s_aux)
+                    q_offset=q_offset, k_offset=k_offset, softcap=softcap, sinks=s_aux,
+                    dropout_p=float(dropout))
     if empty is not None and s_aux is None:
         out = _eager_empty_rows(out, query, key, value, *empty, bias, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
