@@ -10,8 +10,9 @@ Phases (any subset, in this order; one process, the JSON rewritten after every r
          and D=64; out, lse, dq, dk, dv, dsinks, relative max error vs the dtype's tolerance
   ours   B=4 H=16 S=4096 D=128 bf16, causal and not: plain vs softcap vs ALiBi vs sinks (with
          dsinks) vs all three, fwd and bwd medians (triton.testing.do_bench: CUDA events)
-  fp32   the same shape in fp32 (precision 'highest'): ours plain / all three vs SDPA
-         memory-efficient fp32 (plain; ALiBi as a dense fp32 bias where it fits)
+  fp32   the same shape in fp32 (precision 'highest'): ours plain / softcap / all three vs
+         SDPA memory-efficient fp32 (plain; ALiBi as a dense fp32 bias [1, H, S, S])
+  fp32ours  the fp32 rows of ours alone
   flex   FlexAttention (torch.compile'd) on the same shapes with the same score_mod:
          tanh softcap, ALiBi; sinks are no score_mod (an extra denominator term): timed as
          flex with its lse and the rescale out * sigmoid(lse - sink) outside the kernel
@@ -144,60 +145,70 @@ def phase_check():
 
     dev = DEV
     gen = torch.Generator(device=dev).manual_seed(0)
+    # (each new constexpr combination compiles new kernels: the fp32 cases are the
+    # combined ones; every modifier alone in fp32 runs in the interpreter tests)
     cases = []
-    for D in ((16,) if TINY else (128, 64)):
-        for variant in ("softcap", "alibi", "sinks", "all"):
-            cases.append((f"{variant}_none_D{D}", variant, 2, 8, 2, 1024, 1024, D, None, None, 0, 0))
-        cases.append((f"all_causal_D{D}", "all", 2, 8, 2, 1024, 1024, D, "top_left", None, 0, 0))
-    cases.append(("all_br_window_offsets", "all", 2, 8, 4, 768, 1000, 128, "bottom_right", 300, 16, 3))
-    if TINY:
-        cases = [(n, vv, 1, 2, 1, 40 if sq == sk else 24, 40, 16, c, None if w is None else 9, qo, ko)
-                 for (n, vv, b, hq, hkv, sq, sk, d, c, w, qo, ko) in cases]
+    for variant in ("softcap", "alibi", "sinks", "all"):
+        cases.append(("bf16", f"{variant}_none_D128", variant, 2, 8, 2, 1024, 1024, 128, None,
+                      None, 0, 0))
     for dt_name in ("bf16", "fp32"):
+        if dt_name == "fp32":
+            cases.append(("fp32", "all_none_D128", "all", 2, 8, 2, 1024, 1024, 128, None,
+                          None, 0, 0))
+        cases.append((dt_name, "all_causal_D128", "all", 2, 8, 2, 1024, 1024, 128, "top_left",
+                      None, 0, 0))
+        cases.append((dt_name, "all_br_window_offsets", "all", 2, 8, 4, 768, 1000, 128,
+                      "bottom_right", 300, 16, 3))
+    cases.append(("bf16", "all_causal_D64", "all", 2, 8, 2, 1024, 1024, 64, "top_left", None,
+                  0, 0))
+    if TINY:
+        cases = [(dn, n, vv, 1, 2, 1, 40 if sq == sk else 24, 40, 16, c,
+                  None if w is None else 9, qo, ko)
+                 for (dn, n, vv, b, hq, hkv, sq, sk, d, c, w, qo, ko) in cases]
+    for (dt_name, name, variant, B, Hq, Hkv, Sq, Sk, D, causal, window, qo, ko) in cases:
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt_name]
-        for (name, variant, B, Hq, Hkv, Sq, Sk, D, causal, window, qo, ko) in cases:
-            t0 = time.time()
-            row = dict(case=name, dtype=dt_name, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
-            try:
-                q = (2.0 * torch.randn(B, Hq, Sq, D, generator=gen, device=dev)).to(dt)
-                k = torch.randn(B, Hkv, Sk, D, generator=gen, device=dev).to(dt)
-                v = torch.randn(B, Hkv, Sk, D, generator=gen, device=dev).to(dt)
-                g = torch.randn(B, Hq, Sq, D, generator=gen, device=dev).to(dt)
-                kw = mods_of(variant, Hq, dev, gen, cap=4.0, B=B if variant == "all" else None)
-                mask = None
-                if causal == "top_left":
-                    mask = aa.Causal()
-                elif causal == "bottom_right":
-                    mask = aa.Causal("bottom_right")
-                if window is not None:
-                    w = aa.Window(left=window, align="bottom_right")
-                    mask = w if mask is None else mask & w
-                wrt = ("q", "k", "v") + (("sinks",) if "sinks" in kw else ())
-                out, st = forward_with_stats(q, k, v, mask=mask, backend="triton",
-                                                q_offset=qo, k_offset=ko, **kw)
-                gr = aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, wrt=wrt,
-                                           backend="triton", q_offset=qo, k_offset=ko, **kw)
-                ro, rl, rg = ref64(q, k, v, g, mask=mask, q_offset=qo, k_offset=ko, **kw)
-                errs = dict(out=rel(out, ro), dq=rel(gr.dq, rg["dq"]), dk=rel(gr.dk, rg["dk"]),
-                            dv=rel(gr.dv, rg["dv"]))
-                if "sinks" in kw:
-                    errs["dsinks"] = rel(gr.dsinks, rg["dsinks"])
-                lse = st.lse
-                fin = torch.isfinite(rl)
-                errs["lse_abs"] = float((lse.double()[fin] - rl[fin]).abs().max())
-                same_fin = bool(torch.equal(torch.isfinite(lse), fin))
-                tol = TOL[dt_name]
-                ok = same_fin and all(e <= tol for n, e in errs.items() if n != "lse_abs") and \
-                    errs["lse_abs"] <= 1e-4 * max(1.0, float(rl[fin].abs().max()))
-                row.update(errs={n: float(f"{e:.3g}") for n, e in errs.items()}, tol=tol, ok=ok,
-                           seconds=round(time.time() - t0, 1))
-            except Exception as e:  # noqa: BLE001
-                row.update(ok=False, error=repr(e)[:300])
-                traceback.print_exc()
-            RESULTS["check"].append(row)
-            log("CHECK", json.dumps(row))
-            save_now()
-            torch.cuda.empty_cache()
+        t0 = time.time()
+        row = dict(case=name, dtype=dt_name, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
+        try:
+            q = (2.0 * torch.randn(B, Hq, Sq, D, generator=gen, device=dev)).to(dt)
+            k = torch.randn(B, Hkv, Sk, D, generator=gen, device=dev).to(dt)
+            v = torch.randn(B, Hkv, Sk, D, generator=gen, device=dev).to(dt)
+            g = torch.randn(B, Hq, Sq, D, generator=gen, device=dev).to(dt)
+            kw = mods_of(variant, Hq, dev, gen, cap=4.0, B=B if variant == "all" else None)
+            mask = None
+            if causal == "top_left":
+                mask = aa.Causal()
+            elif causal == "bottom_right":
+                mask = aa.Causal("bottom_right")
+            if window is not None:
+                w = aa.Window(left=window, align="bottom_right")
+                mask = w if mask is None else mask & w
+            wrt = ("q", "k", "v") + (("sinks",) if "sinks" in kw else ())
+            out, st = forward_with_stats(q, k, v, mask=mask, backend="triton",
+                                            q_offset=qo, k_offset=ko, **kw)
+            gr = aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, wrt=wrt,
+                                       backend="triton", q_offset=qo, k_offset=ko, **kw)
+            ro, rl, rg = ref64(q, k, v, g, mask=mask, q_offset=qo, k_offset=ko, **kw)
+            errs = dict(out=rel(out, ro), dq=rel(gr.dq, rg["dq"]), dk=rel(gr.dk, rg["dk"]),
+                        dv=rel(gr.dv, rg["dv"]))
+            if "sinks" in kw:
+                errs["dsinks"] = rel(gr.dsinks, rg["dsinks"])
+            lse = st.lse
+            fin = torch.isfinite(rl)
+            errs["lse_abs"] = float((lse.double()[fin] - rl[fin]).abs().max())
+            same_fin = bool(torch.equal(torch.isfinite(lse), fin))
+            tol = TOL[dt_name]
+            ok = same_fin and all(e <= tol for n, e in errs.items() if n != "lse_abs") and \
+                errs["lse_abs"] <= 1e-4 * max(1.0, float(rl[fin].abs().max()))
+            row.update(errs={n: float(f"{e:.3g}") for n, e in errs.items()}, tol=tol, ok=ok,
+                       seconds=round(time.time() - t0, 1))
+        except Exception as e:  # noqa: BLE001
+            row.update(ok=False, error=repr(e)[:300])
+            traceback.print_exc()
+        RESULTS["check"].append(row)
+        log("CHECK", json.dumps(row))
+        save_now()
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- timing
@@ -529,6 +540,7 @@ def main():
     for ph in a.phases.split(","):
         try:
             {"check": phase_check, "ours": phase_ours, "fp32": phase_fp32,
+             "fp32ours": lambda: phase_ours("fp32", variants=("plain", "softcap", "all")),
              "flex": phase_flex}[ph]()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
