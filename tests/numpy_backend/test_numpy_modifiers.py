@@ -18,6 +18,7 @@ from anyattn.api import forward_with_stats
 from anyattn.backends import numpy_backend as nb
 from anyattn.backends.numpy_tiles import AlibiRows, alibi_anchors, shift_stats, ONE_KEY
 from anyattn.masks import resolve
+from anyattn.rowstats import RowStats
 
 from helpers import TOL, assert_close, to_np
 from np_util import qkv
@@ -270,6 +271,35 @@ def test_softcap_bias_dbias_is_ds_not_the_capped_one(dtype):
     assert np.max(np.abs(to_np(grads.dbias) - wrong)) > 100 * TOL[dtype] * np.abs(wrong).max()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_neg_inf_bias_and_masks_with_steep_alibi(dtype, sinks):
+    """Steep slopes floor the exponents of far tiles (no subnormals); a -inf bias and
+    the masks still drop their keys exactly (re-zeroed after the exp) and empty whole
+    rows: out 0, lse -inf (or the sink), no gradient from them."""
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 2, 70, 90, 16
+    rng = np.random.default_rng(36)
+    bias = rng.standard_normal((B, Hq, Sq, Sk))
+    bias[rng.random(bias.shape) < 0.3] = -np.inf
+    bias[:, :, 5, :] = -np.inf                                 # an empty row
+    keep = np.ones((Sq, Sk), bool)
+    keep[40:44] = False                                        # empty rows from the mask
+    kw = dict(alibi_slopes=np.array([5.0, 0.4], dtype), softcap=4.0)
+    if sinks:
+        kw["sinks"] = np.array([0.5, -0.5], dtype)
+    q, k, v, g = qkv(37, B, Hq, Hkv, Sq, Sk, D, dtype=dtype)
+    for b4 in (bias.astype(dtype), None):
+        wrt = ("q", "k", "v") + (("bias",) if b4 is not None else ()) + \
+            (("sinks",) if sinks else ())
+        out, lse, grads, _ = check(q, k, v, g, dtype=dtype, bias=b4, mask=aa.KeepMask(keep),
+                                   wrt=wrt, **kw)
+        rows = [40, 41, 42, 43] + ([5] if b4 is not None else [])
+        assert np.all(to_np(out)[:, :, rows] == 0)
+        assert np.all(to_np(grads.dq)[:, :, rows] == 0)
+        if b4 is not None:
+            assert np.all(grads.dbias[bias == -np.inf] == 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offsets", [(40, 3), (0, 25), (3000, 0), (0, 2500)],
                          ids=["q40_k3", "k25", "q3000", "k2500"])
@@ -448,6 +478,21 @@ def test_backward_from_given_out_and_lse(dtype):
         for name in wrt:
             key = GRADS[name]
             assert_close(getattr(gr, key), getattr(ref, key), dtype, key, magnitude=mag[key])
+    # statistics that call a row empty (max -inf) give P = 0 on it, though its keys are
+    # kept and ALiBi floors the exponents of far tiles (steep slopes)
+    kw["alibi_slopes"] = np.array([3.0, 2.0, 0.5, 0.1], dtype)
+    out, st = forward_with_stats(q, k, v, backend="numpy", **kw)
+    mx = np.array(st.max)
+    mx[:, :, 7] = -np.inf
+    ln = np.array(st.log_norm)
+    ln[:, :, 7] = 0
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=RowStats(mx, ln), wrt=wrt,
+                               backend="numpy", **kw)
+    ref = R.backward(q, k, v, g, out=out, stats=RowStats(mx, ln), wrt=wrt, **kw)
+    assert np.all(gr.dq[:, :, 7] == 0)
+    for name in wrt:
+        key = GRADS[name]
+        assert_close(getattr(gr, key), getattr(ref, key), dtype, key, magnitude=mag[key])
 
 
 # -------------------------------------------------------------- layouts, libraries

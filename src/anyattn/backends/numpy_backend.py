@@ -39,7 +39,7 @@ from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
-from .numpy_tiles import (BASE2_LIMIT, LOG2E, AlibiRows, BackwardHeads, TileCounts,
+from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads, TileCounts,
                           TileMods, TilePlan, alibi_anchors, backward_columns,
                           backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
                           saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
@@ -338,6 +338,12 @@ def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> 
     return -(p_sink * delta.astype(np.float64)).sum(axis=(0, 2))
 
 
+def _exp_floor(dt: np.dtype, base2: bool) -> float:
+    """The lowest exponent the kernels feed to exp on ALiBi's far tiles, in the
+    kernel's units (EXP_FLOOR2 is in log2 units)."""
+    return EXP_FLOOR2[dt] * (1.0 if base2 else LN2)
+
+
 def _tile_mods(p, slopes: Optional[np.ndarray], anchor: Optional[np.ndarray], b: int,
                h: int, dt: np.dtype) -> Callable[[bool], Optional[TileMods]]:
     """units -> the TileMods of (batch b, query head h) in base 2 (True) or natural
@@ -350,7 +356,8 @@ def _tile_mods(p, slopes: Optional[np.ndarray], anchor: Optional[np.ndarray], b:
             u = LOG2E if base2 else 1.0
             al = None if slopes is None else _alibi_rows(p, slopes, anchor, b, h, u, dt)
             cap = None if p.softcap is None else p.softcap * u
-            made[base2] = None if cap is None and al is None else TileMods(cap, al)
+            made[base2] = None if cap is None and al is None else \
+                TileMods(cap, al, None if al is None else _exp_floor(dt, base2))
         return made[base2]
     return get
 
@@ -375,8 +382,10 @@ class NumpyBackend(Backend):
         bq, bk = min(bq, p.seq_q), min(bk, p.seq_k)
         m = p.mask
         codes = None if m.is_empty_mask else m.tile_map(bq, bk)
+        # kernels that floor exponents (ALiBi's far tiles) re-zero a -inf bias's entries
+        neginf = bias is not None and p.has_alibi and bool(np.isneginf(bias).any())
         return TilePlan(bq=bq, bk=bk, sq=p.seq_q, sk=p.seq_k, dtype=_compute_dtype(p.dtype),
-                        mask=m, bias=bias, codes=codes)
+                        mask=m, bias=bias, codes=codes, bias_neginf=neginf)
 
     # ------------------------------------------------------------------ forward
     def forward(self, p, q, k, v, bias, mods=NO_MODS) -> Tuple[Any, RowStats]:
@@ -513,6 +522,7 @@ class NumpyBackend(Backend):
         col, w, unit_max, single = backward_columns(row_max, log_norm, dt, base2)
         qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
         capu = None
+        floor = _exp_floor(dt, base2) if slopes is not None else None
         if cap is not None:                        # x/c in natural units for tanh
             qmul = dt.type(p.scale / cap)
             capu = cap * LOG2E if base2 else cap
@@ -540,6 +550,8 @@ class NumpyBackend(Backend):
                 np.multiply(q[b, hsl], qmul, out=q2a[..., :D])
                 q2a[..., D] = col[b, hsl]
                 wr = w[b, hsl]                                         # [G, Sq]
+                if floor is not None:       # empty rows' -inf column gets floored: ga = 0
+                    wr = np.where(np.isneginf(col[b, hsl]), dt.type(0), wr)
                 ga = np.empty((G, Sq, D + 1), dtype=dt)                # w·[dout | -delta]
                 np.multiply(gg, wr[..., None], out=ga[..., :D])
                 if need_ds or want_s:
@@ -558,7 +570,8 @@ class NumpyBackend(Backend):
                 hs = BackwardHeads(
                     heads=heads, q2a=list(q2a), q=[_blasable(q[b, h]) for h in heads],
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
-                    base2=base2, snap=snap, cap=capu,
+                    base2=base2, snap=snap, cap=capu, floor=floor,
+                    cols=None if capu is None else [col[b, h] for h in heads],
                     alibi=None if slopes is None else
                     [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)
                      for h in heads])

@@ -47,7 +47,8 @@ __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "ba
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
            "AlibiRows", "TileMods", "alibi_anchors", "shift_stats", "two_sum",
-           "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM"]
+           "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM",
+           "EXP_FLOOR2", "FAR_FRACTION"]
 
 LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453    # ln(2)
@@ -68,6 +69,15 @@ BOUNDED_MAX_C = 64.0
 #: where a row that keeps keys sums to less than this (its largest term then may lie
 #: below the normal range) is recomputed by the running-max path.
 BOUNDED_MIN_SUM = 2.0 ** -70
+
+#: lowest exponent (log2 units, by compute dtype) that the kernels feed to exp/exp2 on
+#: tiles where ALiBi reaches below ``FAR_FRACTION·EXP_FLOOR2`` (its far keys): NumPy's
+#: exp2 on results below the normal range runs ~500x slower (subnormals; ~50x for an
+#: underflow to 0), as do GEMMs fed subnormal P.  A term of 2^-100 next to a row maximum
+#: of 1 (or a bounded row sum >= 2^-64) is far below fp32 rounding; entries the masks or
+#: a -inf bias drop are zeroed after the exp, never floored.
+EXP_FLOOR2 = {np.dtype(np.float32): -100.0, np.dtype(np.float64): -1000.0}
+FAR_FRACTION = 0.4
 
 #: ``log_norm`` of a row that the forward found carried by one key (the other keys' weights
 #: sum to less than the rounding of 1): zero with the sign bit set, so ``lse = max`` and
@@ -114,6 +124,8 @@ class TilePlan:
     mask: ResolvedMask
     bias: Optional[np.ndarray]
     codes: Optional[np.ndarray]
+    #: the bias holds -inf somewhere (kernels that floor exponents re-zero those entries)
+    bias_neginf: bool = False
     _band_cache: Dict[Tuple[int, int, int], np.ndarray] = field(default_factory=dict)
 
     @property
@@ -400,7 +412,7 @@ class AlibiRows:
     def __init__(self, slope_u: float, anchor: np.ndarray, sk: int, dt: np.dtype):
         u = np.abs(np.arange(-(sk - 1), sk, dtype=np.float64))            # [2Sk-1] |u|
         self.f = (u * -float(slope_u)).astype(dt)                        # [2Sk-1]
-        self.sk = sk
+        self.sk, self.slope, self.anchor = sk, abs(float(slope_u)), anchor
         self.runs: List[Tuple[int, int, bool, int]] = []   # (i0, i1, column?, anchor|offset)
         sq = len(anchor)
         off = anchor - np.arange(sq)
@@ -414,10 +426,14 @@ class AlibiRows:
             i = e
         self._win: Dict[int, np.ndarray] = {}
 
-    def add_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> None:
-        """st [nj, ni] += the tile term of queries i0..i1-1 and keys j0..j1-1 (in place)."""
+    def add_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> float:
+        """st [nj, ni] += the tile term of queries i0..i1-1 and keys j0..j1-1 (in place).
+
+        Returns the term's largest magnitude on the tile, ``slope_u·max|anchor_i - j|``."""
         sk, f = self.sk, self.f
         nj = j1 - j0
+        a = self.anchor[i0:i1]                                        # [ni]
+        span = self.slope * max(int(a.max()) - j0, j1 - 1 - int(a.min()), 0)
         for r0, r1, column, val in self.runs:
             a, b = max(r0, i0), min(r1, i1)
             if a >= b:
@@ -431,6 +447,7 @@ class AlibiRows:
                 win = self._win[w] = np.lib.stride_tricks.sliding_window_view(f, w)
             r = a + val - j0 + sk - 1             # f index of (key j0, query a)
             st[:, a - i0:b - i0] += win[r - nj + 1:r + 1][::-1]      # [nj, w] f[r - jj + x]
+        return span
 
 
 @dataclass
@@ -440,11 +457,14 @@ class TileMods:
 
     ``cap`` = c·u or None: the kernel's query operand then carries ``scale / c``, so its
     score GEMM gives x/c in natural units (x = scale·qk) and :meth:`cap_t` turns that
-    into ``c·u·tanh(x / c)``; ``alibi``: :class:`AlibiRows` or None.
+    into ``c·u·tanh(x / c)``; ``alibi``: :class:`AlibiRows` or None; ``floor``: the
+    lowest exponent fed to exp (:data:`EXP_FLOOR2` in these units) on tiles where the
+    ALiBi term reaches below ``FAR_FRACTION·floor``, or None.
     """
 
     cap: Optional[float] = None
     alibi: Optional[AlibiRows] = None
+    floor: Optional[float] = None
 
     def cap_t(self, st: np.ndarray, t: Optional[np.ndarray] = None) -> None:
         """st [nj, ni] = x/c -> c·u·tanh(x/c) in place; tanh(x/c) also into ``t`` if given."""
@@ -516,6 +536,10 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     expf = np.exp2 if base2 else np.exp
     cap = mods is not None and mods.cap is not None
     alibi = None if mods is None else mods.alibi
+    floor = None if mods is None or mods.floor is None else mods.floor
+    if floor is not None:
+        floor_row = np.full(rows, floor, dtype=dt)     # [ni] (maximum with a scalar is slow)
+    far = False                                        # this tile's exponents get floored
     for it, i0, i1 in blocks:
         ni = i1 - i0
         qt = qop[i0:i1]                                        # [ni, D]
@@ -533,10 +557,12 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                 mods.cap_t(st)                                  # c·tanh(x/c) [nj, ni]
             if plan.bias is not None:
                 st += plan.bias_t(b, h, i0, i1, j0, j1)
-            if alibi is not None:
-                alibi.add_t(st, i0, i1, j0, j1)                # - slope·|c_i - j|
+            if alibi is not None:                               # - slope·|anchor_i - j|
+                far = alibi.add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+            ex = None
             if code == TILE_PARTIAL:
-                np.copyto(st, neg_inf, where=plan.excluded_t(b, h, i0, i1, j0, j1))
+                ex = plan.excluded_t(b, h, i0, i1, j0, j1)
+                np.copyto(st, neg_inf, where=ex)
                 counts.partial += 1
             else:
                 counts.full += 1
@@ -544,7 +570,15 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
             # rows that have kept nothing yet: subtract 0, not -inf (no -inf - -inf)
             m_use = np.where(m_new == neg_inf, dt.type(0), m_new)
             st -= m_use                                         # [nj, ni], exact at the max
+            if far:                                             # no subnormal P (slow)
+                np.maximum(st, floor_row[:ni], out=st)          # -inf too: re-zeroed below
             expf(st, out=st)                                    # P~ [nj, ni]
+            if far:
+                if ex is not None:
+                    np.copyto(st, dt.type(0), where=ex)
+                if plan.bias_neginf:
+                    np.copyto(st, dt.type(0),
+                              where=np.isneginf(plan.bias_t(b, h, i0, i1, j0, j1)))
             corr = expf(m - m_use)                              # [ni] rescale old terms
             l *= corr
             l += np.matmul(ones[:nj], st)                       # [ni]
@@ -636,6 +670,10 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
         qnorm *= dt.type(bound_mul)
     cap = mods is not None and mods.cap is not None
     alibi = None if mods is None else mods.alibi
+    floor = None if mods is None or mods.floor is None else mods.floor
+    if floor is not None:
+        floor_row = np.full(plan.bq, floor, dtype=dt)  # [ni] (maximum with a scalar is slow)
+    far = False
     Sq = q2.shape[0]
     done = np.zeros(Sq, dtype=bool)                 # rows finished here (bulk statistics)
     bl = np.empty(Sq, dtype=dt)
@@ -667,8 +705,10 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
             np.matmul(k[j0:j1], qt.T, out=st)                         # s, [nj, ni]
             if cap:
                 mods.cap_t(st)                                        # c·tanh(x/c)
-            if alibi is not None:
-                alibi.add_t(st, i0, i1, j0, j1)                       # <= 0 [nj, ni]
+            if alibi is not None:                                     # <= 0 [nj, ni]
+                far = alibi.add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+            if far:                               # no subnormal P~ (masked: zeroed below)
+                np.maximum(st, floor_row[:ni], out=st)
             np.exp2(st, out=st)                                       # P~ [nj, ni]
             if code == TILE_PARTIAL:
                 # zero the dropped pairs after exp2: exp2(-inf) takes NumPy's slow
@@ -743,6 +783,9 @@ class BackwardHeads:
     ``[q·scale/c | -max_u]`` and the kernel applies the max after the cap (GEMM
     against k alone, ``c·u·tanh``, then ``- max_u``).  ``alibi``: per head an
     :class:`AlibiRows` (the maxima in q2a are then those of the rebased scores) or None.
+    ``floor``: exponents are raised to it before the exp (:data:`EXP_FLOOR2`) on tiles
+    where ALiBi reaches below ``FAR_FRACTION·floor``; ga must then be 0 on empty rows
+    (their -inf column is floored too).
     """
 
     heads: List[int]
@@ -753,7 +796,9 @@ class BackwardHeads:
     base2: bool = True
     snap: Optional[List[Dict[int, Tuple[np.ndarray, np.ndarray]]]] = None
     cap: Optional[float] = None
+    cols: Optional[List[np.ndarray]] = None  # with cap: -max_u [Sq] per head, contiguous
     alibi: Optional[List[AlibiRows]] = None
+    floor: Optional[float] = None          # lowest exponent fed to exp (EXP_FLOOR2)
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -780,6 +825,10 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     cap = hs.cap is not None
     tbuf = np.empty(plan.bq * plan.bk, dtype=dt) if cap else None   # tanh(x/c) tile
     capu = dt.type(hs.cap) if cap else None
+    floor = hs.floor
+    if floor is not None:
+        floor_row = np.full(plan.bq, floor, dtype=dt)  # [ni] (maximum with a scalar is slow)
+    far = False
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     expf = np.exp2 if hs.base2 else np.exp
     snaps = hs.snap if hs.snap and any(hs.snap) else None
@@ -807,14 +856,19 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         np.matmul(kt, qa[:, :D].T, out=tt)          # x/c, [nj, ni]
                         np.tanh(tt, out=tt)                         # t = tanh(x/c)
                         np.multiply(tt, capu, out=st)               # c·t
-                        st += qa[:, D]                              # c·t - max [nj, ni]
+                        st += hs.cols[gi][i0:i1]                    # c·t - max [nj, ni]
                     else:
                         np.matmul(kta, qa.T, out=st)                # s - max, [nj, ni]
                     if plan.bias is not None:                       # natural units
                         st += plan.bias_t(b, h, i0, i1, j0, j1)     # (s - max) + bias
-                    if hs.alibi is not None:
-                        hs.alibi[gi].add_t(st, i0, i1, j0, j1)      # - slope·|c_i - j|
+                    if hs.alibi is not None:                        # - slope·|anchor_i - j|
+                        far = hs.alibi[gi].add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+                    if far:                                         # no subnormal P (slow)
+                        np.maximum(st, floor_row[:ni], out=st)
                     expf(st, out=st)                                # P~ᵀ [nj, ni]
+                    if far and plan.bias_neginf:                    # a -inf bias drops
+                        np.copyto(st, dt.type(0),
+                                  where=np.isneginf(plan.bias_t(b, h, i0, i1, j0, j1)))
                     if code == TILE_PARTIAL:
                         # zeroed after exp: exp(-inf) is NumPy's slow special-value path
                         np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, j0, j1))

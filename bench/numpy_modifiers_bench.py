@@ -1,0 +1,205 @@
+"""Cost of the score modifiers on the NumPy backend: plain vs softcap vs ALiBi vs sinks
+vs all three, forward + backward, in one process.
+
+Shape legend: B batch, H heads, S = Sq = Sk tokens, D head dim.
+
+Per mask (none, causal) it times ``anyattn.forward_with_stats`` then
+``anyattn.attention_backward(out=, lse=stats)`` (a training step's two calls; wrt
+q, k, v, and sinks where there are sinks) for each variant.  The variants are run
+interleaved, round after round, so that load from other processes on a shared
+machine hits them alike; it reports the median (and min) over the rounds of the
+forward, the backward and their sum, and the ratio of each variant's median to
+plain's.  The issue's target: each modifier <= 1.15x plain (forward + backward).
+
+Modifiers: softcap c = 50 (Gemma 2), ALiBi slopes 2^(-8(h+1)/H) (the ALiBi paper's),
+sinks ~ N(0, 1) per head.  The outputs are checked against the float64 reference on a
+small problem before timing.
+
+    PYTHONPATH=src python3 bench/numpy_modifiers_bench.py \\
+        --out docs/perf/numpy-modifiers-cpu-2026-12-03.json \\
+        --png docs/perf/numpy-modifiers-cpu-2026-12-03.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.api import forward_with_stats  # noqa: E402
+from anyattn.backends.numpy_backend import available_cpus  # noqa: E402
+from anyattn.backends.registry import get_backend  # noqa: E402
+
+VARIANTS = ("plain", "softcap", "alibi", "sinks", "all")
+
+
+def modifiers(variant: str, H: int, dtype) -> dict:
+    """The keyword arguments of one variant."""
+    kw = {}
+    if variant in ("softcap", "all"):
+        kw["softcap"] = 50.0
+    if variant in ("alibi", "all"):
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(dtype)
+    if variant in ("sinks", "all"):
+        kw["sinks"] = np.random.default_rng(7).standard_normal(H).astype(dtype)
+    return kw
+
+
+def step(q, k, v, g, mask, kw):
+    """-> (forward seconds, backward seconds) of one training step."""
+    t0 = time.perf_counter()
+    out, st = forward_with_stats(q, k, v, mask=mask, backend="numpy", **kw)
+    t1 = time.perf_counter()
+    wrt = ("q", "k", "v") + (("sinks",) if "sinks" in kw else ())
+    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, wrt=wrt, backend="numpy",
+                          **kw)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def check_small(dtype) -> float:
+    """Max relative error (out, dq, dk, dv, dsinks) vs the float64 reference, all
+    modifiers, causal, on a small problem: the benchmark times correct code."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((1, 4, 200, 32)).astype(dtype) for _ in range(4))
+    kw = modifiers("all", 4, dtype)
+    worst = 0.0
+    out = aa.attention(q, k, v, mask=aa.Causal(), backend="numpy", **kw)
+    gr = aa.attention_backward(q, k, v, g, mask=aa.Causal(), backend="numpy",
+                               wrt=("q", "k", "v", "sinks"), **kw)
+    ro, _ = R.forward(q, k, v, mask=aa.Causal(), **kw)
+    rg = R.backward(q, k, v, g, mask=aa.Causal(), wrt=("q", "k", "v", "sinks"), **kw)
+    for a, b in ((out, ro), (gr.dq, rg.dq), (gr.dk, rg.dk), (gr.dv, rg.dv),
+                 (gr.dsinks, rg.dsinks)):
+        worst = max(worst, float(np.max(np.abs(a - b)) / np.max(np.abs(b))))
+    return worst
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "numpy": np.__version__, "os_cpu_count": os.cpu_count(),
+            "usable_cpus": available_cpus(),
+            "numpy_threads": get_backend("numpy").config.n_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        from threadpoolctl import threadpool_info
+        info["blas"] = [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
+                                               "architecture")} for d in threadpool_info()]
+    except ImportError:
+        pass
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--S", type=int, default=1024)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--reps", type=int, default=9, help="rounds (each runs every variant)")
+    ap.add_argument("--masks", default="none,causal")
+    ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--png", default=None, help="bar chart path")
+    args = ap.parse_args()
+
+    dtype = np.dtype(args.dtype)
+    B, H, S, D = args.B, args.H, args.S, args.D
+    err = check_small(dtype)
+    if err > (1e-5 if dtype == np.float32 else 1e-12):
+        raise SystemExit(f"numpy backend with modifiers off by {err:.3g} vs the reference")
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
+    load0 = os.getloadavg()
+    results = []
+    for mask_name in args.masks.split(","):
+        mask = aa.Causal() if mask_name == "causal" else None
+        kws = {vn: modifiers(vn, H, dtype) for vn in VARIANTS}
+        for vn in VARIANTS:                                      # warm-up
+            step(q, k, v, g, mask, kws[vn])
+        times = {vn: [] for vn in VARIANTS}
+        for r in range(args.reps):
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # no fixed position
+            for vn in order:
+                times[vn].append(step(q, k, v, g, mask, kws[vn]))
+        med = {vn: {"fwd": statistics.median(t[0] for t in ts),
+                    "bwd": statistics.median(t[1] for t in ts),
+                    "step": statistics.median(t[0] + t[1] for t in ts),
+                    "step_min": min(t[0] + t[1] for t in ts)} for vn, ts in times.items()}
+        flops = 3.5 * 4 * B * H * S * S * D * (0.5 if mask is not None else 1.0)
+        for vn in VARIANTS:
+            m = med[vn]
+            row = {"mask": mask_name, "variant": vn, "fwd_s": m["fwd"], "bwd_s": m["bwd"],
+                   "step_s": m["step"], "step_min_s": m["step_min"],
+                   "ratio_step": m["step"] / med["plain"]["step"],
+                   "ratio_fwd": m["fwd"] / med["plain"]["fwd"],
+                   "ratio_bwd": m["bwd"] / med["plain"]["bwd"],
+                   "ratio_step_min": m["step_min"] / med["plain"]["step_min"],
+                   "gflops_step": flops / m["step"] / 1e9,
+                   "all_steps_s": [t[0] + t[1] for t in times[vn]]}
+            results.append(row)
+            print(f"{mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  bwd {m['bwd']*1e3:8.1f} ms"
+                  f"  step {m['step']*1e3:8.1f} ms  x{row['ratio_step']:.3f} (min x"
+                  f"{row['ratio_step_min']:.3f})  fwd x{row['ratio_fwd']:.3f}"
+                  f"  bwd x{row['ratio_bwd']:.3f}", flush=True)
+    doc = {
+        "what": "NumPy backend: forward_with_stats + attention_backward(out=, lse=stats), "
+                "plain vs softcap (c=50) vs ALiBi (slopes 2^(-8(h+1)/H)) vs sinks vs all; "
+                "median of interleaved rounds; ratio = variant median / plain median",
+        "target": "each modifier <= 1.15x plain (forward + backward)",
+        "shape": {"B": B, "H": H, "S": S, "D": D, "dtype": str(dtype)},
+        "reps": args.reps, "check_max_rel_err": err,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        masks = args.masks.split(",")
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / len(masks)
+        x = np.arange(len(VARIANTS))
+        for mi, mname in enumerate(masks):
+            rs = [r for r in results if r["mask"] == mname]
+            ys = [r["ratio_step"] for r in rs]
+            bars = ax.bar(x + (mi - (len(masks) - 1) / 2) * width, ys, width, label=mname)
+            for b_, y in zip(bars, ys):
+                ax.text(b_.get_x() + b_.get_width() / 2, y + 0.01, f"{y:.2f}", ha="center",
+                        fontsize=8)
+        ax.axhline(1.15, color="red", ls="--", lw=1, label="target 1.15")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(x, VARIANTS)
+        ax.set_ylabel("fwd+bwd time / plain (median)")
+        ax.set_ylim(0.8, max(1.3, max(r["ratio_step"] for r in results) + 0.1))
+        cpu = doc["machine"].get("cpu", "CPU")
+        ax.set_title(f"NumPy backend, B={B} H={H} S={S} D={D} {dtype}, "
+                     f"{doc['machine']['usable_cpus']} cores\n{cpu}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
