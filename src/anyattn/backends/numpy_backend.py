@@ -523,9 +523,16 @@ class NumpyBackend(Backend):
         qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
         capu = None
         floor = _exp_floor(dt, base2) if slopes is not None else None
+        wfold = None                               # softcap: w·2^-max_u (see BackwardHeads)
         if cap is not None:                        # x/c in natural units for tanh
             qmul = dt.type(p.scale / cap)
             capu = cap * LOG2E if base2 else cap
+            if base2 and bias is None and slopes is None and capu <= 100:
+                # exp2(c·u·t) stays in [2^-100, 2^100] and |max_u| <= 64: 2^-max_u joins w
+                c64 = col.astype(np.float64)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    wfold = np.where(np.isfinite(c64), w * np.exp2(c64),
+                                     np.where(np.isnan(c64), np.nan, 0.0)).astype(dt)
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
         dk = np.empty((B, Hkv, Sk, D), dtype=dt) if want_k else None
@@ -552,16 +559,23 @@ class NumpyBackend(Backend):
                 wr = w[b, hsl]                                         # [G, Sq]
                 if floor is not None:       # empty rows' -inf column gets floored: ga = 0
                     wr = np.where(np.isneginf(col[b, hsl]), dt.type(0), wr)
-                ga = np.empty((G, Sq, D + 1), dtype=dt)                # w·[dout | -delta]
-                np.multiply(gg, wr[..., None], out=ga[..., :D])
+                delta = None
                 if need_ds or want_s:
                     delta = np.einsum("gid,gid->gi", gg, o)            # [G, Sq]
                     if want_s and c == 0:
                         delta_all[b, hsl] = delta
-                if need_ds:
-                    np.multiply(delta, -wr, out=ga[..., D])
-                else:
-                    ga[..., D] = 0
+
+                def weighted(wr: np.ndarray) -> np.ndarray:
+                    ga = np.empty((G, Sq, D + 1), dtype=dt)            # w·[dout | -delta]
+                    np.multiply(gg, wr[..., None], out=ga[..., :D])
+                    if need_ds:
+                        np.multiply(delta, -wr, out=ga[..., D])
+                    else:
+                        ga[..., D] = 0
+                    return ga
+
+                ga = weighted(wr)
+                gaf = None if wfold is None else weighted(wfold[b, hsl])
                 snap = None
                 if single[b, hsl].any():
                     snap = [snap_plan(plan, single[b, h], unit_max[b, h]) for h in heads]
@@ -572,6 +586,7 @@ class NumpyBackend(Backend):
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
                     base2=base2, snap=snap, cap=capu, floor=floor,
                     cols=None if capu is None else [col[b, h] for h in heads],
+                    gaf=None if gaf is None else list(gaf),
                     alibi=None if slopes is None else
                     [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)
                      for h in heads])

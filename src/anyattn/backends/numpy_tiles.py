@@ -783,6 +783,10 @@ class BackwardHeads:
     ``[q·scale/c | -max_u]`` and the kernel applies the max after the cap (GEMM
     against k alone, ``c·u·tanh``, then ``- max_u``).  ``alibi``: per head an
     :class:`AlibiRows` (the maxima in q2a are then those of the rebased scores) or None.
+    ``gaf`` (softcap in base 2 without bias or ALiBi, where ``exp2(c·u·tanh)`` cannot
+    leave the normal range): ga with ``2^-max_u`` folded into w, so that the kernel
+    skips the ``- max_u`` pass (``P = exp2(c·u·t)·2^-max_u·w``) on tiles without
+    :func:`snap_plan` rows.
     ``floor``: exponents are raised to it before the exp (:data:`EXP_FLOOR2`) on tiles
     where ALiBi reaches below ``FAR_FRACTION·floor``; ga must then be 0 on empty rows
     (their -inf column is floored too).
@@ -797,6 +801,7 @@ class BackwardHeads:
     snap: Optional[List[Dict[int, Tuple[np.ndarray, np.ndarray]]]] = None
     cap: Optional[float] = None
     cols: Optional[List[np.ndarray]] = None  # with cap: -max_u [Sq] per head, contiguous
+    gaf: Optional[List[np.ndarray]] = None   # with cap: w·2^-max_u·[dout | -delta] or None
     alibi: Optional[List[AlibiRows]] = None
     floor: Optional[float] = None          # lowest exponent fed to exp (EXP_FLOOR2)
 
@@ -851,12 +856,15 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     ni = i1 - i0
                     st = sbuf[:nj * ni].reshape(nj, ni)
                     qa = hs.q2a[gi][i0:i1]                          # [ni, D+1]
+                    sn = None if snaps is None else snaps[gi].get(it)
+                    fold = hs.gaf is not None and sn is None        # 2^-max_u inside gaf
                     if cap:
                         tt = tbuf[:nj * ni].reshape(nj, ni)
                         np.matmul(kt, qa[:, :D].T, out=tt)          # x/c, [nj, ni]
                         np.tanh(tt, out=tt)                         # t = tanh(x/c)
                         np.multiply(tt, capu, out=st)               # c·t
-                        st += hs.cols[gi][i0:i1]                    # c·t - max [nj, ni]
+                        if not fold:
+                            st += hs.cols[gi][i0:i1]                # c·t - max [nj, ni]
                     else:
                         np.matmul(kta, qa.T, out=st)                # s - max, [nj, ni]
                     if plan.bias is not None:                       # natural units
@@ -876,11 +884,9 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     else:
                         counts.full += 1
                     zero_ds = None
-                    if snaps is not None:
-                        sn = snaps[gi].get(it)
-                        if sn is not None:                          # rows carried by one key
-                            zero_ds = _snap(st, *sn)
-                    gta = hs.ga[gi][i0:i1]                          # [ni, D+1]
+                    if sn is not None:                              # rows carried by one key
+                        zero_ds = _snap(st, *sn)
+                    gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, D+1]
                     if dv_acc is not None:
                         dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
                     if not need_ds:
