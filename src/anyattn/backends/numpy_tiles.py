@@ -650,8 +650,9 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     Score modifiers (``mods``, base 2): with a softcap q2 carries ``scale / c`` (the
     GEMM gives x/c), ``bound_mul`` = c·log2(e) turns ``|q2_i|·|k_j|`` into a score bound
     and ``bound_cap`` = c·log2(e) caps it (|c·tanh| <= c).  ALiBi's tile term is <= 0
-    (0 at each row's anchor, :func:`alibi_anchors`), so the bound holds; far
-    keys may underflow, harmlessly unless a row's sum drops below
+    (0 at each row's anchor, :func:`alibi_anchors`), so the bound holds; tiles where
+    ``-cmax - span`` may pass ``mods.floor`` get their exponents floored (no
+    subnormals); far keys may underflow, harmlessly unless a row's sum drops below
     :data:`BOUNDED_MIN_SUM` (its nearest key masked out): that query tile is then
     recomputed by ``exact``.
 
@@ -705,8 +706,8 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
             np.matmul(k[j0:j1], qt.T, out=st)                         # s, [nj, ni]
             if cap:
                 mods.cap_t(st)                                        # c·tanh(x/c)
-            if alibi is not None:                                     # <= 0 [nj, ni]
-                far = alibi.add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+            if alibi is not None:                   # <= 0 [nj, ni]; s >= -cmax - span
+                far = alibi.add_t(st, i0, i1, j0, j1) + cmax > -floor
             if far:                               # no subnormal P~ (masked: zeroed below)
                 np.maximum(st, floor_row[:ni], out=st)
             np.exp2(st, out=st)                                       # P~ [nj, ni]
