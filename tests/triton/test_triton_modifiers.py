@@ -270,8 +270,11 @@ def test_all_tf32_opt_in():
 
 # ----------------------------------------------------------------------------- edges
 @needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_softcap_huge_logits_no_nan():
-    """|scale q.k| up to ~1e6: tanh saturates to +-1 (no inf / inf), 1 - tanh^2 to 0."""
+    """|scale q.k| up to ~1e6: tanh saturates to +-1 (no inf / inf), 1 - tanh^2 to 0.  (The
+    interpreter warns of the small-argument polynomial overflowing on these elements: that
+    branch is computed for every element and not selected there.)"""
     rng = np.random.default_rng(13)
     q, k, v, g = make_qkv(rng, 1, 2, 1, 18, 21, 16)
     q = q * np.float32(2e5)
