@@ -338,6 +338,21 @@ def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> 
     return -(p_sink * delta.astype(np.float64)).sum(axis=(0, 2))
 
 
+def _qk_bounds(qg: np.ndarray, kh: np.ndarray, mul: float, cap: Optional[float]
+               ) -> List[float]:
+    """Per query head of a group, a bound of |mul·<q_i, k_j>| over all i, j
+    (Cauchy-Schwarz), capped at ``cap`` (softcap c·u) if given.  qg [G, Sq, D], kh [Sk, D].
+    NaN/inf inputs give inf (no bound)."""
+    kn = float(np.sqrt(np.max(np.einsum("jd,jd->j", kh, kh)))) if kh.size else 0.0
+    out = []
+    for qh in qg:
+        qn = float(np.sqrt(np.max(np.einsum("id,id->i", qh, qh)))) if qh.size else 0.0
+        qb = qn * kn * mul
+        qb = qb if qb == qb else float("inf")
+        out.append(min(qb, cap) if cap is not None else qb)
+    return out
+
+
 def _exp_floor(dt: np.dtype, base2: bool) -> float:
     """The lowest exponent the kernels feed to exp on ALiBi's far tiles, in the
     kernel's units (EXP_FLOOR2 is in log2 units)."""
@@ -448,12 +463,14 @@ class NumpyBackend(Backend):
                 q2 = np.multiply(q[b, h], q2mul)                       # [Sq, D]
 
                 def exact(blocks, cmax: float) -> TileCounts:
+                    # cmax bounds |s| in log2 units (NaN: unknown)
+                    qb = cmax if cmax == cmax else None
                     if cmax <= BASE2_LIMIT:
                         return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True,
-                                            tm(True))
+                                            tm(True), qb)
                     qs = q2 if cap is not None else np.multiply(q[b, h], qsmul)
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False,
-                                        tm(False))
+                                        tm(False), None if qb is None else qb * LN2)
 
                 if not cfg.bounded:
                     bound = float(np.sqrt(np.max(np.einsum("id,id->i", q2, q2))) *
@@ -586,6 +603,9 @@ class NumpyBackend(Backend):
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
                     base2=base2, snap=snap, cap=capu, floor=floor,
                     cols=None if capu is None else [col[b, h] for h in heads],
+                    qk_bound=None if floor is None else
+                    _qk_bounds(q[b, hsl], k[b, hk], p.scale * (LOG2E if base2 else 1.0),
+                               capu),
                     gaf=None if gaf is None else list(gaf),
                     alibi=None if slopes is None else
                     [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)

@@ -513,7 +513,8 @@ def shift_stats(rmax: np.ndarray, rlog: np.ndarray, shift: np.ndarray
 def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                  v: np.ndarray, out: np.ndarray, rmax: np.ndarray, rlog: np.ndarray,
                  blocks: Sequence[Tuple[int, int, int]], base2: bool,
-                 mods: Optional[TileMods] = None) -> TileCounts:
+                 mods: Optional[TileMods] = None, qk_bound: Optional[float] = None
+                 ) -> TileCounts:
     """Running-max forward of one (batch b, query head h) over row blocks.
 
     qop [Sq, D]: queries times ``scale·log2(e)`` (``base2``) or times ``scale``
@@ -521,9 +522,11 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     ``scale / c`` with a softcap (``mods.cap`` = c in the kernel's units); k, v
     [Sk, D] (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row
     ranges inside query tiles; ``mods``: softcap and ALiBi (:class:`TileMods`) in the
-    same units.  Writes out [Sq, D] and the natural row statistics rmax, rlog [Sq] on
-    those rows only (of the scores without ALiBi's row term, see
-    :func:`alibi_anchors`).
+    same units; ``qk_bound``: a bound of |scale·qk| (capped) in these units, if known
+    (ALiBi's far tiles floor their exponents where ``2·qk_bound + span`` can pass the
+    floor, else where the span passes ``FAR_FRACTION·floor``).  Writes out [Sq, D] and
+    the natural row statistics rmax, rlog [Sq] on those rows only (of the scores
+    without ALiBi's row term, see :func:`alibi_anchors`).
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -540,6 +543,8 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     if floor is not None:
         floor_row = np.full(rows, floor, dtype=dt)     # [ni] (maximum with a scalar is slow)
     far = False                                        # this tile's exponents get floored
+    if floor is not None:                              # s - max >= -2·qk_bound - span
+        far_at = FAR_FRACTION * -floor if qk_bound is None else -floor - 2 * qk_bound
     for it, i0, i1 in blocks:
         ni = i1 - i0
         qt = qop[i0:i1]                                        # [ni, D]
@@ -558,7 +563,7 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
             if plan.bias is not None:
                 st += plan.bias_t(b, h, i0, i1, j0, j1)
             if alibi is not None:                               # - slope·|anchor_i - j|
-                far = alibi.add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+                far = alibi.add_t(st, i0, i1, j0, j1) > far_at
             ex = None
             if code == TILE_PARTIAL:
                 ex = plan.excluded_t(b, h, i0, i1, j0, j1)
@@ -805,6 +810,7 @@ class BackwardHeads:
     gaf: Optional[List[np.ndarray]] = None   # with cap: w·2^-max_u·[dout | -delta] or None
     alibi: Optional[List[AlibiRows]] = None
     floor: Optional[float] = None          # lowest exponent fed to exp (EXP_FLOOR2)
+    qk_bound: Optional[List[float]] = None  # per head: bound of |scale·qk| (kernel units)
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -834,6 +840,9 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     floor = hs.floor
     if floor is not None:
         floor_row = np.full(plan.bq, floor, dtype=dt)  # [ni] (maximum with a scalar is slow)
+        # (s - max) + alibi >= -2·qk_bound - span: floor where that can pass the floor
+        far_at = [FAR_FRACTION * -floor if hs.qk_bound is None else -floor - 2 * qb
+                  for qb in (hs.qk_bound or hs.heads)]
     far = False
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     expf = np.exp2 if hs.base2 else np.exp
@@ -871,7 +880,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     if plan.bias is not None:                       # natural units
                         st += plan.bias_t(b, h, i0, i1, j0, j1)     # (s - max) + bias
                     if hs.alibi is not None:                        # - slope·|anchor_i - j|
-                        far = hs.alibi[gi].add_t(st, i0, i1, j0, j1) > FAR_FRACTION * -floor
+                        far = hs.alibi[gi].add_t(st, i0, i1, j0, j1) > far_at[gi]
                     if far:                                         # no subnormal P (slow)
                         np.maximum(st, floor_row[:ni], out=st)
                     expf(st, out=st)                                # P~ᵀ [nj, ni]
