@@ -10,6 +10,9 @@ uniform, tested on its bits in the kernels); a finite bias, even finfo(float32).
 is a score.
 Outputs are f32 scratch: out/dq [B, HQ, SQ, D]; dk then dv [B, HKV, SK, D];
 dS [B, HQ, SQ, SK] for dbias.
+Score modifiers (``Call.set_mods``): ALiBi slopes [Ba, HQ] and sinks [HQ] as f32 words
+of ``aux`` next to the mask data; the kernels that use them are compiled with the
+SOFTCAP / ALIBI / SINKS defines (``Call.mod_consts``), the others stay the plain ones.
 """
 from __future__ import annotations
 
