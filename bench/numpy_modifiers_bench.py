@@ -152,6 +152,8 @@ def main() -> None:
             row = {"mask": mask_name, "variant": vn, "fwd_s": m["fwd"], "bwd_s": m["bwd"],
                    "step_s": m["step"], "step_min_s": m["step_min"],
                    "ratio_step": statistics.median(paired),
+                   "ratio_step_q1_q3": [float(np.percentile(paired, 25)),
+                                        float(np.percentile(paired, 75))],
                    "ratio_step_of_medians": m["step"] / med["plain"]["step"],
                    "ratio_fwd": m["fwd"] / med["plain"]["fwd"],
                    "ratio_bwd": m["bwd"] / med["plain"]["bwd"],
@@ -191,18 +193,23 @@ def main() -> None:
         for mi, mname in enumerate(masks):
             rs = [r for r in results if r["mask"] == mname]
             ys = [r["ratio_step"] for r in rs]
-            bars = ax.bar(x + (mi - (len(masks) - 1) / 2) * width, ys, width, label=mname)
-            for b_, y in zip(bars, ys):
-                ax.text(b_.get_x() + b_.get_width() / 2, y + 0.01, f"{y:.2f}", ha="center",
-                        fontsize=8)
+            err = [[y - r["ratio_step_q1_q3"][0] for y, r in zip(ys, rs)],
+                   [r["ratio_step_q1_q3"][1] - y for y, r in zip(ys, rs)]]
+            bars = ax.bar(x + (mi - (len(masks) - 1) / 2) * width, ys, width, label=mname,
+                          yerr=err, capsize=3)
+            for b_, y, r in zip(bars, ys, rs):
+                ax.text(b_.get_x() + b_.get_width() / 2, r["ratio_step_q1_q3"][1] + 0.01,
+                        f"{y:.2f}", ha="center", fontsize=8)
         ax.axhline(1.15, color="red", ls="--", lw=1, label="target 1.15")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(x, VARIANTS)
-        ax.set_ylabel("fwd+bwd time / plain (median)")
-        ax.set_ylim(0.8, max(1.3, max(r["ratio_step"] for r in results) + 0.1))
+        ax.set_ylabel("fwd+bwd time / plain\n(median of paired rounds, IQR)")
+        ax.set_ylim(0.8, max(1.3, max(r["ratio_step_q1_q3"][1] for r in results) + 0.08))
         cpu = doc["machine"].get("cpu", "CPU")
         ax.set_title(f"NumPy backend, B={B} H={H} S={S} D={D} {dtype}, "
-                     f"{doc['machine']['usable_cpus']} cores\n{cpu}", fontsize=9)
+                     f"{doc['machine']['usable_cpus']} cores (shared, load "
+                     f"{doc['loadavg_start'][0]:.1f}-{doc['loadavg_end'][0]:.1f}), "
+                     f"{args.reps} rounds\n{cpu}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
