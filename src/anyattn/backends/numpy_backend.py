@@ -39,8 +39,8 @@ from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
-from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads, TileCounts,
-                          TileMods, TilePlan, alibi_anchors, backward_columns,
+from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads,
+                          TileCounts, TileMods, TilePlan, alibi_anchors, backward_columns,
                           backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
                           saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
                           with_ones_column)

@@ -30,6 +30,16 @@ Four choices run through the kernels here:
   bias-free forward with small logits (:func:`forward_rows_bounded`, a
   Cauchy-Schwarz bound of 64 in log2 units) subtracts nothing at all.
 
+* **Score modifiers** (:class:`TileMods`, :mod:`anyattn.modifiers`): a softcap puts
+  ``scale / c`` on the queries so the score GEMM gives x/c in natural units, tanh
+  runs in place and ``c·u`` scales it (base 2 stays exact: the cap comes first);
+  the backward recomputes tanh and multiplies dS by ``1 - tanh²`` after dbias.
+  ALiBi is rebased per row at the band's nearest kept key (:func:`alibi_anchors`):
+  the row term lives in the statistics, the tile term is read from a Toeplitz view
+  of one ``[2Sk - 1]`` table (:class:`AlibiRows`), and far tiles floor their
+  exponents (:data:`EXP_FLOOR2`) so that no exp or GEMM meets subnormals.  Sinks
+  never reach the kernels (the launcher folds them into the statistics).
+
 Every function works on one (batch, head) slice of 2-D arrays, writes only its
 own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
 so results are bitwise repeatable.
