@@ -489,7 +489,8 @@ class NumpyBackend(Backend):
             rmax, rlog = shift_stats(rmax, rlog, -slopes[:, :, None] * dmin)
         if mods.sinks is not None:                 # one more term of every denominator
             sinks = _as_np(mods.sinks).astype(dt)                      # [Hq]
-            out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
+            with np.errstate(invalid="ignore"):                       # NaN rows stay NaN
+                out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
             no_sink = (sinks == -np.inf)[None, :, None]                # keep ONE_KEY marks
             rmax, rlog = st.max, np.where(no_sink, rlog, st.log_norm)
         return out, rmax, rlog
