@@ -595,3 +595,23 @@ def test_capabilities_declare_the_modifiers():
     assert be.unsupported_reasons(p) == []
     c = be.capabilities
     assert c.softcap and c.alibi and c.sinks
+
+
+def test_nan_in_q_propagates_like_the_reference():
+    """A NaN query row stays NaN through tanh, ALiBi's floor and the sink fold (its
+    dsinks term too, as in the reference); the other rows are untouched."""
+    B, Hq, Hkv, Sq, Sk, D = 1, 2, 1, 40, 40, 8
+    q, k, v, g = qkv(38, B, Hq, Hkv, Sq, Sk, D, dtype="float32")
+    q[0, 0, 5, 0] = np.nan
+    kw = dict(softcap=3.0, alibi_slopes=np.array([0.5, 4.0], np.float32),
+              sinks=np.array([0.1, -0.3], np.float32), mask=aa.Causal())
+    with np.errstate(all="raise"):
+        out = aa.attention(q, k, v, backend="numpy", **kw)
+    gr = aa.attention_backward(q, k, v, g, wrt=("q", "sinks"), backend="numpy", **kw)
+    ro, _ = R.forward(q, k, v, **kw)
+    rg = R.backward(q, k, v, g, wrt=("q", "sinks"), **kw)
+    assert np.array_equal(np.isnan(out), np.isnan(ro))
+    assert np.array_equal(np.isnan(gr.dq), np.isnan(rg.dq))
+    assert np.array_equal(np.isnan(gr.dsinks), np.isnan(rg.dsinks))
+    ok = ~np.isnan(ro).any(axis=-1)
+    assert_close(out[ok], ro[ok], "float32", "out")
