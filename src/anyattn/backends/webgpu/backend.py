@@ -12,6 +12,10 @@ Score modifiers (anyattn.modifiers) in the kernels: softcap (accurate tanh, dS t
 1 - tanh² before dQ/dK) and ALiBi (from indices) in the score of every tiled kernel,
 sinks in the forward's epilogue (the row statistics include them); dsinks on the host
 from the row statistics (modifiers.sinks_grad, float64).
+Dropout (anyattn.dropout) in the tiled kernels: they draw the shared keep mask
+themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-bit
+finaliser per pair), so the backward regenerates it; batch chunks pass their first
+batch, so the draw never depends on the split.
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ _ELEM = {"float32": "f32", "float16": "f16"}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, softcap=True, alibi=True, sinks=True)
+    max_head_dim=None, softcap=True, alibi=True, sinks=True, dropout=True)
 
 
 class WebGPUBackend(Backend):
@@ -113,9 +117,9 @@ class WebGPUBackend(Backend):
         return call
 
     # ------------------------------------------------------------------ common
-    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS):
-        """Uploads, masks and score modifiers of one call; a backward config when
-        ``dout`` is given."""
+    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS, b0=0):
+        """Uploads, masks, score modifiers and dropout of one call; a backward config
+        when ``dout`` is given.  ``b0``: the global index of batch 0 (batch chunks)."""
         from .engine import upload_view
 
         if p.dtype not in _NP:
@@ -134,6 +138,8 @@ class WebGPUBackend(Backend):
         if bias is not None:
             call.set_bias(bias)
         call.set_mods(p.softcap, mods.alibi_slopes, alibi_diag(p), mods.sinks)
+        if p.has_dropout:
+            call.set_dropout(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, b0)
         return call
 
     def _stats(self, call):
@@ -159,8 +165,8 @@ class WebGPUBackend(Backend):
             run.device.queue.write_buffer(stats, 4 * row * n, a)
 
     # ----------------------------------------------------------------- forward
-    def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u", mods=NO_MODS):
-        call = self._setup(p, q, k, v, None, bias, uprefix, mods)
+    def _build_forward(self, p: Problem, q, k, v, bias, uprefix="u", mods=NO_MODS, b0=0):
+        call = self._setup(p, q, k, v, None, bias, uprefix, mods, b0)
         run = call.run
         stats = self._stats(call)
         outb = run.buffer("out", 4 * call.n * p.head_dim)
@@ -248,23 +254,23 @@ class WebGPUBackend(Backend):
             for b0, b1 in chunks:
                 sp, sl = self._sub(p, b0, b1)
                 parts.append(self._forward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], sl(bias),
-                                               self._sub_mods(mods, b0, b1)))
+                                               self._sub_mods(mods, b0, b1), b0))
             self.last_pieces["batch_chunks"] = len(chunks)
             st = RowStats(np.concatenate([s.max for _, s in parts]),
                           np.concatenate([s.log_norm for _, s in parts]))
             return np.concatenate([o for o, _ in parts]), st
         return self._forward_one(p, q, k, v, bias, mods)
 
-    def _forward_one(self, p: Problem, q, k, v, bias, mods=NO_MODS):
+    def _forward_one(self, p: Problem, q, k, v, bias, mods=NO_MODS, b0=0):
         with self._lock:
-            call, read = self._build_forward(p, q, k, v, bias, mods=mods)
+            call, read = self._build_forward(p, q, k, v, bias, mods=mods, b0=b0)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
 
     # ---------------------------------------------------------------- backward
     def _build_backward(self, p: Problem, q, k, v, dout, out, stats, bias, resident=None,
-                        uprefix="u", mods=NO_MODS):
+                        uprefix="u", mods=NO_MODS, b0=0):
         """Uploads and launches of one backward (dq, dk, dv, dbias; dsinks is the
         host's, see ``backward``); ``resident`` = (stats, out buffer) of a forward
         already on the device (benchmarks), else out and the RowStats ``stats`` are
@@ -275,7 +281,7 @@ class WebGPUBackend(Backend):
                                  p.head_dim)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b = "bias" in p.wrt
-        call = self._setup(p, q, k, v, dout, bias, uprefix, mods)
+        call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0)
         run = call.run
         if resident is None:
             st_in = stats
@@ -349,7 +355,7 @@ class WebGPUBackend(Backend):
             sp, sl = self._sub(p, b0, b1)
             parts.append(self._backward_one(sp, q[b0:b1], k[b0:b1], v[b0:b1], dout[b0:b1],
                                             out[b0:b1], stats.select(slice(b0, b1)),
-                                            sl(bias), self._sub_mods(mods, b0, b1)))
+                                            sl(bias), self._sub_mods(mods, b0, b1), b0))
         res = {}
         for n in ("dq", "dk", "dv"):
             res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
@@ -365,9 +371,10 @@ class WebGPUBackend(Backend):
         self.last_pieces["batch_chunks"] = len(chunks)
         return res
 
-    def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias, mods=NO_MODS):
+    def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias, mods=NO_MODS, b0=0):
         with self._lock:
-            call, read = self._build_backward(p, q, k, v, dout, out, stats, bias, mods=mods)
+            call, read = self._build_backward(p, q, k, v, dout, out, stats, bias, mods=mods,
+                                              b0=b0)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()

@@ -13,6 +13,10 @@ dS [B, HQ, SQ, SK] for dbias.
 Score modifiers (``Call.set_mods``): ALiBi slopes [Ba, HQ] and sinks [HQ] as f32 words
 of ``aux`` next to the mask data; the kernels that use them are compiled with the
 SOFTCAP / ALIBI / SINKS defines (``Call.mod_consts``), the others stay the plain ones.
+Dropout (``Call.set_dropout``): the Philox key, threshold, 1/(1 − p) and the global
+positions of local query 0, key 0, batch 0 as uniforms; the tiled kernels compiled
+with DROPOUT draw anyattn.dropout's mask themselves (Philox row/column words and the
+per-pair finaliser in WGSL).
 """
 from __future__ import annotations
 
@@ -140,8 +144,8 @@ class Call:
         self.bias_buf = self.aux_buf = self.run.dummy
         self._aux_parts: List[np.ndarray] = []   # u32 words of aux (masks, modifiers)
         self._aux_pos = 0
-        #: score-modifier constants (anyattn.modifiers): SOFTCAP, ALIBI for every tiled
-        #: kernel, SINKS for the forward only; empty = the plain kernels
+        #: score-modifier constants (anyattn.modifiers): SOFTCAP, ALIBI, DROPOUT for
+        #: every tiled kernel, SINKS for the forward only; empty = the plain kernels
         self.mod_consts: Dict[str, int] = {}
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
@@ -241,6 +245,29 @@ class Call:
             self.mod_consts["SINKS"] = 1
         if alibi_slopes is not None or sinks is not None:
             self._aux_upload()
+
+    def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
+                    b0: int = 0) -> None:
+        """anyattn.dropout's mask in the tiled kernels (DROPOUT): keep[b, h, i, j] at the
+        global positions b0 + b, q_offset + i, k_offset + j (b0: the first batch of a
+        batch chunk).  p in (0, 1), seed in [0, 2**64)."""
+        from ...dropout import U32_LIMIT, check_dropout, keep_scale, threshold
+
+        p, seed = check_dropout(p, seed)
+        if p == 0.0:
+            return
+        for name, off, n in (("q_offset", q_offset, self.SQ), ("k_offset", k_offset, self.SK),
+                             ("batch", b0, self.B)):
+            if off < 0 or off + n > U32_LIMIT:
+                raise ValueError(f"{name}: positions {off}..{off + n - 1} leave [0, 2**32); "
+                                 "dropout counts positions as 32-bit unsigned ints")
+        c = self.cfg
+        if c.NT < max(c.BQ, c.BK):   # one invocation per row / column word
+            raise ValueError(f"webgpu: dropout needs a tile config with TX, TY >= 4, got {c}")
+        self.uni.update(drop_k0=seed & 0xFFFFFFFF, drop_k1=seed >> 32, drop_t=threshold(p),
+                        drop_rs=f32_scalar("dropout_p", keep_scale(p)), drop_qo=int(q_offset),
+                        drop_ko=int(k_offset), drop_b0=int(b0))
+        self.mod_consts["DROPOUT"] = 1
 
     def set_bias(self, bias: np.ndarray) -> None:
         """Upload the bias as float32 with its broadcast dims kept at size 1 (stride 0

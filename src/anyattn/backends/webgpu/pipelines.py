@@ -13,7 +13,8 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
   (bounds-checked over D; vec4<f32>, or vec4<f16> in HALF mode, read as one vec4<f16>
   when aligned) and ``ld4_out``/``st4_out`` for the f32 output buffer.
 * ``SOFTCAP`` / ``ALIBI`` / ``SINKS`` (constants = 1) are defined for kernels with
-  those score modifiers; without them the kernels are the plain ones, text for text.
+  those score modifiers, ``DROPOUT`` for kernels that apply anyattn's dropout mask;
+  without them the kernels are the plain ones, text for text.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -32,7 +33,7 @@ from .uniforms import wgsl_struct
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
-MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS")
+MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 

@@ -36,6 +36,12 @@ FIELDS = [
     # i - j + alibi_diag), the slopes [Ba, HQ] and sinks [HQ] as f32 bits in aux
     ("softcap", "f32"), ("alibi_diag", "i32"), ("al_off", "u32"), ("al_sb", "u32"),
     ("snk_off", "u32"),
+    # dropout (anyattn.dropout; read only by kernels compiled with DROPOUT): the
+    # Philox key (seed mod 2**32, seed >> 32), the keep threshold t (keep iff
+    # mix32(row ^ col) >= t), 1 / (1 - p) in f32, and the global position of local
+    # query 0, key 0 and batch 0 (q_offset, k_offset, the first batch of a chunk)
+    ("drop_k0", "u32"), ("drop_k1", "u32"), ("drop_t", "u32"), ("drop_rs", "f32"),
+    ("drop_qo", "u32"), ("drop_ko", "u32"), ("drop_b0", "u32"),
 ]
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))

@@ -3,12 +3,19 @@
 // recomputing S and dP, and accumulates in registers (no atomics):
 //   dV[j, :] += sum_i P[i, j] dO[i, :]        dK[j, :] += scale * sum_i dS[i, j] Q[i, :]
 // Accumulators: rows j0 + ty*4 + r, vec4 columns dbase + 4*(tx + TX*v).
+// DROPOUT: P ∘ keep into dV (times 1 / (1 − p) at the end), dS = P ∘ (dP ∘ keep /
+// (1 − p) − delta) (pds), with this key tile's column words in dcw (once) and each
+// unit's row words in drw.
 //@include common
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk [BK][DC]
 var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk [BQ][DC] (then dO slice rows)
 var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk [BK][DC]
 var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
+//@if DROPOUT
+var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
+var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
+//@endif DROPOUT
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -27,6 +34,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let want_dv = (U.flags & F_WANT_DV) != 0u;
   var adk: array<vec4<f32>, 4 * NV>;
   var adv: array<vec4<f32>, 4 * NV>;
+  //@if DROPOUT
+  if (lid < BK) { dcw[lid] = drop_col(j0 + lid); }   // read after sdp's barriers
+  //@endif DROPOUT
   if ((U.flags & F_FIRST) == 0u) {   // continue a split launch: reload the partial sums
     //@for r 4
     //@for v NV
@@ -51,6 +61,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }
     let i0 = qt * BQ;
+    //@if DROPOUT
+    // the previous unit's readers passed upd_kv's barriers; read after sdp's
+    if (lid < BQ) { drw[lid] = drop_row(b, h, i0 + lid); }
+    //@endif DROPOUT
     let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
     let gbase = U.g_off + b * U.g_sb + h * U.g_sh;
     var s: array<vec4<f32>, 4>;
@@ -92,7 +106,14 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       var k4 = adk[{r#} * NV + {v#}];
       if (last) { k4 = k4 * U.scale; }
       if (want_dk) { st4_out(o, d, k4); }
+      //@ifn DROPOUT
       if (want_dv) { st4_out(U.out2_off + o, d, adv[{r#} * NV + {v#}]); }
+      //@endif DROPOUT
+      //@if DROPOUT
+      var v4 = adv[{r#} * NV + {v#}];
+      if (last) { v4 = v4 * U.drop_rs; }
+      if (want_dv) { st4_out(U.out2_off + o, d, v4); }
+      //@endif DROPOUT
     }
   }
   //@end v

@@ -3,13 +3,18 @@
 //   dQ[i, :] += scale * sum_j dS[i, j] K[j, :]
 // and, with F_WRITE_DS (column slice 0 only), stores dS into dsb [B, HQ, SQ, SK]
 // for the dbias reduction.  Accumulators: rows i0 + ty*4 + r, vec4 columns
-// dbase + 4*(tx + TX*v).
+// dbase + 4*(tx + TX*v).  DROPOUT: dS = P ∘ (dP ∘ keep / (1 − p) − delta) (pds), with
+// the row words of this query tile in drw (once) and each key tile's column words in dcw.
 //@include common
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then K slice rows)
 var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk
 var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk
 var<workgroup> sp: array<SV, BQ * RSP2>;  // dS [BQ][TX] (element m: keys m + TX*c)
+//@if DROPOUT
+var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
+var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
+//@endif DROPOUT
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -29,6 +34,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
   let write_ds = (U.flags & F_WRITE_DS) != 0u && wid.z == 0u;
   var acc: array<vec4<f32>, 4 * NV>;
+  //@if DROPOUT
+  if (lid < BQ) { drw[lid] = drop_row(b, h, i0 + lid); }   // read after sdp's barriers
+  //@endif DROPOUT
   if ((U.flags & F_FIRST) == 0u) {
     //@for r 4
     //@for v NV
@@ -45,6 +53,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }
     let j0 = kt * BK;
+    //@if DROPOUT
+    if (lid < BK) { dcw[lid] = drop_col(j0 + lid); }   // read after sdp's barriers
+    //@endif DROPOUT
     var s: array<vec4<f32>, 4>;
     var dp: array<vec4<f32>, 4>;
     //@define DP

@@ -113,6 +113,65 @@ fn score_ij(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
   return y;
 }
 
+//@if DROPOUT
+// Dropout (DROPOUT; anyattn.dropout, bit for bit): keep[b, h, i, j] iff
+// mix32(row ^ col) >= U.drop_t, row = word 0 of Philox4x32-10 with counter
+// (i, h, b, 0), col = word 0 with counter (j, 0, 0, 1), key (U.drop_k0, U.drop_k1),
+// i, j, b global positions.  WGSL has no 64-bit integers: the high half of a
+// 32 x 32 product comes from 16-bit halves (every partial fits u32 exactly).
+fn mulhi32(a: u32, b: u32) -> u32 {
+  let a0 = a & 0xffffu;
+  let a1 = a >> 16u;
+  let b0 = b & 0xffffu;
+  let b1 = b >> 16u;
+  let p01 = a0 * b1;
+  let p10 = a1 * b0;
+  let mid = ((a0 * b0) >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+  return a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
+}
+
+// One Philox4x32 round with key k; the caller bumps the key between rounds.
+fn philox_round(c: vec4<u32>, k: vec2<u32>) -> vec4<u32> {
+  let h0 = mulhi32(c.x, 0xD2511F53u);
+  let h1 = mulhi32(c.z, 0xCD9E8D57u);
+  return vec4<u32>(h1 ^ c.y ^ k.x, c.z * 0xCD9E8D57u, h0 ^ c.w ^ k.y, c.x * 0xD2511F53u);
+}
+
+// Word 0 of Philox4x32-10(counter c, key (U.drop_k0, U.drop_k1)); straight-line
+// code (no loop: llvmpipe counts loop trips).
+fn philox_w0(c0: vec4<u32>) -> u32 {
+  var c = c0;
+  var k = vec2<u32>(U.drop_k0, U.drop_k1);
+  //@for rd 9
+  c = philox_round(c, k);
+  k += vec2<u32>(0x9E3779B9u, 0xBB67AE85u);
+  //@end rd
+  c = philox_round(c, k);
+  return c.x;
+}
+
+// Row word of global batch b, query head h, local query i (q_offset added here).
+fn drop_row(b: u32, h: u32, i: u32) -> u32 {
+  return philox_w0(vec4<u32>(U.drop_qo + i, h, U.drop_b0 + b, 0u));
+}
+
+// Column word of local key j (k_offset added here).
+fn drop_col(j: u32) -> u32 {
+  return philox_w0(vec4<u32>(U.drop_ko + j, 0u, 0u, 1u));
+}
+
+// keep bit of a pair from its row and column words (the 32-bit finaliser).
+fn drop_keep(rw: u32, cw: u32) -> bool {
+  var x = rw ^ cw;
+  x ^= x >> 16u;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15u;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16u;
+  return x >= U.drop_t;
+}
+//@endif DROPOUT
+
 // Tile code: 0 empty (skip), 1 partial (test every pair), 2 full (no test).
 fn tile_code(b: u32, h: u32, qt: u32, kt: u32) -> u32 {
   if ((U.flags & F_TILEMAP) == 0u) { return 1u; }

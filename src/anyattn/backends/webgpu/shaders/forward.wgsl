@@ -7,7 +7,9 @@
 // stats[ml_wr + n + row]) are stored for the next piece of a split launch, which
 // reads them from ml_rd (two alternating sets: column slices read while slice 0 writes).
 // Score modifiers (SOFTCAP, ALIBI: score_ij in common; SINKS: the epilogue) where
-// compiled in.
+// compiled in.  DROPOUT: the P that multiplies V is P ∘ keep (row words of the tile's
+// queries in drw, once; column words of each key tile in dcw), l stays undropped,
+// and the last piece multiplies out by 1 / (1 − p).
 //@include common
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then V slice rows)
@@ -16,6 +18,10 @@ var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / su
 var<workgroup> rowm: array<f32, BQ>;
 var<workgroup> rowl: array<f32, BQ>;
 var<workgroup> rowa: array<f32, BQ>;
+//@if DROPOUT
+var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
+var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
+//@endif DROPOUT
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -45,6 +51,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
     rowm[lid] = m;
     rowl[lid] = l;
+    //@if DROPOUT
+    drw[lid] = drop_row(b, h, i);
+    //@endif DROPOUT
   }
   if (!first) {
     //@for r 4
@@ -62,6 +71,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }
     let j0 = kt * BK;
+    //@if DROPOUT
+    if (lid < BK) { dcw[lid] = drop_col(j0 + lid); }   // read after sdp's barriers
+    //@endif DROPOUT
     var s: array<vec4<f32>, 4>;
     //@undef DP
     //@include sdp
@@ -107,9 +119,15 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       rowm[lid] = m;
     }
     workgroupBarrier();
+    //@if DROPOUT
+    let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX]);
+    //@endif DROPOUT
     //@for r 4
     {
       let m = rowm[ty * 4u + {r}];
+      //@if DROPOUT
+      let rwd = drw[ty * 4u + {r}];
+      //@endif DROPOUT
       var sm = 0.0;
       var pr = vec4<f32>(0.0);
       //@for c 4
@@ -119,7 +137,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         // excluded scores (-inf) give 0; a kept one is finite (m >= x) or NaN, and
         // max() may drop a NaN score, so NaN reaches pv and propagates
         if (!is_ninf(x)) { pv = exp(x - m); }
+        //@ifn DROPOUT
         pr[{c#}] = pv;
+        //@endif DROPOUT
+        //@if DROPOUT
+        pr[{c#}] = select(0.0, pv, drop_keep(rwd, cwd[{c#}]));
+        //@endif DROPOUT
         sm += pv;
       }
       //@end c
@@ -183,6 +206,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           //@if SINKS
           if (l == 0.0) { a = vec4<f32>(0.0); } else { a = (a * rowa[il]) / l; }
           //@endif SINKS
+          //@if DROPOUT
+          a = a * U.drop_rs;
+          //@endif DROPOUT
         }
         st4_out(o, dbase + 4u * (tx + {v} * TX), a);
       }

@@ -6,14 +6,23 @@
 // Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (vec4 over c).
 // SOFTCAP: ds is dS·(1 − tanh²) (what the dQ/dK products take) and dsr the plain dS
 // (dbias).
+// DROPOUT (needs drw/dcw: the row words of this query tile, the column words of this
+// key tile): p is P ∘ keep (the dK/dV pass scales dV by 1 / (1 − p) at the end) and
+// dS = P ∘ (dP ∘ keep / (1 − p) − delta).
 var p: array<vec4<f32>, 4>;
 var ds: array<vec4<f32>, 4>;
 //@if SOFTCAP
 var dsr: array<vec4<f32>, 4>;
 //@endif SOFTCAP
+//@if DROPOUT
+let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX]);
+//@endif DROPOUT
 //@for r 4
 {
   let i = i0 + ty * 4u + {r};
+  //@if DROPOUT
+  let rwd = drw[ty * 4u + {r}];
+  //@endif DROPOUT
   var mx = U.neg_inf;
   var ln = 0.0;
   var dl = 0.0;
@@ -48,8 +57,15 @@ var dsr: array<vec4<f32>, 4>;
         if (kept) { pv = exp((x - mx) - ln); }
       }
     }
+    //@ifn DROPOUT
     p[{r}][{c#}] = pv;
     ds[{r}][{c#}] = pv * (dp[{r}][{c#}] - dl);
+    //@endif DROPOUT
+    //@if DROPOUT
+    let kp = drop_keep(rwd, cwd[{c#}]);
+    p[{r}][{c#}] = select(0.0, pv, kp);
+    ds[{r}][{c#}] = pv * (select(0.0, dp[{r}][{c#}] * U.drop_rs, kp) - dl);
+    //@endif DROPOUT
     //@if SOFTCAP
     dsr[{r}][{c#}] = ds[{r}][{c#}];
     ds[{r}][{c#}] *= dth;
