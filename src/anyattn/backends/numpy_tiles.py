@@ -435,6 +435,7 @@ class AlibiRows:
             self.runs.append((i, e, column, int(vals[i])))
             i = e
         self._win: Dict[int, np.ndarray] = {}
+        self._lohi: Dict[Tuple[int, int], Tuple[int, int]] = {}   # rows -> anchor range
 
     def add_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> float:
         """st [nj, ni] += the tile term of queries i0..i1-1 and keys j0..j1-1 (in place).
@@ -442,8 +443,11 @@ class AlibiRows:
         Returns the term's largest magnitude on the tile, ``slope_u·max|anchor_i - j|``."""
         sk, f = self.sk, self.f
         nj = j1 - j0
-        a = self.anchor[i0:i1]                                        # [ni]
-        span = self.slope * max(int(a.max()) - j0, j1 - 1 - int(a.min()), 0)
+        lohi = self._lohi.get((i0, i1))
+        if lohi is None:                                              # anchors of the rows
+            a = self.anchor[i0:i1]                                    # [ni]
+            lohi = self._lohi[(i0, i1)] = (int(a.min()), int(a.max()))
+        span = self.slope * max(lohi[1] - j0, j1 - 1 - lohi[0], 0)
         for r0, r1, column, val in self.runs:
             a, b = max(r0, i0), min(r1, i1)
             if a >= b:
