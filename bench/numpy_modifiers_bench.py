@@ -17,7 +17,7 @@ Modifiers: softcap c = 50 (Gemma 2), ALiBi slopes 2^(-8(h+1)/H) (the ALiBi paper
 sinks ~ N(0, 1) per head.  The outputs are checked against the float64 reference on a
 small problem before timing.
 
-    PYTHONPATH=src python3 bench/numpy_modifiers_bench.py \\
+    PYTHONPATH=src python3 bench/numpy_modifiers_bench.py --threads 2,1 --reps 25 \\
         --out docs/perf/numpy-modifiers-cpu-2026-12-03.json \\
         --png docs/perf/numpy-modifiers-cpu-2026-12-03.png
 """
@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "numpy": np.__version__, "os_cpu_count": os.cpu_count(),
             "usable_cpus": available_cpus(),
-            "numpy_threads": get_backend("numpy").config.n_threads()}
+            "numpy_default_threads": get_backend("numpy").config.n_threads()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--reps", type=int, default=9, help="rounds (each runs every variant)")
     ap.add_argument("--masks", default="none,causal")
+    ap.add_argument("--threads", default="2,1",
+                    help="NumPy backend worker counts to run (one group of bars each)")
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--png", default=None, help="bar chart path")
     args = ap.parse_args()
@@ -130,7 +133,11 @@ def main() -> None:
     q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
     load0 = os.getloadavg()
     results = []
-    for mask_name in args.masks.split(","):
+    be = get_backend("numpy")
+    config0 = be.config
+    groups = [(int(t), m) for t in args.threads.split(",") for m in args.masks.split(",")]
+    for threads, mask_name in groups:
+        be.config = replace(config0, threads=threads)
         mask = aa.Causal() if mask_name == "causal" else None
         kws = {vn: modifiers(vn, H, dtype) for vn in VARIANTS}
         for vn in VARIANTS:                                      # warm-up
@@ -149,7 +156,8 @@ def main() -> None:
             m = med[vn]
             paired = [(a[0] + a[1]) / (p_[0] + p_[1]) for a, p_ in zip(times[vn],
                                                                       times["plain"])]
-            row = {"mask": mask_name, "variant": vn, "fwd_s": m["fwd"], "bwd_s": m["bwd"],
+            row = {"threads": threads, "mask": mask_name, "variant": vn,
+                   "fwd_s": m["fwd"], "bwd_s": m["bwd"],
                    "step_s": m["step"], "step_min_s": m["step_min"],
                    "ratio_step": statistics.median(paired),
                    "ratio_step_q1_q3": [float(np.percentile(paired, 25)),
@@ -161,11 +169,12 @@ def main() -> None:
                    "gflops_step": flops / m["step"] / 1e9,
                    "all_steps_s": [t[0] + t[1] for t in times[vn]]}
             results.append(row)
-            print(f"{mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  bwd {m['bwd']*1e3:8.1f} ms"
+            print(f"{threads}t {mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  bwd {m['bwd']*1e3:8.1f} ms"
                   f"  step {m['step']*1e3:8.1f} ms  x{row['ratio_step']:.3f} (medians x"
                   f"{row['ratio_step_of_medians']:.3f}, min x{row['ratio_step_min']:.3f})"
                   f"  fwd x{row['ratio_fwd']:.3f}"
                   f"  bwd x{row['ratio_bwd']:.3f}", flush=True)
+    be.config = config0
     doc = {
         "what": "NumPy backend: forward_with_stats + attention_backward(out=, lse=stats), "
                 "plain vs softcap (c=50) vs ALiBi (slopes 2^(-8(h+1)/H)) vs sinks vs all; "
@@ -186,31 +195,31 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        masks = args.masks.split(",")
-        fig, ax = plt.subplots(figsize=(8, 4))
-        width = 0.8 / len(masks)
+        fig, ax = plt.subplots(figsize=(9, 4.2))
+        width = 0.8 / len(groups)
         x = np.arange(len(VARIANTS))
-        for mi, mname in enumerate(masks):
-            rs = [r for r in results if r["mask"] == mname]
+        for mi, (threads, mname) in enumerate(groups):
+            rs = [r for r in results if r["mask"] == mname and r["threads"] == threads]
             ys = [r["ratio_step"] for r in rs]
             err = [[y - r["ratio_step_q1_q3"][0] for y, r in zip(ys, rs)],
                    [r["ratio_step_q1_q3"][1] - y for y, r in zip(ys, rs)]]
-            bars = ax.bar(x + (mi - (len(masks) - 1) / 2) * width, ys, width, label=mname,
-                          yerr=err, capsize=3)
+            bars = ax.bar(x + (mi - (len(groups) - 1) / 2) * width, ys, width,
+                          label=f"{mname}, {threads} thread{'s' if threads > 1 else ''}",
+                          yerr=err, capsize=2)
             for b_, y, r in zip(bars, ys, rs):
                 ax.text(b_.get_x() + b_.get_width() / 2, r["ratio_step_q1_q3"][1] + 0.01,
-                        f"{y:.2f}", ha="center", fontsize=8)
+                        f"{y:.2f}", ha="center", fontsize=6.5)
         ax.axhline(1.15, color="red", ls="--", lw=1, label="target 1.15")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(x, VARIANTS)
         ax.set_ylabel("fwd+bwd time / plain\n(median of paired rounds, IQR)")
         ax.set_ylim(0.8, max(1.3, max(r["ratio_step_q1_q3"][1] for r in results) + 0.08))
         cpu = doc["machine"].get("cpu", "CPU")
-        ax.set_title(f"NumPy backend, B={B} H={H} S={S} D={D} {dtype}, "
+        ax.set_title(f"NumPy backend, B={B} H={H} S={S} D={D} {dtype}, machine of "
                      f"{doc['machine']['usable_cpus']} cores (shared, load "
                      f"{doc['loadavg_start'][0]:.1f}-{doc['loadavg_end'][0]:.1f}), "
                      f"{args.reps} rounds\n{cpu}", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
 
