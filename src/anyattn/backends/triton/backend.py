@@ -23,7 +23,8 @@ class TritonBackend(Backend):
     """Forward with the row statistics (max, log_norm), backward as delta + dK/dV + dQ
     kernels (no atomics), every mask with block-sparse skipping, bias with dbias, GQA,
     fp16/bf16/fp32 (+ tf32 opt-in), the score modifiers softcap / ALiBi / sinks (+ dsinks)
-    inside the kernels."""
+    and attention dropout (anyattn.dropout's mask, regenerated in every kernel) inside the
+    kernels."""
 
     name = "triton"
 
@@ -35,7 +36,7 @@ class TritonBackend(Backend):
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
-            softcap=True, alibi=True, sinks=True)
+            softcap=True, alibi=True, sinks=True, dropout=True)
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:

@@ -486,6 +486,69 @@ def _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI: tl.constexpr, RAW: tl.conste
         return 0.0
 
 
+
+# ----------------------------------------------------------------------------- dropout
+#: anyattn.dropout's generator (module doc there), bit for bit: a row word per (b, h, i)
+#: and a column word per j from Philox4x32-10, then per element mix32(row ^ col) >= t.
+#: Every 32-bit scalar (seed halves k0 / k1, threshold t, position offsets) arrives as
+#: an int32 holding the uint32's bits (launch._u32_bits) and is bitcast back here.
+@triton.jit
+def _bits(x):
+    """An int32 kernel argument carrying uint32 bits -> uint32."""
+    return tl.cast(x, tl.int32).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _philox_w0(c0, c1, c2, c3, k0, k1):
+    """Word 0 of Philox4x32-10 (Salmon et al. 2011; anyattn.dropout.philox4x32): uint32
+    counter tiles c0..c3 (one shape), uint32 scalar key (k0, k1)."""
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, 0xD2511F53)
+        hi1 = tl.umulhi(c2, 0xCD9E8D57)
+        lo0 = c0 * 0xD2511F53
+        lo1 = c2 * 0xCD9E8D57
+        c0 = hi1 ^ c1 ^ k0
+        c1 = lo1
+        c2 = hi0 ^ c3 ^ k1
+        c3 = lo0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0
+
+
+@triton.jit
+def _row_words(offs_m, q_off, h, b, sd0, sd1):
+    """uint32 [BM]: the row words of global rows q_off + offs_m of head h, batch b
+    (counter (i, h, b, 0)); q_off, sd0, sd1 as int32 bits."""
+    i = offs_m.to(tl.uint32) + _bits(q_off)
+    z = tl.zeros_like(i)
+    return _philox_w0(i, z + h.to(tl.uint32), z + b.to(tl.uint32), z, _bits(sd0), _bits(sd1))
+
+
+@triton.jit
+def _col_words(offs_n, k_off, sd0, sd1):
+    """uint32 [BN]: the column words of global keys k_off + offs_n (counter (j, 0, 0, 1))."""
+    j = offs_n.to(tl.uint32) + _bits(k_off)
+    z = tl.zeros_like(j)
+    return _philox_w0(j, z, z, z + 1, _bits(sd0), _bits(sd1))
+
+
+@triton.jit
+def _drop_keep(rw, cw, thr, TRANS: tl.constexpr):
+    """bool [BM, BN] (rows rw [BM], columns cw [BN]), or with TRANS [BN, BM]: keep iff
+    mix32(row ^ col) >= t (unsigned)."""
+    if TRANS:
+        x = cw[:, None] ^ rw[None, :]
+    else:
+        x = rw[:, None] ^ cw[None, :]
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x >= _bits(thr)
+
+
 # ----------------------------------------------------------------------------- operand split
 @triton.jit
 def _row_block(X, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
@@ -553,11 +616,11 @@ def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag,
+              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
               QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PREC: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
     the running row max in the tile's units (module doc): natural scores with a bias or
@@ -595,6 +658,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     p = tl.math.exp2((s - m_use[:, None]) * c)     # [BM, BN]; exactly 1 at the row max
     alpha = tl.math.exp2((m_i - m_use) * c)                                   # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:    # out = (P o keep).v / (1 - p) (scaled in the epilogue); l undropped
+        p = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr, False), p, 0.0)
     v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
@@ -608,11 +673,11 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 HAS_SINKS: tl.constexpr, PREC: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
@@ -645,6 +710,10 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
     slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
+    if DROPOUT:    # dropout's row words: once per query tile
+        dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+    else:
+        dw = 0
 
     q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
@@ -656,21 +725,21 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
         for t in range(t0, f0):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
@@ -681,18 +750,18 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, PREC)
+                                      ALIBI, DROPOUT, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, PREC)
+                                      ALIBI, DROPOUT, PREC)
 
     # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
@@ -724,6 +793,8 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
             out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
         else:
             out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    if DROPOUT:
+        out = out * drs                    # 1 / (1 - p)
     row_max = tl.where(l_i == l_i, row_max, l_i)
     log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
     Oh = O + b * so_b + h * so_h
@@ -780,11 +851,11 @@ def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
-               Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag,
+               Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                PREC: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
@@ -819,7 +890,11 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
         pT = tl.where(keep, pT, 0.0)
     do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, False)  # [BM, DP]
-    pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
+    if DROPOUT:    # dv = (P o keep)^T.dout / (1 - p) (scaled at the end)
+        dkeep = _drop_keep(_row_words(offs_m, q_off, h, b, sd0, sd1), dw, dthr, True)
+        pT0, pT1, pT2 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
+    else:
+        pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
     dv += _dotacc(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
@@ -828,6 +903,8 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     dpT = _dotp(v0, v1, v2, tl.trans(do0), tl.trans(do1), tl.trans(do2), PREC)  # [BN, BM]
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dpT = dpT * mvo
+    if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
+        dpT = tl.where(dkeep, dpT * drs, 0.0)
     dsT = pT * (dpT - dlt[None, :])
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
@@ -843,11 +920,11 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r,
-                  H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
+                  H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PREC: tl.constexpr):
     """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
@@ -864,6 +941,10 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     offs_n = j0 + offs_nb
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
+    if DROPOUT:    # dropout's column words: once per key tile
+        dw = _col_words(offs_n, k_off, sd0, sd1)
+    else:
+        dw = 0
     k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
     v0, v1, v2 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
@@ -887,21 +968,21 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -913,21 +994,23 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, PREC)
+                                    ALIBI, DROPOUT, PREC)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, PREC)
+                                    ALIBI, DROPOUT, PREC)
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dv = dv * dv_mul
+    if DROPOUT:
+        dv = dv * drs                      # 1 / (1 - p)
     dk = dk * dk_mul
     inb = offs_n < Sk
     dk_ptrs = DK + b * sdk_b + hk * sdk_h + j0.to(tl.int64) * sdk_s + offs_nb[:, None] * sdk_s + offs_d[None, :]
@@ -947,11 +1030,11 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                  sc_b, sc_h, si_b, si_h, si_r,
-                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
+                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                  PREC: tl.constexpr):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
     bhk = tl.program_id(1)
@@ -961,21 +1044,21 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
+                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                   D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                  SOFTCAP, ALIBI, PREC)
+                  SOFTCAP, ALIBI, DROPOUT, PREC)
 
 
 @triton.jit
 def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
              mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-             Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag,
+             Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
              HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
@@ -1012,6 +1095,9 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dp = dp * mvo
+    if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
+        dp = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr, False),
+                      dp * drs, 0.0)
     ds = p * (dp - dlt[:, None])
     if WRITE_DB:
         db = ds
@@ -1034,12 +1120,12 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, db_add,
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, db_add,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """dq [BM, D] of query tile pid_m of head h in batch b (int64) over every key tile
     (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
@@ -1065,6 +1151,10 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))                  # [BM]
     ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)                      # [BM]
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
+    if DROPOUT:    # dropout's row words: once per query tile
+        dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+    else:
+        dw = 0
     Kh = K + b * sk_b + hk * sk_h
     Vh = V + b * sv_b + hk * sv_h
     BI = BIAS + b * sb_b + h * sb_h
@@ -1079,21 +1169,21 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         rw = i0 // SBQ
@@ -1105,17 +1195,17 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
     dq = dq * dq_mul
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -1131,12 +1221,12 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-               H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag,
+               H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, PREC: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
     bh = tl.program_id(1)
     _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
@@ -1145,8 +1235,8 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, 0, D, DP, BM, BN, SBQ, SBK, MODE,
-                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, PREC)
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC)
 
 
 @triton.jit
@@ -1155,12 +1245,12 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                     B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, HB,
+                     B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, HB,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
                      HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """dq and the dbias of a bias broadcast over batch (RED_B) and/or heads (RED_H) but
     full over queries and keys, no atomics and no scratch.
 
@@ -1191,9 +1281,9 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                         sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
-                        sl_b, cap, adiag,
+                        sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
-                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, PREC)
+                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC)
 
 
 @triton.jit
@@ -1204,13 +1294,13 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
-                H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, NKV_TILES, NQ_TILES,
+                H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, NKV_TILES, NQ_TILES,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BM2: tl.constexpr, BN2: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, PREC: tl.constexpr):
+                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """The whole backward after the delta pass in one launch.
 
     Grid (NKV_TILES + G * NQ_TILES, B * HKV): programs [0, NKV_TILES) own a key tile
@@ -1228,9 +1318,9 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
-                      sl_b, cap, adiag,
+                      sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                      SOFTCAP, ALIBI, PREC)
+                      SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
@@ -1239,9 +1329,9 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
-                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, 0, D, DP, BM2, BN2, SBQ, SBK,
+                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, 0, D, DP, BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
-                    ALIBI, PREC)
+                    ALIBI, DROPOUT, PREC)
 
 
 @triton.jit
@@ -1249,12 +1339,12 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, NJ_OUT, HB,
+                  B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, NJ_OUT, HB,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
                   RED_N: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     """dbias for a broadcast bias (shape [Bb, Hb, Mb, Nb], each 1 or full), no atomics.
 
     Grid (n_i_out * NJ_OUT, Bb * Hb): one program owns a [BM, BN] tile (or a [BN]
@@ -1309,6 +1399,10 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                 mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))           # [BM]
                 ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)               # [BM]
                 dlt = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+                if DROPOUT:
+                    dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+                else:
+                    dw = 0
                 for jt in range(0, nj_):
                     if RED_N:
                         j0 = jt * BN
@@ -1328,6 +1422,9 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                                  HAS_BAND, HAS_DOCS, HAS_KEEP)
                     p = tl.where(keep, p, 0.0)
                     dp = _dot(do, vT, PREC)
+                    if DROPOUT:
+                        dp = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr,
+                                                 False), dp * drs, 0.0)
                     acc += p * (dp - dlt[:, None])                                # [BM, BN]
     DBh = DB + bb * sdb_b + hb * sdb_h
     if RED_M and RED_N:

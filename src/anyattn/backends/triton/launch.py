@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 import triton
 
+from ...dropout import keep_scale, threshold
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag
 from ...rowstats import RowStats
 from . import configs as C
@@ -269,14 +270,36 @@ class _ModArgs:
     sink_t: Any                # fp32 [H]
     cap: float                 # c (1.0 unused)
     adiag: int                 # alibi_diag(p)
+    dropout: bool = False      # anyattn.dropout's keep mask (constexpr DROPOUT)
+    drop: tuple = (0, 0, 0, 1.0, 0, 0)   # seed halves k0, k1, threshold, 1 / (1 - p),
+    #                            q_offset, k_offset: the 32-bit ones as int32 bits
 
     @property
     def scalars(self):
-        return (self.sl_b, self.cap, self.adiag)
+        return (self.sl_b, self.cap, self.adiag, *self.drop)
 
     @property
     def flags(self):
-        return dict(SOFTCAP=self.softcap, ALIBI=self.alibi)
+        return dict(SOFTCAP=self.softcap, ALIBI=self.alibi, DROPOUT=self.dropout)
+
+
+def _u32_bits(x: int) -> int:
+    """A uint32 value as the int32 with its bits (every 32-bit kernel scalar is passed as
+    int32, one signature whatever the value; the kernels bitcast it back)."""
+    x = int(x)
+    if not 0 <= x < 1 << 32:
+        raise ValueError(f"{x} is not a 32-bit unsigned integer")
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _drop_args(p) -> tuple:
+    """(DROPOUT, scalars) of p's dropout (anyattn.dropout; p.dropout_p = 0: off)."""
+    if not p.has_dropout:
+        return False, (0, 0, 0, 1.0, 0, 0)
+    seed = int(p.dropout_seed)
+    return True, (_u32_bits(seed & 0xFFFFFFFF), _u32_bits(seed >> 32),
+                  _u32_bits(threshold(p.dropout_p)), float(keep_scale(p.dropout_p)),
+                  _u32_bits(p.q_offset), _u32_bits(p.k_offset))
 
 
 def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
@@ -291,10 +314,12 @@ def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
     sink_t = _dummy(dev, torch.float32)
     if mods.sinks is not None:
         sink_t = _to_dev(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
+    dropout, drop = _drop_args(p)
     return _ModArgs(softcap=p.softcap is not None, alibi=mods.alibi_slopes is not None,
                     sinks=mods.sinks is not None, slopes=slopes, sl_b=sl_b, sink_t=sink_t,
                     cap=float(p.softcap) if p.softcap is not None else 1.0,
-                    adiag=int(alibi_diag(p)) if mods.alibi_slopes is not None else 0)
+                    adiag=int(alibi_diag(p)) if mods.alibi_slopes is not None else 0,
+                    dropout=dropout, drop=drop)
 
 
 # ----------------------------------------------------------------------------- tile lists
