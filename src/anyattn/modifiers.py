@@ -79,6 +79,15 @@ def _sink_rows(sinks, like):
     return sinks.astype(like.dtype, copy=False).reshape(1, -1, 1)
 
 
+def _quiet(xp):
+    """NumPy's errstate for NaN rows (they propagate by design); no-op for torch."""
+    import contextlib
+
+    import numpy as np
+
+    return np.errstate(invalid="ignore") if xp is np else contextlib.nullcontext()
+
+
 def sink_terms(stats, sinks) -> Tuple[Any, Any]:
     """(max, log_norm) of rows over the kept keys -> the sink folded in, and the
     factor ``exp(lse_without − lse_with)`` that rescales an output normalised
@@ -94,13 +103,14 @@ def sink_terms(stats, sinks) -> Tuple[Any, Any]:
     xp = _xp(stats.max)
     m, ln = stats.max, stats.log_norm
     t = _sink_rows(sinks, m)                       # [1, Hq, 1]
-    m2 = xp.maximum(m, t)                          # NaN propagates
-    none = m2 == -float("inf")                     # an empty row and a -inf sink
-    m2s = xp.where(none, xp.zeros_like(m2), m2)
-    a = (m - m2s) + ln                             # -inf on an empty row
-    b = t - m2s                                    # -inf for a -inf sink
-    ln2 = xp.where(none, xp.zeros_like(m2), xp.logaddexp(a, b))
-    factor = xp.where(m == -float("inf"), xp.zeros_like(m2), xp.exp(a - ln2))
+    with _quiet(xp):
+        m2 = xp.maximum(m, t)                      # NaN propagates
+        none = m2 == -float("inf")                 # an empty row and a -inf sink
+        m2s = xp.where(none, xp.zeros_like(m2), m2)
+        a = (m - m2s) + ln                         # -inf on an empty row
+        b = t - m2s                                # -inf for a -inf sink
+        ln2 = xp.where(none, xp.zeros_like(m2), xp.logaddexp(a, b))
+        factor = xp.where(m == -float("inf"), xp.zeros_like(m2), xp.exp(a - ln2))
     return RowStats(m2, ln2), factor
 
 
