@@ -40,7 +40,8 @@ from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads,
-                          TileCounts, TileMods, TilePlan, alibi_anchors, backward_columns,
+                          DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
+                          backward_columns,
                           backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
                           saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
                           with_ones_column)
@@ -385,7 +386,8 @@ class NumpyBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest"}), softcap=True, alibi=True, sinks=True)
+        precisions=frozenset({"highest"}), softcap=True, alibi=True, sinks=True,
+        dropout=True)
 
     def __init__(self, config: Optional[NumpyConfig] = None):
         self.config = config if config is not None else NumpyConfig.from_env()
@@ -393,6 +395,14 @@ class NumpyBackend(Backend):
         self.last_counts: Dict[str, TileCounts] = {}
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _draw(p) -> Optional[DropoutDraw]:
+        """The call's dropout (column words, threshold), or None without dropout."""
+        if not p.has_dropout:
+            return None
+        return DropoutDraw(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, p.seq_q,
+                           p.seq_k)
+
     def _plan(self, p, bq: int, bk: int, bias) -> TilePlan:
         bq, bk = min(bq, p.seq_q), min(bk, p.seq_k)
         m = p.mask
@@ -426,7 +436,11 @@ class NumpyBackend(Backend):
         (:class:`~anyattn.backends.numpy_tiles.AlibiRows`) and its row term joins the
         statistics here (:func:`~anyattn.backends.numpy_tiles.shift_stats`); sinks are
         folded into the wide accumulator and the statistics at the end
-        (:func:`anyattn.modifiers.fold_sinks`)."""
+        (:func:`anyattn.modifiers.fold_sinks`).
+
+        Dropout (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`): column words once
+        per call, row words once per unit, keep tiles drawn per tile in the kernels;
+        the statistics stay those of the undropped softmax."""
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
@@ -450,16 +464,19 @@ class NumpyBackend(Backend):
             bmul = bcap = cap * LOG2E              # |s| <= c·log2e (log2 units)
         nt = cfg.n_threads()
         chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, nt))
+        draw = self._draw(p)
 
         def unit(b: int, h: int, tiles: List[int]) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
                 o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
                 tm = _tile_mods(p, slopes, anchor, b, h, dt)
+                dk = {} if draw is None else dict(drop=draw.tiles(plan.bq * plan.bk, dt),
+                                                  drop_rows=draw.rows(b, h))
                 if bias is not None:
                     qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
-                                        tile_blocks(plan, tiles), False, tm(False))
+                                        tile_blocks(plan, tiles), False, tm(False), **dk)
                 q2 = np.multiply(q[b, h], q2mul)                       # [Sq, D]
 
                 def exact(blocks, cmax: float) -> TileCounts:
@@ -467,10 +484,10 @@ class NumpyBackend(Backend):
                     qb = cmax if cmax == cmax else None
                     if cmax <= BASE2_LIMIT:
                         return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True,
-                                            tm(True), qb)
+                                            tm(True), qb, **dk)
                     qs = q2 if cap is not None else np.multiply(q[b, h], qsmul)
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False,
-                                        tm(False), None if qb is None else qb * LN2)
+                                        tm(False), None if qb is None else qb * LN2, **dk)
 
                 if not cfg.bounded:
                     bound = float(np.sqrt(np.max(np.einsum("id,id->i", q2, q2))) *
@@ -480,7 +497,8 @@ class NumpyBackend(Backend):
                         bound = float(np.minimum(bound, bcap))         # NaN stays NaN
                     return exact(tile_blocks(plan, tiles), bound)
                 return forward_rows_bounded(plan, b, h, q2, kh, vh, key_tile_norms(plan, kh),
-                                            o, mx, ln, tiles, exact, tm(True), bmul, bcap)
+                                            o, mx, ln, tiles, exact, tm(True), bmul, bcap,
+                                            **dk)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
@@ -503,7 +521,9 @@ class NumpyBackend(Backend):
         term moves from the given maxima into the kernels' rebased ones (exactly:
         TwoSum, the rounding joins log_norm); dsinks [Hq] =
         -Σ_{b,i} exp((sink - max) - log_norm)·δ with the δ = <dout, out> [B, Hq, Sq]
-        that the units compute anyway, reduced in float64."""
+        that the units compute anyway, reduced in float64.  Dropout: the kernels redraw
+        each tile's keep mask (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`), the
+        dout weights carry 1/(1 - p), δ = <dout, out> of the dropped out as given."""
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))
@@ -532,6 +552,8 @@ class NumpyBackend(Backend):
         nt = cfg.n_threads()
         chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, nt))
         nc = len(chunks)
+        draw = self._draw(p)
+        gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
 
         # units: base 2 where there is no bias and the maxima are moderate
         fin = np.isfinite(row_max)
@@ -585,7 +607,8 @@ class NumpyBackend(Backend):
 
                 def weighted(wr: np.ndarray) -> np.ndarray:
                     ga = np.empty((G, Sq, D + 1), dtype=dt)            # w·[dout | -delta]
-                    np.multiply(gg, wr[..., None], out=ga[..., :D])
+                    wg = wr if gmul is None else wr * gmul             # dropout: w/(1 - p)
+                    np.multiply(gg, wg[..., None], out=ga[..., :D])
                     if need_ds:
                         np.multiply(delta, -wr, out=ga[..., D])
                     else:
@@ -610,7 +633,9 @@ class NumpyBackend(Backend):
                     gaf=None if gaf is None else list(gaf),
                     alibi=None if slopes is None else
                     [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)
-                     for h in heads])
+                     for h in heads],
+                    drop=None if draw is None else draw.tiles(plan.bq * plan.bk, dt),
+                    drop_rows=None if draw is None else [draw.rows(b, h) for h in heads])
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
                 return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
                                      with_ones_column(v[b, hk], dt),

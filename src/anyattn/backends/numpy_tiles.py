@@ -39,6 +39,12 @@ Four choices run through the kernels here:
   of one ``[2Sk - 1]`` table (:class:`AlibiRows`), and far tiles floor their
   exponents (:data:`EXP_FLOOR2`) so that no exp or GEMM meets subnormals.  Sinks
   never reach the kernels (the launcher folds them into the statistics).
+* **Dropout** (:class:`DropoutDraw`, :mod:`anyattn.dropout`): the keep mask is drawn
+  per tile from a row word per query and a column word per key (computed once per
+  call / per unit, O(Sq + Sk) Philox calls) with eight in-place uint32 passes into a
+  per-unit buffer (:class:`DropoutTiles`), never stored whole.  P is multiplied by
+  the 0/1 tile after its row sum (the statistics stay undropped) and ``1/(1 - p)``
+  goes on the [ni, D] side: the forward's accumulator, the backward's dout weights.
 
 Every function works on one (batch, head) slice of 2-D arrays, writes only its
 own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
@@ -51,12 +57,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..dropout import col_words, keep_scale, row_words, threshold
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
            "AlibiRows", "TileMods", "alibi_anchors", "shift_stats", "two_sum",
+           "DropoutDraw", "DropoutTiles",
            "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM",
            "EXP_FLOOR2", "FAR_FRACTION"]
 
@@ -523,11 +531,102 @@ def shift_stats(rmax: np.ndarray, rlog: np.ndarray, shift: np.ndarray
     return np.where(fin, mx, rmax).astype(dt), np.where(fin, ln, rlog).astype(dt)
 
 
+# ----------------------------------------------------------------------- dropout
+_MIX1 = np.uint32(0x7FEB352D)      # anyattn.dropout.mix32's multipliers
+_MIX2 = np.uint32(0x846CA68B)
+_U15, _U16 = np.uint32(15), np.uint32(16)
+
+
+def _xorshift16(w: np.ndarray) -> np.ndarray:
+    """w ^ (w >> 16) (uint32): mix32's first step, which distributes over XOR, so
+    ``mix32(r ^ c)`` starts from ``_xorshift16(r) ^ _xorshift16(c)``."""
+    return w ^ (w >> _U16)
+
+
+class DropoutDraw:
+    """The dropout of one call, shared read-only by the workers.
+
+    ``cols`` uint32 [Sk]: the column words of the global keys ``k_offset + j``
+    (:func:`anyattn.dropout.col_words`), xorshifted by 16 (:func:`_xorshift16`);
+    :meth:`rows` gives a (batch, head)'s row words likewise; ``t`` the threshold
+    (keep iff ``mix32(row ^ col) >= t``), ``scale`` = 1/(1 - p).  ``keep_all``: t is 0
+    (p below 2⁻³³): every element is kept, only ``scale`` applies.
+    """
+
+    def __init__(self, p: float, seed: int, q_offset: int, k_offset: int, sq: int,
+                 sk: int):
+        self.seed, self.q_offset, self.sq = int(seed), int(q_offset), int(sq)
+        self.t = np.uint32(threshold(p))
+        self.scale = keep_scale(p)
+        self.keep_all = int(self.t) == 0
+        self.cols = _xorshift16(col_words(self.seed, np.arange(k_offset, k_offset + sk,
+                                                                dtype=np.uint64)))
+
+    def rows(self, b: int, h: int) -> np.ndarray:
+        """uint32 [Sq]: the xorshifted row words of (batch b, query head h) at the global
+        queries ``q_offset + i`` (Sq Philox calls)."""
+        i = np.arange(self.q_offset, self.q_offset + self.sq, dtype=np.uint64)
+        return _xorshift16(row_words(self.seed, [b], [h], i)[0, 0])
+
+    def tiles(self, n: int, dt: np.dtype) -> "DropoutTiles":
+        """Scratch for tiles of up to ``n`` elements: one per unit of work."""
+        return DropoutTiles(self, n, dt)
+
+    def keep_pairs(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """bool [n]: keep of the pairs (row words ``rows`` [n], key indices ``cols`` [n])."""
+        if self.keep_all:
+            return np.ones(len(rows), dtype=bool)
+        x = rows ^ self.cols[cols]
+        x *= _MIX1
+        x ^= x >> _U15
+        x *= _MIX2
+        x ^= x >> _U16
+        return x >= self.t
+
+
+class DropoutTiles:
+    """Per-unit scratch of :class:`DropoutDraw`: draws transposed keep tiles [nj, ni] as
+    0/1 in the compute dtype (never shared by threads)."""
+
+    def __init__(self, draw: DropoutDraw, n: int, dt: np.dtype):
+        self.draw = draw
+        self.scale = draw.scale
+        self.x = np.empty(n, dtype=np.uint32)
+        self.y = np.empty(n, dtype=np.uint32)
+        self.keep = np.empty(n, dtype=bool)
+        self.kf = np.empty(n, dtype=dt)
+
+    def keep_t(self, rows: np.ndarray, j0: int, j1: int) -> Optional[np.ndarray]:
+        """The keep tile of queries with row words ``rows`` [ni] (from
+        :meth:`DropoutDraw.rows`) and keys j0..j1-1: [nj, ni] 1 (kept) / 0 (dropped),
+        or None where every element is kept.  Eight uint32 passes and a compare,
+        bit for bit :func:`anyattn.dropout.dropout_mask`."""
+        d = self.draw
+        if d.keep_all:
+            return None
+        nj, ni = j1 - j0, len(rows)
+        n = nj * ni
+        x = self.x[:n].reshape(nj, ni)
+        y = self.y[:n].reshape(nj, ni)
+        np.bitwise_xor(d.cols[j0:j1, None], rows[None, :], out=x)   # after x ^= x >> 16
+        np.multiply(x, _MIX1, out=x)
+        np.right_shift(x, _U15, out=y)
+        np.bitwise_xor(x, y, out=x)
+        np.multiply(x, _MIX2, out=x)
+        np.right_shift(x, _U16, out=y)
+        np.bitwise_xor(x, y, out=x)
+        keep = np.greater_equal(x, d.t, out=self.keep[:n].reshape(nj, ni))
+        kf = self.kf[:n].reshape(nj, ni)
+        np.copyto(kf, keep)
+        return kf
+
+
 # ----------------------------------------------------------------------- forward
 def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                  v: np.ndarray, out: np.ndarray, rmax: np.ndarray, rlog: np.ndarray,
                  blocks: Sequence[Tuple[int, int, int]], base2: bool,
-                 mods: Optional[TileMods] = None, qk_bound: Optional[float] = None
+                 mods: Optional[TileMods] = None, qk_bound: Optional[float] = None,
+                 drop: Optional[DropoutTiles] = None, drop_rows: Optional[np.ndarray] = None
                  ) -> TileCounts:
     """Running-max forward of one (batch b, query head h) over row blocks.
 
@@ -540,7 +639,9 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     (ALiBi's far tiles floor their exponents where ``2·qk_bound + span`` can pass the
     floor, else where the span passes ``FAR_FRACTION·floor``).  Writes out [Sq, D] and
     the natural row statistics rmax, rlog [Sq] on those rows only (of the scores
-    without ALiBi's row term, see :func:`alibi_anchors`).
+    without ALiBi's row term, see :func:`alibi_anchors`).  ``drop`` (dropout, with the
+    row words ``drop_rows`` [Sq] of this head): P is multiplied by the keep tile after
+    its row sum, the accumulator by 1/(1 - p) at the end.
     """
     dt = plan.dtype
     D = v.shape[1]
@@ -600,13 +701,19 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                               where=np.isneginf(plan.bias_t(b, h, i0, i1, j0, j1)))
             corr = expf(m - m_use)                              # [ni] rescale old terms
             l *= corr
-            l += np.matmul(ones[:nj], st)                       # [ni]
+            l += np.matmul(ones[:nj], st)                       # [ni] (undropped)
+            if drop is not None:
+                kf = drop.keep_t(drop_rows[i0:i1], j0, j1)      # [nj, ni] 0/1 or None
+                if kf is not None:
+                    st *= kf                                    # P~ ∘ keep
             acc *= corr[:, None]
             acc += np.matmul(st.T, v[j0:j1])                    # [ni, D]
             m = m_new
         empty = l == 0                                          # no kept key (NaN stays)
         np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
         acc[empty] = 0
+        if drop is not None:
+            acc *= dt.type(drop.scale)                          # keep / (1 - p)
         out[i0:i1] = acc
         m64 = np.where(empty, -np.inf, m.astype(np.float64))
         with np.errstate(divide="ignore"):
@@ -644,7 +751,9 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
                          v: np.ndarray, knorm: np.ndarray, out: np.ndarray, rmax: np.ndarray,
                          rlog: np.ndarray, q_tiles: Sequence[int], exact: ExactRows,
                          mods: Optional[TileMods] = None, bound_mul: float = 1.0,
-                         bound_cap: Optional[float] = None) -> TileCounts:
+                         bound_cap: Optional[float] = None,
+                         drop: Optional[DropoutTiles] = None,
+                         drop_rows: Optional[np.ndarray] = None) -> TileCounts:
     """Forward without a running max, for problems without a bias (base 2).
 
     Each query row i has a bound ``c_i = |q2_i| * max_{kept key tiles} |k_j| >= |s_ij|``
@@ -674,6 +783,9 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     subnormals); far keys may underflow, harmlessly unless a row's sum drops below
     :data:`BOUNDED_MIN_SUM` (its nearest key masked out): that query tile is then
     recomputed by ``exact``.
+
+    Dropout (``drop``, row words ``drop_rows`` [Sq]): as in :func:`forward_rows`; a
+    one-key row gets ``keep·v/(1 - p)`` of its key.
 
     q2 [Sq, D] scaled queries; k, v [Sk, D]; knorm [nK]; writes out [Sq, D], rmax,
     rlog [Sq] on the rows of ``q_tiles``.
@@ -749,7 +861,11 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
                 if nj == 1:
                     key_of[:] = j0
                 tc.full += 1
-            l += np.matmul(ones[:nj], st)                             # [ni]
+            l += np.matmul(ones[:nj], st)                             # [ni] (undropped)
+            if drop is not None:
+                kf = drop.keep_t(drop_rows[i0:i1], j0, j1)            # [nj, ni] or None
+                if kf is not None:
+                    st *= kf                                          # P~ ∘ keep
             np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
             acc += pv
         if alibi is not None:                    # a kept row whose terms all underflowed?
@@ -771,8 +887,13 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
             one = (kept == 1) & np.isfinite(l)    # one key: P = 1, out = its v exactly
             if one.any():
                 acc[one] = v[key_of[one]]
+                if drop is not None:              # ... if that pair is kept, else 0
+                    sel = np.flatnonzero(one)
+                    acc[sel[~drop.draw.keep_pairs(drop_rows[i0 + sel], key_of[sel])]] = 0
                 single[i0:i1] = one
             bl[i0:i1] = np.where(empty, 0, l)
+        if drop is not None:
+            acc *= dt.type(drop.scale)                                # keep / (1 - p)
         out[i0:i1] = acc
         done[i0:i1] = True
     if done.any():          # statistics of all bounded rows at once, from lse2 = log2 l
@@ -810,6 +931,10 @@ class BackwardHeads:
     ``floor``: exponents are raised to it before the exp (:data:`EXP_FLOOR2`) on tiles
     where ALiBi reaches below ``FAR_FRACTION·floor``; ga must then be 0 on empty rows
     (their -inf column is floored too).
+    ``drop`` (dropout): per-unit :class:`DropoutTiles` with ``drop_rows`` [Sq] per head;
+    ga (and gaf) then hold ``[w·dout/(1 - p) | -w·delta]``: the kernel forms
+    ``dSᵀ = P~ ∘ (keep ∘ (v·(w g/(1 - p))ᵀ) - w·delta)`` (GEMM against v alone) and
+    ``dv += (P~ ∘ keep)·(w g/(1 - p))``.
     """
 
     heads: List[int]
@@ -825,6 +950,8 @@ class BackwardHeads:
     alibi: Optional[List[AlibiRows]] = None
     floor: Optional[float] = None          # lowest exponent fed to exp (EXP_FLOOR2)
     qk_bound: Optional[List[float]] = None  # per head: bound of |scale·qk| (kernel units)
+    drop: Optional[DropoutTiles] = None     # dropout scratch of this unit
+    drop_rows: Optional[List[np.ndarray]] = None   # per head: row words [Sq] (DropoutDraw)
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -838,7 +965,9 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     dv[j] += P~ᵀ (w g), dk[j] += scale·dSᵀ q (both
     finished per key tile, rows of ``k_tiles`` only), dq[h] += dS k (full
     accumulators, unscaled), dbias += dS (summed over its broadcast dims).  With a
-    softcap dS is multiplied by ``1 - tanh²(x/c)`` after dbias, before dq and dk.
+    softcap dS is multiplied by ``1 - tanh²(x/c)`` after dbias, before dq and dk.  With
+    dropout (``hs.drop``) dS is formed first, then P~ is multiplied by the keep tile
+    for dv (see :class:`BackwardHeads`).
     ka, va [Sk, D+1] = [k | 1], [v | 1]; dk, dv [Sk, D] outputs or None;
     dbias [Bb, Hb, Sqb, Skb] or None.
     """
@@ -861,6 +990,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     expf = np.exp2 if hs.base2 else np.exp
     snaps = hs.snap if hs.snap and any(hs.snap) else None
+    drop = hs.drop
+    vt = va[:, :D]                                  # [Sk, D] (dropout's dP GEMM)
     # dropped pairs may overflow in exp; an empty row's -inf column meets BLAS's zero
     # padding (0·inf) inside the GEMM: both harmless, silenced once for the whole loop
     with np.errstate(over="ignore", invalid="ignore"):
@@ -911,17 +1042,34 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     if sn is not None:                              # rows carried by one key
                         zero_ds = _snap(st, *sn)
                     gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, D+1]
-                    if dv_acc is not None:
+                    kf = None
+                    if drop is not None:                            # keep tile [nj, ni]
+                        kf = drop.keep_t(hs.drop_rows[gi][i0:i1], j0, j1)
+                    elif dv_acc is not None:
                         dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
                     if not need_ds:
+                        if drop is not None and dv_acc is not None:
+                            if kf is not None:
+                                st *= kf                            # P~ ∘ keep
+                            dv_acc += np.matmul(st, gta[:, :D])     # [nj, D]
                         continue
                     dst = pbuf[:nj * ni].reshape(nj, ni)
-                    np.matmul(vta, gta.T, out=dst)                  # w·(dPᵀ - delta), [nj, ni]
+                    if drop is None:
+                        np.matmul(vta, gta.T, out=dst)              # w·(dPᵀ - delta), [nj, ni]
+                    else:                                           # w·(keep∘dPᵀ/(1-p) - delta)
+                        np.matmul(vt[j0:j1], gta[:, :D].T, out=dst)
+                        if kf is not None:
+                            dst *= kf
+                        dst += gta[:, D]
                     if zero_ds is not None:                         # P = 1: dP - delta = 0
                         sub = dst[:, zero_ds[0]]
                         sub[zero_ds[1]] = 0
                         dst[:, zero_ds[0]] = sub
                     dst *= st                                       # dSᵀ [nj, ni]
+                    if drop is not None and dv_acc is not None:     # dv from P~ ∘ keep
+                        if kf is not None:
+                            st *= kf
+                        dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
                     if dbias is not None:
                         plan.add_dbias(dbias, dst, b, h, i0, i1, j0, j1)
                     if cap and (dk_acc is not None or hs.dq is not None):
