@@ -41,8 +41,9 @@ Four choices run through the kernels here:
   never reach the kernels (the launcher folds them into the statistics).
 * **Dropout** (:class:`DropoutDraw`, :mod:`anyattn.dropout`): the keep mask is drawn
   per tile from a row word per query and a column word per key (computed once per
-  call / per unit, O(Sq + Sk) Philox calls) with eight in-place uint32 passes into a
-  per-unit buffer (:class:`DropoutTiles`), never stored whole.  P is multiplied by
+  call / per unit, O(Sq + Sk) Philox calls) with six in-place uint32 passes, a compare
+  and a copy to 0/1 floats in per-unit buffers (:class:`DropoutTiles`), never stored
+  whole.  P is multiplied by
   the 0/1 tile after its row sum (the statistics stay undropped) and ``1/(1 - p)``
   goes on the [ni, D] side: the forward's accumulator, the backward's dout weights.
 
@@ -551,12 +552,19 @@ class DropoutDraw:
     :meth:`rows` gives a (batch, head)'s row words likewise; ``t`` the threshold
     (keep iff ``mix32(row ^ col) >= t``), ``scale`` = 1/(1 - p).  ``keep_all``: t is 0
     (p below 2⁻³³): every element is kept, only ``scale`` applies.
+
+    The generator's per-element steps, rewritten exactly: mix32's first xorshift
+    distributes over XOR (done on the words, :func:`_xorshift16`); its last one,
+    ``y = x ^ (x >> 16)``, keeps x's high half, so ``y >= t`` iff ``x ^ (t >> 16) >= t``
+    (where x's high half equals t's, y's low half is ``x_lo ^ (t >> 16)``; elsewhere the
+    high halves decide): one XOR with a constant instead of a shift and an XOR.
     """
 
     def __init__(self, p: float, seed: int, q_offset: int, k_offset: int, sq: int,
                  sk: int):
         self.seed, self.q_offset, self.sq = int(seed), int(q_offset), int(sq)
         self.t = np.uint32(threshold(p))
+        self.t_hi = np.uint32(int(self.t) >> 16)                  # see the class docstring
         self.scale = keep_scale(p)
         self.keep_all = int(self.t) == 0
         self.cols = _xorshift16(col_words(self.seed, np.arange(k_offset, k_offset + sk,
@@ -580,13 +588,14 @@ class DropoutDraw:
         x *= _MIX1
         x ^= x >> _U15
         x *= _MIX2
-        x ^= x >> _U16
+        x ^= self.t_hi                               # = (x ^ (x >> 16)) >= t, see above
         return x >= self.t
 
 
 class DropoutTiles:
     """Per-unit scratch of :class:`DropoutDraw`: draws transposed keep tiles [nj, ni] as
-    0/1 in the compute dtype (never shared by threads)."""
+    0/1 in the compute dtype (never shared by threads).  In float32 the 0/1 tile lives
+    in the shift buffer (fewer bytes in cache next to the kernels' own tiles)."""
 
     def __init__(self, draw: DropoutDraw, n: int, dt: np.dtype):
         self.draw = draw
@@ -594,13 +603,13 @@ class DropoutTiles:
         self.x = np.empty(n, dtype=np.uint32)
         self.y = np.empty(n, dtype=np.uint32)
         self.keep = np.empty(n, dtype=bool)
-        self.kf = np.empty(n, dtype=dt)
+        self.kf = self.y.view(dt) if dt == np.float32 else np.empty(n, dtype=dt)
 
     def keep_t(self, rows: np.ndarray, j0: int, j1: int) -> Optional[np.ndarray]:
         """The keep tile of queries with row words ``rows`` [ni] (from
         :meth:`DropoutDraw.rows`) and keys j0..j1-1: [nj, ni] 1 (kept) / 0 (dropped),
-        or None where every element is kept.  Eight uint32 passes and a compare,
-        bit for bit :func:`anyattn.dropout.dropout_mask`."""
+        or None where every element is kept.  Six uint32 passes, a compare and a copy,
+        bit for bit :func:`anyattn.dropout.dropout_mask` (see :class:`DropoutDraw`)."""
         d = self.draw
         if d.keep_all:
             return None
@@ -608,13 +617,12 @@ class DropoutTiles:
         n = nj * ni
         x = self.x[:n].reshape(nj, ni)
         y = self.y[:n].reshape(nj, ni)
-        np.bitwise_xor(d.cols[j0:j1, None], rows[None, :], out=x)   # after x ^= x >> 16
+        np.bitwise_xor.outer(d.cols[j0:j1], rows, out=x)       # row ^ col, xorshifted
         np.multiply(x, _MIX1, out=x)
         np.right_shift(x, _U15, out=y)
         np.bitwise_xor(x, y, out=x)
         np.multiply(x, _MIX2, out=x)
-        np.right_shift(x, _U16, out=y)
-        np.bitwise_xor(x, y, out=x)
+        np.bitwise_xor(x, d.t_hi, out=x)                       # the last xorshift, folded
         keep = np.greater_equal(x, d.t, out=self.keep[:n].reshape(nj, ni))
         kf = self.kf[:n].reshape(nj, ni)
         np.copyto(kf, keep)
@@ -1060,7 +1068,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         np.matmul(vt[j0:j1], gta[:, :D].T, out=dst)
                         if kf is not None:
                             dst *= kf
-                        dst += gta[:, D]
+                        dst += np.ascontiguousarray(gta[:, D])      # a strided row: 2x slower
                     if zero_ds is not None:                         # P = 1: dP - delta = 0
                         sub = dst[:, zero_ds[0]]
                         sub[zero_ds[1]] = 0

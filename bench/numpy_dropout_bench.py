@@ -1,0 +1,192 @@
+"""Cost of attention dropout on the NumPy backend: plain vs dropout_p = 0.1, forward +
+backward, in one process.
+
+Shape legend: B batch, H heads, S = Sq = Sk tokens, D head dim.
+
+Per mask (none, causal) and worker count it times ``anyattn.forward_with_stats`` then
+``anyattn.attention_backward(out=, lse=stats)`` (a training step's two calls; wrt q,
+k, v) with and without dropout.  The variants run interleaved, round after round, so
+that load from other processes on a shared machine hits them alike; the ratio is the
+median over rounds of (dropout step / plain step in the same round), as in
+``bench/numpy_modifiers_bench.py``; medians of the forward, the backward and their sum
+are reported too.  The issue's target: dropout with p = 0.1 <= 1.3x plain (forward +
+backward).  The outputs are checked against the float64 reference (the same mask)
+on a small problem before timing.
+
+    PYTHONPATH=src python3 bench/numpy_dropout_bench.py --threads 2,1 --reps 25 \\
+        --out docs/perf/numpy-dropout-cpu-2026-12-03.json \\
+        --png docs/perf/numpy-dropout-cpu-2026-12-03.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.api import forward_with_stats  # noqa: E402
+from anyattn.backends.registry import get_backend  # noqa: E402
+from numpy_modifiers_bench import machine  # noqa: E402
+
+VARIANTS = ("plain", "dropout")
+
+
+def options(variant: str, p: float) -> dict:
+    return {} if variant == "plain" else {"dropout_p": p, "dropout_seed": 2 ** 63 + 12345}
+
+
+def step(q, k, v, g, mask, kw):
+    """-> (forward seconds, backward seconds) of one training step."""
+    t0 = time.perf_counter()
+    out, st = forward_with_stats(q, k, v, mask=mask, backend="numpy", **kw)
+    t1 = time.perf_counter()
+    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, backend="numpy", **kw)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def check_small(dtype, p: float) -> float:
+    """Max relative error (out, dq, dk, dv) vs the float64 reference with the same
+    dropout, causal, on a small problem: the benchmark times correct code."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((1, 4, 300, 32)).astype(dtype) for _ in range(4))
+    kw = dict(options("dropout", p), mask=aa.Causal())
+    out = aa.attention(q, k, v, backend="numpy", **kw)
+    gr = aa.attention_backward(q, k, v, g, backend="numpy", **kw)
+    ro, _ = R.forward(q, k, v, **kw)
+    rg = R.backward(q, k, v, g, **kw)
+    return max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+               for a, b in ((out, ro), (gr.dq, rg.dq), (gr.dk, rg.dk), (gr.dv, rg.dv)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--S", type=int, default=1024)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--reps", type=int, default=9, help="rounds (each runs every variant)")
+    ap.add_argument("--masks", default="none,causal")
+    ap.add_argument("--threads", default="2,1",
+                    help="NumPy backend worker counts to run (one group of bars each)")
+    ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--png", default=None, help="bar chart path")
+    args = ap.parse_args()
+
+    dtype = np.dtype(args.dtype)
+    B, H, S, D = args.B, args.H, args.S, args.D
+    err = check_small(dtype, args.p)
+    if err > (1e-5 if dtype == np.float32 else 1e-12):
+        raise SystemExit(f"numpy backend with dropout off by {err:.3g} vs the reference")
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
+    load0 = os.getloadavg()
+    results = []
+    be = get_backend("numpy")
+    config0 = be.config
+    groups = [(int(t), m) for t in args.threads.split(",") for m in args.masks.split(",")]
+    for threads, mask_name in groups:
+        be.config = replace(config0, threads=threads)
+        mask = aa.Causal() if mask_name == "causal" else None
+        kws = {vn: options(vn, args.p) for vn in VARIANTS}
+        for vn in VARIANTS:                                      # warm-up
+            step(q, k, v, g, mask, kws[vn])
+        times = {vn: [] for vn in VARIANTS}
+        for r in range(args.reps):
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # no fixed position
+            for vn in order:
+                times[vn].append(step(q, k, v, g, mask, kws[vn]))
+        med = {vn: {"fwd": statistics.median(t[0] for t in ts),
+                    "bwd": statistics.median(t[1] for t in ts),
+                    "step": statistics.median(t[0] + t[1] for t in ts),
+                    "step_min": min(t[0] + t[1] for t in ts)} for vn, ts in times.items()}
+        for vn in VARIANTS:
+            m = med[vn]
+            pl = times["plain"]
+            paired = [(a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(times[vn], pl)]
+            pf = [a[0] / b[0] for a, b in zip(times[vn], pl)]
+            pb = [a[1] / b[1] for a, b in zip(times[vn], pl)]
+            row = {"threads": threads, "mask": mask_name, "variant": vn,
+                   "fwd_s": m["fwd"], "bwd_s": m["bwd"],
+                   "step_s": m["step"], "step_min_s": m["step_min"],
+                   "ratio_step": statistics.median(paired),
+                   "ratio_step_q1_q3": [float(np.percentile(paired, 25)),
+                                        float(np.percentile(paired, 75))],
+                   "ratio_fwd": statistics.median(pf), "ratio_bwd": statistics.median(pb),
+                   "ratio_step_of_medians": m["step"] / med["plain"]["step"],
+                   "ratio_step_min": m["step_min"] / med["plain"]["step_min"],
+                   "all_steps_s": [t[0] + t[1] for t in times[vn]]}
+            results.append(row)
+            print(f"{threads}t {mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  "
+                  f"bwd {m['bwd']*1e3:8.1f} ms  step {m['step']*1e3:8.1f} ms  "
+                  f"x{row['ratio_step']:.3f} (IQR {row['ratio_step_q1_q3'][0]:.3f}-"
+                  f"{row['ratio_step_q1_q3'][1]:.3f}, medians x"
+                  f"{row['ratio_step_of_medians']:.3f}, min x{row['ratio_step_min']:.3f})"
+                  f"  fwd x{row['ratio_fwd']:.3f}  bwd x{row['ratio_bwd']:.3f}", flush=True)
+    be.config = config0
+    doc = {
+        "what": "NumPy backend: forward_with_stats + attention_backward(out=, lse=stats), "
+                f"plain vs dropout_p={args.p}; interleaved rounds; ratio_step = median over "
+                "rounds of dropout step / plain step of the same round (ratio_fwd, "
+                "ratio_bwd likewise); times are medians",
+        "target": "dropout p = 0.1 <= 1.3x plain (forward + backward)",
+        "shape": {"B": B, "H": H, "S": S, "D": D, "dtype": str(dtype)}, "p": args.p,
+        "reps": args.reps, "check_max_rel_err": err,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rs = [r for r in results if r["variant"] == "dropout"]
+        labels = [f"{r['mask']}\n{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
+                  for r in rs]
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        x = np.arange(len(rs))
+        w = 0.27
+        for off, key, name in ((-w, "ratio_fwd", "forward"), (0, "ratio_bwd", "backward"),
+                               (w, "ratio_step", "fwd + bwd (IQR)")):
+            ys = [r[key] for r in rs]
+            yerr = None
+            if key == "ratio_step":
+                yerr = [[y - r["ratio_step_q1_q3"][0] for y, r in zip(ys, rs)],
+                        [r["ratio_step_q1_q3"][1] - y for y, r in zip(ys, rs)]]
+            bars = ax.bar(x + off, ys, w, label=name, yerr=yerr, capsize=2)
+            for b_, y in zip(bars, ys):
+                ax.text(b_.get_x() + b_.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center",
+                        fontsize=7)
+        ax.axhline(1.3, color="red", ls="--", lw=1, label="target 1.3 (fwd + bwd)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel(f"time with dropout p={args.p} / plain\n(median of paired rounds)")
+        ax.set_ylim(0.8, max(1.5, max(r["ratio_step_q1_q3"][1] for r in rs) + 0.1))
+        cpu = doc["machine"].get("cpu", "CPU")
+        ax.set_title(f"NumPy backend dropout, B={B} H={H} S={S} D={D} {dtype}, "
+                     f"{doc['machine']['usable_cpus']} cores (shared, load "
+                     f"{doc['loadavg_start'][0]:.1f}-{doc['loadavg_end'][0]:.1f}), "
+                     f"{args.reps} rounds\n{cpu}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
