@@ -50,7 +50,8 @@ def assert_close(got, ref, dtype: str, what: str = "", tol: Optional[float] = No
 
 
 def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0, k_offset=0,
-                    softcap=None, alibi_slopes=None, sinks=None):
+                    softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                    dropout_seed=None):
     """Sum of |terms| behind out, dq, dk, dv, dbias, dsinks (float64): the rounding scale.
 
     out_i = Σ_j P_ij v_j -> Σ_j P_ij |v_j|; dS = P(dP - δ) -> P(|dP| + |δ|);
@@ -69,6 +70,8 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
                                      None if alibi_slopes is None else to_np(alibi_slopes))
     sk = None if sinks is None else np.asarray(to_np(sinks), np.float64)
     p, row_max, log_norm = R._softmax_stats(s, sk)
+    if dropout_p:       # the kept entries, scaled: what out, dv and dS sum
+        p = R._dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
     out = np.einsum("bhij,bhjd->bhid", p, vexp)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)
     delta = np.sum(g * out, axis=-1, keepdims=True)

@@ -455,3 +455,37 @@ def test_sinks_on_rows_that_keep_no_key(hx):
     np.testing.assert_array_equal(lse[0, 0, 7:], np.float32(0.7))
     assert np.all(lse[0, 1, 7:] == -np.inf)
     assert np.all(to_np(grads.dq)[:, :, 7:] == 0)
+
+
+# ------------------------------------------------------------------------- dropout
+DROPOUT_CASES = [
+    # (name, shape, mask, bias, extra)
+    ("plain", "gqa", None, False, {}),
+    ("causal_bias_offsets", "sq_ne_sk", "causal_br", True, dict(q_offset=3, k_offset=1)),
+    ("window_modifiers", "odd113", "window", False, dict(softcap=2.0, alibi_slopes="h",
+                                                          sinks=True)),
+]
+
+
+@pytest.mark.parametrize("case,shape,mname,with_bias,extra", DROPOUT_CASES,
+                         ids=[c[0] for c in DROPOUT_CASES])
+def test_dropout_draws_the_shared_mask(hx, case, shape, mname, with_bias, extra):
+    """Every backend applies anyattn.dropout_mask bit for bit (one dropped or kept entry
+    of difference moves out by ~P/(1 − p), far above the tolerance): out, lse (undropped)
+    and every gradient against the reference drawing the same mask."""
+    B, Hq, Hkv, Sq, Sk, D = _shape(dict((c[0], c) for c in SHAPES)[shape], hx)
+    mask = {None: None, "causal_br": aa.Causal("bottom_right"),
+            "window": aa.Window(left=7, right=3)}[mname]
+    for dtype in hx.dtypes:
+        rng = np.random.default_rng(9)
+        q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype)
+        mods = dict(extra)
+        if mods.get("alibi_slopes") == "h":
+            mods["alibi_slopes"] = rng.uniform(0.05, 0.6, Hq).astype(dtype)
+        if mods.get("sinks"):
+            mods["sinks"] = rng.standard_normal(Hq).astype(dtype)
+        mods.update(dropout_p=0.25, dropout_seed=2 ** 63 + 17)
+        bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(dtype) if with_bias else None
+        wrt = ("q", "k", "v") + (("bias",) if with_bias else ()) + \
+            (("sinks",) if "sinks" in mods else ())
+        _run_both(hx, dtype, q, k, v, g, mask=mask, bias=bias, wrt=wrt, mods=mods)
