@@ -463,3 +463,52 @@ def test_engine_refuses_positions_past_u32(be):
     assert "DROPOUT" not in call.mod_consts
     call.set_dropout(0.0, None, 0, 0)
     assert "DROPOUT" not in call.mod_consts
+
+
+# ------------------------------------------------------------------ cost (not a test)
+def bench(rounds: int = 15, p: float = 0.1):
+    """Forward + backward process CPU time, plain vs dropout p, device-resident plans of
+    two backend instances (no shared buffers), medians of interleaved rounds.  Run as
+    ``LP_NUM_THREADS=1 python tests/webgpu/test_webgpu_dropout.py`` (docs/webgpu.md
+    'Dropout')."""
+    import json
+    import time
+
+    from anyattn.backends.webgpu.backend import WebGPUBackend
+    from anyattn.problem import describe
+
+    def plans(B, H, S, D, drop, causal):
+        r = np.random.default_rng(0)
+        q, k, v, g = (r.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
+        kw = dict(mask=aa.Causal() if causal else None)
+        if drop:
+            kw.update(dropout_p=drop, dropout_seed=1234567)
+        pr = describe(q, k, v, dout=g, wrt=("q", "k", "v"), **kw)
+        f, b, _, _ = WebGPUBackend().plan(pr, q, k, v, g)
+        return f, b
+
+    def once(f, b):
+        t0 = time.process_time()
+        f.submit()
+        f.wait()
+        b.submit()
+        b.wait()
+        return time.process_time() - t0
+
+    for B, H, S, D, causal in ((1, 4, 384, 64, False), (1, 4, 512, 16, False),
+                               (1, 4, 512, 64, True), (1, 2, 256, 128, False)):
+        pa, pb = plans(B, H, S, D, 0.0, causal), plans(B, H, S, D, p, causal)
+        once(*pa)
+        once(*pb)                                           # compile, warm
+        ta, tb = [], []
+        for r in range(rounds):
+            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                (ta if which == 0 else tb).append(once(*(pa if which == 0 else pb)))
+        ma, mb = float(np.median(ta)), float(np.median(tb))
+        print(json.dumps(dict(B=B, H=H, S=S, D=D, causal=causal, plain_cpu_s=ma,
+                              drop_cpu_s=mb, ratio=mb / ma, paired_ratio=float(
+                                  np.median(np.array(tb) / np.array(ta))))), flush=True)
+
+
+if __name__ == "__main__":
+    bench()
