@@ -73,6 +73,8 @@ def cases(world: int):
         ("zigzag-causal-dropout-reference-float64",
          dict(sharding="zigzag", mask="causal", dtype="float64", dropout=True,
               backend="reference")),
+        ("contiguous-causal_docs-dropout-float32",
+         dict(sharding="contiguous", mask="causal_docs", dtype="float32", dropout=True)),
         ("contiguous-docs-mods-reference-float64",
          dict(sharding="contiguous", mask="causal_docs", dtype="float64", mods=True,
               backend="reference")),
