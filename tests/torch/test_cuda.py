@@ -41,3 +41,31 @@ def test_compile_on_cuda():
     out = torch.compile(f, fullgraph=True)(q, q, q)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_dropout_mask_on_cuda_is_the_cpu_mask():
+    """One seed, the same keep mask on the GPU (triton) as on the CPU (numpy)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 96, 32) for _ in "qkv")
+    kw = dict(mask=Causal(), dropout_p=0.2, dropout_seed=2 ** 63 + 5, softcap=5.0)
+    cpu = at.attention(q, k, v, **kw)
+    gpu = at.attention(q.cuda(), k.cuda(), v.cuda(), **kw).cpu()
+    assert float((gpu - cpu).abs().max()) < 1e-5 * float(cpu.abs().max())
+
+
+def test_bert_trains_with_dropout_on_cuda():
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForMaskedLM
+
+    import anyattn.torch.transformers_backend  # noqa: F401
+
+    cfg = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, attention_probs_dropout_prob=0.1)
+    cfg._attn_implementation = "anyattn"
+    model = BertForMaskedLM(cfg).cuda().train()
+    ids = torch.randint(3, 64, (2, 32), device="cuda")
+    torch.manual_seed(1)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all()
+                                        for p in model.parameters() if p.grad is not None)
