@@ -9,7 +9,7 @@ import anyattn.torch.ops  # noqa: F401  (registers torch.ops.anyattn.*)
 from anyattn import Causal
 from anyattn import reference as R
 
-BACKENDS = ["reference"]
+BACKENDS = ["reference", "numpy"]
 
 
 def _case(dtype, seed=0, B=2, Hq=4, Hkv=2, Sq=7, Sk=9, D=8):
