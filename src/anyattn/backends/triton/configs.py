@@ -85,6 +85,26 @@ def autotune_enabled() -> bool:
     return os.environ.get("ANYATTN_TRITON_AUTOTUNE") == "1" and not use_fixed()
 
 
+#: input dtypes whose softcap may use the hardware tanh.approx.f32 (max rel. error ~2^-11,
+#: inside their 3e-3 / 2e-2 tolerances); fp32 keeps the fp32-accurate exp-based tanh
+FAST_TANH_DTYPES = ("float16", "bfloat16")
+FAST_TANH_MIN_CC = (7, 5)        # tanh.approx.f32: sm_75 and later
+
+
+def softcap_mode(dtype: str, device) -> int:
+    """The kernels' SOFTCAP constexpr for a softcap problem: 2 (tanh.approx.f32, one MUFU
+    op) for 16-bit inputs on a CUDA device of compute capability >= 7.5, else 1 (the
+    portable tanh of kernels._tanh_d: fp32 inputs, the interpreter, which cannot run
+    inline PTX).  ANYATTN_TRITON_FAST_TANH=0 forces 1 (for A/B timing)."""
+    if dtype not in FAST_TANH_DTYPES or os.environ.get("ANYATTN_TRITON_FAST_TANH") == "0":
+        return 1
+    if os.environ.get("TRITON_INTERPRET") == "1" or getattr(device, "type", "cuda") != "cuda":
+        return 1
+    import torch
+
+    return 2 if torch.cuda.get_device_capability(device) >= FAST_TANH_MIN_CC else 1
+
+
 def fp32_precision(precision: str, dtype: str) -> str:
     """The fp32 product scheme (docs/triton.md, "Precision").  'highest' (default):
     ANYATTN_TRITON_FP32_DOT, default 'f16x3' (operands scaled by powers of two into

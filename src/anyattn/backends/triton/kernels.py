@@ -425,6 +425,19 @@ def _tanh_d(y):
 
 
 @triton.jit
+def _tanh_fast(y):
+    """-> (tanh y, 1 - tanh^2 y) through the GPU's one-instruction approximation
+    tanh.approx.f32 (sm_75+, max relative error ~2^-11; saturates to +-1, NaN stays NaN):
+    the softcap of 16-bit inputs on CUDA (SOFTCAP == 2, chosen by configs.softcap_mode),
+    one MUFU op where _tanh_d needs an exp2 and a reciprocal.  PTX: the interpreter
+    cannot run it, so interpreter tests cover _tanh_d only (the GPU bench checks this
+    path against float64)."""
+    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+    return t, 1.0 - t * t
+
+
+@triton.jit
 def _alibi_dist(offs_m, offs_n, adiag, TRANS: tl.constexpr):
     """|i - j + adiag| of a tile as fp32, [BM, BN] (queries as rows) or with TRANS [BN, BM]:
     one exact fp32 subtraction per element of positions converted once per row / column
@@ -455,8 +468,11 @@ def _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
     TRANS [BN, BM] (keys offs_n as rows).  Returns (scores, 1 - tanh^2) (the second is
     the scores again without SOFTCAP, unused).  Every kernel forms the scores with this
     one function, fused multiply-adds written out, so forward and backward agree."""
-    if SOFTCAP:
-        th, dt = _tanh_d(tl.fma(s, s_scale, 0.0) * (1.0 / cap))
+    if SOFTCAP:    # 1: the portable fp32-accurate tanh, 2: the hardware approximation
+        if SOFTCAP == 2:
+            th, dt = _tanh_fast(tl.fma(s, s_scale, 0.0) * (1.0 / cap))
+        else:
+            th, dt = _tanh_d(tl.fma(s, s_scale, 0.0) * (1.0 / cap))
         if HAS_BIAS:
             s = tl.fma(th, cap, bt)
         else:
@@ -518,30 +534,59 @@ def _philox_w0(c0, c1, c2, c3, k0, k1):
 
 @triton.jit
 def _row_words(offs_m, q_off, h, b, sd0, sd1):
-    """uint32 [BM]: the row words of global rows q_off + offs_m of head h, batch b
-    (counter (i, h, b, 0)); q_off, sd0, sd1 as int32 bits."""
+    """uint32 [BM]: the row words r of global rows q_off + offs_m of head h, batch b
+    (counter (i, h, b, 0)), premixed as r ^ (r >> 16) (see _drop_keep); q_off, sd0, sd1
+    as int32 bits."""
     i = offs_m.to(tl.uint32) + _bits(q_off)
     z = tl.zeros_like(i)
-    return _philox_w0(i, z + h.to(tl.uint32), z + b.to(tl.uint32), z, _bits(sd0), _bits(sd1))
+    r = _philox_w0(i, z + h.to(tl.uint32), z + b.to(tl.uint32), z, _bits(sd0), _bits(sd1))
+    return r ^ (r >> 16)
 
 
 @triton.jit
 def _col_words(offs_n, k_off, sd0, sd1):
-    """uint32 [BN]: the column words of global keys k_off + offs_n (counter (j, 0, 0, 1))."""
+    """uint32 [BN]: the column words c of global keys k_off + offs_n (counter
+    (j, 0, 0, 1)), premixed as c ^ (c >> 16) (see _drop_keep)."""
     j = offs_n.to(tl.uint32) + _bits(k_off)
     z = tl.zeros_like(j)
-    return _philox_w0(j, z, z, z + 1, _bits(sd0), _bits(sd1))
+    c = _philox_w0(j, z, z, z + 1, _bits(sd0), _bits(sd1))
+    return c ^ (c >> 16)
+
+
+@triton.jit
+def _drop_words_kernel(DW, H, Sq, Sk, q_off, k_off, sd0, sd1, BLOCK: tl.constexpr):
+    """Grid (cdiv(max(Sq, Sk), BLOCK), 1 + B * H): dropout's premixed words into int32 DW
+    [Sk + B * H * Sq]: the column words of keys 0..Sk-1 first (program row 0), then the
+    row words of each (b, h) (program row 1 + b * H + h), every Philox call made once per
+    launch instead of once per tile visit."""
+    r = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if r == 0:
+        w = _col_words(offs, k_off, sd0, sd1)
+        tl.store(DW + offs, w.to(tl.int32, bitcast=True), mask=offs < Sk)
+    else:
+        bh = (r - 1).to(tl.int64)
+        w = _row_words(offs, q_off, bh % H, bh // H, sd0, sd1)
+        tl.store(DW + Sk + bh * Sq + offs, w.to(tl.int32, bitcast=True), mask=offs < Sq)
+
+
+@triton.jit
+def _load_words(ptr, offs, n):
+    """uint32 words ptr[offs] (offs < n; 0 beyond) from the int32 DW buffer."""
+    return tl.load(ptr + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _drop_keep(rw, cw, thr, TRANS: tl.constexpr):
-    """bool [BM, BN] (rows rw [BM], columns cw [BN]), or with TRANS [BN, BM]: keep iff
-    mix32(row ^ col) >= t (unsigned)."""
+    """bool [BM, BN] (rows rw [BM], columns cw [BN], premixed), or with TRANS [BN, BM]:
+    keep iff mix32(row ^ col) >= t (unsigned).  mix32's first step x ^= x >> 16 is linear
+    over GF(2), so it distributes over row ^ col and is done once per row and column
+    (_row_words, _col_words): per element remain one xor, two multiplies, two
+    shift-xors and the compare."""
     if TRANS:
         x = cw[:, None] ^ rw[None, :]
     else:
         x = rw[:, None] ^ cw[None, :]
-    x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
@@ -616,7 +661,7 @@ def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
+              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
               QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -659,7 +704,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     alpha = tl.math.exp2((m_i - m_use) * c)                                   # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:    # out = (P o keep).v / (1 - p) (scaled in the epilogue); l undropped
-        p = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr, False), p, 0.0)
+        p = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), p, 0.0)
     v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
@@ -673,7 +718,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -710,9 +755,11 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
     slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
-    if DROPOUT:    # dropout's row words: once per query tile
-        dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+    if DROPOUT:    # dropout's row words (precomputed, _drop_words_kernel): once per tile
+        DWr = DW + Sk + (b * H + h) * Sq
+        dw = _load_words(DWr, offs_m, Sq)
     else:
+        DWr = DW
         dw = 0
 
     q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
@@ -725,19 +772,19 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
         for t in range(t0, f0):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
@@ -750,7 +797,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                       ALIBI, DROPOUT, PREC)
@@ -758,7 +805,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
+                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                       ALIBI, DROPOUT, PREC)
@@ -851,7 +898,7 @@ def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
-               Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
+               Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -891,7 +938,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, False)  # [BM, DP]
     if DROPOUT:    # dv = (P o keep)^T.dout / (1 - p) (scaled at the end)
-        dkeep = _drop_keep(_row_words(offs_m, q_off, h, b, sd0, sd1), dw, dthr, True)
+        dkeep = _drop_keep(_load_words(DWr, offs_m, Sq), dw, dthr, True)
         pT0, pT1, pT2 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
     else:
         pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
@@ -920,7 +967,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r,
-                  H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                  H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -941,8 +988,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     offs_n = j0 + offs_nb
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
-    if DROPOUT:    # dropout's column words: once per key tile
-        dw = _col_words(offs_n, k_off, sd0, sd1)
+    if DROPOUT:    # dropout's column words (precomputed): once per key tile
+        dw = _load_words(DW, offs_n, Sk)
     else:
         dw = 0
     k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
@@ -963,24 +1010,28 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         BI = BIAS + b * sb_b + h * sb_h
         KMb = KM + b * skm_b + h * skm_h
         slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
+        if DROPOUT:
+            DWr = DW + Sk + bh * Sq                # this head's row words
+        else:
+            DWr = DW
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         else:
@@ -994,7 +1045,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC)
@@ -1003,7 +1054,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb,
+                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC)
@@ -1030,7 +1081,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                  sc_b, sc_h, si_b, si_h, si_r,
-                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1044,7 +1095,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                  sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
                   SOFTCAP, ALIBI, DROPOUT, PREC)
 
@@ -1052,7 +1103,7 @@ def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, F
 @triton.jit
 def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
              mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-             Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b,
+             Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
@@ -1096,8 +1147,7 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
         dp = dp * mvo
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
-        dp = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr, False),
-                      dp * drs, 0.0)
+        dp = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), dp * drs, 0.0)
     ds = p * (dp - dlt[:, None])
     if WRITE_DB:
         db = ds
@@ -1120,7 +1170,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, db_add,
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, db_add,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1151,9 +1201,11 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))                  # [BM]
     ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)                      # [BM]
     dlt = tl.load(DELTA + row, mask=offs_m < Sq, other=0.0)
-    if DROPOUT:    # dropout's row words: once per query tile
-        dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+    if DROPOUT:    # dropout's row words (precomputed): once per query tile
+        DWr = DW + Sk + bh * Sq
+        dw = _load_words(DWr, offs_m, Sq)
     else:
+        DWr = DW
         dw = 0
     Kh = K + b * sk_b + hk * sk_h
     Vh = V + b * sv_b + hk * sv_h
@@ -1169,19 +1221,19 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
@@ -1195,7 +1247,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         n_full = tl.load(FCNT + cb)
@@ -1203,7 +1255,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, sd0, sd1, dthr, drs, q_off, k_off, h, b, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
     dq = dq * dq_mul
@@ -1221,7 +1273,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-               H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+               H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1235,7 +1287,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM, BN, SBQ, SBK, MODE,
                 HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC)
 
 
@@ -1245,7 +1297,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                     B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, HB,
+                     B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, HB,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
@@ -1281,7 +1333,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
                         sdo_s, sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h,
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
-                        sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                        sl_b, cap, adiag, DW, dthr, drs,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
                         HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC)
 
@@ -1294,7 +1346,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
-                H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, NKV_TILES, NQ_TILES,
+                H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, NKV_TILES, NQ_TILES,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BM2: tl.constexpr, BN2: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
@@ -1318,7 +1370,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
-                      sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off,
+                      sl_b, cap, adiag, DW, dthr, drs,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
                       SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
@@ -1329,7 +1381,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
-                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, 0, D, DP, BM2, BN2, SBQ, SBK,
+                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
                     ALIBI, DROPOUT, PREC)
 
@@ -1339,7 +1391,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
-                  B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, sd0, sd1, dthr, drs, q_off, k_off, NJ_OUT, HB,
+                  B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, NJ_OUT, HB,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
                   RED_N: tl.constexpr,
@@ -1400,7 +1452,7 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                 ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)               # [BM]
                 dlt = tl.load(DELTA + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
                 if DROPOUT:
-                    dw = _row_words(offs_m, q_off, h, b, sd0, sd1)
+                    dw = _load_words(DW + Sk + bh * Sq, offs_m, Sq)
                 else:
                     dw = 0
                 for jt in range(0, nj_):
@@ -1423,8 +1475,8 @@ def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                     p = tl.where(keep, p, 0.0)
                     dp = _dot(do, vT, PREC)
                     if DROPOUT:
-                        dp = tl.where(_drop_keep(dw, _col_words(offs_n, k_off, sd0, sd1), dthr,
-                                                 False), dp * drs, 0.0)
+                        dp = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False),
+                                      dp * drs, 0.0)
                     acc += p * (dp - dlt[:, None])                                # [BM, BN]
     DBh = DB + bb * sdb_b + hb * sdb_h
     if RED_M and RED_N:

@@ -271,8 +271,8 @@ class _ModArgs:
     cap: float                 # c (1.0 unused)
     adiag: int                 # alibi_diag(p)
     dropout: bool = False      # anyattn.dropout's keep mask (constexpr DROPOUT)
-    drop: tuple = (0, 0, 0, 1.0, 0, 0)   # seed halves k0, k1, threshold, 1 / (1 - p),
-    #                            q_offset, k_offset: the 32-bit ones as int32 bits
+    tanh_mode: int = 1         # softcap's tanh: 1 portable fp32, 2 tanh.approx (configs)
+    drop: tuple = ()           # (DW words buffer, threshold as int32 bits, 1 / (1 - p))
 
     @property
     def scalars(self):
@@ -280,7 +280,8 @@ class _ModArgs:
 
     @property
     def flags(self):
-        return dict(SOFTCAP=self.softcap, ALIBI=self.alibi, DROPOUT=self.dropout)
+        return dict(SOFTCAP=self.tanh_mode if self.softcap else 0, ALIBI=self.alibi,
+                    DROPOUT=self.dropout)
 
 
 def _u32_bits(x: int) -> int:
@@ -292,14 +293,22 @@ def _u32_bits(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
-def _drop_args(p) -> tuple:
-    """(DROPOUT, scalars) of p's dropout (anyattn.dropout; p.dropout_p = 0: off)."""
+def _drop_args(p, dev) -> tuple:
+    """(DROPOUT, (DW, threshold, 1 / (1 - p))) of p's dropout (anyattn.dropout;
+    p.dropout_p = 0: off).  DW int32 [Sk + B * H * Sq]: the premixed column words, then
+    the row words of every (b, h), drawn once per call by K._drop_words_kernel (the seed
+    halves and offsets travel as int32 bits, one kernel signature for every value)."""
     if not p.has_dropout:
-        return False, (0, 0, 0, 1.0, 0, 0)
+        return False, (_dummy(dev), 0, 1.0)
+    B, H, Sq, Sk = p.batch, p.heads_q, p.seq_q, p.seq_k
     seed = int(p.dropout_seed)
-    return True, (_u32_bits(seed & 0xFFFFFFFF), _u32_bits(seed >> 32),
-                  _u32_bits(threshold(p.dropout_p)), float(keep_scale(p.dropout_p)),
-                  _u32_bits(p.q_offset), _u32_bits(p.k_offset))
+    dw = torch.empty(Sk + B * H * Sq, dtype=torch.int32, device=dev)
+    bl = 128
+    with torch.cuda.device(dev) if dw.is_cuda else _nullctx():
+        K._drop_words_kernel[(triton.cdiv(max(Sq, Sk, 1), bl), 1 + B * H)](
+            dw, H, Sq, Sk, _u32_bits(p.q_offset), _u32_bits(p.k_offset),
+            _u32_bits(seed & 0xFFFFFFFF), _u32_bits(seed >> 32), BLOCK=bl)
+    return True, (dw, _u32_bits(threshold(p.dropout_p)), float(keep_scale(p.dropout_p)))
 
 
 def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
@@ -314,12 +323,13 @@ def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
     sink_t = _dummy(dev, torch.float32)
     if mods.sinks is not None:
         sink_t = _to_dev(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
-    dropout, drop = _drop_args(p)
+    dropout, drop = _drop_args(p, dev)
     return _ModArgs(softcap=p.softcap is not None, alibi=mods.alibi_slopes is not None,
                     sinks=mods.sinks is not None, slopes=slopes, sl_b=sl_b, sink_t=sink_t,
                     cap=float(p.softcap) if p.softcap is not None else 1.0,
                     adiag=int(alibi_diag(p)) if mods.alibi_slopes is not None else 0,
-                    dropout=dropout, drop=drop)
+                    dropout=dropout, drop=drop,
+                    tanh_mode=C.softcap_mode(p.dtype, dev) if p.softcap is not None else 1)
 
 
 # ----------------------------------------------------------------------------- tile lists
