@@ -604,6 +604,7 @@ class DropoutTiles:
         self.y = np.empty(n, dtype=np.uint32)
         self.keep = np.empty(n, dtype=bool)
         self.kf = self.y.view(dt) if dt == np.float32 else np.empty(n, dtype=dt)
+        self._views: Dict[Tuple[int, int], Tuple[np.ndarray, ...]] = {}
 
     def keep_t(self, rows: np.ndarray, j0: int, j1: int) -> Optional[np.ndarray]:
         """The keep tile of queries with row words ``rows`` [ni] (from
@@ -614,17 +615,19 @@ class DropoutTiles:
         if d.keep_all:
             return None
         nj, ni = j1 - j0, len(rows)
-        n = nj * ni
-        x = self.x[:n].reshape(nj, ni)
-        y = self.y[:n].reshape(nj, ni)
+        views = self._views.get((nj, ni))
+        if views is None:
+            n = nj * ni
+            views = self._views[(nj, ni)] = tuple(
+                a[:n].reshape(nj, ni) for a in (self.x, self.y, self.keep, self.kf))
+        x, y, keep, kf = views
         np.bitwise_xor.outer(d.cols[j0:j1], rows, out=x)       # row ^ col, xorshifted
         np.multiply(x, _MIX1, out=x)
         np.right_shift(x, _U15, out=y)
         np.bitwise_xor(x, y, out=x)
         np.multiply(x, _MIX2, out=x)
         np.bitwise_xor(x, d.t_hi, out=x)                       # the last xorshift, folded
-        keep = np.greater_equal(x, d.t, out=self.keep[:n].reshape(nj, ni))
-        kf = self.kf[:n].reshape(nj, ni)
+        np.greater_equal(x, d.t, out=keep)
         np.copyto(kf, keep)
         return kf
 
