@@ -471,12 +471,12 @@ class NumpyBackend(Backend):
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
                 o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
                 tm = _tile_mods(p, slopes, anchor, b, h, dt)
-                dk = {} if draw is None else dict(drop=draw.tiles(plan.bq * plan.bk, dt),
-                                                  drop_rows=draw.rows(b, h))
+                dkw = {} if draw is None else dict(drop=draw.tiles(plan.bq * plan.bk, dt),
+                                                   drop_rows=draw.rows(b, h))
                 if bias is not None:
                     qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
-                                        tile_blocks(plan, tiles), False, tm(False), **dk)
+                                        tile_blocks(plan, tiles), False, tm(False), **dkw)
                 q2 = np.multiply(q[b, h], q2mul)                       # [Sq, D]
 
                 def exact(blocks, cmax: float) -> TileCounts:
@@ -484,10 +484,10 @@ class NumpyBackend(Backend):
                     qb = cmax if cmax == cmax else None
                     if cmax <= BASE2_LIMIT:
                         return forward_rows(plan, b, h, q2, kh, vh, o, mx, ln, blocks, True,
-                                            tm(True), qb, **dk)
+                                            tm(True), qb, **dkw)
                     qs = q2 if cap is not None else np.multiply(q[b, h], qsmul)
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln, blocks, False,
-                                        tm(False), None if qb is None else qb * LN2, **dk)
+                                        tm(False), None if qb is None else qb * LN2, **dkw)
 
                 if not cfg.bounded:
                     bound = float(np.sqrt(np.max(np.einsum("id,id->i", q2, q2))) *
@@ -498,7 +498,7 @@ class NumpyBackend(Backend):
                     return exact(tile_blocks(plan, tiles), bound)
                 return forward_rows_bounded(plan, b, h, q2, kh, vh, key_tile_norms(plan, kh),
                                             o, mx, ln, tiles, exact, tm(True), bmul, bcap,
-                                            **dk)
+                                            **dkw)
             return run
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]

@@ -1067,7 +1067,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     dst = pbuf[:nj * ni].reshape(nj, ni)
                     if drop is None:
                         np.matmul(vta, gta.T, out=dst)              # w·(dPᵀ - delta), [nj, ni]
-                    else:                                           # w·(keep∘dPᵀ/(1-p) - delta)
+                    else:                                   # w·(keep∘dPᵀ/(1 - p) - delta)
                         np.matmul(vt[j0:j1], gta[:, :D].T, out=dst)
                         if kf is not None:
                             dst *= kf
