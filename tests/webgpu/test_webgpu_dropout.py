@@ -11,6 +11,7 @@ Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 from __future__ import annotations
 
 import re
+import sys
 import zlib
 
 import numpy as np
@@ -21,7 +22,15 @@ from anyattn import reference as R
 from anyattn.backends.webgpu import pipelines, uniforms
 from anyattn.dropout import dropout_mask, keep_scale, philox4x32
 
-from helpers import TOL, assert_close, make_qkv
+if __name__ == "__main__" and "helpers" not in sys.modules:   # run as the cost script
+    import importlib.util
+    import os
+
+    _spec = importlib.util.spec_from_file_location("helpers", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers.py"))
+    sys.modules["helpers"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["helpers"])
+from helpers import TOL, assert_close, make_qkv  # noqa: E402
 
 
 def _mags(q, k, v, g, *, mask=None, bias=None, q_offset=0, k_offset=0, softcap=None,
@@ -170,6 +179,26 @@ def test_dropout_float16(be):
     bias = r.standard_normal((1, Hq, Sq, Sk)).astype(np.float16)
     run_both(q, k, v, g, mask=aa.Causal(), bias=bias, wrt=("q", "k", "v", "bias"),
              dropout_p=0.2, dropout_seed=31337, softcap=3.0, q_offset=2, k_offset=5)
+
+
+def test_dropout_gpu_tile_config(be):
+    """The GPU tiles (16 x 16 threads, BQ = BK = 64: 256 invocations, row / column
+    words from the first 64; D chunks of 8 so that it fits lavapipe's 32 KiB) on this
+    adapter: the reference with the same mask."""
+    from anyattn.backends.webgpu.launch import TileConfig
+
+    cfg = TileConfig(16, 16, 8, 8, 1)
+    lim = be.context.limits
+    if cfg.NT > lim.get("max-compute-invocations-per-workgroup", 256) or any(
+            cfg.smem_bytes(k, dropout=True) > lim.get("max-compute-workgroup-storage-size",
+                                                      16384)
+            for k in ("forward", "bwd_dq", "bwd_dkdv")):
+        pytest.skip(f"{cfg} does not fit {be.context.name}")
+    be.config_override = cfg
+    r = np.random.default_rng(12)
+    q, k, v, g = make_qkv(r, 1, 2, 1, 70, 90, 16)
+    run_both(q, k, v, g, mask=aa.Causal("bottom_right"), dropout_p=0.3, dropout_seed=2**64 - 9,
+             q_offset=5, k_offset=2)
 
 
 # ------------------------------------------------------------- the mask, bit for bit
@@ -511,4 +540,30 @@ def bench(rounds: int = 15, p: float = 0.1):
 
 
 if __name__ == "__main__":
-    bench()
+    bench(int(sys.argv[1]) if len(sys.argv) > 1 else 15)
+
+
+def test_workgroup_memory_counts_the_dropout_words(be):
+    """choose_config counts drw/dcw (4·(BQ + BK) bytes) for dropout, never for the plain
+    kernels; a config that only fits without them is refused, naming the kernel."""
+    from types import SimpleNamespace
+
+    from anyattn.backends.webgpu.engine import Call
+    from anyattn.backends.webgpu.launch import TileConfig, choose_config
+
+    plain = choose_config(be.context, 64)
+    need = max(plain.smem_bytes(k) for k in ("forward", "bwd_dq", "bwd_dkdv"))
+    ctx = SimpleNamespace(is_cpu=be.context.is_cpu, limits={
+        "max-compute-workgroup-storage-size": need + 100,
+        "max-compute-invocations-per-workgroup": 1024})
+    assert choose_config(ctx, 64) == plain
+    assert plain.smem_bytes("bwd_dq", dropout=True) == need + 4 * (plain.BQ + plain.BK)
+    with pytest.raises(NotImplementedError, match="workgroup memory"):
+        choose_config(ctx, 64, dropout=True)
+    big = TileConfig(16, 16, 16, 16, 1)
+    limit = be.context.limits.get("max-compute-workgroup-storage-size", 16384)
+    if big.smem_bytes("forward", dropout=True) <= limit:
+        pytest.skip(f"{big} fits {be.context.name} with dropout")
+    call = Call(be._run(), big, 1, 1, 1, 8, 8, 16)
+    with pytest.raises(NotImplementedError, match=r"with dropout needs \d+ bytes"):
+        call.set_dropout(0.5, 1, 0, 0)

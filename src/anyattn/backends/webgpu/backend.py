@@ -102,12 +102,12 @@ class WebGPUBackend(Backend):
             self._runner = Runner(self.context)
         return self._runner
 
-    def _call(self, p_sizes, D, elem, uprefix="u", backward=False):
+    def _call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False):
         from .engine import Call
         from .launch import choose_config
 
         run = self._run()
-        cfg = self.config_override or choose_config(run.ctx, D, elem, backward)
+        cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout)
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")
@@ -126,7 +126,8 @@ class WebGPUBackend(Backend):
             raise NotImplementedError(f"webgpu: dtype {p.dtype} is not supported")
         npdt = _NP[p.dtype]
         call = self._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
-                          _ELEM[p.dtype], uprefix, backward=dout is not None)
+                          _ELEM[p.dtype], uprefix, backward=dout is not None,
+                          dropout=p.has_dropout)
         run = call.run
         call.set_scale(p.scale)
         call.q = upload_view(run, "q", q, npdt)

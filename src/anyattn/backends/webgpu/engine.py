@@ -264,6 +264,13 @@ class Call:
         c = self.cfg
         if c.NT < max(c.BQ, c.BK):   # one invocation per row / column word
             raise ValueError(f"webgpu: dropout needs a tile config with TX, TY >= 4, got {c}")
+        limit = self.run.ctx.limits.get("max-compute-workgroup-storage-size", 16384)
+        for k in ("forward", "bwd_dq", "bwd_dkdv"):
+            if c.smem_bytes(k, dropout=True) > limit:
+                raise NotImplementedError(
+                    f"webgpu: {c} with dropout needs {c.smem_bytes(k, dropout=True)} bytes of "
+                    f"workgroup memory in {k!r}, past this adapter's {limit}; pass another "
+                    "config_override (or none: the chosen config counts dropout)")
         self.uni.update(drop_k0=seed & 0xFFFFFFFF, drop_k1=seed >> 32, drop_t=threshold(p),
                         drop_rs=f32_scalar("dropout_p", keep_scale(p)), drop_qo=int(q_offset),
                         drop_ko=int(k_offset), drop_b0=int(b0))

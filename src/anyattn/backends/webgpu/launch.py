@@ -81,7 +81,11 @@ class TileConfig:
             c.update(HALF=1, HC=self.HC, NHC=self.DC // 4 // self.HC)
         return c
 
-    def smem_bytes(self, kernel: str) -> int:
+    def smem_bytes(self, kernel: str, dropout: bool = False) -> int:
+        """Workgroup bytes of a tiled kernel; ``dropout``: with the DROPOUT kernels'
+        row / column words (u32 [BQ] and [BK])."""
+        if dropout:
+            return self.smem_bytes(kernel) + 4 * (self.BQ + self.BK)
         c = self.consts()
         sv = 8 if self.half else 16          # bytes of one tile element (4 values)
         stage = c["BQ"] * c["RSQ"], c["BK"] * c["RSQ"]
@@ -142,14 +146,16 @@ GPU_CONFIGS = (TileConfig(16, 16, 16, 8, 2), TileConfig(8, 8, 16, 8, 2))
 CPU_CONFIGS = (TileConfig(8, 8, 16, 8, 2),)
 
 
-def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0) -> TileConfig:
+def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
+                dropout: bool = False) -> TileConfig:
     """The f16-math variant of an f32 config: S/dP in f16 runs of 4 products per lane
     (HC = 2), updates flushed every 16 rows as two f16 chains of 8 (errors at the level
     of a naive fp16 implementation).  Forward: D chunks of 32 (same workgroup bytes
     per row as f32), IC = 16.  Backward on a GPU (``smem_limit`` > 0): D chunks of 64
     and the longest staged row chunk IC in (64, 32) that fits (fewer barriers;
     measured on the H200: bwd 1.25x / 1.27x the f32 speed at D = 64 / 128 against
-    1.18x / 1.25x with the forward's chunks, docs/perf/LOG.md 2026-12-02 evening)."""
+    1.18x / 1.25x with the forward's chunks, docs/perf/LOG.md 2026-12-02 evening).
+    ``dropout``: count the DROPOUT kernels' workgroup words."""
     h = dataclasses.replace(cfg, DC=32, IC=16, UC=16, half=True, HC=2)
     if backward and smem_limit:
         for ic in (64, 32):
@@ -158,22 +164,25 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0) ->
                 c.check()
             except ValueError:
                 continue
-            if all(c.smem_bytes(k) <= smem_limit for k in ("bwd_dq", "bwd_dkdv")):
+            if all(c.smem_bytes(k, dropout) <= smem_limit for k in ("bwd_dq", "bwd_dkdv")):
                 return c
     return h
 
 
-def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False) -> TileConfig:
+def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False,
+                  dropout: bool = False) -> TileConfig:
     """The first config whose workgroup memory fits the adapter; NV = 1 for small D;
-    the f16-math variant (``half_config``, its backward variant on GPUs) for f16."""
+    the f16-math variant (``half_config``, its backward variant on GPUs) for f16.
+    ``dropout``: the DROPOUT kernels' workgroup memory (without it the choice is the
+    one of the plain kernels)."""
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
     for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
         if D <= 4 * cfg.TX:       # one vec4 column group per thread; longer update chunks
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
         if elem == "f16":
-            cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit)
-        if cfg.NT <= inv and all(cfg.smem_bytes(k) <= limit
+            cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout)
+        if cfg.NT <= inv and all(cfg.smem_bytes(k, dropout) <= limit
                                  for k in ("forward", "bwd_dq", "bwd_dkdv")):
             cfg.check()
             return cfg
