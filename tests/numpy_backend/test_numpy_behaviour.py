@@ -74,7 +74,7 @@ def test_torch_cpu_tensors_in_and_out():
                                 lse=nlse, wrt=("q", "k", "v", "bias"), backend="numpy")
     assert np.array_equal(out.numpy(), nout) and np.array_equal(lse.numpy(), nlse)
     for a, b in zip(gr, ngr):
-        assert np.array_equal(a.numpy(), b)
+        assert (a is None and b is None) or np.array_equal(a.numpy(), b)
     # and against torch's own SDPA (float32 vs float32: loose)
     ref = torch.nn.functional.scaled_dot_product_attention(
         tq.detach(), tk.repeat_interleave(2, 1), tv.repeat_interleave(2, 1),
