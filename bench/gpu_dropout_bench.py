@@ -457,7 +457,9 @@ def plot(json_path, png_path=None):
 
     with open(json_path) as fh:
         res = json.load(fh)
-    rows = [r for r in res["bench"] if "total_ms" in r]
+    # rows of the latest process first (a merged file marks older rows with 'run')
+    rows = sorted((r for r in res["bench"] if "total_ms" in r and not r.get("superseded")),
+                  key=lambda r: "run" in r)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     labels = [("anyattn-triton", "plain"), ("anyattn-triton", "dropout"),
               ("anyattn-triton", "softcap"), ("anyattn-triton", "softcap_portable"),
