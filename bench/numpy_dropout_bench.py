@@ -83,7 +83,12 @@ def main() -> None:
                     help="NumPy backend worker counts to run (one group of bars each)")
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--png", default=None, help="bar chart path")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw --png from a JSON this script wrote")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.png)
+        return
 
     dtype = np.dtype(args.dtype)
     B, H, S, D = args.B, args.H, args.S, args.D
@@ -152,40 +157,46 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plot(doc, args.png)
 
-        rs = [r for r in results if r["variant"] == "dropout"]
-        labels = [f"{r['mask']}\n{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
-                  for r in rs]
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        x = np.arange(len(rs))
-        w = 0.27
-        for off, key, name in ((-w, "ratio_fwd", "forward"), (0, "ratio_bwd", "backward"),
-                               (w, "ratio_step", "fwd + bwd (IQR)")):
-            ys = [r[key] for r in rs]
-            yerr = None
-            if key == "ratio_step":
-                yerr = [[y - r["ratio_step_q1_q3"][0] for y, r in zip(ys, rs)],
-                        [r["ratio_step_q1_q3"][1] - y for y, r in zip(ys, rs)]]
-            bars = ax.bar(x + off, ys, w, label=name, yerr=yerr, capsize=2)
-            for b_, y in zip(bars, ys):
-                ax.text(b_.get_x() + b_.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center",
-                        fontsize=7)
-        ax.axhline(1.3, color="red", ls="--", lw=1, label="target 1.3 (fwd + bwd)")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks(x, labels)
-        ax.set_ylabel(f"time with dropout p={args.p} / plain\n(median of paired rounds)")
-        ax.set_ylim(0.8, max(1.5, max(r["ratio_step_q1_q3"][1] for r in rs) + 0.1))
-        cpu = doc["machine"].get("cpu", "CPU")
-        ax.set_title(f"NumPy backend dropout, B={B} H={H} S={S} D={D} {dtype}, "
-                     f"{doc['machine']['usable_cpus']} cores (shared, load "
-                     f"{doc['loadavg_start'][0]:.1f}-{doc['loadavg_end'][0]:.1f}), "
-                     f"{args.reps} rounds\n{cpu}", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+def plot(doc: dict, path: str) -> None:
+    """Bar chart of the dropout/plain ratios (forward, backward, their sum with IQR)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in doc["results"] if r["variant"] == "dropout"]
+    sh = doc["shape"]
+    labels = [f"{r['mask']}\n{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
+              for r in rs]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    x = np.arange(len(rs))
+    w = 0.27
+    for off, key, name in ((-w, "ratio_fwd", "forward"), (0, "ratio_bwd", "backward"),
+                           (w, "ratio_step", "fwd + bwd (IQR)")):
+        ys = [r[key] for r in rs]
+        yerr = None
+        if key == "ratio_step":
+            yerr = [[y - r["ratio_step_q1_q3"][0] for y, r in zip(ys, rs)],
+                    [r["ratio_step_q1_q3"][1] - y for y, r in zip(ys, rs)]]
+        bars = ax.bar(x + off, ys, w, label=name, yerr=yerr, capsize=2)
+        for b_, y in zip(bars, ys):
+            ax.text(b_.get_x() + b_.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center",
+                    fontsize=7)
+    ax.axhline(1.3, color="red", ls="--", lw=1, label="target 1.3 (fwd + bwd)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(x, labels)
+    top = max(max(r["ratio_fwd"], r["ratio_bwd"], r["ratio_step_q1_q3"][1]) for r in rs)
+    ax.set_ylim(0.6, max(1.5, top) + 0.12)
+    ax.set_ylabel(f"time with dropout p={doc['p']} / plain\n(median of paired rounds)")
+    m = doc["machine"]
+    ax.set_title(f"NumPy backend dropout, B={sh['B']} H={sh['H']} S={sh['S']} D={sh['D']} "
+                 f"{sh['dtype']}, {m['usable_cpus']} cores (shared, load "
+                 f"{doc['loadavg_start'][0]:.1f}-{doc['loadavg_end'][0]:.1f}), "
+                 f"{doc['reps']} rounds\n{m.get('cpu', 'CPU')}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower center", ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
