@@ -444,3 +444,28 @@ def test_capability_and_no_refusal():
     assert be.capabilities.dropout
     q = np.zeros((1, 1, 4, 8))
     assert be.unsupported_reasons(describe(q, q, q, dropout_p=0.1, dropout_seed=1)) == []
+
+
+def test_no_dense_mask_is_stored():
+    """Dropout adds per-tile scratch and O(Sq + Sk) words, never an [Sq, Sk] array:
+    the traced peak of a forward and a backward grows by far less than one bool per
+    score over the call without dropout."""
+    import tracemalloc
+
+    B, H, S, D = 1, 2, 1024, 16
+    q, k, v, g = qkv(24, B, H, H, S, S, D, dtype="float32")
+
+    def peak(**kw):
+        tracemalloc.start()
+        try:
+            out = aa.attention(q, k, v, backend="numpy", **kw)
+            aa.attention_backward(q, k, v, g, out=out, backend="numpy",
+                                  lse=aa.attention(q, k, v, backend="numpy",
+                                                   return_lse=True, **kw)[1], **kw)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    plain = peak()
+    dropped = peak(dropout_p=0.2, dropout_seed=SEED)
+    assert dropped - plain < 0.1 * B * H * S * S, (plain, dropped)
