@@ -61,3 +61,28 @@ def test_registered_autograd_matches_the_eager_fast_path():
     via_fn = torch.autograd.grad(attention_with_grad(*args)[0], (q, k, v, bias), g)
     for a, b in zip(via_op, via_fn):
         assert torch.equal(a, b)
+
+
+def test_outputs_never_alias_when_a_backend_returns_views_of_one_buffer(monkeypatch):
+    """The Triton kernels return the row max and log-normaliser as two views of one
+    [2, B, H, Sq] buffer; a custom op's outputs may not alias, so the op separates them
+    (found on the H200: anyattn.torch on CUDA raised torch's aliasing error)."""
+    from anyattn import api
+    from anyattn.rowstats import RowStats
+    from anyattn.torch import ops
+
+    real = api.forward_with_stats
+
+    def views(*a, **kw):
+        out, st = real(*a, **kw)
+        both = torch.stack([st.max, st.log_norm])          # one buffer, two views
+        return out, RowStats(both[0], both[1])
+
+    monkeypatch.setattr(ops.api, "forward_with_stats", views)
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    out, row_max, log_norm = ops.attention_fwd(q, q, q, None, None, None, None, None, None,
+                                               0.3, None, None)
+    assert row_max.untyped_storage().data_ptr() != log_norm.untyped_storage().data_ptr()
+    at_out = functional.attention(q, q, q)
+    at_out.sum().backward()
+    assert torch.isfinite(q.grad).all()

@@ -69,6 +69,24 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
+def _distinct(outputs, inputs):
+    """The outputs with any that shares storage with an input or an earlier output
+    cloned: a custom op's outputs may not alias (a backend may hand back views of one
+    buffer, e.g. the row max and log-normaliser of the Triton kernels)."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs
+            if isinstance(x, torch.Tensor) and x.numel()}
+    res = []
+    for x in outputs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        if ptr is not None and ptr in seen:
+            x = x.clone()
+            ptr = x.untyped_storage().data_ptr()
+        if ptr is not None:
+            seen.add(ptr)
+        res.append(x)
+    return tuple(res)
+
+
 def _seed(t: Optional[Tensor]) -> Optional[int]:
     """The dropout seed a one-element int64 tensor carries (None: no seed)."""
     return None if t is None else int(t.reshape(-1)[0].item())
@@ -102,8 +120,9 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                                      alibi_slopes=alibi_slopes, sinks=sinks,
                                      dropout_p=dropout_p, dropout_seed=_seed(dropout_seed))
     sdt = _lse_dtype(q)
-    return (_as_torch(out, q), _as_torch(st.max, q).to(sdt),
-            _as_torch(st.log_norm, q).to(sdt))
+    return _distinct((_as_torch(out, q), _as_torch(st.max, q).to(sdt),
+                      _as_torch(st.log_norm, q).to(sdt)),
+                     (q, k, v, bias, keep, q_ids, k_ids, alibi_slopes, sinks))
 
 
 @attention_fwd.register_fake
@@ -147,7 +166,8 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     dv = _as_torch(g.dv, v) if grad_v else _empty(v)
     db = _as_torch(g.dbias, bias) if "bias" in wrt else _empty(q)
     ds = _as_torch(g.dsinks, sinks) if "sinks" in wrt else _empty(q)
-    return dq, dk, dv, db, ds
+    return _distinct((dq, dk, dv, db, ds), (dout, q, k, v, out, row_max, log_norm, bias, keep,
+                                           q_ids, k_ids, alibi_slopes, sinks))
 
 
 @attention_bwd.register_fake
