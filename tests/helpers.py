@@ -107,6 +107,34 @@ def to_np(x):
     return np.asarray(x)
 
 
+def np_mask(m):
+    """The same mask with NumPy arrays (the float64 reference runs on NumPy)."""
+    import anyattn as aa
+
+    if m is None:
+        return None
+    if isinstance(m, aa.KeepMask):
+        return aa.KeepMask(to_np(m.mask))
+    if isinstance(m, aa.Documents):
+        return aa.Documents(to_np(m.q_ids), to_np(m.k_ids))
+    if hasattr(m, "terms"):
+        out = None
+        for t in m.terms:
+            out = np_mask(t) if out is None else out & np_mask(t)
+        return out
+    return m
+
+
+def torch_on(x, device, dtype=None):
+    """A NumPy array as a torch tensor on ``device`` (optionally cast); None stays None."""
+    import torch
+
+    if x is None:
+        return None
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    return t if dtype is None else t.to(dtype)
+
+
 def make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype="float32", scale_v=1.0):
     q = rng.standard_normal((B, Hq, Sq, D))
     k = rng.standard_normal((B, Hkv, Sk, D))

@@ -14,7 +14,7 @@ import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.registry import unavailable_reason
 
-from helpers import assert_close, harness_for, make_qkv, term_magnitudes, to_np, TOL
+from helpers import assert_close, harness_for, make_qkv, np_mask, term_magnitudes, to_np, TOL
 
 import os
 
@@ -64,7 +64,7 @@ def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), 
                             return_lse=True, backend=hx.name, **bmods)
     grads = aa.attention_backward(put(q), put(k), put(v), put(g), mask=mask, bias=put(bias),
                                   scale=scale, wrt=wrt, backend=hx.name, **bmods)
-    rmask = _np_mask(mask)
+    rmask = np_mask(mask)
     ro, rl = R.forward(q, k, v, mask=rmask, bias=bias, scale=scale, **mods)
     rg = R.backward(q, k, v, g, mask=rmask, bias=bias, scale=scale, wrt=wrt, **mods)
     mag = term_magnitudes(q, k, v, g, mask=rmask, bias=bias, scale=scale, **mods)
@@ -84,23 +84,6 @@ def _run_both(hx, dtype, q, k, v, g, mask=None, bias=None, wrt=("q", "k", "v"), 
             assert tuple(got.shape) == tuple(ref.shape), (name, got.shape, ref.shape)
             assert_close(got, ref, dtype, name, magnitude=mag[name])
     return out, grads
-
-
-def _np_mask(mask):
-    """The same mask with NumPy arrays (the reference runs on NumPy)."""
-    if mask is None:
-        return None
-    if isinstance(mask, aa.KeepMask):
-        return aa.KeepMask(to_np(mask.mask))
-    if isinstance(mask, aa.Documents):
-        return aa.Documents(to_np(mask.q_ids), to_np(mask.k_ids))
-    if hasattr(mask, "terms"):
-        ms = [_np_mask(t) for t in mask.terms]
-        out = ms[0]
-        for m in ms[1:]:
-            out = out & m
-        return out
-    return mask
 
 
 @pytest.mark.parametrize("case", SHAPES, ids=[c[0] for c in SHAPES])

@@ -20,7 +20,7 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
-from helpers import TOL, assert_close, make_qkv, to_np  # noqa: E402
+from helpers import TOL, assert_close, make_qkv, np_mask, to_np, torch_on  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -31,24 +31,9 @@ GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
 
 
 def T(x, dtype=None):
-    if x is None:
-        return None
-    t = torch.from_numpy(np.ascontiguousarray(x)).to(DEV)
-    return t if dtype is None else t.to(dtype)
+    return torch_on(x, DEV, dtype)
 
 
-def np_mask(m):
-    """The same mask with NumPy arrays, for the reference."""
-    if isinstance(m, aa.KeepMask):
-        return aa.KeepMask(to_np(m.mask))
-    if isinstance(m, aa.Documents):
-        return aa.Documents(to_np(m.q_ids), to_np(m.k_ids))
-    if hasattr(m, "terms"):
-        out = None
-        for t in m.terms:
-            out = np_mask(t) if out is None else out & np_mask(t)
-        return out
-    return m
 
 
 def mods_for(rng, B, Hq, softcap=None, alibi=None, sinks=None):
