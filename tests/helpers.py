@@ -54,9 +54,10 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
                     dropout_seed=None):
     """Sum of |terms| behind out, dq, dk, dv, dbias, dsinks (float64): the rounding scale.
 
-    out_i = Σ_j P_ij v_j -> Σ_j P_ij |v_j|; dS = P(dP - δ) -> P(|dP| + |δ|);
-    dq = scale·dS·(1 − tanh²)·k -> scale·|dS|·(1 − tanh²)·|k|; dk likewise with q;
-    dv = Pᵀg -> Pᵀ|g|; dsinks = −Σ P_sink·δ -> Σ P_sink·Σ_d|g·out|.
+    With Pd = P∘keep/(1 − p) (P without dropout): out_i = Σ_j Pd_ij v_j -> Σ_j Pd_ij |v_j|;
+    dS = Pd∘dP − P∘δ -> Pd·|dP| + P·|δ|; dq = scale·dS·(1 − tanh²)·k -> the same with
+    |dS|, |k|; dk likewise with q (summed over each query group); dv = Pdᵀg -> Pdᵀ|g|;
+    dsinks = −Σ P_sink·δ with δ = <g, out> -> Σ P_sink·Σ_d |g|·|out|'s scale.
     """
     from anyattn import reference as R
 
@@ -70,27 +71,28 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
                                      None if alibi_slopes is None else to_np(alibi_slopes))
     sk = None if sinks is None else np.asarray(to_np(sinks), np.float64)
     p, row_max, log_norm = R._softmax_stats(s, sk)
-    if dropout_p:       # the kept entries, scaled: what out, dv and dS sum
-        p = R._dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
-    out = np.einsum("bhij,bhjd->bhid", p, vexp)
+    pd = R._dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
+    out = np.einsum("bhij,bhjd->bhid", pd, vexp)
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)
     delta = np.sum(g * out, axis=-1, keepdims=True)
-    ads = p * (np.abs(dp) + np.abs(delta))
+    ads = pd * np.abs(dp) + p * np.abs(delta)
     adx = ads if th is None else ads * (1.0 - th * th)
+    mag_out = np.einsum("bhij,bhjd->bhid", pd, np.abs(vexp))
     res = {
-        "out": np.einsum("bhij,bhjd->bhid", p, np.abs(vexp)),
+        "out": mag_out,
         "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
         "dk": (scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q))).reshape(
             B, Hkv, G, Sk, D).sum(2),
-        "dv": np.einsum("bhij,bhid->bhjd", p, np.abs(g)).reshape(B, Hkv, G, Sk, D).sum(2),
+        "dv": np.einsum("bhij,bhid->bhjd", pd, np.abs(g)).reshape(B, Hkv, G, Sk, D).sum(2),
     }
     if b is not None:
         res["dbias"] = R.reduce_to_shape(ads, b.shape)
     if sk is not None:
+        t = sk[None, :, None]
         with np.errstate(invalid="ignore", over="ignore"):
-            p_sink = np.where(np.isfinite(row_max) & np.isfinite(sk[None, :, None]),
-                              np.exp((sk[None, :, None] - row_max) - log_norm), 0.0)
-        res["dsinks"] = (p_sink * np.sum(np.abs(g * out), axis=-1)).sum(axis=(0, 2))
+            p_sink = np.where(np.isfinite(row_max) & np.isfinite(t),
+                              np.exp((t - row_max) - log_norm), 0.0)
+        res["dsinks"] = (p_sink * np.sum(np.abs(g) * mag_out, axis=-1)).sum(axis=(0, 2))
     return res
 
 

@@ -7,8 +7,8 @@ concurrent callers; seeds >= 2**63; p near 0 and near 1.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
 Errors are measured as in ``np_util.check``: relative to max|ref|, or, where that is
-exceeded, to the summed magnitude of each result's terms (``_magnitudes``, which knows
-the dropout), within ``helpers.TOL``.
+exceeded, to the summed magnitude of each result's terms (``helpers.term_magnitudes``,
+which knows the dropout), within ``helpers.TOL``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from anyattn.backends.numpy_tiles import DropoutDraw
 from anyattn.backends.registry import get_backend
 from anyattn.dropout import dropout_mask, threshold
 
-from helpers import TOL, assert_close, to_np
+from helpers import TOL, assert_close, term_magnitudes, to_np
 from np_util import qkv
 
 DTYPES = ["float64", "float32"]
@@ -38,38 +38,6 @@ def small_tiles(np_config):
 
 
 # ------------------------------------------------------------------------ harness
-def _magnitudes(q, k, v, g, *, p, seed, mask=None, bias=None, scale=None, q_offset=0,
-                k_offset=0, softcap=None, alibi_slopes=None, sinks=None):
-    """float64 max of the summed |terms| behind out, dq, dk, dv, dbias, dsinks with the
-    dropped P (the rounding scale of a sum whose terms cancel)."""
-    q, k, v, g = (np.asarray(to_np(x), np.float64) for x in (q, k, v, g))
-    b = None if bias is None else np.asarray(to_np(bias), np.float64)
-    Hq, D = q.shape[1], q.shape[3]
-    scale = 1.0 / np.sqrt(D) if scale is None else scale
-    s, _, kexp, vexp, th = R._scores(q, k, v, mask, b, scale, q_offset, k_offset, softcap,
-                                     None if alibi_slopes is None else to_np(alibi_slopes))
-    P, m, ln = R._softmax_stats(s, None if sinks is None else to_np(sinks))
-    pd = R._dropped(P, p, seed, q_offset, k_offset)
-    out = np.einsum("bhij,bhjd->bhid", pd, vexp)
-    dp = np.einsum("bhid,bhjd->bhij", g, vexp)
-    delta = np.sum(g * out, axis=-1, keepdims=True)
-    ads = pd * np.abs(dp) + P * np.abs(delta)
-    adx = ads if th is None else ads * (1 - th * th)
-    mag_out = np.einsum("bhij,bhjd->bhid", pd, np.abs(vexp))
-    res = {"out": mag_out,
-           "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
-           "dk": scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q)),
-           "dv": np.einsum("bhij,bhid->bhjd", pd, np.abs(g))}
-    if b is not None:
-        res["dbias"] = R.reduce_to_shape(ads, b.shape)
-    if sinks is not None:
-        t = np.asarray(to_np(sinks), np.float64).reshape(1, Hq, 1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            ps = np.where(np.isfinite(m) & np.isfinite(t), np.exp((t - m) - ln), 0.0)
-        res["dsinks"] = (ps * np.sum(np.abs(g) * mag_out, axis=-1)).sum(axis=(0, 2))
-    return {n: float(np.max(x)) if x.size else 0.0 for n, x in res.items()}
-
-
 def check(q, k, v, g, *, dtype, p=0.3, seed=SEED, wrt=("q", "k", "v"), tol=None, **kw):
     """numpy backend vs the reference with dropout (p, seed): out, lse, the requested
     gradients.  ``kw``: mask, bias, scale, q_offset, k_offset, softcap, alibi_slopes,
@@ -84,7 +52,7 @@ def check(q, k, v, g, *, dtype, p=0.3, seed=SEED, wrt=("q", "k", "v"), tol=None,
     ro, rl = R.forward(q, k, v, **kw)
     rg = R.backward(q, k, v, g, wrt=wrt, **kw)
     mkw = {n: x for n, x in kw.items() if n not in ("dropout_p", "dropout_seed")}
-    mag = _magnitudes(q, k, v, g, p=p, seed=seed, **mkw)
+    mag = term_magnitudes(q, k, v, g, dropout_p=p, dropout_seed=seed, **mkw)
     out_np, lse_np = sw(to_np(out)), to_np(lse)
     assert out_np.dtype == np.dtype(dtype) and out_np.shape == ro.shape
     assert_close(out_np, ro, dtype, "out", tol=tol, magnitude=mag["out"])
@@ -245,7 +213,8 @@ def test_half_inputs(dtype):
     n = (lambda x: x.float().numpy())
     ro, _ = R.forward(n(tq), n(tk), n(tv), **kw)
     rg = R.backward(n(tq), n(tk), n(tv), n(tg), **kw)
-    mag = _magnitudes(n(tq), n(tk), n(tv), n(tg), p=0.2, seed=SEED, mask=aa.Causal())
+    mag = term_magnitudes(n(tq), n(tk), n(tv), n(tg), dropout_p=0.2, dropout_seed=SEED,
+                          mask=aa.Causal())
     assert_close(n(out), ro, dtype, "out", magnitude=mag["out"])
     for key in ("dq", "dk", "dv"):
         assert_close(n(getattr(gr, key)), getattr(rg, key), dtype, key, magnitude=mag[key])

@@ -4,7 +4,7 @@ offsets, empty rows, -inf sinks, fp32/fp64, bshd layout, torch tensors, large lo
 
 Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
 Errors are measured as in ``np_util.check``: relative to max|ref|, or, where that is
-exceeded, to the summed magnitude of each result's terms (``_magnitudes``, which
+exceeded, to the summed magnitude of each result's terms (``helpers.term_magnitudes``, which
 knows the modifiers), within ``helpers.TOL``.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from anyattn.backends.numpy_tiles import AlibiRows, alibi_anchors, shift_stats, 
 from anyattn.masks import resolve
 from anyattn.rowstats import RowStats
 
-from helpers import TOL, assert_close, to_np
+from helpers import TOL, assert_close, term_magnitudes, to_np
 from np_util import qkv
 
 DTYPES = ["float64", "float32"]
@@ -34,41 +34,6 @@ def small_tiles(np_config):
 
 
 # ------------------------------------------------------------------------ harness
-def _magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0, k_offset=0,
-                softcap=None, alibi_slopes=None, sinks=None):
-    """float64 max of the summed |terms| behind out, dq, dk, dv, dbias, dsinks (the
-    rounding scale of a sum whose terms cancel), with the modifiers."""
-    q, k, v, g = (np.asarray(to_np(x), np.float64) for x in (q, k, v, g))
-    b = None if bias is None else np.asarray(to_np(bias), np.float64)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scale = 1.0 / np.sqrt(D) if scale is None else scale
-    s, _, kexp, vexp, th = R._scores(q, k, v, mask, b, scale, q_offset, k_offset, softcap,
-                                     None if alibi_slopes is None else to_np(alibi_slopes))
-    p, m, ln = R._softmax_stats(s, None if sinks is None else to_np(sinks))
-    out = np.einsum("bhij,bhjd->bhid", p, vexp)
-    dp = np.einsum("bhid,bhjd->bhij", g, vexp)
-    delta = np.sum(g * out, axis=-1, keepdims=True)
-    ads = p * (np.abs(dp) + np.abs(delta))
-    adx = ads if th is None else ads * (1 - th * th)
-    mag_out = np.einsum("bhij,bhjd->bhid", p, np.abs(vexp))
-    res = {
-        "out": mag_out,
-        "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
-        "dk": scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q)),
-        "dv": np.einsum("bhij,bhid->bhjd", p, np.abs(g)),
-    }
-    if b is not None:
-        res["dbias"] = R.reduce_to_shape(ads, b.shape)
-    if sinks is not None:
-        t = np.asarray(to_np(sinks), np.float64).reshape(1, Hq, 1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            ps = np.where(np.isfinite(m) & np.isfinite(t), np.exp((t - m) - ln), 0.0)
-        res["dsinks"] = (ps * np.sum(np.abs(g) * mag_out, axis=-1)).sum(axis=(0, 2))
-    return {n: float(np.max(x)) if x.size else 0.0 for n, x in res.items()}
-
-
 def check(q, k, v, g, *, dtype, wrt=("q", "k", "v"), tol=None, **kw):
     """numpy backend vs the reference: out, lse, the requested gradients (dsinks too).
 
@@ -79,7 +44,7 @@ def check(q, k, v, g, *, dtype, wrt=("q", "k", "v"), tol=None, **kw):
     grads = aa.attention_backward(q, k, v, g, wrt=wrt, backend="numpy", **kw)
     ro, rl = R.forward(q, k, v, **kw)
     rg = R.backward(q, k, v, g, wrt=wrt, **kw)
-    mag = _magnitudes(q, k, v, g, **kw)
+    mag = term_magnitudes(q, k, v, g, **kw)
     out_np, lse_np = to_np(out), to_np(lse)
     assert out_np.dtype == np.dtype(dtype) and out_np.shape == ro.shape
     assert lse_np.dtype == np.dtype("float64" if dtype == "float64" else "float32")
@@ -470,7 +435,7 @@ def test_backward_from_given_out_and_lse(dtype):
     kw["sinks"] = (np.median(rl, axis=(0, 2)) + rng.standard_normal(Hq)).astype(dtype)
     wrt = ("q", "k", "v", "sinks")
     ref = R.backward(q, k, v, g, wrt=wrt, **kw)
-    mag = _magnitudes(q, k, v, g, **kw)
+    mag = term_magnitudes(q, k, v, g, **kw)
     out, st = forward_with_stats(q, k, v, backend="numpy", **kw)
     _, lse = aa.attention(q, k, v, return_lse=True, backend="numpy", **kw)
     for given in (st, lse):
@@ -509,7 +474,7 @@ def test_layout_bshd():
                                wrt=("q", "k", "v", "sinks"), mask=aa.Causal(), **kw)
     ro, rl = R.forward(q, k, v, mask=aa.Causal(), **kw)
     rg = R.backward(q, k, v, g, mask=aa.Causal(), wrt=("q", "k", "v", "sinks"), **kw)
-    mag = _magnitudes(q, k, v, g, mask=aa.Causal(), **kw)
+    mag = term_magnitudes(q, k, v, g, mask=aa.Causal(), **kw)
     assert out.shape == (B, Sq, Hq, D)
     assert_close(out.swapaxes(1, 2), ro, "float32", "out", magnitude=mag["out"])
     assert_close(lse, rl, "float32", "lse")

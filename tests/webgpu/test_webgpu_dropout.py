@@ -30,37 +30,7 @@ if __name__ == "__main__" and "helpers" not in sys.modules:   # run as the cost 
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers.py"))
     sys.modules["helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["helpers"])
-from helpers import TOL, assert_close, make_qkv  # noqa: E402
-
-
-def _mags(q, k, v, g, *, mask=None, bias=None, q_offset=0, k_offset=0, softcap=None,
-          alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None):
-    """Sum of |terms| behind out, dq, dk, dv, dbias (float64) with dropout:
-    out = Σ_j Pd_ij v_j, Pd = P∘keep/(1−p); dS = Pd∘dP − P∘δ."""
-    q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
-    b = None if bias is None else np.asarray(bias, np.float64)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scale = 1.0 / np.sqrt(D)
-    s, _, kexp, vexp, th = R._scores(q, k, v, mask, b, scale, q_offset, k_offset, softcap,
-                                     alibi_slopes)
-    sk = None if sinks is None else np.asarray(sinks, np.float64)
-    p, _, _ = R._softmax_stats(s, sk)
-    pd = R._dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
-    out = np.einsum("bhij,bhjd->bhid", pd, vexp)
-    dp = np.einsum("bhid,bhjd->bhij", g, vexp)
-    delta = np.sum(g * out, axis=-1, keepdims=True)
-    ads = pd * np.abs(dp) + p * np.abs(delta)
-    adx = ads if th is None else ads * (1.0 - th * th)
-    res = {"out": np.einsum("bhij,bhjd->bhid", pd, np.abs(vexp)),
-           "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
-           "dk": (scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q))).reshape(
-               B, Hkv, G, Sk, D).sum(2),
-           "dv": np.einsum("bhij,bhid->bhjd", pd, np.abs(g)).reshape(B, Hkv, G, Sk, D).sum(2)}
-    if b is not None:
-        res["dbias"] = R.reduce_to_shape(ads, b.shape)
-    return res
+from helpers import TOL, assert_close, make_qkv, term_magnitudes  # noqa: E402
 
 
 def run_both(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), layout="bhsd",
@@ -80,7 +50,7 @@ def run_both(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), layout="b
     # lse is that of the undropped softmax
     nod = {n: x for n, x in kw.items() if not n.startswith("dropout")}
     np.testing.assert_array_equal(rl, R.forward(q, k, v, mask=mask, bias=bias, **nod)[1])
-    mag = _mags(q, k, v, g, mask=mask, bias=bias, **kw)
+    mag = term_magnitudes(q, k, v, g, mask=mask, bias=bias, **kw)
     assert out.dtype == q.dtype and lse.dtype == np.float32
     assert_close(out, ro, dtype, "out", magnitude=mag["out"])
     fin = np.isfinite(rl)
@@ -96,10 +66,7 @@ def run_both(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), layout="b
         if layout == "bshd" and n in ("dq", "dk", "dv"):
             got = got.swapaxes(1, 2)
         assert got.shape == ref.shape, (n, got.shape)
-        m = mag.get(n)
-        if n == "dsinks":      # -Σ P_sink·δ: the terms' scale is Σ|P_sink·δ| <= Σ|δ|
-            m = np.abs(np.sum(np.asarray(g, np.float64) * ro, axis=-1)).sum(axis=(0, 2))
-        assert_close(got, ref, dtype, n, magnitude=m)
+        assert_close(got, ref, dtype, n, magnitude=mag.get(n))
     return out, lse, gr
 
 
@@ -407,7 +374,7 @@ def test_same_seed_same_bits_across_calls_splits_and_chunks(be):
     rk = {n: x for n, x in kw.items() if n != "backend"}
     ro, _ = R.forward(q, k, v, **rk)
     assert_close(ref[0], ro, "float32", "out",
-                 magnitude=_mags(q, k, v, g, **{n: x for n, x in rk.items()
+                 magnitude=term_magnitudes(q, k, v, g, **{n: x for n, x in rk.items()
                                                 if n != "mask" and n != "bias"},
                                  mask=kw["mask"], bias=bias)["out"])
     kw["dropout_seed"] = 2**64 - 6
