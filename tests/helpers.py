@@ -109,6 +109,52 @@ def to_np(x):
     return np.asarray(x)
 
 
+def compare_with_reference(backend, q, k, v, g, *, mask=None, bias=None,
+                           wrt=("q", "k", "v"), layout="bhsd", **mods):
+    """``backend``'s forward + backward on NumPy inputs vs the float64 reference; every
+    result within the dtype's tolerance (relative to max|ref| or the terms' magnitude,
+    as the contract suite), dtypes as the contract says; with dropout, lse is the
+    undropped one.  ``mods``: softcap, alibi_slopes, sinks, q_offset, k_offset,
+    dropout_p, dropout_seed.  -> (out, lse, grads)."""
+    import anyattn as aa
+    from anyattn import reference as R
+
+    dtype = str(q.dtype)
+    out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, layout=layout,
+                            backend=backend, **mods)
+    gr = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, layout=layout,
+                               backend=backend, **mods)
+    if layout == "bshd":
+        q, k, v, g = (x.swapaxes(1, 2) for x in (q, k, v, g))
+        out = out.swapaxes(1, 2)
+    ro, rl = R.forward(q, k, v, mask=mask, bias=bias, **mods)
+    rg = R.backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, **mods)
+    if mods.get("dropout_p"):           # lse is that of the undropped softmax
+        plain = {n: x for n, x in mods.items() if not n.startswith("dropout")}
+        np.testing.assert_array_equal(rl, R.forward(q, k, v, mask=mask, bias=bias, **plain)[1])
+    mag = term_magnitudes(q, k, v, g, mask=mask, bias=bias, **mods)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    assert_close(out, ro, dtype, "out", magnitude=mag["out"])
+    fin = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(lse), fin), "lse: -inf exactly where the reference's"
+    if fin.any():
+        err = np.max(np.abs(lse[fin] - rl[fin]))
+        assert err <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max()), f"lse: {err:.3g}"
+    for n in ("dq", "dk", "dv", "dbias", "dsinks"):
+        ref, got = getattr(rg, n), getattr(gr, n)
+        if ref is None:
+            assert got is None, f"{n} computed though not requested"
+            continue
+        if layout == "bshd" and n in ("dq", "dk", "dv"):
+            got = got.swapaxes(1, 2)
+        want_dt = {"dbias": None if bias is None else bias.dtype,
+                   "dsinks": None if mods.get("sinks") is None else mods["sinks"].dtype
+                   }.get(n, q.dtype)
+        assert got.shape == ref.shape and got.dtype == want_dt, (n, got.shape, got.dtype)
+        assert_close(got, ref, dtype, n, magnitude=mag.get(n))
+    return out, lse, gr
+
+
 def np_mask(m):
     """The same mask with NumPy arrays (the float64 reference runs on NumPy)."""
     import anyattn as aa

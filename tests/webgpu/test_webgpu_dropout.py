@@ -30,44 +30,13 @@ if __name__ == "__main__" and "helpers" not in sys.modules:   # run as the cost 
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers.py"))
     sys.modules["helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["helpers"])
-from helpers import TOL, assert_close, make_qkv, term_magnitudes  # noqa: E402
+from helpers import assert_close, compare_with_reference, make_qkv, term_magnitudes  # noqa: E402
 
 
-def run_both(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), layout="bhsd",
-             **kw):
-    """webgpu forward + backward with dropout vs the reference applying the same mask;
-    ``kw``: dropout_p, dropout_seed, offsets, score modifiers.  -> (out, lse, grads)."""
-    dtype = str(q.dtype)
-    out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, layout=layout,
-                            backend="webgpu", **kw)
-    gr = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, layout=layout,
-                               backend="webgpu", **kw)
-    if layout == "bshd":
-        q, k, v, g = (x.swapaxes(1, 2) for x in (q, k, v, g))
-        out = out.swapaxes(1, 2)
-    ro, rl = R.forward(q, k, v, mask=mask, bias=bias, **kw)
-    rg = R.backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, **kw)
-    # lse is that of the undropped softmax
-    nod = {n: x for n, x in kw.items() if not n.startswith("dropout")}
-    np.testing.assert_array_equal(rl, R.forward(q, k, v, mask=mask, bias=bias, **nod)[1])
-    mag = term_magnitudes(q, k, v, g, mask=mask, bias=bias, **kw)
-    assert out.dtype == q.dtype and lse.dtype == np.float32
-    assert_close(out, ro, dtype, "out", magnitude=mag["out"])
-    fin = np.isfinite(rl)
-    assert np.array_equal(np.isfinite(lse), fin), "lse: -inf exactly where the reference's"
-    if fin.any():
-        err = np.max(np.abs(lse[fin] - rl[fin]))
-        assert err <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max()), f"lse: {err:.3g}"
-    for n in ("dq", "dk", "dv", "dbias", "dsinks"):
-        ref, got = getattr(rg, n), getattr(gr, n)
-        if ref is None:
-            assert got is None, f"{n} computed though not requested"
-            continue
-        if layout == "bshd" and n in ("dq", "dk", "dv"):
-            got = got.swapaxes(1, 2)
-        assert got.shape == ref.shape, (n, got.shape)
-        assert_close(got, ref, dtype, n, magnitude=mag.get(n))
-    return out, lse, gr
+def run_both(q, k, v, g, **kw):
+    """webgpu with dropout vs the reference applying the same mask
+    (``helpers.compare_with_reference``; lse undropped)."""
+    return compare_with_reference("webgpu", q, k, v, g, **kw)
 
 
 MASKS = {

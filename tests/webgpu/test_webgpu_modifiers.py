@@ -21,45 +21,12 @@ from anyattn.backends.webgpu import pipelines, uniforms
 from anyattn.modifiers import NO_MODS
 from anyattn.problem import describe
 
-from helpers import TOL, assert_close, make_qkv, term_magnitudes
+from helpers import assert_close, compare_with_reference, make_qkv, term_magnitudes
 
 
-def run_both(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), layout="bhsd",
-             **mods):
-    """webgpu forward + backward vs the reference; every result within the dtype's
-    tolerance (relative to max|ref| or the terms' magnitude, as the contract suite).
-    ``mods``: softcap, alibi_slopes, sinks, q_offset, k_offset.  -> (out, lse, grads)."""
-    dtype = str(q.dtype)
-    out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, layout=layout,
-                            backend="webgpu", **mods)
-    gr = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, layout=layout,
-                               backend="webgpu", **mods)
-    if layout == "bshd":
-        q, k, v, g = (x.swapaxes(1, 2) for x in (q, k, v, g))
-        out = out.swapaxes(1, 2)
-    ro, rl = R.forward(q, k, v, mask=mask, bias=bias, **mods)
-    rg = R.backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt, **mods)
-    mag = term_magnitudes(q, k, v, g, mask=mask, bias=bias, **mods)
-    assert out.dtype == q.dtype and lse.dtype == np.float32
-    assert_close(out, ro, dtype, "out", magnitude=mag["out"])
-    fin = np.isfinite(rl)
-    assert np.array_equal(np.isfinite(lse), fin), "lse: -inf exactly where the reference's"
-    if fin.any():
-        err = np.max(np.abs(lse[fin] - rl[fin]))
-        assert err <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max()), f"lse: {err:.3g}"
-    for n in ("dq", "dk", "dv", "dbias", "dsinks"):
-        ref, got = getattr(rg, n), getattr(gr, n)
-        if ref is None:
-            assert got is None, f"{n} computed though not requested"
-            continue
-        if layout == "bshd" and n in ("dq", "dk", "dv"):
-            got = got.swapaxes(1, 2)
-        want_dt = {"dbias": None if bias is None else bias.dtype,
-                   "dsinks": None if mods.get("sinks") is None else mods["sinks"].dtype
-                   }.get(n, q.dtype)
-        assert got.shape == ref.shape and got.dtype == want_dt, (n, got.shape, got.dtype)
-        assert_close(got, ref, dtype, n, magnitude=mag.get(n))
-    return out, lse, gr
+def run_both(q, k, v, g, **kw):
+    """webgpu vs the reference (``helpers.compare_with_reference``)."""
+    return compare_with_reference("webgpu", q, k, v, g, **kw)
 
 
 def _mods(r, names, B, Hq, dtype="float32"):
