@@ -103,7 +103,19 @@ def test_a_rank_that_never_calls_stops_the_others_within_the_timeout(results):
 
 
 def test_default_timeout_is_the_process_groups(tmp_path):
-    res = _spawn(W.run_default_timeout, (2, _free_port(), str(tmp_path)), tmp_path)
+    # gloo (torch 2.13) sometimes aborts the waiting rank itself when the group's own
+    # timeout fires ("terminate called without an active exception", SIGABRT) before
+    # Python sees a timeout: about 1 run in 5 on this 2-core machine, with this
+    # session's code and the previous landing's alike.  Only that abort is retried, once.
+    for attempt in range(2):
+        tmp = tmp_path / f"attempt{attempt}"
+        tmp.mkdir()
+        try:
+            res = _spawn(W.run_default_timeout, (2, _free_port(), str(tmp)), tmp)
+            break
+        except AssertionError as e:
+            if attempt or "SIGABRT" not in str(e):
+                raise
     assert res[0]["type"] == "TimeoutError", res[0]
     assert "the process group's timeout" in res[0]["message"]
     assert W.TIMEOUT - 0.5 <= res[0]["seconds"] < W.TIMEOUT + 20, res[0]["seconds"]
