@@ -210,8 +210,18 @@ class _MaskArgs:
     mode: int                  # 0 in-kernel ranges, 1 tile lists
 
 
+#: one-element placeholders for absent operands, per (device, dtype): the kernels never
+#: read or write them (their constexpr flag is off), so one per device serves every call
+#: and a call launches no fill kernels for them.
+_dummies: Dict[tuple, Any] = {}
+
+
 def _dummy(device, dtype=torch.int32):
-    return torch.zeros(1, dtype=dtype, device=device)
+    key = (str(device), dtype)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies[key] = torch.zeros(1, dtype=dtype, device=device)
+    return t
 
 
 def _to_dev(x, device, dtype=None):
