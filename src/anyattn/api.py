@@ -42,6 +42,10 @@ def _bias4(bias, p: Problem):
 
 
 def _zeros_like(x, shape=None, dtype=None):
+    if array_kind(x) == "webgpu":
+        from .backends.webgpu.resident import zeros
+
+        return zeros(shape if shape is not None else x.shape, dtype or x.dtype)
     if array_kind(x) == "torch":
         import torch
 
@@ -58,6 +62,10 @@ def _empty_stats(q, p: Problem, mods: ScoreMods) -> RowStats:
     import numpy as np
 
     shape = (p.batch, p.heads_q, p.seq_q)
+    if array_kind(q) == "webgpu":
+        from .backends.webgpu.resident import empty_stats
+
+        return empty_stats(p, mods.sinks)
     if array_kind(q) == "torch":
         import torch
 
@@ -214,6 +222,8 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
             ob, stats = be.forward(p, qb, kb, vb, b4, mods)
         elif given is not None:
             stats = given
+        elif array_kind(lse) == "webgpu":    # not readable on the host: refined on the GPU
+            stats = be.stats_from_lse(p, qb, kb, vb, b4, mods, lse)
         elif needs_refine(lse):
             stats = refine(lse, be.forward(p, qb, kb, vb, b4, mods)[1])
         else:

@@ -1,4 +1,5 @@
-"""Array-library helpers: tell NumPy arrays from torch tensors without importing torch."""
+"""Array-library helpers: tell NumPy arrays, torch tensors and WebGPU device arrays
+(anyattn.webgpu.DeviceArray) apart without importing torch or wgpu."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,9 +10,12 @@ __all__ = ["array_kind", "to_numpy", "dtype_name", "device_name"]
 
 
 def array_kind(x: Any) -> Optional[str]:
-    """'numpy', 'torch', or None for anything else (torch is never imported here)."""
+    """'numpy', 'torch', 'webgpu' (anyattn.webgpu.DeviceArray), or None for anything
+    else (torch and wgpu are never imported here)."""
     if isinstance(x, np.ndarray):
         return "numpy"
+    if getattr(type(x), "_anyattn_kind", None) == "webgpu":
+        return "webgpu"
     mod = type(x).__module__
     if mod.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "shape"):
         return "torch"
@@ -36,7 +40,11 @@ def dtype_name(x: Any) -> str:
 
 
 def device_name(x: Any) -> str:
-    """'cpu' for NumPy arrays; the torch device string ('cpu', 'cuda:0') for tensors."""
-    if array_kind(x) == "torch":
+    """'cpu' for NumPy arrays; the torch device string ('cpu', 'cuda:0') for tensors;
+    'webgpu:N' for device arrays (0: anyattn's wgpu device)."""
+    kind = array_kind(x)
+    if kind == "torch":
         return str(x.device)
+    if kind == "webgpu":
+        return x.device
     return "cpu"

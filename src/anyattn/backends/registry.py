@@ -14,6 +14,8 @@ Automatic dispatch, the rule:
 
 - torch tensors on a CUDA device: ``triton``;
 - NumPy arrays and torch CPU tensors: ``numpy`` (host memory stays on the host);
+- WebGPU device arrays (``anyattn.webgpu.asarray`` / ``from_buffer``): ``webgpu``
+  (device memory stays on the device, even on a CPU adapter such as lavapipe);
 - ``webgpu`` and ``reference`` only when named (``backend="webgpu"``).  Auto-
   dispatch never moves host arrays to a GPU: it would create a wgpu device
   (0.5-1 s and GPU memory the caller did not ask for), copy every input to the
@@ -37,6 +39,9 @@ __all__ = ["BACKEND_NAMES", "Entry", "ENTRIES", "get_backend", "choose", "descri
 
 _F16_32 = frozenset({"float16", "bfloat16", "float32"})
 _ALL = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: why a host backend refuses WebGPU device arrays, and the remedy
+_HOST_REMEDY = ("WebGPU device arrays stay on the GPU: use backend='webgpu' (or None), or "
+                "read them back with .numpy()")
 
 
 @dataclass(frozen=True)
@@ -79,17 +84,21 @@ ENTRIES: Dict[str, Entry] = {
                     kind_remedy="pass torch CUDA tensors",
                     device_remedy="move the inputs with .cuda() (CPU tensors run only "
                                   "under Triton's interpreter, TRITON_INTERPRET=1)"),
+    # host (NumPy) arrays by name only; WebGPU device arrays (anyattn.webgpu) automatically
     "webgpu": Entry("anyattn.backends.webgpu.backend:WebGPUBackend",
-                    frozenset({"numpy"}), frozenset({"cpu"}), frozenset({"float32", "float16"}),
-                    auto_array_kinds=frozenset(), heavy=("wgpu",),  # host arrays: by name only
-                    kind_remedy="pass NumPy arrays, e.g. x.numpy()"),
+                    frozenset({"numpy", "webgpu"}), frozenset({"cpu", "webgpu"}),
+                    frozenset({"float32", "float16"}),
+                    auto_array_kinds=frozenset({"webgpu"}), heavy=("wgpu",),
+                    kind_remedy="pass NumPy arrays or anyattn.webgpu device arrays"),
     "numpy": Entry("anyattn.backends.numpy_backend:NumpyBackend",
                    frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
                    auto_array_kinds=frozenset({"numpy", "torch"}),
+                   kind_remedy=_HOST_REMEDY,
                    device_remedy="move the inputs with .cpu()"),
     "reference": Entry("anyattn.backends.reference_backend:ReferenceBackend",
                        frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
                        auto_array_kinds=frozenset(),         # the oracle: by name only
+                       kind_remedy=_HOST_REMEDY,
                        device_remedy="move the inputs with .cpu()"),
 }
 BACKEND_NAMES: Tuple[str, ...] = tuple(ENTRIES)

@@ -17,6 +17,8 @@ themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
+Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
+transfers: ``resident`` (automatic dispatch picks this backend for them).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ _ELEM = {"float32": "f32", "float16": "f16"}
 
 
 _CAPS = Capabilities(
-    array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+    array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
     max_head_dim=None, softcap=True, alibi=True, sinks=True, dropout=True)
 
@@ -53,6 +55,12 @@ class WebGPUBackend(Backend):
         if self.availability() is None and self.context.is_cpu:
             return dataclasses.replace(_CAPS, auto=False)
         return _CAPS
+
+    def auto_eligible(self) -> bool:
+        """Automatic dispatch reaches this backend only with WebGPU device arrays
+        (registry: host arrays go to it by name only); their data already lives on this
+        device, so it takes them on any adapter, lavapipe included."""
+        return True
 
     def __init__(self):
         self._runner = None
@@ -87,6 +95,10 @@ class WebGPUBackend(Backend):
 
     def extra_reasons(self, p: Problem) -> List[str]:
         why = []
+        if self.availability() is None and p.array_kind == "webgpu":
+            from .resident import device_reasons
+
+            why += device_reasons(p, self.context)
         if self.availability() is None:
             if p.dtype == "float16" and not self.context.has_f16:
                 why.append(f"float16 needs the adapter feature 'shader-f16', which "
@@ -249,6 +261,10 @@ class WebGPUBackend(Backend):
                                    alibi_shape=als), sl
 
     def forward(self, p: Problem, q, k, v, bias, mods=NO_MODS):
+        if p.array_kind == "webgpu":
+            from . import resident
+
+            return resident.forward(self, p, q, k, v, bias, mods)
         chunks = self._batch_chunks(p, backward=False, bias=bias)
         if len(chunks) > 1:
             parts = []
@@ -329,6 +345,10 @@ class WebGPUBackend(Backend):
         return call, read
 
     def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods=NO_MODS):
+        if p.array_kind == "webgpu":
+            from . import resident
+
+            return resident.backward(self, p, q, k, v, dout, out, stats, bias, mods)
         res = self._backward_device(p, q, k, v, dout, out, stats, bias, mods)
         if "sinks" in p.wrt:
             res["dsinks"] = self._dsinks(p, dout, out, stats, mods.sinks)
@@ -379,6 +399,13 @@ class WebGPUBackend(Backend):
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
+
+    def stats_from_lse(self, p: Problem, q, k, v, bias, mods, lse) -> RowStats:
+        """Device arrays: the statistics of a plain lse device array (always refined on
+        the device against recomputed ones: its magnitude cannot be read on the host)."""
+        from . import resident
+
+        return resident.stats_from_lse(self, p, q, k, v, bias, mods, lse)
 
     # -------------------------------------------------------------- benchmarks
     def plan(self, p: Problem, q, k, v, dout=None, bias=None, mods=NO_MODS):

@@ -30,10 +30,13 @@ from typing import Dict, Mapping
 
 from .uniforms import wgsl_struct
 
-__all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES"]
+__all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
+#: the same for the element-wise kernel of device arrays (``ew``: f16 source /
+#: destination, the add and refine operations)
+EW_DEFINES = ("SRC16", "DST16", "OP_ADD", "OP_REFINE")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -177,7 +180,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     text = _expand_includes(_read(kernel))
     if half:
         text = "//@define HALF\n" + text
-    for name in MOD_DEFINES:          # score modifiers: compiled in only where used
+    for name in MOD_DEFINES + EW_DEFINES:   # compiled in only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)
@@ -203,6 +206,8 @@ LAYOUTS = {
     "reduce": "urw",          # U ds out
     "vmean": "urw",           # U v out
     "scatter": "urw",         # U src arena
+    "ew": "urrw",             # U src src2 dst (device arrays: gather, cast, add, refine)
+    "dsinks": "urrw",         # U stats aux dsinks
 }
 
 

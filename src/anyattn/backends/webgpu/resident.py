@@ -1,0 +1,407 @@
+"""Device-resident calls: anyattn.webgpu device arrays in, device arrays out.
+
+Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim, n = B*HQ*SQ.
+
+Nothing crosses to the host: q, k, v, dout, out and a float32 bias are bound where
+they lie (their buffer, element offset and b/h/s strides become the kernels'
+operands; a D stride != 1 or an f16 bias is first gathered on the device by the
+``ew`` kernel); sinks and ALiBi slopes are gathered into the ``aux`` table on the
+device; results are fresh buffers (f16 results cast on the device), returned as
+DeviceArrays.  The host writes only uniforms and ``aux``'s mask tables (band, tile
+map, document ids, a KeepMask: masks are host descriptions), plus zeros where the
+device fills in slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
+
+A plain lse given as a device array cannot be inspected on the host, so it is always
+refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
+RowStats of ``anyattn.api.forward_with_stats`` to skip that pass.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ...modifiers import ScoreMods, alibi_diag
+from ...problem import Problem
+from ...rowstats import RowStats
+from .engine import LOG_NORM_ROW, STATS_ROWS, Operand
+from .launch import Launch, ceil_div, split_range
+from .uniforms import FLAGS
+
+__all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empty_stats",
+           "device_reasons", "HOME"]
+
+#: the device label of anyattn's own wgpu device (anyattn.webgpu._device_label)
+HOME = "webgpu:0"
+_I32 = (1 << 31) - 1
+
+
+# ------------------------------------------------------------------ buffers, views
+def _fresh(run, nbytes: int, label: str):
+    """A new buffer for a result the caller keeps (zero-initialised by WebGPU)."""
+    run.check_size(label, int(nbytes))
+    usage = run.usage
+    return run.device.create_buffer(label=label, size=max(16, -(-int(nbytes) // 16) * 16),
+                                    usage=usage)
+
+
+def _nbytes(count: int, dtype) -> int:
+    """Bytes of ``count`` elements (f16 rounded up to whole vec4s: the kernels write
+    f16 four at a time)."""
+    if np.dtype(dtype) == np.float16:
+        return 8 * ceil_div(count, 4)
+    return 4 * count
+
+
+def _result(buf, shape, dtype, offset: int = 0):
+    from ...webgpu import DeviceArray, _contiguous_strides
+
+    return DeviceArray(buf, shape, dtype, _contiguous_strides(shape), offset, HOME)
+
+
+def zeros(shape, dtype):
+    """A new zero device array (WebGPU zero-initialises buffers: no transfer)."""
+    run = _backend()._run()
+    n = int(np.prod(shape, dtype=np.int64))
+    return _result(_fresh(run, _nbytes(n, dtype), "anyattn.zeros"), tuple(shape), dtype)
+
+
+def _backend():
+    """The registry's webgpu backend instance (its runner and lock)."""
+    from ..registry import get_backend
+
+    return get_backend("webgpu")
+
+
+def _shape4(x) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Shape and element strides left-padded to 4 dims; size-1 dims get stride 0."""
+    pad = 4 - x.ndim
+    shape = (1,) * pad + tuple(x.shape)
+    strides = (0,) * pad + tuple(x.strides)
+    return shape, tuple(0 if n == 1 else s for n, s in zip(shape, strides))
+
+
+def _check_binding(run, x, name: str) -> None:
+    if x.buffer.size > run.max_binding:
+        raise ValueError(f"{name}: its buffer has {x.buffer.size} bytes, past this adapter's max "
+                         f"storage binding of {run.max_binding} bytes ({run.ctx.name}); the "
+                         "webgpu kernels bind whole buffers: use a smaller buffer")
+
+
+# ------------------------------------------------------------------ the ew kernel
+class _Seq:
+    """A list of launches with their own uniform buffers (when no Call is at hand)."""
+
+    def __init__(self, run, prefix: str = "ew_u"):
+        self.run, self.prefix, self.launches, self.clears, self._n = run, prefix, [], [], 0
+        self.uni: Dict[str, object] = {}
+
+    def _u(self, vals):
+        buf = self.run.uniform(f"{self.prefix}{self._n}", vals)
+        self._n += 1
+        return buf
+
+    def submit(self) -> None:
+        self.run.run(self.launches, self.clears)
+        self.launches, self.clears = [], []
+
+
+def _ew(seq, src, dst_buf, dst_off: int, *, dst16: bool = False, op: Optional[str] = None,
+        src2=None, extra: Optional[Dict[str, int]] = None, shape=None, strides=None) -> None:
+    """One ``ew`` launch: dst[dst_off + e] = op(src viewed as ``shape``/``strides``),
+    e over the C order of the (4-D padded) shape."""
+    run = seq.run
+    sh, st = _shape4(src)
+    if shape is not None:
+        sh = (1,) * (4 - len(shape)) + tuple(shape)
+        st = (0,) * (4 - len(strides)) + tuple(strides)
+        st = tuple(0 if n == 1 else s for n, s in zip(sh, st))
+    n = int(np.prod(sh))
+    if n == 0:
+        return
+    if dst16 and dst_off % 4:
+        raise RuntimeError("ew: an f16 destination starts at a multiple of 4 elements")
+    src16 = src.dtype == np.float16
+    consts = {}
+    if src16:
+        consts["SRC16"] = 1
+    if dst16:
+        consts["DST16"] = 1
+    if op == "add":
+        consts["OP_ADD"] = 1
+    elif op == "refine":
+        consts["OP_REFINE"] = 1
+    elem = "f16" if (src16 or dst16) else "f32"
+    pipe = run.pipeline("ew", "ew", consts, elem)
+    vals = dict(seq.uni, n_out=n, db_nb=sh[0], db_nh=sh[1], db_ni=sh[2], db_nj=sh[3],
+                db_sb=st[0], db_sh=st[1], db_si=st[2], db_sj=st[3], o_off=src.offset,
+                out2_off=dst_off)
+    vals.update(extra or {})
+    ubuf = seq._u(vals)
+    s2 = src2 if src2 is not None else run.dummy
+    seq.launches.append(Launch("ew", pipe, "ew", [ubuf, src.buffer, s2, dst_buf],
+                               run.flat_grid(ceil_div(n, 4))))
+
+
+def _gather_contig(seq, x, role: str, dtype=None):
+    """x copied on the device into the pooled scratch ``role``, C-contiguous, in
+    ``dtype`` (default x's) -> the contiguous DeviceArray over that scratch."""
+    dt = np.dtype(dtype or x.dtype)
+    buf = seq.run.buffer(role, _nbytes(x.size, dt))
+    _ew(seq, x, buf, 0, dst16=dt == np.float16)
+    return _result(buf, x.shape, dt)
+
+
+def _operand(seq, x, role: str) -> Operand:
+    """A [B, H, S, D] device array as a kernel operand: bound where it lies when its
+    D stride is 1 (any b/h/s strides), else gathered contiguous on the device."""
+    _check_binding(seq.run, x, role)
+    if not (x.shape[3] == 1 or x.strides[3] == 1):
+        x = _gather_contig(seq, x, f"dev_{role}")
+    sb, sh, ss, _ = (0 if n == 1 else s for n, s in zip(x.shape, x.strides))
+    return Operand(x.buffer, x.offset, sb, sh, ss)
+
+
+# ------------------------------------------------------------------ setup of one call
+def device_reasons(p: Problem, ctx) -> list:
+    if p.array_kind == "webgpu" and p.device != HOME:
+        return [f"the arrays live on {p.device}, another wgpu device; anyattn's kernels run "
+                f"on its own device ({ctx.name}): create the buffers on "
+                "anyattn.webgpu.device()"]
+    return []
+
+
+def _check_chunks(be, p: Problem, backward: bool, bias) -> None:
+    chunks = be._batch_chunks(p, backward=backward, bias=None)
+    if bias is not None:
+        _check_binding(be._run(), bias, "bias")
+    if len(chunks) > 1:
+        raise ValueError(f"webgpu: this problem needs {len(chunks)} batch chunks (a buffer past "
+                         f"the adapter's max storage binding of {be._run().max_binding} bytes); "
+                         "device arrays run in one piece: split the batch")
+
+
+def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: bool):
+    """The Call of one device-resident forward/backward: operands, masks, bias,
+    modifiers and dropout; gathers appended to its launches."""
+    from .backend import _ELEM
+
+    call = be._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
+                    _ELEM[p.dtype], "dev_u", backward=backward, dropout=p.has_dropout)
+    run = call.run
+    call.set_scale(p.scale)
+    call.q = _operand(call, q, "q")
+    call.k = _operand(call, k, "k")
+    call.v = _operand(call, v, "v")
+    if dout is not None:
+        call.g = _operand(call, dout, "dout")
+    call.set_mask(p.mask)
+    if bias is not None:
+        if bias.dtype != np.float32:
+            bias = _gather_contig(call, bias, "dev_bias", np.float32)
+        sh, st = _shape4(bias)
+        call.bias_buf = bias.buffer
+        call.flags |= FLAGS["HAS_BIAS"]
+        call.uni.update(bi_off=bias.offset, bi_sb=st[0], bi_sh=st[1], bi_si=st[2], bi_sj=st[3])
+    call.set_mods(p.softcap, None, 0, None)
+    fills = []
+    if mods.alibi_slopes is not None:
+        sl = mods.alibi_slopes                           # [Ba, HQ]
+        diag = int(alibi_diag(p))
+        if abs(diag) + p.seq_q + p.seq_k >= _I32:
+            raise ValueError(f"q_offset/k_offset: the ALiBi distance |i - j + {diag}| passes "
+                             "the i32 range of the webgpu kernels; bring the offsets closer")
+        off = call._aux_put(np.zeros(sl.size, np.uint32))
+        call.uni.update(al_off=off, al_sb=p.heads_q if sl.shape[0] > 1 else 0,
+                        alibi_diag=diag)
+        call.mod_consts["ALIBI"] = 1
+        fills.append((sl, off))
+    if mods.sinks is not None:
+        off = call._aux_put(np.zeros(p.heads_q, np.uint32))
+        call.uni["snk_off"] = off
+        call.mod_consts["SINKS"] = 1
+        fills.append((mods.sinks, off))
+    if fills:
+        call._aux_upload()
+        for x, off in fills:                 # f32 values into aux, on the device
+            _check_binding(run, x, "alibi_slopes/sinks")
+            _ew(call, x, call.aux_buf, off)
+    if p.has_dropout:
+        call.set_dropout(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, 0)
+    return call
+
+
+# ------------------------------------------------------------------ forward
+def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
+    """-> (out [B, HQ, SQ, D] in q's dtype, RowStats of [B, HQ, SQ] float32 views)."""
+    _check_chunks(be, p, False, bias)
+    with be._lock:
+        call = _prepare(be, p, q, k, v, None, bias, mods, backward=False)
+        run = call.run
+        n, D = call.n, p.head_dim
+        stats = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
+        half = p.dtype == "float16"
+        outb = run.buffer("dev_out32", 4 * n * D) if half else _fresh(run, 4 * n * D,
+                                                                       "anyattn.out")
+        call.forward(stats, outb)
+        shape = (p.batch, p.heads_q, p.seq_q, D)
+        if half:
+            o16 = _fresh(run, _nbytes(n * D, np.float16), "anyattn.out")
+            _ew(call, _result(outb, shape, np.float32), o16, 0, dst16=True)
+            outb = o16
+        call.submit()
+        be.last_pieces = dict(call.pieces)
+    rows = (p.batch, p.heads_q, p.seq_q)
+    st = RowStats(_result(stats, rows, np.float32, 0),
+                  _result(stats, rows, np.float32, LOG_NORM_ROW * n))
+    return _result(outb, shape, np.dtype(p.dtype)), st
+
+
+def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowStats:
+    """A plain lse device array -> statistics honouring it at full precision
+    (anyattn.rowstats.refine against recomputed local statistics, on the device)."""
+    _, local = forward(be, p, q, k, v, bias, mods)
+    run = be._run()
+    n = p.batch * p.heads_q * p.seq_q
+    out = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
+    with be._lock:
+        seq = _Seq(run)
+        _ew(seq, lse, out, 0, op="refine", src2=local.max.buffer,
+            extra=dict(q_off=0, k_off=LOG_NORM_ROW * n, v_off=LOG_NORM_ROW * n))
+        seq.submit()
+    rows = (p.batch, p.heads_q, p.seq_q)
+    return RowStats(_result(out, rows, np.float32, 0),
+                    _result(out, rows, np.float32, LOG_NORM_ROW * n))
+
+
+# ------------------------------------------------------------------ backward
+def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
+             mods: ScoreMods) -> Dict[str, object]:
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked)."""
+    B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)
+    want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
+    want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
+    _check_chunks(be, p, True, bias)
+    dt = np.dtype(p.dtype)
+    half = dt == np.float16
+    res: Dict[str, object] = {"dq": None, "dk": None, "dv": None, "dbias": None,
+                              "dsinks": None}
+    with be._lock:
+        call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True)
+        run = call.run
+        n = call.n
+        st = run.buffer("dev_stats", 4 * STATS_ROWS * n)
+        _ew(call, stats.max, st, 0)
+        _ew(call, stats.log_norm, st, LOG_NORM_ROW * n)
+        if out.dtype != np.float32:
+            out = _gather_contig(call, out, "dev_outin", np.float32)
+        call.delta(st, _operand(call, out, "out"))
+        nkv = B * HKV * SK * D
+        casts = []                  # (f32 scratch view, name, shape, dtype)
+        if want_k or want_v:
+            kv = run.buffer("dev_dkdv", 8 * nkv) if half else _fresh(run, 8 * nkv,
+                                                                    "anyattn.dkdv")
+            call.dkdv(st, kv, want_k, want_v)
+            for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
+                if want:
+                    casts.append((_result(kv, (B, HKV, SK, D), np.float32, off), name, dt))
+        dsb = None
+        full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
+        if want_b:
+            dsb = _fresh(run, 4 * B * HQ * SQ * SK, "anyattn.dbias")
+            call.clears.append(dsb)
+        if want_q or want_b:
+            dqb = run.buffer("dev_dq", 4 * n * D) if (half or not want_q) else \
+                _fresh(run, 4 * n * D, "anyattn.dq")
+            call.dq(st, dqb, dsb)
+            if want_q:
+                casts.append((_result(dqb, (B, HQ, SQ, D), np.float32), "dq", dt))
+        if want_b:
+            bdt = np.dtype(p.bias_dtype)
+            if full:
+                casts.append((_result(dsb, p.bias_shape, np.float32), "dbias", bdt))
+            else:
+                dbb = _fresh(run, 4 * int(np.prod(p.bias_shape)), "anyattn.dbias")
+                call.reduce_dbias(dsb, dbb, tuple(p.bias_shape))
+                casts.append((_result(dbb, p.bias_shape, np.float32), "dbias", bdt))
+        if want_s:
+            dsk = _fresh(run, 4 * HQ, "anyattn.dsinks")
+            _dsinks(call, st, dsk)
+            casts.append((_result(dsk, (HQ,), np.float32), "dsinks", np.dtype(p.sinks_dtype)))
+        for x, name, want_dt in casts:
+            if want_dt == np.float32:
+                res[name] = x
+            else:
+                y = _fresh(run, _nbytes(x.size, want_dt), f"anyattn.{name}")
+                _ew(call, x, y, 0, dst16=True)
+                res[name] = _result(y, x.shape, want_dt)
+        call.submit()
+        be.last_pieces = dict(call.pieces)
+    return res
+
+
+def _dsinks(call, st, dst) -> None:
+    """dsinks [HQ] from the row statistics and delta in ``st`` (after the delta pass)."""
+    run = call.run
+    rows = call.B * call.SQ
+    pieces = split_range(rows, 1, call.limit, "webgpu kernel 'dsinks'")
+    pipe = run.pipeline("dsinks", "dsinks", {}, "f32")
+    for idx, (t0, t1) in enumerate(pieces):
+        ubuf = call._u(dict(call.uni, t0=t0, t1=t1, flags=FLAGS["FIRST"] if idx == 0 else 0,
+                            k_off=LOG_NORM_ROW * call.n, out2_off=0))
+        call.launches.append(Launch("dsinks", pipe, "dsinks", [ubuf, st, call.aux_buf, dst],
+                                    run.flat_grid(call.HQ)))
+
+
+# ------------------------------------------------------------------ small helpers
+def add_arrays(a, b):
+    """a + b for float32 device arrays of one shape on anyattn's device (RowStats.lse)."""
+    for name, x in (("left", a), ("right", b)):
+        if x.dtype != np.float32:
+            raise TypeError(f"DeviceArray +: the {name} operand is {x.dtype.name}; only "
+                            "float32 device arrays add")
+        if x.device != HOME:
+            raise ValueError(f"DeviceArray +: the {name} operand lives on {x.device}, not "
+                             "anyattn's device webgpu:0")
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"DeviceArray +: shapes {a.shape} and {b.shape} differ")
+    be = _backend()
+    with be._lock:
+        run = be._run()
+        seq = _Seq(run)
+        if not b.is_contiguous:
+            b = _gather_contig(seq, b, "dev_add_b")
+        out = _fresh(run, 4 * a.size, "anyattn.add")
+        _ew(seq, a, out, 0, op="add", src2=b.buffer, extra=dict(q_off=b.offset))
+        seq.submit()
+    return _result(out, a.shape, np.float32)
+
+
+def empty_stats(p: Problem, sinks) -> RowStats:
+    """Statistics of rows that keep no key (Sk = 0): max = -inf (the sink, with sinks),
+    log_norm = 0."""
+    be = _backend()
+    run = be._run()
+    rows = (p.batch, p.heads_q, p.seq_q)
+    n = int(np.prod(rows))
+    mx = _fresh(run, 4 * n, "anyattn.stats")
+    ln = _fresh(run, 4 * n, "anyattn.stats")
+    seq = _Seq(run)
+    if sinks is not None:
+        src = sinks if sinks.dtype == np.float32 else _gather_contig(seq, sinks, "dev_snk",
+                                                                    np.float32)
+        _ew(seq, src, mx, 0, shape=rows, strides=(0, src.strides[0], 0))
+    else:
+        _ew(seq, _neg_inf(run), mx, 0, shape=rows, strides=(0, 0, 0))
+    with be._lock:
+        seq.submit()
+    return RowStats(_result(mx, rows, np.float32), _result(ln, rows, np.float32))
+
+
+def _neg_inf(run):
+    """A one-element device array holding -inf (a constant written once per device)."""
+    buf = run._bufs.get("_neg_inf")
+    if buf is None:
+        buf = run.buffer("_neg_inf", 16)
+        run.device.queue.write_buffer(buf, 0, np.full(4, -np.inf, np.float32))
+    return _result(buf, (1,), np.float32)
