@@ -583,6 +583,29 @@ def _lists_for(p, ma, plan, device):
     return tile_lists(p, ma, plan.sbq, plan.sbk, device)
 
 
+# ----------------------------------------------------------------------------- routing
+def _use_hopper(p, direction: str, plan, tensors) -> bool:
+    """Whether this call runs on the Hopper kernels (hopper/coverage.py's table, as data;
+    ANYATTN_TRITON_PATH=portable|hopper forces a path, and hopper on a call outside the
+    table raises with the reason).  An explicit portable ``plan`` keeps the portable path."""
+    from .hopper import coverage as HC
+
+    setting = HC.path_setting()
+    if setting == "portable":
+        return False
+    why = HC.supports(p, direction, tensors)
+    if setting == "hopper":
+        if plan is not None:
+            why = why or "an explicit portable plan was passed"
+        if why is not None:
+            raise NotImplementedError(
+                f"ANYATTN_TRITON_PATH=hopper: the Hopper {direction} path does not cover "
+                f"this call: {why}; unset it (or set 'auto' / 'portable') for the "
+                f"portable kernels")
+        return True
+    return why is None and plan is None
+
+
 # ----------------------------------------------------------------------------- forward
 def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
             mods: Optional[ScoreMods] = None):
@@ -590,6 +613,10 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
     (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer).  ``mods``:
     the score modifiers (p.softcap, mods.alibi_slopes, mods.sinks), applied in the
     kernel; with sinks the statistics include the sink."""
+    if _use_hopper(p, "forward", plan, (("q", q), ("k", k), ("v", v))):
+        from .hopper import launch as HL
+
+        return HL.forward(p, q, k, v)
     plan = _plan(p, plan)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
@@ -648,6 +675,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     sinks the statistics include the sink (as the forward returns them): the score
     kernels need nothing more, and the delta kernel writes each row's term of dsinks,
     summed here over batch and queries in a fixed order (no atomics)."""
+    _use_hopper(p, "backward", plan, ())   # no Hopper backward yet: raises if forced
     plan = _plan(p, plan)
     q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim

@@ -1,0 +1,106 @@
+"""What the Hopper path covers, as data, and the predicate that says why a call is not
+covered.
+
+Shape legend: B batch, H query heads, Sq / Sk queries / keys, D head dim.  A call the
+table does not cover goes to the portable kernels (routing, documented in
+docs/triton.md "Hopper path"); ANYATTN_TRITON_PATH=hopper on such a call raises with
+the reason instead.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import FrozenSet, Optional, Tuple
+
+__all__ = ["Coverage", "COVERAGE", "supports", "path_setting"]
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """One direction's coverage: compute capabilities, dtypes, head dims, mask classes;
+    every score feature not listed (bias, softcap, ALiBi, sinks, dropout) is outside."""
+
+    capabilities: FrozenSet[Tuple[int, int]]
+    dtypes: FrozenSet[str]
+    head_dims: FrozenSet[int]
+    mask_classes: FrozenSet[str]
+
+
+#: direction -> coverage (None: no Hopper kernel for that direction yet)
+COVERAGE = {
+    "forward": Coverage(capabilities=frozenset({(9, 0)}),
+                        dtypes=frozenset({"float16", "bfloat16"}),
+                        head_dims=frozenset({64, 128}),
+                        mask_classes=frozenset({"none", "band"})),
+    "backward": None,
+}
+
+_PATHS = ("auto", "portable", "hopper")
+
+
+def path_setting() -> str:
+    """ANYATTN_TRITON_PATH: 'auto' (default: Hopper where covered), 'portable', 'hopper'
+    (raise where not covered)."""
+    v = os.environ.get("ANYATTN_TRITON_PATH", "auto").strip().lower() or "auto"
+    if v not in _PATHS:
+        raise ValueError(f"ANYATTN_TRITON_PATH={v!r}: expected one of {', '.join(_PATHS)}")
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: str) -> Tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _tensor_reason(name: str, x) -> Optional[str]:
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return f"{name} has last-dim stride {x.stride(-1)} (TMA needs 1)"
+    esz = x.element_size()
+    for d, (n, s) in enumerate(zip(x.shape[:-1], x.stride()[:-1])):
+        if n > 1 and (s * esz) % 16:
+            return f"{name} stride {s} of dim {d} is not a multiple of 16 bytes (TMA)"
+    if x.data_ptr() % 16:
+        return f"{name} is not 16-byte aligned (TMA)"
+    return None
+
+
+def supports(p, direction: str, tensors=(), mods=None) -> Optional[str]:
+    """None if the Hopper path computes this call, else the reason it does not.
+    ``tensors``: (name, tensor) pairs the kernels would read through TMA."""
+    cov = COVERAGE.get(direction)
+    if cov is None:
+        return f"no Hopper {direction} kernel yet"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter runs the portable kernels only"
+    if not str(p.device).startswith("cuda"):
+        return f"needs a CUDA device, got {p.device}"
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return "needs triton.experimental.gluon (Triton >= 3.5)"
+    cc = _capability(str(p.device))
+    if tuple(cc) not in cov.capabilities:
+        return f"compute capability {cc[0]}.{cc[1]} (covers {sorted(cov.capabilities)})"
+    if p.dtype not in cov.dtypes:
+        return f"dtype {p.dtype} (covers {sorted(cov.dtypes)})"
+    if p.head_dim not in cov.head_dims:
+        return f"head_dim {p.head_dim} (covers {sorted(cov.head_dims)})"
+    if p.mask_class not in cov.mask_classes:
+        return f"mask class {p.mask_class} (covers {sorted(cov.mask_classes)})"
+    feats = [n for n, on in (("bias", p.has_bias), ("softcap", p.softcap is not None),
+                             ("alibi", p.has_alibi), ("sinks", p.has_sinks),
+                             ("dropout", p.has_dropout)) if on]
+    if feats:
+        return f"score features {', '.join(feats)} (the Hopper path has none)"
+    if p.is_empty or min(p.batch, p.heads_q, p.seq_q, p.seq_k) == 0:
+        return "an empty problem"
+    if p.precision not in ("highest", "tf32"):
+        return f"precision {p.precision}"
+    for name, x in tensors:
+        why = _tensor_reason(name, x)
+        if why:
+            return why
+    return None

@@ -1,0 +1,75 @@
+"""Launch code of the Hopper path: TMA descriptors over the callers' strides, grids.
+
+Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
+D head dim.  Only problems that coverage.supports() accepts arrive here (the router in
+backends/triton/launch.py asks first); the checks below are the descriptors' own.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ....rowstats import RowStats
+from . import configs as HC
+
+__all__ = ["make_desc", "forward"]
+
+_BIG = 1 << 30
+LOG2E = 1.4426950408889634
+
+
+def _gl_dtype(dt):
+    from triton.experimental.gluon import language as gl
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dt]
+
+
+def _tma_strides(x):
+    """x's strides with those of size-1 dims replaced by a valid TMA stride (unused:
+    the copy engine wants every stride but the last a positive multiple of 16 bytes)."""
+    st = list(x.stride())
+    for i in range(len(st) - 2, -1, -1):
+        if x.shape[i] == 1:
+            st[i] = st[i + 1] * max(1, x.shape[i + 1]) if i + 1 < len(st) - 1 else 16
+            st[i] = max(st[i], 16 // x.element_size())
+    return st
+
+
+def make_desc(x, rows: int):
+    """A 4-D TMA descriptor over x [B, H, S, D] with blocks [1, 1, rows, D]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, x.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
+    return TensorDescriptor(x, list(x.shape), _tma_strides(x), block, layout)
+
+
+def forward(p, q, k, v, out=None, stats=None):
+    """-> out [B, H, Sq, D] (q's dtype, contiguous), RowStats(max, log_norm) [B, H, Sq]
+    fp32, as launch.forward returns them.  ``out`` / ``stats`` ([2, B, H, Sq] fp32):
+    preallocated buffers to write (tests poison them); fresh ones when None."""
+    from .fwd_kernel import fwd_kernel
+
+    B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
+    cfg = HC.fwd_config(D)
+    rm = p.mask
+    lo = -_BIG if rm.band_lo is None else max(int(rm.band_lo), -_BIG)
+    hi = _BIG if rm.band_hi is None else min(int(rm.band_hi), _BIG)
+    if out is None:
+        out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    if stats is None:
+        stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=q.device)
+    if (tuple(out.shape) != (B, H, Sq, D) or not out.is_contiguous() or out.dtype != q.dtype
+            or tuple(stats.shape) != (2, B, H, Sq) or not stats.is_contiguous()
+            or stats.dtype != torch.float32):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} / stats {tuple(stats.shape)} "
+                         f"{stats.dtype}: expected contiguous [{B}, {H}, {Sq}, {D}] "
+                         f"{q.dtype} and [2, {B}, {H}, {Sq}] float32")
+    grid = (triton.cdiv(Sq, cfg.bm), B * H)
+    with torch.cuda.device(q.device):
+        fwd_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
+                         make_desc(out, cfg.bm), stats, H, p.group, Sq, Sk,
+                         p.scale * LOG2E, p.scale, lo, hi, HAS_BAND=bool(rm.has_band),
+                         STAGES=cfg.stages, num_warps=cfg.num_warps)
+    return out, RowStats(stats[0], stats[1])

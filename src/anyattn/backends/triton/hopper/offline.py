@@ -1,0 +1,88 @@
+"""Compile the Hopper kernels for sm_90a without a GPU and count their Hopper-only
+instructions (PTX: wgmma / cp.async.bulk.tensor / mbarrier; SASS via the cuobjdump that
+Triton ships: HGMMA / UTMALDG / UTMASTG / SYNCS).
+
+Shape legend: D head dim, BM / BN query / key tile.  Used by the CPU test (the kernels
+compile and use the instructions they were written for) and by the GPU bench (the
+counts beside the timings).  Host tensors stand in for device ones: a descriptor's
+signature needs only shape, strides and dtype.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Dict
+
+__all__ = ["compile_fwd", "instruction_counts", "sass_of"]
+
+SM90A = ("cuda", 90, 32)
+
+_PTX_PATTERNS = {"wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared",
+                 "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared",
+                 "mbarrier_wait": r"mbarrier\.try_wait"}
+_SASS_PATTERNS = {"HGMMA": r"\bHGMMA\.", "UTMALDG": r"\bUTMALDG", "UTMASTG": r"\bUTMASTG",
+                  "SYNCS": r"\bSYNCS\.", "HMMA": r"\bHMMA\."}
+
+
+def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
+                cfg=None):
+    """triton.compile of fwd_kernel for sm_90a -> CompiledKernel (asm: ptx, cubin)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from . import configs as HC
+    from .fwd_kernel import fwd_kernel
+    from .launch import make_desc
+
+    cfg = cfg or HC.fwd_config(D)
+    tdt = getattr(torch, dtype)
+    x = torch.empty((2, 2, 256, D), dtype=tdt)
+    qd = make_desc(x, cfg.bm)
+    kd = make_desc(x, cfg.bn)
+    names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
+             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES", "num_warps"]
+    sig = dict(zip(names, [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd),
+                           "*fp32", "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32",
+                           "constexpr", "constexpr", "constexpr"]))
+    consts = {(13,): has_band, (14,): cfg.stages, (15,): cfg.num_warps}
+    src = GluonASTSource(fwd_kernel, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget(*SM90A),
+                          options=dict(num_warps=cfg.num_warps))
+
+
+def sass_of(cubin: bytes) -> str:
+    """SASS text of a cubin through Triton's bundled cuobjdump ('' if it is missing)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(path)
+
+
+def instruction_counts(compiled) -> Dict[str, int]:
+    """Counts of the Hopper instructions in a compiled kernel's PTX and SASS, plus its
+    registers / spills / shared memory where the metadata has them."""
+    ptx = compiled.asm.get("ptx", "")
+    out = {f"ptx_{k}": len(re.findall(p, ptx)) for k, p in _PTX_PATTERNS.items()}
+    sass = sass_of(compiled.asm["cubin"]) if "cubin" in compiled.asm else ""
+    out.update({f"sass_{k}": len(re.findall(p, sass)) for k, p in _SASS_PATTERNS.items()})
+    md = compiled.metadata
+    out["shared_bytes"] = int(getattr(md, "shared", 0))
+    for k in ("n_regs", "n_spills"):
+        if hasattr(compiled, k):
+            out[k] = int(getattr(compiled, k))
+    return out
