@@ -55,8 +55,8 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
                           options=dict(num_warps=cfg.num_warps))
 
 
-def sass_of(cubin: bytes) -> str:
-    """SASS text of a cubin through Triton's bundled cuobjdump ('' if it is missing)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump <flag> of a cubin through Triton's bundled tool ('' if it is missing)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -67,10 +67,15 @@ def sass_of(cubin: bytes) -> str:
         f.write(cubin)
         path = f.name
     try:
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+        return subprocess.run([tool, flag, path], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(path)
+
+
+def sass_of(cubin: bytes) -> str:
+    """SASS text of a cubin ('' where Triton ships no cuobjdump)."""
+    return _cuobjdump(cubin, "-sass")
 
 
 def instruction_counts(compiled) -> Dict[str, int]:
@@ -80,9 +85,10 @@ def instruction_counts(compiled) -> Dict[str, int]:
     out = {f"ptx_{k}": len(re.findall(p, ptx)) for k, p in _PTX_PATTERNS.items()}
     sass = sass_of(compiled.asm["cubin"]) if "cubin" in compiled.asm else ""
     out.update({f"sass_{k}": len(re.findall(p, sass)) for k, p in _SASS_PATTERNS.items()})
-    md = compiled.metadata
-    out["shared_bytes"] = int(getattr(md, "shared", 0))
-    for k in ("n_regs", "n_spills"):
-        if hasattr(compiled, k):
-            out[k] = int(getattr(compiled, k))
+    out["shared_bytes"] = int(getattr(compiled.metadata, "shared", 0))
+    res = _cuobjdump(compiled.asm["cubin"], "-res-usage") if "cubin" in compiled.asm else ""
+    for key, name in (("REG", "registers"), ("LOCAL", "local_bytes"), ("STACK", "stack_bytes")):
+        m = re.search(rf"\b{key}:(\d+)", res)
+        if m:
+            out[name] = int(m.group(1))
     return out

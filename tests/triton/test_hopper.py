@@ -1,0 +1,184 @@
+"""The Triton backend's Hopper path (backends/triton/hopper): coverage table and routing
+(CPU), an offline sm_90a compile that must hold HGMMA / UTMALDG (CPU, ~5 s), and the
+forward against float64, the portable kernels and itself (sm_90 GPUs only).
+
+Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
+
+from helpers import TOL, assert_close, np_mask, to_np  # noqa: E402
+
+HAS_GLUON = True
+try:
+    from triton.experimental.gluon.language.nvidia import hopper as _h  # noqa: F401
+except ImportError:
+    HAS_GLUON = False
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+sm90 = [pytest.mark.gpu,
+        pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")]
+needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="needs triton.experimental.gluon")
+
+
+def _problem(dtype=torch.bfloat16, D=128, mask=None, bias=None, device="cpu", **kw):
+    q = torch.zeros(1, 2, 8, D, dtype=dtype, device=device)
+    k = torch.zeros(1, 2, 8, D, dtype=dtype, device=device)
+    return describe(q, k, k, mask=mask, bias=bias, **kw)
+
+
+# ----------------------------------------------------------------------------- coverage
+def test_coverage_reasons_name_what_is_missing(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+    p = _problem()
+    object.__setattr__(p, "device", "cuda:0")
+    assert HCOV.supports(p, "forward") is None
+    assert "no Hopper backward" in HCOV.supports(p, "backward")
+    for kw, word in ((dict(dtype=torch.float32), "dtype float32"), (dict(D=96), "head_dim 96"),
+                     (dict(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))), "mask class documents"),
+                     (dict(bias=torch.zeros(1, 1, 8, 8)), "bias"),
+                     (dict(softcap=30.0), "softcap")):
+        p = _problem(**kw)
+        object.__setattr__(p, "device", "cuda:0")
+        assert word in HCOV.supports(p, "forward"), (kw, HCOV.supports(p, "forward"))
+    monkeypatch.setattr(HCOV, "_capability", lambda dev: (8, 0))
+    p = _problem()
+    object.__setattr__(p, "device", "cuda:0")
+    assert "compute capability 8.0" in HCOV.supports(p, "forward")
+
+
+def test_coverage_tensor_rules(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+    p = _problem()
+    object.__setattr__(p, "device", "cuda:0")
+    x = torch.zeros(1, 2, 8, 136, dtype=torch.bfloat16)[..., :128]
+    assert HCOV.supports(p, "forward", (("q", x),)) is None          # 272-byte rows
+    y = torch.zeros(1, 2, 8, 132, dtype=torch.bfloat16)[..., :128]
+    assert "16 bytes" in HCOV.supports(p, "forward", (("k", y),))
+    z = torch.zeros(1, 2, 128, 8, dtype=torch.bfloat16).transpose(-1, -2)
+    assert "last-dim stride" in HCOV.supports(p, "forward", (("v", z),))
+
+
+def test_path_setting(monkeypatch):
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "fast")
+    with pytest.raises(ValueError, match="ANYATTN_TRITON_PATH"):
+        HCOV.path_setting()
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "Portable")
+    assert HCOV.path_setting() == "portable"
+
+
+def test_forcing_hopper_where_not_covered_raises(monkeypatch):
+    """On this machine (no sm_90) a forced Hopper path names the reason."""
+    if SM90:
+        pytest.skip("an sm_90 GPU covers the call")
+    from anyattn.backends.triton import launch as TL
+
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    p = _problem()
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="Hopper forward path does not cover"):
+        TL.forward(p, q, q, q, None)
+    with pytest.raises(NotImplementedError, match="no Hopper backward"):
+        TL.backward(p, q, q, q, q, q, None, None)
+
+
+# ----------------------------------------------------------------------------- offline
+@needs_gluon
+@pytest.mark.parametrize("D,band", [(64, False), (128, True)])
+def test_compiles_for_sm90a_with_hopper_instructions(D, band):
+    """The forward compiles for sm_90a here (no GPU) and its SASS holds warpgroup MMAs
+    (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory."""
+    from anyattn.backends.triton.hopper import offline as OFF
+
+    c = OFF.compile_fwd("bfloat16", D, band)
+    n = OFF.instruction_counts(c)
+    assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == 1, n
+    if OFF.sass_of(c.asm["cubin"]):
+        assert n["sass_HGMMA"] > 0 and n["sass_UTMALDG"] > 0 and n["sass_HMMA"] == 0, n
+        assert n["local_bytes"] == 0, n
+
+
+# ----------------------------------------------------------------------------- GPU
+def _inputs(B, H, Hkv, Sq, Sk, D, dtype, layout="bhsd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout == "bshd":
+        mk = lambda h, s: torch.randn(B, s, h, D, device="cuda", generator=g).to(dtype).transpose(1, 2)  # noqa: E731
+    else:
+        mk = lambda h, s: torch.randn(B, h, s, D, device="cuda", generator=g).to(dtype)  # noqa: E731
+    return mk(H, Sq), mk(Hkv, Sk), mk(Hkv, Sk)
+
+
+MASKS = {"none": None, "causal": aa.Causal(), "causal_br": aa.Causal(align="bottom_right"),
+         "window": aa.Causal() & aa.Window(left=100), "window2": aa.Window(left=64, right=37)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", list(MASKS))
+@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
+                                          ((1, 2, 1, 300, 200), "bhsd"),
+                                          ((2, 4, 4, 256, 256), "bshd")])
+def test_forward_matches_float64(dtype, D, kind, shape, layout):
+    """out within the dtype's tolerance of float64 (rounded inputs), lse -inf exactly on
+    the empty rows, every element written (poisoned buffers), two runs bitwise equal."""
+    for m in sm90:
+        if m.name == "skipif" and m.args[0]:
+            pytest.skip(m.kwargs["reason"])
+    from anyattn.backends.triton.hopper import launch as HL
+
+    B, H, Hkv, Sq, Sk = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout)
+    mask = MASKS[kind]
+    p = describe(q, k, v, mask=mask)
+    assert HCOV.supports(p, "forward", (("q", q), ("k", k), ("v", v))) is None
+    res = []
+    for _ in range(2):
+        out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device="cuda")
+        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
+        res.append(HL.forward(p, q, k, v, out=out, stats=st))
+    (o, rs), (o2, rs2) = res
+    assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max) and torch.equal(rs.log_norm, rs2.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, dtype, "out")
+    lse = to_np(rs.max + rs.log_norm).astype(np.float64)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+    fin = np.isfinite(rl)
+    assert np.abs(lse[fin] - rl[fin]).max() <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max())
+    assert not torch.isnan(rs.log_norm).any()
+
+
+def test_auto_routes_covered_calls_to_hopper(monkeypatch):
+    for m in sm90:
+        if m.name == "skipif" and m.args[0]:
+            pytest.skip(m.kwargs["reason"])
+    from anyattn.backends.triton.hopper import launch as HL
+
+    calls = []
+    orig = HL.forward
+    monkeypatch.setattr(HL, "forward", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    q, k, v = _inputs(1, 2, 2, 64, 64, 64, torch.bfloat16)
+    monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
+    a = aa.attention(q, k, v, mask=aa.Causal(), backend="triton")
+    assert calls == [1]
+    aa.attention(q, k, v, bias=torch.zeros(1, 1, 64, 64, device="cuda"), backend="triton")
+    assert calls == [1], "a biased call stays portable"
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
+    b = aa.attention(q, k, v, mask=aa.Causal(), backend="triton")
+    assert calls == [1]
+    assert (a.float() - b.float()).abs().max().item() < 2e-2
