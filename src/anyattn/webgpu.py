@@ -231,7 +231,8 @@ def from_buffer(buffer, shape, dtype, *, offset: int = 0,
     ``shape``: the logical shape; ``dtype``: float32 or float16; ``offset`` and
     ``strides``: in elements (default C-contiguous), >= 0 (a stride of 0 broadcasts).
     Every element of the view must lie in the buffer: a view past its end is a
-    ``ValueError``."""
+    ``ValueError`` (float16 views: within the buffer's whole 8-byte groups, as the
+    kernels read f16 four at a time)."""
     dt = _check_dtype(dtype)
     for attr in ("size", "usage"):
         if not hasattr(buffer, attr):
@@ -262,7 +263,8 @@ def from_buffer(buffer, shape, dtype, *, offset: int = 0,
     arr = DeviceArray(buffer, shape, dt, strides, offset,
                       _device_label(getattr(buffer, "_device", None)))
     lo, hi = arr.span()
-    cap = int(buffer.size) // dt.itemsize
+    # f16 is read as 8-byte vec4<f16>: only whole vec4s of the buffer are addressable
+    cap = int(buffer.size) // 8 * 4 if dt == np.float16 else int(buffer.size) // 4
     if arr.size and hi > cap:
         raise ValueError(f"view past the end of buffer {buffer.label!r}: shape {shape}, strides "
                          f"{strides}, offset {offset} reach element {hi - 1}, the buffer "
