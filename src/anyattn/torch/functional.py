@@ -16,7 +16,7 @@ import torch
 from .. import api
 from ..backends.registry import choose
 from ..problem import describe
-from . import ops
+from . import eager, ops
 from .lowering import lower
 
 __all__ = ["attention", "use_backend"]
@@ -105,6 +105,11 @@ def _needs_precheck(q, k, v, bias, softcap=None, alibi_slopes=None, sinks=None) 
     return bias is not None and (bias.device != dev or bias.requires_grad)
 
 
+def _refuse_trainable_slopes():
+    raise ValueError("alibi_slopes: requires grad, but ALiBi slopes are not trainable "
+                     "here (no gradient is computed for them); pass alibi_slopes.detach()")
+
+
 def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
                       softcap=None, alibi_slopes=None, sinks=None):
     """Every check of the core, with the gradients the backward will need."""
@@ -114,9 +119,7 @@ def _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, 
                if x is not None and x.requires_grad] or None
     if alibi_slopes is not None and isinstance(alibi_slopes, torch.Tensor) \
             and alibi_slopes.requires_grad:
-        raise ValueError("alibi_slopes: requires grad, but ALiBi slopes are not trainable "
-                         "here (no gradient is computed for them); pass "
-                         "alibi_slopes.detach()")
+        _refuse_trainable_slopes()
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision, wrt=wrt,
                  q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                  alibi_slopes=alibi_slopes, sinks=sinks)
@@ -170,7 +173,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
                           *mods)
     qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
-    if qb.shape[-1] == 0 or (not torch.compiler.is_compiling()
+    direct = eager.eligible(qb, kb, vb, bias, alibi_slopes, sinks)
+    if qb.shape[-1] == 0 or (not direct and not torch.compiler.is_compiling()
                              and _needs_precheck(qb, kb, vb, bias, *mods)):
         # head_dim 0 raises here (the default scale 1/sqrt(D) below would divide by 0)
         _validate_eagerly(qb, kb, vb, mask, bias, scale, backend, precision, q_offset, k_offset,
@@ -196,7 +200,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
                                 or not isinstance(softcap, numbers.Real)):
         raise TypeError(f"softcap: expected a positive float or None, got "
                         f"{type(softcap).__name__}")
+    if direct and isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
+        _refuse_trainable_slopes()
     seed_t = _dropout_seed(dropout_p, generator, dropout_seed)
+    if direct:   # the core itself validates everything, once (anyattn.torch.eager)
+        out, row_max, log_norm = eager.attention(
+            qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
+            precision, q_offset, k_offset, None if softcap is None else float(softcap),
+            alibi_slopes, sinks, float(dropout_p) if seed_t is not None else 0.0,
+            ops._seed(seed_t))
+        out = _bhsd(out, layout)
+        return (out, row_max + log_norm) if return_lse else out
     args = (qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision)
     if q_offset or k_offset or softcap is not None or alibi_slopes is not None \
             or sinks is not None or seed_t is not None:

@@ -1,0 +1,126 @@
+"""Host work per training step of anyattn.torch, with the Triton kernels replaced by no-ops.
+
+Shape legend: B batch, H heads, S = Sq = Sk, D head dim.
+
+Runs on the CPU (TRITON_INTERPRET=1 makes the Triton backend take CPU tensors; every
+@triton.jit kernel is swapped for a launch that does nothing), so what is timed is the
+Python and torch work around the kernels, which on a GPU decides whether the host keeps
+ahead of the device at moderate sizes.  Variants, timed in turn round after round:
+
+- ``raw``: the backend's launch code (``launch.forward`` + ``launch.backward``) on a
+  prebuilt Problem: the floor;
+- ``core``: ``anyattn.api.forward_with_stats`` + ``anyattn.attention_backward``;
+- ``module``: ``anyattn.torch.attention`` + ``torch.autograd.grad`` (what a model runs);
+- ``module_ops``: the same through the custom ops (the path tracing uses).
+
+    python bench/host_overhead.py --out docs/perf/host-overhead-cpu-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+import anyattn  # noqa: E402
+import anyattn.torch as at  # noqa: E402
+from anyattn.api import forward_with_stats  # noqa: E402
+from anyattn.backends.triton import kernels as K  # noqa: E402
+from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+from anyattn.torch import eager  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a @triton.jit kernel: kernel[grid](...) does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: None
+
+
+def _stub_kernels() -> int:
+    n = 0
+    for name in dir(K):
+        if type(getattr(K, name)).__name__ in ("JITFunction", "InterpretedFunction"):
+            setattr(K, name, _NoLaunch())
+            n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="2,4,256,64", help="B,H,S,D")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
+    ap.add_argument("--out", help="JSON file")
+    a = ap.parse_args()
+    assert _stub_kernels() > 0
+    B, H, S, D = (int(x) for x in a.shape.split(","))
+    q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.randn_like(q).requires_grad_(), torch.randn_like(q).requires_grad_()
+    g = torch.randn_like(q)
+    mask = anyattn.Causal() if a.causal else None
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    pf = describe(qd, kd, vd, mask=mask)
+    pb = describe(qd, kd, vd, dout=g, mask=mask, wrt=("q", "k", "v"))
+    out0, st0 = L.forward(pf, qd, kd, vd, None)
+
+    def raw():
+        L.forward(pf, qd, kd, vd, None)
+        L.backward(pb, qd, kd, vd, g, out0, st0, None)
+
+    def core():   # RowStats, not lse: the no-op kernels leave the statistics unwritten,
+        # and a garbage lse would be refined (one more forward) as a huge one must be
+        o, st = forward_with_stats(qd, kd, vd, mask=mask, backend="triton")
+        anyattn.attention_backward(qd, kd, vd, g, out=o, lse=st, mask=mask, backend="triton")
+
+    def module():
+        torch.autograd.grad(at.attention(q, k, v, mask=mask, backend="triton"), (q, k, v), g)
+
+    def module_ops():
+        real = eager.eligible
+        eager.eligible = lambda *x: False
+        try:
+            module()
+        finally:
+            eager.eligible = real
+
+    fns = dict(raw=raw, core=core, module=module, module_ops=module_ops)
+    for f in fns.values():
+        for _ in range(20):
+            f()
+    us = {n: [] for n in fns}
+    for _ in range(a.rounds):
+        for n, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                f()
+            us[n].append((time.perf_counter() - t0) / a.steps * 1e6)
+    med = {n: statistics.median(x) for n, x in us.items()}
+    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    for n in fns:
+        print(f"  {n:11s} median {med[n]:8.1f}  min {min(us[n]):8.1f}  "
+              f"(+{med[n] - med['raw']:.1f} over raw)")
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+            load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
+            unit="microseconds of host time per fwd+bwd step (kernels no-op)",
+            rounds=us, median=med), indent=1))
+
+
+if __name__ == "__main__":
+    main()

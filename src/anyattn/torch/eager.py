@@ -1,0 +1,166 @@
+"""The eager path of ``anyattn.torch.attention``: the core called directly.
+
+Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim;
+tensors in the logical layout [B, H, S, D] (any strides).
+
+Outside tracing (torch.compile, export, functorch transforms, dispatch or function
+modes, tensor subclasses) there is nothing the custom ops of :mod:`.ops` add to a
+call but their per-call dispatch: schema checks, the ``_dynamo``-disabled wrappers and
+the no-alias copies, ~0.3 ms of host time per training step on this 2-core CPU
+(bench/host_overhead.py).  Here one ``autograd.Function`` validates the call once
+(``describe`` with the gradients the backward will need, so a backend that cannot
+produce them refuses at the forward), keeps the ``Problem`` and the backend it chose,
+and its backward runs that backend on the same Problem with ``wrt`` narrowed to what
+autograd asks for: no second validation, the same kernels and formulas as the ops
+(tests/torch/test_eager.py holds the two paths to the same bits).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import api
+from ..backends.registry import choose
+from ..problem import describe
+from ..rowstats import RowStats
+from .ops import LoweredMask
+
+__all__ = ["eligible", "attention"]
+
+Tensor = torch.Tensor
+
+
+def eligible(*tensors: Optional[Tensor]) -> bool:
+    """True when no tracer, transform, mode or tensor subclass could see the call, so
+    that calling the core directly is indistinguishable from calling the ops."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(x is None or type(x) is torch.Tensor for x in tensors)
+
+
+def _as_torch(x, like: Tensor) -> Tensor:
+    """A backend result as a torch tensor on ``like``'s device (NumPy results wrap
+    without a copy on the CPU)."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.from_numpy(x)
+    return x if x.device == like.device else x.to(like.device)
+
+
+def _with_wrt(p, wrt: frozenset):
+    """p with another ``wrt`` (a shallow copy: ``dataclasses.replace`` re-runs the
+    constructor over all 24 fields, ~10x slower, and nothing else changes)."""
+    c = copy.copy(p)
+    object.__setattr__(c, "wrt", wrt)
+    return c
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@dataclasses.dataclass
+class _Call:
+    """The non-tensor part of one call (a plain object: autograd passes it through)."""
+
+    mask: LoweredMask
+    scale: float
+    backend: Optional[str]
+    precision: Optional[str]
+    q_offset: int
+    k_offset: int
+    softcap: Optional[float]
+    alibi_slopes: Optional[Tensor]
+    dropout_p: float
+    dropout_seed: Optional[int]
+
+
+def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
+    """-> (Problem with ``wrt``, backend, ScoreMods): every check of the core, once."""
+    p = describe(q, k, v, mask=call.mask, bias=bias, scale=call.scale,
+                 precision=call.precision, wrt=wrt or None, q_offset=call.q_offset,
+                 k_offset=call.k_offset, softcap=call.softcap,
+                 alibi_slopes=call.alibi_slopes, sinks=sinks, dropout_p=call.dropout_p,
+                 dropout_seed=call.dropout_seed)
+    be = choose(p, call.backend)
+    return p, be, api._mods(p, call.alibi_slopes, sinks)
+
+
+def _run_forward(p, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
+    """-> (out [B, Hq, Sq, D], row_max, log_norm [B, Hq, Sq]) as torch tensors."""
+    pf = _with_wrt(p, frozenset())
+    if pf.is_empty:
+        out, stats = api._zeros_like(q), api._empty_stats(q, pf, mods)
+    else:
+        out, stats = be.forward(pf, q, k, v, api._bias4(bias, pf), mods)
+    sdt = _lse_dtype(q)
+    return (_as_torch(out, q), _as_torch(stats.max, q).to(sdt),
+            _as_torch(stats.log_norm, q).to(sdt))
+
+
+class _Attention(torch.autograd.Function):
+    """forward(q, k, v, bias, sinks, call, wrt) -> (out, row_max, log_norm); the
+    statistics are not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, call: _Call, wrt: Tuple[str, ...]):
+        p, be, mods = _prepare(call, q, k, v, bias, sinks, wrt)
+        out, row_max, log_norm = _run_forward(p, be, mods, q, k, v, bias)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, row_max, log_norm)
+        ctx.problem, ctx.backend, ctx.alibi_slopes = p, be, call.alibi_slopes
+        ctx.mark_non_differentiable(row_max, log_norm)
+        return out, row_max, log_norm
+
+    @staticmethod
+    @once_differentiable      # no double backward: a second-order grad raises
+    def backward(ctx, dout, _dmax, _dlog_norm):
+        q, k, v, bias, sinks, out, row_max, log_norm = ctx.saved_tensors
+        wrt = frozenset(n for n, on in zip(("q", "k", "v", "bias", "sinks"),
+                                           ctx.needs_input_grad[:5]) if on)
+        grads = [None] * 7
+        if not wrt:
+            return tuple(grads)
+        p = _with_wrt(ctx.problem, wrt)
+        mods = api._mods(p, ctx.alibi_slopes, sinks)
+        if p.is_empty:
+            res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
+                   "dv": torch.zeros_like(v),
+                   "dbias": None if bias is None else torch.zeros_like(bias),
+                   "dsinks": None if sinks is None else torch.zeros_like(sinks)}
+        else:
+            res = ctx.backend.backward(p, q, k, v, dout, out, RowStats(row_max, log_norm),
+                                       api._bias4(bias, p), mods)
+        for i, (name, key, like) in enumerate((("q", "dq", q), ("k", "dk", k), ("v", "dv", v),
+                                               ("bias", "dbias", bias),
+                                               ("sinks", "dsinks", sinks))):
+            if name in wrt:
+                g = _as_torch(res[key], like)
+                grads[i] = g.reshape(like.shape) if tuple(g.shape) != tuple(like.shape) else g
+        return tuple(grads)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], keep, q_ids, k_ids,
+              band_lo, band_hi, scale: float, backend: Optional[str],
+              precision: Optional[str], q_offset: int = 0, k_offset: int = 0,
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
+              dropout_seed: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The arguments of ``ops.attention_fwd`` (dropout_seed as an int) -> (out, row_max,
+    log_norm), differentiable in q, k, v, bias and sinks when grad mode is on."""
+    call = _Call(LoweredMask(band_lo, band_hi, q_ids, k_ids, keep), scale, backend,
+                 precision, q_offset, k_offset, softcap, alibi_slopes, dropout_p, dropout_seed)
+    wrt: Tuple[str, ...] = ()
+    if torch.is_grad_enabled():
+        wrt = tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias),
+                                   ("sinks", sinks)) if x is not None and x.requires_grad)
+    if not wrt:
+        p, be, mods = _prepare(call, q, k, v, bias, sinks, ())
+        return _run_forward(p, be, mods, q, k, v, bias)
+    return _Attention.apply(q, k, v, bias, sinks, call, wrt)

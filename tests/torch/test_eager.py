@@ -1,0 +1,140 @@
+"""anyattn.torch's eager path (anyattn.torch.eager: the core called directly) against the
+custom-op path (torch.ops.anyattn.* with their autograd): same bits, same refusals."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import anyattn
+import anyattn.torch as at
+from anyattn.torch import eager, ops
+
+
+def _inputs(B=2, Hq=4, Hkv=2, Sq=13, Sk=17, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Sq, D, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, D, generator=g, requires_grad=True)
+    return q, k, v, torch.randn(B, Hq, Sq, D, generator=g)
+
+
+def _cases():
+    B, Hq, Sq, Sk = 2, 4, 13, 17
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(1, Hq, Sq, Sk, generator=g, requires_grad=True)
+    keep = torch.rand(B, 1, Sq, Sk, generator=g) > 0.3
+    ids_q, ids_k = (torch.arange(Sq) // 5)[None], (torch.arange(Sk) // 6)[None]
+    sinks = torch.randn(Hq, generator=g, requires_grad=True)
+    slopes = 2.0 ** -torch.arange(1, Hq + 1, dtype=torch.float32)
+    return {
+        "plain": {},
+        "causal": dict(mask=anyattn.Causal()),
+        "window_bias": dict(mask=anyattn.Window(left=4, right=2), bias=bias),
+        "keep_docs": dict(mask=anyattn.KeepMask(keep) & anyattn.Documents(ids_q, ids_k)),
+        "modifiers": dict(mask=anyattn.Causal(), softcap=5.0, alibi_slopes=slopes,
+                          sinks=sinks),
+        "dropout": dict(dropout_p=0.25, dropout_seed=1234),
+        "offsets": dict(mask=anyattn.Causal(), q_offset=4, k_offset=0),
+    }
+
+
+def _via_ops(monkeypatch, fn):
+    """fn() with the eager path switched off: every call goes through the custom ops."""
+    with monkeypatch.context() as m:
+        m.setattr(eager, "eligible", lambda *a: False)
+        return fn()
+
+
+def _step(q, k, v, g, kw, layout="bhsd"):
+    out, lse = at.attention(q, k, v, return_lse=True, layout=layout, **kw)
+    wrt = [x for x in (q, k, v, kw.get("bias"), kw.get("sinks"))
+           if x is not None and x.requires_grad]
+    return (out, lse) + torch.autograd.grad(out, wrt, g)
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_eager_path_gives_the_ops_bits(case, monkeypatch):
+    q, k, v, g = _inputs()
+    kw = _cases()[case]
+    direct = _step(q, k, v, g, kw)
+    via_ops = _via_ops(monkeypatch, lambda: _step(q, k, v, g, kw))
+    assert len(direct) == len(via_ops)
+    for a, b in zip(direct, via_ops):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b), case
+
+
+def test_eager_path_bshd_layout_and_partial_grads(monkeypatch):
+    q, k, v, g = _inputs()
+    qs, ks, vs = (x.detach().transpose(1, 2).requires_grad_(x is q) for x in (q, k, v))
+    out = at.attention(qs, ks, vs, layout="bshd", mask=anyattn.Causal())
+    (dq,) = torch.autograd.grad(out, (qs,), g.transpose(1, 2))
+    out2 = _via_ops(monkeypatch, lambda: at.attention(qs, ks, vs, layout="bshd",
+                                                      mask=anyattn.Causal()))
+    (dq2,) = torch.autograd.grad(out2, (qs,), g.transpose(1, 2))
+    assert torch.equal(out, out2) and torch.equal(dq, dq2)
+    assert ks.grad is None and vs.grad is None
+
+
+def test_eager_path_is_taken_and_skipped_under_a_dispatch_mode(monkeypatch):
+    q, k, v, g = _inputs()
+    calls = []
+    real = ops.attention_fwd
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "attention_fwd", spy)
+    at.attention(q, k, v)
+    assert calls == []                       # the core directly, no custom op
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert not eager.eligible(q, k, v)
+    assert eager.eligible(q, k, v, None)
+
+
+def test_no_grad_returns_plain_tensors():
+    q, k, v, _ = _inputs()
+    with torch.no_grad():
+        out, lse = at.attention(q, k, v, return_lse=True)
+    assert out.grad_fn is None and lse.grad_fn is None and not out.requires_grad
+
+
+def test_double_backward_raises():
+    q, k, v, g = _inputs()
+    out = at.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out, (q,), g, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dq.sum(), (q,))
+
+
+def test_inplace_change_after_forward_is_caught():
+    q, k, v, g = _inputs()
+    qq = q.detach().clone().requires_grad_()
+    x = qq * 1.0
+    out = at.attention(x, k, v)
+    with torch.no_grad():
+        x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(g)
+
+
+def test_empty_queries_give_zero_gradients():
+    q, k, v, _ = _inputs(Sq=0)
+    out = at.attention(q, k, v)
+    assert out.shape == (2, 4, 0, 16)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert dq.shape == q.shape and not dk.any() and not dv.any()
+
+
+def test_refusals_come_at_the_forward():
+    q, k, v, _ = _inputs()
+    slopes = torch.ones(4, requires_grad=True)
+    with pytest.raises(ValueError, match="alibi_slopes: requires grad"):
+        at.attention(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="k"):
+        at.attention(q, k[:, :, :, :8], v)
