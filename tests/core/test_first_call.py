@@ -89,8 +89,9 @@ def test_torch_cpu_tensors_never_probe_triton():
 
 
 def test_webgpu_and_reference_only_by_name():
-    """The documented rule: automatic dispatch keeps host arrays on the host (numpy)."""
-    assert registry.auto_array_kinds("webgpu") == frozenset()
+    """The documented rule: automatic dispatch keeps host arrays on the host (numpy);
+    only WebGPU device arrays (anyattn.webgpu, already on the GPU) go to webgpu."""
+    assert registry.auto_array_kinds("webgpu") == frozenset({"webgpu"})
     assert registry.auto_array_kinds("reference") == frozenset()
     assert "numpy" in registry.auto_array_kinds("numpy")
     assert registry.auto_array_kinds("triton") == frozenset({"torch"})

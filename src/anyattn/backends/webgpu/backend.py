@@ -161,6 +161,24 @@ class WebGPUBackend(Backend):
         return call.run.buffer("stats", 4 * STATS_ROWS * call.n)
 
     @staticmethod
+    def _cast16(call, src, count: int, role: str, src_off: int = 0):
+        """f32 results -> f16 on the device (the ``ew`` kernel), appended to the call's
+        launches: the host then reads half the bytes and converts nothing (NumPy's
+        float32 <-> float16 casts run at ~6-8 ns per element, which made the f16 host
+        path slower than fp32)."""
+        from .resident import _ew, _nbytes, _result
+
+        dst = call.run.buffer(role, _nbytes(count, np.float16))
+        _ew(call, _result(src, (count,), np.float32, src_off), dst, 0, dst16=True)
+        return dst
+
+    @staticmethod
+    def _read16(run, buf, count: int) -> np.ndarray:
+        """``count`` float16 values from the start of ``buf`` (read in whole 4-byte words)."""
+        words = run.read(buf, (count + 1) // 2, dtype=np.uint32)
+        return words.view(np.float16)[:count]
+
+    @staticmethod
     def _read_stats(run, stats, n: int, shape) -> RowStats:
         from .engine import LOG_NORM_ROW
 
@@ -184,12 +202,17 @@ class WebGPUBackend(Backend):
         stats = self._stats(call)
         outb = run.buffer("out", 4 * call.n * p.head_dim)
         call.forward(stats, outb)
+        out16 = self._cast16(call, outb, call.n * p.head_dim, "out16") \
+            if p.dtype == "float16" else None
 
         def read():
-            out = run.read(outb, call.n * p.head_dim).reshape(p.batch, p.heads_q, p.seq_q,
-                                                              p.head_dim)
+            shape = (p.batch, p.heads_q, p.seq_q, p.head_dim)
+            if out16 is not None:
+                out = self._read16(run, out16, call.n * p.head_dim).reshape(shape)
+            else:
+                out = run.read(outb, call.n * p.head_dim).reshape(shape)
             st = self._read_stats(run, stats, call.n, (p.batch, p.heads_q, p.seq_q))
-            return out.astype(_NP[p.dtype], copy=False), st
+            return out, st
         return call, read
 
     # ------------------------------------------------- batch chunks (binding limit)
@@ -304,7 +327,14 @@ class WebGPUBackend(Backend):
             st_in = stats
             stats = self._stats(call)
             self._write_stats(run, stats, st_in, call.n)
-            ob = run.upload("out_in", np.ascontiguousarray(out, dtype=np.float32))
+            if p.dtype == "float16":     # f16 up, cast to f32 on the device (see _cast16)
+                from .resident import _ew, _result
+
+                o16 = run.upload("out_in16", np.ascontiguousarray(out))
+                ob = run.buffer("out_in", 4 * call.n * D)
+                _ew(call, _result(o16, (call.n * D,), np.float16), ob, 0)
+            else:
+                ob = run.upload("out_in", np.ascontiguousarray(out, dtype=np.float32))
         else:
             stats, ob = resident
         call.delta(stats, Operand(ob, 0, HQ * SQ * D, SQ * D, D))
@@ -324,18 +354,26 @@ class WebGPUBackend(Backend):
         if want_b and not full:
             bufs["b"] = run.buffer("dbias", 4 * int(np.prod(p.bias_shape)))
             call.reduce_dbias(dsb, bufs["b"], tuple(p.bias_shape))
+        half = p.dtype == "float16"
+        if half:                        # dq, dk, dv cast to f16 on the device
+            for name, want, src, cnt, off in (("dk", want_k, "kv", nkv, 0),
+                                              ("dv", want_v, "kv", nkv, nkv),
+                                              ("dq", want_q, "q", call.n * D, 0)):
+                if want:
+                    bufs[name + "16"] = self._cast16(call, bufs[src], cnt, name + "16", off)
 
         def read():
-            dt = _NP[p.dtype]
             res: Dict[str, object] = {"dq": None, "dk": None, "dv": None, "dbias": None}
-            if want_k:
-                res["dk"] = run.read(bufs["kv"], nkv).reshape(B, HKV, SK, D).astype(dt, copy=False)
-            if want_v:
-                res["dv"] = run.read(bufs["kv"], nkv, nkv).reshape(B, HKV, SK, D).astype(
-                    dt, copy=False)
-            if want_q:
-                res["dq"] = run.read(bufs["q"], call.n * D).reshape(B, HQ, SQ, D).astype(
-                    dt, copy=False)
+            for name, want, src, cnt, off, shape in (
+                    ("dk", want_k, "kv", nkv, 0, (B, HKV, SK, D)),
+                    ("dv", want_v, "kv", nkv, nkv, (B, HKV, SK, D)),
+                    ("dq", want_q, "q", call.n * D, 0, (B, HQ, SQ, D))):
+                if not want:
+                    continue
+                if half:
+                    res[name] = self._read16(run, bufs[name + "16"], cnt).reshape(shape)
+                else:
+                    res[name] = run.read(bufs[src], cnt, off).reshape(shape)
             if want_b:
                 n_b = int(np.prod(p.bias_shape))
                 db = run.read(dsb, n_b) if full else run.read(bufs["b"], n_b)
