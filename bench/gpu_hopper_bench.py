@@ -30,6 +30,11 @@ from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from anyattn.backends.triton.hopper import offline as OFF  # noqa: E402
+from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
+
+
+def vname(cfg):
+    return f"hopper-{cfg.bm}x{cfg.bn}s{cfg.stages}{'o' if cfg.overlap else ''}"
 
 TOL = {"float16": 3e-3, "bfloat16": 2e-2}
 RES = {"meta": {}, "sass": [], "check": [], "bench": []}
@@ -95,13 +100,14 @@ def rel(a, b):
     return (a[fin] - b[fin]).abs().max().item() / (den if den > 0 else 1.0)
 
 
-def run_path(path, p, q, k, v, poison=True):
+def run_path(path, p, q, k, v, poison=True, cfg=None):
     """(out, max, log_norm) of one path; hopper writes into NaN-poisoned buffers."""
     if path == "hopper":
         B, H, Sq, D = p.batch, p.heads_q, p.seq_q, p.head_dim
         out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device=q.device)
         st = torch.full((2, B, H, Sq), float("nan"), dtype=torch.float32, device=q.device)
-        o, rs = HL.forward(p, q, k, v, out=out if poison else None, stats=st if poison else None)
+        o, rs = HL.forward(p, q, k, v, out=out if poison else None, stats=st if poison else None,
+                           cfg=cfg)
     else:
         os.environ["ANYATTN_TRITON_PATH"] = "portable"
         try:
@@ -150,13 +156,25 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout="bhsd"):
                       and (ho.double()[empty.unsqueeze(-1).expand_as(ho)] == 0).all()),
         bitwise_repeat=bool(torch.equal(ho, ho2) and torch.equal(hm, hm2) and torch.equal(hn, hn2)),
         stats_vs_portable_max=float((hm - pm)[torch.isfinite(pm)].abs().max().item()) if torch.isfinite(pm).any() else 0.0)
+    row["variants"] = {}
+    for cfg in HCF.FWD_VARIANTS[D]:
+        vo, vm, vn = run_path("hopper", p, q, k, v, cfg=cfg)
+        vo2, vm2, vn2 = run_path("hopper", p, q, k, v, cfg=cfg)
+        vl = vm + vn
+        row["variants"][vname(cfg)] = dict(
+            err_out=rel(vo, ro), err_lse=rel(vl, rl),
+            ok=bool(not torch.isnan(vo).any() and not torch.isnan(vn).any()
+                    and rel(vo, ro) <= TOL[dt] and rel(vl, rl) <= 10 * TOL[dt]
+                    and torch.equal(torch.isfinite(vl), torch.isfinite(rl))
+                    and torch.equal(vo, vo2) and torch.equal(vm, vm2)))
     row["ok"] = (not row["nan_out"] and not row["nan_stats"] and row["empty_ok"]
                  and row["bitwise_repeat"] and row["err_out"] <= TOL[dt]
                  and row["err_lse"] <= 10 * TOL[dt])
     RES["check"].append(row)
     log(f"check {name}: ok={row['ok']} out {row['err_out']:.2e} (portable {row['err_out_portable']:.2e}) "
         f"lse {row['err_lse']:.2e} (portable {row['err_lse_portable']:.2e}) empty={row['empty_rows']} "
-        f"repeat={row['bitwise_repeat']}")
+        f"repeat={row['bitwise_repeat']} variants ok: "
+        + str({k_: v_['ok'] for k_, v_ in row['variants'].items()}))
 
 
 def phase_check(quick):
@@ -210,6 +228,8 @@ def phase_bench(quick):
                     row["ms"][name] = repr(e)[:300]
 
             put("hopper", lambda: HL.forward(p, q, k, v))
+            for cfg in HCF.FWD_VARIANTS[d]:
+                put(vname(cfg), lambda cfg=cfg: HL.forward(p, q, k, v, cfg=cfg))
             put("portable", lambda: run_path("portable", p, q, k, v))
             os.environ["ANYATTN_TRITON_PATH"] = "auto"
             put("anyattn.attention", lambda: aa.attention(q, k, v, mask=mask, backend="triton"))
@@ -233,11 +253,12 @@ def phase_bench(quick):
 
 def phase_sass():
     for D in (64, 128):
-        for band in (False, True):
+        for band, cfg in [(False, None), (True, None)] + [(True, c_) for c_ in HCF.FWD_VARIANTS[D]]:
             t = time.time()
-            c = OFF.compile_fwd("bfloat16", D, band)
+            c = OFF.compile_fwd("bfloat16", D, band, cfg)
             cnt = OFF.instruction_counts(c)
-            cnt.update(D=D, band=band, compile_s=round(time.time() - t, 1))
+            cnt.update(D=D, band=band, cfg=vname(cfg or HCF.fwd_config(D)),
+                       compile_s=round(time.time() - t, 1))
             RES["sass"].append(cnt)
             log(f"sass D={D} band={band}: {cnt}")
 
@@ -273,6 +294,9 @@ def main():
         with open(os.path.join(a.out, "hopper.json"), "w") as f:
             json.dump(RES, f, indent=1)
     bad = [r["name"] for r in RES["check"] if not r.get("ok", True) and r.get("covered", True)]
+    badv = sorted({f"{r['name']}:{k}" for r in RES["check"] for k, v in r.get("variants", {}).items()
+                   if not v["ok"]})
+    log(f"failing variants: {badv}")
     log(f"checks: {len(RES['check'])} cases, failing: {bad}")
     for r in RES["bench"]:
         log(f"B={r['B']} H={r['H']} S={r['S']} D={r['D']} causal={r['causal']} TFLOP/s " +

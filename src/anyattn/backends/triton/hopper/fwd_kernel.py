@@ -66,8 +66,108 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t, st,
 
 
 @gluon.jit
+def _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                  HAS_BAND: gl.constexpr, BN: gl.constexpr):
+    """Online softmax of one score tile s [BM, BN] (raw q.k): -> p [BM, BN] fp32,
+    alpha [BM] (the old accumulator's factor), l_i, m_i [BM].  Masks only the edge tiles
+    (t outside [f0, f1)): bounds and the band lo <= j - i <= hi."""
+    masked = (t < f0) | (t >= f1)
+    if masked:
+        offs_m = i0 + offs_mb
+        offs_n = t * BN + offs_nb
+        keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]                 # [BM, BN]
+        if HAS_BAND:
+            dd = offs_n[None, :] - offs_m[:, None]
+            keep = keep & (dd >= lo) & (dd <= hi)
+        s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))                                  # [BM]
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = m_new
+    p = gl.exp2((s - m_use[:, None]) * qk_scale)              # [BM, BN]; 1 at the row max
+    alpha = gl.exp2((m_i - m_use) * qk_scale)                                      # [BM]
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _loop_simple(q2, k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, acc, m_i, l_i, zero_s,
+                 n, t0, f0, f1, i0, b, hk, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                 HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                 D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr):
+    """Key tiles one after another: Q.K^T(t) waits for P.V(t - 1), the softmax of t runs
+    while no MMA of this warpgroup is in flight.  -> acc [BM, D], l_i, m_i [BM]."""
+    for it in range(0, n):
+        t = t0 + it
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        mbarrier.wait(k_bar.index(stg), ph)
+        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        # waits for this tile's scores and the previous tile's P.V (in issue order)
+        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [BM, BN]
+        gl.thread_barrier()   # every warpgroup is past tile it - 1: refill its stage
+        nxt = it + STAGES - 1
+        if nxt < n:
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t0 + nxt,
+                      nxt % STAGES, BN)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [BM, BN]
+        mbarrier.wait(v_bar.index(stg), ph)
+        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [BM, D]
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _loop_overlap(q2, k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, acc, m_i, l_i, zero_s,
+                  n, t0, f0, f1, i0, b, hk, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                  HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                  D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr):
+    """FA3's intra-warpgroup overlap: Q.K^T(t + 1) is issued before the softmax of t and
+    P.V(t) before waiting for it, so the tensor cores work while the softmax runs.  The
+    ring refill of tile t + STAGES - 1 happens mid-tile t, hence STAGES >= 3."""
+    gl.static_assert(STAGES >= 3, "the overlapped loop needs a ring of 3 or more stages")
+    s = zero_s
+    if n > 0:
+        mbarrier.wait(k_bar.index(0), 0)
+        kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))
+        s = warpgroup_mma(q2, kT, zero_s, use_acc=False)                      # [BM, BN]
+    for it in range(0, n):
+        t = t0 + it
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        # Q.K^T of the next tile (the last tile recomputes its own: a wasted product
+        # rather than a branch around an asynchronous MMA)
+        nx = gl.minimum(it + 1, n - 1)
+        nst = nx % STAGES
+        mbarrier.wait(k_bar.index(nst), (nx // STAGES) & 1)
+        kT = k_smem.index(nst).reshape([BN, D]).permute((1, 0))                # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN)
+        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [BM, BN]
+        acc = warpgroup_mma_wait(1, deps=(acc,))           # P.V(t - 1) done, Q.K^T may run
+        gl.thread_barrier()   # every warpgroup is past tile it - 1: refill its stage
+        nxt = it + STAGES - 1
+        if nxt < n:
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t0 + nxt,
+                      nxt % STAGES, BN)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        mbarrier.wait(v_bar.index(stg), ph)
+        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))           # Q.K^T(t + 1) done, P.V may run
+    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [BM, D]
+    return acc, l_i, m_i
+
+
+@gluon.jit
 def fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
-               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+               num_warps: gl.constexpr):
     """Grid (cdiv(Sq, BM), B * H).  q/o_desc: [B, H, Sq, D] blocks [1, 1, BM, D];
     k/v_desc: [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max,
     log_norm).  qk_scale = scale * log2(e).  Band masks through lo / hi (open: +-2^30)."""
@@ -132,45 +232,16 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scal
     zero_s = gl.zeros([BM, BN], gl.float32, layout=s_l)
     mbarrier.wait(q_bar, 0)
 
-    for it in range(0, n):
-        t = t0 + it
-        stg = it % STAGES
-        ph = (it // STAGES) & 1
-        mbarrier.wait(k_bar.index(stg), ph)
-        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                 # [D, BN]
-        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        # waits for this tile's scores and the previous tile's P.V (in issue order)
-        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [BM, BN]
-        # every warpgroup is past the previous tile: its ring stage may be refilled
-        gl.thread_barrier()
-        nxt = it + STAGES - 1
-        if nxt < n:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t0 + nxt,
-                      nxt % STAGES, BN)
-        masked = (t < f0) | (t >= f1)
-        if masked:
-            offs_m = i0 + offs_mb
-            offs_n = t * BN + offs_nb
-            keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]             # [BM, BN]
-            if HAS_BAND:
-                dd = offs_n[None, :] - offs_m[:, None]
-                keep = keep & (dd >= lo) & (dd <= hi)
-            s = gl.where(keep, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))                              # [BM]
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = m_new
-        p = gl.exp2((s - m_use[:, None]) * qk_scale)          # [BM, BN]; 1 at the row max
-        alpha = gl.exp2((m_i - m_use) * qk_scale)                                  # [BM]
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [BM, BN]
-        mbarrier.wait(v_bar.index(stg), ph)
-        vt = v_smem.index(stg).reshape([BN, D])                                 # [BN, D]
-        acc = warpgroup_mma(p16, vt, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [BM, D]
+    if OVERLAP:
+        acc, l_i, m_i = _loop_overlap(q2, k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, acc,
+                                      m_i, l_i, zero_s, n, t0, f0, f1, i0, b, hk, offs_mb,
+                                      offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES,
+                                      BN, D, dt, p_l, row_o)
+    else:
+        acc, l_i, m_i = _loop_simple(q2, k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, acc,
+                                     m_i, l_i, zero_s, n, t0, f0, f1, i0, b, hk, offs_mb,
+                                     offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES,
+                                     BN, D, dt, p_l, row_o)
 
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(k_bar.index(st))

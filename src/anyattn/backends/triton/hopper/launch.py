@@ -45,14 +45,15 @@ def make_desc(x, rows: int):
     return TensorDescriptor(x, list(x.shape), _tma_strides(x), block, layout)
 
 
-def forward(p, q, k, v, out=None, stats=None):
+def forward(p, q, k, v, out=None, stats=None, cfg=None):
     """-> out [B, H, Sq, D] (q's dtype, contiguous), RowStats(max, log_norm) [B, H, Sq]
     fp32, as launch.forward returns them.  ``out`` / ``stats`` ([2, B, H, Sq] fp32):
-    preallocated buffers to write (tests poison them); fresh ones when None."""
+    preallocated buffers to write (tests poison them); fresh ones when None.  ``cfg``: a
+    HopperConfig other than configs.fwd_config(D) (the bench's variants)."""
     from .fwd_kernel import fwd_kernel
 
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
-    cfg = HC.fwd_config(D)
+    cfg = HC.fwd_config(D) if cfg is None else cfg
     rm = p.mask
     lo = -_BIG if rm.band_lo is None else max(int(rm.band_lo), -_BIG)
     hi = _BIG if rm.band_hi is None else min(int(rm.band_hi), _BIG)
@@ -71,5 +72,6 @@ def forward(p, q, k, v, out=None, stats=None):
         fwd_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
                          make_desc(out, cfg.bm), stats, H, p.group, Sq, Sk,
                          p.scale * LOG2E, p.scale, lo, hi, HAS_BAND=bool(rm.has_band),
-                         STAGES=cfg.stages, num_warps=cfg.num_warps)
+                         STAGES=cfg.stages, OVERLAP=cfg.overlap,
+                         num_warps=cfg.num_warps)
     return out, RowStats(stats[0], stats[1])

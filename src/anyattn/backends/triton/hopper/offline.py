@@ -45,11 +45,11 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     qd = make_desc(x, cfg.bm)
     kd = make_desc(x, cfg.bn)
     names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
-             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES", "num_warps"]
+             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES", "OVERLAP", "num_warps"]
     sig = dict(zip(names, [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd),
                            "*fp32", "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32",
-                           "constexpr", "constexpr", "constexpr"]))
-    consts = {(13,): has_band, (14,): cfg.stages, (15,): cfg.num_warps}
+                           "constexpr", "constexpr", "constexpr", "constexpr"]))
+    consts = {(13,): has_band, (14,): cfg.stages, (15,): cfg.overlap, (16,): cfg.num_warps}
     src = GluonASTSource(fwd_kernel, sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget(*SM90A),
                           options=dict(num_warps=cfg.num_warps))
