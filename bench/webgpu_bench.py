@@ -1,6 +1,6 @@
 """webgpu backend: correctness at large sizes and side-by-side timings, one process.
 
-python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--plot JSON]
+python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--resident] [--plot JSON]
 
 On the H200 (Vulkan): checks anyattn-webgpu against a float64 torch reference
 (up to S=8192), then times the backward (dQ+dK+dV; delta + dK/dV + dQ passes,
@@ -524,6 +524,119 @@ def guarded(what, fn, *a, **kw):
         RESULTS["errors"].append(msg[:2000])
 
 
+# ------------------------------------------------------------------ device arrays (issue 17)
+def _wait(be):
+    """Block until the queue is idle (read a few bytes back: DESIGN.md section 6)."""
+    be._run().read(be._run().dummy, 1)
+
+
+def _time_calls(be, fn, min_s=0.3, max_n=100):
+    """Mean wall time of fn() (which submits GPU work) over n calls, waited at the end."""
+    fn()
+    _wait(be)
+    t = time.perf_counter()
+    fn()
+    _wait(be)
+    one = time.perf_counter() - t
+    n = int(max(3, min(max_n, min_s / max(one, 1e-6))))
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _wait(be)
+    return (time.perf_counter() - t) / n, n
+
+
+def resident_case(be, B, H, S, D, dtype, gpu, host=True):
+    """One size, side by side in this process: the raw encoded backward plan, the public
+    API on device arrays (anyattn.webgpu; out + RowStats from forward_with_stats), the
+    public API on host arrays (uploads + read-backs), anyattn-triton on torch CUDA
+    tensors; the device-array results checked against float64 first."""
+    from anyattn import webgpu as wg
+    from anyattn.api import forward_with_stats
+
+    rng = np.random.default_rng(11)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
+    fl = flops_bwd(B, H, S, S, D)
+    base = dict(dtype=dtype, B=B, H=H, S=S, D=D)
+    dq, dk, dv, dg = (wg.asarray(x) for x in (q, k, v, g))
+    out, st = forward_with_stats(dq, dk, dv)
+    gr = aa.attention_backward(dq, dk, dv, dg, out=out, lse=st)
+    ref = (torch_ref if gpu else np_ref)(*(x.astype(np.float64) for x in (q, k, v, g)))
+    errs = {"out": rel(out.numpy(), ref["out"]), "dq": rel(gr.dq.numpy(), ref["dq"]),
+            "dk": rel(gr.dk.numpy(), ref["dk"]), "dv": rel(gr.dv.numpy(), ref["dv"])}
+    RESULTS["checks"].append(dict(name=f"device-arrays S={S} D={D} {dtype}", errors=errs,
+                                  worst_rel=max(errs.values()), **base))
+    log(f"check device arrays {dtype} S={S} D={D}: {errs}")
+    recs = {}
+    # raw encoded plan (device-resident, no Python per call)
+    _, bwd, _, _ = wgpu_plan(be, q, k, v, g)
+    tb, n = time_plan(bwd)
+    recs["plan"] = (tb, n)
+    # public API on device arrays
+    tb, n = _time_calls(be, lambda: aa.attention_backward(dq, dk, dv, dg, out=out, lse=st))
+    recs["device-arrays"] = (tb, n)
+    tb, n = _time_calls(be, lambda: forward_with_stats(dq, dk, dv))
+    recs["device-arrays-fwd"] = (tb, n)
+    if host:
+        o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
+        tb, n = _time_calls(be, lambda: aa.attention_backward(q, k, v, g, out=o, lse=l,
+                                                              backend="webgpu"), max_n=20)
+        recs["host-arrays"] = (tb, n)
+    for impl, (tb, n) in recs.items():
+        f = fl / 2.5 if impl.endswith("fwd") else fl
+        rec = dict(impl="anyattn-webgpu-" + impl, bwd_ms=tb * 1e3, bwd_tflops=f / tb / 1e12,
+                   n=n, **base)
+        RESULTS["timings"].append(rec)
+        log(f"{impl:18s} {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} TFLOP/s)")
+    dev_ms, plan_ms = recs["device-arrays"][0], recs["plan"][0]
+    RESULTS.setdefault("ratios", []).append(dict(
+        device_vs_plan=dev_ms / plan_ms,
+        host_vs_device=(recs["host-arrays"][0] / dev_ms) if host else None, **base))
+    if gpu:
+        import torch
+
+        tq, tk, tv, tg = (torch.from_numpy(x).cuda() for x in (q, k, v, g))
+        o, l = aa.attention(tq, tk, tv, return_lse=True, backend="triton")
+        tb = cuda_time(lambda: aa.attention_backward(tq, tk, tv, tg, out=o, lse=l,
+                                                     backend="triton"))
+        RESULTS["timings"].append(dict(impl="anyattn-triton", bwd_ms=tb * 1e3,
+                                       bwd_tflops=fl / tb / 1e12, **base))
+        log(f"triton {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({fl / tb / 1e12:.2f} TFLOP/s)")
+
+
+def with_timeout(seconds, what, fn, *a, **kw):
+    """guarded(), and a SIGALRM after ``seconds`` so one slow step cannot eat the run."""
+    import signal
+
+    def alarm(*_):
+        raise TimeoutError(f"{what}: past {seconds} s")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(int(seconds))
+    try:
+        return guarded(what, fn, *a, **kw)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def resident_study(be, seed_src, gpu, small):
+    """Issue 17 side by side: seed kernel, ABI, device arrays, raw plan, host arrays,
+    triton; fp32 and f16 (adapter features and the subgroup size recorded)."""
+    ctx = be.context
+    RESULTS["features"] = sorted(str(f) for f in ctx.adapter.features)
+    if small:
+        with_timeout(120, "abi+seed", bench_seed_and_abi, be, seed_src, (32,), seed_max_s=32)
+        for dt in ("float32", "float16"):
+            with_timeout(120, f"resident {dt}", resident_case, be, 1, 2, 64, 32, dt, gpu)
+        return
+    with_timeout(90, "abi+seed", bench_seed_and_abi, be, seed_src, (256, 512), seed_max_s=512)
+    for S, D in ((512, 64), (4096, 128), (4096, 64)):
+        for dt in ("float32", "float16"):
+            with_timeout(90, f"resident {dt} S={S} D={D}", resident_case, be, 1, 8, S, D, dt,
+                         gpu)
+            save_partial()
+
+
 # ------------------------------------------------------------------ lavapipe
 def bench_cpu(be):
     """lavapipe vs the NumPy backend, B=1 H=8 S=256 D=64 fp32 (API calls, host arrays)."""
@@ -661,6 +774,9 @@ def main():
                     help="GPU: two large checks, no triton, fewer sizes (a re-run after a change)")
     ap.add_argument("--f16", action="store_true",
                     help="only the f16 study (errors vs float64, f16 vs fp32 timings) + PNG")
+    ap.add_argument("--resident", action="store_true",
+                    help="issue 17: seed, ABI, device arrays, raw plan, host arrays, triton "
+                         "side by side (fp32, f16); JSON webgpu_resident*.json")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
     if a.plot:
@@ -692,6 +808,14 @@ def main():
     log("adapter:", ctx.name, "f16:", ctx.has_f16)
     seed_src = Path(a.seed).read_text() if Path(a.seed).exists() else None
     t0 = time.time()
+    if a.resident:
+        name = "webgpu_resident.json" if gpu and not a.small else "webgpu_resident_small.json"
+        PARTIAL.append(out / name)
+        resident_study(be, seed_src, gpu, a.small or not gpu)
+        RESULTS["total_seconds"] = time.time() - t0
+        (out / name).write_text(json.dumps(RESULTS, indent=1))
+        log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")
+        return
     if a.f16:
         if not ctx.has_f16:
             log("the adapter has no shader-f16: no f16 study")
