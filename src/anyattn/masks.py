@@ -17,11 +17,25 @@ backends consume:
 * at most one document-id pair (``q_ids [Bd, Sq]``, ``k_ids [Bd, Sk]``,
   ``Bd`` in {1, B});
 * at most one boolean keep array, 4-D and broadcastable to [B, Hq, Sq, Sk].
+
+Tile maps (which tiles a mask leaves empty, partial or full; :meth:`ResolvedMask.tile_map`)
+are reused across calls: each call resolves the mask anew, so the parts that cost more
+than O(nQ·nK) live in one bounded, thread-safe LRU cache (:data:`TILE_CACHE`) keyed on
+*content*, never on an array that may have changed since: document ids by a digest of
+their bytes (O(S) per call), keep arrays only when they cannot change (a NumPy array
+whose flags and bases are all read-only, e.g. after ``mask.setflags(write=False)``;
+the cache keeps a weak reference and checks it).  Band terms have a closed form and
+are not cached; writable keep arrays and torch keep tensors are reduced on every call
+(as fast as any content check of them would be).
 """
 from __future__ import annotations
 
+import hashlib
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Hashable, Optional, Tuple
 
 import numpy as np
 
@@ -39,6 +53,8 @@ __all__ = [
     "TILE_EMPTY",
     "TILE_PARTIAL",
     "TILE_FULL",
+    "TILE_CACHE",
+    "TileMapCache",
 ]
 
 ALIGNS = ("top_left", "bottom_right")
@@ -269,6 +285,9 @@ class ResolvedMask:
     q_ids: Any = None
     k_ids: Any = None
     keep: Any = None
+    #: identity tokens of the keep arrays when every one is immutable (see
+    #: :func:`_frozen_token`), else None: the keep part of a tile map is then not cached
+    keep_key: Any = field(default=None, repr=False, compare=False)
     #: memo for tile maps keyed by tile sizes (filled lazily by tile_map).
     _tile_maps: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -344,7 +363,8 @@ class ResolvedMask:
         """Per-tile codes (TILE_EMPTY / TILE_PARTIAL / TILE_FULL) as int8
         [Bm, Hm, nQ, nK], ``Bm``/``Hm`` 1 where no term varies over batch/heads.
 
-        Computed once per tile size and memoised on this object.
+        Memoised on this object per tile size; the document and (immutable) keep parts
+        also across calls in :data:`TILE_CACHE` (see the module docstring).
         """
         key = (bq, bk)
         if key in self._tile_maps:
@@ -352,48 +372,138 @@ class ResolvedMask:
         nq, nk = -(-self.sq // bq), -(-self.sk // bk)
         any_kept = np.ones((1, 1, nq, nk), dtype=bool)
         all_kept = np.ones((1, 1, nq, nk), dtype=bool)
-
-        def fold(keep4):  # keep4: bool [Bx, Hx, Sq, Sk] -> per-tile any/all
-            nonlocal any_kept, all_kept
-            a, l = _tile_reduce(keep4, bq, bk)
-            any_kept = any_kept & a
-            all_kept = all_kept & l
-
+        parts = []
         if self.has_band:
-            # band alone: exact per tile from the corner differences
-            qi0 = np.arange(nq)[:, None] * bq
-            qi1 = np.minimum(qi0 + bq, self.sq) - 1
-            kj0 = np.arange(nk)[None, :] * bk
-            kj1 = np.minimum(kj0 + bk, self.sk) - 1
-            dmin, dmax = kj0 - qi1, kj1 - qi0  # range of j - i within the tile
-            lo = -np.inf if self.band_lo is None else self.band_lo
-            hi = np.inf if self.band_hi is None else self.band_hi
-            a = (dmax >= lo) & (dmin <= hi)
-            l = (dmin >= lo) & (dmax <= hi)
-            # j - i takes every integer in [dmin, dmax] on a tile, so this is exact
-            any_kept = any_kept & a[None, None]
-            all_kept = all_kept & l[None, None]
+            parts.append(self._band_tiles(bq, bk))
         if self.q_ids is not None:
-            qd, kd = to_numpy(self.q_ids), to_numpy(self.k_ids)
-            bd = max(qd.shape[0], kd.shape[0])
-            a = np.zeros((bd, 1, nq, nk), dtype=bool)
-            l = np.zeros((bd, 1, nq, nk), dtype=bool)
-            for b in range(bd):
-                qrow = qd[min(b, qd.shape[0] - 1)]
-                krow = kd[min(b, kd.shape[0] - 1)]
-                for t in range(nq):
-                    eq = qrow[t * bq:(t + 1) * bq, None] == krow[None, :]  # [bq, Sk]
-                    ra, rl = _tile_reduce(eq[None, None], eq.shape[0], bk)
-                    a[b, 0, t] = ra[0, 0, 0]
-                    l[b, 0, t] = rl[0, 0, 0]
+            parts.append(TILE_CACHE.get(("documents", _ids_digest(self.q_ids, self.k_ids),
+                                         self.sq, self.sk, bq, bk),
+                                        lambda: self._document_tiles(bq, bk)))
+        if self.keep is not None:
+            build = lambda: _tile_reduce(to_numpy(self.keep), bq, bk)  # noqa: E731
+            parts.append(build() if self.keep_key is None else
+                         TILE_CACHE.get(("keep", self.keep_key[0], self.sq, self.sk, bq, bk),
+                                        build, self.keep_key[1]))   # [Bx, Hx, nQ, nK] each
+        for a, l in parts:                    # each [Bx, Hx, nQ|1, nK|1]
             any_kept = any_kept & a
             all_kept = all_kept & l
-        if self.keep is not None:
-            fold(to_numpy(self.keep))
         codes = np.where(all_kept, TILE_FULL, np.where(any_kept, TILE_PARTIAL, TILE_EMPTY))
         codes = codes.astype(np.int8)
         self._tile_maps[key] = codes
         return codes
+
+    def _band_tiles(self, bq: int, bk: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Band term per tile: (any kept, all kept), bool [1, 1, nQ, nK], exact from the
+        tiles' corner differences (j - i takes every integer in [dmin, dmax] on a tile)."""
+        nq, nk = -(-self.sq // bq), -(-self.sk // bk)
+        qi0 = np.arange(nq)[:, None] * bq
+        qi1 = np.minimum(qi0 + bq, self.sq) - 1
+        kj0 = np.arange(nk)[None, :] * bk
+        kj1 = np.minimum(kj0 + bk, self.sk) - 1
+        dmin, dmax = kj0 - qi1, kj1 - qi0  # range of j - i within the tile
+        lo = -np.inf if self.band_lo is None else self.band_lo
+        hi = np.inf if self.band_hi is None else self.band_hi
+        return ((dmax >= lo) & (dmin <= hi))[None, None], \
+            ((dmin >= lo) & (dmax <= hi))[None, None]
+
+    def _document_tiles(self, bq: int, bk: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Document term per tile: (any kept, all kept), bool [Bd, 1, nQ, nK].
+
+        A tile keeps some pair iff its query and key id ranges share an id, and every
+        pair iff both hold one and the same id; per query tile one [bq, Sk] compare."""
+        qd, kd = to_numpy(self.q_ids), to_numpy(self.k_ids)
+        nq, nk = -(-self.sq // bq), -(-self.sk // bk)
+        bd = max(qd.shape[0], kd.shape[0])
+        a = np.zeros((bd, 1, nq, nk), dtype=bool)
+        l = np.zeros((bd, 1, nq, nk), dtype=bool)
+        for b in range(bd):
+            qrow = qd[min(b, qd.shape[0] - 1)]
+            krow = kd[min(b, kd.shape[0] - 1)]
+            for t in range(nq):
+                eq = qrow[t * bq:(t + 1) * bq, None] == krow[None, :]  # [bq, Sk]
+                ra, rl = _tile_reduce(eq[None, None], eq.shape[0], bk)
+                a[b, 0, t] = ra[0, 0, 0]
+                l[b, 0, t] = rl[0, 0, 0]
+        return a, l
+
+
+class TileMapCache:
+    """A bounded LRU of tile-map parts, safe for concurrent callers.
+
+    ``get(key, build, ref=None)`` returns the cached value of ``key`` or stores
+    ``build()``; ``ref`` (a ``weakref.ref``) ties an entry to an object: once that object
+    is gone, or another object holds the same id, the entry is not served.  ``builds``
+    and ``hits`` count what happened (tests, benchmarks); ``clear()`` empties it.
+    """
+
+    def __init__(self, maxsize: int = 64):
+        self.maxsize = maxsize
+        self._d: "OrderedDict[Hashable, Tuple[Any, Optional[weakref.ref]]]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+        self.hits = 0
+
+    def get(self, key: Hashable, build: Callable[[], Any],
+            ref: Optional[weakref.ref] = None) -> Any:
+        with self._lock:
+            hit = self._d.get(key)
+            if hit is not None and (hit[1] is None or (ref is not None and ref() is not None
+                                                       and hit[1]() is ref())):
+                self._d.move_to_end(key)
+                self.hits += 1
+                return hit[0]
+        value = build()                       # outside the lock: builds may take ms
+        with self._lock:
+            self.builds += 1
+            self._d[key] = (value, ref)
+            self._d.move_to_end(key)
+            while len(self._d) > self.maxsize:
+                self._d.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.builds = self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+#: the process-wide cache of tile-map parts (document ids, immutable keep arrays)
+TILE_CACHE = TileMapCache()
+
+
+def _ids_digest(q_ids, k_ids) -> Tuple:
+    """Content key of a document-id pair: shapes, dtypes and a digest of the bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    shapes = []
+    for x in (q_ids, k_ids):
+        a = np.ascontiguousarray(to_numpy(x))
+        shapes.append((a.shape, a.dtype.str))
+        h.update(memoryview(a).cast("B"))
+    return tuple(shapes) + (h.hexdigest(),)
+
+
+def _frozen_token(arr) -> Optional[Tuple[int, weakref.ref]]:
+    """(id, weak reference) of a NumPy array that cannot change: it and every NumPy
+    base below it read-only, the innermost owner an ndarray or ``bytes``; else None
+    (writable arrays, views of writable memory, torch tensors)."""
+    if not isinstance(arr, np.ndarray):
+        return None
+    x: Any = arr
+    while isinstance(x, np.ndarray):
+        if x.flags.writeable:
+            return None
+        if x.base is None:
+            break
+        x = x.base
+    if not (isinstance(x, (np.ndarray, bytes))):
+        return None
+    try:
+        return id(arr), weakref.ref(arr)
+    except TypeError:  # pragma: no cover - ndarray subclasses without weakref support
+        return None
 
 
 def _tile_reduce(keep4: np.ndarray, bq: int, bk: int):
@@ -458,6 +568,10 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
             q_ids, k_ids = _combine_ids(q_ids, k_ids, qi2, ki2)
 
     keep = None
+    tokens = [_frozen_token(km) for km in acc.keeps]
+    keep_key = None
+    if len(tokens) == 1 and tokens[0] is not None:
+        keep_key = tokens[0]   # one immutable array (several: their AND is new per call)
     for km in acc.keeps:
         k4 = _expand4(km)
         target = (b, hq, sq, sk)
@@ -473,7 +587,7 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
         else:
             keep = _and_arrays(keep, k4)
     return ResolvedMask(sq=sq, sk=sk, band_lo=lo, band_hi=hi, q_ids=q_ids, k_ids=k_ids,
-                        keep=keep)
+                        keep=keep, keep_key=keep_key)
 
 
 def _and_arrays(a, b):

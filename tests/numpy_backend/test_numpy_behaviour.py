@@ -199,10 +199,16 @@ def test_masking_creates_no_nan():
 
 
 # ---------------------------------------------------------------- memory
-def test_memory_is_tile_sized(np_config):
-    """No [Sq, Sk] array: peak extra memory of fwd+bwd stays at tiles + O((Sq+Sk)*D)."""
-    np_config(threads=2)
-    S, D = 3072, 16
+@pytest.mark.parametrize("S,tile", [(3072, 256), (6144, None)])
+def test_memory_is_tile_sized(np_config, S, tile):
+    """No [Sq, Sk] array: peak extra memory of fwd+bwd stays at tiles + O((Sq+Sk)*D).
+
+    ``tile=None``: the automatic tiles (512 x 512 without a mask: ~12 MiB of tile
+    buffers over two workers, independent of S, so S is doubled to keep the check about
+    [Sq, Sk] arrays rather than about tile sizes)."""
+    np_config(threads=2, **({} if tile is None else dict(fwd_bq=tile, fwd_bk=tile,
+                                                         bwd_bq=tile, bwd_bk=tile)))
+    D = 16
     q, k, v, g = qkv(31, 1, 1, 1, S, S, D, dtype="float32")
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -210,7 +216,7 @@ def test_memory_is_tile_sized(np_config):
     aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="numpy")
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
-    dense = S * S * 4                      # one [Sq, Sk] float32 matrix: 36 MiB
+    dense = S * S * 4                      # one [Sq, Sk] float32 matrix: 36 / 144 MiB
     assert peak < dense / 6, f"peak extra {peak / 2**20:.1f} MiB"
 
 

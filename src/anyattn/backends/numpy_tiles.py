@@ -351,12 +351,15 @@ def snap_plan(plan: "TilePlan", single: np.ndarray, unit_max: np.ndarray
 
 
 def _snap(st: np.ndarray, sel: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-          zero: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+          zero: np.ndarray, ones: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     """Set the P tile's entries in [lo, hi] to 1 on the columns ``sel`` (in place).
 
-    Returns (columns, hits) where dS must be 0, or None."""
-    if sel.size * 4 > st.shape[1]:          # many columns: look only where a P is near 1
-        near = np.maximum.reduce(st, axis=0)[sel] >= lo
+    ``ones``: float ones, at least [nj].  Returns (columns, hits) where dS must be 0,
+    or None."""
+    if sel.size * 4 > st.shape[1]:          # many columns: look only where a P may be near 1
+        # P >= 0, so a column whose sum is below lo has no entry >= lo: a GEMV over the
+        # tile [ni] (~5x cheaper than a max-reduce along axis 0 of [nj, ni])
+        near = np.matmul(ones[:st.shape[0]], st)[sel] >= lo
         sel, lo, hi, zero = sel[near], lo[near], hi[near], zero[near]
         if not sel.size:
             return None
@@ -1001,6 +1004,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     codes = [plan.codes_bh(b, h) for h in hs.heads]
     expf = np.exp2 if hs.base2 else np.exp
     snaps = hs.snap if hs.snap and any(hs.snap) else None
+    ones = np.ones(plan.bk, dtype=dt) if snaps is not None else None   # [bk] (_snap)
     drop = hs.drop
     vt = va[:, :D]                                  # [Sk, D] (dropout's dP GEMM)
     # dropped pairs may overflow in exp; an empty row's -inf column meets BLAS's zero
@@ -1051,7 +1055,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         counts.full += 1
                     zero_ds = None
                     if sn is not None:                              # rows carried by one key
-                        zero_ds = _snap(st, *sn)
+                        zero_ds = _snap(st, *sn, ones)
                     gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, D+1]
                     kf = None
                     if drop is not None:                            # keep tile [nj, ni]
