@@ -62,10 +62,22 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
     return n
 
 
-#: tile edge (queries = keys) by whether a mask term may skip tiles: 512 where none does
-#: (GEMMs of 512 run ~10 % faster than 256 here), 256 with a mask (a causal 512 grid
-#: computes 62 % of the score tiles at S = 2048 instead of 56 %).  docs/perf/LOG.md, 2026-12-03.
-AUTO_TILE = {False: 512, True: 256}
+#: automatic tiles (bq, bk) by pass and by what the mask is: GEMMs of 512 run ~10 % faster
+#: than 256 at one thread and need half the NumPy calls (two workers contend for the
+#: GIL between calls); with a band term (causal, windows) the long side lies across the
+#: band and a partial tile computes only the rows (forward) / keys (backward) the band
+#: reaches (TilePlan.band_rows / band_keys), so the diagonal costs what a 256 grid's
+#: does; other masks keep 256 x 256.  docs/perf/LOG.md, 2026-12-03 (issue 16).
+AUTO_TILES = {("fwd", "none"): (512, 512), ("bwd", "none"): (512, 512),
+              ("fwd", "band"): (512, 256), ("bwd", "band"): (256, 512),
+              ("fwd", "other"): (256, 256), ("bwd", "other"): (256, 256)}
+
+
+def _mask_kind(mask) -> str:
+    """'none' (no term), 'band' (a causal/window term, maybe with others), 'other'."""
+    if mask.is_empty_mask:
+        return "none"
+    return "band" if mask.has_band else "other"
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class NumpyConfig:
     ``threads=None``: one worker per CPU this process may use
     (:func:`available_cpus`: affinity mask and cgroup quota).
     Forward tiles ``fwd_bq x fwd_bk``, backward tiles ``bwd_bq x bwd_bk``; a size left
-    ``None`` is chosen per call from :data:`AUTO_TILE` (512 without a mask, 256 with one).
+    ``None`` is chosen per call from :data:`AUTO_TILES` by the mask.
     ``bounded``: use :func:`~anyattn.backends.numpy_tiles.forward_rows_bounded`
     (no running max where the logits are small) for bias-free forwards.
     """
@@ -88,11 +100,11 @@ class NumpyConfig:
     #: forward without a running max (a Cauchy-Schwarz bound per row) when there is no bias
     bounded: bool = True
 
-    def tiles(self, kind: str, masked: bool) -> Tuple[int, int]:
-        """(bq, bk) of the 'fwd' or 'bwd' pass; ``masked``: the call has a mask term."""
-        auto = AUTO_TILE[masked]
+    def tiles(self, kind: str, mask) -> Tuple[int, int]:
+        """(bq, bk) of the 'fwd' or 'bwd' pass for a ResolvedMask."""
+        auto = AUTO_TILES[(kind, _mask_kind(mask))]
         bq, bk = (self.fwd_bq, self.fwd_bk) if kind == "fwd" else (self.bwd_bq, self.bwd_bk)
-        return (auto if bq is None else bq), (auto if bk is None else bk)
+        return (auto[0] if bq is None else bq), (auto[1] if bk is None else bk)
 
     @classmethod
     def from_env(cls) -> "NumpyConfig":
@@ -458,7 +470,7 @@ class NumpyBackend(Backend):
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
-        plan = self._plan(p, *cfg.tiles("fwd", not p.mask.is_empty_mask), bias)
+        plan = self._plan(p, *cfg.tiles("fwd", p.mask), bias)
         B, Hq, Sq, Sk, D, G = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.group
         out = np.empty((B, Hq, Sq, D), dtype=dt)
         rmax = np.empty((B, Hq, Sq), dtype=dt)
@@ -551,7 +563,7 @@ class NumpyBackend(Backend):
         cap = p.softcap
         B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                     p.head_dim, p.group)
-        plan = self._plan(p, *cfg.tiles("bwd", not p.mask.is_empty_mask), bias)
+        plan = self._plan(p, *cfg.tiles("bwd", p.mask), bias)
         slopes = _slopes64(p, mods)
         anchor = None
         if slopes is not None:                     # kernels see ALiBi rebased per row

@@ -175,6 +175,23 @@ class TilePlan:
         j0 = jt * self.bk
         return j0, min(j0 + self.bk, self.sk)
 
+    def band_rows(self, i0: int, i1: int, j0: int, j1: int) -> Tuple[int, int]:
+        """Rows [r0, r1) of the queries i0..i1-1 that the band lets see some key of
+        j0..j1-1 (all of them without a band term): ``j0 - hi <= i <= j1 - 1 - lo``.
+        Other mask terms only drop more pairs, so no row outside keeps a key here."""
+        m = self.mask
+        r0 = i0 if m.band_hi is None else max(i0, j0 - m.band_hi)
+        r1 = i1 if m.band_lo is None else min(i1, j1 - m.band_lo)
+        return r0, max(r0, r1)
+
+    def band_keys(self, i0: int, i1: int, j0: int, j1: int) -> Tuple[int, int]:
+        """Keys [c0, c1) of j0..j1-1 that the band lets some query of i0..i1-1 see:
+        ``i0 + lo <= j <= i1 - 1 + hi``."""
+        m = self.mask
+        c0 = j0 if m.band_lo is None else max(j0, i0 + m.band_lo)
+        c1 = j1 if m.band_hi is None else min(j1, i1 + m.band_hi)
+        return c0, max(c0, c1)
+
     # ------------------------------------------------------------ per-tile terms
     def excluded_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """bool [nj, ni], True where the mask drops the pair (transposed tile)."""
@@ -685,44 +702,53 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
         for jt, code in tiles:
             j0, j1 = plan.k_range(jt)
             nj = j1 - j0
-            st = sbuf[:nj * ni].reshape(nj, ni)
-            np.matmul(k[j0:j1], qt.T, out=st)                  # sT [nj, ni] (x/c: cap)
+            # a partial tile: only the rows the band lets see these keys (nr <= ni)
+            r0, r1 = plan.band_rows(i0, i1, j0, j1) if code == TILE_PARTIAL else (i0, i1)
+            rs, nr = slice(r0 - i0, r1 - i0), r1 - r0
+            if nr == 0:
+                counts.skipped += 1
+                continue
+            st = sbuf[:nj * nr].reshape(nj, nr)
+            np.matmul(k[j0:j1], qt[rs].T, out=st)              # sT [nj, nr] (x/c: cap)
             if cap:
-                mods.cap_t(st)                                  # c·tanh(x/c) [nj, ni]
+                mods.cap_t(st)                                  # c·tanh(x/c) [nj, nr]
             if plan.bias is not None:
-                st += plan.bias_t(b, h, i0, i1, j0, j1)
+                st += plan.bias_t(b, h, r0, r1, j0, j1)
             if alibi is not None:                               # - slope·|anchor_i - j|
-                far = alibi.add_t(st, i0, i1, j0, j1) > far_at
+                far = alibi.add_t(st, r0, r1, j0, j1) > far_at
             ex = None
             if code == TILE_PARTIAL:
-                ex = plan.excluded_t(b, h, i0, i1, j0, j1)
+                ex = plan.excluded_t(b, h, r0, r1, j0, j1)
                 np.copyto(st, neg_inf, where=ex)
                 counts.partial += 1
             else:
                 counts.full += 1
-            m_new = np.maximum(m, st.max(axis=0))              # [ni]
+            mr = m[rs]                                          # [nr]
+            m_new = np.maximum(mr, st.max(axis=0))              # [nr]
             # rows that have kept nothing yet: subtract 0, not -inf (no -inf - -inf)
             m_use = np.where(m_new == neg_inf, dt.type(0), m_new)
-            st -= m_use                                         # [nj, ni], exact at the max
+            st -= m_use                                         # [nj, nr], exact at the max
             if far:                                             # no subnormal P (slow)
-                np.maximum(st, floor_row[:ni], out=st)          # -inf too: re-zeroed below
-            expf(st, out=st)                                    # P~ [nj, ni]
+                np.maximum(st, floor_row[:nr], out=st)          # -inf too: re-zeroed below
+            expf(st, out=st)                                    # P~ [nj, nr]
             if far:
                 if ex is not None:
                     np.copyto(st, dt.type(0), where=ex)
                 if plan.bias_neginf:
                     np.copyto(st, dt.type(0),
-                              where=np.isneginf(plan.bias_t(b, h, i0, i1, j0, j1)))
-            corr = expf(m - m_use)                              # [ni] rescale old terms
-            l *= corr
-            l += np.matmul(ones[:nj], st)                       # [ni] (undropped)
+                              where=np.isneginf(plan.bias_t(b, h, r0, r1, j0, j1)))
+            corr = expf(mr - m_use)                             # [nr] rescale old terms
+            lr = l[rs]
+            lr *= corr
+            lr += np.matmul(ones[:nj], st)                      # [nr] (undropped)
             if drop is not None:
-                kf = drop.keep_t(drop_rows[i0:i1], j0, j1)      # [nj, ni] 0/1 or None
+                kf = drop.keep_t(drop_rows[r0:r1], j0, j1)      # [nj, nr] 0/1 or None
                 if kf is not None:
                     st *= kf                                    # P~ ∘ keep
-            acc *= corr[:, None]
-            acc += np.matmul(st.T, v[j0:j1])                    # [ni, D]
-            m = m_new
+            ar = acc[rs]
+            ar *= corr[:, None]
+            ar += np.matmul(st.T, v[j0:j1])                     # [nr, D]
+            m[rs] = m_new
         empty = l == 0                                          # no kept key (NaN stays)
         np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
         acc[empty] = 0
@@ -843,45 +869,51 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
         n_full = 0                                                    # keys of full tiles
         n_part = np.zeros(ni, dtype=np.int64)                         # kept in partial ones
         key_of = np.zeros(ni, dtype=np.int64)       # a row's key, where it keeps only one
-        pv = pvbuf[:ni * D].reshape(ni, D)
         for jt, code in tiles:
             j0, j1 = plan.k_range(jt)
             nj = j1 - j0
-            st = sbuf[:nj * ni].reshape(nj, ni)
-            np.matmul(k[j0:j1], qt.T, out=st)                         # s, [nj, ni]
+            # a partial tile: only the rows the band lets see these keys (nr <= ni)
+            r0, r1 = plan.band_rows(i0, i1, j0, j1) if code == TILE_PARTIAL else (i0, i1)
+            ra, nr = r0 - i0, r1 - r0
+            if nr == 0:
+                tc.skipped += 1
+                continue
+            st = sbuf[:nj * nr].reshape(nj, nr)
+            np.matmul(k[j0:j1], qt[ra:ra + nr].T, out=st)             # s, [nj, nr]
             if cap:
                 mods.cap_t(st)                                        # c·tanh(x/c)
-            if alibi is not None:                   # <= 0 [nj, ni]; s >= -cmax - span
-                far = alibi.add_t(st, i0, i1, j0, j1) + cmax > -floor
+            if alibi is not None:                   # <= 0 [nj, nr]; s >= -cmax - span
+                far = alibi.add_t(st, r0, r1, j0, j1) + cmax > -floor
             if far:                               # no subnormal P~ (masked: zeroed below)
-                np.maximum(st, floor_row[:ni], out=st)
-            np.exp2(st, out=st)                                       # P~ [nj, ni]
+                np.maximum(st, floor_row[:nr], out=st)
+            np.exp2(st, out=st)                                       # P~ [nj, nr]
             if code == TILE_PARTIAL:
                 # zero the dropped pairs after exp2: exp2(-inf) takes NumPy's slow
                 # special-value path (~5x); |s| <= 64, so no overflow
-                ex = plan.excluded_t(b, h, i0, i1, j0, j1)
+                ex = plan.excluded_t(b, h, r0, r1, j0, j1)
                 np.copyto(st, dt.type(0), where=ex)
                 if n_full < 2:        # else every row keeps >= 2 keys: no count needed
-                    # [ni] kept here (a uint8 sum: 4x faster than count_nonzero(axis=0))
+                    # [nr] kept here (a uint8 sum: 4x faster than count_nonzero(axis=0))
                     cnt = nj - np.add.reduce(ex.view(np.uint8), axis=0,
                                              dtype=np.uint16 if nj < 65536 else np.int64)
-                    n_part += cnt
+                    n_part[ra:ra + nr] += cnt
                     sel = np.flatnonzero(cnt == 1)
                     if sel.size:
-                        key_of[sel] = j0 + np.argmin(ex[:, sel], axis=0)
+                        key_of[ra + sel] = j0 + np.argmin(ex[:, sel], axis=0)
                 tc.partial += 1
             else:
                 n_full += nj
                 if nj == 1:
                     key_of[:] = j0
                 tc.full += 1
-            l += np.matmul(ones[:nj], st)                             # [ni] (undropped)
+            l[ra:ra + nr] += np.matmul(ones[:nj], st)                 # [nr] (undropped)
             if drop is not None:
-                kf = drop.keep_t(drop_rows[i0:i1], j0, j1)            # [nj, ni] or None
+                kf = drop.keep_t(drop_rows[r0:r1], j0, j1)            # [nj, nr] or None
                 if kf is not None:
                     st *= kf                                          # P~ ∘ keep
-            np.matmul(st.T, v[j0:j1], out=pv)                         # [ni, D]
-            acc += pv
+            pv = pvbuf[:nr * D].reshape(nr, D)
+            np.matmul(st.T, v[j0:j1], out=pv)                         # [nr, D]
+            acc[ra:ra + nr] += pv
         if alibi is not None:                    # a kept row whose terms all underflowed?
             low = l < dt.type(BOUNDED_MIN_SUM)
             if n_full < 2:
@@ -1024,32 +1056,39 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                 for it, code in tiles:
                     i0, i1 = plan.q_range(it)
                     ni = i1 - i0
-                    st = sbuf[:nj * ni].reshape(nj, ni)
+                    # a partial tile: only the keys the band lets these queries see
+                    c0, c1 = (plan.band_keys(i0, i1, j0, j1) if code == TILE_PARTIAL
+                              else (j0, j1))
+                    ks, nc = slice(c0 - j0, c1 - j0), c1 - c0
+                    if nc == 0:
+                        counts.skipped += 1
+                        continue
+                    st = sbuf[:nc * ni].reshape(nc, ni)
                     qa = hs.q2a[gi][i0:i1]                          # [ni, D+1]
                     sn = None if snaps is None else snaps[gi].get(it)
                     fold = hs.gaf is not None and sn is None        # 2^-max_u inside gaf
                     if cap:
-                        tt = tbuf[:nj * ni].reshape(nj, ni)
-                        np.matmul(kt, qa[:, :D].T, out=tt)          # x/c, [nj, ni]
+                        tt = tbuf[:nc * ni].reshape(nc, ni)
+                        np.matmul(kt[ks], qa[:, :D].T, out=tt)      # x/c, [nc, ni]
                         np.tanh(tt, out=tt)                         # t = tanh(x/c)
                         np.multiply(tt, capu, out=st)               # c·t
                         if not fold:
-                            st += hs.cols[gi][i0:i1]                # c·t - max [nj, ni]
+                            st += hs.cols[gi][i0:i1]                # c·t - max [nc, ni]
                     else:
-                        np.matmul(kta, qa.T, out=st)                # s - max, [nj, ni]
+                        np.matmul(kta[ks], qa.T, out=st)            # s - max, [nc, ni]
                     if plan.bias is not None:                       # natural units
-                        st += plan.bias_t(b, h, i0, i1, j0, j1)     # (s - max) + bias
+                        st += plan.bias_t(b, h, i0, i1, c0, c1)     # (s - max) + bias
                     if hs.alibi is not None:                        # - slope·|anchor_i - j|
-                        far = hs.alibi[gi].add_t(st, i0, i1, j0, j1) > far_at[gi]
+                        far = hs.alibi[gi].add_t(st, i0, i1, c0, c1) > far_at[gi]
                     if far:                                         # no subnormal P (slow)
                         np.maximum(st, floor_row[:ni], out=st)
-                    expf(st, out=st)                                # P~ᵀ [nj, ni]
+                    expf(st, out=st)                                # P~ᵀ [nc, ni]
                     if far and plan.bias_neginf:                    # a -inf bias drops
                         np.copyto(st, dt.type(0),
-                                  where=np.isneginf(plan.bias_t(b, h, i0, i1, j0, j1)))
+                                  where=np.isneginf(plan.bias_t(b, h, i0, i1, c0, c1)))
                     if code == TILE_PARTIAL:
                         # zeroed after exp: exp(-inf) is NumPy's slow special-value path
-                        np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, j0, j1))
+                        np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, c0, c1))
                         counts.partial += 1
                     else:
                         counts.full += 1
@@ -1058,21 +1097,21 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         zero_ds = _snap(st, *sn, ones)
                     gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, D+1]
                     kf = None
-                    if drop is not None:                            # keep tile [nj, ni]
-                        kf = drop.keep_t(hs.drop_rows[gi][i0:i1], j0, j1)
+                    if drop is not None:                            # keep tile [nc, ni]
+                        kf = drop.keep_t(hs.drop_rows[gi][i0:i1], c0, c1)
                     elif dv_acc is not None:
-                        dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
+                        dv_acc[ks] += np.matmul(st, gta[:, :D])     # [nc, D]
                     if not need_ds:
                         if drop is not None and dv_acc is not None:
                             if kf is not None:
                                 st *= kf                            # P~ ∘ keep
-                            dv_acc += np.matmul(st, gta[:, :D])     # [nj, D]
+                            dv_acc[ks] += np.matmul(st, gta[:, :D])  # [nc, D]
                         continue
-                    dst = pbuf[:nj * ni].reshape(nj, ni)
+                    dst = pbuf[:nc * ni].reshape(nc, ni)
                     if drop is None:
-                        np.matmul(vta, gta.T, out=dst)              # w·(dPᵀ - delta), [nj, ni]
+                        np.matmul(vta[ks], gta.T, out=dst)          # w·(dPᵀ - delta), [nc, ni]
                     else:                                   # w·(keep∘dPᵀ/(1 - p) - delta)
-                        np.matmul(vt[j0:j1], gta[:, :D].T, out=dst)
+                        np.matmul(vt[c0:c1], gta[:, :D].T, out=dst)
                         if kf is not None:
                             dst *= kf
                         dst += np.ascontiguousarray(gta[:, D])      # a strided row: 2x slower
@@ -1080,21 +1119,21 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         sub = dst[:, zero_ds[0]]
                         sub[zero_ds[1]] = 0
                         dst[:, zero_ds[0]] = sub
-                    dst *= st                                       # dSᵀ [nj, ni]
+                    dst *= st                                       # dSᵀ [nc, ni]
                     if drop is not None and dv_acc is not None:     # dv from P~ ∘ keep
                         if kf is not None:
                             st *= kf
-                        dv_acc += np.matmul(st, gta[:, :D])         # [nj, D]
+                        dv_acc[ks] += np.matmul(st, gta[:, :D])     # [nc, D]
                     if dbias is not None:
-                        plan.add_dbias(dbias, dst, b, h, i0, i1, j0, j1)
+                        plan.add_dbias(dbias, dst, b, h, i0, i1, c0, c1)
                     if cap and (dk_acc is not None or hs.dq is not None):
                         np.multiply(tt, tt, out=tt)                 # t²
-                        np.subtract(dt.type(1), tt, out=tt)         # 1 - t² [nj, ni]
+                        np.subtract(dt.type(1), tt, out=tt)         # 1 - t² [nc, ni]
                         dst *= tt                                   # dS·(1 - t²)
                     if dk_acc is not None:
-                        dk_acc += np.matmul(dst, hs.q[gi][i0:i1])   # [nj, D]
+                        dk_acc[ks] += np.matmul(dst, hs.q[gi][i0:i1])   # [nc, D]
                     if hs.dq is not None:
-                        hs.dq[gi][i0:i1] += np.matmul(dst.T, kt)    # [ni, D]
+                        hs.dq[gi][i0:i1] += np.matmul(dst.T, kt[ks])    # [ni, D]
             if dk is not None:
                 dk_acc *= dt.type(scale)
                 dk[j0:j1] = dk_acc
