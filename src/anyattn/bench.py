@@ -4,7 +4,10 @@ FLOPs by the FlashAttention convention: forward 4·B·H·Sq·Sk·D, backward 2.5
 the forward, forward + backward 3.5x; a causal mask halves each.  GFLOP/s
 come from the best (minimum) of ``--repeats`` timed runs; the median is kept
 in the JSON too.  All implementations of one case are timed in the same
-process, interleaved run by run, so that load from elsewhere hits them alike.
+process, interleaved run by run, so that load from elsewhere hits them alike;
+with ``--vs torch`` the table also gives the *paired* ratio, the median over the
+rounds of torch's time / this implementation's time in the same round (on a shared
+machine it moves less than the ratio of the minima).
 
 ``--vs torch`` adds torch's CPU ``scaled_dot_product_attention`` (forward +
 ``.backward``) on the same inputs.  ``--memory`` measures the peak extra
@@ -70,6 +73,8 @@ class Result:
     times_fwd_ms: List[float] = field(default_factory=list)
     times_bwd_ms: List[float] = field(default_factory=list)
     ratio_vs_torch: Optional[float] = None
+    #: median over rounds of torch total / this total in the same round
+    paired_ratio_vs_torch: Optional[float] = None
     max_abs_diff_vs_torch: Optional[float] = None
 
 
@@ -268,6 +273,9 @@ def _time_case(case: Case, impls: Sequence[_Impl], repeats: int, warmup: int,
     if torch_i is not None:
         for i, res in enumerate(results):
             res.ratio_vs_torch = res.total_gflops / results[torch_i].total_gflops
+            tt = [a + b for a, b in zip(tf[torch_i], tb[torch_i])]
+            mine = [a + b for a, b in zip(tf[i], tb[i])]
+            res.paired_ratio_vs_torch = float(np.median([x / y for x, y in zip(tt, mine)]))
             res.max_abs_diff_vs_torch = float(np.max(np.abs(
                 outs[i].astype(np.float64) - outs[torch_i].astype(np.float64))))
     return results
@@ -277,7 +285,8 @@ def _time_case(case: Case, impls: Sequence[_Impl], repeats: int, warmup: int,
 def _table(results: Sequence[Result]) -> str:
     has_ratio = any(r.ratio_vs_torch is not None for r in results)
     head = f"{'case':<30} {'impl':<16} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} " \
-           f"{'fwd GF/s':>9} {'bwd GF/s':>9} {'tot GF/s':>9}" + (" vs torch" if has_ratio else "")
+           f"{'fwd GF/s':>9} {'bwd GF/s':>9} {'tot GF/s':>9}" + (" vs torch  paired" if has_ratio
+                                                            else "")
     lines = [head, "-" * len(head)]
     for r in results:
         c = Case(**r.case)
@@ -285,7 +294,7 @@ def _table(results: Sequence[Result]) -> str:
                 f"{r.total_ms:9.1f} {r.fwd_gflops:9.1f} {r.bwd_gflops:9.1f} "
                 f"{r.total_gflops:9.1f}")
         if r.ratio_vs_torch is not None:
-            line += f" {r.ratio_vs_torch:8.2f}x"
+            line += f" {r.ratio_vs_torch:8.2f}x {r.paired_ratio_vs_torch:6.2f}x"
         lines.append(line)
     return "\n".join(lines)
 
