@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 __all__ = ["Context", "get_context", "unavailable_reason", "ENV_ADAPTER", "LLVMPIPE_LOOP_LIMIT",
-           "wants_gl", "NATIVE_BACKENDS"]
+           "wants_gl", "NATIVE_BACKENDS", "SUBGROUP_FEATURE"]
 
 ENV_ADAPTER = "ANYATTN_WGPU_ADAPTER"
 #: the wgpu instance backends used unless GL is asked for (InstanceBackend flag names)
@@ -34,6 +34,8 @@ _GL_WORDS = frozenset({"gl", "opengl", "gles", "egl"})
 #: llvmpipe stops every loop of an invocation once their trips together reach
 #: 65,535 (and the results are wrong, silently); we keep a margin below it.
 LLVMPIPE_LOOP_LIMIT = 65_000
+#: wgpu-py 0.32's name of WebGPU's "subgroups" feature
+SUBGROUP_FEATURE = "subgroup"
 
 _LIMIT_NAMES = (
     "max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -66,6 +68,10 @@ class Context:
     @property
     def has_f16(self) -> bool:
         return "shader-f16" in self.features
+
+    @property
+    def has_subgroups(self) -> bool:
+        return SUBGROUP_FEATURE in self.features
 
 
 _ctx: Optional[Context] = None
@@ -170,7 +176,10 @@ def _create() -> Context:
             raise RuntimeError(f"adapter {_describe(adapter)!r} offers {k}={lim.get(k)}, the "
                                f"kernels need {need}")
     req = {k: lim[k] for k in _LIMIT_NAMES if k in lim}
-    feats = [f for f in ("shader-f16", "timestamp-query") if f in adapter.features]
+    # 'subgroup' (wgpu-py's name; WGSL's subgroup builtins with naga 0.32 need no
+    # `enable`): requested only where offered, used by the 'subgroups' kernel variant
+    feats = [f for f in ("shader-f16", "timestamp-query", SUBGROUP_FEATURE)
+             if f in adapter.features]
     device = adapter.request_device_sync(required_features=feats, required_limits=req)
     info = dict(adapter.info)
     desc = _describe(adapter).lower()

@@ -20,7 +20,29 @@ from . import uniforms
 from .device import Context
 from .pipelines import KernelError, PipelineCache
 
-__all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch", "ceil_div"]
+__all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
+           "ceil_div", "VARIANTS", "VARIANT_TABLE", "ENV_VARIANT", "pick_variant"]
+
+#: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
+#: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
+#: chunk, the updates' row chunk) read into registers before the current chunk's
+#: products (global-load latency behind arithmetic; same barriers, same arithmetic
+#: and order: bitwise the portable results); ``subgroups`` prefetch plus subgroup
+#: row reductions (forward row max / sum by shuffle-xor butterflies instead of a
+#: workgroup round trip and a serial loop; delta rows by subgroup lanes), for adapters
+#: with the ``subgroup`` feature.
+VARIANTS = ("portable", "prefetch", "subgroups")
+#: forces a variant (A/B); one the adapter cannot run raises with the reason
+ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
+#: the default variant per (adapter class, element type); first match wins.  All
+#: portable until an H200 run measures the others (bench/webgpu_bench.py --resident
+#: --variants); change an entry here (data, not code) after a measurement.
+VARIANT_TABLE = (
+    # (cpu adapter?, needs 'subgroup', elem or None = any) -> variant
+    ((False, True, None), "portable"),
+    ((False, False, None), "portable"),
+    ((True, False, None), "portable"),
+)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -50,6 +72,7 @@ class TileConfig:
     half: bool = False
     HC: int = 4
     UC: int = 0        # f16 flush period of the updates in rows (0: IC)
+    variant: str = "portable"   # kernel variant (VARIANTS): portable | prefetch | subgroups
 
     @property
     def BQ(self) -> int:
@@ -79,7 +102,23 @@ class TileConfig:
                  NUC=self.IC // self.uc)
         if self.half:
             c.update(HALF=1, HC=self.HC, NHC=self.DC // 4 // self.HC)
+        if self.prefetch:
+            c.update(PREFETCH=1, NEQ=ceil_div(self.BQ * self.DC // 4, self.NT),
+                     NEK=ceil_div(self.BK * self.DC // 4, self.NT),
+                     NEU=ceil_div(self.IC * self.DS // 4, self.NT))
+        if self.subgroups:
+            c["SUBGROUPS"] = 1
         return c
+
+    @property
+    def prefetch(self) -> bool:
+        """Register prefetch of the next staged chunk (variants prefetch, subgroups)."""
+        return self.variant in ("prefetch", "subgroups")
+
+    @property
+    def subgroups(self) -> bool:
+        """Subgroup row reductions (variant subgroups; needs the adapter's 'subgroup')."""
+        return self.variant == "subgroups"
 
     def smem_bytes(self, kernel: str, dropout: bool = False) -> int:
         """Workgroup bytes of a tiled kernel; ``dropout``: with the DROPOUT kernels'
@@ -103,7 +142,8 @@ class TileConfig:
               and self.BK % self.IC == 0
               and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"]
               and self.uc % 4 == 0 and self.IC % self.uc == 0
-              and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0)))
+              and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0))
+              and self.variant in VARIANTS)
         if not ok:
             raise ValueError(f"inconsistent tile config {self}")
 
@@ -120,12 +160,16 @@ class TileConfig:
     def _sdp(self, D: int) -> int:
         d4 = self.DC // 4
         chunks = ceil_div(D, self.DC)
+        if self.prefetch:          # staging unrolled (sdp_ld / sdp_st): the d0 loop only
+            return chunks + 1
         per_chunk = (self._loop(ceil_div(self.BQ * d4, self.NT))
                      + self._loop(ceil_div(self.BK * d4, self.NT)))
         return chunks + 1 + chunks * per_chunk
 
     def _upd(self, rows: int) -> int:
         n = rows // self.IC
+        if self.prefetch:          # staging unrolled (upd_*_ld): the chunk loop only
+            return n + 1
         return n + 1 + n * self._loop(ceil_div(self.IC * self.DS // 4, self.NT))
 
     def trips_per_unit(self, kernel: str, D: int, dk: bool = True, dv: bool = True) -> int:
@@ -169,12 +213,37 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
     return h
 
 
+def pick_variant(ctx: Context, elem: str = "f32", variant: Optional[str] = None) -> str:
+    """The kernel variant: ``variant`` or ``$ANYATTN_WEBGPU_VARIANT`` when given (an unknown
+    name is a ``ValueError``, one this adapter cannot run a ``NotImplementedError`` with
+    the reason), else the first ``VARIANT_TABLE`` entry that matches the adapter."""
+    import os
+
+    want = variant or os.environ.get(ENV_VARIANT, "").strip()
+    if want:
+        if want not in VARIANTS:
+            raise ValueError(f"{ENV_VARIANT}={want!r}: unknown webgpu kernel variant "
+                             f"(one of {', '.join(VARIANTS)})")
+        if want == "subgroups" and not ctx.has_subgroups:
+            raise NotImplementedError(
+                f"webgpu kernel variant 'subgroups' needs the adapter feature 'subgroup', "
+                f"which {ctx.name} does not offer; use portable or prefetch")
+        return want
+    for (cpu, needs_sg, el), name in VARIANT_TABLE:
+        if cpu == ctx.is_cpu and (not needs_sg or getattr(ctx, "has_subgroups", False)) \
+                and el in (None, elem):
+            return name
+    return "portable"
+
+
 def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False,
-                  dropout: bool = False) -> TileConfig:
+                  dropout: bool = False, variant: Optional[str] = None) -> TileConfig:
     """The first config whose workgroup memory fits the adapter; NV = 1 for small D;
     the f16-math variant (``half_config``, its backward variant on GPUs) for f16.
     ``dropout``: the DROPOUT kernels' workgroup memory (without it the choice is the
-    one of the plain kernels)."""
+    one of the plain kernels).  ``variant``: ``pick_variant``'s (the table's default,
+    or the one forced by name / ``$ANYATTN_WEBGPU_VARIANT``)."""
+    var = pick_variant(ctx, elem, variant)
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
     for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
@@ -182,6 +251,7 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
         if elem == "f16":
             cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout)
+        cfg = dataclasses.replace(cfg, variant=var)
         if cfg.NT <= inv and all(cfg.smem_bytes(k, dropout) <= limit
                                  for k in ("forward", "bwd_dq", "bwd_dkdv")):
             cfg.check()

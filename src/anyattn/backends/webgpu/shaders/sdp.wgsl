@@ -4,8 +4,23 @@
 // Workgroup tiles hold SV = 4 consecutive d values (vec4<f32>; vec4<f16> in HALF mode).
 // HALF: products in packed f16 (vec2<f16> FMA, lanes = even/odd d) over runs of HC
 // vec4 columns (2*HC products per lane), each run's partial added into f32 s / dp.
+//@if PREFETCH
+// PREFETCH: the chunk at d0 + DC is read from global memory into registers (pq/pg,
+// pk/pv: NEQ / NEK elements per invocation) before the products of chunk d0, so the
+// loads' latency hides behind them; stored to the workgroup tiles after the barrier.
+var pq: array<SV, NEQ>;
+var pk: array<SV, NEK>;
+//@if DP
+var pg: array<SV, NEQ>;
+var pv: array<SV, NEK>;
+//@endif DP
+let d00 = 0u;
+//@define PF_D0 d00
+//@include sdp_ld
+//@endif PREFETCH
 for (var d0 = 0u; d0 < U.D; d0 += DC) {
   TRIP
+//@ifn PREFETCH
   for (var e = lid; e < BQ * DC4; e += NT) {
     TRIP
     let r = e / DC4;
@@ -46,6 +61,15 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     sv[r * RSQ + c] = v4;
     //@endif DP
   }
+//@endif PREFETCH
+//@if PREFETCH
+  //@include sdp_st
+  let d0n = d0 + DC;
+  if (d0n < U.D) {
+    //@define PF_D0 d0n
+    //@include sdp_ld
+  }
+//@endif PREFETCH
   workgroupBarrier();
   //@ifn HALF
   //@for c DC4

@@ -3,8 +3,16 @@
 // HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
 // (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
 // accumulator every UC rows (UC divides IC).
+//@if PREFETCH
+// PREFETCH: the next chunk's rows are read into registers pu (NEU per invocation)
+// before this chunk's products; stored to the workgroup tile after its last barrier.
+var pu: array<SV, NEU>;
+//@define PF_R0 0u
+//@include upd_kv_ld
+//@endif PREFETCH
 for (var ic = 0u; ic < BQ; ic += IC) {
   TRIP
+  //@ifn PREFETCH
   for (var e = lid; e < IC * DS4; e += NT) {
     TRIP
     let r = e / DS4;
@@ -14,6 +22,17 @@ for (var ic = 0u; ic < BQ; ic += IC) {
     if (i < U.SQ) { a = lds_$UPD_SRC$($UPD_SRC$base + i * U.$UPD_SRC$_ss, dbase + 4u * c); }
     s$UPD_SRC$[e] = a;
   }
+  //@endif PREFETCH
+  //@if PREFETCH
+  //@for n NEU
+  if (lid + {n} * NT < IC * DS4) { s$UPD_SRC$[lid + {n} * NT] = pu[{n#}]; }
+  //@end n
+  let icn = ic + IC;
+  if (icn < BQ) {
+    //@define PF_R0 icn
+    //@include upd_kv_ld
+  }
+  //@endif PREFETCH
   workgroupBarrier();
   //@if HALF
   var hacc: array<vec4<f16>, 2 * NACC>;

@@ -6,8 +6,16 @@
 // HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
 // (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
 // accumulator every UC rows (UC divides IC).
+//@if PREFETCH
+// PREFETCH: the next chunk's rows are read into registers pu (NEU per invocation)
+// before this chunk's products; stored to the workgroup tile after its last barrier.
+var pu: array<SV, NEU>;
+//@define PF_R0 0u
+//@include upd_q_ld
+//@endif PREFETCH
 for (var jc = 0u; jc < BK; jc += IC) {
   TRIP
+  //@ifn PREFETCH
   for (var e = lid; e < IC * DS4; e += NT) {
     TRIP
     let r = e / DS4;
@@ -17,6 +25,17 @@ for (var jc = 0u; jc < BK; jc += IC) {
     if (j < U.SK) { a = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * c); }
     sk[e] = a;
   }
+  //@endif PREFETCH
+  //@if PREFETCH
+  //@for n NEU
+  if (lid + {n} * NT < IC * DS4) { sk[lid + {n} * NT] = pu[{n#}]; }
+  //@end n
+  let jcn = jc + IC;
+  if (jcn < BK) {
+    //@define PF_R0 jcn
+    //@include upd_q_ld
+  }
+  //@endif PREFETCH
   workgroupBarrier();
   //@if HALF
   var hacc: array<vec4<f16>, 2 * NACC>;
