@@ -47,7 +47,7 @@ def test_dropout_mask_on_cuda_is_the_cpu_mask():
     """One seed, the same keep mask on the GPU (triton) as on the CPU (numpy)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 96, 32) for _ in "qkv")
-    kw = dict(mask=Causal(), dropout_p=0.2, dropout_seed=2 ** 63 + 5, softcap=5.0)
+    kw = dict(mask=Causal(), dropout_p=0.2, dropout_seed=2 ** 62 + 5, softcap=5.0)   # anyattn.torch: < 2**63
     cpu = at.attention(q, k, v, **kw)
     gpu = at.attention(q.cuda(), k.cuda(), v.cuda(), **kw).cpu()
     assert float((gpu - cpu).abs().max()) < 1e-5 * float(cpu.abs().max())
