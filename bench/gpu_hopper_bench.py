@@ -1,7 +1,10 @@
 """The Hopper path (backends/triton/hopper) on an sm_90 GPU: correctness vs float64 and
 vs the portable kernels, bitwise repeatability, SASS evidence, and forward timings side
 by side with the portable kernels, SDPA-cuDNN, SDPA-flash and FlexAttention, in one
-process.  FLOP convention: FlashAttention's (fwd 4*B*H*Sq*Sk*D, causal half).
+process.  FLOP convention: FlashAttention's (fwd 4*B*H*Sq*Sk*D, bwd 2.5x, causal half).
+Backward: the routed triton backward (Hopper dK/dV + portable delta and dQ) beside the
+portable one, the Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex
+through autograd.
 
     PYTHONPATH=src python3 bench/gpu_hopper_bench.py [--out DIR] [--quick]
 
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -34,10 +36,23 @@ from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 
 
 def vname(cfg):
-    return f"hopper-{cfg.bm}x{cfg.bn}s{cfg.stages}{'o' if cfg.overlap else ''}"
+    return f"hopper-{cfg.name}"
 
 TOL = {"float16": 3e-3, "bfloat16": 2e-2}
 RES = {"meta": {}, "sass": [], "check": [], "bench": []}
+OPT = {"ws": True, "bwd": True, "flex": True}
+
+
+def fwd_variants(D, dt="bfloat16"):
+    """The forward variants this run checks / times (--skip-ws drops the warp-specialised
+    ones; fp16 checks only the defaults, to bound compile time)."""
+    if dt != "bfloat16":
+        return []
+    return [c for c in HCF.FWD_VARIANTS[D] if OPT["ws"] or not c.ws]
+
+
+def bwd_configs(D, dt="bfloat16"):
+    return [HCF.bwd_config(D)] + (HCF.BWD_VARIANTS[D] if dt == "bfloat16" else [])
 
 
 def log(*a):
@@ -117,6 +132,81 @@ def run_path(path, p, q, k, v, poison=True, cfg=None):
     return o, rs.max, rs.log_norm
 
 
+def grads64(q, k, v, keep, scale, dout):
+    """float64 dq, dk, dv by the explicit formulas (empty rows: P = 0, zero gradients):
+    dV = P^T dO, dS = P o (dO V^T - rowsum(P o dO V^T)), dQ = dS K s, dK = dS^T Q s,
+    dk / dv summed over each kv head's query group."""
+    G = q.shape[1] // k.shape[1]
+    qd, do = q.double(), dout.double()
+    kd, vd = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = torch.einsum("bhid,bhjd->bhij", qd, kd) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    pr = torch.where(keep, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    dp = torch.einsum("bhid,bhjd->bhij", do, vd)
+    ds = pr * (dp - (pr * dp).sum(-1, keepdim=True))
+    dq = torch.einsum("bhij,bhjd->bhid", ds, kd) * scale
+    dk = torch.einsum("bhij,bhid->bhjd", ds, qd) * scale
+    dv = torch.einsum("bhij,bhid->bhjd", pr, do)
+    B, Hkv, Sk, D = k.shape
+    return dq, dk.view(B, Hkv, G, Sk, D).sum(2), dv.view(B, Hkv, G, Sk, D).sum(2)
+
+
+def l2_delta(out, dout, mx, ln):
+    """The backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (kernels.py doc), in torch."""
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    m = torch.where(mx == float("-inf"), float("inf"), mx)
+    return torch.stack([m, ln * 1.4426950408889634], 2).contiguous(), delta
+
+
+def check_bwd(p, q, k, v, keep, dt):
+    """dq, dk, dv of the routed backward (ANYATTN_TRITON_PATH=hopper: Hopper dk / dv,
+    portable dq) and of each dK/dV variant (poisoned buffers) vs float64 and portable."""
+    why = HCOV.supports(p, "backward", (("q", q), ("k", k), ("v", v)))
+    if not OPT["bwd"]:
+        why = "skipped (--skip-bwd)"
+    res = dict(covered=why is None, why=why)
+    if why is not None:
+        return res
+    out, rs = TL.forward(p, q, k, v, None)
+    dout = torch.randn_like(out)
+    rq, rk, rv = grads64(q, k, v, keep, p.scale, dout)
+    outs = {}
+    for path in ("hopper", "portable"):
+        os.environ["ANYATTN_TRITON_PATH"] = path
+        try:
+            outs[path] = TL.backward(p, q, k, v, dout, out, rs, None)
+            outs[path + "2"] = TL.backward(p, q, k, v, dout, out, rs, None)
+        finally:
+            os.environ.pop("ANYATTN_TRITON_PATH", None)
+    for path in ("hopper", "portable"):
+        g = outs[path]
+        for n, r in (("dq", rq), ("dk", rk), ("dv", rv)):
+            res[f"err_{n}" + ("" if path == "hopper" else "_portable")] = rel(g[n], r)
+    g, g2 = outs["hopper"], outs["hopper2"]
+    res["bitwise_repeat"] = all(torch.equal(g[n], g2[n]) for n in ("dq", "dk", "dv"))
+    res["nan"] = any(bool(torch.isnan(g[n]).any()) for n in ("dq", "dk", "dv"))
+    l2, delta = l2_delta(out, dout, rs.max, rs.log_norm)
+    res["variants"] = {}
+    for cfg in bwd_configs(p.head_dim, dt):
+        shp = (p.batch, p.heads_kv, p.seq_k, p.head_dim)
+        dk = torch.full(shp, float("nan"), dtype=q.dtype, device=q.device)
+        dv = torch.full(shp, float("nan"), dtype=q.dtype, device=q.device)
+        HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg)
+        dk2, dv2 = HL.dkdv(p, q, k, v, dout, l2, delta, cfg=cfg)
+        ek, ev = rel(dk, rk), rel(dv, rv)
+        res["variants"][cfg.name] = dict(err_dk=ek, err_dv=ev, ok=bool(
+            not torch.isnan(dk).any() and not torch.isnan(dv).any() and ek <= TOL[dt]
+            and ev <= TOL[dt] and torch.equal(dk, dk2) and torch.equal(dv, dv2)))
+    res["ok"] = (not res["nan"] and res["bitwise_repeat"]
+                 and all(res[f"err_{n}"] <= TOL[dt] for n in ("dq", "dk", "dv")))
+    log(f"   bwd: ok={res['ok']} dq {res['err_dq']:.2e} ({res['err_dq_portable']:.2e}) "
+        f"dk {res['err_dk']:.2e} ({res['err_dk_portable']:.2e}) dv {res['err_dv']:.2e} "
+        f"({res['err_dv_portable']:.2e}) repeat={res['bitwise_repeat']} variants: "
+        + str({k_: (v_['ok'], round(v_['err_dk'], 5)) for k_, v_ in res['variants'].items()}))
+    return res
+
+
 def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout="bhsd"):
     dev = "cuda"
     tdt = getattr(torch, dt)
@@ -157,7 +247,7 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout="bhsd"):
         bitwise_repeat=bool(torch.equal(ho, ho2) and torch.equal(hm, hm2) and torch.equal(hn, hn2)),
         stats_vs_portable_max=float((hm - pm)[torch.isfinite(pm)].abs().max().item()) if torch.isfinite(pm).any() else 0.0)
     row["variants"] = {}
-    for cfg in HCF.FWD_VARIANTS[D]:
+    for cfg in fwd_variants(D, dt):
         vo, vm, vn = run_path("hopper", p, q, k, v, cfg=cfg)
         vo2, vm2, vn2 = run_path("hopper", p, q, k, v, cfg=cfg)
         vl = vm + vn
@@ -167,7 +257,8 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout="bhsd"):
                     and rel(vo, ro) <= TOL[dt] and rel(vl, rl) <= 10 * TOL[dt]
                     and torch.equal(torch.isfinite(vl), torch.isfinite(rl))
                     and torch.equal(vo, vo2) and torch.equal(vm, vm2)))
-    row["ok"] = (not row["nan_out"] and not row["nan_stats"] and row["empty_ok"]
+    row["bwd"] = check_bwd(p, q, k, v, keep, dt)
+    row["ok"] = (row["bwd"].get("ok", True) and not row["nan_out"] and not row["nan_stats"] and row["empty_ok"]
                  and row["bitwise_repeat"] and row["err_out"] <= TOL[dt]
                  and row["err_lse"] <= 10 * TOL[dt])
     RES["check"].append(row)
@@ -195,6 +286,7 @@ def phase_check(quick):
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             RES["check"].append(dict(name=c[0], error=repr(e)[:400], ok=False))
             log(f"check {c[0]}: ERROR {e!r}"[:400])
+        dump()          # a run cut short by its timeout keeps the cases done so far
 
 
 def fa_flops(b, h, s, d, causal):
@@ -228,7 +320,7 @@ def phase_bench(quick):
                     row["ms"][name] = repr(e)[:300]
 
             put("hopper", lambda: HL.forward(p, q, k, v))
-            for cfg in HCF.FWD_VARIANTS[d]:
+            for cfg in fwd_variants(d):
                 put(vname(cfg), lambda cfg=cfg: HL.forward(p, q, k, v, cfg=cfg))
             put("portable", lambda: run_path("portable", p, q, k, v))
             os.environ["ANYATTN_TRITON_PATH"] = "auto"
@@ -242,13 +334,67 @@ def phase_bench(quick):
                 put(nm, f)
             bm = create_block_mask((lambda b_, h_, i, j: j <= i) if causal else (lambda b_, h_, i, j: i >= 0),
                                    None, None, s, s, device="cuda")
-            put("flex", lambda: flex(q, k, v, block_mask=bm))
+            if OPT["flex"]:
+                put("flex", lambda: flex(q, k, v, block_mask=bm))
             hp, cd = row["ms"].get("hopper"), row["ms"].get("sdpa-cudnn")
             if isinstance(hp, float) and isinstance(cd, float):
                 row["hopper_vs_cudnn"] = round(cd / hp, 3)
+            if OPT["bwd"]:
+                bench_bwd(row, p, q, k, v, causal, fl * 2.5, flex, bm)
             RES["bench"].append(row)
             log(f"bench B={b} H={h} S={s} D={d} causal={causal}: " +
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
+
+
+def bench_bwd(row, p, q, k, v, causal, fl, flex, bm):
+    """Backward timings (FLOPs 2.5x the forward's): the triton backward on each path, the
+    Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex through autograd."""
+    out, rs = TL.forward(p, q, k, v, None)
+    dout = torch.randn_like(out)
+
+    def put(name, fn, flops=fl):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = bench_ms(fn)
+            row["ms"][name] = round(ms, 4)
+            row["tflops"][name] = round(flops / ms / 1e9, 1)
+        except Exception as e:  # noqa: BLE001
+            row["ms"][name] = repr(e)[:300]
+
+    def tl_bwd(path):
+        os.environ["ANYATTN_TRITON_PATH"] = path
+        try:
+            return TL.backward(p, q, k, v, dout, out, rs, None)
+        finally:
+            os.environ.pop("ANYATTN_TRITON_PATH", None)
+
+    put("bwd-hopper", lambda: tl_bwd("hopper"))
+    put("bwd-portable", lambda: tl_bwd("portable"))
+    l2, delta = l2_delta(out, dout, rs.max, rs.log_norm)
+    # dK/dV alone: 4 of the backward's 5 products, so 0.8 of its FLOPs
+    for cfg in bwd_configs(p.head_dim):
+        put(f"dkdv-{cfg.name}", lambda cfg=cfg: HL.dkdv(p, q, k, v, dout, l2, delta, cfg=cfg),
+            0.8 * fl)
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                   ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            put(nm, lambda o=o: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+        except Exception as e:  # noqa: BLE001
+            row["ms"][nm] = repr(e)[:300]
+    try:
+        if not OPT["flex"]:
+            raise RuntimeError("skipped (--no-flex)")
+        o = flex(qg, kg, vg, block_mask=bm)
+        put("bwd-flex", lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+    except Exception as e:  # noqa: BLE001
+        row["ms"]["bwd-flex"] = repr(e)[:300]
+    hb, cb = row["ms"].get("bwd-hopper"), row["ms"].get("bwd-sdpa-cudnn")
+    if isinstance(hb, float) and isinstance(cb, float):
+        row["bwd_hopper_vs_cudnn"] = round(cb / hb, 3)
 
 
 def phase_sass():
@@ -257,10 +403,27 @@ def phase_sass():
             t = time.time()
             c = OFF.compile_fwd("bfloat16", D, band, cfg)
             cnt = OFF.instruction_counts(c)
-            cnt.update(D=D, band=band, cfg=vname(cfg or HCF.fwd_config(D)),
+            cnt.update(D=D, band=band, kernel="fwd", cfg=vname(cfg or HCF.fwd_config(D)),
                        compile_s=round(time.time() - t, 1))
             RES["sass"].append(cnt)
             log(f"sass D={D} band={band}: {cnt}")
+        for band, cfg in [(False, None), (True, None)] + [(True, c_) for c_ in HCF.BWD_VARIANTS[D]]:
+            t = time.time()
+            c = OFF.compile_dkdv("bfloat16", D, band, cfg)
+            cnt = OFF.instruction_counts(c)
+            cnt.update(D=D, band=band, kernel="dkdv", cfg=(cfg or HCF.bwd_config(D)).name,
+                       compile_s=round(time.time() - t, 1))
+            RES["sass"].append(cnt)
+            log(f"sass D={D} band={band}: {cnt}")
+
+
+def phase_smoke():
+    """One small case per new kernel (the warp-specialised forward, dK/dV): run it in its
+    own process under a timeout first, so that a hang costs seconds, not the run."""
+    check_case("smoke-ws-bwd", 1, 2, 1, 300, 260, 128, "bfloat16", "causal")
+    r = RES["check"][-1]
+    log(f"SMOKE ws={all(v['ok'] for v in r.get('variants', {}).values())} "
+        f"bwd={r.get('bwd', {}).get('ok')}")
 
 
 def phase_roof():
@@ -271,12 +434,23 @@ def phase_roof():
     log(f"roof: torch bf16 GEMM 8192^3 {RES['meta']['bf16_gemm_tflops']} TFLOP/s")
 
 
+def dump():
+    with open(os.path.join(RES["meta"]["out"], "hopper.json"), "w") as f:
+        json.dump(RES, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--phases", default="sass,check,roof,bench")
+    ap.add_argument("--skip-ws", action="store_true", help="no warp-specialised forward")
+    ap.add_argument("--skip-bwd", action="store_true", help="no Hopper dK/dV")
+    ap.add_argument("--no-flex", action="store_true", help="no FlexAttention timings")
     a = ap.parse_args()
+    OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex)
+    RES["meta"]["out"] = a.out
+    RES["meta"]["options"] = dict(OPT)
     RES["meta"].update(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name(),
                        torch=torch.__version__, triton=triton.__version__,
                        cudnn=torch.backends.cudnn.version(),
@@ -286,21 +460,22 @@ def main():
         t = time.time()
         try:
             {"sass": phase_sass, "check": lambda: phase_check(a.quick), "roof": phase_roof,
-             "bench": lambda: phase_bench(a.quick)}[ph]()
+             "bench": lambda: phase_bench(a.quick), "smoke": phase_smoke}[ph]()
         except Exception as e:  # noqa: BLE001
             RES["meta"][f"{ph}_error"] = repr(e)[:500]
             log(f"phase {ph} failed: {e!r}")
         log(f"phase {ph}: {time.time() - t:.1f} s")
-        with open(os.path.join(a.out, "hopper.json"), "w") as f:
-            json.dump(RES, f, indent=1)
+        dump()
     bad = [r["name"] for r in RES["check"] if not r.get("ok", True) and r.get("covered", True)]
-    badv = sorted({f"{r['name']}:{k}" for r in RES["check"] for k, v in r.get("variants", {}).items()
+    badv = sorted({f"{r['name']}:{k}" for r in RES["check"] for k, v in
+                   list(r.get("variants", {}).items()) + list(r.get("bwd", {}).get("variants", {}).items())
                    if not v["ok"]})
     log(f"failing variants: {badv}")
     log(f"checks: {len(RES['check'])} cases, failing: {bad}")
     for r in RES["bench"]:
         log(f"B={r['B']} H={r['H']} S={r['S']} D={r['D']} causal={r['causal']} TFLOP/s " +
-            " ".join(f"{k}={v}" for k, v in r["tflops"].items()) + f"  vs cuDNN {r.get('hopper_vs_cudnn')}")
+            " ".join(f"{k}={v}" for k, v in r["tflops"].items()) + f"  vs cuDNN fwd {r.get('hopper_vs_cudnn')}"
+            f" bwd {r.get('bwd_hopper_vs_cudnn')}")
 
 
 if __name__ == "__main__":

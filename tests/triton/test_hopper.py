@@ -47,7 +47,7 @@ def test_coverage_reasons_name_what_is_missing(monkeypatch):
     p = _problem()
     object.__setattr__(p, "device", "cuda:0")
     assert HCOV.supports(p, "forward") is None
-    assert "no Hopper backward" in HCOV.supports(p, "backward")
+    assert HCOV.supports(p, "backward") is None
     for kw, word in ((dict(dtype=torch.float32), "dtype float32"), (dict(D=96), "head_dim 96"),
                      (dict(D=64), "head_dim 64"),
                      (dict(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))), "mask class documents"),
@@ -94,36 +94,47 @@ def test_forcing_hopper_where_not_covered_raises(monkeypatch):
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="Hopper forward path does not cover"):
         TL.forward(p, q, q, q, None)
-    with pytest.raises(NotImplementedError, match="no Hopper backward"):
+    with pytest.raises(NotImplementedError, match="Hopper backward path does not cover"):
         TL.backward(p, q, q, q, q, q, None, None)
 
 
 # ----------------------------------------------------------------------------- offline
-@needs_gluon
-@pytest.mark.parametrize("D,band", [(64, False), (128, True)])
-def test_compiles_for_sm90a_with_hopper_instructions(D, band):
-    """The forward compiles for sm_90a here (no GPU) and its SASS holds warpgroup MMAs
-    (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory."""
+def _compile_counts(expr):
+    """Instruction counts of ``expr`` (an offline.compile_* call) compiled for sm_90a in a
+    child process without TRITON_INTERPRET (tests/conftest.py sets it where no GPU is
+    present, and Gluon functions do not compile under the interpreter)."""
     import json
     import subprocess
     import sys
 
-    # a child process without TRITON_INTERPRET (tests/conftest.py sets it where no GPU
-    # is present, and Gluon functions do not compile under the interpreter)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    code = ("import json; from anyattn.backends.triton.hopper import offline as O; "
-            f"c = O.compile_fwd('bfloat16', {D}, {band}); "
+    code = ("import json; from anyattn.backends.triton.hopper import offline as O, configs as C; "
+            f"c = {expr}; "
             "print(json.dumps(dict(O.instruction_counts(c), has_sass=bool(O.sass_of(c.asm['cubin'])))))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    n = json.loads(r.stdout.strip().splitlines()[-1])
-    assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == 1, n
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("expr,stores", [
+    ("O.compile_fwd('bfloat16', 64, False)", 1),
+    ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
+    ("O.compile_dkdv('bfloat16', 128, True)", 2)])
+def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
+    """The kernels compile for sm_90a here (no GPU) and their SASS holds warpgroup MMAs
+    (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory; the
+    warp-specialised forward moves registers between its partitions (setmaxnreg)."""
+    n = _compile_counts(expr)
+    assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == stores, n
+    if "ws=True" in expr:
+        assert n["ptx_setmaxnreg"] > 0, n
     if n["has_sass"]:
         assert n["sass_HGMMA"] > 0 and n["sass_UTMALDG"] > 0 and n["sass_HMMA"] == 0, n
-        assert n["local_bytes"] == 0, n
+        assert n["local_bytes"] == 0 and n.get("stack_bytes", 0) == 0, n
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -196,3 +207,85 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
     b = aa.attention(q, k, v, mask=aa.Causal(), backend="triton")
     assert calls == [1]
     assert (a.float() - b.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window2"])
+@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
+                                          ((1, 2, 1, 300, 200), "bhsd"),
+                                          ((2, 4, 4, 256, 256), "bshd")])
+def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
+    """The warp-specialised forward (configs.FWD_VARIANTS): out within tolerance of
+    float64, every element written, bitwise equal to itself."""
+    for m in sm90:
+        if m.name == "skipif" and m.args[0]:
+            pytest.skip(m.kwargs["reason"])
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    B, H, Hkv, Sq, Sk = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout, seed=3)
+    mask = MASKS[kind]
+    p = describe(q, k, v, mask=mask)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    for cfg in [c for c in HCF.FWD_VARIANTS[D] if c.ws]:
+        res = []
+        for _ in range(2):
+            out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device="cuda")
+            st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
+            res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
+        (o, rs), (o2, rs2) = res
+        assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
+        assert_close(o, ro, dtype, f"out {cfg.name}")
+        lse = to_np(rs.max + rs.log_norm).astype(np.float64)
+        assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), cfg.name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", list(MASKS))
+@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
+                                          ((1, 2, 1, 300, 200), "bhsd"),
+                                          ((2, 4, 4, 256, 256), "bshd")])
+def test_backward_matches_float64(dtype, D, kind, shape, layout):
+    """The routed backward (Hopper dK/dV, portable delta and dQ): dq, dk, dv within the
+    dtype's tolerance of float64, two runs bitwise equal; every dK/dV config writes every
+    element of poisoned buffers and agrees with the default within rounding."""
+    for m in sm90:
+        if m.name == "skipif" and m.args[0]:
+            pytest.skip(m.kwargs["reason"])
+    from anyattn.backends.triton import launch as TL
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    B, H, Hkv, Sq, Sk = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout, seed=5)
+    mask = MASKS[kind]
+    p = describe(q, k, v, mask=mask)
+    assert HCOV.supports(p, "backward", (("q", q), ("k", k), ("v", v))) is None
+    out, rs = TL.forward(p, q, k, v, None)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
+    os.environ["ANYATTN_TRITON_PATH"] = "hopper"
+    try:
+        r1 = TL.backward(p, q, k, v, dout, out, rs, None)
+        r2 = TL.backward(p, q, k, v, dout, out, rs, None)
+    finally:
+        os.environ.pop("ANYATTN_TRITON_PATH", None)
+    for n in ("dq", "dk", "dv"):
+        assert torch.equal(r1[n], r2[n]), n
+    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
+    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
+                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
+    for n in ("dq", "dk", "dv"):
+        assert_close(r1[n], getattr(rg, n), dtype, n)
+    # the dK/dV configs alone, from the same preprocess terms, into poisoned buffers
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
+    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    for cfg in [HCF.bwd_config(D)] + HCF.BWD_VARIANTS[D]:
+        dk = torch.full((B, Hkv, Sk, D), float("nan"), dtype=q.dtype, device="cuda")
+        dv = torch.full_like(dk, float("nan"))
+        HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg)
+        assert_close(dk, rg.dk, dtype, f"dk {cfg.name}")
+        assert_close(dv, rg.dv, dtype, f"dv {cfg.name}")

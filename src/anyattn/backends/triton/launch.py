@@ -675,7 +675,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     sinks the statistics include the sink (as the forward returns them): the score
     kernels need nothing more, and the delta kernel writes each row's term of dsinks,
     summed here over batch and queries in a fixed order (no atomics)."""
-    _use_hopper(p, "backward", plan, ())   # no Hopper backward yet: raises if forced
+    # the Hopper path computes dk / dv (hopper/bwd_kernel.py); delta and dq stay portable
+    hop = _use_hopper(p, "backward", plan, (("q", q), ("k", k), ("v", v), ("dout", dout)))
     plan = _plan(p, plan)
     q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -739,11 +740,15 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                              scalars, common)
             res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, l2, delta, dq, bias, ma,
                                             md, tlists, sc, scalars, common)
-        elif want_kv and want_q and plan.fused_bwd:
+        elif want_kv and want_q and plan.fused_bwd and not hop:
             _launch_fused_bwd(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
                               ma, md, tlists, sc, scalars, common, full_bias)
         else:
-            if want_kv:
+            if want_kv and hop:
+                from .hopper import launch as HL
+
+                HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv)
+            elif want_kv:
                 _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists, sc,
                              scalars, common)
             if want_q:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HopperConfig", "fwd_config", "FWD_VARIANTS"]
+__all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "FWD_VARIANTS",
+           "BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,14 @@ class HopperConfig:
     stages: int
     num_warps: int = 8
     overlap: bool = False     # FA3's intra-warpgroup overlap (needs stages >= 3)
+    ws: bool = False          # warp-specialised (fwd_ws_kernel: producer warp + 2 consumers)
+    consumer_regs: int = 240  # ws: registers per consumer thread (setmaxnreg)
+
+    @property
+    def name(self) -> str:
+        """e.g. 'ws128x128s2' / '128x128s3o' (bench and LOG labels)."""
+        return (f"{'ws' if self.ws else ''}{self.bm}x{self.bn}s{self.stages}"
+                f"{'o' if self.overlap else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         return elem * d * (self.bm + 2 * self.stages * self.bn)
@@ -29,9 +38,41 @@ class HopperConfig:
 _FWD = {64: HopperConfig(128, 128, 3, 8), 128: HopperConfig(128, 128, 2, 8)}
 
 #: variants the GPU bench times beside the defaults
-FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, 8, True)],
-                128: [HopperConfig(128, 128, 3, 8, True), HopperConfig(128, 64, 4, 8, True)]}
+FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True)],
+                128: [HopperConfig(128, 128, 2, ws=True), HopperConfig(128, 128, 3, ws=True),
+                      HopperConfig(128, 128, 3, 8, True)]}
 
 
 def fwd_config(d: int) -> HopperConfig:
     return _FWD[d]
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """The dK/dV kernel's launch shape: bn key rows per program (16 per warp), bm query
+    rows per ring stage.  Shared memory: 2 bytes * D * (2 * bn + 2 * stages * bm)."""
+
+    bn: int
+    bm: int
+    stages: int
+    num_warps: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"dkdv{self.bn}x{self.bm}s{self.stages}"
+
+    def smem_bytes(self, d: int, elem: int = 2) -> int:
+        return elem * d * (2 * self.bn + 2 * self.stages * self.bm)
+
+
+#: D -> dK/dV config (sm_90a offline compile, 2026-12-03: D=128 bm=64 spills, 255
+#: registers + 128-248 stack bytes; bm=32 230-240 registers, none; D=64 bm=64 218-237)
+_BWD = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 3, 8)}
+
+#: dK/dV variants the GPU bench times beside the defaults
+BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 3, 8)],
+                128: [HopperBwdConfig(128, 64, 2, 8), HopperBwdConfig(128, 32, 2, 8)]}
+
+
+def bwd_config(d: int) -> HopperBwdConfig:
+    return _BWD[d]

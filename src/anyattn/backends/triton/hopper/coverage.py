@@ -36,7 +36,11 @@ COVERAGE = {
                         # hopper-h200-2026-12-03.json): it stays portable until it wins
                         head_dims=frozenset({128}),
                         mask_classes=frozenset({"none", "band"})),
-    "backward": None,
+    # dK / dV only (bwd_kernel.py); the delta preprocess and dQ stay portable
+    "backward": Coverage(capabilities=frozenset({(9, 0)}),
+                         dtypes=frozenset({"float16", "bfloat16"}),
+                         head_dims=frozenset({64, 128}),
+                         mask_classes=frozenset({"none", "band"})),
 }
 
 _PATHS = ("auto", "portable", "hopper")
@@ -63,6 +67,8 @@ def _tensor_reason(name: str, x) -> Optional[str]:
         return f"{name} has last-dim stride {x.stride(-1)} (TMA needs 1)"
     esz = x.element_size()
     for d, (n, s) in enumerate(zip(x.shape[:-1], x.stride()[:-1])):
+        if n > 1 and s == 0:
+            return f"{name} is broadcast along dim {d} (stride 0; TMA needs real strides)"
         if n > 1 and (s * esz) % 16:
             return f"{name} stride {s} of dim {d} is not a multiple of 16 bytes (TMA)"
     if x.data_ptr() % 16:

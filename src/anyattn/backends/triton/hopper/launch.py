@@ -12,7 +12,7 @@ import triton
 from ....rowstats import RowStats
 from . import configs as HC
 
-__all__ = ["make_desc", "forward"]
+__all__ = ["make_desc", "forward", "dkdv"]
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
@@ -54,9 +54,9 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None):
 
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.fwd_config(D) if cfg is None else cfg
-    rm = p.mask
-    lo = -_BIG if rm.band_lo is None else max(int(rm.band_lo), -_BIG)
-    hi = _BIG if rm.band_hi is None else min(int(rm.band_hi), _BIG)
+    rm_ = p.mask
+    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
+    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     if stats is None:
@@ -68,10 +68,52 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None):
                          f"{stats.dtype}: expected contiguous [{B}, {H}, {Sq}, {D}] "
                          f"{q.dtype} and [2, {B}, {H}, {Sq}] float32")
     grid = (triton.cdiv(Sq, cfg.bm), B * H)
+    args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
     with torch.cuda.device(q.device):
-        fwd_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
-                         make_desc(out, cfg.bm), stats, H, p.group, Sq, Sk,
-                         p.scale * LOG2E, p.scale, lo, hi, HAS_BAND=bool(rm.has_band),
-                         STAGES=cfg.stages, OVERLAP=cfg.overlap,
-                         num_warps=cfg.num_warps)
+        if cfg.ws:    # two consumer warpgroups of bm / 2 rows each, one producer warp
+            from .fwd_ws_kernel import fwd_ws_kernel
+
+            rm = cfg.bm // 2
+            fwd_ws_kernel[grid](make_desc(q, rm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
+                                make_desc(out, rm), stats, *args,
+                                HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                                CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+        else:
+            fwd_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
+                             make_desc(out, cfg.bm), stats, *args, HAS_BAND=bool(rm_.has_band),
+                             STAGES=cfg.stages, OVERLAP=cfg.overlap,
+                             num_warps=cfg.num_warps)
     return out, RowStats(stats[0], stats[1])
+
+
+def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
+    """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_kernel.dkdv_kernel from
+    the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32, contiguous;
+    kernels.py module doc).  ``dk`` / ``dv``: preallocated buffers to write (tests poison
+    them); ``cfg``: a HopperBwdConfig other than configs.bwd_config(D)."""
+    from .bwd_kernel import dkdv_kernel
+
+    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    cfg = HC.bwd_config(D) if cfg is None else cfg
+    rm_ = p.mask
+    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
+    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+    shape = (B, Hkv, Sk, D)
+    dk = torch.empty(shape, dtype=q.dtype, device=q.device) if dk is None else dk
+    dv = torch.empty(shape, dtype=q.dtype, device=q.device) if dv is None else dv
+    for name, x in (("dk", dk), ("dv", dv)):
+        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != q.dtype:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(shape)} {q.dtype}")
+    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
+        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(want)} float32")
+    grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    with torch.cuda.device(q.device):
+        dkdv_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
+                          make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
+                          l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi,
+                          HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                          num_warps=cfg.num_warps)
+    return dk, dv

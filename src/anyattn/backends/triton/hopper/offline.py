@@ -15,20 +15,22 @@ import subprocess
 import tempfile
 from typing import Dict
 
-__all__ = ["compile_fwd", "instruction_counts", "sass_of"]
+__all__ = ["compile_fwd", "compile_dkdv", "instruction_counts", "sass_of"]
 
 SM90A = ("cuda", 90, 32)
 
 _PTX_PATTERNS = {"wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared",
                  "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared",
                  "mbarrier_wait": r"mbarrier\.try_wait"}
+_PTX_PATTERNS["setmaxnreg"] = r"setmaxnreg\.(?:inc|dec)"
 _SASS_PATTERNS = {"HGMMA": r"\bHGMMA\.", "UTMALDG": r"\bUTMALDG", "UTMASTG": r"\bUTMASTG",
                   "SYNCS": r"\bSYNCS\.", "HMMA": r"\bHMMA\."}
 
 
 def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
                 cfg=None):
-    """triton.compile of fwd_kernel for sm_90a -> CompiledKernel (asm: ptx, cubin)."""
+    """triton.compile of the forward kernel of ``cfg`` (fwd_kernel, or fwd_ws_kernel when
+    cfg.ws) for sm_90a -> CompiledKernel (asm: ptx, cubin)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,17 +44,49 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     cfg = cfg or HC.fwd_config(D)
     tdt = getattr(torch, dtype)
     x = torch.empty((2, 2, 256, D), dtype=tdt)
-    qd = make_desc(x, cfg.bm)
+    qd = make_desc(x, cfg.bm // 2 if cfg.ws else cfg.bm)
     kd = make_desc(x, cfg.bn)
     names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
-             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES", "OVERLAP", "num_warps"]
+             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES",
+             "CONSUMER_REGS" if cfg.ws else "OVERLAP", "num_warps"]
     sig = dict(zip(names, [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd),
                            "*fp32", "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32",
                            "constexpr", "constexpr", "constexpr", "constexpr"]))
-    consts = {(13,): has_band, (14,): cfg.stages, (15,): cfg.overlap, (16,): cfg.num_warps}
-    src = GluonASTSource(fwd_kernel, sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget(*SM90A),
-                          options=dict(num_warps=cfg.num_warps))
+    warps = 4 if cfg.ws else cfg.num_warps
+    consts = {(13,): has_band, (14,): cfg.stages,
+              (15,): cfg.consumer_regs if cfg.ws else cfg.overlap, (16,): warps}
+    if cfg.ws:
+        from .fwd_ws_kernel import fwd_ws_kernel as kern
+    else:
+        kern = fwd_kernel
+    src = GluonASTSource(kern, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=warps))
+
+
+def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, cfg=None):
+    """triton.compile of bwd_kernel.dkdv_kernel for sm_90a -> CompiledKernel."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from . import configs as HC
+    from .bwd_kernel import dkdv_kernel
+    from .launch import make_desc
+
+    cfg = cfg or HC.bwd_config(D)
+    x = torch.empty((2, 2, 256, D), dtype=getattr(torch, dtype))
+    qd = mangle_type(make_desc(x, cfg.bm))
+    kd = mangle_type(make_desc(x, cfg.bn))
+    names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "L2", "DELTA",
+             "H", "G", "Sq", "Sk", "scale", "lo", "hi", "HAS_BAND", "STAGES", "num_warps"]
+    sig = dict(zip(names, [qd, kd, kd, qd, kd, kd, "*fp32", "*fp32", "i32", "i32", "i32",
+                           "i32", "fp32", "i32", "i32", "constexpr", "constexpr",
+                           "constexpr"]))
+    consts = {(15,): has_band, (16,): cfg.stages, (17,): cfg.num_warps}
+    src = GluonASTSource(dkdv_kernel, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=cfg.num_warps))
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:

@@ -1,0 +1,175 @@
+"""Warp-specialised Gluon forward for Hopper (sm_90a): one producer warp, two consumer
+warpgroups that never meet at a CTA barrier.
+
+Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
+D head dim, BM = 2 * RM the query tile of a program (RM = 64 rows per consumer
+warpgroup), BN the key tile, STAGES the depth of the K/V ring.
+
+Partitions (``gl.warp_specialize``):
+  consumer 0 (the default partition, 4 warps) and consumer 1 (a 4-warp worker): each owns
+      RM query rows, loads its own Q [RM, D] by TMA, and per key tile waits for the
+      stage's K ("k ready"), issues S = Q.K^T [RM, BN] (wgmma), waits for it and for its
+      previous P.V, releases the previous tile's stage by one arrive on that stage's
+      "empty" mbarrier (count 2: one per consumer), runs the online softmax, waits for V
+      and issues O += P.V [RM, D] (wgmma, P from registers);
+  producer (a 1-warp worker, few registers): per key tile waits for the stage's "empty"
+      barrier, then TMA-loads K and V [BN, D] into it on the "k ready" / "v ready" barriers.
+No CTA-wide barrier in the loop: the two consumers drift out of phase, so one's softmax
+runs while the other's products occupy the tensor cores (FA3's ping-pong, left to drift
+rather than scheduled).  The numerics, band ranges, masks and the epilogue are those of
+fwd_kernel (its module doc); each consumer stores its own rows of out by TMA from its own
+Q buffer and its own row statistics.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+from .fwd_kernel import _issue_kv, _softmax_tile, key_tile_range
+
+__all__ = ["fwd_ws_kernel"]
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty, b, hk, t0, n,
+              STAGES: gl.constexpr, BN: gl.constexpr):
+    """Key tiles t0 .. t0 + n - 1 into the ring: stage it % STAGES once both consumers
+    released its previous tile (the first pass waits on the phase before init: free)."""
+    for it in range(0, n):
+        st = it % STAGES
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t0 + it, st, BN)
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
+              b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+              WG: gl.constexpr):
+    """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
+    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq])."""
+    RM: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    dt: gl.constexpr = q_desc.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    r0 = i0 + WG * RM
+    q_own = q_smem.index(WG)                                        # [1, 1, RM, D]
+    qb = q_bar.index(WG)
+    mbarrier.expect(qb, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, r0, 0], qb, q_own)
+    q2 = q_own.reshape([RM, D])
+
+    offs_mb = gl.arange(0, RM, layout=row_s)
+    offs_nb = gl.arange(0, BN, layout=col_s)
+    m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([RM], gl.float32, layout=row_s)
+    acc = warpgroup_mma_init(gl.zeros([RM, D], gl.float32, layout=o_l))
+    zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
+    mbarrier.wait(qb, 0)
+    for it in range(0, n):
+        t = t0 + it
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        mbarrier.wait(k_bar.index(stg), ph)
+        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [RM, BN]
+        if it > 0:   # P.V(it - 1) is done: its stage may be refilled
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
+        mbarrier.wait(v_bar.index(stg), ph)
+        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [RM, D]
+
+    # epilogue (fwd_kernel's): empty rows give out 0, max -inf, log_norm 0
+    empty_r = l_i == 0.0
+    l_safe = gl.where(empty_r, 1.0, l_i)
+    row_max = gl.where(empty_r, float("-inf"), m_i * scale)
+    row_max = gl.where(l_i == l_i, row_max, l_i)
+    log_norm = gl.log2(l_safe) * 0.6931471805599453
+    emp_o = gl.convert_layout(empty_r, row_o)
+    l_o = gl.convert_layout(l_safe, row_o)
+    out = gl.where(emp_o[:, None], 0.0, acc / l_o[:, None])
+    q2.store(out.to(dt))          # this consumer's own Q buffer: only its wgmmas read it
+    fence_async_shared()
+    gl.thread_barrier()           # the partition's 4 warps stored before the TMA reads
+    tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], q_own)
+    offs_m = r0 + offs_mb
+    inb = offs_m < Sq
+    row = bh.to(gl.int64) * Sq + offs_m
+    gl.store(LSE + row, row_max, mask=inb)
+    gl.store(LSE + gl.num_programs(1).to(gl.int64) * Sq + row, log_norm, mask=inb)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """Grid (cdiv(Sq, 2 * RM), B * H), num_warps = 4 (consumer 0; the workers add 4 + 1).
+    q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc: [B, Hkv, Sk, D] blocks
+    [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).  qk_scale = scale * log2(e);
+    band masks through lo / hi (open: +-2^30)."""
+    gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
+    RM: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    BM: gl.constexpr = 2 * RM
+    dt: gl.constexpr = q_desc.dtype
+
+    n_m = gl.num_programs(0)
+    pid_m = gl.program_id(0)
+    if HAS_BAND:                      # the longest rows of a causal band first
+        pid_m = n_m - 1 - pid_m
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    i0 = pid_m * BM
+
+    q_smem = gl.allocate_shared_memory(dt, [2, 1, 1, RM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_bar.index(w), count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(st), count=1)
+        mbarrier.init(v_bar.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
+    fence_async_shared()
+
+    if HAS_BAND:
+        t0, f0, f1, t1 = key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+    else:
+        t0 = 0
+        f0 = 0
+        f1 = Sk // BN
+        f1 = gl.where(i0 + BM <= Sq, f1, 0)
+        t1 = (Sk + BN - 1) // BN
+    n = t1 - t0
+
+    gl.warp_specialize(
+        [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
+                      b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+                      HAS_BAND, STAGES, BN, 0)),
+         (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
+                      b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+                      HAS_BAND, STAGES, BN, 1)),
+         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty, b, hk, t0, n,
+                      STAGES, BN))],
+        [4, 1], [CONSUMER_REGS, 24])
