@@ -36,6 +36,9 @@ NEG_INF = float("-inf")
 STATS_ROWS = 7
 #: the log-normaliser's block of ``stats``: [LOG_NORM_ROW * n, (LOG_NORM_ROW + 1) * n)
 LOG_NORM_ROW = 6
+#: lanes per row of the delta pass in the subgroups variant (<= 4: WebGPU's smallest
+#: subgroup size, so every adapter with the feature can run it)
+DELTA_LANES = 4
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -352,13 +355,16 @@ class Call:
     def delta(self, stats, out_op: Operand, vmean=None) -> None:
         if self.limit is not None and self.D + TileConfig.FIXED_TRIPS > self.limit:
             raise LoopLimitError(f"webgpu kernel 'delta': D={self.D} loop trips > {self.limit}")
-        pipe = self.run.pipeline("delta", "delta", {}, self.elem)
+        # the subgroups variant: RL lanes per row (a subgroup butterfly), RL x the invocations
+        rl = DELTA_LANES if self.cfg.subgroups else 1
+        consts = {"SUBGROUPS": 1, "RL": rl} if self.cfg.subgroups else {}
+        pipe = self.run.pipeline("delta", "delta", consts, self.elem)
         vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)
         ubuf = self._u(vals)
         self.launches.append(Launch("delta", pipe, "delta",
                                     [ubuf, self.g.buf, out_op.buf, stats,
                                      vmean if vmean is not None else self.run.dummy],
-                                    self.run.flat_grid(self.n)))
+                                    self.run.flat_grid(self.n * rl)))
 
     def dkdv(self, stats, outb, want_dk: bool, want_dv: bool) -> None:
         fl = (FLAGS["WANT_DK"] if want_dk else 0) | (FLAGS["WANT_DV"] if want_dv else 0)

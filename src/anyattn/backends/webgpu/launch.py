@@ -143,7 +143,9 @@ class TileConfig:
               and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"]
               and self.uc % 4 == 0 and self.IC % self.uc == 0
               and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0))
-              and self.variant in VARIANTS)
+              and self.variant in VARIANTS
+              # the forward's butterflies: TX a power of two within one subgroup
+              and (not self.subgroups or self.TX in (1, 2, 4, 8, 16, 32)))
         if not ok:
             raise ValueError(f"inconsistent tile config {self}")
 

@@ -25,6 +25,9 @@ var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, B
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        //@if SUBGROUPS
+        @builtin(subgroup_size) sgs: u32,
+        //@endif SUBGROUPS
         @builtin(num_workgroups) nwg: vec3<u32>) {
   let tx = lid % TX;
   let ty = lid / TX;
@@ -39,6 +42,15 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
   let first = (U.flags & F_FIRST) != 0u;
+  //@if SUBGROUPS
+  // SUBGROUPS: the TX lanes of a thread row are one aligned run of consecutive subgroup
+  // lanes (local_invocation_index order) when the subgroup has at least TX of them:
+  // row max / sum by shuffle-xor butterflies, lane tx = 0 keeps rowm / rowl / rowa.
+  // A smaller subgroup takes the workgroup round trip (red + a serial loop) instead.
+  let sg_ok = sgs >= TX;
+  var rmx: array<f32, 4>;
+  var rsm: array<f32, 4>;
+  //@endif SUBGROUPS
   var acc: array<vec4<f32>, 4 * NV>;
   if (lid < BQ) {
     let i = i0 + lid;
@@ -102,9 +114,36 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         mx = max(mx, x);
       }
       //@end c
+      //@ifn SUBGROUPS
       red[(ty * 4u + {r}) * TX + tx] = mx;
+      //@endif SUBGROUPS
+      //@if SUBGROUPS
+      rmx[{r}] = mx;
+      //@endif SUBGROUPS
     }
     //@end r
+    //@if SUBGROUPS
+    if (sg_ok) {
+      //@for r 4
+      {
+        var mx = rmx[{r}];
+        //@include sg_bfly_max
+        if (tx == 0u) {
+          let il = ty * 4u + {r};
+          let mo = rowm[il];
+          let m = max(mo, mx);
+          var a = 0.0;
+          if (!is_ninf(mo)) { a = exp(mo - m); }
+          rowa[il] = a;
+          rowm[il] = m;
+        }
+      }
+      //@end r
+    } else {
+      //@for r 4
+      red[(ty * 4u + {r}) * TX + tx] = rmx[{r}];
+      //@end r
+      //@endif SUBGROUPS
     workgroupBarrier();
     if (lid < BQ) {
       let mo = rowm[lid];
@@ -118,6 +157,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       rowa[lid] = a;
       rowm[lid] = m;
     }
+    //@if SUBGROUPS
+    }
+    //@endif SUBGROUPS
     workgroupBarrier();
     //@if DROPOUT
     let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX]);
@@ -147,13 +189,37 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       }
       //@end c
       sp[(ty * 4u + {r}) * RSP2 + tx] = SV(pr);
+      //@ifn SUBGROUPS
       red[(ty * 4u + {r}) * TX + tx] = sm;
+      //@endif SUBGROUPS
+      //@if SUBGROUPS
+      rsm[{r}] = sm;
+      //@endif SUBGROUPS
       let a = rowa[ty * 4u + {r}];
       //@for v NV
       acc[{r#} * NV + {v#}] *= a;
       //@end v
     }
     //@end r
+    //@if SUBGROUPS
+    // (sg_ok: no barrier here: lane tx = 0 alone reads and writes its rows' rowl / rowa;
+    // upd_q's staging barrier orders the sp stores before their readers)
+    if (sg_ok) {
+      //@for r 4
+      {
+        var sm = rsm[{r}];
+        //@include sg_bfly_sum
+        if (tx == 0u) {
+          let il = ty * 4u + {r};
+          rowl[il] = rowl[il] * rowa[il] + sm;
+        }
+      }
+      //@end r
+    } else {
+      //@for r 4
+      red[(ty * 4u + {r}) * TX + tx] = rsm[{r}];
+      //@end r
+    //@endif SUBGROUPS
     workgroupBarrier();
     if (lid < BQ) {
       var l = rowl[lid] * rowa[lid];
@@ -163,6 +229,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       }
       rowl[lid] = l;
     }
+    //@if SUBGROUPS
+    }
+    //@endif SUBGROUPS
     //@define UPD_SRC v
     //@include upd_q
     //@undef UPD_SRC

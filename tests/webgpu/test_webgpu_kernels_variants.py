@@ -1,0 +1,239 @@
+"""webgpu kernel variants (launch.VARIANTS, ``TileConfig.variant``): ``prefetch`` (the
+next staged chunk read into registers before the current chunk's products) and
+``subgroups`` (prefetch + subgroup row reductions in the forward and the delta pass).
+
+* selection as data: the table, ``ANYATTN_WEBGPU_VARIANT``, refusals with the reason;
+* ``prefetch`` computes what ``portable`` computes, bit for bit (same arithmetic, same
+  order), forward and backward, masks / bias + dbias / GQA / odd sizes / f16, on the
+  CPU adapter's 8x8 tiles and the GPU's 16x16 ones;
+* ``subgroups`` against float64 (the contract's tolerances) with masks, bias + dbias,
+  GQA, score modifiers, dropout, f16; where the subgroup has >= TX lanes the butterflies
+  run (lse differs from portable's serial sums somewhere), else the workgroup fallback
+  (forward bitwise portable's);
+* the loop-trip model (llvmpipe's 65,535 limit) bounds the variants' loops.
+Small sizes: every distinct config compiles its own pipelines on lavapipe.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn.backends.webgpu.launch import (ENV_VARIANT, VARIANTS, TileConfig, choose_config,
+                                            pick_variant)
+
+from helpers import assert_close, compare_with_reference, make_qkv
+
+GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
+
+
+def _needs_subgroups(be):
+    if not be.context.has_subgroups:
+        pytest.skip(f"adapter {be.context.name} has no 'subgroup' feature")
+
+
+def _subgroup_size(be) -> int:
+    """The subgroup size a 1-D compute dispatch gets on this adapter (probe kernel)."""
+    import wgpu
+
+    dev = be.context.device
+    src = """
+@group(0) @binding(0) var<storage, read_write> o: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) s: u32,
+        @builtin(subgroup_invocation_id) si: u32) {
+  o[lid] = s;
+  o[64u + lid] = u32(si == lid % s);
+}"""
+    pipe = dev.create_compute_pipeline(layout="auto", compute={
+        "module": dev.create_shader_module(code=src), "entry_point": "main"})
+    buf = dev.create_buffer(size=512, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": buf, "offset": 0, "size": 512}}])
+    enc = dev.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(pipe)
+    cp.set_bind_group(0, bg)
+    cp.dispatch_workgroups(1)
+    cp.end()
+    dev.queue.submit([enc.finish()])
+    r = np.frombuffer(dev.queue.read_buffer(buf), np.uint32)
+    assert r[64:].all(), "subgroup lanes are not consecutive local_invocation_index values"
+    return int(r[0])
+
+
+def _run(be, q, k, v, g, cfg=None, mask=None, bias=None, wrt=("q", "k", "v")):
+    be.config_override = cfg
+    try:
+        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
+        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
+                                   backend="webgpu")
+    finally:
+        be.config_override = None
+    return [out, lse] + [getattr(gr, n) for n in ("dq", "dk", "dv", "dbias")]
+
+
+# ---------------------------------------------------------------- selection
+def test_variant_selection(be, monkeypatch):
+    ctx = be.context
+    monkeypatch.delenv(ENV_VARIANT, raising=False)
+    assert pick_variant(ctx) == "portable"          # the table's default everywhere today
+    assert choose_config(ctx, 64).variant == "portable"
+    monkeypatch.setenv(ENV_VARIANT, "prefetch")
+    assert choose_config(ctx, 64).variant == "prefetch"
+    assert choose_config(ctx, 64, "f32", variant="portable").variant == "portable"
+    monkeypatch.setenv(ENV_VARIANT, "tiled9000")
+    with pytest.raises(ValueError, match="unknown webgpu kernel variant"):
+        choose_config(ctx, 64)
+    monkeypatch.setenv(ENV_VARIANT, "subgroups")
+    no_sg = SimpleNamespace(is_cpu=True, has_subgroups=False, name="fake adapter",
+                            limits=ctx.limits)
+    with pytest.raises(NotImplementedError, match="'subgroup'.*fake adapter"):
+        choose_config(no_sg, 64)
+    if ctx.has_subgroups:
+        assert choose_config(ctx, 64).variant == "subgroups"
+    with pytest.raises(ValueError, match="inconsistent"):
+        dataclasses.replace(GPU_TILE, variant="tiled9000").check()
+    assert set(VARIANTS) == {"portable", "prefetch", "subgroups"}
+    # the variant reaches the kernels as defines, nothing else changes
+    c = dataclasses.replace(GPU_TILE, variant="prefetch").consts()
+    assert c["PREFETCH"] == 1 and "SUBGROUPS" not in c and (c["NEQ"], c["NEK"], c["NEU"]) == (1, 1, 1)
+    assert dataclasses.replace(GPU_TILE, variant="subgroups").consts()["SUBGROUPS"] == 1
+    assert "PREFETCH" not in GPU_TILE.consts()
+
+
+def test_forced_variant_runs_through_the_api(be, monkeypatch):
+    """ANYATTN_WEBGPU_VARIANT reaches an API call (no config_override)."""
+    q, k, v, g = make_qkv(np.random.default_rng(40), 1, 2, 1, 19, 23, 24)
+    monkeypatch.setenv(ENV_VARIANT, "prefetch")
+    compare_with_reference("webgpu", q, k, v, g, mask=aa.Causal())
+    monkeypatch.setenv(ENV_VARIANT, "subgroups")
+    if not be.context.has_subgroups:
+        with pytest.raises(NotImplementedError, match="subgroup"):
+            aa.attention(q, k, v, backend="webgpu")
+
+
+# ---------------------------------------------------------------- prefetch
+@pytest.mark.parametrize("tile", ["adapter", "gpu16"])
+def test_prefetch_is_bitwise_portable(be, tile):
+    """Same arithmetic in the same order: every output bit equal, fp32 with a mask,
+    a (1, H, Sq, Sk) bias + dbias, GQA, Sq != Sk not multiples of the tiles, D = 40 (two
+    and a half D chunks)."""
+    base = choose_config(be.context, 40) if tile == "adapter" else GPU_TILE
+    r = np.random.default_rng(41)
+    q, k, v, g = make_qkv(r, 2, 4, 2, 37, 70, 40)
+    bias = r.standard_normal((1, 4, 37, 70)).astype(np.float32)
+    mask = aa.Causal("bottom_right") & aa.Window(left=40)
+    wrt = ("q", "k", "v", "bias")
+    res = [_run(be, q, k, v, g, dataclasses.replace(base, variant=var), mask, bias, wrt)
+           for var in ("portable", "prefetch")]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *res):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_prefetch_f16_is_bitwise_portable(be):
+    if not be.context.has_f16:
+        pytest.skip("no shader-f16")
+    q, k, v, g = make_qkv(np.random.default_rng(42), 1, 2, 1, 45, 70, 72, dtype="float16")
+    base = choose_config(be.context, 72, "f16", backward=True)
+    res = [_run(be, q, k, v, g, dataclasses.replace(base, variant=var), aa.Causal())
+           for var in ("portable", "prefetch")]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[0][:5], res[1][:5]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+# ---------------------------------------------------------------- subgroups
+SG_CASES = {
+    "causal_gqa": dict(shape=(2, 4, 2, 37, 70, 40), kw=dict(mask=aa.Causal())),
+    "bias_dbias_docs": dict(shape=(1, 2, 2, 33, 50, 24), bias=(1, 2, 33, 50),
+                            kw=dict(mask=aa.Documents(np.repeat([0, 1, 2], 11),
+                                                      np.repeat([0, 1], 25)))),
+    "modifiers": dict(shape=(1, 4, 2, 29, 41, 16),
+                      kw=dict(mask=aa.Causal(), softcap=5.0, sinks=np.float32([0.5, -1, 2, 0]),
+                              alibi_slopes=np.float32([0.5, 0.25, 0.125, 0.0625]))),
+    "dropout": dict(shape=(1, 2, 1, 30, 45, 32), kw=dict(dropout_p=0.2, dropout_seed=7)),
+    "empty_rows": dict(shape=(1, 2, 2, 20, 30, 16),
+                       kw=dict(mask=aa.Causal() & aa.KeepMask(np.arange(20)[:, None] % 6 != 2))),
+}
+
+
+@pytest.mark.parametrize("case", list(SG_CASES))
+def test_subgroups_against_float64(be, monkeypatch, case):
+    _needs_subgroups(be)
+    c = SG_CASES[case]
+    r = np.random.default_rng(43)
+    q, k, v, g = make_qkv(r, *c["shape"])
+    kw = dict(c["kw"])
+    wrt = ("q", "k", "v")
+    if "bias" in c:
+        kw["bias"] = r.standard_normal(c["bias"]).astype(np.float32)
+        wrt += ("bias",)
+    if "sinks" in kw:
+        wrt += ("sinks",)
+    monkeypatch.setenv(ENV_VARIANT, "subgroups")
+    compare_with_reference("webgpu", q, k, v, g, wrt=wrt, **kw)
+
+
+def test_subgroups_f16_against_float64(be, monkeypatch):
+    _needs_subgroups(be)
+    if not be.context.has_f16:
+        pytest.skip("no shader-f16")
+    q, k, v, g = make_qkv(np.random.default_rng(44), 1, 2, 1, 45, 70, 72, dtype="float16")
+    monkeypatch.setenv(ENV_VARIANT, "subgroups")
+    compare_with_reference("webgpu", q, k, v, g, mask=aa.Causal())
+
+
+@pytest.mark.parametrize("tile", ["adapter", "gpu16"])
+def test_subgroups_paths(be, tile):
+    """TX lanes within one subgroup: the butterflies run (the row sums' order differs from
+    the serial loop somewhere); a subgroup smaller than TX: the workgroup fallback, whose
+    forward is bitwise portable's.  Both within the fp32 tolerance of float64."""
+    _needs_subgroups(be)
+    base = choose_config(be.context, 32) if tile == "adapter" else GPU_TILE
+    sgs = _subgroup_size(be)
+    r = np.random.default_rng(45)
+    q, k, v, g = make_qkv(r, 2, 2, 2, 61, 90, 32)
+    pt = _run(be, q, k, v, g, dataclasses.replace(base, variant="portable"))
+    sg = _run(be, q, k, v, g, dataclasses.replace(base, variant="subgroups"))
+    from anyattn import reference as R
+
+    ro, rl = R.forward(q, k, v)
+    rg = R.backward(q, k, v, g)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), sg, (ro, rl, rg.dq, rg.dk, rg.dv)):
+        assert_close(got, want, "float32", name)
+    if sgs >= base.TX:
+        assert not np.array_equal(pt[1], sg[1]), "butterfly sums expected to differ somewhere"
+    else:
+        np.testing.assert_array_equal(pt[0], sg[0])
+        np.testing.assert_array_equal(pt[1], sg[1])
+
+
+# ---------------------------------------------------------------- loop trips
+@pytest.mark.parametrize("variant", ["prefetch", "subgroups"])
+def test_trip_model_bounds_the_variants(be, variant):
+    """llvmpipe counts loop tests: the model must bound the variants' loops (the
+    prefetch staging is unrolled: only the chunk loops remain)."""
+    from anyattn.problem import describe
+
+    if variant == "subgroups":
+        _needs_subgroups(be)
+    q, k, v, g = make_qkv(np.random.default_rng(46), 1, 2, 1, 70, 90, 40)
+    cfg = dataclasses.replace(choose_config(be.context, 40), variant=variant)
+    be.config_override = cfg
+    o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
+    p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
+    be.debug_trips = True
+    call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
+    assert call.cfg.variant == variant
+    for lch in call.launches:
+        if lch.kernel in ("bwd_dq", "bwd_dkdv"):
+            call.run.run([lch])
+            n = call.trip_count if lch.kernel == "bwd_dq" else \
+                lch.grid[0] * lch.grid[1] * lch.grid[2] * call.cfg.NT
+            got = int(call.run.read(lch.buffers[9], n).max())
+            model = call.cfg.trips_per_unit(lch.kernel, 40) * \
+                (call.nkt if lch.kernel == "bwd_dq" else call.nqt * 2)
+            assert 0.5 * model <= got <= model, (lch.kernel, got, model)
