@@ -140,3 +140,19 @@ def test_numpy_backend_reuses_map_and_stays_correct():
     o3 = aa.attention(q, k, v, mask=mask, backend="numpy")
     np.testing.assert_allclose(o3, aa.attention(q, k, v, mask=mask, backend="reference"),
                                atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_document_tiles_match_the_dense_pattern(seed):
+    """The incidence-matrix builder equals the dense any/all per tile: unsorted and
+    negative ids, ids only one side has, a broadcast batch side, ragged last tiles."""
+    rng = np.random.default_rng(seed)
+    B, S = 2, int(rng.integers(40, 200))
+    nd = int(rng.integers(1, 12))
+    q_ids = rng.integers(-2, nd, (B, S))
+    k_ids = np.sort(rng.integers(0, nd + 2, (1, S)), axis=1) if seed % 2 else \
+        rng.integers(-2, nd, (B, S))
+    mask = aa.Documents(q_ids, k_ids)
+    bq, bk = int(rng.integers(3, 50)), int(rng.integers(3, 50))
+    got = resolve(mask, B, 1, S, S).tile_map(bq, bk)
+    np.testing.assert_array_equal(got, _dense_codes(mask, B, 1, S, bq, bk))
