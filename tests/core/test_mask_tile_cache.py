@@ -93,14 +93,12 @@ def test_recycled_id_does_not_hit():
     """A dead array's id() may be reused by a new array: the weak reference says no."""
     S = 64
     cache = TileMapCache(maxsize=4)
-    seen = []
     for trial in range(20):
         arr = np.zeros((S, S), bool) if trial % 2 else np.ones((S, S), bool)
         arr.setflags(write=False)
         token = (id(arr), weakref.ref(arr))
-        got = cache.get(("keep", token[0]), lambda: bool(arr[0, 0]), token[1])
+        got = cache.get(("keep", token[0]), lambda a=arr: bool(a[0, 0]), token[1])
         assert got == bool(arr[0, 0])
-        seen.append(token[0])
         del arr, token
         gc.collect()
     assert cache.builds == 20                    # every array new: never a hit
