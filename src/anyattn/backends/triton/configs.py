@@ -122,9 +122,32 @@ def fp32_precision(precision: str, dtype: str) -> str:
     return os.environ.get("ANYATTN_TRITON_FP32_DOT", "f16x3")
 
 
+#: the environment variables a plan depends on (read once per call: a changed value,
+#: e.g. in a test, gives a new plan)
+_PLAN_ENV = ("ANYATTN_TRITON_CONFIG", "TRITON_INTERPRET", "ANYATTN_TRITON_FUSED_BWD",
+             "ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT")
+_plan_cache: Dict[tuple, Plan] = {}
+
+
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
              seq: int) -> Plan:
-    """The heuristic plan for a problem class (H100/H200 measurements, see docs/perf)."""
+    """The heuristic plan for a problem class (H100/H200 measurements, see docs/perf),
+    memoised on its arguments, the environment it reads and the overrides (Plans are
+    frozen): a training step asks for the same plan twice per layer."""
+    env = os.environ
+    key = (dp, dtype, precision, mask_class, has_bias, seq,
+           tuple(env.get(n) for n in _PLAN_ENV),
+           tuple(sorted((k, tuple(sorted(v.items()))) for k, v in _overrides.items())))
+    plan = _plan_cache.get(key)
+    if plan is None:
+        if len(_plan_cache) > 256:
+            _plan_cache.clear()
+        plan = _plan_cache[key] = _plan_for(dp, dtype, precision, mask_class, has_bias, seq)
+    return plan
+
+
+def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
+              seq: int) -> Plan:
     prec = fp32_precision(precision, dtype)
     if use_fixed():
         return fixed_plan(prec)
