@@ -1,6 +1,7 @@
 """webgpu backend: correctness at large sizes and side-by-side timings, one process.
 
-python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--resident] [--plot JSON]
+python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--resident [--variants]]
+                             [--plot JSON]
 
 On the H200 (Vulkan): checks anyattn-webgpu against a float64 torch reference
 (up to S=8192), then times the backward (dQ+dK+dV; delta + dK/dV + dQ passes,
@@ -12,6 +13,9 @@ fp32.  On lavapipe (--small / no CUDA): anyattn-webgpu against the NumPy backend
 other f16 run lengths vs float64 and vs a naive fp16 torch implementation, fp32 and
 f16 fwd/bwd timings side by side, f16 checks with masks/GQA/D=256 at size;
 webgpu_bench_f16.{json,png} under --out (small sizes and the NumPy reference on a CPU).
+--resident also runs the kernel-variant axis (launch.VARIANTS: portable, prefetch, staged,
+subgroups where the adapter has 'subgroup'; fp32/f16, S = 512/4096, D = 64/128), each
+variant's plans checked vs float64 before they are timed; --variants: that axis alone.
 FLOP convention (FlashAttention): fwd 4*B*H*Sq*Sk*D, bwd 2.5x that, causal 1/2.
 wgpu timing: N submissions of the encoded plan, then a read-back; wall / N.
 """
@@ -619,15 +623,109 @@ def with_timeout(seconds, what, fn, *a, **kw):
         signal.signal(signal.SIGALRM, old)
 
 
-def resident_study(be, seed_src, gpu, small):
+def kernel_times(plan, min_s=0.15):
+    """ms per kernel of an encoded plan, each kernel's launches submitted alone (the
+    backward's passes read only what the forward left: re-running one is valid)."""
+    from anyattn.backends.webgpu.engine import Plan
+
+    out = {}
+    for name in dict.fromkeys(e[3] for e in plan.encoded):
+        part = Plan(plan.run, [e for e in plan.encoded if e[3] == name], [])
+        out[name] = time_plan(part, min_s=min_s)[0] * 1e3
+    return out
+
+
+def variant_case(be, B, H, S, D, dtype, gpu, variants):
+    """Kernel variants side by side (launch.VARIANTS, forced by ANYATTN_WEBGPU_VARIANT as
+    a user would): per variant the configs choose_config picks, the device-resident
+    forward and backward plans checked against float64 (one reference per size), then
+    timed (N submissions, then a read-back) in this process."""
+    from anyattn.backends.webgpu.launch import ENV_VARIANT, choose_config
+
+    rng = np.random.default_rng(12)
+    q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
+    ref = (torch_ref if gpu else np_ref)(*(x.astype(np.float64) for x in (q, k, v, g)))
+    tol = 1e-5 if dtype == "float32" else 3e-3
+    elem = "f32" if dtype == "float32" else "f16"
+    fl = flops_bwd(B, H, S, S, D)
+    base = None
+    old = os.environ.get(ENV_VARIANT)
+    for var in variants:
+        os.environ[ENV_VARIANT] = var
+        try:
+            cfg_b = choose_config(be.context, D, elem, backward=True)
+            fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
+            fwd.submit(1)
+            bwd.submit(1)
+            out, _ = read_f()
+            gr = read_b()
+            errs = {"out": rel(out, ref["out"]), "dq": rel(gr["dq"], ref["dq"]),
+                    "dk": rel(gr["dk"], ref["dk"]), "dv": rel(gr["dv"], ref["dv"])}
+            worst = max(errs.values())
+            rec = dict(impl="anyattn-webgpu-variant", variant=var, dtype=dtype, B=B, H=H, S=S,
+                       D=D, config_bwd=str(cfg_b), errors=errs, worst_rel=worst,
+                       ok=worst <= tol)
+            if worst > tol:     # a wrong variant is reported, never timed as if it counted
+                RESULTS["errors"].append(f"variant {var} {dtype} S={S} D={D}: worst rel "
+                                         f"{worst:.2e} > {tol}")
+                RESULTS["timings"].append(rec)
+                log(f"variant {var:9s} {dtype} S={S} D={D}: WRONG {errs}")
+                continue
+            tf, _ = time_plan(fwd)
+            tb, n = time_plan(bwd)
+            rec["kernels_ms"] = kernel_times(bwd)
+            del fwd, bwd
+        finally:
+            if old is None:
+                os.environ.pop(ENV_VARIANT, None)
+            else:
+                os.environ[ENV_VARIANT] = old
+        rec.update(bwd_ms=tb * 1e3, bwd_tflops=fl / tb / 1e12, fwd_ms=tf * 1e3,
+                   fwd_tflops=fl / 2.5 / tf / 1e12, n=n)
+        if var == "portable":
+            base = rec
+        if base is not None:
+            rec["bwd_vs_portable"] = base["bwd_ms"] / rec["bwd_ms"]
+            rec["fwd_vs_portable"] = base["fwd_ms"] / rec["fwd_ms"]
+        RESULTS["timings"].append(rec)
+        log(f"variant {var:9s} {dtype} S={S} D={D}: bwd {tb*1e3:.3f} ms "
+            f"({rec['bwd_tflops']:.2f} TFLOP/s, x{rec.get('bwd_vs_portable', 1):.2f}), fwd "
+            f"{tf*1e3:.3f} ms ({rec['fwd_tflops']:.2f}), worst rel {worst:.1e} [{cfg_b}] "
+            + " ".join(f"{k}={x:.3f}" for k, x in rec["kernels_ms"].items()))
+
+
+def variant_study(be, gpu, small):
+    """portable vs every kernel variant this adapter runs (fp32 and f16; S = 512, 4096;
+    D = 64, 128 on a GPU), each checked against float64 before it is timed."""
+    from anyattn.backends.webgpu.launch import VARIANTS
+
+    ctx = be.context
+    variants = [v for v in VARIANTS if v != "subgroups" or ctx.has_subgroups]
+    RESULTS["variants"] = variants
+    dtypes = ("float32", "float16") if ctx.has_f16 else ("float32",)
+    sizes = ((64, 32),) if small else ((512, 64), (512, 128), (4096, 64), (4096, 128))
+    for S, D in sizes:
+        for dt in dtypes:
+            with_timeout(75, f"variants {dt} S={S} D={D}", variant_case, be, 1, 2 if small else 8,
+                         S, D, dt, gpu, variants)
+            save_partial()
+
+
+def resident_study(be, seed_src, gpu, small, variants_only=False):
     """Issue 17 side by side: seed kernel, ABI, device arrays, raw plan, host arrays,
-    triton; fp32 and f16 (adapter features and the subgroup size recorded)."""
+    triton; fp32 and f16 (adapter features recorded); then the kernel variants
+    (``variant_study``; ``variants_only``: that alone)."""
     ctx = be.context
     RESULTS["features"] = sorted(str(f) for f in ctx.adapter.features)
+    RESULTS["device_features"] = sorted(str(f) for f in ctx.features)
+    if variants_only:
+        variant_study(be, gpu, small)
+        return
     if small:
         with_timeout(120, "abi+seed", bench_seed_and_abi, be, seed_src, (32,), seed_max_s=32)
         for dt in ("float32", "float16"):
             with_timeout(120, f"resident {dt}", resident_case, be, 1, 2, 64, 32, dt, gpu)
+        variant_study(be, gpu, small)
         return
     with_timeout(90, "abi+seed", bench_seed_and_abi, be, seed_src, (256, 512), seed_max_s=512)
     for S, D in ((512, 64), (4096, 128), (4096, 64)):
@@ -635,6 +733,7 @@ def resident_study(be, seed_src, gpu, small):
             with_timeout(90, f"resident {dt} S={S} D={D}", resident_case, be, 1, 8, S, D, dt,
                          gpu)
             save_partial()
+    variant_study(be, gpu, small)
 
 
 # ------------------------------------------------------------------ lavapipe
@@ -777,6 +876,9 @@ def main():
     ap.add_argument("--resident", action="store_true",
                     help="issue 17: seed, ABI, device arrays, raw plan, host arrays, triton "
                          "side by side (fp32, f16); JSON webgpu_resident*.json")
+    ap.add_argument("--variants", action="store_true",
+                    help="with --resident: only the kernel-variant axis (portable vs prefetch, "
+                         "staged, subgroups; checked vs float64, then timed)")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
     if a.plot:
@@ -810,8 +912,10 @@ def main():
     t0 = time.time()
     if a.resident:
         name = "webgpu_resident.json" if gpu and not a.small else "webgpu_resident_small.json"
+        if a.variants:
+            name = name.replace("resident", "variants")
         PARTIAL.append(out / name)
-        resident_study(be, seed_src, gpu, a.small or not gpu)
+        resident_study(be, seed_src, gpu, a.small or not gpu, a.variants)
         RESULTS["total_seconds"] = time.time() - t0
         (out / name).write_text(json.dumps(RESULTS, indent=1))
         log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")

@@ -1,9 +1,10 @@
 """webgpu kernel variants (launch.VARIANTS, ``TileConfig.variant``): ``prefetch`` (the
-next staged chunk read into registers before the current chunk's products) and
-``subgroups`` (prefetch + subgroup row reductions in the forward and the delta pass).
+next staged chunk read into registers before the current chunk's products), ``staged``
+(prefetch + one workgroup array for the staged tiles: update chunks of 2 x IC rows) and
+``subgroups`` (staged + subgroup row reductions in the forward and the delta pass).
 
 * selection as data: the table, ``ANYATTN_WEBGPU_VARIANT``, refusals with the reason;
-* ``prefetch`` computes what ``portable`` computes, bit for bit (same arithmetic, same
+* ``prefetch`` and ``staged`` compute what ``portable`` computes, bit for bit (same arithmetic, same
   order), forward and backward, masks / bias + dbias / GQA / odd sizes / f16, on the
   CPU adapter's 8x8 tiles and the GPU's 16x16 ones;
 * ``subgroups`` against float64 (the contract's tolerances) with masks, bias + dbias,
@@ -76,6 +77,17 @@ def _run(be, q, k, v, g, cfg=None, mask=None, bias=None, wrt=("q", "k", "v")):
     return [out, lse] + [getattr(gr, n) for n in ("dq", "dk", "dv", "dbias")]
 
 
+def _variant_cfg(base: TileConfig, variant: str) -> TileConfig:
+    """``base`` as ``choose_config`` turns it into ``variant`` (staged: IC doubled, the
+    flush period kept, where two tiles hold the rows)."""
+    cfg = dataclasses.replace(base, variant=variant)
+    if cfg.stage:
+        wide = dataclasses.replace(cfg, IC=2 * cfg.IC, UC=cfg.uc)
+        wide.check()
+        cfg = wide
+    return cfg
+
+
 # ---------------------------------------------------------------- selection
 def test_variant_selection(be, monkeypatch):
     ctx = be.context
@@ -97,11 +109,22 @@ def test_variant_selection(be, monkeypatch):
         assert choose_config(ctx, 64).variant == "subgroups"
     with pytest.raises(ValueError, match="inconsistent"):
         dataclasses.replace(GPU_TILE, variant="tiled9000").check()
-    assert set(VARIANTS) == {"portable", "prefetch", "subgroups"}
+    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups"}
     # the variant reaches the kernels as defines, nothing else changes
     c = dataclasses.replace(GPU_TILE, variant="prefetch").consts()
     assert c["PREFETCH"] == 1 and "SUBGROUPS" not in c and (c["NEQ"], c["NEK"], c["NEU"]) == (1, 1, 1)
     assert dataclasses.replace(GPU_TILE, variant="subgroups").consts()["SUBGROUPS"] == 1
+    # staged: twice the update rows where two tiles hold them (f32 D=128 on a GPU: 8 -> 16)
+    monkeypatch.setenv(ENV_VARIANT, "staged")
+    st = choose_config(ctx, 128)
+    assert st.variant == "staged" and st.stage and st.IC == 2 * choose_config(ctx, 128, "f32",
+                                                                              variant="portable").IC
+    assert st.consts()["STAGE"] == 1 and st.uc == st.IC // 2
+    dataclasses.replace(GPU_TILE, IC=16, variant="staged").check()   # two tiles hold 16 rows
+    with pytest.raises(ValueError, match="inconsistent"):   # 32 rows: past two tiles
+        dataclasses.replace(GPU_TILE, IC=32, variant="staged").check()
+    with pytest.raises(ValueError, match="inconsistent"):   # portable: one tile
+        dataclasses.replace(GPU_TILE, IC=16).check()
     assert "PREFETCH" not in GPU_TILE.consts()
 
 
@@ -116,9 +139,10 @@ def test_forced_variant_runs_through_the_api(be, monkeypatch):
             aa.attention(q, k, v, backend="webgpu")
 
 
-# ---------------------------------------------------------------- prefetch
+# ---------------------------------------------------------------- prefetch, staged
+@pytest.mark.parametrize("variant", ["prefetch", "staged"])
 @pytest.mark.parametrize("tile", ["adapter", "gpu16"])
-def test_prefetch_is_bitwise_portable(be, tile):
+def test_prefetch_is_bitwise_portable(be, tile, variant):
     """Same arithmetic in the same order: every output bit equal, fp32 with a mask,
     a (1, H, Sq, Sk) bias + dbias, GQA, Sq != Sk not multiples of the tiles, D = 40 (two
     and a half D chunks)."""
@@ -128,19 +152,20 @@ def test_prefetch_is_bitwise_portable(be, tile):
     bias = r.standard_normal((1, 4, 37, 70)).astype(np.float32)
     mask = aa.Causal("bottom_right") & aa.Window(left=40)
     wrt = ("q", "k", "v", "bias")
-    res = [_run(be, q, k, v, g, dataclasses.replace(base, variant=var), mask, bias, wrt)
-           for var in ("portable", "prefetch")]
+    res = [_run(be, q, k, v, g, _variant_cfg(base, var), mask, bias, wrt)
+           for var in ("portable", variant)]
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *res):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_prefetch_f16_is_bitwise_portable(be):
+def test_staged_f16_is_bitwise_portable(be):
+    """f16: the flush period UC stays when the staged chunk doubles: same f16 sums."""
     if not be.context.has_f16:
         pytest.skip("no shader-f16")
     q, k, v, g = make_qkv(np.random.default_rng(42), 1, 2, 1, 45, 70, 72, dtype="float16")
     base = choose_config(be.context, 72, "f16", backward=True)
-    res = [_run(be, q, k, v, g, dataclasses.replace(base, variant=var), aa.Causal())
-           for var in ("portable", "prefetch")]
+    res = [_run(be, q, k, v, g, _variant_cfg(base, var), aa.Causal())
+           for var in ("portable", "staged")]
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[0][:5], res[1][:5]):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
@@ -197,7 +222,7 @@ def test_subgroups_paths(be, tile):
     r = np.random.default_rng(45)
     q, k, v, g = make_qkv(r, 2, 2, 2, 61, 90, 32)
     pt = _run(be, q, k, v, g, dataclasses.replace(base, variant="portable"))
-    sg = _run(be, q, k, v, g, dataclasses.replace(base, variant="subgroups"))
+    sg = _run(be, q, k, v, g, _variant_cfg(base, "subgroups"))
     from anyattn import reference as R
 
     ro, rl = R.forward(q, k, v)
@@ -212,7 +237,7 @@ def test_subgroups_paths(be, tile):
 
 
 # ---------------------------------------------------------------- loop trips
-@pytest.mark.parametrize("variant", ["prefetch", "subgroups"])
+@pytest.mark.parametrize("variant", ["prefetch", "staged"])
 def test_trip_model_bounds_the_variants(be, variant):
     """llvmpipe counts loop tests: the model must bound the variants' loops (the
     prefetch staging is unrolled: only the chunk loops remain)."""
@@ -221,7 +246,7 @@ def test_trip_model_bounds_the_variants(be, variant):
     if variant == "subgroups":
         _needs_subgroups(be)
     q, k, v, g = make_qkv(np.random.default_rng(46), 1, 2, 1, 70, 90, 40)
-    cfg = dataclasses.replace(choose_config(be.context, 40), variant=variant)
+    cfg = choose_config(be.context, 40, variant=variant)
     be.config_override = cfg
     o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
     p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))

@@ -27,11 +27,13 @@ __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runn
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
 #: chunk, the updates' row chunk) read into registers before the current chunk's
 #: products (global-load latency behind arithmetic; same barriers, same arithmetic
-#: and order: bitwise the portable results); ``subgroups`` prefetch plus subgroup
-#: row reductions (forward row max / sum by shuffle-xor butterflies instead of a
-#: workgroup round trip and a serial loop; delta rows by subgroup lanes), for adapters
-#: with the ``subgroup`` feature.
-VARIANTS = ("portable", "prefetch", "subgroups")
+#: and order: bitwise the portable results); ``staged`` prefetch plus one workgroup
+#: array for the staged tiles, so an update stages twice the rows per chunk (IC x 2:
+#: half the update barriers; bitwise portable's results in f32, the f16 flush period UC
+#: unchanged); ``subgroups`` staged plus subgroup row reductions (forward row max / sum
+#: by shuffle-xor butterflies instead of a workgroup round trip and a serial loop;
+#: delta rows by 4 subgroup lanes), for adapters with the ``subgroup`` feature.
+VARIANTS = ("portable", "prefetch", "staged", "subgroups")
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: the default variant per (adapter class, element type); first match wins.  All
@@ -72,7 +74,7 @@ class TileConfig:
     half: bool = False
     HC: int = 4
     UC: int = 0        # f16 flush period of the updates in rows (0: IC)
-    variant: str = "portable"   # kernel variant (VARIANTS): portable | prefetch | subgroups
+    variant: str = "portable"   # kernel variant (VARIANTS): portable|prefetch|staged|subgroups
 
     @property
     def BQ(self) -> int:
@@ -106,6 +108,8 @@ class TileConfig:
             c.update(PREFETCH=1, NEQ=ceil_div(self.BQ * self.DC // 4, self.NT),
                      NEK=ceil_div(self.BK * self.DC // 4, self.NT),
                      NEU=ceil_div(self.IC * self.DS // 4, self.NT))
+        if self.stage:
+            c["STAGE"] = 1
         if self.subgroups:
             c["SUBGROUPS"] = 1
         return c
@@ -113,7 +117,12 @@ class TileConfig:
     @property
     def prefetch(self) -> bool:
         """Register prefetch of the next staged chunk (variants prefetch, subgroups)."""
-        return self.variant in ("prefetch", "subgroups")
+        return self.variant in ("prefetch", "staged", "subgroups")
+
+    @property
+    def stage(self) -> bool:
+        """One workgroup array for the staged tiles (variants staged, subgroups)."""
+        return self.variant in ("staged", "subgroups")
 
     @property
     def subgroups(self) -> bool:
@@ -140,7 +149,8 @@ class TileConfig:
         ok = (self.TX == self.TY and self.DC % 4 == 0 and self.IC % 4 == 0
               and self.BQ % self.IC == 0
               and self.BK % self.IC == 0
-              and self.IC * c["DS4"] <= min(self.BQ, self.BK) * c["RSQ"]
+              # an update stages IC rows in one tile (STAGE: across two)
+              and self.IC * c["DS4"] <= (1 + self.stage) * min(self.BQ, self.BK) * c["RSQ"]
               and self.uc % 4 == 0 and self.IC % self.uc == 0
               and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0))
               and self.variant in VARIANTS
@@ -254,6 +264,13 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
         if elem == "f16":
             cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout)
         cfg = dataclasses.replace(cfg, variant=var)
+        if cfg.stage:            # twice the staged rows per update chunk where they fit
+            wide = dataclasses.replace(cfg, IC=2 * cfg.IC, UC=cfg.UC or cfg.IC)
+            try:
+                wide.check()
+                cfg = wide
+            except ValueError:
+                pass
         if cfg.NT <= inv and all(cfg.smem_bytes(k, dropout) <= limit
                                  for k in ("forward", "bwd_dq", "bwd_dkdv")):
             cfg.check()

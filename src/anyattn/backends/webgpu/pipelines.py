@@ -15,6 +15,10 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
 * ``SOFTCAP`` / ``ALIBI`` / ``SINKS`` (constants = 1) are defined for kernels with
   those score modifiers, ``DROPOUT`` for kernels that apply anyattn's dropout mask;
   without them the kernels are the plain ones, text for text.
+* ``STAGE`` (kernel variant): ``sq[i]``, ``sk[i]``, ``sg[i]``, ``sv[i]`` become
+  ``stg[SOFF_X + i]``, regions of one workgroup array (an update's staged rows may run
+  across the idle tiles that follow its first one).  ``PREFETCH`` / ``SUBGROUPS``: the
+  other variant defines (launch.VARIANTS).
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -35,8 +39,10 @@ __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFIN
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
-#: the same for the kernel variants (launch.VARIANTS): PREFETCH, SUBGROUPS
-VARIANT_DEFINES = ("PREFETCH", "SUBGROUPS")
+#: the same for the kernel variants (launch.VARIANTS): PREFETCH, STAGE, SUBGROUPS
+VARIANT_DEFINES = ("PREFETCH", "STAGE", "SUBGROUPS")
+#: STAGE: the staged tiles sq/sk/sg/sv are regions of one workgroup array ``stg``
+_STAGED_TILE = re.compile(r"\bs([qkgv])\[")
 #: the same for the element-wise kernel of device arrays (``ew``: f16 source /
 #: destination, the add and refine operations)
 EW_DEFINES = ("SRC16", "DST16", "OP_ADD", "OP_REFINE")
@@ -188,6 +194,8 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
             text = f"//@define {name}\n" + text
     text = _conditionals(text)
     text = _unroll(text, consts)
+    if consts.get("STAGE", 0):
+        text = _STAGED_TILE.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
     text = _reinit_vars(text)
     text = text.replace("//@loaders", _loaders(half))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)

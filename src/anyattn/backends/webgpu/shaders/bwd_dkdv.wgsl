@@ -7,10 +7,19 @@
 // (1 − p) − delta) (pds), with this key tile's column words in dcw (once) and each
 // unit's row words in drw.
 //@include common
+//@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk [BK][DC]
 var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk [BQ][DC] (then dO slice rows)
 var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk [BK][DC]
+//@endif STAGE
+//@if STAGE
+// STAGE: one workgroup array for the staged tiles, sq | sk | sg | sv at SOFF_Q/K/G/V
+// (the assembler rewrites sX[i] as stg[SOFF_X + i]); an update stages IC rows from
+// its first tile's offset across the idle ones that follow (IC up to twice the rows
+// one tile holds: half the update chunks, half their barriers)
+var<workgroup> stg: array<SV, 2u * (BQ + BK) * RSQ>;
+//@endif STAGE
 var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)

@@ -6,10 +6,19 @@
 // dbase + 4*(tx + TX*v).  DROPOUT: dS = P ∘ (dP ∘ keep / (1 − p) − delta) (pds), with
 // the row words of this query tile in drw (once) and each key tile's column words in dcw.
 //@include common
+//@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then K slice rows)
 var<workgroup> sg: array<SV, BQ * RSQ>;   // dO chunk
 var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk
+//@endif STAGE
+//@if STAGE
+// STAGE: one workgroup array for the staged tiles, sq | sk | sg | sv at SOFF_Q/K/G/V
+// (the assembler rewrites sX[i] as stg[SOFF_X + i]); an update stages IC rows from
+// its first tile's offset across the idle ones that follow (IC up to twice the rows
+// one tile holds: half the update chunks, half their barriers)
+var<workgroup> stg: array<SV, 2u * (BQ + BK) * RSQ>;
+//@endif STAGE
 var<workgroup> sp: array<SV, BQ * RSP2>;  // dS [BQ][TX] (element m: keys m + TX*c)
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)

@@ -14,6 +14,12 @@
 @group(0) @binding(9) var<storage, read_write> dsb: array<f32>;
 
 var<private> trips: u32;
+//@if STAGE
+const SOFF_Q: u32 = 0u;
+const SOFF_K: u32 = BQ * RSQ;
+const SOFF_G: u32 = (BQ + BK) * RSQ;
+const SOFF_V: u32 = (2u * BQ + BK) * RSQ;
+//@endif STAGE
 var<workgroup> wg_code: u32;
 
 // Keep rule of pair (i, j) of head h: band, documents, keep mask (NaN keeps).

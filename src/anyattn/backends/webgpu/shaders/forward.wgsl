@@ -11,8 +11,17 @@
 // queries in drw, once; column words of each key tile in dcw), l stays undropped,
 // and the last piece multiplies out by 1 / (1 − p).
 //@include common
+//@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then V slice rows)
+//@endif STAGE
+//@if STAGE
+// STAGE: one workgroup array for the staged tiles, sq | sk | sg | sv at SOFF_Q/K/G/V
+// (the assembler rewrites sX[i] as stg[SOFF_X + i]); an update stages IC rows from
+// its first tile's offset across the idle ones that follow (IC up to twice the rows
+// one tile holds: half the update chunks, half their barriers)
+var<workgroup> stg: array<SV, (BQ + BK) * RSQ>;
+//@endif STAGE
 var<workgroup> sp: array<SV, BQ * RSP2>;  // P [BQ][TX] (element m: keys m + TX*c)
 var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / sum
 var<workgroup> rowm: array<f32, BQ>;

@@ -1,11 +1,15 @@
 // acc[i, :] += sum_j sp[i][j] * SRC[j, dbase:dbase+DS] over the BK keys of this key
 // tile (SRC = V in the forward, K in the dQ pass), in key chunks of IC staged through
-// sk.  sp row i holds P or dS as SV elements m in [0, TX): element m = keys
-// (m, m + TX, m + 2TX, m + 3TX) (the 4 columns of thread tx = m), so staged row
+// sk (STAGE: from sq's offset on, i.e. stg[0..]).  sp row i holds P or dS as SV
+// elements m in [0, TX): element m = keys (m, m + TX, m + 2TX, m + 3TX) (the 4 columns of thread tx = m), so staged row
 // jj*4 + w of chunk jc is key jc/4 + jj + w*TX.
 // HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
 // (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
 // accumulator every UC rows (UC divides IC).
+//@define UPD_BUF sk
+//@if STAGE
+//@define UPD_BUF sq
+//@endif STAGE
 //@if PREFETCH
 // PREFETCH: the next chunk's rows are read into registers pu (NEU per invocation)
 // before this chunk's products; stored to the workgroup tile after its last barrier.
@@ -23,12 +27,12 @@ for (var jc = 0u; jc < BK; jc += IC) {
     let j = j0 + jc / 4u + r / 4u + (r % 4u) * TX;
     var a = SV();
     if (j < U.SK) { a = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * c); }
-    sk[e] = a;
+    $UPD_BUF$[e] = a;
   }
   //@endif PREFETCH
   //@if PREFETCH
   //@for n NEU
-  if (lid + {n} * NT < IC * DS4) { sk[lid + {n} * NT] = pu[{n#}]; }
+  if (lid + {n} * NT < IC * DS4) { $UPD_BUF$[lid + {n} * NT] = pu[{n#}]; }
   //@end n
   let jcn = jc + IC;
   if (jcn < BK) {
@@ -50,7 +54,7 @@ for (var jc = 0u; jc < BK; jc += IC) {
       //@for w 4
       //@for v NV
       {
-        let x = sk[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
+        let x = $UPD_BUF$[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
         //@for r 4
         //@ifn HALF
         acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
