@@ -376,10 +376,11 @@ def _snap(st: np.ndarray, sel: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     if sel.size * 4 > st.shape[1]:          # many columns: look only where a P may be near 1
         # P >= 0, so a column whose sum is below lo has no entry >= lo: a GEMV over the
         # tile [ni] (~5x cheaper than a max-reduce along axis 0 of [nj, ni])
-        near = np.matmul(ones[:st.shape[0]], st)[sel] >= lo
+        cs = np.matmul(ones[:st.shape[0]], st)                   # [ni] column sums
+        near = (cs if sel.size == st.shape[1] else cs[sel]) >= lo  # sel = all columns?
+        if not near.any():                    # the usual case: no call more (2 workers
+            return None                       # contend for the GIL between calls)
         sel, lo, hi, zero = sel[near], lo[near], hi[near], zero[near]
-        if not sel.size:
-            return None
     sub = st[:, sel]                                              # [nj, ns]
     hit = (sub >= lo) & (sub <= hi)
     if not hit.any():
