@@ -13,7 +13,7 @@ fp32.  On lavapipe (--small / no CUDA): anyattn-webgpu against the NumPy backend
 other f16 run lengths vs float64 and vs a naive fp16 torch implementation, fp32 and
 f16 fwd/bwd timings side by side, f16 checks with masks/GQA/D=256 at size;
 webgpu_bench_f16.{json,png} under --out (small sizes and the NumPy reference on a CPU).
---resident also runs the kernel-variant axis (launch.VARIANTS: portable, prefetch, staged,
+--resident first runs the kernel-variant axis (launch.VARIANTS: portable, prefetch, staged,
 subgroups where the adapter has 'subgroup'; fp32/f16, S = 512/4096, D = 64/128), each
 variant's plans checked vs float64 before they are timed; --variants: that axis alone.
 FLOP convention (FlashAttention): fwd 4*B*H*Sq*Sk*D, bwd 2.5x that, causal 1/2.
@@ -608,6 +608,19 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
         log(f"triton {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({fl / tb / 1e12:.2f} TFLOP/s)")
 
 
+BUDGET = {"t0": time.time(), "seconds": None}   # --budget: skip steps past it (logged)
+
+
+def over_budget(what):
+    """True (and the step recorded as skipped) once the run is past --budget seconds."""
+    s = BUDGET["seconds"]
+    if s is None or time.time() - BUDGET["t0"] < s:
+        return False
+    RESULTS["errors"].append(f"{what}: skipped, past the --budget of {s} s")
+    log("SKIPPED (budget):", what)
+    return True
+
+
 def with_timeout(seconds, what, fn, *a, **kw):
     """guarded(), and a SIGALRM after ``seconds`` so one slow step cannot eat the run."""
     import signal
@@ -706,6 +719,8 @@ def variant_study(be, gpu, small):
     sizes = ((64, 32),) if small else ((512, 64), (512, 128), (4096, 64), (4096, 128))
     for S, D in sizes:
         for dt in dtypes:
+            if over_budget(f"variants {dt} S={S} D={D}"):
+                continue
             with_timeout(75, f"variants {dt} S={S} D={D}", variant_case, be, 1, 2 if small else 8,
                          S, D, dt, gpu, variants)
             save_partial()
@@ -718,22 +733,24 @@ def resident_study(be, seed_src, gpu, small, variants_only=False):
     ctx = be.context
     RESULTS["features"] = sorted(str(f) for f in ctx.adapter.features)
     RESULTS["device_features"] = sorted(str(f) for f in ctx.features)
+    variant_study(be, gpu, small)       # first: the kernel comparison (issue 17)
     if variants_only:
-        variant_study(be, gpu, small)
         return
     if small:
         with_timeout(120, "abi+seed", bench_seed_and_abi, be, seed_src, (32,), seed_max_s=32)
         for dt in ("float32", "float16"):
             with_timeout(120, f"resident {dt}", resident_case, be, 1, 2, 64, 32, dt, gpu)
-        variant_study(be, gpu, small)
         return
-    with_timeout(90, "abi+seed", bench_seed_and_abi, be, seed_src, (256, 512), seed_max_s=512)
     for S, D in ((512, 64), (4096, 128), (4096, 64)):
         for dt in ("float32", "float16"):
+            if over_budget(f"resident {dt} S={S} D={D}"):
+                continue
             with_timeout(90, f"resident {dt} S={S} D={D}", resident_case, be, 1, 8, S, D, dt,
                          gpu)
             save_partial()
-    variant_study(be, gpu, small)
+    if not over_budget("abi+seed"):
+        with_timeout(90, "abi+seed", bench_seed_and_abi, be, seed_src, (256, 512),
+                     seed_max_s=512)
 
 
 # ------------------------------------------------------------------ lavapipe
@@ -879,8 +896,12 @@ def main():
     ap.add_argument("--variants", action="store_true",
                     help="with --resident: only the kernel-variant axis (portable vs prefetch, "
                          "staged, subgroups; checked vs float64, then timed)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="--resident: seconds after which the remaining steps are skipped "
+                         "(recorded in the JSON's errors), e.g. 500 under a 600 s limit")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
+    BUDGET.update(t0=time.time(), seconds=a.budget)
     if a.plot:
         if "f16_study" in json.loads(Path(a.plot).read_text()):
             plot_f16(a.plot, Path(a.plot).with_suffix(".png"))

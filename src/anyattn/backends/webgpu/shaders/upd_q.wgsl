@@ -1,8 +1,8 @@
 // acc[i, :] += sum_j sp[i][j] * SRC[j, dbase:dbase+DS] over the BK keys of this key
 // tile (SRC = V in the forward, K in the dQ pass), in key chunks of IC staged through
 // sk (STAGE: from sq's offset on, i.e. stg[0..]).  sp row i holds P or dS as SV
-// elements m in [0, TX): element m = keys (m, m + TX, m + 2TX, m + 3TX) (the 4 columns of thread tx = m), so staged row
-// jj*4 + w of chunk jc is key jc/4 + jj + w*TX.
+// elements m in [0, TX): element m = keys (m, m + TX, m + 2TX, m + 3TX) (the 4
+// columns of thread tx = m), so staged row jj*4 + w of chunk jc is key jc/4 + jj + w*TX.
 // HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
 // (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
 // accumulator every UC rows (UC divides IC).
