@@ -262,3 +262,27 @@ def test_trip_model_bounds_the_variants(be, variant):
             model = call.cfg.trips_per_unit(lch.kernel, 40) * \
                 (call.nkt if lch.kernel == "bwd_dq" else call.nqt * 2)
             assert 0.5 * model <= got <= model, (lch.kernel, got, model)
+
+
+@pytest.mark.parametrize("variant", ["staged", "subgroups"])
+def test_variants_split_launches_bitwise(be, monkeypatch, variant):
+    """Launches split at the loop budget continue from stored f32 partials: bitwise one
+    launch's results, for the variants as for portable (staged: also portable's)."""
+    if variant == "subgroups":
+        _needs_subgroups(be)
+    r = np.random.default_rng(47)
+    q, k, v, g = make_qkv(r, 1, 4, 2, 70, 300, 24)
+    kw = dict(mask=aa.Causal("bottom_right"))
+    monkeypatch.setenv(ENV_VARIANT, "portable")
+    ref = _run(be, q, k, v, g, **kw)
+    monkeypatch.setenv(ENV_VARIANT, variant)
+    one = _run(be, q, k, v, g, **kw)
+    cfg = choose_config(be.context, 24)
+    per = max(cfg.trips_per_unit(kn, 24) for kn in ("forward", "bwd_dq", "bwd_dkdv"))
+    be.loop_limit_override = TileConfig.FIXED_TRIPS + per     # >= 1 unit of each kernel
+    split = _run(be, q, k, v, g, **kw)
+    assert be.last_pieces["bwd_dq"] > 1 and be.last_pieces["bwd_dkdv"] > 1
+    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), one, split, ref):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        if variant == "staged":
+            np.testing.assert_array_equal(a, c, err_msg=name)
