@@ -653,7 +653,7 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
     a user would): per variant the configs choose_config picks, the device-resident
     forward and backward plans checked against float64 (one reference per size), then
     timed (N submissions, then a read-back) in this process."""
-    from anyattn.backends.webgpu.launch import ENV_VARIANT, choose_config
+    from anyattn.backends.webgpu.launch import ENV_VARIANT, TileConfig, choose_config
 
     rng = np.random.default_rng(12)
     q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
@@ -663,10 +663,17 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
     fl = flops_bwd(B, H, S, S, D)
     base = None
     old = os.environ.get(ENV_VARIANT)
-    for var in variants:
-        os.environ[ENV_VARIANT] = var
+    runs = [(var, None) for var in variants]
+    if S >= 4096 and dtype == "float32" and not be.context.is_cpu:
+        # one more shape point: 8x8 threads, 4 x 4*NV outputs per invocation covering D
+        # (more update work per staged row, 64 invocations: more workgroups per SM)
+        cfg = TileConfig(8, 8, 16, 8, max(1, D // 32), variant="staged")
+        runs.append((f"staged-8x8-NV{cfg.NV}", cfg))
+    for var, cfg in runs:
+        os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
+        be.config_override = cfg
         try:
-            cfg_b = choose_config(be.context, D, elem, backward=True)
+            cfg_b = cfg or choose_config(be.context, D, elem, backward=True)
             fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
             fwd.submit(1)
             bwd.submit(1)
@@ -688,7 +695,15 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
             tb, n = time_plan(bwd)
             rec["kernels_ms"] = kernel_times(bwd)
             del fwd, bwd
+        except Exception as e:   # one variant failing (compile, device) must not lose the rest
+            if isinstance(e, TimeoutError):
+                raise
+            msg = f"variant {var} {dtype} S={S} D={D}: {type(e).__name__}: {e}"
+            RESULTS["errors"].append(msg[:2000])
+            log("ERROR", msg[:500])
+            continue
         finally:
+            be.config_override = None
             if old is None:
                 os.environ.pop(ENV_VARIANT, None)
             else:
@@ -880,6 +895,36 @@ def plot(json_path, png_path):
     fig.savefig(png_path, dpi=120)
 
 
+def plot_variants(json_path, png_path):
+    """Backward TFLOP/s per kernel variant, one group per (dtype, S, D), portable first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(json_path).read_text())
+    rows = [r for r in res["timings"] if r.get("impl") == "anyattn-webgpu-variant"
+            and "bwd_tflops" in r]
+    if not rows:
+        return
+    groups = sorted({(r["dtype"], r["S"], r["D"]) for r in rows})
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.8))
+    w = 0.8 / len(names)
+    for n_i, name in enumerate(names):
+        ys = [next((r["bwd_tflops"] for r in rows if (r["dtype"], r["S"], r["D"]) == gk
+                    and r["variant"] == name), 0.0) for gk in groups]
+        ax.bar([g_i + n_i * w for g_i in range(len(groups))], ys, w, label=name)
+    ax.set_xticks([g_i + 0.4 - w / 2 for g_i in range(len(groups))])
+    ax.set_xticklabels([f"{d}\nS={s} D={dd}" for d, s, dd in groups], fontsize=8)
+    ax.axhline(20, color="r", ls="--", lw=1, label="fp32 target 20 TFLOP/s")
+    ax.set_ylabel("backward TFLOP/s (FA convention)")
+    ax.set_title(f"WebGPU kernel variants, {res.get('machine', {}).get('adapter', '?')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
 # ------------------------------------------------------------------ main
 def main():
     ap = argparse.ArgumentParser()
@@ -903,8 +948,11 @@ def main():
     a = ap.parse_args()
     BUDGET.update(t0=time.time(), seconds=a.budget)
     if a.plot:
-        if "f16_study" in json.loads(Path(a.plot).read_text()):
+        js = json.loads(Path(a.plot).read_text())
+        if "f16_study" in js:
             plot_f16(a.plot, Path(a.plot).with_suffix(".png"))
+        elif "variants" in js:
+            plot_variants(a.plot, Path(a.plot).with_suffix(".png"))
         else:
             plot(a.plot, Path(a.plot).with_suffix(".png"))
         return
@@ -939,6 +987,7 @@ def main():
         resident_study(be, seed_src, gpu, a.small or not gpu, a.variants)
         RESULTS["total_seconds"] = time.time() - t0
         (out / name).write_text(json.dumps(RESULTS, indent=1))
+        guarded("plot", plot_variants, out / name, (out / name).with_suffix(".png"))
         log("wrote", out / name, f"in {RESULTS['total_seconds']:.1f}s")
         return
     if a.f16:
