@@ -159,7 +159,7 @@ def l2_delta(out, dout, mx, ln):
     return torch.stack([m, ln * 1.4426950408889634], 2).contiguous(), delta
 
 
-def check_bwd(p, q, k, v, keep, dt):
+def check_bwd(p, q, k, v, keep, dt, mask):
     """dq, dk, dv of the routed backward (ANYATTN_TRITON_PATH=hopper: Hopper dk / dv,
     portable dq) and of each dK/dV variant (poisoned buffers) vs float64 and portable."""
     why = HCOV.supports(p, "backward", (("q", q), ("k", k), ("v", v)))
@@ -170,6 +170,7 @@ def check_bwd(p, q, k, v, keep, dt):
         return res
     out, rs = TL.forward(p, q, k, v, None)
     dout = torch.randn_like(out)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
     rq, rk, rv = grads64(q, k, v, keep, p.scale, dout)
     outs = {}
     for path in ("hopper", "portable"):
@@ -257,7 +258,7 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout="bhsd"):
                     and rel(vo, ro) <= TOL[dt] and rel(vl, rl) <= 10 * TOL[dt]
                     and torch.equal(torch.isfinite(vl), torch.isfinite(rl))
                     and torch.equal(vo, vo2) and torch.equal(vm, vm2)))
-    row["bwd"] = check_bwd(p, q, k, v, keep, dt)
+    row["bwd"] = check_bwd(p, q, k, v, keep, dt, mask)
     row["ok"] = (row["bwd"].get("ok", True) and not row["nan_out"] and not row["nan_stats"] and row["empty_ok"]
                  and row["bitwise_repeat"] and row["err_out"] <= TOL[dt]
                  and row["err_lse"] <= 10 * TOL[dt])
@@ -280,6 +281,8 @@ def phase_check(quick):
     cases.append(("bf16-D64-big", 1, 8, 8, 2048, 2048, 64, "bfloat16", "causal"))
     if quick:
         cases = cases[:4]
+    if OPT.get("cases"):
+        cases = [c for c in cases if any(w in c[0] for w in OPT["cases"].split(","))]
     for c in cases:
         try:
             check_case(*c)
@@ -340,17 +343,18 @@ def phase_bench(quick):
             if isinstance(hp, float) and isinstance(cd, float):
                 row["hopper_vs_cudnn"] = round(cd / hp, 3)
             if OPT["bwd"]:
-                bench_bwd(row, p, q, k, v, causal, fl * 2.5, flex, bm)
+                bench_bwd(row, p, q, k, v, causal, fl * 2.5, flex, bm, mask)
             RES["bench"].append(row)
             log(f"bench B={b} H={h} S={s} D={d} causal={causal}: " +
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
 
 
-def bench_bwd(row, p, q, k, v, causal, fl, flex, bm):
+def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     """Backward timings (FLOPs 2.5x the forward's): the triton backward on each path, the
     Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex through autograd."""
     out, rs = TL.forward(p, q, k, v, None)
     dout = torch.randn_like(out)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
 
     def put(name, fn, flops=fl):
         try:
@@ -447,8 +451,10 @@ def main():
     ap.add_argument("--skip-ws", action="store_true", help="no warp-specialised forward")
     ap.add_argument("--skip-bwd", action="store_true", help="no Hopper dK/dV")
     ap.add_argument("--no-flex", action="store_true", help="no FlexAttention timings")
+    ap.add_argument("--cases", default="", help="check only cases whose name holds one of "
+                    "these comma-separated words")
     a = ap.parse_args()
-    OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex)
+    OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex, cases=a.cases)
     RES["meta"]["out"] = a.out
     RES["meta"]["options"] = dict(OPT)
     RES["meta"].update(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name(),

@@ -266,6 +266,7 @@ def test_backward_matches_float64(dtype, D, kind, shape, layout):
     out, rs = TL.forward(p, q, k, v, None)
     g = torch.Generator(device="cuda").manual_seed(7)
     dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
     os.environ["ANYATTN_TRITON_PATH"] = "hopper"
     try:
         r1 = TL.backward(p, q, k, v, dout, out, rs, None)
