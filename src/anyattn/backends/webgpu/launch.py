@@ -116,7 +116,7 @@ class TileConfig:
 
     @property
     def prefetch(self) -> bool:
-        """Register prefetch of the next staged chunk (variants prefetch, subgroups)."""
+        """Register prefetch of the next staged chunk (variants prefetch, staged, subgroups)."""
         return self.variant in ("prefetch", "staged", "subgroups")
 
     @property
@@ -239,7 +239,7 @@ def pick_variant(ctx: Context, elem: str = "f32", variant: Optional[str] = None)
         if want == "subgroups" and not ctx.has_subgroups:
             raise NotImplementedError(
                 f"webgpu kernel variant 'subgroups' needs the adapter feature 'subgroup', "
-                f"which {ctx.name} does not offer; use portable or prefetch")
+                f"which {ctx.name} does not offer; use portable, prefetch or staged")
         return want
     for (cpu, needs_sg, el), name in VARIANT_TABLE:
         if cpu == ctx.is_cpu and (not needs_sg or getattr(ctx, "has_subgroups", False)) \
