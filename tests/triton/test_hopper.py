@@ -75,6 +75,23 @@ def test_coverage_tensor_rules(monkeypatch):
     assert "last-dim stride" in HCOV.supports(p, "forward", (("v", z),))
 
 
+def test_backward_is_covered_but_not_routed_by_auto(monkeypatch):
+    """The Hopper dK/dV kernel covers the call but measured slower than the portable
+    backward (coverage.py), so 'auto' keeps it portable and 'hopper' forces it."""
+    from anyattn.backends.triton import launch as TL
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+    p = _problem()
+    object.__setattr__(p, "device", "cuda:0")
+    assert HCOV.routed_by_default("forward") and not HCOV.routed_by_default("backward")
+    monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
+    assert TL._use_hopper(p, "forward", None, ()) is True
+    assert TL._use_hopper(p, "backward", None, ()) is False
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    assert TL._use_hopper(p, "backward", None, ()) is True
+
+
 def test_path_setting(monkeypatch):
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "fast")
     with pytest.raises(ValueError, match="ANYATTN_TRITON_PATH"):

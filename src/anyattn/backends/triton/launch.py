@@ -586,8 +586,9 @@ def _lists_for(p, ma, plan, device):
 # ----------------------------------------------------------------------------- routing
 def _use_hopper(p, direction: str, plan, tensors) -> bool:
     """Whether this call runs on the Hopper kernels (hopper/coverage.py's table, as data;
-    ANYATTN_TRITON_PATH=portable|hopper forces a path, and hopper on a call outside the
-    table raises with the reason).  An explicit portable ``plan`` keeps the portable path."""
+    'auto' only where the table's entry is routed by default; ANYATTN_TRITON_PATH=
+    portable|hopper forces a path, and hopper on a call outside the table raises with the
+    reason).  An explicit portable ``plan`` keeps the portable path."""
     from .hopper import coverage as HC
 
     setting = HC.path_setting()
@@ -603,7 +604,7 @@ def _use_hopper(p, direction: str, plan, tensors) -> bool:
                 f"this call: {why}; unset it (or set 'auto' / 'portable') for the "
                 f"portable kernels")
         return True
-    return why is None and plan is None
+    return why is None and plan is None and HC.routed_by_default(direction)
 
 
 # ----------------------------------------------------------------------------- forward

@@ -33,13 +33,17 @@ class HopperConfig:
         return elem * d * (self.bm + 2 * self.stages * self.bn)
 
 
-#: D -> forward config (two consumer warpgroups of 64 query rows each); D=128: 160 KiB,
-#: D=64: 112 KiB of the 227 KiB an H100/H200 block may use
-_FWD = {64: HopperConfig(128, 128, 3, 8), 128: HopperConfig(128, 128, 2, 8)}
+#: D -> forward config.  D=128: the warp-specialised kernel (fwd_ws_kernel, 2 stages,
+#: 160 KiB), measured +6-9 % over the plain one (H200 2026-12-03, docs/perf/
+#: hopper-h200-2026-12-03b.json; 3 stages the same within noise).  D=64 (not routed,
+#: coverage.py): the plain kernel, 3 stages, 112 KiB
+_FWD = {64: HopperConfig(128, 128, 3, 8), 128: HopperConfig(128, 128, 2, ws=True)}
 
-#: variants the GPU bench times beside the defaults
+#: variants the GPU bench times beside the defaults: the plain kernel of D=128 (two
+#: warpgroups meeting at a CTA barrier per key tile) and FA3's overlapped loop stay
+#: for A/B
 FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True)],
-                128: [HopperConfig(128, 128, 2, ws=True), HopperConfig(128, 128, 3, ws=True),
+                128: [HopperConfig(128, 128, 2, 8), HopperConfig(128, 128, 3, ws=True),
                       HopperConfig(128, 128, 3, 8, True)]}
 
 
@@ -66,12 +70,14 @@ class HopperBwdConfig:
 
 
 #: D -> dK/dV config (sm_90a offline compile, 2026-12-03: D=128 bm=64 spills, 255
-#: registers + 128-248 stack bytes; bm=32 230-240 registers, none; D=64 bm=64 218-237)
-_BWD = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 3, 8)}
+#: registers + 128-248 stack bytes; bm=32 230-253 registers, none; D=64 bm=64 217-237).
+#: H200 (hopper-h200-2026-12-03b.json), TFLOP/s on dK/dV's 4 products: D=128 bm=32 s2
+#: 364-425 / s3 348-438 / bm=64 s2 248-322; D=64 bm=64 s2 340-367, s3 336-371
+_BWD = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)}
 
 #: dK/dV variants the GPU bench times beside the defaults
 BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 3, 8)],
-                128: [HopperBwdConfig(128, 64, 2, 8), HopperBwdConfig(128, 32, 2, 8)]}
+                128: [HopperBwdConfig(128, 32, 3, 8), HopperBwdConfig(128, 64, 2, 8)]}
 
 
 def bwd_config(d: int) -> HopperBwdConfig:

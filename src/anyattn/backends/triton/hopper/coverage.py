@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Tuple
 
-__all__ = ["Coverage", "COVERAGE", "supports", "path_setting"]
+__all__ = ["Coverage", "COVERAGE", "supports", "path_setting", "routed_by_default"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,10 @@ class Coverage:
     dtypes: FrozenSet[str]
     head_dims: FrozenSet[int]
     mask_classes: FrozenSet[str]
+    #: whether ANYATTN_TRITON_PATH=auto routes covered calls here (False: the kernel is
+    #: correct on what it covers but measured slower than the portable path; only
+    #: ANYATTN_TRITON_PATH=hopper runs it)
+    auto: bool = True
 
 
 #: direction -> coverage (None: no Hopper kernel for that direction yet)
@@ -36,11 +40,15 @@ COVERAGE = {
                         # hopper-h200-2026-12-03.json): it stays portable until it wins
                         head_dims=frozenset({128}),
                         mask_classes=frozenset({"none", "band"})),
-    # dK / dV only (bwd_kernel.py); the delta preprocess and dQ stay portable
+    # dK / dV only (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not
+    # routed by 'auto': Hopper dK/dV + the portable dQ kernel measured 0.82-0.97x the
+    # portable fused backward (H200 2026-12-03, docs/perf/hopper-h200-2026-12-03b.json):
+    # the fused kernel does dQ in the same pass, the split path recomputes S and dP
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
-                         mask_classes=frozenset({"none", "band"})),
+                         mask_classes=frozenset({"none", "band"}),
+                         auto=False),
 }
 
 _PATHS = ("auto", "portable", "hopper")
@@ -60,6 +68,12 @@ def _capability(device: str) -> Tuple[int, int]:
     import torch
 
     return tuple(torch.cuda.get_device_capability(device))
+
+
+def routed_by_default(direction: str) -> bool:
+    """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` to Hopper."""
+    cov = COVERAGE.get(direction)
+    return cov is not None and cov.auto
 
 
 def _tensor_reason(name: str, x) -> Optional[str]:
