@@ -42,8 +42,9 @@ COVERAGE = {
                         mask_classes=frozenset({"none", "band"})),
     # dK / dV only (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not
     # routed by 'auto': Hopper dK/dV + the portable dQ kernel measured 0.82-0.97x the
-    # portable fused backward (H200 2026-12-03, docs/perf/hopper-h200-2026-12-03b.json):
-    # the fused kernel does dQ in the same pass, the split path recomputes S and dP
+    # portable backward (H200 2026-12-03, docs/perf/hopper-h200-2026-12-03b.json), which
+    # runs its dK/dV and dQ programs in one launch (kernels._bwd_kernel); the routed path
+    # runs two launches back to back.  Both compute S and dP twice (8 products)
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
