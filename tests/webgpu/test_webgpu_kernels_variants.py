@@ -92,7 +92,10 @@ def _variant_cfg(base: TileConfig, variant: str) -> TileConfig:
 def test_variant_selection(be, monkeypatch):
     ctx = be.context
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert pick_variant(ctx) == "portable"          # the table's default everywhere today
+    assert pick_variant(ctx) == "portable"          # lavapipe: a CPU adapter
+    gpu = SimpleNamespace(is_cpu=False, has_subgroups=True, name="fake GPU")
+    # the table (H200 2026-12-03): staged for f32 on GPUs, portable for f16
+    assert (pick_variant(gpu, "f32"), pick_variant(gpu, "f16")) == ("staged", "portable")
     assert choose_config(ctx, 64).variant == "portable"
     monkeypatch.setenv(ENV_VARIANT, "prefetch")
     assert choose_config(ctx, 64).variant == "prefetch"

@@ -36,12 +36,17 @@ __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runn
 VARIANTS = ("portable", "prefetch", "staged", "subgroups")
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
-#: the default variant per (adapter class, element type); first match wins.  All
-#: portable until an H200 run measures the others (bench/webgpu_bench.py --resident
-#: --variants); change an entry here (data, not code) after a measurement.
+#: the default variant per (adapter class, element type); first match wins; change an
+#: entry here (data, not code) after a measurement (bench/webgpu_bench.py --resident).
+#: H200 through Vulkan, 2026-12-03 (docs/perf/webgpu-resident-h200-2026-12-03.json),
+#: backward at S=4096 vs portable: f32 staged 1.14-1.17x, subgroups 1.14-1.18x (the
+#: same within noise; forward +7 % more with subgroups), f16 every variant 0.51-0.70x.
+#: GPUs take ``staged`` for f32: its results are bitwise portable's and it assumes
+#: nothing of the subgroup lane order, which WebGPU does not promise (``subgroups``
+#: stays opt-in by name); f16 and CPU adapters stay portable.
 VARIANT_TABLE = (
     # (cpu adapter?, needs 'subgroup', elem or None = any) -> variant
-    ((False, True, None), "portable"),
+    ((False, False, "f32"), "staged"),
     ((False, False, None), "portable"),
     ((True, False, None), "portable"),
 )
