@@ -53,7 +53,7 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None):
     from .fwd_kernel import fwd_kernel
 
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
-    cfg = HC.fwd_config(D) if cfg is None else cfg
+    cfg = HC.fwd_config(D, p.dtype) if cfg is None else cfg
     rm_ = p.mask
     lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
     hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
