@@ -153,6 +153,8 @@ class Call:
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
         self.clears: List[object] = []
+        #: device copies after the launches: (src, src byte off, dst, dst byte off, bytes)
+        self.copies: List[tuple] = []
         self.pieces: Dict[str, int] = {}     # kernel -> launches it was split into
 
     # ------------------------------------------------------------------ setup
@@ -415,13 +417,14 @@ class Call:
                                     self.run.flat_grid(numel)))
 
     def submit(self) -> None:
-        self.run.run(self.launches, self.clears)
-        self.launches, self.clears = [], []
+        self.run.run(self.launches, self.clears, self.copies)
+        self.launches, self.clears, self.copies = [], [], []
 
     def freeze(self) -> "Plan":
         """The launches built so far as a re-submittable plan (benchmarks)."""
-        plan = Plan(self.run, self.run.encode(self.launches), list(self.clears))
-        self.launches, self.clears = [], []
+        plan = Plan(self.run, self.run.encode(self.launches), list(self.clears),
+                    list(self.copies))
+        self.launches, self.clears, self.copies = [], [], []
         return plan
 
 
@@ -432,9 +435,10 @@ class Plan:
     run: Runner
     encoded: list
     clears: list
+    copies: list = field(default_factory=list)
 
     def submit(self, repeat: int = 1) -> None:
-        self.run.submit(self.encoded, self.clears, repeat)
+        self.run.submit(self.encoded, self.clears, repeat, self.copies)
 
     def wait(self) -> None:
         """Block until the queue is idle (read a few bytes back: DESIGN.md §6)."""

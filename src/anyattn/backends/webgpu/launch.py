@@ -11,6 +11,7 @@ what one launch would, in the same order.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -298,6 +299,20 @@ def split_range(n: int, per_unit: int, limit: Optional[int], what: str) -> List[
     return [(a, min(n, a + m)) for a in range(0, n, m)]
 
 
+def _values_key(values: Dict[str, object]) -> tuple:
+    """A hashable key of uniform values that tells every packed bit pattern apart
+    (floats by their hex form: 0.0 and -0.0 differ, NaN equals itself)."""
+    return tuple((k, float(v).hex() if isinstance(v, (float, np.floating)) else v)
+                 for k, v in sorted(values.items()))
+
+
+def _put(cache: "OrderedDict", key, value, bound: int) -> None:
+    """Insert into an LRU dict, dropping the oldest entries past ``bound``."""
+    cache[key] = value
+    while len(cache) > bound:
+        cache.popitem(last=False)
+
+
 @dataclass
 class Launch:
     kernel: str            # shader name (for messages)
@@ -327,6 +342,15 @@ class Runner:
         self.max_groups = int(ctx.limits.get("max-compute-workgroups-per-dimension", 65535))
         self.dummy = self.buffer("_dummy", 16)       # read-only slots
         self.dummy_w = self.buffer("_dummy_w", 16)   # read-write slots (exclusive use)
+        # per-call host work (issue 17): uniform blocks by content, written once and
+        # never again (so any launch, plan or cached bind group may share one), and
+        # bind groups by (layout, bound buffer objects).  Both LRU-bounded; the keys hold
+        # the buffers, so an id is never reused while an entry lives.
+        self._packed: "OrderedDict[tuple, bytes]" = OrderedDict()
+        self._uniforms: "OrderedDict[bytes, object]" = OrderedDict()
+        self._groups: "OrderedDict[tuple, object]" = OrderedDict()
+        self.cache_stats = {"uniform_hits": 0, "uniform_misses": 0, "group_hits": 0,
+                            "group_misses": 0}
 
     # ---- buffers -------------------------------------------------------------
     def check_size(self, role: str, nbytes: int) -> None:
@@ -373,11 +397,59 @@ class Runner:
             self.device.queue.write_buffer(buf, 0, data)
         return buf
 
-    def uniform(self, role: str, values: Dict[str, object]):
-        data = uniforms.pack(values)
-        buf = self.buffer(role, len(data), uniform=True)
+    #: bounds of the per-runner caches (entries): packed uniform blocks, uniform
+    #: buffers, bind groups.  A backward at small sizes uses ~10 of each per signature.
+    MAX_PACKED = 1024
+    MAX_UNIFORMS = 1024
+    MAX_GROUPS = 512
+
+    def uniform(self, label: str, values: Dict[str, object]):
+        """The uniform buffer holding ``values`` (uniforms.pack): one buffer per distinct
+        content, written once when created (``label`` names it) and never rewritten, so
+        a repeated call reuses it (and the bind groups that bind it) with no write."""
+        key = _values_key(values)
+        data = self._packed.get(key)
+        if data is None:
+            data = uniforms.pack(values)
+            _put(self._packed, key, data, self.MAX_PACKED)
+        buf = self._uniforms.get(data)
+        if buf is not None:
+            self._uniforms.move_to_end(data)
+            self.cache_stats["uniform_hits"] += 1
+            return buf
+        self.cache_stats["uniform_misses"] += 1
+        buf = self.device.create_buffer(
+            label=label, size=len(data),
+            usage=self.wgpu.BufferUsage.UNIFORM | self.wgpu.BufferUsage.COPY_DST)
         self.device.queue.write_buffer(buf, 0, data)
+        _put(self._uniforms, data, buf, self.MAX_UNIFORMS)
         return buf
+
+    def bind_group(self, layout: str, buffers: Sequence[object], kernel: str = "?"):
+        """The bind group of ``buffers`` (whole buffers, binding order) in ``layout``,
+        created once per distinct (layout, buffer objects) and reused after."""
+        key = (layout, *buffers)
+        bg = self._groups.get(key)
+        if bg is not None:
+            self._groups.move_to_end(key)
+            self.cache_stats["group_hits"] += 1
+            return bg
+        self.cache_stats["group_misses"] += 1
+        entries = [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+                   for i, b in enumerate(buffers)]
+        try:
+            bg = self.device.create_bind_group(layout=self.pipes.layouts[layout][0],
+                                               entries=entries)
+        except Exception as e:
+            raise KernelError(f"webgpu kernel {kernel!r}: bind group rejected: {e}") from e
+        _put(self._groups, key, bg, self.MAX_GROUPS)
+        return bg
+
+    def clear_caches(self) -> None:
+        """Drop the cached uniform blocks and bind groups (they are rebuilt on demand)."""
+        self._packed.clear()
+        self._uniforms.clear()
+        self._groups.clear()
 
     def read(self, buf, count: int, offset_elems: int = 0, dtype=np.float32) -> np.ndarray:
         nbytes = int(count) * np.dtype(dtype).itemsize
@@ -405,20 +477,14 @@ class Runner:
                 if n > self.max_groups:
                     raise ValueError(f"webgpu kernel {l.kernel!r}: {n} workgroups along {what} "
                                      f"> this adapter's limit {self.max_groups}")
-            bgl = self.pipes.layouts[l.layout][0]
-            entries = [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-                       for i, b in enumerate(l.buffers)]
-            try:
-                bg = self.device.create_bind_group(layout=bgl, entries=entries)
-            except Exception as e:
-                raise KernelError(f"webgpu kernel {l.kernel!r}: bind group rejected: {e}") from e
-            out.append((l.pipeline, bg, l.grid, l.kernel))
+            out.append((l.pipeline, self.bind_group(l.layout, l.buffers, l.kernel), l.grid,
+                        l.kernel))
         return out
 
     def submit(self, encoded: Sequence[tuple], clears: Sequence[object] = (),
-               repeat: int = 1) -> None:
-        """Clears, then every encoded launch in order (one compute pass), ``repeat`` times."""
-        names = sorted({e[3] for e in encoded})
+               repeat: int = 1, copies: Sequence[tuple] = ()) -> None:
+        """Clears, then every encoded launch in order (one compute pass), ``repeat`` times;
+        then ``copies`` (src, src byte offset, dst, dst byte offset, bytes) in order."""
         try:
             enc = self.device.create_command_encoder()
             for _ in range(repeat):
@@ -430,12 +496,16 @@ class Runner:
                     cp.set_bind_group(0, bg)
                     cp.dispatch_workgroups(*grid)
                 cp.end()
+            for src, so, dst, do, nbytes in copies:
+                enc.copy_buffer_to_buffer(src, so, dst, do, nbytes)
             self.device.queue.submit([enc.finish()])
         except Exception as e:
+            names = sorted({e_[3] for e_ in encoded})
             raise KernelError(f"webgpu kernels {names} failed to launch: {e}") from e
 
-    def run(self, launches: Sequence[Launch], clears: Sequence[object] = ()) -> None:
-        self.submit(self.encode(launches), clears)
+    def run(self, launches: Sequence[Launch], clears: Sequence[object] = (),
+            copies: Sequence[tuple] = ()) -> None:
+        self.submit(self.encode(launches), clears, copies=copies)
 
     def bh_chunks(self, n: int) -> List[Tuple[int, int]]:
         """Split the batch*heads grid dim at the adapter's workgroup-count limit."""

@@ -45,6 +45,19 @@ def _fresh(run, nbytes: int, label: str):
                                     usage=usage)
 
 
+def _keep(call, src, nbytes: int, label: str, src_off: int = 0):
+    """A fresh buffer for the caller, filled on the device (after the launches, same
+    submission) with ``nbytes`` of the pooled scratch ``src`` from byte ``src_off``.
+
+    The kernels write results into pooled scratch, so the bind groups of a repeated
+    call are the cached ones (Runner.bind_group); the copy moves the results out, so a
+    later call never touches a returned array."""
+    dst = _fresh(call.run, nbytes, label)
+    if nbytes:
+        call.copies.append((src, int(src_off), dst, 0, int(nbytes)))
+    return dst
+
+
 def _nbytes(count: int, dtype) -> int:
     """Bytes of ``count`` elements (f16 rounded up to whole vec4s: the kernels write
     f16 four at a time)."""
@@ -94,6 +107,7 @@ class _Seq:
 
     def __init__(self, run, prefix: str = "ew_u"):
         self.run, self.prefix, self.launches, self.clears, self._n = run, prefix, [], [], 0
+        self.copies = []
         self.uni: Dict[str, object] = {}
 
     def _u(self, vals):
@@ -102,8 +116,8 @@ class _Seq:
         return buf
 
     def submit(self) -> None:
-        self.run.run(self.launches, self.clears)
-        self.launches, self.clears = [], []
+        self.run.run(self.launches, self.clears, self.copies)
+        self.launches, self.clears, self.copies = [], [], []
 
 
 def _ew(seq, src, dst_buf, dst_off: int, *, dst16: bool = False, op: Optional[str] = None,
@@ -239,16 +253,22 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
         call = _prepare(be, p, q, k, v, None, bias, mods, backward=False)
         run = call.run
         n, D = call.n, p.head_dim
-        stats = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
+        scr = run.buffer("dev_fstats", 4 * STATS_ROWS * n)
         half = p.dtype == "float16"
-        outb = run.buffer("dev_out32", 4 * n * D) if half else _fresh(run, 4 * n * D,
-                                                                       "anyattn.out")
-        call.forward(stats, outb)
+        outb = run.buffer("dev_out32", 4 * n * D)
+        call.forward(scr, outb)
         shape = (p.batch, p.heads_q, p.seq_q, D)
         if half:
-            o16 = _fresh(run, _nbytes(n * D, np.float16), "anyattn.out")
+            o16 = run.buffer("dev_out16", _nbytes(n * D, np.float16))
             _ew(call, _result(outb, shape, np.float32), o16, 0, dst16=True)
-            outb = o16
+            outb = _keep(call, o16, _nbytes(n * D, np.float16), "anyattn.out")
+        else:
+            outb = _keep(call, outb, 4 * n * D, "anyattn.out")
+        # the row max [0, n) and log-normaliser [6n, 7n) at their offsets in a fresh
+        # stats buffer (the rows in between are the kernels' scratch)
+        stats = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
+        for row in ((0, LOG_NORM_ROW) if n else ()):
+            call.copies.append((scr, 4 * row * n, stats, 4 * row * n, 4 * n))
         call.submit()
         be.last_pieces = dict(call.pieces)
     rows = (p.batch, p.heads_q, p.seq_q)
@@ -299,8 +319,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         nkv = B * HKV * SK * D
         casts = []                  # (f32 scratch view, name, shape, dtype)
         if want_k or want_v:
-            kv = run.buffer("dev_dkdv", 8 * nkv) if half else _fresh(run, 8 * nkv,
-                                                                    "anyattn.dkdv")
+            kv = run.buffer("dev_dkdv", 8 * nkv)
             call.dkdv(st, kv, want_k, want_v)
             for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
                 if want:
@@ -308,11 +327,10 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         dsb = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
         if want_b:
-            dsb = _fresh(run, 4 * B * HQ * SQ * SK, "anyattn.dbias")
+            dsb = run.buffer("dev_ds", 4 * B * HQ * SQ * SK)
             call.clears.append(dsb)
         if want_q or want_b:
-            dqb = run.buffer("dev_dq", 4 * n * D) if (half or not want_q) else \
-                _fresh(run, 4 * n * D, "anyattn.dq")
+            dqb = run.buffer("dev_dq", 4 * n * D)
             call.dq(st, dqb, dsb)
             if want_q:
                 casts.append((_result(dqb, (B, HQ, SQ, D), np.float32), "dq", dt))
@@ -321,20 +339,22 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             if full:
                 casts.append((_result(dsb, p.bias_shape, np.float32), "dbias", bdt))
             else:
-                dbb = _fresh(run, 4 * int(np.prod(p.bias_shape)), "anyattn.dbias")
+                dbb = run.buffer("dev_dbias", 4 * int(np.prod(p.bias_shape)))
                 call.reduce_dbias(dsb, dbb, tuple(p.bias_shape))
                 casts.append((_result(dbb, p.bias_shape, np.float32), "dbias", bdt))
         if want_s:
-            dsk = _fresh(run, 4 * HQ, "anyattn.dsinks")
+            dsk = run.buffer("dev_dsinks", 4 * HQ)
             _dsinks(call, st, dsk)
             casts.append((_result(dsk, (HQ,), np.float32), "dsinks", np.dtype(p.sinks_dtype)))
-        for x, name, want_dt in casts:
+        for x, name, want_dt in casts:       # out of the scratch: fresh buffers
             if want_dt == np.float32:
-                res[name] = x
+                y = _keep(call, x.buffer, 4 * x.size, f"anyattn.{name}", 4 * x.offset)
             else:
-                y = _fresh(run, _nbytes(x.size, want_dt), f"anyattn.{name}")
+                nb = _nbytes(x.size, want_dt)
+                y = run.buffer(f"dev_c_{name}", nb)
                 _ew(call, x, y, 0, dst16=True)
-                res[name] = _result(y, x.shape, want_dt)
+                y = _keep(call, y, nb, f"anyattn.{name}")
+            res[name] = _result(y, x.shape, want_dt)
         call.submit()
         be.last_pieces = dict(call.pieces)
     return res
