@@ -1,0 +1,207 @@
+"""The per-call host caches of the webgpu backend (issue 17): uniform blocks by content
+and bind groups by bound buffers (launch.Runner), device-array results written to
+pooled scratch and copied into fresh buffers (resident._keep).
+
+What must hold: a repeated call (cache hits) gives the bits of the uncached path (caches
+cleared first); every returned array stays valid and unchanged after later calls, with
+the same or other inputs; any changed argument (mask, bias, scale, softcap, ALiBi,
+sinks, dropout seed, wrt, the input data or view) is never served stale state; the
+caches stay bounded.
+
+Shape legend: B batch, Hq/Hkv heads, S queries = keys, D head dim.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn import reference as R
+from anyattn.api import forward_with_stats
+
+from helpers import assert_close, make_qkv
+
+wg = pytest.importorskip("anyattn.webgpu")
+
+B, HQ, HKV, S, D = 1, 2, 1, 24, 16        # GQA, an odd tile remainder
+FWD_KEYS = ("mask", "bias", "scale", "softcap", "alibi_slopes", "sinks", "dropout_p",
+            "dropout_seed")
+
+
+@pytest.fixture(scope="module")
+def data(be):
+    rng = np.random.default_rng(7)
+    host = make_qkv(rng, B, HQ, HKV, S, S, D)
+    return host, tuple(wg.asarray(x) for x in host)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint8)
+
+
+def _same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        assert np.array_equal(_bits(a[name]), _bits(b[name])), f"{name}: bits differ"
+
+
+def _call(dev, **kw):
+    """forward_with_stats + attention_backward on device arrays -> (device results,
+    their NumPy copies)."""
+    q, k, v, g = dev
+    fkw = {n: x for n, x in kw.items() if n in FWD_KEYS}
+    out, st = forward_with_stats(q, k, v, **fkw)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st, **kw)
+    arrs = {"out": out, "max": st.max, "log_norm": st.log_norm}
+    for name in ("dq", "dk", "dv", "dbias", "dsinks"):
+        if getattr(gr, name) is not None:
+            arrs[name] = getattr(gr, name)
+    return arrs, {n: x.numpy() for n, x in arrs.items()}
+
+
+def _uncached(be, dev, **kw):
+    be._run().clear_caches()
+    return _call(dev, **kw)[1]
+
+
+def test_repeat_hits_and_matches_uncached(be, data):
+    """A backward repeated on the same arguments creates no uniform buffer and no bind
+    group (a forward's fresh out / statistics cost the delta and statistics launches
+    new bind groups); results have the bits of the uncached path."""
+    host, dev = data
+    run = be._run()
+    first = _call(dev, mask=aa.Causal())[1]
+    q, k, v, g = dev
+    out, st = forward_with_stats(q, k, v, mask=aa.Causal())
+    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=aa.Causal())
+    before = dict(run.cache_stats)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st, mask=aa.Causal())
+    after = run.cache_stats
+    assert after["uniform_misses"] == before["uniform_misses"]
+    assert after["group_misses"] == before["group_misses"]
+    assert after["group_hits"] > before["group_hits"]
+    _same_bits({n: getattr(gr, n).numpy() for n in ("dq", "dk", "dv")},
+               {n: first[n] for n in ("dq", "dk", "dv")})
+    again = _call(dev, mask=aa.Causal())[1]
+    _same_bits(first, again)
+    _same_bits(first, _uncached(be, dev, mask=aa.Causal()))
+    q, k, v, g = host
+    ref = R.backward(q, k, v, g, mask=aa.Causal())
+    for name in ("dq", "dk", "dv"):
+        assert_close(again[name], getattr(ref, name), "float32", name)
+
+
+def test_returned_arrays_survive_later_calls(be, data):
+    """Results of call 1 keep their values (and own their buffers) after call 2 with the
+    same inputs and call 3 with other inputs."""
+    host, dev = data
+    arrs1, vals1 = _call(dev)
+    arrs2, _ = _call(dev)
+    rng = np.random.default_rng(8)
+    other = tuple(wg.asarray(x) for x in make_qkv(rng, B, HQ, HKV, S, S, D))
+    _call(other)
+    for name, x in arrs1.items():
+        assert x.buffer is not arrs2[name].buffer, name
+    _same_bits(vals1, {n: x.numpy() for n, x in arrs1.items()})
+
+
+def test_views_and_in_place_data(be, data):
+    """The same values through another view (one arena buffer, [B, S, H, D] layout)
+    give the same bits; new data written into a cached input buffer is read (cached
+    bind groups bind buffers, not contents)."""
+    host, dev = data
+    ref = _call(dev)[1]
+    arena_dev = wg.device()
+    views = []
+    bufs = []
+    for x in host:
+        bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        buf = arena_dev.create_buffer(size=-(-(bshd.nbytes + 64) // 16) * 16,
+                                      usage=dev[0].buffer.usage)
+        arena_dev.queue.write_buffer(buf, 64, bshd)
+        Bx, Hx, Sx, Dx = x.shape
+        views.append(wg.from_buffer(buf, x.shape, "float32", offset=16,
+                                    strides=(Sx * Hx * Dx, Dx, Hx * Dx, 1)))
+        bufs.append(buf)
+    _same_bits(ref, _call(tuple(views))[1])
+    _same_bits(ref, _call(tuple(views))[1])      # again, cached
+    # new values into the first view's buffer (q): the next call must see them
+    q2 = np.ascontiguousarray((host[0] * 0.5).transpose(0, 2, 1, 3))
+    arena_dev.queue.write_buffer(bufs[0], 64, q2)
+    new = _call(tuple(views))[1]
+    fresh = _call((wg.asarray(host[0] * 0.5),) + dev[1:])[1]
+    _same_bits(fresh, new)
+    assert not np.array_equal(new["dq"], ref["dq"])
+
+
+def _bias():
+    return wg.asarray(np.random.default_rng(3).standard_normal((1, HQ, S, S)).astype(np.float32))
+
+
+def _bias2():
+    return wg.asarray(np.random.default_rng(4).standard_normal((1, 1, S, S)).astype(np.float32))
+
+
+def _slopes(mult=1.0):
+    return wg.asarray(np.random.default_rng(5).uniform(0.1, 0.4, HQ).astype(np.float32) * mult)
+
+
+def _sinks(add=0.0):
+    return wg.asarray(np.random.default_rng(6).standard_normal(HQ).astype(np.float32) + add)
+
+#: (field, kwargs of call A, kwargs of call B): B differs from A in that field only
+CHANGES = {
+    "mask": (dict(mask=aa.Causal()), dict(mask=aa.Causal() & aa.Window(left=3))),
+    "mask-docs": (dict(mask=aa.Documents(np.arange(S) // 8, np.arange(S) // 8)),
+                  dict(mask=aa.Documents(np.arange(S) // 6, np.arange(S) // 6))),
+    "bias": (dict(bias=_bias, wrt=("q", "k", "v", "bias")),
+             dict(bias=_bias2, wrt=("q", "k", "v", "bias"))),
+    "scale": (dict(scale=0.25), dict(scale=0.3)),
+    "softcap": (dict(softcap=2.0), dict(softcap=3.0)),
+    "alibi": (dict(alibi_slopes=_slopes), dict(alibi_slopes=lambda: _slopes(2.0))),
+    "sinks": (dict(sinks=_sinks, wrt=("q", "k", "v", "sinks")),
+              dict(sinks=lambda: _sinks(1.0), wrt=("q", "k", "v", "sinks"))),
+    "dropout-seed": (dict(dropout_p=0.2, dropout_seed=1), dict(dropout_p=0.2, dropout_seed=2)),
+    "wrt": (dict(wrt=("q", "k", "v")), dict(wrt=("k",))),
+}
+
+
+def _resolve(kw):
+    return {n: (x() if callable(x) else x) for n, x in kw.items()}
+
+
+@pytest.mark.parametrize("field", list(CHANGES))
+def test_changed_field_never_stale(be, data, field):
+    """Call A warms the caches; call B (one field changed) has the bits of B on cleared
+    caches, and differs from A (the field matters)."""
+    _, dev = data
+    ka, kb = CHANGES[field]
+    ka, kb = _resolve(ka), _resolve(kb)
+    a = _call(dev, **ka)[1]
+    b = _call(dev, **kb)[1]
+    _same_bits(b, _uncached(be, dev, **kb))
+    assert a.keys() != b.keys() or any(not np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_caches_bounded(be, data, monkeypatch):
+    """Past the bounds the oldest entries go; results stay those of the uncached path."""
+    _, dev = data
+    run = be._run()
+    for name, n in (("MAX_PACKED", 6), ("MAX_UNIFORMS", 6), ("MAX_GROUPS", 4)):
+        monkeypatch.setattr(run, name, n)
+    run.clear_caches()
+    for s in (0.2, 0.21, 0.22, 0.23):
+        got = _call(dev, scale=s)[1]
+        assert len(run._packed) <= 6 and len(run._uniforms) <= 6 and len(run._groups) <= 4
+    monkeypatch.undo()
+    _same_bits(got, _uncached(be, dev, scale=0.23))
+
+
+def test_uniform_key_tells_signed_zero_apart(be):
+    """0.0 and -0.0 pack to different bits: the content cache keeps them apart."""
+    run = be._run()
+    a = run.uniform("t", {"softcap": 0.0})
+    b = run.uniform("t", {"softcap": -0.0})
+    assert a is not b
+    assert run.uniform("t", {"softcap": 0.0}) is a
