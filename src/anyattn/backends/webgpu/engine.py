@@ -155,6 +155,7 @@ class Call:
         self.clears: List[object] = []
         #: device copies after the launches: (src, src byte off, dst, dst byte off, bytes)
         self.copies: List[tuple] = []
+        self.copies_before: List[tuple] = []     # the same, before the launches
         self.pieces: Dict[str, int] = {}     # kernel -> launches it was split into
 
     # ------------------------------------------------------------------ setup
@@ -417,14 +418,14 @@ class Call:
                                     self.run.flat_grid(numel)))
 
     def submit(self) -> None:
-        self.run.run(self.launches, self.clears, self.copies)
-        self.launches, self.clears, self.copies = [], [], []
+        self.run.run(self.launches, self.clears, self.copies, self.copies_before)
+        self.launches, self.clears, self.copies, self.copies_before = [], [], [], []
 
     def freeze(self) -> "Plan":
         """The launches built so far as a re-submittable plan (benchmarks)."""
         plan = Plan(self.run, self.run.encode(self.launches), list(self.clears),
-                    list(self.copies))
-        self.launches, self.clears, self.copies = [], [], []
+                    list(self.copies), list(self.copies_before))
+        self.launches, self.clears, self.copies, self.copies_before = [], [], [], []
         return plan
 
 
@@ -436,9 +437,10 @@ class Plan:
     encoded: list
     clears: list
     copies: list = field(default_factory=list)
+    copies_before: list = field(default_factory=list)
 
     def submit(self, repeat: int = 1) -> None:
-        self.run.submit(self.encoded, self.clears, repeat, self.copies)
+        self.run.submit(self.encoded, self.clears, repeat, self.copies, self.copies_before)
 
     def wait(self) -> None:
         """Block until the queue is idle (read a few bytes back: DESIGN.md §6)."""

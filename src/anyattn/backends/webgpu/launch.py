@@ -482,11 +482,15 @@ class Runner:
         return out
 
     def submit(self, encoded: Sequence[tuple], clears: Sequence[object] = (),
-               repeat: int = 1, copies: Sequence[tuple] = ()) -> None:
-        """Clears, then every encoded launch in order (one compute pass), ``repeat`` times;
-        then ``copies`` (src, src byte offset, dst, dst byte offset, bytes) in order."""
+               repeat: int = 1, copies: Sequence[tuple] = (),
+               copies_before: Sequence[tuple] = ()) -> None:
+        """``copies_before``, clears, then every encoded launch in order (one compute
+        pass), ``repeat`` times; then ``copies``.  A copy is (src, src byte offset, dst,
+        dst byte offset, bytes)."""
         try:
             enc = self.device.create_command_encoder()
+            for src, so, dst, do, nbytes in copies_before:
+                enc.copy_buffer_to_buffer(src, so, dst, do, nbytes)
             for _ in range(repeat):
                 for buf in clears:
                     enc.clear_buffer(buf)
@@ -504,8 +508,8 @@ class Runner:
             raise KernelError(f"webgpu kernels {names} failed to launch: {e}") from e
 
     def run(self, launches: Sequence[Launch], clears: Sequence[object] = (),
-            copies: Sequence[tuple] = ()) -> None:
-        self.submit(self.encode(launches), clears, copies=copies)
+            copies: Sequence[tuple] = (), copies_before: Sequence[tuple] = ()) -> None:
+        self.submit(self.encode(launches), clears, copies=copies, copies_before=copies_before)
 
     def bh_chunks(self, n: int) -> List[Tuple[int, int]]:
         """Split the batch*heads grid dim at the adapter's workgroup-count limit."""

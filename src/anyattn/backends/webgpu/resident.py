@@ -58,6 +58,15 @@ def _keep(call, src, nbytes: int, label: str, src_off: int = 0):
     return dst
 
 
+def _copyable(x) -> bool:
+    """A contiguous float32 view of a buffer with COPY_SRC: copy_buffer_to_buffer moves
+    it bit for bit (the ``ew`` gather otherwise)."""
+    import wgpu
+
+    return (x.dtype == np.float32 and x.is_contiguous and x.size > 0
+            and bool(int(x.buffer.usage) & int(wgpu.BufferUsage.COPY_SRC)))
+
+
 def _nbytes(count: int, dtype) -> int:
     """Bytes of ``count`` elements (f16 rounded up to whole vec4s: the kernels write
     f16 four at a time)."""
@@ -311,8 +320,11 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         run = call.run
         n = call.n
         st = run.buffer("dev_stats", 4 * STATS_ROWS * n)
-        _ew(call, stats.max, st, 0)
-        _ew(call, stats.log_norm, st, LOG_NORM_ROW * n)
+        for src, row in ((stats.max, 0), (stats.log_norm, LOG_NORM_ROW)):
+            if _copyable(src):       # a plain copy: no launch, no new bind group
+                call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n, 4 * n))
+            else:
+                _ew(call, src, st, row * n)
         if out.dtype != np.float32:
             out = _gather_contig(call, out, "dev_outin", np.float32)
         call.delta(st, _operand(call, out, "out"))
