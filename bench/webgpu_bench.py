@@ -550,6 +550,20 @@ def _time_calls(be, fn, min_s=0.3, max_n=100):
     return (time.perf_counter() - t) / n, n
 
 
+def _host_time(be, fn, n=10):
+    """Median host time of fn() (until it returns: Python, encoding, submit), the GPU
+    waited for outside the timed region after each call."""
+    fn()
+    _wait(be)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        _wait(be)
+    return float(np.median(ts))
+
+
 def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     """One size, side by side in this process: the raw encoded backward plan, the public
     API on device arrays (anyattn.webgpu; out + RowStats from forward_with_stats), the
@@ -577,10 +591,15 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     tb, n = time_plan(bwd)
     recs["plan"] = (tb, n)
     # public API on device arrays
-    tb, n = _time_calls(be, lambda: aa.attention_backward(dq, dk, dv, dg, out=out, lse=st))
+    bwd_call = lambda: aa.attention_backward(dq, dk, dv, dg, out=out, lse=st)  # noqa: E731
+    fwd_call = lambda: forward_with_stats(dq, dk, dv)                         # noqa: E731
+    tb, n = _time_calls(be, bwd_call)
     recs["device-arrays"] = (tb, n)
-    tb, n = _time_calls(be, lambda: forward_with_stats(dq, dk, dv))
+    tb, n = _time_calls(be, fwd_call)
     recs["device-arrays-fwd"] = (tb, n)
+    # host time per call (issue 17: per-call encoding), the GPU waited for outside it
+    host_ms = {"device-arrays": 1e3 * _host_time(be, bwd_call),
+               "device-arrays-fwd": 1e3 * _host_time(be, fwd_call)}
     if host:
         o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
         tb, n = _time_calls(be, lambda: aa.attention_backward(q, k, v, g, out=o, lse=l,
@@ -589,9 +608,11 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     for impl, (tb, n) in recs.items():
         f = fl / 2.5 if impl.endswith("fwd") else fl
         rec = dict(impl="anyattn-webgpu-" + impl, bwd_ms=tb * 1e3, bwd_tflops=f / tb / 1e12,
-                   n=n, **base)
+                   n=n, host_ms=host_ms.get(impl), **base)
         RESULTS["timings"].append(rec)
-        log(f"{impl:18s} {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} TFLOP/s)")
+        hs = f", host {host_ms[impl]:.3f} ms/call" if impl in host_ms else ""
+        log(f"{impl:18s} {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} "
+            f"TFLOP/s){hs}")
     dev_ms, plan_ms = recs["device-arrays"][0], recs["plan"][0]
     RESULTS.setdefault("ratios", []).append(dict(
         device_vs_plan=dev_ms / plan_ms,
