@@ -6,8 +6,10 @@ Nothing crosses to the host: q, k, v, dout, out and a float32 bias are bound whe
 they lie (their buffer, element offset and b/h/s strides become the kernels'
 operands; a D stride != 1 or an f16 bias is first gathered on the device by the
 ``ew`` kernel); sinks and ALiBi slopes are gathered into the ``aux`` table on the
-device; results are fresh buffers (f16 results cast on the device), returned as
-DeviceArrays.  The host writes only uniforms and ``aux``'s mask tables (band, tile
+device; the kernels write into pooled scratch (a repeated call reuses its cached bind
+groups, launch.Runner.bind_group) and each result is copied on the device, in the same
+submission, into a fresh buffer (f16 results cast on the device first), returned as
+DeviceArrays: a later call never touches them.  The host writes only uniforms and ``aux``'s mask tables (band, tile
 map, document ids, a KeepMask: masks are host descriptions), plus zeros where the
 device fills in slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
 
