@@ -212,3 +212,23 @@ def test_uniform_key_tells_signed_zero_apart(be):
     b = run.uniform("t", {"softcap": -0.0})
     assert a is not b
     assert run.uniform("t", {"softcap": 0.0}) is a
+
+
+def test_cache_keeps_no_caller_buffer_alive(be, data):
+    """A bind group entry holds its buffers weakly: once the caller drops a result that
+    a later call bound (a forward's out in the backward), the buffer is freed and its
+    entries leave the cache."""
+    import gc
+    import weakref
+
+    _, dev = data
+    q, k, v, g = dev
+    run = be._run()
+    out, st = forward_with_stats(q, k, v)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
+    ref = weakref.ref(out.buffer)
+    n = len(run._groups)
+    del out, st, gr
+    gc.collect()
+    assert ref() is None
+    assert len(run._groups) < n

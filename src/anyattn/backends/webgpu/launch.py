@@ -11,6 +11,7 @@ what one launch would, in the same order.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -344,8 +345,10 @@ class Runner:
         self.dummy_w = self.buffer("_dummy_w", 16)   # read-write slots (exclusive use)
         # per-call host work (issue 17): uniform blocks by content, written once and
         # never again (so any launch, plan or cached bind group may share one), and
-        # bind groups by (layout, bound buffer objects).  Both LRU-bounded; the keys hold
-        # the buffers, so an id is never reused while an entry lives.
+        # bind groups by (layout, ids of the bound buffers).  Both LRU-bounded.  A bind
+        # group entry holds its buffers only weakly: when one of them dies the entry
+        # goes (a weakref callback, before the id can be reused), so the cache never
+        # keeps a caller's buffer, or its device memory, alive.
         self._packed: "OrderedDict[tuple, bytes]" = OrderedDict()
         self._uniforms: "OrderedDict[bytes, object]" = OrderedDict()
         self._groups: "OrderedDict[tuple, object]" = OrderedDict()
@@ -427,13 +430,13 @@ class Runner:
 
     def bind_group(self, layout: str, buffers: Sequence[object], kernel: str = "?"):
         """The bind group of ``buffers`` (whole buffers, binding order) in ``layout``,
-        created once per distinct (layout, buffer objects) and reused after."""
-        key = (layout, *buffers)
-        bg = self._groups.get(key)
-        if bg is not None:
+        created once per distinct (layout, live buffer objects) and reused after."""
+        key = (layout, *map(id, buffers))
+        hit = self._groups.get(key)
+        if hit is not None:
             self._groups.move_to_end(key)
             self.cache_stats["group_hits"] += 1
-            return bg
+            return hit[0]
         self.cache_stats["group_misses"] += 1
         entries = [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
                    for i, b in enumerate(buffers)]
@@ -442,7 +445,12 @@ class Runner:
                                                entries=entries)
         except Exception as e:
             raise KernelError(f"webgpu kernel {kernel!r}: bind group rejected: {e}") from e
-        _put(self._groups, key, bg, self.MAX_GROUPS)
+        groups = self._groups
+
+        def drop(_ref, key=key):          # a bound buffer died: its id may be reused
+            groups.pop(key, None)
+        refs = [weakref.ref(b, drop) for b in buffers]
+        _put(groups, key, (bg, refs), self.MAX_GROUPS)
         return bg
 
     def clear_caches(self) -> None:
