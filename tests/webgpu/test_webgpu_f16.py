@@ -13,6 +13,7 @@ from anyattn.backends.webgpu.launch import TileConfig, choose_config, half_confi
 
 from helpers import make_qkv
 from test_webgpu_numerics import MASKS, run_both
+from wg_util import assert_backward_trips_within_model
 
 
 @pytest.fixture
@@ -129,15 +130,7 @@ def test_f16_trip_model_bounds_the_loops(be16):
     be16.debug_trips = True
     call, _ = be16._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
     assert call.cfg.half
-    for lch in call.launches:
-        if lch.kernel in ("bwd_dq", "bwd_dkdv"):
-            call.run.run([lch])
-            n = call.trip_count if lch.kernel == "bwd_dq" else \
-                lch.grid[0] * lch.grid[1] * lch.grid[2] * call.cfg.NT
-            got = int(call.run.read(lch.buffers[9], n).max())
-            model = call.cfg.trips_per_unit(lch.kernel, 40) * \
-                (call.nkt if lch.kernel == "bwd_dq" else call.nqt * 2)
-            assert 0.5 * model <= got <= model, (lch.kernel, got, model)
+    assert_backward_trips_within_model(call, 40)
 
 
 def test_f16_gpu_backward_config_on_this_adapter(be16):

@@ -27,6 +27,7 @@ from anyattn.backends.webgpu.launch import (ENV_VARIANT, VARIANTS, TileConfig, c
                                             pick_variant)
 
 from helpers import assert_close, compare_with_reference, make_qkv
+from wg_util import assert_backward_trips_within_model
 
 GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
 
@@ -256,15 +257,7 @@ def test_trip_model_bounds_the_variants(be, variant):
     be.debug_trips = True
     call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
     assert call.cfg.variant == variant
-    for lch in call.launches:
-        if lch.kernel in ("bwd_dq", "bwd_dkdv"):
-            call.run.run([lch])
-            n = call.trip_count if lch.kernel == "bwd_dq" else \
-                lch.grid[0] * lch.grid[1] * lch.grid[2] * call.cfg.NT
-            got = int(call.run.read(lch.buffers[9], n).max())
-            model = call.cfg.trips_per_unit(lch.kernel, 40) * \
-                (call.nkt if lch.kernel == "bwd_dq" else call.nqt * 2)
-            assert 0.5 * model <= got <= model, (lch.kernel, got, model)
+    assert_backward_trips_within_model(call, 40)
 
 
 @pytest.mark.parametrize("variant", ["staged", "subgroups"])
