@@ -41,7 +41,7 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     from .fwd_kernel import fwd_kernel
     from .launch import make_desc
 
-    cfg = cfg or HC.fwd_config(D)
+    cfg = cfg or HC.fwd_config(D, dtype)
     tdt = getattr(torch, dtype)
     x = torch.empty((2, 2, 256, D), dtype=tdt)
     qd = make_desc(x, cfg.bm // 2 if cfg.ws else cfg.bm)
