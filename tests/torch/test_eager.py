@@ -138,3 +138,14 @@ def test_refusals_come_at_the_forward():
         at.attention(q, k, v, alibi_slopes=slopes)
     with pytest.raises(ValueError, match="k"):
         at.attention(q, k[:, :, :, :8], v)
+
+
+def test_vmap_of_the_forward_and_a_clear_refusal_under_func_grad():
+    q, k, v, _ = _inputs()
+    qs, ks, vs = (x.detach().unsqueeze(0).expand(3, *x.shape).clone() for x in (q, k, v))
+    qs = qs + torch.randn_like(qs)
+    out = torch.vmap(lambda a, b, c: at.attention(a, b, c))(qs, ks, vs)
+    for i in range(3):
+        assert torch.equal(out[i], at.attention(qs[i], ks[i], vs[i]).detach())
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.grad(lambda a: at.attention(a, k.detach(), v.detach()).sum())(q.detach())

@@ -253,9 +253,26 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, dout, dmax, dlog_norm)
 
 
+def _functorch_active() -> bool:
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:
+        return False
+
+
 def attention_with_grad(*inputs) -> Tuple[Tensor, Tensor, Tensor]:
     """``attention_fwd(*inputs)`` with autograd: the registered autograd when tracing
-    (torch.compile, export, opcheck), the fast path above in eager mode."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    (torch.compile, export, opcheck), the fast path above in eager mode; the plain op
+    when nothing needs a gradient (so ``torch.vmap`` of a forward works).  Gradients
+    through torch.func transforms are refused: neither autograd formula here runs
+    under them."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not any(
+            isinstance(x, Tensor) and x.requires_grad for x in inputs):
         return attention_fwd(*inputs)
+    if _functorch_active():
+        raise NotImplementedError(
+            "anyattn.torch.attention: gradients through torch.func transforms (grad, "
+            "vjp, jacrev, jvp, or vmap of a function whose inputs require grad) are not "
+            "supported; use torch.autograd (loss.backward() or torch.autograd.grad), or "
+            "torch.vmap under torch.no_grad() for the forward")
     return _EagerAttention.apply(*inputs)
