@@ -6,7 +6,6 @@ Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -29,8 +28,8 @@ except ImportError:
     HAS_GLUON = False
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = [pytest.mark.gpu,
-        pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")]
+needs_sm90 = pytest.mark.skipif(not SM90,
+                                reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="needs triton.experimental.gluon")
 
 
@@ -174,12 +173,11 @@ MASKS = {"none": None, "causal": aa.Causal(), "causal_br": aa.Causal(align="bott
 @pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
                                           ((1, 2, 1, 300, 200), "bhsd"),
                                           ((2, 4, 4, 256, 256), "bshd")])
+@pytest.mark.gpu
+@needs_sm90
 def test_forward_matches_float64(dtype, D, kind, shape, layout):
     """out within the dtype's tolerance of float64 (rounded inputs), lse -inf exactly on
     the empty rows, every element written (poisoned buffers), two runs bitwise equal."""
-    for m in sm90:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     from anyattn.backends.triton.hopper import launch as HL
 
     B, H, Hkv, Sq, Sk = shape
@@ -205,10 +203,9 @@ def test_forward_matches_float64(dtype, D, kind, shape, layout):
     assert not torch.isnan(rs.log_norm).any()
 
 
+@pytest.mark.gpu
+@needs_sm90
 def test_auto_routes_covered_calls_to_hopper(monkeypatch):
-    for m in sm90:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     from anyattn.backends.triton.hopper import launch as HL
 
     calls = []
@@ -232,12 +229,11 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
 @pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
                                           ((1, 2, 1, 300, 200), "bhsd"),
                                           ((2, 4, 4, 256, 256), "bshd")])
+@pytest.mark.gpu
+@needs_sm90
 def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
     """The warp-specialised forward (configs.FWD_VARIANTS): out within tolerance of
     float64, every element written, bitwise equal to itself."""
-    for m in sm90:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
     B, H, Hkv, Sq, Sk = shape
@@ -265,13 +261,12 @@ def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
 @pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
                                           ((1, 2, 1, 300, 200), "bhsd"),
                                           ((2, 4, 4, 256, 256), "bshd")])
+@pytest.mark.gpu
+@needs_sm90
 def test_backward_matches_float64(dtype, D, kind, shape, layout):
     """The routed backward (Hopper dK/dV, portable delta and dQ): dq, dk, dv within the
     dtype's tolerance of float64, two runs bitwise equal; every dK/dV config writes every
     element of poisoned buffers and agrees with the default within rounding."""
-    for m in sm90:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
