@@ -33,26 +33,21 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from gpu_harness import Harness, log, rel  # noqa: E402
+
 TOL = {"bf16": 2e-2, "fp16": 3e-3, "fp32": 1e-5}
 RESULTS = {"meta": {}, "check": [], "bench": [], "kernels": [], "summary": {}}
-SAVE = None
 CAP = 50.0
 P_DROP = 0.1
 SEED = (1 << 64) - 987654321          # >= 2^63
 TINY = False
 DEV = "cuda"
+H = Harness(RESULTS)
+bench_ms, record, inputs, time_autograd, save_now = (H.bench_ms, H.record, H.inputs,
+                                                     H.time_autograd, H.save_now)
 SHAPE = (4, 16, 4096, 128)
 CASES = ""
 TIMED = ()
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save_now():
-    if SAVE is not None:
-        SAVE()
 
 
 def dt_of(name):
@@ -92,18 +87,6 @@ def ref64(q, k, v, g, *, causal=None, window=None, q_offset=0, k_offset=0, softc
     out = pr @ ve
     grads = torch.autograd.grad((out * g.double()).sum(), [qq, kk, vv])
     return out.detach(), lse.detach(), dict(dq=grads[0], dk=grads[1], dv=grads[2])
-
-
-def rel(got, ref):
-    import torch
-
-    got, ref = got.double(), ref.double()
-    fin = torch.isfinite(ref)
-    if not bool(fin.any()):
-        return 0.0
-    if bool(torch.isnan(got[fin]).any()):
-        return float("nan")
-    return float((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-300))
 
 
 def mask_of(causal, window):
@@ -260,46 +243,6 @@ def note_kernels(label, before):
 
 
 # ----------------------------------------------------------------------------- timing
-def bench_ms(fn, rep=60):
-    import triton
-
-    if TINY:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median")
-
-
-def fa_flops(b, h, s, d, causal):
-    f = 4.0 * b * h * s * s * d
-    return f / 2 if causal else f
-
-
-def record(impl, variant, dt, causal, fwd, bwd, shape, err=None, extra=None):
-    b, h, s, d = shape
-    row = dict(impl=impl, variant=variant, dtype=dt, causal=causal, B=b, H=h, S=s, D=d)
-    if err is not None:
-        row["error"] = err[:300]
-    else:
-        ff = fa_flops(b, h, s, d, causal)
-        row.update(fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), total_ms=round(fwd + bwd, 4),
-                   fwd_tflops=round(ff / fwd / 1e9, 1), bwd_tflops=round(2.5 * ff / bwd / 1e9, 1))
-    if extra:
-        row.update(extra)
-    RESULTS["bench"].append(row)
-    log("BENCH", json.dumps(row))
-    save_now()
-    return row
-
-
-def inputs(shape, dt, gen):
-    import torch
-
-    b, h, s, d = shape
-    return [torch.randn(b, h, s, d, generator=gen, device=DEV, dtype=torch.float32).to(dt)
-            for _ in range(4)]
-
-
 VARIANTS = {"plain": ({}, None), "dropout": ({"dropout_p": P_DROP, "dropout_seed": SEED}, None),
             "softcap": ({"softcap": CAP}, None), "softcap_portable": ({"softcap": CAP}, "0")}
 
@@ -343,17 +286,6 @@ def phase_time():
             note_kernels(f"{variant}_{'causal' if causal else 'noncausal'}", before)
             save_now()
             torch.cuda.empty_cache()
-
-
-def time_autograd(attn, q, k, v, g):
-    import torch
-
-    qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-    fwd = bench_ms(lambda: attn(qq, kk, vv))
-    o = attn(qq, kk, vv)
-    bwd = bench_ms(lambda: torch.autograd.grad(o, (qq, kk, vv), g, retain_graph=True))
-    del o
-    return fwd, bwd
 
 
 def phase_flex():
@@ -510,41 +442,11 @@ def main():
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
         TINY, DEV, SHAPE = True, "cpu", (1, 2, 48, 16)
-    import torch
-    import triton
-
-    os.makedirs(a.out, exist_ok=True)
-    RESULTS["meta"].update(torch=torch.__version__, triton=triton.__version__,
-                           device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-                           cuda=torch.version.cuda,
-                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           shape="B=4 H=16 S=4096 D=128 bf16", dropout_p=P_DROP,
-                           softcap_timing=CAP, phases=a.phases,
-                           timing="triton.testing.do_bench medians (CUDA events), same process")
-    log(json.dumps(RESULTS["meta"]))
-    t0 = time.time()
-    path = os.path.join(a.out, a.name)
-
-    def save():
-        RESULTS["meta"]["elapsed_s"] = round(time.time() - t0, 1)
-        summarize()
-        with open(path, "w") as fh:
-            json.dump(RESULTS, fh, indent=1)
-
-    global SAVE
-    SAVE = save
-    for ph in a.phases.split(","):
-        try:
-            {"check": phase_check, "time": phase_time, "flex": phase_flex,
-             "fa2": phase_fa2}[ph]()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-        save()
-        log(f"phase {ph} done at {time.time() - t0:.0f}s")
-    log("SUMMARY", json.dumps(RESULTS["summary"], indent=1))
-    bad = [r for r in RESULTS["check"] if not r.get("ok")]
-    log(f"checks: {len(RESULTS['check']) - len(bad)} ok, {len(bad)} failed")
-
+    H.tiny, H.dev = TINY, DEV
+    H.meta(shape="B=4 H=16 S=4096 D=128 bf16", dropout_p=P_DROP, softcap_timing=CAP,
+           phases=a.phases)
+    H.run_phases({"check": phase_check, "time": phase_time, "flex": phase_flex,
+                  "fa2": phase_fa2}, a.phases.split(","), a.out, a.name, summarize)
 
 if __name__ == "__main__":
     main()

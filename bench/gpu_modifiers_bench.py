@@ -31,23 +31,18 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from gpu_harness import Harness, log, rel  # noqa: E402
+
 TOL = {"bf16": 2e-2, "fp32": 1e-5}
 RESULTS = {"meta": {}, "check": [], "bench": [], "summary": {}}
-SAVE = None
 CAP = 50.0          # Gemma 2's attention softcap (timing); the checks use smaller caps
 #: --tiny: a dry run of the script's plumbing on CPU tensors through Triton's interpreter
 #: (TRITON_INTERPRET=1) at tiny sizes, no timing worth the name
 TINY = False
 DEV = "cuda"
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save_now():
-    if SAVE is not None:
-        SAVE()
+H = Harness(RESULTS)
+bench_ms, record, inputs, time_autograd, save_now = (H.bench_ms, H.record, H.inputs,
+                                                     H.time_autograd, H.save_now)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -113,28 +108,6 @@ def ref64(q, k, v, g, *, mask=None, q_offset=0, k_offset=0, softcap=None,
     if st is not None:
         res["dsinks"] = grads[3]
     return out.detach(), lse.detach(), res
-
-
-def rel(got, ref):
-    got, ref = got.double(), ref.double()
-    fin = torch_isfinite(ref)
-    if not bool(fin.any()):
-        return 0.0
-    if bool(torch_isnan(got[fin]).any()):
-        return float("nan")
-    return float((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-300))
-
-
-def torch_isfinite(x):
-    import torch
-
-    return torch.isfinite(x)
-
-
-def torch_isnan(x):
-    import torch
-
-    return torch.isnan(x)
 
 
 def phase_check():
@@ -212,46 +185,6 @@ def phase_check():
 
 
 # ----------------------------------------------------------------------------- timing
-def bench_ms(fn, rep=60):
-    import triton
-
-    if TINY:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median")
-
-
-def fa_flops(b, h, s, d, causal):
-    f = 4.0 * b * h * s * s * d
-    return f / 2 if causal else f
-
-
-def record(impl, variant, dt, causal, fwd, bwd, shape, err=None, extra=None):
-    b, h, s, d = shape
-    row = dict(impl=impl, variant=variant, dtype=dt, causal=causal, B=b, H=h, S=s, D=d)
-    if err is not None:
-        row["error"] = err[:300]
-    else:
-        ff = fa_flops(b, h, s, d, causal)
-        row.update(fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), total_ms=round(fwd + bwd, 4),
-                   fwd_tflops=round(ff / fwd / 1e9, 1), bwd_tflops=round(2.5 * ff / bwd / 1e9, 1))
-    if extra:
-        row.update(extra)
-    RESULTS["bench"].append(row)
-    log("BENCH", json.dumps(row))
-    save_now()
-    return row
-
-
-def inputs(shape, dt, gen):
-    import torch
-
-    b, h, s, d = shape
-    return [torch.randn(b, h, s, d, generator=gen, device=DEV, dtype=torch.float32).to(dt)
-            for _ in range(4)]
-
-
 def time_ours(q, k, v, g, mask, kw, precision=None):
     import anyattn as aa
     from anyattn.api import forward_with_stats
@@ -266,18 +199,6 @@ def time_ours(q, k, v, g, mask, kw, precision=None):
     return fwd, bwd
 
 
-def time_autograd(attn, q, k, v, g, params=()):
-    import torch
-
-    qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-    fwd = bench_ms(lambda: attn(qq, kk, vv))
-    o = attn(qq, kk, vv)
-    bwd = bench_ms(lambda: torch.autograd.grad(o, (qq, kk, vv) + tuple(params), g,
-                                               retain_graph=True))
-    del o
-    return fwd, bwd
-
-
 SHAPE = (4, 16, 4096, 128)
 
 
@@ -285,7 +206,6 @@ def phase_ours(dt_name="bf16", variants=("plain", "softcap", "alibi", "sinks", "
     import torch
 
     import anyattn as aa
-    from anyattn.api import forward_with_stats
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt_name]
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -513,43 +433,11 @@ def main():
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
         TINY, DEV, SHAPE = True, "cpu", (1, 2, 48, 16)
-    import torch
-    import triton
-
-    os.makedirs(a.out, exist_ok=True)
-    RESULTS["meta"].update(torch=torch.__version__, triton=triton.__version__,
-                           device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-                           cuda=torch.version.cuda,
-                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           shape="B=4 H=16 S=4096 D=128", softcap_timing=CAP,
-                           flops="FA convention: fwd 4*B*H*S*S*D, bwd 2.5x fwd, causal 1/2",
-                           timing="triton.testing.do_bench medians (CUDA events), same process",
-                           phases=a.phases)
-    log(json.dumps(RESULTS["meta"]))
-    t0 = time.time()
-    path = os.path.join(a.out, a.name)
-
-    def save():
-        RESULTS["meta"]["elapsed_s"] = round(time.time() - t0, 1)
-        summarize()
-        with open(path, "w") as fh:
-            json.dump(RESULTS, fh, indent=1)
-
-    global SAVE
-    SAVE = save
-    for ph in a.phases.split(","):
-        try:
-            {"check": phase_check, "ours": phase_ours, "fp32": phase_fp32,
-             "fp32ours": lambda: phase_ours("fp32", variants=("plain", "softcap", "all")),
-             "flex": phase_flex}[ph]()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-        save()
-        log(f"phase {ph} done at {time.time() - t0:.0f}s")
-    save()
-    log("SUMMARY", json.dumps(RESULTS["summary"], indent=1))
-    bad = [r for r in RESULTS["check"] if not r.get("ok")]
-    log(f"checks: {len(RESULTS['check']) - len(bad)} ok, {len(bad)} failed")
+    H.tiny, H.dev = TINY, DEV
+    H.meta(shape="B=4 H=16 S=4096 D=128", softcap_timing=CAP, phases=a.phases)
+    H.run_phases({"check": phase_check, "ours": phase_ours, "fp32": phase_fp32,
+                  "fp32ours": lambda: phase_ours("fp32", variants=("plain", "softcap", "all")),
+                  "flex": phase_flex}, a.phases.split(","), a.out, a.name, summarize)
 
 
 if __name__ == "__main__":
