@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,24 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.api import forward_with_stats  # noqa: E402
-from anyattn.backends.registry import get_backend  # noqa: E402
-from numpy_modifiers_bench import machine  # noqa: E402
+from numpy_paired import machine, paired_rounds  # noqa: E402
 
 VARIANTS = ("plain", "dropout")
 
 
 def options(variant: str, p: float) -> dict:
     return {} if variant == "plain" else {"dropout_p": p, "dropout_seed": 2 ** 63 + 12345}
-
-
-def step(q, k, v, g, mask, kw):
-    """-> (forward seconds, backward seconds) of one training step."""
-    t0 = time.perf_counter()
-    out, st = forward_with_stats(q, k, v, mask=mask, backend="numpy", **kw)
-    t1 = time.perf_counter()
-    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, backend="numpy", **kw)
-    return t1 - t0, time.perf_counter() - t1
 
 
 def check_small(dtype, p: float) -> float:
@@ -99,48 +85,11 @@ def main() -> None:
     q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
     load0 = os.getloadavg()
     results = []
-    be = get_backend("numpy")
-    config0 = be.config
     groups = [(int(t), m) for t in args.threads.split(",") for m in args.masks.split(",")]
+    kws = {vn: options(vn, args.p) for vn in VARIANTS}
     for threads, mask_name in groups:
-        be.config = replace(config0, threads=threads)
-        mask = aa.Causal() if mask_name == "causal" else None
-        kws = {vn: options(vn, args.p) for vn in VARIANTS}
-        for vn in VARIANTS:                                      # warm-up
-            step(q, k, v, g, mask, kws[vn])
-        times = {vn: [] for vn in VARIANTS}
-        for r in range(args.reps):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # no fixed position
-            for vn in order:
-                times[vn].append(step(q, k, v, g, mask, kws[vn]))
-        med = {vn: {"fwd": statistics.median(t[0] for t in ts),
-                    "bwd": statistics.median(t[1] for t in ts),
-                    "step": statistics.median(t[0] + t[1] for t in ts),
-                    "step_min": min(t[0] + t[1] for t in ts)} for vn, ts in times.items()}
-        for vn in VARIANTS:
-            m = med[vn]
-            pl = times["plain"]
-            paired = [(a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(times[vn], pl)]
-            pf = [a[0] / b[0] for a, b in zip(times[vn], pl)]
-            pb = [a[1] / b[1] for a, b in zip(times[vn], pl)]
-            row = {"threads": threads, "mask": mask_name, "variant": vn,
-                   "fwd_s": m["fwd"], "bwd_s": m["bwd"],
-                   "step_s": m["step"], "step_min_s": m["step_min"],
-                   "ratio_step": statistics.median(paired),
-                   "ratio_step_q1_q3": [float(np.percentile(paired, 25)),
-                                        float(np.percentile(paired, 75))],
-                   "ratio_fwd": statistics.median(pf), "ratio_bwd": statistics.median(pb),
-                   "ratio_step_of_medians": m["step"] / med["plain"]["step"],
-                   "ratio_step_min": m["step_min"] / med["plain"]["step_min"],
-                   "all_steps_s": [t[0] + t[1] for t in times[vn]]}
-            results.append(row)
-            print(f"{threads}t {mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  "
-                  f"bwd {m['bwd']*1e3:8.1f} ms  step {m['step']*1e3:8.1f} ms  "
-                  f"x{row['ratio_step']:.3f} (IQR {row['ratio_step_q1_q3'][0]:.3f}-"
-                  f"{row['ratio_step_q1_q3'][1]:.3f}, medians x"
-                  f"{row['ratio_step_of_medians']:.3f}, min x{row['ratio_step_min']:.3f})"
-                  f"  fwd x{row['ratio_fwd']:.3f}  bwd x{row['ratio_bwd']:.3f}", flush=True)
-    be.config = config0
+        results += paired_rounds((q, k, v, g), VARIANTS, kws, threads=threads,
+                                 mask_name=mask_name, reps=args.reps)
     doc = {
         "what": "NumPy backend: forward_with_stats + attention_backward(out=, lse=stats), "
                 f"plain vs dropout_p={args.p}; interleaved rounds; ratio_step = median over "

@@ -10,7 +10,8 @@ interleaved, round after round, so that load from other processes on a shared
 machine hits them alike; it reports the median (and min) over the rounds of the
 forward, the backward and their sum; the ratio to plain is the median over rounds of
 (variant step / plain step in the same round), which drifting load from other
-processes cancels better than a ratio of medians (also reported).  The issue's
+processes cancels better than a ratio of medians (also reported); likewise for the
+forward and the backward alone.  The issue's
 target: each modifier <= 1.15x plain (forward + backward).
 
 Modifiers: softcap c = 50 (Gemma 2), ALiBi slopes 2^(-8(h+1)/H) (the ALiBi paper's),
@@ -26,22 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import time
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.api import forward_with_stats  # noqa: E402
-from anyattn.backends.numpy_backend import available_cpus  # noqa: E402
-from anyattn.backends.registry import get_backend  # noqa: E402
+from numpy_paired import machine, paired_rounds  # noqa: E402
 
 VARIANTS = ("plain", "softcap", "alibi", "sinks", "all")
 
@@ -56,17 +52,6 @@ def modifiers(variant: str, H: int, dtype) -> dict:
     if variant in ("sinks", "all"):
         kw["sinks"] = np.random.default_rng(7).standard_normal(H).astype(dtype)
     return kw
-
-
-def step(q, k, v, g, mask, kw):
-    """-> (forward seconds, backward seconds) of one training step."""
-    t0 = time.perf_counter()
-    out, st = forward_with_stats(q, k, v, mask=mask, backend="numpy", **kw)
-    t1 = time.perf_counter()
-    wrt = ("q", "k", "v") + (("sinks",) if "sinks" in kw else ())
-    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=mask, wrt=wrt, backend="numpy",
-                          **kw)
-    return t1 - t0, time.perf_counter() - t1
 
 
 def check_small(dtype) -> float:
@@ -85,28 +70,6 @@ def check_small(dtype) -> float:
                  (gr.dsinks, rg.dsinks)):
         worst = max(worst, float(np.max(np.abs(a - b)) / np.max(np.abs(b))))
     return worst
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__, "os_cpu_count": os.cpu_count(),
-            "usable_cpus": available_cpus(),
-            "numpy_default_threads": get_backend("numpy").config.n_threads()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        from threadpoolctl import threadpool_info
-        info["blas"] = [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
-                                               "architecture")} for d in threadpool_info()]
-    except ImportError:
-        pass
-    return info
 
 
 def main() -> None:
@@ -133,48 +96,12 @@ def main() -> None:
     q, k, v, g = (rng.standard_normal((B, H, S, D)).astype(dtype) for _ in range(4))
     load0 = os.getloadavg()
     results = []
-    be = get_backend("numpy")
-    config0 = be.config
     groups = [(int(t), m) for t in args.threads.split(",") for m in args.masks.split(",")]
+    kws = {vn: modifiers(vn, H, dtype) for vn in VARIANTS}
     for threads, mask_name in groups:
-        be.config = replace(config0, threads=threads)
-        mask = aa.Causal() if mask_name == "causal" else None
-        kws = {vn: modifiers(vn, H, dtype) for vn in VARIANTS}
-        for vn in VARIANTS:                                      # warm-up
-            step(q, k, v, g, mask, kws[vn])
-        times = {vn: [] for vn in VARIANTS}
-        for r in range(args.reps):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # no fixed position
-            for vn in order:
-                times[vn].append(step(q, k, v, g, mask, kws[vn]))
-        med = {vn: {"fwd": statistics.median(t[0] for t in ts),
-                    "bwd": statistics.median(t[1] for t in ts),
-                    "step": statistics.median(t[0] + t[1] for t in ts),
-                    "step_min": min(t[0] + t[1] for t in ts)} for vn, ts in times.items()}
-        flops = 3.5 * 4 * B * H * S * S * D * (0.5 if mask is not None else 1.0)
-        for vn in VARIANTS:
-            m = med[vn]
-            paired = [(a[0] + a[1]) / (p_[0] + p_[1]) for a, p_ in zip(times[vn],
-                                                                      times["plain"])]
-            row = {"threads": threads, "mask": mask_name, "variant": vn,
-                   "fwd_s": m["fwd"], "bwd_s": m["bwd"],
-                   "step_s": m["step"], "step_min_s": m["step_min"],
-                   "ratio_step": statistics.median(paired),
-                   "ratio_step_q1_q3": [float(np.percentile(paired, 25)),
-                                        float(np.percentile(paired, 75))],
-                   "ratio_step_of_medians": m["step"] / med["plain"]["step"],
-                   "ratio_fwd": m["fwd"] / med["plain"]["fwd"],
-                   "ratio_bwd": m["bwd"] / med["plain"]["bwd"],
-                   "ratio_step_min": m["step_min"] / med["plain"]["step_min"],
-                   "gflops_step": flops / m["step"] / 1e9,
-                   "all_steps_s": [t[0] + t[1] for t in times[vn]]}
-            results.append(row)
-            print(f"{threads}t {mask_name:7s} {vn:8s} fwd {m['fwd']*1e3:8.1f} ms  bwd {m['bwd']*1e3:8.1f} ms"
-                  f"  step {m['step']*1e3:8.1f} ms  x{row['ratio_step']:.3f} (medians x"
-                  f"{row['ratio_step_of_medians']:.3f}, min x{row['ratio_step_min']:.3f})"
-                  f"  fwd x{row['ratio_fwd']:.3f}"
-                  f"  bwd x{row['ratio_bwd']:.3f}", flush=True)
-    be.config = config0
+        flops = 3.5 * 4 * B * H * S * S * D * (0.5 if mask_name == "causal" else 1.0)
+        results += paired_rounds((q, k, v, g), VARIANTS, kws, threads=threads,
+                                 mask_name=mask_name, reps=args.reps, flops=flops)
     doc = {
         "what": "NumPy backend: forward_with_stats + attention_backward(out=, lse=stats), "
                 "plain vs softcap (c=50) vs ALiBi (slopes 2^(-8(h+1)/H)) vs sinks vs all; "
