@@ -12,6 +12,26 @@ from anyattn import reference as R
 from helpers import TOL, assert_close, rel_err, term_magnitudes, to_np
 
 
+def mask_cases(Hq, Sq, Sk, rng):
+    """name -> mask of every kind (a keep mask with an empty row, row 3), for the
+    per-feature test files.  Sq, Sk > 3."""
+    keep = rng.random((Sq, Sk)) < 0.6
+    keep[3] = False                                           # an empty row
+    ids_q = np.sort(rng.integers(0, 3, Sq))
+    ids_k = np.sort(rng.integers(0, 3, Sk))
+    return {
+        "causal_tl": aa.Causal(),
+        "causal_br": aa.Causal("bottom_right"),
+        "window": aa.Window(left=11, right=4),
+        "window_br_causal": aa.Causal("bottom_right") & aa.Window(left=20,
+                                                                   align="bottom_right"),
+        "documents": aa.Documents(ids_q, ids_k),
+        "causal_docs": aa.Causal() & aa.Documents(ids_q, ids_k),
+        "keep": aa.KeepMask(keep),
+        "keep_per_head": aa.KeepMask(rng.random((1, Hq, Sq, Sk)) < 0.5),
+    }
+
+
 def qkv(seed, B, Hq, Hkv, Sq, Sk, D, dtype="float64"):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, Hq, Sq, D))

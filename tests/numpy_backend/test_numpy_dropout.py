@@ -24,7 +24,7 @@ from anyattn.backends.registry import get_backend
 from anyattn.dropout import dropout_mask, threshold
 
 from helpers import TOL, assert_close, term_magnitudes, to_np
-from np_util import qkv
+from np_util import mask_cases, qkv
 
 DTYPES = ["float64", "float32"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
@@ -76,22 +76,6 @@ def check(q, k, v, g, *, dtype, p=0.3, seed=SEED, wrt=("q", "k", "v"), tol=None,
     return out, lse, grads
 
 
-def _masks(B, Hq, Sq, Sk, rng):
-    keep = rng.random((Sq, Sk)) < 0.6
-    keep[3] = False                                           # an empty row
-    ids_q = np.sort(rng.integers(0, 3, Sq))
-    ids_k = np.sort(rng.integers(0, 3, Sk))
-    return {
-        "causal_tl": aa.Causal(),
-        "causal_br": aa.Causal("bottom_right"),
-        "window": aa.Window(left=11, right=4),
-        "documents": aa.Documents(ids_q, ids_k),
-        "causal_docs": aa.Causal() & aa.Documents(ids_q, ids_k),
-        "keep": aa.KeepMask(keep),
-        "keep_per_head": aa.KeepMask(rng.random((1, Hq, Sq, Sk)) < 0.5),
-    }
-
-
 SHAPES = {  # (B, Hq, Hkv, Sq, Sk, D)
     "odd113": (1, 2, 2, 113, 113, 24),
     "gqa_sq<sk": (2, 4, 2, 70, 131, 20),
@@ -108,10 +92,10 @@ def test_shapes(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mask_name", list(_masks(1, 2, 5, 5, np.random.default_rng(0))))
+@pytest.mark.parametrize("mask_name", list(mask_cases(2, 5, 5, np.random.default_rng(0))))
 def test_every_mask(mask_name, dtype):
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 83, 101, 16
-    mask = _masks(B, Hq, Sq, Sk, np.random.default_rng(3))[mask_name]
+    mask = mask_cases(Hq, Sq, Sk, np.random.default_rng(3))[mask_name]
     out, lse, _ = check(*qkv(4, B, Hq, Hkv, Sq, Sk, D, dtype=dtype), dtype=dtype, mask=mask)
     if mask_name == "keep":
         assert np.all(to_np(out)[:, :, 3] == 0) and np.all(to_np(lse)[:, :, 3] == -np.inf)

@@ -21,7 +21,7 @@ from anyattn.masks import resolve
 from anyattn.rowstats import RowStats
 
 from helpers import TOL, assert_close, term_magnitudes, to_np
-from np_util import qkv
+from np_util import mask_cases, qkv
 
 DTYPES = ["float64", "float32"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
@@ -159,25 +159,7 @@ def test_each_modifier_and_all(combo, shape, dtype):
     check(*qkv(2, *SHAPES[shape], dtype=dtype), dtype=dtype, wrt=_wrt(kw), **kw)
 
 
-def _masks(B, Hq, Sq, Sk, rng):
-    keep = rng.random((Sq, Sk)) < 0.6
-    keep[3] = False                                           # an empty row
-    ids_q = np.sort(rng.integers(0, 3, Sq))
-    ids_k = np.sort(rng.integers(0, 3, Sk))
-    return {
-        "causal_tl": aa.Causal(),
-        "causal_br": aa.Causal("bottom_right"),
-        "window": aa.Window(left=11, right=4),
-        "window_br_causal": aa.Causal("bottom_right") & aa.Window(left=20,
-                                                                   align="bottom_right"),
-        "documents": aa.Documents(ids_q, ids_k),
-        "causal_docs": aa.Causal() & aa.Documents(ids_q, ids_k),
-        "keep": aa.KeepMask(keep),
-        "keep_per_head": aa.KeepMask(rng.random((1, Hq, Sq, Sk)) < 0.5),
-    }
-
-
-MASKS = list(_masks(1, 2, 5, 5, np.random.default_rng(0)))
+MASKS = list(mask_cases(2, 5, 5, np.random.default_rng(0)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -185,7 +167,7 @@ MASKS = list(_masks(1, 2, 5, 5, np.random.default_rng(0)))
 def test_all_modifiers_with_every_mask(mask_name, dtype):
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 83, 101, 16
     rng = np.random.default_rng(3)
-    mask = _masks(B, Hq, Sq, Sk, rng)[mask_name]
+    mask = mask_cases(Hq, Sq, Sk, rng)[mask_name]
     kw = _mods(rng, B, Hq, dtype, ("softcap", "alibi", "sinks"), slopes_batch=True)
     check(*qkv(4, B, Hq, Hkv, Sq, Sk, D, dtype=dtype), dtype=dtype, mask=mask,
           wrt=_wrt(kw), **kw)
@@ -196,7 +178,7 @@ def test_all_modifiers_with_every_mask(mask_name, dtype):
 def test_each_modifier_with_masks_float32(combo, mask_name):
     B, Hq, Hkv, Sq, Sk, D = 1, 2, 1, 77, 90, 16
     rng = np.random.default_rng(5)
-    mask = _masks(B, Hq, Sq, Sk, rng)[mask_name]
+    mask = mask_cases(Hq, Sq, Sk, rng)[mask_name]
     kw = _mods(rng, B, Hq, "float32", COMBOS[combo])
     check(*qkv(6, B, Hq, Hkv, Sq, Sk, D, dtype="float32"), dtype="float32", mask=mask,
           wrt=_wrt(kw), **kw)
