@@ -569,8 +569,18 @@ def attention_backward_arena(arena, params, backend: Optional[str] = None) -> No
     CPU arena then runs on NumPy views of the same memory, so the choice is the
     one made for NumPy arrays).  With a name, a torch arena gives that backend
     torch views.
+
+    Grouped form: ``params`` a list or tuple of Params (e.g. ``[p_dq, p_dk, p_dv]``)
+    that share every input field (sizes, q/k/v/dy/mask offsets and strides, mask kind,
+    window, scale) and differ in ``wrt`` (each at most once) and the output placement
+    (``out_off``, ``o_*_stride``), the outputs disjoint from each other.  One call then
+    computes all of them from one set of row statistics (on WebGPU: the forward and
+    delta passes once, one dK/dV pass for both), with the results of the separate
+    calls.  Anything else is refused (``ValueError`` naming the field and the Params
+    index) before any work.
     """
-    p = _as_params(params)
+    group = _as_group(params)
+    single = _as_params(params) if group is None else None
     kind = _arena_kind(arena)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name or None, got "
@@ -579,15 +589,83 @@ def attention_backward_arena(arena, params, backend: Optional[str] = None) -> No
         raise ValueError(f"backend={backend!r}: a wgpu buffer arena runs on backend='webgpu' "
                          "only; read the buffer back into a NumPy array for other backends")
     n = _arena_len(arena, kind)
-    p.validate(n)
+    if group is None:
+        single.validate(n)
+    else:
+        _validate_group(group, n)
     if kind == "wgpu":
-        return _run_webgpu(arena, p)
+        return _run_webgpu(arena, single if group is None else group)
     if kind == "torch" and backend is None and arena.device.type == "cpu":
         arena, kind = arena.detach().numpy(), "numpy"   # same memory, NumPy views
-    _run_host(arena, kind, p, backend)
+    _run_host(arena, kind, (single,) if group is None else group, backend)
 
 
-def _run_webgpu(buffer, p: Params) -> None:
+#: Params fields a group's members may differ in (the output's placement and ``wrt``);
+#: the ``_pad`` fields carry nothing and are not compared
+_GROUP_FREE = frozenset({"wrt", "out_off", "o_batch_stride", "o_head_stride", "o_seq_stride"})
+
+
+def _as_group(params) -> Optional[Tuple[Params, ...]]:
+    """A list/tuple of Params (or packed bytes) -> a tuple of Params; None for one Params."""
+    if not isinstance(params, (list, tuple)):
+        return None
+    if not params:
+        raise ValueError("params: an empty group; pass one Params or a non-empty list of them")
+    out = []
+    for i, x in enumerate(params):
+        try:
+            out.append(_as_params(x))
+        except TypeError as e:
+            raise TypeError(f"params[{i}]: {e}") from None
+    return tuple(out)
+
+
+def _validate_group(group: Tuple[Params, ...], n: int) -> None:
+    """Each member valid on the arena; one ``wrt`` each; every input field shared; the
+    outputs pairwise disjoint (ValueError naming the member and the field)."""
+    for i, p in enumerate(group):
+        try:
+            p.validate(n)
+        except ValueError as e:
+            raise ValueError(f"params[{i}]: {e}") from None
+    if len(group) > len(WRT_NAMES):
+        raise ValueError(f"params: {len(group)} Params in a group; at most one per gradient "
+                         f"(dQ, dK, dV)")
+    first = group[0]
+    seen = {first.wrt: 0}
+    for i, p in enumerate(group[1:], 1):
+        if p.wrt in seen:
+            raise ValueError(f"params[{i}].wrt={p.wrt} ({WRT_NAMES[p.wrt]}) repeats "
+                             f"params[{seen[p.wrt]}].wrt; a group computes each gradient once")
+        seen[p.wrt] = i
+        for name in FIELD_NAMES:
+            if name in _GROUP_FREE or name.startswith("_pad"):
+                continue
+            a, b = getattr(first, name), getattr(p, name)
+            if a != b:
+                raise ValueError(f"params[{i}].{name}={b} differs from params[0].{name}={a}; "
+                                 "a group shares every input field (sizes, q/k/v/dy/mask "
+                                 "offsets and strides, mask kind, window, scale) and differs "
+                                 "only in wrt and the output's placement: make separate "
+                                 "calls for other launches")
+    outs = [p.regions()["out"] for p in group]
+    for i in range(len(group)):
+        for j in range(i):
+            try:
+                hit = first_common(outs[i], outs[j])
+            except Undecided:
+                raise ValueError(
+                    f"params[{i}] {_describe_region(group[i], outs[i])}: interleaves with "
+                    f"the output of params[{j}] in a way the check cannot prove disjoint "
+                    "within its budget; place the outputs apart") from None
+            if hit is not None:
+                raise ValueError(
+                    f"params[{i}] {_describe_region(group[i], outs[i])}: overlaps the output "
+                    f"of params[{j}] ({_describe_region(group[j], outs[j])}) at element "
+                    f"{hit}; the outputs of a group must be disjoint")
+
+
+def _run_webgpu(buffer, p) -> None:
     from .backends.base import BackendUnavailable
     from .backends.registry import get_backend, unavailable_reason
 
@@ -598,31 +676,38 @@ def _run_webgpu(buffer, p: Params) -> None:
     get_backend("webgpu").backward_arena(buffer, p)
 
 
-def _run_host(arena, kind: str, p: Params, backend: Optional[str]) -> None:
+def _run_host(arena, kind: str, group: Tuple[Params, ...], backend: Optional[str]) -> None:
+    """The gradients of ``group`` (one Params or several sharing every input) from one
+    anyattn backward, each written into its output region."""
     from .api import attention_backward
 
-    views = _views(arena, kind, p)
-    if 0 in views.out.shape:
+    views = [_views(arena, kind, p) for p in group]
+    views = [vw for vw in views if 0 not in vw.out.shape]
+    if not views:
         return
+    p = group[0]
     if p.seq_q == 0 or p.seq_k == 0:        # no query or no key: the seed writes zeros
-        views.out[...] = 0
+        for vw in views:
+            vw.out[...] = 0
         return
-    res = attention_backward(views.q, views.k, views.v, views.dy, mask=views.mask,
-                             bias=views.bias, scale=views.scale, wrt=(views.wrt,),
+    v0 = views[0]
+    res = attention_backward(v0.q, v0.k, v0.v, v0.dy, mask=v0.mask, bias=v0.bias,
+                             scale=v0.scale, wrt=tuple(vw.wrt for vw in views),
                              backend=backend)
-    g = getattr(res, "d" + views.wrt)       # [B, H, R, D]
-    if kind == "torch":
-        import torch
+    for vw in views:
+        g = getattr(res, "d" + vw.wrt)       # [B, H, R, D]
+        if kind == "torch":
+            import torch
 
-        g = torch.as_tensor(g, device=arena.device)
-    if views.uniform_rows is not None:
-        ops = _Ops(kind, arena)
-        g = _add_uniform_rows(ops.f64(g, copy=True), views, ops)
-    if kind == "torch":
-        with torch.no_grad():
-            views.out.copy_(g)
-    else:
-        views.out[...] = g
+            g = torch.as_tensor(g, device=arena.device)
+        if vw.uniform_rows is not None:
+            ops = _Ops(kind, arena)
+            g = _add_uniform_rows(ops.f64(g, copy=True), vw, ops)
+        if kind == "torch":
+            with torch.no_grad():
+                vw.out.copy_(g)
+        else:
+            vw.out[...] = g
 
 
 # ----------------------------------------------------------------------------- conveniences

@@ -42,17 +42,22 @@ def _check_buffer(run, buffer) -> None:
                          f"binding of {lim} bytes")
 
 
-#: encoded launch plans of recent (arena, Params) pairs: a runtime calls the same
+#: encoded launch plans of recent (arena, Params group) pairs: a runtime calls the same
 #: launch again and again, so a repeat only re-submits (no uniform writes, no bind
 #: groups).  Each plan owns its scratch buffers and holds its arena (ids stay unique).
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 _MAX_PLANS = 8
 
 
-def run_arena(be, buffer, p) -> None:
+def run_arena(be, buffer, params) -> None:
+    """Run one Params, or a group of Params that share every input field (validated by
+    anyattn.abi: distinct ``wrt``, disjoint outputs) as one plan: the forward statistics
+    and delta once, one dK/dV pass for both dK and dV, one dQ pass."""
+    group = tuple(params) if isinstance(params, (tuple, list)) else (params,)
     run = be._run()
     _check_buffer(run, buffer)
-    key = (id(buffer), buffer.size, p.pack(), be.loop_limit_override, be.config_override)
+    key = (id(buffer), buffer.size, tuple(p.pack() for p in group), be.loop_limit_override,
+           be.config_override)
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
@@ -61,7 +66,7 @@ def run_arena(be, buffer, p) -> None:
         return
     n = len(_PLANS)
     prefix = f"abi{next(_COUNTER)}_"
-    plan, pieces = _build(be, run, buffer, p, prefix)
+    plan, pieces = _build(be, run, buffer, group, prefix)
     _PLANS[key] = (buffer, plan, pieces, prefix)
     if n + 1 > _MAX_PLANS:
         _, (_, _, _, old) = _PLANS.popitem(last=False)
@@ -70,19 +75,26 @@ def run_arena(be, buffer, p) -> None:
     be.last_pieces = dict(pieces)
 
 
-def _build(be, run, buffer, p, prefix):
+def _out_operand(buffer, p) -> Operand:
+    return Operand(buffer, p.out_off, p.o_batch_stride, p.o_head_stride, p.o_seq_stride)
+
+
+def _build(be, run, buffer, group, prefix):
+    """One plan for ``group`` (Params sharing every input field; ``wrt`` distinct)."""
     from ...abi import bits_f32
+    p = group[0]
     B, H, SQ, SK, D = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim
-    wrt, kind = p.wrt, p.mask_kind
-    R = SQ if wrt == 0 else SK
-    numel = B * H * R * D
-    if numel == 0:
+    kind = p.mask_kind
+    rows = {0: SQ, 1: SK, 2: SK}
+    todo = [g for g in group if B * H * rows[g.wrt] * D]      # outputs with elements
+    if not todo:
         return _Noop(), {}
-    out_op = Operand(buffer, p.out_off, p.o_batch_stride, p.o_head_stride, p.o_seq_stride)
     call = be._call((B, H, H, SQ, SK), D, "f32", uprefix=prefix + "u")
     if SQ == 0 or SK == 0:          # nothing attends: the seed's gradient is zero
+        numel = max(B * H * rows[g.wrt] * D for g in todo)
         zeros = run.upload(prefix + "zero", np.zeros(numel, np.float32))
-        call.scatter(zeros, 0, buffer, R, out_op)
+        for g in todo:
+            call.scatter(zeros, 0, buffer, rows[g.wrt], _out_operand(buffer, g))
         return call.freeze(), {}
     call.uni["scale"] = bits_f32(p.scale_bits)
     call.q = Operand(buffer, p.q_off, p.q_batch_stride, p.q_head_stride, p.q_seq_stride)
@@ -119,16 +131,18 @@ def _build(be, run, buffer, p, prefix):
         vm = run.buffer(prefix + "vmean", 4 * B * H * D)
         call.vmean(vm)
     call.delta(stats, Operand(outb, 0, H * SQ * D, SQ * D, D), vm)
-    if wrt == 0:
-        res = run.buffer(prefix + "dq", 4 * n * D)
-        call.dq(stats, res)
-        src_off = 0
-    else:
-        nkv = B * H * SK * D
-        res = run.buffer(prefix + "dkdv", 4 * 2 * nkv)
-        call.dkdv(stats, res, wrt == 1, wrt == 2)
-        src_off = 0 if wrt == 1 else nkv
-    call.scatter(res, src_off, buffer, R, out_op)
+    by_wrt = {g.wrt: g for g in todo}
+    nkv = B * H * SK * D
+    if 1 in by_wrt or 2 in by_wrt:                 # one dK/dV pass for both
+        kv = run.buffer(prefix + "dkdv", 4 * 2 * nkv)
+        call.dkdv(stats, kv, 1 in by_wrt, 2 in by_wrt)
+        for wrt, off in ((1, 0), (2, nkv)):
+            if wrt in by_wrt:
+                call.scatter(kv, off, buffer, SK, _out_operand(buffer, by_wrt[wrt]))
+    if 0 in by_wrt:
+        dq = run.buffer(prefix + "dq", 4 * n * D)
+        call.dq(stats, dq)
+        call.scatter(dq, 0, buffer, SQ, _out_operand(buffer, by_wrt[0]))
     return call.freeze(), dict(call.pieces)
 
 

@@ -468,9 +468,11 @@ class WebGPUBackend(Backend):
     def backward_arena(self, buffer, params) -> None:
         """The seed's result (dQ, dK or dV per ``params.wrt``) into the wgpu ``buffer``.
 
-        ``params``: anyattn.abi.Params, already validated against the arena by
-        anyattn.abi.attention_backward_arena.  The arena is only read by the
-        attention kernels; a last kernel writes exactly the output elements.
+        ``params``: anyattn.abi.Params, or a tuple of them sharing every input field
+        (one plan: statistics and delta once, dK and dV from one pass), already
+        validated against the arena by anyattn.abi.attention_backward_arena.  The
+        arena is only read by the attention kernels; a last kernel per output writes
+        exactly its elements.
         """
         from .abi_bridge import run_arena
 
