@@ -14,8 +14,9 @@ other f16 run lengths vs float64 and vs a naive fp16 torch implementation, fp32 
 f16 fwd/bwd timings side by side, f16 checks with masks/GQA/D=256 at size;
 webgpu_bench_f16.{json,png} under --out (small sizes and the NumPy reference on a CPU).
 --resident first runs the kernel-variant axis (launch.VARIANTS: portable, prefetch, staged,
-subgroups where the adapter has 'subgroup'; fp32/f16, S = 512/4096, D = 64/128), each
-variant's plans checked vs float64 before they are timed; --variants: that axis alone.
+subgroups where the adapter has 'subgroup', wide; fp32/f16, S = 512/4096, D = 64/128), each
+variant's plans checked vs float64 before they are timed; --variants: that axis alone;
+--variant-names / --variant-sizes restrict it (e.g. portable,staged,wide and 4096x128).
 FLOP convention (FlashAttention): fwd 4*B*H*Sq*Sk*D, bwd 2.5x that, causal 1/2.
 wgpu timing: N submissions of the encoded plan, then a read-back; wall / N.
 """
@@ -630,6 +631,9 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
 
 
 BUDGET = {"t0": time.time(), "seconds": None}   # --budget: skip steps past it (logged)
+#: --variant-names / --variant-sizes: the variant axis restricted (names: launch.VARIANTS
+#: and the extra shape points, e.g. staged-8x8-NV4, staged-DC32; "all" = every one)
+VARIANT_SEL = {"names": {"all"}, "sizes": None}
 
 
 def over_budget(what):
@@ -674,6 +678,8 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
     a user would): per variant the configs choose_config picks, the device-resident
     forward and backward plans checked against float64 (one reference per size), then
     timed (N submissions, then a read-back) in this process."""
+    import dataclasses
+
     from anyattn.backends.webgpu.launch import ENV_VARIANT, TileConfig, choose_config
 
     rng = np.random.default_rng(12)
@@ -690,6 +696,12 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
         # (more update work per staged row, 64 invocations: more workgroups per SM)
         cfg = TileConfig(8, 8, 16, 8, max(1, D // 32), variant="staged")
         runs.append((f"staged-8x8-NV{cfg.NV}", cfg))
+    if dtype == "float16" and not be.context.is_cpu:
+        # f16 staged with D chunks of 32 (the f16 forward's; the wide backward's): are the
+        # f16 variants' losses the prefetch registers of DC = 64 chunks?
+        st = choose_config(be.context, D, "f16", backward=True, variant="staged")
+        runs.append(("staged-DC32", dataclasses.replace(st, DC=32)))
+    runs = [(n, c) for n, c in runs if "all" in VARIANT_SEL["names"] or n in VARIANT_SEL["names"]]
     for var, cfg in runs:
         os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
         be.config_override = cfg
@@ -753,6 +765,10 @@ def variant_study(be, gpu, small):
     RESULTS["variants"] = variants
     dtypes = ("float32", "float16") if ctx.has_f16 else ("float32",)
     sizes = ((64, 32),) if small else ((512, 64), (512, 128), (4096, 64), (4096, 128))
+    if VARIANT_SEL["sizes"] and not small:
+        sizes = VARIANT_SEL["sizes"]
+    RESULTS["variant_selection"] = dict(names=sorted(VARIANT_SEL["names"]),
+                                        sizes=[list(s) for s in sizes])
     for S, D in sizes:
         for dt in dtypes:
             if over_budget(f"variants {dt} S={S} D={D}"):
@@ -965,9 +981,19 @@ def main():
     ap.add_argument("--budget", type=float, default=None,
                     help="--resident: seconds after which the remaining steps are skipped "
                          "(recorded in the JSON's errors), e.g. 500 under a 600 s limit")
+    ap.add_argument("--variant-names", default="all",
+                    help="comma list: the variant axis's variants and extra shape points "
+                         "(e.g. portable,staged,wide,staged-DC32); default all")
+    ap.add_argument("--variant-sizes", default="",
+                    help="comma list of SxD for the variant axis on a GPU, e.g. 512x128,4096x128")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     a = ap.parse_args()
     BUDGET.update(t0=time.time(), seconds=a.budget)
+    names = {n.strip() for n in a.variant_names.split(",") if n.strip()}
+    if "all" not in names:       # portable is the baseline of every ratio
+        names.add("portable")
+    VARIANT_SEL.update(names=names, sizes=[tuple(int(x) for x in s.split("x"))
+                                            for s in a.variant_sizes.split(",") if s.strip()])
     if a.plot:
         js = json.loads(Path(a.plot).read_text())
         if "f16_study" in js:

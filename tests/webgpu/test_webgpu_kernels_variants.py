@@ -1,7 +1,9 @@
 """webgpu kernel variants (launch.VARIANTS, ``TileConfig.variant``): ``prefetch`` (the
 next staged chunk read into registers before the current chunk's products), ``staged``
 (prefetch + one workgroup array for the staged tiles: update chunks of 2 x IC rows) and
-``subgroups`` (staged + subgroup row reductions in the forward and the delta pass).
+``subgroups`` (staged + subgroup row reductions in the forward and the delta pass) and
+``wide`` (staged with 8 query rows per invocation in the backward passes: BQ = 8*TY, the
+P^T / dS tiles over the idle staging tiles; its forward is staged's).
 
 * selection as data: the table, ``ANYATTN_WEBGPU_VARIANT``, refusals with the reason;
 * ``prefetch`` and ``staged`` compute what ``portable`` computes, bit for bit (same arithmetic, same
@@ -11,6 +13,9 @@ next staged chunk read into registers before the current chunk's products), ``st
   GQA, score modifiers, dropout, f16; where the subgroup has >= TX lanes the butterflies
   run (lse differs from portable's serial sums somewhere), else the workgroup fallback
   (forward bitwise portable's);
+* ``wide``: the same sums in the same order as portable (f32: bitwise; f16: the same
+  flush period and run length, bitwise too), and against float64 through the API with
+  modifiers, dropout, empty rows;
 * the loop-trip model (llvmpipe's 65,535 limit) bounds the variants' loops.
 Small sizes: every distinct config compiles its own pipelines on lavapipe.
 """
@@ -67,10 +72,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) s: u3
     return int(r[0])
 
 
-def _run(be, q, k, v, g, cfg=None, mask=None, bias=None, wrt=("q", "k", "v")):
+def _run(be, q, k, v, g, cfg=None, mask=None, bias=None, wrt=("q", "k", "v"), cfg_b=None):
+    """forward with ``cfg``, backward with ``cfg_b`` (default ``cfg``)."""
     be.config_override = cfg
     try:
         out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
+        be.config_override = cfg_b or cfg
         gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
                                    backend="webgpu")
     finally:
@@ -113,7 +120,7 @@ def test_variant_selection(be, monkeypatch):
         assert choose_config(ctx, 64).variant == "subgroups"
     with pytest.raises(ValueError, match="inconsistent"):
         dataclasses.replace(GPU_TILE, variant="tiled9000").check()
-    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups"}
+    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups", "wide"}
     # the variant reaches the kernels as defines, nothing else changes
     c = dataclasses.replace(GPU_TILE, variant="prefetch").consts()
     assert c["PREFETCH"] == 1 and "SUBGROUPS" not in c and (c["NEQ"], c["NEK"], c["NEU"]) == (1, 1, 1)
@@ -240,8 +247,90 @@ def test_subgroups_paths(be, tile):
         np.testing.assert_array_equal(pt[1], sg[1])
 
 
+# ---------------------------------------------------------------- wide
+def _wide_pair(base: TileConfig):
+    """(forward, backward) configs of the wide variant from ``base``: the forward is
+    staged's kernel (RM = 4), the backward RM = 8 with staged's update rows."""
+    st = _variant_cfg(base, "staged")
+    return dataclasses.replace(st, variant="wide"), dataclasses.replace(st, variant="wide", RM=8)
+
+
+def test_wide_configs(be):
+    """RM = 8 only in the backward; its P^T / dS tiles fit the 48 KiB of the H200's Vulkan
+    adapter; the forward kernel refuses RM = 8; RM = 8 needs the wide variant."""
+    from anyattn.backends.webgpu.pipelines import KernelError, build_source
+
+    fwd, bwd = _wide_pair(GPU_TILE)
+    assert (fwd.RM, fwd.BQ, fwd.alias, bwd.RM, bwd.BQ, bwd.alias) == (4, 64, False, 8, 128, True)
+    bwd.check()
+    c = bwd.consts()
+    assert c["ALIAS"] == 1 and c["NACC"] == 16 and c["NACK"] == 8 and c["NEQ"] == 2
+    # su = stg[0, IC*DS4), st / sp above it: the larger of dK/dV's and dQ's
+    assert c["STG"] == max(2 * 192 * 5, 16 * 32 + max(64 * 33, 128 * 17)) == 2688
+    assert all(bwd.smem_bytes(k, dropout=True) <= 49152 for k in ("bwd_dq", "bwd_dkdv"))
+    assert fwd.smem_bytes("forward") == _variant_cfg(GPU_TILE, "staged").smem_bytes("forward")
+    gpu = SimpleNamespace(is_cpu=False, has_subgroups=False, name="fake GPU",
+                          limits={"max-compute-workgroup-storage-size": 49152,
+                                  "max-compute-invocations-per-workgroup": 1024})
+    assert choose_config(gpu, 128, variant="wide", backward=True) == bwd
+    assert choose_config(gpu, 128, variant="wide") == fwd
+    h = choose_config(gpu, 128, "f16", backward=True, variant="wide")
+    assert (h.RM, h.DC, h.half) == (8, 32, True) and h.smem_bytes("bwd_dq") <= 49152
+    with pytest.raises(KernelError, match="backward-only"):
+        build_source("forward", bwd.consts())
+    with pytest.raises(ValueError, match="inconsistent"):
+        dataclasses.replace(GPU_TILE, RM=8, variant="staged").check()
+
+
+@pytest.mark.parametrize("tile", ["adapter", "gpu16"])
+def test_wide_is_bitwise_portable(be, tile):
+    """8 query rows per invocation: the same products summed in the same order (S over
+    D chunks; dK/dV over the query rows in order, dQ over the keys), so every bit equals
+    portable's: mask, (1, H, Sq, Sk) bias + dbias, GQA, odd sizes, D = 40."""
+    base = choose_config(be.context, 40) if tile == "adapter" else GPU_TILE
+    r = np.random.default_rng(48)
+    q, k, v, g = make_qkv(r, 2, 4, 2, 37, 150, 40)
+    bias = r.standard_normal((1, 4, 37, 150)).astype(np.float32)
+    mask = aa.Causal("bottom_right") & aa.Window(left=90)
+    wrt = ("q", "k", "v", "bias")
+    fwd, bwd = _wide_pair(base)
+    ref = _run(be, q, k, v, g, dataclasses.replace(base, variant="portable"), mask, bias, wrt)
+    got = _run(be, q, k, v, g, fwd, mask, bias, wrt, cfg_b=bwd)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), ref, got):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+WIDE_CASES = {k: SG_CASES[k] for k in ("modifiers", "dropout", "empty_rows")}
+
+
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_wide_against_float64(be, monkeypatch, case):
+    """Through the API (ANYATTN_WEBGPU_VARIANT=wide), the adapter's tiles."""
+    c = WIDE_CASES[case]
+    q, k, v, g = make_qkv(np.random.default_rng(49), *c["shape"])
+    wrt = ("q", "k", "v") + (("sinks",) if "sinks" in c["kw"] else ())
+    monkeypatch.setenv(ENV_VARIANT, "wide")
+    compare_with_reference("webgpu", q, k, v, g, wrt=wrt, **c["kw"])
+
+
+def test_wide_f16(be, monkeypatch):
+    """f16: against float64 through the API, and bitwise staged's backward (same run
+    length HC and flush period UC; D chunks of 32 either way on this adapter)."""
+    if not be.context.has_f16:
+        pytest.skip("no shader-f16")
+    q, k, v, g = make_qkv(np.random.default_rng(50), 1, 2, 1, 45, 70, 72, dtype="float16")
+    monkeypatch.setenv(ENV_VARIANT, "wide")
+    compare_with_reference("webgpu", q, k, v, g, mask=aa.Causal())
+    base = choose_config(be.context, 72, "f16", backward=True, variant="staged")
+    wide = dataclasses.replace(base, variant="wide", RM=8)
+    st = _run(be, q, k, v, g, base, aa.Causal())
+    wd = _run(be, q, k, v, g, base, aa.Causal(), cfg_b=wide)
+    for name, a, b in zip(("dq", "dk", "dv"), st[2:5], wd[2:5]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 # ---------------------------------------------------------------- loop trips
-@pytest.mark.parametrize("variant", ["prefetch", "staged"])
+@pytest.mark.parametrize("variant", ["prefetch", "staged", "wide"])
 def test_trip_model_bounds_the_variants(be, variant):
     """llvmpipe counts loop tests: the model must bound the variants' loops (the
     prefetch staging is unrolled: only the chunk loops remain)."""
@@ -254,6 +343,7 @@ def test_trip_model_bounds_the_variants(be, variant):
     be.config_override = cfg
     o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
     p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
+    be.config_override = choose_config(be.context, 40, variant=variant, backward=True)
     be.debug_trips = True
     call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
     assert call.cfg.variant == variant

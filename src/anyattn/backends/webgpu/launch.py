@@ -34,8 +34,12 @@ __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runn
 #: half the update barriers; bitwise portable's results in f32, the f16 flush period UC
 #: unchanged); ``subgroups`` staged plus subgroup row reductions (forward row max / sum
 #: by shuffle-xor butterflies instead of a workgroup round trip and a serial loop;
-#: delta rows by 4 subgroup lanes), for adapters with the ``subgroup`` feature.
-VARIANTS = ("portable", "prefetch", "staged", "subgroups")
+#: delta rows by 4 subgroup lanes), for adapters with the ``subgroup`` feature;
+#: ``wide`` staged with RM = 8 query rows per invocation in the backward passes (an
+#: 8 x 4 score micro-tile, query tiles BQ = 8*TY: more products per workgroup load and
+#: per barrier, twice the work per unit), its P^T / dS tiles over the idle S/dP staging
+#: tiles (ALIAS) to stay in 48 KiB; its forward is staged's kernel (RM = 4).
+VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide")
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: the default variant per (adapter class, element type); first match wins; change an
@@ -64,8 +68,10 @@ class LoopLimitError(NotImplementedError):
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Workgroup TY x TX threads; tiles BQ = 4*TY queries x BK = 4*TX keys; D in
+    """Workgroup TY x TX threads; tiles BQ = RM*TY queries x BK = 4*TX keys; D in
     chunks of DC; output columns per workgroup DS = 4*TX*NV; update row chunks IC.
+    RM: query rows of an invocation's score micro-tile (4; 8 in the wide variant's
+    backward passes, whose forward keeps 4).
 
     ``half`` (f16 inputs only): workgroup tiles in f16 and packed f16 products, summed
     in f16 over short runs (HC vec4 columns = 2*HC products per lane for S and dP; IC
@@ -81,11 +87,12 @@ class TileConfig:
     half: bool = False
     HC: int = 4
     UC: int = 0        # f16 flush period of the updates in rows (0: IC)
-    variant: str = "portable"   # kernel variant (VARIANTS): portable|prefetch|staged|subgroups
+    variant: str = "portable"   # kernel variant (VARIANTS): portable|prefetch|staged|subgroups|wide
+    RM: int = 4        # query rows per invocation (8: the wide backward)
 
     @property
     def BQ(self) -> int:
-        return 4 * self.TY
+        return self.RM * self.TY
 
     @property
     def BK(self) -> int:
@@ -107,8 +114,8 @@ class TileConfig:
         c = dict(TX=self.TX, TY=self.TY, NT=self.NT, BQ=self.BQ, BK=self.BK, DC=self.DC,
                  DC4=self.DC // 4, RSQ=self.DC // 4 + 1, NV=self.NV, DS=self.DS,
                  DS4=self.DS // 4, IC=self.IC, IC4=self.IC // 4, RSP=self.BQ // 4 + 1,
-                 RSP2=self.BK // 4 + 1, NACC=4 * self.NV, UC4=self.uc // 4,
-                 NUC=self.IC // self.uc)
+                 RSP2=self.BK // 4 + 1, NACC=self.RM * self.NV, NACK=4 * self.NV,
+                 UC4=self.uc // 4, NUC=self.IC // self.uc, RM=self.RM, RM4=self.RM // 4)
         if self.half:
             c.update(HALF=1, HC=self.HC, NHC=self.DC // 4 // self.HC)
         if self.prefetch:
@@ -116,20 +123,36 @@ class TileConfig:
                      NEK=ceil_div(self.BK * self.DC // 4, self.NT),
                      NEU=ceil_div(self.IC * self.DS // 4, self.NT))
         if self.stage:
-            c["STAGE"] = 1
+            c.update(STAGE=1, STG=self._stg_elems(c))
+        if self.alias:
+            c["ALIAS"] = 1
         if self.subgroups:
             c["SUBGROUPS"] = 1
         return c
 
     @property
     def prefetch(self) -> bool:
-        """Register prefetch of the next staged chunk (variants prefetch, staged, subgroups)."""
-        return self.variant in ("prefetch", "staged", "subgroups")
+        """Register prefetch of the next staged chunk (every variant but portable)."""
+        return self.variant in ("prefetch", "staged", "subgroups", "wide")
 
     @property
     def stage(self) -> bool:
-        """One workgroup array for the staged tiles (variants staged, subgroups)."""
-        return self.variant in ("staged", "subgroups")
+        """One workgroup array for the staged tiles (variants staged, subgroups, wide)."""
+        return self.variant in ("staged", "subgroups", "wide")
+
+    @property
+    def alias(self) -> bool:
+        """The backward's P^T / dS tiles and the updates' staged rows inside the staging
+        array (variant wide with RM = 8: the backward config)."""
+        return self.variant == "wide" and self.RM > 4
+
+    def _stg_elems(self, c: Dict[str, int]) -> int:
+        """SV elements of the STAGE array: the S/dP staging tiles; with ALIAS at least
+        the updates' IC staged rows plus the larger of dK/dV's st and dQ's sp."""
+        n = 2 * (c["BQ"] + c["BK"]) * c["RSQ"]
+        if self.alias:
+            n = max(n, self.IC * c["DS4"] + max(c["BK"] * c["RSP"], c["BQ"] * c["RSP2"]))
+        return n
 
     @property
     def subgroups(self) -> bool:
@@ -144,6 +167,10 @@ class TileConfig:
         c = self.consts()
         sv = 8 if self.half else 16          # bytes of one tile element (4 values)
         stage = c["BQ"] * c["RSQ"], c["BK"] * c["RSQ"]
+        if self.alias:                       # one array (ALIAS); the forward is RM = 4's
+            if kernel == "forward":
+                return dataclasses.replace(self, RM=4).smem_bytes(kernel)
+            return sv * self._stg_elems(c) + 4
         if kernel == "forward":
             return sv * (sum(stage) + c["BQ"] * c["RSP2"]) + 4 * (self.BQ * self.TX + 3 * self.BQ + 1)
         if kernel == "bwd_dq":
@@ -157,7 +184,10 @@ class TileConfig:
               and self.BQ % self.IC == 0
               and self.BK % self.IC == 0
               # an update stages IC rows in one tile (STAGE: across two)
-              and self.IC * c["DS4"] <= (1 + self.stage) * min(self.BQ, self.BK) * c["RSQ"]
+              and (self.alias or
+                   self.IC * c["DS4"] <= (1 + self.stage) * min(self.BQ, self.BK) * c["RSQ"])
+              # RM = 8 query rows: the wide variant's backward only
+              and (self.RM == 4 or (self.RM == 8 and self.variant == "wide"))
               and self.uc % 4 == 0 and self.IC % self.uc == 0
               and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0))
               and self.variant in VARIANTS
@@ -221,8 +251,9 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
     ``dropout``: count the DROPOUT kernels' workgroup words."""
     h = dataclasses.replace(cfg, DC=32, IC=16, UC=16, half=True, HC=2)
     if backward and smem_limit:
-        for ic in (64, 32):
-            c = dataclasses.replace(h, DC=64, IC=ic)
+        # DC = 32 only where 64 fits nowhere (the wide variant's 128-row query tiles)
+        for dc, ic in ((64, 64), (64, 32), (32, 64), (32, 32)):
+            c = dataclasses.replace(h, DC=dc, IC=ic)
             try:
                 c.check()
             except ValueError:
@@ -265,21 +296,27 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
     var = pick_variant(ctx, elem, variant)
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
+
+    def fits(c: TileConfig) -> bool:
+        return c.NT <= inv and all(c.smem_bytes(k, dropout) <= limit
+                                   for k in ("forward", "bwd_dq", "bwd_dkdv"))
+    # the wide variant: 8 query rows per invocation in the backward passes
+    rm = 8 if (var == "wide" and backward) else 4
     for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
         if D <= 4 * cfg.TX:       # one vec4 column group per thread; longer update chunks
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
+        cfg = dataclasses.replace(cfg, variant=var, RM=rm)
         if elem == "f16":
             cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout)
-        cfg = dataclasses.replace(cfg, variant=var)
         if cfg.stage:            # twice the staged rows per update chunk where they fit
             wide = dataclasses.replace(cfg, IC=2 * cfg.IC, UC=cfg.UC or cfg.IC)
             try:
                 wide.check()
-                cfg = wide
+                if fits(wide) or not fits(cfg):
+                    cfg = wide
             except ValueError:
                 pass
-        if cfg.NT <= inv and all(cfg.smem_bytes(k, dropout) <= limit
-                                 for k in ("forward", "bwd_dq", "bwd_dkdv")):
+        if fits(cfg):
             cfg.check()
             return cfg
     raise NotImplementedError(f"no tile config fits this adapter's workgroup memory "

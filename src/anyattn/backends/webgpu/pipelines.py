@@ -17,8 +17,10 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
   without them the kernels are the plain ones, text for text.
 * ``STAGE`` (kernel variant): ``sq[i]``, ``sk[i]``, ``sg[i]``, ``sv[i]`` become
   ``stg[SOFF_X + i]``, regions of one workgroup array (an update's staged rows may run
-  across the idle tiles that follow its first one).  ``PREFETCH`` / ``SUBGROUPS``: the
-  other variant defines (launch.VARIANTS).
+  across the idle tiles that follow its first one).  ``ALIAS`` (variant wide): ``su[i]``
+  (an update's staged rows), ``st[i]`` / ``sp[i]`` (the backward's P^T, dS^T / dS) become
+  ``stg[SOFF_U/T/P + i]`` too, over the S/dP staging tiles idle by then.  ``PREFETCH`` /
+  ``SUBGROUPS``: the other variant defines (launch.VARIANTS).
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -40,9 +42,11 @@ __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFIN
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
 #: the same for the kernel variants (launch.VARIANTS): PREFETCH, STAGE, SUBGROUPS
-VARIANT_DEFINES = ("PREFETCH", "STAGE", "SUBGROUPS")
+VARIANT_DEFINES = ("PREFETCH", "STAGE", "SUBGROUPS", "ALIAS")
 #: STAGE: the staged tiles sq/sk/sg/sv are regions of one workgroup array ``stg``
 _STAGED_TILE = re.compile(r"\bs([qkgv])\[")
+#: ALIAS (variant wide): also su (the updates' staged rows), st / sp (P^T, dS^T / dS)
+_ALIASED_TILE = re.compile(r"\bs([qkgvupt])\[")
 #: the same for the element-wise kernel of device arrays (``ew``: f16 source /
 #: destination, the add and refine operations)
 EW_DEFINES = ("SRC16", "DST16", "OP_ADD", "OP_REFINE")
@@ -184,6 +188,10 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants
     (``consts["HALF"]`` = 1 with elem f16: the f16-math variant)."""
     half = bool(consts.get("HALF", 0))
+    if kernel == "forward" and consts.get("RM", 4) != 4:
+        raise KernelError(f"webgpu kernel 'forward': RM={consts['RM']} query rows per "
+                          "invocation is a backward-only tile (the wide variant's forward "
+                          "uses RM = 4)")
     if half and elem != "f16":
         raise KernelError(f"webgpu kernel {kernel!r}: HALF needs f16 elements, got {elem}")
     text = _expand_includes(_read(kernel))
@@ -195,7 +203,8 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     text = _conditionals(text)
     text = _unroll(text, consts)
     if consts.get("STAGE", 0):
-        text = _STAGED_TILE.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
+        tiles = _ALIASED_TILE if consts.get("ALIAS", 0) else _STAGED_TILE
+        text = tiles.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
     text = _reinit_vars(text)
     text = text.replace("//@loaders", _loaders(half))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)

@@ -18,9 +18,15 @@ var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk [BK][DC]
 // (the assembler rewrites sX[i] as stg[SOFF_X + i]); an update stages IC rows from
 // its first tile's offset across the idle ones that follow (IC up to twice the rows
 // one tile holds: half the update chunks, half their barriers)
-var<workgroup> stg: array<SV, 2u * (BQ + BK) * RSQ>;
+var<workgroup> stg: array<SV, STG>;
 //@endif STAGE
+//@ifn ALIAS
 var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
+//@endif ALIAS
+//@if ALIAS
+// ALIAS (variant wide): st (P^T / dS^T) is stg[SOFF_T ..], over the S/dP staging tiles
+// (written after sdp's last barrier), past the update's staged rows su = stg[0 .. IC*DS4)
+//@endif ALIAS
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
 var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
@@ -76,32 +82,46 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@endif DROPOUT
     let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
     let gbase = U.g_off + b * U.g_sb + h * U.g_sh;
-    var s: array<vec4<f32>, 4>;
-    var dp: array<vec4<f32>, 4>;
+    var s: array<vec4<f32>, RM>;
+    var dp: array<vec4<f32>, RM>;
     //@define DP
     //@include sdp
     //@include pds
     if (want_dv) {
       //@for c 4
-      st[(tx + {c} * TX) * RSP + ty] = SV(vec4<f32>(p[0][{c#}], p[1][{c#}], p[2][{c#}], p[3][{c#}]));
+      //@for q RM4
+      st[(tx + {c} * TX) * RSP + ty * RM4 + {q}] = SV(vec4<f32>(p[4 * {q#}][{c#}], p[4 * {q#} + 1][{c#}], p[4 * {q#} + 2][{c#}], p[4 * {q#} + 3][{c#}]));
+      //@end q
       //@end c
       workgroupBarrier();
       //@define UPD_SRC g
+      //@define UPD_BUF sg
+      //@if ALIAS
+      //@define UPD_BUF su
+      //@endif ALIAS
       //@define UPD_ACC adv
       //@include upd_kv
       //@undef UPD_SRC
       //@undef UPD_ACC
+      //@undef UPD_BUF
     }
     if (want_dk) {
       //@for c 4
-      st[(tx + {c} * TX) * RSP + ty] = SV(vec4<f32>(ds[0][{c#}], ds[1][{c#}], ds[2][{c#}], ds[3][{c#}]));
+      //@for q RM4
+      st[(tx + {c} * TX) * RSP + ty * RM4 + {q}] = SV(vec4<f32>(ds[4 * {q#}][{c#}], ds[4 * {q#} + 1][{c#}], ds[4 * {q#} + 2][{c#}], ds[4 * {q#} + 3][{c#}]));
+      //@end q
       //@end c
       workgroupBarrier();
       //@define UPD_SRC q
+      //@define UPD_BUF sq
+      //@if ALIAS
+      //@define UPD_BUF su
+      //@endif ALIAS
       //@define UPD_ACC adk
       //@include upd_kv
       //@undef UPD_SRC
       //@undef UPD_ACC
+      //@undef UPD_BUF
     }
   }
   let last = (U.flags & F_LAST) != 0u;

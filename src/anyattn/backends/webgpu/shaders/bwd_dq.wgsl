@@ -2,7 +2,7 @@
 // Loops over key tiles kt in [t0, t1), recomputing S and dP:
 //   dQ[i, :] += scale * sum_j dS[i, j] K[j, :]
 // and, with F_WRITE_DS (column slice 0 only), stores dS into dsb [B, HQ, SQ, SK]
-// for the dbias reduction.  Accumulators: rows i0 + ty*4 + r, vec4 columns
+// for the dbias reduction.  Accumulators: rows i0 + ty*RM + r, vec4 columns
 // dbase + 4*(tx + TX*v).  DROPOUT: dS = P ∘ (dP ∘ keep / (1 − p) − delta) (pds), with
 // the row words of this query tile in drw (once) and each key tile's column words in dcw.
 //@include common
@@ -17,8 +17,12 @@ var<workgroup> sv: array<SV, BK * RSQ>;   // V chunk
 // (the assembler rewrites sX[i] as stg[SOFF_X + i]); an update stages IC rows from
 // its first tile's offset across the idle ones that follow (IC up to twice the rows
 // one tile holds: half the update chunks, half their barriers)
-var<workgroup> stg: array<SV, 2u * (BQ + BK) * RSQ>;
+var<workgroup> stg: array<SV, STG>;
 //@endif STAGE
+//@if ALIAS
+// ALIAS (variant wide): sp (dS) is stg[SOFF_T ..], over the S/dP staging tiles (written
+// after sdp's last barrier), past the update's staged rows at stg[0 .. IC*DS4)
+//@endif ALIAS
 var<workgroup> sp: array<SV, BQ * RSP2>;  // dS [BQ][TX] (element m: keys m + TX*c)
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
@@ -42,15 +46,15 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
   let write_ds = (U.flags & F_WRITE_DS) != 0u && wid.z == 0u;
-  var acc: array<vec4<f32>, 4 * NV>;
+  var acc: array<vec4<f32>, RM * NV>;
   //@if DROPOUT
   if (lid < BQ) { drw[lid] = drop_row(b, h, i0 + lid); }   // read after sdp's barriers
   //@endif DROPOUT
   if ((U.flags & F_FIRST) == 0u) {
-    //@for r 4
+    //@for r RM
     //@for v NV
     {
-      let i = i0 + ty * 4u + {r};
+      let i = i0 + ty * RM + {r};
       if (i < U.SQ) { acc[{r#} * NV + {v#}] = ld4_out((bh * U.SQ + i) * U.D, dbase + 4u * (tx + {v} * TX)); }
     }
     //@end v
@@ -65,16 +69,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@if DROPOUT
     if (lid < BK) { dcw[lid] = drop_col(j0 + lid); }   // read after sdp's barriers
     //@endif DROPOUT
-    var s: array<vec4<f32>, 4>;
-    var dp: array<vec4<f32>, 4>;
+    var s: array<vec4<f32>, RM>;
+    var dp: array<vec4<f32>, RM>;
     //@define DP
     //@include sdp
     //@include pds
-    //@for r 4
+    //@for r RM
     {
-      sp[(ty * 4u + {r}) * RSP2 + tx] = SV(ds[{r}]);
+      sp[(ty * RM + {r}) * RSP2 + tx] = SV(ds[{r}]);
       if (write_ds) {
-        let i = i0 + ty * 4u + {r};
+        let i = i0 + ty * RM + {r};
         //@for c 4
         {
           let j = j0 + tx + {c} * TX;
@@ -95,10 +99,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@undef UPD_SRC
   }
   let last = (U.flags & F_LAST) != 0u;
-  //@for r 4
+  //@for r RM
   //@for v NV
   {
-    let i = i0 + ty * 4u + {r};
+    let i = i0 + ty * RM + {r};
     if (i < U.SQ) {
       var a = acc[{r#} * NV + {v#}];
       if (last) { a = a * U.scale; }

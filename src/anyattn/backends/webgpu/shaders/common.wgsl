@@ -1,7 +1,8 @@
 // Shared bindings and helpers of the tiled kernels (forward, dq, dkdv).
 // Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim;
-// tiles BQ x BK; workgroup TY x TX threads, each owning a 4 x 4 score micro-tile
-// (rows ty*4 + r, columns tx + TX*c) and 4 x NV vec4 output columns.
+// tiles BQ x BK; workgroup TY x TX threads, each owning an RM x 4 score micro-tile
+// (rows ty*RM + r, columns tx + TX*c; RM = 4, or 8 in the wide backward) and RM (dQ,
+// forward) or 4 (dK/dV) rows x NV vec4 output columns.
 @group(0) @binding(0) var<uniform> U: Uni;
 @group(0) @binding(1) var<storage, read> qb: array<TB>;
 @group(0) @binding(2) var<storage, read> kb: array<TB>;
@@ -20,6 +21,13 @@ const SOFF_K: u32 = BQ * RSQ;
 const SOFF_G: u32 = (BQ + BK) * RSQ;
 const SOFF_V: u32 = (2u * BQ + BK) * RSQ;
 //@endif STAGE
+//@if ALIAS
+// ALIAS (variant wide): the updates' staged rows su at stg[0 .. IC*DS4), the dK/dV
+// pass's st and the dQ pass's sp from SOFF_T on (over the idle S/dP staging tiles)
+const SOFF_U: u32 = 0u;
+const SOFF_T: u32 = IC * DS4;
+const SOFF_P: u32 = SOFF_T;
+//@endif ALIAS
 var<workgroup> wg_code: u32;
 
 // Keep rule of pair (i, j) of head h: band, documents, keep mask (NaN keeps).

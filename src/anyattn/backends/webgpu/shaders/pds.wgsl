@@ -3,25 +3,25 @@
 // dS = P * (dP - delta), per micro-tile.  Row statistics: max in stats[row],
 // delta in stats[n + row], log_norm in stats[6n + row].
 // Empty rows (max = -inf): P = 0, or 1/SK for every key in the seed's quirk mode.
-// Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (vec4 over c).
+// Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (r < RM query rows, vec4 over c).
 // SOFTCAP: ds is dS·(1 − tanh²) (what the dQ/dK products take) and dsr the plain dS
 // (dbias).
 // DROPOUT (needs drw/dcw: the row words of this query tile, the column words of this
 // key tile): p is P ∘ keep (the dK/dV pass scales dV by 1 / (1 − p) at the end) and
 // dS = P ∘ (dP ∘ keep / (1 − p) − delta).
-var p: array<vec4<f32>, 4>;
-var ds: array<vec4<f32>, 4>;
+var p: array<vec4<f32>, RM>;
+var ds: array<vec4<f32>, RM>;
 //@if SOFTCAP
-var dsr: array<vec4<f32>, 4>;
+var dsr: array<vec4<f32>, RM>;
 //@endif SOFTCAP
 //@if DROPOUT
 let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX]);
 //@endif DROPOUT
-//@for r 4
+//@for r RM
 {
-  let i = i0 + ty * 4u + {r};
+  let i = i0 + ty * RM + {r};
   //@if DROPOUT
-  let rwd = drw[ty * 4u + {r}];
+  let rwd = drw[ty * RM + {r}];
   //@endif DROPOUT
   var mx = U.neg_inf;
   var ln = 0.0;

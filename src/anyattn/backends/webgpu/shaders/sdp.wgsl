@@ -1,5 +1,6 @@
 // S = Q_i K_j^T and (with DP) dP = dO_i V_j^T over D in chunks of DC:
-// s[r][c], dp[r][c] for query i0 + ty*4 + r, key j0 + tx + TX*c.
+// s[r][c], dp[r][c] for query i0 + ty*RM + r (r < RM: 4, or 8 in the wide backward),
+// key j0 + tx + TX*c.
 // Needs: qbase, gbase (row 0 of this head's q / dout), kbase, vbase, i0, j0.
 // Workgroup tiles hold SV = 4 consecutive d values (vec4<f32>; vec4<f16> in HALF mode).
 // HALF: products in packed f16 (vec2<f16> FMA, lanes = even/odd d) over runs of HC
@@ -80,12 +81,12 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
     let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {c}];
     //@endif DP
     //@end x
-    //@for r 4
+    //@for r RM
     {
-      let a = sq[(ty * 4u + {r}) * RSQ + {c}];
+      let a = sq[(ty * RM + {r}) * RSQ + {c}];
       s[{r}] += vec4<f32>(dot(a, k0), dot(a, k1), dot(a, k2), dot(a, k3));
       //@if DP
-      let g4 = sg[(ty * 4u + {r}) * RSQ + {c}];
+      let g4 = sg[(ty * RM + {r}) * RSQ + {c}];
       dp[{r}] += vec4<f32>(dot(g4, v0), dot(g4, v1), dot(g4, v2), dot(g4, v3));
       //@endif DP
     }
@@ -97,9 +98,9 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
   //@for cr NHC
   {
     // hs[r*4 + x]: f16 partial of s[r][x] over the HC columns of this run (2 lanes)
-    var hs: array<vec2<f16>, 16>;
+    var hs: array<vec2<f16>, 4 * RM>;
     //@if DP
-    var hp: array<vec2<f16>, 16>;
+    var hp: array<vec2<f16>, 4 * RM>;
     //@endif DP
     //@for ci HC
     {
@@ -109,11 +110,11 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
       let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
       //@endif DP
       //@end x
-      //@for r 4
+      //@for r RM
       {
-        let a = sq[(ty * 4u + {r}) * RSQ + {cr} * HC + {ci}];
+        let a = sq[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
         //@if DP
-        let g4 = sg[(ty * 4u + {r}) * RSQ + {cr} * HC + {ci}];
+        let g4 = sg[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
         //@endif DP
         //@for x 4
         hs[{r#} * 4 + {x#}] = fma(a.zw, k{x#}.zw, fma(a.xy, k{x#}.xy, hs[{r#} * 4 + {x#}]));
@@ -125,7 +126,7 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
       //@end r
     }
     //@end ci
-    //@for r 4
+    //@for r RM
     s[{r}] += vec4<f32>(hsum(hs[{r#} * 4]), hsum(hs[{r#} * 4 + 1]), hsum(hs[{r#} * 4 + 2]),
                         hsum(hs[{r#} * 4 + 3]));
     //@if DP

@@ -1,5 +1,6 @@
 // acc[j, :] += sum_i st[j][i] * SRC[i, dbase:dbase+DS] over the BQ rows of this
-// query tile, in row chunks of IC staged through sg (dO) or sq (Q).
+// query tile, in row chunks of IC staged through UPD_BUF: sg (dO) or sq (Q); su
+// (stg[0 ..]) in the wide variant.
 // HALF: the IC products of a chunk are summed in f16 (vec4<f16> FMA) as two chains
 // (even / odd blocks of 4 rows) of UC/2 products, added in f16 and into the f32
 // accumulator every UC rows (UC divides IC).
@@ -20,12 +21,12 @@ for (var ic = 0u; ic < BQ; ic += IC) {
     let i = i0 + ic + r;
     var a = SV();
     if (i < U.SQ) { a = lds_$UPD_SRC$($UPD_SRC$base + i * U.$UPD_SRC$_ss, dbase + 4u * c); }
-    s$UPD_SRC$[e] = a;
+    $UPD_BUF$[e] = a;
   }
   //@endif PREFETCH
   //@if PREFETCH
   //@for n NEU
-  if (lid + {n} * NT < IC * DS4) { s$UPD_SRC$[lid + {n} * NT] = pu[{n#}]; }
+  if (lid + {n} * NT < IC * DS4) { $UPD_BUF$[lid + {n} * NT] = pu[{n#}]; }
   //@end n
   let icn = ic + IC;
   if (icn < BQ) {
@@ -35,7 +36,7 @@ for (var ic = 0u; ic < BQ; ic += IC) {
   //@endif PREFETCH
   workgroupBarrier();
   //@if HALF
-  var hacc: array<vec4<f16>, 2 * NACC>;
+  var hacc: array<vec4<f16>, 2 * NACK>;
   //@endif HALF
   //@for jo NUC
   {
@@ -47,13 +48,13 @@ for (var ic = 0u; ic < BQ; ic += IC) {
       //@for w 4
       //@for v NV
       {
-        let x = s$UPD_SRC$[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
+        let x = $UPD_BUF$[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
         //@for r 4
         //@ifn HALF
         $UPD_ACC$[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
         //@endif HALF
         //@if HALF
-        hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}] = fma(vec4<f16>(p{r#}[{w#}]), x, hacc[({ji} % 2u) * NACC + {r#} * NV + {v#}]);
+        hacc[({ji} % 2u) * NACK + {r#} * NV + {v#}] = fma(vec4<f16>(p{r#}[{w#}]), x, hacc[({ji} % 2u) * NACK + {r#} * NV + {v#}]);
         //@endif HALF
         //@end r
       }
@@ -62,10 +63,10 @@ for (var ic = 0u; ic < BQ; ic += IC) {
     }
   //@end ji
     //@if HALF
-    //@for a NACC
-    $UPD_ACC$[{a#}] += vec4<f32>(hacc[{a#}] + hacc[NACC + {a#}]);
+    //@for a NACK
+    $UPD_ACC$[{a#}] += vec4<f32>(hacc[{a#}] + hacc[NACK + {a#}]);
     //@end a
-    hacc = array<vec4<f16>, 2 * NACC>();
+    hacc = array<vec4<f16>, 2 * NACK>();
     //@endif HALF
   }
   //@end jo

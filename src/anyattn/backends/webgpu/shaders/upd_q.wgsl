@@ -1,4 +1,4 @@
-// acc[i, :] += sum_j sp[i][j] * SRC[j, dbase:dbase+DS] over the BK keys of this key
+// acc[i, :] (rows ty*RM + r) += sum_j sp[i][j] * SRC[j, dbase:dbase+DS] over the BK keys of this key
 // tile (SRC = V in the forward, K in the dQ pass), in key chunks of IC staged through
 // sk (STAGE: from sq's offset on, i.e. stg[0..]).  sp row i holds P or dS as SV
 // elements m in [0, TX): element m = keys (m, m + TX, m + 2TX, m + 3TX) (the 4
@@ -48,14 +48,14 @@ for (var jc = 0u; jc < BK; jc += IC) {
   {
   //@for ji UC4
     {
-      //@for r 4
-      let p{r#} = sp[(ty * 4u + {r}) * RSP2 + jc / 4u + ({jo} * UC4 + {ji})];
+      //@for r RM
+      let p{r#} = sp[(ty * RM + {r}) * RSP2 + jc / 4u + ({jo} * UC4 + {ji})];
       //@end r
       //@for w 4
       //@for v NV
       {
         let x = $UPD_BUF$[(({jo} * UC4 + {ji}) * 4u + {w}) * DS4 + tx + {v} * TX];
-        //@for r 4
+        //@for r RM
         //@ifn HALF
         acc[{r#} * NV + {v#}] += p{r#}[{w#}] * x;
         //@endif HALF
