@@ -40,15 +40,16 @@ def vname(cfg):
 
 TOL = {"float16": 3e-3, "bfloat16": 2e-2}
 RES = {"meta": {}, "sass": [], "check": [], "bench": []}
-OPT = {"ws": True, "bwd": True, "flex": True}
+OPT = {"ws": True, "bwd": True, "flex": True, "fwd_variants": "", "dims": "64,128"}
 
 
 def fwd_variants(D, dt="bfloat16"):
     """The forward variants this run checks / times (--skip-ws drops the warp-specialised
-    ones; fp16 checks only the defaults, to bound compile time)."""
-    if dt != "bfloat16":
-        return []
-    return [c for c in HCF.FWD_VARIANTS[D] if OPT["ws"] or not c.ws]
+    ones, --fwd-variants keeps only the named ones; fp16 checks the warp-specialised
+    ones only, to bound compile time)."""
+    keep = [w for w in OPT["fwd_variants"].split(",") if w]
+    return [c for c in HCF.FWD_VARIANTS[D] if (OPT["ws"] or not c.ws)
+            and (not keep or c.name in keep) and (dt == "bfloat16" or c.ws)]
 
 
 def bwd_configs(D, dt="bfloat16"):
@@ -302,6 +303,7 @@ def phase_bench(quick):
 
     flex = torch.compile(flex_attention, dynamic=False)
     shapes = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
+    shapes = [sh for sh in shapes if str(sh[3]) in OPT["dims"].split(",")]
     if quick:
         shapes = shapes[:1]
     for (b, h, s, d) in shapes:
@@ -423,7 +425,22 @@ def phase_sass():
 
 def phase_smoke():
     """One small case per new kernel (the warp-specialised forward, dK/dV): run it in its
-    own process under a timeout first, so that a hang costs seconds, not the run."""
+    own process under a timeout first, so that a hang costs seconds, not the run.  Each
+    forward variant runs alone first (causal, then no mask: both compiles land in the
+    cache) and prints 'SMOKE-OK <name>' when done, in FWD_VARIANTS order: a hang names
+    the variant, and the variants before it can go on to the full run (--fwd-variants)."""
+    dev = "cuda"
+    for cfg in fwd_variants(128):
+        good = True
+        for kind in ("causal", "none"):
+            q, k, v = (torch.randn(1, 2, s_, 128, device=dev, dtype=torch.bfloat16)
+                       for s_ in (300, 260, 260))
+            mask = mask_of(kind, 300, 260)
+            p = describe(q, k, v, mask=mask)
+            o, m, n = run_path("hopper", p, q, k, v, cfg=cfg)
+            ro, rl = ref64(q, k, v, keep_dense(kind, 300, 260, dev), p.scale)
+            good = good and rel(o, ro) <= TOL["bfloat16"] and not torch.isnan(o).any()
+        log(f"SMOKE-{'OK' if good else 'BAD'} {cfg.name}")
     check_case("smoke-ws-bwd", 1, 2, 1, 300, 260, 128, "bfloat16", "causal")
     r = RES["check"][-1]
     log(f"SMOKE ws={all(v['ok'] for v in r.get('variants', {}).values())} "
@@ -451,10 +468,14 @@ def main():
     ap.add_argument("--skip-ws", action="store_true", help="no warp-specialised forward")
     ap.add_argument("--skip-bwd", action="store_true", help="no Hopper dK/dV")
     ap.add_argument("--no-flex", action="store_true", help="no FlexAttention timings")
+    ap.add_argument("--fwd-variants", default="", help="time / check only the forward "
+                    "variants of these comma-separated names (HopperConfig.name)")
+    ap.add_argument("--dims", default="64,128", help="head dims of the timed shapes")
     ap.add_argument("--cases", default="", help="check only cases whose name holds one of "
                     "these comma-separated words")
     a = ap.parse_args()
-    OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex, cases=a.cases)
+    OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex, cases=a.cases,
+               fwd_variants=a.fwd_variants, dims=a.dims)
     RES["meta"]["out"] = a.out
     RES["meta"]["options"] = dict(OPT)
     RES["meta"].update(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name(),

@@ -114,6 +114,20 @@ def test_forcing_hopper_where_not_covered_raises(monkeypatch):
         TL.backward(p, q, q, q, q, q, None, None)
 
 
+def test_forward_config_rejects_inconsistent_schedules():
+    """Schedule flags that the kernels do not implement raise instead of being ignored."""
+    from anyattn.backends.triton.hopper.configs import HopperConfig
+
+    with pytest.raises(ValueError, match="pingpong needs ws=True and overlap=True"):
+        HopperConfig(128, 128, 2, ws=True, pingpong=True)
+    with pytest.raises(ValueError, match="stages >= 3"):
+        HopperConfig(128, 128, 2, 8, overlap=True)
+    with pytest.raises(ValueError, match="exp_fma"):
+        HopperConfig(128, 128, 2, 8, exp_fma=True)
+    assert HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
+                        exp_fma=True).name == "ws128x128s2opf"
+
+
 # ----------------------------------------------------------------------------- offline
 def _compile_counts(expr):
     """Instruction counts of ``expr`` (an offline.compile_* call) compiled for sm_90a in a
@@ -139,15 +153,20 @@ def _compile_counts(expr):
 @pytest.mark.parametrize("expr,stores", [
     ("O.compile_fwd('bfloat16', 64, False)", 1),
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
+    ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True, overlap=True, "
+     "pingpong=True, exp_fma=True))", 2),
     ("O.compile_dkdv('bfloat16', 128, True)", 2)])
 def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
     """The kernels compile for sm_90a here (no GPU) and their SASS holds warpgroup MMAs
     (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory; the
-    warp-specialised forward moves registers between its partitions (setmaxnreg)."""
+    warp-specialised forward moves registers between its partitions (setmaxnreg); its
+    overlapped loop issues two products per tile (twice the HGMMA of the plain one)."""
     n = _compile_counts(expr)
     assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == stores, n
     if "ws=True" in expr:
         assert n["ptx_setmaxnreg"] > 0, n
+    if "overlap=True" in expr and n["has_sass"]:
+        assert n["sass_HGMMA"] == 64, n   # per consumer: S(0), S(j) + P.V(j-1), last P.V
     if n["has_sass"]:
         assert n["sass_HGMMA"] > 0 and n["sass_UTMALDG"] > 0 and n["sass_HMMA"] == 0, n
         assert n["local_bytes"] == 0 and n.get("stack_bytes", 0) == 0, n

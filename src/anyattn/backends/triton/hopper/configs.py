@@ -19,15 +19,27 @@ class HopperConfig:
     bn: int
     stages: int
     num_warps: int = 8
-    overlap: bool = False     # FA3's intra-warpgroup overlap (needs stages >= 3)
+    overlap: bool = False     # FA3's intra-warpgroup overlap (plain kernel: stages >= 3)
     ws: bool = False          # warp-specialised (fwd_ws_kernel: producer warp + 2 consumers)
     consumer_regs: int = 240  # ws: registers per consumer thread (setmaxnreg)
+    pingpong: bool = False    # ws + overlap: the consumers take turns to issue products
+    exp_fma: bool = False     # ws: softmax exponent as one fma, s * c - m * c
+
+    def __post_init__(self):
+        if self.pingpong and not (self.ws and self.overlap):
+            raise ValueError(f"{self}: pingpong needs ws=True and overlap=True (the turns "
+                             "order the overlapped pair of products)")
+        if self.overlap and not self.ws and self.stages < 3:
+            raise ValueError(f"{self}: the plain kernel's overlapped loop needs stages >= 3")
+        if self.exp_fma and not self.ws:
+            raise ValueError(f"{self}: exp_fma is a warp-specialised kernel option")
 
     @property
     def name(self) -> str:
-        """e.g. 'ws128x128s2' / '128x128s3o' (bench and LOG labels)."""
+        """e.g. 'ws128x128s2' / '128x128s3o' / 'ws128x128s2opf' (bench and LOG labels)."""
         return (f"{'ws' if self.ws else ''}{self.bm}x{self.bn}s{self.stages}"
-                f"{'o' if self.overlap else ''}")
+                f"{'o' if self.overlap else ''}{'p' if self.pingpong else ''}"
+                f"{'f' if self.exp_fma else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         return elem * d * (self.bm + 2 * self.stages * self.bn)
@@ -44,11 +56,18 @@ _FWD = {64: HopperConfig(128, 128, 3, 8), 128: HopperConfig(128, 128, 2, ws=True
 _FWD_BY_DTYPE = {(128, "float16"): HopperConfig(128, 128, 2, 8)}
 
 #: variants the GPU bench times beside the defaults: the plain kernel of D=128 (two
-#: warpgroups meeting at a CTA barrier per key tile) and FA3's overlapped loop stay
-#: for A/B
+#: warpgroups meeting at a CTA barrier per key tile) and its FA3 overlapped loop stay
+#: for A/B; the warp-specialised kernel with FA3's intra-warpgroup overlap ('o') and
+#: with the ping-pong turns between its consumers ('op'), 2 and 3 stages
 FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True)],
                 128: [HopperConfig(128, 128, 2, 8), HopperConfig(128, 128, 3, ws=True),
-                      HopperConfig(128, 128, 3, 8, True)]}
+                      HopperConfig(128, 128, 3, 8, True),
+                      HopperConfig(128, 128, 2, ws=True, overlap=True),
+                      HopperConfig(128, 128, 3, ws=True, overlap=True),
+                      HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True),
+                      HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True),
+                      HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
+                                   exp_fma=True)]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:

@@ -67,10 +67,11 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t, st,
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
-                  HAS_BAND: gl.constexpr, BN: gl.constexpr):
+                  HAS_BAND: gl.constexpr, BN: gl.constexpr, EXP_FMA: gl.constexpr = False):
     """Online softmax of one score tile s [BM, BN] (raw q.k): -> p [BM, BN] fp32,
     alpha [BM] (the old accumulator's factor), l_i, m_i [BM].  Masks only the edge tiles
-    (t outside [f0, f1)): bounds and the band lo <= j - i <= hi."""
+    (t outside [f0, f1)): bounds and the band lo <= j - i <= hi.  EXP_FMA: the exponent
+    as one fma per element, s * c - m * c (c = qk_scale), instead of (s - m) * c."""
     masked = (t < f0) | (t >= f1)
     if masked:
         offs_m = i0 + offs_mb
@@ -85,7 +86,10 @@ def _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, 
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = m_new
-    p = gl.exp2((s - m_use[:, None]) * qk_scale)              # [BM, BN]; 1 at the row max
+    if EXP_FMA:
+        p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))       # [BM, BN]
+    else:
+        p = gl.exp2((s - m_use[:, None]) * qk_scale)          # [BM, BN]; 1 at the row max
     alpha = gl.exp2((m_i - m_use) * qk_scale)                                      # [BM]
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, l_i, m_new

@@ -7,45 +7,157 @@ warpgroup), BN the key tile, STAGES the depth of the K/V ring.
 
 Partitions (``gl.warp_specialize``):
   consumer 0 (the default partition, 4 warps) and consumer 1 (a 4-warp worker): each owns
-      RM query rows, loads its own Q [RM, D] by TMA, and per key tile waits for the
-      stage's K ("k ready"), issues S = Q.K^T [RM, BN] (wgmma), waits for it and for its
-      previous P.V, releases the previous tile's stage by one arrive on that stage's
-      "empty" mbarrier (count 2: one per consumer), runs the online softmax, waits for V
-      and issues O += P.V [RM, D] (wgmma, P from registers);
-  producer (a 1-warp worker, few registers): per key tile waits for the stage's "empty"
-      barrier, then TMA-loads K and V [BN, D] into it on the "k ready" / "v ready" barriers.
-No CTA-wide barrier in the loop: the two consumers drift out of phase, so one's softmax
-runs while the other's products occupy the tensor cores (FA3's ping-pong, left to drift
-rather than scheduled).  The numerics, band ranges, masks and the epilogue are those of
-fwd_kernel (its module doc); each consumer stores its own rows of out by TMA from its own
-Q buffer and its own row statistics.
+      RM query rows, loads its own Q [RM, D] by TMA, runs the key loop (one of two
+      schedules below) and stores its own rows of out by TMA from its own Q buffer;
+  producer (a 1-warp worker, few registers): per key tile waits for the stage's "k empty"
+      barrier and TMA-loads K [BN, D] on "k ready", then the same for V ("v empty" /
+      "v ready").  K and V are released apart (count 2: one arrive per consumer), K as
+      soon as its S = Q.K^T is done, V after its P.V.
+Key-loop schedules (constexpr, configs.HopperConfig.overlap / .pingpong):
+  simple: per tile issue S = Q.K^T [RM, BN], wait for it (and the previous P.V), softmax,
+      issue O += P.V [RM, D] (P from registers).  A consumer's own softmax never overlaps
+      its products; the other consumer's drift gives what overlap there is.
+  overlap (FA3's intra-warpgroup overlap): per tile j issue S_j = Q.K_j^T and
+      O += P_{j-1}.V_{j-1} back to back, wait for S_j only (``warpgroup_mma_wait(1)``),
+      run the softmax of j while P_{j-1}.V_{j-1} runs, then wait for it and rescale O.
+      P_{j-1} stays in registers until its product is done.
+  pingpong (with overlap; FA3's inter-warpgroup schedule): the two consumers take turns
+      to issue their pair of products, ordered by two "turn" mbarriers (consumer w waits
+      on turn[w], issues, arrives on turn[1 - w]), so that one consumer's softmax runs
+      while the other's products hold the tensor cores.
+No CTA-wide barrier in the loop.  The numerics, band ranges, masks and the epilogue are
+those of fwd_kernel (its module doc).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from .fwd_kernel import _issue_kv, _softmax_tile, key_tile_range
+from .fwd_kernel import _softmax_tile, key_tile_range
 
 __all__ = ["fwd_ws_kernel"]
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty, b, hk, t0, n,
+def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk, t0, n,
               STAGES: gl.constexpr, BN: gl.constexpr):
-    """Key tiles t0 .. t0 + n - 1 into the ring: stage it % STAGES once both consumers
-    released its previous tile (the first pass waits on the phase before init: free)."""
+    """Key tiles t0 .. t0 + n - 1 into the ring: K (then V) of tile it into stage
+    it % STAGES once both consumers released that buffer's previous tile (the first pass
+    waits on the phase before init: free)."""
     for it in range(0, n):
         st = it % STAGES
-        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t0 + it, st, BN)
+        ph = ((it // STAGES) & 1) ^ 1
+        row = (t0 + it) * BN
+        mbarrier.wait(k_empty.index(st), ph)
+        mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_bar.index(st),
+                                        k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph)
+        mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_bar.index(st),
+                                        v_smem.index(st))
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
-              b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: the k-th turn of consumer WG (consumer 0's first turn is free, every
+    other waits for the other consumer's arrive)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: hand the tensor cores to the other consumer."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l_i, zero_s,
+                 n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                 HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                 D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
+                 EXP_FMA: gl.constexpr):
+    """Per tile: S = Q.K^T, wait (S and the previous P.V), softmax, issue P.V.
+    -> acc [RM, D] (done), l_i, m_i [RM]."""
+    for it in range(0, n):
+        t = t0 + it
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        mbarrier.wait(k_bar.index(stg), ph)
+        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [RM, BN]
+        mbarrier.arrive(k_empty.index(stg), count=1)          # K(it) read: refill it
+        if it > 0:                                            # P.V(it - 1) done
+            mbarrier.arrive(v_empty.index((it - 1) % STAGES), count=1)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
+        mbarrier.wait(v_bar.index(stg), ph)
+        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [RM, D]
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc, m_i, l_i,
+                  zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                  HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                  D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr):
+    """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
+    ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
+    Tile 0's S before the loop, the last P.V after it.  -> acc [RM, D] (done), l_i, m_i."""
+    RM: gl.constexpr = q2.shape[0]
+    p16 = gl.zeros([RM, BN], dt, layout=p_l)
+    if n > 0:
+        mbarrier.wait(k_bar.index(0), 0)
+        _turn_wait(turn, 0, WG, PINGPONG)
+        kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))                  # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA)
+        p16 = gl.convert_layout(p.to(dt), p_l)           # acc is 0: no rescale needed
+    for it in range(1, n):
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        pst = (it - 1) % STAGES
+        mbarrier.wait(k_bar.index(stg), ph)
+        mbarrier.wait(v_bar.index(pst), ((it - 1) // STAGES) & 1)
+        _turn_wait(turn, it, WG, PINGPONG)
+        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))          # S_it done; P.V(it - 1) may run
+        mbarrier.arrive(k_empty.index(stg), count=1)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
+                                           offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN,
+                                           EXP_FMA)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
+        mbarrier.arrive(v_empty.index(pst), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
+    if n > 0:
+        lst = (n - 1) % STAGES
+        mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+              turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr):
+              WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+              EXP_FMA: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
     loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq])."""
     RM: gl.constexpr = q_desc.block_type.shape[2]
@@ -71,26 +183,19 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty
     offs_nb = gl.arange(0, BN, layout=col_s)
     m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([RM], gl.float32, layout=row_s)
-    acc = warpgroup_mma_init(gl.zeros([RM, D], gl.float32, layout=o_l))
+    acc = gl.zeros([RM, D], gl.float32, layout=o_l)
     zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
     mbarrier.wait(qb, 0)
-    for it in range(0, n):
-        t = t0 + it
-        stg = it % STAGES
-        ph = (it // STAGES) & 1
-        mbarrier.wait(k_bar.index(stg), ph)
-        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
-        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [RM, BN]
-        if it > 0:   # P.V(it - 1) is done: its stage may be refilled
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb,
-                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
-        mbarrier.wait(v_bar.index(stg), ph)
-        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [RM, D]
+    if OVERLAP:
+        acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+                                      turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND,
+                                      STAGES, BN, D, dt, p_l, row_o, WG, PINGPONG, EXP_FMA)
+    else:
+        acc, l_i, m_i = _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+                                     warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
+                                     offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES,
+                                     BN, D, dt, p_l, row_o, EXP_FMA)
 
     # epilogue (fwd_kernel's): empty rows give out 0, max -inf, log_norm 0
     empty_r = l_i == 0.0
@@ -116,12 +221,15 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty
 @gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
                   num_warps: gl.constexpr):
     """Grid (cdiv(Sq, 2 * RM), B * H), num_warps = 4 (consumer 0; the workers add 4 + 1).
     q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc: [B, Hkv, Sk, D] blocks
     [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).  qk_scale = scale * log2(e);
-    band masks through lo / hi (open: +-2^30)."""
+    band masks through lo / hi (open: +-2^30).  OVERLAP / PINGPONG: the key-loop schedule
+    (module doc; PINGPONG needs OVERLAP); EXP_FMA: fwd_kernel._softmax_tile's."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
+    gl.static_assert(OVERLAP or not PINGPONG, "ping-pong issues the overlapped pair")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -142,15 +250,19 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
     for st in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(st), count=1)
         mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
+        mbarrier.init(k_empty.index(st), count=2)        # one arrive per consumer
+        mbarrier.init(v_empty.index(st), count=2)
     fence_async_shared()
 
     if HAS_BAND:
@@ -164,12 +276,12 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     n = t1 - t0
 
     gl.warp_specialize(
-        [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
-                      b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
-                      HAS_BAND, STAGES, BN, 0)),
-         (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty, LSE,
-                      b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
-                      HAS_BAND, STAGES, BN, 1)),
-         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty, b, hk, t0, n,
-                      STAGES, BN))],
+        [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                      v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                      qk_scale, scale, HAS_BAND, STAGES, BN, 0, OVERLAP, PINGPONG, EXP_FMA)),
+         (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                      v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                      qk_scale, scale, HAS_BAND, STAGES, BN, 1, OVERLAP, PINGPONG, EXP_FMA)),
+         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk,
+                      t0, n, STAGES, BN))],
         [4, 1], [CONSUMER_REGS, 24])

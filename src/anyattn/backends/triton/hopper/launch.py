@@ -77,7 +77,8 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None):
             fwd_ws_kernel[grid](make_desc(q, rm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
                                 make_desc(out, rm), stats, *args,
                                 HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                                CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+                                CONSUMER_REGS=cfg.consumer_regs, OVERLAP=cfg.overlap,
+                                PINGPONG=cfg.pingpong, EXP_FMA=cfg.exp_fma, num_warps=4)
         else:
             fwd_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
                              make_desc(out, cfg.bm), stats, *args, HAS_BAND=bool(rm_.has_band),

@@ -47,14 +47,17 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     qd = make_desc(x, cfg.bm // 2 if cfg.ws else cfg.bm)
     kd = make_desc(x, cfg.bn)
     names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
-             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES",
-             "CONSUMER_REGS" if cfg.ws else "OVERLAP", "num_warps"]
-    sig = dict(zip(names, [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd),
-                           "*fp32", "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32",
-                           "constexpr", "constexpr", "constexpr", "constexpr"]))
+             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES"]
+    names += ["CONSUMER_REGS", "OVERLAP", "PINGPONG", "EXP_FMA"] if cfg.ws else ["OVERLAP"]
+    names += ["num_warps"]
+    types = [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd), "*fp32",
+             "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32"]
+    sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
     warps = 4 if cfg.ws else cfg.num_warps
-    consts = {(13,): has_band, (14,): cfg.stages,
-              (15,): cfg.consumer_regs if cfg.ws else cfg.overlap, (16,): warps}
+    vals = [has_band, cfg.stages]
+    vals += ([cfg.consumer_regs, cfg.overlap, cfg.pingpong, cfg.exp_fma] if cfg.ws
+             else [cfg.overlap])
+    consts = {(len(types) + i,): x for i, x in enumerate(vals + [warps])}
     if cfg.ws:
         from .fwd_ws_kernel import fwd_ws_kernel as kern
     else:
