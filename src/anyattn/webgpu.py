@@ -78,15 +78,20 @@ class DeviceArray:
     :func:`asarray` and :func:`from_buffer` (and returned by anyattn's calls)."""
 
     _anyattn_kind = "webgpu"       # anyattn.arrays.array_kind reads this
-    __slots__ = ("buffer", "shape", "dtype", "strides", "offset", "device")
+    __slots__ = ("buffer", "shape", "dtype", "strides", "offset", "device", "base",
+                 "__weakref__")
 
-    def __init__(self, buffer, shape, dtype, strides, offset, device_label):
+    def __init__(self, buffer, shape, dtype, strides, offset, device_label, base=None):
         self.buffer = buffer
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.strides = tuple(int(s) for s in strides)
         self.offset = int(offset)
         self.device = device_label
+        #: the array this one is a view of (None for an array that owns its view of the
+        #: buffer); a view keeps its base alive, so a result buffer anyattn returned is
+        #: reused only after the result and every view of it are gone
+        self.base = base
 
     # ---- attributes ----------------------------------------------------------
     @property
@@ -131,7 +136,8 @@ class DeviceArray:
     # ---- views (no data moves) ------------------------------------------------
     def _view(self, shape, strides, offset=None) -> "DeviceArray":
         return DeviceArray(self.buffer, shape, self.dtype, strides,
-                           self.offset if offset is None else offset, self.device)
+                           self.offset if offset is None else offset, self.device,
+                           self if self.base is None else self.base)
 
     def transpose(self, *axes) -> "DeviceArray":
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
@@ -262,6 +268,7 @@ def from_buffer(buffer, shape, dtype, *, offset: int = 0,
         raise ValueError(f"offset: {offset} is negative; expected an element offset >= 0")
     arr = DeviceArray(buffer, shape, dt, strides, offset,
                       _device_label(getattr(buffer, "_device", None)))
+    _claim(buffer)
     lo, hi = arr.span()
     # f16 is read as 8-byte vec4<f16>: only whole vec4s of the buffer are addressable
     cap = int(buffer.size) // 8 * 4 if dt == np.float16 else int(buffer.size) // 4
@@ -273,6 +280,16 @@ def from_buffer(buffer, shape, dtype, *, offset: int = 0,
         raise ValueError(f"view reaches element {hi - 1}; the kernels address at most 2**32 "
                          "elements per buffer")
     return arr
+
+
+def _claim(buffer) -> None:
+    """A buffer anyattn returned a result in (its result pool's) becomes the caller's for
+    good: the pool never hands it out again, whatever happens to the result arrays."""
+    from .backends.registry import get_backend
+
+    run = get_backend("webgpu")._runner
+    if run is not None:
+        run.results.claim(buffer)
 
 
 def asarray(x, dtype=None) -> DeviceArray:

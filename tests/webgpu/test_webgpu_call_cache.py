@@ -83,13 +83,21 @@ def test_repeat_hits_and_matches_uncached(be, data):
     assert after["group_hits"] > before["group_hits"]
     _same_bits({n: getattr(gr, n).numpy() for n in ("dq", "dk", "dv")},
                {n: first[n] for n in ("dq", "dk", "dv")})
-    # a training step (new forward, its out and statistics into the backward): the
-    # statistics are copied into scratch, only the delta launch binds the new out
-    before = dict(run.cache_stats)
-    out, st = forward_with_stats(q, k, v, mask=aa.Causal())
-    aa.attention_backward(q, k, v, g, out=out, lse=st, mask=aa.Causal())
-    assert run.cache_stats["group_misses"] - before["group_misses"] == 1
+    # training steps that keep the previous step's results alive while the next runs:
+    # two sets of result buffers alternate, so after a few steps a step creates no bind
+    # group, no uniform block and no buffer
+    prev = None
+    for step in range(6):
+        if step == 4:
+            before = dict(run.cache_stats)
+            created = run.results.stats["created"]
+        out, st = forward_with_stats(q, k, v, mask=aa.Causal())
+        gr = aa.attention_backward(q, k, v, g, out=out, lse=st, mask=aa.Causal())
+        prev = (out, st, gr)                 # the step before this one dies here
+    assert run.cache_stats["group_misses"] == before["group_misses"]
     assert run.cache_stats["uniform_misses"] == before["uniform_misses"]
+    assert run.results.stats["created"] == created
+    del prev
     again = _call(dev, mask=aa.Causal())[1]
     _same_bits(first, again)
     _same_bits(first, _uncached(be, dev, mask=aa.Causal()))
@@ -215,9 +223,11 @@ def test_uniform_key_tells_signed_zero_apart(be):
 
 
 def test_cache_keeps_no_caller_buffer_alive(be, data):
-    """A bind group entry holds its buffers weakly: once the caller drops a result that
-    a later call bound (a forward's out in the backward), the buffer is freed and its
-    entries leave the cache."""
+    """A bind group entry holds its buffers weakly and a launch template holds slots,
+    not buffers: once the caller drops a buffer of its own that calls bound (here
+    ``out`` of the backward, a copy the caller made), the buffer is freed and its
+    entries leave the cache.  A result buffer goes back to the pool (bounded free list)
+    when its arrays die, and is handed out again."""
     import gc
     import weakref
 
@@ -225,10 +235,47 @@ def test_cache_keeps_no_caller_buffer_alive(be, data):
     q, k, v, g = dev
     run = be._run()
     out, st = forward_with_stats(q, k, v)
-    gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
-    ref = weakref.ref(out.buffer)
+    mine = wg.asarray(out.numpy())
+    gr = aa.attention_backward(q, k, v, g, out=mine, lse=st)
+    ref = weakref.ref(mine.buffer)
     n = len(run._groups)
-    del out, st, gr
+    dq_buf = gr.dq.buffer
+    del mine, gr
     gc.collect()
     assert ref() is None
     assert len(run._groups) < n
+    assert run.results.is_free(dq_buf)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
+    assert gr.dq.buffer is dq_buf and not run.results.is_free(dq_buf)
+
+
+def test_result_buffer_reused_only_when_no_array_holds_it(be, data):
+    """A view keeps its base's buffer held; ``from_buffer`` on a result's buffer takes it
+    out of the pool for good; a poisoned (NaN) reused buffer is fully rewritten."""
+    import gc
+
+    host, dev = data
+    q, k, v, g = dev
+    run = be._run()
+    out, st = forward_with_stats(q, k, v)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
+    ref = {n: getattr(gr, n).numpy() for n in ("dq", "dk", "dv")}
+    view = gr.dq[0, 1:]                       # a view of dq only
+    bufs = {n: getattr(gr, n).buffer for n in ("dq", "dk", "dv")}
+    del gr
+    gc.collect()
+    assert not run.results.is_free(bufs["dq"]) and run.results.is_free(bufs["dk"])
+    for _ in range(3):                         # later calls never write into the view
+        aa.attention_backward(q, k, v, g, out=out, lse=st)
+    np.testing.assert_array_equal(view.numpy(), ref["dq"][0, 1:])
+    mine = wg.from_buffer(view.buffer, view.shape, view.dtype, offset=view.offset,
+                          strides=view.strides)
+    del view
+    gc.collect()
+    assert not run.results.is_free(bufs["dq"])     # claimed: the caller owns it now
+    aa.attention_backward(q, k, v, g, out=out, lse=st)
+    np.testing.assert_array_equal(mine.numpy(), ref["dq"][0, 1:])
+    run.poison()                               # free result buffers too
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(gr, n).numpy(), ref[n])

@@ -134,6 +134,9 @@ class Call:
     g: Optional[Operand] = None
     debug: bool = False
     uprefix: str = "u"          # role prefix of this call's uniform buffers
+    #: the pooled role of the ``aux`` table; None: a buffer of this call's own (a cached
+    #: launch template keeps it, so no later call can overwrite its mask data)
+    aux_role: Optional[str] = "aux"
     _n_uni: int = 0
 
     def __post_init__(self):
@@ -217,7 +220,13 @@ class Call:
         return off
 
     def _aux_upload(self) -> None:
-        self.aux_buf = self.run.upload("aux", np.concatenate(self._aux_parts))
+        data = np.concatenate(self._aux_parts)
+        if self.aux_role is not None:
+            self.aux_buf = self.run.upload(self.aux_role, data)
+            return
+        self.aux_buf = self.run.device.create_buffer(
+            label="aux", size=max(16, -(-data.nbytes // 16) * 16), usage=self.run.usage)
+        self.run.device.queue.write_buffer(self.aux_buf, 0, data)
 
     def set_mods(self, softcap: Optional[float], alibi_slopes, alibi_diag: int,
                  sinks) -> None:

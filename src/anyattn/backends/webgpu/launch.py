@@ -391,6 +391,13 @@ class Runner:
         self._groups: "OrderedDict[tuple, object]" = OrderedDict()
         self.cache_stats = {"uniform_hits": 0, "uniform_misses": 0, "group_hits": 0,
                             "group_misses": 0}
+        # device-array calls: result buffers reused once no returned array holds them,
+        # and their launch lists cached per signature (pool.py, templates.py)
+        from .pool import ResultPool
+        from .templates import TemplateCache
+
+        self.results = ResultPool(ctx.device, self.usage)
+        self.templates = TemplateCache()
 
     # ---- buffers -------------------------------------------------------------
     def check_size(self, role: str, nbytes: int) -> None:
@@ -426,6 +433,8 @@ class Runner:
         for role, buf in self._bufs.items():
             if role.startswith("_") or not (buf.usage & self.wgpu.BufferUsage.STORAGE):
                 continue
+            self.device.queue.write_buffer(buf, 0, np.full(buf.size // 4, np.nan, np.float32))
+        for buf in self.results.free_buffers():
             self.device.queue.write_buffer(buf, 0, np.full(buf.size // 4, np.nan, np.float32))
 
     def upload(self, role: str, arr: np.ndarray):
@@ -491,10 +500,12 @@ class Runner:
         return bg
 
     def clear_caches(self) -> None:
-        """Drop the cached uniform blocks and bind groups (they are rebuilt on demand)."""
+        """Drop the cached uniform blocks, bind groups and launch templates (they are
+        rebuilt on demand)."""
         self._packed.clear()
         self._uniforms.clear()
         self._groups.clear()
+        self.templates.clear()
 
     def read(self, buf, count: int, offset_elems: int = 0, dtype=np.float32) -> np.ndarray:
         nbytes = int(count) * np.dtype(dtype).itemsize

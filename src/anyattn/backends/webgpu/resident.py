@@ -6,12 +6,15 @@ Nothing crosses to the host: q, k, v, dout, out and a float32 bias are bound whe
 they lie (their buffer, element offset and b/h/s strides become the kernels'
 operands; a D stride != 1 or an f16 bias is first gathered on the device by the
 ``ew`` kernel); sinks and ALiBi slopes are gathered into the ``aux`` table on the
-device; the kernels write into pooled scratch (a repeated call reuses its cached bind
-groups, launch.Runner.bind_group) and each result is copied on the device, in the same
-submission, into a fresh buffer (f16 results cast on the device first), returned as
-DeviceArrays: a later call never touches them.  The host writes only uniforms and ``aux``'s mask tables (band, tile
-map, document ids, a KeepMask: masks are host descriptions), plus zeros where the
-device fills in slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
+device; the kernels write the results straight into buffers of the result pool
+(pool.py), returned as DeviceArrays: a buffer is handed out again only after every
+array over it is gone, so a later call never touches a returned array (f16 results
+are cast on the device from f32 scratch).  A call's launch list is cached per
+signature (templates.py, ``_key``): a repeat binds its buffers through cached bind
+groups and submits, with no uniform write and no Python launch building.  The host
+writes only uniforms and ``aux``'s mask tables (band, tile map, document ids, a
+KeepMask: masks are host descriptions), plus zeros where the device fills in
+slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
@@ -45,19 +48,6 @@ def _fresh(run, nbytes: int, label: str):
     usage = run.usage
     return run.device.create_buffer(label=label, size=max(16, -(-int(nbytes) // 16) * 16),
                                     usage=usage)
-
-
-def _keep(call, src, nbytes: int, label: str, src_off: int = 0):
-    """A fresh buffer for the caller, filled on the device (after the launches, same
-    submission) with ``nbytes`` of the pooled scratch ``src`` from byte ``src_off``.
-
-    The kernels write results into pooled scratch, so the bind groups of a repeated
-    call are the cached ones (Runner.bind_group); the copy moves the results out, so a
-    later call never touches a returned array."""
-    dst = _fresh(call.run, nbytes, label)
-    if nbytes:
-        call.copies.append((src, int(src_off), dst, 0, int(nbytes)))
-    return dst
 
 
 def _copyable(x) -> bool:
@@ -213,6 +203,7 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
 
     call = be._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                     _ELEM[p.dtype], "dev_u", backward=backward, dropout=p.has_dropout)
+    call.aux_role = None          # the mask tables stay with this call's launch template
     run = call.run
     call.set_scale(p.scale)
     call.q = _operand(call, q, "q")
@@ -256,36 +247,152 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
     return call
 
 
+# ------------------------------------------------------------------ cached calls
+class _Results:
+    """The result buffers a build takes from the pool and the arrays returned over them."""
+
+    def __init__(self, run):
+        self.run, self.bufs, self.labels, self.specs = run, [], [], []
+
+    def new(self, nbytes: int, label: str) -> Tuple[object, int]:
+        nbytes = max(16, -(-int(nbytes) // 16) * 16)
+        self.run.check_size(label, nbytes)
+        self.bufs.append(self.run.results.acquire(nbytes, label))
+        self.labels.append(label)
+        return self.bufs[-1], len(self.bufs) - 1
+
+    def add(self, name: str, index: int, shape, dtype, offset: int = 0) -> None:
+        self.specs.append((name, index, tuple(shape), np.dtype(dtype), int(offset)))
+
+
+def _sig(x):
+    """What of a device array a launch list depends on (not its buffer or data)."""
+    import wgpu
+
+    if x is None:
+        return None
+    return (x.dtype.char, x.shape, x.strides, x.offset,
+            bool(int(x.buffer.usage) & int(wgpu.BufferUsage.COPY_SRC)))
+
+
+#: a keep mask / document ids of more elements than this make a call uncached (its
+#: key would hold the mask's bytes); it is then built anew each time, as before
+_MAX_MASK_KEY = 1 << 18
+
+
+def _mask_key(m):
+    from ...arrays import to_numpy
+
+    parts = [m.sq, m.sk, m.band_lo, m.band_hi]
+    for a in (m.q_ids, m.k_ids, m.keep):
+        if a is None:
+            parts.append(None)
+            continue
+        a = to_numpy(a)
+        if a.size > _MAX_MASK_KEY:
+            return None
+        parts.append((a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes()))
+    return tuple(parts)
+
+
+def _hexf(x):
+    return None if x is None else float(x).hex()
+
+
+def _key(what: str, be, p: Problem, inputs: Dict[str, object]):
+    """The signature of a device-array call: everything its launch list depends on but
+    the buffers (None: not cached).  Floats by their hex form (0.0 != -0.0)."""
+    import os
+
+    from .launch import ENV_VARIANT
+
+    mk = _mask_key(p.mask)
+    if mk is None:
+        return None
+    present = [x for x in inputs.values() if x is not None]
+    ids = [id(x.buffer) for x in present]
+    alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
+    return (what, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim, p.dtype,
+            p.precision, _hexf(p.scale), mk, p.bias_shape, p.bias_dtype,
+            tuple(sorted(p.wrt)), p.q_offset, p.k_offset, _hexf(p.softcap), p.alibi_shape,
+            p.alibi_dtype, p.sinks_dtype, _hexf(p.dropout_p), p.dropout_seed,
+            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
+            be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""))
+
+
+def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
+    """Look the call's launch template up by signature (``build(results)`` records one on
+    a miss), bind this call's buffers, submit -> {name: result DeviceArray}."""
+    from .templates import Template
+
+    key = _key(what, be, p, inputs)
+    run = be._run()
+    bufs = {n: x.buffer for n, x in inputs.items() if x is not None}
+    tpl = run.templates.get(key)
+    if tpl is None:
+        res = _Results(run)
+        try:
+            call = build(res)
+            tpl = Template.record(run, call, bufs, res.bufs, res.labels, res.specs)
+        except BaseException:
+            for b in res.bufs:
+                run.results.release_unheld(b)
+            raise
+        run.templates.put(key, tpl)
+        rbufs = res.bufs
+    else:
+        for name, x in inputs.items():
+            if x is not None:
+                _check_binding(run, x, name)
+        rbufs = tpl.acquire_results(run)
+    try:
+        tpl.submit(run, bufs, rbufs)
+    except BaseException:
+        for b in rbufs:
+            run.results.release_unheld(b)
+        raise
+    be.last_pieces = dict(tpl.pieces)
+    out = {}
+    for name, i, shape, dt, off in tpl.results:
+        arr = _result(rbufs[i], shape, dt, off)
+        run.results.hold(rbufs[i], arr)
+        out[name] = arr
+    return out
+
+
 # ------------------------------------------------------------------ forward
 def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
-    """-> (out [B, HQ, SQ, D] in q's dtype, RowStats of [B, HQ, SQ] float32 views)."""
-    _check_chunks(be, p, False, bias)
-    with be._lock:
+    """-> (out [B, HQ, SQ, D] in q's dtype, RowStats of [B, HQ, SQ] float32 views).
+
+    out and the statistics are written by the kernels into result buffers (pool.py);
+    the row max and log-normaliser are rows 0 and 6 of one [7, n] buffer (the rows in
+    between are the kernels' scratch)."""
+    inputs = dict(q=q, k=k, v=v, bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+
+    def build(res):
+        _check_chunks(be, p, False, bias)
         call = _prepare(be, p, q, k, v, None, bias, mods, backward=False)
         run = call.run
         n, D = call.n, p.head_dim
-        scr = run.buffer("dev_fstats", 4 * STATS_ROWS * n)
-        half = p.dtype == "float16"
-        outb = run.buffer("dev_out32", 4 * n * D)
-        call.forward(scr, outb)
         shape = (p.batch, p.heads_q, p.seq_q, D)
-        if half:
-            o16 = run.buffer("dev_out16", _nbytes(n * D, np.float16))
+        rows = (p.batch, p.heads_q, p.seq_q)
+        stats, ist = res.new(4 * STATS_ROWS * n, "anyattn.stats")
+        if p.dtype == "float16":
+            outb = run.buffer("dev_out32", 4 * n * D)
+            call.forward(stats, outb)
+            o16, iout = res.new(_nbytes(n * D, np.float16), "anyattn.out")
             _ew(call, _result(outb, shape, np.float32), o16, 0, dst16=True)
-            outb = _keep(call, o16, _nbytes(n * D, np.float16), "anyattn.out")
         else:
-            outb = _keep(call, outb, 4 * n * D, "anyattn.out")
-        # the row max [0, n) and log-normaliser [6n, 7n) at their offsets in a fresh
-        # stats buffer (the rows in between are the kernels' scratch)
-        stats = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
-        for row in ((0, LOG_NORM_ROW) if n else ()):
-            call.copies.append((scr, 4 * row * n, stats, 4 * row * n, 4 * n))
-        call.submit()
-        be.last_pieces = dict(call.pieces)
-    rows = (p.batch, p.heads_q, p.seq_q)
-    st = RowStats(_result(stats, rows, np.float32, 0),
-                  _result(stats, rows, np.float32, LOG_NORM_ROW * n))
-    return _result(outb, shape, np.dtype(p.dtype)), st
+            outb, iout = res.new(4 * n * D, "anyattn.out")
+            call.forward(stats, outb)
+        res.add("out", iout, shape, p.dtype)
+        res.add("max", ist, rows, np.float32, 0)
+        res.add("log_norm", ist, rows, np.float32, LOG_NORM_ROW * n)
+        return call
+
+    with be._lock:
+        r = _run_cached(be, "fwd", p, inputs, build)
+    return r["out"], RowStats(r["max"], r["log_norm"])
 
 
 def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowStats:
@@ -308,70 +415,92 @@ def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowSt
 # ------------------------------------------------------------------ backward
 def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
              mods: ScoreMods) -> Dict[str, object]:
-    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked)."""
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked).
+
+    Results in the input dtype are written by the kernels straight into result
+    buffers (pool.py; dk and dv share one: [2, B, HKV, SK, D]); other dtypes go
+    through f32 scratch and a cast on the device."""
     B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)
     want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
     want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
-    _check_chunks(be, p, True, bias)
     dt = np.dtype(p.dtype)
-    half = dt == np.float16
-    res: Dict[str, object] = {"dq": None, "dk": None, "dv": None, "dbias": None,
-                              "dsinks": None}
-    with be._lock:
+    inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
+                  bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+
+    def build(res):
+        _check_chunks(be, p, True, bias)
         call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True)
         run = call.run
         n = call.n
+
+        def dest(name, count, want_dt, role):
+            """Where a kernel writes an f32 result: a result buffer when it is returned
+            in f32, else f32 scratch (cast by ``emit``)."""
+            if want_dt == np.float32:
+                return res.new(4 * count, f"anyattn.{name}")
+            return run.buffer(role, 4 * count), None
+
+        def emit(name, buf, idx, shape, want_dt, off=0):
+            if idx is not None:
+                res.add(name, idx, shape, np.float32, off)
+                return
+            count = int(np.prod(shape))
+            y, iy = res.new(_nbytes(count, want_dt), f"anyattn.{name}")
+            _ew(call, _result(buf, shape, np.float32, off), y, 0, dst16=True)
+            res.add(name, iy, shape, want_dt)
+
         st = run.buffer("dev_stats", 4 * STATS_ROWS * n)
         for src, row in ((stats.max, 0), (stats.log_norm, LOG_NORM_ROW)):
             if _copyable(src):       # a plain copy: no launch, no new bind group
                 call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n, 4 * n))
             else:
                 _ew(call, src, st, row * n)
-        if out.dtype != np.float32:
-            out = _gather_contig(call, out, "dev_outin", np.float32)
-        call.delta(st, _operand(call, out, "out"))
+        o = out if out.dtype == np.float32 else _gather_contig(call, out, "dev_outin",
+                                                               np.float32)
+        call.delta(st, _operand(call, o, "out"))
         nkv = B * HKV * SK * D
-        casts = []                  # (f32 scratch view, name, shape, dtype)
+        kvshape = (B, HKV, SK, D)
         if want_k or want_v:
-            kv = run.buffer("dev_dkdv", 8 * nkv)
+            kv, ikv = dest("dkdv", 2 * nkv, dt, "dev_dkdv")
             call.dkdv(st, kv, want_k, want_v)
             for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
                 if want:
-                    casts.append((_result(kv, (B, HKV, SK, D), np.float32, off), name, dt))
-        dsb = None
+                    emit(name, kv, ikv, kvshape, dt, off)
+        dsb = ids = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
+        bdt = np.dtype(p.bias_dtype) if want_b else None
         if want_b:
-            dsb = run.buffer("dev_ds", 4 * B * HQ * SQ * SK)
+            if full:
+                dsb, ids = dest("dbias", B * HQ * SQ * SK, bdt, "dev_ds")
+            else:
+                dsb = run.buffer("dev_ds", 4 * B * HQ * SQ * SK)
             call.clears.append(dsb)
         if want_q or want_b:
-            dqb = run.buffer("dev_dq", 4 * n * D)
+            if want_q:
+                dqb, idq = dest("dq", n * D, dt, "dev_dq")
+            else:
+                dqb, idq = run.buffer("dev_dq", 4 * n * D), None
             call.dq(st, dqb, dsb)
             if want_q:
-                casts.append((_result(dqb, (B, HQ, SQ, D), np.float32), "dq", dt))
+                emit("dq", dqb, idq, (B, HQ, SQ, D), dt)
         if want_b:
-            bdt = np.dtype(p.bias_dtype)
             if full:
-                casts.append((_result(dsb, p.bias_shape, np.float32), "dbias", bdt))
+                emit("dbias", dsb, ids, p.bias_shape, bdt)
             else:
-                dbb = run.buffer("dev_dbias", 4 * int(np.prod(p.bias_shape)))
+                numel = int(np.prod(p.bias_shape))
+                dbb, idb = dest("dbias", numel, bdt, "dev_dbias")
                 call.reduce_dbias(dsb, dbb, tuple(p.bias_shape))
-                casts.append((_result(dbb, p.bias_shape, np.float32), "dbias", bdt))
+                emit("dbias", dbb, idb, p.bias_shape, bdt)
         if want_s:
-            dsk = run.buffer("dev_dsinks", 4 * HQ)
+            sdt = np.dtype(p.sinks_dtype)
+            dsk, isk = dest("dsinks", HQ, sdt, "dev_dsinks")
             _dsinks(call, st, dsk)
-            casts.append((_result(dsk, (HQ,), np.float32), "dsinks", np.dtype(p.sinks_dtype)))
-        for x, name, want_dt in casts:       # out of the scratch: fresh buffers
-            if want_dt == np.float32:
-                y = _keep(call, x.buffer, 4 * x.size, f"anyattn.{name}", 4 * x.offset)
-            else:
-                nb = _nbytes(x.size, want_dt)
-                y = run.buffer(f"dev_c_{name}", nb)
-                _ew(call, x, y, 0, dst16=True)
-                y = _keep(call, y, nb, f"anyattn.{name}")
-            res[name] = _result(y, x.shape, want_dt)
-        call.submit()
-        be.last_pieces = dict(call.pieces)
-    return res
+            emit("dsinks", dsk, isk, (HQ,), sdt)
+        return call
+
+    with be._lock:
+        r = _run_cached(be, "bwd", p, inputs, build)
+    return {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
 
 
 def _dsinks(call, st, dst) -> None:

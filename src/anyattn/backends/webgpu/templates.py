@@ -1,0 +1,159 @@
+"""Launch lists of device-array calls cached per signature (issue 17: host work per call).
+
+Two device-array calls with one signature (sizes, dtypes, element strides and offsets,
+mask / bias / modifier / dropout description, wrt, tile config and variant, which
+inputs share a buffer: ``resident._key``) build the same launches but for the buffers
+they bind.  ``Template.record`` keeps a built call with every buffer replaced by a
+*slot*:
+
+- ``("in", name)``: an input of the call (q, k, v, dout, out, the statistics, bias,
+  slopes, sinks): the caller's buffer, given again on every call;
+- ``("role", role, nbytes)``: pooled scratch (launch.Runner.buffer, grown when too small);
+- ``("res", i)``: the call's i-th result buffer (pool.ResultPool, acquired per call);
+- a buffer object: what the template owns (uniform blocks, written once and never
+  again; its ``aux`` table of mask data).
+
+``Template.submit`` resolves the slots for this call's buffers, takes their bind groups
+from the runner's cache (keyed by buffer ids: a repeat with the same buffers creates
+none) and submits.  The first call of a signature is submitted through its fresh
+template too, so a cache hit runs exactly the launches of the uncached path.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Template", "TemplateCache", "ResultSpec"]
+
+#: (name, result buffer index, shape, dtype, element offset): one returned array
+ResultSpec = Tuple[str, int, Tuple[int, ...], object, int]
+
+
+class Template:
+    """A recorded launch list with slots instead of per-call buffers."""
+
+    def __init__(self, launches, clears, copies, copies_before, result_sizes, results,
+                 pieces):
+        self.launches = launches            # [(pipeline, layout, slots, grid, kernel)]
+        self.clears = clears                # [slot]
+        self.copies = copies                # [(slot, byte off, slot, byte off, bytes)]
+        self.copies_before = copies_before
+        self.result_sizes = result_sizes    # [(bytes, label)] per result buffer
+        self.results: List[ResultSpec] = results
+        self.pieces = pieces
+        #: per result slot, weak refs to the buffers it had in the last calls (latest first)
+        self._recent: List[List[object]] = [[] for _ in result_sizes]
+
+    @classmethod
+    def record(cls, run, call, inputs: Dict[str, object], result_bufs: Sequence[object],
+               result_labels: Sequence[str], results: List[ResultSpec]) -> "Template":
+        """The launches, clears and copies a built ``call`` holds (before its submit),
+        every buffer mapped to a slot: inputs first (in ``inputs`` order: buffers shared
+        by several inputs take the first name; the cache key records the sharing), then
+        result buffers, then the runner's pooled roles; anything else stays itself."""
+        slot = {}
+        for name, buf in inputs.items():
+            if buf is not None:
+                slot.setdefault(id(buf), ("in", name))
+        for i, buf in enumerate(result_bufs):
+            slot.setdefault(id(buf), ("res", i))
+        for role, buf in run._bufs.items():
+            slot.setdefault(id(buf), ("role", role, buf.size))
+
+        def to_slot(buf):
+            return slot.get(id(buf), buf)
+
+        launches = []
+        for l in call.launches:
+            if 0 in l.grid:
+                continue
+            for n, what in zip(l.grid, "xyz"):
+                if n > run.max_groups:
+                    raise ValueError(f"webgpu kernel {l.kernel!r}: {n} workgroups along {what} "
+                                     f"> this adapter's limit {run.max_groups}")
+            launches.append((l.pipeline, l.layout, tuple(map(to_slot, l.buffers)), l.grid,
+                             l.kernel))
+        copies = [(to_slot(s), so, to_slot(d), do, n) for s, so, d, do, n in call.copies]
+        before = [(to_slot(s), so, to_slot(d), do, n) for s, so, d, do, n in call.copies_before]
+        sizes = [(int(b.size), lab) for b, lab in zip(result_bufs, result_labels)]
+        tpl = cls(launches, [to_slot(b) for b in call.clears], copies, before, sizes, results,
+                  dict(call.pieces))
+        tpl._remember(result_bufs)
+        call.launches, call.clears, call.copies, call.copies_before = [], [], [], []
+        return tpl
+
+    #: buffers remembered per result slot (a caller that keeps a step's results while
+    #: the next step runs alternates between two sets)
+    RECENT = 3
+
+    def acquire_results(self, run) -> List[object]:
+        """This call's result buffers from the pool, each preferring one its slot had in
+        the last calls (then a repeat binds known buffers: cached bind groups)."""
+        bufs = []
+        for (n, lab), recent in zip(self.result_sizes, self._recent):
+            bufs.append(run.results.acquire(n, lab, [b for b in (r() for r in recent)
+                                                     if b is not None]))
+        self._remember(bufs)
+        return bufs
+
+    def _remember(self, bufs) -> None:
+        for recent, b in zip(self._recent, bufs):
+            recent[:] = ([weakref.ref(b)] + [r for r in recent if r() is not b])[:self.RECENT]
+
+    def submit(self, run, inputs: Dict[str, object], result_bufs: Sequence[object]) -> None:
+        """Bind this call's buffers and submit (one command buffer)."""
+        roles: Dict[str, object] = {}
+
+        def resolve(s):
+            if type(s) is not tuple:
+                return s
+            if s[0] == "in":
+                return inputs[s[1]]
+            if s[0] == "res":
+                return result_bufs[s[1]]
+            b = roles.get(s[1])
+            if b is None:
+                b = roles[s[1]] = run.buffer(s[1], s[2])
+            return b
+
+        encoded = [(pipe, run.bind_group(layout, [resolve(s) for s in slots], kernel), grid,
+                    kernel) for pipe, layout, slots, grid, kernel in self.launches]
+        run.submit(encoded, [resolve(s) for s in self.clears], 1,
+                   [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
+                   [(resolve(s), so, resolve(d), do, n)
+                    for s, so, d, do, n in self.copies_before])
+
+
+class TemplateCache:
+    """LRU of templates by signature key (``MAX`` entries)."""
+
+    MAX = 64
+
+    def __init__(self):
+        self._d: "OrderedDict[tuple, Template]" = OrderedDict()
+        self.stats = {"hits": 0, "misses": 0}
+
+    def get(self, key) -> Optional[Template]:
+        if key is None:
+            return None
+        t = self._d.get(key)
+        if t is None:
+            self.stats["misses"] += 1
+            return None
+        self._d.move_to_end(key)
+        self.stats["hits"] += 1
+        return t
+
+    def put(self, key, tpl: Template) -> None:
+        if key is None:
+            return
+        self._d[key] = tpl
+        while len(self._d) > self.MAX:
+            self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
