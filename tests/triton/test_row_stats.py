@@ -24,14 +24,10 @@ pytest.importorskip("triton")
 from anyattn.modifiers import NO_MODS
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
 from helpers import term_magnitudes, to_np  # noqa: E402
+from tr_util import DEV, needs_triton  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
-RUNNABLE = unavailable_reason("triton") is None
-needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
 
 F32_MIN = float(np.finfo(np.float32).min)
 #: relative rounding floor under the 3x-torch rule, by dtype (a few ulps of the scheme)

@@ -18,23 +18,13 @@ pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
-from helpers import TOL, assert_close, make_qkv, np_mask, to_np, torch_on  # noqa: E402
+from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
+from tr_util import DEV, HAS_CUDA, needs_triton, T  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-RUNNABLE = unavailable_reason("triton") is None
 
-needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-
-
-def T(x, dtype=None):
-    return torch_on(x, DEV, dtype)
-
-
 
 
 def check(q, k, v, g, *, mask=None, bias=None, wrt=("q", "k", "v"), dtype="float32",

@@ -18,23 +18,12 @@ pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
-from helpers import TOL, assert_close, make_qkv, np_mask, to_np, torch_on  # noqa: E402
+from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
+from tr_util import GRAD, needs_triton, T  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
-RUNNABLE = unavailable_reason("triton") is None
 
-needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
-GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
 BIG_SEED = (1 << 64) - 0x1234_5678_9ABC   # >= 2**63: both halves with the top bit set
-
-
-def T(x, dtype=None):
-    return torch_on(x, DEV, dtype)
-
-
 
 
 def check(q, k, v, g, *, p, seed, mods=None, mask=None, bias=None, wrt=None,

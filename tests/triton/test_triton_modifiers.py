@@ -18,22 +18,9 @@ pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
-from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
-from helpers import TOL, assert_close, make_qkv, np_mask, to_np, torch_on  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available()
-DEV = "cuda" if HAS_CUDA else "cpu"
-RUNNABLE = unavailable_reason("triton") is None
-
-needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
-GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
-
-
-def T(x, dtype=None):
-    return torch_on(x, DEV, dtype)
-
-
+from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
+from tr_util import GRAD, HAS_CUDA, needs_triton, T  # noqa: E402
 
 
 def mods_for(rng, B, Hq, softcap=None, alibi=None, sinks=None):
