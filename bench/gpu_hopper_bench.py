@@ -2,8 +2,9 @@
 vs the portable kernels, bitwise repeatability, SASS evidence, and forward timings side
 by side with the portable kernels, SDPA-cuDNN, SDPA-flash and FlexAttention, in one
 process.  FLOP convention: FlashAttention's (fwd 4*B*H*Sq*Sk*D, bwd 2.5x, causal half).
-Backward: the routed triton backward (Hopper dK/dV + portable delta and dQ) beside the
-portable one, the Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex
+Backward: the routed triton backward (portable delta + the Hopper backward config of
+configs.bwd_config) beside the portable one, each Hopper backward config alone
+("bwdk-*": the fused kernel with dQ, or dK/dV alone), SDPA cuDNN / flash and Flex
 through autograd.
 
     PYTHONPATH=src python3 bench/gpu_hopper_bench.py [--out DIR] [--quick]
@@ -54,6 +55,16 @@ def fwd_variants(D, dt="bfloat16"):
 
 def bwd_configs(D, dt="bfloat16"):
     return [HCF.bwd_config(D)] + (HCF.BWD_VARIANTS[D] if dt == "bfloat16" else [])
+
+
+def run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg, bufs=None):
+    """(dq or None, dk, dv) of one backward config: the fused kernel (dq too when
+    cfg.dq) or the dK/dV kernel; ``bufs``: poisoned (dq, dk, dv) to write."""
+    dq, dk, dv = bufs if bufs is not None else (None, None, None)
+    if cfg.fused or cfg.ws:
+        return HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg,
+                                 want_dq=cfg.dq)
+    return (None,) + tuple(HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg))
 
 
 def log(*a):
@@ -192,14 +203,19 @@ def check_bwd(p, q, k, v, keep, dt, mask):
     res["variants"] = {}
     for cfg in bwd_configs(p.head_dim, dt):
         shp = (p.batch, p.heads_kv, p.seq_k, p.head_dim)
-        dk = torch.full(shp, float("nan"), dtype=q.dtype, device=q.device)
-        dv = torch.full(shp, float("nan"), dtype=q.dtype, device=q.device)
-        HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg)
-        dk2, dv2 = HL.dkdv(p, q, k, v, dout, l2, delta, cfg=cfg)
+        nan = lambda shape: torch.full(shape, float("nan"), dtype=q.dtype, device=q.device)  # noqa: E731
+        dq, dk, dv = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg,
+                                 (nan(tuple(q.shape)), nan(shp), nan(shp)))
+        dq2, dk2, dv2 = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg)
         ek, ev = rel(dk, rk), rel(dv, rv)
-        res["variants"][cfg.name] = dict(err_dk=ek, err_dv=ev, ok=bool(
-            not torch.isnan(dk).any() and not torch.isnan(dv).any() and ek <= TOL[dt]
-            and ev <= TOL[dt] and torch.equal(dk, dk2) and torch.equal(dv, dv2)))
+        ok = (not torch.isnan(dk).any() and not torch.isnan(dv).any() and ek <= TOL[dt]
+              and ev <= TOL[dt] and torch.equal(dk, dk2) and torch.equal(dv, dv2))
+        vr = dict(err_dk=ek, err_dv=ev)
+        if dq is not None:
+            vr["err_dq"] = eq = rel(dq, rq)
+            ok = ok and not torch.isnan(dq).any() and eq <= TOL[dt] and torch.equal(dq, dq2)
+        vr["ok"] = bool(ok)
+        res["variants"][cfg.name] = vr
     res["ok"] = (not res["nan"] and res["bitwise_repeat"]
                  and all(res[f"err_{n}"] <= TOL[dt] for n in ("dq", "dk", "dv")))
     log(f"   bwd: ok={res['ok']} dq {res['err_dq']:.2e} ({res['err_dq_portable']:.2e}) "
@@ -378,10 +394,11 @@ def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     put("bwd-hopper", lambda: tl_bwd("hopper"))
     put("bwd-portable", lambda: tl_bwd("portable"))
     l2, delta = l2_delta(out, dout, rs.max, rs.log_norm)
-    # dK/dV alone: 4 of the backward's 5 products, so 0.8 of its FLOPs
+    # each config from the same preprocess terms: with dQ the backward's FLOPs; dK/dV
+    # alone 4 of its 5 products, so 0.8 of them
     for cfg in bwd_configs(p.head_dim):
-        put(f"dkdv-{cfg.name}", lambda cfg=cfg: HL.dkdv(p, q, k, v, dout, l2, delta, cfg=cfg),
-            0.8 * fl)
+        put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
+            fl if cfg.dq else 0.8 * fl)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                    ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
@@ -417,6 +434,7 @@ def phase_sass():
             t = time.time()
             c = OFF.compile_dkdv("bfloat16", D, band, cfg)
             cnt = OFF.instruction_counts(c)
+            cnt["sass_DEPBAR"] = OFF.sass_of(c.asm["cubin"]).count("WARPGROUP.DEPBAR")
             cnt.update(D=D, band=band, kernel="dkdv", cfg=(cfg or HCF.bwd_config(D)).name,
                        compile_s=round(time.time() - t, 1))
             RES["sass"].append(cnt)

@@ -61,7 +61,7 @@ def _issue_qdo(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, t, st,
                                     do_smem.index(st))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi"])   # one compile per config
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, H, G, Sq, Sk,
                 scale, lo, hi, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                 num_warps: gl.constexpr):

@@ -1,0 +1,329 @@
+"""The Hopper backward (backends/triton/hopper: bwd_fused_kernel, bwd_kernel) on an sm_90
+GPU, lean enough for a short lease: warm-up compiles in parallel processes, float64
+checks of every backward config (poisoned buffers, bitwise repeat, the routed path), then
+timings beside the portable backward, SDPA-cuDNN and SDPA-flash, in one process.
+FLOP convention: FlashAttention's (bwd 2.5 x the forward's 4*B*H*Sq*Sk*D, causal half).
+The forward's out and row statistics come from torch (no forward kernel is compiled).
+
+    PYTHONPATH=src python3 bench/gpu_hopper_bwd.py [--out DIR] [--phases compile,check,bench]
+
+Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
+Writes hopper_bwd.json under --out and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from anyattn.problem import describe  # noqa: E402
+from anyattn.backends.triton import launch as TL  # noqa: E402
+from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
+from gpu_hopper_bench import (TOL, grads64, keep_dense, l2_delta, mask_of,  # noqa: E402
+                              rel, run_bwd_cfg)
+
+RES = {"meta": {}, "compile": [], "check": [], "bench": []}
+SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def configs(D, dt="bfloat16"):
+    """The configs checked / timed: the default and, in bf16, its variants."""
+    return [HCF.bwd_config(D)] + (HCF.BWD_VARIANTS[D] if dt == "bfloat16" else [])
+
+
+def fwd_torch(q, k, v, keep, scale, acc_dt):
+    """out [B, H, Sq, D] (q's dtype), max, log_norm [B, H, Sq] fp32 of the masked softmax
+    (max -inf and log_norm 0 on empty rows), computed in acc_dt one batch at a time."""
+    G = q.shape[1] // k.shape[1]
+    outs, mxs, lns = [], [], []
+    for b in range(q.shape[0]):
+        qq = q[b:b + 1].to(acc_dt)
+        kk = k[b:b + 1].to(acc_dt).repeat_interleave(G, 1)
+        vv = v[b:b + 1].to(acc_dt).repeat_interleave(G, 1)
+        s = qq @ kk.transpose(-1, -2) * scale
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+        mx = s.amax(-1)
+        fin = torch.isfinite(mx)
+        e = torch.exp(s - torch.where(fin, mx, 0.0)[..., None])
+        del s
+        l_ = e.sum(-1)
+        ln = torch.where(fin, torch.log(torch.where(fin, l_, 1.0)), 0.0)
+        outs.append((e / torch.where(fin, l_, 1.0)[..., None]) @ vv)
+        mxs.append(mx)
+        lns.append(ln)
+        del e
+    return (torch.cat(outs).to(q.dtype), torch.cat(mxs).float().contiguous(),
+            torch.cat(lns).float().contiguous())
+
+
+def inputs(B, H, Hkv, Sq, Sk, D, dt, layout="bhsd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = getattr(torch, dt)
+    if layout == "bshd":   # [B, S, H, D] memory viewed as [B, H, S, D]
+        mk = lambda h, s: torch.randn(B, s, h, D, device="cuda", generator=g).to(tdt).transpose(1, 2)  # noqa: E731
+    else:
+        mk = lambda h, s: torch.randn(B, h, s, D, device="cuda", generator=g).to(tdt)  # noqa: E731
+    return mk(H, Sq), mk(Hkv, Sk), mk(Hkv, Sk)
+
+
+# ----------------------------------------------------------------------------- compile
+def _warm(job):
+    """One worker's warm-up launch (fills the shared Triton cache): a small problem of
+    the job's dtype / D / mask through one config, or the portable backward."""
+    kind, dt, D, causal, name = job
+    t = time.time()
+    B, H, S = (1, 16, 256) if kind == "portable" else (1, 2, 256)
+    q, k, v = inputs(B, H, H, S, S, D, dt)
+    mask = mask_of("causal" if causal else "none", S, S)
+    p = describe(q, k, v, mask=mask)
+    out, mx, ln = fwd_torch(q, k, v, keep_dense("causal" if causal else "none", S, S, "cuda"),
+                            p.scale, torch.float32)
+    dout = torch.randn_like(out)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+    if kind == "portable":
+        from anyattn.rowstats import RowStats
+
+        for path in ("portable", "hopper"):
+            os.environ["ANYATTN_TRITON_PATH"] = path
+            TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
+    else:
+        cfg = next(c for c in configs(D, dt) if c.name == name)
+        l2, delta = l2_delta(out, dout, mx, ln)
+        run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg)
+    torch.cuda.synchronize()
+    return dict(job=list(job), s=round(time.time() - t, 1))
+
+
+def phase_compile():
+    jobs = []
+    for dt in ("bfloat16", "float16"):
+        for D in (64, 128):
+            for causal in (False, True):
+                jobs += [("cfg", dt, D, causal, c.name) for c in configs(D, dt)]
+    jobs += [("portable", "bfloat16", D, c, "") for D in (64, 128) for c in (False, True)]
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4), mp_context=ctx) as ex:
+        futs = {ex.submit(_warm, j): j for j in jobs}
+        for f in cf.as_completed(futs, timeout=150):
+            try:
+                r = f.result()
+            except Exception as e:  # noqa: BLE001 - recorded; the check phase will fail it
+                r = dict(job=list(futs[f]), error=repr(e)[:400])
+            RES["compile"].append(r)
+            log("compile", r)
+            dump()
+
+
+# ----------------------------------------------------------------------------- check
+CASES = [  # name, B, H, Hkv, Sq, Sk, D, dtype, mask, layout
+    ("bf16-D128-causal-gqa-odd", 2, 4, 2, 257, 383, 128, "bfloat16", "causal", "bhsd"),
+    ("bf16-D128-none-gqa-odd", 2, 4, 2, 257, 383, 128, "bfloat16", "none", "bhsd"),
+    ("bf16-D128-window2-gqa-odd", 2, 4, 2, 257, 383, 128, "bfloat16", "window2", "bhsd"),
+    ("bf16-D128-window", 1, 2, 1, 700, 700, 128, "bfloat16", "window", "bhsd"),
+    ("bf16-D128-causalbr-emptyrows", 1, 2, 1, 300, 200, 128, "bfloat16", "causal_br", "bhsd"),
+    ("bf16-D128-bshd-causal", 2, 4, 4, 512, 512, 128, "bfloat16", "causal", "bshd"),
+    ("bf16-D128-none-long-chain", 1, 4, 2, 1000, 1500, 128, "bfloat16", "none", "bhsd"),
+    ("bf16-D128-one-row", 1, 1, 1, 1, 1, 128, "bfloat16", "none", "bhsd"),
+    ("bf16-D64-causal-gqa-odd", 2, 4, 2, 257, 383, 64, "bfloat16", "causal", "bhsd"),
+    ("bf16-D64-none-gqa-odd", 2, 4, 2, 257, 383, 64, "bfloat16", "none", "bhsd"),
+    ("bf16-D64-causalbr-emptyrows", 1, 2, 1, 300, 200, 64, "bfloat16", "causal_br", "bhsd"),
+    ("fp16-D128-causal-gqa-odd", 2, 4, 2, 257, 383, 128, "float16", "causal", "bhsd"),
+    ("fp16-D128-window2", 2, 4, 2, 257, 383, 128, "float16", "window2", "bhsd"),
+    ("fp16-D64-none-gqa-odd", 2, 4, 2, 257, 383, 64, "float16", "none", "bhsd"),
+]
+
+
+def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout):
+    q, k, v = inputs(B, H, Hkv, Sq, Sk, D, dt, layout, seed=zlib.crc32(name.encode()) % 2**31)
+    mask = mask_of(kind, Sq, Sk)
+    keep = keep_dense(kind, Sq, Sk, "cuda")
+    p = describe(q, k, v, mask=mask)
+    out, mx, ln = fwd_torch(q, k, v, keep, p.scale, torch.float64)
+    dout = torch.randn_like(out)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+    rq, rk, rv = grads64(q, k, v, keep, p.scale, dout)
+    l2, delta = l2_delta(out, dout, mx, ln)
+    row = dict(name=name, B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D, dtype=dt, mask=kind,
+               layout=layout, tol=TOL[dt], cfgs={})
+    shp_k = (B, Hkv, Sk, D)
+    nan = lambda shape: torch.full(shape, float("nan"), dtype=q.dtype, device="cuda")  # noqa: E731
+    for cfg in configs(D, dt):
+        g1 = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg, (nan((B, H, Sq, D)), nan(shp_k), nan(shp_k)))
+        g2 = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg)
+        torch.cuda.synchronize()
+        r = {}
+        ok = True
+        for n, a, a2, ref in (("dq", g1[0], g2[0], rq), ("dk", g1[1], g2[1], rk),
+                              ("dv", g1[2], g2[2], rv)):
+            if a is None:
+                continue
+            r[f"err_{n}"] = e = rel(a, ref)
+            r[f"nan_{n}"] = bool(torch.isnan(a).any())
+            r[f"repeat_{n}"] = bool(torch.equal(a, a2))
+            ok = ok and e <= TOL[dt] and not r[f"nan_{n}"] and r[f"repeat_{n}"]
+        r["ok"] = bool(ok)
+        row["cfgs"][cfg.name] = r
+    # the routed path (ANYATTN_TRITON_PATH=hopper: portable preprocess + the default config)
+    from anyattn.rowstats import RowStats
+
+    os.environ["ANYATTN_TRITON_PATH"] = "hopper"
+    try:
+        g = TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
+    finally:
+        os.environ.pop("ANYATTN_TRITON_PATH", None)
+    row["routed"] = {n: rel(g[n], r_) for n, r_ in (("dq", rq), ("dk", rk), ("dv", rv))}
+    row["routed_ok"] = all(e <= TOL[dt] for e in row["routed"].values())
+    row["ok"] = row["routed_ok"] and all(c["ok"] for c in row["cfgs"].values())
+    RES["check"].append(row)
+    log(f"check {name}: ok={row['ok']} routed " +
+        " ".join(f"{n}={e:.2e}" for n, e in row["routed"].items()) + " | " +
+        " ".join(f"{c}:{'ok' if r['ok'] else 'FAIL'}(" +
+                 ",".join(f"{k_[4:]}={v_:.1e}" for k_, v_ in r.items() if k_.startswith("err"))
+                 + ")" for c, r in row["cfgs"].items()))
+
+
+def phase_check():
+    for c in CASES:
+        try:
+            check_case(*c)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            RES["check"].append(dict(name=c[0], error=repr(e)[:400], ok=False))
+            log(f"check {c[0]}: ERROR {e!r}"[:400])
+        dump()
+
+
+# ----------------------------------------------------------------------------- bench
+def bench_ms(fn, rep=60):
+    return triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median")
+
+
+def phase_bench():
+    from anyattn.rowstats import RowStats
+
+    for (b, h, s, d) in SHAPES:
+        for causal in (False, True):
+            q, k, v = inputs(b, h, h, s, s, d, "bfloat16", seed=11)
+            kind = "causal" if causal else "none"
+            mask = mask_of(kind, s, s)
+            p = describe(q, k, v, mask=mask)
+            keep = keep_dense(kind, s, s, "cuda") if causal else None
+            out, mx, ln = fwd_torch(q, k, v, keep, p.scale, torch.float32)
+            del keep
+            dout = torch.randn_like(out)
+            p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+            l2, delta = l2_delta(out, dout, mx, ln)
+            fl = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
+            row = dict(B=b, H=h, S=s, D=d, causal=causal, ms={}, tflops={})
+
+            def put(name, fn, flops=fl):
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = bench_ms(fn)
+                    row["ms"][name] = round(ms, 4)
+                    row["tflops"][name] = round(flops / ms / 1e9, 1)
+                except Exception as e:  # noqa: BLE001
+                    row["ms"][name] = repr(e)[:300]
+
+            def tl_bwd(path):
+                os.environ["ANYATTN_TRITON_PATH"] = path
+                try:
+                    return TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
+                finally:
+                    os.environ.pop("ANYATTN_TRITON_PATH", None)
+
+            put("bwd-hopper", lambda: tl_bwd("hopper"))
+            put("bwd-portable", lambda: tl_bwd("portable"))
+            for cfg in configs(d):
+                put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
+                    fl if cfg.dq else 0.8 * fl)
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel([be]):
+                        o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    put(nm, lambda o=o: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+                    del o
+                except Exception as e:  # noqa: BLE001
+                    row["ms"][nm] = repr(e)[:300]
+            hb, pb, cb = (row["ms"].get(n) for n in ("bwd-hopper", "bwd-portable", "bwd-sdpa-cudnn"))
+            if isinstance(hb, float) and isinstance(cb, float):
+                row["hopper_vs_cudnn"] = round(cb / hb, 3)
+            if isinstance(hb, float) and isinstance(pb, float):
+                row["hopper_vs_portable"] = round(pb / hb, 3)
+            RES["bench"].append(row)
+            log(f"bench B={b} H={h} S={s} D={d} causal={causal}: " +
+                " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
+            torch.cuda.empty_cache()
+            dump()
+
+
+def phase_roof():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b)
+    RES["meta"]["bf16_gemm_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+    log(f"roof: torch bf16 GEMM 8192^3 {RES['meta']['bf16_gemm_tflops']} TFLOP/s")
+
+
+def dump():
+    with open(os.path.join(RES["meta"]["out"], "hopper_bwd.json"), "w") as f:
+        json.dump(RES, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--phases", default="compile,check,roof,bench")
+    a = ap.parse_args()
+    RES["meta"].update(out=a.out, date=time.strftime("%Y-%m-%d %H:%M"),
+                       device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, cudnn=torch.backends.cudnn.version(),
+                       flops="FlashAttention convention: bwd 2.5 * 4*B*H*S*S*D, causal /2")
+    try:
+        RES["meta"]["gpu_state"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,utilization.gpu,memory.used,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        RES["meta"]["gpu_state"] = repr(e)
+    log(RES["meta"])
+    for ph in a.phases.split(","):
+        t = time.time()
+        try:
+            {"compile": phase_compile, "check": phase_check, "roof": phase_roof,
+             "bench": phase_bench}[ph]()
+        except Exception as e:  # noqa: BLE001
+            RES["meta"][f"{ph}_error"] = repr(e)[:500]
+            log(f"phase {ph} failed: {e!r}")
+        RES["meta"][f"{ph}_s"] = round(time.time() - t, 1)
+        log(f"phase {ph}: {time.time() - t:.1f} s")
+        dump()
+    bad = [r["name"] for r in RES["check"] if not r.get("ok")]
+    log(f"checks: {len(RES['check'])} cases, failing: {bad}")
+    for r in RES["bench"]:
+        log(f"B={r['B']} H={r['H']} S={r['S']} D={r['D']} causal={r['causal']} TFLOP/s " +
+            " ".join(f"{k}={v}" for k, v in r["tflops"].items()) +
+            f"  hopper/cudnn {r.get('hopper_vs_cudnn')} hopper/portable {r.get('hopper_vs_portable')}")
+
+
+if __name__ == "__main__":
+    main()
