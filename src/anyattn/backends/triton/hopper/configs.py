@@ -90,6 +90,10 @@ class HopperBwdConfig:
     bm: int
     stages: int
     num_warps: int = 8
+    fused: bool = False
+    ws: bool = False
+    dq: bool = False
+    consumer_regs: int = 240
 
     @property
     def name(self) -> str:
@@ -97,10 +101,6 @@ class HopperBwdConfig:
         pre = "f" if self.fused else ("ws" if self.ws else "")
         return f"{pre}dkdv{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
 
-    fused: bool = False
-    ws: bool = False
-    dq: bool = False
-    consumer_regs: int = 240
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
@@ -127,8 +127,8 @@ BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 3, fused=True, dq=True),
 
 
 def bwd_config(d: int) -> HopperBwdConfig:
-    return _BWD[d]
     """The backward's default config for head dim d."""
+    return _BWD[d]
 
 
 def dkdv_config(d: int) -> HopperBwdConfig:
