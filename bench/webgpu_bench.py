@@ -2,6 +2,10 @@
 
 python bench/webgpu_bench.py [--out DIR] [--small] [--quick] [--f16] [--resident [--variants]]
                              [--plot JSON]
+--resident [--skip-variants] [--skip-seed] [--resident-sizes 512x64,4096x128]
+           [--abi-sizes 512,4096]: the issue-17 table (plan, device arrays with host ms/call,
+           host arrays, triton; the seed ABI as three calls and as one grouped call vs the
+           plan) without / with the variant axis and the seed kernel.
 
 On the H200 (Vulkan): checks anyattn-webgpu against a float64 torch reference
 (up to S=8192), then times the backward (dQ+dK+dV; delta + dK/dV + dQ passes,
@@ -391,10 +395,11 @@ class Seed:
         self.device.queue.submit([enc.finish()])
 
 
-def arena_setup(device, B, H, S, D, rng):
+def arena_setup(device, B, H, S, D, rng, inputs=None):
     import wgpu
 
-    q, k, v, dy = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
+    q, k, v, dy = inputs or (rng.standard_normal((B, H, S, D)).astype(np.float32)
+                             for _ in range(4))
     arenas = []
     for wrt in range(3):
         arena, p = abi.pack_arena(q, k, v, dy, wrt=wrt)
@@ -410,7 +415,31 @@ def arena_setup(device, B, H, S, D, rng):
     return (q, k, v, dy), bufs
 
 
+def one_arena(device, q, k, v, dy):
+    """One wgpu arena with q, k, v, dy and three output regions (dQ, dK, dV) -> (buffer,
+    [p_dq, p_dk, p_dv]): what a runtime plans for one backward step."""
+    import dataclasses
+
+    import wgpu
+
+    arena, p0 = abi.pack_arena(q, k, v, dy, wrt=0)
+    n_kv = k.size
+    full = np.full(arena.size + 2 * n_kv, np.nan, np.float32)
+    full[:arena.size] = arena
+    group = [p0] + [dataclasses.replace(p0, wrt=w, out_off=arena.size + i * n_kv)
+                    for i, w in enumerate((1, 2))]
+    buf = device.create_buffer_with_data(
+        data=full, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+        | wgpu.BufferUsage.COPY_DST)
+    return buf, group
+
+
 def bench_seed_and_abi(be, seed_src, sizes, seed_max_s=512):
+    """The seed ABI on one wgpu arena (B=1 H=8 D=64 fp32) side by side with the
+    device-resident plan of the same backward: three ABI calls (dQ, dK, dV: each runs
+    the forward statistics and delta again) and one grouped call (statistics, delta
+    and the dK/dV pass once); both checked against float64 first; host ms per call (the
+    GPU waited for outside it).  Then the seed kernel itself (S <= seed_max_s)."""
     from anyattn import reference as R
 
     dev = be.device
@@ -418,32 +447,54 @@ def bench_seed_and_abi(be, seed_src, sizes, seed_max_s=512):
     seed = Seed(dev, seed_src) if seed_src else None
     for S in sizes:
         B, H, D = 1, 8, 64
-        (q, k, v, dy), bufs = arena_setup(dev, B, H, S, D, rng)
+        q, k, v, dy = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(4))
         fl = flops_bwd(B, H, S, S, D)
-        # anyattn ABI path: three backward_arena calls (dQ, dK, dV)
-        for buf, p, _ in bufs:
-            abi.attention_backward_arena(buf, p)
-        wait = lambda: dev.queue.read_buffer(bufs[0][0], 0, 4)  # noqa: E731
-        wait()
-        errs = []
-        for wrt, (buf, p, arena) in enumerate(bufs):
-            got = abi.read_output(np.frombuffer(dev.queue.read_buffer(buf), np.float32).copy(), p)
-            ref = R.seed_backward(q, k, v, dy, mask_kind=0, scale=1 / math.sqrt(D), wrt=wrt)
-            errs.append(rel(got, ref))
-        n = 20 if S <= 512 else 5
-        t = time.perf_counter()
-        for _ in range(n):
-            for buf, p, _ in bufs:
-                abi.attention_backward_arena(buf, p)
-        wait()
-        ta = (time.perf_counter() - t) / n
-        rec = dict(impl="anyattn-webgpu-abi", dtype="float32", B=B, H=H, S=S, D=D,
-                   bwd_ms=ta * 1e3, bwd_tflops=fl / ta / 1e12, max_rel_err=max(errs), n=n)
-        RESULTS["timings"].append(rec)
-        log(f"abi S={S}: {ta*1e3:.3f} ms dQ+dK+dV ({rec['bwd_tflops']:.3f} TFLOP/s) err {max(errs):.2e}")
+        buf, group = one_arena(dev, q, k, v, dy)
+        try:
+            import torch
+
+            gpu = torch.cuda.is_available()
+        except ImportError:
+            gpu = False
+        refs = None
+        if gpu:                              # no mask: the seed's semantics are SDPA's
+            r = torch_ref(q, k, v, dy)
+            refs = [r["dq"], r["dk"], r["dv"]]
+        elif S <= 2048:
+            refs = [R.seed_backward(q, k, v, dy, mask_kind=0, scale=1 / math.sqrt(D), wrt=w)
+                    for w in range(3)]
+        three = lambda: [abi.attention_backward_arena(buf, p) for p in group]  # noqa: E731
+        grouped = lambda: abi.attention_backward_arena(buf, group)             # noqa: E731
+        _, plan, _, _ = wgpu_plan(be, q, k, v, dy)
+        tp, _ = time_plan(plan)
+        plan_host = _host_time(be, lambda: plan.submit(1))
+        recs = {}
+        for impl, fn in (("anyattn-webgpu-abi", three), ("anyattn-webgpu-abi-grouped", grouped)):
+            errs = []
+            if refs is not None:
+                fn()
+                arena = np.frombuffer(dev.queue.read_buffer(buf), np.float32).copy()
+                errs = [rel(abi.read_output(arena, p), r) for p, r in zip(group, refs)]
+            ta, n = _time_calls(be, fn, max_n=50)
+            rec = dict(impl=impl, dtype="float32", B=B, H=H, S=S, D=D, bwd_ms=ta * 1e3,
+                       bwd_tflops=fl / ta / 1e12, max_rel_err=max(errs) if errs else None,
+                       n=n, host_ms=1e3 * _host_time(be, fn), plan_ms=tp * 1e3,
+                       plan_host_ms=plan_host * 1e3, vs_plan=ta / tp)
+            RESULTS["timings"].append(rec)
+            recs[impl] = rec
+            log(f"{impl} S={S}: {ta*1e3:.3f} ms dQ+dK+dV ({rec['bwd_tflops']:.3f} TFLOP/s), "
+                f"{rec['vs_plan']:.2f}x the plan ({tp*1e3:.3f} ms), host {rec['host_ms']:.3f} "
+                f"ms/call (plan {plan_host*1e3:.3f}), err {rec['max_rel_err']}")
+        RESULTS.setdefault("ratios", []).append(dict(
+            abi3_vs_plan=recs["anyattn-webgpu-abi"]["vs_plan"],
+            abi_grouped_vs_plan=recs["anyattn-webgpu-abi-grouped"]["vs_plan"],
+            dtype="float32", B=B, H=H, S=S, D=D))
         if seed is None or S > seed_max_s:
             continue
+        ta = recs["anyattn-webgpu-abi"]["bwd_ms"] / 1e3
         # the seed kernel, same Params (fresh arenas: it writes the outputs in place)
+        _, bufs = arena_setup(dev, B, H, S, D, rng, (q, k, v, dy))
+        wait = lambda: dev.queue.read_buffer(bufs[0][0], 0, 4)  # noqa: E731
         enc = [seed.encode(buf, [p])[0] for buf, p, _ in bufs]
         if S <= 256:
             seed.run(enc)
@@ -463,7 +514,7 @@ def bench_seed_and_abi(be, seed_src, sizes, seed_max_s=512):
                    bwd_tflops=fl / ts / 1e12, max_rel_err=max(serr), n=reps)
         RESULTS["timings"].append(rec)
         log(f"seed S={S}: {ts*1e3:.1f} ms ({rec['bwd_tflops']:.5f} TFLOP/s) err {max(serr):.2e}; "
-            f"anyattn ABI speedup {ts / ta:.0f}x")
+            f"anyattn ABI (3 calls) speedup {ts / ta:.0f}x")
 
 
 # ------------------------------------------------------------------ torch side
@@ -600,7 +651,8 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     recs["device-arrays-fwd"] = (tb, n)
     # host time per call (issue 17: per-call encoding), the GPU waited for outside it
     host_ms = {"device-arrays": 1e3 * _host_time(be, bwd_call),
-               "device-arrays-fwd": 1e3 * _host_time(be, fwd_call)}
+               "device-arrays-fwd": 1e3 * _host_time(be, fwd_call),
+               "plan": 1e3 * _host_time(be, lambda: bwd.submit(1))}
     if host:
         o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
         tb, n = _time_calls(be, lambda: aa.attention_backward(q, k, v, g, out=o, lse=l,
@@ -631,6 +683,9 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
 
 
 BUDGET = {"t0": time.time(), "seconds": None}   # --budget: skip steps past it (logged)
+#: --resident-sizes / --abi-sizes / --skip-variants / --skip-seed: what --resident runs
+RESIDENT_SEL = {"sizes": [(512, 64), (4096, 128), (4096, 64)], "abi_sizes": [512, 4096],
+                "variants": True, "seed": True}
 #: --variant-names / --variant-sizes: the variant axis restricted (names: launch.VARIANTS
 #: and the extra shape points, e.g. staged-8x8-NV4, staged-DC32; "all" = every one)
 VARIANT_SEL = {"names": {"all"}, "sizes": None}
@@ -785,15 +840,18 @@ def resident_study(be, seed_src, gpu, small, variants_only=False):
     ctx = be.context
     RESULTS["features"] = sorted(str(f) for f in ctx.adapter.features)
     RESULTS["device_features"] = sorted(str(f) for f in ctx.features)
-    variant_study(be, gpu, small)       # first: the kernel comparison (issue 17)
+    RESULTS["resident_selection"] = dict(RESIDENT_SEL)
+    if RESIDENT_SEL["variants"] or variants_only:
+        variant_study(be, gpu, small)       # first: the kernel comparison (issue 17)
     if variants_only:
         return
+    seed_src = seed_src if RESIDENT_SEL["seed"] else None
     if small:
         with_timeout(120, "abi+seed", bench_seed_and_abi, be, seed_src, (32,), seed_max_s=32)
         for dt in ("float32", "float16"):
             with_timeout(120, f"resident {dt}", resident_case, be, 1, 2, 64, 32, dt, gpu)
         return
-    for S, D in ((512, 64), (4096, 128), (4096, 64)):
+    for S, D in RESIDENT_SEL["sizes"]:
         for dt in ("float32", "float16"):
             if over_budget(f"resident {dt} S={S} D={D}"):
                 continue
@@ -801,8 +859,9 @@ def resident_study(be, seed_src, gpu, small, variants_only=False):
                          gpu)
             save_partial()
     if not over_budget("abi+seed"):
-        with_timeout(90, "abi+seed", bench_seed_and_abi, be, seed_src, (256, 512),
+        with_timeout(120, "abi+seed", bench_seed_and_abi, be, seed_src, RESIDENT_SEL["abi_sizes"],
                      seed_max_s=512)
+        save_partial()
 
 
 # ------------------------------------------------------------------ lavapipe
@@ -987,8 +1046,22 @@ def main():
     ap.add_argument("--variant-sizes", default="",
                     help="comma list of SxD for the variant axis on a GPU, e.g. 512x128,4096x128")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
+    ap.add_argument("--resident-sizes", default="512x64,4096x128,4096x64",
+                    help="--resident: SxD points of the plan / device arrays / host arrays / "
+                         "triton cases (fp32 and f16 each), e.g. 512x64,512x128,4096x64,4096x128")
+    ap.add_argument("--abi-sizes", default="512,4096",
+                    help="--resident: S of the seed-ABI cases (three calls vs one grouped "
+                         "call vs the plan; B=1 H=8 D=64 fp32)")
+    ap.add_argument("--skip-variants", action="store_true",
+                    help="--resident without the kernel-variant axis")
+    ap.add_argument("--skip-seed", action="store_true",
+                    help="--resident without the seed kernel (3.8 s per run at S=512)")
     a = ap.parse_args()
     BUDGET.update(t0=time.time(), seconds=a.budget)
+    RESIDENT_SEL.update(sizes=[tuple(int(x) for x in t.split("x"))
+                               for t in a.resident_sizes.split(",") if t],
+                        abi_sizes=[int(x) for x in a.abi_sizes.split(",") if x],
+                        variants=not a.skip_variants, seed=not a.skip_seed)
     names = {n.strip() for n in a.variant_names.split(",") if n.strip()}
     if "all" not in names:       # portable is the baseline of every ratio
         names.add("portable")
