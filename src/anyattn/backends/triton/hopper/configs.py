@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "FWD_VARIANTS",
-           "BWD_VARIANTS"]
+__all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
+           "FWD_VARIANTS", "BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -83,32 +83,59 @@ def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:
 
 @dataclass(frozen=True)
 class HopperBwdConfig:
-    """The dK/dV kernel's launch shape: bn key rows per program (16 per warp), bm query
-    rows per ring stage.  Shared memory: 2 bytes * D * (2 * bn + 2 * stages * bm)."""
+    """The backward kernel's launch shape: bn key rows per program (16 per warp; 64 per
+    warpgroup in the fused / ws kernels), bm query rows per ring stage.  Kernels: the
+    dK/dV kernel (bwd_kernel, transposed form); ``fused``: bwd_fused_kernel (two
+    warpgroups, P and dS through shared memory, 8 warps); ``ws``: bwd_ws_kernel (a
+    producer warp + two consumer warpgroups; offline only: see its LOG entry).  ``dq``:
+    the fused / ws kernel computes dQ too (deterministic in-kernel adds).  Shared memory:
+    2 bytes * D * (2 * bn + 2 * stages * bm) + 4 * bm * bn (P, dS; fused / ws)."""
 
     bn: int
     bm: int
     stages: int
     num_warps: int = 8
+    fused: bool = False
+    ws: bool = False
+    dq: bool = False
+    consumer_regs: int = 240
 
     @property
     def name(self) -> str:
-        return f"dkdv{self.bn}x{self.bm}s{self.stages}"
+        """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ)."""
+        pre = "f" if self.fused else ("ws" if self.ws else "")
+        return f"{pre}dkdv{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
-        return elem * d * (2 * self.bn + 2 * self.stages * self.bm)
+        extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
+        return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
-#: D -> dK/dV config (sm_90a offline compile, 2026-12-03: D=128 bm=64 spills, 255
+#: D -> the backward's config: the fused kernel with dQ (bwd_fused_kernel; sm_90a offline
+#: compile 2026-12-03: D=128 255 registers, 40 spill stores / 36 loads, wgmma not
+#: serialised; D=64 234 registers, no spills)
+_BWD = {64: HopperBwdConfig(128, 64, 2, fused=True, dq=True),
+        128: HopperBwdConfig(128, 64, 2, fused=True, dq=True)}
+
+#: D -> the dK/dV kernel's config (bwd_kernel, the transposed form; dQ stays portable)
+#: (sm_90a offline compile, 2026-12-03: D=128 bm=64 spills, 255
 #: registers + 128-248 stack bytes; bm=32 230-253 registers, none; D=64 bm=64 217-237).
 #: H200 (hopper-h200-2026-12-03b.json), TFLOP/s on dK/dV's 4 products: D=128 bm=32 s2
 #: 364-425 / s3 348-438 / bm=64 s2 248-322; D=64 bm=64 s2 340-367, s3 336-371
-_BWD = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)}
+_DKDV = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)}
 
-#: dK/dV variants the GPU bench times beside the defaults
-BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 3, 8)],
-                128: [HopperBwdConfig(128, 32, 3, 8), HopperBwdConfig(128, 64, 2, 8)]}
+#: backward variants the GPU bench checks and times beside the defaults
+BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 3, fused=True, dq=True),
+                     HopperBwdConfig(128, 128, 2, fused=True, dq=True), _DKDV[64]],
+                128: [HopperBwdConfig(128, 64, 3, fused=True, dq=True),
+                      HopperBwdConfig(128, 64, 2, fused=True), _DKDV[128]]}
 
 
 def bwd_config(d: int) -> HopperBwdConfig:
+    """The backward's default config for head dim d."""
     return _BWD[d]
+
+
+def dkdv_config(d: int) -> HopperBwdConfig:
+    """The dK/dV kernel's default config for head dim d (bwd_kernel)."""
+    return _DKDV[d]
