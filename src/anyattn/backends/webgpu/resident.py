@@ -22,6 +22,7 @@ RowStats of ``anyattn.api.forward_with_stats`` to skip that pass.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,7 +31,7 @@ from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
 from ...rowstats import RowStats
 from .engine import LOG_NORM_ROW, STATS_ROWS, Operand
-from .launch import Launch, ceil_div, split_range
+from .launch import ENV_VARIANT, Launch, ceil_div, split_range
 from .uniforms import FLAGS
 
 __all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empty_stats",
@@ -262,17 +263,25 @@ class _Results:
         return self.bufs[-1], len(self.bufs) - 1
 
     def add(self, name: str, index: int, shape, dtype, offset: int = 0) -> None:
-        self.specs.append((name, index, tuple(shape), np.dtype(dtype), int(offset)))
+        from ...webgpu import _contiguous_strides
+
+        self.specs.append((name, index, tuple(shape), np.dtype(dtype), int(offset),
+                           _contiguous_strides(shape)))
+
+
+_COPY_SRC = []        # int(wgpu.BufferUsage.COPY_SRC), set on first use (wgpu is lazy)
 
 
 def _sig(x):
     """What of a device array a launch list depends on (not its buffer or data)."""
-    import wgpu
-
     if x is None:
         return None
+    if not _COPY_SRC:
+        import wgpu
+
+        _COPY_SRC.append(int(wgpu.BufferUsage.COPY_SRC))
     return (x.dtype.char, x.shape, x.strides, x.offset,
-            bool(int(x.buffer.usage) & int(wgpu.BufferUsage.COPY_SRC)))
+            bool(int(x.buffer.usage) & _COPY_SRC[0]))
 
 
 #: a keep mask / document ids of more elements than this make a call uncached (its
@@ -302,10 +311,6 @@ def _hexf(x):
 def _key(what: str, be, p: Problem, inputs: Dict[str, object]):
     """The signature of a device-array call: everything its launch list depends on but
     the buffers (None: not cached).  Floats by their hex form (0.0 != -0.0)."""
-    import os
-
-    from .launch import ENV_VARIANT
-
     mk = _mask_key(p.mask)
     if mk is None:
         return None
@@ -324,6 +329,8 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
     """Look the call's launch template up by signature (``build(results)`` records one on
     a miss), bind this call's buffers, submit -> {name: result DeviceArray}."""
     from .templates import Template
+
+    from ...webgpu import DeviceArray
 
     key = _key(what, be, p, inputs)
     run = be._run()
@@ -353,8 +360,8 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
         raise
     be.last_pieces = dict(tpl.pieces)
     out = {}
-    for name, i, shape, dt, off in tpl.results:
-        arr = _result(rbufs[i], shape, dt, off)
+    for name, i, shape, dt, off, strides in tpl.results:
+        arr = DeviceArray(rbufs[i], shape, dt, strides, off, HOME)
         run.results.hold(rbufs[i], arr)
         out[name] = arr
     return out

@@ -26,8 +26,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Template", "TemplateCache", "ResultSpec"]
 
-#: (name, result buffer index, shape, dtype, element offset): one returned array
-ResultSpec = Tuple[str, int, Tuple[int, ...], object, int]
+#: (name, result buffer index, shape, dtype, element offset, element strides): one
+#: returned array
+ResultSpec = Tuple[str, int, Tuple[int, ...], object, int, Tuple[int, ...]]
 
 
 class Template:
