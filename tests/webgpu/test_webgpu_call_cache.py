@@ -179,6 +179,13 @@ CHANGES = {
               dict(sinks=lambda: _sinks(1.0), wrt=("q", "k", "v", "sinks"))),
     "dropout-seed": (dict(dropout_p=0.2, dropout_seed=1), dict(dropout_p=0.2, dropout_seed=2)),
     "wrt": (dict(wrt=("q", "k", "v")), dict(wrt=("k",))),
+    # fields of the launch-template key (resident._key) beyond the uniform content
+    "dropout-p": (dict(dropout_p=0.2, dropout_seed=1), dict(dropout_p=0.3, dropout_seed=1)),
+    "q_offset": (dict(mask=aa.Causal(), q_offset=0), dict(mask=aa.Causal(), q_offset=5)),
+    "keep-mask": (dict(mask=aa.KeepMask(np.tri(S, S, 2, dtype=bool))),
+                  dict(mask=aa.KeepMask(np.tri(S, S, 3, dtype=bool)))),
+    "alibi-offset": (dict(alibi_slopes=_slopes, k_offset=0),
+                     dict(alibi_slopes=_slopes, k_offset=3)),
 }
 
 
@@ -279,3 +286,87 @@ def test_result_buffer_reused_only_when_no_array_holds_it(be, data):
     gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
     for n in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(gr, n).numpy(), ref[n])
+
+
+def _arena_views(dev, arrays, offsets):
+    """Each [B, H, S, D] float32 array at its element offset in its own buffer of room
+    for all of them ([B, H, S, D] strides) -> views."""
+    out = []
+    for a, off in zip(arrays, offsets):
+        buf = dev.create_buffer(size=4 * (max(offsets) + a.size + 16), usage=_usage())
+        dev.queue.write_buffer(buf, 4 * off, np.ascontiguousarray(a))
+        out.append(wg.from_buffer(buf, a.shape, "float32", offset=off))
+    return out
+
+
+def _usage():
+    import wgpu
+
+    return wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+
+
+def test_offsets_and_shared_buffers_never_stale(be, data):
+    """The same data at another element offset, and q/k/v in one shared buffer vs in
+    three: each call has the bits of its own uncached path (a template recorded with
+    shared buffers must not bind q's buffer for k when they differ)."""
+    host, dev = data
+    d = wg.device()
+    a = _call(tuple(_arena_views(d, host, (0, 0, 0, 0))))[1]
+    b = _call(tuple(_arena_views(d, host, (8, 24, 40, 0))))[1]
+    _same_bits(a, b)                                  # same values, other offsets
+    # k and v views into q's buffer, then the same views into two other buffers
+    qv, o1, o2 = _arena_views(d, (host[0], 0.5 * host[0], 0.25 * host[0]), (4, 4, 4))
+    shared = (qv, qv[:, :1], qv[:, 1:2], dev[3])
+    apart = (qv, o1[:, :1], o2[:, 1:2], dev[3])
+    s1 = _call(shared)[1]
+    a1 = _call(apart)[1]
+    _same_bits(a1, _uncached(be, apart))
+    _same_bits(s1, _uncached(be, shared))
+    assert not np.array_equal(a1["dq"], s1["dq"])
+
+
+def test_key_tells_config_variant_and_limits_apart(be, data, monkeypatch):
+    """Tile config, kernel variant (by name or environment), loop budget, debug builds,
+    strides, offsets and buffer sharing are fields of the template key (dtypes, sizes
+    and the problem's options are, through the Problem and the arrays' signatures)."""
+    from anyattn.api import _mods
+    from anyattn.backends.webgpu import resident
+    from anyattn.backends.webgpu.launch import ENV_VARIANT, TileConfig
+    from anyattn.problem import describe
+
+    _, dev = data
+    q, k, v, g = dev
+    out, st = forward_with_stats(q, k, v)
+
+    def key(q=q, k=k, **kw):
+        p = describe(q, k, v, dout=g, out=out, lse=st.max, wrt=("q", "k", "v"))
+        inputs = dict(q=q, k=k, v=v, dout=g, out=out, max=st.max, log_norm=st.log_norm,
+                      bias=None, slopes=None, sinks=None)
+        return resident._key("bwd", be, p, inputs)
+
+    base = key()
+    assert key() == base
+    keys = {}
+    be.config_override = TileConfig(8, 8, 16, 16, 1)
+    keys["config"] = key()
+    be.config_override = None
+    be.loop_limit_override = 100
+    keys["loop limit"] = key()
+    be.loop_limit_override = None
+    be.debug_trips = True
+    keys["debug"] = key()
+    be.debug_trips = False
+    monkeypatch.setenv(ENV_VARIANT, "prefetch")
+    keys["variant"] = key()
+    monkeypatch.delenv(ENV_VARIANT)
+    q2 = wg.from_buffer(q.buffer, q.shape, "float32", strides=(0,) + q.strides[1:])
+    keys["strides"] = key(q=q2)
+    d = wg.device()
+    at4, at8 = (_arena_views(d, (np.zeros(q.shape, np.float32),), (off,))[0] for off in (4, 8))
+    keys["offset"] = key(q=at8)
+    assert key(q=at4) != keys["offset"]
+    keys["shared buffer"] = key(k=wg.from_buffer(q.buffer, k.shape, "float32"))
+    assert key() == base
+    for name, kk in keys.items():
+        assert kk != base, name
+    assert len(set(keys.values())) == len(keys)
