@@ -14,6 +14,12 @@ ahead of the device at moderate sizes.  Variants, timed in turn round after roun
 - ``module_ops``: the same through the custom ops (the path tracing uses).
 
     python bench/host_overhead.py --out docs/perf/host-overhead-cpu-<date>.json
+
+Before / after a change on a loaded machine: ``--compare OLD_SRC`` (a ``src`` tree of the
+earlier revision, e.g. ``git archive <rev> src | tar -x -C /tmp/old``) runs this script
+from both trees in alternating child processes (``--pairs`` times, ``--rounds`` each),
+so that a load change hits both alike, and reports per variant the medians of each and
+the median of the paired differences.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+_SRC = os.environ.get("ANYATTN_BENCH_SRC") or str(Path(__file__).resolve().parents[1] / "src")
+sys.path.insert(0, _SRC)
 
 import torch  # noqa: E402
 
@@ -57,6 +64,47 @@ def _stub_kernels() -> int:
     return n
 
 
+def compare(a, argv) -> None:
+    """Alternate child runs of this script from ``a.compare`` (old) and this tree (new)."""
+    import subprocess
+    import tempfile
+
+    new_src = str(Path(__file__).resolve().parents[1] / "src")
+    runs = {"old": [], "new": []}
+    skip = {"--compare", "--pairs", "--out"}
+    child = [x for i, x in enumerate(argv)
+             if x not in skip and (i == 0 or argv[i - 1] not in skip)]
+    with tempfile.TemporaryDirectory() as td:
+        for i in range(a.pairs):
+            for tag, src in (("old", a.compare), ("new", new_src)) if i % 2 == 0 else \
+                    (("new", new_src), ("old", a.compare)):
+                out = os.path.join(td, f"{tag}{i}.json")
+                subprocess.run([sys.executable, __file__, *child, "--out", out], check=True,
+                               env=dict(os.environ, ANYATTN_BENCH_SRC=src),
+                               stdout=subprocess.DEVNULL)
+                runs[tag].append(json.loads(Path(out).read_text())["median"])
+    names = list(runs["new"][0])
+    res = {}
+    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}, "
+          f"{a.pairs} alternating pairs of runs, load {os.getloadavg()[0]:.2f}")
+    for n in names:
+        old = [r[n] for r in runs["old"]]
+        new = [r[n] for r in runs["new"]]
+        diff = statistics.median(b - c for b, c in zip(new, old))
+        res[n] = dict(old=statistics.median(old), new=statistics.median(new),
+                      paired_diff=diff, old_runs=old, new_runs=new)
+        print(f"  {n:11s} old {res[n]['old']:8.1f}  new {res[n]['new']:8.1f}  "
+              f"paired diff {diff:+8.1f} ({diff / res[n]['old']:+.0%})")
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+            load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
+            old_src=a.compare, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
+            unit="microseconds of host time per fwd+bwd step (kernels no-op), medians",
+            variants=res), indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2,4,256,64", help="B,H,S,D")
@@ -64,7 +112,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
+    ap.add_argument("--compare", metavar="OLD_SRC", help="src tree of the earlier revision")
+    ap.add_argument("--pairs", type=int, default=4, help="alternating runs per tree")
     a = ap.parse_args()
+    if a.compare:
+        compare(a, sys.argv[1:])
+        return
     assert _stub_kernels() > 0
     B, H, S, D = (int(x) for x in a.shape.split(","))
     q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)

@@ -149,3 +149,71 @@ def test_vmap_of_the_forward_and_a_clear_refusal_under_func_grad():
         assert torch.equal(out[i], at.attention(qs[i], ks[i], vs[i]).detach())
     with pytest.raises(NotImplementedError, match="torch.func transforms"):
         torch.func.grad(lambda a: at.attention(a, k.detach(), v.detach()).sum())(q.detach())
+
+
+def _cache_cases():
+    """name -> (input changer, keywords): each differs from the plain call in one input
+    the eager path's Problem depends on."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "plain": (None, {}),
+        "causal": (None, dict(mask=anyattn.Causal())),
+        "window": (None, dict(mask=anyattn.Window(left=3, right=1))),
+        "bias": (None, dict(bias=torch.randn(1, 4, 13, 17, generator=g))),
+        "bias_rows": (None, dict(bias=torch.randn(2, 1, 1, 17, generator=g))),
+        "scale": (None, dict(scale=0.2)),
+        "softcap": (None, dict(softcap=4.0)),
+        "alibi": (None, dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
+        "sinks": (None, dict(sinks=torch.randn(4, generator=g))),
+        "offsets": (None, dict(mask=anyattn.Causal(), q_offset=4)),
+        "f64": (lambda x: x.double(), {}),
+        "longer": ("Sq", {}),
+        "only_q": ("q_only", {}),
+    }
+
+
+def _cache_step(name, change, kw):
+    q, k, v, g = _inputs(Sq=15 if change == "Sq" else 13)
+    if callable(change):
+        q, k, v, g = (change(x.detach()).requires_grad_(x.requires_grad) for x in (q, k, v, g))
+    if change == "q_only":
+        k, v = k.detach(), v.detach()
+    out, lse = at.attention(q, k, v, return_lse=True, **kw)
+    wrt = [x for x in (q, k, v) if x.requires_grad]
+    return (out, lse) + torch.autograd.grad(out, wrt, g)
+
+
+def test_problem_cache_gives_the_bits_of_uncached_calls():
+    """Each signature after all the others were cached (a stale Problem would be reused
+    there) and alone with the cache emptied: the same bits; repeats hit the cache."""
+    cases = _cache_cases()
+    eager._problems.clear()
+    cached = {n: _cache_step(n, *c) for n, c in cases.items()}
+    n_entries = len(eager._problems)
+    assert n_entries == len(cases)
+    for n, c in cases.items():
+        assert all(torch.equal(a, b) for a, b in zip(cached[n], _cache_step(n, *c))), n
+    assert len(eager._problems) == n_entries
+    for n, c in cases.items():
+        eager._problems.clear()
+        fresh = _cache_step(n, *c)
+        assert all(torch.equal(a, b) for a, b in zip(cached[n], fresh)), n
+
+
+def test_problem_cache_skips_tensor_masks_and_dropout_and_never_skips_a_refusal():
+    q, k, v, g = _inputs()
+    eager._problems.clear()
+    keep = torch.rand(2, 1, 13, 17) > 0.3
+    ids_q, ids_k = (torch.arange(13) // 5)[None], (torch.arange(17) // 6)[None]
+    for kw in (dict(mask=anyattn.KeepMask(keep)), dict(mask=anyattn.Documents(ids_q, ids_k)),
+               dict(dropout_p=0.2, dropout_seed=5)):
+        at.attention(q, k, v, **kw)
+    assert len(eager._problems) == 0
+    at.attention(q, k, v)
+    with pytest.raises(ValueError, match="head_dim"):
+        at.attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="scale"):
+        at.attention(q, k, v, scale=float("inf"))
+    with pytest.raises(ValueError, match="softcap"):
+        at.attention(q, k, v, softcap=-1.0)
+    assert len(eager._problems) == 1

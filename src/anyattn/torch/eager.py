@@ -13,9 +13,16 @@ produce them refuses at the forward), keeps the ``Problem`` and the backend it c
 and its backward runs that backend on the same Problem with ``wrt`` narrowed to what
 autograd asks for: no second validation, the same kernels and formulas as the ops
 (tests/torch/test_eager.py holds the two paths to the same bits).
+
+A repeated call with the same shapes, dtypes, devices and options and a mask without
+tensors (no Documents / KeepMask) and no dropout skips the validation too: its Problem
+is kept per signature (``_problems``, an LRU of ``_PROBLEMS`` entries; the key holds
+every input ``describe`` reads from such a call), since ``describe`` of equal inputs
+gives an equal Problem and raises for none of them.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Optional, Tuple
@@ -85,27 +92,66 @@ class _Call:
     dropout_seed: Optional[int]
 
 
-def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
-    """-> (Problem with ``wrt``, backend, ScoreMods): every check of the core, once."""
+#: (signature -> (Problem, its forward Problem)) of the calls whose Problem holds no tensor
+_problems: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_PROBLEMS = 64
+
+
+def _sig(x):
+    return None if x is None else (x.shape, x.dtype, x.device)
+
+
+def _signature(call: _Call, q, k, v, bias, sinks, wrt):
+    """Every input ``describe`` reads from this call, or None when its Problem would hold
+    a tensor or a per-call value (a Documents / KeepMask mask, a dropout seed)."""
+    m = call.mask
+    if m.q_ids is not None or m.keep is not None or call.dropout_p:
+        return None
+    return (_sig(q), _sig(k), _sig(v), _sig(bias), _sig(sinks), _sig(call.alibi_slopes),
+            m.band_lo, m.band_hi, call.scale, call.precision, call.q_offset, call.k_offset,
+            call.softcap, wrt)
+
+
+def _describe(call: _Call, q, k, v, bias, sinks, wrt):
+    """-> (Problem with ``wrt``, the same with no ``wrt``): every check of the core, once
+    per signature."""
+    key = _signature(call, q, k, v, bias, sinks, wrt)
+    if key is not None:
+        hit = _problems.get(key)
+        if hit is not None:
+            _problems.move_to_end(key)
+            return hit
     p = describe(q, k, v, mask=call.mask, bias=bias, scale=call.scale,
                  precision=call.precision, wrt=wrt or None, q_offset=call.q_offset,
                  k_offset=call.k_offset, softcap=call.softcap,
                  alibi_slopes=call.alibi_slopes, sinks=sinks, dropout_p=call.dropout_p,
                  dropout_seed=call.dropout_seed)
+    res = (p, _with_wrt(p, frozenset()) if p.wrt else p)
+    if key is not None:
+        _problems[key] = res
+        while len(_problems) > _PROBLEMS:
+            _problems.popitem(last=False)
+    return res
+
+
+def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
+    """-> (Problem with ``wrt``, forward Problem, backend, ScoreMods)."""
+    p, pf = _describe(call, q, k, v, bias, sinks, wrt)
     be = choose(p, call.backend)
-    return p, be, api._mods(p, call.alibi_slopes, sinks)
+    return p, pf, be, api._mods(p, call.alibi_slopes, sinks)
 
 
-def _run_forward(p, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
-    """-> (out [B, Hq, Sq, D], row_max, log_norm [B, Hq, Sq]) as torch tensors."""
-    pf = _with_wrt(p, frozenset())
+def _run_forward(pf, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
+    """pf: the forward Problem (no ``wrt``) -> (out [B, Hq, Sq, D], row_max, log_norm
+    [B, Hq, Sq]) as torch tensors."""
     if pf.is_empty:
         out, stats = api._zeros_like(q), api._empty_stats(q, pf, mods)
     else:
         out, stats = be.forward(pf, q, k, v, api._bias4(bias, pf), mods)
     sdt = _lse_dtype(q)
-    return (_as_torch(out, q), _as_torch(stats.max, q).to(sdt),
-            _as_torch(stats.log_norm, q).to(sdt))
+    mx, ln = _as_torch(stats.max, q), _as_torch(stats.log_norm, q)
+    return (_as_torch(out, q), mx if mx.dtype == sdt else mx.to(sdt),
+            ln if ln.dtype == sdt else ln.to(sdt))
 
 
 class _Attention(torch.autograd.Function):
@@ -114,8 +160,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, call: _Call, wrt: Tuple[str, ...]):
-        p, be, mods = _prepare(call, q, k, v, bias, sinks, wrt)
-        out, row_max, log_norm = _run_forward(p, be, mods, q, k, v, bias)
+        p, pf, be, mods = _prepare(call, q, k, v, bias, sinks, wrt)
+        out, row_max, log_norm = _run_forward(pf, be, mods, q, k, v, bias)
         ctx.save_for_backward(q, k, v, bias, sinks, out, row_max, log_norm)
         ctx.problem, ctx.backend, ctx.alibi_slopes = p, be, call.alibi_slopes
         ctx.mark_non_differentiable(row_max, log_norm)
@@ -130,7 +176,7 @@ class _Attention(torch.autograd.Function):
         grads = [None] * 7
         if not wrt:
             return tuple(grads)
-        p = _with_wrt(ctx.problem, wrt)
+        p = ctx.problem if wrt == ctx.problem.wrt else _with_wrt(ctx.problem, wrt)
         mods = api._mods(p, ctx.alibi_slopes, sinks)
         if p.is_empty:
             res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
@@ -164,6 +210,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], keep, q_i
         wrt = tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias),
                                    ("sinks", sinks)) if x is not None and x.requires_grad)
     if not wrt:
-        p, be, mods = _prepare(call, q, k, v, bias, sinks, ())
-        return _run_forward(p, be, mods, q, k, v, bias)
+        _, pf, be, mods = _prepare(call, q, k, v, bias, sinks, ())
+        return _run_forward(pf, be, mods, q, k, v, bias)
     return _Attention.apply(q, k, v, bias, sinks, call, wrt)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
-           "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket"]
+           "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket",
+           "ENV_VARS", "env_snapshot", "overrides_version"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,31 @@ class Plan:
             assert self.sbq % c.bm == 0 and self.sbk % c.bn == 0, (self, c)
         assert self.sbq % self.dkdv.bm == 0 and self.sbk % self.dkdv.bn == 0, self
         return self
+
+
+#: every environment variable the Triton launch path reads (here, in launch.py and in
+#: hopper/coverage.py); a call takes one snapshot of them (``env_snapshot``) for the key
+#: of its prepared launch, so a value changed between calls takes effect on the next one
+ENV_VARS = ("TRITON_INTERPRET", "ANYATTN_TRITON_CONFIG", "ANYATTN_TRITON_AUTOTUNE",
+            "ANYATTN_TRITON_FUSED_BWD", "ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT",
+            "ANYATTN_TRITON_FAST_TANH", "ANYATTN_TRITON_PATH", "ANYATTN_TRITON_DBIAS")
+
+#: os.environ's backing dict (bytes keys on POSIX): one ``dict.get`` per variable,
+#: ~0.1 us, where ``os.environ.get`` encodes the name each time (~2 us on a 2-core CPU).
+#: It is what os.environ reads and writes (putenv / monkeypatch.setenv included); where
+#: it has another form the snapshot reads os.environ itself.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(n.encode() for n in ENV_VARS)
+_FAST_ENV = os.name == "posix" and isinstance(_ENV_DATA, dict)
+
+
+def env_snapshot() -> tuple:
+    """The values of ENV_VARS now (None where unset; bytes or str, compared only with
+    another snapshot)."""
+    if _FAST_ENV:
+        get = _ENV_DATA.get
+        return tuple([get(k) for k in _ENV_KEYS])
+    return tuple([os.environ.get(n) for n in ENV_VARS])
 
 
 def padded_dim(d: int) -> int:
@@ -122,22 +148,15 @@ def fp32_precision(precision: str, dtype: str) -> str:
     return os.environ.get("ANYATTN_TRITON_FP32_DOT", "f16x3")
 
 
-#: the environment variables a plan depends on (read once per call: a changed value,
-#: e.g. in a test, gives a new plan)
-_PLAN_ENV = ("ANYATTN_TRITON_CONFIG", "TRITON_INTERPRET", "ANYATTN_TRITON_FUSED_BWD",
-             "ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT")
 _plan_cache: Dict[tuple, Plan] = {}
 
 
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
              seq: int) -> Plan:
     """The heuristic plan for a problem class (H100/H200 measurements, see docs/perf),
-    memoised on its arguments, the environment it reads and the overrides (Plans are
-    frozen): a training step asks for the same plan twice per layer."""
-    env = os.environ
-    key = (dp, dtype, precision, mask_class, has_bias, seq,
-           tuple(env.get(n) for n in _PLAN_ENV),
-           tuple(sorted((k, tuple(sorted(v.items()))) for k, v in _overrides.items())))
+    memoised on its arguments, the environment (one env_snapshot, a superset of what it
+    reads) and the overrides' version (Plans are frozen)."""
+    key = (dp, dtype, precision, mask_class, has_bias, seq, env_snapshot(), _overrides_version)
     plan = _plan_cache.get(key)
     if plan is None:
         if len(_plan_cache) > 256:
@@ -219,14 +238,22 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
 
 #: (dp, dtype, precision) -> dict of Plan fields; set by set_override (bench / tuning).
 _overrides: Dict[Tuple[int, str, str], dict] = {}
+_overrides_version = 0
 
 
 def set_override(dp: int, dtype: str, precision: str, **fields) -> None:
     """Replace plan fields for a class (used by the GPU bench to try configs)."""
+    global _overrides_version
     if fields:
         _overrides[(dp, dtype, precision)] = fields
     else:
         _overrides.pop((dp, dtype, precision), None)
+    _overrides_version += 1
+
+
+def overrides_version() -> int:
+    """A number that changes with every set_override (part of a prepared launch's key)."""
+    return _overrides_version
 
 
 def candidates(kernel: str, dp: int, dtype: str) -> List[KernelConfig]:

@@ -8,31 +8,40 @@ once (the kernels assume unit stride along D), every other layout (including
 strided float32 views into an ABI arena) is read in place.  Outputs are fresh
 contiguous [B, H, S, D] tensors.
 
-Every launch goes through ``_launch``: a config that needs more shared memory than
-the GPU has falls back to fewer stages / smaller tiles (remembered per kernel
-signature); with ANYATTN_TRITON_AUTOTUNE=1 the candidates of configs.py are timed
-once per key.  Documents / KeepMask problems use tile lists built on the GPU once per
-mask and cached on the mask tensors' identity and version counter.
+Every tiled launch goes through ``_launch`` on a call signature's first call: a config
+that needs more shared memory than the GPU has falls back to fewer stages / smaller
+tiles (remembered per kernel signature); with ANYATTN_TRITON_AUTOTUNE=1 the candidates
+of configs.py are timed once per key.  What a call derives from its shapes, layouts,
+options and environment (routing, plan, flags, constexprs, grids, resolved configs) is
+kept per call signature (``_Prepared``, keyed as prepared.py says), so a repeated call
+only allocates its outputs, builds the argument tuple and launches.  Documents /
+KeepMask problems use tile lists built on the GPU once per mask and cached on the mask
+tensors' identity and version counter.
 """
 from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
-import triton
 
 from ...dropout import keep_scale, threshold
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag
 from ...rowstats import RowStats
 from . import configs as C
 from . import kernels as K
+from . import prepared as P
 
 __all__ = ["forward", "backward", "tile_lists", "clear_caches"]
 
 _BIG = 1 << 30            # an open band side
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (triton.cdiv is a constexpr function: ~10x the cost)."""
+    return -(-a // b)
 
 
 def _interpreter_compat() -> None:
@@ -104,7 +113,7 @@ def _split_parts(x, n: int):
     out = torch.empty((B, H, S, n * D), dtype=torch.bfloat16, device=x.device)
     bm = 32
     with torch.cuda.device(x.device) if x.is_cuda else _nullctx():
-        K._split_kernel[(triton.cdiv(S, bm), B * H)](x, out, *_s3(x), H, S, D=D,
+        K._split_kernel[(_cdiv(S, bm), B * H)](x, out, *_s3(x), H, S, D=D,
                                                       DP=C.padded_dim(D), NP=n, BM=bm)
     return out
 
@@ -116,7 +125,7 @@ def _row_stats(x):
     amax = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
     rsq = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
     bm = 32
-    K._row_stats_kernel[(triton.cdiv(S, bm), B * H)](x, amax, rsq, *_s3(x), H, S, D=D,
+    K._row_stats_kernel[(_cdiv(S, bm), B * H)](x, amax, rsq, *_s3(x), H, S, D=D,
                                                      DP=C.padded_dim(D), BM=bm)
     amax = amax.double()
     return amax, amax * rsq.double().sqrt()
@@ -179,14 +188,14 @@ def _split_half(x, sig, group: int, n: int):
     B, H, S, D = x.shape
     out = torch.empty((B, H, S, n * D), dtype=torch.float16, device=x.device)
     bm = 32
-    K._split_f16_kernel[(triton.cdiv(S, bm), B * H)](x, out, sig, *_s3(x), H, group, S, D=D,
+    K._split_f16_kernel[(_cdiv(S, bm), B * H)](x, out, sig, *_s3(x), H, group, S, D=D,
                                                      DP=C.padded_dim(D), NP=n, BM=bm)
     return out
 
 
 def _s3(x):
     """(batch, head, seq) strides of a [B, H, S, D] tensor."""
-    return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride()[:3]
 
 
 @dataclass
@@ -217,7 +226,7 @@ _dummies: Dict[tuple, Any] = {}
 
 
 def _dummy(device, dtype=torch.int32):
-    key = (str(device), dtype)
+    key = (device, dtype)
     t = _dummies.get(key)
     if t is None:
         t = _dummies[key] = torch.zeros(1, dtype=dtype, device=device)
@@ -303,25 +312,28 @@ def _u32_bits(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
-def _drop_args(p, dev) -> tuple:
+def _drop_args(p, dev, draw: bool = True) -> tuple:
     """(DROPOUT, (DW, threshold, 1 / (1 - p))) of p's dropout (anyattn.dropout;
     p.dropout_p = 0: off).  DW int32 [Sk + B * H * Sq]: the premixed column words, then
     the row words of every (b, h), drawn once per call by K._drop_words_kernel (the seed
-    halves and offsets travel as int32 bits, one kernel signature for every value)."""
-    if not p.has_dropout:
-        return False, (_dummy(dev), 0, 1.0)
+    halves and offsets travel as int32 bits, one kernel signature for every value).
+    ``draw=False``: the flag only (placeholder scalars, nothing launched)."""
+    if not p.has_dropout or not draw:
+        return p.has_dropout and not draw, (_dummy(dev), 0, 1.0)
     B, H, Sq, Sk = p.batch, p.heads_q, p.seq_q, p.seq_k
     seed = int(p.dropout_seed)
     dw = torch.empty(Sk + B * H * Sq, dtype=torch.int32, device=dev)
     bl = 128
     with torch.cuda.device(dev) if dw.is_cuda else _nullctx():
-        K._drop_words_kernel[(triton.cdiv(max(Sq, Sk, 1), bl), 1 + B * H)](
+        K._drop_words_kernel[(_cdiv(max(Sq, Sk, 1), bl), 1 + B * H)](
             dw, H, Sq, Sk, _u32_bits(p.q_offset), _u32_bits(p.k_offset),
             _u32_bits(seed & 0xFFFFFFFF), _u32_bits(seed >> 32), BLOCK=bl)
     return True, (dw, _u32_bits(threshold(p.dropout_p)), float(keep_scale(p.dropout_p)))
 
 
-def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
+def _mod_args(p, mods: Optional[ScoreMods], dev, draw: bool = True) -> _ModArgs:
+    """``draw=False``: the flags and scalars without drawing the dropout words (for a
+    prepared launch's constexprs)."""
     mods = NO_MODS if mods is None else mods
     if p.softcap is not None and not p.softcap > 0:
         raise ValueError(f"softcap {p.softcap}: expected c > 0")
@@ -333,7 +345,7 @@ def _mod_args(p, mods: Optional[ScoreMods], dev) -> _ModArgs:
     sink_t = _dummy(dev, torch.float32)
     if mods.sinks is not None:
         sink_t = _to_dev(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
-    dropout, drop = _drop_args(p, dev)
+    dropout, drop = _drop_args(p, dev, draw)
     return _ModArgs(softcap=p.softcap is not None, alibi=mods.alibi_slopes is not None,
                     sinks=mods.sinks is not None, slopes=slopes, sl_b=sl_b, sink_t=sink_t,
                     cap=float(p.softcap) if p.softcap is not None else 1.0,
@@ -396,7 +408,7 @@ def _tensor_key(x):
 def _block_reduce(x, sb_q, sb_k):
     """any / all of a bool [Bx, Hx, Sq, Sk] over blocks -> two [Bx, Hx, nQ, nK]."""
     bx, hx, sq, sk = x.shape
-    nq, nk = triton.cdiv(sq, sb_q), triton.cdiv(sk, sb_k)
+    nq, nk = _cdiv(sq, sb_q), _cdiv(sk, sb_k)
     pq, pk = nq * sb_q - sq, nk * sb_k - sk
     xa = torch.nn.functional.pad(x, (0, pk, 0, pq), value=False) if (pq or pk) else x
     xl = torch.nn.functional.pad(x, (0, pk, 0, pq), value=True) if (pq or pk) else x
@@ -410,7 +422,7 @@ def _doc_blocks(qid, kid, sb_q, sb_k):
     qid = qid.expand(bd, -1).to(torch.int64)
     kid = kid.expand(bd, -1).to(torch.int64)
     sq, sk = qid.shape[1], kid.shape[1]
-    nq, nk = triton.cdiv(sq, sb_q), triton.cdiv(sk, sb_k)
+    nq, nk = _cdiv(sq, sb_q), _cdiv(sk, sb_k)
 
     def pad_rep(x, n):  # repeat the last id: neutral for min / max
         extra = n - x.shape[1]
@@ -440,7 +452,7 @@ def _doc_blocks(qid, kid, sb_q, sb_k):
 def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
     rm = p.mask
     Sq, Sk = p.seq_q, p.seq_k
-    nq, nk = triton.cdiv(Sq, sb_q), triton.cdiv(Sk, sb_k)
+    nq, nk = _cdiv(Sq, sb_q), _cdiv(Sk, sb_k)
     any_k = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
     all_k = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
     if rm.has_band:
@@ -607,6 +619,100 @@ def _use_hopper(p, direction: str, plan, tensors) -> bool:
     return why is None and plan is None and HC.routed_by_default(direction)
 
 
+# ----------------------------------------------------------------------------- prepared
+@dataclass
+class _Prepared:
+    """What one call signature's launches need besides its tensors (key: prepared.py):
+    the routing, the plan, the operand scheme, the mask / modifier arguments and tile
+    lists where they hold no per-call tensor (None: built on every call), the
+    backward's decisions, and per tiled kernel its launch once the first call has
+    resolved it through _launch (fallbacks, autotuning)."""
+
+    hop: bool
+    plan: Optional[C.Plan] = None
+    prec: str = ""
+    nparts: int = 1
+    ma: Optional[_MaskArgs] = None      # None: a bias, Documents or KeepMask (per call)
+    md: Optional[_ModArgs] = None       # None: slopes, sinks or dropout (per call)
+    tlists: Optional[TileLists] = None  # None: the mask's tile lists (their own cache)
+    sc: Any = None                      # the fp32 placeholder of the scale table
+    common: Optional[dict] = None       # the constexprs every backward kernel takes
+    # backward: which gradients and which dbias route (see backward)
+    want_ds: bool = False
+    want_db: bool = False
+    full_bias: bool = False
+    owner_db: bool = False
+    want_kv: bool = False
+    want_q: bool = False
+    #: kernel name -> (grid, positional tail, keywords) of its resolved launch
+    ready: Dict[str, tuple] = field(default_factory=dict)
+
+
+#: prepared launches, one per call signature (a training step of a model with a few
+#: attention shapes needs a handful; 64 bounds what odd workloads keep)
+_prepared = P.LRU(64)
+
+
+def _prepare(direction: str, p, plan, mods, named, bias) -> _Prepared:
+    """The prepared launch of this call (built on its signature's first call)."""
+    key = P.call_key(direction, p, plan, mods, [x for _, x in named] + [bias])
+    pr = _prepared.get(key)
+    if pr is None:
+        pr = _build(direction, p, plan, mods, named, bias)
+        _prepared.put(key, pr)
+    return pr
+
+
+def _build(direction: str, p, plan, mods, named, bias) -> _Prepared:
+    hop = _use_hopper(p, direction, plan, named)
+    if hop and direction == "forward":
+        return _Prepared(hop=True)
+    q = named[0][1]
+    dev = q.device
+    plan = _plan(p, plan)
+    prec, nparts = _kernel_prec(p, plan)
+    ma = _mask_args(p, q, bias)
+    md = _mod_args(p, mods, dev, draw=False)
+    per_call_md = md.alibi or md.sinks or md.dropout
+    pr = _Prepared(hop=hop, plan=plan, prec=prec, nparts=nparts,
+                   ma=None if (bias is not None or ma.mode) else ma,
+                   md=None if per_call_md else md,
+                   tlists=_no_lists(dev) if ma.mode == 0 else None,
+                   sc=_dummy(dev, torch.float32))
+    if direction == "backward":
+        B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
+        pr.common = dict(D=D, DP=C.padded_dim(D), HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
+                         HAS_KEEP=ma.has_keep, PREC=prec, **md.flags)
+        pr.want_ds = "sinks" in p.wrt and md.sinks
+        pr.want_db = "bias" in p.wrt and bias is not None
+        pr.full_bias = pr.want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
+        # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
+        pr.owner_db = (pr.want_db and not pr.full_bias and tuple(p.bias_shape[2:]) == (Sq, Sk)
+                       and os.environ.get("ANYATTN_TRITON_DBIAS") != "recompute")
+        pr.want_kv = "k" in p.wrt or "v" in p.wrt
+        pr.want_q = "q" in p.wrt or pr.full_bias or pr.owner_db
+    return pr
+
+
+def _run(pr: _Prepared, name: str, kernel, args, first) -> None:
+    """kernel[grid](*args, **keywords) with the launch this signature resolved; on its
+    first call ``first() -> (grid_of, cfg, kw, tune_key, operand dtype)`` goes through
+    _launch (fallbacks, autotuning) and the result is kept."""
+    ready = pr.ready.get(name)
+    if ready is not None:
+        kernel[ready[0]](*args, **ready[2])
+        return
+    grid_of, cfg, kw, tune_key, dt = first()
+    c = _launch(kernel, grid_of, cfg, args, kw, _sig(dt=dt, **kw), tune_key)
+    pr.ready[name] = (grid_of(c), (), dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
+                                           num_stages=c.num_stages))
+
+
+def clear_prepared() -> None:
+    """Forget every prepared launch (tests; a changed kernel module)."""
+    _prepared.clear()
+
+
 # ----------------------------------------------------------------------------- forward
 def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
             mods: Optional[ScoreMods] = None):
@@ -614,40 +720,45 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
     (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer).  ``mods``:
     the score modifiers (p.softcap, mods.alibi_slopes, mods.sinks), applied in the
     kernel; with sinks the statistics include the sink."""
-    if _use_hopper(p, "forward", plan, (("q", q), ("k", k), ("v", v))):
+    pr = _prepare("forward", p, plan, mods, (("q", q), ("k", k), ("v", v)), bias)
+    if pr.hop:
         from .hopper import launch as HL
 
         return HL.forward(p, q, k, v)
-    plan = _plan(p, plan)
+    plan = pr.plan
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
     dev = q.device
-    ma = _mask_args(p, q, bias)
-    md = _mod_args(p, mods, dev)
-    tlists = _lists_for(p, ma, plan, dev)
+    ma = pr.ma if pr.ma is not None else _mask_args(p, q, bias)
+    md = pr.md if pr.md is not None else _mod_args(p, mods, dev)
+    tlists = pr.tlists if pr.tlists is not None else _lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
-    prec, nparts = _kernel_prec(p, plan)
-    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+    prec, nparts = pr.prec, pr.nparts
+    with torch.cuda.device(dev) if q.is_cuda else _nullctx():
         if prec in _SCALED:
             sc, sig = _f16_scales(p, q, k, v)
             q, k, v = (_split_half(x, sig[n], g, nparts)
                        for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
         else:
-            sc = _dummy(dev, torch.float32)
-            q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
-    kw = dict(D=p.head_dim, DP=C.padded_dim(p.head_dim), SBQ=plan.sbq, SBK=plan.sbk,
-              MODE=ma.mode, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-              HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
-    args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
-            tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
-            md.slopes, md.sink_t,
-            *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
-            *tlists.row_strides(),
-            H, p.group, Sq, Sk, p.scale * K.LOG2E, p.scale, ma.lo, ma.hi, *md.scalars)
-    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
-        _launch(K._fwd_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.fwd, args, kw,
-                _sig(dt=str(q.dtype), **kw), _tune_key("fwd", p, plan))
+            sc = pr.sc
+            if nparts > 1:
+                q, k, v = (_split_parts(x, nparts) for x in (q, k, v))
+        args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
+                tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
+                md.slopes, md.sink_t,
+                *_s3(q), *_s3(k), *_s3(v), *_s3(out), *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
+                *tlists.row_strides(),
+                H, p.group, Sq, Sk, p.scale * K.LOG2E, p.scale, ma.lo, ma.hi, *md.scalars)
+
+        def first():
+            kw = dict(D=D, DP=C.padded_dim(D), SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
+                      HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
+                      HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
+            return (lambda c: (_cdiv(Sq, c.bm), B * H), plan.fwd, kw,
+                    _tune_key("fwd", p, plan), str(args[0].dtype))
+
+        _run(pr, "fwd", K._fwd_kernel, args, first)
     return out, RowStats(stats[0], stats[1])
 
 
@@ -676,17 +787,19 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     sinks the statistics include the sink (as the forward returns them): the score
     kernels need nothing more, and the delta kernel writes each row's term of dsinks,
     summed here over batch and queries in a fixed order (no atomics)."""
-    # the Hopper path computes dk / dv (hopper/bwd_kernel.py); delta and dq stay portable
-    hop = _use_hopper(p, "backward", plan, (("q", q), ("k", k), ("v", v), ("dout", dout)))
-    plan = _plan(p, plan)
+    # the Hopper path (pr.hop) computes dk / dv (hopper/bwd_kernel.py); delta and dq stay
+    # portable
+    pr = _prepare("backward", p, plan, mods, (("q", q), ("k", k), ("v", v), ("dout", dout)),
+                  bias)
+    plan = pr.plan
     q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
-    DP = C.padded_dim(D)
     dev = q.device
-    ma = _mask_args(p, q, bias)
-    md = _mod_args(p, mods, dev)
-    want_ds = "sinks" in p.wrt and md.sinks
-    tlists = _lists_for(p, ma, plan, dev)
+    ma = pr.ma if pr.ma is not None else _mask_args(p, q, bias)
+    md = pr.md if pr.md is not None else _mod_args(p, mods, dev)
+    want_ds, want_kv, want_q = pr.want_ds, pr.want_kv, pr.want_q
+    full_bias, owner_db = pr.full_bias, pr.owner_db
+    tlists = pr.tlists if pr.tlists is not None else _lists_for(p, ma, plan, dev)
     if not isinstance(stats, RowStats):
         stats = RowStats.from_lse(stats)
     mx, ln = _stat_plane(stats.max, dev), _stat_plane(stats.log_norm, dev)
@@ -695,29 +808,20 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
     ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None, "dsinks": None}
-    prec, nparts = _kernel_prec(p, plan)
-    common = dict(D=D, DP=DP, HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
-                  HAS_KEEP=ma.has_keep, PREC=prec, **md.flags)
+    prec, nparts = pr.prec, pr.nparts
     dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds
-           else _dummy(dev, torch.float32))
-    want_db = "bias" in p.wrt and bias is not None
-    full_bias = want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
-    # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
-    owner_db = (want_db and not full_bias and tuple(p.bias_shape[2:]) == (Sq, Sk)
-                and os.environ.get("ANYATTN_TRITON_DBIAS") != "recompute")
+           else pr.sc)
     with ctx:
-        K._bwd_pre_kernel[(triton.cdiv(Sq, plan.pre_bm), B * H)](
+        K._bwd_pre_kernel[(_cdiv(Sq, plan.pre_bm), B * H)](
             out, dout, mx, ln, delta, l2, md.sink_t, dsr, *_s3(out), *_s3(dout), H, Sq,
-            D=D, DP=DP, BM=plan.pre_bm, HAS_SINKS=want_ds)
+            D=D, DP=pr.common["DP"], BM=plan.pre_bm, HAS_SINKS=want_ds)
         if want_ds:   # torch's reduction: a fixed order, the same bits every run
             res["dsinks"] = dsr.sum(dim=(0, 2)).to(mods.sinks.dtype)
-        want_kv = "k" in p.wrt or "v" in p.wrt
-        want_q = "q" in p.wrt or full_bias or owner_db
         if full_bias:
             dbias = torch.zeros((B, H, Sq, Sk), dtype=bias.dtype, device=dev)
             sdb = tuple(dbias.stride())
         else:
-            dbias, sdb = _dummy(dev, torch.float32), (0, 0, 0, 0)
+            dbias, sdb = pr.sc, (0, 0, 0, 0)
         dk = dv = dq = None
         if want_kv:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
@@ -733,61 +837,70 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                                ((q, "q", p.group), (k, "k", 1), (v, "v", 1),
                                 (dout, "do", p.group)))
         else:
-            sc = _dummy(dev, torch.float32)
-            qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
+            sc = pr.sc
+            qo, ko, vo, doo = q, k, v, dout
+            if nparts > 1:
+                qo, ko, vo, doo = (_split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists, sc,
-                             scalars, common)
-            res["dbias"] = _launch_dq_dbias(p, plan, qo, ko, vo, doo, l2, delta, dq, bias, ma,
-                                            md, tlists, sc, scalars, common)
-        elif want_kv and want_q and plan.fused_bwd and not hop:
-            _launch_fused_bwd(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
-                              ma, md, tlists, sc, scalars, common, full_bias)
+                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
+                             sc, scalars)
+            res["dbias"] = _launch_dq_dbias(pr, p, plan, qo, ko, vo, doo, l2, delta, dq, bias,
+                                            ma, md, tlists, sc, scalars)
+        elif want_kv and want_q and plan.fused_bwd and not pr.hop:
+            _launch_fused_bwd(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
+                              ma, md, tlists, sc, scalars, full_bias)
         else:
-            if want_kv and hop:
+            if want_kv and pr.hop:
                 from .hopper import launch as HL
 
                 HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv)
             elif want_kv:
-                _launch_dkdv(p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists, sc,
-                             scalars, common)
+                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
+                             sc, scalars)
             if want_q:
                 args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
-                        md.slopes, *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb, *sdb,
-                        ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
+                        md.slopes, *_s3(qo), *_s3(ko), *_s3(vo), *_s3(doo), *_s3(dq), *ma.sb,
+                        *sdb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
                         scalars[0], *scalars[2:])   # (no Hkv)
-                kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
-                          WRITE_DB=full_bias, **common)
-                _launch(K._dq_kernel, lambda c: (triton.cdiv(Sq, c.bm), B * H), plan.dq,
-                        args, kw, _sig(dt=str(qo.dtype), **kw), _tune_key("dq", p, plan))
+
+                def first():
+                    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
+                              WRITE_DB=full_bias, **pr.common)
+                    return (lambda c: (_cdiv(Sq, c.bm), B * H), plan.dq, kw,
+                            _tune_key("dq", p, plan), str(qo.dtype))
+
+                _run(pr, "dq", K._dq_kernel, args, first)
         if want_kv:
             res["dk"], res["dv"] = dk, dv
         if "q" in p.wrt:
             res["dq"] = dq
         if full_bias:
             res["dbias"] = dbias
-        elif want_db and not owner_db:
+        elif pr.want_db and not owner_db:
             res["dbias"] = _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan)
     return res
 
 
-def _launch_dkdv(p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
-                 common):
+def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars):
     """dk, dv through K._dkdv_kernel (one program per key tile and kv head)."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
-    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common)
-    B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
-    _launch(K._dkdv_kernel, lambda c: (triton.cdiv(Sk, c.bn), B * Hkv), plan.dkdv,
-            args, kw, _sig(dt=str(q.dtype), **kw), _tune_key("dkdv", p, plan))
+
+    def first():
+        kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common)
+        B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
+        return (lambda c: (_cdiv(Sk, c.bn), B * Hkv), plan.dkdv, kw,
+                _tune_key("dkdv", p, plan), str(q.dtype))
+
+    _run(pr, "dkdv", K._dkdv_kernel, args, first)
 
 
-def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists, sc,
-                     scalars, common):
+def _launch_dq_dbias(pr, p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists, sc,
+                     scalars):
     """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
     and/or heads, through K._dq_dbias_kernel: the programs of one (bias batch, bias head)
     run the dq of every (b, h) mapped onto it in turn and sum dS in place; the dbias
@@ -804,9 +917,14 @@ def _launch_dq_dbias(p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *ma.sb, *sdb,
             ma.sqid_b, ma.skid_b, *ma.skm, *tlists.row_strides(),
             B, H, *scalars[2:], hb)
-    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, RED_B=red_b, RED_H=red_h, **common)
-    _launch(K._dq_dbias_kernel, lambda c: (triton.cdiv(Sq, c.bm), bb * hb), plan.dq, args, kw,
-            _sig(dt=str(q.dtype), **kw), _tune_key("dq", p, plan))
+
+    def first():
+        kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, RED_B=red_b, RED_H=red_h,
+                  **pr.common)
+        return (lambda c: (_cdiv(Sq, c.bm), bb * hb), plan.dq, kw, _tune_key("dq", p, plan),
+                str(q.dtype))
+
+    _run(pr, "dq_dbias", K._dq_dbias_kernel, args, first)
     return dbias
 
 
@@ -819,29 +937,44 @@ def _fused_fallbacks(c1: C.KernelConfig, c2: C.KernelConfig):
                                 a.num_warps, a.num_stages)
 
 
-def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma, md,
-                      tlists, sc, scalars, common, full_bias):
+def _launch_fused_bwd(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma, md,
+                      tlists, sc, scalars, full_bias):
     """dK/dV and dQ in one launch of K._bwd_kernel (plan.dkdv gives BM/BN, warps and
     stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
     (remembered per signature); autotuned over config pairs with ANYATTN_TRITON_AUTOTUNE=1."""
-    from triton.runtime.errors import OutOfResources
-
-    B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
     args = (q, k, v, dout, l2, delta, dk, dv, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx,
             tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc, md.slopes,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq),
             *ma.sb, *sdb, ma.sqid_b, ma.skid_b, *ma.skm,
             *tlists.col_strides(), *tlists.row_strides(), *scalars)
+    ready = pr.ready.get("bwd")
+    if ready is None:     # launches once, with the first config pair that fits
+        pr.ready["bwd"] = _resolve_fused_bwd(p, plan, q, args, ma, pr.common, full_bias)
+        return
+    grid, tail, kw = ready
+    K._bwd_kernel[grid](*args, *tail, **kw)
+
+
+def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
+    """Launch K._bwd_kernel once with the first config pair that fits (autotuned with
+    ANYATTN_TRITON_AUTOTUNE=1) -> (grid, positional tail, keywords) of that launch."""
+    from triton.runtime.errors import OutOfResources
+
+    B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
               WRITE_DB=full_bias, **common)
 
-    def launch(pair):
+    def resolved(pair):
         c1, c2 = pair
-        nkv, nq = triton.cdiv(Sk, c1.bn), triton.cdiv(Sq, c2.bm)
-        K._bwd_kernel[(nkv + G * nq, B * Hkv)](
-            *args, nkv, nq, BM=c1.bm, BN=c1.bn, BM2=c2.bm, BN2=c2.bn,
-            num_warps=c1.num_warps, num_stages=c1.num_stages, **kw)
+        nkv, nq = _cdiv(Sk, c1.bn), _cdiv(Sq, c2.bm)
+        return ((nkv + G * nq, B * Hkv), (nkv, nq),
+                dict(kw, BM=c1.bm, BN=c1.bn, BM2=c2.bm, BN2=c2.bn,
+                     num_warps=c1.num_warps, num_stages=c1.num_stages))
+
+    def launch(pair):
+        grid, tail, kws = resolved(pair)
+        K._bwd_kernel[grid](*args, *tail, **kws)
 
     c1 = plan.dkdv
     c2 = C.KernelConfig(plan.dq.bm, plan.dq.bn, c1.num_warps, c1.num_stages)
@@ -860,11 +993,10 @@ def _launch_fused_bwd(p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb,
         try:
             launch(pair)
             _fallback_cache[key] = pair
-            return pair
+            return resolved(pair)
         except OutOfResources as e:
             err = e
     raise err
-
 
 
 def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
@@ -881,8 +1013,8 @@ def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
     sdb = tuple(dbias.stride())
     err = None
     for cc in _fallbacks(c):   # the grid and NJ_OUT depend on the tile: no _launch here
-        ni_o = 1 if red_m else triton.cdiv(Sq, cc.bm)
-        nj_o = 1 if red_n else triton.cdiv(Sk, cc.bn)
+        ni_o = 1 if red_m else _cdiv(Sq, cc.bm)
+        nj_o = 1 if red_n else _cdiv(Sk, cc.bn)
         try:
             K._dbias_kernel[(ni_o * nj_o, bb * hb)](
                 q, k, v, dout, l2, delta, ma.bias, dbias, ma.qid, ma.kid, ma.km, md.slopes,

@@ -1,0 +1,247 @@
+"""The per-signature cache of prepared Triton launches (backends/triton/prepared.py):
+the key changes with every input the launch depends on, never holds a tensor, stays
+bounded, and a call after any number of cached calls gives the bits of the same call
+with the cache emptied.
+
+Runs on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 where no GPU is
+present) at tiny sizes.  Shape legend: B batch, H heads, S = Sq = Sk, D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import anyattn as aa  # noqa: E402
+from anyattn.backends.triton import configs as C  # noqa: E402
+from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.backends.triton import prepared as P  # noqa: E402
+from anyattn.modifiers import ScoreMods  # noqa: E402
+from anyattn.problem import Problem, describe  # noqa: E402
+
+from tr_util import DEV, needs_triton  # noqa: E402
+
+B, H, S, D = 1, 2, 20, 16
+
+
+def _qkv(seed=0, dtype=torch.float32, S_=S):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S_, D, generator=g).to(device=DEV, dtype=dtype)
+            for _ in range(4)]
+
+
+# ----------------------------------------------------------------------------- the key
+def test_key_holds_every_problem_field_but_mask_and_seed():
+    names = {f.name for f in dataclasses.fields(Problem)}
+    q, k, v, _ = _qkv()
+    P.problem_key(describe(q, k, v))
+    assert set(P.PROBLEM_FIELDS) == names - {"mask", "dropout_seed"}
+
+
+def test_key_changes_with_each_problem_field():
+    q, k, v, _ = _qkv()
+    p = describe(q, k, v, mask=aa.Causal())
+    base = P.problem_key(p)
+    changes = dict(batch=2, heads_q=4, heads_kv=1, seq_q=21, seq_k=22, head_dim=32,
+                   dtype="bfloat16", array_kind="numpy", device="cuda:1", scale=0.5,
+                   bias_shape=(1, 1, S, S), bias_dtype="float32", precision="tf32",
+                   wrt=frozenset({"q"}), q_offset=3, k_offset=1, softcap=5.0,
+                   alibi_shape=(1, H), alibi_dtype="float32", sinks_dtype="float32",
+                   dropout_p=0.1)
+    assert set(changes) == set(P.PROBLEM_FIELDS)   # a new field needs a case here
+    for name, val in changes.items():
+        p2 = dataclasses.replace(p, **{name: val})
+        assert P.problem_key(p2) != base, name
+    # the dropout seed is a runtime argument: not in the key
+    assert P.problem_key(dataclasses.replace(p, dropout_p=0.1, dropout_seed=1)) == \
+        P.problem_key(dataclasses.replace(p, dropout_p=0.1, dropout_seed=2))
+    # the mask: band sides and which tensor terms are present
+    for mask in (None, aa.Window(left=3), aa.Window(left=0, right=2),
+                 aa.Documents(torch.zeros(S, dtype=torch.int64)),
+                 aa.KeepMask(torch.ones(S, S, dtype=torch.bool))):
+        assert P.problem_key(describe(q, k, v, mask=mask)) != base, mask
+
+
+def test_key_changes_with_layout_alignment_env_overrides_and_mods(monkeypatch):
+    q, k, v, _ = _qkv()
+    p = describe(q, k, v)
+
+    def key(plan=None, mods=None, tensors=(q, k, v)):
+        return P.call_key("forward", p, plan, mods, tensors)
+
+    base = key()
+    assert key() == base
+    assert P.call_key("backward", p, None, None, (q, k, v)) != base
+    assert key(plan=C.fixed_plan()) != base
+    assert key(mods=ScoreMods(alibi_slopes=torch.ones(H))) != base
+    assert key(mods=ScoreMods(sinks=torch.ones(H))) != base
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)          # other strides
+    assert key(tensors=(qt, k, v)) != base
+    flat = torch.zeros(q.numel() + 1, device=q.device)
+    qm = flat[1:].view(q.shape)                                   # 4-byte offset
+    assert key(tensors=(qm, k, v)) != base
+    for name in C.ENV_VARS:
+        with monkeypatch.context() as m:
+            m.setenv(name, "some-other-value")
+            assert key() != base, name
+        assert key() == base, name
+    C.set_override(16, "float32", "highest", pre_bm=16)
+    try:
+        assert key() != base
+    finally:
+        C.set_override(16, "float32", "highest")
+    assert key() != base        # a new version: an override removed is a change too
+
+
+def test_key_holds_no_tensor():
+    q, k, v, _ = _qkv()
+    ids = torch.zeros(S, dtype=torch.int64, device=q.device)
+    p = describe(q, k, v, mask=aa.Documents(ids), bias=torch.zeros(1, H, S, S, device=q.device))
+    key = P.call_key("forward", p, None, ScoreMods(sinks=torch.ones(H)), (q, k, v))
+
+    def walk(x):
+        assert not isinstance(x, torch.Tensor)
+        if isinstance(x, (tuple, list, frozenset)):
+            for y in x:
+                walk(y)
+
+    walk(key)
+
+
+def test_lru_is_bounded():
+    c = P.LRU(3)
+    for i in range(5):
+        c.put(i, str(i))
+    assert len(c) == 3 and c.get(0) is None and c.get(4) == "4"
+    c.get(2)
+    c.put(5, "5")                       # 3 is now the least recently used
+    assert c.get(3) is None and c.get(2) == "2"
+
+
+def test_env_snapshot_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("ANYATTN_TRITON_DBIAS", raising=False)
+    a = C.env_snapshot()
+    monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
+    b = C.env_snapshot()
+    assert a != b
+    monkeypatch.delenv("ANYATTN_TRITON_DBIAS")
+    assert C.env_snapshot() == a
+
+
+# ----------------------------------------------------------------------------- end to end
+def _call(q, k, v, g, env=(), monkeypatch=None, wrt=("q", "k", "v"), **kw):
+    """forward + backward through the core on the triton backend -> list of tensors."""
+    with monkeypatch.context() as m:
+        for name, val in env:
+            m.setenv(name, val)
+        out, lse = aa.attention(q, k, v, backend="triton", return_lse=True, **kw)
+        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="triton",
+                                   wrt=wrt, **kw)
+    return [out, lse] + [getattr(gr, "d" + n) for n in wrt]
+
+
+def _variants():
+    """name -> (tensors changer, call keywords): each differs from the base call in one
+    input the launch depends on."""
+    g = torch.Generator().manual_seed(7)
+    bias_b = torch.randn(1, H, S, S, generator=g).to(DEV)
+    ids = torch.tensor([0] * 7 + [1] * 13, device=DEV)
+    keep = (torch.rand(1, H, S, S, generator=g) > 0.3).to(DEV)
+    t = dict(
+        base=dict(),
+        causal=dict(mask=aa.Causal()),
+        docs=dict(mask=aa.Documents(ids)),
+        keep=dict(mask=aa.KeepMask(keep)),
+        bias_bcast=dict(bias=bias_b, wrt=("q", "k", "v", "bias")),
+        bias_recompute=dict(bias=bias_b, wrt=("k", "bias"),
+                            env=(("ANYATTN_TRITON_DBIAS", "recompute"),)),
+        wrt_q=dict(wrt=("q",)),
+        softcap=dict(softcap=3.0),
+        alibi=dict(alibi_slopes=torch.tensor([0.5, 0.25], device=DEV)),
+        sinks=dict(sinks=torch.tensor([0.3, -1.0], device=DEV), wrt=("q", "k", "v", "sinks")),
+        dropout=dict(dropout_p=0.25, dropout_seed=11),
+        dropout_seed=dict(dropout_p=0.25, dropout_seed=12),
+        unfused=dict(env=(("ANYATTN_TRITON_FUSED_BWD", "0"),)),
+        ieee=dict(env=(("ANYATTN_TRITON_FP32_DOT", "ieee"),)),
+        offsets=dict(mask=aa.Causal(), q_offset=3),
+    )
+    return t
+
+
+@needs_triton
+def test_cached_calls_give_the_bits_of_uncached_calls(monkeypatch):
+    """Every variant runs after all the others were cached (a stale entry would be
+    reused there), then alone with the cache emptied: the same bits; a repeat (the
+    cached launch itself) too."""
+    q, k, v, gd = _qkv()
+    tensor_variants = {
+        "bf16": [x.to(torch.bfloat16) for x in (q, k, v, gd)],
+        "strided": [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, gd)],
+    }
+    cases = [(n, (q, k, v, gd), kw) for n, kw in _variants().items()]
+    cases += [(n, ts, {}) for n, ts in tensor_variants.items()]
+    L.clear_prepared()
+    cached = {}
+    for name, ts, kw in cases:
+        cached[name] = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+    n_entries = len(L._prepared)
+    assert n_entries >= len(cases) - 2     # (dropout seeds share one entry; so may bf16's)
+    repeat = {name: _call(*ts, monkeypatch=monkeypatch, **dict(kw)) for name, ts, kw in cases}
+    assert len(L._prepared) == n_entries   # repeats hit
+    for name, ts, kw in cases:
+        L.clear_prepared()
+        fresh = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+        for a, b, c in zip(cached[name], fresh, repeat[name]):
+            assert torch.equal(a, b) and torch.equal(c, b), name
+    assert not torch.equal(cached["dropout"][0], cached["dropout_seed"][0])
+
+
+@needs_triton
+def test_plan_override_and_explicit_plan_take_effect(monkeypatch):
+    q, k, v, g = _qkv()
+    p = describe(q, k, v)
+    L.clear_prepared()
+    L.forward(p, q, k, v, None)
+    seen = []
+    real = L._launch
+
+    def spy(kernel, grid_of, cfg, *a, **kw):
+        seen.append(cfg)
+        return real(kernel, grid_of, cfg, *a, **kw)
+
+    monkeypatch.setattr(L, "_launch", spy)
+    L.forward(p, q, k, v, None)
+    assert seen == []                     # prepared: no second resolution
+    C.set_override(16, "float32", "highest", pre_bm=16)
+    try:
+        L.forward(p, q, k, v, None)
+    finally:
+        C.set_override(16, "float32", "highest")
+    assert len(seen) == 1                 # a new overrides version: prepared again
+    small = C.KernelConfig(16, 16, 4, 1)
+    plan = dataclasses.replace(C.fixed_plan(), fwd=small)
+    out2, _ = L.forward(p, q, k, v, None, plan=plan)
+    assert seen[-1] == small
+    ref, _ = L.forward(p, q, k, v, None)
+    n = len(seen)
+    out, _ = L.forward(p, q, k, v, None)
+    assert len(seen) == n                 # the plain call hits its own entry again
+    assert torch.equal(out, ref) and torch.allclose(out2, ref, atol=1e-5)
+
+
+def test_forced_hopper_path_raises_on_every_call(monkeypatch):
+    """A call the Hopper path does not cover raises under ANYATTN_TRITON_PATH=hopper even
+    when the same signature was prepared on the portable path before."""
+    q, k, v, g = _qkv()
+    p = describe(q, k, v)
+    if DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("an sm_90 GPU may cover the call")
+    L.clear_prepared()
+    L.forward(p, q, k, v, None)
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match="Hopper forward path"):
+            L.forward(p, q, k, v, None)
