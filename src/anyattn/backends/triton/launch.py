@@ -787,8 +787,9 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     sinks the statistics include the sink (as the forward returns them): the score
     kernels need nothing more, and the delta kernel writes each row's term of dsinks,
     summed here over batch and queries in a fixed order (no atomics)."""
-    # the Hopper path (pr.hop) computes dk / dv (hopper/bwd_kernel.py); delta and dq stay
-    # portable
+    # the Hopper path (pr.hop) computes dk / dv, and dq where its config says so
+    # (hopper/bwd_fused_kernel.py, configs as data); the delta preprocess stays portable,
+    # and so does a dq-only call
     pr = _prepare("backward", p, plan, mods, (("q", q), ("k", k), ("v", v), ("dout", dout)),
                   bias)
     plan = pr.plan
@@ -854,7 +855,13 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
             if want_kv and pr.hop:
                 from .hopper import launch as HL
 
-                HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv)
+                hcfg = HL.HC.bwd_config(D)
+                if hcfg.fused or hcfg.ws:   # dk, dv and (when asked) dq in one kernel
+                    got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
+                                                  cfg=hcfg, want_dq=want_q and hcfg.dq)
+                    want_q = want_q and got is None
+                else:
+                    HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, cfg=hcfg)
             elif want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
                              sc, scalars)
