@@ -85,6 +85,29 @@ def inputs(B, H, Hkv, Sq, Sk, D, dt, layout="bhsd", seed=0):
 
 
 # ----------------------------------------------------------------------------- compile
+def split_config(D):
+    """The fused kernel without dQ (the routed path then runs the portable dQ kernel)."""
+    return next(c for c in HCF.BWD_VARIANTS[D] if c.fused and not c.dq)
+
+
+class routed:
+    """Within the block, the routed Hopper backward uses ``cfg`` (None: the default)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.D = self.cfg and next(d for d, c in HCF.BWD_VARIANTS.items() if self.cfg in c)
+        if self.cfg is not None:
+            self.old = HCF._BWD[self.D]
+            HCF._BWD[self.D] = self.cfg
+
+    def __exit__(self, *a):
+        if self.cfg is not None:
+            HCF._BWD[self.D] = self.old
+        return False
+
+
 def _warm(job):
     """One worker's warm-up launch (fills the shared Triton cache): a small problem of
     the job's dtype / D / mask through one config, or the portable backward."""
@@ -101,9 +124,10 @@ def _warm(job):
     if kind == "portable":
         from anyattn.rowstats import RowStats
 
-        for path in ("portable", "hopper"):
-            os.environ["ANYATTN_TRITON_PATH"] = path
-            TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
+        for path in ("portable", "hopper", "split"):
+            os.environ["ANYATTN_TRITON_PATH"] = "portable" if path == "portable" else "hopper"
+            with routed(split_config(D) if path == "split" else None):
+                TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
     else:
         cfg = next(c for c in configs(D, dt) if c.name == name)
         l2, delta = l2_delta(out, dout, mx, ln)
@@ -251,6 +275,8 @@ def phase_bench():
                     os.environ.pop("ANYATTN_TRITON_PATH", None)
 
             put("bwd-hopper", lambda: tl_bwd("hopper"))
+            with routed(split_config(d)):
+                put("bwd-hopper-split", lambda: tl_bwd("hopper"))
             put("bwd-portable", lambda: tl_bwd("portable"))
             for cfg in configs(d):
                 put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
@@ -270,6 +296,9 @@ def phase_bench():
                 row["hopper_vs_cudnn"] = round(cb / hb, 3)
             if isinstance(hb, float) and isinstance(pb, float):
                 row["hopper_vs_portable"] = round(pb / hb, 3)
+            sb = row["ms"].get("bwd-hopper-split")
+            if isinstance(sb, float) and isinstance(pb, float):
+                row["split_vs_portable"] = round(pb / sb, 3)
             RES["bench"].append(row)
             log(f"bench B={b} H={h} S={s} D={d} causal={causal}: " +
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
@@ -322,7 +351,8 @@ def main():
     for r in RES["bench"]:
         log(f"B={r['B']} H={r['H']} S={r['S']} D={r['D']} causal={r['causal']} TFLOP/s " +
             " ".join(f"{k}={v}" for k, v in r["tflops"].items()) +
-            f"  hopper/cudnn {r.get('hopper_vs_cudnn')} hopper/portable {r.get('hopper_vs_portable')}")
+            f"  hopper/cudnn {r.get('hopper_vs_cudnn')} hopper/portable {r.get('hopper_vs_portable')}"
+            f" split/portable {r.get('split_vs_portable')}")
 
 
 if __name__ == "__main__":
