@@ -93,6 +93,15 @@ class DeviceArray:
         #: reused only after the result and every view of it are gone
         self.base = base
 
+    @classmethod
+    def _result(cls, buffer, shape, dtype, strides, offset, device_label) -> "DeviceArray":
+        """A new root array from values already normalised (tuples of ints, np.dtype,
+        int): the per-call result path, without the conversions of ``__init__``."""
+        a = cls.__new__(cls)
+        a.buffer, a.shape, a.dtype, a.strides = buffer, shape, dtype, strides
+        a.offset, a.device, a.base = offset, device_label, None
+        return a
+
     # ---- attributes ----------------------------------------------------------
     @property
     def ndim(self) -> int:

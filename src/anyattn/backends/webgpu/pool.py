@@ -36,6 +36,7 @@ class ResultPool:
         self.device, self.usage = device, usage
         self._free: Dict[int, List[object]] = {}
         self._entries: Dict[int, _Entry] = {}       # id(buffer) -> entry, held or free
+        self._refs: Dict[int, object] = {}          # live weak refs to holders
         self.stats = {"reused": 0, "created": 0}
 
     def acquire(self, nbytes: int, label: str, prefer: Sequence[object] = ()):
@@ -56,10 +57,18 @@ class ResultPool:
         return buf
 
     def hold(self, buf, owner) -> None:
-        """``owner`` (a root DeviceArray) holds ``buf`` until it dies."""
+        """``owner`` (a root DeviceArray) holds ``buf`` until it dies (a weak reference
+        whose callback releases it; the pool keeps the reference alive until then)."""
         e = self._entries[id(buf)]
         e.holders += 1
-        weakref.finalize(owner, self._release, id(buf))
+        key = id(buf)
+        refs = self._refs
+
+        def gone(ref, key=key):
+            refs.pop(id(ref), None)
+            self._release(key)
+        r = weakref.ref(owner, gone)
+        refs[id(r)] = r
 
     def _release(self, key: int) -> None:
         e = self._entries.get(key)

@@ -361,7 +361,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
     be.last_pieces = dict(tpl.pieces)
     out = {}
     for name, i, shape, dt, off, strides in tpl.results:
-        arr = DeviceArray(rbufs[i], shape, dt, strides, off, HOME)
+        arr = DeviceArray._result(rbufs[i], shape, dt, strides, off, HOME)
         run.results.hold(rbufs[i], arr)
         out[name] = arr
     return out
