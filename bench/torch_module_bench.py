@@ -10,7 +10,12 @@ out.backward(g)`` of:
   ``anyattn.attention_backward(out=, lse=)``): same backend, no torch wrapper;
 - ``kernel``: the backend's own ``forward``/``backward`` with a prebuilt Problem (no
   validation, no dispatch): the raw kernels;
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with autograd.
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with autograd;
+- ``module_ops``: ``module`` through the custom ops (the path tracing takes);
+- with ``--direct``: ``module_direct`` and ``kernel_direct``, ``module`` and ``kernel``
+  with ANYATTN_TRITON_DIRECT_LAUNCH=1 (repeat launches skip Triton's argument binding,
+  backends/triton/direct.py; the variable is set for each whole timed sample), and the
+  check that ``module_direct`` gives ``module``'s bits.
 
 Wrapper overhead = module / kernel - 1 (and module / api - 1).  FLOPs by the
 FlashAttention convention: fwd 4*B*H*S*S*D, bwd 2.5x fwd, causal halves both; the
@@ -69,25 +74,55 @@ def _time_once(fn, dev, inner: int = 1):
     return (time.perf_counter() - t0) / inner
 
 
+class _env:
+    """Environment variables set for a block (restored after)."""
+
+    def __init__(self, env):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        for n, v in self.env.items():
+            self.old[n] = os.environ.get(n)
+            os.environ[n] = v
+
+    def __exit__(self, *a):
+        for n, v in self.old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        return False
+
+
+def with_env(fn, **env):
+    """fn, to be run with ``env`` set (time_round_robin sets it around each sample)."""
+    def run():
+        fn()
+    run.env = env
+    return run
+
+
 def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: int = 1):
     """{name: [seconds, ...]}: the variants timed in turn, rep after rep, so that a load
     change on a shared machine hits all of them alike (stops after budget_s, >= 3 reps)."""
     for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+        with _env(getattr(fn, "env", {})):
+            for _ in range(warmup):
+                fn()
     _sync(dev)
     times = {n: [] for n in fns}
     t_start = time.perf_counter()
     for r in range(reps):
         for n, fn in fns.items():
-            times[n].append(_time_once(fn, dev, inner))
+            with _env(getattr(fn, "env", {})):
+                times[n].append(_time_once(fn, dev, inner))
         if time.perf_counter() - t_start > budget_s and r >= 2:
             break
     return times
 
 
-def variants(q, k, v, g, causal, backend):
-    """The four steps to time, each a zero-argument callable."""
+def variants(q, k, v, g, causal, backend, direct=False):
+    """The steps to time, each a zero-argument callable."""
     mask = Causal() if causal else None
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
@@ -120,8 +155,27 @@ def variants(q, k, v, g, causal, backend):
         finally:
             eager.eligible = keep
 
-    return {"module": module, "api": api, "kernel": kernel, "sdpa": sdpa,
-            "module_ops": module_ops}, be.name
+    fns = {"module": module, "api": api, "kernel": kernel, "sdpa": sdpa,
+           "module_ops": module_ops}
+    if direct:
+        fns["module_direct"] = with_env(module, ANYATTN_TRITON_DIRECT_LAUNCH="1")
+        fns["kernel_direct"] = with_env(kernel, ANYATTN_TRITON_DIRECT_LAUNCH="1")
+    return fns, be.name
+
+
+def direct_bits(q, k, v, g, causal, backend):
+    """Whether the module's out / dq / dk / dv are the same bits with direct launches
+    (the third call of each: the first resolves the launches, the second the direct
+    ones)."""
+    def step():
+        qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
+        return (out,) + torch.autograd.grad(out, (qa, ka, va), g)
+
+    plain = [step() for _ in range(3)][-1]
+    with _env({"ANYATTN_TRITON_DIRECT_LAUNCH": "1"}):
+        direct = [step() for _ in range(3)][-1]
+    return all(torch.equal(a, b) for a, b in zip(plain, direct))
 
 
 def probe_fully_masked(dev):
@@ -166,11 +220,13 @@ def run(args, on_row=lambda rows: None):
                 B, H, D = args.batch, args.heads, args.head_dim
                 q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(4))
                 flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-                fns, be_name = variants(q, k, v, g, causal, args.backend)
+                fns, be_name = variants(q, k, v, g, causal, args.backend, args.direct)
                 row = dict(dtype=dname, B=B, H=H, S=S, D=D, causal=causal, backend=be_name,
                            flops=flops, inner=args.inner)
                 if S <= args.check_max_s:
                     row["err_vs_sdpa"] = check(q, k, v, g, causal, args.backend)
+                if args.direct:
+                    row["direct_same_bits"] = direct_bits(q, k, v, g, causal, args.backend)
                 times = time_round_robin(fns, dev, args.reps, args.warmup, args.budget,
                                          args.inner)
                 for name, ts in times.items():
@@ -185,6 +241,9 @@ def run(args, on_row=lambda rows: None):
                     row[f"overhead_vs_api{tag}"] = row[f"module_{key}"] / row[f"api_{key}"] - 1
                     row[f"overhead_ops_vs_kernel{tag}"] = (row[f"module_ops_{key}"]
                                                            / row[f"kernel_{key}"] - 1)
+                    if args.direct:
+                        row[f"overhead_direct_vs_kernel{tag}"] = (
+                            row[f"module_direct_{key}"] / row[f"kernel_{key}"] - 1)
                 rows.append(row)
                 on_row(rows)
                 print(f"{dname} S={S:5d} causal={int(causal)} {be_name}: kernel "
@@ -192,7 +251,11 @@ def run(args, on_row=lambda rows: None):
                       f"{row['module_ms']:.2f} sdpa {row['sdpa_ms']:.2f} ms; overhead "
                       f"{100 * row['overhead_vs_kernel']:+.1f}% vs kernel (min "
                       f"{100 * row['overhead_vs_kernel_min']:+.1f}%; through the ops "
-                      f"{100 * row['overhead_ops_vs_kernel']:+.1f}%); "
+                      f"{100 * row['overhead_ops_vs_kernel']:+.1f}%"
+                      + (f"; direct: module {row['module_direct_ms']:.2f} kernel "
+                         f"{row['kernel_direct_ms']:.2f} ms, "
+                         f"{100 * row['overhead_direct_vs_kernel']:+.1f}% vs kernel, same "
+                         f"bits {row['direct_same_bits']}" if args.direct else "") + "); "
                       f"{row['module_tflops'] * 1e3:.1f} GFLOP/s; errs "
                       f"{row.get('err_vs_sdpa')}", flush=True)
     return rows
@@ -250,6 +313,8 @@ def main(argv=None):
                     help="steps per timed sample, back to back (1: one isolated step)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and the numpy backend (default: all cores)")
+    ap.add_argument("--direct", action="store_true",
+                    help="also time module / kernel with ANYATTN_TRITON_DIRECT_LAUNCH=1")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)

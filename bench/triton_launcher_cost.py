@@ -10,7 +10,9 @@ records the launches of one fwd+bwd step of the backend's launch code (kernels s
 for recorders, CPU tensors, no interpreter), then replays each recorded launch through
 that part of ``JITFunction.run`` for a CUDA sm_90 target, with a warm key cache as after
 the first call.  What it leaves out: the driver's device / stream queries, the launch
-metadata and the C launcher itself (a few us each on a GPU host).
+metadata and the C launcher itself (a few us each on a GPU host).  Beside it, the check
+a direct launch (backends/triton/direct.py, ANYATTN_TRITON_DIRECT_LAUNCH=1) makes
+instead: ``Direct.matches`` on the same arguments.
 
     python bench/triton_launcher_cost.py [--shape 2,4,256,64] [--causal]
 """
@@ -31,6 +33,7 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime import jit as J  # noqa: E402
 
 import anyattn  # noqa: E402
+from anyattn.backends.triton import direct as DL  # noqa: E402
 from anyattn.backends.triton import kernels as K  # noqa: E402
 from anyattn.backends.triton import launch as L  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
@@ -91,7 +94,7 @@ def main() -> None:
     q, k, v, g = (torch.randn(B, H, S, D, dtype=torch.bfloat16) for _ in range(4))
     launches = record(q, k, v, g, anyattn.Causal() if a.causal else None)
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    total = 0.0
+    total = total_d = 0.0
     print(f"Triton {J.__name__.split('.')[0]} launcher front per launch, shape {a.shape}"
           f"{' causal' if a.causal else ''}, load {os.getloadavg()[0]:.2f}")
     for name, fn, grid, args, kw in launches:
@@ -99,15 +102,25 @@ def main() -> None:
         key_cache = {}
         for _ in range(50):
             launcher_front(fn, backend, binder, key_cache, args, kw)
-        best = float("inf")
+        d = DL.Direct(fn, None, args, ())
+        assert d.matches(args)
+        best = best_d = float("inf")
         for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(a.reps):
                 launcher_front(fn, backend, binder, key_cache, args, kw)
-            best = min(best, (time.perf_counter() - t0) / a.reps * 1e6)
+            t1 = time.perf_counter()
+            for _ in range(a.reps):
+                d.matches(args)
+            t2 = time.perf_counter()
+            best = min(best, (t1 - t0) / a.reps * 1e6)
+            best_d = min(best_d, (t2 - t1) / a.reps * 1e6)
         total += best
-        print(f"  {name:20s} {len(args):3d} args {len(kw):2d} keywords  {best:6.1f} us")
-    print(f"  per fwd+bwd step ({len(launches)} launches): {total:.1f} us")
+        total_d += best_d
+        print(f"  {name:20s} {len(args):3d} args {len(kw):2d} keywords  {best:6.1f} us  "
+              f"(direct check {best_d:5.1f} us)")
+    print(f"  per fwd+bwd step ({len(launches)} launches): {total:.1f} us "
+          f"(direct checks {total_d:.1f} us)")
 
 
 if __name__ == "__main__":

@@ -245,3 +245,51 @@ def test_forced_hopper_path_raises_on_every_call(monkeypatch):
     for _ in range(2):
         with pytest.raises(NotImplementedError, match="Hopper forward path"):
             L.forward(p, q, k, v, None)
+
+
+# ----------------------------------------------------------------------------- direct
+def test_direct_launch_matches_only_the_facts_it_was_compiled_for():
+    """direct.Direct replays a compiled kernel only for arguments with the same scalar
+    values and types and the same tensor dtypes and 16-byte alignment (Triton's
+    specialisation facts); anything else takes Triton's own launch."""
+    from anyattn.backends.triton import direct as DL
+
+    buf = torch.zeros(64)
+    a, b = buf[:16], buf[16:32]                  # both 16-byte aligned
+    args = (a, b, 16, 3, 0.5, 1)
+    d = DL.Direct(None, None, args, ("tail",))
+    assert d.matches((buf[32:48], torch.zeros(16), 16, 3, 0.5, 1))
+    for other in ((a, b, 17, 3, 0.5, 1),            # a value
+                  (a, b, 16, 3, 0.25, 1),           # a float value
+                  (a, b, 16, 3.0, 0.5, 1),          # a type (int -> float)
+                  (a, buf[1:17], 16, 3, 0.5, 1),    # alignment
+                  (a, b.double(), 16, 3, 0.5, 1),   # dtype
+                  (a, b, 16, 3, 0.5)):              # arity
+        assert not d.matches(other), other
+
+
+def test_direct_launch_does_not_apply_to_the_interpreter():
+    from anyattn.backends.triton import direct as DL
+    from anyattn.backends.triton import kernels as K
+
+    if DEV == "cuda":
+        pytest.skip("runs where the kernels are interpreted (no GPU)")
+    assert DL.resolve(K._fwd_kernel, (), {}) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="direct launches call the CUDA launcher")
+def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
+    q, k, v, g = _qkv()
+    cases = [dict(), dict(mask=aa.Causal()), dict(bias=torch.randn(1, H, S, S, device=DEV),
+                                                   wrt=("q", "k", "v", "bias"))]
+    for kw in cases:
+        L.clear_prepared()
+        plain = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
+        monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "1")
+        direct = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
+        monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")
+        used = [r[3] for pr in L._prepared._d.values() if pr.direct for r in pr.ready.values()]
+        assert used and all(d for d in used)
+        for a, b in zip(plain[-1], direct[-1]):
+            assert torch.equal(a, b)

@@ -392,7 +392,9 @@ _list_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 
 def clear_caches() -> None:
+    """Forget the tile lists and the prepared launches."""
     _list_cache.clear()
+    _prepared.clear()
 
 
 def _tensor_key(x):
@@ -644,8 +646,11 @@ class _Prepared:
     owner_db: bool = False
     want_kv: bool = False
     want_q: bool = False
-    #: kernel name -> (grid, positional tail, keywords) of its resolved launch
-    ready: Dict[str, tuple] = field(default_factory=dict)
+    #: ANYATTN_TRITON_DIRECT_LAUNCH=1 on a CUDA device: repeats skip Triton's binding
+    direct: bool = False
+    #: kernel name -> [grid, positional tail, keywords, direct.Direct or None (not yet
+    #: resolved) or False (not available)] of its resolved launch
+    ready: Dict[str, list] = field(default_factory=dict)
 
 
 #: prepared launches, one per call signature (a training step of a model with a few
@@ -678,7 +683,8 @@ def _build(direction: str, p, plan, mods, named, bias) -> _Prepared:
                    ma=None if (bias is not None or ma.mode) else ma,
                    md=None if per_call_md else md,
                    tlists=_no_lists(dev) if ma.mode == 0 else None,
-                   sc=_dummy(dev, torch.float32))
+                   sc=_dummy(dev, torch.float32),
+                   direct=q.is_cuda and os.environ.get("ANYATTN_TRITON_DIRECT_LAUNCH") == "1")
     if direction == "backward":
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
         pr.common = dict(D=D, DP=C.padded_dim(D), HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
@@ -700,12 +706,29 @@ def _run(pr: _Prepared, name: str, kernel, args, first) -> None:
     _launch (fallbacks, autotuning) and the result is kept."""
     ready = pr.ready.get(name)
     if ready is not None:
-        kernel[ready[0]](*args, **ready[2])
+        _replay(pr, ready, kernel, args)
         return
     grid_of, cfg, kw, tune_key, dt = first()
     c = _launch(kernel, grid_of, cfg, args, kw, _sig(dt=dt, **kw), tune_key)
-    pr.ready[name] = (grid_of(c), (), dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
-                                           num_stages=c.num_stages))
+    pr.ready[name] = [grid_of(c), (), dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
+                                           num_stages=c.num_stages), None]
+
+
+def _replay(pr: _Prepared, ready: list, kernel, args) -> None:
+    """A resolved launch again: kernel[grid](*args, *tail, **keywords), or, with
+    pr.direct, the compiled kernel straight through direct.Direct where the arguments
+    show the facts it was compiled for."""
+    grid, tail, kw, d = ready
+    if pr.direct and d is not False:
+        from . import direct as DL
+
+        full = args + tail if tail else args
+        if d is None:    # after the first launch: Triton's cache holds the kernel now
+            d = ready[3] = DL.resolve(kernel, full, kw)
+        if d and not DL.hooks_set() and d.matches(full):
+            d(grid, full)
+            return
+    kernel[grid](*args, *tail, **kw)
 
 
 def clear_prepared() -> None:
@@ -957,10 +980,10 @@ def _launch_fused_bwd(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, 
             *tlists.col_strides(), *tlists.row_strides(), *scalars)
     ready = pr.ready.get("bwd")
     if ready is None:     # launches once, with the first config pair that fits
-        pr.ready["bwd"] = _resolve_fused_bwd(p, plan, q, args, ma, pr.common, full_bias)
+        pr.ready["bwd"] = [*_resolve_fused_bwd(p, plan, q, args, ma, pr.common, full_bias),
+                           None]
         return
-    grid, tail, kw = ready
-    K._bwd_kernel[grid](*args, *tail, **kw)
+    _replay(pr, ready, K._bwd_kernel, args)
 
 
 def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 from typing import Any, Optional
 
 from . import configs as C
@@ -40,6 +41,7 @@ __all__ = ["PROBLEM_FIELDS", "problem_key", "layout_key", "call_key", "LRU"]
 #: dropout seed (a per-call scalar); derived from the dataclass, so a field added to
 #: Problem joins the key without an edit here
 PROBLEM_FIELDS: tuple = ()
+_fields_of = None      # operator.attrgetter(*PROBLEM_FIELDS): one C call per key
 
 
 def _problem_fields() -> tuple:
@@ -56,10 +58,11 @@ def _mask_key(m) -> tuple:
 
 
 def problem_key(p) -> tuple:
-    global PROBLEM_FIELDS
-    if not PROBLEM_FIELDS:
+    global PROBLEM_FIELDS, _fields_of
+    if _fields_of is None:
         PROBLEM_FIELDS = _problem_fields()
-    return tuple([getattr(p, n) for n in PROBLEM_FIELDS]) + _mask_key(p.mask)
+        _fields_of = operator.attrgetter(*PROBLEM_FIELDS)
+    return _fields_of(p) + _mask_key(p.mask)
 
 
 def layout_key(x) -> Any:
