@@ -1,6 +1,10 @@
 """Host time per device-array call of the webgpu backend (issue 17), one process.
 
 python bench/webgpu_hosttime.py SRC S DTYPE N  ->  one JSON line on stdout
+python bench/webgpu_hosttime.py --aggregate RUNS.jsonl OUT.json [BEFORE_TAG]
+    -> medians per (S, dtype, case, tree) over rounds, ratios after/before, vs the plan;
+       OUT.json and OUT.png (a tree whose SRC path contains BEFORE_TAG, default
+       "before", is the before side)
 
 SRC: the anyattn source tree to import (a checkout's src/, e.g. an older commit's via
 ``git archive``), so that trees can be compared in interleaved processes.  Shape
@@ -21,19 +25,20 @@ import json
 import sys
 import time
 
-sys.path.insert(0, sys.argv[1])
+if sys.argv[1] != "--aggregate":
+    sys.path.insert(0, sys.argv[1])
 
 import numpy as np  # noqa: E402
 
-import anyattn as aa  # noqa: E402
-from anyattn import abi  # noqa: E402
-from anyattn import webgpu as wg  # noqa: E402
-from anyattn.api import forward_with_stats  # noqa: E402
-from anyattn.backends.registry import get_backend  # noqa: E402
-from anyattn.problem import describe  # noqa: E402
-
 
 def main():
+    import anyattn as aa
+    from anyattn import abi
+    from anyattn import webgpu as wg
+    from anyattn.api import forward_with_stats
+    from anyattn.backends.registry import get_backend
+    from anyattn.problem import describe
+
     S, dt, N = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     B, H, D = 1, 8, 64
     rng = np.random.default_rng(0)
@@ -107,5 +112,70 @@ def main():
     print(json.dumps(dict(src=sys.argv[1], S=S, dtype=dt, N=N, **res)))
 
 
+def aggregate(runs_path, out_path, before_tag="before"):
+    """Rounds of interleaved processes -> medians, before/after ratios, JSON + PNG."""
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in open(runs_path) if line.startswith("{")]
+    loads = [r["load"] for r in rows if "load" in r]
+    rows = [r for r in rows if "S" in r]
+    agg = {}
+    for r in rows:
+        side = "before" if before_tag in r["src"] else "after"
+        for case in ("plan", "bwd", "fwd", "step", "abi3", "abi_grouped"):
+            if case in r:
+                agg.setdefault((r["S"], r["dtype"], case), {}).setdefault(side, []).append(
+                    (r[case]["host_ms"], r[case]["host_min_ms"], r[case]["call_ms"]))
+    out = []
+    for (S, dt, case), d in sorted(agg.items()):
+        b, a = np.array(d.get("before", [])), np.array(d.get("after", []))
+        if not len(b) or not len(a):
+            continue
+        rec = dict(S=S, dtype=dt, case=case, rounds=min(len(a), len(b)),
+                   before_host_ms=float(np.median(b[:, 0])), after_host_ms=float(np.median(a[:, 0])),
+                   before_host_min_ms=float(b[:, 1].min()), after_host_min_ms=float(a[:, 1].min()))
+        rec["host_ratio"] = rec["after_host_ms"] / rec["before_host_ms"]
+        out.append(rec)
+    plan = {(r["S"], r["dtype"]): r for r in out if r["case"] == "plan"}
+    for r in out:
+        pl = plan.get((r["S"], r["dtype"]))
+        if pl and r["case"] != "plan":
+            r["before_vs_plan_host"] = r["before_host_ms"] / pl["before_host_ms"]
+            r["after_vs_plan_host"] = r["after_host_ms"] / pl["after_host_ms"]
+    res = dict(machine="2 CPU cores shared with other helpers' jobs, lavapipe (wgpu 0.32), no GPU",
+               load_1_5_15=loads, B=1, H=8, D=64, runs=runs_path,
+               method="per call: perf_counter from the call until it returns, minus the time "
+                      "inside wgpu queue.submit (the driver); the GPU waited for after each "
+                      "call, outside the timing; medians over calls, then over rounds of "
+                      "interleaved before/after processes",
+               results=out)
+    Path(out_path).write_text(json.dumps(res, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [r for r in out if r["case"] in ("plan", "bwd", "fwd", "step")]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    x = np.arange(len(cases))
+    ax.bar(x - 0.2, [r["before_host_ms"] for r in cases], 0.4, label="before")
+    ax.bar(x + 0.2, [r["after_host_ms"] for r in cases], 0.4, label="after")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['case']}\nS={r['S']} {r['dtype'][5:]}" for r in cases], fontsize=7)
+    ax.set_ylabel("host ms per call (median)")
+    ax.set_title("webgpu device-array calls, host time per call on lavapipe (B=1 H=8 D=64)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
+    for r in out:
+        print(f"S={r['S']:4d} {r['dtype']:8s} {r['case']:11s} host {r['before_host_ms']:.3f} -> "
+              f"{r['after_host_ms']:.3f} ms ({r['host_ratio']:.2f}x; rounds {r['rounds']})"
+              + (f"  vs plan {r['before_vs_plan_host']:.2f} -> {r['after_vs_plan_host']:.2f}"
+                 if "after_vs_plan_host" in r else ""))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--aggregate":
+        aggregate(*sys.argv[2:])
+    else:
+        main()

@@ -182,3 +182,18 @@ def test_single_params_in_a_list_is_a_group_of_one():
     A.attention_backward_arena(a1, pq, backend=BACKEND)
     A.attention_backward_arena(a2, [pq.pack()], backend=BACKEND)
     assert np.array_equal(a1.view(np.uint32), a2.view(np.uint32))
+
+
+def test_validation_memo_never_hides_an_error():
+    """A repeat skips the checks only for the same Params (or group) on an arena of the
+    same length: the same Params on a shorter arena, or in a bad group, still raise."""
+    arena, (pq, pk, pv), _ = _group()
+    A.attention_backward_arena(arena.copy(), pq, backend=BACKEND)
+    A.attention_backward_arena(arena.copy(), [pq, pk, pv], backend=BACKEND)
+    short = arena[:pv.out_off + 2].copy()
+    with pytest.raises(ValueError, match="past the arena's end"):
+        A.attention_backward_arena(short, pv, backend=BACKEND)
+    with pytest.raises(ValueError, match=r"params\[2\]: .*past the arena's end"):
+        A.attention_backward_arena(short, [pq, pk, pv], backend=BACKEND)
+    with pytest.raises(ValueError, match="repeats"):
+        A.attention_backward_arena(arena.copy(), [pq, pk, pk], backend=BACKEND)

@@ -56,8 +56,7 @@ def run_arena(be, buffer, params) -> None:
     group = tuple(params) if isinstance(params, (tuple, list)) else (params,)
     run = be._run()
     _check_buffer(run, buffer)
-    key = (id(buffer), buffer.size, tuple(p.pack() for p in group), be.loop_limit_override,
-           be.config_override)
+    key = (id(buffer), buffer.size, group, be.loop_limit_override, be.config_override)
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
