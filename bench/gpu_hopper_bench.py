@@ -61,7 +61,7 @@ def run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg, bufs=None):
     """(dq or None, dk, dv) of one backward config: the fused kernel (dq too when
     cfg.dq) or the dK/dV kernel; ``bufs``: poisoned (dq, dk, dv) to write."""
     dq, dk, dv = bufs if bufs is not None else (None, None, None)
-    if cfg.fused or cfg.ws:
+    if cfg.fused:
         return HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg,
                                  want_dq=cfg.dq)
     return (None,) + tuple(HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg))

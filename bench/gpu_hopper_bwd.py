@@ -1,7 +1,8 @@
 """The Hopper backward (backends/triton/hopper: bwd_fused_kernel, bwd_kernel) on an sm_90
 GPU, lean enough for a short lease: warm-up compiles in parallel processes, float64
 checks of every backward config (poisoned buffers, bitwise repeat, the routed path), then
-timings beside the portable backward, SDPA-cuDNN and SDPA-flash, in one process.
+timings beside the portable backward, SDPA-cuDNN and SDPA-flash, in one process (the
+routed path with the default config and with the fused kernel's in-kernel dQ).
 FLOP convention: FlashAttention's (bwd 2.5 x the forward's 4*B*H*Sq*Sk*D, causal half).
 The forward's out and row statistics come from torch (no forward kernel is compiled).
 
@@ -85,26 +86,23 @@ def inputs(B, H, Hkv, Sq, Sk, D, dt, layout="bhsd", seed=0):
 
 
 # ----------------------------------------------------------------------------- compile
-def split_config(D):
-    """The fused kernel without dQ (the routed path then runs the portable dQ kernel)."""
-    return next(c for c in HCF.BWD_VARIANTS[D] if c.fused and not c.dq)
+def dq_config(D):
+    """The fused kernel with its in-kernel dQ (the routed path then runs no dQ kernel)."""
+    return next(c for c in configs(D) if c.fused and c.dq)
 
 
 class routed:
-    """Within the block, the routed Hopper backward uses ``cfg`` (None: the default)."""
+    """Within the block, the routed Hopper backward of head dim D uses ``cfg``."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, D):
+        self.cfg, self.D = cfg, D
 
     def __enter__(self):
-        self.D = self.cfg and next(d for d, c in HCF.BWD_VARIANTS.items() if self.cfg in c)
-        if self.cfg is not None:
-            self.old = HCF._BWD[self.D]
-            HCF._BWD[self.D] = self.cfg
+        self.old = HCF._BWD[self.D]
+        HCF._BWD[self.D] = self.cfg
 
     def __exit__(self, *a):
-        if self.cfg is not None:
-            HCF._BWD[self.D] = self.old
+        HCF._BWD[self.D] = self.old
         return False
 
 
@@ -124,9 +122,9 @@ def _warm(job):
     if kind == "portable":
         from anyattn.rowstats import RowStats
 
-        for path in ("portable", "hopper", "split"):
+        for path in ("portable", "hopper", "dq"):
             os.environ["ANYATTN_TRITON_PATH"] = "portable" if path == "portable" else "hopper"
-            with routed(split_config(D) if path == "split" else None):
+            with routed(dq_config(D) if path == "dq" else HCF.bwd_config(D), D):
                 TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
     else:
         cfg = next(c for c in configs(D, dt) if c.name == name)
@@ -275,8 +273,8 @@ def phase_bench():
                     os.environ.pop("ANYATTN_TRITON_PATH", None)
 
             put("bwd-hopper", lambda: tl_bwd("hopper"))
-            with routed(split_config(d)):
-                put("bwd-hopper-split", lambda: tl_bwd("hopper"))
+            with routed(dq_config(d), d):
+                put("bwd-hopper-dq", lambda: tl_bwd("hopper"))
             put("bwd-portable", lambda: tl_bwd("portable"))
             for cfg in configs(d):
                 put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
@@ -296,9 +294,9 @@ def phase_bench():
                 row["hopper_vs_cudnn"] = round(cb / hb, 3)
             if isinstance(hb, float) and isinstance(pb, float):
                 row["hopper_vs_portable"] = round(pb / hb, 3)
-            sb = row["ms"].get("bwd-hopper-split")
+            sb = row["ms"].get("bwd-hopper-dq")
             if isinstance(sb, float) and isinstance(pb, float):
-                row["split_vs_portable"] = round(pb / sb, 3)
+                row["dq_route_vs_portable"] = round(pb / sb, 3)
             RES["bench"].append(row)
             log(f"bench B={b} H={h} S={s} D={d} causal={causal}: " +
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
@@ -352,7 +350,7 @@ def main():
         log(f"B={r['B']} H={r['H']} S={r['S']} D={r['D']} causal={r['causal']} TFLOP/s " +
             " ".join(f"{k}={v}" for k, v in r["tflops"].items()) +
             f"  hopper/cudnn {r.get('hopper_vs_cudnn')} hopper/portable {r.get('hopper_vs_portable')}"
-            f" split/portable {r.get('split_vs_portable')}")
+            f" in-kernel-dq route/portable {r.get('dq_route_vs_portable')}")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,20 @@ def test_backward_is_covered_but_not_routed_by_auto(monkeypatch):
     assert TL._use_hopper(p, "backward", None, ()) is True
 
 
+def test_backward_configs_are_data():
+    """Backward configs: names as the bench and LOG use them; dq only through the fused
+    kernel; every default and variant within the shared memory of an H100 / H200."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    assert HCF.HopperBwdConfig(128, 64, 2, fused=True, dq=True).name == "fdkdvq128x64s2"
+    assert HCF.HopperBwdConfig(128, 32, 2).name == "dkdv128x32s2"
+    with pytest.raises(ValueError, match="fused"):
+        HCF.HopperBwdConfig(128, 64, 2, dq=True)
+    for d in (64, 128):
+        for c in [HCF.bwd_config(d)] + HCF.BWD_VARIANTS[d]:
+            assert c.smem_bytes(d) <= 227 * 1024, c.name
+
+
 def test_path_setting(monkeypatch):
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "fast")
     with pytest.raises(ValueError, match="ANYATTN_TRITON_PATH"):
@@ -155,7 +169,9 @@ def _compile_counts(expr):
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True, overlap=True, "
      "pingpong=True, exp_fma=True))", 2),
-    ("O.compile_dkdv('bfloat16', 64, True)", 2)])
+    ("O.compile_dkdv('bfloat16', 64, True)", 2),
+    ("O.compile_dkdv('bfloat16', 64, True, C.HopperBwdConfig(128, 64, 2, fused=True, dq=True))",
+     2)])
 def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
     """The kernels compile for sm_90a here (no GPU) and their SASS holds warpgroup MMAs
     (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory; the
@@ -319,7 +335,7 @@ def test_backward_matches_float64(dtype, D, kind, shape, layout):
         dk = torch.full((B, Hkv, Sk, D), float("nan"), dtype=q.dtype, device="cuda")
         dv = torch.full_like(dk, float("nan"))
         dq = torch.full_like(q.contiguous(), float("nan"))
-        if cfg.fused or cfg.ws:
+        if cfg.fused:
             got = HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg,
                                     want_dq=cfg.dq)[0]
             if cfg.dq:

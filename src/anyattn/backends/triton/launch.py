@@ -879,7 +879,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                 from .hopper import launch as HL
 
                 hcfg = HL.HC.bwd_config(D)
-                if hcfg.fused or hcfg.ws:   # dk, dv and (when asked) dq in one kernel
+                if hcfg.fused:   # dk, dv and, when the config says so, dq in one kernel
                     got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
                                                   cfg=hcfg, want_dq=want_q and hcfg.dq)
                     want_q = want_q and got is None

@@ -1,5 +1,7 @@
 """Gluon backward for Hopper (sm_90a): dK / dV and, optionally, dQ in one kernel of two
-warpgroups (8 warps, no warp specialisation: bwd_ws_kernel's module doc says why).
+warpgroups (8 warps; no warp specialisation: with Triton 3.6's partitions ptxas keeps
+the consumers at the kernel's 168-register cap and spills, docs/perf/LOG.md issue 15
+helper 3).
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
 D head dim, BN = 128 the key tile of a program (64 per warpgroup), BM the query tile,
@@ -63,23 +65,18 @@ def _add_release(ptrs):
 
 @gluon.jit
 def dq_rank(jt, t, Sk, lo, hi, HAS_BAND: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """(rank, last): key tile jt's place in the order in which the key tiles whose
-    programs visit query tile t (query_tile_range's rule: a contiguous run [jlo, jhi])
-    add their dQ partials, and whether it is the last.  No band: ascending (jlo = 0
-    first); a band: descending (jhi first: the tile nearest the diagonal meets the query
-    tile first in its own loop; the kernel launches the key tiles in descending order
-    then, so that a program still waits only for programs launched before it)."""
+    """(rank, last): key tile jt's place among the key tiles whose programs visit query
+    tile t (query_tile_range's rule: a contiguous run [jlo, jhi]), and whether it is
+    the run's last."""
     nkv = (Sk + BN - 1) // BN
     if HAS_BAND:
         jlo = _div_pos(t * BM + lo, BN)                  # first j with j1 - lo > t * BM
         jhi = _cdiv_pos((t + 1) * BM + hi, BN) - 1       # last j with j0 - hi < (t+1) * BM
-        jhi = gl.minimum(jhi, nkv - 1)
-        rank = jhi - jt
-        last = jt == jlo
     else:
-        rank = jt
-        last = jt == nkv - 1
-    return rank, last
+        jlo = 0
+        jhi = nkv - 1
+    jhi = gl.minimum(jhi, nkv - 1)
+    return jt - jlo, jt == jhi
 
 
 @gluon.jit
@@ -94,38 +91,26 @@ def _issue_qdo(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, t, st,
 
 
 @gluon.jit
-def _dq_flush(dq_smem, DQ, DQA, SEM, bh, t, nq, rank, last, Sq, scale,
-              D: gl.constexpr, BM: gl.constexpr):
-    """Add the staged dQ partial of query tile t of head bh (dq_smem fp32 [BM, D]) into
-    DQA in key-tile order (module doc): wait for this program's turn, then per half of
-    the rows load (16-byte vectors), add, store; the last key tile writes dq instead."""
+def _dq_add(dq_tok, DQ, DQA, SEM, bh, t, nq, rank, last, Sq, scale,
+            q_l: gl.constexpr, D: gl.constexpr, BM: gl.constexpr):
+    """Add this program's dQ partial [BM, D] (the async wgmma dq_tok) to query tile t
+    of head bh in key-tile order (module doc); the last key tile writes dq instead."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])         # one counter per thread
-    TC: gl.constexpr = D // 4                                          # threads along D
-    f_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TC, TC], [8, 1], [1, 0])
-    RB: gl.constexpr = BM // 2
     sem = SEM + (bh * nq + t)
     zero = gl.full([THREADS], 0, gl.int32, layout=c_l)
     got = _spin_acquire(sem + zero, zero + rank * THREADS)                 # [256]
-    offs_r = gl.arange(0, RB, layout=gl.SliceLayout(1, f_l))               # [RB]
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, f_l))                # [D]
+    offs_mb = gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))              # [BM]
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))                # [D]
     base = (bh.to(gl.int64) * Sq + t * BM) * D                             # tile's first row
-    offs = offs_r[:, None] * D + offs_d[None, :]                           # [RB, D] int32
-    m0 = (t * BM + offs_r < Sq)[:, None]
-    m1 = (t * BM + RB + offs_r < Sq)[:, None]
-    # both halves' loads before any store (a store could alias a later load)
-    a0 = gl.load(DQA + base + offs, mask=m0 & (rank > 0), other=0.0, cache_modifier=".cg")
-    a1 = gl.load(DQA + base + RB * D + offs, mask=m1 & (rank > 0), other=0.0,
-                 cache_modifier=".cg")
-    a0 = a0 + dq_smem.slice(0, RB, 0).load(f_l)                           # [RB, D]
+    offs = offs_mb[:, None] * D + offs_d[None, :]                          # [BM, D] int32
+    msk = (t * BM + offs_mb < Sq)[:, None]
+    acc = gl.load(DQA + base + offs, mask=msk & (rank > 0), other=0.0, cache_modifier=".cg")
+    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+    acc = acc + dq                                                         # [BM, D]
     if last:
-        gl.store(DQ + base + offs, (a0 * scale).to(DQ.dtype.element_ty), mask=m0)
+        gl.store(DQ + base + offs, (acc * scale).to(DQ.dtype.element_ty), mask=msk)
     else:
-        gl.store(DQA + base + offs, a0, mask=m0, cache_modifier=".cg")
-    a1 = a1 + dq_smem.slice(RB, RB, 0).load(f_l)                          # [RB, D]
-    if last:
-        gl.store(DQ + base + RB * D + offs, (a1 * scale).to(DQ.dtype.element_ty), mask=m1)
-    else:
-        gl.store(DQA + base + RB * D + offs, a1, mask=m1, cache_modifier=".cg")
+        gl.store(DQA + base + offs, acc, mask=msk, cache_modifier=".cg")
         _add_release(sem + got * 0)
 
 
@@ -155,8 +140,6 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dt)
 
     pid_n = gl.program_id(0)
-    if HAS_BAND:                      # descending key tiles: dq_rank's order
-        pid_n = gl.num_programs(0) - 1 - pid_n
     bhk = gl.program_id(1)
     Hkv = H // G
     b = bhk // Hkv
@@ -169,9 +152,6 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dt, [BM, BN], pds_l)
     ds_smem = gl.allocate_shared_memory(dt, [BM, BN], pds_l)
-    if WITH_DQ:   # the previous tile's dQ partial, added while this tile's products run
-        dq_smem = gl.allocate_shared_memory(
-            gl.float32, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.float32))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -206,10 +186,6 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     offs_mb = gl.arange(0, BM, layout=row_s)
     dk = gl.zeros([BN, D], gl.float32, layout=a_l)
     dv = gl.zeros([BN, D], gl.float32, layout=a_l)
-    p_bh = b * H                      # the staged dQ partial's head, tile, rank, last
-    p_t = 0
-    p_rank = 0
-    p_last = False
     mbarrier.wait(kv_bar, 0)
     for it in range(0, n_tot):
         h = hk * G + it // n_div
@@ -257,22 +233,11 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
         if WITH_DQ:
             dq_tok = warpgroup_mma(ds_smem, k2, gl.zeros([BM, D], gl.float32, layout=q_l),
                                    use_acc=False, is_async=True)                 # [BM, D]
-            if it > 0:    # the previous tile's partial, while dK / dQ run
-                _dq_flush(dq_smem, DQ, DQA, SEM, p_bh, p_t, nq, p_rank, p_last, Sq, scale,
-                          D, BM)
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            gl.thread_barrier()           # every thread's flush read dq_smem
-            dq_smem.store(dq)             # (read after the next tile's P barrier)
-            p_rank, p_last = dq_rank(pid_n, t, Sk, lo, hi, HAS_BAND, BM, BN)
-            p_bh = bh
-            p_t = t
+            rank, last = dq_rank(pid_n, t, Sk, lo, hi, HAS_BAND, BM, BN)
+            _dq_add(dq_tok, DQ, DQA, SEM, bh, t, nq, rank, last, Sq, scale, q_l, D, BM)
         # every product of the tile done (no accumulator in flight across the loop's back
         # edge: ptxas would serialise the wgmmas, C7515): P / dS / the stage are free
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    if WITH_DQ:
-        if n_tot > 0:
-            gl.thread_barrier()           # the last partial stored
-            _dq_flush(dq_smem, DQ, DQA, SEM, p_bh, p_t, nq, p_rank, p_last, Sq, scale, D, BM)
 
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(q_bar.index(st))

@@ -84,52 +84,56 @@ def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """The backward kernel's launch shape: bn key rows per program (16 per warp; 64 per
-    warpgroup in the fused / ws kernels), bm query rows per ring stage.  Kernels: the
-    dK/dV kernel (bwd_kernel, transposed form); ``fused``: bwd_fused_kernel (two
-    warpgroups, P and dS through shared memory, 8 warps); ``ws``: bwd_ws_kernel (a
-    producer warp + two consumer warpgroups; offline only: see its LOG entry).  ``dq``:
-    the fused / ws kernel computes dQ too (deterministic in-kernel adds).  Shared memory:
-    2 bytes * D * (2 * bn + 2 * stages * bm) + 4 * bm * bn (P, dS; fused / ws)."""
+    warpgroup in the fused kernel), bm query rows per ring stage.  Kernels: the dK/dV
+    kernel (bwd_kernel, the transposed form); ``fused``: bwd_fused_kernel (two
+    warpgroups, P and dS through shared memory, 8 warps); ``dq``: the fused kernel
+    computes dQ too (deterministic in-kernel adds), else dQ stays portable.  Shared
+    memory: 2 bytes * D * (2 * bn + 2 * stages * bm) (+ 4 * bm * bn for P, dS: fused)."""
 
     bn: int
     bm: int
     stages: int
     num_warps: int = 8
     fused: bool = False
-    ws: bool = False
     dq: bool = False
-    consumer_regs: int = 240
+
+    def __post_init__(self):
+        if self.dq and not self.fused:
+            raise ValueError(f"{self.name}: only the fused kernel computes dq")
 
     @property
     def name(self) -> str:
         """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ)."""
-        pre = "f" if self.fused else ("ws" if self.ws else "")
-        return f"{pre}dkdv{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
+        return (f"{'f' if self.fused else ''}dkdv{'q' if self.dq else ''}"
+                f"{self.bn}x{self.bm}s{self.stages}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
-        extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
+        extra = 2 * elem * self.bm * self.bn if self.fused else 0
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
-#: D -> the backward's config: the fused kernel with dQ (bwd_fused_kernel; sm_90a offline
-#: compile 2026-12-03: D=128 255 registers, 40 spill stores / 36 loads, wgmma not
-#: serialised; D=64 234 registers, no spills)
-_BWD = {64: HopperBwdConfig(128, 64, 2, fused=True, dq=True),
-        128: HopperBwdConfig(128, 64, 2, fused=True, dq=True)}
-
-#: D -> the dK/dV kernel's config (bwd_kernel, the transposed form; dQ stays portable)
+#: D -> the dK/dV kernel's config (bwd_kernel, the transposed form)
 #: (sm_90a offline compile, 2026-12-03: D=128 bm=64 spills, 255
 #: registers + 128-248 stack bytes; bm=32 230-253 registers, none; D=64 bm=64 217-237).
 #: H200 (hopper-h200-2026-12-03b.json), TFLOP/s on dK/dV's 4 products: D=128 bm=32 s2
 #: 364-425 / s3 348-438 / bm=64 s2 248-322; D=64 bm=64 s2 340-367, s3 336-371
 _DKDV = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)}
 
-#: backward variants the GPU bench checks and times beside the defaults: the fused kernel
-#: without dQ (dQ through the portable kernel), the dK/dV kernel; D=128 also 3 stages
-#: (run 1, 2026-12-03 18:43: 3 stages and D=64 bm=128 were slower than 2 stages)
-BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True), _DKDV[64]],
-                128: [HopperBwdConfig(128, 64, 3, fused=True, dq=True),
-                      HopperBwdConfig(128, 64, 2, fused=True), _DKDV[128]]}
+#: D -> the backward's config (what ANYATTN_TRITON_PATH=hopper runs; coverage.py keeps
+#: 'auto' portable).  H200 2026-12-03 (docs/perf/hopper-bwd-h200-2026-12-03.json,
+#: TFLOP/s on dK/dV's 0.8 of the backward's FLOPs, B=8 H=16 S=2k / B=2 H=16 S=8k):
+#: D=128 the fused kernel without dQ 459-486 (causal 395-464) vs the dK/dV kernel
+#: 376-405 (302-345); dQ stays portable.  With its in-kernel dQ the fused kernel ran
+#: 241-249 (causal 109-127) on the whole backward's FLOPs, under the portable
+#: backward's 347-377: the ordered adds stall it (docs/perf/LOG.md).  D=64: the dK/dV
+#: kernel (the fused one passed the checks at D=64 but was not timed without dQ)
+_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
+
+#: backward variants the GPU bench checks and times beside the defaults
+BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True),
+                     HopperBwdConfig(128, 64, 2, fused=True, dq=True)],
+                128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True),
+                      HopperBwdConfig(128, 64, 3, fused=True, dq=True), _DKDV[128]]}
 
 
 def bwd_config(d: int) -> HopperBwdConfig:

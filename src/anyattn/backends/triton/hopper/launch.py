@@ -35,12 +35,12 @@ def _tma_strides(x):
     return st
 
 
-def make_desc(x, rows: int, cols: int = 0):
-    """A 4-D TMA descriptor over x [B, H, S, D] with blocks [1, 1, rows, cols or D]."""
+def make_desc(x, rows: int):
+    """A 4-D TMA descriptor over x [B, H, S, D] with blocks [1, 1, rows, D]."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, 1, rows, cols or x.shape[3]]
+    block = [1, 1, rows, x.shape[3]]
     layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
     return TensorDescriptor(x, list(x.shape), _tma_strides(x), block, layout)
 
@@ -96,7 +96,7 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.dkdv_config(D) if cfg is None else cfg
-    if cfg.fused or cfg.ws:
+    if cfg.fused:
         raise ValueError(f"dkdv() runs the dK/dV kernel; {cfg.name} is run by "
                          f"backward_fused()")
     rm_ = p.mask
@@ -127,14 +127,13 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                    want_dq: bool = True):
     """-> (dq [B, H, Sq, D] or None, dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous,
     from the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32,
-    contiguous), through bwd_fused_kernel.dkdvq_kernel (cfg.fused) or bwd_ws_kernel.
-    dkdvq_ws_kernel (cfg.ws): dK / dV, and dQ when want_dq (added in key-tile order:
-    bitwise repeatable).  ``dq`` / ``dk`` / ``dv``: preallocated buffers to write (tests
+    contiguous), through bwd_fused_kernel.dkdvq_kernel: dK / dV, and dQ when want_dq
+    (added in key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``: preallocated buffers to write (tests
     poison them); ``cfg``: default configs.bwd_config(D)."""
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.bwd_config(D) if cfg is None else cfg
-    if not (cfg.fused or cfg.ws):
-        raise ValueError(f"backward_fused needs a fused or ws config, got {cfg.name} "
+    if not cfg.fused:
+        raise ValueError(f"backward_fused needs a fused config, got {cfg.name} "
                          f"(dkdv() runs the dK/dV kernel)")
     if want_dq and not cfg.dq:
         raise ValueError(f"config {cfg.name} computes dk / dv only: call it with "
@@ -160,13 +159,12 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
                              f"{list(want)} float32")
     nq = triton.cdiv(Sq, cfg.bm)
-    halves = 2 if cfg.ws else 1       # the ws kernel keeps one counter per half of D
     if with_dq:
         # fp32 partial sums (no init: the first key tile of a query tile stores), one
-        # counter per (b, h, query tile[, half]) at zero; query tiles that no key tile
+        # counter per (b, h, query tile) at zero; query tiles that no key tile
         # sees (band masks) keep dq's zeros
         dqa = torch.empty((B * H, Sq, D), dtype=torch.float32, device=dev)
-        sem = torch.zeros((B * H * nq * halves,), dtype=torch.int32, device=dev)
+        sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
         if rm_.has_band:
             dq.zero_()
         dq_arg = dq
@@ -176,21 +174,10 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
     tail = (l2, delta, dq_arg, dqa, sem, H, p.group, Sq, Sk, p.scale, lo, hi)
     with torch.cuda.device(dev):
-        if cfg.fused:
-            from .bwd_fused_kernel import dkdvq_kernel
+        from .bwd_fused_kernel import dkdvq_kernel
 
-            dkdvq_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
-                               make_desc(dout, cfg.bm), make_desc(dk, cfg.bn),
-                               make_desc(dv, cfg.bn), *tail, HAS_BAND=bool(rm_.has_band),
-                               WITH_DQ=with_dq, STAGES=cfg.stages, num_warps=8)
-        else:
-            from .bwd_ws_kernel import dkdvq_ws_kernel
-
-            rn = cfg.bn // 2
-            dkdvq_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                                  make_desc(dout, cfg.bm), make_desc(k, cfg.bn, D // 2),
-                                  make_desc(dk, rn), make_desc(dv, rn), *tail,
-                                  HAS_BAND=bool(rm_.has_band), WITH_DQ=with_dq,
-                                  STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
-                                  num_warps=4)
+        dkdvq_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
+                           make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
+                           *tail, HAS_BAND=bool(rm_.has_band), WITH_DQ=with_dq,
+                           STAGES=cfg.stages, num_warps=8)
     return (dq if with_dq else None), dk, dv

@@ -67,9 +67,8 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
 
 
 def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, cfg=None):
-    """triton.compile of the backward kernel of ``cfg`` (bwd_kernel.dkdv_kernel;
-    bwd_fused_kernel.dkdvq_kernel when cfg.fused; bwd_ws_kernel.dkdvq_ws_kernel when
-    cfg.ws) for sm_90a -> CompiledKernel."""
+    """triton.compile of the backward kernel of ``cfg`` (bwd_kernel.dkdv_kernel, or
+    bwd_fused_kernel.dkdvq_kernel when cfg.fused) for sm_90a -> CompiledKernel."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -97,20 +96,6 @@ def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, 
         consts = {(18,): has_band, (19,): cfg.dq, (20,): cfg.stages, (21,): 8}
         src = GluonASTSource(dkdvq_kernel, dict(zip(names, types)), constexprs=consts)
         return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=8))
-    if cfg.ws:
-        from .bwd_ws_kernel import dkdvq_ws_kernel
-
-        kd = mangle_type(make_desc(x, cfg.bn // 2))
-        khd = mangle_type(make_desc(x, cfg.bn, D // 2))
-        names = ["q_desc", "k_desc", "v_desc", "do_desc", "kh_desc", "dk_desc", "dv_desc",
-                 "L2", "DELTA", "DQ", "DQA", "SEM", "H", "G", "Sq", "Sk", "scale", "lo", "hi",
-                 "HAS_BAND", "WITH_DQ", "STAGES", "CONSUMER_REGS", "num_warps"]
-        types = [qd, kd, kd, qd, khd, kd, kd, "*fp32", "*fp32", pdt, "*fp32", "*i32", "i32",
-                 "i32", "i32", "i32", "fp32", "i32", "i32"] + ["constexpr"] * 5
-        consts = {(19,): has_band, (20,): cfg.dq, (21,): cfg.stages, (22,): cfg.consumer_regs,
-                  (23,): 4}
-        src = GluonASTSource(dkdvq_ws_kernel, dict(zip(names, types)), constexprs=consts)
-        return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
     kd = mangle_type(make_desc(x, cfg.bn))
     names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "L2", "DELTA",
              "H", "G", "Sq", "Sk", "scale", "lo", "hi", "HAS_BAND", "STAGES", "num_warps"]
