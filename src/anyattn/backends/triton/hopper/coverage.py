@@ -40,11 +40,13 @@ COVERAGE = {
                         # hopper-h200-2026-12-03.json): it stays portable until it wins
                         head_dims=frozenset({128}),
                         mask_classes=frozenset({"none", "band"})),
-    # dK / dV only (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not
-    # routed by 'auto': Hopper dK/dV + the portable dQ kernel measured 0.82-0.97x the
-    # portable backward (H200 2026-12-03, docs/perf/hopper-h200-2026-12-03b.json), which
-    # runs its dK/dV and dQ programs in one launch (kernels._bwd_kernel); the routed path
-    # runs two launches back to back.  Both compute S and dP twice (8 products)
+    # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
+    # dK/dV kernel (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not routed
+    # by 'auto' (H200 2026-12-03, docs/perf/hopper-bwd-h200-2026-12-03.json): the dK/dV
+    # kernel + portable dQ measured 0.82-0.90x the portable backward; the fused dK/dV
+    # kernel runs 1.2-1.35x the dK/dV kernel, which puts that route at ~0.97-1.01x by
+    # the parts' timings (not timed as a whole); the fused kernel's in-kernel dQ
+    # (deterministic ordered adds) 0.67-0.69x, causal 0.35-0.37x
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
