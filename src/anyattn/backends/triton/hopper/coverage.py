@@ -43,10 +43,10 @@ COVERAGE = {
     # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
     # dK/dV kernel (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not routed
     # by 'auto' (H200 2026-12-03, docs/perf/hopper-bwd-h200-2026-12-03.json): the dK/dV
-    # kernel + portable dQ measured 0.82-0.90x the portable backward; the fused dK/dV
+    # kernel + portable dQ measured 0.83-0.90x the portable backward; the fused dK/dV
     # kernel runs 1.2-1.35x the dK/dV kernel, which puts that route at ~0.97-1.01x by
     # the parts' timings (not timed as a whole); the fused kernel's in-kernel dQ
-    # (deterministic ordered adds) 0.67-0.69x, causal 0.35-0.37x
+    # (deterministic ordered adds) 0.60-0.71x, causal 0.36-0.37x
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
