@@ -728,6 +728,28 @@ def kernel_times(plan, min_s=0.15):
     return out
 
 
+class _configs_forced:
+    """Within: the webgpu backend's calls take ``fwd`` for forwards and ``bwd`` for
+    backwards (launch.choose_config replaced; the backend imports it per call) - a shape
+    point whose backward tile differs from its forward's (RM = 8 is backward-only)."""
+
+    def __init__(self, fwd, bwd):
+        self.cfgs = fwd, bwd
+
+    def __enter__(self):
+        from anyattn.backends.webgpu import launch
+
+        self.old = launch.choose_config
+        fwd, bwd = self.cfgs
+        launch.choose_config = lambda ctx, D, elem="f32", backward=False, *a, **kw: \
+            bwd if backward else fwd
+
+    def __exit__(self, *exc):
+        from anyattn.backends.webgpu import launch
+
+        launch.choose_config = self.old
+
+
 def variant_case(be, B, H, S, D, dtype, gpu, variants):
     """Kernel variants side by side (launch.VARIANTS, forced by ANYATTN_WEBGPU_VARIANT as
     a user would): per variant the configs choose_config picks, the device-resident
@@ -755,14 +777,27 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
         # f16 staged with D chunks of 32 (the f16 forward's; the wide backward's): are the
         # f16 variants' losses the prefetch registers of DC = 64 chunks?
         st = choose_config(be.context, D, "f16", backward=True, variant="staged")
-        runs.append(("staged-DC32", dataclasses.replace(st, DC=32)))
+        runs.append(("staged-DC32", (choose_config(be.context, D, "f16", variant="staged"),
+                                     dataclasses.replace(st, DC=32, IC=min(st.IC, 32)))))
+        # wide f16 with runs of one vec4 column (HC = 1: no f16 partial array live across
+        # the columns, 2 x 32 fewer packed registers at RM = 8)
+        wd = choose_config(be.context, D, "f16", backward=True, variant="wide")
+        runs.append(("wide-HC1", (choose_config(be.context, D, "f16", variant="wide"),
+                                  dataclasses.replace(wd, HC=1))))
     runs = [(n, c) for n, c in runs if "all" in VARIANT_SEL["names"] or n in VARIANT_SEL["names"]]
     for var, cfg in runs:
+        pair = isinstance(cfg, tuple)      # (forward config, backward config)
+        if pair:
+            cfg_f, cfg = cfg
         os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
-        be.config_override = cfg
+        be.config_override = None if pair else cfg
         try:
             cfg_b = cfg or choose_config(be.context, D, elem, backward=True)
-            fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
+            if pair:         # the backend's forward and backward calls choose these two
+                with _configs_forced(cfg_f, cfg):
+                    fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
+            else:
+                fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
             fwd.submit(1)
             bwd.submit(1)
             out, _ = read_f()
@@ -828,7 +863,7 @@ def variant_study(be, gpu, small):
         for dt in dtypes:
             if over_budget(f"variants {dt} S={S} D={D}"):
                 continue
-            with_timeout(75, f"variants {dt} S={S} D={D}", variant_case, be, 1, 2 if small else 8,
+            with_timeout(100, f"variants {dt} S={S} D={D}", variant_case, be, 1, 2 if small else 8,
                          S, D, dt, gpu, variants)
             save_partial()
 
