@@ -71,7 +71,7 @@ def compare(a, argv) -> None:
 
     new_src = str(Path(__file__).resolve().parents[1] / "src")
     runs = {"old": [], "new": []}
-    skip = {"--compare", "--pairs", "--out"}
+    skip = {"--compare", "--pairs", "--out", "--png"}
     child = [x for i, x in enumerate(argv)
              if x not in skip and (i == 0 or argv[i - 1] not in skip)]
     with tempfile.TemporaryDirectory() as td:
@@ -103,6 +103,30 @@ def compare(a, argv) -> None:
             old_src=a.compare, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
             unit="microseconds of host time per fwd+bwd step (kernels no-op), medians",
             variants=res), indent=1))
+    if a.png:
+        plot(res, a, a.png)
+
+
+def plot(res, a, path) -> None:
+    """Bars: old and new median per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res)
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    xs = range(len(names))
+    for off, tag in ((-0.2, "old"), (0.2, "new")):
+        ax.bar([x + off for x in xs], [res[n][tag] for n in names], width=0.4, label=tag)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("host us per fwd+bwd step")
+    ax.set_title(f"anyattn host work, kernels no-op, shape {a.shape}"
+                 f"{' causal' if a.causal else ''}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -114,6 +138,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file")
     ap.add_argument("--compare", metavar="OLD_SRC", help="src tree of the earlier revision")
     ap.add_argument("--pairs", type=int, default=4, help="alternating runs per tree")
+    ap.add_argument("--png", help="with --compare: a bar chart of old / new")
     a = ap.parse_args()
     if a.compare:
         compare(a, sys.argv[1:])

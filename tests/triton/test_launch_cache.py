@@ -174,8 +174,8 @@ def _variants():
 @needs_triton
 def test_cached_calls_give_the_bits_of_uncached_calls(monkeypatch):
     """Every variant runs after all the others were cached (a stale entry would be
-    reused there), then alone with the cache emptied: the same bits; a repeat (the
-    cached launch itself) too."""
+    reused there), then alone with the cache emptied: the same bits; repeats of some
+    (the prepared launch itself) too."""
     q, k, v, gd = _qkv()
     tensor_variants = {
         "bf16": [x.to(torch.bfloat16) for x in (q, k, v, gd)],
@@ -189,13 +189,16 @@ def test_cached_calls_give_the_bits_of_uncached_calls(monkeypatch):
         cached[name] = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
     n_entries = len(L._prepared)
     assert n_entries >= len(cases) - 2     # (dropout seeds share one entry; so may bf16's)
-    repeat = {name: _call(*ts, monkeypatch=monkeypatch, **dict(kw)) for name, ts, kw in cases}
+    again = ("base", "causal", "docs", "bias_bcast", "sinks", "dropout_seed", "strided")
+    repeat = {name: _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+              for name, ts, kw in cases if name in again}
     assert len(L._prepared) == n_entries   # repeats hit
     for name, ts, kw in cases:
         L.clear_prepared()
         fresh = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
-        for a, b, c in zip(cached[name], fresh, repeat[name]):
-            assert torch.equal(a, b) and torch.equal(c, b), name
+        for i, b in enumerate(fresh):
+            assert torch.equal(cached[name][i], b), name
+            assert name not in repeat or torch.equal(repeat[name][i], b), name
     assert not torch.equal(cached["dropout"][0], cached["dropout_seed"][0])
 
 
