@@ -119,7 +119,10 @@ def _describe(call: _Call, q, k, v, bias, sinks, wrt):
     if key is not None:
         hit = _problems.get(key)
         if hit is not None:
-            _problems.move_to_end(key)
+            try:
+                _problems.move_to_end(key)
+            except KeyError:     # dropped by another thread meanwhile: still valid
+                pass
             return hit
     p = describe(q, k, v, mask=call.mask, bias=bias, scale=call.scale,
                  precision=call.precision, wrt=wrt or None, q_offset=call.q_offset,
@@ -129,8 +132,11 @@ def _describe(call: _Call, q, k, v, bias, sinks, wrt):
     res = (p, _with_wrt(p, frozenset()) if p.wrt else p)
     if key is not None:
         _problems[key] = res
-        while len(_problems) > _PROBLEMS:
-            _problems.popitem(last=False)
+        try:
+            while len(_problems) > _PROBLEMS:
+                _problems.popitem(last=False)
+        except KeyError:         # emptied by another thread meanwhile
+            pass
     return res
 
 

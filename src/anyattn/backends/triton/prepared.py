@@ -92,14 +92,19 @@ class LRU:
     def get(self, key) -> Optional[Any]:
         v = self._d.get(key)
         if v is not None:
-            self._d.move_to_end(key)
+            try:
+                self._d.move_to_end(key)
+            except KeyError:     # dropped by another thread meanwhile: still a hit
+                pass
         return v
 
     def put(self, key, value) -> None:
         self._d[key] = value
-        self._d.move_to_end(key)
-        while len(self._d) > self.size:
-            self._d.popitem(last=False)
+        try:
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+        except KeyError:         # emptied by another thread meanwhile
+            pass
 
     def clear(self) -> None:
         self._d.clear()
