@@ -197,3 +197,16 @@ def test_validation_memo_never_hides_an_error():
         A.attention_backward_arena(short, [pq, pk, pv], backend=BACKEND)
     with pytest.raises(ValueError, match="repeats"):
         A.attention_backward_arena(arena.copy(), [pq, pk, pk], backend=BACKEND)
+
+
+@pytest.mark.parametrize("kind", [A.MASK_KEEP, A.MASK_CAUSAL_WINDOW, A.MASK_BIAS])
+@pytest.mark.parametrize("backend", [None, BACKEND])
+def test_torch_cpu_arena_group(kind, backend):
+    """A torch CPU arena: NumPy views (backend=None) or torch views (a named backend),
+    the uniform-row correction per member, outputs only."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(60 + kind)
+    arena, group, data = grouped_arena(rng, kind)
+    t = torch.from_numpy(arena.copy())
+    A.attention_backward_arena(t, group, backend=backend)
+    _check_outputs(arena, t.numpy(), group, data)
