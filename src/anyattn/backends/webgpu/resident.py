@@ -22,6 +22,7 @@ RowStats of ``anyattn.api.forward_with_stats`` to skip that pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -304,25 +305,38 @@ def _mask_key(m):
     return tuple(parts)
 
 
-def _hexf(x):
-    return None if x is None else float(x).hex()
+#: the Problem fields in a key: every one but the mask (``_mask_key``), taken from the
+#: dataclass so that a field added later joins the key by itself
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.name != "mask")
+
+
+def _field_key(v):
+    """A Problem field value as a key part: floats by their hex form (0.0 != -0.0),
+    sets sorted."""
+    if isinstance(v, float):
+        return v.hex()
+    if isinstance(v, (set, frozenset)):
+        return tuple(sorted(v))
+    return v
 
 
 def _key(what: str, be, p: Problem, inputs: Dict[str, object]):
     """The signature of a device-array call: everything its launch list depends on but
-    the buffers (None: not cached).  Floats by their hex form (0.0 != -0.0)."""
+    the buffers (None: not cached, e.g. a large KeepMask or an unhashable field)."""
     mk = _mask_key(p.mask)
     if mk is None:
         return None
     present = [x for x in inputs.values() if x is not None]
     ids = [id(x.buffer) for x in present]
     alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
-    return (what, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim, p.dtype,
-            p.precision, _hexf(p.scale), mk, p.bias_shape, p.bias_dtype,
-            tuple(sorted(p.wrt)), p.q_offset, p.k_offset, _hexf(p.softcap), p.alibi_shape,
-            p.alibi_dtype, p.sinks_dtype, _hexf(p.dropout_p), p.dropout_seed,
-            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
-            be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""))
+    key = (what, tuple(_field_key(getattr(p, n)) for n in _PROBLEM_FIELDS), mk,
+           tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
+           be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
