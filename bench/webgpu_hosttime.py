@@ -132,7 +132,8 @@ def aggregate(runs_path, out_path, before_tag="before"):
         if not len(b) or not len(a):
             continue
         rec = dict(S=S, dtype=dt, case=case, rounds=min(len(a), len(b)),
-                   before_host_ms=float(np.median(b[:, 0])), after_host_ms=float(np.median(a[:, 0])),
+                   before_host_ms=float(np.median(b[:, 0])),
+                   after_host_ms=float(np.median(a[:, 0])),
                    before_host_min_ms=float(b[:, 1].min()), after_host_min_ms=float(a[:, 1].min()))
         rec["host_ratio"] = rec["after_host_ms"] / rec["before_host_ms"]
         out.append(rec)

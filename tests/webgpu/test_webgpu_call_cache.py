@@ -329,7 +329,6 @@ def test_key_tells_config_variant_and_limits_apart(be, data, monkeypatch):
     """Tile config, kernel variant (by name or environment), loop budget, debug builds,
     strides, offsets and buffer sharing are fields of the template key (dtypes, sizes
     and the problem's options are, through the Problem and the arrays' signatures)."""
-    from anyattn.api import _mods
     from anyattn.backends.webgpu import resident
     from anyattn.backends.webgpu.launch import ENV_VARIANT, TileConfig
     from anyattn.problem import describe

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
