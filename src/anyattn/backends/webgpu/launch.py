@@ -47,12 +47,18 @@ ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: H200 through Vulkan, 2026-12-03 (docs/perf/webgpu-resident-h200-2026-12-03.json),
 #: backward at S=4096 vs portable: f32 staged 1.14-1.17x, subgroups 1.14-1.18x (the
 #: same within noise; forward +7 % more with subgroups), f16 every variant 0.51-0.70x.
-#: GPUs take ``staged`` for f32: its results are bitwise portable's and it assumes
+#: GPUs took ``staged`` for f32: its results are bitwise portable's and it assumes
 #: nothing of the subgroup lane order, which WebGPU does not promise (``subgroups``
 #: stays opt-in by name); f16 and CPU adapters stay portable.
+#: H200 2026-12-03 19:07 UTC (docs/perf/webgpu-kernels-h200-2026-12-03.json), f32
+#: backward: ``wide`` 15.90 TFLOP/s at S=4096 D=128 (staged 13.54: 1.17x), 13.40 at
+#: D=64 (staged 11.79: 1.14x), but 4.85 at S=512 D=128 (staged 5.84: 0.83x; its dQ pass
+#: has half the workgroups, 32 on 132 SMs).  GPUs take ``wide`` for f32 (bitwise
+#: portable's results too); every prefetching f16 variant stays slower than f16
+#: portable (wide 0.66x, staged 0.53x at S=4096 D=128).
 VARIANT_TABLE = (
     # (cpu adapter?, needs 'subgroup', elem or None = any) -> variant
-    ((False, False, "f32"), "staged"),
+    ((False, False, "f32"), "wide"),
     ((False, False, None), "portable"),
     ((True, False, None), "portable"),
 )
