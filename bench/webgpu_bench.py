@@ -988,40 +988,73 @@ def probe_ceiling(be):
 
 # ------------------------------------------------------------------ plot
 def plot(json_path, png_path):
+    """Issue 17's view of a --resident run: (left) each call's time over the raw encoded
+    plan's, device arrays and the seed ABI (three calls / one grouped call), with the
+    targets 1.2x and 1.5x; (right) device-resident backward TFLOP/s at the largest S
+    per dtype and D (plan, device arrays, host arrays), with the fp32 target 20."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = json.loads(Path(json_path).read_text())
+    tim = [r for r in res["timings"] if "bwd_ms" in r and r.get("config", "auto") == "auto"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
-    rows = [r for r in res["timings"] if r.get("D") == 64 and r.get("B") == 1 and r.get("H") == 8
-            and not r.get("causal") and "bwd_ms" in r and r["impl"] in
-            ("seed", "anyattn-webgpu-abi", "anyattn-webgpu", "torch-sdpa-memeff", "anyattn-triton")
-            and r.get("dtype") == "float32" and r.get("config", "auto") == "auto"]
-    for impl in sorted({r["impl"] for r in rows}):
-        pts = sorted((r["S"], r["bwd_ms"]) for r in rows if r["impl"] == impl)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("S (B=1, H=8, D=64, fp32)")
-    ax.set_ylabel("backward dQ+dK+dV, ms")
-    ax.set_title("H200: backward time vs the seed kernel")
-    ax.legend(fontsize=8)
+    plan = {(r["dtype"], r["S"], r["D"]): r["bwd_ms"] for r in tim
+            if r["impl"] == "anyattn-webgpu-plan"}
+    series = {"device arrays": [], "ABI, 3 calls": [], "ABI, grouped": []}
+    for r in tim:
+        key = (r["dtype"], r["S"], r["D"])
+        name = {"anyattn-webgpu-device-arrays": "device arrays",
+                "anyattn-webgpu-abi": "ABI, 3 calls",
+                "anyattn-webgpu-abi-grouped": "ABI, grouped"}.get(r["impl"])
+        if name is None:
+            continue
+        base = plan.get(key) or next((v for (dt, s_, _), v in plan.items()
+                                      if dt == r["dtype"] and s_ == r["S"]), None)
+        if base:
+            series[name].append((f"{r['dtype'].replace('float', 'f')} S={r['S']} "
+                                 f"D={r['D']}", r["bwd_ms"] / base))
+    labels = sorted({lab for pts in series.values() for lab, _ in pts},
+                    key=lambda t: (int(t.split("S=")[1].split()[0]), t))
+    w = 0.8 / max(1, len(series))
+    for si, (name, pts) in enumerate(series.items()):
+        d = dict(pts)
+        xs = [i for i, lab in enumerate(labels) if lab in d]
+        ys = [d[labels[i]] for i in xs]
+        bars = ax.bar([x + (si - 1) * w for x in xs], ys, w, label=name)
+        for b_, y in zip(bars, ys):
+            ax.text(b_.get_x() + b_.get_width() / 2, y, f"{y:.2f}", ha="center",
+                    va="bottom", fontsize=6)
+    ax.axhline(1.2, color="r", ls="--", lw=1, label="target: API 1.2x")
+    ax.axhline(1.5, color="m", ls=":", lw=1, label="target: ABI 1.5x (S=512)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("backward time / raw encoded plan")
+    ax.set_title("call overhead over the raw plan (B=1, H=8)")
+    ax.legend(fontsize=7)
     ax = axes[1]
-    bars = [r for r in res["timings"] if r.get("S") == 4096 and "bwd_tflops" in r
-            and not r.get("causal")]
-    labels = [f"{r['impl']}\n{r['dtype']} D={r['D']}" + ("" if r.get("config", "auto") == "auto"
-                                                          else "\n" + r["config"][10:40])
-              for r in bars]
-    ax.bar(range(len(bars)), [r["bwd_tflops"] for r in bars])
-    ax.set_xticks(range(len(bars)))
-    ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
-    ax.axhline(10, color="r", ls="--", lw=1, label="target 10 TFLOP/s")
+    top = max((r["S"] for r in tim), default=0)
+    groups = sorted({(r["dtype"], r["D"]) for r in tim if r["S"] == top})
+    impls = [("anyattn-webgpu-plan", "plan"), ("anyattn-webgpu-device-arrays", "device arrays"),
+             ("anyattn-webgpu-host-arrays", "host (NumPy) arrays")]
+    w = 0.8 / len(impls)
+    for ii, (impl, name) in enumerate(impls):
+        ys = [next((r["bwd_tflops"] for r in tim if r["impl"] == impl and r["S"] == top
+                    and (r["dtype"], r["D"]) == g), 0.0) for g in groups]
+        bars = ax.bar([x + (ii - 1) * w for x in range(len(groups))], ys, w, label=name)
+        for b_, y in zip(bars, ys):
+            ax.text(b_.get_x() + b_.get_width() / 2, y, f"{y:.1f}", ha="center",
+                    va="bottom", fontsize=6)
+    ax.axhline(20, color="r", ls="--", lw=1, label="target: fp32 20 TFLOP/s")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{dt} D={d}" for dt, d in groups], fontsize=8)
     ax.set_ylabel("backward TFLOP/s (FA convention)")
-    ax.set_title("S=4096, B=1, H=8")
-    ax.legend(fontsize=8)
+    dev = res.get("machine", {}).get("adapter", "") if isinstance(res.get("machine"), dict) else ""
+    ax.set_title(f"S={top}, B=1, H=8 {dev}".strip())
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
 
