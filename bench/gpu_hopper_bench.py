@@ -465,11 +465,16 @@ def phase_smoke():
         f"bwd={r.get('bwd', {}).get('ok')}")
 
 
-def phase_roof():
+def bf16_gemm_roof():
+    """TFLOP/s of torch's bf16 8192^3 GEMM: the roof the attention kernels are read against."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = bench_ms(lambda: a @ b)
-    RES["meta"]["bf16_gemm_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+    return round(2 * 8192**3 / ms / 1e9, 1)
+
+
+def phase_roof():
+    RES["meta"]["bf16_gemm_tflops"] = bf16_gemm_roof()
     log(f"roof: torch bf16 GEMM 8192^3 {RES['meta']['bf16_gemm_tflops']} TFLOP/s")
 
 

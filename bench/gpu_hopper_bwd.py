@@ -33,8 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
-from gpu_hopper_bench import (TOL, grads64, keep_dense, l2_delta, mask_of,  # noqa: E402
-                              rel, run_bwd_cfg)
+from gpu_hopper_bench import (TOL, bf16_gemm_roof, grads64, keep_dense, l2_delta,  # noqa: E402
+                              mask_of, rel, run_bwd_cfg)
 
 RES = {"meta": {}, "compile": [], "check": [], "bench": []}
 SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
@@ -305,10 +305,7 @@ def phase_bench():
 
 
 def phase_roof():
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ b)
-    RES["meta"]["bf16_gemm_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+    RES["meta"]["bf16_gemm_tflops"] = bf16_gemm_roof()
     log(f"roof: torch bf16 GEMM 8192^3 {RES['meta']['bf16_gemm_tflops']} TFLOP/s")
 
 
