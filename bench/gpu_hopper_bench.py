@@ -367,6 +367,28 @@ def phase_bench(quick):
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
 
 
+def time_into(row, name, fn, flops):
+    """Run fn once, then time it into row["ms"][name] / row["tflops"][name]; an exception
+    is recorded in row["ms"][name] instead."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        ms = bench_ms(fn)
+        row["ms"][name] = round(ms, 4)
+        row["tflops"][name] = round(flops / ms / 1e9, 1)
+    except Exception as e:  # noqa: BLE001
+        row["ms"][name] = repr(e)[:300]
+
+
+def backward_on_path(path, p, q, k, v, dout, out, rs):
+    """The triton backward with ANYATTN_TRITON_PATH set to path for the call."""
+    os.environ["ANYATTN_TRITON_PATH"] = path
+    try:
+        return TL.backward(p, q, k, v, dout, out, rs, None)
+    finally:
+        os.environ.pop("ANYATTN_TRITON_PATH", None)
+
+
 def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     """Backward timings (FLOPs 2.5x the forward's): the triton backward on each path, the
     Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex through autograd."""
@@ -375,21 +397,10 @@ def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
 
     def put(name, fn, flops=fl):
-        try:
-            fn()
-            torch.cuda.synchronize()
-            ms = bench_ms(fn)
-            row["ms"][name] = round(ms, 4)
-            row["tflops"][name] = round(flops / ms / 1e9, 1)
-        except Exception as e:  # noqa: BLE001
-            row["ms"][name] = repr(e)[:300]
+        time_into(row, name, fn, flops)
 
     def tl_bwd(path):
-        os.environ["ANYATTN_TRITON_PATH"] = path
-        try:
-            return TL.backward(p, q, k, v, dout, out, rs, None)
-        finally:
-            os.environ.pop("ANYATTN_TRITON_PATH", None)
+        return backward_on_path(path, p, q, k, v, dout, out, rs)
 
     put("bwd-hopper", lambda: tl_bwd("hopper"))
     put("bwd-portable", lambda: tl_bwd("portable"))

@@ -33,8 +33,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
-from gpu_hopper_bench import (TOL, bf16_gemm_roof, grads64, keep_dense, l2_delta,  # noqa: E402
-                              mask_of, rel, run_bwd_cfg)
+from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof, grads64,  # noqa: E402
+                              keep_dense, l2_delta, mask_of, rel, run_bwd_cfg,
+                              time_into)
 
 RES = {"meta": {}, "compile": [], "check": [], "bench": []}
 SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
@@ -233,10 +234,6 @@ def phase_check():
 
 
 # ----------------------------------------------------------------------------- bench
-def bench_ms(fn, rep=60):
-    return triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median")
-
-
 def phase_bench():
     from anyattn.rowstats import RowStats
 
@@ -256,21 +253,10 @@ def phase_bench():
             row = dict(B=b, H=h, S=s, D=d, causal=causal, ms={}, tflops={})
 
             def put(name, fn, flops=fl):
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    ms = bench_ms(fn)
-                    row["ms"][name] = round(ms, 4)
-                    row["tflops"][name] = round(flops / ms / 1e9, 1)
-                except Exception as e:  # noqa: BLE001
-                    row["ms"][name] = repr(e)[:300]
+                time_into(row, name, fn, flops)
 
             def tl_bwd(path):
-                os.environ["ANYATTN_TRITON_PATH"] = path
-                try:
-                    return TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
-                finally:
-                    os.environ.pop("ANYATTN_TRITON_PATH", None)
+                return backward_on_path(path, p, q, k, v, dout, out, RowStats(mx, ln))
 
             put("bwd-hopper", lambda: tl_bwd("hopper"))
             with routed(dq_config(d), d):
