@@ -200,16 +200,28 @@ def _inputs(B, H, Hkv, Sq, Sk, D, dtype, layout="bhsd", seed=0):
 
 MASKS = {"none": None, "causal": aa.Causal(), "causal_br": aa.Causal(align="bottom_right"),
          "window": aa.Causal() & aa.Window(left=100), "window2": aa.Window(left=64, right=37)}
+#: (shape (B, Hq, Hkv, Sq, Sk), layout) of the GPU checks: GQA with odd sizes, Sq > Sk,
+#: [B, S, H, D] strides
+GPU_SHAPES = [((2, 4, 2, 257, 383), "bhsd"), ((1, 2, 1, 300, 200), "bhsd"),
+              ((2, 4, 4, 256, 256), "bshd")]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", list(MASKS))
-@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
-                                          ((1, 2, 1, 300, 200), "bhsd"),
-                                          ((2, 4, 4, 256, 256), "bshd")])
-@pytest.mark.gpu
-@needs_sm90
+def gpu_grid(kinds=tuple(MASKS)):
+    """The GPU checks' grid: dtype x D x mask kind x (shape, layout), on sm_90 only."""
+    marks = [pytest.mark.parametrize("dtype", ["bfloat16", "float16"]),
+             pytest.mark.parametrize("D", [64, 128]),
+             pytest.mark.parametrize("kind", list(kinds)),
+             pytest.mark.parametrize("shape,layout", GPU_SHAPES),
+             pytest.mark.gpu, needs_sm90]
+
+    def apply(fn):
+        for m in reversed(marks):
+            fn = m(fn)
+        return fn
+    return apply
+
+
+@gpu_grid()
 def test_forward_matches_float64(dtype, D, kind, shape, layout):
     """out within the dtype's tolerance of float64 (rounded inputs), lse -inf exactly on
     the empty rows, every element written (poisoned buffers), two runs bitwise equal."""
@@ -258,14 +270,7 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
     assert (a.float() - b.float()).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window2"])
-@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
-                                          ((1, 2, 1, 300, 200), "bhsd"),
-                                          ((2, 4, 4, 256, 256), "bshd")])
-@pytest.mark.gpu
-@needs_sm90
+@gpu_grid(["none", "causal", "causal_br", "window2"])
 def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
     """The warp-specialised forward (configs.FWD_VARIANTS): out within tolerance of
     float64, every element written, bitwise equal to itself."""
@@ -290,14 +295,7 @@ def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
         assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), cfg.name
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", list(MASKS))
-@pytest.mark.parametrize("shape,layout", [((2, 4, 2, 257, 383), "bhsd"),
-                                          ((1, 2, 1, 300, 200), "bhsd"),
-                                          ((2, 4, 4, 256, 256), "bshd")])
-@pytest.mark.gpu
-@needs_sm90
+@gpu_grid()
 def test_backward_matches_float64(dtype, D, kind, shape, layout):
     """The routed backward (portable delta, the Hopper backward config: the fused kernel
     with dQ) and every backward config into poisoned buffers (dq too where the config
