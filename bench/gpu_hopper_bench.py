@@ -389,6 +389,26 @@ def backward_on_path(path, p, q, k, v, dout, out, rs):
         os.environ.pop("ANYATTN_TRITON_PATH", None)
 
 
+def bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta, cfgs, causal, fl):
+    """Time each Hopper backward config alone from the same preprocess terms (with dQ the
+    backward's FLOPs fl; dK/dV alone 4 of its 5 products, so 0.8 fl), then SDPA-cuDNN and
+    SDPA-flash through autograd.  -> the leaf copies (qg, kg, vg) SDPA used."""
+    for cfg in cfgs:
+        put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
+            fl if cfg.dq else 0.8 * fl)
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                   ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            put(nm, lambda o=o: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+            del o
+        except Exception as e:  # noqa: BLE001
+            row["ms"][nm] = repr(e)[:300]
+    return qg, kg, vg
+
+
 def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     """Backward timings (FLOPs 2.5x the forward's): the triton backward on each path, the
     Hopper dK/dV kernel alone per config, SDPA cuDNN / flash and Flex through autograd."""
@@ -405,20 +425,8 @@ def bench_bwd(row, p, q, k, v, causal, fl, flex, bm, mask):
     put("bwd-hopper", lambda: tl_bwd("hopper"))
     put("bwd-portable", lambda: tl_bwd("portable"))
     l2, delta = l2_delta(out, dout, rs.max, rs.log_norm)
-    # each config from the same preprocess terms: with dQ the backward's FLOPs; dK/dV
-    # alone 4 of its 5 products, so 0.8 of them
-    for cfg in bwd_configs(p.head_dim):
-        put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
-            fl if cfg.dq else 0.8 * fl)
-    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
-                   ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel([be]):
-                o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-            put(nm, lambda o=o: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
-        except Exception as e:  # noqa: BLE001
-            row["ms"][nm] = repr(e)[:300]
+    qg, kg, vg = bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta,
+                                      bwd_configs(p.head_dim), causal, fl)
     try:
         if not OPT["flex"]:
             raise RuntimeError("skipped (--no-flex)")

@@ -28,14 +28,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
-from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof, grads64,  # noqa: E402
-                              keep_dense, l2_delta, mask_of, rel, run_bwd_cfg,
-                              time_into)
+from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof,  # noqa: E402
+                              bwd_configs_and_sdpa, grads64, keep_dense, l2_delta, mask_of,
+                              rel, run_bwd_cfg, time_into)
 
 RES = {"meta": {}, "compile": [], "check": [], "bench": []}
 SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
@@ -262,19 +261,7 @@ def phase_bench():
             with routed(dq_config(d), d):
                 put("bwd-hopper-dq", lambda: tl_bwd("hopper"))
             put("bwd-portable", lambda: tl_bwd("portable"))
-            for cfg in configs(d):
-                put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg),
-                    fl if cfg.dq else 0.8 * fl)
-            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-            for nm, be in (("bwd-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
-                           ("bwd-sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-                try:
-                    with sdpa_kernel([be]):
-                        o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                    put(nm, lambda o=o: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
-                    del o
-                except Exception as e:  # noqa: BLE001
-                    row["ms"][nm] = repr(e)[:300]
+            bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta, configs(d), causal, fl)
             hb, pb, cb = (row["ms"].get(n) for n in ("bwd-hopper", "bwd-portable", "bwd-sdpa-cudnn"))
             if isinstance(hb, float) and isinstance(cb, float):
                 row["hopper_vs_cudnn"] = round(cb / hb, 3)
