@@ -32,7 +32,7 @@ from anyattn.backends.webgpu.launch import (ENV_VARIANT, VARIANTS, TileConfig, c
                                             pick_variant)
 
 from helpers import assert_close, compare_with_reference, make_qkv
-from wg_util import assert_backward_trips_within_model
+from wg_util import assert_backward_trips_within_model, run_probe
 
 GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
 
@@ -58,16 +58,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) s: u3
     pipe = dev.create_compute_pipeline(layout="auto", compute={
         "module": dev.create_shader_module(code=src), "entry_point": "main"})
     buf = dev.create_buffer(size=512, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-        {"binding": 0, "resource": {"buffer": buf, "offset": 0, "size": 512}}])
-    enc = dev.create_command_encoder()
-    cp = enc.begin_compute_pass()
-    cp.set_pipeline(pipe)
-    cp.set_bind_group(0, bg)
-    cp.dispatch_workgroups(1)
-    cp.end()
-    dev.queue.submit([enc.finish()])
-    r = np.frombuffer(dev.queue.read_buffer(buf), np.uint32)
+    r = np.frombuffer(run_probe(dev, pipe, [
+        {"binding": 0, "resource": {"buffer": buf, "offset": 0, "size": 512}}], buf), np.uint32)
     assert r[64:].all(), "subgroup lanes are not consecutive local_invocation_index values"
     return int(r[0])
 

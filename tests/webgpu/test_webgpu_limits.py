@@ -11,6 +11,7 @@ from anyattn.backends.webgpu.launch import LoopLimitError, TileConfig, split_ran
 from anyattn.backends.webgpu.pipelines import KernelError
 
 from helpers import assert_close, make_qkv
+from wg_util import run_probe
 
 
 def _grads(q, k, v, g, **kw):
@@ -227,16 +228,9 @@ def test_llvmpipe_counting_rule(be):
     def run(m, n):
         ub = dev.create_buffer_with_data(data=struct.pack("<4I", m, n, 0, 0),
                                          usage=wgpu.BufferUsage.UNIFORM)
-        bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-            {"binding": 0, "resource": {"buffer": ob}}, {"binding": 1, "resource": {"buffer": ub}}])
-        enc = dev.create_command_encoder()
-        cp = enc.begin_compute_pass()
-        cp.set_pipeline(pipe)
-        cp.set_bind_group(0, bg)
-        cp.dispatch_workgroups(1)
-        cp.end()
-        dev.queue.submit([enc.finish()])
-        return int(np.frombuffer(dev.queue.read_buffer(ob), np.uint32)[0])
+        return int(np.frombuffer(run_probe(dev, pipe, [
+            {"binding": 0, "resource": {"buffer": ob}},
+            {"binding": 1, "resource": {"buffer": ub}}], ob), np.uint32)[0])
 
     n = 10
     m_ok = (65535 - 1) // (n + 2)          # outer tests m + 1, inner m * (n + 1)

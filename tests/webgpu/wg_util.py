@@ -1,6 +1,20 @@
 """Shared checks of the webgpu tests."""
 
 
+def run_probe(dev, pipe, entries, out_buffer):
+    """Bind `entries` (group 0) to the compute pipeline `pipe`, dispatch one workgroup,
+    wait, and return the bytes of `out_buffer` (a probe kernel's whole run)."""
+    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
+    enc = dev.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(pipe)
+    cp.set_bind_group(0, bg)
+    cp.dispatch_workgroups(1)
+    cp.end()
+    dev.queue.submit([enc.finish()])
+    return dev.queue.read_buffer(out_buffer)
+
+
 def assert_backward_trips_within_model(call, head_dim: int) -> None:
     """Run a backward Call's dQ and dK/dV launches (built with ``debug_trips``) and check
     every invocation's counted loop trips against ``TileConfig.trips_per_unit``: at most
