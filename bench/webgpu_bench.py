@@ -364,9 +364,15 @@ def plot_f16(json_path, png_path):
 
 # ------------------------------------------------------------------ seed kernel + ABI
 def seed_trips_lower_bound(S, D, wrt):
-    """A lower bound on the seed kernel's loop trips per invocation (its nested loops:
-    dQ rows S * D per key pass; dK / dV rows recompute every query row's scores, S * S * D)."""
-    return 2 * S * D if wrt == 0 else S * S * D
+    """A lower bound on the seed kernel's loop trips per invocation (Sq = Sk = S; the
+    trips of the loops its WGSL runs for one output row: scores S * (D + 1), the softmax's
+    three passes 3 * S, for dQ dP S * (D + 1), its sum S and the output D * (S + 1); a dK /
+    dV row does a score row (and for dK a dP row) for each of the S query rows)."""
+    score_row = S * (D + 1) + 3 * S
+    if wrt == 0:
+        return score_row + S * (D + 1) + S + D * (S + 1)
+    per_query = score_row + D + (S * (D + 1) + S if wrt == 1 else 0)
+    return D + S * (1 + per_query)
 
 
 class Seed:
