@@ -1,0 +1,373 @@
+"""Sliding-window and document masks: anyattn vs FlexAttention (vs SDPA-cuDNN) on one GPU.
+
+Shape legend: B batch, H heads, S sequence (Sq = Sk), D head dim.
+
+Each case (mask x S x D) is timed through the path a user takes, side by side in one
+process: ``anyattn.torch.attention`` (torch autograd), FlexAttention
+(``torch.compile(flex_attention)``, its block mask built once outside the timing) and,
+where a boolean mask is accepted, SDPA on the cuDNN backend (a dense [S, S] mask: it
+cannot skip masked tiles, so it is an upper reference, not a like-for-like one).  Times:
+forward, backward alone (autograd.grad on a retained graph) and forward + backward,
+medians of ``triton.testing.do_bench``.
+
+Masks: causal sliding windows ``j <= i, i - j <= w`` (w = 256, 512, 1024), documents of
+equal 512-token length and of random lengths (uniform random cuts, S / 512 documents),
+each bidirectional and causal within the document; the document ids are one [S] row
+shared by the batch.
+
+FLOPs count only the kept score entries (as FlexAttention's own numbers do): forward
+4 * D * kept, backward 2.5x that, kept = sum over (b, h) of the kept (i, j) pairs.
+
+Checks first, on every case: out, dq, dk, dv of one (b, h) slice of both anyattn and
+Flex against a float64 torch reference of the same slice (max-abs error relative to the
+reference's largest magnitude), and anyattn's fwd + bwd bitwise repeatable.
+
+FlexAttention compiles once per (S, D, mask family): the window, the document ids and
+the causal flag of a family are read from tensors inside its mask_mod (updated in
+place), so the windows share one compile and the document layouts another.
+
+Usage: python3 bench/gpu_masks_vs_flex.py --out DIR [--budget 90] [--variants a,b]
+       python3 bench/gpu_masks_vs_flex.py --tiny        (CPU dry run, no timing)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import anyattn as aa  # noqa: E402
+import anyattn.torch as at  # noqa: E402
+
+WINDOWS = (256, 512, 1024)
+DOCS = ("doc_eq512", "doc_eq512_causal", "doc_rand", "doc_rand_causal")
+#: cases in priority order; a run stops adding shapes when its budget is spent
+SHAPES = ((4096, 128), (8192, 128), (4096, 64), (8192, 64))
+
+# ---------------------------------------------------------------- FlexAttention's masks
+# mask_mod data, updated in place between cases (one compiled graph per family and shape)
+_FX: dict = {}
+
+
+def _sw_mod(b, h, q, k):
+    return (q >= k) & (q - k <= _FX["win"])
+
+
+def _doc_mod(b, h, q, k):
+    return (_FX["doc"][q] == _FX["doc"][k]) & ((q >= k) | _FX["bidir"])
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def doc_ids(kind: str, S: int, gen: torch.Generator, dev) -> torch.Tensor:
+    """int32 [S] sorted document ids."""
+    if kind.startswith("doc_eq512"):
+        return (torch.arange(S, device=dev) // 512).to(torch.int32)
+    n = max(2, S // 512)
+    cuts = torch.randperm(S - 1, generator=gen)[: n - 1] + 1          # distinct, in [1, S)
+    starts = torch.zeros(S, dtype=torch.int32)
+    starts[cuts] = 1
+    return torch.cumsum(starts, 0).to(torch.int32).to(dev)
+
+
+def case_mask(kind: str, S: int, gen, dev):
+    """-> (anyattn mask, dense keep bool [S, S], flex family, flex data dict)."""
+    i = torch.arange(S, device=dev)[:, None]
+    j = torch.arange(S, device=dev)[None, :]
+    if kind.startswith("sliding"):
+        w = int(kind.split(":")[1])
+        keep = (j <= i) & (i - j <= w)
+        return (aa.Causal() & aa.Window(left=w), keep, "sw",
+                {"win": torch.tensor(w, device=dev)})
+    ids = doc_ids(kind, S, gen, dev)
+    causal = kind.endswith("causal")
+    keep = ids[:, None] == ids[None, :]
+    mask = aa.Documents(ids)
+    if causal:
+        keep = keep & (j <= i)
+        mask = aa.Causal() & mask
+    return mask, keep, "doc", {"doc": ids, "bidir": torch.tensor(not causal, device=dev)}
+
+
+# ---------------------------------------------------------------- reference and checks
+def ref64(q, k, v, g, keep):
+    """float64 out, dq, dk, dv of q/k/v/g [n, S, D] under keep [S, S] (empty rows -> 0)."""
+    qd, kd, vd, gd = (x.double().requires_grad_(x is not g) for x in (q, k, v, g))
+    s = (qd @ kd.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min(-1e300)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    p = torch.where(den > 0, p / den.clamp_min(1e-300), 0.0)
+    out = p @ vd
+    dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), gd)
+    return out, dq, dk, dv
+
+
+def rel(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    if bool(torch.isnan(got).any()):
+        return float("nan")
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+def fwd_bwd(fn, q, k, v, g):
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = fn(qq, kk, vv)
+    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), g)
+    return out, dq, dk, dv
+
+
+# ---------------------------------------------------------------- timing
+def bench_ms(fn, tiny, rep=25):
+    if tiny:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def time_impl(fn, q, k, v, g, tiny):
+    """-> dict fwd / bwd / fwdbwd ms of fn(q, k, v) through torch autograd."""
+    qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+    with torch.no_grad():
+        fwd = bench_ms(lambda: fn(q, k, v), tiny)
+    out = fn(qq, kk, vv)
+    bwd = bench_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), g, retain_graph=True), tiny)
+    del out
+
+    def step():
+        o = fn(qq, kk, vv)
+        torch.autograd.grad(o, (qq, kk, vv), g)
+
+    both = bench_ms(step, tiny)
+    return {"fwd": round(fwd, 4), "bwd": round(bwd, 4), "fwdbwd": round(both, 4)}
+
+
+# ---------------------------------------------------------------- the run
+def run(args):
+    tiny = args.tiny
+    dev = "cpu" if tiny else "cuda"
+    dtype = torch.float32 if tiny else torch.bfloat16
+    B, H = (1, 2) if tiny else (args.batch, args.heads)
+    shapes = ((256, 32),) if tiny else SHAPES
+    windows = (16, 64) if tiny else WINDOWS
+    kinds = [f"sliding:{w}" for w in windows] + list(DOCS)
+    t_start = time.perf_counter()
+    res = {"meta": dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), B=B, H=H,
+        dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
+        python=platform.python_version(),
+        flops="kept score entries only (as FlexAttention counts): fwd 4*D*kept, "
+              "bwd 2.5x fwd, fwd+bwd 3.5x fwd; kept summed over B*H",
+        timing="triton.testing.do_bench median (warmup 5 ms, rep 25 ms); fwd under "
+               "no_grad; bwd = autograd.grad on a retained graph; fwdbwd = one "
+               "training step's forward + autograd.grad",
+        variants=args.variants, budget_s=args.budget), "rows": [], "skipped": []}
+    if not tiny:
+        import triton
+
+        res["meta"].update(gpu=torch.cuda.get_device_name(), triton=triton.__version__,
+                           cudnn=torch.backends.cudnn.version())
+    out_json = os.path.join(args.out, "masks-flex.json") if args.out else None
+
+    def save():
+        if out_json:
+            with open(out_json, "w") as f:
+                json.dump(res, f, indent=1)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    flex = flex_attention if tiny else torch.compile(flex_attention, dynamic=False)
+    variants = [v for v in (args.variants or "").split(",") if v] or [None]
+    gen = torch.Generator().manual_seed(0)
+    for S, D in shapes:
+        for kind in kinds:
+            if time.perf_counter() - t_start > args.budget:
+                res["skipped"].append(f"S={S} D={D} {kind}")
+                continue
+            row = dict(S=S, D=D, mask=kind)
+            try:
+                t0 = time.perf_counter()
+                mask, keep, fam, data = case_mask(kind, S, gen, dev)
+                kept = int(keep.sum()) * B * H
+                row.update(density=round(kept / (B * H * S * S), 5),
+                           fwd_gflop=round(4 * D * kept / 1e9, 3))
+                q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dtype)
+                              for _ in range(4))
+                for name, val in data.items():        # flex mask data, updated in place
+                    if name in _FX and _FX[name].shape == val.shape:
+                        _FX[name].copy_(val)
+                    else:
+                        _FX[name] = val.clone()
+                mod = _sw_mod if fam == "sw" else _doc_mod
+                bm = create_block_mask(mod, None, None, S, S, device=dev)
+                impls = {}
+                for var in variants:
+                    nm = "anyattn" if var is None else f"anyattn[{var}]"
+                    impls[nm] = (lambda q_, k_, v_, m=mask: at.attention(q_, k_, v_, mask=m),
+                                 var)
+                if tiny:   # Flex has no CPU backward: a dense-mask stand-in for the dry run
+                    impls["flex"] = (lambda q_, k_, v_, km=keep: F.scaled_dot_product_attention(
+                        q_, k_, v_, attn_mask=km), None)
+                else:
+                    impls["flex"] = (lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), None)
+                # checks: one (b, h) slice vs float64; anyattn bitwise repeatable
+                r64 = ref64(q[:1, :1, :, :], k[:1, :1], v[:1, :1], g[:1, :1], keep)
+                row["err"] = {}
+                for nm, (fn, var) in impls.items():
+                    _set_variant(var)
+                    got = fwd_bwd(fn, q, k, v, g)
+                    row["err"][nm] = {n: float(f"{rel(x[:1, :1], r):.3g}") for n, x, r in
+                                      zip(("out", "dq", "dk", "dv"), got, r64)}
+                    if nm.startswith("anyattn"):
+                        again = fwd_bwd(fn, q, k, v, g)
+                        row.setdefault("bitwise", {})[nm] = all(
+                            torch.equal(a, b_) for a, b_ in zip(got, again))
+                    del got
+                _set_variant(None)
+                row["check_s"] = round(time.perf_counter() - t0, 1)
+                # timing
+                row["ms"] = {}
+                for nm, (fn, var) in impls.items():
+                    _set_variant(var)
+                    row["ms"][nm] = time_impl(fn, q, k, v, g, tiny)
+                _set_variant(None)
+                if not tiny and S == 4096 and D == 128 and args.cudnn:
+                    km = keep[None, None]
+                    try:
+                        def cud(q_, k_, v_):
+                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=km)
+                        row["ms"]["sdpa_cudnn_dense_mask"] = time_impl(cud, q, k, v, g, tiny)
+                    except Exception as e:  # noqa: BLE001 - refused: recorded
+                        row["ms"]["sdpa_cudnn_dense_mask"] = {"error": str(e)[:160]}
+                fl = row["fwd_gflop"]
+                row["tflops"] = {nm: {p: round(fl * mul / t, 1) for p, mul, t in
+                                      (("fwd", 1, m["fwd"]), ("bwd", 2.5, m["bwd"]),
+                                       ("fwdbwd", 3.5, m["fwdbwd"]))}
+                                 for nm, m in row["ms"].items() if "fwd" in m}
+                row["vs_flex"] = {nm: {p: round(m[p] / row["ms"]["flex"][p], 3)
+                                       for p in ("fwd", "bwd", "fwdbwd")}
+                                  for nm, m in row["ms"].items()
+                                  if nm.startswith("anyattn")}
+                row["case_s"] = round(time.perf_counter() - t0, 1)
+                del q, k, v, g, keep, r64
+            except Exception as e:  # noqa: BLE001 - one failing case is recorded
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                traceback.print_exc()
+            res["rows"].append(row)
+            log(summary_line(row))
+            save()
+            if not tiny:
+                torch.cuda.empty_cache()
+    res["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    if args.out and not args.no_plot:
+        try:
+            plot(res, os.path.join(args.out, "masks-flex.png"))
+        except Exception as e:  # noqa: BLE001
+            log("plot failed:", e)
+    return res
+
+
+def _set_variant(var):
+    """A named anyattn variant (bench A/B): the triton launcher's mask lowering."""
+    from anyattn.backends.triton import launch
+
+    setter = getattr(launch, "set_mask_lowering", None)
+    if setter is None:
+        if var is not None:
+            raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
+        return
+    setter(var)
+
+
+def summary_line(row):
+    if "error" in row:
+        return f"S={row['S']} D={row['D']} {row['mask']:18s} ERROR {row['error']}"
+    parts = [f"S={row['S']} D={row['D']} {row['mask']:18s} dens {row['density']:.3f}"]
+    for nm, m in row["ms"].items():
+        if "fwd" in m:
+            parts.append(f"{nm} {m['fwd']:.3f}/{m['bwd']:.3f}/{m['fwdbwd']:.3f}")
+    for nm, r in row.get("vs_flex", {}).items():
+        parts.append(f"{nm}/flex {r['fwd']:.2f}/{r['bwd']:.2f}/{r['fwdbwd']:.2f}")
+    errs = max(v for e in row["err"].values() for v in e.values())
+    parts.append(f"maxerr {errs:.1e} bitwise {all(row.get('bitwise', {}).values())}")
+    return " | ".join(parts)
+
+
+def plot(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if "vs_flex" in r]
+    if not rows:
+        return
+    shapes = sorted({(r["S"], r["D"]) for r in rows}, key=lambda x: (x[1], x[0]), reverse=True)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.2), squeeze=False)
+    for ax, (S, D) in zip(axes[0], shapes):
+        rs = [r for r in rows if (r["S"], r["D"]) == (S, D)]
+        names = sorted({n for r in rs for n in r["vs_flex"]})
+        x = range(len(rs))
+        width = 0.8 / (3 * len(names))
+        for ni, nm in enumerate(names):
+            for pi, p in enumerate(("fwd", "bwd", "fwdbwd")):
+                off = (ni * 3 + pi) * width - 0.4 + width / 2
+                ax.bar([i + off for i in x], [r["vs_flex"].get(nm, {}).get(p, math.nan)
+                                               for r in rs], width,
+                       label=f"{nm} {p}" if ax is axes[0][0] else None)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([r["mask"].replace("doc_", "") for r in rs], rotation=35,
+                           ha="right", fontsize=8)
+        ax.set_title(f"S={S} D={D} B={res['meta']['B']} H={res['meta']['H']} bf16")
+        ax.set_ylabel("time / FlexAttention's time (< 1: faster)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"anyattn.torch vs FlexAttention, {res['meta'].get('gpu', 'cpu')}, "
+                 f"{res['meta']['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget", type=float, default=90.0,
+                    help="seconds after which no further case starts")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated launch.set_mask_lowering names timed side by side")
+    ap.add_argument("--no-cudnn", dest="cudnn", action="store_false")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run (numpy backend, eager Flex)")
+    ap.add_argument("--plot-only", default=None, help="re-plot a JSON to --out/masks-flex.png")
+    args = ap.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plot(json.load(f), args.out)
+        return
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
