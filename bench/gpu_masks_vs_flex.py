@@ -146,7 +146,6 @@ def time_impl(fn, q, k, v, g, tiny):
         fwd = bench_ms(lambda: fn(q, k, v), tiny)
     out = fn(qq, kk, vv)
     bwd = bench_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), g, retain_graph=True), tiny)
-    del out
 
     def step():
         o = fn(qq, kk, vv)
