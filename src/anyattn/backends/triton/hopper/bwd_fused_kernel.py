@@ -5,7 +5,7 @@ helper 3).
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
 D head dim, BN = 128 the key tile of a program (64 per warpgroup), BM the query tile,
-nq = cdiv(Sq, BM), STAGES the depth of the Q / dO ring.
+nq = cdiv(Sq, BM), nkv = cdiv(Sk, BN), STAGES the depth of the Q / dO ring.
 
 One program per (key tile, b * Hkv + hk).  K and V [BN, D] arrive once by TMA; for each
 query head of the group and each query tile that sees this key tile (band ranges, the
@@ -21,62 +21,128 @@ portable kernels' rule) Q and dO [BM, D] arrive by TMA into a STAGES-deep ring, 
     dQ_j = dS . K       [BM, D]   wgmma (WITH_DQ; warpgroup w: columns w * D / 2 ...)
 
 with the row statistics of the backward preprocess (L2 [B * H, 2, Sq]: max, +inf on
-empty rows, and log2(e) * log_norm; DELTA [B * H * Sq]; kernels.py module doc, "Row
+empty rows, and log2(e) * log_norm2; DELTA [B * H * Sq]; kernels.py module doc, "Row
 statistics") kept per query row (2 registers a thread, not 16 as in the transposed
-form).  dQ_j is added into the fp32 accumulator DQA [B * H, Sq, D] in a fixed order:
-per (b, h, query tile) a counter in SEM; the program of key tile j waits until it reads
-256 * rank (rank: j's place among the key tiles that see the query tile; ld.acquire,
-every thread), loads, adds, stores, and each of its 256 threads adds 1 (atom.release).
-The first key tile stores without loading (DQA needs no init), the last writes
-dq = (acc + dQ_j) * scale in q's dtype instead.  A program waits only for programs of
-lower key tiles of its own (b, kv head), launched before it: no deadlock; each dq element
-is summed in key-tile order: bitwise repeatable, no float atomics.  dK is scaled by
+form).
+
+dQ (WITH_DQ) is summed over the key tiles in a FIXED order per (b, h, query tile), not
+with float atomics: the fp32 accumulator DQA [B * H, Sq, D] and a counter per (b, h,
+query tile) in SEM.  The adder of rank r waits until the counter reads r (ld.acquire,
+every thread), then one thread issues a bulk tensor copy (rank 0) or a bulk tensor
+reduce-add (cp.reduce.async.bulk.tensor, rank > 0) of the partial staged in shared
+memory; the counter is released (+1, red.release) only once that copy is complete, one
+tile later, so the add is off the tensor cores' path.  The last adder instead loads DQA,
+adds its partial in registers and writes dq = acc * scale in q's dtype.  The order
+(dq_rank, ORDER):
+
+    ORDER 1, no band: key tile j visits its query tiles rotated, starting at
+      o_j = j * nq // nkv; at tile t the adders come in the order of their step
+      (t - o_j) mod nq (ties: higher j first).  In steady state the previous adder of
+      a tile got there nq / nkv steps earlier: no waiting.
+    ORDER 1, a band: natural order; the adders of tile t come nearest the diagonal
+      first (descending j: their steps t - s0_j ascend).
+    ORDER 0: ascending j (a program waits only for programs launched before it).
+
+With ORDER 1 a program may wait for a program of its (b, kv head) launched after it:
+deadlock-free when all cdiv(Sk, BN) programs of one (b, kv head) are co-resident (CTAs
+are dispatched in launch order; the launcher takes ORDER 0 when cdiv(Sk, BN) exceeds
+the SMs).  Each dq element is summed in a fixed order: bitwise repeatable.  A spin that
+lasts about a second traps (a launch error instead of a hang).  dK is scaled by
 ``scale`` once at the end; dK / dV are stored by TMA (rows past Sk clipped).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .bwd_kernel import query_tile_range
 from .fwd_kernel import _cdiv_pos, _div_pos
 
-__all__ = ["dkdvq_kernel", "dq_rank"]
+__all__ = ["dkdvq_kernel", "dq_rank", "visit_offset"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
-THREADS = gl.constexpr(256)       # 8 warps: each adds 1 to a dQ counter per tile
+THREADS = gl.constexpr(256)       # 8 warps
+SPIN_LIMIT = 1 << 22              # polls (~1 s) before a wait for a dQ turn traps
+_SPIN_ASM = gl.constexpr(
+    "{\n.reg .pred %p;\n.reg .u32 %n;\nmov.u32 %n, 0;\nSPIN${:uid}:\n"
+    "ld.acquire.gpu.global.b32 $0, [$1];\nsetp.ne.s32 %p, $0, $2;\n"
+    "@!%p bra DONE${:uid};\nadd.u32 %n, %n, 1;\n"
+    f"setp.lt.u32 %p, %n, {SPIN_LIMIT};\n"
+    "@%p bra SPIN${:uid};\ntrap;\nDONE${:uid}:\nfence.proxy.async.global;\n}")
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """cp.reduce.async.bulk.tensor .add of shared ``src`` into the block of
+    ``tensor_desc`` at ``coord`` (one thread issues it; a bulk group like a TMA store:
+    tma.store_wait waits for its reads, _bulk_wait_all for its writes)."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
 def _spin_acquire(ptrs, target):
-    """Per thread: spin until *ptr == target (ld.acquire.gpu) -> the value read."""
+    """Per thread: spin until *ptr == target (ld.acquire.gpu; traps after SPIN_LIMIT
+    polls), then fence.proxy.async (the bulk copies that follow see what was acquired)
+    -> the value read."""
+    return gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [ptrs, target], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_wait_release(ptrs):
+    """Per thread: wait until this thread's bulk copies are complete (writes included:
+    cp.async.bulk.wait_group 0), then fence.proxy.async.  Thread 0 of the CTA then adds
+    1 to *ptr with release semantics (after a CTA barrier: _release_one)."""
     return gl.inline_asm_elementwise(
-        "{\n.reg .pred %p;\nSPIN${:uid}:\nld.acquire.gpu.global.b32 $0, [$1];\n"
-        "setp.ne.s32 %p, $0, $2;\n@%p bra SPIN${:uid};\n}",
-        "=r,l,r", [ptrs, target], dtype=gl.int32, is_pure=False, pack=1)
+        "cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\nmov.u32 $0, 0;",
+        "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _add_release(ptrs):
-    """Per thread: *ptr += 1 with release semantics (gpu scope) -> the old value."""
-    return gl.inline_asm_elementwise("atom.release.gpu.global.add.s32 $0, [$1], 1;",
-                                     "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+def _release_one(ptrs):
+    """Thread 0 of the CTA: *ptr += 1 (red.release.gpu); the others nothing."""
+    return gl.inline_asm_elementwise(
+        "{\n.reg .pred %p;\n.reg .u32 %t;\nmov.u32 %t, %tid.x;\nsetp.eq.u32 %p, %t, 0;\n"
+        "@%p red.release.gpu.global.add.s32 [$1], 1;\nmov.u32 $0, 0;\n}",
+        "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def dq_rank(jt, t, Sk, lo, hi, HAS_BAND: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """(rank, last): key tile jt's place among the key tiles whose programs visit query
-    tile t (query_tile_range's rule: a contiguous run [jlo, jhi]), and whether it is
-    the run's last."""
+def visit_offset(jt, nq, nkv, HAS_BAND: gl.constexpr, ORDER):
+    """Where key tile jt's program starts its loop over its query tiles (an index into
+    its range): ORDER 1 without a band rotates by jt * nq // nkv, else 0."""
+    if HAS_BAND:
+        off = 0
+    else:
+        off = gl.where(ORDER == 1, (jt * nq) // nkv, 0)
+    return off
+
+
+@gluon.jit
+def dq_rank(jt, t, Sk, nq, lo, hi, HAS_BAND: gl.constexpr, ORDER, BM: gl.constexpr,
+            BN: gl.constexpr):
+    """(rank, last): key tile jt's place in the order in which the key tiles whose
+    programs visit query tile t (query_tile_range's rule: a contiguous run [jlo, jhi])
+    add their dQ partials (module doc), and whether it is the last."""
     nkv = (Sk + BN - 1) // BN
     if HAS_BAND:
         jlo = _div_pos(t * BM + lo, BN)                  # first j with j1 - lo > t * BM
         jhi = _cdiv_pos((t + 1) * BM + hi, BN) - 1       # last j with j0 - hi < (t+1) * BM
+        jhi = gl.minimum(jhi, nkv - 1)
+        rank = gl.where(ORDER == 1, jhi - jt, jt - jlo)  # steps t - s0_j ascend as j falls
+        last = gl.where(ORDER == 1, jt == jlo, jt == jhi)
     else:
-        jlo = 0
-        jhi = nkv - 1
-    jhi = gl.minimum(jhi, nkv - 1)
-    return jt - jlo, jt == jhi
+        # rotated: j <= J(t) got there at step t - o_j, the others at t - o_j + nq
+        big_j = gl.minimum(((t + 1) * nkv - 1) // nq, nkv - 1)
+        rot = gl.where(jt <= big_j, big_j - jt, big_j + nkv - jt)
+        rank = gl.where(ORDER == 1, rot, jt)
+        last = rank == nkv - 1
+    return rank, last
 
 
 @gluon.jit
@@ -91,37 +157,35 @@ def _issue_qdo(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, t, st,
 
 
 @gluon.jit
-def _dq_add(dq_tok, DQ, DQA, SEM, bh, t, nq, rank, last, Sq, scale,
-            q_l: gl.constexpr, D: gl.constexpr, BM: gl.constexpr):
-    """Add this program's dQ partial [BM, D] (the async wgmma dq_tok) to query tile t
-    of head bh in key-tile order (module doc); the last key tile writes dq instead."""
-    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])         # one counter per thread
-    sem = SEM + (bh * nq + t)
-    zero = gl.full([THREADS], 0, gl.int32, layout=c_l)
-    got = _spin_acquire(sem + zero, zero + rank * THREADS)                 # [256]
-    offs_mb = gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))              # [BM]
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))                # [D]
+def _dq_last(dq_smem, DQ, DQA, bh, t, rank, Sq, scale, D: gl.constexpr, BM: gl.constexpr):
+    """The last adder of query tile t of head bh: dq = (DQA + staged partial) * scale in
+    q's dtype, half the rows at a time (few registers: dK / dV stay live); DQA is not
+    read when rank is 0 (the only adder)."""
+    RB: gl.constexpr = BM // 2
+    TC: gl.constexpr = D // 4                                              # threads along D
+    f_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TC, TC], [8, 1], [1, 0])  # [RB, D]
+    offs_r = gl.arange(0, RB, layout=gl.SliceLayout(1, f_l))               # [RB]
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, f_l))                # [D]
     base = (bh.to(gl.int64) * Sq + t * BM) * D                             # tile's first row
-    offs = offs_mb[:, None] * D + offs_d[None, :]                          # [BM, D] int32
-    msk = (t * BM + offs_mb < Sq)[:, None]
-    acc = gl.load(DQA + base + offs, mask=msk & (rank > 0), other=0.0, cache_modifier=".cg")
-    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-    acc = acc + dq                                                         # [BM, D]
-    if last:
+    for half in gl.static_range(2):
+        rows = t * BM + half * RB + offs_r                                 # [RB]
+        offs = (half * RB + offs_r)[:, None] * D + offs_d[None, :]         # [RB, D] int32
+        msk = (rows < Sq)[:, None]
+        acc = gl.load(DQA + base + offs, mask=msk & (rank > 0), other=0.0,
+                      cache_modifier=".cg")
+        acc = acc + dq_smem.slice(half * RB, RB, 0).load(f_l)              # [RB, D]
         gl.store(DQ + base + offs, (acc * scale).to(DQ.dtype.element_ty), mask=msk)
-    else:
-        gl.store(DQA + base + offs, acc, mask=msk, cache_modifier=".cg")
-        _add_release(sem + got * 0)
 
 
-@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi"])   # one compile per config
-def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, DQ, DQA, SEM,
-                 H, G, Sq, Sk, scale, lo, hi, HAS_BAND: gl.constexpr, WITH_DQ: gl.constexpr,
-                 STAGES: gl.constexpr, num_warps: gl.constexpr):
+@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
+def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2, DELTA, DQ,
+                 DQA, SEM, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
+                 WITH_DQ: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(Sk, BN), B * Hkv), num_warps = 8.  q/do_desc: [B, H, Sq, D] blocks
     [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks [1, 1, BN, D]; L2 fp32
     [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; WITH_DQ: DQ [B, H, Sq, D] (q's dtype,
-    contiguous), DQA fp32 [B * H, Sq, D] scratch, SEM int32 [B * H * nq] zeros.  Band
+    contiguous), DQA fp32 [B * H, Sq, D] scratch (no init) and dqa_desc over it (blocks
+    [1, BM, D]), SEM int32 [B * H * nq] zeros, ORDER the adds' order (module doc).  Band
     masks through lo / hi (open: +-2^30)."""
     gl.static_assert(num_warps == 8, "two warpgroups")
     BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -135,6 +199,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
                                                   instr_shape=[16, D, 16])        # [BN, D]
     q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, D // 2, 16])   # [BM, D]
+    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])     # [THREADS]: one a thread
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)                                  # [BM]
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)                                  # [BN]
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dt)
@@ -172,6 +237,8 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     n_tot = G * n_t                   # (head of the group, query tile) pairs, flattened
     n_div = gl.maximum(n_t, 1)
     nq = (Sq + BM - 1) // BM
+    nkv = (Sk + BN - 1) // BN
+    off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)      # rotation of the tile loop
 
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, j0, 0], kv_bar, k_smem)
@@ -179,9 +246,15 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     for st in gl.static_range(STAGES - 1):                  # prologue: the ring's first tiles
         if st < n_tot:
             _issue_qdo(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b,
-                       hk * G + st // n_div, s0 + st % n_div, st, BM)
+                       hk * G + st // n_div, s0 + (st % n_div + off) % n_div, st, BM)
     k2 = k_smem.reshape([BN, D])
     v2 = v_smem.reshape([BN, D])
+    if WITH_DQ:   # the staged dQ partial, read by the bulk copy / reduce-add
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BM, D], dqa_desc.layout)
+        dq2 = dq_smem.reshape([BM, D])
+    zero_c = gl.full([THREADS], 0, gl.int32, layout=c_l)
+    pend = SEM + zero_c               # [THREADS]: the counter of the copy in flight
+    pending = False
 
     offs_mb = gl.arange(0, BM, layout=row_s)
     dk = gl.zeros([BN, D], gl.float32, layout=a_l)
@@ -189,7 +262,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
     mbarrier.wait(kv_bar, 0)
     for it in range(0, n_tot):
         h = hk * G + it // n_div
-        t = s0 + it % n_div
+        t = s0 + (it % n_div + off) % n_div
         stg = it % STAGES
         ph = (it // STAGES) & 1
         bh = b * H + h
@@ -223,7 +296,8 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
         nxt = it + STAGES - 1
         if nxt < n_tot:
             _issue_qdo(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b,
-                       hk * G + nxt // n_div, s0 + nxt % n_div, nxt % STAGES, BM)
+                       hk * G + nxt // n_div, s0 + (nxt % n_div + off) % n_div,
+                       nxt % STAGES, BM)
         dv = warpgroup_mma(p_smem.permute((1, 0)), do2, dv, is_async=True)     # [BN, D]
         dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, BN]
         ds_smem.store((p * (dp - dlt[:, None])).to(dt))
@@ -233,11 +307,36 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, D
         if WITH_DQ:
             dq_tok = warpgroup_mma(ds_smem, k2, gl.zeros([BM, D], gl.float32, layout=q_l),
                                    use_acc=False, is_async=True)                 # [BM, D]
-            rank, last = dq_rank(pid_n, t, Sk, lo, hi, HAS_BAND, BM, BN)
-            _dq_add(dq_tok, DQ, DQA, SEM, bh, t, nq, rank, last, Sq, scale, q_l, D, BM)
+            rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
+            sem = SEM + (bh * nq + t) + zero_c                                   # [THREADS]
+            # the previous tile's copy: complete -> its counter released, dq_smem free
+            if pending:
+                _bulk_wait_release(pend)
+                gl.thread_barrier()
+                _release_one(pend)
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))                           # [BM, D]
+            dq2.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()                                                  # staged
+            _spin_acquire(sem, zero_c + rank)
+            if last:
+                _dq_last(dq2, DQ, DQA, bh, t, rank, Sq, scale, D, BM)
+                pending = False
+            else:
+                if rank == 0:
+                    tma.async_copy_shared_to_global(dqa_desc, [bh, t * BM, 0], dq_smem)
+                else:
+                    _tma_reduce_add(dqa_desc, [bh, t * BM, 0], dq_smem)
+                pend = sem
+                pending = True
         # every product of the tile done (no accumulator in flight across the loop's back
         # edge: ptxas would serialise the wgmmas, C7515): P / dS / the stage are free
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if WITH_DQ:
+        if pending:
+            _bulk_wait_release(pend)
+            gl.thread_barrier()
+            _release_one(pend)
 
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(q_bar.index(st))

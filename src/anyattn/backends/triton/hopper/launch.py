@@ -12,7 +12,7 @@ import triton
 from ....rowstats import RowStats
 from . import configs as HC
 
-__all__ = ["make_desc", "forward", "dkdv", "backward_fused"]
+__all__ = ["make_desc", "forward", "dkdv", "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
@@ -123,13 +123,57 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     return dk, dv
 
 
+def dqa_desc(dqa, rows: int):
+    """A 3-D TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
+    [1, rows, D] (the fused backward's bulk copies / reduce-adds)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, rows, dqa.shape[2]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
+
+
+def dq_order(p, bn: int, bm: int) -> int:
+    """The fused backward's dQ add order (bwd_fused_kernel module doc): 1 (rotated /
+    diagonal first: no waiting in steady state, but a program may wait for one launched
+    after it) when all cdiv(Sk, bn) key-tile programs of one (b, kv head) fit on the SMs
+    at once (one program per SM), else 0 (ascending: waits only on earlier launches)."""
+    sms = _sm_count(str(p.device))
+    return 1 if triton.cdiv(p.seq_k, bn) <= sms else 0
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: str) -> int:
+    """The device's SM count (cached per device name)."""
+    if device not in _SMS:
+        _SMS[device] = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _SMS[device]
+
+
+def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
+    """Whether every query tile of bm rows is visited by some key tile of bn keys under
+    lo <= j - i <= hi (bwd_kernel.query_tile_range's rule; the tiles without keys form a
+    prefix and / or a suffix, so the first and the last tile decide)."""
+    nq, nkv = triton.cdiv(Sq, bm), triton.cdiv(Sk, bn)
+    for t in {0, nq - 1}:
+        jlo = max(t * bm + lo, 0) // bn
+        jhi = min(-(-max((t + 1) * bm + hi, 0) // bn) - 1, nkv - 1)
+        if jlo > jhi or t * bm + lo >= Sk:
+            return False
+    return True
+
+
 def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=None,
-                   want_dq: bool = True):
+                   want_dq: bool = True, order=None):
     """-> (dq [B, H, Sq, D] or None, dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous,
     from the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32,
     contiguous), through bwd_fused_kernel.dkdvq_kernel: dK / dV, and dQ when want_dq
-    (added in key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``: preallocated buffers to write (tests
-    poison them); ``cfg``: default configs.bwd_config(D)."""
+    (added in a fixed key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``:
+    preallocated buffers to write (tests poison them); ``cfg``: default
+    configs.bwd_config(D); ``order``: the dQ add order, default dq_order()."""
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.bwd_config(D) if cfg is None else cfg
     if not cfg.fused:
@@ -159,25 +203,29 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
                              f"{list(want)} float32")
     nq = triton.cdiv(Sq, cfg.bm)
+    order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
+    if order not in (0, 1):
+        raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
     if with_dq:
-        # fp32 partial sums (no init: the first key tile of a query tile stores), one
+        # fp32 partial sums (no init: the first adder of a query tile stores), one
         # counter per (b, h, query tile) at zero; query tiles that no key tile
         # sees (band masks) keep dq's zeros
         dqa = torch.empty((B * H, Sq, D), dtype=torch.float32, device=dev)
         sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
-        if rm_.has_band:
+        if rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm, cfg.bn):
             dq.zero_()
         dq_arg = dq
     else:
-        dqa, sem, dq_arg = (torch.empty((1,), dtype=torch.float32, device=dev),
+        dqa, sem, dq_arg = (torch.empty((1, cfg.bm, D), dtype=torch.float32, device=dev),
                             torch.empty((1,), dtype=torch.int32, device=dev), dk)
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
-    tail = (l2, delta, dq_arg, dqa, sem, H, p.group, Sq, Sk, p.scale, lo, hi)
+    tail = (l2, delta, dq_arg, dqa, sem, H, p.group, Sq, Sk, p.scale, lo, hi, order)
     with torch.cuda.device(dev):
         from .bwd_fused_kernel import dkdvq_kernel
 
         dkdvq_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
                            make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
-                           *tail, HAS_BAND=bool(rm_.has_band), WITH_DQ=with_dq,
+                           dqa_desc(dqa, cfg.bm), *tail, HAS_BAND=bool(rm_.has_band),
+                           WITH_DQ=with_dq,
                            STAGES=cfg.stages, num_warps=8)
     return (dq if with_dq else None), dk, dv

@@ -86,14 +86,16 @@ def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, 
     pdt = {"bfloat16": "*bf16", "float16": "*fp16"}[dtype]
     if cfg.fused:
         from .bwd_fused_kernel import dkdvq_kernel
+        from .launch import dqa_desc
 
         kd = mangle_type(make_desc(x, cfg.bn))
-        names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "L2", "DELTA",
-                 "DQ", "DQA", "SEM", "H", "G", "Sq", "Sk", "scale", "lo", "hi", "HAS_BAND",
-                 "WITH_DQ", "STAGES", "num_warps"]
-        types = [qd, kd, kd, qd, kd, kd, "*fp32", "*fp32", pdt, "*fp32", "*i32", "i32", "i32",
-                 "i32", "i32", "fp32", "i32", "i32"] + ["constexpr"] * 4
-        consts = {(18,): has_band, (19,): cfg.dq, (20,): cfg.stages, (21,): 8}
+        ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm))
+        names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc",
+                 "L2", "DELTA", "DQ", "DQA", "SEM", "H", "G", "Sq", "Sk", "scale", "lo", "hi",
+                 "ORDER", "HAS_BAND", "WITH_DQ", "STAGES", "num_warps"]
+        types = [qd, kd, kd, qd, kd, kd, ad, "*fp32", "*fp32", pdt, "*fp32", "*i32", "i32",
+                 "i32", "i32", "i32", "fp32", "i32", "i32", "i32"] + ["constexpr"] * 4
+        consts = {(20,): has_band, (21,): cfg.dq, (22,): cfg.stages, (23,): 8}
         src = GluonASTSource(dkdvq_kernel, dict(zip(names, types)), constexprs=consts)
         return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=8))
     kd = mangle_type(make_desc(x, cfg.bn))
