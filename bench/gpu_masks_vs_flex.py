@@ -50,7 +50,7 @@ import anyattn.torch as at  # noqa: E402
 WINDOWS = (256, 512, 1024)
 DOCS = ("doc_eq512", "doc_eq512_causal", "doc_rand", "doc_rand_causal")
 #: cases in priority order; a run stops adding shapes when its budget is spent
-SHAPES = ((4096, 128), (8192, 128), (4096, 64), (8192, 64))
+SHAPES = ((4096, 128), (4096, 64), (8192, 128), (8192, 64))
 
 # ---------------------------------------------------------------- FlexAttention's masks
 # mask_mod data, updated in place between cases (one compiled graph per family and shape)
@@ -139,11 +139,39 @@ def bench_ms(fn, tiny, rep=25):
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
 
 
+def split_ms(fn, tiny, n=20):
+    """-> (GPU ms, host ms) per call of fn: the host time of enqueuing n calls, and the
+    device time of n calls queued behind a sleep kernel long enough that the host is
+    done enqueuing before the first one starts (so no host gap is timed)."""
+    if tiny:
+        return 0.0, 0.0
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int((2 * host * n + 2e-3) * 2.0e9))      # ~2 GHz SM clock
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n, host * 1e3
+
+
 def time_impl(fn, q, k, v, g, tiny):
-    """-> dict fwd / bwd / fwdbwd ms of fn(q, k, v) through torch autograd."""
+    """-> dict fwd / bwd / fwdbwd ms of fn(q, k, v) through torch autograd (do_bench),
+    and the GPU-only / host-only ms of fwd and fwdbwd (split_ms)."""
     qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-    with torch.no_grad():
-        fwd = bench_ms(lambda: fn(q, k, v), tiny)
+
+    def fwd_only():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    fwd = bench_ms(fwd_only, tiny)
     out = fn(qq, kk, vv)
     bwd = bench_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), g, retain_graph=True), tiny)
 
@@ -152,7 +180,11 @@ def time_impl(fn, q, k, v, g, tiny):
         torch.autograd.grad(o, (qq, kk, vv), g)
 
     both = bench_ms(step, tiny)
-    return {"fwd": round(fwd, 4), "bwd": round(bwd, 4), "fwdbwd": round(both, 4)}
+    fg, fh = split_ms(fwd_only, tiny)
+    sg, sh = split_ms(step, tiny)
+    return {"fwd": round(fwd, 4), "bwd": round(bwd, 4), "fwdbwd": round(both, 4),
+            "fwd_gpu": round(fg, 4), "fwd_host": round(fh, 4),
+            "fwdbwd_gpu": round(sg, 4), "fwdbwd_host": round(sh, 4)}
 
 
 # ---------------------------------------------------------------- the run
@@ -171,9 +203,11 @@ def run(args):
         python=platform.python_version(),
         flops="kept score entries only (as FlexAttention counts): fwd 4*D*kept, "
               "bwd 2.5x fwd, fwd+bwd 3.5x fwd; kept summed over B*H",
-        timing="triton.testing.do_bench median (warmup 5 ms, rep 25 ms); fwd under "
-               "no_grad; bwd = autograd.grad on a retained graph; fwdbwd = one "
-               "training step's forward + autograd.grad",
+        timing="triton.testing.do_bench median (warmup 5 ms, rep 25 ms; L2 flushed "
+               "between calls); fwd under no_grad; bwd = autograd.grad on a retained graph "
+               "(torch._functorch.config.donated_buffer = False); fwdbwd = one training "
+               "step's forward + autograd.grad; *_gpu / *_host: device time of 20 calls "
+               "queued behind a sleep kernel (no host gaps) / host enqueue time per call",
         variants=args.variants, budget_s=args.budget), "rows": [], "skipped": []}
     if not tiny:
         import triton
@@ -191,6 +225,10 @@ def run(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
+    # the bwd column times autograd.grad on a retained graph, which a compiled backward
+    # with donated buffers refuses; they only save memory
+    import torch._functorch.config as ftc
+    ftc.donated_buffer = False
     flex = flex_attention if tiny else torch.compile(flex_attention, dynamic=False)
     variants = [v for v in (args.variants or "").split(",") if v] or [None]
     gen = torch.Generator().manual_seed(0)
@@ -246,7 +284,7 @@ def run(args):
                     _set_variant(var)
                     row["ms"][nm] = time_impl(fn, q, k, v, g, tiny)
                 _set_variant(None)
-                if not tiny and S == 4096 and D == 128 and args.cudnn:
+                if not tiny and S == 4096 and D == 128 and args.cudnn and kind == "sliding:512":
                     km = keep[None, None]
                     try:
                         def cud(q_, k_, v_):
@@ -260,8 +298,9 @@ def run(args):
                                       (("fwd", 1, m["fwd"]), ("bwd", 2.5, m["bwd"]),
                                        ("fwdbwd", 3.5, m["fwdbwd"]))}
                                  for nm, m in row["ms"].items() if "fwd" in m}
-                row["vs_flex"] = {nm: {p: round(m[p] / row["ms"]["flex"][p], 3)
-                                       for p in ("fwd", "bwd", "fwdbwd")}
+                row["vs_flex"] = {nm: {p: round(m[p] / max(row["ms"]["flex"][p], 1e-9), 3)
+                                       for p in ("fwd", "bwd", "fwdbwd", "fwd_gpu",
+                                                 "fwdbwd_gpu")}
                                   for nm, m in row["ms"].items()
                                   if nm.startswith("anyattn")}
                 row["case_s"] = round(time.perf_counter() - t0, 1)
@@ -305,6 +344,10 @@ def summary_line(row):
             parts.append(f"{nm} {m['fwd']:.3f}/{m['bwd']:.3f}/{m['fwdbwd']:.3f}")
     for nm, r in row.get("vs_flex", {}).items():
         parts.append(f"{nm}/flex {r['fwd']:.2f}/{r['bwd']:.2f}/{r['fwdbwd']:.2f}")
+    for nm, m in row["ms"].items():
+        if "fwd_gpu" in m:
+            parts.append(f"{nm} gpu {m['fwd_gpu']:.3f}/{m['fwdbwd_gpu']:.3f} "
+                         f"host {m['fwd_host']:.3f}/{m['fwdbwd_host']:.3f}")
     errs = max(v for e in row["err"].values() for v in e.values())
     parts.append(f"maxerr {errs:.1e} bitwise {all(row.get('bitwise', {}).values())}")
     return " | ".join(parts)
