@@ -217,3 +217,59 @@ def test_problem_cache_skips_tensor_masks_and_dropout_and_never_skips_a_refusal(
     with pytest.raises(ValueError, match="softcap"):
         at.attention(q, k, v, softcap=-1.0)
     assert len(eager._problems) == 1
+
+
+def test_backend_choice_memo_follows_name_and_interpreter_setting(monkeypatch):
+    """The memoised choice is choose()'s for every (signature, backend name,
+    TRITON_INTERPRET); a named backend that cannot take the call still refuses after the
+    signature was cached under another name."""
+    from anyattn.backends import registry
+
+    q, k, v, _ = _inputs()
+    eager.clear_caches()
+    calls = []
+    real = registry.choose
+    monkeypatch.setattr(eager, "choose", lambda p, name=None: calls.append(name) or real(p, name))
+    for _ in range(3):
+        at.attention(q, k, v, backend="numpy")
+        at.attention(q, k, v, backend="reference")
+    assert calls == ["numpy", "reference"]
+    keys = list(eager._chosen)
+    assert {be.name for be in eager._chosen.values()} == {"numpy", "reference"}
+    assert all(ck[1] in ("numpy", "reference") for ck in keys)
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if eager.os.environ.get("TRITON_INTERPRET") == "1"
+                       else "1")
+    at.attention(q, k, v, backend="numpy")
+    assert calls == ["numpy", "reference", "numpy"], "a changed TRITON_INTERPRET asks again"
+    with pytest.raises(NotImplementedError, match="backend='webgpu'|webgpu"):
+        at.attention(q, k, v, backend="webgpu")
+    eager.clear_caches()
+    assert not eager._chosen and not eager._problems
+
+
+def test_dropout_seed_fast_path_keeps_the_checks():
+    from anyattn.torch.functional import _dropout_seed
+
+    assert _dropout_seed(0.0, None, None) is None
+    assert _dropout_seed(0, None, None) is None
+    for bad, err in ((-0.1, ValueError), (1.0, ValueError), (True, TypeError),
+                     (float("nan"), ValueError), ("0", TypeError)):
+        with pytest.raises(err):
+            _dropout_seed(bad, None, None)
+    with pytest.raises(TypeError):
+        _dropout_seed(0.0, None, 1.5)
+    assert _dropout_seed(0.5, None, 7).item() == 7
+
+
+def test_drawn_dropout_seed_is_refused_under_graph_capture(monkeypatch):
+    """A seed drawn at capture would be baked into the graph (every replay the same
+    mask): refused; a given seed is what the caller asked for, and p = 0 is untouched."""
+    from anyattn.torch import functional
+
+    q, k, v, _ = _inputs()
+    monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(functional.torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(NotImplementedError, match="CUDA graph capture"):
+        at.attention(q, k, v, dropout_p=0.25)
+    at.attention(q, k, v, dropout_p=0.25, dropout_seed=3)
+    at.attention(q, k, v)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -32,11 +33,12 @@ from torch.autograd.function import once_differentiable
 
 from .. import api
 from ..backends.registry import choose
+from ..modifiers import NO_MODS
 from ..problem import describe
 from ..rowstats import RowStats
 from .ops import LoweredMask
 
-__all__ = ["eligible", "attention"]
+__all__ = ["eligible", "attention", "clear_caches"]
 
 Tensor = torch.Tensor
 
@@ -112,10 +114,9 @@ def _signature(call: _Call, q, k, v, bias, sinks, wrt):
             call.softcap, wrt)
 
 
-def _describe(call: _Call, q, k, v, bias, sinks, wrt):
+def _describe(key, call: _Call, q, k, v, bias, sinks, wrt):
     """-> (Problem with ``wrt``, the same with no ``wrt``): every check of the core, once
-    per signature."""
-    key = _signature(call, q, k, v, bias, sinks, wrt)
+    per signature (``key``: _signature's, None: not cached)."""
     if key is not None:
         hit = _problems.get(key)
         if hit is not None:
@@ -140,11 +141,41 @@ def _describe(call: _Call, q, k, v, bias, sinks, wrt):
     return res
 
 
+#: (signature, backend name, TRITON_INTERPRET) -> the backend ``choose`` gave: what it
+#: reads besides the Problem is the name, that variable (the Triton backend's CPU
+#: devices, auto-eligibility) and the loaded backends (clear_caches forgets them)
+_chosen: dict = {}
+
+
+def _choose(key, p, name: Optional[str]):
+    """choose(p, name), memoised per cached signature (~6-15 us per call saved)."""
+    if key is None:
+        return choose(p, name)
+    ck = (key, name, os.environ.get("TRITON_INTERPRET"))
+    be = _chosen.get(ck)
+    if be is None:
+        be = choose(p, name)
+        if len(_chosen) >= 4 * _PROBLEMS:
+            _chosen.clear()
+        _chosen[ck] = be
+    return be
+
+
+def clear_caches() -> None:
+    """Forget the Problems and backend choices kept per signature (tests; a backend
+    registry changed at run time)."""
+    _problems.clear()
+    _chosen.clear()
+
+
 def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
     """-> (Problem with ``wrt``, forward Problem, backend, ScoreMods)."""
-    p, pf = _describe(call, q, k, v, bias, sinks, wrt)
-    be = choose(p, call.backend)
-    return p, pf, be, api._mods(p, call.alibi_slopes, sinks)
+    key = _signature(call, q, k, v, bias, sinks, wrt)
+    p, pf = _describe(key, call, q, k, v, bias, sinks, wrt)
+    be = _choose(key, p, call.backend)
+    mods = NO_MODS if call.alibi_slopes is None and sinks is None else \
+        api._mods(p, call.alibi_slopes, sinks)
+    return p, pf, be, mods
 
 
 def _run_forward(pf, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
@@ -183,7 +214,8 @@ class _Attention(torch.autograd.Function):
         if not wrt:
             return tuple(grads)
         p = ctx.problem if wrt == ctx.problem.wrt else _with_wrt(ctx.problem, wrt)
-        mods = api._mods(p, ctx.alibi_slopes, sinks)
+        mods = NO_MODS if ctx.alibi_slopes is None and sinks is None else \
+            api._mods(p, ctx.alibi_slopes, sinks)
         if p.is_empty:
             res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
                    "dv": torch.zeros_like(v),

@@ -65,11 +65,19 @@ _SEED_HIGH = 2 ** 63 - 1
 
 def _dropout_seed(dropout_p, generator, dropout_seed) -> Optional[torch.Tensor]:
     """-> a one-element int64 CPU tensor holding the seed, or None without dropout."""
+    if dropout_seed is None and type(dropout_p) is float and dropout_p == 0.0:
+        return None        # what check_dropout answers for these, without the call
     from ..dropout import check_dropout
 
     p, seed = check_dropout(dropout_p, dropout_seed, need_seed=False)
     if p == 0.0:
         return None
+    if seed is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            "dropout_p > 0 without dropout_seed under CUDA graph capture: the seed drawn "
+            "now would be baked into the graph, so every replay would drop the same "
+            "entries; pass dropout_seed=... (an int you vary by re-capturing), or run "
+            "the call outside the graph")
     if seed is not None:
         if seed > _SEED_HIGH:
             raise ValueError(f"dropout_seed: {seed} >= 2**63; anyattn.torch carries seeds in "

@@ -594,6 +594,12 @@ def _plan(p, plan: Optional[C.Plan]) -> C.Plan:
 def _lists_for(p, ma, plan, device):
     if ma.mode == 0:
         return _no_lists(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            "a Documents / KeepMask mask under CUDA graph capture: its tile lists are "
+            "built from the mask's contents with host synchronisation and cached outside "
+            "the graph, so a replay would not follow new mask contents; capture calls "
+            "with Causal / Window masks (or none), or run this call eagerly")
     return tile_lists(p, ma, plan.sbq, plan.sbk, device)
 
 
@@ -631,6 +637,9 @@ class _Prepared:
     resolved it through _launch (fallbacks, autotuning)."""
 
     hop: bool
+    #: the Hopper forward's launch (hopper/launch.py FwdLaunch: config, grid, scalars,
+    #: constexprs; its TMA descriptors are built per call on the call's tensors)
+    hfwd: Any = None
     plan: Optional[C.Plan] = None
     prec: str = ""
     nparts: int = 1
@@ -671,7 +680,9 @@ def _prepare(direction: str, p, plan, mods, named, bias) -> _Prepared:
 def _build(direction: str, p, plan, mods, named, bias) -> _Prepared:
     hop = _use_hopper(p, direction, plan, named)
     if hop and direction == "forward":
-        return _Prepared(hop=True)
+        from .hopper import launch as HL
+
+        return _Prepared(hop=True, hfwd=HL.prepare_forward(p))
     q = named[0][1]
     dev = q.device
     plan = _plan(p, plan)
@@ -747,7 +758,7 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
     if pr.hop:
         from .hopper import launch as HL
 
-        return HL.forward(p, q, k, v)
+        return HL.forward(p, q, k, v, prepared=pr.hfwd)
     plan = pr.plan
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim

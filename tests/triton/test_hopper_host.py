@@ -1,0 +1,239 @@
+"""Host side of the Hopper forward (backends/triton/hopper/launch.py): the TMA descriptors
+``make_desc`` builds from its per-(shape, strides, dtype, rows, alignment) parts are the
+ones ``TensorDescriptor`` builds, always over the call's own tensor; the prepared forward
+launch (``FwdLaunch``, kept per call signature by launch.py) passes the arguments the
+uncached path passes and holds no tensor.  CPU: the Gluon kernels are swapped for
+recorders (nothing runs); GPU (sm_90): the cached launches give the bits of uncached ones
+on new, strided, freed-and-reallocated tensors.
+
+Shape legend: B batch, H / Hkv heads, S = Sq = Sk, D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:                                      # pragma: no cover
+    pytest.skip("needs triton.experimental.gluon", allow_module_level=True)
+
+import anyattn as aa  # noqa: E402
+from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def _fields(d) -> dict:
+    return {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
+
+
+def _same_desc(a, b) -> None:
+    """Field by field: the same tensor object, equal shape / strides / block / layout."""
+    fa, fb = _fields(a), _fields(b)
+    assert fa.keys() == fb.keys()
+    assert fa.pop("base") is fb.pop("base")
+    for name in fa:
+        assert fa[name] == fb[name], name
+    assert type(a) is type(b) is TensorDescriptor
+
+
+def _tensors(dtype=torch.bfloat16):
+    """Layouts the Hopper path takes: contiguous, a [B, S, H, D] storage seen as
+    [B, H, S, D], size-1 dims, a slice of a wider head dim."""
+    return [torch.randn(2, 4, 48, 128).to(dtype),
+            torch.randn(2, 48, 4, 128).to(dtype).transpose(1, 2),
+            torch.randn(1, 1, 40, 128).to(dtype),
+            torch.randn(2, 3, 24, 256).to(dtype)[..., :128]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [64, 128])
+def test_cached_descriptor_is_the_built_one(dtype, rows):
+    HL._desc_parts.clear()
+    for make in (lambda: _tensors(dtype), lambda: _tensors(dtype)):   # miss, then hits
+        for x in make():          # new tensors every time: the base is always the call's
+            _same_desc(HL.make_desc(x, rows), HL._new_desc(x, rows))
+    assert len(HL._desc_parts) == 4
+
+
+def test_descriptor_key_changes_with_every_input():
+    x = torch.randn(2, 4, 48, 128).to(torch.bfloat16)
+    base = HL.desc_key(x, 64)
+    buf = torch.empty(2 * 4 * 48 * 128 + 8, dtype=torch.bfloat16)
+    off = buf[1:1 + x.numel()].view(x.shape)          # same shape and strides, 2 bytes off
+    for other in (HL.desc_key(x, 128), HL.desc_key(x.to(torch.float16), 64),
+                  HL.desc_key(x.transpose(1, 2).contiguous().transpose(1, 2), 64),
+                  HL.desc_key(x[:, :, :40], 64), HL.desc_key(off, 64)):
+        assert other != base
+
+
+def test_misaligned_tensor_is_still_refused_after_cached_calls():
+    x = torch.randn(2, 4, 48, 128).to(torch.bfloat16)
+    HL.make_desc(x, 64)
+    HL.make_desc(x.clone(), 64)                       # a hit
+    buf = torch.empty(x.numel() + 8, dtype=torch.bfloat16)
+    off = buf[1:1 + x.numel()].view(x.shape)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        HL.make_desc(off, 64)
+
+
+def test_descriptor_cache_holds_no_tensor():
+    HL._desc_parts.clear()
+    x = torch.randn(2, 4, 48, 128).to(torch.bfloat16)
+    HL.make_desc(x, 64)
+    d = HL.make_desc(x, 64)
+    ref = weakref.ref(x)
+    del x, d
+    gc.collect()
+    assert ref() is None
+    assert not any(isinstance(v, torch.Tensor)
+                   for _, fields in HL._desc_parts.values() for v in fields.values())
+
+
+def test_descriptor_cache_is_bounded():
+    HL._desc_parts.clear()
+    for s in range(1, HL._DESC_PARTS + 20):
+        HL.make_desc(torch.empty(1, 1, s, 128, dtype=torch.bfloat16), 64)
+    assert len(HL._desc_parts) == HL._DESC_PARTS
+
+
+# ------------------------------------------------------------------ the prepared forward
+class _Recorder:
+    """Stands in for a Gluon kernel: kernel[grid](*args, **kw) records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.calls.append((grid, a, kw))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The Gluon forward kernels swapped for recorders; the forward routed to Hopper."""
+    from anyattn.backends.triton.hopper import fwd_kernel, fwd_ws_kernel
+
+    rec = _Recorder()
+    monkeypatch.setattr(fwd_kernel, "fwd_kernel", rec)
+    monkeypatch.setattr(fwd_ws_kernel, "fwd_ws_kernel", rec)
+    monkeypatch.setattr(L, "_use_hopper", lambda p, d, plan, t: d == "forward")
+    L.clear_prepared()
+    yield rec
+    L.clear_prepared()
+
+
+def _expected(p, q, k, v, out, stats):
+    """The uncached launch: a FwdLaunch built for this call alone, descriptors built by
+    TensorDescriptor itself -> kernel, grid, arguments, keywords."""
+    fresh = HL.prepare_forward(p)
+    rq, rk = fresh.q_rows, fresh.cfg.bn
+    descs = (HL._new_desc(q, rq), HL._new_desc(k, rk), HL._new_desc(v, rk),
+             HL._new_desc(out, rq))
+    return fresh.grid, descs + (stats,) + fresh.args, fresh.kw
+
+
+@pytest.mark.parametrize("mask", [None, aa.Causal(), aa.Window(5, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_prepared_forward_passes_the_uncached_arguments(recorded, mask, dtype, layout):
+    """Repeated launch.forward calls on new tensors (the prepared launch, the descriptor
+    cache) record the launch the uncached code made: the same grid, keywords, scalars and
+    descriptor fields, the descriptors over each call's own q, k, v and out."""
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        if layout == "bshd":
+            q, k, v = (torch.randn(2, 40, h, 128, generator=g).to(dtype).transpose(1, 2)
+                       for h in (4, 2, 2))
+        else:
+            q, k, v = (torch.randn(2, h, 40, 128, generator=g).to(dtype) for h in (4, 2, 2))
+        p = describe(q, k, v, mask=mask)
+        out, st = L.forward(p, q, k, v, None)
+        grid, args, kw = recorded.calls.pop()
+        stats = args[4]
+        assert st.max.data_ptr() == stats[0].data_ptr() and tuple(stats.shape) == (2, 2, 4, 40)
+        wgrid, wargs, wkw = _expected(p, q, k, v, out, stats)
+        assert grid == wgrid and kw == wkw and len(args) == len(wargs)
+        for a, b in zip(args, wargs):
+            if isinstance(b, TensorDescriptor):
+                _same_desc(a, b)
+            elif isinstance(b, torch.Tensor):
+                assert a is b
+            else:
+                assert a == b and type(a) is type(b)
+        assert all(a.base is t for a, t in zip(args[:4], (q, k, v, out)))
+        assert tuple(out.shape) == (2, 4, 40, 128) and out.dtype == dtype
+    assert len(L._prepared) == 1
+
+
+def test_prepared_forward_holds_no_tensor(recorded):
+    q, k, v = (torch.randn(1, 2, 40, 128).to(torch.bfloat16) for _ in range(3))
+    p = describe(q, k, v, mask=aa.Causal())
+    L.forward(p, q, k, v, None)
+    L.forward(p, q, k, v, None)
+    (pr,) = L._prepared._d.values()
+    assert isinstance(pr.hfwd, HL.FwdLaunch)
+    assert not any(isinstance(x, torch.Tensor) for x in vars(pr.hfwd).values())
+    refs = [weakref.ref(x) for x in (q, k, v)]
+    recorded.calls.clear()
+    del q, k, v
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_prepared_forward_refuses_a_different_config():
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    p = describe(q, q, q)
+    pr = HL.prepare_forward(p)
+    other = next(c for c in HCF.FWD_VARIANTS[128] if c != pr.cfg)
+    with pytest.raises(ValueError, match="differs from the prepared"):
+        HL.forward(p, q, q, q, cfg=other, prepared=pr)
+
+
+# ----------------------------------------------------------------------------- GPU bits
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("mask", [None, aa.Causal()])
+def test_cached_hopper_forward_same_bits_on_new_tensors(mask):
+    """launch.forward through the prepared launch and the descriptor cache == an uncached
+    HL.forward on the same inputs, for new tensors each call, a strided layout, and a
+    tensor freed and its memory reallocated for another."""
+    L.clear_prepared()
+    dt = torch.bfloat16
+
+    def inputs(seed, layout):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        if layout == "bshd":
+            return [torch.randn(2, 256, 4, 128, device="cuda", generator=g).to(dt)
+                    .transpose(1, 2) for _ in range(3)]
+        return [torch.randn(2, 4, 256, 128, device="cuda", generator=g).to(dt)
+                for _ in range(3)]
+
+    def uncached(p, q, k, v):
+        HL._desc_parts.clear()
+        return HL.forward(p, q, k, v, prepared=HL.prepare_forward(p))
+
+    for seed, layout in [(0, "bhsd"), (1, "bhsd"), (2, "bshd"), (3, "bhsd"), (4, "bshd")]:
+        q, k, v = inputs(seed, layout)
+        p = describe(q, k, v, mask=mask)
+        o1, s1 = L.forward(p, q, k, v, None)
+        o2, s2 = uncached(p, q, k, v)
+        assert torch.equal(o1, o2) and torch.equal(s1.max, s2.max)
+        assert torch.equal(s1.log_norm, s2.log_norm)
+        ptr = q.data_ptr()
+        del q, k, v, o1, o2, s1, s2
+        q, k, v = inputs(seed + 100, layout)   # the freed blocks come back from the pool
+        o1, s1 = L.forward(p, q, k, v, None)
+        o2, s2 = uncached(p, q, k, v)
+        assert torch.equal(o1, o2) and torch.equal(s1.log_norm, s2.log_norm)
+        del ptr
