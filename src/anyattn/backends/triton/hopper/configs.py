@@ -24,6 +24,8 @@ class HopperConfig:
     consumer_regs: int = 240  # ws: registers per consumer thread (setmaxnreg)
     pingpong: bool = False    # ws + overlap: the consumers take turns to issue products
     exp_fma: bool = False     # ws: softmax exponent as one fma, s * c - m * c
+    edges: bool = False       # ws + overlap: masked edge tiles in loops of their own
+    p_smem: bool = False      # edges: P through shared memory (2 stages), not registers
 
     def __post_init__(self):
         if self.pingpong and not (self.ws and self.overlap):
@@ -33,16 +35,31 @@ class HopperConfig:
             raise ValueError(f"{self}: the plain kernel's overlapped loop needs stages >= 3")
         if self.exp_fma and not self.ws:
             raise ValueError(f"{self}: exp_fma is a warp-specialised kernel option")
+        if self.edges and not (self.ws and self.overlap):
+            raise ValueError(f"{self}: edges needs ws=True and overlap=True (the edge "
+                             "loops run the overlapped schedule)")
+        if self.p_smem and not self.edges:
+            raise ValueError(f"{self}: p_smem needs edges=True (the edge loops' option)")
+        if self.ws and (self.bm % 64 or self.bm // 64 not in (2, 3)):
+            raise ValueError(f"{self}: the warp-specialised kernel runs 2 or 3 consumer "
+                             "warpgroups of 64 query rows (bm 128 or 192)")
+
+    @property
+    def consumers(self) -> int:
+        """ws: consumer warpgroups, 64 query rows each."""
+        return self.bm // 64
 
     @property
     def name(self) -> str:
-        """e.g. 'ws128x128s2' / '128x128s3o' / 'ws128x128s2opf' (bench and LOG labels)."""
+        """e.g. 'ws128x128s2' / '128x128s3o' / 'ws128x128s2opfem' (bench and LOG labels)."""
         return (f"{'ws' if self.ws else ''}{self.bm}x{self.bn}s{self.stages}"
                 f"{'o' if self.overlap else ''}{'p' if self.pingpong else ''}"
-                f"{'f' if self.exp_fma else ''}")
+                f"{'f' if self.exp_fma else ''}{'e' if self.edges else ''}"
+                f"{'m' if self.p_smem else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
-        return elem * d * (self.bm + 2 * self.stages * self.bn)
+        p = 2 * self.bm * self.bn if self.p_smem else 0
+        return elem * (d * (self.bm + 2 * self.stages * self.bn) + p)
 
 
 #: D -> forward config.  D=128: the warp-specialised kernel (fwd_ws_kernel, 2 stages,
@@ -64,15 +81,24 @@ _FWD_BY_DTYPE = {(128, "float16"): HopperConfig(128, 128, 2, 8)}
 #: warpgroups meeting at a CTA barrier per key tile) and its FA3 overlapped loop stay
 #: for A/B; the warp-specialised kernel with the simple loop (the D=128 default until the
 #: 2026-12-03 18:35 UTC run), with FA3's intra-warpgroup overlap ('o') and with the
-#: ping-pong turns between its consumers ('op'), 2 and 3 stages
-FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True)],
+#: ping-pong turns between its consumers ('op'), 2 and 3 stages; the edge loops ('e':
+#: masked tiles in loops of their own, no mask branch in the hot loop) with P in
+#: registers or through shared memory ('m'); at D=64 three consumers (bm 192) too
+_OPFE = dict(ws=True, overlap=True, pingpong=True, exp_fma=True, edges=True)
+FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True),
+                     HopperConfig(128, 128, 4, p_smem=True, **_OPFE),
+                     HopperConfig(192, 128, 3, consumer_regs=160, p_smem=True, **_OPFE)],
                 128: [HopperConfig(128, 128, 2, 8), HopperConfig(128, 128, 3, ws=True),
                       HopperConfig(128, 128, 3, 8, True),
                       HopperConfig(128, 128, 2, ws=True, overlap=True),
                       HopperConfig(128, 128, 3, ws=True, overlap=True),
                       HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True),
                       HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True),
-                      HopperConfig(128, 128, 2, ws=True)]}
+                      HopperConfig(128, 128, 2, ws=True),
+                      HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
+                                   exp_fma=True),
+                      HopperConfig(128, 128, 2, **_OPFE),
+                      HopperConfig(128, 128, 2, p_smem=True, **_OPFE)]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:

@@ -67,12 +67,18 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, hk, t, st,
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
-                  HAS_BAND: gl.constexpr, BN: gl.constexpr, EXP_FMA: gl.constexpr = False):
+                  HAS_BAND: gl.constexpr, BN: gl.constexpr, EXP_FMA: gl.constexpr = False,
+                  MASK: gl.constexpr = None):
     """Online softmax of one score tile s [BM, BN] (raw q.k): -> p [BM, BN] fp32,
     alpha [BM] (the old accumulator's factor), l_i, m_i [BM].  Masks only the edge tiles
     (t outside [f0, f1)): bounds and the band lo <= j - i <= hi.  EXP_FMA: the exponent
-    as one fma per element, s * c - m * c (c = qk_scale), instead of (s - m) * c."""
-    masked = (t < f0) | (t >= f1)
+    as one fma per element, s * c - m * c (c = qk_scale), instead of (s - m) * c.
+    MASK: None decides per tile at run time (a branch); True / False: the caller knows
+    (True is right for any tile, False only inside [f0, f1))."""
+    if MASK is None:
+        masked = (t < f0) | (t >= f1)
+    else:
+        masked = MASK
     if masked:
         offs_m = i0 + offs_mb
         offs_n = t * BN + offs_nb

@@ -60,17 +60,21 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
 
 @gluon.jit
 def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: the k-th turn of consumer WG (consumer 0's first turn is free, every
-    other waits for the other consumer's arrive)."""
+    """Ping-pong: the k-th turn of consumer WG.  The turns go round the consumers
+    0, 1, .., NC - 1, 0, ..: consumer 0's first turn is free and its k-th waits for the
+    (k - 1)-th completion of turn[0]; consumer w > 0 waits for the k-th of turn[w]."""
     if PINGPONG:
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(WG), k & 1)
 
 
 @gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: hand the tensor cores to the other consumer."""
+def _turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: hand the tensor cores to the next consumer."""
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
 
 
 @gluon.jit
@@ -107,7 +111,8 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
                   zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
-                  WG: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr):
+                  WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
+                  EXP_FMA: gl.constexpr):
     """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
     ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
     Tile 0's S before the loop, the last P.V after it.  -> acc [RM, D] (done), l_i, m_i."""
@@ -118,7 +123,7 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         _turn_wait(turn, 0, WG, PINGPONG)
         kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))                  # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
+        _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb,
@@ -134,7 +139,7 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
-        _turn_pass(turn, WG, PINGPONG)
+        _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # S_it done; P.V(it - 1) may run
         mbarrier.arrive(k_empty.index(stg), count=1)
         p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
@@ -153,11 +158,121 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 
 
 @gluon.jit
+def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, p16,
+             m_i, l_i, zero_s, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+             HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+             dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr,
+             NC: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
+             PSMEM: gl.constexpr, MASK: gl.constexpr):
+    """Tile it >= 1 of the overlapped schedule: issue S_it and O += P_{it-1}.V_{it-1},
+    softmax of it (MASK: _softmax_tile's) while P.V runs, wait, rescale O.  P_{it-1}:
+    p16 [RM, BN] in registers, or (PSMEM) p_buf [2 * NC, RM, BN] stage 2 * WG + (it - 1) % 2
+    in shared memory, where P_it goes to stage 2 * WG + it % 2 before the wait (the stage P.V(it - 2) read).
+    -> acc [RM, D], P_it in registers (p16 unchanged under PSMEM), m_i, l_i."""
+    stg = it % STAGES
+    pst = (it - 1) % STAGES
+    mbarrier.wait(k_bar.index(stg), (it // STAGES) & 1)
+    mbarrier.wait(v_bar.index(pst), ((it - 1) // STAGES) & 1)
+    _turn_wait(turn, it, WG, PINGPONG)
+    kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                    # [D, BN]
+    s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+    if PSMEM:
+        acc = warpgroup_mma(p_buf.index(2 * WG + (it - 1) % 2), v_smem.index(pst).reshape([BN, D]),
+                            acc, is_async=True)
+    else:
+        acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
+    _turn_pass(turn, WG, NC, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))              # S_it done; P.V(it - 1) may run
+    mbarrier.arrive(k_empty.index(stg), count=1)
+    p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb, offs_nb,
+                                       Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA, MASK)
+    if PSMEM:
+        p_buf.index(2 * WG + it % 2).store(p.to(dt))
+        fence_async_shared()
+        acc = warpgroup_mma_wait(0, deps=(acc,))            # P.V(it - 1) done: V free
+        gl.thread_barrier()          # the partition's 4 warps wrote P_it before its P.V
+        p_new = p16
+    else:
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
+        p_new = gl.convert_layout(p.to(dt), p_l)
+    mbarrier.arrive(v_empty.index(pst), count=1)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc, p_new, m_i, l_i
+
+
+@gluon.jit
+def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, m_i,
+                l_i, zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
+                WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
+                EXP_FMA: gl.constexpr, PSMEM: gl.constexpr):
+    """_loop_overlap's schedule with the mask decided per segment, not per tile: tile 0
+    (masked path: right for any tile), then tiles [1, a) masked (below f0), [a, b)
+    unmasked (the hot loop: no mask code, no branch), [b, n) masked (the diagonal /
+    partial tiles).  PSMEM: P through shared memory (two stages per consumer) instead of
+    registers: with P in registers carried round the loop, ptxas packs the new P into
+    the registers the running P.V still reads, interleaved with the exponentials, and so
+    waits for P.V before the softmax (SASS: WARPGROUP.DEPBAR before the MUFU.EX2s): the
+    overlap is lost.  -> acc [RM, D] (done), l_i, m_i."""
+    RM: gl.constexpr = q2.shape[0]
+    p16 = gl.zeros([RM, BN], dt, layout=p_l)
+    if n > 0:
+        mbarrier.wait(k_bar.index(0), 0)
+        _turn_wait(turn, 0, WG, PINGPONG)
+        kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))                  # [D, BN]
+        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, NC, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb,
+                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA,
+                                           True)
+        if PSMEM:                                        # acc is 0: no rescale needed
+            p_buf.index(2 * WG).store(p.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+        else:
+            p16 = gl.convert_layout(p.to(dt), p_l)
+        a = gl.minimum(gl.maximum(f0 - t0, 1), n)          # [1, a): below the band's f0
+        b = gl.minimum(gl.maximum(f1 - t0, a), n)          # [a, b): unmasked
+        for it in range(1, a):
+            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
+                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
+                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
+                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
+                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, True)
+        for it in range(a, b):
+            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
+                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
+                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
+                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
+                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, False)
+        for it in range(b, n):
+            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
+                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
+                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
+                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
+                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, True)
+        lst = (n - 1) % STAGES
+        mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
+        if PSMEM:
+            acc = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), v_smem.index(lst).reshape([BN, D]),
+                                acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        else:
+            acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
+            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    return acc, l_i, m_i
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-              turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+              turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              EXP_FMA: gl.constexpr):
+              WG: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr, EDGES: gl.constexpr,
+              PSMEM: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
     loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq])."""
     RM: gl.constexpr = q_desc.block_type.shape[2]
@@ -186,11 +301,17 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
     acc = gl.zeros([RM, D], gl.float32, layout=o_l)
     zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
     mbarrier.wait(qb, 0)
-    if OVERLAP:
+    if EDGES:
+        acc, l_i, m_i = _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+                                    turn, p_smem, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
+                                    offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES, BN,
+                                    D, dt, p_l, row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM)
+    elif OVERLAP:
         acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
                                       offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND,
-                                      STAGES, BN, D, dt, p_l, row_o, WG, PINGPONG, EXP_FMA)
+                                      STAGES, BN, D, dt, p_l, row_o, WG, NC, PINGPONG,
+                                      EXP_FMA)
     else:
         acc, l_i, m_i = _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                      warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
@@ -222,18 +343,24 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
-                  num_warps: gl.constexpr):
-    """Grid (cdiv(Sq, 2 * RM), B * H), num_warps = 4 (consumer 0; the workers add 4 + 1).
-    q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc: [B, Hkv, Sk, D] blocks
-    [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).  qk_scale = scale * log2(e);
-    band masks through lo / hi (open: +-2^30).  OVERLAP / PINGPONG: the key-loop schedule
-    (module doc; PINGPONG needs OVERLAP); EXP_FMA: fwd_kernel._softmax_tile's."""
+                  num_warps: gl.constexpr, NC: gl.constexpr = 2, EDGES: gl.constexpr = False,
+                  PSMEM: gl.constexpr = False):
+    """Grid (cdiv(Sq, NC * RM), B * H), num_warps = 4 (consumer 0; the workers add
+    4 * (NC - 1) + 1).  q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc:
+    [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).
+    qk_scale = scale * log2(e); band masks through lo / hi (open: +-2^30).  NC: consumer
+    warpgroups (2 or 3); OVERLAP / PINGPONG / EDGES / PSMEM: the key-loop schedule
+    (module doc; PINGPONG and EDGES need OVERLAP, PSMEM needs EDGES); EXP_FMA:
+    fwd_kernel._softmax_tile's."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(OVERLAP or not PINGPONG, "ping-pong issues the overlapped pair")
+    gl.static_assert(OVERLAP or not EDGES, "the edge loops run the overlapped schedule")
+    gl.static_assert(EDGES or not PSMEM, "P through shared memory: the edge loops only")
+    gl.static_assert((NC == 2) or (NC == 3), "two or three consumer warpgroups")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
-    BM: gl.constexpr = 2 * RM
+    BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
 
     n_m = gl.num_programs(0)
@@ -246,23 +373,28 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     hk = h // G
     i0 = pid_m * BM
 
-    q_smem = gl.allocate_shared_memory(dt, [2, 1, 1, RM, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(NC):
         mbarrier.init(q_bar.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for st in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(st), count=1)
         mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=2)        # one arrive per consumer
-        mbarrier.init(v_empty.index(st), count=2)
+        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
+        mbarrier.init(v_empty.index(st), count=NC)
+    if PSMEM:       # P of each consumer's last two tiles [2 * NC, RM, BN]
+        p_smem = gl.allocate_shared_memory(
+            dt, [2 * NC, RM, BN], gl.NVMMASharedLayout.get_default_for([RM, BN], dt))
+    else:
+        p_smem = q_smem             # not read
     fence_async_shared()
 
     if HAS_BAND:
@@ -275,13 +407,33 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         t1 = (Sk + BN - 1) // BN
     n = t1 - t0
 
-    gl.warp_specialize(
-        [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                      v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                      qk_scale, scale, HAS_BAND, STAGES, BN, 0, OVERLAP, PINGPONG, EXP_FMA)),
-         (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                      v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                      qk_scale, scale, HAS_BAND, STAGES, BN, 1, OVERLAP, PINGPONG, EXP_FMA)),
-         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk,
-                      t0, n, STAGES, BN))],
-        [4, 1], [CONSUMER_REGS, 24])
+    if NC == 2:
+        gl.warp_specialize(
+            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          qk_scale, scale, HAS_BAND, STAGES, BN, 0, NC, OVERLAP, PINGPONG,
+                          EXP_FMA, EDGES, PSMEM)),
+             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          qk_scale, scale, HAS_BAND, STAGES, BN, 1, NC, OVERLAP, PINGPONG,
+                          EXP_FMA, EDGES, PSMEM)),
+             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                          hk, t0, n, STAGES, BN))],
+            [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          qk_scale, scale, HAS_BAND, STAGES, BN, 0, NC, OVERLAP, PINGPONG,
+                          EXP_FMA, EDGES, PSMEM)),
+             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          qk_scale, scale, HAS_BAND, STAGES, BN, 1, NC, OVERLAP, PINGPONG,
+                          EXP_FMA, EDGES, PSMEM)),
+             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          qk_scale, scale, HAS_BAND, STAGES, BN, 2, NC, OVERLAP, PINGPONG,
+                          EXP_FMA, EDGES, PSMEM)),
+             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                          hk, t0, n, STAGES, BN))],
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

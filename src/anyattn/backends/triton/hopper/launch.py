@@ -120,13 +120,14 @@ class FwdLaunch:
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
-        if cfg.ws:    # two consumer warpgroups of bm / 2 rows each, one producer warp
+        if cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
-            self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // 2
+            self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // cfg.consumers
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, OVERLAP=cfg.overlap,
-                           PINGPONG=cfg.pingpong, EXP_FMA=cfg.exp_fma, num_warps=4)
+                           PINGPONG=cfg.pingpong, EXP_FMA=cfg.exp_fma, NC=cfg.consumers,
+                           EDGES=cfg.edges, PSMEM=cfg.p_smem, num_warps=4)
         else:
             self.kernel, self.q_rows = fwd_kernel, cfg.bm
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,

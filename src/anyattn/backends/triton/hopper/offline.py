@@ -44,12 +44,12 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     cfg = cfg or HC.fwd_config(D, dtype)
     tdt = getattr(torch, dtype)
     x = torch.empty((2, 2, 256, D), dtype=tdt)
-    qd = make_desc(x, cfg.bm // 2 if cfg.ws else cfg.bm)
+    qd = make_desc(x, cfg.bm // cfg.consumers if cfg.ws else cfg.bm)
     kd = make_desc(x, cfg.bn)
     names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
              "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES"]
     names += ["CONSUMER_REGS", "OVERLAP", "PINGPONG", "EXP_FMA"] if cfg.ws else ["OVERLAP"]
-    names += ["num_warps"]
+    names += ["num_warps"] + (["NC", "EDGES", "PSMEM"] if cfg.ws else [])
     types = [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd), "*fp32",
              "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32"]
     sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
@@ -57,7 +57,8 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     vals = [has_band, cfg.stages]
     vals += ([cfg.consumer_regs, cfg.overlap, cfg.pingpong, cfg.exp_fma] if cfg.ws
              else [cfg.overlap])
-    consts = {(len(types) + i,): x for i, x in enumerate(vals + [warps])}
+    vals += [warps] + ([cfg.consumers, cfg.edges, cfg.p_smem] if cfg.ws else [])
+    consts = {(len(types) + i,): x for i, x in enumerate(vals)}
     if cfg.ws:
         from .fwd_ws_kernel import fwd_ws_kernel as kern
     else:
