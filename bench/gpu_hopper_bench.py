@@ -339,7 +339,7 @@ def phase_bench(quick):
     if quick:
         shapes = shapes[:1]
     shapes = [sh + (dt,) for dt in OPT["dtypes"].split(",") for sh in shapes
-              if dt == "bfloat16" or sh[3] == 128]          # fp16 rows: D=128 only
+              if dt == "bfloat16" or sh[3] == 128 or sh[2] == 4096]   # fp16: D=128, 4k
     for (b, h, s, d, dt) in shapes:
         for causal in (False, True):
             tdt = getattr(torch, dt)
@@ -536,7 +536,7 @@ def main():
                     "variants of these comma-separated names (HopperConfig.name)")
     ap.add_argument("--dims", default="64,128", help="head dims of the timed shapes")
     ap.add_argument("--dtypes", default="bfloat16", help="dtypes of the timed shapes "
-                    "(float16 rows: D=128 shapes only)")
+                    "(float16 rows: the D=128 shapes and D=64 S=4k)")
     ap.add_argument("--warm-only", action="store_true", help="bench phase: call each "
                     "timed function once (compiles into Triton's cache), time nothing")
     ap.add_argument("--cases", default="", help="check only cases whose name holds one of "

@@ -138,8 +138,18 @@ def test_forward_config_rejects_inconsistent_schedules():
         HopperConfig(128, 128, 2, 8, overlap=True)
     with pytest.raises(ValueError, match="exp_fma"):
         HopperConfig(128, 128, 2, 8, exp_fma=True)
+    with pytest.raises(ValueError, match="edges needs ws=True and overlap=True"):
+        HopperConfig(128, 128, 2, ws=True, edges=True)
+    with pytest.raises(ValueError, match="p_smem needs edges=True"):
+        HopperConfig(128, 128, 2, ws=True, overlap=True, p_smem=True)
+    with pytest.raises(ValueError, match="2 or 3 consumer"):
+        HopperConfig(256, 128, 2, ws=True)
     assert HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
                         exp_fma=True).name == "ws128x128s2opf"
+    c = HopperConfig(192, 128, 3, ws=True, overlap=True, pingpong=True, exp_fma=True,
+                     edges=True, p_smem=True)
+    assert c.name == "ws192x128s3opfem" and c.consumers == 3
+    assert c.smem_bytes(64) == 2 * (64 * (192 + 2 * 3 * 128) + 2 * 192 * 128)
 
 
 # ----------------------------------------------------------------------------- offline
@@ -169,6 +179,8 @@ def _compile_counts(expr):
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True, overlap=True, "
      "pingpong=True, exp_fma=True))", 2),
+    ("O.compile_fwd('bfloat16', 64, True, C.HopperConfig(192, 128, 3, ws=True, overlap=True, "
+     "pingpong=True, exp_fma=True, edges=True, p_smem=True, consumer_regs=160))", 3),
     ("O.compile_dkdv('bfloat16', 64, True)", 2),
     # the fused backward with dQ: dK, dV and the first dQ partial of a query tile
     # (the later ones are bulk reduce-adds, UTMAREDG)
@@ -183,7 +195,7 @@ def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
     assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == stores, n
     if "ws=True" in expr:
         assert n["ptx_setmaxnreg"] > 0, n
-    if "overlap=True" in expr and n["has_sass"]:
+    if "overlap=True" in expr and "edges" not in expr and n["has_sass"]:
         assert n["sass_HGMMA"] == 64, n   # per consumer: S(0), S(j) + P.V(j-1), last P.V
     if n["has_sass"]:
         assert n["sass_HGMMA"] > 0 and n["sass_UTMALDG"] > 0 and n["sass_HMMA"] == 0, n
