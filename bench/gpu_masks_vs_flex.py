@@ -367,11 +367,13 @@ def plot(res, path):
     for ax, (S, D) in zip(axes[0], shapes):
         rs = [r for r in rows if (r["S"], r["D"]) == (S, D)]
         names = sorted({n for r in rs for n in r["vs_flex"]})
+        parts = [p for p in ("fwd", "bwd", "fwdbwd", "fwd_gpu", "fwdbwd_gpu")
+                 if any(p in r["vs_flex"].get(nm, {}) for r in rs for nm in names)]
         x = range(len(rs))
-        width = 0.8 / (3 * len(names))
+        width = 0.8 / (len(parts) * len(names))
         for ni, nm in enumerate(names):
-            for pi, p in enumerate(("fwd", "bwd", "fwdbwd")):
-                off = (ni * 3 + pi) * width - 0.4 + width / 2
+            for pi, p in enumerate(parts):
+                off = (ni * len(parts) + pi) * width - 0.4 + width / 2
                 ax.bar([i + off for i in x], [r["vs_flex"].get(nm, {}).get(p, math.nan)
                                                for r in rs], width,
                        label=f"{nm} {p}" if ax is axes[0][0] else None)
@@ -381,6 +383,8 @@ def plot(res, path):
                            ha="right", fontsize=8)
         ax.set_title(f"S={S} D={D} B={res['meta']['B']} H={res['meta']['H']} bf16")
         ax.set_ylabel("time / FlexAttention's time (< 1: faster)")
+        ax.set_xlabel("*_gpu: device time only (calls queued behind a sleep kernel)",
+                      fontsize=7)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"anyattn.torch vs FlexAttention, {res['meta'].get('gpu', 'cpu')}, "
                  f"{res['meta']['date']}", fontsize=9)
