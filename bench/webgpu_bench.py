@@ -709,7 +709,7 @@ RESIDENT_SEL = {"sizes": [(512, 64), (4096, 128), (4096, 64)], "abi_sizes": [512
                 "variants": True, "seed": True}
 #: --variant-names / --variant-sizes: the variant axis restricted (names: launch.VARIANTS
 #: and the extra shape points, e.g. staged-8x8-NV4, staged-DC32; "all" = every one)
-VARIANT_SEL = {"names": {"all"}, "sizes": None}
+VARIANT_SEL = {"names": {"all"}, "sizes": None, "dtypes": ("float32", "float16")}
 
 
 def over_budget(what):
@@ -788,7 +788,7 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
     fl = flops_bwd(B, H, S, S, D)
     base = None
     old = os.environ.get(ENV_VARIANT)
-    runs = [(var, None) for var in variants]
+    runs = [(var, None) for var in variants if var != "rows8" or elem == "f16"]  # rows8: f16
     if S >= 4096 and dtype == "float32" and not be.context.is_cpu:
         # one more shape point: 8x8 threads, 4 x 4*NV outputs per invocation covering D
         # (more update work per staged row, 64 invocations: more workgroups per SM)
@@ -805,15 +805,20 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
         wd = choose_config(be.context, D, "f16", backward=True, variant="wide")
         runs.append(("wide-HC1", (choose_config(be.context, D, "f16", variant="wide"),
                                   dataclasses.replace(wd, HC=1))))
-    runs = [(n, c) for n, c in runs if "all" in VARIANT_SEL["names"] or n in VARIANT_SEL["names"]]
+    runs.append(("auto", None))          # no variant forced: the table's choice at this size
+    sel = VARIANT_SEL["names"]
+    runs = [(n, c) for n, c in runs if "all" in sel or n in sel or f"{n}@{elem}" in sel]
     for var, cfg in runs:
         pair = isinstance(cfg, tuple)      # (forward config, backward config)
         if pair:
             cfg_f, cfg = cfg
-        os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
+        if var == "auto":
+            os.environ.pop(ENV_VARIANT, None)
+        else:
+            os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
         be.config_override = None if pair else cfg
         try:
-            cfg_b = cfg or choose_config(be.context, D, elem, backward=True)
+            cfg_b = cfg or choose_config(be.context, D, elem, backward=True, rows=(B * H, S))
             if pair:         # the backend's forward and backward calls choose these two
                 with _configs_forced(cfg_f, cfg):
                     fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)
@@ -874,7 +879,7 @@ def variant_study(be, gpu, small):
     ctx = be.context
     variants = [v for v in VARIANTS if v != "subgroups" or ctx.has_subgroups]
     RESULTS["variants"] = variants
-    dtypes = ("float32", "float16") if ctx.has_f16 else ("float32",)
+    dtypes = tuple(d for d in VARIANT_SEL["dtypes"] if d != "float16" or ctx.has_f16)
     sizes = ((64, 32),) if small else ((512, 64), (512, 128), (4096, 64), (4096, 128))
     if VARIANT_SEL["sizes"] and not small:
         sizes = VARIANT_SEL["sizes"]
@@ -1131,9 +1136,14 @@ def main():
                          "(recorded in the JSON's errors), e.g. 500 under a 600 s limit")
     ap.add_argument("--variant-names", default="all",
                     help="comma list: the variant axis's variants and extra shape points "
-                         "(e.g. portable,staged,wide,staged-DC32); default all")
+                         "(e.g. portable,staged,wide,staged-DC32; 'auto' = no variant "
+                         "forced: the table's choice at the size; NAME@f32 / NAME@f16: "
+                         "that element type only); default all")
     ap.add_argument("--variant-sizes", default="",
                     help="comma list of SxD for the variant axis on a GPU, e.g. 512x128,4096x128")
+    ap.add_argument("--variant-dtypes", default="float32,float16",
+                    help="comma list: the variant axis's dtypes (float16 only where the "
+                         "adapter has shader-f16)")
     ap.add_argument("--seed", default=str(ROOT / ".seed" / "attention_bwd.wgsl"))
     ap.add_argument("--resident-sizes", default="512x64,4096x128,4096x64",
                     help="--resident: SxD points of the plan / device arrays / host arrays / "
@@ -1152,9 +1162,10 @@ def main():
                         abi_sizes=[int(x) for x in a.abi_sizes.split(",") if x],
                         variants=not a.skip_variants, seed=not a.skip_seed)
     names = {n.strip() for n in a.variant_names.split(",") if n.strip()}
-    if "all" not in names:       # portable is the baseline of every ratio
-        names.add("portable")
-    VARIANT_SEL.update(names=names, sizes=[tuple(int(x) for x in s.split("x"))
+    if "all" not in names and not names & {"portable", "portable@f32", "portable@f16"}:
+        names.add("portable")    # portable is the baseline of every ratio
+    VARIANT_SEL.update(dtypes=tuple(d.strip() for d in a.variant_dtypes.split(",") if d.strip()),
+                       names=names, sizes=[tuple(int(x) for x in s.split("x"))
                                             for s in a.variant_sizes.split(",") if s.strip()])
     if a.plot:
         js = json.loads(Path(a.plot).read_text())

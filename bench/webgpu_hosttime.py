@@ -1,6 +1,8 @@
 """Host time per device-array call of the webgpu backend (issue 17), one process.
 
 python bench/webgpu_hosttime.py SRC S DTYPE N  ->  one JSON line on stdout
+python bench/webgpu_hosttime.py --stages OUT.json [SxDxDTYPE,...]  ->  where the host
+    time of a device-array backward goes, per stage (below), this tree
 python bench/webgpu_hosttime.py --aggregate RUNS.jsonl OUT.json [BEFORE_TAG]
     -> medians per (S, dtype, case, tree) over rounds, ratios after/before, vs the plan;
        OUT.json and OUT.png (a tree whose SRC path contains BEFORE_TAG, default
@@ -18,6 +20,15 @@ plan re-submitted: the floor, what ``bench/webgpu_bench.py --resident`` compares
 (forward_with_stats), ``step`` (both, the forward's results into the backward),
 ``abi3`` / ``abi_grouped`` (the seed ABI on one wgpu arena: three calls dQ, dK, dV /
 one grouped call; ``abi_grouped`` is skipped on trees without it).
+
+``--stages`` (issue 17: the f16 S=512 D=64 host anomaly): B=1 H=8, per SxDxDTYPE point,
+the raw plan and the device-array backward timed back to back (N calls, one wait:
+``loop_ms``), and per call with the GPU waited for outside the timing: the whole call
+and, inclusive, the time inside ``describe`` + ``choose`` (api layer), the template
+key, ``Template.acquire_results`` (pool), ``Template.submit`` (bind-group lookups +
+encoding + ``queue.submit``), ``queue.submit`` alone, the result arrays; the launch and
+buffer counts of the template; GC collections seen; the same call with ``gc``
+disabled.  Medians over calls.
 """
 from __future__ import annotations
 
@@ -25,7 +36,7 @@ import json
 import sys
 import time
 
-if sys.argv[1] != "--aggregate":
+if sys.argv[1] not in ("--aggregate", "--stages"):
     sys.path.insert(0, sys.argv[1])
 
 import numpy as np  # noqa: E402
@@ -112,6 +123,116 @@ def main():
     print(json.dumps(dict(src=sys.argv[1], S=S, dtype=dt, N=N, **res)))
 
 
+class _Timers:
+    """Inclusive wall time per stage: wraps callables, accumulates per call."""
+
+    def __init__(self):
+        self.t = {}
+
+    def wrap(self, owner, name, stage):
+        orig = getattr(owner, name)
+        acc = self.t
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                acc[stage] = acc.get(stage, 0.0) + time.perf_counter() - t
+        setattr(owner, name, timed)
+
+
+def stages(out_path, points="512x64xfloat32,512x64xfloat16,512x128xfloat32,512x128xfloat16",
+           N=60):
+    """Per point: loop times (plan, device arrays) and the host time per stage."""
+    import gc
+    from pathlib import Path
+
+    import anyattn as aa
+    from anyattn import api
+    from anyattn import webgpu as wg
+    from anyattn.api import forward_with_stats
+    from anyattn.backends.registry import get_backend
+    from anyattn.backends.webgpu import resident, templates
+    from anyattn.problem import describe
+
+    be = get_backend("webgpu")
+    run = be._run()
+    tm = _Timers()
+    tm.wrap(api, "describe", "api_describe")
+    tm.wrap(api, "choose", "api_choose")
+    tm.wrap(resident, "_key", "key")
+    tm.wrap(templates.Template, "acquire_results", "pool_acquire")
+    tm.wrap(templates.Template, "submit", "template_submit")
+    tm.wrap(type(run), "bind_group", "bind_groups")
+    tm.wrap(type(run.device.queue), "submit", "queue_submit")
+    tm.wrap(type(run.results), "hold", "result_hold")
+    gcn = [0]
+    gc.callbacks.append(lambda phase, info: gcn.__setitem__(0, gcn[0] + (phase == "start")))
+
+    def wait():
+        run.read(run.dummy, 1)
+
+    res = []
+    for pt in points.split(","):
+        S, D, dt = pt.split("x")
+        S, D = int(S), int(D)
+        rng = np.random.default_rng(0)
+        host = [rng.standard_normal((1, 8, S, D)).astype(dt) for _ in range(4)]
+        q, k, v, g = (wg.asarray(x) for x in host)
+        out, st = forward_with_stats(q, k, v)
+        p = describe(host[0], host[1], host[2], dout=host[3], wrt=("q", "k", "v"))
+        _, plan, _, _ = be.plan(p, *host)
+        bwd = lambda: aa.attention_backward(q, k, v, g, out=out, lse=st)   # noqa: E731
+        rec = dict(S=S, D=D, dtype=dt)
+        for name, fn in (("plan", lambda: plan.submit(1)), ("bwd", bwd)):
+            for _ in range(3):
+                fn()
+            wait()
+            loops = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(N // 5):
+                    fn()
+                wait()
+                loops.append((time.perf_counter() - t) / (N // 5))
+            rec[f"{name}_loop_ms"] = 1e3 * float(np.median(loops))
+        tpl = list(run.templates._d.values())[-1]
+        rec["launches"] = [l[4] for l in tpl.launches]
+        rec["plan_launches"] = [e[3] for e in plan.encoded]
+        rec["results"] = [n for n, _ in tpl.result_sizes]
+        from anyattn.backends.webgpu.launch import choose_config
+
+        rec["config"] = str(choose_config(be.context, D, "f16" if dt == "float16" else "f32",
+                                          backward=True, rows=(8, S)))
+        for name, fn, nogc in (("plan", lambda: plan.submit(1), False), ("bwd", bwd, False),
+                               ("bwd_nogc", bwd, True)):
+            calls, parts = [], []
+            gcn[0] = 0
+            if nogc:
+                gc.disable()
+            try:
+                for _ in range(N):
+                    tm.t.clear()
+                    t = time.perf_counter()
+                    fn()
+                    calls.append(time.perf_counter() - t)
+                    parts.append(dict(tm.t))
+                    wait()
+            finally:
+                gc.enable()
+            rec[name] = dict(call_ms=1e3 * float(np.median(calls)),
+                             min_ms=1e3 * float(np.min(calls)), gc_collections=gcn[0],
+                             stages_ms={k: 1e3 * float(np.median([x.get(k, 0.0) for x in parts]))
+                                        for k in sorted({k for x in parts for k in x})})
+        print(json.dumps(rec), flush=True)
+        res.append(rec)
+    Path(out_path).write_text(json.dumps(dict(
+        machine=dict(adapter=be.context.name, date=time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                 time.gmtime())),
+        B=1, H=8, N=N, method="see bench/webgpu_hosttime.py --stages", results=res), indent=1))
+
+
 def aggregate(runs_path, out_path, before_tag="before"):
     """Rounds of interleaved processes -> medians, before/after ratios, JSON + PNG."""
     from pathlib import Path
@@ -178,5 +299,7 @@ def aggregate(runs_path, out_path, before_tag="before"):
 if __name__ == "__main__":
     if sys.argv[1] == "--aggregate":
         aggregate(*sys.argv[2:])
+    elif sys.argv[1] == "--stages":
+        stages(*sys.argv[2:])
     else:
         main()

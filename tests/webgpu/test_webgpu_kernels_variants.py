@@ -94,7 +94,7 @@ def test_variant_selection(be, monkeypatch):
     monkeypatch.delenv(ENV_VARIANT, raising=False)
     assert pick_variant(ctx) == "portable"          # lavapipe: a CPU adapter
     gpu = SimpleNamespace(is_cpu=False, has_subgroups=True, name="fake GPU")
-    # the table (H200 2026-12-03 19:07): wide for f32 on GPUs, portable for f16
+    # the table (H200 2026-12-03 19:07): wide for f32 on GPUs (size unknown), portable for f16
     assert (pick_variant(gpu, "f32"), pick_variant(gpu, "f16")) == ("wide", "portable")
     assert choose_config(ctx, 64).variant == "portable"
     monkeypatch.setenv(ENV_VARIANT, "prefetch")
@@ -112,7 +112,7 @@ def test_variant_selection(be, monkeypatch):
         assert choose_config(ctx, 64).variant == "subgroups"
     with pytest.raises(ValueError, match="inconsistent"):
         dataclasses.replace(GPU_TILE, variant="tiled9000").check()
-    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups", "wide"}
+    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups", "wide", "rows8"}
     # the variant reaches the kernels as defines, nothing else changes
     c = dataclasses.replace(GPU_TILE, variant="prefetch").consts()
     assert c["PREFETCH"] == 1 and "SUBGROUPS" not in c and (c["NEQ"], c["NEK"], c["NEU"]) == (1, 1, 1)
@@ -129,6 +129,45 @@ def test_variant_selection(be, monkeypatch):
     with pytest.raises(ValueError, match="inconsistent"):   # portable: one tile
         dataclasses.replace(GPU_TILE, IC=16).check()
     assert "PREFETCH" not in GPU_TILE.consts()
+
+
+def test_variant_by_grid_fill(be, monkeypatch):
+    """wide only where its dQ grid has WIDE_MIN_GROUPS workgroups (the table's column,
+    data), else staged (bitwise the same results); the backend passes the problem's
+    (B*HQ, SQ); a forced variant ignores the fill; rows8 is refused for f32."""
+    from anyattn.backends.webgpu import launch
+
+    monkeypatch.delenv(ENV_VARIANT, raising=False)
+    gpu = SimpleNamespace(is_cpu=False, has_subgroups=False, name="fake GPU",
+                          limits={"max-compute-workgroup-storage-size": 49152,
+                                  "max-compute-invocations-per-workgroup": 1024})
+    n = launch.WIDE_MIN_GROUPS
+
+    def pick(bh, sq, D=128, backward=True, elem="f32"):
+        return choose_config(gpu, D, elem, backward, rows=(bh, sq)).variant
+    # B*HQ = 8: the wide dQ grid is 8 * ceil(SQ / 128); one slice up to D = 128
+    assert pick(8, 128 * (n // 8)) == "wide" and pick(8, 128 * (n // 8) - 128) == "staged"
+    assert pick(8, 512) == pick(8, 512, backward=False) == "staged"     # forward alike
+    assert pick(64, 512) == "wide"                                      # more heads fill it
+    assert pick(1, 4096, D=256) == ("wide" if 32 * 2 >= n else "staged")   # 2 column slices
+    assert choose_config(gpu, 128, backward=True) == choose_config(
+        gpu, 128, backward=True, rows=(8, 4096))                        # size unknown: first
+    assert pick(8, 512, elem="f16") == "portable"
+    monkeypatch.setenv(ENV_VARIANT, "wide")
+    assert pick(1, 64) == "wide"
+    monkeypatch.setenv(ENV_VARIANT, "rows8")
+    with pytest.raises(NotImplementedError, match="rows8.*float16"):
+        pick(8, 4096)
+    assert choose_config(gpu, 128, "f16", True, rows=(1, 64)).RM == 8
+    # the backend hands the sizes over
+    seen = []
+    real = launch.choose_config
+    monkeypatch.setattr(launch, "choose_config",
+                        lambda *a, **kw: seen.append(kw.get("rows")) or real(*a, **kw))
+    monkeypatch.delenv(ENV_VARIANT)
+    q, k, v, g = make_qkv(np.random.default_rng(52), 2, 3, 1, 5, 7, 8)
+    aa.attention(q, k, v, backend="webgpu")
+    assert seen == [(6, 5)]
 
 
 def test_forced_variant_runs_through_the_api(be, monkeypatch):
@@ -329,6 +368,37 @@ def test_wide_f16(be):
         be.config_override = None
     for name in ("dq", "dk", "dv"):
         assert_close(getattr(gr, name), getattr(rg, name), "float16", name)
+
+
+def test_rows8_f16_is_bitwise_portable(be):
+    """rows8 (f16 only): portable's kernels with 8 query rows per invocation in the
+    backward: the same f16 runs and flushes in the same order, so every bit equals
+    portable's at the same chunks (causal GQA, odd sizes, dk/dv/dq); the backward alone
+    from float64 out / lse (one compile of the two rows8 kernels, ~30 s cold on llvmpipe)."""
+    if not be.context.has_f16:
+        pytest.skip("no shader-f16")
+    from anyattn import reference as R
+
+    q, k, v, g = make_qkv(np.random.default_rng(51), 1, 4, 2, 45, 70, 24, dtype="float16")
+    base = choose_config(be.context, 24, "f16", backward=True)
+    r8 = dataclasses.replace(base, RM=8, variant="rows8")
+    r8.check()
+    assert (r8.prefetch, r8.stage, r8.alias, r8.BQ) == (False, False, False, 8 * r8.TY)
+    mask = aa.Causal()
+    ro, rl = R.forward(q, k, v, mask=mask)
+    rg = R.backward(q, k, v, g, mask=mask)
+    res = []
+    for cfg in (base, r8):
+        be.config_override = cfg
+        try:
+            res.append(aa.attention_backward(q, k, v, g, out=ro.astype(np.float16),
+                                             lse=rl.astype(np.float32), mask=mask,
+                                             backend="webgpu"))
+        finally:
+            be.config_override = None
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(res[0], name), getattr(res[1], name), name)
+        assert_close(getattr(res[1], name), getattr(rg, name), "float16", name)
 
 
 # ---------------------------------------------------------------- loop trips

@@ -119,7 +119,10 @@ class WebGPUBackend(Backend):
         from .launch import choose_config
 
         run = self._run()
-        cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout)
+        B, HQ, _, SQ, _ = p_sizes
+        # rows: the variant table's grid fill (wide only where its dQ grid fills the GPU)
+        cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout,
+                                                    rows=(B * HQ, SQ))
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")

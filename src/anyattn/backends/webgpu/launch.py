@@ -23,7 +23,8 @@ from .device import Context
 from .pipelines import KernelError, PipelineCache
 
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
-           "ceil_div", "VARIANTS", "VARIANT_TABLE", "ENV_VARIANT", "pick_variant"]
+           "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
+           "ENV_VARIANT", "pick_variant", "dq_groups"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -39,28 +40,41 @@ __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runn
 #: 8 x 4 score micro-tile, query tiles BQ = 8*TY: more products per workgroup load and
 #: per barrier, twice the work per unit), its P^T / dS tiles over the idle S/dP staging
 #: tiles (ALIAS) to stay in 48 KiB; its forward is staged's kernel (RM = 4).
-VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide")
+#: ``rows8`` (f16 only) portable's kernels with RM = 8 in the backward passes: no
+#: register prefetch, no staging array, no aliasing (f16 tiles of 128 rows fit 48 KiB
+#: at D chunks of 32; f32 ones do not: f32 takes ``wide``); its forward is portable's.
+VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide", "rows8")
+#: variants with RM = 8 query rows per invocation in the backward passes
+RM8_VARIANTS = ("wide", "rows8")
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
-#: the default variant per (adapter class, element type); first match wins; change an
-#: entry here (data, not code) after a measurement (bench/webgpu_bench.py --resident).
-#: H200 through Vulkan, 2026-12-03 (docs/perf/webgpu-resident-h200-2026-12-03.json),
-#: backward at S=4096 vs portable: f32 staged 1.14-1.17x, subgroups 1.14-1.18x (the
-#: same within noise; forward +7 % more with subgroups), f16 every variant 0.51-0.70x.
-#: GPUs took ``staged`` for f32: its results are bitwise portable's and it assumes
-#: nothing of the subgroup lane order, which WebGPU does not promise (``subgroups``
-#: stays opt-in by name); f16 and CPU adapters stay portable.
-#: H200 2026-12-03 19:07 UTC (docs/perf/webgpu-kernels-h200-2026-12-03.json), f32
-#: backward: ``wide`` 15.90 TFLOP/s at S=4096 D=128 (staged 13.54: 1.17x), 13.40 at
-#: D=64 (staged 11.79: 1.14x), but 4.85 at S=512 D=128 (staged 5.84: 0.83x; its dQ pass
-#: has half the workgroups, 32 on 132 SMs).  GPUs take ``wide`` for f32 (bitwise
-#: portable's results too); every prefetching f16 variant stays slower than f16
-#: portable (wide 0.66x, staged 0.53x at S=4096 D=128).
+#: the default variant per (adapter class, element type, grid fill); first match wins;
+#: change an entry here (data, not code) after a measurement (bench/webgpu_bench.py
+#: --resident --variants).  The fourth column: the fewest workgroups the variant's dQ
+#: pass must have for the entry to apply, when the problem's size is known
+#: (``choose_config(rows=...)``; 0: any size).  H200 through Vulkan, 2026-12-03
+#: (docs/perf/webgpu-resident-h200-2026-12-03.json), backward at S=4096 vs portable:
+#: f32 staged 1.14-1.17x, subgroups 1.14-1.18x (the same within noise; forward +7 %
+#: more with subgroups), f16 every variant 0.51-0.70x.  ``staged`` rather than
+#: ``subgroups``: bitwise portable's results, no assumption on subgroup lane order,
+#: which WebGPU does not promise.  H200 2026-12-03 19:07 UTC
+#: (docs/perf/webgpu-kernels-h200-2026-12-03.json), f32 backward: ``wide`` 15.90
+#: TFLOP/s at S=4096 D=128 (staged 13.54: 1.17x), 13.40 at D=64 (staged 11.79: 1.14x),
+#: but 4.85 at S=512 D=128 (staged 5.84: 0.83x): its dQ pass had 32 workgroups there
+#: (B=1 H=8: 4 query tiles of 128 rows x 8 heads) against 256 at S=4096, on 132 SMs
+#: with one 256-thread workgroup each.  So ``wide`` only where its dQ grid fills the
+#: GPU (``WIDE_MIN_GROUPS``), else ``staged`` (bitwise the same results): H200 21:10 UTC
+#: (docs/perf/webgpu-variants-h200-s6-2026-12-03.json), B=1 H=8 D=128, wide vs staged:
+#: S=1024 (wide dQ grid 64) 10.34 vs 12.22 TFLOP/s (0.85x), S=2048 (grid 128) 15.21 vs
+#: 13.10 (1.16x), S=4096 (256) 15.85.  f16 stays portable (every prefetching f16
+#: variant slower: wide 0.66x, staged 0.53x at S=4096 D=128; rows8 0.88x, 21:10 UTC).
+WIDE_MIN_GROUPS = 128
 VARIANT_TABLE = (
-    # (cpu adapter?, needs 'subgroup', elem or None = any) -> variant
-    ((False, False, "f32"), "wide"),
-    ((False, False, None), "portable"),
-    ((True, False, None), "portable"),
+    # (cpu adapter?, needs 'subgroup', elem or None = any, min dQ workgroups) -> variant
+    ((False, False, "f32", WIDE_MIN_GROUPS), "wide"),
+    ((False, False, "f32", 0), "staged"),
+    ((False, False, None, 0), "portable"),
+    ((True, False, None, 0), "portable"),
 )
 
 
@@ -93,8 +107,8 @@ class TileConfig:
     half: bool = False
     HC: int = 4
     UC: int = 0        # f16 flush period of the updates in rows (0: IC)
-    variant: str = "portable"   # kernel variant (VARIANTS): portable|prefetch|staged|subgroups|wide
-    RM: int = 4        # query rows per invocation (8: the wide backward)
+    variant: str = "portable"   # kernel variant (VARIANTS)
+    RM: int = 4        # query rows per invocation (8: the wide / rows8 backward)
 
     @property
     def BQ(self) -> int:
@@ -192,8 +206,8 @@ class TileConfig:
               # an update stages IC rows in one tile (STAGE: across two)
               and (self.alias or
                    self.IC * c["DS4"] <= (1 + self.stage) * min(self.BQ, self.BK) * c["RSQ"])
-              # RM = 8 query rows: the wide variant's backward only
-              and (self.RM == 4 or (self.RM == 8 and self.variant == "wide"))
+              # RM = 8 query rows: the wide / rows8 variants' backward only
+              and (self.RM == 4 or (self.RM == 8 and self.variant in RM8_VARIANTS))
               and self.uc % 4 == 0 and self.IC % self.uc == 0
               and (not self.half or (self.HC >= 1 and (self.DC // 4) % self.HC == 0))
               and self.variant in VARIANTS
@@ -269,45 +283,91 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
     return h
 
 
-def pick_variant(ctx: Context, elem: str = "f32", variant: Optional[str] = None) -> str:
-    """The kernel variant: ``variant`` or ``$ANYATTN_WEBGPU_VARIANT`` when given (an unknown
-    name is a ``ValueError``, one this adapter cannot run a ``NotImplementedError`` with
-    the reason), else the first ``VARIANT_TABLE`` entry that matches the adapter."""
+def _forced_variant(ctx: Context, elem: str, variant: Optional[str]) -> Optional[str]:
+    """``variant`` or ``$ANYATTN_WEBGPU_VARIANT`` when given (an unknown name is a
+    ``ValueError``, one this adapter or element type cannot run a
+    ``NotImplementedError`` with the reason), else None."""
     import os
 
     want = variant or os.environ.get(ENV_VARIANT, "").strip()
-    if want:
-        if want not in VARIANTS:
-            raise ValueError(f"{ENV_VARIANT}={want!r}: unknown webgpu kernel variant "
-                             f"(one of {', '.join(VARIANTS)})")
-        if want == "subgroups" and not ctx.has_subgroups:
-            raise NotImplementedError(
-                f"webgpu kernel variant 'subgroups' needs the adapter feature 'subgroup', "
-                f"which {ctx.name} does not offer; use portable, prefetch or staged")
-        return want
-    for (cpu, needs_sg, el), name in VARIANT_TABLE:
-        if cpu == ctx.is_cpu and (not needs_sg or getattr(ctx, "has_subgroups", False)) \
-                and el in (None, elem):
-            return name
-    return "portable"
+    if not want:
+        return None
+    if want not in VARIANTS:
+        raise ValueError(f"{ENV_VARIANT}={want!r}: unknown webgpu kernel variant "
+                         f"(one of {', '.join(VARIANTS)})")
+    if want == "subgroups" and not ctx.has_subgroups:
+        raise NotImplementedError(
+            f"webgpu kernel variant 'subgroups' needs the adapter feature 'subgroup', "
+            f"which {ctx.name} does not offer; use portable, prefetch or staged")
+    if want == "rows8" and elem != "f16":
+        raise NotImplementedError(
+            "webgpu kernel variant 'rows8' is for float16 inputs (f32 tiles of 128 query "
+            "rows need the wide variant's aliasing to fit 48 KiB); use wide for float32")
+    return want
+
+
+def _table(ctx: Context, elem: str):
+    """The VARIANT_TABLE entries that match this adapter and element type, in order:
+    [(variant, min dQ workgroups)]."""
+    return [(name, groups) for (cpu, needs_sg, el, groups), name in VARIANT_TABLE
+            if cpu == ctx.is_cpu and (not needs_sg or getattr(ctx, "has_subgroups", False))
+            and el in (None, elem)]
+
+
+def pick_variant(ctx: Context, elem: str = "f32", variant: Optional[str] = None) -> str:
+    """The kernel variant: ``variant`` or ``$ANYATTN_WEBGPU_VARIANT`` when given (an unknown
+    name is a ``ValueError``, one this adapter cannot run a ``NotImplementedError`` with
+    the reason), else the first ``VARIANT_TABLE`` entry that matches the adapter (its
+    grid-fill column unchecked: the size is not known here; ``choose_config(rows=...)``
+    checks it)."""
+    forced = _forced_variant(ctx, elem, variant)
+    if forced:
+        return forced
+    table = _table(ctx, elem)
+    return table[0][0] if table else "portable"
+
+
+def dq_groups(cfg: TileConfig, D: int, rows: Tuple[int, int]) -> int:
+    """Workgroups of the dQ pass of backward config ``cfg`` for ``rows`` = (B*HQ, SQ)."""
+    bh, sq = rows
+    return ceil_div(sq, cfg.BQ) * bh * cfg.slices(D)
 
 
 def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False,
-                  dropout: bool = False, variant: Optional[str] = None) -> TileConfig:
+                  dropout: bool = False, variant: Optional[str] = None,
+                  rows: Optional[Tuple[int, int]] = None) -> TileConfig:
     """The first config whose workgroup memory fits the adapter; NV = 1 for small D;
     the f16-math variant (``half_config``, its backward variant on GPUs) for f16.
     ``dropout``: the DROPOUT kernels' workgroup memory (without it the choice is the
-    one of the plain kernels).  ``variant``: ``pick_variant``'s (the table's default,
-    or the one forced by name / ``$ANYATTN_WEBGPU_VARIANT``)."""
-    var = pick_variant(ctx, elem, variant)
+    one of the plain kernels).  ``variant``: forced by name (or by
+    ``$ANYATTN_WEBGPU_VARIANT``), else the first ``VARIANT_TABLE`` entry for this
+    adapter whose grid fill holds: ``rows`` = (B*HQ, SQ) of the problem (forward and
+    backward alike, so both passes of a problem take one variant); its backward dQ
+    pass must have at least the entry's workgroups (rows None: the size is unknown,
+    the fill is not checked)."""
+    forced = _forced_variant(ctx, elem, variant)
+    if forced:
+        return _config(ctx, D, elem, backward, dropout, forced)
+    table = _table(ctx, elem) or [("portable", 0)]
+    for i, (name, groups) in enumerate(table):
+        if groups and rows is not None and i + 1 < len(table):
+            if dq_groups(_config(ctx, D, elem, True, dropout, name), D, rows) < groups:
+                continue
+        return _config(ctx, D, elem, backward, dropout, name)
+    raise AssertionError("unreachable: the last entry has no grid-fill condition")
+
+
+def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,
+            var: str) -> TileConfig:
+    """The first GPU / CPU config of variant ``var`` that fits the adapter."""
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
 
     def fits(c: TileConfig) -> bool:
         return c.NT <= inv and all(c.smem_bytes(k, dropout) <= limit
                                    for k in ("forward", "bwd_dq", "bwd_dkdv"))
-    # the wide variant: 8 query rows per invocation in the backward passes
-    rm = 8 if (var == "wide" and backward) else 4
+    # the wide / rows8 variants: 8 query rows per invocation in the backward passes
+    rm = 8 if (var in RM8_VARIANTS and backward) else 4
     for cfg in (CPU_CONFIGS if ctx.is_cpu else GPU_CONFIGS):
         if D <= 4 * cfg.TX:       # one vec4 column group per thread; longer update chunks
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
