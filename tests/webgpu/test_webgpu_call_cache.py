@@ -3,7 +3,7 @@ and bind groups by bound buffers (launch.Runner), device-array results written t
 pooled scratch and copied into fresh buffers (resident._keep).
 
 What must hold: a repeated call (cache hits) gives the bits of the uncached path (caches
-cleared first); every returned array stays valid and unchanged after later calls, with
+cleared first), also with a fresh dropout seed per call (no key field: no rebuild); every returned array stays valid and unchanged after later calls, with
 the same or other inputs; any changed argument (mask, bias, scale, softcap, ALiBi,
 sinks, dropout seed, wrt, the input data or view) is never served stale state; the
 caches stay bounded.
@@ -204,6 +204,31 @@ def test_changed_field_never_stale(be, data, field):
     b = _call(dev, **kb)[1]
     _same_bits(b, _uncached(be, dev, **kb))
     assert a.keys() != b.keys() or any(not np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_fresh_dropout_seed_hits_the_template(be, data):
+    """A training loop's fresh seed per step: the seed is no field of the template key
+    (written into the template's own uniform blocks per call), so steps 2.. build no
+    launch list; every step has the bits of its seed on cleared caches, an earlier
+    step's results stay as they were, and the runner's shared (content-keyed) uniform
+    blocks keep their seed (a host-array call with seed 1 after the others)."""
+    host, dev = data
+    run = be._run()
+    kw = dict(mask=aa.Causal(), dropout_p=0.3)
+    ref = {s: _uncached(be, dev, dropout_seed=s, **kw) for s in (1, 2, 2**64 - 3)}
+    first = _call(dev, dropout_seed=1, **kw)
+    misses = run.templates.stats["misses"]
+    steps = [first] + [_call(dev, dropout_seed=s, **kw) for s in (2, 2**64 - 3, 1)]
+    assert run.templates.stats["misses"] == misses
+    for (arrs, got), s in zip(steps, (1, 2, 2**64 - 3, 1)):
+        _same_bits(got, ref[s])
+        _same_bits({n: x.numpy() for n, x in arrs.items()}, ref[s])   # still as returned
+    assert not np.array_equal(ref[1]["dq"], ref[2]["dq"])
+    q, k, v, g = host
+    o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu", dropout_seed=1, **kw)
+    _call(dev, dropout_seed=2, **kw)
+    o2 = aa.attention(q, k, v, backend="webgpu", dropout_seed=1, **kw)
+    assert np.array_equal(_bits(o), _bits(o2)) and np.array_equal(_bits(o), _bits(ref[1]["out"]))
 
 
 def test_caches_bounded(be, data, monkeypatch):

@@ -160,6 +160,11 @@ class Call:
         self.copies: List[tuple] = []
         self.copies_before: List[tuple] = []     # the same, before the launches
         self.pieces: Dict[str, int] = {}     # kernel -> launches it was split into
+        #: id(uniform buffer) -> its values, for the launches that read the dropout seed
+        #: (the DROPOUT tiled kernels): a launch template owns copies of these and
+        #: writes a new seed into them per call (templates.py), so the seed is no
+        #: field of its key
+        self.seeded: Dict[int, Dict[str, object]] = {}
 
     # ------------------------------------------------------------------ setup
     def set_scale(self, scale: float) -> None:
@@ -355,6 +360,8 @@ class Call:
                     vals["ml_rd"] = 2 * self.n + 2 * self.n * ((idx + 1) % 2)
                     vals["ml_wr"] = 2 * self.n + 2 * self.n * (idx % 2)
                 ubuf = self._u(vals)
+                if "DROPOUT" in self.mod_consts:
+                    self.seeded[id(ubuf)] = dict(self.uni, **vals)
                 self.launches.append(Launch(kernel, pipe, "tile",
                                             self._tile_buffers(ubuf, stats, outb, dsb),
                                             (grid_x, b_ - a, cfg.slices(self.D))))

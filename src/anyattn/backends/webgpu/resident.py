@@ -305,9 +305,11 @@ def _mask_key(m):
     return tuple(parts)
 
 
-#: the Problem fields in a key: every one but the mask (``_mask_key``), taken from the
-#: dataclass so that a field added later joins the key by itself
-_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.name != "mask")
+#: the Problem fields in a key: every one but the mask (``_mask_key``) and the dropout
+#: seed (written per call into the template's own uniform blocks: templates.py), taken
+#: from the dataclass so that a field added later joins the key by itself
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem)
+                        if f.name not in ("mask", "dropout_seed"))
 
 
 def _field_key(v):
@@ -367,7 +369,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
                 _check_binding(run, x, name)
         rbufs = tpl.acquire_results(run)
     try:
-        tpl.submit(run, bufs, rbufs)
+        tpl.submit(run, bufs, rbufs, seed=p.dropout_seed)
     except BaseException:
         for b in rbufs:
             run.results.release_unheld(b)

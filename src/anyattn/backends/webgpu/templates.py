@@ -11,7 +11,15 @@ they bind.  ``Template.record`` keeps a built call with every buffer replaced by
 - ``("role", role, nbytes)``: pooled scratch (launch.Runner.buffer, grown when too small);
 - ``("res", i)``: the call's i-th result buffer (pool.ResultPool, acquired per call);
 - a buffer object: what the template owns (uniform blocks, written once and never
-  again; its ``aux`` table of mask data).
+  again; its ``aux`` table of mask data; with dropout, private copies of the DROPOUT
+  kernels' uniform blocks, see below).
+
+Dropout: the seed is no field of the key (a training loop draws a fresh one per step).
+The uniform blocks the DROPOUT kernels read it from (``Call.seeded``) are copied into
+buffers of the template's own at ``record``; ``submit(seed=...)`` writes a new seed's
+8 bytes into them (``queue.write_buffer``, ordered after every earlier submission on
+the queue, so earlier calls read the seed they were given), never into the runner's
+content-keyed uniform blocks, which others share.
 
 ``Template.submit`` resolves the slots for this call's buffers, takes their bind groups
 from the runner's cache (keyed by buffer ids: a repeat with the same buffers creates
@@ -35,7 +43,7 @@ class Template:
     """A recorded launch list with slots instead of per-call buffers."""
 
     def __init__(self, launches, clears, copies, copies_before, result_sizes, results,
-                 pieces):
+                 pieces, seeded=(), seed=None):
         self.launches = launches            # [(pipeline, layout, slots, grid, kernel)]
         self.clears = clears                # [slot]
         self.copies = copies                # [(slot, byte off, slot, byte off, bytes)]
@@ -45,6 +53,9 @@ class Template:
         self.pieces = pieces
         #: per result slot, weak refs to the buffers it had in the last calls (latest first)
         self._recent: List[List[object]] = [[] for _ in result_sizes]
+        #: the template's own uniform blocks holding the dropout seed, and the seed in them
+        self.seeded = list(seeded)
+        self.seed = seed
 
     @classmethod
     def record(cls, run, call, inputs: Dict[str, object], result_bufs: Sequence[object],
@@ -62,8 +73,21 @@ class Template:
         for role, buf in run._bufs.items():
             slot.setdefault(id(buf), ("role", role, buf.size))
 
+        seeded = getattr(call, "seeded", {})
+        own = {}                   # id(content-keyed uniform block) -> the template's copy
+        if seeded:
+            from .uniforms import pack
+
+            usage = run.wgpu.BufferUsage.UNIFORM | run.wgpu.BufferUsage.COPY_DST
+            for key, vals in seeded.items():
+                data = pack(vals)
+                buf = run.device.create_buffer(label="anyattn.seeded_uniform",
+                                               size=len(data), usage=usage)
+                run.device.queue.write_buffer(buf, 0, data)
+                own[key] = buf
+
         def to_slot(buf):
-            return slot.get(id(buf), buf)
+            return own.get(id(buf)) or slot.get(id(buf), buf)
 
         launches = []
         for l in call.launches:
@@ -78,8 +102,12 @@ class Template:
         copies = [(to_slot(s), so, to_slot(d), do, n) for s, so, d, do, n in call.copies]
         before = [(to_slot(s), so, to_slot(d), do, n) for s, so, d, do, n in call.copies_before]
         sizes = [(int(b.size), lab) for b, lab in zip(result_bufs, result_labels)]
+        seed = None
+        if own:
+            vals = next(iter(seeded.values()))
+            seed = int(vals["drop_k0"]) | int(vals["drop_k1"]) << 32
         tpl = cls(launches, [to_slot(b) for b in call.clears], copies, before, sizes, results,
-                  dict(call.pieces))
+                  dict(call.pieces), own.values(), seed)
         tpl._remember(result_bufs)
         call.launches, call.clears, call.copies, call.copies_before = [], [], [], []
         return tpl
@@ -102,8 +130,20 @@ class Template:
         for recent, b in zip(self._recent, bufs):
             recent[:] = ([weakref.ref(b)] + [r for r in recent if r() is not b])[:self.RECENT]
 
-    def submit(self, run, inputs: Dict[str, object], result_bufs: Sequence[object]) -> None:
-        """Bind this call's buffers and submit (one command buffer)."""
+    def submit(self, run, inputs: Dict[str, object], result_bufs: Sequence[object],
+               seed: Optional[int] = None) -> None:
+        """Bind this call's buffers and submit (one command buffer); ``seed``: this
+        call's dropout seed, written into the template's seeded uniform blocks when it
+        differs from the one they hold."""
+        if self.seeded and seed != self.seed:
+            if seed is None:
+                raise ValueError("webgpu: a dropout launch template needs the call's seed")
+            from .uniforms import SEED_OFFSET, seed_bytes
+
+            data = seed_bytes(seed)
+            for buf in self.seeded:
+                run.device.queue.write_buffer(buf, SEED_OFFSET, data)
+            self.seed = seed
         roles: Dict[str, object] = {}
 
         def resolve(s):

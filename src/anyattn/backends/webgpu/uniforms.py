@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Dict
 
-__all__ = ["FIELDS", "FLAGS", "wgsl_struct", "pack", "NBYTES"]
+__all__ = ["FIELDS", "FLAGS", "wgsl_struct", "pack", "NBYTES", "SEED_OFFSET", "seed_bytes"]
 
 # (name, wgsl type) in order; every entry is 4 bytes.
 FIELDS = [
@@ -46,6 +46,9 @@ FIELDS = [
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))
 NBYTES = 4 * len(FIELDS)
+#: byte offset of the dropout seed (drop_k0, drop_k1: 8 consecutive bytes) in the block
+SEED_OFFSET = 4 * [n for n, _ in FIELDS].index("drop_k0")
+assert FIELDS[SEED_OFFSET // 4 + 1][0] == "drop_k1"
 
 #: bits of ``flags``
 FLAGS = dict(HAS_LO=1, HAS_HI=2, HAS_DOCS=4, HAS_KEEP=8, HAS_BIAS=16, QUIRK=32,
@@ -87,3 +90,8 @@ def pack(values: Dict[str, object]) -> bytes:
                                  "webgpu kernels); pass a value within float32's range") from None
         out.append(struct.pack("<" + _FMT[t], v))
     return b"".join(out)
+
+
+def seed_bytes(seed: int) -> bytes:
+    """The 8 bytes of (drop_k0, drop_k1) at ``SEED_OFFSET`` for a dropout seed in [0, 2**64)."""
+    return struct.pack("<II", seed & 0xFFFFFFFF, seed >> 32)
