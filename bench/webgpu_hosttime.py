@@ -28,7 +28,8 @@ and, inclusive, the time inside ``describe`` + ``choose`` (api layer), the templ
 key, ``Template.acquire_results`` (pool), ``Template.submit`` (bind-group lookups +
 encoding + ``queue.submit``), ``queue.submit`` alone, the result arrays; the launch and
 buffer counts of the template; GC collections seen; the same call with ``gc``
-disabled.  Medians over calls.
+disabled; each kernel of the plan submitted alone (``plan_kernels_ms``, N submissions,
+one wait; a kernel of one name split into pieces counts once).  Medians over calls.
 """
 from __future__ import annotations
 
@@ -197,6 +198,19 @@ def stages(out_path, points="512x64xfloat32,512x64xfloat16,512x128xfloat32,512x1
                 wait()
                 loops.append((time.perf_counter() - t) / (N // 5))
             rec[f"{name}_loop_ms"] = 1e3 * float(np.median(loops))
+        from anyattn.backends.webgpu.engine import Plan
+
+        kern = {}                 # each kernel of the plan alone, N submissions, one wait
+        for kname in dict.fromkeys(e[3] for e in plan.encoded):
+            part = Plan(run, [e for e in plan.encoded if e[3] == kname], [])
+            part.submit(1)
+            wait()
+            t = time.perf_counter()
+            for _ in range(N):
+                part.submit(1)
+            wait()
+            kern[kname] = 1e3 * (time.perf_counter() - t) / N
+        rec["plan_kernels_ms"] = kern
         tpl = list(run.templates._d.values())[-1]
         rec["launches"] = [l[4] for l in tpl.launches]
         rec["plan_launches"] = [e[3] for e in plan.encoded]
