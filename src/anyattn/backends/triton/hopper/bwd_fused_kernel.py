@@ -180,13 +180,15 @@ def _dq_last(dq_smem, DQ, DQA, bh, t, rank, Sq, scale, D: gl.constexpr, BM: gl.c
 @gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
 def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2, DELTA, DQ,
                  DQA, SEM, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
-                 WITH_DQ: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 WITH_DQ: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
+                 num_warps: gl.constexpr):
     """Grid (cdiv(Sk, BN), B * Hkv), num_warps = 8.  q/do_desc: [B, H, Sq, D] blocks
     [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks [1, 1, BN, D]; L2 fp32
     [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; WITH_DQ: DQ [B, H, Sq, D] (q's dtype,
     contiguous), DQA fp32 [B * H, Sq, D] scratch (no init) and dqa_desc over it (blocks
-    [1, BM, D]), SEM int32 [B * H * nq] zeros, ORDER the adds' order (module doc).  Band
-    masks through lo / hi (open: +-2^30)."""
+    [1, BM, D]), SEM int32 [B * H * nq] zeros, ORDER the adds' order, DEFER the turn
+    wait and the bulk add issued at the next tile's start (module doc).  Band masks
+    through lo / hi (open: +-2^30)."""
     gl.static_assert(num_warps == 8, "two warpgroups")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -255,6 +257,11 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
     zero_c = gl.full([THREADS], 0, gl.int32, layout=c_l)
     pend = SEM + zero_c               # [THREADS]: the counter of the copy in flight
     pending = False
+    stg_sem = pend                    # DEFER: the staged partial's counter, rank, place
+    stg_rank = 0
+    stg_bh = 0
+    stg_t = 0
+    staged = False
 
     offs_mb = gl.arange(0, BM, layout=row_s)
     dk = gl.zeros([BN, D], gl.float32, layout=a_l)
@@ -280,6 +287,16 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         mbarrier.wait(do_bar.index(stg), ph)
         dp = warpgroup_mma(do2, v2.permute((1, 0)), gl.zeros([BM, BN], gl.float32, layout=s_l),
                            use_acc=False, is_async=True)
+        if WITH_DQ and DEFER:
+            if staged:    # the previous tile's partial: its turn, its bulk add (S, dP run)
+                _spin_acquire(stg_sem, zero_c + stg_rank)
+                if stg_rank == 0:
+                    tma.async_copy_shared_to_global(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+                else:
+                    _tma_reduce_add(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+                pend = stg_sem
+                pending = True
+                staged = False
         s = warpgroup_mma_wait(1, deps=(s,))                                   # [BM, BN]
         s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
         p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, BN]
@@ -302,9 +319,33 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, BN]
         ds_smem.store((p * (dp - dlt[:, None])).to(dt))
         fence_async_shared()
+        if WITH_DQ and DEFER:
+            if pending:   # this tile's bulk add complete (dq_smem free after the barrier)
+                _bulk_wait_release(pend)
         gl.thread_barrier()                                                     # dS stored
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q2, dk, is_async=True)     # [BN, D]
-        if WITH_DQ:
+        if WITH_DQ and DEFER:
+            dq_tok = warpgroup_mma(ds_smem, k2, gl.zeros([BM, D], gl.float32, layout=q_l),
+                                   use_acc=False, is_async=True)                 # [BM, D]
+            if pending:   # ... and released (thread 0, after the barrier)
+                _release_one(pend)
+                pending = False
+            rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
+            sem = SEM + (bh * nq + t) + zero_c                                   # [THREADS]
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))                           # [BM, D]
+            dq2.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()                                                  # staged
+            if last:
+                _spin_acquire(sem, zero_c + rank)
+                _dq_last(dq2, DQ, DQA, bh, t, rank, Sq, scale, D, BM)
+            else:         # added at the next tile's start
+                stg_sem = sem
+                stg_rank = rank
+                stg_bh = bh
+                stg_t = t
+                staged = True
+        if WITH_DQ and not DEFER:
             dq_tok = warpgroup_mma(ds_smem, k2, gl.zeros([BM, D], gl.float32, layout=q_l),
                                    use_acc=False, is_async=True)                 # [BM, D]
             rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
@@ -333,6 +374,14 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         # edge: ptxas would serialise the wgmmas, C7515): P / dS / the stage are free
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     if WITH_DQ:
+        if staged:
+            _spin_acquire(stg_sem, zero_c + stg_rank)
+            if stg_rank == 0:
+                tma.async_copy_shared_to_global(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+            else:
+                _tma_reduce_add(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+            pend = stg_sem
+            pending = True
         if pending:
             _bulk_wait_release(pend)
             gl.thread_barrier()

@@ -122,16 +122,21 @@ class HopperBwdConfig:
     num_warps: int = 8
     fused: bool = False
     dq: bool = False
+    #: dq: a tile's turn wait and bulk add issued at the next tile's start, under its
+    #: S / dP products (bwd_fused_kernel module doc), not right after its dQ product
+    defer: bool = False
 
     def __post_init__(self):
         if self.dq and not self.fused:
             raise ValueError(f"{self.name}: only the fused kernel computes dq")
+        if self.defer and not self.dq:
+            raise ValueError(f"{self.name}: defer schedules the in-kernel dq (dq=True)")
 
     @property
     def name(self) -> str:
-        """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ)."""
+        """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ; 'd': defer)."""
         return (f"{'f' if self.fused else ''}dkdv{'q' if self.dq else ''}"
-                f"{self.bn}x{self.bm}s{self.stages}")
+                f"{self.bn}x{self.bm}s{self.stages}{'d' if self.defer else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if self.fused else 0
@@ -156,10 +161,11 @@ _DKDV = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)
 _BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
 
 #: backward variants the GPU bench checks and times beside the defaults
-BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True),
+BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
+                     HopperBwdConfig(128, 64, 2, fused=True),
                      HopperBwdConfig(128, 64, 2, fused=True, dq=True)],
-                128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True),
-                      HopperBwdConfig(128, 64, 3, fused=True, dq=True), _DKDV[128]]}
+                128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
+                      HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128]]}
 
 
 def bwd_config(d: int) -> HopperBwdConfig:

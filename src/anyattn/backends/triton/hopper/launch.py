@@ -314,6 +314,5 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
         dkdvq_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
                            make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
                            dqa_desc(dqa, cfg.bm), *tail, HAS_BAND=bool(rm_.has_band),
-                           WITH_DQ=with_dq,
-                           STAGES=cfg.stages, num_warps=8)
+                           WITH_DQ=with_dq, STAGES=cfg.stages, DEFER=cfg.defer, num_warps=8)
     return (dq if with_dq else None), dk, dv

@@ -93,10 +93,11 @@ def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, 
         ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm))
         names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc",
                  "L2", "DELTA", "DQ", "DQA", "SEM", "H", "G", "Sq", "Sk", "scale", "lo", "hi",
-                 "ORDER", "HAS_BAND", "WITH_DQ", "STAGES", "num_warps"]
+                 "ORDER", "HAS_BAND", "WITH_DQ", "STAGES", "DEFER", "num_warps"]
         types = [qd, kd, kd, qd, kd, kd, ad, "*fp32", "*fp32", pdt, "*fp32", "*i32", "i32",
-                 "i32", "i32", "i32", "fp32", "i32", "i32", "i32"] + ["constexpr"] * 4
-        consts = {(20,): has_band, (21,): cfg.dq, (22,): cfg.stages, (23,): 8}
+                 "i32", "i32", "i32", "fp32", "i32", "i32", "i32"] + ["constexpr"] * 5
+        consts = {(20,): has_band, (21,): cfg.dq, (22,): cfg.stages, (23,): cfg.defer,
+                  (24,): 8}
         src = GluonASTSource(dkdvq_kernel, dict(zip(names, types)), constexprs=consts)
         return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=8))
     kd = mangle_type(make_desc(x, cfg.bn))
