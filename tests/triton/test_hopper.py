@@ -152,6 +152,19 @@ def test_forward_config_rejects_inconsistent_schedules():
     assert c.smem_bytes(64) == 2 * (64 * (192 + 2 * 3 * 128) + 2 * 192 * 128)
 
 
+def test_fp16_and_bf16_share_the_d128_forward_default():
+    """fp16 runs the warp-specialised default too (checked in fp16 on every mask kind on
+    the H200, session 6); every forward default and variant fits an H100 / H200's shared
+    memory."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    assert HCF.fwd_config(128, "float16") == HCF.fwd_config(128, "bfloat16")
+    assert HCF.fwd_config(128, "float16").ws
+    for d in (64, 128):
+        for c in [HCF.fwd_config(d)] + HCF.FWD_VARIANTS[d]:
+            assert c.smem_bytes(d) <= 227 * 1024, c.name
+
+
 # ----------------------------------------------------------------------------- offline
 def _compile_counts(expr):
     """Instruction counts of ``expr`` (an offline.compile_* call) compiled for sm_90a in a

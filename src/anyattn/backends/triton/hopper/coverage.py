@@ -37,7 +37,11 @@ COVERAGE = {
                         dtypes=frozenset({"float16", "bfloat16"}),
                         # D=64 compiles and passes too, but measured 0.79x / 0.80x the
                         # portable forward (H200 2026-12-03, B=4 H=32 S=4k, docs/perf/
-                        # hopper-h200-2026-12-03.json): it stays portable until it wins
+                        # hopper-h200-2026-12-03.json); session 6 (hopper-fwd-h200-
+                        # 2026-12-03-s6.json, S=2k/4k/8k): the best warp-specialised
+                        # variant (3 consumers, ws192x128s3opfem) 0.99-1.06x portable
+                        # without a mask but 0.63-0.97x causal, the 2-consumer one
+                        # 0.89-0.98x: it stays portable until it wins on both
                         head_dims=frozenset({128}),
                         mask_classes=frozenset({"none", "band"})),
     # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
