@@ -1,17 +1,18 @@
-"""Warp-specialised Gluon forward for Hopper (sm_90a): one producer warp, two consumer
-warpgroups that never meet at a CTA barrier.
+"""Warp-specialised Gluon forward for Hopper (sm_90a): one producer warp, two or three
+consumer warpgroups that never meet at a CTA barrier.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
-D head dim, BM = 2 * RM the query tile of a program (RM = 64 rows per consumer
-warpgroup), BN the key tile, STAGES the depth of the K/V ring.
+D head dim, BM = NC * RM the query tile of a program (NC = 2 or 3 consumers, RM = 64
+rows per consumer warpgroup), BN the key tile, STAGES the depth of the K/V ring.
 
 Partitions (``gl.warp_specialize``):
-  consumer 0 (the default partition, 4 warps) and consumer 1 (a 4-warp worker): each owns
-      RM query rows, loads its own Q [RM, D] by TMA, runs the key loop (one of two
-      schedules below) and stores its own rows of out by TMA from its own Q buffer;
+  consumer 0 (the default partition, 4 warps) and consumers 1 .. NC - 1 (4-warp
+      workers): each owns RM query rows, loads its own Q [RM, D] by TMA, runs the key
+      loop (one of the schedules below) and stores its own rows of out by TMA from its
+      own Q buffer;
   producer (a 1-warp worker, few registers): per key tile waits for the stage's "k empty"
       barrier and TMA-loads K [BN, D] on "k ready", then the same for V ("v empty" /
-      "v ready").  K and V are released apart (count 2: one arrive per consumer), K as
+      "v ready").  K and V are released apart (count NC: one arrive per consumer), K as
       soon as its S = Q.K^T is done, V after its P.V.
 Key-loop schedules (constexpr, configs.HopperConfig.overlap / .pingpong):
   simple: per tile issue S = Q.K^T [RM, BN], wait for it (and the previous P.V), softmax,
@@ -21,10 +22,13 @@ Key-loop schedules (constexpr, configs.HopperConfig.overlap / .pingpong):
       O += P_{j-1}.V_{j-1} back to back, wait for S_j only (``warpgroup_mma_wait(1)``),
       run the softmax of j while P_{j-1}.V_{j-1} runs, then wait for it and rescale O.
       P_{j-1} stays in registers until its product is done.
-  pingpong (with overlap; FA3's inter-warpgroup schedule): the two consumers take turns
-      to issue their pair of products, ordered by two "turn" mbarriers (consumer w waits
-      on turn[w], issues, arrives on turn[1 - w]), so that one consumer's softmax runs
-      while the other's products hold the tensor cores.
+  pingpong (with overlap; FA3's inter-warpgroup schedule): the consumers take turns
+      to issue their pair of products, ordered by NC "turn" mbarriers (consumer w waits
+      on turn[w], issues, arrives on turn[(w + 1) % NC]), so that one consumer's softmax
+      runs while another's products hold the tensor cores.
+  edges (with overlap; _loop_edges): the overlapped schedule with the masked tiles in
+      loops of their own, the unmasked ones in a hot loop without mask code; PSMEM: P
+      through shared memory (two stages per consumer) instead of registers.
 No CTA-wide barrier in the loop.  The numerics, band ranges, masks and the epilogue are
 those of fwd_kernel (its module doc).
 """
@@ -167,7 +171,8 @@ def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf
     """Tile it >= 1 of the overlapped schedule: issue S_it and O += P_{it-1}.V_{it-1},
     softmax of it (MASK: _softmax_tile's) while P.V runs, wait, rescale O.  P_{it-1}:
     p16 [RM, BN] in registers, or (PSMEM) p_buf [2 * NC, RM, BN] stage 2 * WG + (it - 1) % 2
-    in shared memory, where P_it goes to stage 2 * WG + it % 2 before the wait (the stage P.V(it - 2) read).
+    in shared memory, where P_it goes to stage 2 * WG + it % 2 before the wait (the
+    stage P.V(it - 2) read).
     -> acc [RM, D], P_it in registers (p16 unchanged under PSMEM), m_i, l_i."""
     stg = it % STAGES
     pst = (it - 1) % STAGES
@@ -257,8 +262,8 @@ def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf,
         lst = (n - 1) % STAGES
         mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
         if PSMEM:
-            acc = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), v_smem.index(lst).reshape([BN, D]),
-                                acc, is_async=True)
+            acc = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2),
+                                v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
         else:
             acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
@@ -314,9 +319,9 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
                                       EXP_FMA)
     else:
         acc, l_i, m_i = _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-                                     warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
-                                     offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES,
-                                     BN, D, dt, p_l, row_o, EXP_FMA)
+                                     warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0,
+                                     f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                                     HAS_BAND, STAGES, BN, D, dt, p_l, row_o, EXP_FMA)
 
     # epilogue (fwd_kernel's): empty rows give out 0, max -inf, log_norm 0
     empty_r = l_i == 0.0
