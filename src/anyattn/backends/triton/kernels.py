@@ -31,7 +31,11 @@ modes (constexpr ``MODE``):
      split into masked edges and an unmasked middle;
   1  tile lists (documents / KeepMask, band folded in): per row of mask blocks
      a count and sorted indices of partial blocks and of full blocks, built
-     once per mask on the GPU (launch.py); full blocks load no mask.
+     once per mask on the GPU (launch.py); full blocks load no mask;
+  2  block ranges (the same masks, launch.set_mask_lowering("ranges")): per row of
+     mask blocks one range [t0, t1) of blocks that holds every kept one and inside it
+     the run [f0, f1) of full blocks, passed in CNT as a table [.., 4]; the loops are
+     mode 0's three (masked edges, unmasked middle) without per-tile index loads.
 No kernel uses atomics: every output element has one owner program, so
 results are bitwise repeatable.
 
@@ -267,6 +271,15 @@ def _query_tile_range(j0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
     g0 = tl.minimum(tl.maximum(g0, s0), s1)
     g1 = tl.minimum(tl.maximum(g1, g0), s1)
     return s0, g0, g1, s1
+
+
+@triton.jit
+def _block_range(RNG, r, NSUB: tl.constexpr):
+    """Entry r of a range table RNG [.., 4] (mask blocks: first kept, first and one past
+    the last unmasked, one past the last kept) in tiles of 1 / NSUB block."""
+    rg = RNG + 4 * r
+    return (tl.load(rg) * NSUB, tl.load(rg + 1) * NSUB, tl.load(rg + 2) * NSUB,
+            tl.load(rg + 3) * NSUB)
 
 
 @triton.jit
@@ -787,6 +800,27 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+    elif MODE == 2:
+        # per-row ranges of mask blocks (RNG [.., nQ, 4]: t0, f0, f1, t1), in sub-tiles
+        t0, f0, f1, t1 = _block_range(CNT, b * sc_b + h * sc_h + i0 // SBQ, SBK // BN)
+        for t in range(t0, f0):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+        for t in range(f0, f1):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+        for t in range(f1, t1):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
+                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
@@ -1034,6 +1068,27 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+        elif MODE == 2:
+            # per-column ranges of mask blocks (RNG [.., nK, 4]: s0, g0, g1, s1), in sub-tiles
+            s0, g0, g1, s1 = _block_range(CNT, b * sc_b + h * sc_h + j0 // SBK, SBQ // BM)
+            for t in range(s0, g0):
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+            for t in range(g0, g1):
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+            for t in range(g1, s1):
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -1218,6 +1273,27 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     dq = tl.zeros([BM, DP], dtype=tl.float32)
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+        for t in range(t0, f0):
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+        for t in range(f0, f1):
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+        for t in range(f1, t1):
+            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+    elif MODE == 2:
+        # per-row ranges of mask blocks (RNG [.., nQ, 4]: t0, f0, f1, t1), in sub-tiles
+        t0, f0, f1, t1 = _block_range(CNT, b * sc_b + h * sc_h + i0 // SBQ, SBK // BN)
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,

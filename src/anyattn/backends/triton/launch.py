@@ -34,7 +34,7 @@ from . import configs as C
 from . import kernels as K
 from . import prepared as P
 
-__all__ = ["forward", "backward", "tile_lists", "clear_caches"]
+__all__ = ["forward", "backward", "tile_lists", "clear_caches", "set_mask_lowering"]
 
 _BIG = 1 << 30            # an open band side
 
@@ -216,7 +216,7 @@ class _MaskArgs:
     bias: Any                  # expanded [B, H, Sq, Sk] view or a dummy
     sb: tuple                  # bias strides (b, h, m, n), 0 where broadcast
     has_bias: bool
-    mode: int                  # 0 in-kernel ranges, 1 tile lists
+    mode: int                  # 0 in-kernel ranges, 1 tile lists, 2 block-range tables
 
 
 #: one-element placeholders for absent operands, per (device, dtype): the kernels never
@@ -273,7 +273,7 @@ def _mask_args(p, q, bias) -> _MaskArgs:
     return _MaskArgs(lo=lo, hi=hi, has_band=rm.has_band, qid=qid, kid=kid, sqid_b=sqid_b,
                      skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
                      bias=bx, sb=sb, has_bias=bias is not None,
-                     mode=1 if (has_docs or has_keep) else 0)
+                     mode=_ARRAY_MASK_MODE[_mask_lowering] if (has_docs or has_keep) else 0)
 
 
 @dataclass
@@ -355,11 +355,39 @@ def _mod_args(p, mods: Optional[ScoreMods], dev, draw: bool = True) -> _ModArgs:
 
 
 # ----------------------------------------------------------------------------- tile lists
+#: how Documents / KeepMask masks reach the portable kernels (set_mask_lowering):
+#: "lists" (MODE 1, the default) or "ranges" (MODE 2)
+_mask_lowering = "lists"
+_ARRAY_MASK_MODE = {"lists": 1, "ranges": 2}
+
+
+def set_mask_lowering(name: Optional[str]) -> None:
+    """Choose how Documents / KeepMask masks reach the portable kernels, process-wide:
+    ``"lists"`` (None: the default) — per block row / column the sorted indices of its
+    partial and of its full blocks; ``"ranges"`` — per block row / column one range of
+    blocks holding every kept block, with the run of full blocks inside it unmasked
+    (exact for sorted document ids, where the kept blocks of a row are contiguous; a
+    range over a scattered KeepMask also visits the empty blocks between, masked).
+    Forgets the tile lists and prepared launches built under the other choice."""
+    global _mask_lowering
+    name = "lists" if name is None else name
+    if name not in _ARRAY_MASK_MODE:
+        raise ValueError(f"set_mask_lowering: {name!r} is not a mask lowering; expected one "
+                         f"of {sorted(_ARRAY_MASK_MODE)} (or None for the default 'lists')")
+    if name != _mask_lowering:
+        _mask_lowering = name
+        clear_caches()
+
+
 @dataclass
 class TileLists:
     """Per mask-block row (queries) and column (keys): counts and sorted indices of
     partial and full blocks.  rows: cnt [Bm, Hm, nQ], idx [Bm, Hm, nQ, nK];
-    cols: cnt [Bm, Hm, nK], idx [Bm, Hm, nK, nQ]; Bm, Hm are 1 where nothing varies."""
+    cols: cnt [Bm, Hm, nK], idx [Bm, Hm, nK, nQ]; Bm, Hm are 1 where nothing varies.
+    With ``mode == 2`` (block ranges) row_cnt / col_cnt hold instead the range tables
+    int32 [Bm, Hm, nQ, 4] / [Bm, Hm, nK, 4] (first kept block, first and one past the
+    last of the run of full blocks, one past the last kept block; the kernels read them
+    in place of the counts) and the other fields are placeholders."""
 
     row_cnt: Any
     row_idx: Any
@@ -374,6 +402,10 @@ class TileLists:
     nq: int
     nk: int
     kept_fraction: float = 1.0   # of mask blocks, partial counted as kept
+    mode: int = 1                # 1 lists, 2 range tables (see above)
+    #: blocks visited per block visited by the lists (ranges >= 1: empty blocks inside
+    #: the ranges, rows and columns together; 1.0 for lists)
+    visit_ratio: float = 1.0
 
     def row_strides(self):
         """(sc_b, sc_h, si_b, si_h, si_r) for the row lists (0 on broadcast dims)."""
@@ -488,12 +520,48 @@ def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
         idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
         return cnt, idx
 
+    if ma.mode == 2:
+        kept = part | full
+        rr, cr = _block_ranges(part, full), _block_ranges(part.transpose(-1, -2),
+                                                          full.transpose(-1, -2))
+        z = _dummy(device)
+        n_kept = float(kept.sum())
+        visits = float((rr[..., 3] - rr[..., 0]).sum() + (cr[..., 3] - cr[..., 0]).sum())
+        return TileLists(rr, z, z, z, cr, z, z, z, bm_, hm_, nq, nk,
+                         float(kept.float().mean()), mode=2,
+                         visit_ratio=visits / (2 * n_kept) if n_kept else 1.0)
     rc, ri = lists(part)
     rfc, rfi = lists(full)
     cc, ci = lists(part.transpose(-1, -2))
     cfc, cfi = lists(full.transpose(-1, -2))
     kept = float((part | full).float().mean())
     return TileLists(rc, ri, rfc, rfi, cc, ci, cfc, cfi, bm_, hm_, nq, nk, kept)
+
+
+def _block_ranges(part, full):
+    """Range table of each row of a block map: bool [Bm, Hm, n, m] (partial, full) ->
+    int32 [Bm, Hm, n, 4] = (t0, f0, f1, t1): every kept block of the row lies in
+    [t0, t1); [f0, f1) is its first run of full blocks (t0 <= f0 <= f1 <= t1); a row
+    without kept blocks gets (0, 0, 0, 0).  Blocks of [t0, t1) outside [f0, f1) are
+    visited masked, so the table is right for any map (exact where the kept blocks are
+    contiguous and the full ones one run, as for sorted document ids)."""
+    kept = part | full
+    m = kept.shape[-1]
+    j = torch.arange(m, device=kept.device, dtype=torch.int32)
+    big = torch.full((), m, dtype=torch.int32, device=kept.device)
+    zero = torch.zeros((), dtype=torch.int32, device=kept.device)
+    t0 = torch.where(kept, j, big).amin(-1)                           # [Bm, Hm, n]
+    t1 = torch.where(kept, j + 1, zero).amax(-1)
+    f0 = torch.where(full, j, big).amin(-1)
+    # the first non-full block after f0 ends the run
+    f1 = torch.where(~full & (j > f0[..., None]), j, big).amin(-1)
+    f1 = torch.minimum(f1, t1)
+    has_full = f0 < m
+    f0 = torch.where(has_full, f0, t0)
+    f1 = torch.where(has_full, f1, t0)
+    t0 = torch.where(t1 > 0, t0, zero)                                 # empty row: 0s
+    f0, f1 = torch.where(t1 > 0, f0, zero), torch.where(t1 > 0, f1, zero)
+    return torch.stack([t0, f0, f1, t1], -1).to(torch.int32).contiguous()
 
 
 def tile_lists(p, ma: _MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
@@ -504,7 +572,7 @@ def tile_lists(p, ma: _MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
     if any(k is None for k in parts):
         return _build_lists(p, ma, sb_q, sb_k, device)
     key = (tuple(parts), ma.lo, ma.hi, p.batch, p.heads_q, p.seq_q, p.seq_k, sb_q, sb_k,
-           str(device))
+           str(device), ma.mode)
     hit = _list_cache.get(key)
     if hit is not None:
         _list_cache.move_to_end(key)
