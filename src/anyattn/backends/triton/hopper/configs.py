@@ -118,7 +118,8 @@ class HopperBwdConfig:
     kernel (bwd_kernel, the transposed form); ``fused``: bwd_fused_kernel (two
     warpgroups, P and dS through shared memory, 8 warps); ``dq``: the fused kernel
     computes dQ too (deterministic in-kernel adds), else dQ stays portable.  Shared
-    memory: 2 bytes * D * (2 * bn + 2 * stages * bm) (+ 4 * bm * bn for P, dS: fused)."""
+    memory: 2 bytes * D * (2 * bn + 2 * stages * bm) (+ 4 * bm * bn for P, dS: fused;
+    + 4 * bm * D for the staged fp32 dQ partial: dq)."""
 
     bn: int
     bm: int
@@ -144,6 +145,7 @@ class HopperBwdConfig:
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if self.fused else 0
+        extra += 4 * self.bm * d if self.dq else 0       # the staged fp32 dQ partial
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -158,13 +160,18 @@ _DKDV = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)
 #: 'auto' portable).  H200 2026-12-03 (docs/perf/hopper-bwd-h200-2026-12-03.json,
 #: TFLOP/s on dK/dV's 0.8 of the backward's FLOPs, B=8 H=16 S=2k / B=2 H=16 S=8k):
 #: D=128 the fused kernel without dQ 459-486 (causal 395-464) vs the dK/dV kernel
-#: 376-405 (302-345); dQ stays portable.  With its in-kernel dQ the fused kernel ran
-#: 241-249 (causal 109-127) on the whole backward's FLOPs, under the portable
-#: backward's 347-377: the ordered adds stall it (docs/perf/LOG.md).  D=64: the dK/dV
-#: kernel (the fused one passed the checks at D=64 but was not timed without dQ)
+#: 376-405 (302-345); dQ stays portable: that route measured 340 / 291 / 371 / 357 end to
+#: end vs the portable backward's 362 / 295 / 385 / 365 (session 6, hopper-bwd-h200-
+#: 2026-12-03-s6b.json).  The in-kernel dQ (dq=True: rotated / diagonal-first add order,
+#: bulk reduce-adds) runs 300-324 (causal 257-300) on the whole backward's FLOPs, its
+#: route 0.81-0.85x the portable backward: still below.  D=64: the dK/dV kernel (353 /
+#: 296 alone vs the fused one's 312 / 310)
 _BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
 
-#: backward variants the GPU bench checks and times beside the defaults
+#: backward variants the GPU bench checks and times beside the defaults (the first one
+#: with dq is the bench's in-kernel-dQ route): the in-kernel dQ with the deferred turn
+#: wait ('d', 312 / 257 / 324 / 300 at D=128) and without (300 / 258 / 309 / 297), the
+#: fused kernel without dQ at D=64, the dK/dV kernel at D=128
 BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                      HopperBwdConfig(128, 64, 2, fused=True),
                      HopperBwdConfig(128, 64, 2, fused=True, dq=True)],

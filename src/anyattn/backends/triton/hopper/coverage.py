@@ -46,11 +46,10 @@ COVERAGE = {
                         mask_classes=frozenset({"none", "band"})),
     # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
     # dK/dV kernel (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not routed
-    # by 'auto' (H200 2026-12-03, docs/perf/hopper-bwd-h200-2026-12-03.json): the dK/dV
-    # kernel + portable dQ measured 0.83-0.90x the portable backward; the fused dK/dV
-    # kernel runs 1.2-1.35x the dK/dV kernel, which puts that route at ~0.97-1.01x by
-    # the parts' timings (not timed as a whole); the fused kernel's in-kernel dQ
-    # (deterministic ordered adds) 0.60-0.71x, causal 0.36-0.37x
+    # by 'auto': timed end to end on the H200 (2026-12-03 21:22 UTC, docs/perf/hopper-bwd-
+    # h200-2026-12-03-s6b.json) that route ran 0.94-0.99x the portable backward at D=128
+    # and 0.83-0.91x at D=64; the fused kernel's in-kernel dQ (fixed-order bulk adds)
+    # 0.81-0.85x at D=128, 0.72-0.81x at D=64
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
