@@ -324,15 +324,31 @@ def run(args):
 
 
 def _set_variant(var):
-    """A named anyattn variant (bench A/B): the triton launcher's mask lowering."""
+    """A named anyattn variant (bench A/B), '+'-joined tokens: 'lists' / 'ranges' (the
+    triton launcher's mask lowering, launch.set_mask_lowering) and 'fwdBMxBN' (the
+    portable forward's tiles for bf16, e.g. fwd128x64); None restores the defaults."""
+    from anyattn.backends.triton import configs as C
     from anyattn.backends.triton import launch
 
     setter = getattr(launch, "set_mask_lowering", None)
-    if setter is None:
-        if var is not None:
-            raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
-        return
-    setter(var)
+    lowering, fields = None, {}
+    for tok in (var or "").split("+"):
+        if not tok:
+            continue
+        if tok.startswith("fwd") and "x" in tok:
+            bm, bn = (int(x) for x in tok[3:].split("x"))
+            fields["fwd"] = C.KernelConfig(bm, bn, 8, 3)
+        elif tok in ("lists", "ranges"):
+            lowering = tok
+        else:
+            raise ValueError(f"variant token {tok!r}: expected lists, ranges or fwdBMxBN")
+    if setter is None and lowering is not None:
+        raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
+    if setter is not None:
+        setter(lowering)
+    for dp in (64, 128):
+        C.set_override(dp, "bfloat16", "highest", **fields)
+    launch.clear_caches()
 
 
 def summary_line(row):
