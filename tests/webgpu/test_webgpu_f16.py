@@ -77,6 +77,36 @@ def test_f16_empty_rows_bias_and_strides(be16):
     run_both(q2, k2, v2, g2, mask=aa.Causal(), dtype="float16")
 
 
+def test_f16_out_read_by_delta_where_it_lies(be16):
+    """The delta kernel reads an f16 out as f16 (OUT16: widened exactly), on device
+    arrays bound where they lie (an odd element offset and a strided view included):
+    no gather launch before it, results within the f16 tolerances of float64."""
+    from anyattn import reference as R
+    from anyattn import webgpu as wg
+    from anyattn.api import forward_with_stats
+
+    from helpers import assert_close
+
+    q, k, v, g = make_qkv(np.random.default_rng(53), 1, 4, 2, 37, 45, 24, dtype="float16")
+    dq_, dk_, dv_, dg_ = (wg.asarray(x) for x in (q, k, v, g))
+    out, st = forward_with_stats(dq_, dk_, dv_, mask=aa.Causal())
+    ref = R.backward(q, k, v, g, mask=aa.Causal())
+    arena = np.zeros(1 + 2 * out.size, np.float16)
+    arena[1:1 + out.size] = out.numpy().reshape(-1)          # odd element offset
+    arena[1 + out.size:] = out.numpy().swapaxes(1, 2).reshape(-1)   # bshd copy
+    buf = wg.asarray(arena).buffer
+    B, H, S, D = out.shape
+    views = (out, wg.from_buffer(buf, out.shape, "float16", offset=1),
+             wg.from_buffer(buf, out.shape, "float16", offset=1 + out.size,
+                            strides=(S * H * D, D, H * D, 1)))
+    for o in views:
+        gr = aa.attention_backward(dq_, dk_, dv_, dg_, out=o, lse=st, mask=aa.Causal())
+        tpl = list(be16._run().templates._d.values())[-1]
+        assert [l[4] for l in tpl.launches][:2] == ["delta", "bwd_dkdv"]
+        for name in ("dq", "dk", "dv"):
+            assert_close(getattr(gr, name).numpy(), getattr(ref, name), "float16", name)
+
+
 def test_f16_split_launch_and_repeat_bitwise(be16):
     r = np.random.default_rng(24)
     q, k, v, g = make_qkv(r, 1, 4, 2, 70, 100, 24, dtype="float16")

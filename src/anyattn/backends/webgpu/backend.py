@@ -330,17 +330,13 @@ class WebGPUBackend(Backend):
             st_in = stats
             stats = self._stats(call)
             self._write_stats(run, stats, st_in, call.n)
-            if p.dtype == "float16":     # f16 up, cast to f32 on the device (see _cast16)
-                from .resident import _ew, _result
-
-                o16 = run.upload("out_in16", np.ascontiguousarray(out))
-                ob = run.buffer("out_in", 4 * call.n * D)
-                _ew(call, _result(o16, (call.n * D,), np.float16), ob, 0)
-            else:
-                ob = run.upload("out_in", np.ascontiguousarray(out, dtype=np.float32))
+            # f16 out uploaded as it is (half the bytes), read as f16 by delta (OUT16)
+            ob = run.upload("out_in16" if p.dtype == "float16" else "out_in",
+                            np.ascontiguousarray(out, dtype=_NP[p.dtype]))
+            out16 = p.dtype == "float16"
         else:
-            stats, ob = resident
-        call.delta(stats, Operand(ob, 0, HQ * SQ * D, SQ * D, D))
+            (stats, ob), out16 = resident, False
+        call.delta(stats, Operand(ob, 0, HQ * SQ * D, SQ * D, D), out16=out16)
         nkv = B * HKV * SK * D
         bufs = {}
         if want_k or want_v:

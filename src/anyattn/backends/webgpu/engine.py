@@ -371,12 +371,18 @@ class Call:
         into stats[6n:7n]."""
         self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
 
-    def delta(self, stats, out_op: Operand, vmean=None) -> None:
+    def delta(self, stats, out_op: Operand, vmean=None, out16: bool = False) -> None:
+        """delta = <dout, out> per row into stats[n:2n]; ``out16``: ``out_op`` is f16
+        (f16 inputs only), widened exactly in the kernel (OUT16), else f32."""
         if self.limit is not None and self.D + TileConfig.FIXED_TRIPS > self.limit:
             raise LoopLimitError(f"webgpu kernel 'delta': D={self.D} loop trips > {self.limit}")
+        if out16 and self.elem != "f16":
+            raise ValueError(f"webgpu kernel 'delta': an f16 out needs f16 inputs, got {self.elem}")
         # the subgroups variant: RL lanes per row (a subgroup butterfly), RL x the invocations
         rl = DELTA_LANES if self.cfg.subgroups else 1
         consts = {"SUBGROUPS": 1, "RL": rl} if self.cfg.subgroups else {}
+        if out16:
+            consts["OUT16"] = 1
         pipe = self.run.pipeline("delta", "delta", consts, self.elem)
         vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)
         ubuf = self._u(vals)

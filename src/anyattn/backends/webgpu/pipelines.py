@@ -37,7 +37,7 @@ from typing import Dict, Mapping
 from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
-           "VARIANT_DEFINES"]
+           "VARIANT_DEFINES", "DELTA_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -50,6 +50,8 @@ _ALIASED_TILE = re.compile(r"\bs([qkgvupt])\[")
 #: the same for the element-wise kernel of device arrays (``ew``: f16 source /
 #: destination, the add and refine operations)
 EW_DEFINES = ("SRC16", "DST16", "OP_ADD", "OP_REFINE")
+#: the same for the delta kernel: OUT16 (an f16 out read where it lies)
+DELTA_DEFINES = ("OUT16",)
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -197,7 +199,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     text = _expand_includes(_read(kernel))
     if half:
         text = "//@define HALF\n" + text
-    for name in MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES:   # compiled in only where used
+    for name in MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES:   # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)

@@ -478,9 +478,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                 call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n, 4 * n))
             else:
                 _ew(call, src, st, row * n)
-        o = out if out.dtype == np.float32 else _gather_contig(call, out, "dev_outin",
-                                                               np.float32)
-        call.delta(st, _operand(call, o, "out"))
+        # an f16 out is read where it lies by the delta kernel (OUT16), widened exactly
+        call.delta(st, _operand(call, out, "out"), out16=out.dtype == np.float16)
         nkv = B * HKV * SK * D
         kvshape = (B, HKV, SK, D)
         if want_k or want_v:

@@ -1,9 +1,16 @@
 // delta pass: delta[row] = <dO[row, :], out[row, :]> into stats[n + row], one row
 // per invocation (row = (b*HQ + h)*SQ + i).  Seed quirk (F_QUIRK): a row with
 // max = -inf (no kept key) attends uniformly, so out is the mean of V over all keys (vmean).
+// OUT16 (f16 inputs): out in f16, bound where it lies, each element widened exactly to
+// f32 (the products and the sum are those of an f32 copy of it: no gather launch).
 @group(0) @binding(0) var<uniform> U: Uni;
 @group(0) @binding(1) var<storage, read> gb: array<T>;
+//@ifn OUT16
 @group(0) @binding(2) var<storage, read> ob: array<f32>;
+//@endif OUT16
+//@if OUT16
+@group(0) @binding(2) var<storage, read> ob: array<f16>;
+//@endif OUT16
 @group(0) @binding(3) var<storage, read_write> stats: array<f32>;
 @group(0) @binding(4) var<storage, read> vmean: array<f32>;
 var<private> trips: u32;
@@ -26,7 +33,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   var acc = 0.0;
   for (var d = 0u; d < U.D; d++) {
     TRIP
-    var o = ob[obase + d];
+    var o = f32(ob[obase + d]);
     if (uni) { o = vmean[bh * U.D + d]; }
     acc += f32(gb[gbase + d]) * o;
   }
@@ -61,7 +68,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   var acc = 0.0;
   for (var d = lane; d < dn; d += RL) {
     TRIP
-    var o = ob[obase + d];
+    var o = f32(ob[obase + d]);
     if (uni) { o = vmean[bh * U.D + d]; }
     acc += f32(gb[gbase + d]) * o;
   }
