@@ -2,7 +2,10 @@
 GPU, lean enough for a short lease: warm-up compiles in parallel processes, float64
 checks of every backward config (poisoned buffers, bitwise repeat, the routed path), then
 timings beside the portable backward, SDPA-cuDNN and SDPA-flash, in one process (the
-routed path with the default config and with the fused kernel's in-kernel dQ).
+routed path with the default config and with the fused kernel's in-kernel dQ; that
+kernel also with the ascending dQ add order, '-asc', checked and timed).  Run the
+check and bench phases as two processes (--phases compile,check then roof,bench) so
+that a trapped dQ turn wait cannot stop the timings.
 FLOP convention: FlashAttention's (bwd 2.5 x the forward's 4*B*H*Sq*Sk*D, causal half).
 The forward's out and row statistics come from torch (no forward kernel is compiled).
 

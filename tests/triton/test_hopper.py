@@ -98,11 +98,42 @@ def test_backward_configs_are_data():
 
     assert HCF.HopperBwdConfig(128, 64, 2, fused=True, dq=True).name == "fdkdvq128x64s2"
     assert HCF.HopperBwdConfig(128, 32, 2).name == "dkdv128x32s2"
+    assert HCF.HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True).name == \
+        "fdkdvq128x64s2d"
     with pytest.raises(ValueError, match="fused"):
         HCF.HopperBwdConfig(128, 64, 2, dq=True)
+    with pytest.raises(ValueError, match="dq=True"):
+        HCF.HopperBwdConfig(128, 64, 2, fused=True, defer=True)
     for d in (64, 128):
         for c in [HCF.bwd_config(d)] + HCF.BWD_VARIANTS[d]:
             assert c.smem_bytes(d) <= 227 * 1024, c.name
+
+
+def test_dq_tiles_all_visited_matches_the_tile_ranges():
+    """launch._dq_tiles_all_visited (whether the fused backward's dq needs zeroing first)
+    against the key tiles' query-tile ranges (bwd_kernel.query_tile_range's rule) over
+    random band masks and sizes."""
+    import random
+
+    from anyattn.backends.triton.hopper import launch as HL
+
+    def visited(Sq, Sk, lo, hi, bm, bn):
+        nq, seen = -(-Sq // bm), set()
+        for j in range(-(-Sk // bn)):
+            j0, j1 = j * bn, min(j * bn + bn, Sk)
+            s0 = max(j0 - hi, 0) // bm
+            s1 = max(s0, min(nq, -(-max(j1 - lo, 0) // bm)))
+            seen.update(range(s0, s1))
+        return len(seen) == nq
+
+    rng = random.Random(3)
+    big = 1 << 30
+    for _ in range(400):
+        Sq, Sk = rng.randint(1, 900), rng.randint(1, 900)
+        lo = rng.choice([-big, rng.randint(-900, 900)])
+        hi = rng.choice([big, rng.randint(max(lo, -900), 900)])
+        assert HL._dq_tiles_all_visited(Sq, Sk, lo, hi, 64, 128) == \
+            visited(Sq, Sk, lo, hi, 64, 128), (Sq, Sk, lo, hi)
 
 
 def test_path_setting(monkeypatch):
