@@ -47,9 +47,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import anyattn as aa  # noqa: E402
 import anyattn.torch as at  # noqa: E402
 
-WINDOWS = (256, 512, 1024)
-DOCS = ("doc_eq512", "doc_eq512_causal", "doc_rand", "doc_rand_causal")
-#: cases in priority order; a run stops adding shapes when its budget is spent
+#: masks in priority order (the issue's two first), then shapes; a run stops adding cases
+#: when its budget is spent
+MASKS = ("sliding:512", "doc_rand_causal", "doc_eq512", "sliding:256", "sliding:1024",
+         "doc_eq512_causal", "doc_rand")
 SHAPES = ((4096, 128), (4096, 64), (8192, 128), (8192, 64))
 
 # ---------------------------------------------------------------- FlexAttention's masks
@@ -193,9 +194,16 @@ def run(args):
     dev = "cpu" if tiny else "cuda"
     dtype = torch.float32 if tiny else torch.bfloat16
     B, H = (1, 2) if tiny else (args.batch, args.heads)
-    shapes = ((256, 32),) if tiny else SHAPES
-    windows = (16, 64) if tiny else WINDOWS
-    kinds = [f"sliding:{w}" for w in windows] + list(DOCS)
+    shapes = ((256, 32),) if tiny else tuple(
+        tuple(int(x) for x in sd.split("x")) for sd in args.shapes.split(","))
+    kinds = [m for m in args.masks.split(",") if m]
+    for m in kinds:
+        if not (m in MASKS or (m.startswith("sliding:") and m[8:].isdigit())):
+            raise ValueError(f"--masks: unknown mask {m!r}; expected sliding:W or one of "
+                             f"{[x for x in MASKS if x.startswith('doc')]}")
+    if tiny:   # windows that fit S = 256
+        kinds = [("sliding:" + str(int(m.split(":")[1]) // 8)) if m.startswith("sliding")
+                 else m for m in kinds]
     t_start = time.perf_counter()
     res = {"meta": dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), B=B, H=H,
@@ -413,6 +421,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=90.0,
                     help="seconds after which no further case starts")
+    ap.add_argument("--masks", default=",".join(MASKS),
+                    help="comma-separated, in the order run (sliding:W, doc_eq512[_causal], "
+                         "doc_rand[_causal])")
+    ap.add_argument("--shapes", default=",".join(f"{s_}x{d_}" for s_, d_ in SHAPES),
+                    help="comma-separated SxD, in the order run")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", default="",
