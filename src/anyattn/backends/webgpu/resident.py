@@ -485,9 +485,17 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         if want_k or want_v:
             kv, ikv = dest("dkdv", 2 * nkv, dt, "dev_dkdv")
             call.dkdv(st, kv, want_k, want_v)
-            for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
-                if want:
-                    emit(name, kv, ikv, kvshape, dt, off)
+            if ikv is None and want_k and want_v and nkv % 4 == 0:
+                # f16: one cast for both into one result buffer (dk, dv two views of it, as
+                # in f32; dv's offset a whole 8-byte group)
+                y, iy = res.new(_nbytes(2 * nkv, dt), "anyattn.dkdv")
+                _ew(call, _result(kv, (2 * nkv,), np.float32), y, 0, dst16=True)
+                res.add("dk", iy, kvshape, dt, 0)
+                res.add("dv", iy, kvshape, dt, nkv)
+            else:
+                for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
+                    if want:
+                        emit(name, kv, ikv, kvshape, dt, off)
         dsb = ids = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
         bdt = np.dtype(p.bias_dtype) if want_b else None
