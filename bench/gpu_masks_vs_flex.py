@@ -35,7 +35,9 @@ import argparse
 import json
 import math
 import os
+import gc
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -140,33 +142,38 @@ def bench_ms(fn, tiny, rep=25):
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
 
 
-def split_ms(fn, tiny, n=20):
-    """-> (GPU ms, host ms) per call of fn: the host time of enqueuing n calls, and the
-    device time of n calls queued behind a sleep kernel long enough that the host is
-    done enqueuing before the first one starts (so no host gap is timed)."""
+def split_ms(fn, tiny, n=20, rounds=3):
+    """-> (GPU ms, host ms) per call of fn, medians of ``rounds``: the host time of
+    enqueuing n calls, and the device time of n calls queued behind a sleep kernel long
+    enough that the host is done enqueuing before the first one starts (so no host gap
+    is timed)."""
     if tiny:
         return 0.0, 0.0
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int((2 * host * n + 2e-3) * 2.0e9))      # ~2 GHz SM clock
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n, host * 1e3
+    gpu, host = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host.append((time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int((2 * host[-1] * n + 2e-3) * 2.0e9))      # ~2 GHz SM clock
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e) / n)
+    return statistics.median(gpu), statistics.median(host) * 1e3
 
 
 def time_impl(fn, q, k, v, g, tiny):
     """-> dict fwd / bwd / fwdbwd ms of fn(q, k, v) through torch autograd (do_bench),
     and the GPU-only / host-only ms of fwd and fwdbwd (split_ms)."""
     qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+    gc.collect()          # no collection of the compilers' garbage inside the timing
 
     def fwd_only():
         with torch.no_grad():
@@ -215,7 +222,8 @@ def run(args):
                "between calls); fwd under no_grad; bwd = autograd.grad on a retained graph "
                "(torch._functorch.config.donated_buffer = False); fwdbwd = one training "
                "step's forward + autograd.grad; *_gpu / *_host: device time of 20 calls "
-               "queued behind a sleep kernel (no host gaps) / host enqueue time per call",
+               "queued behind a sleep kernel (no host gaps) / host enqueue time per call, "
+               "medians of 3 rounds; gc.collect() before each implementation's timing",
         variants=args.variants, budget_s=args.budget), "rows": [], "skipped": []}
     if not tiny:
         import triton
@@ -237,6 +245,12 @@ def run(args):
     # with donated buffers refuses; they only save memory
     import torch._functorch.config as ftc
     ftc.donated_buffer = False
+    # one compiled graph per (S, D, family, grad mode): 16 for the default cases, past
+    # dynamo's default limit of 8 (beyond it Flex would silently run uncompiled)
+    import torch._dynamo.config as dcfg
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(64, getattr(dcfg, name)))
     flex = flex_attention if tiny else torch.compile(flex_attention, dynamic=False)
     variants = [v for v in (args.variants or "").split(",") if v] or [None]
     gen = torch.Generator().manual_seed(0)
@@ -284,6 +298,8 @@ def run(args):
                         row.setdefault("bitwise", {})[nm] = all(
                             torch.equal(a, b_) for a, b_ in zip(got, again))
                     del got
+                    with torch.no_grad():   # compile the no-grad forward here, not in timing
+                        fn(q, k, v)
                 _set_variant(None)
                 row["check_s"] = round(time.perf_counter() - t0, 1)
                 # timing
