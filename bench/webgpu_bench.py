@@ -661,13 +661,20 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     recs = {}
     # raw encoded plan (device-resident, no Python per call)
     _, bwd, _, _ = wgpu_plan(be, q, k, v, g)
-    tb, n = time_plan(bwd)
-    recs["plan"] = (tb, n)
     # public API on device arrays
     bwd_call = lambda: aa.attention_backward(dq, dk, dv, dg, out=out, lse=st)  # noqa: E731
     fwd_call = lambda: forward_with_stats(dq, dk, dv)                         # noqa: E731
-    tb, n = _time_calls(be, bwd_call)
-    recs["device-arrays"] = (tb, n)
+    # plan and device arrays alternately, ROUNDS rounds, medians: the H200 had phases of
+    # seconds in which the same kernels ran up to 4.5x slower (docs/perf/LOG.md, session
+    # 6, issue 17); one timing of each, taken apart, made their ratio depend on them
+    samples = {"plan": [], "device-arrays": []}
+    for _ in range(ROUNDS):
+        samples["plan"].append(time_plan(bwd))
+        samples["device-arrays"].append(_time_calls(be, bwd_call))
+    for impl, xs in samples.items():
+        recs[impl] = (float(np.median([t for t, _ in xs])), sum(n for _, n in xs))
+    RESULTS.setdefault("rounds", []).append(dict(
+        base, **{impl: [1e3 * t for t, _ in xs] for impl, xs in samples.items()}))
     tb, n = _time_calls(be, fwd_call)
     recs["device-arrays-fwd"] = (tb, n)
     # host time per call (issue 17: per-call encoding), the GPU waited for outside it
@@ -704,6 +711,8 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
 
 
 BUDGET = {"t0": time.time(), "seconds": None}   # --budget: skip steps past it (logged)
+#: rounds of the alternating plan / device-array timings of resident_case (medians)
+ROUNDS = 3
 #: --resident-sizes / --abi-sizes / --skip-variants / --skip-seed: what --resident runs
 RESIDENT_SEL = {"sizes": [(512, 64), (4096, 128), (4096, 64)], "abi_sizes": [512, 4096],
                 "variants": True, "seed": True}
