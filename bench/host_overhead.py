@@ -11,12 +11,20 @@ ahead of the device at moderate sizes.  Variants, timed in turn round after roun
   prebuilt Problem: the floor;
 - ``core``: ``anyattn.api.forward_with_stats`` + ``anyattn.attention_backward``;
 - ``module``: ``anyattn.torch.attention`` + ``torch.autograd.grad`` (what a model runs);
-- ``module_ops``: the same through the custom ops (the path tracing uses).
+- ``module_ops``: the same through the custom ops (the path tracing uses);
+- ``autograd``: a trivial 3-input ``autograd.Function`` fwd+bwd (torch's own floor for
+  any module step).
+
+``--hopper-fwd`` routes the forward through the Hopper launch code (hopper/launch.py:
+TMA descriptors, prepared launch) with its Gluon kernels swapped for no-ops too, and the
+backward through the portable kernels: the route the H200 runs at D=128 (use a shape
+with D=128).
 
     python bench/host_overhead.py --out docs/perf/host-overhead-cpu-<date>.json
 
 Before / after a change on a loaded machine: ``--compare OLD_SRC`` (a ``src`` tree of the
-earlier revision, e.g. ``git archive <rev> src | tar -x -C /tmp/old``) runs this script
+earlier revision, e.g. ``git archive <rev> src | tar -x -C /tmp/old``; ``--new NEW_SRC``
+the later one, default this checkout's) runs this script
 from both trees in alternating child processes (``--pairs`` times, ``--rounds`` each),
 so that a load change hits both alike, and reports per variant the medians of each and
 the median of the paired differences.
@@ -64,14 +72,50 @@ def _stub_kernels() -> int:
     return n
 
 
+class _NoDevice:
+    """Stands in for torch.cuda.device on CPU tensors (the Hopper launch code enters it)."""
+
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _route_hopper_forward() -> None:
+    """Forward calls take the Hopper launch code, its Gluon kernels no-ops (CPU)."""
+    from anyattn.backends.triton.hopper import fwd_kernel, fwd_ws_kernel
+
+    fwd_kernel.fwd_kernel = _NoLaunch()
+    fwd_ws_kernel.fwd_ws_kernel = _NoLaunch()
+    L._use_hopper = lambda p, direction, plan, tensors: direction == "forward"
+    torch.cuda.device = _NoDevice
+
+
+class _Trivial(torch.autograd.Function):
+    """torch's floor: a 3-input autograd.Function that allocates its output."""
+
+    @staticmethod
+    def forward(ctx, a, b, c):
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, g
+
+
 def compare(a, argv) -> None:
     """Alternate child runs of this script from ``a.compare`` (old) and this tree (new)."""
     import subprocess
     import tempfile
 
-    new_src = str(Path(__file__).resolve().parents[1] / "src")
+    new_src = a.new or str(Path(__file__).resolve().parents[1] / "src")
     runs = {"old": [], "new": []}
-    skip = {"--compare", "--pairs", "--out", "--png"}
+    mins = {"old": [], "new": []}       # per run, the fastest round (least load)
+    skip = {"--compare", "--pairs", "--out", "--png", "--new"}
     child = [x for i, x in enumerate(argv)
              if x not in skip and (i == 0 or argv[i - 1] not in skip)]
     with tempfile.TemporaryDirectory() as td:
@@ -82,25 +126,34 @@ def compare(a, argv) -> None:
                 subprocess.run([sys.executable, __file__, *child, "--out", out], check=True,
                                env=dict(os.environ, ANYATTN_BENCH_SRC=src),
                                stdout=subprocess.DEVNULL)
-                runs[tag].append(json.loads(Path(out).read_text())["median"])
+                doc = json.loads(Path(out).read_text())
+                runs[tag].append(doc["median"])
+                mins[tag].append({n: min(r) for n, r in doc["rounds"].items()})
     names = list(runs["new"][0])
     res = {}
-    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}, "
+    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
+          f"{' hopper-fwd' if a.hopper_fwd else ''}, "
           f"{a.pairs} alternating pairs of runs, load {os.getloadavg()[0]:.2f}")
     for n in names:
         old = [r[n] for r in runs["old"]]
         new = [r[n] for r in runs["new"]]
         diff = statistics.median(b - c for b, c in zip(new, old))
+        mo, mn = [r[n] for r in mins["old"]], [r[n] for r in mins["new"]]
+        mdiff = statistics.median(b - c for b, c in zip(mn, mo))
         res[n] = dict(old=statistics.median(old), new=statistics.median(new),
-                      paired_diff=diff, old_runs=old, new_runs=new)
+                      paired_diff=diff, old_runs=old, new_runs=new,
+                      old_min=statistics.median(mo), new_min=statistics.median(mn),
+                      paired_diff_min=mdiff, old_run_mins=mo, new_run_mins=mn)
         print(f"  {n:11s} old {res[n]['old']:8.1f}  new {res[n]['new']:8.1f}  "
-              f"paired diff {diff:+8.1f} ({diff / res[n]['old']:+.0%})")
+              f"paired diff {diff:+8.1f} ({diff / res[n]['old']:+.0%});  fastest rounds: "
+              f"old {res[n]['old_min']:7.1f} new {res[n]['new_min']:7.1f} paired diff "
+              f"{mdiff:+7.1f} ({mdiff / res[n]['old_min']:+.0%})")
     if a.out:
         Path(a.out).write_text(json.dumps(dict(
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
-            old_src=a.compare, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
+            hopper_fwd=a.hopper_fwd, old_src=a.compare, new_src=new_src, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
             unit="microseconds of host time per fwd+bwd step (kernels no-op), medians",
             variants=res), indent=1))
     if a.png:
@@ -133,17 +186,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2,4,256,64", help="B,H,S,D")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--hopper-fwd", action="store_true",
+                    help="forward through the Hopper launch code (no-op kernels), as on "
+                         "the H200 at D=128")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
     ap.add_argument("--compare", metavar="OLD_SRC", help="src tree of the earlier revision")
     ap.add_argument("--pairs", type=int, default=4, help="alternating runs per tree")
+    ap.add_argument("--new", metavar="NEW_SRC",
+                    help="with --compare: the src tree of the later revision (default: this "
+                         "checkout's, which may hold others' uncommitted edits)")
     ap.add_argument("--png", help="with --compare: a bar chart of old / new")
     a = ap.parse_args()
     if a.compare:
         compare(a, sys.argv[1:])
         return
     assert _stub_kernels() > 0
+    if a.hopper_fwd:
+        _route_hopper_forward()
     B, H, S, D = (int(x) for x in a.shape.split(","))
     q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
     k, v = torch.randn_like(q).requires_grad_(), torch.randn_like(q).requires_grad_()
@@ -174,7 +235,10 @@ def main() -> None:
         finally:
             eager.eligible = real
 
-    fns = dict(raw=raw, core=core, module=module, module_ops=module_ops)
+    def autograd():
+        torch.autograd.grad(_Trivial.apply(q, k, v), (q, k, v), g)
+
+    fns = dict(raw=raw, core=core, module=module, module_ops=module_ops, autograd=autograd)
     for f in fns.values():
         for _ in range(20):
             f()
@@ -186,8 +250,8 @@ def main() -> None:
                 f()
             us[n].append((time.perf_counter() - t0) / a.steps * 1e6)
     med = {n: statistics.median(x) for n, x in us.items()}
-    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}, "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
+          f"{' hopper-fwd' if a.hopper_fwd else ''}, load {os.getloadavg()[0]:.2f}")
     for n in fns:
         print(f"  {n:11s} median {med[n]:8.1f}  min {min(us[n]):8.1f}  "
               f"(+{med[n] - med['raw']:.1f} over raw)")
@@ -196,6 +260,7 @@ def main() -> None:
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
+            hopper_fwd=a.hopper_fwd,
             unit="microseconds of host time per fwd+bwd step (kernels no-op)",
             rounds=us, median=med), indent=1))
 

@@ -15,7 +15,11 @@ out.backward(g)`` of:
 - with ``--direct``: ``module_direct`` and ``kernel_direct``, ``module`` and ``kernel``
   with ANYATTN_TRITON_DIRECT_LAUNCH=1 (repeat launches skip Triton's argument binding,
   backends/triton/direct.py; the variable is set for each whole timed sample), and the
-  check that ``module_direct`` gives ``module``'s bits.
+  check that ``module_direct`` gives ``module``'s bits;
+- with ``--graph`` (CUDA): ``module_graph``, one replay of a CUDA graph that captured the
+  module's forward and ``torch.autograd.grad`` (docs/torch.md "CUDA graphs": no host
+  work per step but the replay), and the check that a replay gives the eager module's
+  out / dq / dk / dv bits.
 
 Wrapper overhead = module / kernel - 1 (and module / api - 1).  FLOPs by the
 FlashAttention convention: fwd 4*B*H*S*S*D, bwd 2.5x fwd, causal halves both; the
@@ -163,6 +167,39 @@ def variants(q, k, v, g, causal, backend, direct=False):
     return fns, be.name
 
 
+def graph_step(q, k, v, g, causal, backend):
+    """(CUDAGraph, its static (out, dq, dk, dv)) of one module step captured after three
+    warm-up steps on a side stream, on static copies of q, k, v, g."""
+    mask = Causal() if causal else None
+    sq, sk, sv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    sg = g.clone()
+
+    def step():
+        out = at.attention(sq, sk, sv, mask=mask, backend=backend)
+        return (out,) + torch.autograd.grad(out, (sq, sk, sv), sg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
+def graph_bits(graph, outs, q, k, v, g, causal, backend):
+    """Whether a replay gives the eager module's out / dq / dk / dv bits."""
+    graph.replay()
+    qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
+    want = (out,) + torch.autograd.grad(out, (qa, ka, va), g)
+    torch.cuda.synchronize()
+    return all(torch.equal(a, b) for a, b in zip(outs, want))
+
+
 def direct_bits(q, k, v, g, causal, backend):
     """Whether the module's out / dq / dk / dv are the same bits with direct launches
     (the third call of each: the first resolves the launches, the second the direct
@@ -221,12 +258,19 @@ def run(args, on_row=lambda rows: None):
                 q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(4))
                 flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
                 fns, be_name = variants(q, k, v, g, causal, args.backend, args.direct)
+                graph = gouts = None
+                if args.graph:
+                    graph, gouts = graph_step(q, k, v, g, causal, args.backend)
+                    fns["module_graph"] = graph.replay
                 row = dict(dtype=dname, B=B, H=H, S=S, D=D, causal=causal, backend=be_name,
                            flops=flops, inner=args.inner)
                 if S <= args.check_max_s:
                     row["err_vs_sdpa"] = check(q, k, v, g, causal, args.backend)
                 if args.direct:
                     row["direct_same_bits"] = direct_bits(q, k, v, g, causal, args.backend)
+                if graph is not None:
+                    row["graph_same_bits"] = graph_bits(graph, gouts, q, k, v, g, causal,
+                                                        args.backend)
                 times = time_round_robin(fns, dev, args.reps, args.warmup, args.budget,
                                          args.inner)
                 for name, ts in times.items():
@@ -244,6 +288,10 @@ def run(args, on_row=lambda rows: None):
                     if args.direct:
                         row[f"overhead_direct_vs_kernel{tag}"] = (
                             row[f"module_direct_{key}"] / row[f"kernel_{key}"] - 1)
+                    if graph is not None:
+                        row[f"overhead_graph_vs_kernel{tag}"] = (
+                            row[f"module_graph_{key}"] / row[f"kernel_{key}"] - 1)
+                del graph, gouts, fns   # the graph's memory pool goes with them
                 rows.append(row)
                 on_row(rows)
                 print(f"{dname} S={S:5d} causal={int(causal)} {be_name}: kernel "
@@ -255,7 +303,10 @@ def run(args, on_row=lambda rows: None):
                       + (f"; direct: module {row['module_direct_ms']:.2f} kernel "
                          f"{row['kernel_direct_ms']:.2f} ms, "
                          f"{100 * row['overhead_direct_vs_kernel']:+.1f}% vs kernel, same "
-                         f"bits {row['direct_same_bits']}" if args.direct else "") + "); "
+                         f"bits {row['direct_same_bits']}" if args.direct else "")
+                      + (f"; graph: {row['module_graph_ms']:.2f} ms, "
+                         f"{100 * row['overhead_graph_vs_kernel']:+.1f}% vs kernel, same "
+                         f"bits {row['graph_same_bits']}" if args.graph else "") + "); "
                       f"{row['module_tflops'] * 1e3:.1f} GFLOP/s; errs "
                       f"{row.get('err_vs_sdpa')}", flush=True)
     return rows
@@ -315,9 +366,13 @@ def main(argv=None):
                     help="CPU threads for torch and the numpy backend (default: all cores)")
     ap.add_argument("--direct", action="store_true",
                     help="also time module / kernel with ANYATTN_TRITON_DIRECT_LAUNCH=1")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time one CUDA-graph replay of the module step (CUDA only)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
+    if args.graph and args.device != "cuda":
+        ap.error("--graph needs --device cuda (CUDA graphs)")
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["ANYATTN_NUMPY_THREADS"] = str(args.threads)  # read when numpy is loaded
