@@ -3,8 +3,9 @@ and bind groups by bound buffers (launch.Runner), device-array results written t
 pooled scratch and copied into fresh buffers (resident._keep).
 
 What must hold: a repeated call (cache hits) gives the bits of the uncached path (caches
-cleared first), also with a fresh dropout seed per call (no key field: no rebuild); every returned array stays valid and unchanged after later calls, with
-the same or other inputs; any changed argument (mask, bias, scale, softcap, ALiBi,
+cleared first), also with a fresh dropout seed per call (no key field: no rebuild);
+every returned array stays valid and unchanged after later calls, with the same or
+other inputs; any changed argument (mask, bias, scale, softcap, ALiBi,
 sinks, dropout seed, wrt, the input data or view) is never served stale state; the
 caches stay bounded.
 
