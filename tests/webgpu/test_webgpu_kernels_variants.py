@@ -5,7 +5,10 @@ next staged chunk read into registers before the current chunk's products), ``st
 ``wide`` (staged with 8 query rows per invocation in the backward passes: BQ = 8*TY, the
 P^T / dS tiles over the idle staging tiles; its forward is staged's).
 
-* selection as data: the table, ``ANYATTN_WEBGPU_VARIANT``, refusals with the reason;
+* selection as data: the table (with its grid-fill column: ``wide`` only where its dQ
+  grid fills the GPU), ``ANYATTN_WEBGPU_VARIANT``, refusals with the reason;
+* ``rows8`` (f16 only: portable's kernels with 8 query rows per invocation in the
+  backward) computes portable's bits;
 * ``prefetch`` and ``staged`` compute what ``portable`` computes, bit for bit (same arithmetic, same
   order), forward and backward, masks / bias + dbias / GQA / odd sizes / f16, on the
   CPU adapter's 8x8 tiles and the GPU's 16x16 ones;
