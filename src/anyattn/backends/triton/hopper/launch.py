@@ -85,8 +85,11 @@ def make_desc(x, rows: int):
         fields = dict(d.__dict__)
         del fields["base"]
         _desc_parts[key] = hit = (type(d), fields)
-        while len(_desc_parts) > _DESC_PARTS:
-            _desc_parts.popitem(last=False)
+        try:                     # oldest out; another thread may pop meanwhile
+            while len(_desc_parts) > _DESC_PARTS:
+                _desc_parts.popitem(last=False)
+        except KeyError:
+            pass
         return d
     cls, fields = hit
     d = cls.__new__(cls)        # a plain dataclass: the same fields, no re-validation
