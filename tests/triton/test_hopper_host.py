@@ -66,6 +66,15 @@ def test_cached_descriptor_is_the_built_one(dtype, rows):
     assert len(HL._desc_parts) == 4
 
 
+def test_cached_dq_accumulator_descriptor_is_the_built_one():
+    HL._desc_parts.clear()
+    for _ in range(2):                                   # miss, then hits
+        for shape in ((8, 48, 128), (1, 8, 128), (8, 40, 64)):
+            x = torch.empty(shape, dtype=torch.float32)
+            _same_desc(HL.dqa_desc(x, 64), HL._new_dqa_desc(x, 64))
+    assert len(HL._desc_parts) == 3
+
+
 def test_descriptor_key_changes_with_every_input():
     x = torch.randn(2, 4, 48, 128).to(torch.bfloat16)
     base = HL.desc_key(x, 64)

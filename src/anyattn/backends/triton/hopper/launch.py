@@ -78,10 +78,15 @@ def make_desc(x, rows: int):
     """A 4-D TMA descriptor over x [B, H, S, D] with blocks [1, 1, rows, D]: the one
     ``TensorDescriptor(x, ...)`` builds (validated there on a key's first call), its
     non-tensor fields reused per ``desc_key``, the tensor always x itself."""
-    key = desc_key(x, rows)
+    return _cached_desc(desc_key(x, rows), x, rows, _new_desc)
+
+
+def _cached_desc(key, x, rows: int, build):
+    """build(x, rows) on a key's first call; later the same fields over x (see
+    make_desc)."""
     hit = _desc_parts.get(key)
     if hit is None:
-        d = _new_desc(x, rows)
+        d = build(x, rows)
         fields = dict(d.__dict__)
         del fields["base"]
         _desc_parts[key] = hit = (type(d), fields)
@@ -216,7 +221,12 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
 
 def dqa_desc(dqa, rows: int):
     """A 3-D TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
-    [1, rows, D] (the fused backward's bulk copies / reduce-adds)."""
+    [1, rows, D] (the fused backward's bulk copies / reduce-adds); its non-tensor fields
+    cached as make_desc's are."""
+    return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
+
+
+def _new_dqa_desc(dqa, rows: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
