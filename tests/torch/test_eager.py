@@ -273,3 +273,24 @@ def test_drawn_dropout_seed_is_refused_under_graph_capture(monkeypatch):
         at.attention(q, k, v, dropout_p=0.25)
     at.attention(q, k, v, dropout_p=0.25, dropout_seed=3)
     at.attention(q, k, v)
+
+
+def test_backward_gets_no_zero_filled_statistics_gradients(monkeypatch):
+    """The statistics are not differentiable: the backward receives None for them (no
+    zero-filled tensors allocated and filled per step), and the gradients are the bits of
+    the materialised-zeros behaviour (the ops path's)."""
+    seen = []
+    real = eager._Attention.backward
+
+    def spy(ctx, dout, dmax, dlog_norm):
+        seen.append((dmax, dlog_norm))
+        return real(ctx, dout, dmax, dlog_norm)
+
+    monkeypatch.setattr(eager._Attention, "backward", staticmethod(spy))
+    q, k, v, g = _inputs()
+    out, lse = at.attention(q, k, v, mask=anyattn.Causal(), return_lse=True)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert seen == [(None, None)]
+    want = _via_ops(monkeypatch, lambda: torch.autograd.grad(
+        at.attention(q, k, v, mask=anyattn.Causal()), (q, k, v), g))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

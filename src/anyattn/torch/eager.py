@@ -202,11 +202,16 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, sinks, out, row_max, log_norm)
         ctx.problem, ctx.backend, ctx.alibi_slopes = p, be, call.alibi_slopes
         ctx.mark_non_differentiable(row_max, log_norm)
+        # the statistics never get a gradient: without this autograd would hand the
+        # backward two zero-filled [B, Hq, Sq] tensors (2 allocations + 2 fill launches)
+        ctx.set_materialize_grads(False)
         return out, row_max, log_norm
 
     @staticmethod
     @once_differentiable      # no double backward: a second-order grad raises
     def backward(ctx, dout, _dmax, _dlog_norm):
+        if dout is None:          # out took no part in what is differentiated
+            return (None,) * 7
         q, k, v, bias, sinks, out, row_max, log_norm = ctx.saved_tensors
         wrt = frozenset(n for n, on in zip(("q", "k", "v", "bias", "sinks"),
                                            ctx.needs_input_grad[:5]) if on)

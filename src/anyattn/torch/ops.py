@@ -246,10 +246,13 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         outputs = attention_fwd(*inputs)
         _setup_context(ctx, inputs, outputs)
+        ctx.set_materialize_grads(False)   # no zero-filled gradients for the statistics
         return outputs
 
     @staticmethod
     def backward(ctx, dout, dmax, dlog_norm):
+        if dout is None:                   # out took no part in what is differentiated
+            return (None,) * len(ctx.needs_input_grad)
         return _backward(ctx, dout, dmax, dlog_norm)
 
 
