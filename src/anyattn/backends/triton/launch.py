@@ -837,7 +837,7 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec, nparts = pr.prec, pr.nparts
-    with torch.cuda.device(dev) if q.is_cuda else _nullctx():
+    with _on_device(dev):
         if prec in _SCALED:
             sc, sig = _f16_scales(p, q, k, v)
             q, k, v = (_split_half(x, sig[n], g, nparts)
@@ -870,6 +870,17 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+_NULL = _nullctx()
+
+
+def _on_device(dev):
+    """torch.cuda.device(dev) where dev is a CUDA device other than the current one, else a
+    no-op context (the launches already go to the current device; ~3 us less per call)."""
+    if dev.type != "cuda" or dev.index == torch.cuda.current_device():
+        return _NULL
+    return torch.cuda.device(dev)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -909,7 +920,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
     # per (b, h): max (+inf on empty rows) and log2(e) * log_norm side by side (kernels doc)
     l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
-    ctx = torch.cuda.device(dev) if q.is_cuda else _nullctx()
+    ctx = _on_device(dev)
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None, "dsinks": None}
     prec, nparts = pr.prec, pr.nparts
     dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds
