@@ -191,13 +191,37 @@ def graph_step(q, k, v, g, causal, backend):
 
 
 def graph_bits(graph, outs, q, k, v, g, causal, backend):
-    """Whether a replay gives the eager module's out / dq / dk / dv bits."""
+    """What one replay gives against the eager module on the same inputs: whether its
+    out / dq / dk / dv are the eager bits, whether two eager steps agree with each other
+    (eager repeatability at this size), the largest difference per output, and the
+    replay's errors against torch SDPA in fp32 (so a mismatch says wrong or merely
+    different)."""
     graph.replay()
-    qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
-    want = (out,) + torch.autograd.grad(out, (qa, ka, va), g)
+
+    def eager():
+        qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
+        return (out,) + torch.autograd.grad(out, (qa, ka, va), g)
+
+    want, again = eager(), eager()
     torch.cuda.synchronize()
-    return all(torch.equal(a, b) for a, b in zip(outs, want))
+    names = ("out", "dq", "dk", "dv")
+    return dict(
+        graph_same_bits=all(torch.equal(a, b) for a, b in zip(outs, want)),
+        eager_repeat_same_bits=all(torch.equal(a, b) for a, b in zip(want, again)),
+        graph_maxdiff_vs_eager={n: float((a.float() - b.float()).abs().max())
+                                for n, a, b in zip(names, outs, want)},
+        graph_err_vs_sdpa=_errs_vs_sdpa(outs, q, k, v, g, causal))
+
+
+def _errs_vs_sdpa(outs, q, k, v, g, causal):
+    """Relative max-abs errors of (out, dq, dk, dv) against torch SDPA in fp32."""
+    qs, ks, vs = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    refs = (ref,) + torch.autograd.grad(ref, (qs, ks, vs), g.float())
+    return {n: float((a.detach().float() - b.detach().float()).abs().max()
+                     / b.detach().float().abs().max().clamp_min(1e-30))
+            for n, a, b in zip(("out", "dq", "dk", "dv"), outs, refs)}
 
 
 def direct_bits(q, k, v, g, causal, backend):
@@ -233,17 +257,10 @@ def probe_fully_masked(dev):
 
 def check(q, k, v, g, causal, backend):
     """Relative max-abs errors of the module's out/dq/dk/dv against torch SDPA (fp32 math)."""
-    qs, ks, vs = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
-    rgr = torch.autograd.grad(ref, (qs, ks, vs), g.float())
     qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
     agr = torch.autograd.grad(out, (qa, ka, va), g)
-    errs = {}
-    for name, a, b in (("out", out, ref), *zip(("dq", "dk", "dv"), agr, rgr)):
-        a, b = a.detach().float(), b.detach().float()
-        errs[name] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-    return errs
+    return _errs_vs_sdpa((out,) + agr, q, k, v, g, causal)
 
 
 def run(args, on_row=lambda rows: None):
@@ -275,8 +292,7 @@ def run(args, on_row=lambda rows: None):
                 if args.direct:
                     row["direct_same_bits"] = direct_bits(q, k, v, g, causal, args.backend)
                 if graph is not None:
-                    row["graph_same_bits"] = graph_bits(graph, gouts, q, k, v, g, causal,
-                                                        args.backend)
+                    row.update(graph_bits(graph, gouts, q, k, v, g, causal, args.backend))
                 times = time_round_robin(fns, dev, args.reps, args.warmup, args.budget,
                                          args.inner)
                 for name, ts in times.items():
@@ -312,7 +328,8 @@ def run(args, on_row=lambda rows: None):
                          f"bits {row['direct_same_bits']}" if args.direct else "")
                       + (f"; graph: {row['module_graph_ms']:.2f} ms, "
                          f"{100 * row['overhead_graph_vs_kernel']:+.1f}% vs kernel, same "
-                         f"bits {row['graph_same_bits']}" if "module_graph_ms" in row else "")
+                         f"bits {row['graph_same_bits']} (eager repeat {row['eager_repeat_same_bits']}, "
+                         f"replay errs {row['graph_err_vs_sdpa']})" if "module_graph_ms" in row else "")
                       + "); "
                       f"{row['module_tflops'] * 1e3:.1f} GFLOP/s; errs "
                       f"{row.get('err_vs_sdpa')}", flush=True)
