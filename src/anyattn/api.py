@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .arrays import array_kind
+from .arrays import array_kind, dtype_name
 from .backends.registry import choose
 from .masks import Mask
 from .modifiers import ScoreMods
@@ -93,7 +93,7 @@ def _lse_out(stats: RowStats, p: Problem):
     may keep its statistics wider than that (the float64 reference does)."""
     want = "float64" if p.dtype == "float64" else "float32"
     lse = stats.lse
-    if str(lse.dtype).replace("torch.", "") == want:
+    if dtype_name(lse) == want:
         return lse
     if array_kind(lse) == "torch":
         import torch
@@ -172,7 +172,8 @@ def _check_stats(st: RowStats) -> None:
             raise TypeError(f"lse: RowStats.{name} is a {type(x).__name__}; expected an "
                             "array like q")
     if tuple(st.max.shape) != tuple(st.log_norm.shape) or \
-            str(st.max.dtype) != str(st.log_norm.dtype):
+            dtype_name(st.max) != dtype_name(st.log_norm) or \
+            array_kind(st.max) != array_kind(st.log_norm):
         raise ValueError(f"lse: RowStats.max {tuple(st.max.shape)} {st.max.dtype} and "
                          f"log_norm {tuple(st.log_norm.shape)} {st.log_norm.dtype} differ; "
                          "pass the statistics a forward returned")

@@ -200,7 +200,9 @@ def test_problem_cache_gives_the_bits_of_uncached_calls():
         assert all(torch.equal(a, b) for a, b in zip(cached[n], fresh)), n
 
 
-def test_problem_cache_skips_tensor_masks_and_dropout_and_never_skips_a_refusal():
+def test_problem_cache_skips_dropout_and_never_skips_a_refusal():
+    """Dropout (a per-call seed) is never cached; tensor masks are, without their
+    tensors (tests/test_host_caches.py holds them to the uncached bits)."""
     q, k, v, g = _inputs()
     eager._problems.clear()
     keep = torch.rand(2, 1, 13, 17) > 0.3
@@ -208,7 +210,10 @@ def test_problem_cache_skips_tensor_masks_and_dropout_and_never_skips_a_refusal(
     for kw in (dict(mask=anyattn.KeepMask(keep)), dict(mask=anyattn.Documents(ids_q, ids_k)),
                dict(dropout_p=0.2, dropout_seed=5)):
         at.attention(q, k, v, **kw)
-    assert len(eager._problems) == 0
+    assert len(eager._problems) == 2
+    assert all(pf.mask.q_ids is None and pf.mask.keep is None and p.mask.keep is None
+               for p, pf in eager._problems.values()), "no mask tensor is kept"
+    eager._problems.clear()
     at.attention(q, k, v)
     with pytest.raises(ValueError, match="head_dim"):
         at.attention(q, k[..., :8], v[..., :8])

@@ -14,11 +14,14 @@ and its backward runs that backend on the same Problem with ``wrt`` narrowed to 
 autograd asks for: no second validation, the same kernels and formulas as the ops
 (tests/torch/test_eager.py holds the two paths to the same bits).
 
-A repeated call with the same shapes, dtypes, devices and options and a mask without
-tensors (no Documents / KeepMask) and no dropout skips the validation too: its Problem
-is kept per signature (``_problems``, an LRU of ``_PROBLEMS`` entries; the key holds
-every input ``describe`` reads from such a call), since ``describe`` of equal inputs
-gives an equal Problem and raises for none of them.
+A repeated call with the same shapes, dtypes, devices and options and no dropout skips
+the validation too: its Problem is kept per signature (``_problems``, an LRU of
+``_PROBLEMS`` entries; the key holds every input ``describe`` reads from such a call),
+since ``describe`` of equal inputs gives an equal Problem and raises for none of them.
+A Documents / KeepMask mask enters the key by its tensors' shapes, dtypes and devices
+only (all ``describe`` reads of them); the kept Problem is then re-masked with this
+call's tensors (:func:`_remask`, a fresh ``ResolvedMask``, so nothing derived from the
+ids' or keep mask's contents, e.g. a tile map, outlives the call that made it).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import api
 from ..backends.registry import choose
+from ..masks import ResolvedMask
 from ..modifiers import NO_MODS
 from ..problem import describe
 from ..rowstats import RowStats
@@ -103,15 +107,50 @@ def _sig(x):
     return None if x is None else (x.shape, x.dtype, x.device)
 
 
+def _mask_sig(m: LoweredMask):
+    """What ``describe`` reads of the mask's tensors (shapes; keep's device), as a key
+    part; None for none; False when :func:`_remask` could not rebuild what ``resolve``
+    makes of them (ids not 2-D, keep not 4-D: ``resolve`` would reshape them)."""
+    if m.q_ids is None and m.keep is None:
+        return None
+    if (m.q_ids is not None and (m.q_ids.ndim != 2 or m.k_ids.ndim != 2)) or \
+            (m.keep is not None and m.keep.ndim != 4):
+        return False
+    return (_sig(m.q_ids), _sig(m.k_ids), _sig(m.keep))
+
+
 def _signature(call: _Call, q, k, v, bias, sinks, wrt):
     """Every input ``describe`` reads from this call, or None when its Problem would hold
-    a tensor or a per-call value (a Documents / KeepMask mask, a dropout seed)."""
+    a per-call value (a dropout seed) or a mask ``_remask`` cannot rebuild."""
     m = call.mask
-    if m.q_ids is not None or m.keep is not None or call.dropout_p:
+    ms = _mask_sig(m)
+    if ms is False or call.dropout_p:
         return None
     return (_sig(q), _sig(k), _sig(v), _sig(bias), _sig(sinks), _sig(call.alibi_slopes),
-            m.band_lo, m.band_hi, call.scale, call.precision, call.q_offset, call.k_offset,
-            call.softcap, wrt)
+            m.band_lo, m.band_hi, ms, call.scale, call.precision, call.q_offset,
+            call.k_offset, call.softcap, wrt)
+
+
+#: where _mask_sig's part sits in a signature
+_MASK_AT = 8
+
+
+def _remask(res, q_ids, k_ids, keep):
+    """A kept (Problem, forward Problem) with these mask tensors: a fresh
+    ``ResolvedMask`` equal to what ``resolve`` gives for them (one 2-D ids pair, one 4-D
+    keep, band already shifted by the offsets in the key; no keep_key for torch
+    tensors), with an empty tile-map memo."""
+    p, pf = res
+    old = p.mask
+    rm = ResolvedMask(sq=old.sq, sk=old.sk, band_lo=old.band_lo, band_hi=old.band_hi,
+                      q_ids=q_ids, k_ids=k_ids, keep=keep)
+    p2 = copy.copy(p)
+    object.__setattr__(p2, "mask", rm)
+    if pf is p:
+        return p2, p2
+    pf2 = copy.copy(pf)
+    object.__setattr__(pf2, "mask", rm)
+    return p2, pf2
 
 
 def _describe(key, call: _Call, q, k, v, bias, sinks, wrt):
@@ -124,7 +163,10 @@ def _describe(key, call: _Call, q, k, v, bias, sinks, wrt):
                 _problems.move_to_end(key)
             except KeyError:     # dropped by another thread meanwhile: still valid
                 pass
-            return hit
+            if key[_MASK_AT] is None:
+                return hit
+            m = call.mask
+            return _remask(hit, m.q_ids, m.k_ids, m.keep)
     p = describe(q, k, v, mask=call.mask, bias=bias, scale=call.scale,
                  precision=call.precision, wrt=wrt or None, q_offset=call.q_offset,
                  k_offset=call.k_offset, softcap=call.softcap,
@@ -132,7 +174,9 @@ def _describe(key, call: _Call, q, k, v, bias, sinks, wrt):
                  dropout_seed=call.dropout_seed)
     res = (p, _with_wrt(p, frozenset()) if p.wrt else p)
     if key is not None:
-        _problems[key] = res
+        # kept without the mask's tensors (a keep mask may be large; nothing of this
+        # call's contents is kept): _remask puts the next call's in
+        _problems[key] = res if key[_MASK_AT] is None else _remask(res, None, None, None)
         try:
             while len(_problems) > _PROBLEMS:
                 _problems.popitem(last=False)
