@@ -14,9 +14,11 @@ import operator
 from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterable, Optional, Tuple
 
+import numpy as np
+
 from .arrays import array_kind, device_name, dtype_name
 from .dropout import U32_LIMIT, check_dropout
-from .masks import Mask, ResolvedMask, resolve
+from .masks import AndMask, Causal, Mask, ResolvedMask, Window, resolve
 
 __all__ = ["Problem", "describe", "FLOAT_DTYPES", "PRECISIONS", "GRAD_NAMES"]
 
@@ -220,12 +222,88 @@ def _check_mod_array(name: str, x, kind: str, dt: str, dev: str,
     return shape
 
 
+#: signature -> Problem of the calls ``describe`` accepted whose Problem holds no array
+#: (a mask of band terms only; see :func:`_signature`); cleared when full.
+_PROBLEMS: dict = {}
+_PROBLEMS_MAX = 256
+#: mask types whose Problem part is a pure function of their (hashable, by-value) fields
+_BAND_MASKS = (Causal, Window)
+#: scalar argument types keyed by value (bool apart from int: describe refuses it where
+#: it wants an int); anything else (np.int64, 0-d arrays, Fractions...) is not cached
+_PLAIN = (type(None), int, float, str, bool)
+
+
+def _arr_sig(x):
+    """Everything ``describe`` reads of an array: its type (NumPy masked arrays, torch,
+    device arrays), shape, dtype (byte order included) and device."""
+    if x is None:
+        return None
+    t = type(x)
+    if t is np.ndarray:
+        return (x.shape, x.dtype)          # always 'cpu'
+    return (t, tuple(x.shape), x.dtype, device_name(x))
+
+
+def _scalar_sig(v):
+    t = type(v)
+    if t not in _PLAIN:
+        raise _Uncached
+    if t is float:
+        return (t, v, math.copysign(1.0, v))      # -0.0 apart from 0.0
+    return (t, v)
+
+
+class _Uncached(Exception):
+    """An argument the signature cannot hold: describe runs in full."""
+
+
+def _mask_sig(mask):
+    if mask is None:
+        return None
+    t = type(mask)
+    if t in _BAND_MASKS:
+        return mask
+    if t is AndMask and all(type(m) in _BAND_MASKS for m in mask.terms):
+        return mask
+    raise _Uncached
+
+
+def _signature(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
+               k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed):
+    """Every input ``describe`` reads, by value (arrays: type, shape, dtype, device;
+    never their contents: a Problem cached here holds no array), or None when one of
+    them cannot be keyed (a Documents / KeepMask mask, an iterator ``wrt``, a scalar of
+    another type)."""
+    try:
+        if wrt is not None and type(wrt) is not str:
+            if type(wrt) not in (tuple, list, frozenset):
+                return None
+            wrt = (type(wrt), tuple(wrt) if type(wrt) is not frozenset else wrt)
+        return (_arr_sig(q), _arr_sig(k), _arr_sig(v), _arr_sig(dout), _arr_sig(out),
+                _arr_sig(lse), _mask_sig(mask), _arr_sig(bias), _scalar_sig(scale),
+                _scalar_sig(precision), wrt, _scalar_sig(q_offset), _scalar_sig(k_offset),
+                _scalar_sig(softcap), _arr_sig(alibi_slopes), _arr_sig(sinks),
+                _scalar_sig(dropout_p), _scalar_sig(dropout_seed))
+    except (_Uncached, AttributeError, TypeError):   # not an array: describe says so
+        return None
+
+
+def clear_cache() -> None:
+    """Forget the Problems kept per signature (tests)."""
+    _PROBLEMS.clear()
+
+
 def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = None,
              bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
              wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
              k_offset: int = 0, softcap: Optional[float] = None, alibi_slopes=None,
              sinks=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None) -> Problem:
     """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem.
+
+    A call equal to an accepted one in everything validation reads (array types, shapes,
+    dtypes, devices; scalars by type and value; a mask of Causal / Window terms) gets
+    that call's Problem back without the checks (frozen, it holds no array); a call
+    with a Documents / KeepMask mask is validated in full every time.
 
     ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
     None describes a forward.  A backward (``dout`` given) with ``wrt=None`` is a
@@ -235,6 +313,27 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
     16/32-bit inputs, float64 for float64).  NumPy masked arrays and non-native byte
     orders are refused (the mask / the byte order would be misread).
     """
+    key = _signature(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
+                     k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+    if key is not None:
+        try:
+            p = _PROBLEMS.get(key)
+        except TypeError:       # an unhashable part (a shape or dtype of an odd array)
+            key = p = None
+        if p is not None:
+            return p
+    p = _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
+                  k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+    if key is not None:
+        if len(_PROBLEMS) >= _PROBLEMS_MAX:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = p
+    return p
+
+
+def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
+              k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed) -> Problem:
+    """describe's checks, in full."""
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
     _check_tensor("v", v, kind)

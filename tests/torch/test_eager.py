@@ -202,7 +202,7 @@ def test_problem_cache_gives_the_bits_of_uncached_calls():
 
 def test_problem_cache_skips_dropout_and_never_skips_a_refusal():
     """Dropout (a per-call seed) is never cached; tensor masks are, without their
-    tensors (tests/test_host_caches.py holds them to the uncached bits)."""
+    tensors (tests/core/test_host_caches.py holds them to the uncached bits)."""
     q, k, v, g = _inputs()
     eager._problems.clear()
     keep = torch.rand(2, 1, 13, 17) > 0.3

@@ -35,7 +35,8 @@ from ..problem import Problem
 from .base import Backend, BackendUnavailable
 
 __all__ = ["BACKEND_NAMES", "Entry", "ENTRIES", "get_backend", "choose", "describe_backends",
-           "available_backends", "unavailable_reason", "reach_reasons", "auto_array_kinds"]
+           "available_backends", "unavailable_reason", "reach_reasons", "auto_array_kinds",
+           "clear_choices"]
 
 _F16_32 = frozenset({"float16", "bfloat16", "float32"})
 _ALL = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -172,8 +173,41 @@ def available_backends() -> List[str]:
     return [n for n, why in describe_backends() if why is None]
 
 
+#: (Problem, backend argument, TRITON_INTERPRET) -> the backend ``choose`` gave.  Only
+#: Problems that hold no array (describe's memo hands the same one back per signature);
+#: a refusal is never kept.  What a choice reads besides the Problem: the name, that
+#: variable (the Triton backend's CPU devices) and the backends' availability, taken as
+#: fixed once a backend has computed a call (clear_choices() forgets).
+_choices: Dict[tuple, Backend] = {}
+_CHOICES_MAX = 256
+
+
+def clear_choices() -> None:
+    """Forget the kept choices (tests; a backend's availability changed at run time)."""
+    _choices.clear()
+
+
 def choose(p: Problem, backend: Optional[str] = None) -> Backend:
     """The backend that computes ``p``: the named one (or an exception), else the first able."""
+    key = None
+    if p.mask.q_ids is None and p.mask.keep is None:
+        key = (p, backend, os.environ.get("TRITON_INTERPRET"))
+        try:
+            be = _choices.get(key)
+        except TypeError:                 # an unhashable backend argument: refused below
+            key = be = None
+        if be is not None:
+            return be
+    be = _choose(p, backend)
+    if key is not None:
+        if len(_choices) >= _CHOICES_MAX:
+            _choices.clear()
+        _choices[key] = be
+    return be
+
+
+def _choose(p: Problem, backend: Optional[str]) -> Backend:
+    """choose's decision, in full."""
     if backend is not None:
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a name from {BACKEND_NAMES} or None, got "
