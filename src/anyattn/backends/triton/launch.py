@@ -30,6 +30,7 @@ import torch
 from ...dropout import keep_scale, threshold
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag
 from ...rowstats import RowStats
+from .device_ctx import on_device
 from . import configs as C
 from . import kernels as K
 from . import prepared as P
@@ -112,7 +113,7 @@ def _split_parts(x, n: int):
     B, H, S, D = x.shape
     out = torch.empty((B, H, S, n * D), dtype=torch.bfloat16, device=x.device)
     bm = 32
-    with torch.cuda.device(x.device) if x.is_cuda else _nullctx():
+    with on_device(x.device):
         K._split_kernel[(_cdiv(S, bm), B * H)](x, out, *_s3(x), H, S, D=D,
                                                       DP=C.padded_dim(D), NP=n, BM=bm)
     return out
@@ -324,7 +325,7 @@ def _drop_args(p, dev, draw: bool = True) -> tuple:
     seed = int(p.dropout_seed)
     dw = torch.empty(Sk + B * H * Sq, dtype=torch.int32, device=dev)
     bl = 128
-    with torch.cuda.device(dev) if dw.is_cuda else _nullctx():
+    with on_device(dev):
         K._drop_words_kernel[(_cdiv(max(Sq, Sk, 1), bl), 1 + B * H)](
             dw, H, Sq, Sk, _u32_bits(p.q_offset), _u32_bits(p.k_offset),
             _u32_bits(seed & 0xFFFFFFFF), _u32_bits(seed >> 32), BLOCK=bl)
@@ -837,7 +838,7 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec, nparts = pr.prec, pr.nparts
-    with _on_device(dev):
+    with on_device(dev):
         if prec in _SCALED:
             sc, sig = _f16_scales(p, q, k, v)
             q, k, v = (_split_half(x, sig[n], g, nparts)
@@ -862,25 +863,6 @@ def forward(p, q, k, v, bias, plan: Optional[C.Plan] = None,
 
         _run(pr, "fwd", K._fwd_kernel, args, first)
     return out, RowStats(stats[0], stats[1])
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-_NULL = _nullctx()
-
-
-def _on_device(dev):
-    """torch.cuda.device(dev) where dev is a CUDA device other than the current one, else a
-    no-op context (the launches already go to the current device; ~3 us less per call)."""
-    if dev.type != "cuda" or dev.index == torch.cuda.current_device():
-        return _NULL
-    return torch.cuda.device(dev)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -920,7 +902,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
     # per (b, h): max (+inf on empty rows) and log2(e) * log_norm side by side (kernels doc)
     l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
-    ctx = _on_device(dev)
+    ctx = on_device(dev)
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None, "dsinks": None}
     prec, nparts = pr.prec, pr.nparts
     dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds

@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ....rowstats import RowStats
+from ..device_ctx import on_device
 from . import configs as HC
 
 __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "dkdv", "backward_fused",
@@ -103,25 +104,6 @@ def _cached_desc(key, x, rows: int, build):
     return d
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-_NULL = _nullctx()
-
-
-def _on_device(dev):
-    """torch.cuda.device(dev) where dev is a CUDA device other than the current one, else a
-    no-op context (the launch already goes to the current device)."""
-    if dev.type != "cuda" or dev.index == torch.cuda.current_device():
-        return _NULL
-    return torch.cuda.device(dev)
-
-
 class FwdLaunch:
     """One forward launch of a call signature (prepare_forward): config, grid, scalars,
     constexprs and output shapes; called with the call's q, k, v [B, H(kv), S, D] it
@@ -160,7 +142,7 @@ class FwdLaunch:
         if stats is None:
             stats = torch.empty(self.stats_shape, dtype=torch.float32, device=dev)
         rq, rk = self.q_rows, self.cfg.bn
-        with _on_device(dev):
+        with on_device(dev):
             self.kernel[self.grid](make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
                                    make_desc(out, rq), stats, *self.args, **self.kw)
         return out, RowStats(stats[0], stats[1])
