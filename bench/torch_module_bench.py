@@ -169,7 +169,11 @@ def variants(q, k, v, g, causal, backend, direct=False):
 
 def graph_step(q, k, v, g, causal, backend):
     """(CUDAGraph, its static (out, dq, dk, dv)) of one module step captured after three
-    warm-up steps on a side stream, on static copies of q, k, v, g."""
+    warm-up steps on a side stream, on static copies of q, k, v, g.  The static inputs
+    ride on the graph (``graph.static_inputs``): a replay reads them by address, so they
+    must live as long as the graph.  (Session 6's version let them go when this function
+    returned; the next eager call's allocations then took their memory and the replay
+    read someone else's data: the "replay != eager bits" of the 21:47 UTC run.)"""
     mask = Causal() if causal else None
     sq, sk, sv = (x.detach().clone().requires_grad_() for x in (q, k, v))
     sg = g.clone()
@@ -187,6 +191,7 @@ def graph_step(q, k, v, g, causal, backend):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
+    graph.static_inputs = (sq, sk, sv, sg)
     return graph, outs
 
 

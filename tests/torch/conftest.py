@@ -16,9 +16,12 @@ CPU_BACKEND = os.environ.get("ANYATTN_TORCH_TEST_BACKEND") or (
 
 
 @pytest.fixture(autouse=True)
-def _cpu_backend():
+def _test_backend(request):
+    """CPU tests: CPU_BACKEND by name.  Tests marked ``gpu``: automatic dispatch (the
+    triton backend for CUDA tensors)."""
     import anyattn.torch as at
 
     torch.manual_seed(0)
-    with at.use_backend(CPU_BACKEND):
+    name = None if request.node.get_closest_marker("gpu") is not None else CPU_BACKEND
+    with at.use_backend(name):
         yield

@@ -10,12 +10,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _cuda_backend():
-    with at.use_backend(None):   # automatic: triton for CUDA tensors
-        yield
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_sdpa_on_cuda(dtype, tol, causal):
