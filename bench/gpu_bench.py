@@ -450,13 +450,24 @@ def sdpa_fn(backend, causal, mask=None):
     return f
 
 
+def _flex_compiled():
+    """torch.compile(flex_attention) that time_autograd can time: its bwd column calls
+    autograd.grad on a retained graph, which a compiled backward with donated buffers
+    refuses (torch 2.11; donated buffers only save memory), so they are turned off."""
+    from torch.nn.attention.flex_attention import flex_attention
+    import torch._functorch.config as ftc
+
+    ftc.donated_buffer = False
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def phase_bench(plan_rows, flex_dense, with_sdpa=True):
     """plan_rows: [(precision key, head dims, sequence lengths)]."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     torch._dynamo.config.recompile_limit = 10_000
     torch._dynamo.config.accumulated_recompile_limit = 10_000
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = _flex_compiled()
     for row_spec in plan_rows:
         pk, dims, seqs = row_spec[:3]
         env = row_spec[3] if len(row_spec) > 3 else {}
@@ -500,9 +511,9 @@ def phase_bench(plan_rows, flex_dense, with_sdpa=True):
 
 
 def phase_masked(precs=("bf16", "fp32"), with_flex=True, fp32_masks=False):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = _flex_compiled()
     b, h, s, d = 4, 16, 4096, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     for pk in precs:
@@ -645,11 +656,10 @@ def _ab_row(case, b, h, s, d, kind, dtype, variants, with_flex, flex, gen, bias_
 def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
     """A/B timings.  Groups: dense / masked (fused vs two launches, + Flex), dbias (dbias
     kernel configs), bias (in-place dbias sum vs recompute, dq configs), fp32, variants."""
-    from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.config.recompile_limit = 10_000
     torch._dynamo.config.accumulated_recompile_limit = 10_000
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = _flex_compiled()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     two = {"fused": ({}, None), "two_launch": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, None)}
