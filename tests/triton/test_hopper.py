@@ -104,6 +104,11 @@ def test_backward_configs_are_data():
         HCF.HopperBwdConfig(128, 64, 2, dq=True)
     with pytest.raises(ValueError, match="dq=True"):
         HCF.HopperBwdConfig(128, 64, 2, fused=True, defer=True)
+    assert HCF.HopperBwdConfig(128, 64, 2, ws=True, pingpong=True).name == "wdkdv128x64s2p"
+    with pytest.raises(ValueError, match="warp-specialised"):
+        HCF.HopperBwdConfig(128, 32, 2, ws=True)
+    with pytest.raises(ValueError, match="ws=True"):
+        HCF.HopperBwdConfig(128, 64, 2, pingpong=True)
     for d in (64, 128):
         for c in [HCF.bwd_config(d)] + HCF.BWD_VARIANTS[d]:
             assert c.smem_bytes(d) <= 227 * 1024, c.name
@@ -229,7 +234,11 @@ def _compile_counts(expr):
     # the fused backward with dQ: dK, dV and the first dQ partial of a query tile
     # (the later ones are bulk reduce-adds, UTMAREDG)
     ("O.compile_dkdv('bfloat16', 64, True, C.HopperBwdConfig(128, 64, 2, fused=True, dq=True))",
-     3)])
+     3),
+    # the warp-specialised dK/dV: dK and dV of each consumer's 64 key rows
+    ("__import__('anyattn.backends.triton.hopper.bwd_offline', fromlist=['_'])"
+     ".compile_dkdv_ws('bfloat16', 64, True, C.HopperBwdConfig(128, 64, 2, ws=True, "
+     "pingpong=True))", 4)])
 def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
     """The kernels compile for sm_90a here (no GPU) and their SASS holds warpgroup MMAs
     (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory; the

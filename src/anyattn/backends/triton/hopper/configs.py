@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
-           "FWD_VARIANTS", "BWD_VARIANTS"]
+           "FWD_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -130,21 +130,35 @@ class HopperBwdConfig:
     #: dq: a tile's turn wait and bulk add issued at the next tile's start, under its
     #: S / dP products (bwd_fused_kernel module doc), not right after its dQ product
     defer: bool = False
+    #: warp-specialised dK/dV (bwd_ws_kernel: a TMA producer warp, two consumer
+    #: warpgroups of bn / 2 key rows at ``consumer_regs`` registers); ``pingpong``: the
+    #: consumers take turns to issue their S / dP pair
+    ws: bool = False
+    consumer_regs: int = 240
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.dq and not self.fused:
             raise ValueError(f"{self.name}: only the fused kernel computes dq")
         if self.defer and not self.dq:
             raise ValueError(f"{self.name}: defer schedules the in-kernel dq (dq=True)")
+        if self.ws and (self.fused or self.bn != 128 or self.bm != 64):
+            raise ValueError(f"{self.name}: the warp-specialised dK/dV kernel runs bn 128 "
+                             "(two consumers of 64 key rows), bm 64, dK/dV only")
+        if self.pingpong and not self.ws:
+            raise ValueError(f"{self.name}: pingpong orders the warp-specialised "
+                             "kernel's consumers (ws=True)")
 
     @property
     def name(self) -> str:
-        """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ; 'd': defer)."""
-        return (f"{'f' if self.fused else ''}dkdv{'q' if self.dq else ''}"
-                f"{self.bn}x{self.bm}s{self.stages}{'d' if self.defer else ''}")
+        """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ; 'd': defer) /
+        'wdkdv128x64s2p' (warp-specialised, 'p': ping-pong)."""
+        return (f"{'f' if self.fused else ''}{'w' if self.ws else ''}dkdv"
+                f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
+                f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
-        extra = 2 * elem * self.bm * self.bn if self.fused else 0
+        extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
         extra += 4 * self.bm * d if self.dq else 0       # the staged fp32 dQ partial
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
@@ -177,6 +191,14 @@ BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True
                      HopperBwdConfig(128, 64, 2, fused=True, dq=True)],
                 128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                       HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128]]}
+#: session 7: the warp-specialised dK/dV (bwd_ws_kernel; 'w', 'p': ping-pong turns),
+#: D -> its variants (checked by the GPU tests with the others, timed by
+#: bench/gpu_hopper_bwd.py)
+WS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True),
+                       HopperBwdConfig(128, 64, 2, ws=True, pingpong=True),
+                       HopperBwdConfig(128, 64, 3, ws=True, pingpong=True)] for d in (64, 128)}
+for _d, _v in WS_BWD_VARIANTS.items():
+    BWD_VARIANTS[_d] = BWD_VARIANTS[_d] + _v
 
 
 def bwd_config(d: int) -> HopperBwdConfig:
