@@ -52,10 +52,12 @@ def main():
         ys = [r["tflops"].get(n, 0.0) for r in rows]
         ax.bar([x + i * w for x in range(len(rows))], ys, w, label=label.get(n, n))
     ax.set_xticks([x + 0.4 - w / 2 for x in range(len(rows))])
-    ax.set_xticklabels([f"B{r['B']} H{r['H']}\nS{r['S']} D{r['D']}\n"
-                        f"{'causal' if r['causal'] else 'full'}" for r in rows], fontsize=8)
-    ax.set_ylabel("TFLOP/s (FA convention)")
     m = res.get("meta", {})
+    # the dtype where the JSON records one (per row, else for the run); older files don't
+    ax.set_xticklabels([f"B{r['B']} H{r['H']}\nS{r['S']} D{r['D']}\n"
+                        f"{'causal' if r['causal'] else 'full'} {r.get('dtype') or m.get('dtype') or ''}"
+                        .rstrip() for r in rows], fontsize=8)
+    ax.set_ylabel("TFLOP/s (FA convention)")
     roof = m.get("bf16_gemm_tflops")
     ax.set_title(f"Hopper {'forward' if a.part == 'fwd' else 'backward'}, {m.get('device', '')} "
                  f"{m.get('date', '')}, torch {m.get('torch', '')}, triton {m.get('triton', '')}"
