@@ -304,10 +304,19 @@ def run(args):
                 row["check_s"] = round(time.perf_counter() - t0, 1)
                 # timing
                 row["ms"] = {}
-                for nm, (fn, var) in impls.items():
-                    _set_variant(var)
-                    row["ms"][nm] = time_impl(fn, q, k, v, g, tiny)
-                _set_variant(None)
+                names = list(impls)
+                reps = {nm: [] for nm in names}
+                for rep in range(max(1, args.repeat)):   # rotating order: rep r starts at r
+                    for nm in names[rep % len(names):] + names[:rep % len(names)]:
+                        fn, var = impls[nm]
+                        _set_variant(var)
+                        reps[nm].append(time_impl(fn, q, k, v, g, tiny))
+                    _set_variant(None)
+                for nm in names:
+                    row["ms"][nm] = {key: statistics.median(r[key] for r in reps[nm])
+                                     for key in reps[nm][0]}
+                if args.repeat > 1:
+                    row["ms_reps"] = reps
                 if not tiny and S == 4096 and D == 128 and args.cudnn and kind == "sliding:512":
                     km = keep[None, None]
                     try:
@@ -347,25 +356,42 @@ def run(args):
     return res
 
 
+_COV0 = None     # hopper/coverage.py's forward row as imported (the variants' base)
+
+
 def _set_variant(var):
     """A named anyattn variant (bench A/B), '+'-joined tokens: 'lists' / 'ranges' (the
-    triton launcher's mask lowering, launch.set_mask_lowering) and 'fwdBMxBN' (the
-    portable forward's tiles for bf16, e.g. fwd128x64); None restores the defaults."""
+    triton launcher's mask lowering, launch.set_mask_lowering), 'fwdBMxBN' (the
+    portable forward's tiles for bf16, e.g. fwd128x64) and 'hopfwd' / 'portfwd'
+    (Documents / KeepMask forwards routed to the Hopper forward / kept portable:
+    hopper/coverage.py's auto_mask_classes); None restores the defaults."""
+    import dataclasses
+
     from anyattn.backends.triton import configs as C
     from anyattn.backends.triton import launch
+    from anyattn.backends.triton.hopper import coverage as HCOV
 
+    global _COV0
+    if _COV0 is None:
+        _COV0 = HCOV.COVERAGE["forward"]
+    HCOV.COVERAGE["forward"] = _COV0
     setter = getattr(launch, "set_mask_lowering", None)
     lowering, fields = None, {}
     for tok in (var or "").split("+"):
         if not tok:
             continue
-        if tok.startswith("fwd") and "x" in tok:
+        if tok in ("hopfwd", "portfwd"):
+            routed = (_COV0.mask_classes if tok == "hopfwd"
+                      else frozenset({"none", "band"}))
+            HCOV.COVERAGE["forward"] = dataclasses.replace(_COV0, auto_mask_classes=routed)
+        elif tok.startswith("fwd") and "x" in tok:
             bm, bn = (int(x) for x in tok[3:].split("x"))
             fields["fwd"] = C.KernelConfig(bm, bn, 8, 3)
         elif tok in ("lists", "ranges"):
             lowering = tok
         else:
-            raise ValueError(f"variant token {tok!r}: expected lists, ranges or fwdBMxBN")
+            raise ValueError(f"variant token {tok!r}: expected lists, ranges, fwdBMxBN, "
+                             "hopfwd or portfwd")
     if setter is None and lowering is not None:
         raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
     if setter is not None:
@@ -446,6 +472,9 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", default="",
                     help="comma-separated launch.set_mask_lowering names timed side by side")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time every implementation this many times in rotating order "
+                         "(medians reported, each pass kept in ms_reps)")
     ap.add_argument("--no-cudnn", dest="cudnn", action="store_false")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (numpy backend, eager Flex)")

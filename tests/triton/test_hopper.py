@@ -49,12 +49,16 @@ def test_coverage_reasons_name_what_is_missing(monkeypatch):
     assert HCOV.supports(p, "backward") is None
     for kw, word in ((dict(dtype=torch.float32), "dtype float32"), (dict(D=96), "head_dim 96"),
                      (dict(D=64), "head_dim 64"),
-                     (dict(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))), "mask class documents"),
                      (dict(bias=torch.zeros(1, 1, 8, 8)), "bias"),
                      (dict(softcap=30.0), "softcap")):
         p = _problem(**kw)
         object.__setattr__(p, "device", "cuda:0")
         assert word in HCOV.supports(p, "forward"), (kw, HCOV.supports(p, "forward"))
+    # Documents: covered by the forward (session 7), not by the backward
+    p = _problem(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
+    object.__setattr__(p, "device", "cuda:0")
+    assert HCOV.supports(p, "forward") is None
+    assert "mask class documents" in HCOV.supports(p, "backward")
     monkeypatch.setattr(HCOV, "_capability", lambda dev: (8, 0))
     p = _problem()
     object.__setattr__(p, "device", "cuda:0")

@@ -148,7 +148,8 @@ def _expected(p, q, k, v, out, stats):
     rq, rk = fresh.q_rows, fresh.cfg.bn
     descs = (HL._new_desc(q, rq), HL._new_desc(k, rk), HL._new_desc(v, rk),
              HL._new_desc(out, rq))
-    return fresh.grid, descs + (stats,) + fresh.args, fresh.kw
+    marr, kw = fresh.mask_args(q, p)     # placeholders here (no Documents / KeepMask)
+    return fresh.grid, descs + (stats,) + fresh.args + marr, kw
 
 
 @pytest.mark.parametrize("mask", [None, aa.Causal(), aa.Window(5, 3)])

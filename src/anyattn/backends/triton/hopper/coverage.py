@@ -29,6 +29,9 @@ class Coverage:
     #: correct on what it covers but measured slower than the portable path; only
     #: ANYATTN_TRITON_PATH=hopper runs it)
     auto: bool = True
+    #: the mask classes 'auto' routes here (None: every covered one); the others are
+    #: covered but measured no faster than the portable path
+    auto_mask_classes: Optional[FrozenSet[str]] = None
 
 
 #: direction -> coverage (None: no Hopper kernel for that direction yet)
@@ -43,7 +46,14 @@ COVERAGE = {
                         # without a mask but 0.63-0.97x causal, the 2-consumer one
                         # 0.89-0.98x: it stays portable until it wins on both
                         head_dims=frozenset({128}),
-                        mask_classes=frozenset({"none", "band"})),
+                        # Documents / KeepMask (session 7): the range table at the 128 x
+                        # 128 tile, the id compare / keep bytes on edge tiles only
+                        # (fwd_masks.py); routed by 'auto' only where the H200 showed it
+                        # faster than the portable forward (docs/perf/LOG.md session 7)
+                        mask_classes=frozenset({"none", "band", "documents", "keep",
+                                                "band+documents", "band+keep",
+                                                "documents+keep", "band+documents+keep"}),
+                        auto_mask_classes=frozenset({"none", "band"})),
     # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
     # dK/dV kernel (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not routed
     # by 'auto': timed end to end on the H200 (2026-12-03 21:22 UTC, docs/perf/hopper-bwd-
@@ -76,10 +86,14 @@ def _capability(device: str) -> Tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def routed_by_default(direction: str) -> bool:
-    """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` to Hopper."""
+def routed_by_default(direction: str, mask_class: Optional[str] = None) -> bool:
+    """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` (with a mask
+    of ``mask_class``; None: the direction as a whole) to Hopper."""
     cov = COVERAGE.get(direction)
-    return cov is not None and cov.auto
+    if cov is None or not cov.auto:
+        return False
+    return (mask_class is None or cov.auto_mask_classes is None
+            or mask_class in cov.auto_mask_classes)
 
 
 def _tensor_reason(name: str, x) -> Optional[str]:

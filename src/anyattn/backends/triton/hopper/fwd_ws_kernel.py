@@ -30,14 +30,18 @@ Key-loop schedules (constexpr, configs.HopperConfig.overlap / .pingpong):
       loops of their own, the unmasked ones in a hot loop without mask code; PSMEM: P
       through shared memory (two stages per consumer) instead of registers.
 No CTA-wide barrier in the loop.  The numerics, band ranges, masks and the epilogue are
-those of fwd_kernel (its module doc).
+those of fwd_kernel (its module doc).  Documents / KeepMask (ARRAY): the key range of a
+program is read from a block-range table at its BM x BN tile instead of computed from the
+band (the producer walks it by tile index as before); the consumers apply the id compare
+/ keep bytes on the edge tiles only (fwd_masks), composed with the band there.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from .fwd_kernel import _softmax_tile, key_tile_range
+from .fwd_kernel import key_tile_range
+from .fwd_masks import softmax_tile_masked
 
 __all__ = ["fwd_ws_kernel"]
 
@@ -83,10 +87,11 @@ def _turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr)
 
 @gluon.jit
 def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l_i, zero_s,
-                 n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                 n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
                  HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                  D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
-                 EXP_FMA: gl.constexpr):
+                 EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+                 HAS_KEEP: gl.constexpr):
     """Per tile: S = Q.K^T, wait (S and the previous P.V), softmax, issue P.V.
     -> acc [RM, D] (done), l_i, m_i [RM]."""
     for it in range(0, n):
@@ -100,8 +105,10 @@ def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l
         mbarrier.arrive(k_empty.index(stg), count=1)          # K(it) read: refill it
         if it > 0:                                            # P.V(it - 1) done
             mbarrier.arrive(v_empty.index((it - 1) % STAGES), count=1)
-        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb,
-                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA)
+        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb,
+                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
+                                                 DOCS, HAS_KEEP)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
         mbarrier.wait(v_bar.index(stg), ph)
@@ -112,11 +119,12 @@ def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l
 
 @gluon.jit
 def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc, m_i, l_i,
-                  zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                  zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
                   WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-                  EXP_FMA: gl.constexpr):
+                  EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+                  HAS_KEEP: gl.constexpr):
     """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
     ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
     Tile 0's S before the loop, the last P.V after it.  -> acc [RM, D] (done), l_i, m_i."""
@@ -130,8 +138,10 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb,
-                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA)
+        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
+                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
+                                                 DOCS, HAS_KEEP)
         p16 = gl.convert_layout(p.to(dt), p_l)           # acc is 0: no rescale needed
     for it in range(1, n):
         stg = it % STAGES
@@ -146,9 +156,10 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # S_it done; P.V(it - 1) may run
         mbarrier.arrive(k_empty.index(stg), count=1)
-        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
-                                           offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN,
-                                           EXP_FMA)
+        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
+                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
+                                                 DOCS, HAS_KEEP)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
         mbarrier.arrive(v_empty.index(pst), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -163,11 +174,12 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 
 @gluon.jit
 def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, p16,
-             m_i, l_i, zero_s, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+             m_i, l_i, zero_s, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
              dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr,
              NC: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
-             PSMEM: gl.constexpr, MASK: gl.constexpr):
+             PSMEM: gl.constexpr, MASK: gl.constexpr, ARRAY: gl.constexpr,
+             DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """Tile it >= 1 of the overlapped schedule: issue S_it and O += P_{it-1}.V_{it-1},
     softmax of it (MASK: _softmax_tile's) while P.V runs, wait, rescale O.  P_{it-1}:
     p16 [RM, BN] in registers, or (PSMEM) p_buf [2 * NC, RM, BN] stage 2 * WG + (it - 1) % 2
@@ -189,8 +201,9 @@ def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf
     _turn_pass(turn, WG, NC, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))              # S_it done; P.V(it - 1) may run
     mbarrier.arrive(k_empty.index(stg), count=1)
-    p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb, offs_nb,
-                                       Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA, MASK)
+    p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
+                                             offs_nb, Sq, Sk, lo, hi, qk_scale, am, HAS_BAND,
+                                             BN, EXP_FMA, MASK, ARRAY, DOCS, HAS_KEEP)
     if PSMEM:
         p_buf.index(2 * WG + it % 2).store(p.to(dt))
         fence_async_shared()
@@ -207,11 +220,12 @@ def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf
 
 @gluon.jit
 def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, m_i,
-                l_i, zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                l_i, zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
                 HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                 D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
                 WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-                EXP_FMA: gl.constexpr, PSMEM: gl.constexpr):
+                EXP_FMA: gl.constexpr, PSMEM: gl.constexpr, ARRAY: gl.constexpr,
+                DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """_loop_overlap's schedule with the mask decided per segment, not per tile: tile 0
     (masked path: right for any tile), then tiles [1, a) masked (below f0), [a, b)
     unmasked (the hot loop: no mask code, no branch), [b, n) masked (the diagonal /
@@ -230,9 +244,10 @@ def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf,
         _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, l_i, m_i = _softmax_tile(s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb,
-                                           Sq, Sk, lo, hi, qk_scale, HAS_BAND, BN, EXP_FMA,
-                                           True)
+        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
+                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                                 HAS_BAND, BN, EXP_FMA, True, ARRAY,
+                                                 DOCS, HAS_KEEP)
         if PSMEM:                                        # acc is 0: no rescale needed
             p_buf.index(2 * WG).store(p.to(dt))
             fence_async_shared()
@@ -245,20 +260,23 @@ def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf,
             acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
                                           v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
                                           t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
-                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, True)
+                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
+                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, True,
+                                          ARRAY, DOCS, HAS_KEEP)
         for it in range(a, b):
             acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
                                           v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
                                           t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
-                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, False)
+                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
+                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, False,
+                                          ARRAY, DOCS, HAS_KEEP)
         for it in range(b, n):
             acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
                                           v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
                                           t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, HAS_BAND, STAGES, BN, D, dt, p_l, row_o,
-                                          WG, NC, PINGPONG, EXP_FMA, PSMEM, True)
+                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
+                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, True,
+                                          ARRAY, DOCS, HAS_KEEP)
         lst = (n - 1) % STAGES
         mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
         if PSMEM:
@@ -274,12 +292,17 @@ def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf,
 @gluon.jit
 def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
               turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+              QIDb, KIDb, KMb, skm_q, skm_k,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr, EDGES: gl.constexpr,
-              PSMEM: gl.constexpr):
+              PSMEM: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+              HAS_KEEP: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
-    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq])."""
+    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ARRAY:
+    the edge tiles' Documents (DOCS 1: q ids QIDb [Sq], k ids KIDb [Sk] of batch row b;
+    DOCS 2: QIDb [2, Sq] the key interval of each row's document) and / or KeepMask (KMb
+    bytes of (b, h), strides skm_q / skm_k) masks (fwd_masks)."""
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     dt: gl.constexpr = q_desc.dtype
@@ -305,23 +328,36 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
     l_i = gl.zeros([RM], gl.float32, layout=row_s)
     acc = gl.zeros([RM, D], gl.float32, layout=o_l)
     zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
+    offs_q = r0 + offs_mb
+    if DOCS == 1:                    # the q ids of this consumer's rows [RM]
+        qa = gl.load(QIDb + offs_q, mask=offs_q < Sq, other=-1)
+        qe = qa
+    elif DOCS == 2:                  # their documents as key intervals [qa, qe) [RM]
+        qa = gl.load(QIDb + offs_q, mask=offs_q < Sq, other=0)
+        qe = gl.load(QIDb + Sq + offs_q, mask=offs_q < Sq, other=0)
+    else:
+        qa = 0
+        qe = 0
+    am = (qa, qe, KIDb, KMb, skm_q, skm_k)
     mbarrier.wait(qb, 0)
     if EDGES:
         acc, l_i, m_i = _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                     turn, p_smem, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
-                                    offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND, STAGES, BN,
-                                    D, dt, p_l, row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM)
+                                    offs_nb, Sq, Sk, lo, hi, qk_scale, am, HAS_BAND, STAGES,
+                                    BN, D, dt, p_l, row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM,
+                                    ARRAY, DOCS, HAS_KEEP)
     elif OVERLAP:
         acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
-                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, HAS_BAND,
-                                      STAGES, BN, D, dt, p_l, row_o, WG, NC, PINGPONG,
-                                      EXP_FMA)
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                      HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
+                                      PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
     else:
         acc, l_i, m_i = _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                      warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0,
-                                     f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
-                                     HAS_BAND, STAGES, BN, D, dt, p_l, row_o, EXP_FMA)
+                                     f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                     HAS_BAND, STAGES, BN, D, dt, p_l, row_o, EXP_FMA, ARRAY,
+                                     DOCS, HAS_KEEP)
 
     # epilogue (fwd_kernel's): empty rows give out 0, max -inf, log_norm 0
     empty_r = l_i == 0.0
@@ -346,22 +382,36 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
 
 @gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
+                  RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
                   num_warps: gl.constexpr, NC: gl.constexpr = 2, EDGES: gl.constexpr = False,
-                  PSMEM: gl.constexpr = False):
+                  PSMEM: gl.constexpr = False, ARRAY: gl.constexpr = False,
+                  DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
     """Grid (cdiv(Sq, NC * RM), B * H), num_warps = 4 (consumer 0; the workers add
     4 * (NC - 1) + 1).  q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc:
     [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).
     qk_scale = scale * log2(e); band masks through lo / hi (open: +-2^30).  NC: consumer
     warpgroups (2 or 3); OVERLAP / PINGPONG / EDGES / PSMEM: the key-loop schedule
     (module doc; PINGPONG and EDGES need OVERLAP, PSMEM needs EDGES); EXP_FMA:
-    fwd_kernel._softmax_tile's."""
+    fwd_kernel._softmax_tile's.  ARRAY (Documents / KeepMask, fwd_masks): the key tiles of
+    query tile pid_m come from the range table RT int32 [Bm, Hm, nQ, 4] at this kernel's
+    tile BM x BN (row b * rt_b + h * rt_h + pid_m; 0 strides where broadcast): (t0, f0,
+    f1, t1), [f0, f1) unmasked; the band (HAS_BAND) is in the table and masked on the
+    edge tiles as without ARRAY.  Documents (DOCS 1): QID int32 [Bd, Sq] / KID [Bd, Sk]
+    ids with batch strides sqid_b / skid_b (0: one row); DOCS 2 (k ids sorted): QID int32
+    [Bd, 2, Sq], per query the first and one past the last key of its document (an
+    empty interval where none), KID unused; KeepMask: uint8 KM with element strides
+    skm_b, skm_h, skm_q, skm_k (0 where broadcast)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(OVERLAP or not PINGPONG, "ping-pong issues the overlapped pair")
     gl.static_assert(OVERLAP or not EDGES, "the edge loops run the overlapped schedule")
     gl.static_assert(EDGES or not PSMEM, "P through shared memory: the edge loops only")
     gl.static_assert((NC == 2) or (NC == 3), "two or three consumer warpgroups")
+    gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
+    gl.static_assert(not EDGES or (DOCS != 1 and not HAS_KEEP),
+                     "the edge loops take document intervals only (Triton 3.6 fails to "
+                     "lower their per-key loads)")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -402,7 +452,13 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         p_smem = q_smem             # not read
     fence_async_shared()
 
-    if HAS_BAND:
+    if ARRAY:
+        rg = RT + 4 * (b * rt_b + h * rt_h + pid_m)
+        t0 = gl.load(rg)
+        f0 = gl.load(rg + 1)
+        f1 = gl.load(rg + 2)
+        t1 = gl.load(rg + 3)
+    elif HAS_BAND:
         t0, f0, f1, t1 = key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
     else:
         t0 = 0
@@ -411,17 +467,22 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         f1 = gl.where(i0 + BM <= Sq, f1, 0)
         t1 = (Sk + BN - 1) // BN
     n = t1 - t0
+    QIDb = QID + b * sqid_b
+    KIDb = KID + b * skid_b
+    KMb = KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h
 
     if NC == 2:
         gl.warp_specialize(
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, HAS_BAND, STAGES, BN, 0, NC, OVERLAP, PINGPONG,
-                          EXP_FMA, EDGES, PSMEM)),
+                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
+                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
+                          HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, HAS_BAND, STAGES, BN, 1, NC, OVERLAP, PINGPONG,
-                          EXP_FMA, EDGES, PSMEM)),
+                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
+                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
+                          HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
@@ -429,16 +490,19 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         gl.warp_specialize(
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, HAS_BAND, STAGES, BN, 0, NC, OVERLAP, PINGPONG,
-                          EXP_FMA, EDGES, PSMEM)),
+                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
+                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
+                          HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, HAS_BAND, STAGES, BN, 1, NC, OVERLAP, PINGPONG,
-                          EXP_FMA, EDGES, PSMEM)),
+                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
+                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
+                          HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, HAS_BAND, STAGES, BN, 2, NC, OVERLAP, PINGPONG,
-                          EXP_FMA, EDGES, PSMEM)),
+                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 2, NC,
+                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
+                          HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

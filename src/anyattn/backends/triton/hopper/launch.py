@@ -27,8 +27,8 @@ from ....rowstats import RowStats
 from ..device_ctx import on_device
 from . import configs as HC
 
-__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "dkdv", "backward_fused",
-           "dqa_desc", "dq_order"]
+__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays", "dkdv",
+           "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
@@ -104,6 +104,74 @@ def _cached_desc(key, x, rows: int, build):
     return d
 
 
+#: (tensor keys of q_ids / k_ids, Sq, Sk, device) -> (interval table or None, ids) of
+#: Documents masks (mask_arrays); the ids are held so that their memory stays theirs
+_doc_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_DOC_CACHE = 16
+_dummies: dict = {}
+
+
+def _dummy(dev, dtype):
+    """A one-element placeholder tensor (pointer arguments the kernel does not read)."""
+    key = (str(dev), dtype)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies[key] = torch.zeros(1, dtype=dtype, device=dev)
+    return t
+
+
+def _doc_intervals(qid, kid):
+    """Documents with k ids sorted along each batch row: per query its document as the
+    key interval [first, one past the last) -> int32 [Bd, 2, Sq] (an empty interval
+    where no key shares its id); None where some row's k ids are not sorted.  qid
+    [Bq, Sq], kid [Bk, Sk] int32 on the device, Bq / Bk 1 or Bd."""
+    if kid.shape[1] > 1 and not bool((kid[:, 1:] >= kid[:, :-1]).all()):
+        return None
+    bd = max(qid.shape[0], kid.shape[0])
+    ks = kid.expand(bd, -1).contiguous()
+    qs = qid.expand(bd, -1).contiguous()
+    first = torch.searchsorted(ks, qs, right=False)                   # [Bd, Sq]
+    last = torch.searchsorted(ks, qs, right=True)
+    return torch.stack([first, last], 1).to(torch.int32).contiguous()
+
+
+def mask_arrays(p, q, cfg) -> tuple:
+    """The Documents / KeepMask arguments of the warp-specialised forward for Problem p
+    (its call's mask contents): (RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b,
+    skm_h, skm_q, skm_k, DOCS).  RT: the block-range table at the kernel's tile
+    (cfg.bm x cfg.bn; launch.py ``_block_ranges``, cached with the portable tile lists);
+    DOCS 2 (k ids sorted in every row: each query's document as a key interval,
+    [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents."""
+    import dataclasses
+    import types
+
+    from .. import launch as L
+
+    dev = q.device
+    ma = L._mask_args(p, q, None)
+    ma = dataclasses.replace(ma, mode=2)
+    tl = L._lists_for(p, ma, types.SimpleNamespace(sbq=cfg.bm, sbk=cfg.bn), dev)
+    rt_b, rt_h = tl.row_strides()[:2]
+    docs, qid, kid, sqid_b, skid_b = 0, _dummy(dev, torch.int32), ma.kid, 0, 0
+    if ma.has_docs:
+        rm = p.mask
+        parts = (L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+        key = None if None in parts else (parts, p.seq_q, p.seq_k, str(dev))
+        hit = _doc_cache.get(key) if key is not None else None
+        if hit is None:
+            hit = (_doc_intervals(ma.qid, ma.kid), (rm.q_ids, rm.k_ids))
+            if key is not None:
+                _doc_cache[key] = hit
+                while len(_doc_cache) > _DOC_CACHE:
+                    _doc_cache.popitem(last=False)
+        iv = hit[0]
+        if iv is not None:
+            docs, qid, sqid_b = 2, iv, (2 * p.seq_q if iv.shape[0] > 1 else 0)
+        else:
+            docs, qid, kid, sqid_b, skid_b = 1, ma.qid, ma.kid, ma.sqid_b, ma.skid_b
+    return (tl.row_cnt, rt_b, rt_h, qid, kid, sqid_b, skid_b, ma.km, *ma.skm, docs)
+
+
 class FwdLaunch:
     """One forward launch of a call signature (prepare_forward): config, grid, scalars,
     constexprs and output shapes; called with the call's q, k, v [B, H(kv), S, D] it
@@ -118,6 +186,8 @@ class FwdLaunch:
         lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
         hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
         self.cfg = cfg
+        #: Documents / KeepMask: their arrays per call (mask_arrays)
+        self.array = rm_.q_ids is not None or rm_.keep is not None
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
@@ -128,23 +198,49 @@ class FwdLaunch:
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, OVERLAP=cfg.overlap,
                            PINGPONG=cfg.pingpong, EXP_FMA=cfg.exp_fma, NC=cfg.consumers,
-                           EDGES=cfg.edges, PSMEM=cfg.p_smem, num_warps=4)
+                           EDGES=cfg.edges, PSMEM=cfg.p_smem, num_warps=4,
+                           ARRAY=self.array, HAS_KEEP=rm_.keep is not None)
+            if self.array and cfg.edges and rm_.keep is not None:
+                raise NotImplementedError(
+                    f"{cfg.name}: the edge loops take Documents only (Triton 3.6 fails to "
+                    "lower their keep-mask loads); use a config without edges")
+        elif self.array:
+            raise NotImplementedError(
+                f"{cfg.name}: Documents / KeepMask run on the warp-specialised forward "
+                "only (a ws config)")
         else:
             self.kernel, self.q_rows = fwd_kernel, cfg.bm
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            OVERLAP=cfg.overlap, num_warps=cfg.num_warps)
 
-    def __call__(self, q, k, v, out=None, stats=None):
-        """-> out, RowStats(max, log_norm) (see forward)."""
+    def mask_args(self, q, p=None):
+        """-> (the kernel's mask-array arguments after the scalars, its keywords) for
+        this call: mask_arrays() of p's Documents / KeepMask, else placeholders (the
+        warp-specialised kernel) or nothing (the plain one)."""
+        if self.array:
+            if p is None:
+                raise ValueError("a Documents / KeepMask forward needs the call's Problem "
+                                 "(p=) for its mask arrays")
+            *marr, docs = mask_arrays(p, q, self.cfg)
+            return tuple(marr), dict(self.kw, DOCS=docs)
+        if self.cfg.ws:
+            i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
+            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0), self.kw
+        return (), self.kw
+
+    def __call__(self, q, k, v, out=None, stats=None, p=None):
+        """-> out, RowStats(max, log_norm) (see forward).  ``p``: the call's Problem,
+        needed where its mask is Documents / KeepMask (their contents are per call)."""
         dev = q.device
         if out is None:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         if stats is None:
             stats = torch.empty(self.stats_shape, dtype=torch.float32, device=dev)
         rq, rk = self.q_rows, self.cfg.bn
+        marr, kw = self.mask_args(q, p)
         with on_device(dev):
             self.kernel[self.grid](make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
-                                   make_desc(out, rq), stats, *self.args, **self.kw)
+                                   make_desc(out, rq), stats, *self.args, *marr, **kw)
         return out, RowStats(stats[0], stats[1])
 
 
@@ -165,7 +261,7 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
             raise ValueError(f"cfg {cfg.name} differs from the prepared launch's "
                              f"{prepared.cfg.name}")
         if out is None and stats is None:
-            return prepared(q, k, v)
+            return prepared(q, k, v, p=p)
     B, H, Sq, D = p.batch, p.heads_q, p.seq_q, p.head_dim
     for x, name, shape, dt in ((out, "out", (B, H, Sq, D), q.dtype),
                                (stats, "stats", (2, B, H, Sq), torch.float32)):
@@ -173,7 +269,7 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
                               or x.dtype != dt):
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
                              f"{list(shape)} {dt}")
-    return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats)
+    return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats, p=p)
 
 
 def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):

@@ -28,9 +28,10 @@ _SASS_PATTERNS = {"HGMMA": r"\bHGMMA\.", "UTMALDG": r"\bUTMALDG", "UTMASTG": r"\
 
 
 def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
-                cfg=None):
+                cfg=None, docs: int = 0, keep: bool = False):
     """triton.compile of the forward kernel of ``cfg`` (fwd_kernel, or fwd_ws_kernel when
-    cfg.ws) for sm_90a -> CompiledKernel (asm: ptx, cubin)."""
+    cfg.ws) for sm_90a -> CompiledKernel (asm: ptx, cubin).  ``docs`` / ``keep``: the
+    warp-specialised kernel's Documents (1 ids, 2 key intervals) / KeepMask path (ARRAY)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -46,18 +47,28 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     x = torch.empty((2, 2, 256, D), dtype=tdt)
     qd = make_desc(x, cfg.bm // cfg.consumers if cfg.ws else cfg.bm)
     kd = make_desc(x, cfg.bn)
+    arr = ["RT", "rt_b", "rt_h", "QID", "KID", "sqid_b", "skid_b", "KM", "skm_b", "skm_h",
+           "skm_q", "skm_k"] if cfg.ws else []
+    if (docs or keep) and not cfg.ws:
+        raise ValueError(f"{cfg.name}: Documents / KeepMask run on the warp-specialised "
+                         "forward only")
     names = ["q_desc", "k_desc", "v_desc", "o_desc", "LSE", "H", "G", "Sq", "Sk",
-             "qk_scale", "scale", "lo", "hi", "HAS_BAND", "STAGES"]
+             "qk_scale", "scale", "lo", "hi"] + arr + ["HAS_BAND", "STAGES"]
     names += ["CONSUMER_REGS", "OVERLAP", "PINGPONG", "EXP_FMA"] if cfg.ws else ["OVERLAP"]
-    names += ["num_warps"] + (["NC", "EDGES", "PSMEM"] if cfg.ws else [])
+    names += ["num_warps"] + (["NC", "EDGES", "PSMEM", "ARRAY", "DOCS", "HAS_KEEP"]
+                              if cfg.ws else [])
     types = [mangle_type(qd), mangle_type(kd), mangle_type(kd), mangle_type(qd), "*fp32",
              "i32", "i32", "i32", "i32", "fp32", "fp32", "i32", "i32"]
+    if cfg.ws:
+        types += ["*i32", "i32", "i32", "*i32", "*i32", "i32", "i32", "*u8", "i32", "i32",
+                  "i32", "i32"]
     sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
     warps = 4 if cfg.ws else cfg.num_warps
     vals = [has_band, cfg.stages]
     vals += ([cfg.consumer_regs, cfg.overlap, cfg.pingpong, cfg.exp_fma] if cfg.ws
              else [cfg.overlap])
-    vals += [warps] + ([cfg.consumers, cfg.edges, cfg.p_smem] if cfg.ws else [])
+    vals += [warps] + ([cfg.consumers, cfg.edges, cfg.p_smem, bool(docs or keep), int(docs), keep]
+                       if cfg.ws else [])
     consts = {(len(types) + i,): x for i, x in enumerate(vals)}
     if cfg.ws:
         from .fwd_ws_kernel import fwd_ws_kernel as kern

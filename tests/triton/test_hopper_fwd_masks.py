@@ -1,0 +1,231 @@
+"""Documents / KeepMask masks through the Hopper warp-specialised forward (hopper/
+fwd_masks.py, launch.mask_arrays): the arguments the kernel walks, checked on the CPU by
+replaying the kernel's tile walk in float64 (range table at its 128 x 128 tile, masks
+only outside [f0, f1)); an offline sm_90a compile (no spills with document intervals);
+and the kernel itself vs float64 on an sm_90 GPU.
+
+Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+
+from helpers import TOL, assert_close, np_mask, to_np  # noqa: E402
+
+HAS_GLUON = True
+try:
+    from triton.experimental.gluon.language.nvidia import hopper as _h  # noqa: F401
+except ImportError:
+    HAS_GLUON = False
+needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="needs triton.experimental.gluon")
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90,
+                                reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")
+
+
+def _sorted_ids(gen, n, docs):
+    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[:docs - 1] + 1).values
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[cuts] = 1
+    return torch.cumsum(ids, 0).to(torch.int32)
+
+
+def _cases(device="cpu"):
+    """name -> (B, H, Hkv, Sq, Sk, mask, DOCS mode expected)."""
+    g = torch.Generator().manual_seed(1)
+    dv = dict(device=device)
+    s700 = _sorted_ids(g, 700, 5)
+    bvar = torch.stack([_sorted_ids(g, 700, 3), _sorted_ids(g, 700, 7)])
+    q300 = torch.sort(torch.randint(0, 6, (300,), generator=g)).values.to(torch.int32)
+    k700 = torch.sort(torch.randint(0, 5, (700,), generator=g)).values.to(torch.int32)
+    unsorted = torch.randint(0, 4, (700,), generator=g).to(torch.int32)
+    keep = torch.rand(1, 1, 700, 700, generator=g) < 0.3
+    keep_h = torch.rand(2, 4, 300, 700, generator=g) < 0.05
+    keep_h[:, :, 5] = False                                  # empty rows
+    return {
+        "docs_rand": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv)), 2),
+        "docs_batch_causal": (2, 4, 2, 700, 700, aa.Causal() & aa.Documents(bvar.to(**dv)), 2),
+        # Sq != Sk, bottom-right causal; q id 5 has no key: empty rows
+        "docs_cross_br": (1, 2, 1, 300, 700, aa.Causal(align="bottom_right")
+                          & aa.Documents(q300.to(**dv), k700.to(**dv)), 2),
+        "docs_unsorted": (1, 2, 2, 700, 700, aa.Documents(unsorted.to(**dv)), 1),
+        "keep_causal": (1, 2, 2, 700, 700, aa.Causal() & aa.KeepMask(keep.to(**dv)), 0),
+        "keep_heads_sparse": (2, 4, 2, 300, 700, aa.KeepMask(keep_h.to(**dv)), 0),
+        "docs_keep": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv))
+                      & aa.KeepMask(keep.to(**dv)), 2),
+    }
+
+
+def _walk(p, q, k, v, marr, bm, bn, scale):
+    """float64 replay of fwd_ws_kernel's walk with ARRAY: per (b, h, query tile) the key
+    tiles [t0, t1) of the range table; outside [f0, f1) bounds, band, documents and keep
+    applied from the kernel's own arguments; inside no mask at all.  -> out [B, H, Sq, D]."""
+    RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, docs = marr
+    B, H, Sq, D = q.shape
+    Sk, G = k.shape[2], p.group
+    rm = p.mask
+    lo = -(1 << 30) if rm.band_lo is None else int(rm.band_lo)
+    hi = (1 << 30) if rm.band_hi is None else int(rm.band_hi)
+    rt, qid, kid = RT.flatten().tolist(), QID.flatten(), KID.flatten()
+    assert tuple(KM.stride()) == (skm_b, skm_h, skm_q, skm_k) or KM.numel() == 1
+    out = torch.zeros(B, H, Sq, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for pid in range(-(-Sq // bm)):
+                r = b * rt_b + h * rt_h + pid
+                t0, f0, f1, t1 = rt[4 * r: 4 * r + 4]
+                i = torch.arange(pid * bm, min(Sq, pid * bm + bm))
+                s = torch.full((len(i), Sk), float("-inf"), dtype=torch.float64)
+                for t in range(t0, t1):
+                    j = torch.arange(t * bn, min(Sk, t * bn + bn))
+                    st = (q[b, h, i] @ k[b, h // G, j].T) * scale
+                    if f0 <= t < f1:             # unmasked: must be a full tile
+                        assert len(i) == bm and len(j) == bn
+                        s[:, j] = st
+                        continue
+                    dd = j[None, :] - i[:, None]
+                    keep = (dd >= lo) & (dd <= hi)
+                    if docs == 2:
+                        a = qid[b * sqid_b + i].long()
+                        e = qid[b * sqid_b + Sq + i].long()
+                        keep &= (j[None, :] >= a[:, None]) & (j[None, :] < e[:, None])
+                    elif docs == 1:
+                        keep &= qid[b * sqid_b + i][:, None] == kid[b * skid_b + j][None, :]
+                    if rm.keep is not None:
+                        keep &= KM[b, h][i][:, j] != 0
+                    s[:, j] = torch.where(keep, st, torch.tensor(float("-inf"),
+                                                                 dtype=torch.float64))
+                m = s.max(1, keepdim=True).values
+                pe = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+                den = pe.sum(1, keepdim=True)
+                out[b, h, i] = torch.where(den > 0, pe @ v[b, h // G] / torch.where(
+                    den > 0, den, 1.0), 0.0)
+    return out
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_kernel_walk_over_mask_arrays_matches_float64(name):
+    """The table, the document intervals / ids and the keep bytes that mask_arrays hands
+    the kernel, walked as the kernel walks them, give the float64 reference's out: every
+    kept key is inside [t0, t1), every tile of [f0, f1) is fully kept, and the DOCS mode
+    is intervals exactly when the k ids are sorted."""
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    B, H, Hkv, Sq, Sk, mask, docs_mode = _cases()[name]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, Sq, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Sk, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Sk, 8, generator=g, dtype=torch.float64)
+    p = describe(q, k, v, mask=mask)
+    cfg = HCF.fwd_config(128)
+    marr = HL.mask_arrays(p, q, cfg)
+    assert marr[-1] == docs_mode
+    got = _walk(p, q, k, v, marr, cfg.bm, cfg.bn, p.scale)
+    ro, _ = R.forward(q.numpy(), k.numpy(), v.numpy(), mask=np_mask(mask))
+    assert np.abs(got.numpy() - ro).max() < 1e-12
+
+
+def test_walk_catches_a_table_one_tile_too_wide():
+    """Mutation: a run of full tiles one tile longer than the table's (a masked tile run
+    unmasked) changes out: the walk above would catch a wrong table."""
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    B, H, Hkv, Sq, Sk, mask, _ = _cases()["docs_rand"]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, s, 8, generator=g, dtype=torch.float64)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    p = describe(q, k, v, mask=mask)
+    marr = list(HL.mask_arrays(p, q, HCF.fwd_config(128)))
+    rt = marr[0].clone().view(-1, 4)
+    row = int(torch.nonzero((rt[:, 2] > rt[:, 1]) & (rt[:, 2] < rt[:, 3]))[0])
+    rt[row, 2] += 1
+    marr[0] = rt.view(marr[0].shape)
+    got = _walk(p, q, k, v, marr, 128, 128, p.scale)
+    ro, _ = R.forward(q.numpy(), k.numpy(), v.numpy(), mask=np_mask(mask))
+    assert np.abs(got.numpy() - ro).max() > 1e-3
+
+
+def test_array_masks_are_covered_and_routed_only_where_measured():
+    from anyattn.backends.triton.hopper import coverage as HCOV
+
+    cov = HCOV.COVERAGE["forward"]
+    for mc in ("documents", "keep", "band+documents", "band+keep", "documents+keep",
+               "band+documents+keep"):
+        assert mc in cov.mask_classes
+    assert HCOV.routed_by_default("forward", "none")
+    assert HCOV.routed_by_default("forward", "band")
+    for mc in cov.mask_classes - cov.auto_mask_classes:
+        assert not HCOV.routed_by_default("forward", mc)
+
+
+def test_non_ws_config_refuses_array_masks():
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    p = describe(q, q, q, mask=aa.Documents(torch.zeros(8, dtype=torch.int32)))
+    with pytest.raises(NotImplementedError, match="warp-specialised"):
+        HL.FwdLaunch(p, HCF.HopperConfig(128, 128, 2, 8))
+    keep = aa.KeepMask(torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="edge loops"):
+        HL.FwdLaunch(describe(q, q, q, mask=keep), HCF.HopperConfig(
+            128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True, edges=True))
+
+
+@needs_gluon
+@pytest.mark.parametrize("docs,keep,band,spills", [(2, False, True, False),
+                                                   (1, False, False, True),
+                                                   (0, True, True, True)])
+def test_compiles_for_sm90a(docs, keep, band, spills):
+    """The default forward with array masks compiles for sm_90a with its HGMMA / UTMALDG;
+    document intervals (DOCS 2) add no local memory; the per-key id / keep loads do
+    (spills on the masked edge tiles: correct, slower)."""
+    from test_hopper import _compile_counts
+
+    n = _compile_counts(f"O.compile_fwd('bfloat16', 128, {band}, docs={docs}, keep={keep})")
+    assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0, n
+    if not n["has_sass"]:
+        return
+    assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 6 and n["sass_HMMA"] == 0, n
+    if not spills:
+        assert n["sass_STL"] == 0 and n["sass_LDL"] == 0, n
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(_cases()))
+def test_gpu_forward_array_masks_match_float64(dtype, name):
+    """fwd_ws_kernel with ARRAY vs float64: out within tolerance, lse -inf exactly on
+    empty rows, every element written (poisoned buffers), two runs bitwise equal."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    p = describe(q, k, v, mask=mask)
+    res = []
+    for _ in range(2):
+        out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
+        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
+        res.append(HL.forward(p, q, k, v, out=out, stats=st))
+    (o, rs), (o2, rs2) = res
+    assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
+    assert torch.equal(rs.log_norm, rs2.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, dtype, "out")
+    lse = to_np(rs.max + rs.log_norm).astype(np.float64)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+    fin = np.isfinite(rl)
+    assert np.abs(lse[fin] - rl[fin]).max() <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max())
