@@ -637,6 +637,58 @@ def _host_time(be, fn, n=10):
     return float(np.median(ts))
 
 
+#: --timestamps: GPU timestamps of every timed submission of resident_case
+#: (anyattn.backends.webgpu.timestamps; "refused" holds the adapter's refusal)
+TIMESTAMPS = {"on": False, "rec": None, "refused": None}
+#: a round is "slow" when its median device time per submission is past this many
+#: times the fastest round's of the same implementation and size (the H200's slow
+#: phases ran kernels up to 4.5x slower for seconds, docs/perf/LOG.md session 6)
+SLOW_FACTOR = 1.3
+
+
+def _with_timestamps(be, fn):
+    """fn() with a GPU timestamp pair on each of its submissions -> (fn's result, device
+    ms per submission in order, or None without --timestamps / where refused)."""
+    if not TIMESTAMPS["on"] or TIMESTAMPS["refused"]:
+        return fn(), None
+    run = be._run()
+    if TIMESTAMPS["rec"] is None:
+        from anyattn.backends.webgpu.timestamps import Timestamps
+
+        try:
+            TIMESTAMPS["rec"] = Timestamps(run, 2048)
+        except NotImplementedError as e:
+            TIMESTAMPS["refused"] = str(e)
+            RESULTS["errors"].append(f"timestamps: {e}")
+            log("timestamps refused:", e)
+            return fn(), None
+    ts = TIMESTAMPS["rec"]
+    ts.reset()
+    run.timestamps = ts
+    try:
+        r = fn()
+    finally:
+        run.timestamps = None
+    return r, (ts.read() / 1e6).tolist()
+
+
+def _phase_summary(device):
+    """Per implementation: per round the median / min / max device ms per submission and
+    whether the round was slow (``SLOW_FACTOR`` x the fastest round's median)."""
+    out = {}
+    for impl, rounds in device.items():
+        if not rounds or any(r is None for r in rounds):
+            out[impl] = None
+            continue
+        med = [float(np.median(r[2:] or r)) for r in rounds]     # the 2 warm-up calls out
+        best = min(med)
+        out[impl] = dict(median_ms=med, min_ms=[float(min(r)) for r in rounds],
+                         max_ms=[float(max(r)) for r in rounds], n=[len(r) for r in rounds],
+                         slow=[m > SLOW_FACTOR * best for m in med],
+                         slow_calls=[int(sum(x > SLOW_FACTOR * best for x in r)) for r in rounds])
+    return out
+
+
 def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     """One size, side by side in this process: the raw encoded backward plan, the public
     API on device arrays (anyattn.webgpu; out + RowStats from forward_with_stats), the
@@ -668,13 +720,18 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     # seconds in which the same kernels ran up to 4.5x slower (docs/perf/LOG.md, session
     # 6, issue 17); one timing of each, taken apart, made their ratio depend on them
     samples = {"plan": [], "device-arrays": []}
+    device = {"plan": [], "device-arrays": []}      # GPU ms per submission, per round
     for _ in range(ROUNDS):
-        samples["plan"].append(time_plan(bwd))
-        samples["device-arrays"].append(_time_calls(be, bwd_call))
+        for impl, fn in (("plan", lambda: time_plan(bwd)),
+                         ("device-arrays", lambda: _time_calls(be, bwd_call))):
+            r, dev = _with_timestamps(be, fn)
+            samples[impl].append(r)
+            device[impl].append(dev)
     for impl, xs in samples.items():
         recs[impl] = (float(np.median([t for t, _ in xs])), sum(n for _, n in xs))
     RESULTS.setdefault("rounds", []).append(dict(
-        base, **{impl: [1e3 * t for t, _ in xs] for impl, xs in samples.items()}))
+        base, **{impl: [1e3 * t for t, _ in xs] for impl, xs in samples.items()},
+        device=_phase_summary(device)))
     tb, n = _time_calls(be, fwd_call)
     recs["device-arrays-fwd"] = (tb, n)
     # host time per call (issue 17: per-call encoding), the GPU waited for outside it
@@ -686,17 +743,26 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
         tb, n = _time_calls(be, lambda: aa.attention_backward(q, k, v, g, out=o, lse=l,
                                                               backend="webgpu"), max_n=20)
         recs["host-arrays"] = (tb, n)
+    ph = RESULTS["rounds"][-1]["device"]
     for impl, (tb, n) in recs.items():
         f = fl / 2.5 if impl.endswith("fwd") else fl
         rec = dict(impl="anyattn-webgpu-" + impl, bwd_ms=tb * 1e3, bwd_tflops=f / tb / 1e12,
                    n=n, host_ms=host_ms.get(impl), **base)
+        if ph.get(impl):
+            dms = float(np.median(ph[impl]["median_ms"]))
+            rec.update(device_ms=dms, device_tflops=f / (dms / 1e3) / 1e12,
+                       slow_rounds=sum(ph[impl]["slow"]))
+            log(f"{impl:18s} device (timestamps) {dms:.3f} ms per call, rounds "
+                f"{[round(x, 3) for x in ph[impl]['median_ms']]}, slow {ph[impl]['slow']}")
         RESULTS["timings"].append(rec)
         hs = f", host {host_ms[impl]:.3f} ms/call" if impl in host_ms else ""
         log(f"{impl:18s} {dtype} S={S} D={D}: {tb*1e3:.3f} ms ({rec['bwd_tflops']:.2f} "
             f"TFLOP/s){hs}")
     dev_ms, plan_ms = recs["device-arrays"][0], recs["plan"][0]
+    per_round = [a / b for a, b in zip(RESULTS["rounds"][-1]["device-arrays"],
+                                       RESULTS["rounds"][-1]["plan"])]
     RESULTS.setdefault("ratios", []).append(dict(
-        device_vs_plan=dev_ms / plan_ms,
+        device_vs_plan=dev_ms / plan_ms, device_vs_plan_rounds=per_round,
         host_vs_device=(recs["host-arrays"][0] / dev_ms) if host else None, **base))
     if gpu:
         import torch
@@ -1162,10 +1228,18 @@ def main():
                          "call vs the plan; B=1 H=8 D=64 fp32)")
     ap.add_argument("--skip-variants", action="store_true",
                     help="--resident without the kernel-variant axis")
+    ap.add_argument("--timestamps", action="store_true",
+                    help="--resident: GPU timestamps on every timed plan / device-array "
+                         "submission (device ms next to wall ms, slow rounds flagged); "
+                         "an adapter without 'timestamp-query' is refused and recorded")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--resident: alternating plan / device-array rounds per size")
     ap.add_argument("--skip-seed", action="store_true",
                     help="--resident without the seed kernel (3.8 s per run at S=512)")
     a = ap.parse_args()
     BUDGET.update(t0=time.time(), seconds=a.budget)
+    TIMESTAMPS["on"] = a.timestamps
+    globals()["ROUNDS"] = a.rounds
     RESIDENT_SEL.update(sizes=[tuple(int(x) for x in t.split("x"))
                                for t in a.resident_sizes.split(",") if t],
                         abi_sizes=[int(x) for x in a.abi_sizes.split(",") if x],

@@ -334,11 +334,11 @@ class Call:
 
     def _tile(self, kernel: str, n_units: int, grid_x: int, n_bh: int, stats, outb, dsb=None,
               flags: int = 0, extra: Optional[Dict[str, object]] = None, dk=True, dv=True,
-              ml=False) -> None:
+              ml=False, defines: Optional[Dict[str, int]] = None) -> None:
         cfg = self.cfg
-        per = cfg.trips_per_unit(kernel, self.D, dk, dv)
-        pieces = split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
+        pieces = self._pieces(kernel, n_units, dk, dv)
         consts = cfg.consts()
+        consts.update(defines or {})
         consts.update({k: v for k, v in self.mod_consts.items()
                        if k != "SINKS" or kernel == "forward"})   # the sink: forward only
         pipe = self.run.pipeline(kernel, "tile", consts, self.elem, self.debug)
@@ -391,16 +391,41 @@ class Call:
                                      vmean if vmean is not None else self.run.dummy],
                                     self.run.flat_grid(self.n * rl)))
 
-    def dkdv(self, stats, outb, want_dk: bool, want_dv: bool) -> None:
+    def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False) -> None:
+        """dK then dV [B, HKV, SK, D] into outb (f32; ``out16``: f16, converted in the
+        epilogue as ``dq``'s, both wanted, see ``out16_ok``)."""
         fl = (FLAGS["WANT_DK"] if want_dk else 0) | (FLAGS["WANT_DV"] if want_dv else 0)
         G = self.HQ // self.HKV
+        if out16 and not (want_dk and want_dv and self.out16_ok("bwd_dkdv")):
+            raise ValueError("webgpu kernel 'bwd_dkdv': an f16 dK/dV in the epilogue needs "
+                             "both, f16 inputs, D % 4 == 0 and one piece (Call.out16_ok)")
         self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb,
                    flags=fl, extra={"out2_off": self.B * self.HKV * self.SK * self.D},
-                   dk=want_dk, dv=want_dv)
+                   dk=want_dk, dv=want_dv, defines={"OUTB16": 1} if out16 else None)
 
-    def dq(self, stats, outb, dsb=None) -> None:
+    def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
+        per = self.cfg.trips_per_unit(kernel, self.D, dk, dv)
+        return split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
+
+    def out16_ok(self, kernel: str) -> bool:
+        """Whether the dQ (``bwd_dq``) or dK/dV (``bwd_dkdv``, both wanted) pass can write
+        its f16 result itself (``out16=True``): f16 inputs, D a multiple of 4 (whole
+        vec4<f16> stores; dV's offset B*HKV*SK*D then one too), one piece (a split
+        launch carries its partial sums in f32 between pieces), no debug trip buffer."""
+        units = self.nkt if kernel == "bwd_dq" else self.HQ // self.HKV * self.nqt
+        return (self.elem == "f16" and self.D % 4 == 0 and not self.debug
+                and len(self._pieces(kernel, units)) == 1)
+
+    def dq(self, stats, outb, dsb=None, out16: bool = False) -> None:
+        """dQ [B, HQ, SQ, D] into outb: f32, or with ``out16`` f16 converted in the
+        epilogue (OUTB16: the f32 accumulators scaled, then one vec4<f16> store; the
+        same conversion as the ``ew`` cast it replaces, so the same bits)."""
         fl = FLAGS["WRITE_DS"] if dsb is not None else 0
-        self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb, dsb, flags=fl)
+        if out16 and not self.out16_ok("bwd_dq"):
+            raise ValueError("webgpu kernel 'bwd_dq': an f16 dQ in the epilogue needs f16 "
+                             "inputs, D % 4 == 0 and one piece (Call.out16_ok)")
+        self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb, dsb, flags=fl,
+                   defines={"OUTB16": 1} if out16 else None)
 
     def reduce_dbias(self, dsb, outb, bias_shape: Tuple[int, int, int, int]) -> int:
         """dbias = dS summed over the broadcast dims -> outb[:numel]; returns numel."""

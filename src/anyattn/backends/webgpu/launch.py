@@ -456,7 +456,9 @@ class Runner:
         self._uniforms: "OrderedDict[bytes, object]" = OrderedDict()
         self._groups: "OrderedDict[tuple, object]" = OrderedDict()
         self.cache_stats = {"uniform_hits": 0, "uniform_misses": 0, "group_hits": 0,
-                            "group_misses": 0}
+                            "group_misses": 0, "bound_hits": 0, "bound_misses": 0}
+        #: GPU timestamps of each submission while set (timestamps.Timestamps: benches)
+        self.timestamps = None
         # device-array calls: result buffers reused once no returned array holds them,
         # and their launch lists cached per signature (pool.py, templates.py)
         from .pool import ResultPool
@@ -613,15 +615,20 @@ class Runner:
             enc = self.device.create_command_encoder()
             for src, so, dst, do, nbytes in copies_before:
                 enc.copy_buffer_to_buffer(src, so, dst, do, nbytes)
-            for _ in range(repeat):
+            ts = self.timestamps
+            marks = ts.marks(repeat) if ts is not None else [None] * repeat
+            for mark in marks:
                 for buf in clears:
                     enc.clear_buffer(buf)
-                cp = enc.begin_compute_pass()
+                cp = enc.begin_compute_pass() if mark is None else \
+                    enc.begin_compute_pass(timestamp_writes=mark)
                 for pipe, bg, grid, _ in encoded:
                     cp.set_pipeline(pipe)
                     cp.set_bind_group(0, bg)
                     cp.dispatch_workgroups(*grid)
                 cp.end()
+            if ts is not None:
+                ts.resolve(enc)
             for src, so, dst, do, nbytes in copies:
                 enc.copy_buffer_to_buffer(src, so, dst, do, nbytes)
             self.device.queue.submit([enc.finish()])

@@ -37,7 +37,7 @@ from typing import Dict, Mapping
 from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
-           "VARIANT_DEFINES", "DELTA_DEFINES"]
+           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -52,6 +52,10 @@ _ALIASED_TILE = re.compile(r"\bs([qkgvupt])\[")
 EW_DEFINES = ("SRC16", "DST16", "OP_ADD", "OP_REFINE")
 #: the same for the delta kernel: OUT16 (an f16 out read where it lies)
 DELTA_DEFINES = ("OUT16",)
+#: the tiled kernels' output buffer ``outb`` as vec4<f16> (the f16 dQ written in the
+#: dQ pass's epilogue, one launch instead of dQ + a cast; D a multiple of 4, one
+#: piece: a split launch keeps its partial sums in f32)
+OUTB_DEFINES = ("OUTB16",)
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -64,7 +68,7 @@ def _read(name: str) -> str:
     return (SHADER_DIR / f"{name}.wgsl").read_text()
 
 
-def _loaders(half: bool) -> str:
+def _loaders(half: bool, outb16: bool = False) -> str:
     out = []
     for name, buf in (("q", "qb"), ("k", "kb"), ("v", "vb"), ("g", "gb")):
         if half:    # buf: array<vec4<f16>>; element e is buf[e / 4][e % 4]
@@ -95,6 +99,16 @@ fn lds_{name}(base: u32, d: u32) -> vec4<f32> {{
   if (d + 2u < U.D) {{ r.z = f32({buf}[base + d + 2u]); }}
   return r;
 }}""")
+    if outb16:     # outb: array<vec4<f16>>, base + d a multiple of 4 (D % 4 == 0)
+        out.append("""
+fn ld4_out(base: u32, d: u32) -> vec4<f32> {
+  if (d < U.D) { return vec4<f32>(outb[(base + d) >> 2u]); }
+  return vec4<f32>(0.0);
+}
+fn st4_out(base: u32, d: u32, x: vec4<f32>) {
+  if (d < U.D) { outb[(base + d) >> 2u] = vec4<f16>(x); }
+}""")
+        return "\n".join(out) + "\n"
     out.append("""
 fn ld4_out(base: u32, d: u32) -> vec4<f32> {
   var r = vec4<f32>(0.0);
@@ -196,10 +210,14 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
                           "uses RM = 4)")
     if half and elem != "f16":
         raise KernelError(f"webgpu kernel {kernel!r}: HALF needs f16 elements, got {elem}")
+    if consts.get("OUTB16", 0) and elem != "f16":
+        raise KernelError(f"webgpu kernel {kernel!r}: OUTB16 (an f16 output) needs f16 "
+                          f"elements, got {elem}")
     text = _expand_includes(_read(kernel))
     if half:
         text = "//@define HALF\n" + text
-    for name in MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES:   # only where used
+    for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
+                 + OUTB_DEFINES):                                    # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)
@@ -208,7 +226,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
         tiles = _ALIASED_TILE if consts.get("ALIAS", 0) else _STAGED_TILE
         text = tiles.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
     text = _reinit_vars(text)
-    text = text.replace("//@loaders", _loaders(half))
+    text = text.replace("//@loaders", _loaders(half, bool(consts.get("OUTB16", 0))))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
     dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"
            if debug else "")

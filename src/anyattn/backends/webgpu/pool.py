@@ -121,6 +121,12 @@ class ResultPool:
                     self._entries.pop(id(b), None)
             self._free.clear()
 
+    def owns(self, buf) -> bool:
+        """``buf`` is one of this pool's result buffers, not claimed by ``from_buffer``
+        (so no array but the ones the pool handed out reaches its bytes)."""
+        e = self._entries.get(id(buf))
+        return e is not None and e.buf is buf and not e.claimed
+
     def free_buffers(self) -> List[object]:
         return [b for bufs in self._free.values() for b in bufs]
 

@@ -322,18 +322,37 @@ def _field_key(v):
     return v
 
 
-def _key(what: str, be, p: Problem, inputs: Dict[str, object]):
+#: id(Problem) -> (the Problem, its fields as a key part): a Problem is frozen, and the
+#: core hands the same object back for a repeated signature (problem.describe's memo),
+#: so its part of the key is built once; the entry holds the Problem (its id stays its)
+_FIELDS_MEMO: Dict[int, tuple] = {}
+_FIELDS_MEMO_MAX = 256
+
+
+def _fields_part(p: Problem) -> tuple:
+    hit = _FIELDS_MEMO.get(id(p))
+    if hit is not None and hit[0] is p:
+        return hit[1]
+    part = tuple(_field_key(getattr(p, n)) for n in _PROBLEM_FIELDS)
+    if len(_FIELDS_MEMO) >= _FIELDS_MEMO_MAX:
+        _FIELDS_MEMO.clear()
+    _FIELDS_MEMO[id(p)] = (p, part)
+    return part
+
+
+def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     """The signature of a device-array call: everything its launch list depends on but
-    the buffers (None: not cached, e.g. a large KeepMask or an unhashable field)."""
+    the buffers (None: not cached, e.g. a large KeepMask or an unhashable field);
+    ``extra``: a hashable choice of the build that depends on the inputs (the
+    backward's statistics bound in place, ``_stats_in_place``)."""
     mk = _mask_key(p.mask)
     if mk is None:
         return None
-    present = [x for x in inputs.values() if x is not None]
-    ids = [id(x.buffer) for x in present]
+    ids = [id(x.buffer) for x in inputs.values() if x is not None]
     alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
-    key = (what, tuple(_field_key(getattr(p, n)) for n in _PROBLEM_FIELDS), mk,
+    key = (what, _fields_part(p), mk,
            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
-           be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""))
+           be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""), extra)
     try:
         hash(key)
     except TypeError:
@@ -341,14 +360,14 @@ def _key(what: str, be, p: Problem, inputs: Dict[str, object]):
     return key
 
 
-def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build):
+def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, extra=None):
     """Look the call's launch template up by signature (``build(results)`` records one on
     a miss), bind this call's buffers, submit -> {name: result DeviceArray}."""
     from .templates import Template
 
     from ...webgpu import DeviceArray
 
-    key = _key(what, be, p, inputs)
+    key = _key(what, be, p, inputs, extra)
     run = be._run()
     bufs = {n: x.buffer for n, x in inputs.items() if x is not None}
     tpl = run.templates.get(key)
@@ -449,6 +468,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     dt = np.dtype(p.dtype)
     inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
                   bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+    in_place = _stats_in_place(be._run(), p, inputs)
 
     def build(res):
         _check_chunks(be, p, True, bias)
@@ -472,17 +492,27 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             _ew(call, _result(buf, shape, np.float32, off), y, 0, dst16=True)
             res.add(name, iy, shape, want_dt)
 
-        st = run.buffer("dev_stats", 4 * STATS_ROWS * n)
-        for src, row in ((stats.max, 0), (stats.log_norm, LOG_NORM_ROW)):
-            if _copyable(src):       # a plain copy: no launch, no new bind group
-                call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n, 4 * n))
-            else:
-                _ew(call, src, st, row * n)
+        if in_place:                 # the forward's own [7, n] buffer: delta into row 1
+            st = stats.max.buffer
+        else:
+            st = run.buffer("dev_stats", 4 * STATS_ROWS * n)
+            for src, row in ((stats.max, 0), (stats.log_norm, LOG_NORM_ROW)):
+                if _copyable(src):       # a plain copy: no launch, no new bind group
+                    call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n,
+                                               4 * n))
+                else:
+                    _ew(call, src, st, row * n)
         # an f16 out is read where it lies by the delta kernel (OUT16), widened exactly
         call.delta(st, _operand(call, out, "out"), out16=out.dtype == np.float16)
         nkv = B * HKV * SK * D
         kvshape = (B, HKV, SK, D)
-        if want_k or want_v:
+        if want_k and want_v and dt == np.float16 and call.out16_ok("bwd_dkdv"):
+            # f16 dk, dv written by the dK/dV pass itself into one result buffer
+            y, iy = res.new(_nbytes(2 * nkv, dt), "anyattn.dkdv")
+            call.dkdv(st, y, True, True, out16=True)
+            res.add("dk", iy, kvshape, dt, 0)
+            res.add("dv", iy, kvshape, dt, nkv)
+        elif want_k or want_v:
             kv, ikv = dest("dkdv", 2 * nkv, dt, "dev_dkdv")
             call.dkdv(st, kv, want_k, want_v)
             if ikv is None and want_k and want_v and nkv % 4 == 0:
@@ -505,7 +535,12 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             else:
                 dsb = run.buffer("dev_ds", 4 * B * HQ * SQ * SK)
             call.clears.append(dsb)
-        if want_q or want_b:
+        if want_q and dt == np.float16 and call.out16_ok("bwd_dq"):
+            # f16 dQ written by the dQ pass itself (no f32 scratch, no cast launch)
+            y, iy = res.new(_nbytes(n * D, dt), "anyattn.dq")
+            call.dq(st, y, dsb, out16=True)
+            res.add("dq", iy, (B, HQ, SQ, D), dt)
+        elif want_q or want_b:
             if want_q:
                 dqb, idq = dest("dq", n * D, dt, "dev_dq")
             else:
@@ -529,8 +564,27 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         return call
 
     with be._lock:
-        r = _run_cached(be, "bwd", p, inputs, build)
+        r = _run_cached(be, "bwd", p, inputs, build, extra=in_place)
     return {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
+
+
+def _stats_in_place(run, p: Problem, inputs: Dict[str, object]) -> bool:
+    """Whether the backward binds the statistics' buffer itself as its [7, n] stats
+    scratch (no copies): the RowStats of a device-array forward — max and log_norm rows 0
+    and 6 of one result buffer of this runner's pool, contiguous — whose buffer no
+    ``from_buffer`` claimed and no other input shares.  The backward then writes delta
+    into row 1, which no array the pool handed out covers (rows 1-5 are the kernels'
+    scratch); the results are bitwise those of the copying path."""
+    mx, ln = inputs["max"], inputs["log_norm"]
+    buf = mx.buffer
+    n = p.batch * p.heads_q * p.seq_q
+    if not (ln.buffer is buf and mx.dtype == np.float32 and ln.dtype == np.float32
+            and mx.offset == 0 and ln.offset == LOG_NORM_ROW * n
+            and mx.is_contiguous and ln.is_contiguous and mx.size == n and ln.size == n
+            and buf.size >= 4 * STATS_ROWS * n and run.results.owns(buf)):
+        return False
+    return not any(x is not None and x.buffer is buf for name, x in inputs.items()
+                   if name not in ("max", "log_norm"))
 
 
 def _dsinks(call, st, dst) -> None:

@@ -25,6 +25,15 @@ content-keyed uniform blocks, which others share.
 from the runner's cache (keyed by buffer ids: a repeat with the same buffers creates
 none) and submits.  The first call of a signature is submitted through its fresh
 template too, so a cache hit runs exactly the launches of the uncached path.
+
+Bound sets (session 7): a template also keeps, for the last ``MAX_BOUND`` distinct sets
+of buffers it was called with (inputs, results, pooled roles, in slot order), the
+resolved launches (pipelines, bind groups, grids), clears and copies.  A call whose
+buffers are *the same objects* (checked by identity through weak references, never by
+id alone) submits that list as it is: no slot resolution, no bind-group lookups.  A
+set whose buffer dies is dropped at once (a weakref callback), and a pooled role grown
+into a new buffer, a new input or result buffer is simply another set, so a cached
+bind group never serves a buffer it was not made for.
 """
 from __future__ import annotations
 
@@ -56,6 +65,12 @@ class Template:
         #: the template's own uniform blocks holding the dropout seed, and the seed in them
         self.seeded = list(seeded)
         self.seed = seed
+        # the distinct slots of the launches, clears and copies, in a fixed order:
+        # ("in", name) / ("res", i) / ("role", role, nbytes) (``_slots``), and the bound
+        # sets: id-tuple of the resolved buffers -> (weak refs, resolved submit args)
+        self._slots = self._slot_order()
+        self._bound: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.stats = {"bound_hits": 0, "bound_misses": 0}
 
     @classmethod
     def record(cls, run, call, inputs: Dict[str, object], result_bufs: Sequence[object],
@@ -144,26 +159,65 @@ class Template:
             for buf in self.seeded:
                 run.device.queue.write_buffer(buf, SEED_OFFSET, data)
             self.seed = seed
-        roles: Dict[str, object] = {}
-
-        def resolve(s):
-            if type(s) is not tuple:
-                return s
+        bufs = []                      # this call's buffer per slot (``_slots`` order)
+        for s in self._slots:
             if s[0] == "in":
-                return inputs[s[1]]
-            if s[0] == "res":
-                return result_bufs[s[1]]
-            b = roles.get(s[1])
-            if b is None:
-                b = roles[s[1]] = run.buffer(s[1], s[2])
-            return b
+                bufs.append(inputs[s[1]])
+            elif s[0] == "res":
+                bufs.append(result_bufs[s[1]])
+            else:
+                bufs.append(run.buffer(s[1], s[2]))
+        key = tuple(map(id, bufs))
+        hit = self._bound.get(key)
+        if hit is not None and all(r() is b for r, b in zip(hit[0], bufs)):
+            self._bound.move_to_end(key)
+            self.stats["bound_hits"] += 1
+            run.cache_stats["bound_hits"] += 1
+            run.submit(*hit[1])
+            return
+        self.stats["bound_misses"] += 1
+        run.cache_stats["bound_misses"] += 1
+        args = self._resolve(run, dict(zip(self._slots, bufs)))
+        bound = self._bound
+
+        def drop(_ref, key=key):       # a buffer of the set died: its id may be reused
+            bound.pop(key, None)
+        refs = tuple(weakref.ref(b, drop) for b in bufs)
+        bound[key] = (refs, args)
+        while len(bound) > self.MAX_BOUND:
+            bound.popitem(last=False)
+        run.submit(*args)
+
+    #: bound sets kept per template (a loop alternating result sets uses two or three)
+    MAX_BOUND = 4
+
+    def _slot_order(self) -> list:
+        """The distinct tuple slots of launches, clears and copies, first use first."""
+        seen = {}
+        for _, _, slots, _, _ in self.launches:
+            for s in slots:
+                if type(s) is tuple:
+                    seen.setdefault(s, None)
+        for s in self.clears:
+            if type(s) is tuple:
+                seen.setdefault(s, None)
+        for s, _, d, _, _ in list(self.copies) + list(self.copies_before):
+            for x in (s, d):
+                if type(x) is tuple:
+                    seen.setdefault(x, None)
+        return list(seen)
+
+    def _resolve(self, run, at: Dict[tuple, object]) -> tuple:
+        """run.submit's arguments with every slot replaced by its buffer in ``at``
+        (bind groups from the runner's cache)."""
+        def resolve(s):
+            return at[s] if type(s) is tuple else s
 
         encoded = [(pipe, run.bind_group(layout, [resolve(s) for s in slots], kernel), grid,
                     kernel) for pipe, layout, slots, grid, kernel in self.launches]
-        run.submit(encoded, [resolve(s) for s in self.clears], 1,
-                   [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
-                   [(resolve(s), so, resolve(d), do, n)
-                    for s, so, d, do, n in self.copies_before])
+        return (encoded, [resolve(s) for s in self.clears], 1,
+                [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
+                [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies_before])
 
 
 class TemplateCache:

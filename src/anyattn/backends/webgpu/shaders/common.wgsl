@@ -11,7 +11,12 @@
 @group(0) @binding(5) var<storage, read> biasb: array<f32>;
 @group(0) @binding(6) var<storage, read> aux: array<u32>;
 @group(0) @binding(7) var<storage, read_write> stats: array<f32>;
+//@ifn OUTB16
 @group(0) @binding(8) var<storage, read_write> outb: array<f32>;
+//@endif OUTB16
+//@if OUTB16
+@group(0) @binding(8) var<storage, read_write> outb: array<vec4<f16>>;   // f16 dQ (OUTB16)
+//@endif OUTB16
 @group(0) @binding(9) var<storage, read_write> dsb: array<f32>;
 
 var<private> trips: u32;
