@@ -55,10 +55,13 @@ ROUNDS = 3
 
 
 def configs(D, dt="bfloat16"):
-    """The configs checked / timed: the default and the warp-specialised variants (both
-    dtypes: any of them may become the default); the default's dK/dV kernel at D=128
-    (the fused one's predecessor) is left out."""
-    return [HCF.bwd_config(D)] + [c for c in HCF.WS_BWD_VARIANTS[D] if c != HCF.bwd_config(D)]
+    """The configs checked / timed: the default, the one before it (configs.PREV_BWD) and
+    the warp-specialised variants (both dtypes: any of them may become the default)."""
+    out = []
+    for c in [HCF.bwd_config(D), HCF.PREV_BWD[D]] + HCF.WS_BWD_VARIANTS[D]:
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def route_configs(D):

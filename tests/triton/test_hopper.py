@@ -78,21 +78,26 @@ def test_coverage_tensor_rules(monkeypatch):
     assert "last-dim stride" in HCOV.supports(p, "forward", (("v", z),))
 
 
-def test_backward_is_covered_but_not_routed_by_auto(monkeypatch):
-    """The Hopper dK/dV kernel covers the call but measured slower than the portable
-    backward (coverage.py), so 'auto' keeps it portable and 'hopper' forces it."""
+def test_backward_is_routed_by_auto_at_d128_only(monkeypatch):
+    """The Hopper backward (warp-specialised dK/dV + portable dQ) covers D=64 and 128;
+    'auto' routes D=128, where the H200 measured it faster than the portable backward,
+    and keeps D=64 portable (measured even: coverage.py); 'hopper' forces both."""
     from anyattn.backends.triton import launch as TL
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
-    p = _problem()
-    object.__setattr__(p, "device", "cuda:0")
-    assert HCOV.routed_by_default("forward") and not HCOV.routed_by_default("backward")
+    assert HCOV.routed_by_default("backward", "none", 128)
+    assert not HCOV.routed_by_default("backward", "none", 64)
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
-    assert TL._use_hopper(p, "forward", None, ()) is True
-    assert TL._use_hopper(p, "backward", None, ()) is False
+    for d, routed in ((128, True), (64, False)):
+        p = _problem(D=d)
+        object.__setattr__(p, "device", "cuda:0")
+        assert HCOV.supports(p, "backward") is None
+        assert TL._use_hopper(p, "backward", None, ()) is routed, d
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
     assert TL._use_hopper(p, "backward", None, ()) is True
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
+    assert TL._use_hopper(_problem(), "backward", None, ()) is False
 
 
 def test_backward_configs_are_data():
@@ -109,6 +114,7 @@ def test_backward_configs_are_data():
     with pytest.raises(ValueError, match="dq=True"):
         HCF.HopperBwdConfig(128, 64, 2, fused=True, defer=True)
     assert HCF.HopperBwdConfig(128, 64, 2, ws=True, pingpong=True).name == "wdkdv128x64s2p"
+    assert HCF.bwd_config(128).ws and HCF.bwd_config(64).ws
     with pytest.raises(ValueError, match="warp-specialised"):
         HCF.HopperBwdConfig(128, 32, 2, ws=True)
     with pytest.raises(ValueError, match="ws=True"):

@@ -693,7 +693,8 @@ def _use_hopper(p, direction: str, plan, tensors) -> bool:
                 f"this call: {why}; unset it (or set 'auto' / 'portable') for the "
                 f"portable kernels")
         return True
-    return why is None and plan is None and HC.routed_by_default(direction, p.mask_class)
+    return why is None and plan is None and HC.routed_by_default(direction, p.mask_class,
+                                                                 p.head_dim)
 
 
 # ----------------------------------------------------------------------------- prepared

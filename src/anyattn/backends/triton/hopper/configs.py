@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
-           "FWD_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS"]
+           "FWD_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS", "PREV_BWD"]
 
 
 @dataclass(frozen=True)
@@ -170,35 +170,41 @@ class HopperBwdConfig:
 #: 364-425 / s3 348-438 / bm=64 s2 248-322; D=64 bm=64 s2 340-367, s3 336-371
 _DKDV = {64: HopperBwdConfig(128, 64, 2, 8), 128: HopperBwdConfig(128, 32, 2, 8)}
 
-#: D -> the backward's config (what ANYATTN_TRITON_PATH=hopper runs; coverage.py keeps
-#: 'auto' portable).  H200 2026-12-03 (docs/perf/hopper-bwd-h200-2026-12-03.json,
-#: TFLOP/s on dK/dV's 0.8 of the backward's FLOPs, B=8 H=16 S=2k / B=2 H=16 S=8k):
-#: D=128 the fused kernel without dQ 459-486 (causal 395-464) vs the dK/dV kernel
-#: 376-405 (302-345); dQ stays portable: that route measured 340 / 291 / 371 / 357 end to
-#: end vs the portable backward's 362 / 295 / 385 / 365 (session 6, hopper-bwd-h200-
-#: 2026-12-03-s6b.json).  The in-kernel dQ (dq=True: rotated / diagonal-first add order,
-#: bulk reduce-adds) runs 300-324 (causal 257-300) on the whole backward's FLOPs, its
-#: route 0.81-0.85x the portable backward: still below.  D=64: the dK/dV kernel (353 /
-#: 296 alone vs the fused one's 312 / 310)
-_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
-
-#: backward variants the GPU bench checks and times beside the defaults (the first one
-#: with dq is the bench's in-kernel-dQ route): the in-kernel dQ with the deferred turn
-#: wait ('d', 312 / 257 / 324 / 300 at D=128) and without (300 / 258 / 309 / 297), the
-#: fused kernel without dQ at D=64, the dK/dV kernel at D=128
-BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
-                     HopperBwdConfig(128, 64, 2, fused=True),
-                     HopperBwdConfig(128, 64, 2, fused=True, dq=True)],
-                128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
-                      HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128]]}
-#: session 7: the warp-specialised dK/dV (bwd_ws_kernel; 'w', 'p': ping-pong turns),
-#: D -> its variants (checked by the GPU tests with the others, timed by
-#: bench/gpu_hopper_bwd.py)
+#: the warp-specialised dK/dV configs (bwd_ws_kernel; 'w', 'p': ping-pong turns), D ->
+#: its variants; the bench times them side by side (bench/gpu_hopper_bwd.py)
 WS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True),
                        HopperBwdConfig(128, 64, 2, ws=True, pingpong=True),
                        HopperBwdConfig(128, 64, 3, ws=True, pingpong=True)] for d in (64, 128)}
-for _d, _v in WS_BWD_VARIANTS.items():
-    BWD_VARIANTS[_d] = BWD_VARIANTS[_d] + _v
+
+#: D -> the backward's dK/dV config (dQ and the delta preprocess stay portable;
+#: coverage.py says where 'auto' routes it).  Session 7 (H200 2026-12-04 01:04 UTC,
+#: docs/perf/hopper-bwd-h200-2026-12-04-s7.json, B=8 H=16 S=2k / B=2 H=16 S=8k, D=64 B=4
+#: H=32 S=4k; TFLOP/s on dK/dV's 0.8 of the backward's FLOPs): the warp-specialised
+#: kernel 'wdkdv128x64s2' 573 / 433 / 537 / 556 (S=2k, 2k causal, 8k, 8k causal) vs the
+#: fused kernel's 431 / 391 / 459 / 465; D=64 419 / 398 vs the dK/dV kernel's 357 / 303.
+#: Its route end to end (median of 3 rotated rounds) 382 / 304 / 409 / 380 vs the
+#: portable backward's 350 / 289 / 383 / 359 (1.05-1.09x; every round faster), D=64
+#: 327 / 290 vs 329 / 289 (1.0x: not routed by 'auto').  Ping-pong turns ('p') 0-11 %
+#: slower, 3 stages 1-4 % slower.  Before (session 6): D=128 the fused kernel
+#: (bwd_fused_kernel, its route 0.94-0.99x portable), D=64 the dK/dV kernel
+_BWD = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
+
+#: backward variants the GPU tests check beside the defaults: the fused kernel with its
+#: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,
+#: 300 / 258 / 309 / 297 on the whole backward's FLOPs; session 6), the fused kernel
+#: without dQ (the D=128 default of sessions 5-6), the dK/dV kernel, and the other
+#: warp-specialised configs
+BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
+                     HopperBwdConfig(128, 64, 2, fused=True),
+                     HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[64]]
+                + WS_BWD_VARIANTS[64][1:],
+                128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
+                      HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128],
+                      HopperBwdConfig(128, 64, 2, fused=True)]
+                + WS_BWD_VARIANTS[128][1:]}
+
+#: D -> the default before session 7 (the bench times it beside the new one)
+PREV_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
 
 
 def bwd_config(d: int) -> HopperBwdConfig:

@@ -32,6 +32,8 @@ class Coverage:
     #: the mask classes 'auto' routes here (None: every covered one); the others are
     #: covered but measured no faster than the portable path
     auto_mask_classes: Optional[FrozenSet[str]] = None
+    #: the head dims 'auto' routes here (None: every covered one); the others likewise
+    auto_head_dims: Optional[FrozenSet[int]] = None
 
 
 #: direction -> coverage (None: no Hopper kernel for that direction yet)
@@ -54,17 +56,18 @@ COVERAGE = {
                                                 "band+documents", "band+keep",
                                                 "documents+keep", "band+documents+keep"}),
                         auto_mask_classes=frozenset({"none", "band"})),
-    # configs.bwd_config: D=128 the fused dK/dV kernel (bwd_fused_kernel.py), D=64 the
-    # dK/dV kernel (bwd_kernel.py); the delta preprocess and dQ stay portable.  Not routed
-    # by 'auto': timed end to end on the H200 (2026-12-03 21:22 UTC, docs/perf/hopper-bwd-
-    # h200-2026-12-03-s6b.json) that route ran 0.94-0.99x the portable backward at D=128
-    # and 0.83-0.91x at D=64; the fused kernel's in-kernel dQ (fixed-order bulk adds)
-    # 0.81-0.85x at D=128, 0.72-0.81x at D=64
+    # configs.bwd_config: the warp-specialised dK/dV kernel (bwd_ws_kernel.py); the delta
+    # preprocess and dQ stay portable.  Routed by 'auto' at D=128: timed end to end on
+    # the H200 (2026-12-04 01:04 UTC, docs/perf/hopper-bwd-h200-2026-12-04-s7.json, 3
+    # rotated rounds) that route ran 1.05-1.09x the portable backward (S=2k / 8k, causal
+    # and not, every round faster); at D=64 (S=4k) 0.995x / 1.004x, so D=64 stays
+    # portable under 'auto' (ANYATTN_TRITON_PATH=hopper runs it).  Session 6's routes
+    # (the fused dK/dV kernel: 0.94-0.99x; its in-kernel dQ 0.81-0.85x) stay variants
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
                          mask_classes=frozenset({"none", "band"}),
-                         auto=False),
+                         auto_head_dims=frozenset({128})),
 }
 
 _PATHS = ("auto", "portable", "hopper")
@@ -86,14 +89,17 @@ def _capability(device: str) -> Tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def routed_by_default(direction: str, mask_class: Optional[str] = None) -> bool:
+def routed_by_default(direction: str, mask_class: Optional[str] = None,
+                      head_dim: Optional[int] = None) -> bool:
     """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` (with a mask
-    of ``mask_class``; None: the direction as a whole) to Hopper."""
+    of ``mask_class`` and head dim ``head_dim``; None: any) to Hopper."""
     cov = COVERAGE.get(direction)
     if cov is None or not cov.auto:
         return False
-    return (mask_class is None or cov.auto_mask_classes is None
-            or mask_class in cov.auto_mask_classes)
+    return ((mask_class is None or cov.auto_mask_classes is None
+             or mask_class in cov.auto_mask_classes)
+            and (head_dim is None or cov.auto_head_dims is None
+                 or head_dim in cov.auto_head_dims))
 
 
 def _tensor_reason(name: str, x) -> Optional[str]:
