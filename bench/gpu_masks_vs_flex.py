@@ -382,7 +382,9 @@ def _set_variant(var):
             continue
         if tok in ("hopfwd", "portfwd"):
             routed = (_COV0.mask_classes if tok == "hopfwd"
-                      else frozenset({"none", "band"}))
+                      else _COV0.auto_mask_classes - {"documents", "band+documents",
+                                                      "keep", "band+keep", "documents+keep",
+                                                      "band+documents+keep"})
             HCOV.COVERAGE["forward"] = dataclasses.replace(_COV0, auto_mask_classes=routed)
         elif tok.startswith("fwd") and "x" in tok:
             bm, bn = (int(x) for x in tok[3:].split("x"))

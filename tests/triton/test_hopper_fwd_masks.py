@@ -162,6 +162,10 @@ def test_array_masks_are_covered_and_routed_only_where_measured():
         assert mc in cov.mask_classes
     assert HCOV.routed_by_default("forward", "none")
     assert HCOV.routed_by_default("forward", "band")
+    # measured faster than the portable forward on the H200 (LOG session 7)
+    assert HCOV.routed_by_default("forward", "documents")
+    assert HCOV.routed_by_default("forward", "band+documents")
+    assert not HCOV.routed_by_default("forward", "keep")
     for mc in cov.mask_classes - cov.auto_mask_classes:
         assert not HCOV.routed_by_default("forward", mc)
 

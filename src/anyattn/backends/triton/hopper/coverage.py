@@ -49,13 +49,17 @@ COVERAGE = {
                         # 0.89-0.98x: it stays portable until it wins on both
                         head_dims=frozenset({128}),
                         # Documents / KeepMask (session 7): the range table at the 128 x
-                        # 128 tile, the id compare / keep bytes on edge tiles only
-                        # (fwd_masks.py); routed by 'auto' only where the H200 showed it
-                        # faster than the portable forward (docs/perf/LOG.md session 7)
+                        # 128 tile, document key intervals / ids / keep bytes on edge tiles
+                        # only (fwd_masks.py).  Routed by 'auto' where the H200 showed it
+                        # faster than the portable forward: documents, causal or not
+                        # (2026-12-04 01:06 UTC, B=4 H=16 S=4k D=128 bf16, device-only fwd
+                        # 0.59-0.69x the portable's; docs/perf/masks-flex-h200-2026-12-04-
+                        # s7.json); KeepMask classes covered, not timed: not routed
                         mask_classes=frozenset({"none", "band", "documents", "keep",
                                                 "band+documents", "band+keep",
                                                 "documents+keep", "band+documents+keep"}),
-                        auto_mask_classes=frozenset({"none", "band"})),
+                        auto_mask_classes=frozenset({"none", "band", "documents",
+                                                     "band+documents"})),
     # configs.bwd_config: the warp-specialised dK/dV kernel (bwd_ws_kernel.py); the delta
     # preprocess and dQ stay portable.  Routed by 'auto' at D=128: timed end to end on
     # the H200 (2026-12-04 01:04 UTC, docs/perf/hopper-bwd-h200-2026-12-04-s7.json, 3
