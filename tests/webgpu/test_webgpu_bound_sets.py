@@ -77,7 +77,6 @@ def test_dead_buffer_id_reuse_and_grown_roles(be):
     _grads(d1)
     run = be._run()
     tpl_count = sum(len(t._bound) for t in run.templates._d.values())
-    ids = [id(x.buffer) for x in d1]
     del d1
     gc.collect()
     assert sum(len(t._bound) for t in run.templates._d.values()) < tpl_count

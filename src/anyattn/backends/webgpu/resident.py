@@ -40,6 +40,7 @@ __all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empt
 
 #: the device label of anyattn's own wgpu device (anyattn.webgpu._device_label)
 HOME = "webgpu:0"
+_F32 = np.dtype(np.float32)
 _I32 = (1 << 31) - 1
 
 
@@ -329,15 +330,21 @@ _FIELDS_MEMO: Dict[int, tuple] = {}
 _FIELDS_MEMO_MAX = 256
 
 
-def _fields_part(p: Problem) -> tuple:
+def _fields_part(p: Problem):
+    """(the Problem fields' key part, the mask's key or None when the mask holds arrays:
+    then it is keyed anew per call, ``_mask_key``)."""
     hit = _FIELDS_MEMO.get(id(p))
     if hit is not None and hit[0] is p:
-        return hit[1]
+        return hit[1], hit[2]
     part = tuple(_field_key(getattr(p, n)) for n in _PROBLEM_FIELDS)
+    m = p.mask
+    mk = None
+    if m.q_ids is None and m.k_ids is None and m.keep is None:    # band only: ints
+        mk = _mask_key(m)
     if len(_FIELDS_MEMO) >= _FIELDS_MEMO_MAX:
         _FIELDS_MEMO.clear()
-    _FIELDS_MEMO[id(p)] = (p, part)
-    return part
+    _FIELDS_MEMO[id(p)] = (p, part, mk)
+    return part, mk
 
 
 def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
@@ -345,12 +352,14 @@ def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     the buffers (None: not cached, e.g. a large KeepMask or an unhashable field);
     ``extra``: a hashable choice of the build that depends on the inputs (the
     backward's statistics bound in place, ``_stats_in_place``)."""
-    mk = _mask_key(p.mask)
+    fields, mk = _fields_part(p)
     if mk is None:
-        return None
+        mk = _mask_key(p.mask)
+        if mk is None:
+            return None
     ids = [id(x.buffer) for x in inputs.values() if x is not None]
     alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
-    key = (what, _fields_part(p), mk,
+    key = (what, fields, mk,
            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
            be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""), extra)
     try:
@@ -577,10 +586,12 @@ def _stats_in_place(run, p: Problem, inputs: Dict[str, object]) -> bool:
     scratch); the results are bitwise those of the copying path."""
     mx, ln = inputs["max"], inputs["log_norm"]
     buf = mx.buffer
-    n = p.batch * p.heads_q * p.seq_q
-    if not (ln.buffer is buf and mx.dtype == np.float32 and ln.dtype == np.float32
-            and mx.offset == 0 and ln.offset == LOG_NORM_ROW * n
-            and mx.is_contiguous and ln.is_contiguous and mx.size == n and ln.size == n
+    rows = (p.batch, p.heads_q, p.seq_q)
+    n = rows[0] * rows[1] * rows[2]
+    if not (ln.buffer is buf and mx.offset == 0 and ln.offset == LOG_NORM_ROW * n
+            and mx.shape == rows and ln.shape == rows
+            and mx.dtype == _F32 and ln.dtype == _F32
+            and mx.is_contiguous and ln.is_contiguous
             and buf.size >= 4 * STATS_ROWS * n and run.results.owns(buf)):
         return False
     return not any(x is not None and x.buffer is buf for name, x in inputs.items()
