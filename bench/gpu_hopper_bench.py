@@ -42,7 +42,7 @@ def vname(cfg):
 TOL = {"float16": 3e-3, "bfloat16": 2e-2}
 RES = {"meta": {}, "sass": [], "check": [], "bench": []}
 OPT = {"ws": True, "bwd": True, "flex": True, "fwd_variants": "", "dims": "64,128",
-       "dtypes": "bfloat16", "warm": False}
+       "dtypes": "bfloat16", "warm": False, "repeat": 1, "names": "", "seqs": ""}
 
 
 def fwd_variants(D, dt="bfloat16"):
@@ -336,6 +336,8 @@ def phase_bench(quick):
     shapes = [(8, 16, 2048, 128), (2, 16, 8192, 128), (8, 16, 2048, 64), (4, 16, 4096, 64),
               (2, 16, 8192, 64)]
     shapes = [sh for sh in shapes if str(sh[3]) in OPT["dims"].split(",")]
+    if OPT["seqs"]:
+        shapes = [sh for sh in shapes if str(sh[2]) in OPT["seqs"].split(",")]
     if quick:
         shapes = shapes[:1]
     shapes = [sh + (dt,) for dt in OPT["dtypes"].split(",") for sh in shapes
@@ -349,17 +351,12 @@ def phase_bench(quick):
             row = dict(B=b, H=h, S=s, D=d, dtype=dt, causal=causal, ms={}, tflops={})
             fl = fa_flops(b, h, s, d, causal)
 
-            def put(name, fn):
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    if OPT["warm"]:         # --warm-only: compile, no timing
-                        return
-                    ms = bench_ms(fn)
-                    row["ms"][name] = round(ms, 4)
-                    row["tflops"][name] = round(fl / ms / 1e9, 1)
-                except Exception as e:  # noqa: BLE001
-                    row["ms"][name] = repr(e)[:300]
+            impls = []
+
+            def put(name, fn):      # timed below, --repeat passes in rotating order
+                names = [x for x in OPT["names"].split(",") if x]
+                if not names or name in names:
+                    impls.append((name, fn))
 
             if HCOV.supports(p, "forward", (("q", q), ("k", k), ("v", v))) is None:
                 put("hopper", lambda: HL.forward(p, q, k, v))
@@ -379,6 +376,7 @@ def phase_bench(quick):
                                    None, None, s, s, device="cuda")
             if OPT["flex"]:
                 put("flex", lambda: flex(q, k, v, block_mask=bm))
+            time_rotating(row, impls, fl)
             hp, cd = row["ms"].get("hopper"), row["ms"].get("sdpa-cudnn")
             if isinstance(hp, float) and isinstance(cd, float):
                 row["hopper_vs_cudnn"] = round(cd / hp, 3)
@@ -387,6 +385,34 @@ def phase_bench(quick):
             RES["bench"].append(row)
             log(f"bench B={b} H={h} S={s} D={d} {dt} causal={causal}: " +
                 " ".join(f"{k_}={v_}" for k_, v_ in row["tflops"].items()))
+
+
+def time_rotating(row, impls, fl):
+    """Each (name, fn) run once, then timed OPT["repeat"] times, pass r starting at impl
+    r (rotating order): row["ms"] / row["tflops"] the medians, row["ms_reps"] each pass;
+    an exception is recorded in row["ms"][name] instead."""
+    import statistics
+
+    ok = []
+    for name, fn in impls:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ok.append((name, fn))
+        except Exception as e:  # noqa: BLE001
+            row["ms"][name] = repr(e)[:300]
+    if OPT["warm"] or not ok:       # --warm-only: compile, no timing
+        return
+    reps = {name: [] for name, _ in ok}
+    for r in range(max(1, OPT["repeat"])):
+        for name, fn in ok[r % len(ok):] + ok[:r % len(ok)]:
+            reps[name].append(round(bench_ms(fn), 4))
+    for name, ms_ in reps.items():
+        ms = statistics.median(ms_)
+        row["ms"][name] = round(ms, 4)
+        row["tflops"][name] = round(fl / ms / 1e9, 1)
+    if OPT["repeat"] > 1:
+        row["ms_reps"] = reps
 
 
 def time_into(row, name, fn, flops):
@@ -541,9 +567,15 @@ def main():
                     "timed function once (compiles into Triton's cache), time nothing")
     ap.add_argument("--cases", default="", help="check only cases whose name holds one of "
                     "these comma-separated words")
+    ap.add_argument("--repeat", type=int, default=1, help="bench phase: time each forward "
+                    "this many times, in rotating order (medians; each pass in ms_reps)")
+    ap.add_argument("--names", default="", help="bench phase: time only the forwards of "
+                    "these comma-separated names (hopper, hopper-<variant>, sdpa-cudnn, ..)")
+    ap.add_argument("--seqs", default="", help="bench phase: only shapes of these S")
     a = ap.parse_args()
     OPT.update(ws=not a.skip_ws, bwd=not a.skip_bwd, flex=not a.no_flex, cases=a.cases,
-               fwd_variants=a.fwd_variants, dims=a.dims, dtypes=a.dtypes, warm=a.warm_only)
+               fwd_variants=a.fwd_variants, dims=a.dims, dtypes=a.dtypes, warm=a.warm_only,
+               repeat=a.repeat, names=a.names, seqs=a.seqs)
     RES["meta"]["out"] = a.out
     RES["meta"]["options"] = dict(OPT)
     RES["meta"].update(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name(),

@@ -252,7 +252,8 @@ def run(args):
         if hasattr(dcfg, name):
             setattr(dcfg, name, max(64, getattr(dcfg, name)))
     flex = flex_attention if tiny else torch.compile(flex_attention, dynamic=False)
-    variants = [v for v in (args.variants or "").split(",") if v] or [None]
+    variants = [None if v == "default" else v
+                for v in (args.variants or "").split(",") if v] or [None]   # default: as shipped
     gen = torch.Generator().manual_seed(0)
     for S, D in shapes:
         for kind in kinds:
@@ -364,7 +365,8 @@ def _set_variant(var):
     triton launcher's mask lowering, launch.set_mask_lowering), 'fwdBMxBN' (the
     portable forward's tiles for bf16, e.g. fwd128x64) and 'hopfwd' / 'portfwd'
     (Documents / KeepMask forwards routed to the Hopper forward / kept portable:
-    hopper/coverage.py's auto_mask_classes); None restores the defaults."""
+    hopper/coverage.py's auto_mask_classes), 'persist' (the Hopper forward's persistent
+    config as its D=128 default); None restores the defaults."""
     import dataclasses
 
     from anyattn.backends.triton import configs as C
@@ -375,12 +377,21 @@ def _set_variant(var):
     if _COV0 is None:
         _COV0 = HCOV.COVERAGE["forward"]
     HCOV.COVERAGE["forward"] = _COV0
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    for key in [k for k in HCF._FWD_BY_DTYPE if k[0] == 128]:
+        del HCF._FWD_BY_DTYPE[key]
     setter = getattr(launch, "set_mask_lowering", None)
-    lowering, fields = None, {}
+    lowering, fields, persist = None, {}, {}
     for tok in (var or "").split("+"):
         if not tok:
             continue
-        if tok in ("hopfwd", "portfwd"):
+        if tok == "persist":     # the Hopper forward's persistent config as the default
+            from anyattn.backends.triton.hopper import configs as HCF
+
+            pc = [c for c in HCF.FWD_VARIANTS[128] if c.persist][0]
+            persist = {(128, "bfloat16"): pc, (128, "float16"): pc}
+        elif tok in ("hopfwd", "portfwd"):
             routed = (_COV0.mask_classes if tok == "hopfwd"
                       else _COV0.auto_mask_classes - {"documents", "band+documents",
                                                       "keep", "band+keep", "documents+keep",
@@ -393,7 +404,8 @@ def _set_variant(var):
             lowering = tok
         else:
             raise ValueError(f"variant token {tok!r}: expected lists, ranges, fwdBMxBN, "
-                             "hopfwd or portfwd")
+                             "hopfwd, portfwd or persist")
+    HCF._FWD_BY_DTYPE.update(persist)
     if setter is None and lowering is not None:
         raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
     if setter is not None:

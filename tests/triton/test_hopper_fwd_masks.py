@@ -203,14 +203,24 @@ def test_compiles_for_sm90a(docs, keep, band, spills):
 
 
 # ----------------------------------------------------------------------------- GPU
+def _persist_cfg():
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    return [c for c in HCF.FWD_VARIANTS[128] if c.persist][0]
+
+
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("persist", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", list(_cases()))
-def test_gpu_forward_array_masks_match_float64(dtype, name):
-    """fwd_ws_kernel with ARRAY vs float64: out within tolerance, lse -inf exactly on
-    empty rows, every element written (poisoned buffers), two runs bitwise equal."""
+def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
+    """fwd_ws_kernel (and the persistent kernel) with ARRAY vs float64: out within
+    tolerance, lse -inf exactly on empty rows, every element written (poisoned buffers),
+    two runs bitwise equal."""
     from anyattn.backends.triton.hopper import launch as HL
+
+    cfg = _persist_cfg() if persist else None
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -222,7 +232,7 @@ def test_gpu_forward_array_masks_match_float64(dtype, name):
     for _ in range(2):
         out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
         st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
-        res.append(HL.forward(p, q, k, v, out=out, stats=st))
+        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
     (o, rs), (o2, rs2) = res
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(rs.log_norm, rs2.log_norm)
@@ -233,3 +243,64 @@ def test_gpu_forward_array_masks_match_float64(dtype, name):
     assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
     fin = np.isfinite(rl)
     assert np.abs(lse[fin] - rl[fin]).max() <= 10 * TOL[dtype] * max(1.0, np.abs(rl[fin]).max())
+
+
+def _gpu_masks(Sq, Sk):
+    g = torch.Generator().manual_seed(5)
+    ids = _sorted_ids(g, Sq, 6).cuda()
+    return {"none": None, "causal": aa.Causal(), "causal_br": aa.Causal(align="bottom_right"),
+            "window": aa.Window(left=200, right=37),
+            "docs_causal": (aa.Causal() & aa.Documents(ids)) if Sq == Sk else None}
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window", "docs_causal"])
+@pytest.mark.parametrize("Sq,Sk", [(600, 600), (520, 777)])
+def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
+    """The persistent forward with more query tiles (H=64: 5 x 64 = 320) than programs
+    (one per SM), so every program walks two or three tiles of different key-loop
+    lengths: out within tolerance of float64, every element written, bitwise repeatable,
+    and bitwise equal to the per-tile default kernel (the same loop per row)."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    mask = _gpu_masks(Sq, Sk)[kind]
+    if kind == "docs_causal" and mask is None:
+        pytest.skip("documents case: Sq == Sk only")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dt = getattr(torch, dtype)
+    B, H, Hkv = 1, 64, 16
+    q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    p = describe(q, k, v, mask=mask)
+    res = []
+    for cfg in (_persist_cfg(), _persist_cfg(), None):
+        out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
+        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
+        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
+    (o, rs), (o2, rs2), (od, rsd) = res
+    assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
+    assert torch.equal(o, od) and torch.equal(rs.max, rsd.max)
+    assert torch.equal(rs.log_norm, rsd.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, dtype, "out")
+    lse = to_np(rs.max + rs.log_norm).astype(np.float64)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+
+
+@needs_gluon
+@pytest.mark.parametrize("band,docs", [(False, 0), (True, 0), (True, 2)])
+def test_persistent_forward_compiles_for_sm90a_without_spills(band, docs):
+    """fwd_persist_kernel compiles for sm_90a: the default's 64 HGMMA per consumer, Q
+    loads for the first and the next tile (8 UTMALDG), no local memory (its producer
+    walks tiles at 32 registers; 24 spilled)."""
+    from test_hopper import _compile_counts
+
+    n = _compile_counts("O.compile_fwd('bfloat16', 128, %s, [c for c in C.FWD_VARIANTS[128] "
+                        "if c.persist][0], docs=%d)" % (band, docs))
+    assert n["ptx_wgmma"] > 0 and n["ptx_setmaxnreg"] > 0, n
+    if n["has_sass"]:
+        assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 8 and n["sass_HMMA"] == 0, n
+        assert n["sass_STL"] == 0 and n["sass_LDL"] == 0, n

@@ -26,6 +26,8 @@ class HopperConfig:
     exp_fma: bool = False     # ws: softmax exponent as one fma, s * c - m * c
     edges: bool = False       # ws + overlap: masked edge tiles in loops of their own
     p_smem: bool = False      # edges: P through shared memory (2 stages), not registers
+    persist: bool = False     # ws + overlap: one program per SM walking query tiles
+                              # (fwd_persist_kernel; 2 consumers, + 32 KiB for O)
 
     def __post_init__(self):
         if self.pingpong and not (self.ws and self.overlap):
@@ -40,6 +42,10 @@ class HopperConfig:
                              "loops run the overlapped schedule)")
         if self.p_smem and not self.edges:
             raise ValueError(f"{self}: p_smem needs edges=True (the edge loops' option)")
+        if self.persist and not (self.ws and self.overlap and not self.edges
+                                 and self.bm == 128):
+            raise ValueError(f"{self}: persist runs the overlapped ws loop with 2 consumers "
+                             "(ws=True, overlap=True, edges=False, bm=128)")
         if self.ws and (self.bm % 64 or self.bm // 64 not in (2, 3)):
             raise ValueError(f"{self}: the warp-specialised kernel runs 2 or 3 consumer "
                              "warpgroups of 64 query rows (bm 128 or 192)")
@@ -55,11 +61,12 @@ class HopperConfig:
         return (f"{'ws' if self.ws else ''}{self.bm}x{self.bn}s{self.stages}"
                 f"{'o' if self.overlap else ''}{'p' if self.pingpong else ''}"
                 f"{'f' if self.exp_fma else ''}{'e' if self.edges else ''}"
-                f"{'m' if self.p_smem else ''}")
+                f"{'m' if self.p_smem else ''}{'P' if self.persist else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         p = 2 * self.bm * self.bn if self.p_smem else 0
-        return elem * (d * (self.bm + 2 * self.stages * self.bn) + p)
+        o = self.bm * d if self.persist else 0          # the persistent kernel's O buffer
+        return elem * (d * (self.bm + 2 * self.stages * self.bn) + p + o)
 
 
 #: D -> forward config.  D=128: the warp-specialised kernel (fwd_ws_kernel, 2 stages,
@@ -102,7 +109,10 @@ FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 
                       HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
                                    exp_fma=True),
                       HopperConfig(128, 128, 2, **_OPFE),
-                      HopperConfig(128, 128, 2, p_smem=True, **_OPFE)]}
+                      HopperConfig(128, 128, 2, p_smem=True, **_OPFE),
+                      # session 7: the default's schedule, persistent (one program per SM)
+                      HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
+                                   exp_fma=True, persist=True)]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:

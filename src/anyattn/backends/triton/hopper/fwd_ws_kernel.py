@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .fwd_kernel import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
-__all__ = ["fwd_ws_kernel"]
+__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue"]
 
 
 @gluon.jit
@@ -119,7 +119,7 @@ def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l
 
 @gluon.jit
 def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc, m_i, l_i,
-                  zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                  zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c0,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
                   WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
@@ -127,29 +127,33 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
                   HAS_KEEP: gl.constexpr):
     """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
     ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
-    Tile 0's S before the loop, the last P.V after it.  -> acc [RM, D] (done), l_i, m_i."""
+    Tile 0's S before the loop, the last P.V after it.  c0: ring slots (and ping-pong
+    turns) this consumer used before this key loop (0 but in a persistent program: its
+    earlier query tiles').  -> acc [RM, D] (done), l_i, m_i."""
     RM: gl.constexpr = q2.shape[0]
     p16 = gl.zeros([RM, BN], dt, layout=p_l)
     if n > 0:
-        mbarrier.wait(k_bar.index(0), 0)
-        _turn_wait(turn, 0, WG, PINGPONG)
-        kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))                  # [D, BN]
+        st0 = c0 % STAGES
+        mbarrier.wait(k_bar.index(st0), (c0 // STAGES) & 1)
+        _turn_wait(turn, c0, WG, PINGPONG)
+        kT = k_smem.index(st0).reshape([BN, D]).permute((1, 0))                # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
         _turn_pass(turn, WG, NC, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
                                                  offs_nb, Sq, Sk, lo, hi, qk_scale, am,
                                                  HAS_BAND, BN, EXP_FMA, None, ARRAY,
                                                  DOCS, HAS_KEEP)
         p16 = gl.convert_layout(p.to(dt), p_l)           # acc is 0: no rescale needed
     for it in range(1, n):
-        stg = it % STAGES
-        ph = (it // STAGES) & 1
-        pst = (it - 1) % STAGES
+        g = c0 + it                                   # this consumer's ring slot count
+        stg = g % STAGES
+        ph = (g // STAGES) & 1
+        pst = (g - 1) % STAGES
         mbarrier.wait(k_bar.index(stg), ph)
-        mbarrier.wait(v_bar.index(pst), ((it - 1) // STAGES) & 1)
-        _turn_wait(turn, it, WG, PINGPONG)
+        mbarrier.wait(v_bar.index(pst), ((g - 1) // STAGES) & 1)
+        _turn_wait(turn, g, WG, PINGPONG)
         kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
@@ -165,8 +169,8 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
     if n > 0:
-        lst = (n - 1) % STAGES
-        mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
+        lst = (c0 + n - 1) % STAGES
+        mbarrier.wait(v_bar.index(lst), ((c0 + n - 1) // STAGES) & 1)
         acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     return acc, l_i, m_i
@@ -349,7 +353,7 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
     elif OVERLAP:
         acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
-                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, 0,
                                       HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
                                       PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
     else:
@@ -359,7 +363,21 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
                                      HAS_BAND, STAGES, BN, D, dt, p_l, row_o, EXP_FMA, ARRAY,
                                      DOCS, HAS_KEEP)
 
-    # epilogue (fwd_kernel's): empty rows give out 0, max -inf, log_norm 0
+    # this consumer's own Q buffer takes out: only its wgmmas read it
+    epilogue(acc, l_i, m_i, q_own, o_desc, LSE, b, h, bh, r0, Sq, gl.num_programs(1),
+             scale, offs_mb, row_o)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def epilogue(acc, l_i, m_i, o_buf, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
+             row_o: gl.constexpr):
+    """fwd_kernel's epilogue for rows [r0, r0 + RM) of (b, h): out = acc / l (0 on empty
+    rows) through o_buf [1, 1, RM, D] (shared, free) by TMA (not waited for); max -inf and
+    log_norm 0 on empty rows, to LSE [2, BH * Sq] (bh = b * H + h)."""
+    dt: gl.constexpr = o_desc.dtype
+    RM: gl.constexpr = o_desc.block_type.shape[2]
+    D: gl.constexpr = o_desc.block_type.shape[3]
     empty_r = l_i == 0.0
     l_safe = gl.where(empty_r, 1.0, l_i)
     row_max = gl.where(empty_r, float("-inf"), m_i * scale)
@@ -367,17 +385,39 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
     log_norm = gl.log2(l_safe) * 0.6931471805599453
     emp_o = gl.convert_layout(empty_r, row_o)
     l_o = gl.convert_layout(l_safe, row_o)
-    out = gl.where(emp_o[:, None], 0.0, acc / l_o[:, None])
-    q2.store(out.to(dt))          # this consumer's own Q buffer: only its wgmmas read it
+    out = gl.where(emp_o[:, None], 0.0, acc / l_o[:, None])                    # [RM, D]
+    o_buf.reshape([RM, D]).store(out.to(dt))
     fence_async_shared()
     gl.thread_barrier()           # the partition's 4 warps stored before the TMA reads
-    tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], q_own)
+    tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_buf)
     offs_m = r0 + offs_mb
     inb = offs_m < Sq
     row = bh.to(gl.int64) * Sq + offs_m
     gl.store(LSE + row, row_max, mask=inb)
-    gl.store(LSE + gl.num_programs(1).to(gl.int64) * Sq + row, log_norm, mask=inb)
-    tma.store_wait(pendings=0)
+    gl.store(LSE + BH.to(gl.int64) * Sq + row, log_norm, mask=inb)
+
+
+@gluon.jit
+def tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND: gl.constexpr,
+              ARRAY: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Key tiles of query tile pid_m of (b, h): -> t0, f0, f1, n (tiles [t0, t0 + n),
+    unmasked in [f0, f1)): the range table's entry (ARRAY), the band's range, or all."""
+    i0 = pid_m * BM
+    if ARRAY:
+        rg = RT + 4 * (b * rt_b + h * rt_h + pid_m)
+        t0 = gl.load(rg)
+        f0 = gl.load(rg + 1)
+        f1 = gl.load(rg + 2)
+        t1 = gl.load(rg + 3)
+    elif HAS_BAND:
+        t0, f0, f1, t1 = key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+    else:
+        t0 = 0
+        f0 = 0
+        f1 = Sk // BN
+        f1 = gl.where(i0 + BM <= Sq, f1, 0)
+        t1 = (Sk + BN - 1) // BN
+    return t0, f0, f1, t1 - t0
 
 
 @gluon.jit
@@ -452,21 +492,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         p_smem = q_smem             # not read
     fence_async_shared()
 
-    if ARRAY:
-        rg = RT + 4 * (b * rt_b + h * rt_h + pid_m)
-        t0 = gl.load(rg)
-        f0 = gl.load(rg + 1)
-        f1 = gl.load(rg + 2)
-        t1 = gl.load(rg + 3)
-    elif HAS_BAND:
-        t0, f0, f1, t1 = key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
-    else:
-        t0 = 0
-        f0 = 0
-        f1 = Sk // BN
-        f1 = gl.where(i0 + BM <= Sq, f1, 0)
-        t1 = (Sk + BN - 1) // BN
-    n = t1 - t0
+    t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND, ARRAY,
+                              BM, BN)
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     KMb = KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h

@@ -191,7 +191,18 @@ class FwdLaunch:
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
-        if cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
+        self.tail = ()
+        if cfg.persist:   # one program per SM walking the cdiv(Sq, bm) * B * H tiles
+            from .fwd_persist_kernel import fwd_persist_kernel
+
+            self.kernel, self.q_rows = fwd_persist_kernel, cfg.bm // cfg.consumers
+            self.grid = (min(_sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
+            self.tail = (B * H,)
+            self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
+                           EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
+                           HAS_KEEP=rm_.keep is not None)
+        elif cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
             self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // cfg.consumers
@@ -222,10 +233,10 @@ class FwdLaunch:
                 raise ValueError("a Documents / KeepMask forward needs the call's Problem "
                                  "(p=) for its mask arrays")
             *marr, docs = mask_arrays(p, q, self.cfg)
-            return tuple(marr), dict(self.kw, DOCS=docs)
+            return tuple(marr) + self.tail, dict(self.kw, DOCS=docs)
         if self.cfg.ws:
             i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
-            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0), self.kw
+            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self.tail, self.kw
         return (), self.kw
 
     def __call__(self, q, k, v, out=None, stats=None, p=None):

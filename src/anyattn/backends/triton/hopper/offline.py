@@ -70,7 +70,17 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     vals += [warps] + ([cfg.consumers, cfg.edges, cfg.p_smem, bool(docs or keep), int(docs), keep]
                        if cfg.ws else [])
     consts = {(len(types) + i,): x for i, x in enumerate(vals)}
-    if cfg.ws:
+    if cfg.persist:   # fwd_persist_kernel: + BH, no OVERLAP / NC / EDGES / PSMEM
+        from .fwd_persist_kernel import fwd_persist_kernel as kern
+
+        names = names[:len(types)] + ["BH", "HAS_BAND", "STAGES", "CONSUMER_REGS", "PINGPONG",
+                                      "EXP_FMA", "num_warps", "ARRAY", "DOCS", "HAS_KEEP"]
+        types = types + ["i32"]
+        vals = [has_band, cfg.stages, cfg.consumer_regs, cfg.pingpong, cfg.exp_fma, warps,
+                bool(docs or keep), int(docs), keep]
+        sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
+        consts = {(len(types) + i,): x for i, x in enumerate(vals)}
+    elif cfg.ws:
         from .fwd_ws_kernel import fwd_ws_kernel as kern
     else:
         kern = fwd_kernel

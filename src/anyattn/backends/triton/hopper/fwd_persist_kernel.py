@@ -1,0 +1,217 @@
+"""Persistent warp-specialised Gluon forward for Hopper (sm_90a): fwd_ws_kernel's
+partitions and overlapped, ping-pong key loop, with one program per SM walking query
+tiles instead of one program per tile.
+
+Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
+D head dim, BM = NC * RM the query tile (NC = 2 consumer warpgroups of RM = 64 rows), BN
+the key tile, BH = B * H, n_m = cdiv(Sq, BM), T = n_m * BH query tiles.
+
+Program p takes tiles p, p + P, p + 2P, .. (P programs, at most one per SM).  Tile order:
+with a band (causal, windows) the longest first, across heads (tile idx -> query tile
+n_m - 1 - idx // BH of head idx % BH: the first wave holds the longest key loops, the
+short ones fill the tail); without, head-major (idx -> head idx // n_m, query tile
+idx % n_m: neighbouring programs share K / V in L2).
+
+What persistence buys: the producer runs ahead into the next tile's K / V while the
+consumers finish a tile (its last P.V, the epilogue); each consumer loads the next
+tile's Q into its own Q buffer as soon as its key loop is done (every Q.K^T of the tile
+waited for) and stores out from a buffer of its own (O [NC, RM, D], 32 KiB) while the
+load flies; no program launch or prologue per tile.  The ring slots and the ping-pong
+turns are counted across tiles (fwd_ws_kernel._loop_overlap's c0); Q arrives on one
+barrier per consumer, phase = tiles done & 1.  Numerics, masks, range tables: those of
+fwd_ws_kernel (its module doc), the same functions.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma)
+
+from .fwd_ws_kernel import _loop_overlap, epilogue, tile_keys
+
+__all__ = ["fwd_persist_kernel"]
+
+
+@gluon.jit
+def _tile_of(idx, n_m, BH, H, HAS_BAND: gl.constexpr):
+    """Tile idx of the walk -> (query tile, b * H + h, b, h) (module doc: the order)."""
+    if HAS_BAND:
+        pid_m = n_m - 1 - idx // BH
+        bh = idx % BH
+    else:
+        bh = idx // n_m
+        pid_m = idx % n_m
+    return pid_m, bh, bh // H, bh % H
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G, Sq, Sk,
+              lo, hi, RT, rt_b, rt_h, BH, HAS_BAND: gl.constexpr, ARRAY: gl.constexpr,
+              STAGES: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr):
+    """Every key tile of this program's query tiles, in walk order, into the ring (slot c
+    of the whole walk into stage c % STAGES once both consumers released it)."""
+    n_m = (Sq + BM - 1) // BM
+    c = 0
+    for idx in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
+                                  ARRAY, BM, BN)
+        hk = h // G
+        for it in range(0, n):
+            g = c + it
+            st = g % STAGES
+            ph = ((g // STAGES) & 1) ^ 1
+            row = (t0 + it) * BN
+            mbarrier.wait(k_empty.index(st), ph)
+            mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_bar.index(st),
+                                            k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), ph)
+            mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_bar.index(st),
+                                            v_smem.index(st))
+        c += n
+
+
+@gluon.jit
+def _load_q(q_desc, q_own, qb, idx, n_m, BH, H, WG: gl.constexpr, HAS_BAND: gl.constexpr,
+            BM: gl.constexpr, RM: gl.constexpr):
+    """TMA of this consumer's RM rows of Q of tile idx into q_own, completing on qb."""
+    pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+    mbarrier.expect(qb, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, pid_m * BM + WG * RM, 0], qb, q_own)
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
+              v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT, rt_b, rt_h, QID,
+              KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, BH,
+              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
+              EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+              HAS_KEEP: gl.constexpr):
+    """Rows [WG * RM, (WG + 1) * RM) of each of this program's query tiles: Q (the next
+    tile's loaded when this one's key loop is done), the overlapped key loop, the
+    epilogue through o_smem[WG]."""
+    RM: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BM: gl.constexpr = NC * RM
+    dt: gl.constexpr = q_desc.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    q_own = q_smem.index(WG)                                        # [1, 1, RM, D]
+    o_own = o_smem.index(WG)                                        # [1, 1, RM, D]
+    qb = q_bar.index(WG)
+    q2 = q_own.reshape([RM, D])
+    offs_mb = gl.arange(0, RM, layout=row_s)
+    offs_nb = gl.arange(0, BN, layout=col_s)
+    zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
+    n_m = (Sq + BM - 1) // BM
+    total = n_m * BH
+    step = gl.num_programs(0)
+    first = gl.program_id(0)
+    if first < total:
+        _load_q(q_desc, q_own, qb, first, n_m, BH, H, WG, HAS_BAND, BM, RM)
+    c = 0
+    j = 0
+    for idx in range(first, total, step):
+        pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
+                                  ARRAY, BM, BN)
+        r0 = pid_m * BM + WG * RM
+        offs_q = r0 + offs_mb
+        if DOCS == 1:                    # the q ids of this consumer's rows [RM]
+            qa = gl.load(QID + b * sqid_b + offs_q, mask=offs_q < Sq, other=-1)
+            qe = qa
+        elif DOCS == 2:                  # their documents as key intervals [qa, qe) [RM]
+            qa = gl.load(QID + b * sqid_b + offs_q, mask=offs_q < Sq, other=0)
+            qe = gl.load(QID + b * sqid_b + Sq + offs_q, mask=offs_q < Sq, other=0)
+        else:
+            qa = 0
+            qe = 0
+        am = (qa, qe, KID + b * skid_b, KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h,
+              skm_q, skm_k)
+        m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([RM], gl.float32, layout=row_s)
+        acc = gl.zeros([RM, D], gl.float32, layout=o_l)
+        mbarrier.wait(qb, j & 1)
+        acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+                                      turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c,
+                                      HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
+                                      PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
+        # every wgmma reading Q is done: the next tile's Q flies during the epilogue
+        nxt = idx + step
+        if nxt < total:
+            _load_q(q_desc, q_own, qb, nxt, n_m, BH, H, WG, HAS_BAND, BM, RM)
+        tma.store_wait(pendings=0)       # the previous tile's out left o_own
+        epilogue(acc, l_i, m_i, o_own, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
+                 row_o)
+        c += n
+        j += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
+                       lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
+                       skm_q, skm_k, BH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                       EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
+                       ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
+                       HAS_KEEP: gl.constexpr = False):
+    """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
+    workers add 4 + 1).  Arguments as fwd_ws_kernel's (2 consumers, the overlapped
+    loop), plus BH = B * H."""
+    gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
+    gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
+    RM: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    NC: gl.constexpr = 2
+    BM: gl.constexpr = NC * RM
+    dt: gl.constexpr = q_desc.dtype
+    # the producer walks tiles too (index arithmetic): 32 registers, not fwd_ws_kernel's
+    # 24 (which spill here); 2 * 128 * CONSUMER_REGS + 128 * 32 <= 64 K at 240
+    PRODUCER_REGS: gl.constexpr = 32
+
+    q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NC):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(st), count=1)
+        mbarrier.init(v_bar.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
+        mbarrier.init(v_empty.index(st), count=NC)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                      BH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP)),
+         (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                      BH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP)),
+         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
+                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, HAS_BAND, ARRAY, STAGES, BN, BM))],
+        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
