@@ -50,7 +50,8 @@ def fwd_variants(D, dt="bfloat16"):
     ones, --fwd-variants keeps only the named ones; fp16 checks the warp-specialised
     ones only, to bound compile time)."""
     keep = [w for w in OPT["fwd_variants"].split(",") if w]
-    return [c for c in HCF.FWD_VARIANTS[D] if (OPT["ws"] or not c.ws)
+    extra = [HCF.FWD_PERSIST] if D == 128 and HCF.FWD_PERSIST.name in keep else []
+    return [c for c in HCF.FWD_VARIANTS[D] + extra if (OPT["ws"] or not c.ws)
             and (not keep or c.name in keep) and (dt == "bfloat16" or c.ws)]
 
 

@@ -389,7 +389,7 @@ def _set_variant(var):
         if tok == "persist":     # the Hopper forward's persistent config as the default
             from anyattn.backends.triton.hopper import configs as HCF
 
-            pc = [c for c in HCF.FWD_VARIANTS[128] if c.persist][0]
+            pc = HCF.FWD_PERSIST
             persist = {(128, "bfloat16"): pc, (128, "float16"): pc}
         elif tok in ("hopfwd", "portfwd"):
             routed = (_COV0.mask_classes if tok == "hopfwd"

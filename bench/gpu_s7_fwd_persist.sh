@@ -4,7 +4,7 @@
 # program, bitwise vs the per-tile default and vs float64), then dense D=128 forward
 # TFLOP/s default vs persistent vs cuDNN (S=2k, 8k; bf16, fp16; causal and not; three
 # passes in rotating order), then documents through both.  Everything under $OUT.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 ANYATTN_TEST_PERSIST=1
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used --format=csv | tee $OUT/smi.txt
 T0=$(date +%s)
 timeout ${TEST_S:-90} python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \

@@ -8,6 +8,8 @@ Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -206,7 +208,15 @@ def test_compiles_for_sm90a(docs, keep, band, spills):
 def _persist_cfg():
     from anyattn.backends.triton.hopper import configs as HCF
 
-    return [c for c in HCF.FWD_VARIANTS[128] if c.persist][0]
+    return HCF.FWD_PERSIST
+
+
+#: the persistent forward has not yet run on a GPU (session 7's device time ran out):
+#: its GPU tests run only when asked, so that a hang cannot stall the GPU suite
+needs_persist_opt_in = pytest.mark.skipif(
+    os.environ.get("ANYATTN_TEST_PERSIST") != "1",
+    reason="the persistent Hopper forward is not yet GPU-checked: set ANYATTN_TEST_PERSIST=1 "
+           "(bench/gpu_s7_fwd_persist.sh does)")
 
 
 @pytest.mark.gpu
@@ -220,6 +230,9 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
     two runs bitwise equal."""
     from anyattn.backends.triton.hopper import launch as HL
 
+    if persist and os.environ.get("ANYATTN_TEST_PERSIST") != "1":
+        pytest.skip("the persistent Hopper forward is not yet GPU-checked: set "
+                    "ANYATTN_TEST_PERSIST=1")
     cfg = _persist_cfg() if persist else None
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
@@ -255,6 +268,7 @@ def _gpu_masks(Sq, Sk):
 
 @pytest.mark.gpu
 @needs_sm90
+@needs_persist_opt_in
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window", "docs_causal"])
 @pytest.mark.parametrize("Sq,Sk", [(600, 600), (520, 777)])
@@ -298,8 +312,8 @@ def test_persistent_forward_compiles_for_sm90a_without_spills(band, docs):
     walks tiles at 32 registers; 24 spilled)."""
     from test_hopper import _compile_counts
 
-    n = _compile_counts("O.compile_fwd('bfloat16', 128, %s, [c for c in C.FWD_VARIANTS[128] "
-                        "if c.persist][0], docs=%d)" % (band, docs))
+    n = _compile_counts("O.compile_fwd('bfloat16', 128, %s, C.FWD_PERSIST, docs=%d)"
+                        % (band, docs))
     assert n["ptx_wgmma"] > 0 and n["ptx_setmaxnreg"] > 0, n
     if n["has_sass"]:
         assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 8 and n["sass_HMMA"] == 0, n
