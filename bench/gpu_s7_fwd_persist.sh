@@ -8,13 +8,15 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 ANYATTN_TEST_PERSIST=1
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used --format=csv | tee $OUT/smi.txt
 T0=$(date +%s)
 timeout ${TEST_S:-90} python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
-  tests/triton/test_hopper_fwd_masks.py 2>&1 | tee $OUT/tests.log | grep -v Warning | tail -15
+  tests/triton/test_hopper_fwd_masks.py -k "${TEST_K:-gpu}" 2>&1 | tee $OUT/tests.log \
+  | grep -v Warning | tail -15
 echo "tests: $(( $(date +%s) - T0 )) s"
 timeout ${DENSE_S:-70} python3 bench/gpu_hopper_bench.py --out $OUT --phases bench --dims 128 \
-  --seqs 2048,8192 --dtypes bfloat16,float16 --skip-bwd --no-flex --repeat 3 \
+  --seqs 2048,8192 --dtypes ${DTYPES:-bfloat16,float16} --skip-bwd --no-flex --repeat 3 \
   --fwd-variants ws128x128s2opfP --names hopper,hopper-ws128x128s2opfP,sdpa-cudnn 2>&1 \
   | tee $OUT/dense.log | grep "TFLOP/s"
 echo "dense: $(( $(date +%s) - T0 )) s"
+[ -n "$NO_MASKS" ] && exit 0
 python3 bench/gpu_masks_vs_flex.py --out $OUT --budget ${BENCH_S:-40} --repeat 2 \
   --variants default,persist --shapes 4096x128 --no-cudnn --no-plot \
   --masks ${MASKS:-doc_eq512,doc_rand_causal} 2>&1 | tee $OUT/bench.log | grep "^S=" | cut -c1-400
