@@ -318,3 +318,21 @@ def test_persistent_forward_compiles_for_sm90a_without_spills(band, docs):
     if n["has_sass"]:
         assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 8 and n["sass_HMMA"] == 0, n
         assert n["sass_STL"] == 0 and n["sass_LDL"] == 0, n
+
+
+def test_mask_arrays_cached_per_mask_tensor_version():
+    """A repeated call with the same mask tensors reuses the arrays; an in-place write
+    to the ids (a new version) rebuilds them, with the new contents."""
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    ids = torch.arange(300, dtype=torch.int32) // 100
+    q = torch.zeros(1, 2, 300, 8, dtype=torch.float64)
+    p = describe(q, q, q, mask=aa.Documents(ids))
+    cfg = HCF.fwd_config(128)
+    a = HL.mask_arrays(p, q, cfg)
+    assert HL.mask_arrays(p, q, cfg) is a
+    ids[:] = torch.arange(300, dtype=torch.int32) // 150
+    b = HL.mask_arrays(describe(q, q, q, mask=aa.Documents(ids)), q, cfg)
+    assert b is not a
+    assert b[3][0, 1].tolist()[:2] == [150, 150]     # row 0..: interval end 150
+    assert a[3][0, 1].tolist()[:2] == [100, 100]

@@ -141,7 +141,33 @@ def mask_arrays(p, q, cfg) -> tuple:
     skm_h, skm_q, skm_k, DOCS).  RT: the block-range table at the kernel's tile
     (cfg.bm x cfg.bn; launch.py ``_block_ranges``, cached with the portable tile lists);
     DOCS 2 (k ids sorted in every row: each query's document as a key interval,
-    [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents."""
+    [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents.  Cached per
+    mask tensors (identity and version counter: an in-place write is a new mask) where
+    every mask array is a torch tensor."""
+    from .. import launch as L
+
+    rm = p.mask
+    parts = (L._tensor_key(rm.keep), L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
+                                      p.seq_q, p.seq_k, str(q.device), cfg.bm, cfg.bn)
+    hit = _marr_cache.get(key) if key is not None else None
+    if hit is not None:
+        return hit[0]
+    out = _mask_arrays(p, q, cfg)
+    if key is not None:       # the mask tensors held: their memory stays theirs
+        _marr_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
+        while len(_marr_cache) > _DOC_CACHE:
+            _marr_cache.popitem(last=False)
+    return out
+
+
+#: mask_arrays' results per (mask tensors' identity and version, band, shape, device,
+#: tile): a repeated call with the same mask tensors costs one lookup
+_marr_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def _mask_arrays(p, q, cfg) -> tuple:
+    """mask_arrays without its cache."""
     import dataclasses
     import types
 
