@@ -21,6 +21,12 @@ plan re-submitted: the floor, what ``bench/webgpu_bench.py --resident`` compares
 ``abi3`` / ``abi_grouped`` (the seed ABI on one wgpu arena: three calls dQ, dK, dV /
 one grouped call; ``abi_grouped`` is skipped on trees without it).
 
+python bench/webgpu_hosttime.py --pyonly SRC DTYPE N -> one JSON line: the Python work
+    alone of a device-array backward (B=1 H=1 S=16 D=16, out + RowStats), with
+    ``Runner.submit`` replaced by a no-op (no encoding, no driver): what the API and the
+    backend add on top of the raw plan, whose Python work per call is that ``submit``
+    alone; median and minimum of N calls (session 7).
+
 ``--stages`` (issue 17: the f16 S=512 D=64 host anomaly): B=1 H=8, per SxDxDTYPE point,
 the raw plan and the device-array backward timed back to back (N calls, one wait:
 ``loop_ms``), and per call with the GPU waited for outside the timing: the whole call
@@ -37,8 +43,10 @@ import json
 import sys
 import time
 
-if sys.argv[1] not in ("--aggregate", "--stages"):
+if sys.argv[1] not in ("--aggregate", "--stages", "--pyonly"):
     sys.path.insert(0, sys.argv[1])
+elif sys.argv[1] == "--pyonly":
+    sys.path.insert(0, sys.argv[2])
 
 import numpy as np  # noqa: E402
 
@@ -122,6 +130,32 @@ def main():
         res[name] = dict(call_ms=1e3 * float(np.median(calls)),
                          host_ms=1e3 * float(np.median(hosts)), host_min_ms=1e3 * min(hosts))
     print(json.dumps(dict(src=sys.argv[1], S=S, dtype=dt, N=N, **res)))
+
+
+def pyonly(src, dt, N):
+    """Python work per device-array backward with Runner.submit a no-op (module doc)."""
+    import anyattn as aa
+    from anyattn import webgpu as wg
+    from anyattn.api import forward_with_stats
+    from anyattn.backends.registry import get_backend
+
+    N = int(N)
+    rng = np.random.default_rng(0)
+    q, k, v, g = (wg.asarray(rng.standard_normal((1, 1, 16, 16)).astype(dt)) for _ in range(4))
+    be = get_backend("webgpu")
+    run = be._run()
+    out, st = forward_with_stats(q, k, v)
+    for _ in range(20):
+        aa.attention_backward(q, k, v, g, out=out, lse=st)
+    run.read(run.dummy, 1)
+    type(run).submit = lambda self, *a, **kw: None
+    ts = []
+    for _ in range(N):
+        t = time.perf_counter()
+        aa.attention_backward(q, k, v, g, out=out, lse=st)
+        ts.append(time.perf_counter() - t)
+    print(json.dumps(dict(src=src, dtype=dt, N=N, pyonly_us=1e6 * float(np.median(ts)),
+                          pyonly_min_us=1e6 * float(min(ts)))))
 
 
 class _Timers:
@@ -315,5 +349,7 @@ if __name__ == "__main__":
         aggregate(*sys.argv[2:])
     elif sys.argv[1] == "--stages":
         stages(*sys.argv[2:])
+    elif sys.argv[1] == "--pyonly":
+        pyonly(*sys.argv[2:])
     else:
         main()
