@@ -202,3 +202,28 @@ def test_timestamps_recorded_or_refused(be):
         run.timestamps = None
     ns = ts.read()
     assert ns.shape == (3,) and np.all(ns > 0)
+
+
+def test_bound_sets_keep_no_buffer_alive(be):
+    """A bound set holds its buffers weakly, also where the template copies from an
+    input (statistics in a caller's buffer): once the caller drops it, it dies."""
+    import weakref
+
+    from anyattn.rowstats import RowStats
+
+    rng = np.random.default_rng(17)
+    dev = tuple(wg.asarray(x) for x in make_qkv(rng, B, HQ, HKV, S, S, D))
+    out, st = forward_with_stats(*dev[:3])
+    n = B * HQ * S
+    arena = wg.asarray(np.concatenate([st.max.numpy().reshape(-1),
+                                       st.log_norm.numpy().reshape(-1)]))
+    own = RowStats(wg.from_buffer(arena.buffer, st.max.shape, "float32"),
+                   wg.from_buffer(arena.buffer, st.max.shape, "float32", offset=n))
+    for _ in range(2):                                   # a miss, then a bound-set hit
+        aa.attention_backward(*dev, out=out, lse=own)
+    tpl = list(be._run().templates._d.values())[-1]
+    assert len(tpl.copies_before) == 2 and tpl.stats["bound_hits"] >= 1
+    ref = weakref.ref(arena.buffer)
+    del arena, own
+    gc.collect()
+    assert ref() is None

@@ -28,7 +28,8 @@ template too, so a cache hit runs exactly the launches of the uncached path.
 
 Bound sets (session 7): a template also keeps, for the last ``MAX_BOUND`` distinct sets
 of buffers it was called with (inputs, results, pooled roles, in slot order), the
-resolved launches (pipelines, bind groups, grids), clears and copies.  A call whose
+resolved launches (pipelines, bind groups, grids; clears and copies are resolved per call
+so that no set holds a buffer).  A call whose
 buffers are *the same objects* (checked by identity through weak references, never by
 id alone) submits that list as it is: no slot resolution, no bind-group lookups.  A
 set whose buffer dies is dropped at once (a weakref callback), and a pooled role grown
@@ -173,20 +174,31 @@ class Template:
             self._bound.move_to_end(key)
             self.stats["bound_hits"] += 1
             run.cache_stats["bound_hits"] += 1
-            run.submit(*hit[1])
-            return
-        self.stats["bound_misses"] += 1
-        run.cache_stats["bound_misses"] += 1
-        args = self._resolve(run, dict(zip(self._slots, bufs)))
-        bound = self._bound
+            encoded = hit[1]
+        else:
+            self.stats["bound_misses"] += 1
+            run.cache_stats["bound_misses"] += 1
+            encoded = self._encode(run, dict(zip(self._slots, bufs)))
+            bound = self._bound
 
-        def drop(_ref, key=key):       # a buffer of the set died: its id may be reused
-            bound.pop(key, None)
-        refs = tuple(weakref.ref(b, drop) for b in bufs)
-        bound[key] = (refs, args)
-        while len(bound) > self.MAX_BOUND:
-            bound.popitem(last=False)
-        run.submit(*args)
+            def drop(_ref, key=key):   # a buffer of the set died: its id may be reused
+                bound.pop(key, None)
+            # the set keeps weak refs and the encoded launches (bind groups hold no
+            # Python reference to their buffers): no buffer is kept alive by it
+            bound[key] = (tuple(weakref.ref(b, drop) for b in bufs), encoded)
+            while len(bound) > self.MAX_BOUND:
+                bound.popitem(last=False)
+        if self.clears or self.copies or self.copies_before:
+            at = dict(zip(self._slots, bufs))
+
+            def resolve(s):
+                return at[s] if type(s) is tuple else s
+            run.submit(encoded, [resolve(s) for s in self.clears], 1,
+                       [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
+                       [(resolve(s), so, resolve(d), do, n)
+                        for s, so, d, do, n in self.copies_before])
+        else:
+            run.submit(encoded)
 
     #: bound sets kept per template (a loop alternating result sets uses two or three)
     MAX_BOUND = 4
@@ -207,17 +219,12 @@ class Template:
                     seen.setdefault(x, None)
         return list(seen)
 
-    def _resolve(self, run, at: Dict[tuple, object]) -> tuple:
-        """run.submit's arguments with every slot replaced by its buffer in ``at``
-        (bind groups from the runner's cache)."""
-        def resolve(s):
-            return at[s] if type(s) is tuple else s
-
-        encoded = [(pipe, run.bind_group(layout, [resolve(s) for s in slots], kernel), grid,
-                    kernel) for pipe, layout, slots, grid, kernel in self.launches]
-        return (encoded, [resolve(s) for s in self.clears], 1,
-                [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
-                [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies_before])
+    def _encode(self, run, at: Dict[tuple, object]) -> list:
+        """[(pipeline, bind group, grid, kernel)] with every slot replaced by its buffer
+        in ``at`` (bind groups from the runner's cache)."""
+        return [(pipe, run.bind_group(layout, [at[s] if type(s) is tuple else s
+                                               for s in slots], kernel), grid, kernel)
+                for pipe, layout, slots, grid, kernel in self.launches]
 
 
 class TemplateCache:
