@@ -56,7 +56,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_kernel import query_tile_range
+from .bwd_kernel import key_tile_queries
 from .fwd_kernel import _cdiv_pos, _div_pos
 
 __all__ = ["dkdvq_kernel", "dq_rank", "visit_offset"]
@@ -228,16 +228,9 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         mbarrier.init(do_bar.index(st), count=1)
     fence_async_shared()
 
-    if HAS_BAND:
-        s0, g0, g1, s1 = query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
-    else:
-        s0 = 0
-        g0 = 0
-        g1 = gl.where(j0 + BN <= Sk, Sq // BM, 0)
-        s1 = (Sq + BM - 1) // BM
-    n_t = s1 - s0
-    n_tot = G * n_t                   # (head of the group, query tile) pairs, flattened
-    n_div = gl.maximum(n_t, 1)
+    # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
+    # pairs, flattened
+    s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN, HAS_BAND)
     nq = (Sq + BM - 1) // BM
     nkv = (Sk + BN - 1) // BN
     off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)      # rotation of the tile loop

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .fwd_kernel import _cdiv_pos, _div_pos
 
-__all__ = ["dkdv_kernel", "query_tile_range"]
+__all__ = ["dkdv_kernel", "query_tile_range", "key_tile_queries"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -48,6 +48,24 @@ def query_tile_range(j0, Sq, Sk, lo, hi, BM: gl.constexpr, BN: gl.constexpr):
     g0 = gl.minimum(gl.maximum(g0, s0), s1)
     g1 = gl.minimum(gl.maximum(g1, g0), s1)
     return s0, g0, g1, s1
+
+
+@gluon.jit
+def key_tile_queries(j0, G, Sq, Sk, lo, hi, BM: gl.constexpr, BN: gl.constexpr,
+                     HAS_BAND: gl.constexpr):
+    """What the key tile [j0, j0 + BN) visits -> (s0, g0, g1, s1, n_tot, n_div): query
+    tiles [s0, s1), unmasked in [g0, g1) (query_tile_range under a band; without one
+    every tile, unmasked when the key tile lies in bounds), n_tot = G * (s1 - s0) pairs
+    (head of the group, query tile) and n_div = max(s1 - s0, 1)."""
+    if HAS_BAND:
+        s0, g0, g1, s1 = query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
+    else:
+        s0 = 0
+        g0 = 0
+        g1 = gl.where(j0 + BN <= Sk, Sq // BM, 0)
+        s1 = (Sq + BM - 1) // BM
+    n_t = s1 - s0
+    return s0, g0, g1, s1, G * n_t, gl.maximum(n_t, 1)
 
 
 @gluon.jit
@@ -101,16 +119,9 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, H,
         mbarrier.init(do_bar.index(st), count=1)
     fence_async_shared()
 
-    if HAS_BAND:
-        s0, g0, g1, s1 = query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
-    else:
-        s0 = 0
-        g0 = 0
-        g1 = gl.where(j0 + BN <= Sk, Sq // BM, 0)
-        s1 = (Sq + BM - 1) // BM
-    n_t = s1 - s0
-    n_tot = G * n_t                   # (head of the group, query tile) pairs, flattened
-    n_div = gl.maximum(n_t, 1)
+    # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
+    # pairs, flattened
+    s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN, HAS_BAND)
 
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, j0, 0], kv_bar, k_smem)

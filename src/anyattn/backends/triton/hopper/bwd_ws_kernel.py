@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_kernel import query_tile_range
+from .bwd_kernel import key_tile_queries
 
 __all__ = ["dkdv_ws_kernel"]
 
@@ -234,16 +234,9 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
         mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
     fence_async_shared()
 
-    if HAS_BAND:
-        s0, g0, g1, s1 = query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
-    else:
-        s0 = 0
-        g0 = 0
-        g1 = gl.where(j0 + BN <= Sk, Sq // BM, 0)
-        s1 = (Sq + BM - 1) // BM
-    n_t = s1 - s0
-    n_tot = G * n_t                   # (head of the group, query tile) pairs, flattened
-    n_div = gl.maximum(n_t, 1)
+    # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
+    # pairs, flattened
+    s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN, HAS_BAND)
 
     gl.warp_specialize(
         [(_consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
