@@ -85,13 +85,19 @@ class _NoDevice:
         return False
 
 
-def _route_hopper_forward() -> None:
-    """Forward calls take the Hopper launch code, its Gluon kernels no-ops (CPU)."""
-    from anyattn.backends.triton.hopper import fwd_kernel, fwd_ws_kernel
+def _route_hopper(backward: bool = False) -> None:
+    """Forward calls (and with ``backward`` the backward's dK/dV) take the Hopper launch
+    code, its Gluon kernels no-ops (CPU)."""
+    from anyattn.backends.triton.hopper import (bwd_fused_kernel, bwd_kernel, bwd_ws_kernel,
+                                                fwd_kernel, fwd_ws_kernel)
 
     fwd_kernel.fwd_kernel = _NoLaunch()
     fwd_ws_kernel.fwd_ws_kernel = _NoLaunch()
-    L._use_hopper = lambda p, direction, plan, tensors: direction == "forward"
+    bwd_kernel.dkdv_kernel = _NoLaunch()
+    bwd_ws_kernel.dkdv_ws_kernel = _NoLaunch()
+    bwd_fused_kernel.dkdvq_kernel = _NoLaunch()
+    routed = ("forward", "backward") if backward else ("forward",)
+    L._use_hopper = lambda p, direction, plan, tensors: direction in routed
     torch.cuda.device = _NoDevice
 
 
@@ -132,7 +138,7 @@ def compare(a, argv) -> None:
     names = list(runs["new"][0])
     res = {}
     print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
-          f"{' hopper-fwd' if a.hopper_fwd else ''}, "
+          f"{' hopper-fwd' if a.hopper_fwd else ''}{' hopper' if a.hopper else ''}, "
           f"{a.pairs} alternating pairs of runs, load {os.getloadavg()[0]:.2f}")
     for n in names:
         old = [r[n] for r in runs["old"]]
@@ -153,7 +159,7 @@ def compare(a, argv) -> None:
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
-            hopper_fwd=a.hopper_fwd, old_src=a.compare, new_src=new_src, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
+            hopper_fwd=a.hopper_fwd, hopper=a.hopper, old_src=a.compare, new_src=new_src, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
             unit="microseconds of host time per fwd+bwd step (kernels no-op), medians",
             variants=res), indent=1))
     if a.png:
@@ -189,6 +195,10 @@ def main() -> None:
     ap.add_argument("--hopper-fwd", action="store_true",
                     help="forward through the Hopper launch code (no-op kernels), as on "
                          "the H200 at D=128")
+    ap.add_argument("--hopper", action="store_true",
+                    help="forward and the backward's dK/dV through the Hopper launch code "
+                         "(no-op kernels): the route the H200 runs at D=128 bf16 since "
+                         "2026-12-04")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
@@ -203,8 +213,8 @@ def main() -> None:
         compare(a, sys.argv[1:])
         return
     assert _stub_kernels() > 0
-    if a.hopper_fwd:
-        _route_hopper_forward()
+    if a.hopper_fwd or a.hopper:
+        _route_hopper(backward=a.hopper)
     B, H, S, D = (int(x) for x in a.shape.split(","))
     q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
     k, v = torch.randn_like(q).requires_grad_(), torch.randn_like(q).requires_grad_()
@@ -251,7 +261,7 @@ def main() -> None:
             us[n].append((time.perf_counter() - t0) / a.steps * 1e6)
     med = {n: statistics.median(x) for n, x in us.items()}
     print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
-          f"{' hopper-fwd' if a.hopper_fwd else ''}, load {os.getloadavg()[0]:.2f}")
+          f"{' hopper-fwd' if a.hopper_fwd else ''}{' hopper' if a.hopper else ''}, load {os.getloadavg()[0]:.2f}")
     for n in fns:
         print(f"  {n:11s} median {med[n]:8.1f}  min {min(us[n]):8.1f}  "
               f"(+{med[n] - med['raw']:.1f} over raw)")
@@ -260,7 +270,7 @@ def main() -> None:
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
-            hopper_fwd=a.hopper_fwd,
+            hopper_fwd=a.hopper_fwd, hopper=a.hopper,
             unit="microseconds of host time per fwd+bwd step (kernels no-op)",
             rounds=us, median=med), indent=1))
 
