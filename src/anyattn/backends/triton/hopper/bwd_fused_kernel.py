@@ -56,7 +56,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_kernel import key_tile_queries
+from .bwd_kernel import key_tile_program, key_tile_queries
 from .fwd_kernel import _cdiv_pos, _div_pos
 
 __all__ = ["dkdvq_kernel", "dq_rank", "visit_offset"]
@@ -206,12 +206,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)                                  # [BN]
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dt)
 
-    pid_n = gl.program_id(0)
-    bhk = gl.program_id(1)
-    Hkv = H // G
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    j0 = pid_n * BN
+    pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
 
     k_smem = gl.allocate_shared_memory(dt, [1, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [1, 1, BN, D], v_desc.layout)

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .fwd_kernel import _cdiv_pos, _div_pos
 
-__all__ = ["dkdv_kernel", "query_tile_range", "key_tile_queries"]
+__all__ = ["dkdv_kernel", "query_tile_range", "key_tile_queries", "key_tile_program"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -48,6 +48,16 @@ def query_tile_range(j0, Sq, Sk, lo, hi, BM: gl.constexpr, BN: gl.constexpr):
     g0 = gl.minimum(gl.maximum(g0, s0), s1)
     g1 = gl.minimum(gl.maximum(g1, g0), s1)
     return s0, g0, g1, s1
+
+
+@gluon.jit
+def key_tile_program(H, G, BN: gl.constexpr):
+    """This program's key tile -> (pid_n, b, hk, j0): grid (key tiles, B * Hkv), the
+    tile's first key j0 = pid_n * BN, kv head hk of batch b (Hkv = H // G)."""
+    pid_n = gl.program_id(0)
+    bhk = gl.program_id(1)
+    Hkv = H // G
+    return pid_n, bhk // Hkv, bhk % Hkv, pid_n * BN
 
 
 @gluon.jit
@@ -99,12 +109,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, H,
     col_t: gl.constexpr = gl.SliceLayout(0, t_l)                                 # [BM]
     row_t: gl.constexpr = gl.SliceLayout(1, t_l)                                 # [BN]
 
-    pid_n = gl.program_id(0)
-    bhk = gl.program_id(1)
-    Hkv = H // G
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    j0 = pid_n * BN
+    pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
 
     k_smem = gl.allocate_shared_memory(dt, [1, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [1, 1, BN, D], v_desc.layout)

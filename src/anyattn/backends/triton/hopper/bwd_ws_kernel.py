@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_kernel import key_tile_queries
+from .bwd_kernel import key_tile_program, key_tile_queries
 
 __all__ = ["dkdv_ws_kernel"]
 
@@ -207,12 +207,7 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, RN], dt)
 
-    pid_n = gl.program_id(0)
-    bhk = gl.program_id(1)
-    Hkv = H // G
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    j0 = pid_n * BN
+    pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
 
     k_smem = gl.allocate_shared_memory(dt, [2, 1, 1, RN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [2, 1, 1, RN, D], v_desc.layout)
