@@ -21,16 +21,7 @@ from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
 
 from helpers import TOL, assert_close, np_mask, to_np  # noqa: E402
 
-HAS_GLUON = True
-try:
-    from triton.experimental.gluon.language.nvidia import hopper as _h  # noqa: F401
-except ImportError:
-    HAS_GLUON = False
-
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_sm90 = pytest.mark.skipif(not SM90,
-                                reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")
-needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="needs triton.experimental.gluon")
+from tr_util import SM90, needs_gluon, needs_sm90  # noqa: E402
 
 
 def _problem(dtype=torch.bfloat16, D=128, mask=None, bias=None, device="cpu", **kw):

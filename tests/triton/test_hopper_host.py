@@ -29,8 +29,7 @@ from anyattn.backends.triton import launch as L  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
+from tr_util import needs_sm90  # noqa: E402
 
 
 def _fields(d) -> dict:

@@ -16,12 +16,23 @@ from anyattn.backends.registry import unavailable_reason  # noqa: E402
 
 from helpers import torch_on  # noqa: E402
 
-__all__ = ["DEV", "GRAD", "HAS_CUDA", "RUNNABLE", "T", "needs_triton"]
+__all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
+           "needs_sm90", "needs_triton"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 RUNNABLE = unavailable_reason("triton") is None
 needs_triton = pytest.mark.skipif(not RUNNABLE, reason=f"triton: {unavailable_reason('triton')}")
+HAS_GLUON = True
+try:
+    from triton.experimental.gluon.language.nvidia import hopper as _h  # noqa: F401
+except ImportError:
+    HAS_GLUON = False
+needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="needs triton.experimental.gluon")
+#: an sm_90 GPU (H100 / H200): the Hopper path's kernels can run
+SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90,
+                                reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")
 #: argument name -> the Grads field holding its gradient
 GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
 
