@@ -18,7 +18,10 @@ tile's Q into its own Q buffer as soon as its key loop is done (every Q.K^T of t
 waited for) and stores out from a buffer of its own (O [NC, RM, D], 32 KiB) while the
 load flies; no program launch or prologue per tile.  The ring slots and the ping-pong
 turns are counted across tiles (fwd_ws_kernel._loop_overlap's c0); Q arrives on one
-barrier per consumer, phase = tiles done & 1.  Numerics, masks, range tables: those of
+barrier per consumer, phase = tiles done & 1.  _loop_overlap releases every V stage but
+its tile's last (a one-tile program never refills it); here the consumer releases that
+one after the loop, else the producer waits forever for it from the next tile's second
+key tile on (the session-7 hang; session 8 found it offline).  Numerics, masks, range tables: those of
 fwd_ws_kernel (its module doc), the same functions.
 """
 from triton.experimental import gluon
@@ -146,6 +149,8 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
                                       offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c,
                                       HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
                                       PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
+        if n > 0:     # the tile's last V (its P.V waited for in the loop): free its stage
+            mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
         # every wgmma reading Q is done: the next tile's Q flies during the epilogue
         nxt = idx + step
         if nxt < total:
