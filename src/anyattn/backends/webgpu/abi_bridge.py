@@ -134,7 +134,8 @@ def _build(be, run, buffer, group, prefix):
     nkv = B * H * SK * D
     if 1 in by_wrt or 2 in by_wrt:                 # one dK/dV pass for both
         kv = run.buffer(prefix + "dkdv", 4 * 2 * nkv)
-        call.dkdv(stats, kv, 1 in by_wrt, 2 in by_wrt)
+        call.dkdv(stats, kv, 1 in by_wrt, 2 in by_wrt, dq_next=0 in by_wrt,
+                  ds_role=prefix + "dsq")
         for wrt, off in ((1, 0), (2, nkv)):
             if wrt in by_wrt:
                 call.scatter(kv, off, buffer, SK, _out_operand(buffer, by_wrt[wrt]))

@@ -119,10 +119,11 @@ class WebGPUBackend(Backend):
         from .launch import choose_config
 
         run = self._run()
-        B, HQ, _, SQ, _ = p_sizes
+        B, HQ, _, SQ, SK = p_sizes
         # rows: the variant table's grid fill (wide only where its dQ grid fills the GPU)
+        # and the *-dsq variants' dS scratch (only where it fits)
         cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout,
-                                                    rows=(B * HQ, SQ))
+                                                    rows=(B * HQ, SQ, SK))
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")
@@ -341,7 +342,7 @@ class WebGPUBackend(Backend):
         bufs = {}
         if want_k or want_v:
             bufs["kv"] = run.buffer("dkdv", 4 * 2 * nkv)
-            call.dkdv(stats, bufs["kv"], want_k, want_v)
+            call.dkdv(stats, bufs["kv"], want_k, want_v, dq_next=want_q and not want_b)
         dsb = None
         if want_b:
             dsb = run.buffer("ds", 4 * B * HQ * SQ * SK)

@@ -25,7 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .launch import Launch, LoopLimitError, Runner, TileConfig, ceil_div, split_range
+from .launch import (DSQ_MAX_BYTES, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
+                     dsq_bytes, split_range)
 from .uniforms import FLAGS
 
 __all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
@@ -165,6 +166,9 @@ class Call:
         #: writes a new seed into them per call (templates.py), so the seed is no
         #: field of its key
         self.seeded: Dict[int, Dict[str, object]] = {}
+        #: the 5-product backward (variants *-dsq): the dS scratch the dK/dV pass filled
+        #: for the dQ pass (``dkdv(dq_next=True)``), else None
+        self.dsq_buf = None
 
     # ------------------------------------------------------------------ setup
     def set_scale(self, scale: float) -> None:
@@ -334,9 +338,11 @@ class Call:
 
     def _tile(self, kernel: str, n_units: int, grid_x: int, n_bh: int, stats, outb, dsb=None,
               flags: int = 0, extra: Optional[Dict[str, object]] = None, dk=True, dv=True,
-              ml=False, defines: Optional[Dict[str, int]] = None) -> None:
+              ml=False, defines: Optional[Dict[str, int]] = None,
+              trips: Optional[str] = None) -> None:
+        """``trips``: the trip model's kernel name when it differs from ``kernel``."""
         cfg = self.cfg
-        pieces = self._pieces(kernel, n_units, dk, dv)
+        pieces = self._pieces(trips or kernel, n_units, dk, dv)
         consts = cfg.consts()
         consts.update(defines or {})
         consts.update({k: v for k, v in self.mod_consts.items()
@@ -391,17 +397,43 @@ class Call:
                                      vmean if vmean is not None else self.run.dummy],
                                     self.run.flat_grid(self.n * rl)))
 
-    def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False) -> None:
+    def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False,
+             dq_next: bool = False, ds_role: str = "dsq") -> None:
         """dK then dV [B, HKV, SK, D] into outb (f32; ``out16``: f16, converted in the
-        epilogue as ``dq``'s, both wanted, see ``out16_ok``)."""
+        epilogue as ``dq``'s, both wanted, see ``out16_ok``).  ``dq_next``: a ``dq``
+        without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
+        stores dS into the pooled scratch ``ds_role`` and that ``dq`` only reads it."""
         fl = (FLAGS["WANT_DK"] if want_dk else 0) | (FLAGS["WANT_DV"] if want_dv else 0)
         G = self.HQ // self.HKV
         if out16 and not (want_dk and want_dv and self.out16_ok("bwd_dkdv")):
             raise ValueError("webgpu kernel 'bwd_dkdv': an f16 dK/dV in the epilogue needs "
                              "both, f16 inputs, D % 4 == 0 and one piece (Call.out16_ok)")
-        self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb,
+        defines = {"OUTB16": 1} if out16 else {}
+        dsb = None
+        if dq_next and self.dq_from_ds():
+            dsb = self.run.buffer(ds_role, dsq_bytes(self.B * self.HQ, self.SQ, self.SK))
+            defines["DSQ_OUT"] = 1
+        self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb, dsb,
                    flags=fl, extra={"out2_off": self.B * self.HKV * self.SK * self.D},
-                   dk=want_dk, dv=want_dv, defines={"OUTB16": 1} if out16 else None)
+                   dk=want_dk, dv=want_dv, defines=defines)
+        self.dsq_buf = dsb
+
+    def dq_from_ds(self) -> bool:
+        """Whether this call's backward is the 5-product one (``*-dsq`` variants): the
+        dK/dV pass stores dS, the dQ pass reads it.  Not in debug builds (their trip
+        buffer is ``dsb``).  A dS scratch past DSQ_MAX_BYTES or the adapter's binding
+        limit is a ``ValueError`` (the variant table routes such sizes elsewhere; a
+        forced variant gets the reason)."""
+        if not self.cfg.dsq or self.debug:
+            return False
+        need = dsq_bytes(self.B * self.HQ, self.SQ, self.SK)
+        lim = min(DSQ_MAX_BYTES, self.run.max_binding, self.run.max_buffer)
+        if need > lim:
+            raise ValueError(f"webgpu kernel variant {self.cfg.variant!r}: its dS scratch "
+                             f"needs {need} bytes (4*B*HQ*SQ*SK), past {lim} (DSQ_MAX_BYTES "
+                             f"or the adapter's storage binding limit); use "
+                             f"{self.cfg.base!r} or a smaller batch")
+        return True
 
     def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
         per = self.cfg.trips_per_unit(kernel, self.D, dk, dv)
@@ -424,8 +456,14 @@ class Call:
         if out16 and not self.out16_ok("bwd_dq"):
             raise ValueError("webgpu kernel 'bwd_dq': an f16 dQ in the epilogue needs f16 "
                              "inputs, D % 4 == 0 and one piece (Call.out16_ok)")
+        defines = {"OUTB16": 1} if out16 else {}
+        if dsb is None and self.dsq_buf is not None:   # 5-product: dQ = dS.K from the scratch
+            defines["DSQ_IN"] = 1
+            self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb,
+                       self.dsq_buf, defines=defines, trips="bwd_dq_ds")
+            return
         self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb, dsb, flags=fl,
-                   defines={"OUTB16": 1} if out16 else None)
+                   defines=defines)
 
     def reduce_dbias(self, dsb, outb, bias_shape: Tuple[int, int, int, int]) -> int:
         """dbias = dS summed over the broadcast dims -> outb[:numel]; returns numel."""

@@ -24,7 +24,7 @@ from .pipelines import KernelError, PipelineCache
 
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
            "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
-           "ENV_VARIANT", "pick_variant", "dq_groups"]
+           "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -43,9 +43,26 @@ __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runn
 #: ``rows8`` (f16 only) portable's kernels with RM = 8 in the backward passes: no
 #: register prefetch, no staging array, no aliasing (f16 tiles of 128 rows fit 48 KiB
 #: at D chunks of 32; f32 ones do not: f32 takes ``wide``); its forward is portable's.
-VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide", "rows8")
+#: ``<base>-dsq`` (portable-dsq, staged-dsq, wide-dsq): the base variant's kernels in a
+#: 5-product backward (FA's count; the others execute 7): the dK/dV pass also stores
+#: dS [B, HQ, SQ, SK] in f32 into a scratch buffer (DSQ_OUT), and the dQ pass reads it
+#: back and computes only dQ = scale * dS.K (DSQ_IN) instead of recomputing S and dP.
+#: Bitwise the base variant's results (the same dS bits, summed in the same order).
+#: Scratch 4*B*HQ*SQ*SK bytes: 512 MiB at B=1 H=8 S=4096; within DSQ_MAX_BYTES and the
+#: adapter's storage-binding limit only (``Call.dq_from_ds``); where the dK/dV pass
+#: does not run (dq alone), a dbias is wanted (the dQ pass writes its own dS there) or
+#: in debug builds (the trip buffer takes ``dsb``), the dQ pass recomputes as its base.
+VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide", "rows8",
+            "portable-dsq", "staged-dsq", "wide-dsq")
 #: variants with RM = 8 query rows per invocation in the backward passes
-RM8_VARIANTS = ("wide", "rows8")
+RM8_VARIANTS = ("wide", "rows8", "wide-dsq")
+#: the largest dS scratch of a ``*-dsq`` variant (bytes); past it the table's next entry
+DSQ_MAX_BYTES = 1 << 30
+
+
+def dsq_bytes(bh: int, sq: int, sk: int) -> int:
+    """Bytes of the ``*-dsq`` variants' f32 dS scratch for B*HQ = ``bh``, SQ, SK."""
+    return 4 * bh * sq * sk
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: the default variant per (adapter class, element type, grid fill); first match wins;
@@ -151,20 +168,31 @@ class TileConfig:
         return c
 
     @property
+    def base(self) -> str:
+        """The variant's kernels: ``wide`` for ``wide-dsq`` (the 5-product backward's
+        kernels are its base's with DSQ_OUT / DSQ_IN)."""
+        return self.variant[:-4] if self.variant.endswith("-dsq") else self.variant
+
+    @property
+    def dsq(self) -> bool:
+        """The 5-product backward (variants ``*-dsq``)."""
+        return self.variant.endswith("-dsq")
+
+    @property
     def prefetch(self) -> bool:
         """Register prefetch of the next staged chunk (every variant but portable)."""
-        return self.variant in ("prefetch", "staged", "subgroups", "wide")
+        return self.base in ("prefetch", "staged", "subgroups", "wide")
 
     @property
     def stage(self) -> bool:
         """One workgroup array for the staged tiles (variants staged, subgroups, wide)."""
-        return self.variant in ("staged", "subgroups", "wide")
+        return self.base in ("staged", "subgroups", "wide")
 
     @property
     def alias(self) -> bool:
         """The backward's P^T / dS tiles and the updates' staged rows inside the staging
         array (variant wide with RM = 8: the backward config)."""
-        return self.variant == "wide" and self.RM > 4
+        return self.base == "wide" and self.RM > 4
 
     def _stg_elems(self, c: Dict[str, int]) -> int:
         """SV elements of the STAGE array: the S/dP staging tiles; with ALIAS at least
@@ -177,7 +205,7 @@ class TileConfig:
     @property
     def subgroups(self) -> bool:
         """Subgroup row reductions (variant subgroups; needs the adapter's 'subgroup')."""
-        return self.variant == "subgroups"
+        return self.base == "subgroups"
 
     def smem_bytes(self, kernel: str, dropout: bool = False) -> int:
         """Workgroup bytes of a tiled kernel; ``dropout``: with the DROPOUT kernels'
@@ -247,6 +275,8 @@ class TileConfig:
             return 1 + self._sdp(D) + 2 * self._loop(self.TX) + self._upd(self.BK)
         if kernel == "bwd_dq":
             return 1 + self._sdp(D) + self._upd(self.BK)
+        if kernel == "bwd_dq_ds":        # DSQ_IN: dS read back (unrolled), no S / dP
+            return 1 + self._upd(self.BK)
         if kernel == "bwd_dkdv":
             return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv))
         raise KeyError(kernel)
@@ -344,17 +374,30 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
     adapter whose grid fill holds: ``rows`` = (B*HQ, SQ) of the problem (forward and
     backward alike, so both passes of a problem take one variant); its backward dQ
     pass must have at least the entry's workgroups (rows None: the size is unknown,
-    the fill is not checked)."""
+    the fill is not checked).  ``rows`` may carry SK as a third element: a ``*-dsq``
+    entry applies only where its dS scratch is known to fit (``_dsq_fits``)."""
     forced = _forced_variant(ctx, elem, variant)
     if forced:
         return _config(ctx, D, elem, backward, dropout, forced)
     table = _table(ctx, elem) or [("portable", 0)]
     for i, (name, groups) in enumerate(table):
+        if i + 1 < len(table) and name.endswith("-dsq") and not _dsq_fits(ctx, rows):
+            continue
         if groups and rows is not None and i + 1 < len(table):
-            if dq_groups(_config(ctx, D, elem, True, dropout, name), D, rows) < groups:
+            if dq_groups(_config(ctx, D, elem, True, dropout, name), D, rows[:2]) < groups:
                 continue
         return _config(ctx, D, elem, backward, dropout, name)
     raise AssertionError("unreachable: the last entry has no grid-fill condition")
+
+
+def _dsq_fits(ctx: Context, rows: Optional[Tuple[int, ...]]) -> bool:
+    """Whether a ``*-dsq`` variant's dS scratch is known to fit: ``rows`` = (B*HQ, SQ, SK)
+    within DSQ_MAX_BYTES and the adapter's storage-binding / buffer limits."""
+    if rows is None or len(rows) < 3:
+        return False
+    lim = min(DSQ_MAX_BYTES, int(ctx.limits.get("max-storage-buffer-binding-size", 0)),
+              int(ctx.limits.get("max-buffer-size", DSQ_MAX_BYTES)))
+    return dsq_bytes(*rows[:3]) <= lim
 
 
 def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,

@@ -37,7 +37,7 @@ from typing import Dict, Mapping
 from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
-           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES"]
+           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -56,6 +56,10 @@ DELTA_DEFINES = ("OUT16",)
 #: dQ pass's epilogue, one launch instead of dQ + a cast; D a multiple of 4, one
 #: piece: a split launch keeps its partial sums in f32)
 OUTB_DEFINES = ("OUTB16",)
+#: the 5-product backward (variants ``*-dsq``): DSQ_OUT, the dK/dV pass also stores dS
+#: [B, HQ, SQ, SK] (f32) into ``dsb``; DSQ_IN, the dQ pass reads dS from ``dsb`` instead
+#: of recomputing S and dP (dQ = dS.K as a plain product)
+DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -217,7 +221,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     if half:
         text = "//@define HALF\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
-                 + OUTB_DEFINES):                                    # only where used
+                 + OUTB_DEFINES + DSQ_DEFINES):                                    # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)

@@ -519,12 +519,12 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         if want_k and want_v and dt == np.float16 and call.out16_ok("bwd_dkdv"):
             # f16 dk, dv written by the dK/dV pass itself into one result buffer
             y, iy = res.new(_nbytes(2 * nkv, dt), "anyattn.dkdv")
-            call.dkdv(st, y, True, True, out16=True)
+            call.dkdv(st, y, True, True, out16=True, dq_next=want_q and not want_b)
             res.add("dk", iy, kvshape, dt, 0)
             res.add("dv", iy, kvshape, dt, nkv)
         elif want_k or want_v:
             kv, ikv = dest("dkdv", 2 * nkv, dt, "dev_dkdv")
-            call.dkdv(st, kv, want_k, want_v)
+            call.dkdv(st, kv, want_k, want_v, dq_next=want_q and not want_b)
             if ikv is None and want_k and want_v and nkv % 4 == 0:
                 # f16: one cast for both into one result buffer (dk, dv two views of it, as
                 # in f32; dv's offset a whole 8-byte group)

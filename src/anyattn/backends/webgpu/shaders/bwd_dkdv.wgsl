@@ -3,6 +3,7 @@
 // recomputing S and dP, and accumulates in registers (no atomics):
 //   dV[j, :] += sum_i P[i, j] dO[i, :]        dK[j, :] += scale * sum_i dS[i, j] Q[i, :]
 // Accumulators: rows j0 + ty*4 + r, vec4 columns dbase + 4*(tx + TX*v).
+// DSQ_OUT (variants *-dsq): dS [B, HQ, SQ, SK] also stored into dsb for the dQ pass.
 // DROPOUT: P ∘ keep into dV (times 1 / (1 − p) at the end), dS = P ∘ (dP ∘ keep /
 // (1 − p) − delta) (pds), with this key tile's column words in dcw (once) and each
 // unit's row words in drw.
@@ -87,6 +88,23 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@define DP
     //@include sdp
     //@include pds
+    //@if DSQ_OUT
+    // the 5-product backward: dS of this (query tile, key tile) for the dQ pass (column
+    // slice 0 only; rows / keys past SQ / SK are not stored, the dQ pass reads zeros)
+    if (wid.z == 0u) {
+      //@for r RM
+      {
+        let i = i0 + ty * RM + {r};
+        //@for c 4
+        {
+          let j = j0 + tx + {c} * TX;
+          if (i < U.SQ && j < U.SK) { dsb[((b * U.HQ + h) * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
+        }
+        //@end c
+      }
+      //@end r
+    }
+    //@endif DSQ_OUT
     if (want_dv) {
       //@for c 4
       //@for q RM4

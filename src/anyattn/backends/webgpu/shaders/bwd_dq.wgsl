@@ -5,6 +5,9 @@
 // for the dbias reduction.  Accumulators: rows i0 + ty*RM + r, vec4 columns
 // dbase + 4*(tx + TX*v).  DROPOUT: dS = P ∘ (dP ∘ keep / (1 − p) − delta) (pds), with
 // the row words of this query tile in drw (once) and each key tile's column words in dcw.
+// DSQ_IN (variants *-dsq, the 5-product backward): dS is read from dsb [B, HQ, SQ, SK]
+// (stored by the dK/dV pass, DSQ_OUT) instead of recomputing S and dP; only
+// dQ += dS.K is computed (no F_WRITE_DS, no dropout words: dS already holds them).
 //@include common
 //@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
@@ -66,6 +69,20 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }
     let j0 = kt * BK;
+    //@if DSQ_IN
+    //@for r RM
+    {
+      let i = i0 + ty * RM + {r};
+      let o = (bh * U.SQ + i) * U.SK + j0 + tx;   // dS[i][j0 + tx + TX*c]: [RM] x vec4 over c
+      var d4 = vec4<f32>();
+      //@for c 4
+      if (i < U.SQ && j0 + tx + {c} * TX < U.SK) { d4[{c#}] = dsb[o + {c} * TX]; }
+      //@end c
+      sp[(ty * RM + {r}) * RSP2 + tx] = SV(d4);
+    }
+    //@end r
+    //@endif DSQ_IN
+    //@ifn DSQ_IN
     //@if DROPOUT
     if (lid < BK) { dcw[lid] = drop_col(j0 + lid); }   // read after sdp's barriers
     //@endif DROPOUT
@@ -93,6 +110,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       }
     }
     //@end r
+    //@endif DSQ_IN
     workgroupBarrier();
     //@define UPD_SRC k
     //@include upd_q
