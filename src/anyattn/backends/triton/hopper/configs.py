@@ -94,11 +94,17 @@ _FWD_BY_DTYPE: dict = {}
 #: 2026-12-03 18:35 UTC run), with FA3's intra-warpgroup overlap ('o') and with the
 #: ping-pong turns between its consumers ('op'), 2 and 3 stages; the edge loops ('e':
 #: masked tiles in loops of their own, no mask branch in the hot loop) with P in
-#: registers or through shared memory ('m'); at D=64 three consumers (bm 192) too
+#: registers or through shared memory ('m'); at D=64 three consumers (bm 192) too, and
+#: (session 8) the D=128 default's schedule with P in registers ('opf': at D=128 6-11 %
+#: over 'opfem'; D=64 had timed only 'opfem'), 2 consumers / 3 stages and 3 consumers
+#: (sm_90a: no STL / LDL either way)
 _OPFE = dict(ws=True, overlap=True, pingpong=True, exp_fma=True, edges=True)
+_OPF = dict(ws=True, overlap=True, pingpong=True, exp_fma=True)
 FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 4, ws=True),
                      HopperConfig(128, 128, 4, p_smem=True, **_OPFE),
-                     HopperConfig(192, 128, 3, consumer_regs=160, p_smem=True, **_OPFE)],
+                     HopperConfig(192, 128, 3, consumer_regs=160, p_smem=True, **_OPFE),
+                     HopperConfig(128, 128, 3, **_OPF),
+                     HopperConfig(192, 128, 3, consumer_regs=160, **_OPF)],
                 128: [HopperConfig(128, 128, 2, 8), HopperConfig(128, 128, 3, ws=True),
                       HopperConfig(128, 128, 3, 8, True),
                       HopperConfig(128, 128, 2, ws=True, overlap=True),
