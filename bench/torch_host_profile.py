@@ -17,9 +17,15 @@ process on the machine that runs the kernels:
   and by cumulative time), written as text;
 - ``gaps``: at a large shape, the GPU's idle time between kernels within a step
   (torch.profiler's CUDA kernel intervals of ``inner`` steps back to back), for
-  ``module`` and ``kernel``.
+  ``module`` and ``kernel``;
+- ``ablation`` (``--ablate``): the same host-per-step and, at the large shape, ms per step
+  (CUDA events around ``inner`` steps back to back, rounds in rotating order) of
+  ``module`` and ``kernel`` as they are, with autograd's device threads off
+  (``torch.autograd.set_multithreading_enabled(False)``: the backward runs on the
+  calling thread) and with direct launches (ANYATTN_TRITON_DIRECT_LAUNCH=1), to tell
+  which part of the step's host time each accounts for.
 
-    python bench/torch_host_profile.py --out OUT_DIR [--big 4,16,2048,128] [--causal]
+    python bench/torch_host_profile.py --out OUT_DIR [--big 4,16,2048,128] [--ablate]
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -44,6 +51,11 @@ from anyattn import Causal  # noqa: E402
 from anyattn.backends.registry import choose  # noqa: E402
 from anyattn.modifiers import NO_MODS  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def cpu_calibration(rounds: int = 7) -> dict:
@@ -115,14 +127,14 @@ def host_per_step(fns, n: int, rounds: int) -> dict:
     for fn in fns.values():
         for _ in range(5):
             fn()
-    torch.cuda.synchronize()
+    _sync()
     res = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
-            torch.cuda.synchronize()
+            _sync()
             res[name].append((time.perf_counter() - t0) / n * 1e6)
     return {name: {"median_us": statistics.median(v), "min_us": min(v), "rounds_us": v}
             for name, v in res.items()}
@@ -133,7 +145,7 @@ def profile_text(fn, n: int, top: int = 45) -> str:
     pr.enable()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     pr.disable()
     buf = io.StringIO()
     st = pstats.Stats(pr, stream=buf)
@@ -149,13 +161,13 @@ def gaps(fn, inner: int) -> dict:
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
         host_us = (time.perf_counter() - t0) * 1e6
-        torch.cuda.synchronize()
+        _sync()
     ivs = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
@@ -186,6 +198,79 @@ def gaps(fn, inner: int) -> dict:
             "cpu_table": table}
 
 
+class _Setting:
+    """A step run under one setting: autograd's device threads off, or an environment
+    variable set (restored after)."""
+
+    def __init__(self, fn, threads: bool = True, env: dict | None = None):
+        self.fn, self.threads, self.env = fn, threads, env or {}
+
+    def __call__(self):
+        old = {n: os.environ.get(n) for n in self.env}
+        os.environ.update(self.env)
+        try:
+            with torch.autograd.set_multithreading_enabled(self.threads):
+                self.fn()
+        finally:
+            for n, v in old.items():
+                if v is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = v
+
+
+def _settings(fns) -> dict:
+    out = {}
+    for name in ("module", "kernel", "autograd"):
+        out[name] = _Setting(fns[name])
+        out[name + "_one_thread"] = _Setting(fns[name], threads=False)
+    for name in ("module", "kernel"):
+        out[name + "_direct"] = _Setting(fns[name], env={"ANYATTN_TRITON_DIRECT_LAUNCH": "1"})
+        out[name + "_one_thread_direct"] = _Setting(
+            fns[name], threads=False, env={"ANYATTN_TRITON_DIRECT_LAUNCH": "1"})
+    return out
+
+
+def device_ms_per_step(fns, inner: int, rounds: int) -> dict:
+    """ms per step: CUDA events around ``inner`` steps back to back, rounds rotating."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    _sync()
+    res = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _sync()
+            if not torch.cuda.is_available():      # a smoke run on the CPU (interpreter)
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                res[name].append((time.perf_counter() - t0) * 1e3 / inner)
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(inner):
+                fn()
+            b.record()
+            b.synchronize()
+            res[name].append(a.elapsed_time(b) / inner)
+    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds_ms": v}
+            for name, v in res.items()}
+
+
+def ablation(small, big, dtype, dev, args) -> dict:
+    res = {}
+    for causal in (False, True):
+        tag = "causal" if causal else "none"
+        hs = host_per_step(_settings(steps(small, causal, dtype, dev)), args.n, args.rounds)
+        bg = device_ms_per_step(_settings(steps(big, causal, dtype, dev)), args.inner,
+                                args.rounds + 4)
+        res[tag] = {"host_per_step_small": hs, "ms_per_step_big": bg}
+        print(tag, "host us", {k: round(v["median_us"], 1) for k, v in hs.items()}, flush=True)
+        print(tag, "big ms", {k: round(v["median_ms"], 4) for k, v in bg.items()}, flush=True)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -195,17 +280,25 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--ablate", action="store_true",
+                    help="only the ablation (settings side by side), no profiles")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     small = tuple(int(x) for x in args.small.split(","))
     big = tuple(int(x) for x in args.big.split(","))
     res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"gpu": torch.cuda.get_device_name(), "cpu": platform.processor(),
+           "machine": {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "cpu": platform.processor(),
                        "python": platform.python_version(), "torch": torch.__version__},
            "cpu_calibration": cpu_calibration(), "host_per_step": {}, "gaps": {}}
+    if args.ablate:
+        res["small"], res["big"] = small, big
+        res["ablation"] = ablation(small, big, dtype, dev, args)
+        res["cpu_calibration_after"] = cpu_calibration()
+        (out / "torch-host-ablation.json").write_text(json.dumps(res, indent=1))
+        return
     for causal in (False, True):
         tag = "causal" if causal else "none"
         fns = steps(small, causal, dtype, dev)
