@@ -14,7 +14,7 @@ Phases:
 
 Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 Prints 'CASE <name> ok=<bool> ...' per case and 'PHASE <name> done'; writes
-<out>/s8-check-<phase>.json.
+<out>/s8-check-<phase>.json; exit status 1 if a case failed.
 
     PYTHONPATH=src python3 bench/gpu_s8_fwd_check.py persist --out DIR
 """
@@ -115,9 +115,10 @@ def check(name, cfgs, B, H, Hkv, Sq, Sk, D, dt, kind, against_default=False):
         if base is not None:
             row["bitwise_vs_default"] = all(torch.equal(x, y) for x, y in zip(a, base))
             row["err_out_default"] = rel(base[0], ro)
+        # bitwise_vs_default is reported apart: a different instruction schedule may
+        # round differently and still be right (the float64 check decides)
         row["ok"] = (not row["nan"] and row["repeat"] and row["empty_ok"]
-                     and row["err_out"] <= TOL[dt] and row["err_lse"] <= 10 * TOL[dt]
-                     and row.get("bitwise_vs_default", True))
+                     and row["err_out"] <= TOL[dt] and row["err_lse"] <= 10 * TOL[dt])
         row["s"] = round(time.time() - t, 1)
         ROWS.append(row)
         log("CASE " + " ".join(f"{k_}={v_}" for k_, v_ in row.items()))
@@ -158,7 +159,10 @@ def main():
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            date=time.strftime("%Y-%m-%d %H:%M"), rows=ROWS), f, indent=1)
     bad = [f"{r['case']}:{r['cfg']}" for r in ROWS if not r["ok"]]
-    log(f"PHASE {a.phase} done in {time.time() - t:.1f} s: {len(ROWS)} rows, failing {bad}")
+    nbit = [f"{r['case']}:{r['cfg']}" for r in ROWS if r.get("bitwise_vs_default") is False]
+    log(f"PHASE {a.phase} done in {time.time() - t:.1f} s: {len(ROWS)} rows, failing {bad}, "
+        f"not bitwise equal to the default {nbit}")
+    sys.exit(1 if bad else 0)
 
 
 if __name__ == "__main__":
