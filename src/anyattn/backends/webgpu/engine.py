@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .launch import (DSQ_MAX_BYTES, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
-                     dsq_bytes, split_range)
+from . import launch as _launch
+from .launch import Launch, LoopLimitError, Runner, TileConfig, ceil_div, dsq_bytes, split_range
 from .uniforms import FLAGS
 
 __all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
@@ -427,7 +427,7 @@ class Call:
         if not self.cfg.dsq or self.debug:
             return False
         need = dsq_bytes(self.B * self.HQ, self.SQ, self.SK)
-        lim = min(DSQ_MAX_BYTES, self.run.max_binding, self.run.max_buffer)
+        lim = min(_launch.DSQ_MAX_BYTES, self.run.max_binding, self.run.max_buffer)
         if need > lim:
             raise ValueError(f"webgpu kernel variant {self.cfg.variant!r}: its dS scratch "
                              f"needs {need} bytes (4*B*HQ*SQ*SK), past {lim} (DSQ_MAX_BYTES "
