@@ -115,7 +115,8 @@ def test_variant_selection(be, monkeypatch):
         assert choose_config(ctx, 64).variant == "subgroups"
     with pytest.raises(ValueError, match="inconsistent"):
         dataclasses.replace(GPU_TILE, variant="tiled9000").check()
-    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups", "wide", "rows8"}
+    assert set(VARIANTS) == {"portable", "prefetch", "staged", "subgroups", "wide", "rows8",
+                             "portable-dsq", "staged-dsq", "wide-dsq"}
     # the variant reaches the kernels as defines, nothing else changes
     c = dataclasses.replace(GPU_TILE, variant="prefetch").consts()
     assert c["PREFETCH"] == 1 and "SUBGROUPS" not in c and (c["NEQ"], c["NEK"], c["NEU"]) == (1, 1, 1)
@@ -170,7 +171,7 @@ def test_variant_by_grid_fill(be, monkeypatch):
     monkeypatch.delenv(ENV_VARIANT)
     q, k, v, g = make_qkv(np.random.default_rng(52), 2, 3, 1, 5, 7, 8)
     aa.attention(q, k, v, backend="webgpu")
-    assert seen == [(6, 5)]
+    assert seen == [(6, 5, 7)]        # (B*HQ, SQ, SK): SK for the *-dsq scratch
 
 
 def test_forced_variant_runs_through_the_api(be, monkeypatch):
