@@ -1,14 +1,13 @@
-"""The Hopper backward (backends/triton/hopper: bwd_ws_kernel, bwd_fused_kernel,
-bwd_kernel) on an sm_90 GPU, lean enough for a short lease: warm-up compiles in parallel
-processes, float64 checks of every backward config (poisoned buffers, bitwise repeat, the
-routed path with the default config and with each warp-specialised config), then timings
-beside the portable backward, SDPA-cuDNN and SDPA-flash, in one process: the routes end
-to end (portable delta, the Hopper dK/dV config, portable dQ) and the portable backward
+"""The Hopper backward (backends/triton/hopper: bwd_ws_dq_kernel, bwd_ws_kernel) on an
+sm_90 GPU, lean enough for a short lease: warm-up compiles in parallel processes, float64
+checks of every config (poisoned buffers, bitwise repeat; the dq configs with both add
+orders; the routed path with each config), then timings in one process: the routes end
+to end (the default: portable delta, ws dK/dV, portable dQ; session 8's ws configs with
+dq: portable delta, the kernel, the dq conversion), the portable backward and SDPA-cuDNN
 in ROUNDS rounds of rotating order (each entry's median per round, and the median over
-rounds), then each config alone.  Session 7 times the warp-specialised dK/dV configs
-(configs.WS_BWD_VARIANTS) beside the default; the in-kernel dQ variants are neither
-checked nor timed here (session 6's numbers stand; tests/triton/test_hopper.py checks
-them).  Run the check and bench phases as two processes (--phases compile,check then
+rounds), then each config alone and SDPA-cuDNN / SDPA-flash again.  Session 7's other
+variants (ws ping-pong / 3 stages, the fused kernel) keep their measured numbers and are
+not rerun.  Run the check and bench phases as two processes (--phases compile,check then
 roof,bench, each with its own --out) so that a trap cannot stop the timings.
 FLOP convention: FlashAttention's (bwd 2.5 x the forward's 4*B*H*Sq*Sk*D, causal half).
 The forward's out and row statistics come from torch (no forward kernel is compiled).
@@ -39,6 +38,9 @@ import triton.testing  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof,  # noqa: E402
                               bwd_configs_and_sdpa, grads64, keep_dense, l2_delta, mask_of,
                               rel, run_bwd_cfg, time_into)
@@ -55,19 +57,32 @@ ROUNDS = 3
 
 
 def configs(D, dt="bfloat16"):
-    """The configs checked / timed: the default, the one before it (configs.PREV_BWD) and
-    the warp-specialised variants (both dtypes: any of them may become the default)."""
+    """The configs checked / timed: the default and (session 8) the warp-specialised
+    kernel with dq inside (configs.WS_DQ_BWD_VARIANTS; both dtypes: any of them may
+    become the default).  Session 7's other variants (its ping-pong / 3-stage ws and the
+    fused kernel) keep their measured numbers and are not rerun."""
     out = []
-    for c in [HCF.bwd_config(D), HCF.PREV_BWD[D]] + HCF.WS_BWD_VARIANTS[D]:
+    for c in [HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D]:
         if c not in out:
             out.append(c)
     return out
 
 
 def route_configs(D):
-    """The dK/dV configs whose routes (portable delta + config + portable dQ) are timed
-    end to end: the default, then each warp-specialised one."""
+    """The configs whose routes are timed end to end: the default (portable delta + ws
+    dK/dV + portable dQ), then each ws config with dq (portable delta + the kernel + the
+    dq conversion)."""
     return configs(D)
+
+
+def run_cfg(p, q, k, v, dout, l2, delta, cfg, bufs=None, order=None):
+    """(dq or None, dk, dv) of one backward config (launch.backward_fused for configs
+    with dq, launch.dkdv for the dK/dV ones); ``bufs``: poisoned (dq, dk, dv) to write;
+    ``order``: the dq add order (default launch.dq_order)."""
+    if not cfg.dq:
+        return run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg, bufs)
+    dq, dk, dv = bufs if bufs is not None else (None, None, None)
+    return HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg, order=order)
 
 
 def fwd_torch(q, k, v, keep, scale, acc_dt):
@@ -146,7 +161,7 @@ def _warm(job):
     else:
         cfg = next(c for c in configs(D, dt) if c.name == name)
         l2, delta = l2_delta(out, dout, mx, ln)
-        run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg)
+        run_cfg(p, q, k, v, dout, l2, delta, cfg)
     torch.cuda.synchronize()
     return dict(job=list(job), s=round(time.time() - t, 1))
 
@@ -204,9 +219,12 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout):
                layout=layout, tol=TOL[dt], cfgs={})
     shp_k = (B, Hkv, Sk, D)
     nan = lambda shape: torch.full(shape, float("nan"), dtype=q.dtype, device="cuda")  # noqa: E731
-    for cfg in configs(D, dt):
-        g1 = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg, (nan((B, H, Sq, D)), nan(shp_k), nan(shp_k)))
-        g2 = run_bwd_cfg(p, q, k, v, dout, l2, delta, cfg)
+    runs = [(cfg.name, cfg, None) for cfg in configs(D, dt)]
+    runs += [(f"{c.name}-order0", c, 0) for c in configs(D, dt) if c.dq]
+    for name_c, cfg, order in runs:
+        g1 = run_cfg(p, q, k, v, dout, l2, delta, cfg,
+                     (nan((B, H, Sq, D)), nan(shp_k), nan(shp_k)), order)
+        g2 = run_cfg(p, q, k, v, dout, l2, delta, cfg, None, order)
         torch.cuda.synchronize()
         r = {}
         ok = True
@@ -219,7 +237,7 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout):
             r[f"repeat_{n}"] = bool(torch.equal(a, a2))
             ok = ok and e <= TOL[dt] and not r[f"nan_{n}"] and r[f"repeat_{n}"]
         r["ok"] = bool(ok)
-        row["cfgs"][cfg.name] = r
+        row["cfgs"][name_c] = r
     # the routed path (ANYATTN_TRITON_PATH=hopper: portable preprocess + the default
     # config + portable dq), then with each other config routed
     from anyattn.rowstats import RowStats
@@ -284,16 +302,24 @@ def phase_bench():
             def tl_bwd(path):
                 return backward_on_path(path, p, q, k, v, dout, out, RowStats(mx, ln))
 
-            # the routes and the portable backward, ROUNDS rounds in rotating order
+            # the routes, the portable backward and SDPA-cuDNN, ROUNDS rounds in rotating
+            # order
             entries = [("bwd-portable", None)] + [
                 ("bwd-hopper" if c == HCF.bwd_config(d) else f"bwd-hopper-{c.name}", c)
-                for c in route_configs(d)]
+                for c in route_configs(d)] + [("bwd-sdpa-cudnn-rounds", "cudnn")]
             rounds = {n: [] for n, _ in entries}
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                o_cd = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg,
+                                                                        is_causal=causal)
             for r_ in range(ROUNDS):
                 for n, cfg in entries[r_ % len(entries):] + entries[:r_ % len(entries)]:
                     one = dict(ms={}, tflops={})
                     if cfg is None:
                         time_into(one, n, lambda: tl_bwd("portable"), fl)
+                    elif cfg == "cudnn":
+                        time_into(one, n, lambda: torch.autograd.grad(
+                            o_cd, (qg, kg, vg), dout, retain_graph=True), fl)
                     else:
                         with routed(cfg, d):
                             time_into(one, n, lambda: tl_bwd("hopper"), fl)
@@ -306,9 +332,14 @@ def phase_bench():
                     row["tflops"][n] = round(fl / med / 1e9, 1)
                 else:
                     row["ms"][n] = ms[0]
-            bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta, configs(d), causal, fl)
-            pb, cb = (row["ms"].get(n) for n in ("bwd-portable", "bwd-sdpa-cudnn"))
-            for n, _ in entries[1:]:
+            for cfg in configs(d):     # each config alone (dK/dV alone: 0.8 of the FLOPs)
+                if cfg.dq:
+                    put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_cfg(p, q, k, v, dout, l2,
+                                                                    delta, cfg))
+            bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta,
+                                 [c for c in configs(d) if not c.dq], causal, fl)
+            pb, cb = (row["ms"].get(n) for n in ("bwd-portable", "bwd-sdpa-cudnn-rounds"))
+            for n, _ in entries[1:-1]:
                 hb = row["ms"].get(n)
                 if isinstance(hb, float) and isinstance(cb, float):
                     row[f"{n}_vs_cudnn"] = round(cb / hb, 3)

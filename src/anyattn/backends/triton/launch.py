@@ -952,7 +952,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                 from .hopper import launch as HL
 
                 hcfg = HL.HC.bwd_config(D)
-                if hcfg.fused:   # dk, dv and, when the config says so, dq in one kernel
+                if hcfg.fused or hcfg.dq:   # dk, dv and, when the config says so, dq
+                    # in one kernel (bwd_fused_kernel / bwd_ws_dq_kernel)
                     got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
                                                   cfg=hcfg, want_dq=want_q and hcfg.dq)
                     want_q = want_q and got is None

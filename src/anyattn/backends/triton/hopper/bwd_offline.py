@@ -1,7 +1,7 @@
-"""Offline sm_90a compile of the warp-specialised dK/dV kernel (bwd_ws_kernel), and the
-SASS facts the backward's notes quote: HGMMA / UTMALDG / STL / LDL / WARPGROUP.DEPBAR
-counts, the highest register a region uses (after setmaxnreg), the setmaxnreg values and
-ptxas's warnings.
+"""Offline sm_90a compile of the warp-specialised backward kernels (bwd_ws_kernel,
+bwd_ws_dq_kernel), and the SASS facts the backward's notes quote: HGMMA / UTMALDG / STL /
+LDL / WARPGROUP.DEPBAR counts, the highest register a region uses (after setmaxnreg),
+the setmaxnreg values and ptxas's warnings.
 
 Shape legend: D head dim.  Host tensors stand in for device ones (offline.py's rule).
 ``compile_any(cfg)`` dispatches on the config: ws -> here, the others -> offline.py.
@@ -13,7 +13,7 @@ from typing import Dict
 
 from .offline import SM90A, compile_dkdv, instruction_counts, sass_of
 
-__all__ = ["compile_dkdv_ws", "compile_any", "ws_facts"]
+__all__ = ["compile_dkdv_ws", "compile_dkdvq_ws", "compile_any", "ws_facts"]
 
 
 def compile_dkdv_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, cfg=None):
@@ -45,8 +45,42 @@ def compile_dkdv_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fals
     return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
 
 
+def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
+                     cfg=None, writer_regs: int = None):
+    """triton.compile of bwd_ws_dq_kernel.dkdvq_ws_kernel (a ws config with dq) for sm_90a
+    -> CompiledKernel."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from .bwd_ws_dq_kernel import dkdvq_ws_kernel
+    from .launch import WS_DQ_WRITER_REGS, dqa_desc, make_desc
+
+    if cfg is None or not (cfg.ws and cfg.dq):
+        raise ValueError(f"compile_dkdvq_ws needs a ws config with dq, got {cfg}")
+    x = torch.empty((2, 2, 256, D), dtype=getattr(torch, dtype))
+    qd = mangle_type(make_desc(x, cfg.bm))
+    kd = mangle_type(make_desc(x, cfg.bn // 2))
+    ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm))
+    names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "L2",
+             "DELTA", "SEM", "H", "G", "Sq", "Sk", "scale", "lo", "hi", "ORDER", "HAS_BAND",
+             "STAGES", "CONSUMER_REGS", "WRITER_REGS", "PREFETCH", "num_warps"]
+    types = [qd, kd, kd, qd, kd, kd, ad, "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "i32",
+             "fp32", "i32", "i32", "i32"]
+    vals = [has_band, cfg.stages, cfg.consumer_regs,
+            WS_DQ_WRITER_REGS if writer_regs is None else writer_regs, cfg.prefetch, 4]
+    sig = dict(zip(names, types + ["constexpr"] * len(vals)))
+    consts = {(len(types) + i,): v for i, v in enumerate(vals)}
+    src = GluonASTSource(dkdvq_ws_kernel, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
+
+
 def compile_any(cfg, dtype: str = "bfloat16", D: int = 128, has_band: bool = False):
     """The backward kernel of any HopperBwdConfig, compiled for sm_90a."""
+    if cfg.ws and cfg.dq:
+        return compile_dkdvq_ws(dtype, D, has_band, cfg)
     if cfg.ws:
         return compile_dkdv_ws(dtype, D, has_band, cfg)
     return compile_dkdv(dtype, D, has_band, cfg)

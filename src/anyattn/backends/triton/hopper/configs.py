@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
-           "FWD_VARIANTS", "FWD_PERSIST", "BWD_VARIANTS", "WS_BWD_VARIANTS", "PREV_BWD"]
+           "FWD_VARIANTS", "FWD_PERSIST", "BWD_VARIANTS", "WS_BWD_VARIANTS", "PREV_BWD",
+           "WS_DQ_BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -156,30 +157,41 @@ class HopperBwdConfig:
     ws: bool = False
     consumer_regs: int = 240
     pingpong: bool = False
+    #: ws with dq (bwd_ws_dq_kernel): the next tile's row statistics loaded under the
+    #: current S / dP (False, 'n': each tile's own once S is done; fewer registers)
+    prefetch: bool = True
 
     def __post_init__(self):
-        if self.dq and not self.fused:
-            raise ValueError(f"{self.name}: only the fused kernel computes dq")
-        if self.defer and not self.dq:
-            raise ValueError(f"{self.name}: defer schedules the in-kernel dq (dq=True)")
+        if self.dq and not (self.fused or self.ws):
+            raise ValueError(f"{self.name}: only the fused and the warp-specialised kernels "
+                             "compute dq")
+        if self.defer and not (self.dq and self.fused):
+            raise ValueError(f"{self.name}: defer schedules the fused kernel's in-kernel dq "
+                             "(fused=True, dq=True)")
         if self.ws and (self.fused or self.bn != 128 or self.bm != 64):
-            raise ValueError(f"{self.name}: the warp-specialised dK/dV kernel runs bn 128 "
-                             "(two consumers of 64 key rows), bm 64, dK/dV only")
-        if self.pingpong and not self.ws:
-            raise ValueError(f"{self.name}: pingpong orders the warp-specialised "
-                             "kernel's consumers (ws=True)")
+            raise ValueError(f"{self.name}: the warp-specialised kernels run bn 128 "
+                             "(two consumers of 64 key rows), bm 64, not fused")
+        if not self.prefetch and not (self.ws and self.dq):
+            raise ValueError(f"{self.name}: prefetch=False is an option of the "
+                             "warp-specialised kernel with dq (ws=True, dq=True)")
+        if self.pingpong and not (self.ws and not self.dq):
+            raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
+                             "kernel's consumers (ws=True, dq=False)")
 
     @property
     def name(self) -> str:
         """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ; 'd': defer) /
-        'wdkdv128x64s2p' (warp-specialised, 'p': ping-pong)."""
+        'wdkdv128x64s2p' (warp-specialised, 'p': ping-pong) / 'wdkdvq128x64s2'
+        (warp-specialised with dq: bwd_ws_dq_kernel)."""
         return (f"{'f' if self.fused else ''}{'w' if self.ws else ''}dkdv"
                 f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
-                f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}")
+                f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
+                f"{'' if self.prefetch else 'n'}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
-        extra += 4 * self.bm * d if self.dq else 0       # the staged fp32 dQ partial
+        # the staged fp32 dQ partial (ws: one per consumer)
+        extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq else 0
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -209,19 +221,26 @@ WS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True),
 #: (bwd_fused_kernel, its route 0.94-0.99x portable), D=64 the dK/dV kernel
 _BWD = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
 
+#: session 8: the warp-specialised kernel with dQ inside (bwd_ws_dq_kernel: per-consumer
+#: partials dS_w.K_w staged in fp32 shared memory, a dQ-writer warp adding them in a
+#: fixed order), D -> its variants; launch.backward_fused runs them
+WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
+                          HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False)]
+                      for d in (64, 128)}
+
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,
 #: 300 / 258 / 309 / 297 on the whole backward's FLOPs; session 6), the fused kernel
 #: without dQ (the D=128 default of sessions 5-6), the dK/dV kernel, and the other
-#: warp-specialised configs
+#: warp-specialised configs (session 8: with dq too)
 BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                      HopperBwdConfig(128, 64, 2, fused=True),
                      HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[64]]
-                + WS_BWD_VARIANTS[64][1:],
+                + WS_BWD_VARIANTS[64][1:] + WS_DQ_BWD_VARIANTS[64],
                 128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                       HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128],
                       HopperBwdConfig(128, 64, 2, fused=True)]
-                + WS_BWD_VARIANTS[128][1:]}
+                + WS_BWD_VARIANTS[128][1:] + WS_DQ_BWD_VARIANTS[128]}
 
 #: D -> the default before session 7 (the bench times it beside the new one)
 PREV_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}

@@ -318,8 +318,8 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.dkdv_config(D) if cfg is None else cfg
-    if cfg.fused:
-        raise ValueError(f"dkdv() runs the dK/dV kernel; {cfg.name} is run by "
+    if cfg.fused or cfg.dq:
+        raise ValueError(f"dkdv() runs the dK/dV kernels; {cfg.name} is run by "
                          f"backward_fused()")
     rm_ = p.mask
     lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
@@ -409,15 +409,24 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                    want_dq: bool = True, order=None):
     """-> (dq [B, H, Sq, D] or None, dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous,
     from the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32,
-    contiguous), through bwd_fused_kernel.dkdvq_kernel: dK / dV, and dQ when want_dq
-    (added in a fixed key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``:
+    contiguous), through bwd_fused_kernel.dkdvq_kernel (or, for a ws config with dq,
+    bwd_ws_dq_kernel.dkdvq_ws_kernel): dK / dV, and dQ when want_dq (added in a fixed
+    key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``:
     preallocated buffers to write (tests poison them); ``cfg``: default
     configs.bwd_config(D); ``order``: the dQ add order, default dq_order()."""
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.bwd_config(D) if cfg is None else cfg
+    if cfg.ws and cfg.dq:
+        if not want_dq:   # dk / dv alone: the same consumers without dq (bwd_ws_kernel)
+            import dataclasses
+
+            dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
+                          cfg=dataclasses.replace(cfg, dq=False, prefetch=True))
+            return None, dk, dv
+        return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
-        raise ValueError(f"backward_fused needs a fused config, got {cfg.name} "
-                         f"(dkdv() runs the dK/dV kernel)")
+        raise ValueError(f"backward_fused needs a fused config or a ws config with dq, got "
+                         f"{cfg.name} (dkdv() runs the dK/dV kernel)")
     if want_dq and not cfg.dq:
         raise ValueError(f"config {cfg.name} computes dk / dv only: call it with "
                          f"want_dq=False (dq through the portable kernel)")
@@ -467,3 +476,55 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                            dqa_desc(dqa, cfg.bm), *tail, HAS_BAND=bool(rm_.has_band),
                            WITH_DQ=with_dq, STAGES=cfg.stages, DEFER=cfg.defer, num_warps=8)
     return (dq if with_dq else None), dk, dv
+
+
+#: registers of bwd_ws_dq_kernel's dQ-writer warp (setmaxnreg)
+WS_DQ_WRITER_REGS = 24
+
+
+def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order):
+    """(dq, dk, dv) through bwd_ws_dq_kernel.dkdvq_ws_kernel (dq's fp32 partials added in
+    a fixed order into a scratch accumulator), then dq = acc * scale in q's dtype (one
+    elementwise pass); arguments as backward_fused's."""
+    from .bwd_ws_dq_kernel import dkdvq_ws_kernel
+
+    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    rm_ = p.mask
+    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
+    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+    dev, dt = q.device, q.dtype
+    kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
+    dk = torch.empty(kshape, dtype=dt, device=dev) if dk is None else dk
+    dv = torch.empty(kshape, dtype=dt, device=dev) if dv is None else dv
+    dq = torch.empty(qshape, dtype=dt, device=dev) if dq is None else dq
+    for name, x, shape in (("dk", dk, kshape), ("dv", dv, kshape), ("dq", dq, qshape)):
+        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != dt:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(shape)} {dt}")
+    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
+        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(want)} float32")
+    order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
+    if order not in (0, 1):
+        raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
+    nq = triton.cdiv(Sq, cfg.bm)
+    # fp32 partial sums (the first adder of a query tile stores: no init, except where
+    # a band leaves query tiles without keys: their dq is 0), a counter per (b, h,
+    # query tile) at zero
+    dqa = torch.empty((B * H, Sq, D), dtype=torch.float32, device=dev)
+    if rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm, cfg.bn):
+        dqa.zero_()
+    sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
+    rn = cfg.bn // 2
+    grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    with on_device(dev):
+        dkdvq_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                              make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                              dqa_desc(dqa, cfg.bm), l2, delta, sem, H, p.group, Sq, Sk,
+                              p.scale, lo, hi, order, HAS_BAND=bool(rm_.has_band),
+                              STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+                              WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
+                              num_warps=4)
+        torch.mul(dqa.view(qshape), p.scale, out=dq)
+    return dq, dk, dv

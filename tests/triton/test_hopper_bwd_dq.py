@@ -1,0 +1,113 @@
+"""The warp-specialised Hopper backward with dQ inside (hopper/bwd_ws_dq_kernel.py, configs
+'wdkdvq…'): config rules and the offline sm_90a compile (CPU), dq / dk / dv against
+float64 with both add orders on a long key-tile chain (sm_90 GPUs only; the contract grid
+runs it too, tests/triton/test_hopper.py::test_backward_matches_float64).
+
+Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import anyattn as aa  # noqa: E402
+from anyattn import reference as R  # noqa: E402
+from anyattn.problem import describe  # noqa: E402
+from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
+
+from helpers import assert_close, np_mask, to_np  # noqa: E402
+
+from tr_util import needs_gluon, needs_sm90  # noqa: E402
+
+
+def test_ws_dq_configs_are_data():
+    """Names, the rules of the ws kernel with dq, shared memory within an H100 / H200's."""
+    c = HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True)
+    assert c.name == "wdkdvq128x64s2"
+    assert HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False).name == \
+        "wdkdvq128x64s2n"
+    assert c.smem_bytes(128) == 2 * 128 * (2 * 128 + 2 * 2 * 64) + 2 * 2 * 64 * 128 \
+        + 2 * 4 * 64 * 128
+    with pytest.raises(ValueError, match="dq=False"):
+        HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, pingpong=True)
+    with pytest.raises(ValueError, match="prefetch"):
+        HCF.HopperBwdConfig(128, 64, 2, ws=True, prefetch=False)
+    for d in (64, 128):
+        for cfg in HCF.WS_DQ_BWD_VARIANTS[d]:
+            assert cfg.ws and cfg.dq and cfg in HCF.BWD_VARIANTS[d]
+            assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
+
+
+def test_dkdv_refuses_a_dq_config():
+    """dkdv() computes dk / dv only: a config with dq is refused, not half run."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    q = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
+    p = describe(q, q, q)
+    with pytest.raises(ValueError, match="backward_fused"):
+        HL.dkdv(p, q, q, q, q, None, None, cfg=HCF.WS_DQ_BWD_VARIANTS[128][0])
+
+
+@needs_gluon
+def test_ws_dq_compiles_for_sm90a():
+    """Offline sm_90a: two consumers of S, dP (64x64), dV, dK and dQ (64xD) each: at D=64
+    40 HGMMA; the writer's bulk reduce-adds (UTMAREDG); setmaxnreg; no HMMA fallback; the
+    shared memory of the four staged buffers within 227 KB; few spills (8 stack bytes at
+    D=64 with a band, 2026-12-04)."""
+    from anyattn.backends.triton.hopper import bwd_offline as BO
+    from anyattn.backends.triton.hopper.offline import sass_of
+
+    cfg = HCF.WS_DQ_BWD_VARIANTS[64][1]
+    c = BO.compile_dkdvq_ws("bfloat16", 64, True, cfg)
+    f = BO.ws_facts(c)
+    assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
+    assert c.metadata.shared <= 227 * 1024, c.metadata.shared
+    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    if sass:
+        assert f["sass_HGMMA"] == 40 and f["sass_HMMA"] == 0, f
+        assert re.search(r"\bUTMAREDG", sass), "no bulk reduce-add"
+        assert f["stack_bytes"] <= 32, f
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["none", "causal"])
+def test_ws_dq_long_chain_both_orders(D, kind):
+    """Many key tiles per query tile (Sk 3000: 24 key tiles, 16 query tiles, GQA 2): dq /
+    dk / dv of every ws dq config within bf16 tolerance of float64 into NaN-poisoned
+    buffers, with the rotated order (1) and the ascending one (0), each bitwise
+    repeatable."""
+    from anyattn.backends.triton import launch as TL
+    from anyattn.backends.triton.hopper import launch as HL
+
+    B, H, Hkv, Sq, Sk = 1, 4, 2, 1000, 3000
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(torch.bfloat16)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    mask = aa.Causal(align="bottom_right") if kind == "causal" else None
+    p = describe(q, k, v, mask=mask)
+    out, rs = TL.forward(p, q, k, v, None)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
+    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
+                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
+    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
+    for cfg in HCF.WS_DQ_BWD_VARIANTS[D]:
+        for order in (1, 0):
+            runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
+                                      cfg=cfg, order=order) for _ in range(2)]
+            for i, n in enumerate(("dq", "dk", "dv")):
+                assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
+                assert_close(runs[0][i], getattr(rg, n), "bfloat16",
+                             f"{n} {cfg.name} order {order}")
