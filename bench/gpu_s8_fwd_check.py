@@ -37,6 +37,7 @@ from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 
 TOL = {"float16": 3e-3, "bfloat16": 2e-2}
 ROWS: list = []
+OPT: dict = {}
 
 
 def log(*a):
@@ -122,6 +123,13 @@ def check(name, cfgs, B, H, Hkv, Sq, Sk, D, dt, kind, against_default=False):
         row["s"] = round(time.time() - t, 1)
         ROWS.append(row)
         log("CASE " + " ".join(f"{k_}={v_}" for k_, v_ in row.items()))
+        dump()                  # a phase cut by its timeout (SIGTERM) keeps its rows
+
+
+def dump():
+    with open(os.path.join(OPT["out"], f"s8-check-{OPT['phase']}.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       date=time.strftime("%Y-%m-%d %H:%M"), rows=ROWS), f, indent=1)
 
 
 def phase_persist():
@@ -151,13 +159,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--d64", default="ws128x128s3opf,ws192x128s3opf")
     a = ap.parse_args()
+    OPT.update(out=a.out, phase=a.phase)
     t = time.time()
-    try:
-        phase_persist() if a.phase == "persist" else phase_d64(a.d64.split(","))
-    finally:
-        with open(os.path.join(a.out, f"s8-check-{a.phase}.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           date=time.strftime("%Y-%m-%d %H:%M"), rows=ROWS), f, indent=1)
+    phase_persist() if a.phase == "persist" else phase_d64(a.d64.split(","))
+    dump()
     bad = [f"{r['case']}:{r['cfg']}" for r in ROWS if not r["ok"]]
     nbit = [f"{r['case']}:{r['cfg']}" for r in ROWS if r.get("bitwise_vs_default") is False]
     log(f"PHASE {a.phase} done in {time.time() - t:.1f} s: {len(ROWS)} rows, failing {bad}, "
