@@ -119,9 +119,13 @@ FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 
                       HopperConfig(128, 128, 2, p_smem=True, **_OPFE)]}
 
 #: session 7: the D=128 default's schedule, persistent (fwd_persist_kernel: one program
-#: per SM walking query tiles).  Compiled offline only: the session's device time ran out
-#: before its first GPU run, so it is kept out of FWD_VARIANTS (which the GPU tests and
-#: benches run) until bench/gpu_s7_fwd_persist.sh has checked and timed it
+#: per SM walking query tiles).  Session 8 (H200 2026-12-04, docs/perf/hopper-fwd-h200-
+#: 2026-12-04-s8.json): its session-7 hang fixed (a tile's last V stage never released);
+#: bf16 dense / causal / bottom-right GQA Sq != Sk / window with 3-4 tiles per program
+#: bitwise equal to the per-tile default and within tolerance of float64; TFLOP/s vs the
+#: default 600 / 416 / 631 / 533 vs 579 / 462 / 633 / 593 (S=2k, 2k causal, 8k, 8k
+#: causal): with a band its across-heads order misses L2.  Not a default, kept out of
+#: FWD_VARIANTS (fp16, array masks and its pytest tests not yet run on a GPU)
 FWD_PERSIST = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True,
                            persist=True)
 
