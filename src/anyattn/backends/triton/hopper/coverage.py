@@ -46,7 +46,13 @@ COVERAGE = {
                         # 2026-12-03-s6.json, S=2k/4k/8k): the best warp-specialised
                         # variant (3 consumers, ws192x128s3opfem) 0.99-1.06x portable
                         # without a mask but 0.63-0.97x causal, the 2-consumer one
-                        # 0.89-0.98x: it stays portable until it wins on both
+                        # 0.89-0.98x: it stays portable until it wins on both.  Session 8
+                        # (hopper-fwd-h200-2026-12-04-s8.json, bf16 S=2k / 8k): P in
+                        # registers ('opf') wins on both, with the mask choosing the tile:
+                        # ws192x128s3opf 1.15 / 1.23x portable without a mask (1.00 /
+                        # 1.08x cuDNN), ws128x128s3opf 1.005 / 1.10x causal; not routed
+                        # yet: no float64 GPU check of them finished, and configs key on
+                        # (D, dtype), not on the mask
                         head_dims=frozenset({128}),
                         # Documents / KeepMask (session 7): the range table at the 128 x
                         # 128 tile, document key intervals / ids / keep bytes on edge tiles
