@@ -60,7 +60,7 @@ def test_dsq_is_bitwise_portable(be):
     dK/dV and dQ launches bind the dS scratch, the dQ pass built with DSQ_IN)."""
     from anyattn.problem import describe
 
-    base = choose_config(be.context, 40)
+    base = choose_config(be.context, 40, variant="portable")
     dsq = dataclasses.replace(base, variant="portable-dsq")
     r = np.random.default_rng(61)
     q, k, v, g = make_qkv(r, 2, 4, 2, 37, 70, 40)
@@ -76,6 +76,7 @@ def test_dsq_is_bitwise_portable(be):
     finally:
         be.config_override = None
     assert call.dsq_buf is not None and call.dsq_buf.size >= 4 * 2 * 4 * 37 * 70
+    assert call.dsq_buf.size >= 4 * 2 * 4 * 37 * call.nkt * dsq.BK     # tile order, padded
     bound = {lch.kernel: lch.buffers[9] for lch in call.launches if lch.layout == "tile"}
     assert bound["bwd_dkdv"] is call.dsq_buf and bound["bwd_dq"] is call.dsq_buf
 
@@ -83,7 +84,7 @@ def test_dsq_is_bitwise_portable(be):
 def test_dsq_with_dbias_recomputes(be):
     """With dbias wanted the dQ pass computes its own dS (written for the reduction):
     portable's bits, dbias included; no dS scratch."""
-    base = choose_config(be.context, 24)
+    base = choose_config(be.context, 24, variant="portable")
     dsq = dataclasses.replace(base, variant="portable-dsq")
     r = np.random.default_rng(62)
     q, k, v, g = make_qkv(r, 1, 2, 2, 21, 33, 24)
@@ -97,7 +98,7 @@ def test_dsq_split_launches_bitwise(be, monkeypatch):
     """Launches split at the loop budget: one launch's bits (and portable's)."""
     r = np.random.default_rng(63)
     q, k, v, g = make_qkv(r, 1, 4, 2, 70, 300, 24)
-    base = choose_config(be.context, 24)
+    base = choose_config(be.context, 24, variant="portable")
     dsq = dataclasses.replace(base, variant="portable-dsq")
     kw = dict(mask=aa.Causal("bottom_right"))
     ref = _grads(be, q, k, v, g, base, **kw)
@@ -131,7 +132,7 @@ def test_dsq_f16(be):
     from anyattn import reference as R
 
     q, k, v, g = make_qkv(np.random.default_rng(65), 1, 4, 2, 45, 70, 24, dtype="float16")
-    base = choose_config(be.context, 24, "f16", backward=True)
+    base = choose_config(be.context, 24, "f16", backward=True, variant="portable")
     dsq = dataclasses.replace(base, variant="portable-dsq")
     mask = aa.Causal()
     ro, rl = R.forward(q, k, v, mask=mask)
@@ -182,8 +183,10 @@ def test_dsq_table_and_cap(be, monkeypatch):
     assert pick((8, 256, 129)) == "staged"            # past the cap
     assert pick((8, 256)) == "staged" and pick(None) == "staged"   # unknown SK
     q, k, v, g = make_qkv(np.random.default_rng(67), 1, 2, 2, 40, 40, 8)
-    monkeypatch.setattr(launch, "DSQ_MAX_BYTES", 4 * 2 * 40 * 40 - 4)
+    bk = choose_config(be.context, 8, variant="portable-dsq").BK
+    need = 4 * 2 * 40 * (-(-40 // bk) * bk)           # SK padded to whole key tiles
+    monkeypatch.setattr(launch, "DSQ_MAX_BYTES", need - 4)
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
     out, lse = aa.attention(q, k, v, return_lse=True, backend="webgpu")
-    with pytest.raises(ValueError, match="dS scratch needs 12800 bytes"):
+    with pytest.raises(ValueError, match=f"dS scratch needs {need} bytes"):
         aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="webgpu")

@@ -411,7 +411,7 @@ class Call:
         defines = {"OUTB16": 1} if out16 else {}
         dsb = None
         if dq_next and self.dq_from_ds():
-            dsb = self.run.buffer(ds_role, dsq_bytes(self.B * self.HQ, self.SQ, self.SK))
+            dsb = self.run.buffer(ds_role, dsq_bytes(self.B * self.HQ, self.SQ, self.SK, self.cfg.BK))
             defines["DSQ_OUT"] = 1
         self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb, dsb,
                    flags=fl, extra={"out2_off": self.B * self.HKV * self.SK * self.D},
@@ -426,11 +426,12 @@ class Call:
         forced variant gets the reason)."""
         if not self.cfg.dsq or self.debug:
             return False
-        need = dsq_bytes(self.B * self.HQ, self.SQ, self.SK)
+        need = dsq_bytes(self.B * self.HQ, self.SQ, self.SK, self.cfg.BK)
         lim = min(_launch.DSQ_MAX_BYTES, self.run.max_binding, self.run.max_buffer)
         if need > lim:
             raise ValueError(f"webgpu kernel variant {self.cfg.variant!r}: its dS scratch "
-                             f"needs {need} bytes (4*B*HQ*SQ*SK), past {lim} (DSQ_MAX_BYTES "
+                             f"needs {need} bytes (4*B*HQ*SQ*SK, SK padded to whole key "
+                             f"tiles), past {lim} (DSQ_MAX_BYTES "
                              f"or the adapter's storage binding limit); use "
                              f"{self.cfg.base!r} or a smaller batch")
         return True

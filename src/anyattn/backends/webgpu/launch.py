@@ -60,9 +60,10 @@ RM8_VARIANTS = ("wide", "rows8", "wide-dsq")
 DSQ_MAX_BYTES = 1 << 30
 
 
-def dsq_bytes(bh: int, sq: int, sk: int) -> int:
-    """Bytes of the ``*-dsq`` variants' f32 dS scratch for B*HQ = ``bh``, SQ, SK."""
-    return 4 * bh * sq * sk
+def dsq_bytes(bh: int, sq: int, sk: int, bk: int = 64) -> int:
+    """Bytes of the ``*-dsq`` variants' f32 dS scratch for B*HQ = ``bh``, SQ, SK, key
+    tiles of ``bk`` (rows padded to whole tiles; 64: the largest tile, an upper bound)."""
+    return 4 * bh * sq * ceil_div(sk, bk) * bk
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: the default variant per (adapter class, element type, grid fill); first match wins;

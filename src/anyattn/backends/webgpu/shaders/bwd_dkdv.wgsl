@@ -90,17 +90,13 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@include pds
     //@if DSQ_OUT
     // the 5-product backward: dS of this (query tile, key tile) for the dQ pass (column
-    // slice 0 only; rows / keys past SQ / SK are not stored, the dQ pass reads zeros)
+    // slice 0 only), one vec4 per row in tile order (common.wgsl); keys past SK are
+    // stored as computed (what the recomputing dQ pass would use), rows past SQ not
     if (wid.z == 0u) {
       //@for r RM
       {
         let i = i0 + ty * RM + {r};
-        //@for c 4
-        {
-          let j = j0 + tx + {c} * TX;
-          if (i < U.SQ && j < U.SK) { dsb[((b * U.HQ + h) * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
-        }
-        //@end c
+        if (i < U.SQ) { dsb[(((b * U.HQ + h) * U.SQ + i) * U.nkt + kt) * TX + tx] = ds[{r}]; }
       }
       //@end r
     }

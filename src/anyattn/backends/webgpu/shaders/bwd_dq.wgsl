@@ -73,11 +73,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@for r RM
     {
       let i = i0 + ty * RM + {r};
-      let o = (bh * U.SQ + i) * U.SK + j0 + tx;   // dS[i][j0 + tx + TX*c]: [RM] x vec4 over c
-      var d4 = vec4<f32>();
-      //@for c 4
-      if (i < U.SQ && j0 + tx + {c} * TX < U.SK) { d4[{c#}] = dsb[o + {c} * TX]; }
-      //@end c
+      var d4 = vec4<f32>();   // dS[i][j0 + tx + TX*c], c < 4 (tile order, common.wgsl)
+      if (i < U.SQ) { d4 = dsb[((bh * U.SQ + i) * U.nkt + kt) * TX + tx]; }
       sp[(ty * RM + {r}) * RSP2 + tx] = SV(d4);
     }
     //@end r

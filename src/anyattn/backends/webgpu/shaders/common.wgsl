@@ -17,7 +17,20 @@
 //@if OUTB16
 @group(0) @binding(8) var<storage, read_write> outb: array<vec4<f16>>;   // f16 dQ (OUTB16)
 //@endif OUTB16
+//@ifn DSQ_OUT
+//@ifn DSQ_IN
 @group(0) @binding(9) var<storage, read_write> dsb: array<f32>;
+//@endif DSQ_IN
+//@endif DSQ_OUT
+// the 5-product backward's dS scratch (variants *-dsq), in tile order: row i of head
+// bh holds nkt tiles of BK keys; element 4*tx + c of tile kt is key kt*BK + tx + TX*c
+// (one vec4 per invocation and row: [(bh*SQ + i)*nkt + kt]*TX + tx)
+//@if DSQ_OUT
+@group(0) @binding(9) var<storage, read_write> dsb: array<vec4<f32>>;
+//@endif DSQ_OUT
+//@if DSQ_IN
+@group(0) @binding(9) var<storage, read_write> dsb: array<vec4<f32>>;
+//@endif DSQ_IN
 
 var<private> trips: u32;
 //@if STAGE
