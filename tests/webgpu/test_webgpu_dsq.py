@@ -175,6 +175,12 @@ def test_dsq_table_and_cap(be, monkeypatch):
                                   "max-compute-invocations-per-workgroup": 1024,
                                   "max-storage-buffer-binding-size": 1 << 31,
                                   "max-buffer-size": 1 << 40})
+    # the table itself (H200 2026-12-04): wide-dsq where its dQ grid fills the GPU, else
+    # staged-dsq; f16 portable-dsq; a scratch past the binding limit: the 7-product kernels
+    real = lambda rows, elem="f32": choose_config(gpu, 128, elem, True, rows=rows).variant  # noqa: E731
+    assert real((8, 4096, 4096)) == "wide-dsq" and real((8, 1024, 1024)) == "staged-dsq"
+    assert real((8, 4096, 4096), "f16") == "portable-dsq"
+    assert real((8, 16384, 16384)) == "wide" and real((8, 16384, 16384), "f16") == "portable"
     monkeypatch.setattr(launch, "VARIANT_TABLE", (
         ((False, False, "f32", 0), "wide-dsq"), ((False, False, None, 0), "staged")))
     monkeypatch.setattr(launch, "DSQ_MAX_BYTES", 1 << 20)

@@ -97,8 +97,9 @@ def test_variant_selection(be, monkeypatch):
     monkeypatch.delenv(ENV_VARIANT, raising=False)
     assert pick_variant(ctx) == "portable"          # lavapipe: a CPU adapter
     gpu = SimpleNamespace(is_cpu=False, has_subgroups=True, name="fake GPU")
-    # the table (H200 2026-12-03 19:07): wide for f32 on GPUs (size unknown), portable for f16
-    assert (pick_variant(gpu, "f32"), pick_variant(gpu, "f16")) == ("wide", "portable")
+    # the table (H200 2026-12-04 04:31): wide-dsq for f32 on GPUs, portable-dsq for f16 (its
+    # first entries; choose_config takes them only where the dS scratch is known to fit)
+    assert (pick_variant(gpu, "f32"), pick_variant(gpu, "f16")) == ("wide-dsq", "portable-dsq")
     assert choose_config(ctx, 64).variant == "portable"
     monkeypatch.setenv(ENV_VARIANT, "prefetch")
     assert choose_config(ctx, 64).variant == "prefetch"

@@ -86,11 +86,20 @@ ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: S=1024 (wide dQ grid 64) 10.34 vs 12.22 TFLOP/s (0.85x), S=2048 (grid 128) 15.21 vs
 #: 13.10 (1.16x), S=4096 (256) 15.85.  f16 stays portable (every prefetching f16
 #: variant slower: wide 0.66x, staged 0.53x at S=4096 D=128; rows8 0.88x, 21:10 UTC).
+#: Session 8 (H200 04:31 UTC, docs/perf/webgpu-variants-h200-s8-2026-12-04.json), the
+#: 5-product backward (``*-dsq``, entries taken only where the problem's dS scratch is
+#: known to fit: ``_dsq_fits``), backward TFLOP/s at D=128 B=1 H=8: S=4096 f32 wide-dsq
+#: 19.68 vs wide 15.91 (1.24x; staged-dsq 18.88), S=1024 f32 staged-dsq 16.35 vs staged
+#: 12.43 (1.32x; wide-dsq 14.47: its dQ grid of 64), f16 portable-dsq 19.97 vs portable
+#: 14.49 at S=4096 (1.38x), 15.38 vs 13.12 at S=1024 (1.17x).  Bitwise the base's results.
 WIDE_MIN_GROUPS = 128
 VARIANT_TABLE = (
     # (cpu adapter?, needs 'subgroup', elem or None = any, min dQ workgroups) -> variant
+    ((False, False, "f32", WIDE_MIN_GROUPS), "wide-dsq"),
+    ((False, False, "f32", 0), "staged-dsq"),
     ((False, False, "f32", WIDE_MIN_GROUPS), "wide"),
     ((False, False, "f32", 0), "staged"),
+    ((False, False, "f16", 0), "portable-dsq"),
     ((False, False, None, 0), "portable"),
     ((True, False, None, 0), "portable"),
 )
