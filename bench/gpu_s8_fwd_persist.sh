@@ -23,7 +23,7 @@ PRC=${PIPESTATUS[0]}
 echo "persist check rc $PRC"
 NAMES=hopper,portable,sdpa-cudnn,hopper-ws128x128s3opf,hopper-ws192x128s3opf,hopper-ws192x128s3opfem
 FV=ws128x128s3opf,ws192x128s3opf,ws192x128s3opfem
-[ "$PRC" = 0 ] && NAMES=$NAMES,hopper-ws128x128s2opfP && FV=$FV,ws128x128s2opfP
+[ "$PRC" = 0 ] && NAMES=$NAMES,hopper-ws128x128s2opfP,hopper-ws128x128s2opfPg && FV=$FV,ws128x128s2opfP,ws128x128s2opfPg
 el "dense timing"
 timeout $(( $(left) > ${BENCH_S:-95} ? ${BENCH_S:-95} : $(left) )) python3 bench/gpu_hopper_bench.py \
   --out $OUT --phases bench --dims 64,128 --seqs 2048,8192 --dtypes bfloat16 --skip-bwd \

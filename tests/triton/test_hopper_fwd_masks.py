@@ -281,20 +281,60 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
     p = describe(q, k, v, mask=mask)
+    from anyattn.backends.triton.hopper import configs as HCF
+
     res = []
-    for cfg in (_persist_cfg(), _persist_cfg(), None):
+    sched = None if kind == "docs_causal" else HCF.FWD_PERSIST_SCHED   # bands only
+    for cfg in (_persist_cfg(), _persist_cfg(), None, sched):
         out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
         st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
         res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
-    (o, rs), (o2, rs2), (od, rsd) = res
+    (o, rs), (o2, rs2), (od, rsd), (osc, rssc) = res
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(o, od) and torch.equal(rs.max, rsd.max)
     assert torch.equal(rs.log_norm, rsd.log_norm)
+    assert torch.equal(osc, od) and torch.equal(rssc.max, rsd.max), "the scheduled walk"
+    assert torch.equal(rssc.log_norm, rsd.log_norm)
     qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
     ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
     assert_close(o, ro, dtype, "out")
     lse = to_np(rs.max + rs.log_norm).astype(np.float64)
     assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+
+
+def test_persist_schedule_deals_the_per_tile_order_greedily():
+    """persist_schedule: every tile exactly once; each program's walk in the per-tile
+    grid's launch order (head by head, longest query tile first); the busiest program's
+    load that of greedy dispatch (within one tile of the mean plus the longest tile);
+    rows of empty query tiles (a window past the keys) still walked; cached."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    for Sq, Sk, lo, hi, BH, P in ((2048, 2048, -(1 << 30), 0, 128, 132),
+                                  (600, 777, -(1 << 30), 177, 64, 132),
+                                  (1000, 1000, -200, 37, 3, 8),
+                                  (300, 100, 250, 1 << 30, 4, 5)):
+        sch = HL.persist_schedule(Sq, Sk, lo, hi, 128, 128, BH, P).numpy()
+        assert HL.persist_schedule(Sq, Sk, lo, hi, 128, 128, BH, P) is \
+            HL.persist_schedule(Sq, Sk, lo, hi, 128, 128, BH, P)
+        n_m = -(-Sq // 128)
+        offs, tiles = sch[:P + 1], sch[P + 1:]
+        assert offs[0] == 0 and offs[-1] == len(tiles) == n_m * BH
+        assert sorted(tiles.tolist()) == list(range(n_m * BH))
+        launch_pos = {bh * n_m + (n_m - 1 - x): bh * n_m + x
+                      for bh in range(BH) for x in range(n_m)}
+        n = HL._band_key_tiles(Sq, Sk, lo, hi, 128, 128)
+        i = np.arange(Sq)[:, None]
+        j = np.arange(Sk)[None, :]
+        keep = (j - i >= lo) & (j - i <= hi)
+        for m in range(n_m):       # every kept key of the tile's rows inside its range
+            cols = np.nonzero(keep[m * 128:(m + 1) * 128].any(0))[0]
+            assert len(cols) == 0 or n[m] >= cols[-1] // 128 - cols[0] // 128 + 1
+        loads = []
+        for w in range(P):
+            walk = tiles[offs[w]:offs[w + 1]].tolist()
+            assert [launch_pos[t] for t in walk] == sorted(launch_pos[t] for t in walk)
+            loads.append(sum(int(n[t % n_m]) + 1 for t in walk))
+        assert max(loads) <= sum(loads) / P + int(n.max()) + 1
 
 
 @needs_gluon
@@ -305,12 +345,14 @@ def test_persistent_forward_compiles_for_sm90a_without_spills(band, docs):
     walks tiles at 32 registers; 24 spilled)."""
     from test_hopper import _compile_counts
 
-    n = _compile_counts("O.compile_fwd('bfloat16', 128, %s, C.FWD_PERSIST, docs=%d)"
-                        % (band, docs))
-    assert n["ptx_wgmma"] > 0 and n["ptx_setmaxnreg"] > 0, n
-    if n["has_sass"]:
-        assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 8 and n["sass_HMMA"] == 0, n
-        assert n["sass_STL"] == 0 and n["sass_LDL"] == 0, n
+    cfgs = ["C.FWD_PERSIST"] + (["C.FWD_PERSIST_SCHED"] if band and not docs else [])
+    for cfg in cfgs:        # the scheduled walk: bands only (launch.FwdLaunch)
+        n = _compile_counts("O.compile_fwd('bfloat16', 128, %s, %s, docs=%d)"
+                            % (band, cfg, docs))
+        assert n["ptx_wgmma"] > 0 and n["ptx_setmaxnreg"] > 0, n
+        if n["has_sass"]:
+            assert n["sass_HGMMA"] == 64 and n["sass_UTMALDG"] == 8 and n["sass_HMMA"] == 0, n
+            assert n["sass_STL"] == 0 and n["sass_LDL"] == 0, n
 
 
 def test_mask_arrays_cached_per_mask_tensor_version():

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
-           "FWD_VARIANTS", "FWD_PERSIST", "BWD_VARIANTS", "WS_BWD_VARIANTS", "PREV_BWD",
-           "WS_DQ_BWD_VARIANTS"]
+           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "BWD_VARIANTS", "WS_BWD_VARIANTS",
+           "PREV_BWD", "WS_DQ_BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class HopperConfig:
     p_smem: bool = False      # edges: P through shared memory (2 stages), not registers
     persist: bool = False     # ws + overlap: one program per SM walking query tiles
                               # (fwd_persist_kernel; 2 consumers, + 32 KiB for O)
+    sched: bool = False       # persist: each program walks a host-built schedule (the
+                              # per-tile grid's order dealt out greedily by loop length)
 
     def __post_init__(self):
         if self.pingpong and not (self.ws and self.overlap):
@@ -47,6 +49,8 @@ class HopperConfig:
                                  and self.bm == 128):
             raise ValueError(f"{self}: persist runs the overlapped ws loop with 2 consumers "
                              "(ws=True, overlap=True, edges=False, bm=128)")
+        if self.sched and not self.persist:
+            raise ValueError(f"{self}: sched is the persistent kernel's walk (persist=True)")
         if self.ws and (self.bm % 64 or self.bm // 64 not in (2, 3)):
             raise ValueError(f"{self}: the warp-specialised kernel runs 2 or 3 consumer "
                              "warpgroups of 64 query rows (bm 128 or 192)")
@@ -62,7 +66,8 @@ class HopperConfig:
         return (f"{'ws' if self.ws else ''}{self.bm}x{self.bn}s{self.stages}"
                 f"{'o' if self.overlap else ''}{'p' if self.pingpong else ''}"
                 f"{'f' if self.exp_fma else ''}{'e' if self.edges else ''}"
-                f"{'m' if self.p_smem else ''}{'P' if self.persist else ''}")
+                f"{'m' if self.p_smem else ''}{'P' if self.persist else ''}"
+                f"{'g' if self.sched else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         p = 2 * self.bm * self.bn if self.p_smem else 0
@@ -128,6 +133,11 @@ FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 
 #: FWD_VARIANTS (fp16, array masks and its pytest tests not yet run on a GPU)
 FWD_PERSIST = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True,
                            persist=True)
+#: session 8, not run on a GPU yet: FWD_PERSIST walking a host-built schedule
+#: (launch.persist_schedule: the per-tile grid's launch order dealt out greedily by key
+#: loop length, so that live programs share heads in L2 as the per-tile kernel's do)
+FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
+                                 exp_fma=True, persist=True, sched=True)
 
 
 def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:

@@ -10,7 +10,12 @@ Program p takes tiles p, p + P, p + 2P, .. (P programs, at most one per SM).  Ti
 with a band (causal, windows) the longest first, across heads (tile idx -> query tile
 n_m - 1 - idx // BH of head idx % BH: the first wave holds the longest key loops, the
 short ones fill the tail); without, head-major (idx -> head idx // n_m, query tile
-idx % n_m: neighbouring programs share K / V in L2).
+idx % n_m: neighbouring programs share K / V in L2).  SCHED (a host-built schedule,
+launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
+SCH[p + 1]), each idx = bh * n_m + pid_m: the per-tile grid's launch order dealt out
+greedily by key-loop length, so that the live programs share heads (L2) as the per-tile
+kernel's do while the work stays balanced (session 8: across heads, 128 MiB of K / V
+were live against a 60 MB L2 and causal ran 10 % under the per-tile kernel).
 
 What persistence buys: the producer runs ahead into the next tile's K / V while the
 consumers finish a tile (its last P.V, the epilogue); each consumer loads the next
@@ -47,15 +52,45 @@ def _tile_of(idx, n_m, BH, H, HAS_BAND: gl.constexpr):
 
 
 @gluon.jit
+def _walk(SCH, total, SCHED: gl.constexpr):
+    """This program's walk positions: range(start, end, step) (module doc)."""
+    if SCHED:
+        start = gl.load(SCH + gl.program_id(0))
+        end = gl.load(SCH + gl.program_id(0) + 1)
+        step = 1
+    else:
+        start = gl.program_id(0)
+        end = total
+        step = gl.num_programs(0)
+    return start, end, step
+
+
+@gluon.jit
+def _tile_at(k, SCH, n_m, BH, H, HAS_BAND: gl.constexpr, SCHED: gl.constexpr):
+    """Walk position k -> (query tile, b * H + h, b, h): the schedule's entry (SCHED,
+    idx = bh * n_m + pid_m) or _tile_of's order."""
+    if SCHED:
+        idx = gl.load(SCH + gl.num_programs(0) + 1 + k)
+        bh = idx // n_m
+        pid_m = idx % n_m
+        res = (pid_m, bh, bh // H, bh % H)
+    else:
+        res = _tile_of(k, n_m, BH, H, HAS_BAND)
+    return res
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G, Sq, Sk,
-              lo, hi, RT, rt_b, rt_h, BH, HAS_BAND: gl.constexpr, ARRAY: gl.constexpr,
-              STAGES: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr):
+              lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND: gl.constexpr, ARRAY: gl.constexpr,
+              STAGES: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+              SCHED: gl.constexpr):
     """Every key tile of this program's query tiles, in walk order, into the ring (slot c
     of the whole walk into stage c % STAGES once both consumers released it)."""
     n_m = (Sq + BM - 1) // BM
+    start, end, step = _walk(SCH, n_m * BH, SCHED)
     c = 0
-    for idx in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
-        pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+    for k in range(start, end, step):
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         hk = h // G
@@ -76,10 +111,11 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H,
 
 
 @gluon.jit
-def _load_q(q_desc, q_own, qb, idx, n_m, BH, H, WG: gl.constexpr, HAS_BAND: gl.constexpr,
-            BM: gl.constexpr, RM: gl.constexpr):
-    """TMA of this consumer's RM rows of Q of tile idx into q_own, completing on qb."""
-    pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+def _load_q(q_desc, q_own, qb, k, SCH, n_m, BH, H, WG: gl.constexpr, HAS_BAND: gl.constexpr,
+            BM: gl.constexpr, RM: gl.constexpr, SCHED: gl.constexpr):
+    """TMA of this consumer's RM rows of Q of the tile at walk position k into q_own,
+    completing on qb."""
+    pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
     mbarrier.expect(qb, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, pid_m * BM + WG * RM, 0], qb, q_own)
 
@@ -87,11 +123,11 @@ def _load_q(q_desc, q_own, qb, idx, n_m, BH, H, WG: gl.constexpr, HAS_BAND: gl.c
 @gluon.jit
 def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
               v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT, rt_b, rt_h, QID,
-              KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, BH,
+              KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, BH, SCH,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
               EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
-              HAS_KEEP: gl.constexpr):
+              HAS_KEEP: gl.constexpr, SCHED: gl.constexpr):
     """Rows [WG * RM, (WG + 1) * RM) of each of this program's query tiles: Q (the next
     tile's loaded when this one's key loop is done), the overlapped key loop, the
     epilogue through o_smem[WG]."""
@@ -116,15 +152,13 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     offs_nb = gl.arange(0, BN, layout=col_s)
     zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
     n_m = (Sq + BM - 1) // BM
-    total = n_m * BH
-    step = gl.num_programs(0)
-    first = gl.program_id(0)
-    if first < total:
-        _load_q(q_desc, q_own, qb, first, n_m, BH, H, WG, HAS_BAND, BM, RM)
+    start, end, step = _walk(SCH, n_m * BH, SCHED)
+    if start < end:
+        _load_q(q_desc, q_own, qb, start, SCH, n_m, BH, H, WG, HAS_BAND, BM, RM, SCHED)
     c = 0
     j = 0
-    for idx in range(first, total, step):
-        pid_m, bh, b, h = _tile_of(idx, n_m, BH, H, HAS_BAND)
+    for k in range(start, end, step):
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         r0 = pid_m * BM + WG * RM
@@ -152,9 +186,9 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
         if n > 0:     # the tile's last V (its P.V waited for in the loop): free its stage
             mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
         # every wgmma reading Q is done: the next tile's Q flies during the epilogue
-        nxt = idx + step
-        if nxt < total:
-            _load_q(q_desc, q_own, qb, nxt, n_m, BH, H, WG, HAS_BAND, BM, RM)
+        if k + step < end:
+            _load_q(q_desc, q_own, qb, k + step, SCH, n_m, BH, H, WG, HAS_BAND, BM, RM,
+                    SCHED)
         tma.store_wait(pendings=0)       # the previous tile's out left o_own
         epilogue(acc, l_i, m_i, o_own, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
                  row_o)
@@ -166,14 +200,15 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
 @gluon.jit
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
-                       skm_q, skm_k, BH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
+                       skm_q, skm_k, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                        EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
                        ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                       HAS_KEEP: gl.constexpr = False):
+                       HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
     workers add 4 + 1).  Arguments as fwd_ws_kernel's (2 consumers, the overlapped
-    loop), plus BH = B * H."""
+    loop), plus BH = B * H and SCH: int32 [P + 1 + T] the schedule (SCHED: offsets of
+    each program's walk, then the tiles; not read otherwise)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
     RM: gl.constexpr = q_desc.block_type.shape[2]
@@ -210,13 +245,14 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
         [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
                       rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                      HAS_KEEP)),
+                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP, SCHED)),
          (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
                       rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                      HAS_KEEP)),
+                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP, SCHED)),
          (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, HAS_BAND, ARRAY, STAGES, BN, BM))],
+                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
+                      SCHED))],
         [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

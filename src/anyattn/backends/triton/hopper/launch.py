@@ -27,7 +27,8 @@ from ....rowstats import RowStats
 from ..device_ctx import on_device
 from . import configs as HC
 
-__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays", "dkdv",
+__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
+           "persist_schedule", "dkdv",
            "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
@@ -217,17 +218,24 @@ class FwdLaunch:
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
-        self.tail = ()
+        self.sched = None     # persist + sched: persist_schedule's key (no tensor held)
         if cfg.persist:   # one program per SM walking the cdiv(Sq, bm) * B * H tiles
             from .fwd_persist_kernel import fwd_persist_kernel
 
             self.kernel, self.q_rows = fwd_persist_kernel, cfg.bm // cfg.consumers
             self.grid = (min(_sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
-            self.tail = (B * H,)
+            if cfg.sched and self.array:
+                raise NotImplementedError(
+                    f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
+                    "KeepMask key ranges are per call); use FWD_PERSIST or the default")
+            # without a band every tile's loop is as long: the greedy schedule is the
+            # kernel's own head-major round robin, so SCHED is off there (same walk)
+            if cfg.sched and rm_.has_band:
+                self.sched = (Sq, Sk, lo, hi, cfg.bm, cfg.bn, B * H, self.grid[0])
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
                            EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
-                           HAS_KEEP=rm_.keep is not None)
+                           HAS_KEEP=rm_.keep is not None, SCHED=self.sched is not None)
         elif cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
@@ -250,6 +258,15 @@ class FwdLaunch:
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            OVERLAP=cfg.overlap, num_warps=cfg.num_warps)
 
+    def _tail(self, dev) -> tuple:
+        """The persistent kernel's arguments after the mask arrays: (B * H, SCH) (SCH the
+        schedule, or a placeholder where it walks its own order); () otherwise."""
+        if not self.cfg.persist:
+            return ()
+        sch = (persist_schedule(*self.sched, device=dev) if self.sched is not None
+               else _dummy(dev, torch.int32))
+        return (self.out_shape[0] * self.out_shape[1], sch)
+
     def mask_args(self, q, p=None):
         """-> (the kernel's mask-array arguments after the scalars, its keywords) for
         this call: mask_arrays() of p's Documents / KeepMask, else placeholders (the
@@ -259,10 +276,10 @@ class FwdLaunch:
                 raise ValueError("a Documents / KeepMask forward needs the call's Problem "
                                  "(p=) for its mask arrays")
             *marr, docs = mask_arrays(p, q, self.cfg)
-            return tuple(marr) + self.tail, dict(self.kw, DOCS=docs)
+            return tuple(marr) + self._tail(q.device), dict(self.kw, DOCS=docs)
         if self.cfg.ws:
             i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
-            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self.tail, self.kw
+            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self._tail(q.device), self.kw
         return (), self.kw
 
     def __call__(self, q, k, v, out=None, stats=None, p=None):
@@ -279,6 +296,58 @@ class FwdLaunch:
             self.kernel[self.grid](make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
                                    make_desc(out, rq), stats, *self.args, *marr, **kw)
         return out, RowStats(stats[0], stats[1])
+
+
+def _band_key_tiles(Sq, Sk, lo, hi, bm, bn):
+    """Key tiles per query tile of bm rows under lo <= j - i <= hi (bn-key tiles; the
+    kernel's key_tile_range, t1 - t0) -> int64 [cdiv(Sq, bm)]."""
+    import numpy as np
+
+    i0 = np.arange(-(-Sq // bm), dtype=np.int64) * bm
+    i1 = np.minimum(i0 + bm, Sq)
+    t0 = np.maximum(i0 + lo, 0) // bn
+    t1 = np.minimum(-(-Sk // bn), (np.maximum(i1 + hi, 0) + bn - 1) // bn)
+    return np.maximum(t0, t1) - t0
+
+
+#: persist_schedule's tensors per (its arguments, device)
+_sched_cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
+_SCHED_CACHE = 32
+
+
+def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
+    """The persistent forward's walk (fwd_persist_kernel, SCHED) for a band lo <= j - i
+    <= hi: the per-tile grid's launch order (head by head, each head's query tiles
+    longest first) dealt out greedily, each tile to the program that is free first
+    (ties: the lowest), a tile costing its key tiles + ``tile_cost`` (Q load, epilogue)
+    -- the hardware's dispatch of the per-tile grid, so the live programs share heads in
+    L2 as its blocks do.  -> int32 [P + 1 + T] on ``device``: program p walks entries
+    [P + 1 + s[p], P + 1 + s[p + 1]) of tile ids bh * n_m + pid_m.  Cached."""
+    import heapq
+
+    import numpy as np
+
+    key = (Sq, Sk, lo, hi, bm, bn, BH, P, str(device), tile_cost)
+    hit = _sched_cache.get(key)
+    if hit is not None:
+        return hit
+    n = _band_key_tiles(Sq, Sk, lo, hi, bm, bn)
+    n_m = len(n)
+    order = [(bh, n_m - 1 - x) for bh in range(BH) for x in range(n_m)]
+    free = [(0, w) for w in range(P)]
+    walks = [[] for _ in range(P)]
+    for bh, m in order:
+        t, w = heapq.heappop(free)
+        walks[w].append(bh * n_m + m)
+        heapq.heappush(free, (t + int(n[m]) + tile_cost, w))
+    offs = np.cumsum([0] + [len(x) for x in walks])
+    flat = np.concatenate([offs, np.fromiter((i for x in walks for i in x), np.int64,
+                                             count=int(offs[-1]))]).astype(np.int32)
+    out = torch.from_numpy(flat).to(device)
+    _sched_cache[key] = out
+    while len(_sched_cache) > _SCHED_CACHE:
+        _sched_cache.popitem(last=False)
+    return out
 
 
 def prepare_forward(p, cfg=None) -> FwdLaunch:
