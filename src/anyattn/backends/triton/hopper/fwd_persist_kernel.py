@@ -26,8 +26,8 @@ turns are counted across tiles (fwd_ws_kernel._loop_overlap's c0); Q arrives on 
 barrier per consumer, phase = tiles done & 1.  _loop_overlap releases every V stage but
 its tile's last (a one-tile program never refills it); here the consumer releases that
 one after the loop, else the producer waits forever for it from the next tile's second
-key tile on (the session-7 hang; session 8 found it offline).  Numerics, masks, range tables: those of
-fwd_ws_kernel (its module doc), the same functions.
+key tile on (the session-7 hang; session 8 found it offline).  Numerics, masks, range
+tables: those of fwd_ws_kernel (its module doc), the same functions.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
