@@ -92,6 +92,8 @@ ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: 19.68 vs wide 15.91 (1.24x; staged-dsq 18.88), S=1024 f32 staged-dsq 16.35 vs staged
 #: 12.43 (1.32x; wide-dsq 14.47: its dQ grid of 64), f16 portable-dsq 19.97 vs portable
 #: 14.49 at S=4096 (1.38x), 15.38 vs 13.12 at S=1024 (1.17x).  Bitwise the base's results.
+#: With dS in tile order (vec4 stores / loads; H200 04:39 UTC,
+#: docs/perf/webgpu-variants-h200-s8b-2026-12-04.json): wide-dsq 20.93 at S=4096 D=128 f32.
 WIDE_MIN_GROUPS = 128
 VARIANT_TABLE = (
     # (cpu adapter?, needs 'subgroup', elem or None = any, min dQ workgroups) -> variant
