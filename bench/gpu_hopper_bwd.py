@@ -336,6 +336,9 @@ def phase_bench():
                 if cfg.dq:
                     put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_cfg(p, q, k, v, dout, l2,
                                                                     delta, cfg))
+            for cfg in HCF.WS_DQ_BWD_VARIANTS[d][1:]:   # diagnostic: the writer makes no adds
+                put(f"bwdk-diag-noadd-{cfg.name}", lambda cfg=cfg: HL._backward_ws_dq(
+                    p, q, k, v, dout, l2, delta, None, None, None, cfg, None, _diag=True))
             bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta,
                                  [c for c in configs(d) if not c.dq], causal, fl)
             pb, cb = (row["ms"].get(n) for n in ("bwd-portable", "bwd-sdpa-cudnn-rounds"))

@@ -37,6 +37,10 @@ def test_ws_dq_configs_are_data():
         HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, pingpong=True)
     with pytest.raises(ValueError, match="prefetch"):
         HCF.HopperBwdConfig(128, 64, 2, ws=True, prefetch=False)
+    with pytest.raises(ValueError, match="chains"):
+        HCF.HopperBwdConfig(128, 64, 2, ws=True, chains=2)
+    assert HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                               chains=2).name == "wdkdvq128x64s2nc2"
     for d in (64, 128):
         for cfg in HCF.WS_DQ_BWD_VARIANTS[d]:
             assert cfg.ws and cfg.dq and cfg in HCF.BWD_VARIANTS[d]

@@ -23,7 +23,10 @@ One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions:
       (rank 0, w = 0: a store) or a bulk tensor reduce-add, waits until it is complete
       (writes too: the next add of the same rows must come after it), signals "dq empty";
       after w = 1 it releases the counter (+1, red.release).  The consumers never wait
-      for a turn; only the writer does.
+      for a turn; only the writer does.  CHAINS 2: two accumulators and counters, one
+      per consumer (DQA [2 * B * H, Sq, D]), so the two adds of a tile go back to back
+      and their completion is waited (and the counters released) a tile later;
+      dq = (DQA_0 + DQA_1) * scale (bwd_dq_convert).
 
 The order of the adds of query tile t: the key tiles in bwd_fused_kernel.dq_rank's order
 (ORDER 1: rotated visits without a band, the diagonal first with one; ORDER 0:
@@ -92,31 +95,76 @@ def _producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, 
 
 
 @gluon.jit
-def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, b, hk, H, G, Sk, pid_n, s0, n_div, off,
-            n_tot, nq, lo, hi, ORDER, HAS_BAND: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr):
-    """The fixed-order adds of both consumers' staged partials (module doc)."""
+def _add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr):
+    """The bulk add of one staged partial into accumulator rows [row, t * BM ...]: a bulk
+    tensor store for the first adder (rank 0), else a bulk tensor reduce-add."""
+    if rank == 0:
+        tma.async_copy_shared_to_global(dqa_desc, [row, t * BM, 0], src)
+    else:
+        _tma_reduce_add(dqa_desc, [row, t * BM, 0], src)
+
+
+@gluon.jit
+def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0, n_div,
+            off, n_tot, nq, lo, hi, ORDER, HAS_BAND: gl.constexpr, BM: gl.constexpr,
+            BN: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr):
+    """The fixed-order adds of both consumers' staged partials (module doc).  CHAINS 1:
+    one accumulator, consumer 1's add after consumer 0's is complete; CHAINS 2: consumer
+    w's partials into accumulator w (rows w * NBH ...) with a counter of its own, both
+    issued back to back, their completion waited (and the counters released) only at the
+    next tile, after its partials are staged.  DIAG (timing only, dq left unwritten):
+    no adds, the staging buffers freed as soon as they are full."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])                   # [32]
     zero_c = gl.full([32], 0, gl.int32, layout=c_l)
+    prev0 = SEM + zero_c                                                        # [32]
+    prev1 = prev0
     for it in range(0, n_tot):
         h, t = _tile_of(it, hk, G, s0, n_div, off)
         bh = b * H + h
         rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
         sem = SEM + (bh * nq + t) + zero_c                                      # [32]
         ph = it & 1
-        for w in gl.static_range(2):
-            mbarrier.wait(dq_full.index(w), ph)
-            if w == 0:
-                _spin_acquire(sem, zero_c + rank)      # this key tile's turn
-                if rank == 0:
-                    tma.async_copy_shared_to_global(dqa_desc, [bh, t * BM, 0], dqs.index(w))
+        if DIAG:
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w), ph)
+                mbarrier.arrive(dq_empty.index(w), count=1)
+        elif CHAINS == 1:
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w), ph)
+                if w == 0:
+                    _spin_acquire(sem, zero_c + rank)      # this key tile's turn
+                    _add_partial(dqa_desc, dqs.index(w), bh, t, rank, BM)
                 else:
-                    _tma_reduce_add(dqa_desc, [bh, t * BM, 0], dqs.index(w))
-            else:
-                _tma_reduce_add(dqa_desc, [bh, t * BM, 0], dqs.index(w))
-            _bulk_wait_all(sem)          # complete: the next add of these rows follows it
-            mbarrier.arrive(dq_empty.index(w), count=1)
-        _release_lane0(sem)
+                    _add_partial(dqa_desc, dqs.index(w), bh, t, 1, BM)
+                _bulk_wait_all(sem)      # complete: the next add of these rows follows it
+                gl.thread_barrier()      # (every lane past the issuing lane's wait)
+                mbarrier.arrive(dq_empty.index(w), count=1)
+            _release_lane0(sem)
+        else:
+            sem1 = sem + NBH * nq                                               # [32]
+            mbarrier.wait(dq_full.index(0), ph)
+            if it > 0:   # the previous tile's adds (a tile ago): complete -> released
+                _bulk_wait_all(prev0)
+                gl.thread_barrier()
+                _release_lane0(prev0)
+                _release_lane0(prev1)
+            _spin_acquire(sem, zero_c + rank)
+            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM)
+            mbarrier.wait(dq_full.index(1), ph)
+            _spin_acquire(sem1, zero_c + rank)
+            _add_partial(dqa_desc, dqs.index(1), NBH + bh, t, rank, BM)
+            tma.store_wait(pendings=0)   # both staging buffers read
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            prev0 = sem
+            prev1 = sem1
+    if (CHAINS == 2) & (not DIAG):
+        if n_tot > 0:
+            _bulk_wait_all(prev0)
+            gl.thread_barrier()
+            _release_lane0(prev0)
+            _release_lane0(prev1)
 
 
 @gluon.jit
@@ -220,17 +268,17 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
     tma.store_wait(pendings=0)
 
 
-@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
+@gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
 def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2, DELTA,
-                    SEM, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
+                    SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    WRITER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    WRITER_REGS: gl.constexpr, PREFETCH: gl.constexpr, CHAINS: gl.constexpr,
+                    DIAG: gl.constexpr, num_warps: gl.constexpr):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
-    [1, 1, RN, D]; dqa_desc: fp32 DQA [B * H, Sq, D] (no init) blocks [1, BM, D]; L2 fp32
-    [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; SEM int32 [B * H * nq] zeros; ORDER the dQ
-    adds' order (module doc); PREFETCH: the next tile's row statistics loaded under the
+    [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D];
+    L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; SEM int32 [CHAINS * B * H * nq]
+    zeros; NBH = B * H; ORDER the dQ adds' order (module doc); CHAINS / DIAG: _writer's; PREFETCH: the next tile's row statistics loaded under the
     current S / dP (else each tile's own once S is done: fewer registers held).  Band masks through lo / hi (open: +-2^30)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -285,6 +333,6 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                       scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH)),
          (_producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                       n_div, off, n_tot, STAGES, BM)),
-         (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, b, hk, H, G, Sk, pid_n, s0, n_div,
-                    off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN))],
+         (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
+                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG))],
         [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

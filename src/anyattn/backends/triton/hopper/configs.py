@@ -174,6 +174,9 @@ class HopperBwdConfig:
     #: ws with dq (bwd_ws_dq_kernel): the next tile's row statistics loaded under the
     #: current S / dP (False, 'n': each tile's own once S is done; fewer registers)
     prefetch: bool = True
+    #: ws with dq: 1 accumulator (consumer 1's add after consumer 0's is complete) or 2
+    #: (one per consumer, adds back to back, completion waited a tile later; 'c2')
+    chains: int = 1
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -188,6 +191,9 @@ class HopperBwdConfig:
         if not self.prefetch and not (self.ws and self.dq):
             raise ValueError(f"{self.name}: prefetch=False is an option of the "
                              "warp-specialised kernel with dq (ws=True, dq=True)")
+        if self.chains not in (1, 2) or (self.chains == 2 and not (self.ws and self.dq)):
+            raise ValueError(f"{self.name}: chains is 1, or 2 for the warp-specialised "
+                             "kernel with dq (ws=True, dq=True)")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -200,7 +206,7 @@ class HopperBwdConfig:
         return (f"{'f' if self.fused else ''}{'w' if self.ws else ''}dkdv"
                 f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
                 f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
-                f"{'' if self.prefetch else 'n'}")
+                f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -239,7 +245,9 @@ _BWD = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
 #: partials dS_w.K_w staged in fp32 shared memory, a dQ-writer warp adding them in a
 #: fixed order), D -> its variants; launch.backward_fused runs them
 WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
-                          HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False)]
+                          HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False),
+                          HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                                          chains=2)]
                       for d in (64, 128)}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its

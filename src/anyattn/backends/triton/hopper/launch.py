@@ -551,10 +551,13 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
 WS_DQ_WRITER_REGS = 24
 
 
-def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order):
+def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=False):
     """(dq, dk, dv) through bwd_ws_dq_kernel.dkdvq_ws_kernel (dq's fp32 partials added in
-    a fixed order into a scratch accumulator), then dq = acc * scale in q's dtype (one
-    elementwise pass); arguments as backward_fused's."""
+    a fixed order into cfg.chains scratch accumulators), then dq = their sum * scale in
+    q's dtype (bwd_dq_convert, one elementwise pass); arguments as backward_fused's.
+    ``_diag`` (the bench's timing diagnostic only): the kernel's writer makes no adds,
+    dq comes out undefined."""
+    from .bwd_dq_convert import dq_convert_kernel
     from .bwd_ws_dq_kernel import dkdvq_ws_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -578,22 +581,25 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order):
     if order not in (0, 1):
         raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
     nq = triton.cdiv(Sq, cfg.bm)
-    # fp32 partial sums (the first adder of a query tile stores: no init, except where
-    # a band leaves query tiles without keys: their dq is 0), a counter per (b, h,
-    # query tile) at zero
-    dqa = torch.empty((B * H, Sq, D), dtype=torch.float32, device=dev)
+    # fp32 partial sums, one accumulator per chain (the first adder of a query tile
+    # stores: no init, except where a band leaves query tiles without keys: their dq is
+    # 0), a counter per (chain, b, h, query tile) at zero
+    nc = cfg.chains
+    dqa = torch.empty((nc * B * H, Sq, D), dtype=torch.float32, device=dev)
     if rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm, cfg.bn):
         dqa.zero_()
-    sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
+    sem = torch.zeros((nc * B * H * nq,), dtype=torch.int32, device=dev)
     rn = cfg.bn // 2
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
         dkdvq_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                              dqa_desc(dqa, cfg.bm), l2, delta, sem, H, p.group, Sq, Sk,
-                              p.scale, lo, hi, order, HAS_BAND=bool(rm_.has_band),
+                              dqa_desc(dqa, cfg.bm), l2, delta, sem, B * H, H, p.group, Sq,
+                              Sk, p.scale, lo, hi, order, HAS_BAND=bool(rm_.has_band),
                               STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
-                              num_warps=4)
-        torch.mul(dqa.view(qshape), p.scale, out=dq)
+                              CHAINS=nc, DIAG=bool(_diag), num_warps=4)
+        n = B * H * Sq * D
+        dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
+                                                  BLOCK=4096, num_warps=8)
     return dq, dk, dv
