@@ -46,6 +46,7 @@ from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof,  # noqa: E4
                               rel, run_bwd_cfg, time_into)
 
 RES = {"meta": {}, "compile": [], "check": [], "bench": []}
+OPT = {"dims": (64, 128), "dtypes": ("bfloat16", "float16")}   # --dims / --dtypes
 SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
 
 
@@ -168,11 +169,11 @@ def _warm(job):
 
 def phase_compile():
     jobs = []
-    for dt in ("bfloat16", "float16"):
-        for D in (64, 128):
+    for dt in OPT["dtypes"]:
+        for D in OPT["dims"]:
             for causal in (False, True):
                 jobs += [("cfg", dt, D, causal, c.name) for c in configs(D, dt)]
-    jobs += [("portable", "bfloat16", D, c, "") for D in (64, 128) for c in (False, True)]
+    jobs += [("portable", "bfloat16", D, c, "") for D in OPT["dims"] for c in (False, True)]
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4), mp_context=ctx) as ex:
         futs = {ex.submit(_warm, j): j for j in jobs}
@@ -269,6 +270,8 @@ def check_case(name, B, H, Hkv, Sq, Sk, D, dt, kind, layout):
 
 def phase_check():
     for c in CASES:
+        if c[6] not in OPT["dims"] or c[7] not in OPT["dtypes"]:
+            continue
         try:
             check_case(*c)
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
@@ -282,6 +285,8 @@ def phase_bench():
     from anyattn.rowstats import RowStats
 
     for (b, h, s, d) in SHAPES:
+        if d not in OPT["dims"]:
+            continue
         for causal in (False, True):
             q, k, v = inputs(b, h, h, s, s, d, "bfloat16", seed=11)
             kind = "causal" if causal else "none"
@@ -369,7 +374,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--phases", default="compile,check,roof,bench")
+    ap.add_argument("--dims", default="64,128", help="head dims checked / timed")
+    ap.add_argument("--dtypes", default="bfloat16,float16", help="dtypes checked")
     a = ap.parse_args()
+    OPT.update(dims=tuple(int(x) for x in a.dims.split(",")), dtypes=tuple(a.dtypes.split(",")))
     RES["meta"].update(out=a.out, date=time.strftime("%Y-%m-%d %H:%M"),
                        device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, cudnn=torch.backends.cudnn.version(),
