@@ -243,7 +243,14 @@ _BWD = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
 
 #: session 8: the warp-specialised kernel with dQ inside (bwd_ws_dq_kernel: per-consumer
 #: partials dS_w.K_w staged in fp32 shared memory, a dQ-writer warp adding them in a
-#: fixed order), D -> its variants; launch.backward_fused runs them
+#: fixed order), D -> its variants; launch.backward_fused runs them.  Correct (float64,
+#: both add orders, bitwise repeatable) but slower than the default's route: H200
+#: 2026-12-04 (docs/perf/hopper-bwd-h200-2026-12-04-s8a/b.json), route TFLOP/s at D=128
+#: S=2k / 2k causal / 8k / 8k causal 'n' 340-343 / 280 / 364-367 / 338-343, prefetch
+#: 342-346 / 267-271 / 370-373 / 323-325, 'c2' 324 / 249 / 355 / 309 vs the default's
+#: 372-379 / 305-307 / 412-417 / 373-382; D=64 S=4k 'n' 280 / 268 vs 324 / 284.  Not
+#: routed; only 'n' is in BWD_VARIANTS (the GPU test grid), tests/triton/
+#: test_hopper_bwd_dq.py checks all three
 WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False),
                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
@@ -258,11 +265,11 @@ WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
 BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                      HopperBwdConfig(128, 64, 2, fused=True),
                      HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[64]]
-                + WS_BWD_VARIANTS[64][1:] + WS_DQ_BWD_VARIANTS[64],
+                + WS_BWD_VARIANTS[64][1:] + WS_DQ_BWD_VARIANTS[64][1:2],
                 128: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True),
                       HopperBwdConfig(128, 64, 2, fused=True, dq=True), _DKDV[128],
                       HopperBwdConfig(128, 64, 2, fused=True)]
-                + WS_BWD_VARIANTS[128][1:] + WS_DQ_BWD_VARIANTS[128]}
+                + WS_BWD_VARIANTS[128][1:] + WS_DQ_BWD_VARIANTS[128][1:2]}
 
 #: D -> the default before session 7 (the bench times it beside the new one)
 PREV_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
