@@ -39,7 +39,8 @@ def test_coverage_reasons_name_what_is_missing(monkeypatch):
     assert HCOV.supports(p, "forward") is None
     assert HCOV.supports(p, "backward") is None
     for kw, word in ((dict(dtype=torch.float32), "dtype float32"), (dict(D=96), "head_dim 96"),
-                     (dict(D=64), "head_dim 64"),
+                     (dict(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))),
+                      "mask class documents at head_dim 64"),
                      (dict(bias=torch.zeros(1, 1, 8, 8)), "bias"),
                      (dict(softcap=30.0), "softcap")):
         p = _problem(**kw)
@@ -89,6 +90,36 @@ def test_backward_is_routed_by_auto_at_d128_only(monkeypatch):
     assert TL._use_hopper(p, "backward", None, ()) is True
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
     assert TL._use_hopper(_problem(), "backward", None, ()) is False
+
+
+def test_d64_forward_is_routed_without_a_mask_only(monkeypatch):
+    """D=64: the forward is covered with no mask or a band, 'auto' routes it without a
+    mask only (3 consumer warpgroups), a band runs the 2-consumer config when forced, and
+    the array masks are refused at D=64 with the reason (coverage.py, configs.py)."""
+    from anyattn.backends.triton import launch as TL
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
+    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+    assert HCOV.routed_by_default("forward", "none", 64)
+    assert not HCOV.routed_by_default("forward", "band", 64)
+    assert HCOV.routed_by_default("forward", "band", 128)
+    assert HCOV.routed_by_default("forward", "documents", 128)
+    for mask, routed in ((None, True), (aa.Causal(), False)):
+        p = _problem(D=64, mask=mask)
+        object.__setattr__(p, "device", "cuda:0")
+        assert HCOV.supports(p, "forward") is None
+        assert TL._use_hopper(p, "forward", None, ()) is routed, mask
+    for dt in ("bfloat16", "float16"):
+        assert HCF.fwd_config(64, dt, "none").name == "ws192x128s3opf"
+        assert HCF.fwd_config(64, dt, "band").name == "ws128x128s3opf"
+        assert HCF.fwd_config(128, dt, "none") == HCF.fwd_config(128, dt, "band")
+    p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
+    object.__setattr__(p, "device", "cuda:0")
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    with pytest.raises(NotImplementedError, match="documents at head_dim 64"):
+        TL._use_hopper(p, "forward", None, ())
 
 
 def test_backward_configs_are_data():
@@ -225,7 +256,9 @@ def _compile_counts(expr):
 
 @needs_gluon
 @pytest.mark.parametrize("expr,stores", [
-    ("O.compile_fwd('bfloat16', 64, False)", 1),
+    # the plain kernel (two warpgroups meeting at a CTA barrier; D=64's default until
+    # session 8)
+    ("O.compile_fwd('bfloat16', 64, False, C.HopperConfig(128, 128, 3, 8))", 1),
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
     ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True, overlap=True, "
      "pingpong=True, exp_fma=True))", 2),

@@ -82,9 +82,18 @@ class HopperConfig:
 #: hopper-fwd-h200-2026-12-03.json; 'op' without the fma 620 / 469 / 609 / 567, 3 stages
 #: 599 / 464 / 616 / 563); session 6 (hopper-fwd-h200-2026-12-03-s6.json): the edge loops
 #: 'opfe' 0-5 % and with P through shared memory 'opfem' 6-11 % under it in every row,
-#: bf16 and fp16.  D=64 (not routed, coverage.py): the plain kernel, 3 stages
-_FWD = {64: HopperConfig(128, 128, 3, 8),
+#: bf16 and fp16.  D=64 (session 8, H200 2026-12-04, docs/perf/hopper-fwd-h200-2026-12-04-
+#: s8.json, bf16 TFLOP/s at S=2k / 2k causal / 8k / 8k causal): with a band the
+#: 2-consumer schedule with P in registers, 3 stages ('ws128x128s3opf': 401 / 305 / 445 /
+#: 410 vs portable 389 / 304 / 408 / 372), without a mask 3 consumers (_FWD_BY_MASK)
+_FWD = {64: HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True, exp_fma=True),
         128: HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True)}
+#: (D, mask class) exceptions to _FWD: D=64 without a mask, 3 consumer warpgroups of 64
+#: query rows at 160 registers ('ws192x128s3opf': 448 / 503 TFLOP/s at S=2k / 8k, bf16,
+#: vs portable 389 / 408 and cuDNN 449 / 465; with a causal band it drops to 204 / 385,
+#: the tail of its 192-row tiles, hence the mask in the key)
+_FWD_BY_MASK = {(64, "none"): HopperConfig(192, 128, 3, consumer_regs=160, ws=True,
+                                           overlap=True, pingpong=True, exp_fma=True)}
 #: (D, dtype) exceptions to _FWD (none now).  fp16 at D=128 runs the bf16 default since
 #: session 6: float64 checks of ws128x128s2opf in fp16 on every mask kind (none, causal
 #: both alignments, two windows, empty rows, [B, S, H, D] strides; GQA, odd sizes) within
@@ -140,10 +149,10 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
                                  exp_fma=True, persist=True, sched=True)
 
 
-def fwd_config(d: int, dtype: str = "bfloat16") -> HopperConfig:
-    """The forward's default config for head dim d and input dtype ('bfloat16' /
-    'float16')."""
-    return _FWD_BY_DTYPE.get((d, dtype), _FWD[d])
+def fwd_config(d: int, dtype: str = "bfloat16", mask_class: str = "band") -> HopperConfig:
+    """The forward's default config for head dim d, input dtype ('bfloat16' / 'float16')
+    and the call's mask class (Problem.mask_class: 'none', 'band', 'documents', ...)."""
+    return _FWD_BY_DTYPE.get((d, dtype)) or _FWD_BY_MASK.get((d, mask_class)) or _FWD[d]
 
 
 @dataclass(frozen=True)

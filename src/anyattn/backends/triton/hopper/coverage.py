@@ -34,26 +34,38 @@ class Coverage:
     auto_mask_classes: Optional[FrozenSet[str]] = None
     #: the head dims 'auto' routes here (None: every covered one); the others likewise
     auto_head_dims: Optional[FrozenSet[int]] = None
+    #: (head dim, mask classes) pairs: the mask classes covered at that head dim where
+    #: fewer than ``mask_classes`` (head dims not listed: ``mask_classes``)
+    mask_classes_by_head_dim: Tuple[Tuple[int, FrozenSet[str]], ...] = ()
+    #: (head dim, mask classes) pairs: the mask classes 'auto' routes at that head dim
+    #: (in place of ``auto_mask_classes`` there)
+    auto_mask_classes_by_head_dim: Tuple[Tuple[int, FrozenSet[str]], ...] = ()
+
+    def covered_mask_classes(self, head_dim: Optional[int]) -> FrozenSet[str]:
+        """The mask classes covered at ``head_dim`` (None: at every covered head dim)."""
+        return dict(self.mask_classes_by_head_dim).get(head_dim, self.mask_classes)
+
+    def auto_classes(self, head_dim: Optional[int]) -> Optional[FrozenSet[str]]:
+        """The mask classes 'auto' routes at ``head_dim`` (None: every covered one)."""
+        return dict(self.auto_mask_classes_by_head_dim).get(head_dim, self.auto_mask_classes)
 
 
 #: direction -> coverage (None: no Hopper kernel for that direction yet)
 COVERAGE = {
     "forward": Coverage(capabilities=frozenset({(9, 0)}),
                         dtypes=frozenset({"float16", "bfloat16"}),
-                        # D=64 compiles and passes too, but measured 0.79x / 0.80x the
-                        # portable forward (H200 2026-12-03, B=4 H=32 S=4k, docs/perf/
-                        # hopper-h200-2026-12-03.json); session 6 (hopper-fwd-h200-
-                        # 2026-12-03-s6.json, S=2k/4k/8k): the best warp-specialised
-                        # variant (3 consumers, ws192x128s3opfem) 0.99-1.06x portable
-                        # without a mask but 0.63-0.97x causal, the 2-consumer one
-                        # 0.89-0.98x: it stays portable until it wins on both.  Session 8
-                        # (hopper-fwd-h200-2026-12-04-s8.json, bf16 S=2k / 8k): P in
-                        # registers ('opf') wins on both, with the mask choosing the tile:
-                        # ws192x128s3opf 1.15 / 1.23x portable without a mask (1.00 /
-                        # 1.08x cuDNN), ws128x128s3opf 1.005 / 1.10x causal; not routed
-                        # yet: no float64 GPU check of them finished, and configs key on
-                        # (D, dtype), not on the mask
-                        head_dims=frozenset({128}),
+                        # D=64: routed without a mask only.  Sessions 4-6 measured every
+                        # D=64 Hopper forward at 0.63-1.06x the portable one; session 8
+                        # (hopper-fwd-h200-2026-12-04-s8.json, bf16 S=2k / 8k) the
+                        # schedule with P in registers wins, the mask choosing the tile
+                        # (configs.fwd_config): ws192x128s3opf 1.15 / 1.23x portable with
+                        # no mask (1.00 / 1.08x cuDNN); with a causal band
+                        # ws128x128s3opf 1.005 / 1.10x, even at S=2k, so bands stay
+                        # portable under 'auto'.  The array masks (Documents / KeepMask)
+                        # were never checked at D=64: not covered there
+                        head_dims=frozenset({64, 128}),
+                        mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
+                        auto_mask_classes_by_head_dim=((64, frozenset({"none"})),),
                         # Documents / KeepMask (session 7): the range table at the 128 x
                         # 128 tile, document key intervals / ids / keep bytes on edge tiles
                         # only (fwd_masks.py).  Routed by 'auto' where the H200 showed it
@@ -106,8 +118,8 @@ def routed_by_default(direction: str, mask_class: Optional[str] = None,
     cov = COVERAGE.get(direction)
     if cov is None or not cov.auto:
         return False
-    return ((mask_class is None or cov.auto_mask_classes is None
-             or mask_class in cov.auto_mask_classes)
+    auto_classes = cov.auto_classes(head_dim)
+    return ((mask_class is None or auto_classes is None or mask_class in auto_classes)
             and (head_dim is None or cov.auto_head_dims is None
                  or head_dim in cov.auto_head_dims))
 
@@ -147,8 +159,10 @@ def supports(p, direction: str, tensors=(), mods=None) -> Optional[str]:
         return f"dtype {p.dtype} (covers {sorted(cov.dtypes)})"
     if p.head_dim not in cov.head_dims:
         return f"head_dim {p.head_dim} (covers {sorted(cov.head_dims)})"
-    if p.mask_class not in cov.mask_classes:
-        return f"mask class {p.mask_class} (covers {sorted(cov.mask_classes)})"
+    classes = cov.covered_mask_classes(p.head_dim)
+    if p.mask_class not in classes:
+        return (f"mask class {p.mask_class} at head_dim {p.head_dim} (covers "
+                f"{sorted(classes)})")
     feats = [n for n, on in (("bias", p.has_bias), ("softcap", p.softcap is not None),
                              ("alibi", p.has_alibi), ("sinks", p.has_sinks),
                              ("dropout", p.has_dropout)) if on]

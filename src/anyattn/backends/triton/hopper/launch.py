@@ -351,8 +351,10 @@ def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
 
 
 def prepare_forward(p, cfg=None) -> FwdLaunch:
-    """The forward launch of Problem p (configs.fwd_config(D, dtype) unless ``cfg``)."""
-    return FwdLaunch(p, HC.fwd_config(p.head_dim, p.dtype) if cfg is None else cfg)
+    """The forward launch of Problem p (configs.fwd_config(D, dtype, mask class) unless
+    ``cfg``)."""
+    return FwdLaunch(p, HC.fwd_config(p.head_dim, p.dtype, p.mask_class) if cfg is None
+                     else cfg)
 
 
 def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLaunch] = None):
