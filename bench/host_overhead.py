@@ -55,6 +55,9 @@ from anyattn.backends.triton import launch as L  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.torch import eager  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_module_bench import Trivial  # noqa: E402
+
 
 class _NoLaunch:
     """Stands in for a @triton.jit kernel: kernel[grid](...) does nothing."""
@@ -99,18 +102,6 @@ def _route_hopper(backward: bool = False) -> None:
     routed = ("forward", "backward") if backward else ("forward",)
     L._use_hopper = lambda p, direction, plan, tensors: direction in routed
     torch.cuda.device = _NoDevice
-
-
-class _Trivial(torch.autograd.Function):
-    """torch's floor: a 3-input autograd.Function that allocates its output."""
-
-    @staticmethod
-    def forward(ctx, a, b, c):
-        return torch.empty_like(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, g, g
 
 
 def compare(a, argv) -> None:
@@ -246,7 +237,7 @@ def main() -> None:
             eager.eligible = real
 
     def autograd():
-        torch.autograd.grad(_Trivial.apply(q, k, v), (q, k, v), g)
+        torch.autograd.grad(Trivial.apply(q, k, v), (q, k, v), g)
 
     fns = dict(raw=raw, core=core, module=module, module_ops=module_ops, autograd=autograd)
     for f in fns.values():

@@ -43,14 +43,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import anyattn.torch as at  # noqa: E402
-from anyattn import Causal  # noqa: E402
-from anyattn.backends.registry import choose  # noqa: E402
-from anyattn.modifiers import NO_MODS  # noqa: E402
-from anyattn.problem import describe  # noqa: E402
+import torch_module_bench as TMB  # noqa: E402
 
 
 def _sync():
@@ -85,41 +82,21 @@ def cpu_calibration(rounds: int = 7) -> dict:
     return out
 
 
-class _Trivial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, c):
-        return torch.empty_like(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, g, g
-
-
 def steps(shape, causal, dtype, dev):
-    """{name: zero-argument step} for one shape."""
+    """{name: zero-argument step} for one shape: torch_module_bench's ``module`` and
+    ``kernel`` steps, and ``autograd`` (torch_module_bench.Trivial, torch's floor)."""
     B, H, S, D = shape
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dtype) for _ in range(4))
-    mask = Causal() if causal else None
+    fns, _ = TMB.variants(q, k, v, g, causal, "triton")
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    p = describe(q, k, v, mask=mask, wrt=("q", "k", "v"))
-    be = choose(p, "triton")
-
-    def module():
-        for x in (qg, kg, vg):
-            x.grad = None
-        at.attention(qg, kg, vg, mask=mask, backend="triton").backward(g)
-
-    def kernel():
-        out, lse = be.forward(p, q, k, v, None, NO_MODS)
-        be.backward(p, q, k, v, g, out, lse, None, NO_MODS)
 
     def autograd():
         for x in (qg, kg, vg):
             x.grad = None
-        _Trivial.apply(qg, kg, vg).backward(g)
+        TMB.Trivial.apply(qg, kg, vg).backward(g)
 
-    return {"module": module, "kernel": kernel, "autograd": autograd}
+    return {"module": fns["module"], "kernel": fns["kernel"], "autograd": autograd}
 
 
 def host_per_step(fns, n: int, rounds: int) -> dict:

@@ -125,6 +125,19 @@ def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: i
     return times
 
 
+class Trivial(torch.autograd.Function):
+    """torch's floor for any module step: a 3-input autograd.Function that allocates its
+    output (bench/host_overhead.py and bench/torch_host_profile.py time it)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c):
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, g
+
+
 def variants(q, k, v, g, causal, backend, direct=False):
     """The steps to time, each a zero-argument callable."""
     mask = Causal() if causal else None
