@@ -46,7 +46,8 @@ from gpu_hopper_bench import (TOL, backward_on_path, bf16_gemm_roof,  # noqa: E4
                               rel, run_bwd_cfg, time_into)
 
 RES = {"meta": {}, "compile": [], "check": [], "bench": []}
-OPT = {"dims": (64, 128), "dtypes": ("bfloat16", "float16")}   # --dims / --dtypes
+OPT = {"dims": (64, 128), "dtypes": ("bfloat16", "float16"),   # --dims / --dtypes
+       "configs": None, "diag": None}                           # --configs / --diag
 SHAPES = [(8, 16, 2048, 128), (2, 16, 8192, 128), (4, 32, 4096, 64)]
 
 
@@ -57,16 +58,46 @@ def log(*a):
 ROUNDS = 3
 
 
-def configs(D, dt="bfloat16"):
-    """The configs checked / timed: the default and (session 8) the warp-specialised
-    kernel with dq inside (configs.WS_DQ_BWD_VARIANTS; both dtypes: any of them may
-    become the default).  Session 7's other variants (its ping-pong / 3-stage ws and the
-    fused kernel) keep their measured numbers and are not rerun."""
+def _pool(D):
+    """Every config this bench can run: the default, the ws configs with dq (session 8:
+    configs.WS_DQ_BWD_VARIANTS) and those with one partial per key tile
+    (WS_DQS_BWD_VARIANTS)."""
     out = []
-    for c in [HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D]:
+    for c in [HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]:
         if c not in out:
             out.append(c)
     return out
+
+
+def _by_names(D, names):
+    """The pool's configs named in ``names`` ('default': configs.bwd_config(D)), in the
+    pool's order; an unknown name raises."""
+    pool = _pool(D)
+    known = {c.name for c in pool} | {"default"}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown config names {bad}; known: {sorted(known)}")
+    return [c for c in pool if c.name in names or ("default" in names
+                                                   and c == HCF.bwd_config(D))]
+
+
+def configs(D, dt="bfloat16"):
+    """The configs checked / timed: --configs (names; 'default' the default), else the
+    default and (session 8) the warp-specialised kernel with dq inside
+    (configs.WS_DQ_BWD_VARIANTS; both dtypes: any of them may become the default).
+    Session 7's other variants (its ping-pong / 3-stage ws and the fused kernel) keep
+    their measured numbers and are not rerun."""
+    if OPT["configs"] is not None:
+        return _by_names(D, OPT["configs"])
+    return [c for c in _pool(D) if c not in HCF.WS_DQS_BWD_VARIANTS[D]]
+
+
+def diag_configs(D):
+    """The configs timed with the no-add diagnostic (--diag names; default: the ws dq
+    configs but the first, as session 8's run 2)."""
+    if OPT["diag"] is not None:
+        return _by_names(D, OPT["diag"]) if OPT["diag"] else []
+    return HCF.WS_DQ_BWD_VARIANTS[D][1:]
 
 
 def route_configs(D):
@@ -160,7 +191,7 @@ def _warm(job):
         with routed(HCF.bwd_config(D), D):    # the route's portable dQ
             TL.backward(p, q, k, v, dout, out, RowStats(mx, ln), None)
     else:
-        cfg = next(c for c in configs(D, dt) if c.name == name)
+        cfg = next(c for c in _pool(D) if c.name == name)   # (OPT is not set here)
         l2, delta = l2_delta(out, dout, mx, ln)
         run_cfg(p, q, k, v, dout, l2, delta, cfg)
     torch.cuda.synchronize()
@@ -341,7 +372,7 @@ def phase_bench():
                 if cfg.dq:
                     put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_cfg(p, q, k, v, dout, l2,
                                                                     delta, cfg))
-            for cfg in HCF.WS_DQ_BWD_VARIANTS[d][1:]:   # diagnostic: the writer makes no adds
+            for cfg in diag_configs(d):   # diagnostic: the writer makes no adds
                 put(f"bwdk-diag-noadd-{cfg.name}", lambda cfg=cfg: HL._backward_ws_dq(
                     p, q, k, v, dout, l2, delta, None, None, None, cfg, None, _diag=True))
             bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta,
@@ -376,8 +407,15 @@ def main():
     ap.add_argument("--phases", default="compile,check,roof,bench")
     ap.add_argument("--dims", default="64,128", help="head dims checked / timed")
     ap.add_argument("--dtypes", default="bfloat16,float16", help="dtypes checked")
+    ap.add_argument("--configs", default=None,
+                    help="config names checked / timed ('default' = configs.bwd_config); "
+                         "default: the default + configs.WS_DQ_BWD_VARIANTS")
+    ap.add_argument("--diag", default=None,
+                    help="config names timed with the no-add diagnostic ('' none)")
     a = ap.parse_args()
-    OPT.update(dims=tuple(int(x) for x in a.dims.split(",")), dtypes=tuple(a.dtypes.split(",")))
+    OPT.update(dims=tuple(int(x) for x in a.dims.split(",")), dtypes=tuple(a.dtypes.split(",")),
+               configs=None if a.configs is None else a.configs.split(","),
+               diag=None if a.diag is None else [x for x in a.diag.split(",") if x])
     RES["meta"].update(out=a.out, date=time.strftime("%Y-%m-%d %H:%M"),
                        device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, cudnn=torch.backends.cudnn.version(),

@@ -1,7 +1,8 @@
 """The warp-specialised Hopper backward with dQ inside (hopper/bwd_ws_dq_kernel.py, configs
-'wdkdvq…'): config rules and the offline sm_90a compile (CPU), dq / dk / dv against
-float64 with both add orders on a long key-tile chain (sm_90 GPUs only; the contract grid
-runs it too, tests/triton/test_hopper.py::test_backward_matches_float64).
+'wdkdvq…'; 'h': one partial per key tile, the column split): config rules and the offline
+sm_90a compile (CPU), dq / dk / dv against float64 with both add orders on a long key-tile
+chain, and the split configs with a band and empty rows in fp16 (sm_90 GPUs only; the
+contract grid runs 'n' too, tests/triton/test_hopper.py::test_backward_matches_float64).
 
 Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
@@ -41,9 +42,19 @@ def test_ws_dq_configs_are_data():
         HCF.HopperBwdConfig(128, 64, 2, ws=True, chains=2)
     assert HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                chains=2).name == "wdkdvq128x64s2nc2"
+    h = HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False, split=True)
+    assert h.name == "wdkdvq128x64s2nh"
+    # one [bm, D / 2] fp32 staging buffer a consumer, dS double-buffered
+    assert h.smem_bytes(128) == 2 * 128 * (2 * 128 + 2 * 2 * 64) + 3 * 2 * 64 * 128 \
+        + 2 * 4 * 64 * 64
+    for bad in (dict(chains=2), dict(dq=False, prefetch=True)):
+        with pytest.raises(ValueError, match="split"):
+            HCF.HopperBwdConfig(128, 64, 2, ws=True, **{"dq": True, "prefetch": False,
+                                                        "split": True, **bad})
     for d in (64, 128):
         assert HCF.WS_DQ_BWD_VARIANTS[d][1] in HCF.BWD_VARIANTS[d]   # the contract grid's
-        for cfg in HCF.WS_DQ_BWD_VARIANTS[d]:
+        assert HCF.WS_DQS_BWD_VARIANTS[d][0] == h
+        for cfg in HCF.WS_DQ_BWD_VARIANTS[d] + HCF.WS_DQS_BWD_VARIANTS[d]:
             assert cfg.ws and cfg.dq
             assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
 
@@ -79,6 +90,29 @@ def test_ws_dq_compiles_for_sm90a():
         assert f["stack_bytes"] <= 32, f
 
 
+@needs_gluon
+@pytest.mark.parametrize("D,band,hgmma", [(128, False, 64), (64, True, 48)])
+def test_ws_dq_split_compiles_for_sm90a(D, band, hgmma):
+    """Offline sm_90a, one partial per key tile ('nh'): per consumer S, dP, dV, dK and two
+    dQ products of [BM, D / 2] (dS_0 . K_0 and dS_1 . K_1 on its column half); the
+    writer's reduce-adds; less shared memory than the two-partial kernel's (the staging
+    halves, 2026-12-04: 213,536 B at D=128 vs 229,896); no spills at D=64, few at D=128
+    (104 stack bytes, none in the writer's loop)."""
+    from anyattn.backends.triton.hopper import bwd_offline as BO
+    from anyattn.backends.triton.hopper.offline import sass_of
+
+    cfg = HCF.WS_DQS_BWD_VARIANTS[D][0]
+    c = BO.compile_dkdvq_ws("bfloat16", D, band, cfg)
+    f = BO.ws_facts(c)
+    assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
+    assert c.metadata.shared <= cfg.smem_bytes(D) + 1024, (c.metadata.shared, cfg.smem_bytes(D))
+    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    if sass:
+        assert f["sass_HGMMA"] == hgmma and f["sass_HMMA"] == 0, f
+        assert re.search(r"\bUTMAREDG", sass), "no bulk reduce-add"
+        assert f["stack_bytes"] <= (160 if D == 128 else 0), f
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_sm90
@@ -108,11 +142,47 @@ def test_ws_dq_long_chain_both_orders(D, kind):
     mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
     l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    for cfg in HCF.WS_DQ_BWD_VARIANTS[D]:
+    for cfg in HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]:
         for order in (1, 0):
             runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
                                       cfg=cfg, order=order) for _ in range(2)]
             for i, n in enumerate(("dq", "dk", "dv")):
                 assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
                 assert_close(runs[0][i], getattr(rg, n), "bfloat16",
+                             f"{n} {cfg.name} order {order}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_ws_dq_split_band_empty_rows_fp16(D):
+    """The split configs ('h': one partial per key tile) in fp16 with a bottom-right
+    causal band over Sq 300 > Sk 200 (empty rows) and GQA 2: dq / dk / dv within fp16
+    tolerance of float64 into NaN-poisoned buffers, bitwise repeatable, both orders."""
+    from anyattn.backends.triton import launch as TL
+    from anyattn.backends.triton.hopper import launch as HL
+
+    B, H, Hkv, Sq, Sk = 2, 4, 2, 300, 200
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(torch.float16)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    mask = aa.Causal(align="bottom_right")
+    p = describe(q, k, v, mask=mask)
+    out, rs = TL.forward(p, q, k, v, None)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
+    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
+                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
+    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
+    for cfg in HCF.WS_DQS_BWD_VARIANTS[D]:
+        for order in (1, 0):
+            runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
+                                      cfg=cfg, order=order) for _ in range(2)]
+            for i, n in enumerate(("dq", "dk", "dv")):
+                assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
+                assert_close(runs[0][i], getattr(rg, n), "float16",
                              f"{n} {cfg.name} order {order}")

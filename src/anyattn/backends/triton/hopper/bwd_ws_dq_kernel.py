@@ -27,6 +27,18 @@ One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions:
       per consumer (DQA [2 * B * H, Sq, D]), so the two adds of a tile go back to back
       and their completion is waited (and the counters released) a tile later;
       dq = (DQA_0 + DQA_1) * scale (bwd_dq_convert).
+  SPLIT (one partial per key tile, FA3's layout): the consumers' dS halves meet in shared
+      memory (double-buffered by tile parity, dS [2, 2, BM, RN]; an mbarrier "ds ready"
+      that both consumers arrive on once their dS_w is stored), and consumer w computes
+      the columns [w * DH, (w + 1) * DH) of the key tile's whole partial (DH = D / 2):
+          dQ[:, cols_w] = dS_0 . K_0[:, cols_w] + dS_1 . K_1[:, cols_w]    [BM, DH]
+      (two wgmmas in that order, both consumers alike), staged in DQS[w] [BM, DH]; the
+      writer adds both halves (disjoint columns: no order between them) back to back after
+      the key tile's turn, frees the staging buffers once read and releases the counter
+      once both adds are complete.  "ds ready" of tile it + 1 also says the other
+      consumer's wgmmas of tile it (which read this consumer's dS slot) are done; one
+      more phase after the loop guards K_w (the other consumer's last dQ product reads
+      it) before the epilogue overwrites it with dK_w.
 
 The order of the adds of query tile t: the key tiles in bwd_fused_kernel.dq_rank's order
 (ORDER 1: rotated visits without a band, the diagonal first with one; ORDER 0:
@@ -95,25 +107,29 @@ def _producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, 
 
 
 @gluon.jit
-def _add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr):
-    """The bulk add of one staged partial into accumulator rows [row, t * BM ...]: a bulk
-    tensor store for the first adder (rank 0), else a bulk tensor reduce-add."""
+def _add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr, col: gl.constexpr = 0):
+    """The bulk add of one staged partial into accumulator rows [row, t * BM ...] from
+    column ``col`` on: a bulk tensor store for the first adder (rank 0), else a bulk
+    tensor reduce-add."""
     if rank == 0:
-        tma.async_copy_shared_to_global(dqa_desc, [row, t * BM, 0], src)
+        tma.async_copy_shared_to_global(dqa_desc, [row, t * BM, col], src)
     else:
-        _tma_reduce_add(dqa_desc, [row, t * BM, 0], src)
+        _tma_reduce_add(dqa_desc, [row, t * BM, col], src)
 
 
 @gluon.jit
 def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0, n_div,
             off, n_tot, nq, lo, hi, ORDER, HAS_BAND: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr):
+            BN: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr,
+            SPLIT: gl.constexpr):
     """The fixed-order adds of both consumers' staged partials (module doc).  CHAINS 1:
     one accumulator, consumer 1's add after consumer 0's is complete; CHAINS 2: consumer
     w's partials into accumulator w (rows w * NBH ...) with a counter of its own, both
     issued back to back, their completion waited (and the counters released) only at the
     next tile, after its partials are staged.  DIAG (timing only, dq left unwritten):
-    no adds, the staging buffers freed as soon as they are full."""
+    no adds, the staging buffers freed as soon as they are full.  SPLIT: the two staged
+    buffers are the column halves of one partial (adds back to back, freed once read,
+    the counter released once both are complete)."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])                   # [32]
     zero_c = gl.full([32], 0, gl.int32, layout=c_l)
     prev0 = SEM + zero_c                                                        # [32]
@@ -128,6 +144,20 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             for w in gl.static_range(2):
                 mbarrier.wait(dq_full.index(w), ph)
                 mbarrier.arrive(dq_empty.index(w), count=1)
+        elif SPLIT:
+            DH: gl.constexpr = dqs.shape[3]
+            mbarrier.wait(dq_full.index(0), ph)
+            _spin_acquire(sem, zero_c + rank)          # this key tile's turn
+            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0)
+            mbarrier.wait(dq_full.index(1), ph)
+            _add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH)
+            tma.store_wait(pendings=0)   # both staging buffers read
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            _bulk_wait_all(sem)          # both adds complete: the next adder may follow
+            gl.thread_barrier()
+            _release_lane0(sem)
         elif CHAINS == 1:
             for w in gl.static_range(2):
                 mbarrier.wait(dq_full.index(w), ph)
@@ -169,12 +199,13 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
 
 @gluon.jit
 def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, p_smem,
-              ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, L2, DELTA, b, hk,
-              H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
+              ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA,
+              b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, the staged dQ
-    partials and the dK / dV epilogue (module doc)."""
+    partials (SPLIT: the column half WG of the key tile's one partial) and the dK / dV
+    epilogue (module doc)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -198,17 +229,25 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
     vT = v_own.reshape([RN, D]).permute((1, 0))                                  # [D, RN]
     p_own = p_smem.index(WG)                                                     # [BM, RN]
     ds_own = ds_smem.index(WG)
-    dq_own = dqs.index(WG).reshape([BM, D])                                      # fp32 [BM, D]
+    DQC: gl.constexpr = dqs.shape[3]                     # D, or DH = D / 2 with SPLIT
+    dq_own = dqs.index(WG).reshape([BM, DQC])                                    # fp32 [BM, DQC]
+    q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, DQC, 16])     # [BM, DQC]
+    if SPLIT:   # this consumer's column half of both key halves, [RN, DH] each
+        k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
+        k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
 
     offs_mb = gl.arange(0, BM, layout=row_s)
     zero_s = gl.zeros([BM, RN], gl.float32, layout=s_l)
-    zero_q = gl.zeros([BM, D], gl.float32, layout=a_l)
+    zero_q = gl.zeros([BM, DQC], gl.float32, layout=q_l)
     dk = gl.zeros([RN, D], gl.float32, layout=a_l)
     dv = gl.zeros([RN, D], gl.float32, layout=a_l)
     h, t = _tile_of(0, hk, G, s0, n_div, off)
     if PREFETCH:
         mx, ln2, dlt = _row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
     mbarrier.wait(kb, 0)
+    if SPLIT:
+        mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
     for it in range(0, n_tot):
         stg = it % STAGES
         ph = (it // STAGES) & 1
@@ -240,11 +279,24 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
         gl.thread_barrier()               # the partition's 4 warps stored P
         dv = warpgroup_mma(p_own.permute((1, 0)), do2, dv, is_async=True)      # [RN, D]
         dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, RN]
-        ds_own.store((p * (dp - dlt[:, None])).to(dt))
+        if SPLIT:
+            ds_w = ds_smem.index(2 * (it & 1) + WG)       # slot of this tile's parity
+        else:
+            ds_w = ds_own
+        ds_w.store((p * (dp - dlt[:, None])).to(dt))
         fence_async_shared()
         gl.thread_barrier()               # ... and dS
-        dk = warpgroup_mma(ds_own.permute((1, 0)), q2, dk, is_async=True)      # [RN, D]
-        dq = warpgroup_mma(ds_own, k2, zero_q, use_acc=False, is_async=True)   # [BM, D]
+        if SPLIT:
+            mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
+        dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)        # [RN, D]
+        if SPLIT:
+            mbarrier.wait(ds_bar, it & 1)                 # ... and the other half
+            ds0 = ds_smem.index(2 * (it & 1))
+            ds1 = ds_smem.index(2 * (it & 1) + 1)
+            dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)  # [BM, DH]
+            dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
+        else:
+            dq = warpgroup_mma(ds_w, k2, zero_q, use_acc=False, is_async=True)    # [BM, D]
         dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
         mbarrier.arrive(empty.index(stg), count=1)
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)   # the writer read the last one
@@ -258,7 +310,10 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
         else:
             h, t = _tile_of(it + 1, hk, G, s0, n_div, off)
 
-    # epilogue: through this consumer's own K / V buffers (only its wgmmas read them)
+    if SPLIT:   # the other consumer's last dQ products (they read K_w) are done
+        mbarrier.arrive(ds_bar, count=1)
+        mbarrier.wait(ds_bar, n_tot & 1)
+    # epilogue: through this consumer's own K / V buffers (SPLIT: no wgmma reads them now)
     k2.store((dk * scale).to(dt))
     v_own.reshape([RN, D]).store(dv.to(dt))
     fence_async_shared()
@@ -273,10 +328,11 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, PREFETCH: gl.constexpr, CHAINS: gl.constexpr,
-                    DIAG: gl.constexpr, num_warps: gl.constexpr):
+                    DIAG: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
-    [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D];
+    [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
+    ([1, BM, D / 2] with SPLIT: one partial per key tile, CHAINS 1);
     L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; SEM int32 [CHAINS * B * H * nq]
     zeros; NBH = B * H; ORDER the dQ adds' order (module doc); CHAINS / DIAG: _writer's; PREFETCH: the next tile's row statistics loaded under the
     current S / dP (else each tile's own once S is done: fewer registers held).  Band masks through lo / hi (open: +-2^30)."""
@@ -288,6 +344,12 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     dt: gl.constexpr = q_desc.dtype
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
     gl.static_assert(BM == 64, "64 query rows per tile (one wgmma row block per warp)")
+    DQC: gl.constexpr = dqa_desc.block_type.shape[2]
+    if SPLIT:
+        gl.static_assert(DQC * 2 == D, "SPLIT: dQ accumulator blocks of D / 2 columns")
+        gl.static_assert(CHAINS == 1, "SPLIT: one accumulator")
+    else:
+        gl.static_assert(DQC == D, "dQ accumulator blocks of D columns")
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, RN], dt)
 
     pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
@@ -297,11 +359,12 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     q_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
-    ds_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
-    dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, D], dqa_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dt, [4 if SPLIT else 2, BM, RN], pds_l)  # SPLIT: 2 slots
+    dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DQC], dqa_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -313,6 +376,8 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
         mbarrier.init(q_bar.index(st), count=1)
         mbarrier.init(do_bar.index(st), count=1)
         mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
+    if SPLIT:
+        mbarrier.init(ds_bar, count=2)                   # one arrive per consumer
     fence_async_shared()
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
@@ -325,14 +390,15 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     gl.warp_specialize(
         [(_consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                       p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
-                      L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot,
-                      scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH)),
+                      ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
+                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, SPLIT)),
          (_consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                       p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
-                      L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot,
-                      scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH)),
+                      ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
+                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, SPLIT)),
          (_producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                       n_div, off, n_tot, STAGES, BM)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
-                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG))],
+                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG,
+                    SPLIT))],
         [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

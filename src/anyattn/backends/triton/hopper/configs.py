@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
            "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "BWD_VARIANTS", "WS_BWD_VARIANTS",
-           "PREV_BWD", "WS_DQ_BWD_VARIANTS"]
+           "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,9 @@ class HopperBwdConfig:
     #: ws with dq: 1 accumulator (consumer 1's add after consumer 0's is complete) or 2
     #: (one per consumer, adds back to back, completion waited a tile later; 'c2')
     chains: int = 1
+    #: ws with dq: one partial per key tile ('h'): the consumers' dS halves meet in shared
+    #: memory and each computes half of the partial's columns (D / 2) from both
+    split: bool = False
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -203,6 +206,9 @@ class HopperBwdConfig:
         if self.chains not in (1, 2) or (self.chains == 2 and not (self.ws and self.dq)):
             raise ValueError(f"{self.name}: chains is 1, or 2 for the warp-specialised "
                              "kernel with dq (ws=True, dq=True)")
+        if self.split and not (self.ws and self.dq and self.chains == 1):
+            raise ValueError(f"{self.name}: split is an option of the warp-specialised "
+                             "kernel with dq and one accumulator (ws=True, dq=True, chains=1)")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -211,16 +217,19 @@ class HopperBwdConfig:
     def name(self) -> str:
         """e.g. 'dkdv128x32s2' (dK/dV) / 'fdkdvq128x64s2' (fused, with dQ; 'd': defer) /
         'wdkdv128x64s2p' (warp-specialised, 'p': ping-pong) / 'wdkdvq128x64s2'
-        (warp-specialised with dq: bwd_ws_dq_kernel)."""
+        (warp-specialised with dq: bwd_ws_dq_kernel; 'h': split, one partial a key tile)."""
         return (f"{'f' if self.fused else ''}{'w' if self.ws else ''}dkdv"
                 f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
                 f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
-                f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}")
+                f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
+                f"{'h' if self.split else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
-        # the staged fp32 dQ partial (ws: one per consumer)
-        extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq else 0
+        # the staged fp32 dQ partial (ws: one per consumer; split: half the columns each,
+        # and dS double-buffered)
+        extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq and not self.split else 0
+        extra += 4 * self.bm * d + elem * self.bm * self.bn if self.split else 0
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -265,6 +274,14 @@ WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                           chains=2)]
                       for d in (64, 128)}
+
+#: session 8, round 2: one dQ partial per key tile ('h': each consumer half of the
+#: columns from both dS halves; bwd_ws_dq_kernel's SPLIT), 'n' (row statistics after S)
+#: and prefetch; not timed yet, not routed (LOG "session 8, issue 15 backward, round 2")
+WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                                           split=True),
+                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, split=True)]
+                       for d in (64, 128)}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,

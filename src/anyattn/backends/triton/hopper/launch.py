@@ -428,18 +428,21 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     return dk, dv
 
 
-def dqa_desc(dqa, rows: int):
+def dqa_desc(dqa, rows: int, cols: Optional[int] = None):
     """A 3-D TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
-    [1, rows, D] (the fused backward's bulk copies / reduce-adds); its non-tensor fields
-    cached as make_desc's are."""
-    return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
+    [1, rows, cols] (cols default D; the fused backward's bulk copies / reduce-adds); its
+    non-tensor fields cached as make_desc's are."""
+    if cols is None:
+        return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
+    return _cached_desc(("dqa", cols) + desc_key(dqa, rows), dqa, rows,
+                        lambda x, r: _new_dqa_desc(x, r, cols))
 
 
-def _new_dqa_desc(dqa, rows: int):
+def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, rows, dqa.shape[2]]
+    block = [1, rows, dqa.shape[2] if cols is None else cols]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
 
@@ -596,11 +599,12 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     with on_device(dev):
         dkdvq_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                              dqa_desc(dqa, cfg.bm), l2, delta, sem, B * H, H, p.group, Sq,
-                              Sk, p.scale, lo, hi, order, HAS_BAND=bool(rm_.has_band),
-                              STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+                              dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None), l2, delta,
+                              sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
+                              HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                              CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
-                              CHAINS=nc, DIAG=bool(_diag), num_warps=4)
+                              CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, num_warps=4)
         n = B * H * Sq * D
         dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
                                                   BLOCK=4096, num_warps=8)
