@@ -68,12 +68,12 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
     names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "L2",
              "DELTA", "SEM", "NBH", "H", "G", "Sq", "Sk", "scale", "lo", "hi", "ORDER",
              "HAS_BAND", "STAGES", "CONSUMER_REGS", "WRITER_REGS", "PREFETCH", "CHAINS",
-             "DIAG", "SPLIT", "num_warps"]
+             "DIAG", "SPLIT", "LAG", "num_warps"]
     types = [qd, kd, kd, qd, kd, kd, ad, "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "i32",
              "i32", "fp32", "i32", "i32", "i32"]
     vals = [has_band, cfg.stages, cfg.consumer_regs,
             WS_DQ_WRITER_REGS if writer_regs is None else writer_regs, cfg.prefetch,
-            cfg.chains, False, cfg.split, 4]
+            cfg.chains, False, cfg.split, cfg.lag, 4]
     sig = dict(zip(names, types + ["constexpr"] * len(vals)))
     consts = {(len(types) + i,): v for i, v in enumerate(vals)}
     src = GluonASTSource(dkdvq_ws_kernel, sig, constexprs=consts)

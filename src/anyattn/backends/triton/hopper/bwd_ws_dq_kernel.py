@@ -39,6 +39,12 @@ One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions:
       consumer's wgmmas of tile it (which read this consumer's dS slot) are done; one
       more phase after the loop guards K_w (the other consumer's last dQ product reads
       it) before the epilogue overwrites it with dK_w.
+  LAG (with SPLIT): the dQ products of tile it - 1 are issued in tile it (the last
+      tile's after the loop), so a consumer waits for the other's dS of the previous
+      tile, not of this one (a tile of slack instead of lockstep); dS gets three slots
+      (it % 3), and the one wait, on tile it - 1's "ds ready" just before dS of tile it is
+      stored, also says that slot's last readers (the dQ products of tile it - 3, issued
+      in tile it - 2) are done.  Tile 0 issues a discarded product (nothing staged).
 
 The order of the adds of query tile t: the key tiles in bwd_fused_kernel.dq_rank's order
 (ORDER 1: rotated visits without a band, the diagonal first with one; ORDER 0:
@@ -202,7 +208,7 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
               ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA,
               b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-              PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
+              PREFETCH: gl.constexpr, SPLIT: gl.constexpr, LAG: gl.constexpr):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, the staged dQ
     partials (SPLIT: the column half WG of the key tile's one partial) and the dK / dV
     epilogue (module doc)."""
@@ -280,7 +286,13 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
         dv = warpgroup_mma(p_own.permute((1, 0)), do2, dv, is_async=True)      # [RN, D]
         dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, RN]
         if SPLIT:
-            ds_w = ds_smem.index(2 * (it & 1) + WG)       # slot of this tile's parity
+            if LAG:
+                sl = it % 3
+                if it > 0:   # the other's dS of tile it - 1 stored: this slot is free
+                    mbarrier.wait(ds_bar, (it - 1) & 1)
+            else:
+                sl = it & 1
+            ds_w = ds_smem.index(2 * sl + WG)             # this tile's slot
         else:
             ds_w = ds_own
         ds_w.store((p * (dp - dlt[:, None])).to(dt))
@@ -290,26 +302,51 @@ def _consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
             mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
         dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)        # [RN, D]
         if SPLIT:
-            mbarrier.wait(ds_bar, it & 1)                 # ... and the other half
-            ds0 = ds_smem.index(2 * (it & 1))
-            ds1 = ds_smem.index(2 * (it & 1) + 1)
+            if LAG:   # tile it - 1's partial (both halves stored: waited above)
+                sp = (it + 2) % 3
+            else:
+                mbarrier.wait(ds_bar, it & 1)             # ... and the other half
+                sp = sl
+            ds0 = ds_smem.index(2 * sp)
+            ds1 = ds_smem.index(2 * sp + 1)
             dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)  # [BM, DH]
             dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
         else:
             dq = warpgroup_mma(ds_w, k2, zero_q, use_acc=False, is_async=True)    # [BM, D]
         dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
         mbarrier.arrive(empty.index(stg), count=1)
-        mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)   # the writer read the last one
-        dq_own.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()               # the partition's 4 warps staged dQ_w
-        mbarrier.arrive(dq_full.index(WG), count=1)
+        if LAG:
+            if it > 0:    # tile it - 1's column half
+                mbarrier.wait(dq_empty.index(WG), ((it - 1) & 1) ^ 1)
+                dq_own.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(dq_full.index(WG), count=1)
+        else:
+            mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)   # the writer read the last one
+            dq_own.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()               # the partition's 4 warps staged dQ_w
+            mbarrier.arrive(dq_full.index(WG), count=1)
         if PREFETCH:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
             t = t_n
         else:
             h, t = _tile_of(it + 1, hk, G, s0, n_div, off)
 
+    if LAG:
+        if n_tot > 0:     # the last tile's column half
+            mbarrier.wait(ds_bar, (n_tot - 1) & 1)
+            sp = (n_tot - 1) % 3
+            dq = warpgroup_mma(ds_smem.index(2 * sp), k0c, zero_q, use_acc=False,
+                               is_async=True)                                    # [BM, DH]
+            dq = warpgroup_mma(ds_smem.index(2 * sp + 1), k1c, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.wait(dq_empty.index(WG), ((n_tot - 1) & 1) ^ 1)
+            dq_own.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(dq_full.index(WG), count=1)
     if SPLIT:   # the other consumer's last dQ products (they read K_w) are done
         mbarrier.arrive(ds_bar, count=1)
         mbarrier.wait(ds_bar, n_tot & 1)
@@ -328,14 +365,17 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, PREFETCH: gl.constexpr, CHAINS: gl.constexpr,
-                    DIAG: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                    DIAG: gl.constexpr, SPLIT: gl.constexpr, LAG: gl.constexpr,
+                    num_warps: gl.constexpr):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
-    ([1, BM, D / 2] with SPLIT: one partial per key tile, CHAINS 1);
-    L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; SEM int32 [CHAINS * B * H * nq]
-    zeros; NBH = B * H; ORDER the dQ adds' order (module doc); CHAINS / DIAG: _writer's; PREFETCH: the next tile's row statistics loaded under the
-    current S / dP (else each tile's own once S is done: fewer registers held).  Band masks through lo / hi (open: +-2^30)."""
+    ([1, BM, D / 2] with SPLIT: one partial per key tile, CHAINS 1; LAG: SPLIT's products
+    a tile late); L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq]; SEM int32
+    [CHAINS * B * H * nq] zeros; NBH = B * H; ORDER the dQ adds' order (module doc);
+    CHAINS / DIAG: _writer's; PREFETCH: the next tile's row statistics loaded under the
+    current S / dP (else each tile's own once S is done: fewer registers held).  Band
+    masks through lo / hi (open: +-2^30)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -350,6 +390,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
         gl.static_assert(CHAINS == 1, "SPLIT: one accumulator")
     else:
         gl.static_assert(DQC == D, "dQ accumulator blocks of D columns")
+    gl.static_assert(SPLIT or not LAG, "LAG is an option of SPLIT")
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, RN], dt)
 
     pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
@@ -359,7 +400,8 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     q_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
-    ds_smem = gl.allocate_shared_memory(dt, [4 if SPLIT else 2, BM, RN], pds_l)  # SPLIT: 2 slots
+    NDS: gl.constexpr = (6 if LAG else 4) if SPLIT else 2    # SPLIT: 2 (LAG 3) slots
+    ds_smem = gl.allocate_shared_memory(dt, [NDS, BM, RN], pds_l)
     dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DQC], dqa_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -391,11 +433,11 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
         [(_consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                       p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                       ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, SPLIT)),
+                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, SPLIT, LAG)),
          (_consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                       p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                       ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, SPLIT)),
+                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, SPLIT, LAG)),
          (_producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                       n_div, off, n_tot, STAGES, BM)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,

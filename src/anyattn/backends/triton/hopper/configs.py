@@ -189,6 +189,9 @@ class HopperBwdConfig:
     #: ws with dq: one partial per key tile ('h'): the consumers' dS halves meet in shared
     #: memory and each computes half of the partial's columns (D / 2) from both
     split: bool = False
+    #: split: the dQ products of a tile issued in the next tile ('l': a tile of slack
+    #: between the consumers instead of lockstep; dS in three slots)
+    lag: bool = False
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -209,6 +212,8 @@ class HopperBwdConfig:
         if self.split and not (self.ws and self.dq and self.chains == 1):
             raise ValueError(f"{self.name}: split is an option of the warp-specialised "
                              "kernel with dq and one accumulator (ws=True, dq=True, chains=1)")
+        if self.lag and not self.split:
+            raise ValueError(f"{self.name}: lag is an option of split")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -222,7 +227,7 @@ class HopperBwdConfig:
                 f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
                 f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
                 f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
-                f"{'h' if self.split else ''}")
+                f"{'h' if self.split else ''}{'l' if self.lag else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -230,6 +235,7 @@ class HopperBwdConfig:
         # and dS double-buffered)
         extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq and not self.split else 0
         extra += 4 * self.bm * d + elem * self.bm * self.bn if self.split else 0
+        extra += elem * self.bm * self.bn if self.lag else 0     # a third dS slot
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -277,10 +283,13 @@ WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
 
 #: session 8, round 2: one dQ partial per key tile ('h': each consumer half of the
 #: columns from both dS halves; bwd_ws_dq_kernel's SPLIT), 'n' (row statistics after S)
-#: and prefetch; not timed yet, not routed (LOG "session 8, issue 15 backward, round 2")
+#: and prefetch, 'nhl' (the dQ products a tile late); not timed yet, not routed (LOG
+#: "session 8, issue 15 backward, round 2")
 WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True),
-                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, split=True)]
+                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, split=True),
+                           HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                                           split=True, lag=True)]
                        for d in (64, 128)}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its

@@ -495,7 +495,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
             import dataclasses
 
             dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
-                          cfg=dataclasses.replace(cfg, dq=False, prefetch=True))
+                          cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
+                                                  split=False, lag=False))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
@@ -604,7 +605,8 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
                               HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                               CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
-                              CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, num_warps=4)
+                              CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
+                              num_warps=4)
         n = B * H * Sq * D
         dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
                                                   BLOCK=4096, num_warps=8)
