@@ -893,7 +893,7 @@ def variant_case(be, B, H, S, D, dtype, gpu, variants):
             os.environ[ENV_VARIANT] = cfg.variant if cfg is not None else var
         be.config_override = None if pair else cfg
         try:
-            cfg_b = cfg or choose_config(be.context, D, elem, backward=True, rows=(B * H, S, S))
+            cfg_b = cfg or choose_config(be.context, D, elem, backward=True, rows=(B * H, S, S, 1))
             if pair:         # the backend's forward and backward calls choose these two
                 with _configs_forced(cfg_f, cfg):
                     fwd, bwd, read_f, read_b = wgpu_plan(be, q, k, v, g)

@@ -13,8 +13,9 @@ the dQ sums run in the same order, so every result equals the base variant's bit
   (+ dsinks), dropout;
 * f16 (HALF): portable's bits, and float64's tolerance;
 * wide-dsq on the H200's tiles (RM = 8, ALIAS) is wide's bits;
-* the table takes a dsq entry only where its scratch is known to fit; a forced dsq
-  variant past the cap is a ValueError naming the bytes.
+* the table takes a dsq entry only where its scratch (one chunk of it) is known to fit;
+  a forced dsq variant whose one (batch, KV head) chunk is past the cap is a ValueError
+  naming the bytes (chunking, the shared scratch: test_webgpu_dsq_chunks.py).
 Small sizes: each distinct config compiles its own pipelines on lavapipe.
 """
 from __future__ import annotations
@@ -188,11 +189,13 @@ def test_dsq_table_and_cap(be, monkeypatch):
     assert pick((8, 256, 128)) == "wide-dsq"          # 1 MiB: fits
     assert pick((8, 256, 129)) == "staged"            # past the cap
     assert pick((8, 256)) == "staged" and pick(None) == "staged"   # unknown SK
-    q, k, v, g = make_qkv(np.random.default_rng(67), 1, 2, 2, 40, 40, 8)
+    # G = HQ / HKV known (the backend passes it): one chunk of G query heads must fit
+    assert pick((8, 256, 129, 1)) == "wide-dsq" and pick((8, 256, 129, 8)) == "staged"
+    q, k, v, g = make_qkv(np.random.default_rng(67), 1, 4, 2, 40, 40, 8)
     bk = choose_config(be.context, 8, variant="portable-dsq").BK
-    need = 4 * 2 * 40 * (-(-40 // bk) * bk)           # SK padded to whole key tiles
+    need = 4 * 2 * 40 * (-(-40 // bk) * bk)           # one KV row: G = 2, SK padded
     monkeypatch.setattr(launch, "DSQ_MAX_BYTES", need - 4)
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
     out, lse = aa.attention(q, k, v, return_lse=True, backend="webgpu")
-    with pytest.raises(ValueError, match=f"dS scratch needs {need} bytes"):
+    with pytest.raises(ValueError, match=f"dS scratch needs {need} bytes for one"):
         aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="webgpu")

@@ -172,7 +172,7 @@ def test_variant_by_grid_fill(be, monkeypatch):
     monkeypatch.delenv(ENV_VARIANT)
     q, k, v, g = make_qkv(np.random.default_rng(52), 2, 3, 1, 5, 7, 8)
     aa.attention(q, k, v, backend="webgpu")
-    assert seen == [(6, 5, 7)]        # (B*HQ, SQ, SK): SK for the *-dsq scratch
+    assert seen == [(6, 5, 7, 3)]     # (B*HQ, SQ, SK, G): the *-dsq scratch's chunk
 
 
 def test_forced_variant_runs_through_the_api(be, monkeypatch):

@@ -44,7 +44,9 @@ def _check_buffer(run, buffer) -> None:
 
 #: encoded launch plans of recent (arena, Params group) pairs: a runtime calls the same
 #: launch again and again, so a repeat only re-submits (no uniform writes, no bind
-#: groups).  Each plan owns its scratch buffers and holds its arena (ids stay unique).
+#: groups).  Each plan owns its scratch buffers (row statistics, results; O(rows * D))
+#: and holds its arena (ids stay unique); the dS scratch of the 5-product backward is
+#: the runner's one shared buffer (launch.DSQ_ROLE), re-bound at submit when grown.
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 _MAX_PLANS = 8
 
@@ -134,8 +136,9 @@ def _build(be, run, buffer, group, prefix):
     nkv = B * H * SK * D
     if 1 in by_wrt or 2 in by_wrt:                 # one dK/dV pass for both
         kv = run.buffer(prefix + "dkdv", 4 * 2 * nkv)
-        call.dkdv(stats, kv, 1 in by_wrt, 2 in by_wrt, dq_next=0 in by_wrt,
-                  ds_role=prefix + "dsq")
+        # the dS scratch (5-product backward): the runner's one shared role, not the
+        # plan's own (Plan.submit re-binds it when another call grew it)
+        call.dkdv(stats, kv, 1 in by_wrt, 2 in by_wrt, dq_next=0 in by_wrt)
         for wrt, off in ((1, 0), (2, nkv)):
             if wrt in by_wrt:
                 call.scatter(kv, off, buffer, SK, _out_operand(buffer, by_wrt[wrt]))

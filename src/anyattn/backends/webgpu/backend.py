@@ -119,11 +119,11 @@ class WebGPUBackend(Backend):
         from .launch import choose_config
 
         run = self._run()
-        B, HQ, _, SQ, SK = p_sizes
+        B, HQ, HKV, SQ, SK = p_sizes
         # rows: the variant table's grid fill (wide only where its dQ grid fills the GPU)
-        # and the *-dsq variants' dS scratch (only where it fits)
+        # and the *-dsq variants' dS scratch (only where one chunk of it fits)
         cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout,
-                                                    rows=(B * HQ, SQ, SK))
+                                                    rows=(B * HQ, SQ, SK, HQ // max(HKV, 1)))
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")

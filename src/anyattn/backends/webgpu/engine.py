@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import launch as _launch
-from .launch import Launch, LoopLimitError, Runner, TileConfig, ceil_div, dsq_bytes, split_range
+from .launch import (DSQ_ROLE, Launch, LoopLimitError, Runner, TileConfig, ceil_div, dsq_bytes,
+                     dsq_chunks, dsq_limit, split_range)
 from .uniforms import FLAGS
 
 __all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
@@ -167,8 +168,10 @@ class Call:
         #: field of its key
         self.seeded: Dict[int, Dict[str, object]] = {}
         #: the 5-product backward (variants *-dsq): the dS scratch the dK/dV pass filled
-        #: for the dQ pass (``dkdv(dq_next=True)``), else None
+        #: for the dQ pass (``dkdv(dq_next=True)``), else None; the chunks it ran over:
+        #: [(first, end) (batch, KV head) row, index in ``launches`` after its dK/dV launches]
         self.dsq_buf = None
+        self.dsq_marks: List[Tuple[int, int, int]] = []
 
     # ------------------------------------------------------------------ setup
     def set_scale(self, scale: float) -> None:
@@ -339,8 +342,9 @@ class Call:
     def _tile(self, kernel: str, n_units: int, grid_x: int, n_bh: int, stats, outb, dsb=None,
               flags: int = 0, extra: Optional[Dict[str, object]] = None, dk=True, dv=True,
               ml=False, defines: Optional[Dict[str, int]] = None,
-              trips: Optional[str] = None) -> None:
-        """``trips``: the trip model's kernel name when it differs from ``kernel``."""
+              trips: Optional[str] = None, bh_range: Optional[Tuple[int, int]] = None) -> None:
+        """``trips``: the trip model's kernel name when it differs from ``kernel``;
+        ``bh_range``: only grid rows [first, end) of the ``n_bh`` (default all)."""
         cfg = self.cfg
         pieces = self._pieces(trips or kernel, n_units, dk, dv)
         consts = cfg.consts()
@@ -356,7 +360,8 @@ class Call:
         base = dict(self._operands())
         base.update(extra or {})
         self.pieces[kernel] = len(pieces)
-        for a, b_ in self.run.bh_chunks(n_bh):
+        lo, hi = bh_range or (0, n_bh)
+        for a, b_ in [(lo + a, lo + b_) for a, b_ in self.run.bh_chunks(hi - lo)]:
             for idx, (t0, t1) in enumerate(pieces):
                 fl = self.flags | flags
                 fl |= FLAGS["FIRST"] if idx == 0 else 0
@@ -398,25 +403,45 @@ class Call:
                                     self.run.flat_grid(self.n * rl)))
 
     def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False,
-             dq_next: bool = False, ds_role: str = "dsq") -> None:
+             dq_next: bool = False, ds_role: str = DSQ_ROLE) -> None:
         """dK then dV [B, HKV, SK, D] into outb (f32; ``out16``: f16, converted in the
         epilogue as ``dq``'s, both wanted, see ``out16_ok``).  ``dq_next``: a ``dq``
         without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
-        stores dS into the pooled scratch ``ds_role`` and that ``dq`` only reads it."""
+        stores dS into the pooled scratch ``ds_role`` (one per Runner) and that ``dq``
+        only reads it.  Past the scratch cap (``dsq_chunks``) the pass runs over chunks
+        of (batch, KV head) rows, each chunk's dQ launches placed right after its dK/dV
+        launches by ``dq``, one chunk's dS in the scratch at a time: every workgroup
+        does what it does unchunked (same bits), the dK/dV sums never cross a chunk."""
         fl = (FLAGS["WANT_DK"] if want_dk else 0) | (FLAGS["WANT_DV"] if want_dv else 0)
         G = self.HQ // self.HKV
         if out16 and not (want_dk and want_dv and self.out16_ok("bwd_dkdv")):
             raise ValueError("webgpu kernel 'bwd_dkdv': an f16 dK/dV in the epilogue needs "
                              "both, f16 inputs, D % 4 == 0 and one piece (Call.out16_ok)")
         defines = {"OUTB16": 1} if out16 else {}
-        dsb = None
-        if dq_next and self.dq_from_ds():
-            dsb = self.run.buffer(ds_role, dsq_bytes(self.B * self.HQ, self.SQ, self.SK, self.cfg.BK))
-            defines["DSQ_OUT"] = 1
-        self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb, dsb,
-                   flags=fl, extra={"out2_off": self.B * self.HKV * self.SK * self.D},
-                   dk=want_dk, dv=want_dv, defines=defines)
+        extra = {"out2_off": self.B * self.HKV * self.SK * self.D}
+        self.dsq_buf, self.dsq_marks = None, []
+        if not (dq_next and self.dq_from_ds()):
+            self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb,
+                       flags=fl, extra=extra, dk=want_dk, dv=want_dv, defines=defines)
+            return
+        chunks = self.dsq_chunks()
+        rows = max(b_ - a for a, b_ in chunks)
+        dsb = self.run.buffer(ds_role, dsq_bytes(rows * G, self.SQ, self.SK, self.cfg.BK))
+        defines["DSQ_OUT"] = 1
+        for a, b_ in chunks:
+            self._tile("bwd_dkdv", G * self.nqt, self.nkt, self.B * self.HKV, stats, outb, dsb,
+                       flags=fl, extra=dict(extra, ds_bh0=a * G), dk=want_dk, dv=want_dv,
+                       defines=defines, bh_range=(a, b_))
+            self.dsq_marks.append((a, b_, len(self.launches)))
         self.dsq_buf = dsb
+
+    def dsq_chunks(self) -> List[Tuple[int, int]]:
+        """The (batch, KV head) row chunks of the 5-product backward (``dsq_chunks``)."""
+        lim = dsq_limit(self.run.max_binding, self.run.max_buffer)
+        chunks = dsq_chunks(self.B * self.HKV, self.HQ // self.HKV, self.SQ, self.SK,
+                            self.cfg.BK, lim)
+        assert chunks is not None, "dq_from_ds() checks that one row fits"
+        return chunks
 
     def dq_from_ds(self) -> bool:
         """Whether this call's backward is the 5-product one (``*-dsq`` variants): the
@@ -426,14 +451,15 @@ class Call:
         forced variant gets the reason)."""
         if not self.cfg.dsq or self.debug:
             return False
-        need = dsq_bytes(self.B * self.HQ, self.SQ, self.SK, self.cfg.BK)
-        lim = min(_launch.DSQ_MAX_BYTES, self.run.max_binding, self.run.max_buffer)
-        if need > lim:
+        G = self.HQ // self.HKV
+        lim = dsq_limit(self.run.max_binding, self.run.max_buffer)
+        if dsq_chunks(self.B * self.HKV, G, self.SQ, self.SK, self.cfg.BK, lim) is None:
+            need = dsq_bytes(G, self.SQ, self.SK, self.cfg.BK)
             raise ValueError(f"webgpu kernel variant {self.cfg.variant!r}: its dS scratch "
-                             f"needs {need} bytes (4*B*HQ*SQ*SK, SK padded to whole key "
-                             f"tiles), past {lim} (DSQ_MAX_BYTES "
-                             f"or the adapter's storage binding limit); use "
-                             f"{self.cfg.base!r} or a smaller batch")
+                             f"needs {need} bytes for one (batch, KV head) row (4*G*SQ*SK, "
+                             f"SK padded to whole key tiles; the smallest chunk), past "
+                             f"{lim} (DSQ_MAX_BYTES or the adapter's storage binding "
+                             f"limit); use {self.cfg.base!r} or a shorter sequence")
         return True
 
     def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
@@ -460,8 +486,18 @@ class Call:
         defines = {"OUTB16": 1} if out16 else {}
         if dsb is None and self.dsq_buf is not None:   # 5-product: dQ = dS.K from the scratch
             defines["DSQ_IN"] = 1
-            self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb,
-                       self.dsq_buf, defines=defines, trips="bwd_dq_ds")
+            if self.cfg.prefetch and _launch.DSQ_PREFETCH:
+                defines["DSQ_PF"] = 1
+            G = self.HQ // self.HKV
+            # each chunk's dQ launches right after its dK/dV launches (later chunks first,
+            # so the earlier insertion points stay valid)
+            for a, b_, at in reversed(self.dsq_marks):
+                kept, self.launches = self.launches, []
+                self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb,
+                           self.dsq_buf, defines=defines, trips="bwd_dq_ds",
+                           extra={"ds_bh0": a * G}, bh_range=(a * G, b_ * G))
+                kept[at:at] = self.launches
+                self.launches = kept
             return
         self._tile("bwd_dq", self.nkt, self.nqt, self.B * self.HQ, stats, outb, dsb, flags=fl,
                    defines=defines)
@@ -508,24 +544,68 @@ class Call:
         self.launches, self.clears, self.copies, self.copies_before = [], [], [], []
 
     def freeze(self) -> "Plan":
-        """The launches built so far as a re-submittable plan (benchmarks)."""
+        """The launches built so far as a re-submittable plan (benchmarks, the ABI's plan
+        cache); the pooled buffers it binds are re-resolved at each submit (``Plan``)."""
         plan = Plan(self.run, self.run.encode(self.launches), list(self.clears),
-                    list(self.copies), list(self.copies_before))
+                    list(self.copies), list(self.copies_before), list(self.launches))
         self.launches, self.clears, self.copies, self.copies_before = [], [], [], []
         return plan
 
 
 @dataclass
 class Plan:
-    """Encoded launches over persistent buffers; ``submit(repeat)`` runs them again."""
+    """Encoded launches over persistent buffers; ``submit(repeat)`` runs them again.
+
+    ``launches`` (the unencoded list, when given): the pooled buffers (``Runner.buffer``
+    roles, e.g. the shared dS scratch ``DSQ_ROLE``) among the bound ones are resolved again
+    at each submit; a role another call grew (its old buffer destroyed) or released is
+    taken anew (grown to this plan's size where smaller) and the launches re-encoded, so
+    no bind group of a destroyed buffer is ever submitted."""
 
     run: Runner
     encoded: list
     clears: list
     copies: list = field(default_factory=list)
     copies_before: list = field(default_factory=list)
+    launches: Optional[list] = None
+    #: role -> (bytes this plan needs, the buffer its launches were encoded with)
+    roles: Dict[str, tuple] = field(default_factory=dict)
+    #: times a grown / released role made this plan re-encode (tests)
+    rebinds: int = 0
+
+    def __post_init__(self):
+        if self.launches is None:
+            return
+        used = {id(b) for l in self.launches for b in l.buffers}
+        used |= {id(b) for b in self.clears}
+        used |= {id(x) for c in self.copies + self.copies_before for x in (c[0], c[2])}
+        for role, buf in self.run._bufs.items():
+            if id(buf) in used and not role.startswith("_"):
+                self.roles[role] = (int(buf.size), buf)
+
+    def _resolve(self) -> None:
+        """Re-bind the roles whose pooled buffer is no longer the one encoded with."""
+        new = {}
+        for role, (nbytes, buf) in self.roles.items():
+            if self.run._bufs.get(role) is not buf:
+                new[id(buf)] = self.run.buffer(role, nbytes)
+                self.roles[role] = (nbytes, new[id(buf)])
+        if not new:
+            return
+
+        def sub(b):
+            return new.get(id(b), b)
+        for l in self.launches:
+            l.buffers = [sub(b) for b in l.buffers]
+        self.clears = [sub(b) for b in self.clears]
+        self.copies = [(sub(a), o, sub(d), p, n) for a, o, d, p, n in self.copies]
+        self.copies_before = [(sub(a), o, sub(d), p, n) for a, o, d, p, n in self.copies_before]
+        self.encoded = self.run.encode(self.launches)
+        self.rebinds += 1
 
     def submit(self, repeat: int = 1) -> None:
+        if self.roles:
+            self._resolve()
         self.run.submit(self.encoded, self.clears, repeat, self.copies, self.copies_before)
 
     def wait(self) -> None:

@@ -24,7 +24,8 @@ from .pipelines import KernelError, PipelineCache
 
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
            "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
-           "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes"]
+           "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes",
+           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -56,14 +57,47 @@ VARIANTS = ("portable", "prefetch", "staged", "subgroups", "wide", "rows8",
             "portable-dsq", "staged-dsq", "wide-dsq")
 #: variants with RM = 8 query rows per invocation in the backward passes
 RM8_VARIANTS = ("wide", "rows8", "wide-dsq")
-#: the largest dS scratch of a ``*-dsq`` variant (bytes); past it the table's next entry
+#: the largest dS scratch of a ``*-dsq`` variant (bytes): past it the 5-product backward
+#: runs over chunks of (batch, KV head) rows (``dsq_chunks``); where one such row's
+#: scratch is past it, the table's next entry
 DSQ_MAX_BYTES = 1 << 30
+#: the pooled role (``Runner.buffer``) of the dS scratch: one buffer per Runner (device),
+#: shared by every call, launch template and plan, grown (never past DSQ_MAX_BYTES) when
+#: too small; templates and plans resolve it at submit (a grown buffer is re-bound)
+DSQ_ROLE = "dsq"
+#: the dQ pass of a ``*-dsq`` variant whose base prefetches (staged-dsq, wide-dsq) loads
+#: the next key tile's dS rows into registers before the current tile's update (DSQ_PF;
+#: the same values stored to the same tile: the same bits).  False: the loads at the
+#: tile's start (session 8's measured kernels; A/B: bench/webgpu_s8_check.sh)
+DSQ_PREFETCH = True
 
 
 def dsq_bytes(bh: int, sq: int, sk: int, bk: int = 64) -> int:
     """Bytes of the ``*-dsq`` variants' f32 dS scratch for B*HQ = ``bh``, SQ, SK, key
     tiles of ``bk`` (rows padded to whole tiles; 64: the largest tile, an upper bound)."""
     return 4 * bh * sq * ceil_div(sk, bk) * bk
+
+
+def dsq_limit(max_binding: int, max_buffer: int) -> int:
+    """The largest dS scratch (bytes): DSQ_MAX_BYTES within the adapter's storage-binding
+    and buffer limits."""
+    return min(DSQ_MAX_BYTES, int(max_binding), int(max_buffer))
+
+
+def dsq_chunks(n_kv: int, g: int, sq: int, sk: int, bk: int,
+               limit: int) -> Optional[List[Tuple[int, int]]]:
+    """(batch, KV head) rows [0, n_kv) (B*HKV) in the fewest chunks of equal size (the last
+    one shorter) whose dS scratch (``g`` query heads per row, SQ x SK padded to key tiles
+    of ``bk``) fits ``limit`` bytes; None where one row alone does not fit.  A chunk's dK/dV
+    sums run over all its query heads, so no result is summed across chunks."""
+    per = dsq_bytes(g, sq, sk, bk)
+    if per > limit:
+        return None
+    if n_kv <= 0 or per == 0:
+        return [(0, max(n_kv, 0))]
+    n = ceil_div(n_kv, limit // per)
+    rows = ceil_div(n_kv, n)
+    return [(a, min(n_kv, a + rows)) for a in range(0, n_kv, rows)]
 #: forces a variant (A/B); one the adapter cannot run raises with the reason
 ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: the default variant per (adapter class, element type, grid fill); first match wins;
@@ -386,8 +420,9 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
     adapter whose grid fill holds: ``rows`` = (B*HQ, SQ) of the problem (forward and
     backward alike, so both passes of a problem take one variant); its backward dQ
     pass must have at least the entry's workgroups (rows None: the size is unknown,
-    the fill is not checked).  ``rows`` may carry SK as a third element: a ``*-dsq``
-    entry applies only where its dS scratch is known to fit (``_dsq_fits``)."""
+    the fill is not checked).  ``rows`` may carry SK as a third element and G = HQ/HKV
+    as a fourth: a ``*-dsq`` entry applies only where its dS scratch (with G, one
+    chunk's) is known to fit (``_dsq_fits``)."""
     forced = _forced_variant(ctx, elem, variant)
     if forced:
         return _config(ctx, D, elem, backward, dropout, forced)
@@ -403,13 +438,15 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
 
 
 def _dsq_fits(ctx: Context, rows: Optional[Tuple[int, ...]]) -> bool:
-    """Whether a ``*-dsq`` variant's dS scratch is known to fit: ``rows`` = (B*HQ, SQ, SK)
-    within DSQ_MAX_BYTES and the adapter's storage-binding / buffer limits."""
+    """Whether a ``*-dsq`` variant's dS scratch is known to fit: ``rows`` = (B*HQ, SQ, SK,
+    G) within DSQ_MAX_BYTES and the adapter's storage-binding / buffer limits, the scratch
+    of one chunk (``dsq_chunks``: G query heads) where G is given, else of all B*HQ."""
     if rows is None or len(rows) < 3:
         return False
-    lim = min(DSQ_MAX_BYTES, int(ctx.limits.get("max-storage-buffer-binding-size", 0)),
-              int(ctx.limits.get("max-buffer-size", DSQ_MAX_BYTES)))
-    return dsq_bytes(*rows[:3]) <= lim
+    lim = dsq_limit(ctx.limits.get("max-storage-buffer-binding-size", 0),
+                    ctx.limits.get("max-buffer-size", DSQ_MAX_BYTES))
+    heads = rows[3] if len(rows) > 3 else rows[0]
+    return dsq_bytes(heads, rows[1], rows[2]) <= lim
 
 
 def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,

@@ -58,8 +58,10 @@ DELTA_DEFINES = ("OUT16",)
 OUTB_DEFINES = ("OUTB16",)
 #: the 5-product backward (variants ``*-dsq``): DSQ_OUT, the dK/dV pass also stores dS
 #: [B, HQ, SQ, SK] (f32) into ``dsb``; DSQ_IN, the dQ pass reads dS from ``dsb`` instead
-#: of recomputing S and dP (dQ = dS.K as a plain product)
-DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN")
+#: of recomputing S and dP (dQ = dS.K as a plain product); DSQ_PF (with DSQ_IN, the
+#: prefetching bases): the next key tile's dS rows loaded into registers before the
+#: current tile's update
+DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN", "DSQ_PF")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 

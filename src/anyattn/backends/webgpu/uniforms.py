@@ -42,6 +42,9 @@ FIELDS = [
     # query 0, key 0 and batch 0 (q_offset, k_offset, the first batch of a chunk)
     ("drop_k0", "u32"), ("drop_k1", "u32"), ("drop_t", "u32"), ("drop_rs", "f32"),
     ("drop_qo", "u32"), ("drop_ko", "u32"), ("drop_b0", "u32"),
+    # the 5-product backward's dS scratch (DSQ_OUT / DSQ_IN), chunked over (batch, KV
+    # head) rows: the first query-head row b*HQ + h the scratch holds (row 0 of it)
+    ("ds_bh0", "u32"),
 ]
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))

@@ -96,7 +96,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       //@for r RM
       {
         let i = i0 + ty * RM + {r};
-        if (i < U.SQ) { dsb[(((b * U.HQ + h) * U.SQ + i) * U.nkt + kt) * TX + tx] = ds[{r}]; }
+        if (i < U.SQ) { dsb[((((b * U.HQ + h) - U.ds_bh0) * U.SQ + i) * U.nkt + kt) * TX + tx] = ds[{r}]; }
       }
       //@end r
     }

@@ -63,6 +63,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@end v
     //@end r
   }
+  //@if DSQ_PF
+  // DSQ_PF: the next key tile's dS rows, loaded into registers before this tile's update
+  // (their latency behind its arithmetic); used where that tile is the next one run
+  var dpf: array<vec4<f32>, RM>;
+  var dpf_kt = 0xffffffffu;
+  //@endif DSQ_PF
   for (var kt = U.t0; kt < U.t1; kt++) {
     TRIP
     if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
@@ -70,14 +76,40 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     if (code == 0u) { continue; }
     let j0 = kt * BK;
     //@if DSQ_IN
+    //@ifn DSQ_PF
     //@for r RM
     {
       let i = i0 + ty * RM + {r};
       var d4 = vec4<f32>();   // dS[i][j0 + tx + TX*c], c < 4 (tile order, common.wgsl)
-      if (i < U.SQ) { d4 = dsb[((bh * U.SQ + i) * U.nkt + kt) * TX + tx]; }
+      if (i < U.SQ) { d4 = dsb[(((bh - U.ds_bh0) * U.SQ + i) * U.nkt + kt) * TX + tx]; }
       sp[(ty * RM + {r}) * RSP2 + tx] = SV(d4);
     }
     //@end r
+    //@endif DSQ_PF
+    //@if DSQ_PF
+    let have = dpf_kt == kt;
+    //@for r RM
+    {
+      let i = i0 + ty * RM + {r};
+      var d4 = dpf[{r}];      // prefetched at the tile before, else loaded now
+      if (!have) {
+        d4 = vec4<f32>();
+        if (i < U.SQ) { d4 = dsb[(((bh - U.ds_bh0) * U.SQ + i) * U.nkt + kt) * TX + tx]; }
+      }
+      sp[(ty * RM + {r}) * RSP2 + tx] = SV(d4);
+    }
+    //@end r
+    if (kt + 1u < U.t1) {     // the next tile's rows (skipped tiles: loaded, never used)
+      //@for r RM
+      {
+        let i = i0 + ty * RM + {r};
+        dpf[{r}] = vec4<f32>();
+        if (i < U.SQ) { dpf[{r}] = dsb[(((bh - U.ds_bh0) * U.SQ + i) * U.nkt + kt + 1u) * TX + tx]; }
+      }
+      //@end r
+      dpf_kt = kt + 1u;
+    }
+    //@endif DSQ_PF
     //@endif DSQ_IN
     //@ifn DSQ_IN
     //@if DROPOUT

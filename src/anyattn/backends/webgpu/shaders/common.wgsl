@@ -24,7 +24,8 @@
 //@endif DSQ_OUT
 // the 5-product backward's dS scratch (variants *-dsq), in tile order: row i of head
 // bh holds nkt tiles of BK keys; element 4*tx + c of tile kt is key kt*BK + tx + TX*c
-// (one vec4 per invocation and row: [(bh*SQ + i)*nkt + kt]*TX + tx)
+// (one vec4 per invocation and row: [((bh - ds_bh0)*SQ + i)*nkt + kt]*TX + tx; ds_bh0: the
+// first query-head row of a chunk of (batch, KV head) rows, engine.Call.dkdv)
 //@if DSQ_OUT
 @group(0) @binding(9) var<storage, read_write> dsb: array<vec4<f32>>;
 //@endif DSQ_OUT
