@@ -235,7 +235,7 @@ def test_staged_dsq_prefetch_chunks_split(be, monkeypatch):
     ref = _grads(be, q, k, v, g, base, mask=mask)
     monkeypatch.setattr(launch, "DSQ_MAX_BYTES", dsq_bytes(2, 40, 150, dsq.BK))
     per = max(dsq.trips_per_unit(kn, 24) for kn in ("forward", "bwd_dq", "bwd_dkdv"))
-    be.loop_limit_override = TileConfig.FIXED_TRIPS + 2 * per
+    be.loop_limit_override = TileConfig.FIXED_TRIPS + per
     for pf in (True, False):
         monkeypatch.setattr(launch, "DSQ_PREFETCH", pf)
         got = _grads(be, q, k, v, g, dsq, mask=mask)
