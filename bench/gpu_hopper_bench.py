@@ -548,6 +548,7 @@ def phase_roof():
 
 
 def dump():
+    os.makedirs(RES["meta"]["out"], exist_ok=True)
     with open(os.path.join(RES["meta"]["out"], "hopper.json"), "w") as f:
         json.dump(RES, f, indent=1)
 

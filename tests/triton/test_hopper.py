@@ -18,6 +18,7 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
+from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 
 from helpers import TOL, assert_close, np_mask, to_np  # noqa: E402
 
@@ -70,26 +71,55 @@ def test_coverage_tensor_rules(monkeypatch):
     assert "last-dim stride" in HCOV.supports(p, "forward", (("v", z),))
 
 
-def test_backward_is_routed_by_auto_at_d128_only(monkeypatch):
-    """The Hopper backward (warp-specialised dK/dV + portable dQ) covers D=64 and 128;
-    'auto' routes D=128, where the H200 measured it faster than the portable backward,
-    and keeps D=64 portable (measured even: coverage.py); 'hopper' forces both."""
+def test_backward_routes_d128_and_d64_bands(monkeypatch):
+    """The Hopper backward covers D=64 and 128; 'auto' routes D=128 and D=64 with a band,
+    where the H200 measured it faster than the portable backward, and keeps D=64 without
+    a mask portable (coverage.py); 'hopper' forces it, 'portable' keeps it off."""
     from anyattn.backends.triton import launch as TL
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
     assert HCOV.routed_by_default("backward", "none", 128)
+    assert HCOV.routed_by_default("backward", "band", 128)
+    assert HCOV.routed_by_default("backward", "band", 64)
     assert not HCOV.routed_by_default("backward", "none", 64)
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
-    for d, routed in ((128, True), (64, False)):
-        p = _problem(D=d)
+    for d, mask, routed in ((128, None, True), (128, aa.Causal(), True), (64, None, False),
+                            (64, aa.Causal(), True)):
+        p = _problem(D=d, mask=mask)
         object.__setattr__(p, "device", "cuda:0")
         assert HCOV.supports(p, "backward") is None
-        assert TL._use_hopper(p, "backward", None, ()) is routed, d
+        assert TL._use_hopper(p, "backward", None, ()) is routed, (d, mask)
+    p = _problem(D=64)
+    object.__setattr__(p, "device", "cuda:0")
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
     assert TL._use_hopper(p, "backward", None, ()) is True
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
     assert TL._use_hopper(_problem(), "backward", None, ()) is False
+
+
+def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
+    """The dQ-inside config (its programs wait for each other's add turns) is the route
+    while a (batch, kv head)'s key tiles are at most half the SMs; past that the
+    dK/dV-only config (portable dQ, no waits) is; D=64 without a band takes the
+    dK/dV-only config anyway."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    monkeypatch.setitem(HL._SMS, "cuda:0", 132)
+    cases = ((128, None, 66 * 128, True), (128, None, 66 * 128 + 1, False),
+             (128, aa.Causal(), 2048, True), (64, aa.Causal(), 4096, True),
+             (64, None, 4096, False))
+    for d, mask, sk, dq in cases:
+        q = torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)
+        k = torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
+        p = describe(q, k, k, mask=mask)
+        object.__setattr__(p, "device", "cuda:0")
+        cfg = HL.backward_config(p)
+        assert cfg.ws and cfg.dq is dq, (d, mask, sk, cfg.name)
+        if dq:
+            assert cfg == HCF.bwd_config(d, p.mask_class) and cfg.split
+        else:
+            assert cfg == HCF.bwd_config_dkdv_only(d)
 
 
 def test_d64_forward_is_routed_without_a_mask_only(monkeypatch):
@@ -152,7 +182,6 @@ def test_dq_tiles_all_visited_matches_the_tile_ranges():
     random band masks and sizes."""
     import random
 
-    from anyattn.backends.triton.hopper import launch as HL
 
     def visited(Sq, Sk, lo, hi, bm, bn):
         nq, seen = -(-Sq // bm), set()
@@ -326,7 +355,6 @@ def gpu_grid(kinds=tuple(MASKS)):
 def test_forward_matches_float64(dtype, D, kind, shape, layout):
     """out within the dtype's tolerance of float64 (rounded inputs), lse -inf exactly on
     the empty rows, every element written (poisoned buffers), two runs bitwise equal."""
-    from anyattn.backends.triton.hopper import launch as HL
 
     B, H, Hkv, Sq, Sk = shape
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout)
@@ -354,7 +382,6 @@ def test_forward_matches_float64(dtype, D, kind, shape, layout):
 @pytest.mark.gpu
 @needs_sm90
 def test_auto_routes_covered_calls_to_hopper(monkeypatch):
-    from anyattn.backends.triton.hopper import launch as HL
 
     calls = []
     orig = HL.forward
@@ -375,7 +402,7 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
 def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
     """The warp-specialised forward (configs.FWD_VARIANTS): out within tolerance of
     float64, every element written, bitwise equal to itself."""
-    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+    from anyattn.backends.triton.hopper import configs as HCF
 
     B, H, Hkv, Sq, Sk = shape
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout, seed=3)
@@ -402,7 +429,7 @@ def test_backward_matches_float64(dtype, D, kind, shape, layout):
     with dQ) and every backward config into poisoned buffers (dq too where the config
     computes it): within the dtype's tolerance of float64, two runs bitwise equal."""
     from anyattn.backends.triton import launch as TL
-    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+    from anyattn.backends.triton.hopper import configs as HCF
 
     B, H, Hkv, Sq, Sk = shape
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout, seed=5)

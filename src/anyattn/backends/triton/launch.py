@@ -951,7 +951,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
             if want_kv and pr.hop:
                 from .hopper import launch as HL
 
-                hcfg = HL.HC.bwd_config(D)
+                hcfg = HL.backward_config(p)
                 if hcfg.fused or hcfg.dq:   # dk, dv and, when the config says so, dq
                     # in one kernel (bwd_fused_kernel / bwd_ws_dq_kernel)
                     got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,

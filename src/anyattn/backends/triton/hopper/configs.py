@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "dkdv_config",
+__all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "bwd_config_dkdv_only",
+           "dkdv_config",
            "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "BWD_VARIANTS", "WS_BWD_VARIANTS",
            "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS"]
 
@@ -252,8 +253,8 @@ WS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True),
                        HopperBwdConfig(128, 64, 2, ws=True, pingpong=True),
                        HopperBwdConfig(128, 64, 3, ws=True, pingpong=True)] for d in (64, 128)}
 
-#: D -> the backward's dK/dV config (dQ and the delta preprocess stay portable;
-#: coverage.py says where 'auto' routes it).  Session 7 (H200 2026-12-04 01:04 UTC,
+#: D -> the warp-specialised dK/dV config (dQ and the delta preprocess stay portable),
+#: the backward's default of session 7 and its route where _BWD's is not.  Session 7 (H200 2026-12-04 01:04 UTC,
 #: docs/perf/hopper-bwd-h200-2026-12-04-s7.json, B=8 H=16 S=2k / B=2 H=16 S=8k, D=64 B=4
 #: H=32 S=4k; TFLOP/s on dK/dV's 0.8 of the backward's FLOPs): the warp-specialised
 #: kernel 'wdkdv128x64s2' 573 / 433 / 537 / 556 (S=2k, 2k causal, 8k, 8k causal) vs the
@@ -263,7 +264,7 @@ WS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True),
 #: 327 / 290 vs 329 / 289 (1.0x: not routed by 'auto').  Ping-pong turns ('p') 0-11 %
 #: slower, 3 stages 1-4 % slower.  Before (session 6): D=128 the fused kernel
 #: (bwd_fused_kernel, its route 0.94-0.99x portable), D=64 the dK/dV kernel
-_BWD = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
+_BWD_DKDV_ONLY = {64: WS_BWD_VARIANTS[64][0], 128: WS_BWD_VARIANTS[128][0]}
 
 #: session 8: the warp-specialised kernel with dQ inside (bwd_ws_dq_kernel: per-consumer
 #: partials dS_w.K_w staged in fp32 shared memory, a dQ-writer warp adding them in a
@@ -283,14 +284,29 @@ WS_DQ_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True),
 
 #: session 8, round 2: one dQ partial per key tile ('h': each consumer half of the
 #: columns from both dS halves; bwd_ws_dq_kernel's SPLIT), 'n' (row statistics after S)
-#: and prefetch, 'nhl' (the dQ products a tile late); not timed yet, not routed (LOG
-#: "session 8, issue 15 backward, round 2")
+#: and prefetch, 'nhl' (the dQ products a tile late); 'nh' is the default (_BWD below),
+#: 'nhl' measured 0.74-0.90x it at D=128, 'h' untimed (LOG "session 8, issue 15
+#: backward, round 2" and "session 8, lead")
 WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True),
                            HopperBwdConfig(128, 64, 2, ws=True, dq=True, split=True),
                            HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, lag=True)]
                        for d in (64, 128)}
+
+#: D -> the backward's config since session 8: the warp-specialised kernel with dQ
+#: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a
+#: band, at D=64 (coverage.py).  H200 2026-12-04 05:16 UTC (docs/perf/hopper-bwd-h200-
+#: 2026-12-04-s8c.json, 3 rotated rounds, every round faster than every round of the
+#: previous route): D=128 TFLOP/s 428 / 351 / 457 / 435 at S=2k / 2k causal / 8k / 8k
+#: causal vs the previous route (ws dK/dV + portable dQ) 378 / 308 / 416 / 377 and cuDNN
+#: 521 / 403 / 530 / 485; D=64 S=4k causal 322 vs 288 (portable 290), without a mask 305
+#: vs 326, so D=64 without a band keeps the previous route.  Its programs wait for each
+#: other's dQ turns: launch.backward_config keeps the previous route where a (batch, kv
+#: head) has more key tiles than half the SMs (HopperBwdConfig.dq)
+_BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQS_BWD_VARIANTS[128][0]}
+#: (D, mask class) exceptions to _BWD
+_BWD_BY_MASK = {(64, "band"): WS_DQS_BWD_VARIANTS[64][0]}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,
@@ -310,9 +326,16 @@ BWD_VARIANTS = {64: [HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True
 PREV_BWD = {64: _DKDV[64], 128: HopperBwdConfig(128, 64, 2, fused=True)}
 
 
-def bwd_config(d: int) -> HopperBwdConfig:
-    """The backward's default config for head dim d."""
-    return _BWD[d]
+def bwd_config(d: int, mask_class: str = "band") -> HopperBwdConfig:
+    """The backward's default config for head dim d and the call's mask class
+    (Problem.mask_class)."""
+    return _BWD_BY_MASK.get((d, mask_class)) or _BWD[d]
+
+
+def bwd_config_dkdv_only(d: int) -> HopperBwdConfig:
+    """The warp-specialised dK/dV config (dQ portable: no program waits for another),
+    the backward's route where the dQ-inside config's waits are not safe."""
+    return _BWD_DKDV_ONLY[d]
 
 
 def dkdv_config(d: int) -> HopperBwdConfig:

@@ -78,18 +78,20 @@ COVERAGE = {
                                                 "documents+keep", "band+documents+keep"}),
                         auto_mask_classes=frozenset({"none", "band", "documents",
                                                      "band+documents"})),
-    # configs.bwd_config: the warp-specialised dK/dV kernel (bwd_ws_kernel.py); the delta
-    # preprocess and dQ stay portable.  Routed by 'auto' at D=128: timed end to end on
-    # the H200 (2026-12-04 01:04 UTC, docs/perf/hopper-bwd-h200-2026-12-04-s7.json, 3
-    # rotated rounds) that route ran 1.05-1.09x the portable backward (S=2k / 8k, causal
-    # and not, every round faster); at D=64 (S=4k) 0.995x / 1.004x, so D=64 stays
-    # portable under 'auto' (ANYATTN_TRITON_PATH=hopper runs it).  Session 6's routes
-    # (the fused dK/dV kernel: 0.94-0.99x; its in-kernel dQ 0.81-0.85x) stay variants
+    # launch.backward_config: since session 8 the warp-specialised kernel with dQ inside
+    # (one partial per key tile, 'wdkdvq128x64s2nh'; the delta preprocess stays
+    # portable), where a (batch, kv head) has at most half the SMs' worth of key tiles,
+    # else session 7's warp-specialised dK/dV + portable dQ.  Routed by 'auto' at D=128
+    # (H200 2026-12-04 05:16 UTC, 3 rotated rounds, every round faster: 1.13 / 1.14 /
+    # 1.10 / 1.15x session 7's route at S=2k / 2k causal / 8k / 8k causal, 0.82-0.90x
+    # cuDNN; docs/perf/hopper-bwd-h200-2026-12-04-s8c.json) and at D=64 with a band
+    # (S=4k causal 1.12x; without a mask 0.93x the portable backward: D=64 without a band
+    # stays portable; session 7's route there was even with it)
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
                          mask_classes=frozenset({"none", "band"}),
-                         auto_head_dims=frozenset({128})),
+                         auto_mask_classes_by_head_dim=((64, frozenset({"band"})),)),
 }
 
 _PATHS = ("auto", "portable", "hopper")

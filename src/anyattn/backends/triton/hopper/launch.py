@@ -466,6 +466,20 @@ def _sm_count(device: str) -> int:
     return _SMS[device]
 
 
+def backward_config(p) -> HC.HopperBwdConfig:
+    """The routed backward's config for Problem p: configs.bwd_config(D, mask class),
+    unless that config computes dQ inside and a (batch, kv head) of p has more key-tile
+    programs than half the device's SMs: then the dK/dV-only config (dQ portable).  The
+    dQ-inside kernel's programs wait for each other's add turns (dq_order); the rotated
+    order assumes all key-tile programs of one (batch, kv head) are resident at once, and
+    the margin of half the SMs keeps that true while other streams' kernels (collectives)
+    hold SMs too."""
+    cfg = HC.bwd_config(p.head_dim, p.mask_class)
+    if cfg.dq and triton.cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
+        return HC.bwd_config_dkdv_only(p.head_dim)
+    return cfg
+
+
 def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
     """Whether every query tile of bm rows is visited by some key tile of bn keys under
     lo <= j - i <= hi (bwd_kernel.query_tile_range's rule; the tiles without keys form a
