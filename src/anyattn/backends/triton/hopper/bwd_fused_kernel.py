@@ -94,22 +94,45 @@ def _spin_acquire(ptrs, target):
 
 
 @gluon.jit
-def _bulk_wait_release(ptrs):
+def _bulk_wait_all(ptrs):
     """Per thread: wait until this thread's bulk copies are complete (writes included:
-    cp.async.bulk.wait_group 0), then fence.proxy.async.  Thread 0 of the CTA then adds
-    1 to *ptr with release semantics (after a CTA barrier: _release_one)."""
+    cp.async.bulk.wait_group 0), then fence.proxy.async.global (what they wrote is seen by
+    later acquires / copies).  One thread then adds 1 to *ptr with release semantics
+    (after a CTA / warp barrier: _release)."""
     return gl.inline_asm_elementwise(
         "cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\nmov.u32 $0, 0;",
         "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
 
+def _release_asm(who: str) -> str:
+    """PTX: the thread whose ``who`` reads 0 adds 1 to *$1 (red.release.gpu); $0 = 0."""
+    return ("{\n.reg .pred %p;\n.reg .u32 %t;\n"
+            f"mov.u32 %t, {who};\nsetp.eq.u32 %p, %t, 0;\n"
+            "@%p red.release.gpu.global.add.s32 [$1], 1;\nmov.u32 $0, 0;\n}")
+
+
+RELEASE_CTA = gl.constexpr(_release_asm("%tid.x"))     # thread 0 of the CTA
+RELEASE_WARP = gl.constexpr(_release_asm("%laneid"))   # lane 0 of each warp
+
+
 @gluon.jit
-def _release_one(ptrs):
-    """Thread 0 of the CTA: *ptr += 1 (red.release.gpu); the others nothing."""
-    return gl.inline_asm_elementwise(
-        "{\n.reg .pred %p;\n.reg .u32 %t;\nmov.u32 %t, %tid.x;\nsetp.eq.u32 %p, %t, 0;\n"
-        "@%p red.release.gpu.global.add.s32 [$1], 1;\nmov.u32 $0, 0;\n}",
-        "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+def _release(ptrs, WHO: gl.constexpr):
+    """*ptr += 1 (red.release.gpu) by thread 0 of the CTA (WHO = RELEASE_CTA) or lane 0 of
+    each warp (RELEASE_WARP: the one-warp dQ writer of bwd_ws_dq_kernel); the others
+    nothing."""
+    return gl.inline_asm_elementwise(WHO, "=r,l", [ptrs], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
+def _add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr, col: gl.constexpr = 0):
+    """The bulk add of one staged partial into accumulator rows [row, t * BM ...] from
+    column ``col`` on: a bulk tensor store for the first adder (rank 0), else a bulk
+    tensor reduce-add."""
+    if rank == 0:
+        tma.async_copy_shared_to_global(dqa_desc, [row, t * BM, col], src)
+    else:
+        _tma_reduce_add(dqa_desc, [row, t * BM, col], src)
 
 
 @gluon.jit
@@ -278,10 +301,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         if WITH_DQ and DEFER:
             if staged:    # the previous tile's partial: its turn, its bulk add (S, dP run)
                 _spin_acquire(stg_sem, zero_c + stg_rank)
-                if stg_rank == 0:
-                    tma.async_copy_shared_to_global(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
-                else:
-                    _tma_reduce_add(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+                _add_partial(dqa_desc, dq_smem, stg_bh, stg_t, stg_rank, BM)
                 pend = stg_sem
                 pending = True
                 staged = False
@@ -309,14 +329,14 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
         fence_async_shared()
         if WITH_DQ and DEFER:
             if pending:   # this tile's bulk add complete (dq_smem free after the barrier)
-                _bulk_wait_release(pend)
+                _bulk_wait_all(pend)
         gl.thread_barrier()                                                     # dS stored
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q2, dk, is_async=True)     # [BN, D]
         if WITH_DQ and DEFER:
             dq_tok = warpgroup_mma(ds_smem, k2, gl.zeros([BM, D], gl.float32, layout=q_l),
                                    use_acc=False, is_async=True)                 # [BM, D]
             if pending:   # ... and released (thread 0, after the barrier)
-                _release_one(pend)
+                _release(pend, RELEASE_CTA)
                 pending = False
             rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
             sem = SEM + (bh * nq + t) + zero_c                                   # [THREADS]
@@ -340,9 +360,9 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
             sem = SEM + (bh * nq + t) + zero_c                                   # [THREADS]
             # the previous tile's copy: complete -> its counter released, dq_smem free
             if pending:
-                _bulk_wait_release(pend)
+                _bulk_wait_all(pend)
                 gl.thread_barrier()
-                _release_one(pend)
+                _release(pend, RELEASE_CTA)
             dq = warpgroup_mma_wait(0, deps=(dq_tok,))                           # [BM, D]
             dq2.store(dq)
             fence_async_shared()
@@ -352,10 +372,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
                 _dq_last(dq2, DQ, DQA, bh, t, rank, Sq, scale, D, BM)
                 pending = False
             else:
-                if rank == 0:
-                    tma.async_copy_shared_to_global(dqa_desc, [bh, t * BM, 0], dq_smem)
-                else:
-                    _tma_reduce_add(dqa_desc, [bh, t * BM, 0], dq_smem)
+                _add_partial(dqa_desc, dq_smem, bh, t, rank, BM)
                 pend = sem
                 pending = True
         # every product of the tile done (no accumulator in flight across the loop's back
@@ -364,16 +381,13 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2
     if WITH_DQ:
         if staged:
             _spin_acquire(stg_sem, zero_c + stg_rank)
-            if stg_rank == 0:
-                tma.async_copy_shared_to_global(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
-            else:
-                _tma_reduce_add(dqa_desc, [stg_bh, stg_t * BM, 0], dq_smem)
+            _add_partial(dqa_desc, dq_smem, stg_bh, stg_t, stg_rank, BM)
             pend = stg_sem
             pending = True
         if pending:
-            _bulk_wait_release(pend)
+            _bulk_wait_all(pend)
             gl.thread_barrier()
-            _release_one(pend)
+            _release(pend, RELEASE_CTA)
 
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(q_bar.index(st))

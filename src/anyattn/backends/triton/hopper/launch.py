@@ -380,6 +380,35 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
     return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats, p=p)
 
 
+def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tuple:
+    """The backward launchers' shared part -> (lo, hi, dk, dv, dq): the band of p.mask
+    clipped to +-2^30 (open sides: +-2^30); dk / dv [B, Hkv, Sk, D] and, when with_dq,
+    dq [B, H, Sq, D] (else dq comes back as given) in q's dtype, allocated where None,
+    else checked (shape, dtype, contiguous); l2 [B, H, 2, Sq] and delta [B, H, Sq]
+    checked (fp32, contiguous).  ValueError on a mismatch."""
+    rm_ = p.mask
+    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
+    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    dev, dt = q.device, q.dtype
+    kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
+    dk = torch.empty(kshape, dtype=dt, device=dev) if dk is None else dk
+    dv = torch.empty(kshape, dtype=dt, device=dev) if dv is None else dv
+    bufs = [("dk", dk, kshape), ("dv", dv, kshape)]
+    if with_dq:
+        dq = torch.empty(qshape, dtype=dt, device=dev) if dq is None else dq
+        bufs.append(("dq", dq, qshape))
+    for name, x, shape in bufs:
+        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != dt:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(shape)} {dt}")
+    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
+        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
+                             f"{list(want)} float32")
+    return lo, hi, dk, dv, dq
+
+
 def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_kernel.dkdv_kernel (or
     bwd_ws_kernel.dkdv_ws_kernel when cfg.ws) from the backward preprocess's l2
@@ -393,19 +422,7 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
         raise ValueError(f"dkdv() runs the dK/dV kernels; {cfg.name} is run by "
                          f"backward_fused()")
     rm_ = p.mask
-    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
-    shape = (B, Hkv, Sk, D)
-    dk = torch.empty(shape, dtype=q.dtype, device=q.device) if dk is None else dk
-    dv = torch.empty(shape, dtype=q.dtype, device=q.device) if dv is None else dv
-    for name, x in (("dk", dk), ("dv", dv)):
-        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != q.dtype:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(shape)} {q.dtype}")
-    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
-        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(want)} float32")
+    lo, hi, dk, dv, _ = _bwd_checks(p, q, l2, delta, dk, dv)
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
     if cfg.ws:    # two consumer warpgroups of bn / 2 key rows, one producer warp
         from .bwd_ws_kernel import dkdv_ws_kernel
@@ -521,24 +538,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                          f"want_dq=False (dq through the portable kernel)")
     with_dq = bool(want_dq)
     rm_ = p.mask
-    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
-    dev, dt = q.device, q.dtype
-    kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
-    dk = torch.empty(kshape, dtype=dt, device=dev) if dk is None else dk
-    dv = torch.empty(kshape, dtype=dt, device=dev) if dv is None else dv
-    bufs = [("dk", dk, kshape), ("dv", dv, kshape)]
-    if with_dq:
-        dq = torch.empty(qshape, dtype=dt, device=dev) if dq is None else dq
-        bufs.append(("dq", dq, qshape))
-    for name, x, shape in bufs:
-        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != dt:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(shape)} {dt}")
-    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
-        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(want)} float32")
+    lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, with_dq)
+    dev = q.device
     nq = triton.cdiv(Sq, cfg.bm)
     order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
     if order not in (0, 1):
@@ -582,21 +583,8 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     rm_ = p.mask
-    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
-    dev, dt = q.device, q.dtype
-    kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
-    dk = torch.empty(kshape, dtype=dt, device=dev) if dk is None else dk
-    dv = torch.empty(kshape, dtype=dt, device=dev) if dv is None else dv
-    dq = torch.empty(qshape, dtype=dt, device=dev) if dq is None else dq
-    for name, x, shape in (("dk", dk, kshape), ("dv", dv, kshape), ("dq", dq, qshape)):
-        if tuple(x.shape) != shape or not x.is_contiguous() or x.dtype != dt:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(shape)} {dt}")
-    for name, x, want in (("l2", l2, (B, H, 2, Sq)), ("delta", delta, (B, H, Sq))):
-        if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
-                             f"{list(want)} float32")
+    lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, True)
+    dev = q.device
     order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
     if order not in (0, 1):
         raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")

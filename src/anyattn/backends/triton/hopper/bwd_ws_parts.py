@@ -1,0 +1,242 @@
+"""The partitions of the warp-specialised Gluon backward kernels for Hopper (sm_90a):
+the TMA producer warp and the consumer warpgroup, shared by bwd_ws_kernel (dK / dV) and
+bwd_ws_dq_kernel (dK / dV and the staged dQ partials, WITH_DQ); the module docs of those
+two kernels describe the schedules.
+
+Shape legend: G = H / Hkv, Sq / Sk queries / keys, D head dim, RN = 64 key rows per
+consumer, BM = 64 the query tile, STAGES the depth of the Q / dO ring, DQC the columns of a
+staged dQ partial (D, or D / 2 with SPLIT).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+__all__ = ["tile_of", "row_stats", "producer", "consumer"]
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def tile_of(it, hk, G, s0, n_div, off):
+    """The it-th (query head, query tile) pair of the flattened loop: heads outer, the
+    query tiles of each head visited from index ``off`` on (rotated; 0: in order)."""
+    return hk * G + it // n_div, s0 + (it % n_div + off) % n_div
+
+
+@gluon.jit
+def row_stats(L2, DELTA, bh, t, Sq, offs_mb, BM: gl.constexpr):
+    """Rows of query tile t of head bh: max (+inf past Sq), log2(e) * log_norm, delta
+    -> three [BM]."""
+    bh64 = bh.to(gl.int64)
+    offs_m = t * BM + offs_mb
+    inb = offs_m < Sq
+    mx = gl.load(L2 + bh64 * (2 * Sq) + offs_m, mask=inb, other=float("inf"))
+    ln2 = gl.load(L2 + bh64 * (2 * Sq) + Sq + offs_m, mask=inb, other=0.0)
+    dlt = gl.load(DELTA + bh64 * Sq + offs_m, mask=inb, other=0.0)
+    return mx, ln2, dlt
+
+
+@gluon.jit
+def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0, n_div,
+             off, n_tot, STAGES: gl.constexpr, BM: gl.constexpr):
+    """Q and dO of tile it into stage it % STAGES once both consumers released that
+    stage's previous tile (the first pass waits on the phase before init: free)."""
+    for it in range(0, n_tot):
+        st = it % STAGES
+        h, t = tile_of(it, hk, G, s0, n_div, off)
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_bar.index(st), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, t * BM, 0], q_bar.index(st),
+                                        q_smem.index(st))
+        mbarrier.expect(do_bar.index(st), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, t * BM, 0], do_bar.index(st),
+                                        do_smem.index(st))
+
+
+@gluon.jit
+def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: consumer WG's k-th turn (0, 1, 0, 1, ...: consumer 0's first is free)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(1), k & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: hand the tensor cores to the other consumer."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, p_smem,
+             ds_smem, dqs, kv_bar, q_bar, do_bar, empty, turn, dq_full, dq_empty, ds_bar, L2,
+             DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
+             HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+             PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, PREFETCH: gl.constexpr,
+             SPLIT: gl.constexpr, LAG: gl.constexpr):
+    """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
+    the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
+    the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
+    dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None."""
+    BM: gl.constexpr = q_smem.shape[3]
+    D: gl.constexpr = q_smem.shape[4]
+    RN: gl.constexpr = k_smem.shape[3]
+    dt: gl.constexpr = q_smem.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, RN, 16])      # [BM, RN]
+    a_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])       # [RN|BM, D]
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)                                 # [BM]
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)                                 # [RN]
+
+    r0 = j0 + WG * RN
+    k_own = k_smem.index(WG)                                                     # [1, 1, RN, D]
+    v_own = v_smem.index(WG)
+    kb = kv_bar.index(WG)
+    mbarrier.expect(kb, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, r0, 0], kb, k_own)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, r0, 0], kb, v_own)
+    k2 = k_own.reshape([RN, D])                                                  # [RN, D]
+    kT = k2.permute((1, 0))                                                      # [D, RN]
+    vT = v_own.reshape([RN, D]).permute((1, 0))                                  # [D, RN]
+    p_own = p_smem.index(WG)                                                     # [BM, RN]
+    ds_own = ds_smem.index(WG)
+    if WITH_DQ:
+        DQC: gl.constexpr = dqs.shape[3]                 # D, or DH = D / 2 with SPLIT
+        dq_own = dqs.index(WG).reshape([BM, DQC])                                # fp32 [BM, DQC]
+        q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, DQC, 16])  # [BM, DQC]
+        if SPLIT:   # this consumer's column half of both key halves, [RN, DH] each
+            k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
+            k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
+
+    offs_mb = gl.arange(0, BM, layout=row_s)
+    zero_s = gl.zeros([BM, RN], gl.float32, layout=s_l)
+    if WITH_DQ:
+        zero_q = gl.zeros([BM, DQC], gl.float32, layout=q_l)
+    dk = gl.zeros([RN, D], gl.float32, layout=a_l)
+    dv = gl.zeros([RN, D], gl.float32, layout=a_l)
+    h, t = tile_of(0, hk, G, s0, n_div, off)
+    if PREFETCH:
+        mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
+    mbarrier.wait(kb, 0)
+    if SPLIT:
+        mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
+    for it in range(0, n_tot):
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        offs_m = t * BM + offs_mb
+        q2 = q_smem.index(stg).reshape([BM, D])
+        do2 = do_smem.index(stg).reshape([BM, D])
+        mbarrier.wait(q_bar.index(stg), ph)
+        _turn_wait(turn, it, WG, PINGPONG)
+        s = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)        # [BM, RN]
+        mbarrier.wait(do_bar.index(stg), ph)
+        dp = warpgroup_mma(do2, vT, zero_s, use_acc=False, is_async=True)      # [BM, RN]
+        _turn_pass(turn, WG, PINGPONG)
+        if PREFETCH:  # the next tile's statistics (the last tile's again at the end),
+            # loaded while S / dP run
+            h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+            mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
+        s = warpgroup_mma_wait(1, deps=(s,))                                   # [BM, RN]
+        if not PREFETCH:   # this tile's row statistics, loaded once S is done
+            mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
+        s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
+        p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, RN]
+        if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
+            offs_n = r0 + gl.arange(0, RN, layout=col_s)
+            keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+            if HAS_BAND:
+                dd = offs_n[None, :] - offs_m[:, None]
+                keep = keep & (dd >= lo) & (dd <= hi)
+            p = gl.where(keep, p, 0.0)
+        p_own.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()               # the partition's 4 warps stored P
+        dv = warpgroup_mma(p_own.permute((1, 0)), do2, dv, is_async=True)      # [RN, D]
+        dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, RN]
+        if SPLIT:
+            if LAG:
+                sl = it % 3
+                if it > 0:   # the other's dS of tile it - 1 stored: this slot is free
+                    mbarrier.wait(ds_bar, (it - 1) & 1)
+            else:
+                sl = it & 1
+            ds_w = ds_smem.index(2 * sl + WG)             # this tile's slot
+        else:
+            ds_w = ds_own
+        ds_w.store((p * (dp - dlt[:, None])).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()               # ... and dS
+        if SPLIT:
+            mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
+        dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)        # [RN, D]
+        if WITH_DQ:
+            if SPLIT:
+                if LAG:   # tile it - 1's partial (both halves stored: waited above)
+                    sp = (it + 2) % 3
+                else:
+                    mbarrier.wait(ds_bar, it & 1)         # ... and the other half
+                    sp = sl
+                ds0 = ds_smem.index(2 * sp)
+                ds1 = ds_smem.index(2 * sp + 1)
+                dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)  # [BM, DH]
+                dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
+            else:
+                dq = warpgroup_mma(ds_w, k2, zero_q, use_acc=False, is_async=True)    # [BM, D]
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))          # P / dS / the stage free
+        mbarrier.arrive(empty.index(stg), count=1)
+        if WITH_DQ:
+            # the staged partial (LAG: tile it - 1's column half) once the writer has read
+            # the previous one ("dq empty"), then "dq full" (no helper function: its
+            # inlined scope's line-table labels split ptxas's scheduling regions)
+            if LAG:
+                if it > 0:
+                    mbarrier.wait(dq_empty.index(WG), ((it - 1) & 1) ^ 1)
+                    dq_own.store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(dq_full.index(WG), count=1)
+            else:
+                mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
+                dq_own.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()       # the partition's 4 warps staged dQ_w
+                mbarrier.arrive(dq_full.index(WG), count=1)
+        if PREFETCH:
+            mx, ln2, dlt = mx_n, ln2_n, dlt_n
+            t = t_n
+        else:
+            h, t = tile_of(it + 1, hk, G, s0, n_div, off)
+
+    if LAG:
+        if n_tot > 0:     # the last tile's column half
+            mbarrier.wait(ds_bar, (n_tot - 1) & 1)
+            sp = (n_tot - 1) % 3
+            dq = warpgroup_mma(ds_smem.index(2 * sp), k0c, zero_q, use_acc=False,
+                               is_async=True)                                    # [BM, DH]
+            dq = warpgroup_mma(ds_smem.index(2 * sp + 1), k1c, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.wait(dq_empty.index(WG), ((n_tot - 1) & 1) ^ 1)
+            dq_own.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(dq_full.index(WG), count=1)
+    if SPLIT:   # the other consumer's last dQ products (they read K_w) are done
+        mbarrier.arrive(ds_bar, count=1)
+        mbarrier.wait(ds_bar, n_tot & 1)
+    # epilogue: through this consumer's own K / V buffers (only its wgmmas read them;
+    # SPLIT: the other's too, done now)
+    k2.store((dk * scale).to(dt))
+    v_own.reshape([RN, D]).store(dv.to(dt))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, r0, 0], k_own)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, r0, 0], v_own)
+    tma.store_wait(pendings=0)
