@@ -5,6 +5,7 @@ Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,6 +13,12 @@ import numpy as np
 
 #: relative max-abs error allowed vs the float64 reference, by dtype (DESIGN.md §4).
 TOL = {"float64": 1e-12, "float32": 1e-5, "tf32": 3e-4, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def stable_seed(*parts) -> int:
+    """A seed from test ids that is the same in every process (``hash`` of a str is
+    salted per process, so a seed from it draws other inputs on every run)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def rel_err(got, ref) -> float:
