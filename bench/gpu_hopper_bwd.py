@@ -63,7 +63,8 @@ def _pool(D):
     configs.WS_DQ_BWD_VARIANTS) and those with one partial per key tile
     (WS_DQS_BWD_VARIANTS)."""
     out = []
-    for c in [HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]:
+    for c in ([HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]
+              + HCF.WS_DQT_BWD_VARIANTS[D]):
         if c not in out:
             out.append(c)
     return out
@@ -89,7 +90,8 @@ def configs(D, dt="bfloat16"):
     their measured numbers and are not rerun."""
     if OPT["configs"] is not None:
         return _by_names(D, OPT["configs"])
-    return [c for c in _pool(D) if c not in HCF.WS_DQS_BWD_VARIANTS[D]]
+    return [c for c in _pool(D)
+            if c not in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]]
 
 
 def diag_configs(D):

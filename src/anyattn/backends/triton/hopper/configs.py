@@ -10,7 +10,7 @@ from dataclasses import dataclass
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "bwd_config_dkdv_only",
            "dkdv_config",
            "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "BWD_VARIANTS", "WS_BWD_VARIANTS",
-           "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS"]
+           "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS", "WS_DQT_BWD_VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,9 @@ class HopperBwdConfig:
     #: split: the dQ products of a tile issued in the next tile ('l': a tile of slack
     #: between the consumers instead of lockstep; dS in three slots)
     lag: bool = False
+    #: split: the consumers compute S^T / dP^T (keys as the wgmma rows) so that P^T and
+    #: dS^T stay in registers as the A operand of dV / dK ('t'; bwd_ws_t_kernel)
+    trans: bool = False
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -215,6 +218,8 @@ class HopperBwdConfig:
                              "kernel with dq and one accumulator (ws=True, dq=True, chains=1)")
         if self.lag and not self.split:
             raise ValueError(f"{self.name}: lag is an option of split")
+        if self.trans and not (self.split and not self.lag):
+            raise ValueError(f"{self.name}: trans is an option of split without lag")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -228,7 +233,8 @@ class HopperBwdConfig:
                 f"{'q' if self.dq else ''}{self.bn}x{self.bm}s{self.stages}"
                 f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
                 f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
-                f"{'h' if self.split else ''}{'l' if self.lag else ''}")
+                f"{'h' if self.split else ''}{'l' if self.lag else ''}"
+                f"{'t' if self.trans else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -292,6 +298,13 @@ WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
                            HopperBwdConfig(128, 64, 2, ws=True, dq=True, split=True),
                            HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, lag=True)]
+                       for d in (64, 128)}
+
+#: session 9: the transposed consumers of the dQ-inside kernel (bwd_ws_t_kernel: S^T and
+#: dP^T with the consumer's keys as rows, P^T / dS^T from registers into dV / dK; FA3's
+#: layout for D=128), D -> its variants; not routed until timed
+WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                                           split=True, trans=True)]
                        for d in (64, 128)}
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ

@@ -568,6 +568,18 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     return (dq if with_dq else None), dk, dv
 
 
+def _ws_dq_kernel(cfg):
+    """The dQ-inside warp-specialised kernel of config cfg: bwd_ws_t_kernel's transposed
+    consumers (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments."""
+    if cfg.trans:
+        from .bwd_ws_t_kernel import dkdvq_ws_t_kernel
+
+        return dkdvq_ws_t_kernel
+    from .bwd_ws_dq_kernel import dkdvq_ws_kernel
+
+    return dkdvq_ws_kernel
+
+
 #: registers of bwd_ws_dq_kernel's dQ-writer warp (setmaxnreg)
 WS_DQ_WRITER_REGS = 24
 
@@ -579,7 +591,6 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     ``_diag`` (the bench's timing diagnostic only): the kernel's writer makes no adds,
     dq comes out undefined."""
     from .bwd_dq_convert import dq_convert_kernel
-    from .bwd_ws_dq_kernel import dkdvq_ws_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     rm_ = p.mask
@@ -600,7 +611,7 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     rn = cfg.bn // 2
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
-        dkdvq_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+        _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
                               dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None), l2, delta,
                               sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
