@@ -33,7 +33,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import platform
 import pstats
 import statistics
@@ -50,9 +49,11 @@ import torch  # noqa: E402
 import torch_module_bench as TMB  # noqa: E402
 
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    TMB.sync(DEV)
 
 
 def cpu_calibration(rounds: int = 7) -> dict:
@@ -176,24 +177,16 @@ def gaps(fn, inner: int) -> dict:
 
 
 class _Setting:
-    """A step run under one setting: autograd's device threads off, or an environment
-    variable set (restored after)."""
+    """A step run under one setting: autograd's device threads off, or environment
+    variables set (restored after), both around every step."""
 
     def __init__(self, fn, threads: bool = True, env: dict | None = None):
-        self.fn, self.threads, self.env = fn, threads, env or {}
+        self.fn, self.threads, self.step_env = fn, threads, env or {}
 
     def __call__(self):
-        old = {n: os.environ.get(n) for n in self.env}
-        os.environ.update(self.env)
-        try:
-            with torch.autograd.set_multithreading_enabled(self.threads):
-                self.fn()
-        finally:
-            for n, v in old.items():
-                if v is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = v
+        with TMB.set_env(self.step_env), \
+                torch.autograd.set_multithreading_enabled(self.threads):
+            self.fn()
 
 
 def _settings(fns) -> dict:
@@ -209,30 +202,13 @@ def _settings(fns) -> dict:
 
 
 def device_ms_per_step(fns, inner: int, rounds: int) -> dict:
-    """ms per step: CUDA events around ``inner`` steps back to back, rounds rotating."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    _sync()
-    res = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            _sync()
-            if not torch.cuda.is_available():      # a smoke run on the CPU (interpreter)
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                res[name].append((time.perf_counter() - t0) * 1e3 / inner)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(inner):
-                fn()
-            b.record()
-            b.synchronize()
-            res[name].append(a.elapsed_time(b) / inner)
-    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds_ms": v}
-            for name, v in res.items()}
+    """ms per step: CUDA events around ``inner`` steps back to back (the wall clock in a
+    smoke run on the CPU), rounds rotating (torch_module_bench.time_round_robin)."""
+    ts = TMB.time_round_robin(fns, DEV, rounds, warmup=3, budget_s=float("inf"),
+                              inner=inner)
+    return {name: {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3,
+                   "rounds_ms": [t * 1e3 for t in v]}
+            for name, v in ts.items()}
 
 
 def ablation(small, big, dtype, dev, args) -> dict:
@@ -262,7 +238,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = DEV
     dtype = getattr(torch, args.dtype)
     small = tuple(int(x) for x in args.small.split(","))
     big = tuple(int(x) for x in args.big.split(","))

@@ -56,14 +56,16 @@ from anyattn.torch import eager  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _sync(dev):
+def sync(dev):
+    """Wait for the GPU (a no-op on the CPU)."""
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _time_once(fn, dev, inner: int = 1):
+def time_once(fn, dev, inner: int = 1):
     """Seconds per step of ``inner`` steps run back to back (inner > 1 lets the host run
-    ahead of the GPU, as in a model, so that only overhead the GPU cannot hide shows)."""
+    ahead of the GPU, as in a model, so that only overhead the GPU cannot hide shows):
+    CUDA events on a GPU, the wall clock on the CPU.  Shared with torch_host_profile."""
     if dev.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -78,7 +80,7 @@ def _time_once(fn, dev, inner: int = 1):
     return (time.perf_counter() - t0) / inner
 
 
-class _env:
+class set_env:
     """Environment variables set for a block (restored after)."""
 
     def __init__(self, env):
@@ -110,16 +112,16 @@ def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: i
     """{name: [seconds, ...]}: the variants timed in turn, rep after rep, so that a load
     change on a shared machine hits all of them alike (stops after budget_s, >= 3 reps)."""
     for fn in fns.values():
-        with _env(getattr(fn, "env", {})):
+        with set_env(getattr(fn, "env", {})):
             for _ in range(warmup):
                 fn()
-    _sync(dev)
+    sync(dev)
     times = {n: [] for n in fns}
     t_start = time.perf_counter()
     for r in range(reps):
         for n, fn in fns.items():
-            with _env(getattr(fn, "env", {})):
-                times[n].append(_time_once(fn, dev, inner))
+            with set_env(getattr(fn, "env", {})):
+                times[n].append(time_once(fn, dev, inner))
         if time.perf_counter() - t_start > budget_s and r >= 2:
             break
     return times
@@ -252,7 +254,7 @@ def direct_bits(q, k, v, g, causal, backend):
         return (out,) + torch.autograd.grad(out, (qa, ka, va), g)
 
     plain = [step() for _ in range(3)][-1]
-    with _env({"ANYATTN_TRITON_DIRECT_LAUNCH": "1"}):
+    with set_env({"ANYATTN_TRITON_DIRECT_LAUNCH": "1"}):
         direct = [step() for _ in range(3)][-1]
     return all(torch.equal(a, b) for a, b in zip(plain, direct))
 
