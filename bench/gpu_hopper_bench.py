@@ -51,8 +51,8 @@ def fwd_variants(D, dt="bfloat16"):
     ones, --fwd-variants keeps only the named ones; fp16 checks the warp-specialised
     ones only, to bound compile time)."""
     keep = [w for w in OPT["fwd_variants"].split(",") if w]
-    extra = [c for c in (HCF.FWD_PERSIST, HCF.FWD_PERSIST_SCHED)
-             if D == 128 and c.name in keep]          # named only: not in FWD_VARIANTS
+    extra = [c for c in HCF.FWD_PERSIST_VARIANTS.get(D, [])
+             if c.name in keep]                       # named only: not in FWD_VARIANTS
     return [c for c in HCF.FWD_VARIANTS[D] + extra if (OPT["ws"] or not c.ws)
             and (not keep or c.name in keep) and (dt == "bfloat16" or c.ws)]
 

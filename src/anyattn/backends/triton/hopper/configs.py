@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "bwd_config_dkdv_only",
            "dkdv_config",
-           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "BWD_VARIANTS", "WS_BWD_VARIANTS",
+           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "FWD_PERSIST_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS",
            "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS", "WS_DQT_BWD_VARIANTS"]
 
 
@@ -148,6 +148,12 @@ FWD_PERSIST = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, ex
 #: loop length, so that live programs share heads in L2 as the per-tile kernel's do)
 FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
                                  exp_fma=True, persist=True, sched=True)
+#: D -> the persistent forward configs the bench may name (not in FWD_VARIANTS).  Session
+#: 9: D=64's band default ('ws128x128s3opf') walking the host-built schedule (sm_90a
+#: offline: 48 HGMMA, no STL / LDL, 168 registers, 131.5 KB shared, band or not)
+FWD_PERSIST_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True,
+                                          exp_fma=True, persist=True, sched=True)],
+                        128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16", mask_class: str = "band") -> HopperConfig:
