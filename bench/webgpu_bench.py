@@ -27,6 +27,7 @@ wgpu timing: N submissions of the encoded plan, then a read-back; wall / N.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -123,13 +124,19 @@ def wgpu_plan(be, q, k, v, g, mask=None, bias=None):
     return be.plan(p, q, k, v, g, bias)
 
 
-def time_plan(plan, min_s=0.3, max_n=200):
+def one_submission_s(plan):
+    """Wall seconds of one submission of an encoded plan (waited), after an untimed one."""
     plan.submit(1)
     plan.wait()
     t = time.perf_counter()
     plan.submit(1)
     plan.wait()
-    one = time.perf_counter() - t
+    return time.perf_counter() - t
+
+
+def time_plan(plan, min_s=0.3, max_n=200):
+    """(seconds per submission, n): n submissions back to back (enough for min_s), one wait."""
+    one = one_submission_s(plan)
     n = int(max(3, min(max_n, min_s / max(one, 1e-6))))
     t = time.perf_counter()
     for _ in range(n):
@@ -662,14 +669,22 @@ def _with_timestamps(be, fn):
             RESULTS["errors"].append(f"timestamps: {e}")
             log("timestamps refused:", e)
             return fn(), None
-    ts = TIMESTAMPS["rec"]
+    with timestamps_on(run, TIMESTAMPS["rec"]) as ts:
+        r = fn()
+    return r, (ts.read() / 1e6).tolist()
+
+
+@contextlib.contextmanager
+def timestamps_on(run, ts):
+    """Within: every submission of the runner ``run`` records a GPU timestamp pair into
+    ``ts`` (a webgpu.timestamps.Timestamps, reset on entry; ``ts.read() / 1e6``: device
+    ms per submission)."""
     ts.reset()
     run.timestamps = ts
     try:
-        r = fn()
+        yield ts
     finally:
         run.timestamps = None
-    return r, (ts.read() / 1e6).tolist()
 
 
 def _phase_summary(device):

@@ -27,6 +27,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import webgpu_bench as WB  # noqa: E402  (the plan, its timing, timestamps on a runner)
 
 #: nvidia-smi fields; the throttle reasons under both of their names (newer drivers call
 #: them clocks_event_reasons); whichever set the driver accepts is used
@@ -86,10 +89,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    import anyattn as aa  # noqa: F401
     from anyattn.backends.registry import get_backend
     from anyattn.backends.webgpu.timestamps import Timestamps
-    from anyattn.problem import describe
 
     be = get_backend("webgpu")
     run = be._run()
@@ -109,21 +110,13 @@ def main() -> None:
             S, D = (int(x) for x in case.split("x"))
             rng = np.random.default_rng(3)
             q, k, v, g = (rng.standard_normal((1, 8, S, D)).astype(np.float32) for _ in range(4))
-            p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
-            fwd, bwd, _, _ = be.plan(p, q, k, v, g)
+            fwd, bwd, _, _ = WB.wgpu_plan(be, q, k, v, g)
             fwd.submit(1)
-            bwd.submit(1)
-            bwd.wait()
-            t1 = time.perf_counter()
-            bwd.submit(1)
-            bwd.wait()
-            t1 = time.perf_counter() - t1
+            t1 = WB.one_submission_s(bwd)
             batch = max(1, int(0.02 / t1))    # a wait every ~20 ms of GPU work: the
-            ts = Timestamps(run)              # wall times stay within ~20 ms of the run
-            run.timestamps = ts
-            walls = []
+            walls = []                        # wall times stay within ~20 ms of the run
             t_end = time.time() + a.seconds
-            try:
+            with WB.timestamps_on(run, Timestamps(run)) as ts:
                 while time.time() < t_end:
                     walls.append(time.time())
                     bwd.submit(1)
@@ -136,8 +129,6 @@ def main() -> None:
                         ts.reset()
                 dev = ts.read() / 1e6
                 rec += [(w, case, float(x)) for w, x in zip(walls, dev)]
-            finally:
-                run.timestamps = None
             del fwd, bwd
     finally:
         time.sleep(0.5)
@@ -157,7 +148,7 @@ def main() -> None:
         w = np.array([x[0] for x in r])
         d = np.array([x[1] for x in r])
         p5 = float(np.percentile(d, 5))
-        slow = d > 1.3 * p5
+        slow = d > WB.SLOW_FACTOR * p5
         c = dict(n=len(d), min_ms=float(d.min()), p5_ms=p5, median_ms=float(np.median(d)),
                  max_ms=float(d.max()), slow=int(slow.sum()),
                  slow_spans=_spans(w, slow))
