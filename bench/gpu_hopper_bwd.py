@@ -60,11 +60,12 @@ ROUNDS = 3
 
 def _pool(D):
     """Every config this bench can run: the default, the ws configs with dq (session 8:
-    configs.WS_DQ_BWD_VARIANTS) and those with one partial per key tile
-    (WS_DQS_BWD_VARIANTS)."""
+    configs.WS_DQ_BWD_VARIANTS), those with one partial per key tile
+    (WS_DQS_BWD_VARIANTS), the transposed consumers (session 9: WS_DQT_BWD_VARIANTS) and
+    the ws dK/dV config (dQ portable: the route where the dQ-inside one is not)."""
     out = []
     for c in ([HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]
-              + HCF.WS_DQT_BWD_VARIANTS[D]):
+              + HCF.WS_DQT_BWD_VARIANTS[D] + [HCF.bwd_config_dkdv_only(D)]):
         if c not in out:
             out.append(c)
     return out
@@ -91,7 +92,8 @@ def configs(D, dt="bfloat16"):
     if OPT["configs"] is not None:
         return _by_names(D, OPT["configs"])
     return [c for c in _pool(D)
-            if c not in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]]
+            if c not in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
+            + [HCF.bwd_config_dkdv_only(D)]]
 
 
 def diag_configs(D):
@@ -157,17 +159,24 @@ def inputs(B, H, Hkv, Sq, Sk, D, dt, layout="bhsd", seed=0):
 
 # ----------------------------------------------------------------------------- compile
 class routed:
-    """Within the block, the routed Hopper backward of head dim D uses ``cfg``."""
+    """Within the block, the routed Hopper backward of head dim D uses ``cfg`` whatever
+    the mask class (configs._BWD and its (D, mask class) exceptions _BWD_BY_MASK)."""
 
     def __init__(self, cfg, D):
         self.cfg, self.D = cfg, D
 
     def __enter__(self):
         self.old = HCF._BWD[self.D]
+        self.old_by_mask = dict(HCF._BWD_BY_MASK)
         HCF._BWD[self.D] = self.cfg
+        for key in self.old_by_mask:
+            if key[0] == self.D:
+                HCF._BWD_BY_MASK[key] = self.cfg
 
     def __exit__(self, *a):
         HCF._BWD[self.D] = self.old
+        HCF._BWD_BY_MASK.clear()
+        HCF._BWD_BY_MASK.update(self.old_by_mask)
         return False
 
 

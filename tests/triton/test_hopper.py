@@ -122,10 +122,11 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
             assert cfg == HCF.bwd_config_dkdv_only(d)
 
 
-def test_d64_forward_is_routed_without_a_mask_only(monkeypatch):
-    """D=64: the forward is covered with no mask or a band, 'auto' routes it without a
-    mask only (3 consumer warpgroups), a band runs the 2-consumer config when forced, and
-    the array masks are refused at D=64 with the reason (coverage.py, configs.py)."""
+def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
+    """D=64: the forward is covered and routed by 'auto' with no mask (3 consumer
+    warpgroups) or a band (since session 9: 2 consumers in the persistent kernel on the
+    host-built schedule), and the array masks are refused at D=64 with the reason
+    (coverage.py, configs.py)."""
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF
 
@@ -133,17 +134,17 @@ def test_d64_forward_is_routed_without_a_mask_only(monkeypatch):
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
     monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
     assert HCOV.routed_by_default("forward", "none", 64)
-    assert not HCOV.routed_by_default("forward", "band", 64)
+    assert HCOV.routed_by_default("forward", "band", 64)
     assert HCOV.routed_by_default("forward", "band", 128)
     assert HCOV.routed_by_default("forward", "documents", 128)
-    for mask, routed in ((None, True), (aa.Causal(), False)):
+    for mask, routed in ((None, True), (aa.Causal(), True)):
         p = _problem(D=64, mask=mask)
         object.__setattr__(p, "device", "cuda:0")
         assert HCOV.supports(p, "forward") is None
         assert TL._use_hopper(p, "forward", None, ()) is routed, mask
     for dt in ("bfloat16", "float16"):
         assert HCF.fwd_config(64, dt, "none").name == "ws192x128s3opf"
-        assert HCF.fwd_config(64, dt, "band").name == "ws128x128s3opf"
+        assert HCF.fwd_config(64, dt, "band").name == "ws128x128s3opfPg"
         assert HCF.fwd_config(128, dt, "none") == HCF.fwd_config(128, dt, "band")
     p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
     object.__setattr__(p, "device", "cuda:0")

@@ -1,8 +1,9 @@
 """The warp-specialised Hopper backward with dQ inside (hopper/bwd_ws_dq_kernel.py, configs
-'wdkdvq…'; 'h': one partial per key tile, the column split): config rules and the offline
-sm_90a compile (CPU), dq / dk / dv against float64 with both add orders on a long key-tile
-chain, and the split configs with a band and empty rows in fp16 (sm_90 GPUs only; the
-contract grid runs 'n' too, tests/triton/test_hopper.py::test_backward_matches_float64).
+'wdkdvq…'; 'h': one partial per key tile, the column split; 't': its transposed consumers,
+hopper/bwd_ws_t_kernel.py): config rules and the offline sm_90a compile (CPU), dq / dk /
+dv against float64 with both add orders on a long key-tile chain, and the split configs
+with a band and empty rows in fp16 (sm_90 GPUs only; the contract grid runs 'n' too,
+tests/triton/test_hopper.py::test_backward_matches_float64).
 
 Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
@@ -57,10 +58,20 @@ def test_ws_dq_configs_are_data():
         with pytest.raises(ValueError, match="split"):
             HCF.HopperBwdConfig(128, 64, 2, ws=True, **{"dq": True, "prefetch": False,
                                                         "split": True, **bad})
+    t = HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False, split=True,
+                            trans=True)
+    assert t.name == "wdkdvq128x64s2nht"
+    assert t.smem_bytes(128) == h.smem_bytes(128) - 2 * 64 * 128        # no P buffers
+    for bad in (dict(split=False), dict(lag=True)):
+        with pytest.raises(ValueError, match="trans"):
+            HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
+                                **{"split": True, "trans": True, **bad})
     for d in (64, 128):
+        assert HCF.WS_DQT_BWD_VARIANTS[d] == [t]
         assert HCF.WS_DQ_BWD_VARIANTS[d][1] in HCF.BWD_VARIANTS[d]   # the contract grid's
         assert HCF.WS_DQS_BWD_VARIANTS[d][0] == h
-        for cfg in HCF.WS_DQ_BWD_VARIANTS[d] + HCF.WS_DQS_BWD_VARIANTS[d]:
+        for cfg in (HCF.WS_DQ_BWD_VARIANTS[d] + HCF.WS_DQS_BWD_VARIANTS[d]
+                    + HCF.WS_DQT_BWD_VARIANTS[d]):
             assert cfg.ws and cfg.dq
             assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
 
@@ -97,19 +108,23 @@ def test_ws_dq_compiles_for_sm90a():
 
 
 @needs_gluon
-@pytest.mark.parametrize("D,band,i,hgmma", [(128, False, 0, 64), (64, True, 0, 48),
-                                            (128, False, 2, 80)])
-def test_ws_dq_split_compiles_for_sm90a(D, band, i, hgmma):
-    """Offline sm_90a, one partial per key tile ('nh', 'nhl'): per consumer S, dP, dV, dK
-    and two dQ products of [BM, D / 2] (dS_0 . K_0 and dS_1 . K_1 on its column half;
-    'nhl' issues the last tile's after the loop: 8 more at D=128); the writer's
-    reduce-adds; shared memory as configs.smem_bytes says (2026-12-04: 'nh' 213,536 B at
-    D=128 vs the two-partial kernel's 229,896); no spills at D=64, few at D=128 (104 / 160
-    stack bytes)."""
+@pytest.mark.parametrize("D,band,name,hgmma,stack", [
+    (128, False, "wdkdvq128x64s2nh", 64, 192), (64, True, "wdkdvq128x64s2nh", 48, 0),
+    (128, False, "wdkdvq128x64s2nhl", 80, 192), (128, True, "wdkdvq128x64s2nht", 64, 256),
+    (64, True, "wdkdvq128x64s2nht", 48, 0)])
+def test_ws_dq_split_compiles_for_sm90a(D, band, name, hgmma, stack):
+    """Offline sm_90a, one partial per key tile ('nh', 'nhl'; 't': the transposed
+    consumers, bwd_ws_t_kernel): per consumer S (S^T), dP (dP^T), dV, dK and two dQ
+    products of [BM, D / 2] (dS_0 . K_0 and dS_1 . K_1 on its column half; 'nhl' issues
+    the last tile's after the loop: 8 more at D=128); the writer's reduce-adds; shared
+    memory as configs.smem_bytes says (2026-12-04: 'nh' 213,536 B at D=128 vs the
+    two-partial kernel's 229,896; 'nht' 197,136); no spills at D=64, few at D=128 (104 /
+    160 stack bytes; 'nht' with a band 240)."""
     from anyattn.backends.triton.hopper import bwd_offline as BO
     from anyattn.backends.triton.hopper.offline import sass_of
 
-    cfg = HCF.WS_DQS_BWD_VARIANTS[D][i]
+    cfg = next(c for c in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
+               if c.name == name)
     c = BO.compile_dkdvq_ws("bfloat16", D, band, cfg)
     f = BO.ws_facts(c)
     assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
@@ -118,27 +133,38 @@ def test_ws_dq_split_compiles_for_sm90a(D, band, i, hgmma):
     if sass:
         assert f["sass_HGMMA"] == hgmma and f["sass_HMMA"] == 0, f
         assert re.search(r"\bUTMAREDG", sass), "no bulk reduce-add"
-        assert f["stack_bytes"] <= (192 if D == 128 else 0), f
+        assert f["stack_bytes"] <= stack, f
 
 
 # ----------------------------------------------------------------------------- GPU
+#: the GPU cases: (B, H, Hkv, Sq, Sk, dtype, mask, seed, the config lists)
+_GPU_CASES = {
+    # many key tiles per query tile (Sk 3000: 24 key tiles, 16 query tiles), GQA 2
+    "long-none": (1, 4, 2, 1000, 3000, "bfloat16", None, 11, "all"),
+    "long-causal": (1, 4, 2, 1000, 3000, "bfloat16", "causal_br", 11, "all"),
+    # a bottom-right causal band over Sq 300 > Sk 200 (empty rows), GQA 2, fp16
+    "band-empty-rows-fp16": (2, 4, 2, 300, 200, "float16", "causal_br", 12, "split"),
+}
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", ["none", "causal"])
-def test_ws_dq_long_chain_both_orders(D, kind):
-    """Many key tiles per query tile (Sk 3000: 24 key tiles, 16 query tiles, GQA 2): dq /
-    dk / dv of every ws dq config within bf16 tolerance of float64 into NaN-poisoned
-    buffers, with the rotated order (1) and the ascending one (0), each bitwise
-    repeatable."""
+@pytest.mark.parametrize("case", list(_GPU_CASES))
+def test_ws_dq_against_float64(D, case):
+    """dq / dk / dv of the ws dq configs within the dtype's tolerance of float64 into
+    NaN-poisoned buffers, with the rotated add order (1) and the ascending one (0), each
+    bitwise repeatable: every config (two partials, split 'h' / 'l', transposed 't') on
+    the long chains, the split ones with the band and empty rows, and there dk / dv alone
+    too (want_dq=False: the same consumers without dq, bwd_ws_kernel)."""
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import launch as HL
 
-    B, H, Hkv, Sq, Sk = 1, 4, 2, 1000, 3000
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(torch.bfloat16)
+    B, H, Hkv, Sq, Sk, dt, kind, seed, which = _GPU_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(getattr(torch, dt))
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
-    mask = aa.Causal(align="bottom_right") if kind == "causal" else None
+    mask = aa.Causal(align="bottom_right") if kind == "causal_br" else None
     p = describe(q, k, v, mask=mask)
     out, rs = TL.forward(p, q, k, v, None)
     dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
@@ -150,53 +176,19 @@ def test_ws_dq_long_chain_both_orders(D, kind):
     mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
     l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    for cfg in HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]:
+    cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
+    if which == "all":
+        cfgs = HCF.WS_DQ_BWD_VARIANTS[D] + cfgs
+    for cfg in cfgs:
         for order in (1, 0):
             runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
                                       cfg=cfg, order=order) for _ in range(2)]
             for i, n in enumerate(("dq", "dk", "dv")):
                 assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
-                assert_close(runs[0][i], getattr(rg, n), "bfloat16",
-                             f"{n} {cfg.name} order {order}")
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("D", [64, 128])
-def test_ws_dq_split_band_empty_rows_fp16(D):
-    """The split configs ('h': one partial per key tile; 'l': its products a tile late)
-    in fp16 with a bottom-right causal band over Sq 300 > Sk 200 (empty rows) and GQA 2:
-    dq / dk / dv within fp16 tolerance of float64 into NaN-poisoned buffers, bitwise
-    repeatable, both orders."""
-    from anyattn.backends.triton import launch as TL
-    from anyattn.backends.triton.hopper import launch as HL
-
-    B, H, Hkv, Sq, Sk = 2, 4, 2, 300, 200
-    g = torch.Generator(device="cuda").manual_seed(12)
-    q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(torch.float16)
-               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
-    mask = aa.Causal(align="bottom_right")
-    p = describe(q, k, v, mask=mask)
-    out, rs = TL.forward(p, q, k, v, None)
-    dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
-    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
-    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
-    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
-                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
-    delta = (out.float() * dout.float()).sum(-1).contiguous()
-    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
-    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
-    nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    for cfg in HCF.WS_DQS_BWD_VARIANTS[D]:
-        for order in (1, 0):
-            runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
-                                      cfg=cfg, order=order) for _ in range(2)]
-            for i, n in enumerate(("dq", "dk", "dv")):
-                assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
-                assert_close(runs[0][i], getattr(rg, n), "float16",
-                             f"{n} {cfg.name} order {order}")
-        # dk / dv alone (want_dq=False): the same consumers without dq (bwd_ws_kernel)
-        none, dk, dv = HL.backward_fused(p, q, k, v, dout, l2, delta, cfg=cfg, want_dq=False)
-        assert none is None
-        assert_close(dk, rg.dk, "float16", f"dk {cfg.name} without dq")
-        assert_close(dv, rg.dv, "float16", f"dv {cfg.name} without dq")
+                assert_close(runs[0][i], getattr(rg, n), dt, f"{n} {cfg.name} order {order}")
+        if which == "split":   # dk / dv alone (want_dq=False)
+            none, dk, dv = HL.backward_fused(p, q, k, v, dout, l2, delta, cfg=cfg,
+                                             want_dq=False)
+            assert none is None
+            assert_close(dk, rg.dk, dt, f"dk {cfg.name} without dq")
+            assert_close(dv, rg.dv, dt, f"dv {cfg.name} without dq")

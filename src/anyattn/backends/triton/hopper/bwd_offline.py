@@ -47,16 +47,15 @@ def compile_dkdv_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fals
 
 def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
                      cfg=None, writer_regs: int = None):
-    """triton.compile of bwd_ws_dq_kernel.dkdvq_ws_kernel (a ws config with dq) for sm_90a
-    -> CompiledKernel."""
+    """triton.compile of bwd_ws_dq_kernel.dkdvq_ws_kernel (a ws config with dq; trans:
+    bwd_ws_t_kernel.dkdvq_ws_t_kernel) for sm_90a -> CompiledKernel."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from .bwd_ws_dq_kernel import dkdvq_ws_kernel
-    from .launch import WS_DQ_WRITER_REGS, dqa_desc, make_desc
+    from .launch import WS_DQ_WRITER_REGS, _ws_dq_kernel, dqa_desc, make_desc
 
     if cfg is None or not (cfg.ws and cfg.dq):
         raise ValueError(f"compile_dkdvq_ws needs a ws config with dq, got {cfg}")
@@ -76,7 +75,7 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
             cfg.chains, False, cfg.split, cfg.lag, 4]
     sig = dict(zip(names, types + ["constexpr"] * len(vals)))
     consts = {(len(types) + i,): v for i, v in enumerate(vals)}
-    src = GluonASTSource(dkdvq_ws_kernel, sig, constexprs=consts)
+    src = GluonASTSource(_ws_dq_kernel(cfg), sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
 
 

@@ -93,8 +93,17 @@ _FWD = {64: HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True, exp_
 #: query rows at 160 registers ('ws192x128s3opf': 448 / 503 TFLOP/s at S=2k / 8k, bf16,
 #: vs portable 389 / 408 and cuDNN 449 / 465; with a causal band it drops to 204 / 385,
 #: the tail of its 192-row tiles, hence the mask in the key)
+#: with a band (session 9, H200 2026-12-04 09:55 UTC, docs/perf/hopper-fwd-h200-
+#: 2026-12-04-s9.json): the band default's loop in the persistent kernel walking the
+#: host-built schedule ('ws128x128s3opfPg', longest tiles first), causal TFLOP/s at S=2k /
+#: 4k / 8k 334 / 389 / 420 (fp16 4k 388) vs the per-tile 'ws128x128s3opf' 305 / 367 /
+#: 407 and portable 305 / 348 / 368: faster than both in every rotated pass (cuDNN 376 /
+#: 404 / 427)
+_FWD_D64_BAND = HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True, exp_fma=True,
+                             persist=True, sched=True)
 _FWD_BY_MASK = {(64, "none"): HopperConfig(192, 128, 3, consumer_regs=160, ws=True,
-                                           overlap=True, pingpong=True, exp_fma=True)}
+                                           overlap=True, pingpong=True, exp_fma=True),
+                (64, "band"): _FWD_D64_BAND}
 #: (D, dtype) exceptions to _FWD (none now).  fp16 at D=128 runs the bf16 default since
 #: session 6: float64 checks of ws128x128s2opf in fp16 on every mask kind (none, causal
 #: both alignments, two windows, empty rows, [B, S, H, D] strides; GQA, odd sizes) within
@@ -149,11 +158,11 @@ FWD_PERSIST = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, ex
 FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
                                  exp_fma=True, persist=True, sched=True)
 #: D -> the persistent forward configs the bench may name (not in FWD_VARIANTS).  Session
-#: 9: D=64's band default ('ws128x128s3opf') walking the host-built schedule (sm_90a
-#: offline: 48 HGMMA, no STL / LDL, 168 registers, 131.5 KB shared, band or not)
-FWD_PERSIST_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True,
-                                          exp_fma=True, persist=True, sched=True)],
-                        128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
+#: 9: D=64's band config (_FWD_BY_MASK; sm_90a offline: 48 HGMMA, no STL / LDL, 168
+#: registers, 131.5 KB shared, band or not).  D=128's scheduled walk at S=2k / 8k (H200
+#: 2026-12-04 09:55 UTC, bf16 and fp16): +2-3 % at S=2k, -1 to +1 % at 8k, passes mixed
+#: with the per-tile default's: not routed
+FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND], 128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16", mask_class: str = "band") -> HopperConfig:
@@ -249,6 +258,7 @@ class HopperBwdConfig:
         extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq and not self.split else 0
         extra += 4 * self.bm * d + elem * self.bm * self.bn if self.split else 0
         extra += elem * self.bm * self.bn if self.lag else 0     # a third dS slot
+        extra -= elem * self.bm * self.bn if self.trans else 0   # no P buffers
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -308,7 +318,10 @@ WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 
 #: session 9: the transposed consumers of the dQ-inside kernel (bwd_ws_t_kernel: S^T and
 #: dP^T with the consumer's keys as rows, P^T / dS^T from registers into dV / dK; FA3's
-#: layout for D=128), D -> its variants; not routed until timed
+#: layout for D=128), D -> its variants; not routed until timed.  Offline sm_90a
+#: (2026-12-04, bf16): 64 / 48 HGMMA at D=128 / 64, 197,136 B shared at D=128 (no P
+#: buffers: 16 KB under 'nh'), consumer loops 7 STL / 15-24 LDL at D=128 (band 24-25 /
+#: 39), none at D=64 (the queries' statistics are per column now: 16 registers a vector)
 WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, trans=True)]
                        for d in (64, 128)}

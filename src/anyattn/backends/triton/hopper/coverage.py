@@ -60,12 +60,16 @@ COVERAGE = {
                         # schedule with P in registers wins, the mask choosing the tile
                         # (configs.fwd_config): ws192x128s3opf 1.15 / 1.23x portable with
                         # no mask (1.00 / 1.08x cuDNN); with a causal band
-                        # ws128x128s3opf 1.005 / 1.10x, even at S=2k, so bands stay
-                        # portable under 'auto'.  The array masks (Documents / KeepMask)
-                        # were never checked at D=64: not covered there
+                        # ws128x128s3opf 1.005 / 1.10x, even at S=2k.  Session 9 (H200
+                        # 2026-12-04 09:55 UTC, hopper-fwd-h200-2026-12-04-s9.json): its
+                        # loop in the persistent kernel on the host-built schedule
+                        # (ws128x128s3opfPg) 1.10 / 1.12 / 1.14x portable causal at S=2k /
+                        # 4k / 8k (fp16 4k 1.15x), every pass: bands routed.  Windows at
+                        # D=64 take the same config, untimed.  The array masks
+                        # (Documents / KeepMask) were never checked at D=64: not covered
                         head_dims=frozenset({64, 128}),
                         mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
-                        auto_mask_classes_by_head_dim=((64, frozenset({"none"})),),
+                        auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
                         # Documents / KeepMask (session 7): the range table at the 128 x
                         # 128 tile, document key intervals / ids / keep bytes on edge tiles
                         # only (fwd_masks.py).  Routed by 'auto' where the H200 showed it

@@ -232,6 +232,13 @@ class FwdLaunch:
             # kernel's own head-major round robin, so SCHED is off there (same walk)
             if cfg.sched and rm_.has_band:
                 self.sched = (Sq, Sk, lo, hi, cfg.bm, cfg.bn, B * H, self.grid[0])
+                # under CUDA graph capture a schedule not built yet cannot be copied to
+                # the device (a host copy): that call runs the per-tile kernel of the
+                # same loop instead, whose results are bitwise the same
+                import dataclasses
+
+                self.per_tile = FwdLaunch(p, dataclasses.replace(cfg, persist=False,
+                                                                  sched=False))
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
                            EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
@@ -286,6 +293,9 @@ class FwdLaunch:
         """-> out, RowStats(max, log_norm) (see forward).  ``p``: the call's Problem,
         needed where its mask is Documents / KeepMask (their contents are per call)."""
         dev = q.device
+        if self.sched is not None and not schedule_ready(*self.sched, device=dev) \
+                and torch.cuda.is_current_stream_capturing():
+            return self.per_tile(q, k, v, out, stats, p)
         if out is None:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         if stats is None:
@@ -313,6 +323,11 @@ def _band_key_tiles(Sq, Sk, lo, hi, bm, bn):
 #: persist_schedule's tensors per (its arguments, device)
 _sched_cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
 _SCHED_CACHE = 32
+
+
+def schedule_ready(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1) -> bool:
+    """Whether persist_schedule's tensor for these arguments is built (cached)."""
+    return (Sq, Sk, lo, hi, bm, bn, BH, P, str(device), tile_cost) in _sched_cache
 
 
 def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):

@@ -1,0 +1,176 @@
+"""The transposed consumer warpgroup of the warp-specialised Hopper backward with dQ inside
+(bwd_ws_t_kernel; sm_90a): bwd_ws_parts.consumer's SPLIT schedule with the consumer's
+keys as the wgmma rows, so that P^T and dS^T stay in registers as the A operand of the
+dV / dK products (FA3's layout for the hdim-128 backward).
+
+Per query tile, consumer w (key rows K_w, V_w [RN, D] in its own shared buffers):
+    S^T  = K_w . Q^T                       [RN, BM]   A = K_w smem, B = Q^T (permuted view)
+    dP^T = V_w . dO^T                      [RN, BM]
+    P^T  = exp2((S^T * scale - m[q]) * log2 e - ln2[q])   the row statistics of the
+           queries are per COLUMN now ([BM] vectors in SliceLayout(0, acc))
+    dS^T = P^T * (dP^T - delta[q])         [RN, BM]
+    dV_w += P^T . dO                       [RN, D]    A = P^T in registers (bf16 / fp16)
+    dK_w += dS^T . Q                       [RN, D]    A = dS^T in registers
+    dS^T -> shared (slot 2 * (it & 1) + w, [RN, BM]), "ds ready", then the column half w
+    of the key tile's dQ partial from both consumers' dS (read permuted: [BM, RN]):
+    dQ[:, cols_w] = dS_0 . K_0[:, cols_w] + dS_1 . K_1[:, cols_w]     [BM, DH]
+staged in fp32 for the dQ writer (bwd_ws_dq_kernel._writer) as bwd_ws_parts.consumer
+does.  Against that consumer: no P store (nor its fence and barrier) and no shared reads
+of P / dS for dV / dK; dS is still stored once (the dQ products need both halves).
+
+Shape legend: RN = 64 key rows per consumer, BM = 64 the query tile, D head dim, DH =
+D / 2 the staged dQ columns, STAGES the depth of the Q / dO ring.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from .bwd_ws_parts import LOG2E, row_stats, tile_of
+
+__all__ = ["consumer_t"]
+
+
+@gluon.jit
+def col_stats(L2, bh, t, Sq, offs_mb, BM: gl.constexpr):
+    """Max (+inf past Sq) and log2(e) * log_norm of query tile t of head bh -> two [BM]
+    (the layout of offs_mb)."""
+    bh64 = bh.to(gl.int64)
+    offs_m = t * BM + offs_mb
+    inb = offs_m < Sq
+    mx = gl.load(L2 + bh64 * (2 * Sq) + offs_m, mask=inb, other=float("inf"))
+    ln2 = gl.load(L2 + bh64 * (2 * Sq) + Sq + offs_m, mask=inb, other=0.0)
+    return mx, ln2
+
+
+@gluon.jit
+def col_delta(DELTA, bh, t, Sq, offs_mb):
+    """Delta of query tile t of head bh -> [BM] (0 past Sq)."""
+    offs_m = t * offs_mb.shape[0] + offs_mb
+    return gl.load(DELTA + bh.to(gl.int64) * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+
+
+@gluon.jit
+def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+               dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
+               hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
+               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+               PREFETCH: gl.constexpr):
+    """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
+    the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
+    through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
+    2 * parity + consumer); dqs [2, 1, BM, DH] fp32.  PREFETCH: the next tile's row
+    statistics loaded under the current S^T / dP^T (else each tile's own once S^T is
+    done)."""
+    BM: gl.constexpr = q_smem.shape[3]
+    D: gl.constexpr = q_smem.shape[4]
+    RN: gl.constexpr = k_smem.shape[3]
+    DH: gl.constexpr = dqs.shape[3]
+    dt: gl.constexpr = q_smem.dtype
+    st_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, BM, 16])     # [RN, BM]
+    a_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])       # [RN, D]
+    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_l, k_width=2)
+    q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, DH, 16])      # [BM, DH]
+    key_s: gl.constexpr = gl.SliceLayout(1, st_l)                                # [RN]
+    qry_s: gl.constexpr = gl.SliceLayout(0, st_l)                                # [BM]
+
+    r0 = j0 + WG * RN
+    k_own = k_smem.index(WG)                                                     # [1, 1, RN, D]
+    v_own = v_smem.index(WG)
+    kb = kv_bar.index(WG)
+    mbarrier.expect(kb, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, r0, 0], kb, k_own)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, r0, 0], kb, v_own)
+    k2 = k_own.reshape([RN, D])                                                  # [RN, D]
+    v2 = v_own.reshape([RN, D])                                                  # [RN, D]
+    dq_own = dqs.index(WG).reshape([BM, DH])                                     # fp32 [BM, DH]
+    # this consumer's column half of both key halves (B of the dQ products), [RN, DH]
+    k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DH, DH, dim=1)
+    k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DH, DH, dim=1)
+
+    offs_mb = gl.arange(0, BM, layout=qry_s)
+    zero_s = gl.zeros([RN, BM], gl.float32, layout=st_l)
+    zero_q = gl.zeros([BM, DH], gl.float32, layout=q_l)
+    dk = gl.zeros([RN, D], gl.float32, layout=a_l)
+    dv = gl.zeros([RN, D], gl.float32, layout=a_l)
+    h, t = tile_of(0, hk, G, s0, n_div, off)
+    if PREFETCH:
+        mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
+    mbarrier.wait(kb, 0)
+    mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
+    for it in range(0, n_tot):
+        stg = it % STAGES
+        ph = (it // STAGES) & 1
+        offs_m = t * BM + offs_mb                                                # [BM]
+        q2 = q_smem.index(stg).reshape([BM, D])                                  # [BM, D]
+        do2 = do_smem.index(stg).reshape([BM, D])
+        mbarrier.wait(q_bar.index(stg), ph)
+        st = warpgroup_mma(k2, q2.permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)                                        # [RN, BM]
+        mbarrier.wait(do_bar.index(stg), ph)
+        dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
+                            is_async=True)                                       # [RN, BM]
+        if PREFETCH:  # the next tile's statistics (the last tile's again at the end)
+            h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+            mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
+        st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
+        if not PREFETCH:   # this tile's max and log_norm, loaded once S^T is done
+            mx, ln2 = col_stats(L2, b * H + h, t, Sq, offs_mb, BM)
+        st = gl.fma(st, scale, 0.0)       # (an fma: never contracted into the next line)
+        pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])                  # [RN, BM]
+        if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
+            offs_n = r0 + gl.arange(0, RN, layout=key_s)                         # [RN]
+            keep = (offs_n < Sk)[:, None] & (offs_m < Sq)[None, :]
+            if HAS_BAND:
+                dd = offs_n[:, None] - offs_m[None, :]
+                keep = keep & (dd >= lo) & (dd <= hi)
+            pt = gl.where(keep, pt, 0.0)
+        pt16 = gl.convert_layout(pt.to(dt), op_l)                                # [RN, BM]
+        dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
+        if not PREFETCH:   # ... and delta, once the max and log_norm are dead
+            dlt = col_delta(DELTA, b * H + h, t, Sq, offs_mb)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))                                 # [RN, BM]
+        dst = (pt * (dpt - dlt[None, :])).to(dt)                                 # [RN, BM]
+        dst16 = gl.convert_layout(dst, op_l)                                     # [RN, BM]
+        dk = warpgroup_mma(dst16, q2, dk, is_async=True)                         # [RN, D]
+        sl = it & 1
+        ds_w = ds_smem.index(2 * sl + WG)                 # this tile's slot, [RN, BM]
+        ds_w.store(dst)
+        fence_async_shared()
+        gl.thread_barrier()               # the partition's 4 warps stored dS^T
+        mbarrier.arrive(ds_bar, count=1)                  # this half of dS is stored
+        mbarrier.wait(ds_bar, it & 1)                     # ... and the other half
+        ds0 = ds_smem.index(2 * sl).permute((1, 0))                              # [BM, RN]
+        ds1 = ds_smem.index(2 * sl + 1).permute((1, 0))
+        dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)       # [BM, DH]
+        dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                          # [BM, DH]
+        dk, dv, dq, pt16, dst16 = warpgroup_mma_wait(
+            0, deps=(dk, dv, dq, pt16, dst16))            # the stage and dS^T free
+        mbarrier.arrive(empty.index(stg), count=1)
+        # the staged column half once the writer has read the previous one ("dq
+        # empty"), then "dq full" (inline: a helper's scope splits ptxas's regions)
+        mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
+        dq_own.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()               # the partition's 4 warps staged dQ[:, cols_w]
+        mbarrier.arrive(dq_full.index(WG), count=1)
+        if PREFETCH:
+            mx, ln2, dlt = mx_n, ln2_n, dlt_n
+            t = t_n
+        else:
+            h, t = tile_of(it + 1, hk, G, s0, n_div, off)
+
+    # the other consumer's last dQ products (they read K_w) are done
+    mbarrier.arrive(ds_bar, count=1)
+    mbarrier.wait(ds_bar, n_tot & 1)
+    # epilogue: through this consumer's own K / V buffers
+    k2.store((dk * scale).to(dt))
+    v2.store(dv.to(dt))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, r0, 0], k_own)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, r0, 0], v_own)
+    tma.store_wait(pendings=0)
