@@ -8,7 +8,7 @@ Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import numpy as np
 import pytest
@@ -203,15 +203,6 @@ def _persist_cfg():
     return HCF.FWD_PERSIST
 
 
-#: the persistent forward hung in session 7 (fixed in session 8 and checked on 4 bf16
-#: cases, bench/gpu_s8_fwd_check.py); these tests have not run yet: they run only when
-#: asked, so that a remaining hang (fp16, array masks) cannot stall the GPU suite
-needs_persist_opt_in = pytest.mark.skipif(
-    os.environ.get("ANYATTN_TEST_PERSIST") != "1",
-    reason="the persistent Hopper forward's tests have not run on a GPU yet: set "
-           "ANYATTN_TEST_PERSIST=1")
-
-
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("persist", [False, True])
@@ -223,9 +214,6 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
     two runs bitwise equal."""
     from anyattn.backends.triton.hopper import launch as HL
 
-    if persist and os.environ.get("ANYATTN_TEST_PERSIST") != "1":
-        pytest.skip("the persistent Hopper forward's tests have not run on a GPU yet: "
-                    "set ANYATTN_TEST_PERSIST=1")
     cfg = _persist_cfg() if persist else None
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
@@ -261,7 +249,6 @@ def _gpu_masks(Sq, Sk):
 
 @pytest.mark.gpu
 @needs_sm90
-@needs_persist_opt_in
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window", "docs_causal"])
 @pytest.mark.parametrize("Sq,Sk", [(600, 600), (520, 777)])
@@ -300,6 +287,73 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     assert_close(o, ro, dtype, "out")
     lse = to_np(rs.max + rs.log_norm).astype(np.float64)
     assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["causal", "causal_br", "window"])
+def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
+    """D=64 with a band routes the persistent kernel on the host-built schedule
+    (configs._FWD_BY_MASK): bitwise the per-tile kernel of the same loop, within
+    tolerance of float64, every element written (poisoned), GQA, Sq != Sk."""
+    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+
+    Sq, Sk = 520, 777
+    mask = _gpu_masks(Sq, Sk)[kind]
+    g = torch.Generator(device="cuda").manual_seed(13)
+    dt = getattr(torch, dtype)
+    B, H, Hkv = 2, 8, 2
+    q, k, v = (torch.randn(B, h, s, 64, device="cuda", generator=g).to(dt)
+               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    p = describe(q, k, v, mask=mask)
+    cfg = HCF.fwd_config(64, dtype, p.mask_class)
+    assert cfg.persist and cfg.sched, cfg.name
+    per_tile = dataclasses.replace(cfg, persist=False, sched=False)
+    res = []
+    for c in (None, per_tile):
+        out = torch.full((B, H, Sq, 64), float("nan"), dtype=dt, device="cuda")
+        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
+        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=c))
+    (o, rs), (ot, rst) = res
+    assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)
+    assert torch.equal(rs.log_norm, rst.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, dtype, "out")
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_scheduled_forward_under_graph_capture_without_warmup():
+    """A scheduled persistent forward captured at a shape never run before (its schedule
+    cannot be copied to the device inside the capture) runs the per-tile loop there:
+    the replay's bits are the eager call's."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    Sq = Sk = 999
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = (torch.randn(1, 4, Sq, 64, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    p = describe(q, k, v, mask=aa.Causal())
+    prep = HL.prepare_forward(p)
+    HL.forward(p, q, k, v, cfg=prep.per_tile.cfg)   # compiled outside the capture
+    torch.cuda.synchronize()
+    HL._sched_cache.clear()
+    assert prep.sched is not None and not HL.schedule_ready(*prep.sched, device=q.device)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            o_cap, st_cap = HL.forward(p, q, k, v, prepared=prep)
+    torch.cuda.current_stream().wait_stream(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    o, st = HL.forward(p, q, k, v, prepared=prep)      # eager: the scheduled kernel
+    assert HL.schedule_ready(*prep.sched, device=q.device)
+    assert torch.equal(o_cap, o) and torch.equal(st_cap.max, st.max)
+    assert torch.equal(st_cap.log_norm, st.log_norm)
 
 
 def test_persist_schedule_deals_the_per_tile_order_greedily():
