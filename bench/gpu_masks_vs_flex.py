@@ -358,6 +358,12 @@ def run(args):
 
 
 _COV0 = None     # hopper/coverage.py's forward row as imported (the variants' base)
+_BCOV0 = None    # ... and its backward row
+_BWD_BY_MASK0 = None   # hopper/configs.py's _BWD_BY_MASK as imported
+
+#: the array-mask classes (Documents / KeepMask)
+_ARRAY_CLASSES = frozenset({"documents", "band+documents", "keep", "band+keep",
+                            "documents+keep", "band+documents+keep"})
 
 
 def _set_variant(var):
@@ -365,19 +371,27 @@ def _set_variant(var):
     triton launcher's mask lowering, launch.set_mask_lowering), 'fwdBMxBN' (the
     portable forward's tiles for bf16, e.g. fwd128x64) and 'hopfwd' / 'portfwd'
     (Documents / KeepMask forwards routed to the Hopper forward / kept portable:
-    hopper/coverage.py's auto_mask_classes), 'persist' (the Hopper forward's persistent
-    config as its D=128 default); None restores the defaults."""
+    hopper/coverage.py's auto_mask_classes), 'hopbwd' / 'hopbwdkv' / 'portbwd' (their
+    backwards routed to the Hopper backward with dQ inside, to its ws dK/dV kernel + the
+    portable dQ (configs.bwd_config_dkdv_only), or kept portable), 'persist' (the Hopper
+    forward's persistent config as its D=128 default); None restores the defaults."""
     import dataclasses
 
     from anyattn.backends.triton import configs as C
     from anyattn.backends.triton import launch
     from anyattn.backends.triton.hopper import coverage as HCOV
 
-    global _COV0
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    global _COV0, _BCOV0, _BWD_BY_MASK0
     if _COV0 is None:
         _COV0 = HCOV.COVERAGE["forward"]
+        _BCOV0 = HCOV.COVERAGE["backward"]
+        _BWD_BY_MASK0 = dict(HCF._BWD_BY_MASK)
     HCOV.COVERAGE["forward"] = _COV0
-    from anyattn.backends.triton.hopper import configs as HCF
+    HCOV.COVERAGE["backward"] = _BCOV0
+    HCF._BWD_BY_MASK.clear()
+    HCF._BWD_BY_MASK.update(_BWD_BY_MASK0)
 
     for key in [k for k in HCF._FWD_BY_DTYPE if k[0] == 128]:
         del HCF._FWD_BY_DTYPE[key]
@@ -397,6 +411,14 @@ def _set_variant(var):
                                                       "keep", "band+keep", "documents+keep",
                                                       "band+documents+keep"})
             HCOV.COVERAGE["forward"] = dataclasses.replace(_COV0, auto_mask_classes=routed)
+        elif tok in ("hopbwd", "hopbwdkv", "portbwd"):
+            base = _BCOV0.auto_classes(128) or _BCOV0.mask_classes
+            routed = (base | (_BCOV0.mask_classes & _ARRAY_CLASSES) if tok != "portbwd"
+                      else base - _ARRAY_CLASSES)
+            HCOV.COVERAGE["backward"] = dataclasses.replace(_BCOV0, auto_mask_classes=routed)
+            if tok == "hopbwdkv":
+                for mc in _ARRAY_CLASSES:
+                    HCF._BWD_BY_MASK[(128, mc)] = HCF.bwd_config_dkdv_only(128)
         elif tok.startswith("fwd") and "x" in tok:
             bm, bn = (int(x) for x in tok[3:].split("x"))
             fields["fwd"] = C.KernelConfig(bm, bn, 8, 3)
@@ -404,7 +426,7 @@ def _set_variant(var):
             lowering = tok
         else:
             raise ValueError(f"variant token {tok!r}: expected lists, ranges, fwdBMxBN, "
-                             "hopfwd, portfwd or persist")
+                             "hopfwd, portfwd, hopbwd, hopbwdkv, portbwd or persist")
     HCF._FWD_BY_DTYPE.update(persist)
     if setter is None and lowering is not None:
         raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")

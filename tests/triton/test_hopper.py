@@ -47,11 +47,14 @@ def test_coverage_reasons_name_what_is_missing(monkeypatch):
         p = _problem(**kw)
         object.__setattr__(p, "device", "cuda:0")
         assert word in HCOV.supports(p, "forward"), (kw, HCOV.supports(p, "forward"))
-    # Documents: covered by the forward (session 7), not by the backward
+    # Documents: covered by the forward (session 7) and, at D=128, the backward (session 9)
     p = _problem(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
     object.__setattr__(p, "device", "cuda:0")
     assert HCOV.supports(p, "forward") is None
-    assert "mask class documents" in HCOV.supports(p, "backward")
+    assert HCOV.supports(p, "backward") is None
+    p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
+    object.__setattr__(p, "device", "cuda:0")
+    assert "mask class documents at head_dim 64" in HCOV.supports(p, "backward")
     monkeypatch.setattr(HCOV, "_capability", lambda dev: (8, 0))
     p = _problem()
     object.__setattr__(p, "device", "cuda:0")

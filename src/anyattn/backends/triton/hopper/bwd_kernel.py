@@ -28,7 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .fwd_kernel import _cdiv_pos, _div_pos
 
-__all__ = ["dkdv_kernel", "query_tile_range", "key_tile_queries", "key_tile_program"]
+__all__ = ["dkdv_kernel", "query_tile_range", "key_tile_queries", "key_tile_program",
+           "key_tile_table"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -76,6 +77,23 @@ def key_tile_queries(j0, G, Sq, Sk, lo, hi, BM: gl.constexpr, BN: gl.constexpr,
         s1 = (Sq + BM - 1) // BM
     n_t = s1 - s0
     return s0, g0, g1, s1, G * n_t, gl.maximum(n_t, 1)
+
+
+@gluon.jit
+def key_tile_table(CT, b, hk, pid_n, ct_b, ct_h, G):
+    """key_tile_queries of a Documents / KeepMask key tile, from the column range table
+    CT int32 [Bm, Hm, nkv, 8] (launch.bwd_mask_tables: s0, g0, g1, s1, off, 0, 0, 0 per
+    key tile of (b, kv head hk); 0 strides where broadcast) -> (s0, g0, g1, s1, n_tot,
+    n_div, off): query tiles [s0, s1) (every kept one of the kv head's group), fully kept
+    in [g0, g1), visited from index off of the range on (the dQ add order's rotation)."""
+    rg = CT + 8 * (b * ct_b + hk * ct_h + pid_n)
+    s0 = gl.load(rg)
+    g0 = gl.load(rg + 1)
+    g1 = gl.load(rg + 2)
+    s1 = gl.load(rg + 3)
+    off = gl.load(rg + 4)
+    n_t = s1 - s0
+    return s0, g0, g1, s1, G * n_t, gl.maximum(n_t, 1), off
 
 
 @gluon.jit

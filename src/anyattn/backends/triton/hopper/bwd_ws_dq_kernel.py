@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .bwd_fused_kernel import (RELEASE_WARP, _add_partial, _bulk_wait_all, _release,
                                _spin_acquire, dq_rank, visit_offset)
-from .bwd_kernel import key_tile_program, key_tile_queries
+from .bwd_kernel import key_tile_program, key_tile_queries, key_tile_table
 from .bwd_ws_parts import consumer, producer, tile_of
 
 __all__ = ["dkdvq_ws_kernel"]
@@ -73,7 +73,7 @@ __all__ = ["dkdvq_ws_kernel"]
 def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0, n_div,
             off, n_tot, nq, lo, hi, ORDER, HAS_BAND: gl.constexpr, BM: gl.constexpr,
             BN: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr,
-            SPLIT: gl.constexpr):
+            SPLIT: gl.constexpr, RKc=None, nkv=0, ARRAY: gl.constexpr = False):
     """The fixed-order adds of both consumers' staged partials (module doc).  CHAINS 1:
     one accumulator, consumer 1's add after consumer 0's is complete; CHAINS 2: consumer
     w's partials into accumulator w (rows w * NBH ...) with a counter of its own, both
@@ -81,7 +81,8 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
     next tile, after its partials are staged.  DIAG (timing only, dq left unwritten):
     no adds, the staging buffers freed as soon as they are full.  SPLIT: the two staged
     buffers are the column halves of one partial (adds back to back, freed once read,
-    the counter released once both are complete)."""
+    the counter released once both are complete).  ARRAY: the rank of this key tile in
+    query tile t's order from the rank table (RKc: its column, row stride nkv)."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])                   # [32]
     zero_c = gl.full([32], 0, gl.int32, layout=c_l)
     prev0 = SEM + zero_c                                                        # [32]
@@ -89,7 +90,10 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
     for it in range(0, n_tot):
         h, t = tile_of(it, hk, G, s0, n_div, off)
         bh = b * H + h
-        rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
+        if ARRAY:
+            rank = gl.load(RKc + t * nkv)
+        else:
+            rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
         sem = SEM + (bh * nq + t) + zero_c                                      # [32]
         ph = it & 1
         if DIAG:
@@ -149,13 +153,19 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             _release(prev1, RELEASE_WARP)
 
 
-@gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
+@gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER", "ct_b",
+                               "ct_h", "rk_b", "rk_h", "siv_b", "skid_b", "skm_b", "skm_h",
+                               "skm_q", "skm_k"])  # one compile per config
 def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2, DELTA,
                     SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, PREFETCH: gl.constexpr, CHAINS: gl.constexpr,
                     DIAG: gl.constexpr, SPLIT: gl.constexpr, LAG: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, CT=None, ct_b=None, ct_h=None, RK=None,
+                    rk_b=None, rk_h=None, IV=None, KID=None, siv_b=None, skid_b=None,
+                    KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
+                    ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
+                    HAS_KEEP: gl.constexpr = False):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
@@ -164,7 +174,12 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     [CHAINS * B * H * nq] zeros; NBH = B * H; ORDER the dQ adds' order (module doc);
     CHAINS / DIAG: _writer's; PREFETCH: the next tile's row statistics loaded under the
     current S / dP (else each tile's own once S is done: fewer registers held).  Band
-    masks through lo / hi (open: +-2^30)."""
+    masks through lo / hi (open: +-2^30).  ARRAY (Documents / KeepMask): the query tiles
+    of each key tile and their visiting rotation from the column range table CT
+    (bwd_kernel.key_tile_table), the rank of key tile j in query tile t's add order from
+    RK int32 [Bm, Hm, nq, nkv] ((b, kv head) strides rk_b / rk_h; launch.bwd_mask_tables:
+    ordered by (visiting step, j), ORDER unused), the edge tiles masked as in
+    bwd_ws_kernel (IV ... skm_k: its arguments; None without ARRAY)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -213,25 +228,54 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on
-    s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN, HAS_BAND)
-    nq = (Sq + BM - 1) // BM
-    nkv = (Sk + BN - 1) // BN
-    off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)
-
-    gl.warp_specialize(   # bwd_ws_parts' partitions with dq (no ping-pong turns), the writer
-        [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                     p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
-                     dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div,
-                     off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True, PREFETCH,
-                     SPLIT, LAG)),
-         (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                     p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
-                     dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div,
-                     off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True, PREFETCH,
-                     SPLIT, LAG)),
-         (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                     n_div, off, n_tot, STAGES, BM)),
-         (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
-                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG,
-                    SPLIT))],
-        [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
+    if ARRAY:
+        s0, g0, g1, s1, n_tot, n_div, off = key_tile_table(CT, b, hk, pid_n, ct_b, ct_h, G)
+        nq = (Sq + BM - 1) // BM
+        nkv = (Sk + BN - 1) // BN
+        RKc = RK + b * rk_b + hk * rk_h + pid_n       # this key tile's column of ranks
+        IVb = IV + b * siv_b
+        KIDb = KID + b * skid_b
+        KMb = KM + b.to(gl.int64) * skm_b
+        gl.warp_specialize(   # as below, with the array masks, the table's order
+            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
+                         PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
+                         DOCS, HAS_KEEP)),
+             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
+                         PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
+                         DOCS, HAS_KEEP)),
+             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
+                         s0, n_div, off, n_tot, STAGES, BM)),
+             (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
+                        s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
+                        DIAG, SPLIT, RKc, nkv, True))],
+            [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
+    else:
+        s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
+                                                        HAS_BAND)
+        nq = (Sq + BM - 1) // BM
+        nkv = (Sk + BN - 1) // BN
+        off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)
+        gl.warp_specialize(   # bwd_ws_parts' partitions with dq (no ping-pong turns), the
+            # writer
+            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
+                         PREFETCH, SPLIT, LAG)),
+             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
+                         PREFETCH, SPLIT, LAG)),
+             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
+                         s0, n_div, off, n_tot, STAGES, BM)),
+             (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
+                        s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
+                        DIAG, SPLIT))],
+            [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

@@ -40,21 +40,32 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .bwd_kernel import key_tile_program, key_tile_queries
+from .bwd_kernel import key_tile_program, key_tile_queries, key_tile_table
 from .bwd_ws_parts import consumer, producer
 
 __all__ = ["dkdv_ws_kernel"]
 
 
-@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi"])   # one compile per config
+@gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi", "ct_b", "ct_h", "siv_b",
+                               "skid_b", "skm_b", "skm_h", "skm_q", "skm_k"])
 def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, H, G, Sq,
                    Sk, scale, lo, hi, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, CT=None, ct_b=None, ct_h=None, IV=None,
+                   KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
+                   skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
+                   DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
     """Grid (cdiv(Sk, 2 * RN), B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq].  Band masks through
-    lo / hi (open: +-2^30)."""
+    lo / hi (open: +-2^30), one compile per config.  ARRAY (Documents / KeepMask): the
+    query tiles of each key tile from the column range table CT (bwd_kernel.
+    key_tile_table; ct_b / ct_h its (b, kv head) strides), the edge tiles masked by
+    bwd_ws_parts.array_keep: DOCS 1 q ids IV [Bd, Sq] and k ids KID [Bd, Sk] (batch
+    strides siv_b / skid_b, 0: one row), DOCS 2 IV [Bd, 2, Sq] the key interval of each
+    query's document; HAS_KEEP the keep bytes KM at element strides skm_b, skm_h,
+    skm_q, skm_k (0 where broadcast).  Without ARRAY those stay None (the dense
+    configs compile as before)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -88,19 +99,41 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened
-    s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN, HAS_BAND)
-
-    gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
-        [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None, None,
-                     None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot,
-                     scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, True, False,
-                     False)),
-         (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None, None,
-                     None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot,
-                     scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, True, False,
-                     False)),
-         (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                     n_div, 0, n_tot, STAGES, BM))],
-        [4, 1], [CONSUMER_REGS, 24])
+    if ARRAY:     # (the table's rotation is the dQ adds' business: tiles in order here)
+        s0, g0, g1, s1, n_tot, n_div, _ = key_tile_table(CT, b, hk, pid_n, ct_b, ct_h, G)
+        IVb = IV + b * siv_b
+        KIDb = KID + b * skid_b
+        KMb = KM + b.to(gl.int64) * skm_b
+        gl.warp_specialize(   # bwd_ws_parts' partitions without dq, with the array masks
+            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
+                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, True,
+                         False, False, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS,
+                         HAS_KEEP)),
+             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
+                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, True,
+                         False, False, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS,
+                         HAS_KEEP)),
+             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
+                         n_div, 0, n_tot, STAGES, BM))],
+            [4, 1], [CONSUMER_REGS, 24])
+    else:
+        s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
+                                                        HAS_BAND)
+        gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
+            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
+                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, True,
+                         False, False)),
+             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
+                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, True,
+                         False, False)),
+             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
+                         n_div, 0, n_tot, STAGES, BM))],
+            [4, 1], [CONSUMER_REGS, 24])

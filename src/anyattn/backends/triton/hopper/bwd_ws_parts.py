@@ -6,11 +6,17 @@ two kernels describe the schedules.
 Shape legend: G = H / Hkv, Sq / Sk queries / keys, D head dim, RN = 64 key rows per
 consumer, BM = 64 the query tile, STAGES the depth of the Q / dO ring, DQC the columns of a
 staged dQ partial (D, or D / 2 with SPLIT).
+
+Documents / KeepMask (ARRAY): the kernels read each key tile's query tiles from a column
+range table (launch.bwd_mask_tables); the consumer masks the edge tiles (outside
+[g0, g1)) by array_keep besides the bounds and the band.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from .fwd_masks import pair_keep
 
 __all__ = ["tile_of", "row_stats", "producer", "consumer"]
 
@@ -55,6 +61,30 @@ def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s
 
 
 @gluon.jit
+def array_keep(offs_m, offs_n, h, Sq, Sk, IVb, KIDb, KMb, skm_h, skm_q, skm_k,
+               DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
+    """bool [BM, RN]: the pairs (queries offs_m [BM], keys offs_n [RN]) of query head h
+    that the documents / keep mask keep (fwd_masks.pair_keep).  IVb: this batch row's
+    q ids [Sq] (DOCS 1; KIDb its k ids [Sk]) or the key intervals [2, Sq] of the queries'
+    documents (DOCS 2); KMb the keep bytes of batch row b (head stride skm_h)."""
+    inb_m = offs_m < Sq
+    if DOCS == 1:
+        qa = gl.load(IVb + offs_m, mask=inb_m, other=-1)                       # [BM]
+        qe = qa
+        kd = gl.load(KIDb + offs_n, mask=offs_n < Sk, other=-2)                # [RN]
+    elif DOCS == 2:
+        qa = gl.load(IVb + offs_m, mask=inb_m, other=0)                        # [BM]
+        qe = gl.load(IVb + Sq + offs_m, mask=inb_m, other=0)
+        kd = 0
+    else:
+        qa = 0
+        qe = 0
+        kd = 0
+    return pair_keep(offs_m, offs_n, Sq, Sk, qa, qe, kd, KMb + h.to(gl.int64) * skm_h,
+                     skm_q, skm_k, DOCS, HAS_KEEP)
+
+
+@gluon.jit
 def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: consumer WG's k-th turn (0, 1, 0, 1, ...: consumer 0's first is free)."""
     if PINGPONG:
@@ -77,11 +107,14 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, PREFETCH: gl.constexpr,
-             SPLIT: gl.constexpr, LAG: gl.constexpr):
+             SPLIT: gl.constexpr, LAG: gl.constexpr, IVb=None, KIDb=None, KMb=None,
+             skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
+             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
     the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
     the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
-    dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None."""
+    dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None.  ARRAY:
+    the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -153,6 +186,9 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             if HAS_BAND:
                 dd = offs_n[None, :] - offs_m[:, None]
                 keep = keep & (dd >= lo) & (dd <= hi)
+            if ARRAY:
+                keep = keep & array_keep(offs_m, offs_n, h, Sq, Sk, IVb, KIDb, KMb, skm_h,
+                                         skm_q, skm_k, DOCS, HAS_KEEP)
             p = gl.where(keep, p, 0.0)
         p_own.store(p.to(dt))
         fence_async_shared()
@@ -212,6 +248,8 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         if PREFETCH:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
             t = t_n
+            if ARRAY:     # the keep mask's head
+                h = h_n
         else:
             h, t = tile_of(it + 1, hk, G, s0, n_div, off)
 

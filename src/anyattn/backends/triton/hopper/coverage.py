@@ -91,10 +91,19 @@ COVERAGE = {
     # cuDNN; docs/perf/hopper-bwd-h200-2026-12-04-s8c.json) and at D=64 with a band
     # (S=4k causal 1.12x; without a mask 0.93x the portable backward: D=64 without a band
     # stays portable; session 7's route there was even with it)
+    # Documents / KeepMask (session 9): the same kernels with the column range table,
+    # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
+    # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 on the GPU tests;
+    # covered at D=128 only (D=64: dQ-inside is not its default, arrays not timed there);
+    # routed by 'auto' only where timed faster than the portable backward (below)
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
-                         mask_classes=frozenset({"none", "band"}),
+                         mask_classes=frozenset({"none", "band", "documents", "keep",
+                                                 "band+documents", "band+keep",
+                                                 "documents+keep", "band+documents+keep"}),
+                         mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
+                         auto_mask_classes=frozenset({"none", "band"}),
                          auto_mask_classes_by_head_dim=((64, frozenset({"band"})),)),
 }
 

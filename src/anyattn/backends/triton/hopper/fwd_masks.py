@@ -15,32 +15,46 @@ from triton.experimental.gluon import language as gl
 
 from .fwd_kernel import _softmax_tile
 
-__all__ = ["softmax_tile_masked"]
+__all__ = ["softmax_tile_masked", "pair_keep"]
+
+
+@gluon.jit
+def pair_keep(offs_m, offs_n, Sq, Sk, qa, qe, kd, KM, skm_q, skm_k, DOCS: gl.constexpr,
+              HAS_KEEP: gl.constexpr):
+    """bool [M, N]: whether the documents / keep mask keep the pairs (query offs_m [M],
+    key offs_n [N]); shared by the forward (here) and the backward (bwd_ws_parts).
+    DOCS 1: qa [M] the rows' q ids (-1 past Sq), kd [N] the keys' ids (-2 past Sk);
+    DOCS 2: each row's document as the key interval [qa, qe) (k ids sorted); 0: in bounds.
+    HAS_KEEP: the keep bytes KM (this (b, h)) at strides skm_q / skm_k, in place of the
+    above where it keeps the pair (0 past the bounds)."""
+    inb_n = offs_n < Sk
+    if DOCS == 2:
+        keep = (offs_n[None, :] >= qa[:, None]) & (offs_n[None, :] < qe[:, None])  # [M, N]
+    elif DOCS == 1:
+        keep = qa[:, None] == kd[None, :]                                      # [M, N]
+    else:
+        keep = (offs_m < Sq)[:, None] & inb_n[None, :]
+    if HAS_KEEP:
+        inb = keep & (offs_m < Sq)[:, None] & inb_n[None, :]
+        km = gl.load(KM + offs_m.to(gl.int64)[:, None] * skm_q
+                     + offs_n.to(gl.int64)[None, :] * skm_k, mask=inb, other=0)  # [M, N]
+        keep = km != 0
+    return keep
 
 
 @gluon.jit
 def _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN: gl.constexpr,
              DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """s [RM, BN] with -inf where key tile t's documents / keep mask exclude the pair
-    (bounds and band are _softmax_tile's).  DOCS 1: ids compared (qa = the rows' q ids,
-    KID the k ids); DOCS 2: each row's document as a key interval [qa, qe) (k ids
-    sorted: no per-key load)."""
+    (bounds and band are _softmax_tile's; pair_keep)."""
     qa, qe, KID, KM, skm_q, skm_k = am
     offs_n = t * BN + offs_nb                                                  # [BN]
-    inb_n = offs_n < Sk
     offs_m = r0 + offs_mb                                                      # [RM]
-    if DOCS == 2:
-        keep = (offs_n[None, :] >= qa[:, None]) & (offs_n[None, :] < qe[:, None])  # [RM, BN]
-    elif DOCS == 1:
-        kd = gl.load(KID + offs_n, mask=inb_n, other=-2)                       # [BN]
-        keep = qa[:, None] == kd[None, :]                                      # [RM, BN]
+    if DOCS == 1:
+        kd = gl.load(KID + offs_n, mask=offs_n < Sk, other=-2)                 # [BN]
     else:
-        keep = (offs_m < Sq)[:, None] & inb_n[None, :]
-    if HAS_KEEP:
-        inb = keep & (offs_m < Sq)[:, None] & inb_n[None, :]
-        km = gl.load(KM + offs_m.to(gl.int64)[:, None] * skm_q
-                     + offs_n.to(gl.int64)[None, :] * skm_k, mask=inb, other=0)  # [RM, BN]
-        keep = km != 0
+        kd = 0
+    keep = pair_keep(offs_m, offs_n, Sq, Sk, qa, qe, kd, KM, skm_q, skm_k, DOCS, HAS_KEEP)
     return gl.where(keep, s, float("-inf"))
 
 

@@ -28,7 +28,7 @@ from ..device_ctx import on_device
 from . import configs as HC
 
 __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
-           "persist_schedule", "dkdv",
+           "persist_schedule", "dkdv", "bwd_mask_tables", "BwdMaskTables",
            "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
@@ -395,6 +395,124 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
     return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats, p=p)
 
 
+class BwdMaskTables:
+    """The Documents / KeepMask arguments of the warp-specialised backward kernels
+    (bwd_mask_tables), per (b, kv head) of the mask's batch / head broadcast (Bm, Hm:
+    1 where it does not vary; Hm = Hkv where a KeepMask varies over heads: the tables
+    of a kv head cover its query-head group).
+
+    ct int32 [Bm, Hm, nkv, 8]: per key tile (s0, g0, g1, s1, off, 0, 0, 0): every
+    query tile that a query of some head of the group keeps with a key of the tile lies
+    in [s0, s1); those in [g0, g1) are fully kept by every head of the group (no mask
+    code); the key tile visits its range from index off on (the diagonal first, as the
+    dense kernels' rotated order does).  rk int32 [Bm, Hm, nq, nkv]: the rank of key
+    tile j among the key tiles whose range holds query tile t, ordered by (the step at
+    which j visits t, j): the dQ adds' order (bwd_ws_dq_kernel, ARRAY).  unvisited:
+    whether some query tile is in no key tile's range (its dq accumulator must start at
+    0).  kw: bwd_ws_kernel's keyword arguments (the range table, the mask arrays and
+    their strides, ARRAY / DOCS / HAS_KEEP); kw_dq: bwd_ws_dq_kernel's (kw and the rank
+    table)."""
+
+    def __init__(self, ct, rk, unvisited: bool, kw: dict, kw_dq: dict):
+        self.ct, self.rk, self.unvisited, self.kw, self.kw_dq = ct, rk, unvisited, kw, kw_dq
+
+
+#: bwd_mask_tables' results per (mask tensors' identity and version, band, shape,
+#: device, tile)
+_bwd_tab_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def bwd_mask_tables(p, q, bm: int = 64, bn: int = 128) -> BwdMaskTables:
+    """The column range table, the dQ rank table and the mask arrays of p's Documents /
+    KeepMask for the warp-specialised backward at its tile (bn keys per program, bm
+    queries per step): BwdMaskTables.  Built from the tile occupancy that the portable
+    kernels' and the forward's tables come from (triton/launch.py tile_lists at bm x bn,
+    range mode: its column table), reduced over each kv head's query-head group; cached
+    per mask tensors as mask_arrays is."""
+    from .. import launch as L
+
+    rm = p.mask
+    parts = (L._tensor_key(rm.keep), L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
+                                      p.heads_kv, p.seq_q, p.seq_k, str(q.device), bm, bn)
+    hit = _bwd_tab_cache.get(key) if key is not None else None
+    if hit is not None:
+        return hit[0]
+    out = _bwd_mask_tables(p, q, bm, bn)
+    if key is not None:       # the mask tensors held: their memory stays theirs
+        _bwd_tab_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
+        while len(_bwd_tab_cache) > _DOC_CACHE:
+            _bwd_tab_cache.popitem(last=False)
+    return out
+
+
+def _group_columns(cr, G: int):
+    """Column range tables int32 [Bm, H, nkv, 4] (t0, f0, f1, t1 per query head; all 0
+    where a column keeps nothing) -> [Bm, H / G, nkv, 4] of each group of G heads: the
+    union of the ranges, the intersection of the full runs (empty: at s0)."""
+    bm_, hm, nkv, _ = cr.shape
+    x = cr.reshape(bm_, hm // G, G, nkv, 4)
+    t0, f0, f1, t1 = x.unbind(-1)                                     # [Bm, Hkv, G, nkv]
+    nonempty = t1 > 0
+    big = torch.iinfo(torch.int32).max
+    s0 = torch.where(nonempty, t0, big).amin(2)                        # [Bm, Hkv, nkv]
+    s1 = t1.amax(2)
+    s0 = torch.where(s1 > 0, s0, 0)
+    g0, g1 = f0.amax(2), f1.amin(2)
+    ok = nonempty.all(2) & (g1 > g0)
+    g0, g1 = torch.where(ok, g0, s0), torch.where(ok, g1, s0)
+    return torch.stack([s0, g0, g1, s1], -1)
+
+
+def _bwd_mask_tables(p, q, bm: int, bn: int) -> BwdMaskTables:
+    """bwd_mask_tables without its cache."""
+    import types
+
+    from .. import launch as L
+
+    dev = q.device
+    # the mask arrays (and the tile lists at bm x bn behind them, cached there)
+    (_, _, _, iv, kid, siv_b, skid_b, km, skm_b, skm_h, skm_q, skm_k,
+     docs) = mask_arrays(p, q, types.SimpleNamespace(bm=bm, bn=bn))
+    import dataclasses
+
+    ma = dataclasses.replace(L._mask_args(p, q, None), mode=2)
+    tl = L._lists_for(p, ma, types.SimpleNamespace(sbq=bm, sbk=bn), dev)
+    cr = tl.col_cnt.to(torch.int32)                                   # [Bm, Hm, nkv, 4]
+    if cr.shape[1] > 1 and p.group > 1:
+        cr = _group_columns(cr, p.group)
+    bm_, hm, nkv, _ = cr.shape
+    nq = -(-p.seq_q // bm)
+    s0, g0, g1, s1 = (c.to(torch.int64) for c in cr.unbind(-1))       # [Bm, Hm, nkv]
+    n = s1 - s0
+    j = torch.arange(nkv, device=dev)
+    diag = (j * nq) // nkv                                            # [nkv]
+    off = torch.where(n > 0, torch.minimum(torch.maximum(diag, s0), s1 - 1) - s0, 0)
+    z = torch.zeros_like(s0)
+    ct = torch.stack([s0, g0, g1, s1, off, z, z, z], -1).to(torch.int32).contiguous()
+    # step of key tile j at query tile t: (t - s0 - off) mod n inside [s0, s1)
+    t = torch.arange(nq, device=dev)[:, None]                         # [nq, 1]
+    vis = (t >= s0[..., None, :]) & (t < s1[..., None, :])            # [Bm, Hm, nq, nkv]
+    step = torch.remainder(t - s0[..., None, :] - off[..., None, :],
+                           torch.clamp(n, min=1)[..., None, :])
+    order_key = torch.where(vis, step * nkv + j, (nq + 1) * nkv)      # [Bm, Hm, nq, nkv]
+    rk = torch.argsort(torch.argsort(order_key, dim=-1), dim=-1).to(torch.int32)
+    unvisited = bool((~vis.any(-1)).any())
+    rs = lambda: (hm * nkv if bm_ > 1 else 0, nkv if hm > 1 else 0)   # noqa: E731
+    ct_b, ct_h = rs()
+    rk = rk.contiguous()
+    rk_b, rk_h = (hm * nq * nkv if bm_ > 1 else 0, nq * nkv if hm > 1 else 0)
+    kw = dict(CT=ct, ct_b=ct_b, ct_h=ct_h, IV=iv, KID=kid, siv_b=siv_b, skid_b=skid_b,
+              KM=km, skm_b=skm_b, skm_h=skm_h, skm_q=skm_q, skm_k=skm_k, ARRAY=True,
+              DOCS=docs, HAS_KEEP=p.mask.keep is not None)
+    return BwdMaskTables(ct, rk, unvisited, kw, dict(kw, RK=rk, rk_b=rk_b, rk_h=rk_h))
+
+
+def _is_array(p) -> bool:
+    """Whether p's mask has Documents or a KeepMask (per-call arrays)."""
+    return p.mask.q_ids is not None or p.mask.keep is not None
+
+
 def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tuple:
     """The backward launchers' shared part -> (lo, hi, dk, dv, dq): the band of p.mask
     clipped to +-2^30 (open sides: +-2^30); dk / dv [B, Hkv, Sk, D] and, when with_dq,
@@ -439,17 +557,23 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     rm_ = p.mask
     lo, hi, dk, dv, _ = _bwd_checks(p, q, l2, delta, dk, dv)
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    if _is_array(p) and not cfg.ws:
+        raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
+                                  "warp-specialised backward only (a ws config)")
     if cfg.ws:    # two consumer warpgroups of bn / 2 key rows, one producer warp
         from .bwd_ws_kernel import dkdv_ws_kernel
 
         rn = cfg.bn // 2
+        # Documents / KeepMask: the column range table and the mask arrays (keywords;
+        # absent, the kernel's defaults None compile the dense code)
+        akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
         with on_device(q.device):
             dkdv_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                                  make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
                                  l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi,
                                  HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                                  CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
-                                 num_warps=4)
+                                 num_warps=4, **akw)
         return dk, dv
     with torch.cuda.device(q.device):
         dkdv_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
@@ -477,6 +601,15 @@ def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None):
     block = [1, rows, dqa.shape[2] if cols is None else cols]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
+
+
+def _order_of(p, cfg, order) -> int:
+    """The dQ add order of backward_fused / _backward_ws_dq: ``order`` (0 ascending, 1
+    rotated; ValueError otherwise) or, when None, dq_order()'s default."""
+    order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
+    if order not in (0, 1):
+        raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
+    return order
 
 
 def dq_order(p, bn: int, bm: int) -> int:
@@ -556,9 +689,10 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, with_dq)
     dev = q.device
     nq = triton.cdiv(Sq, cfg.bm)
-    order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
-    if order not in (0, 1):
-        raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
+    if _is_array(p):
+        raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
+                                  "warp-specialised backward only (a ws config)")
+    order = _order_of(p, cfg, order)
     if with_dq:
         # fp32 partial sums (no init: the first adder of a query tile stores), one
         # counter per (b, h, query tile) at zero; query tiles that no key tile
@@ -611,16 +745,27 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     rm_ = p.mask
     lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, True)
     dev = q.device
-    order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
-    if order not in (0, 1):
-        raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
+    akw = {}
+    if _is_array(p):   # the tables' order (bwd_mask_tables), not order 0 / 1
+        if order is not None:
+            raise ValueError("order: a Documents / KeepMask backward adds dQ in its rank "
+                             "table's order (bwd_mask_tables); pass order=None")
+        if cfg.trans:
+            raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on "
+                                      "bwd_ws_dq_kernel's consumers (trans=False) only")
+        tabs = bwd_mask_tables(p, q, cfg.bm, cfg.bn)
+        akw, order, unvisited = tabs.kw_dq, 0, tabs.unvisited
+    else:
+        order = _order_of(p, cfg, order)
+        unvisited = rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm,
+                                                               cfg.bn)
     nq = triton.cdiv(Sq, cfg.bm)
     # fp32 partial sums, one accumulator per chain (the first adder of a query tile
-    # stores: no init, except where a band leaves query tiles without keys: their dq is
-    # 0), a counter per (chain, b, h, query tile) at zero
+    # stores: no init, except where a band or an array mask leaves query tiles without
+    # keys: their dq is 0), a counter per (chain, b, h, query tile) at zero
     nc = cfg.chains
     dqa = torch.empty((nc * B * H, Sq, D), dtype=torch.float32, device=dev)
-    if rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm, cfg.bn):
+    if unvisited:
         dqa.zero_()
     sem = torch.zeros((nc * B * H * nq,), dtype=torch.int32, device=dev)
     rn = cfg.bn // 2
@@ -634,7 +779,7 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
                               CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
                               CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
-                              num_warps=4)
+                              num_warps=4, **akw)
         n = B * H * Sq * D
         dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
                                                   BLOCK=4096, num_warps=8)
