@@ -61,7 +61,8 @@ def test_ws_dq_configs_are_data():
     t = HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False, split=True,
                             trans=True)
     assert t.name == "wdkdvq128x64s2nht"
-    assert t.smem_bytes(128) == h.smem_bytes(128) - 2 * 64 * 128        # no P buffers
+    # no P buffers; the queries' statistics staged in shared memory (3 x 4 x bm fp32)
+    assert t.smem_bytes(128) == h.smem_bytes(128) - 2 * 64 * 128 + 48 * 64
     for bad in (dict(split=False), dict(lag=True)):
         with pytest.raises(ValueError, match="trans"):
             HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
@@ -118,8 +119,8 @@ def test_ws_dq_split_compiles_for_sm90a(D, band, name, hgmma, stack):
     products of [BM, D / 2] (dS_0 . K_0 and dS_1 . K_1 on its column half; 'nhl' issues
     the last tile's after the loop: 8 more at D=128); the writer's reduce-adds; shared
     memory as configs.smem_bytes says (2026-12-04: 'nh' 213,536 B at D=128 vs the
-    two-partial kernel's 229,896; 'nht' 197,136); no spills at D=64, few at D=128 (104 /
-    160 stack bytes; 'nht' with a band 240)."""
+    two-partial kernel's 229,896; 'nht' 200,256); no spills at D=64, few at D=128 (104 /
+    160 stack bytes; 'nht' 120-136)."""
     from anyattn.backends.triton.hopper import bwd_offline as BO
     from anyattn.backends.triton.hopper.offline import sass_of
 

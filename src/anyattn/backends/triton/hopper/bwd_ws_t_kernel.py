@@ -71,6 +71,13 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     ds_smem = gl.allocate_shared_memory(dt, [4, RN, BM], ds_l)      # dS^T, 2 x 2 slots
     dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DH], dqa_desc.layout)
+    # the queries' statistics staged a tile ahead (without PREFETCH): max, log2(e) *
+    # log_norm, delta, each [2 * consumer + parity, BM] (three buffers: the stores of a
+    # tile need no barrier between them)
+    st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    stats = (gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
+             gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
+             gl.allocate_shared_memory(gl.float32, [4, BM], st_sl))
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -98,11 +105,11 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
 
     gl.warp_specialize(   # the transposed consumers, the producer, the dQ writer (SPLIT)
         [(consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                        n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                        n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,

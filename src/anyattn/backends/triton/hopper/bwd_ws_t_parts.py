@@ -32,36 +32,21 @@ __all__ = ["consumer_t"]
 
 
 @gluon.jit
-def col_stats(L2, bh, t, Sq, offs_mb, BM: gl.constexpr):
-    """Max (+inf past Sq) and log2(e) * log_norm of query tile t of head bh -> two [BM]
-    (the layout of offs_mb)."""
-    bh64 = bh.to(gl.int64)
-    offs_m = t * BM + offs_mb
-    inb = offs_m < Sq
-    mx = gl.load(L2 + bh64 * (2 * Sq) + offs_m, mask=inb, other=float("inf"))
-    ln2 = gl.load(L2 + bh64 * (2 * Sq) + Sq + offs_m, mask=inb, other=0.0)
-    return mx, ln2
-
-
-@gluon.jit
-def col_delta(DELTA, bh, t, Sq, offs_mb):
-    """Delta of query tile t of head bh -> [BM] (0 past Sq)."""
-    offs_m = t * offs_mb.shape[0] + offs_mb
-    return gl.load(DELTA + bh.to(gl.int64) * Sq + offs_m, mask=offs_m < Sq, other=0.0)
-
-
-@gluon.jit
 def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-               dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
+               dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
                hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
                HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
                PREFETCH: gl.constexpr):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
     the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
     through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
-    2 * parity + consumer); dqs [2, 1, BM, DH] fp32.  PREFETCH: the next tile's row
-    statistics loaded under the current S^T / dP^T (else each tile's own once S^T is
-    done)."""
+    2 * parity + consumer); dqs [2, 1, BM, DH] fp32; stats: three fp32 [2 * consumer +
+    parity, BM] (max, log2(e) * log_norm, delta; used without PREFETCH).  The queries' statistics are per column here
+    (each thread holds 16 of the BM columns: 48 registers for max, log_norm and delta):
+    PREFETCH: the next tile's loaded into registers under the current tile; else staged
+    through shared memory a tile ahead (3 registers a thread in a compact layout, stored
+    before the tile's last warpgroup barrier) and read where used (max / log_norm before
+    the exponentials, delta before dS^T), so that no global load is on a tile's path."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -91,7 +76,9 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DH, DH, dim=1)
     k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DH, DH, dim=1)
 
+    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                   # [BM]
     offs_mb = gl.arange(0, BM, layout=qry_s)
+    offs_c = gl.arange(0, BM, layout=c_l)
     zero_s = gl.zeros([RN, BM], gl.float32, layout=st_l)
     zero_q = gl.zeros([BM, DH], gl.float32, layout=q_l)
     dk = gl.zeros([RN, D], gl.float32, layout=a_l)
@@ -99,12 +86,22 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     h, t = tile_of(0, hk, G, s0, n_div, off)
     if PREFETCH:
         mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
+    else:   # tile 0's statistics into this consumer's slot 0
+        cmx, cln, cdl = row_stats(L2, DELTA, b * H + h, t, Sq, offs_c, BM)     # [BM]
+        stats[0].index(2 * WG).store(cmx)
+        stats[1].index(2 * WG).store(cln)
+        stats[2].index(2 * WG).store(cdl)
+        gl.thread_barrier()
     mbarrier.wait(kb, 0)
     mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
     for it in range(0, n_tot):
         stg = it % STAGES
         ph = (it // STAGES) & 1
         offs_m = t * BM + offs_mb                                                # [BM]
+        sl = it & 1
+        h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+        if not PREFETCH:  # the next tile's statistics (the last tile's again at the end)
+            cmx, cln, cdl = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_c, BM)
         q2 = q_smem.index(stg).reshape([BM, D])                                  # [BM, D]
         do2 = do_smem.index(stg).reshape([BM, D])
         mbarrier.wait(q_bar.index(stg), ph)
@@ -114,11 +111,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
                             is_async=True)                                       # [RN, BM]
         if PREFETCH:  # the next tile's statistics (the last tile's again at the end)
-            h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
             mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
-        if not PREFETCH:   # this tile's max and log_norm, loaded once S^T is done
-            mx, ln2 = col_stats(L2, b * H + h, t, Sq, offs_mb, BM)
+        if not PREFETCH:   # this tile's max and log_norm from shared memory
+            mx = stats[0].index(2 * WG + sl).load(qry_s)                         # [BM]
+            ln2 = stats[1].index(2 * WG + sl).load(qry_s)
         st = gl.fma(st, scale, 0.0)       # (an fma: never contracted into the next line)
         pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])                  # [RN, BM]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
@@ -131,12 +128,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         pt16 = gl.convert_layout(pt.to(dt), op_l)                                # [RN, BM]
         dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
         if not PREFETCH:   # ... and delta, once the max and log_norm are dead
-            dlt = col_delta(DELTA, b * H + h, t, Sq, offs_mb)
+            dlt = stats[2].index(2 * WG + sl).load(qry_s)                        # [BM]
         dpt = warpgroup_mma_wait(1, deps=(dpt,))                                 # [RN, BM]
         dst = (pt * (dpt - dlt[None, :])).to(dt)                                 # [RN, BM]
         dst16 = gl.convert_layout(dst, op_l)                                     # [RN, BM]
         dk = warpgroup_mma(dst16, q2, dk, is_async=True)                         # [RN, D]
-        sl = it & 1
         ds_w = ds_smem.index(2 * sl + WG)                 # this tile's slot, [RN, BM]
         ds_w.store(dst)
         fence_async_shared()
@@ -154,14 +150,17 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         # empty"), then "dq full" (inline: a helper's scope splits ptxas's regions)
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
         dq_own.store(dq)
+        if not PREFETCH:  # the next tile's statistics into the other slot (its last
+            # readers, tile it - 1, are past this tile's barriers)
+            stats[0].index(2 * WG + 1 - sl).store(cmx)
+            stats[1].index(2 * WG + 1 - sl).store(cln)
+            stats[2].index(2 * WG + 1 - sl).store(cdl)
         fence_async_shared()
         gl.thread_barrier()               # the partition's 4 warps staged dQ[:, cols_w]
         mbarrier.arrive(dq_full.index(WG), count=1)
         if PREFETCH:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
-            t = t_n
-        else:
-            h, t = tile_of(it + 1, hk, G, s0, n_div, off)
+        t = t_n
 
     # the other consumer's last dQ products (they read K_w) are done
     mbarrier.arrive(ds_bar, count=1)

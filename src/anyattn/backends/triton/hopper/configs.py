@@ -258,7 +258,8 @@ class HopperBwdConfig:
         extra += (2 if self.ws else 1) * 4 * self.bm * d if self.dq and not self.split else 0
         extra += 4 * self.bm * d + elem * self.bm * self.bn if self.split else 0
         extra += elem * self.bm * self.bn if self.lag else 0     # a third dS slot
-        extra -= elem * self.bm * self.bn if self.trans else 0   # no P buffers
+        # trans: no P buffers; the statistics staged (3 x 4 x bm fp32)
+        extra -= elem * self.bm * self.bn - 48 * self.bm if self.trans else 0
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -319,9 +320,10 @@ WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 #: session 9: the transposed consumers of the dQ-inside kernel (bwd_ws_t_kernel: S^T and
 #: dP^T with the consumer's keys as rows, P^T / dS^T from registers into dV / dK; FA3's
 #: layout for D=128), D -> its variants; not routed until timed.  Offline sm_90a
-#: (2026-12-04, bf16): 64 / 48 HGMMA at D=128 / 64, 197,136 B shared at D=128 (no P
-#: buffers: 16 KB under 'nh'), consumer loops 7 STL / 15-24 LDL at D=128 (band 24-25 /
-#: 39), none at D=64 (the queries' statistics are per column now: 16 registers a vector)
+#: (2026-12-04, bf16): 64 / 48 HGMMA at D=128 / 64, 200,256 B shared at D=128 (no P
+#: buffers: 13 KB under 'nh'), consumer loops 3-6 STL / 16-21 LDL at D=128 (band 0-5 /
+#: 13-15), none at D=64 (the queries' statistics are per column now, 16 registers a
+#: vector: staged through shared memory a tile ahead, bwd_ws_t_parts)
 WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, trans=True)]
                        for d in (64, 128)}
