@@ -28,54 +28,25 @@ import pytest
 
 import anyattn as aa
 from anyattn.backends.webgpu import launch
-from anyattn.backends.webgpu.launch import ENV_VARIANT, TileConfig, choose_config
+from anyattn.backends.webgpu.launch import ENV_VARIANT, choose_config
 
-from helpers import assert_close, compare_with_reference, make_qkv
-
-GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
-
-
-def _grads(be, q, k, v, g, cfg, mask=None, bias=None, wrt=("q", "k", "v"), cfg_f=None):
-    """Forward (``cfg_f`` or ``cfg``) then backward with ``cfg``: [dq, dk, dv, dbias]."""
-    be.config_override = cfg_f or cfg
-    try:
-        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
-        be.config_override = cfg
-        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
-                                   backend="webgpu")
-    finally:
-        be.config_override = None
-    return [gr.dq, gr.dk, gr.dv, gr.dbias]
-
-
-def _same(a, b):
-    for name, x, y in zip(("dq", "dk", "dv", "dbias"), a, b):
-        if x is None and y is None:
-            continue
-        np.testing.assert_array_equal(x, y, err_msg=name)
+from helpers import compare_with_reference, make_qkv
+from wg_util import (GPU_TILE, assert_bitwise_and_close, assert_same, backward_call,
+                     base_and_dsq, grads, modifiers_case, one_unit_loop_limit)
 
 
 def test_dsq_is_bitwise_portable(be):
     """mask, a (1, H, Sq, Sk) bias (not differentiated), GQA, Sq != Sk off the tiles,
     D = 40: every bit of dq, dk, dv equals portable's, and the 5-product path ran (the
     dK/dV and dQ launches bind the dS scratch, the dQ pass built with DSQ_IN)."""
-    from anyattn.problem import describe
-
-    base = choose_config(be.context, 40, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
+    base, dsq = base_and_dsq(be, 40)
     r = np.random.default_rng(61)
     q, k, v, g = make_qkv(r, 2, 4, 2, 37, 70, 40)
     bias = r.standard_normal((1, 4, 37, 70)).astype(np.float32)
     mask = aa.Causal("bottom_right") & aa.Window(left=40)
-    _same(_grads(be, q, k, v, g, base, mask, bias), _grads(be, q, k, v, g, dsq, mask, bias))
+    assert_same(grads(be, q, k, v, g, base, mask, bias), grads(be, q, k, v, g, dsq, mask, bias))
     # the path taken: dS scratch bound by both passes
-    be.config_override = dsq
-    try:
-        o, l = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
-        p = describe(q, k, v, dout=g, mask=mask, bias=bias, wrt=("q", "k", "v"))
-        call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), bias)
-    finally:
-        be.config_override = None
+    call = backward_call(be, q, k, v, g, dsq, mask, bias)
     assert call.dsq_buf is not None and call.dsq_buf.size >= 4 * 2 * 4 * 37 * 70
     assert call.dsq_buf.size >= 4 * 2 * 4 * 37 * call.nkt * dsq.BK     # tile order, padded
     bound = {lch.kernel: lch.buffers[9] for lch in call.launches if lch.layout == "tile"}
@@ -85,41 +56,34 @@ def test_dsq_is_bitwise_portable(be):
 def test_dsq_with_dbias_recomputes(be):
     """With dbias wanted the dQ pass computes its own dS (written for the reduction):
     portable's bits, dbias included; no dS scratch."""
-    base = choose_config(be.context, 24, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
+    base, dsq = base_and_dsq(be, 24)
     r = np.random.default_rng(62)
     q, k, v, g = make_qkv(r, 1, 2, 2, 21, 33, 24)
     bias = r.standard_normal((1, 2, 1, 33)).astype(np.float32)
     wrt = ("q", "k", "v", "bias")
-    _same(_grads(be, q, k, v, g, base, aa.Causal(), bias, wrt),
-          _grads(be, q, k, v, g, dsq, aa.Causal(), bias, wrt))
+    assert_same(grads(be, q, k, v, g, base, aa.Causal(), bias, wrt),
+                grads(be, q, k, v, g, dsq, aa.Causal(), bias, wrt))
 
 
 def test_dsq_split_launches_bitwise(be, monkeypatch):
     """Launches split at the loop budget: one launch's bits (and portable's)."""
     r = np.random.default_rng(63)
     q, k, v, g = make_qkv(r, 1, 4, 2, 70, 300, 24)
-    base = choose_config(be.context, 24, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
+    base, dsq = base_and_dsq(be, 24)
     kw = dict(mask=aa.Causal("bottom_right"))
-    ref = _grads(be, q, k, v, g, base, **kw)
-    one = _grads(be, q, k, v, g, dsq, **kw)
-    per = max(dsq.trips_per_unit(kn, 24) for kn in ("forward", "bwd_dq", "bwd_dkdv"))
-    be.loop_limit_override = TileConfig.FIXED_TRIPS + per
-    split = _grads(be, q, k, v, g, dsq, **kw)
+    ref = grads(be, q, k, v, g, base, **kw)
+    one = grads(be, q, k, v, g, dsq, **kw)
+    be.loop_limit_override = one_unit_loop_limit(dsq, 24)
+    split = grads(be, q, k, v, g, dsq, **kw)
     assert be.last_pieces["bwd_dq"] > 1 and be.last_pieces["bwd_dkdv"] > 1
-    _same(one, split)
-    _same(ref, one)
+    assert_same(one, split)
+    assert_same(ref, one)
 
 
 def test_dsq_against_float64(be, monkeypatch):
     """Through the API (ANYATTN_WEBGPU_VARIANT=portable-dsq): causal GQA with empty
     rows, softcap + ALiBi + sinks (+ dsinks), dropout, odd D."""
-    q, k, v, g = make_qkv(np.random.default_rng(64), 1, 4, 2, 29, 41, 20)
-    kw = dict(mask=aa.Causal() & aa.KeepMask(np.arange(29)[:, None] % 6 != 2), softcap=5.0,
-              sinks=np.float32([0.5, -1, 2, 0]),
-              alibi_slopes=np.float32([0.5, 0.25, 0.125, 0.0625]), dropout_p=0.2,
-              dropout_seed=7)
+    q, k, v, g, kw = modifiers_case(64, 20)
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
     compare_with_reference("webgpu", q, k, v, g, wrt=("q", "k", "v", "sinks"), **kw)
 
@@ -130,26 +94,9 @@ def test_dsq_f16(be):
     the float64 out / lse: one f16 compile less)."""
     if not be.context.has_f16:
         pytest.skip("no shader-f16")
-    from anyattn import reference as R
-
     q, k, v, g = make_qkv(np.random.default_rng(65), 1, 4, 2, 45, 70, 24, dtype="float16")
-    base = choose_config(be.context, 24, "f16", backward=True, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
-    mask = aa.Causal()
-    ro, rl = R.forward(q, k, v, mask=mask)
-    rg = R.backward(q, k, v, g, mask=mask)
-    res = []
-    for cfg in (base, dsq):
-        be.config_override = cfg
-        try:
-            res.append(aa.attention_backward(q, k, v, g, out=ro.astype(np.float16),
-                                             lse=rl.astype(np.float32), mask=mask,
-                                             backend="webgpu"))
-        finally:
-            be.config_override = None
-    for name in ("dq", "dk", "dv"):
-        np.testing.assert_array_equal(getattr(res[0], name), getattr(res[1], name), name)
-        assert_close(getattr(res[1], name), getattr(rg, name), "float16", name)
+    base, dsq = base_and_dsq(be, 24, "f16")
+    assert_bitwise_and_close(be, q, k, v, g, base, dsq, aa.Causal())
 
 
 def test_wide_dsq_is_bitwise_wide(be):
@@ -164,8 +111,8 @@ def test_wide_dsq_is_bitwise_wide(be):
     for var in ("wide", "wide-dsq"):
         bwd = dataclasses.replace(fwd, variant=var, RM=8)
         bwd.check()
-        res.append(_grads(be, q, k, v, g, bwd, mask, cfg_f=fwd))
-    _same(*res)
+        res.append(grads(be, q, k, v, g, bwd, mask, cfg_f=fwd))
+    assert_same(*res)
 
 
 def test_dsq_table_and_cap(be, monkeypatch):

@@ -30,6 +30,8 @@ from anyattn.backends.webgpu.launch import (DSQ_ROLE, ENV_VARIANT, choose_config
                                             dsq_chunks)
 
 from helpers import assert_close, compare_with_reference, make_qkv
+from wg_util import (assert_same, backward_call, backward_from_float64, base_and_dsq, grads,
+                     modifiers_case, one_unit_loop_limit)
 
 
 def test_dsq_chunks_rows():
@@ -49,50 +51,26 @@ def test_dsq_chunks_rows():
             assert len(ch) == -(-n // lim_rows)
 
 
-def _grads(be, q, k, v, g, cfg, **kw):
-    be.config_override = cfg
-    try:
-        out, lse = aa.attention(q, k, v, return_lse=True, backend="webgpu", **kw)
-        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="webgpu", **kw)
-    finally:
-        be.config_override = None
-    return [gr.dq, gr.dk, gr.dv]
-
-
-def _same(a, b):
-    for name, x, y in zip(("dq", "dk", "dv"), a, b):
-        np.testing.assert_array_equal(x, y, err_msg=name)
-
-
 def test_chunked_bitwise_unchunked(be, monkeypatch):
     """B = 2, HQ = 4, HKV = 2 (4 KV rows), causal bottom-right with empty rows, D = 40 (the
     shapes of test_webgpu_dsq): 4 chunks of one row and 2 of two give the unchunked bits
     (portable's too), against float64; the launches alternate dK/dV and dQ per chunk, and
     the scratch stays within the cap."""
-    base = choose_config(be.context, 40, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
+    base, dsq = base_and_dsq(be, 40)
     q, k, v, g = make_qkv(np.random.default_rng(71), 2, 4, 2, 37, 70, 40)
     mask = aa.Causal("bottom_right") & aa.Window(left=40)
-    ref = _grads(be, q, k, v, g, base, mask=mask)
-    one = _grads(be, q, k, v, g, dsq, mask=mask)
-    _same(ref, one)
+    ref = grads(be, q, k, v, g, base, mask=mask)
+    one = grads(be, q, k, v, g, dsq, mask=mask)
+    assert_same(ref, one)
     row = dsq_bytes(2, 37, 70, dsq.BK)
     run = be._run()
     for rows, n_chunks in ((1, 4), (3, 2)):
         run.release(DSQ_ROLE)
         monkeypatch.setattr(launch, "DSQ_MAX_BYTES", rows * row)
-        got = _grads(be, q, k, v, g, dsq, mask=mask)
-        _same(one, got)
+        got = grads(be, q, k, v, g, dsq, mask=mask)
+        assert_same(one, got)
         assert run._bufs[DSQ_ROLE].size <= rows * row
-        be.config_override = dsq
-        try:
-            from anyattn.problem import describe
-
-            o, l = aa.attention(q, k, v, mask=mask, return_lse=True, backend="webgpu")
-            p = describe(q, k, v, dout=g, mask=mask, wrt=("q", "k", "v"))
-            call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
-        finally:
-            be.config_override = None
+        call = backward_call(be, q, k, v, g, dsq, mask)
         seq = [lch.kernel for lch in call.launches if lch.kernel in ("bwd_dkdv", "bwd_dq")]
         assert seq == ["bwd_dkdv", "bwd_dq"] * n_chunks
         assert len(call.dsq_marks) == n_chunks
@@ -104,11 +82,7 @@ def test_chunked_bitwise_unchunked(be, monkeypatch):
 def test_chunked_against_float64_modifiers(be, monkeypatch):
     """Through the API, two chunks (one KV row each): causal GQA with empty rows, softcap +
     ALiBi + sinks (+ dsinks), dropout, D = 20 (test_webgpu_dsq's float64 case)."""
-    q, k, v, g = make_qkv(np.random.default_rng(64), 1, 4, 2, 29, 41, 20)
-    kw = dict(mask=aa.Causal() & aa.KeepMask(np.arange(29)[:, None] % 6 != 2), softcap=5.0,
-              sinks=np.float32([0.5, -1, 2, 0]),
-              alibi_slopes=np.float32([0.5, 0.25, 0.125, 0.0625]), dropout_p=0.2,
-              dropout_seed=7)
+    q, k, v, g, kw = modifiers_case(64, 20)
     bk = choose_config(be.context, 20, variant="portable-dsq").BK
     monkeypatch.setattr(launch, "DSQ_MAX_BYTES", dsq_bytes(2, 29, 41, bk))
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
@@ -120,22 +94,14 @@ def test_chunked_f16_bitwise(be, monkeypatch):
     if not be.context.has_f16:
         pytest.skip("no shader-f16")
     q, k, v, g = make_qkv(np.random.default_rng(65), 1, 4, 2, 45, 70, 24, dtype="float16")
-    base = choose_config(be.context, 24, "f16", backward=True, variant="portable")
-    dsq = dataclasses.replace(base, variant="portable-dsq")
-    mask = aa.Causal()
-    ro, rl = R.forward(q, k, v, mask=mask)
+    _, dsq = base_and_dsq(be, 24, "f16")
     res = []
     for cap in (None, dsq_bytes(2, 45, 70, dsq.BK)):
         if cap:
             monkeypatch.setattr(launch, "DSQ_MAX_BYTES", cap)
-        be.config_override = dsq
-        try:
-            gr = aa.attention_backward(q, k, v, g, out=ro.astype(np.float16),
-                                       lse=rl.astype(np.float32), mask=mask, backend="webgpu")
-        finally:
-            be.config_override = None
+        gr = backward_from_float64(be, q, k, v, g, dsq, aa.Causal())
         res.append([gr.dq, gr.dk, gr.dv])
-    _same(*res)
+    assert_same(*res)
 
 
 def _abi_group(be, seed, B, H, S, D):
@@ -216,7 +182,7 @@ def test_templates_rebind_a_grown_scratch(be, monkeypatch):
     out, st = forward_with_stats(q, k, v, mask=aa.Causal())
     gr = aa.attention_backward(q, k, v, g, out=out, lse=st, mask=aa.Causal())
     assert run.cache_stats["bound_misses"] > misses
-    _same(first, [gr.dq.numpy(), gr.dk.numpy(), gr.dv.numpy()])
+    assert_same(first, [gr.dq.numpy(), gr.dk.numpy(), gr.dv.numpy()])
 
 
 def test_staged_dsq_prefetch_chunks_split(be, monkeypatch):
@@ -224,20 +190,16 @@ def test_staged_dsq_prefetch_chunks_split(be, monkeypatch):
     the dK/dV launches split at the loop budget (a piece continues the chunk's partial
     sums) and key tiles skipped by a band (the prefetched tile is not always the next one
     run): staged's bits, and the same with DSQ_PREFETCH off."""
-    from anyattn.backends.webgpu.launch import TileConfig
-
     r = np.random.default_rng(72)
     q, k, v, g = make_qkv(r, 1, 4, 2, 40, 150, 24)
     mask = aa.Causal("bottom_right") & aa.Window(left=60)
-    base = choose_config(be.context, 24, variant="staged")
-    dsq = dataclasses.replace(base, variant="staged-dsq")
+    base, dsq = base_and_dsq(be, 24, base="staged")
     assert dsq.prefetch
-    ref = _grads(be, q, k, v, g, base, mask=mask)
+    ref = grads(be, q, k, v, g, base, mask=mask)
     monkeypatch.setattr(launch, "DSQ_MAX_BYTES", dsq_bytes(2, 40, 150, dsq.BK))
-    per = max(dsq.trips_per_unit(kn, 24) for kn in ("forward", "bwd_dq", "bwd_dkdv"))
-    be.loop_limit_override = TileConfig.FIXED_TRIPS + per
+    be.loop_limit_override = one_unit_loop_limit(dsq, 24)
     for pf in (True, False):
         monkeypatch.setattr(launch, "DSQ_PREFETCH", pf)
-        got = _grads(be, q, k, v, g, dsq, mask=mask)
+        got = grads(be, q, k, v, g, dsq, mask=mask)
         assert be.last_pieces["bwd_dkdv"] > 1
-        _same(ref, got)
+        assert_same(ref, got)

@@ -35,9 +35,9 @@ from anyattn.backends.webgpu.launch import (ENV_VARIANT, VARIANTS, TileConfig, c
                                             pick_variant)
 
 from helpers import assert_close, compare_with_reference, make_qkv
-from wg_util import assert_backward_trips_within_model, run_probe
-
-GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
+from wg_util import (GPU_TILE, assert_backward_trips_within_model, assert_bitwise_and_close,
+                     backward_call, backward_from_float64, fwd_bwd, modifiers_case,
+                     one_unit_loop_limit, run_probe)
 
 
 def _needs_subgroups(be):
@@ -65,19 +65,6 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) s: u3
         {"binding": 0, "resource": {"buffer": buf, "offset": 0, "size": 512}}], buf), np.uint32)
     assert r[64:].all(), "subgroup lanes are not consecutive local_invocation_index values"
     return int(r[0])
-
-
-def _run(be, q, k, v, g, cfg=None, mask=None, bias=None, wrt=("q", "k", "v"), cfg_b=None):
-    """forward with ``cfg``, backward with ``cfg_b`` (default ``cfg``)."""
-    be.config_override = cfg
-    try:
-        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="webgpu")
-        be.config_override = cfg_b or cfg
-        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias, wrt=wrt,
-                                   backend="webgpu")
-    finally:
-        be.config_override = None
-    return [out, lse] + [getattr(gr, n) for n in ("dq", "dk", "dv", "dbias")]
 
 
 def _variant_cfg(base: TileConfig, variant: str) -> TileConfig:
@@ -199,7 +186,7 @@ def test_prefetch_is_bitwise_portable(be, tile, variant):
     bias = r.standard_normal((1, 4, 37, 70)).astype(np.float32)
     mask = aa.Causal("bottom_right") & aa.Window(left=40)
     wrt = ("q", "k", "v", "bias")
-    res = [_run(be, q, k, v, g, _variant_cfg(base, var), mask, bias, wrt)
+    res = [fwd_bwd(be, q, k, v, g, _variant_cfg(base, var), mask, bias, wrt)
            for var in ("portable", variant)]
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *res):
         np.testing.assert_array_equal(a, b, err_msg=name)
@@ -211,7 +198,7 @@ def test_staged_f16_is_bitwise_portable(be):
         pytest.skip("no shader-f16")
     q, k, v, g = make_qkv(np.random.default_rng(42), 1, 2, 1, 45, 70, 72, dtype="float16")
     base = choose_config(be.context, 72, "f16", backward=True)
-    res = [_run(be, q, k, v, g, _variant_cfg(base, var), aa.Causal())
+    res = [fwd_bwd(be, q, k, v, g, _variant_cfg(base, var), aa.Causal())
            for var in ("portable", "staged")]
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[0][:5], res[1][:5]):
         np.testing.assert_array_equal(a, b, err_msg=name)
@@ -268,8 +255,8 @@ def test_subgroups_paths(be, tile):
     sgs = _subgroup_size(be)
     r = np.random.default_rng(45)
     q, k, v, g = make_qkv(r, 2, 2, 2, 61, 90, 32)
-    pt = _run(be, q, k, v, g, dataclasses.replace(base, variant="portable"))
-    sg = _run(be, q, k, v, g, _variant_cfg(base, "subgroups"))
+    pt = fwd_bwd(be, q, k, v, g, dataclasses.replace(base, variant="portable"))
+    sg = fwd_bwd(be, q, k, v, g, _variant_cfg(base, "subgroups"))
     from anyattn import reference as R
 
     ro, rl = R.forward(q, k, v)
@@ -331,8 +318,8 @@ def test_wide_is_bitwise_portable(be):
     mask = aa.Causal("bottom_right") & aa.Window(left=90)
     wrt = ("q", "k", "v", "bias")
     fwd, bwd = _wide_pair(base)
-    ref = _run(be, q, k, v, g, dataclasses.replace(base, variant="portable"), mask, bias, wrt)
-    got = _run(be, q, k, v, g, fwd, mask, bias, wrt, cfg_b=bwd)
+    ref = fwd_bwd(be, q, k, v, g, dataclasses.replace(base, variant="portable"), mask, bias, wrt)
+    got = fwd_bwd(be, q, k, v, g, fwd, mask, bias, wrt, cfg_b=bwd)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), ref, got):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
@@ -340,11 +327,7 @@ def test_wide_is_bitwise_portable(be):
 def test_wide_against_float64(be, monkeypatch):
     """Through the API (ANYATTN_WEBGPU_VARIANT=wide), the adapter's tiles, one compile:
     causal GQA with empty rows, softcap + ALiBi + sinks (+ dsinks), dropout."""
-    q, k, v, g = make_qkv(np.random.default_rng(49), 1, 4, 2, 29, 41, 24)
-    kw = dict(mask=aa.Causal() & aa.KeepMask(np.arange(29)[:, None] % 6 != 2), softcap=5.0,
-              sinks=np.float32([0.5, -1, 2, 0]),
-              alibi_slopes=np.float32([0.5, 0.25, 0.125, 0.0625]), dropout_p=0.2,
-              dropout_seed=7)
+    q, k, v, g, kw = modifiers_case(49, 24)
     monkeypatch.setenv(ENV_VARIANT, "wide")
     compare_with_reference("webgpu", q, k, v, g, wrt=("q", "k", "v", "sinks"), **kw)
 
@@ -363,14 +346,8 @@ def test_wide_f16(be):
     cfg = dataclasses.replace(st, DC=16, IC=16, RM=8, variant="wide")
     cfg.check()
     mask = aa.Causal()
-    ro, rl = R.forward(q, k, v, mask=mask)
     rg = R.backward(q, k, v, g, mask=mask)
-    be.config_override = cfg
-    try:
-        gr = aa.attention_backward(q, k, v, g, out=ro.astype(np.float16),
-                                   lse=rl.astype(np.float32), mask=mask, backend="webgpu")
-    finally:
-        be.config_override = None
+    gr = backward_from_float64(be, q, k, v, g, cfg, mask)
     for name in ("dq", "dk", "dv"):
         assert_close(getattr(gr, name), getattr(rg, name), "float16", name)
 
@@ -382,28 +359,12 @@ def test_rows8_f16_is_bitwise_portable(be):
     from float64 out / lse (one compile of the two rows8 kernels, ~30 s cold on llvmpipe)."""
     if not be.context.has_f16:
         pytest.skip("no shader-f16")
-    from anyattn import reference as R
-
     q, k, v, g = make_qkv(np.random.default_rng(51), 1, 4, 2, 45, 70, 24, dtype="float16")
     base = choose_config(be.context, 24, "f16", backward=True)
     r8 = dataclasses.replace(base, RM=8, variant="rows8")
     r8.check()
     assert (r8.prefetch, r8.stage, r8.alias, r8.BQ) == (False, False, False, 8 * r8.TY)
-    mask = aa.Causal()
-    ro, rl = R.forward(q, k, v, mask=mask)
-    rg = R.backward(q, k, v, g, mask=mask)
-    res = []
-    for cfg in (base, r8):
-        be.config_override = cfg
-        try:
-            res.append(aa.attention_backward(q, k, v, g, out=ro.astype(np.float16),
-                                             lse=rl.astype(np.float32), mask=mask,
-                                             backend="webgpu"))
-        finally:
-            be.config_override = None
-    for name in ("dq", "dk", "dv"):
-        np.testing.assert_array_equal(getattr(res[0], name), getattr(res[1], name), name)
-        assert_close(getattr(res[1], name), getattr(rg, name), "float16", name)
+    assert_bitwise_and_close(be, q, k, v, g, base, r8, aa.Causal())
 
 
 # ---------------------------------------------------------------- loop trips
@@ -411,18 +372,12 @@ def test_rows8_f16_is_bitwise_portable(be):
 def test_trip_model_bounds_the_variants(be, variant):
     """llvmpipe counts loop tests: the model must bound the variants' loops (the
     prefetch staging is unrolled: only the chunk loops remain)."""
-    from anyattn.problem import describe
-
     if variant == "subgroups":
         _needs_subgroups(be)
     q, k, v, g = make_qkv(np.random.default_rng(46), 1, 2, 1, 70, 90, 40)
-    cfg = choose_config(be.context, 40, variant=variant)
-    be.config_override = cfg
-    o, l = aa.attention(q, k, v, return_lse=True, backend="webgpu")
-    p = describe(q, k, v, dout=g, wrt=("q", "k", "v"))
-    be.config_override = choose_config(be.context, 40, variant=variant, backward=True)
-    be.debug_trips = True
-    call, _ = be._build_backward(p, q, k, v, g, o, aa.RowStats.from_lse(l), None)
+    call = backward_call(be, q, k, v, g, choose_config(be.context, 40, variant=variant),
+                         cfg_b=choose_config(be.context, 40, variant=variant, backward=True),
+                         debug_trips=True)
     assert call.cfg.variant == variant
     assert_backward_trips_within_model(call, 40)
 
@@ -437,13 +392,11 @@ def test_variants_split_launches_bitwise(be, monkeypatch, variant):
     q, k, v, g = make_qkv(r, 1, 4, 2, 70, 300, 24)
     kw = dict(mask=aa.Causal("bottom_right"))
     monkeypatch.setenv(ENV_VARIANT, "portable")
-    ref = _run(be, q, k, v, g, **kw)
+    ref = fwd_bwd(be, q, k, v, g, **kw)
     monkeypatch.setenv(ENV_VARIANT, variant)
-    one = _run(be, q, k, v, g, **kw)
-    cfg = choose_config(be.context, 24)
-    per = max(cfg.trips_per_unit(kn, 24) for kn in ("forward", "bwd_dq", "bwd_dkdv"))
-    be.loop_limit_override = TileConfig.FIXED_TRIPS + per     # >= 1 unit of each kernel
-    split = _run(be, q, k, v, g, **kw)
+    one = fwd_bwd(be, q, k, v, g, **kw)
+    be.loop_limit_override = one_unit_loop_limit(choose_config(be.context, 24), 24)
+    split = fwd_bwd(be, q, k, v, g, **kw)
     assert be.last_pieces["bwd_dq"] > 1 and be.last_pieces["bwd_dkdv"] > 1
     for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), one, split, ref):
         np.testing.assert_array_equal(a, b, err_msg=name)
