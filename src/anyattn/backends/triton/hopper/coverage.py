@@ -93,9 +93,13 @@ COVERAGE = {
     # stays portable; session 7's route there was even with it)
     # Documents / KeepMask (session 9): the same kernels with the column range table,
     # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
-    # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 on the GPU tests;
-    # covered at D=128 only (D=64: dQ-inside is not its default, arrays not timed there);
-    # routed by 'auto' only where timed faster than the portable backward (below)
+    # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200
+    # 2026-12-04 10:01 UTC); covered at D=128 only (D=64: arrays not timed, the forward
+    # does not cover them there).  Routed by 'auto': documents, causal or not (H200
+    # 10:02 UTC, B=4 H=16 S=4k / 8k D=128 bf16, 3 rotated rounds, device-only backward
+    # 0.85-0.97x the portable one in every round of all 8 cases; docs/perf/
+    # masks-flex-bwd-h200-2026-12-04-s9.json; sorted ids timed, unsorted ones (the id
+    # compare) routed with the class untimed); KeepMask classes covered, not timed
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
@@ -103,7 +107,8 @@ COVERAGE = {
                                                  "band+documents", "band+keep",
                                                  "documents+keep", "band+documents+keep"}),
                          mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
-                         auto_mask_classes=frozenset({"none", "band"}),
+                         auto_mask_classes=frozenset({"none", "band", "documents",
+                                                      "band+documents"}),
                          auto_mask_classes_by_head_dim=((64, frozenset({"band"})),)),
 }
 
