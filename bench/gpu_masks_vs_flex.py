@@ -54,6 +54,9 @@ import anyattn.torch as at  # noqa: E402
 MASKS = ("sliding:512", "doc_rand_causal", "doc_eq512", "sliding:256", "sliding:1024",
          "doc_eq512_causal", "doc_rand")
 SHAPES = ((4096, 128), (4096, 64), (8192, 128), (8192, 64))
+#: masks run only when named: the random causal documents as a dense KeepMask
+#: [1, 1, S, S] (anyattn's KeepMask path; Flex gets the same documents as its mask_mod)
+EXTRA_MASKS = ("keep_doc_rand_causal",)
 
 # ---------------------------------------------------------------- FlexAttention's masks
 # mask_mod data, updated in place between cases (one compiled graph per family and shape)
@@ -92,6 +95,8 @@ def case_mask(kind: str, S: int, gen, dev):
         keep = (j <= i) & (i - j <= w)
         return (aa.Causal() & aa.Window(left=w), keep, "sw",
                 {"win": torch.tensor(w, device=dev)})
+    as_keep = kind.startswith("keep_")
+    kind = kind[len("keep_"):] if as_keep else kind
     ids = doc_ids(kind, S, gen, dev)
     causal = kind.endswith("causal")
     keep = ids[:, None] == ids[None, :]
@@ -99,6 +104,8 @@ def case_mask(kind: str, S: int, gen, dev):
     if causal:
         keep = keep & (j <= i)
         mask = aa.Causal() & mask
+    if as_keep:
+        mask = aa.KeepMask(keep[None, None])
     return mask, keep, "doc", {"doc": ids, "bidir": torch.tensor(not causal, device=dev)}
 
 
@@ -205,7 +212,8 @@ def run(args):
         tuple(int(x) for x in sd.split("x")) for sd in args.shapes.split(","))
     kinds = [m for m in args.masks.split(",") if m]
     for m in kinds:
-        if not (m in MASKS or (m.startswith("sliding:") and m[8:].isdigit())):
+        if not (m in MASKS or m in EXTRA_MASKS
+                or (m.startswith("sliding:") and m[8:].isdigit())):
             raise ValueError(f"--masks: unknown mask {m!r}; expected sliding:W or one of "
                              f"{[x for x in MASKS if x.startswith('doc')]}")
     if tiny:   # windows that fit S = 256
@@ -374,7 +382,9 @@ def _set_variant(var):
     hopper/coverage.py's auto_mask_classes), 'hopbwd' / 'hopbwdkv' / 'portbwd' (their
     backwards routed to the Hopper backward with dQ inside, to its ws dK/dV kernel + the
     portable dQ (configs.bwd_config_dkdv_only), or kept portable), 'persist' (the Hopper
-    forward's persistent config as its D=128 default); None restores the defaults."""
+    forward's persistent config as its D=128 default), 'bwd=NAME' (the array masks'
+    backward config at D=128: a ws dQ-inside config of configs.WS_DQ_BWD_VARIANTS /
+    WS_DQS_BWD_VARIANTS by name); None restores the defaults."""
     import dataclasses
 
     from anyattn.backends.triton import configs as C
@@ -419,6 +429,13 @@ def _set_variant(var):
             if tok == "hopbwdkv":
                 for mc in _ARRAY_CLASSES:
                     HCF._BWD_BY_MASK[(128, mc)] = HCF.bwd_config_dkdv_only(128)
+        elif tok.startswith("bwd="):
+            named = {c.name: c for c in HCF.WS_DQ_BWD_VARIANTS[128]
+                     + HCF.WS_DQS_BWD_VARIANTS[128]}
+            if tok[4:] not in named:
+                raise ValueError(f"variant token {tok!r}: expected bwd= one of {sorted(named)}")
+            for mc in _ARRAY_CLASSES:
+                HCF._BWD_BY_MASK[(128, mc)] = named[tok[4:]]
         elif tok.startswith("fwd") and "x" in tok:
             bm, bn = (int(x) for x in tok[3:].split("x"))
             fields["fwd"] = C.KernelConfig(bm, bn, 8, 3)
@@ -426,7 +443,8 @@ def _set_variant(var):
             lowering = tok
         else:
             raise ValueError(f"variant token {tok!r}: expected lists, ranges, fwdBMxBN, "
-                             "hopfwd, portfwd, hopbwd, hopbwdkv, portbwd or persist")
+                             "hopfwd, portfwd, hopbwd, hopbwdkv, portbwd, bwd=NAME or "
+                             "persist")
     HCF._FWD_BY_DTYPE.update(persist)
     if setter is None and lowering is not None:
         raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
