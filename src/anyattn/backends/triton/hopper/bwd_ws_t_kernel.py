@@ -15,8 +15,9 @@ and 1 (4 warps each, setmaxnreg CONSUMER_REGS; bwd_ws_t_parts.consumer_t), the T
 producer warp (bwd_ws_parts.producer) and the dQ writer warp (bwd_ws_dq_kernel._writer,
 SPLIT), with bwd_ws_dq_kernel's barriers, add order, counters and "ds ready" mbarrier;
 the module doc of bwd_ws_dq_kernel describes them.  Shared memory: K, V [2, RN, D], the
-Q / dO ring, dS^T [2 parities x 2 consumers, RN, BM], the staged fp32 [2, BM, DH] (no P
-buffers: 16 KB less than the SPLIT kernel).
+Q / dO ring, dS^T [2 parities x 2 consumers, RN, BM], the staged fp32 [2, BM, DH], the
+queries' statistics 3 x [2 consumers x 2 parities, BM] fp32 (no P buffers: 13 KB less
+than the SPLIT kernel).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

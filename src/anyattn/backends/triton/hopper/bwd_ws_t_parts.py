@@ -16,7 +16,10 @@ Per query tile, consumer w (key rows K_w, V_w [RN, D] in its own shared buffers)
     dQ[:, cols_w] = dS_0 . K_0[:, cols_w] + dS_1 . K_1[:, cols_w]     [BM, DH]
 staged in fp32 for the dQ writer (bwd_ws_dq_kernel._writer) as bwd_ws_parts.consumer
 does.  Against that consumer: no P store (nor its fence and barrier) and no shared reads
-of P / dS for dV / dK; dS is still stored once (the dQ products need both halves).
+of P / dS for dV / dK; dS is still stored once (the dQ products need both halves).  The
+price: the queries' statistics are per column (16 of the BM columns a thread, 48
+registers for max, log_norm and delta), so they are staged through shared memory a tile
+ahead and read where used (consumer_t's doc).
 
 Shape legend: RN = 64 key rows per consumer, BM = 64 the query tile, D head dim, DH =
 D / 2 the staged dQ columns, STAGES the depth of the Q / dO ring.

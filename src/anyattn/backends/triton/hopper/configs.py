@@ -323,7 +323,12 @@ WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 #: (2026-12-04, bf16): 64 / 48 HGMMA at D=128 / 64, 200,256 B shared at D=128 (no P
 #: buffers: 13 KB under 'nh'), consumer loops 3-6 STL / 16-21 LDL at D=128 (band 0-5 /
 #: 13-15), none at D=64 (the queries' statistics are per column now, 16 registers a
-#: vector: staged through shared memory a tile ahead, bwd_ws_t_parts)
+#: vector: staged through shared memory a tile ahead, bwd_ws_t_parts).  H200 2026-12-04
+#: 10:06 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s9-trans2*.json, 3 rotated rounds),
+#: route TFLOP/s vs 'nh' (the default) in the same rounds: D=128 S=2k / 2k causal / 8k /
+#: 8k causal 415 / 360 / 451 / 449 vs 424 / 352 / 459 / 448; D=64 S=4k 333 vs 305 (the ws
+#: dK/dV route used there: 332), causal 309 vs 322.  Correct (float64, both orders,
+#: bitwise repeatable); not routed
 WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, trans=True)]
                        for d in (64, 128)}
