@@ -5,6 +5,8 @@
 # random causal documents and equal causal ones (Documents): the all-portable route, the
 # Hopper forward + portable backward, + the Hopper backward (dQ inside, 'nh'), + the
 # Hopper backward with 'h' (row statistics prefetched), FlexAttention -> $OUT/bench.
+# Not run in session 9 (device budget); expected ~50 s of compiles (portable and Hopper
+# KeepMask kernels, 'h' with arrays, Flex's document graphs) + ~15 s per case.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( ${RUN_S:-95} - ($(date +%s) - T0) )); }
