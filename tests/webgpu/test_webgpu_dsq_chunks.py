@@ -203,3 +203,43 @@ def test_staged_dsq_prefetch_chunks_split(be, monkeypatch):
         got = grads(be, q, k, v, g, dsq, mask=mask)
         assert be.last_pieces["bwd_dkdv"] > 1
         assert_same(ref, got)
+
+
+def test_dbias_uses_the_shared_scratch(be, monkeypatch):
+    """The dbias path's dS [B, HQ, SQ, SK] (written by the dQ pass, read by the reduction)
+    lives in the one shared dS scratch: no other dS buffer; in a scratch a larger dsq call
+    grew and filled, then poisoned (NaN), a dbias call whose band skips key tiles (their
+    dS never written) clears what it needs and gives the bits of a fresh scratch (host
+    arrays and device arrays)."""
+    wg = pytest.importorskip("anyattn.webgpu")
+    run = be._run()
+    run.release(DSQ_ROLE)
+    r = np.random.default_rng(93)
+    q, k, v, g = make_qkv(r, 1, 2, 1, 70, 150, 24)
+    bias = r.standard_normal((1, 2, 1, 150)).astype(np.float32)
+    mask = aa.Causal("bottom_right") & aa.Window(left=20)     # 21 keys a row: tiles skipped
+    wrt = ("q", "k", "v", "bias")
+
+    def device_call():
+        dq, dk, dv, dg, db = (wg.asarray(x) for x in (q, k, v, g, bias))
+        out, st = forward_with_stats(dq, dk, dv, bias=db, mask=mask)
+        gr = aa.attention_backward(dq, dk, dv, dg, out=out, lse=st, bias=db, mask=mask,
+                                   wrt=wrt)
+        return [x.numpy() for x in (gr.dq, gr.dk, gr.dv, gr.dbias)]
+
+    fresh = grads(be, q, k, v, g, None, mask, bias, wrt), device_call()
+    need = 4 * 2 * 70 * 150
+    assert need <= run._bufs[DSQ_ROLE].size < 4 * 2 * 160 * 160
+    monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
+    grads(be, *make_qkv(np.random.default_rng(94), 1, 2, 1, 160, 160, 16), None, aa.Causal())
+    monkeypatch.delenv(ENV_VARIANT)
+    big = run._bufs[DSQ_ROLE]
+    assert big.size >= 4 * 2 * 160 * 160
+    run.poison()
+    again_dev = device_call()
+    run.poison()
+    again = grads(be, q, k, v, g, None, mask, bias, wrt), again_dev
+    assert run._bufs[DSQ_ROLE] is big
+    assert not {"ds", "dev_ds"} & set(run._bufs)
+    for a, b in zip(fresh, again):
+        assert_same(a, b)

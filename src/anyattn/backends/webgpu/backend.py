@@ -320,6 +320,7 @@ class WebGPUBackend(Backend):
         already on the device (benchmarks), else out and the RowStats ``stats`` are
         uploaded."""
         from .engine import Operand
+        from .launch import DSQ_ROLE, Clear
 
         B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                  p.head_dim)
@@ -344,9 +345,9 @@ class WebGPUBackend(Backend):
             bufs["kv"] = run.buffer("dkdv", 4 * 2 * nkv)
             call.dkdv(stats, bufs["kv"], want_k, want_v, dq_next=want_q and not want_b)
         dsb = None
-        if want_b:
-            dsb = run.buffer("ds", 4 * B * HQ * SQ * SK)
-            call.clears.append(dsb)
+        if want_b:                      # dS for dbias: the shared dS scratch (DSQ_ROLE)
+            dsb = run.buffer(DSQ_ROLE, 4 * B * HQ * SQ * SK)
+            call.clears.append(Clear(dsb, 4 * B * HQ * SQ * SK))
         if want_q or want_b:
             bufs["q"] = run.buffer("dq", 4 * call.n * D)
             call.dq(stats, bufs["q"], dsb)

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import launch as _launch
-from .launch import (DSQ_ROLE, Launch, LoopLimitError, Runner, TileConfig, ceil_div, dsq_bytes,
-                     dsq_chunks, dsq_limit, split_range)
+from .launch import (DSQ_ROLE, Clear, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
+                     clear_map, dsq_bytes, dsq_chunks, dsq_limit, split_range)
 from .uniforms import FLAGS
 
 __all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
@@ -577,7 +577,7 @@ class Plan:
         if self.launches is None:
             return
         used = {id(b) for l in self.launches for b in l.buffers}
-        used |= {id(b) for b in self.clears}
+        used |= {id(c.buf if isinstance(c, Clear) else c) for c in self.clears}
         used |= {id(x) for c in self.copies + self.copies_before for x in (c[0], c[2])}
         for role, buf in self.run._bufs.items():
             if id(buf) in used and not role.startswith("_"):
@@ -597,7 +597,7 @@ class Plan:
             return new.get(id(b), b)
         for l in self.launches:
             l.buffers = [sub(b) for b in l.buffers]
-        self.clears = [sub(b) for b in self.clears]
+        self.clears = [clear_map(c, sub) for c in self.clears]
         self.copies = [(sub(a), o, sub(d), p, n) for a, o, d, p, n in self.copies]
         self.copies_before = [(sub(a), o, sub(d), p, n) for a, o, d, p, n in self.copies_before]
         self.encoded = self.run.encode(self.launches)

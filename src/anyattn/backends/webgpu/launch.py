@@ -25,7 +25,7 @@ from .pipelines import KernelError, PipelineCache
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
            "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
            "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes",
-           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks"]
+           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks", "Clear", "clear_map"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -62,8 +62,12 @@ RM8_VARIANTS = ("wide", "rows8", "wide-dsq")
 #: scratch is past it, the table's next entry
 DSQ_MAX_BYTES = 1 << 30
 #: the pooled role (``Runner.buffer``) of the dS scratch: one buffer per Runner (device),
-#: shared by every call, launch template and plan, grown (never past DSQ_MAX_BYTES) when
-#: too small; templates and plans resolve it at submit (a grown buffer is re-bound)
+#: shared by every call, launch template and plan, grown when too small; templates and
+#: plans resolve it at submit (a grown buffer is re-bound).  Its users, one at a time
+#: within a call: the 5-product backward (one chunk's dS in tile order, <= DSQ_MAX_BYTES)
+#: and the dbias path (dS [B, HQ, SQ, SK] row-major, written by the dQ pass and read by
+#: the reduction / the read-back of the same call; within the binding limit: the batch
+#: is chunked to fit), cleared only as far as that call needs (``Clear``)
 DSQ_ROLE = "dsq"
 #: the dQ pass of a ``*-dsq`` variant whose base prefetches (staged-dsq, wide-dsq) loads
 #: the next key tile's dS rows into registers before the current tile's update (DSQ_PF;
@@ -520,6 +524,19 @@ class Launch:
 
 
 
+@dataclass(frozen=True)
+class Clear:
+    """A clear of the first ``nbytes`` of ``buf`` (a pooled buffer can be larger than the
+    call that clears it needs).  A clears list holds these or whole buffers."""
+    buf: object
+    nbytes: int
+
+
+def clear_map(c, f):
+    """The clear ``c`` (a ``Clear`` or a whole buffer) with its buffer replaced by f(buffer)."""
+    return Clear(f(c.buf), c.nbytes) if isinstance(c, Clear) else f(c)
+
+
 class Runner:
     """Persistent buffers (by role name, grown when too small), uniforms, dispatch, read-back."""
 
@@ -700,9 +717,9 @@ class Runner:
     def submit(self, encoded: Sequence[tuple], clears: Sequence[object] = (),
                repeat: int = 1, copies: Sequence[tuple] = (),
                copies_before: Sequence[tuple] = ()) -> None:
-        """``copies_before``, clears, then every encoded launch in order (one compute
-        pass), ``repeat`` times; then ``copies``.  A copy is (src, src byte offset, dst,
-        dst byte offset, bytes)."""
+        """``copies_before``, clears (``Clear`` or whole buffers), then every encoded launch
+        in order (one compute pass), ``repeat`` times; then ``copies``.  A copy is (src,
+        src byte offset, dst, dst byte offset, bytes)."""
         try:
             enc = self.device.create_command_encoder()
             for src, so, dst, do, nbytes in copies_before:
@@ -710,8 +727,11 @@ class Runner:
             ts = self.timestamps
             marks = ts.marks(repeat) if ts is not None else [None] * repeat
             for mark in marks:
-                for buf in clears:
-                    enc.clear_buffer(buf)
+                for c in clears:
+                    if isinstance(c, Clear):
+                        enc.clear_buffer(c.buf, 0, c.nbytes)
+                    else:
+                        enc.clear_buffer(c)
                 cp = enc.begin_compute_pass() if mark is None else \
                     enc.begin_compute_pass(timestamp_writes=mark)
                 for pipe, bg, grid, _ in encoded:

@@ -32,7 +32,7 @@ from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
 from ...rowstats import RowStats
 from .engine import LOG_NORM_ROW, STATS_ROWS, Operand
-from .launch import ENV_VARIANT, Launch, ceil_div, split_range
+from .launch import DSQ_ROLE, ENV_VARIANT, Clear, Launch, ceil_div, split_range
 from .uniforms import FLAGS
 
 __all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empty_stats",
@@ -539,12 +539,12 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         dsb = ids = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
         bdt = np.dtype(p.bias_dtype) if want_b else None
-        if want_b:
+        if want_b:                   # dS: the dbias result, or the shared dS scratch
             if full:
-                dsb, ids = dest("dbias", B * HQ * SQ * SK, bdt, "dev_ds")
+                dsb, ids = dest("dbias", B * HQ * SQ * SK, bdt, DSQ_ROLE)
             else:
-                dsb = run.buffer("dev_ds", 4 * B * HQ * SQ * SK)
-            call.clears.append(dsb)
+                dsb = run.buffer(DSQ_ROLE, 4 * B * HQ * SQ * SK)
+            call.clears.append(Clear(dsb, 4 * B * HQ * SQ * SK))
         if want_q and dt == np.float16 and call.out16_ok("bwd_dq"):
             # f16 dQ written by the dQ pass itself (no f32 scratch, no cast launch)
             y, iy = res.new(_nbytes(n * D, dt), "anyattn.dq")

@@ -42,6 +42,8 @@ import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .launch import Clear, clear_map
+
 __all__ = ["Template", "TemplateCache", "ResultSpec"]
 
 #: (name, result buffer index, shape, dtype, element offset, element strides): one
@@ -55,7 +57,7 @@ class Template:
     def __init__(self, launches, clears, copies, copies_before, result_sizes, results,
                  pieces, seeded=(), seed=None):
         self.launches = launches            # [(pipeline, layout, slots, grid, kernel)]
-        self.clears = clears                # [slot]
+        self.clears = clears                # [slot or Clear(slot, bytes)]
         self.copies = copies                # [(slot, byte off, slot, byte off, bytes)]
         self.copies_before = copies_before
         self.result_sizes = result_sizes    # [(bytes, label)] per result buffer
@@ -122,8 +124,8 @@ class Template:
         if own:
             vals = next(iter(seeded.values()))
             seed = int(vals["drop_k0"]) | int(vals["drop_k1"]) << 32
-        tpl = cls(launches, [to_slot(b) for b in call.clears], copies, before, sizes, results,
-                  dict(call.pieces), own.values(), seed)
+        tpl = cls(launches, [clear_map(c, to_slot) for c in call.clears], copies, before, sizes,
+                  results, dict(call.pieces), own.values(), seed)
         tpl._remember(result_bufs)
         call.launches, call.clears, call.copies, call.copies_before = [], [], [], []
         return tpl
@@ -193,7 +195,7 @@ class Template:
 
             def resolve(s):
                 return at[s] if type(s) is tuple else s
-            run.submit(encoded, [resolve(s) for s in self.clears], 1,
+            run.submit(encoded, [clear_map(s, resolve) for s in self.clears], 1,
                        [(resolve(s), so, resolve(d), do, n) for s, so, d, do, n in self.copies],
                        [(resolve(s), so, resolve(d), do, n)
                         for s, so, d, do, n in self.copies_before])
@@ -210,7 +212,8 @@ class Template:
             for s in slots:
                 if type(s) is tuple:
                     seen.setdefault(s, None)
-        for s in self.clears:
+        for c in self.clears:
+            s = c.buf if isinstance(c, Clear) else c
             if type(s) is tuple:
                 seen.setdefault(s, None)
         for s, _, d, _, _ in list(self.copies) + list(self.copies_before):
