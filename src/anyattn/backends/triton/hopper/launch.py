@@ -675,7 +675,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
 
             dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
-                                                  split=False, lag=False))
+                                                  split=False, lag=False,
+                                                  trans=False))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
