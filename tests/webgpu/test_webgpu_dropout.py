@@ -31,6 +31,8 @@ if __name__ == "__main__" and "helpers" not in sys.modules:   # run as the cost 
     sys.modules["helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["helpers"])
 from helpers import assert_close, compare_with_reference, make_qkv, term_magnitudes  # noqa: E402
+from wg_util import CASE_MASKS as MASKS  # noqa: E402
+from wg_util import bind_whole, bshd_strided_qkv, run_probe  # noqa: E402
 
 
 def run_both(q, k, v, g, **kw):
@@ -38,16 +40,6 @@ def run_both(q, k, v, g, **kw):
     (``helpers.compare_with_reference``; lse undropped)."""
     return compare_with_reference("webgpu", q, k, v, g, **kw)
 
-
-MASKS = {
-    None: lambda Sq, Sk, r: None,
-    "causal": lambda Sq, Sk, r: aa.Causal(),
-    "causal_br": lambda Sq, Sk, r: aa.Causal("bottom_right"),
-    "window": lambda Sq, Sk, r: aa.Window(left=5, right=3),
-    "docs_b_causal": lambda Sq, Sk, r: aa.Causal() & aa.Documents(
-        np.sort(r.integers(0, 4, (2, Sq)), axis=1), np.sort(r.integers(0, 4, (2, Sk)), axis=1)),
-    "keep": lambda Sq, Sk, r: aa.KeepMask(r.random((Sq, Sk)) < 0.6),
-}
 
 # (p, seed, mask, bias shape or None, extras, (B, Hq, Hkv, Sq, Sk, D))
 CASES = [
@@ -99,9 +91,7 @@ def test_dropout_against_reference(be, p, seed, mname, bshape, extras, shape):
 def test_dropout_bshd_layout_and_strided_views(be):
     r = np.random.default_rng(1)
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 19, 26, 16
-    q, k, v, g = make_qkv(r, B, Hq, Hkv, Sq, Sk, D)
-    q, k, v, g = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k, v, g))
-    k = np.concatenate([k, k], axis=-1)[..., ::2]               # a strided view
+    q, k, v, g = bshd_strided_qkv(r, B, Hq, Hkv, Sq, Sk, D)
     run_both(q, k, v, g, mask=aa.Causal("bottom_right"), layout="bshd", dropout_p=0.35,
              dropout_seed=2024, q_offset=4, k_offset=11)
 
@@ -256,17 +246,7 @@ def _run_philox(be, counters, seed, t):
                                      usage=wgpu.BufferUsage.STORAGE)
     n = counters.shape[0]
     yb = dev.create_buffer(size=8 * n, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-        {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-        for i, b in enumerate((ub, cb, yb))])
-    enc = dev.create_command_encoder()
-    cp = enc.begin_compute_pass()
-    cp.set_pipeline(pipe)
-    cp.set_bind_group(0, bg)
-    cp.dispatch_workgroups(-(-n // 64))
-    cp.end()
-    dev.queue.submit([enc.finish()])
-    y = np.frombuffer(dev.queue.read_buffer(yb), np.uint32)
+    y = np.frombuffer(run_probe(dev, pipe, bind_whole(ub, cb, yb), yb, -(-n // 64)), np.uint32)
     return y[:n], y[n:].astype(bool)
 
 

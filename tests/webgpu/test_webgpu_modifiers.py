@@ -22,6 +22,8 @@ from anyattn.modifiers import NO_MODS
 from anyattn.problem import describe
 
 from helpers import assert_close, compare_with_reference, make_qkv, term_magnitudes
+from wg_util import CASE_MASKS as MASKS
+from wg_util import bind_whole, bshd_strided_qkv, run_probe
 
 
 def run_both(q, k, v, g, **kw):
@@ -50,18 +52,6 @@ def _wrt(mods, bias=None):
     return ("q", "k", "v") + (("bias",) if bias is not None else ()) + \
         (("sinks",) if "sinks" in mods else ())
 
-
-MASKS = {
-    None: lambda Sq, Sk, r: None,
-    "causal": lambda Sq, Sk, r: aa.Causal(),
-    "causal_br": lambda Sq, Sk, r: aa.Causal("bottom_right"),
-    "window": lambda Sq, Sk, r: aa.Window(left=5, right=3),
-    "docs": lambda Sq, Sk, r: aa.Documents(np.sort(r.integers(0, 3, Sq)),
-                                            np.sort(r.integers(0, 3, Sk))),
-    "docs_b_causal": lambda Sq, Sk, r: aa.Causal() & aa.Documents(
-        np.sort(r.integers(0, 4, (2, Sq)), axis=1), np.sort(r.integers(0, 4, (2, Sk)), axis=1)),
-    "keep": lambda Sq, Sk, r: aa.KeepMask(r.random((Sq, Sk)) < 0.6),
-}
 
 # (modifiers, mask, bias shape or None, (B, Hq, Hkv, Sq, Sk, D))
 CASES = [
@@ -93,9 +83,7 @@ def test_modifiers(be, names, mname, bshape, shape):
 def test_modifiers_bshd_layout_and_strided_views(be):
     r = np.random.default_rng(1)
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 19, 26, 16
-    q, k, v, g = make_qkv(r, B, Hq, Hkv, Sq, Sk, D)
-    q, k, v, g = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k, v, g))
-    k = np.concatenate([k, k], axis=-1)[..., ::2]               # a strided view
+    q, k, v, g = bshd_strided_qkv(r, B, Hq, Hkv, Sq, Sk, D)
     mods = _mods(r, ["softcap", "alibi_b", "sinks", "offsets"], B, Hq)
     run_both(q, k, v, g, mask=aa.Causal("bottom_right"), layout="bshd", wrt=_wrt(mods),
              **mods)
@@ -229,17 +217,8 @@ def _run_softcap_kernel(be, x, c):
     xb = dev.create_buffer_with_data(data=x, usage=wgpu.BufferUsage.STORAGE)
     yb = dev.create_buffer(size=8 * x.size,
                            usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-        {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-        for i, b in enumerate((ub, xb, yb))])
-    enc = dev.create_command_encoder()
-    cp = enc.begin_compute_pass()
-    cp.set_pipeline(pipe)
-    cp.set_bind_group(0, bg)
-    cp.dispatch_workgroups(-(-x.size // 64))
-    cp.end()
-    dev.queue.submit([enc.finish()])
-    return np.frombuffer(dev.queue.read_buffer(yb), np.float32).reshape(-1, 2)
+    return np.frombuffer(run_probe(dev, pipe, bind_whole(ub, xb, yb), yb, -(-x.size // 64)),
+                         np.float32).reshape(-1, 2)
 
 
 @pytest.mark.parametrize("c", [1.0, 30.0])

@@ -11,18 +11,47 @@ from helpers import assert_close, make_qkv
 GPU_TILE = TileConfig(16, 16, 16, 8, 2)     # the H200's fp32 config, run on lavapipe
 
 
-def run_probe(dev, pipe, entries, out_buffer):
-    """Bind `entries` (group 0) to the compute pipeline `pipe`, dispatch one workgroup,
-    wait, and return the bytes of `out_buffer` (a probe kernel's whole run)."""
+def run_probe(dev, pipe, entries, out_buffer, groups: int = 1):
+    """Bind `entries` (group 0) to the compute pipeline `pipe`, dispatch `groups`
+    workgroups, wait, and return the bytes of `out_buffer` (a probe kernel's whole run)."""
     bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
     enc = dev.create_command_encoder()
     cp = enc.begin_compute_pass()
     cp.set_pipeline(pipe)
     cp.set_bind_group(0, bg)
-    cp.dispatch_workgroups(1)
+    cp.dispatch_workgroups(groups)
     cp.end()
     dev.queue.submit([enc.finish()])
     return dev.queue.read_buffer(out_buffer)
+
+
+#: the masks of the dropout and modifier case tables, by name: name -> f(Sq, Sk, rng)
+CASE_MASKS = {
+    None: lambda Sq, Sk, r: None,
+    "causal": lambda Sq, Sk, r: aa.Causal(),
+    "causal_br": lambda Sq, Sk, r: aa.Causal("bottom_right"),
+    "window": lambda Sq, Sk, r: aa.Window(left=5, right=3),
+    "docs": lambda Sq, Sk, r: aa.Documents(np.sort(r.integers(0, 3, Sq)),
+                                            np.sort(r.integers(0, 3, Sk))),
+    "docs_b_causal": lambda Sq, Sk, r: aa.Causal() & aa.Documents(
+        np.sort(r.integers(0, 4, (2, Sq)), axis=1), np.sort(r.integers(0, 4, (2, Sk)), axis=1)),
+    "keep": lambda Sq, Sk, r: aa.KeepMask(r.random((Sq, Sk)) < 0.6),
+}
+
+
+def bshd_strided_qkv(r, B, Hq, Hkv, Sq, Sk, D):
+    """q, k, v, g (``make_qkv`` draws from ``r``) in the bshd layout [B, S, H, D], k a
+    strided view (every other column of a doubled array)."""
+    q, k, v, g = make_qkv(r, B, Hq, Hkv, Sq, Sk, D)
+    q, k, v, g = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k, v, g))
+    k = np.concatenate([k, k], axis=-1)[..., ::2]
+    return q, k, v, g
+
+
+def bind_whole(*bufs):
+    """Bind-group entries: each buffer whole, at bindings 0, 1, ... in order."""
+    return [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+            for i, b in enumerate(bufs)]
 
 
 def assert_backward_trips_within_model(call, head_dim: int) -> None:
