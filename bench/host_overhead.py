@@ -91,14 +91,20 @@ class _NoDevice:
 def _route_hopper(backward: bool = False) -> None:
     """Forward calls (and with ``backward`` the backward's dK/dV) take the Hopper launch
     code, its Gluon kernels no-ops (CPU)."""
-    from anyattn.backends.triton.hopper import (bwd_fused_kernel, bwd_kernel, bwd_ws_kernel,
-                                                fwd_kernel, fwd_ws_kernel)
+    from anyattn.backends.triton.hopper import (bwd_dq_convert, bwd_fused_kernel, bwd_kernel,
+                                                bwd_ws_dq_kernel, bwd_ws_kernel, fwd_kernel,
+                                                fwd_persist_kernel, fwd_ws_kernel)
+    from anyattn.backends.triton.hopper import launch as HL
 
     fwd_kernel.fwd_kernel = _NoLaunch()
     fwd_ws_kernel.fwd_ws_kernel = _NoLaunch()
+    fwd_persist_kernel.fwd_persist_kernel = _NoLaunch()
     bwd_kernel.dkdv_kernel = _NoLaunch()
     bwd_ws_kernel.dkdv_ws_kernel = _NoLaunch()
     bwd_fused_kernel.dkdvq_kernel = _NoLaunch()
+    bwd_ws_dq_kernel.dkdvq_ws_kernel = _NoLaunch()
+    bwd_dq_convert.dq_convert_kernel = _NoLaunch()
+    HL._sm_count = lambda device: 132          # the H200's (backward_config's residency rule)
     routed = ("forward", "backward") if backward else ("forward",)
     L._use_hopper = lambda p, direction, plan, tensors: direction in routed
     torch.cuda.device = _NoDevice
@@ -187,9 +193,9 @@ def main() -> None:
                     help="forward through the Hopper launch code (no-op kernels), as on "
                          "the H200 at D=128")
     ap.add_argument("--hopper", action="store_true",
-                    help="forward and the backward's dK/dV through the Hopper launch code "
-                         "(no-op kernels): the route the H200 runs at D=128 bf16 since "
-                         "2026-12-04")
+                    help="forward and backward through the Hopper launch code (no-op "
+                         "kernels): the route the H200 runs at D=128 bf16 (since session 8 "
+                         "the backward's dQ-inside kernel)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
