@@ -95,11 +95,14 @@ COVERAGE = {
     # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
     # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200
     # 2026-12-04 10:01 UTC); covered at D=128 only (D=64: arrays not timed, the forward
-    # does not cover them there).  Routed by 'auto': documents, causal or not (H200
-    # 10:02 UTC, B=4 H=16 S=4k / 8k D=128 bf16, 3 rotated rounds, device-only backward
-    # 0.85-0.97x the portable one in every round of all 8 cases; docs/perf/
-    # masks-flex-bwd-h200-2026-12-04-s9.json; sorted ids timed, unsorted ones (the id
-    # compare) routed with the class untimed); KeepMask classes covered, not timed
+    # does not cover them there).  Not routed by 'auto': the device-only backward is
+    # 0.85-0.97x the portable one in every round of all 8 document cases (H200 10:02
+    # UTC, B=4 H=16 S=4k / 8k D=128 bf16, 3 rotated rounds; docs/perf/
+    # masks-flex-bwd-h200-2026-12-04-s9.json), KeepMask 0.87x (10:37 UTC, 2 rounds), but
+    # this route costs 0.4-0.6 ms more host time per eager step than the portable
+    # backward, and a Documents / KeepMask step cannot be graph-captured: at S=4k the
+    # user's eager step (host included) was 1.2-1.4x the portable route's, at 8k
+    # 0.94-0.98x.  ANYATTN_TRITON_PATH=hopper takes it
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),
@@ -107,8 +110,7 @@ COVERAGE = {
                                                  "band+documents", "band+keep",
                                                  "documents+keep", "band+documents+keep"}),
                          mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
-                         auto_mask_classes=frozenset({"none", "band", "documents",
-                                                      "band+documents"}),
+                         auto_mask_classes=frozenset({"none", "band"}),
                          auto_mask_classes_by_head_dim=((64, frozenset({"band"})),)),
 }
 
