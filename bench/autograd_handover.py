@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -89,6 +90,18 @@ def _instrument(backend_obj):
         eager._Attention.backward = staticmethod(orig)
         cls.backward = orig_be
     return undo
+
+
+def _thread_names() -> dict:
+    """This process's threads by name (Linux /proc), counted."""
+    names: dict = {}
+    for t in Path("/proc/self/task").glob("*"):
+        try:
+            n = (t / "comm").read_text().strip()
+        except OSError:
+            continue
+        names[n] = names.get(n, 0) + 1
+    return names
 
 
 def run(kind, threads, shape, steps, dev, backend, causal):
@@ -166,6 +179,11 @@ def main():
             print(key, " ".join(f"{n}={v:.1f}" for n, v in m.items()),
                   "calling_thread" if r["backward_on_calling_thread"] else "device_thread",
                   flush=True)
+    res["threads"] = _thread_names()
+    res["torch_num_threads"] = torch.get_num_threads()
+    res["affinity"] = sorted(os.sched_getaffinity(0))
+    print("threads:", res["threads"], "torch threads:", res["torch_num_threads"],
+          "affinity:", res["affinity"], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "autograd_handover.json").write_text(json.dumps(res, indent=1))
