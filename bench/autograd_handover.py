@@ -159,7 +159,11 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--backend", default=None, help="default: triton on CUDA, numpy else")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch.set_num_threads(N) first (0: leave torch's default)")
     a = ap.parse_args()
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     backend = a.backend or ("triton" if dev == "cuda" else "numpy")
     shape = tuple(int(x) for x in a.shape.split(","))
