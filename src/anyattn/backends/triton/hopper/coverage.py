@@ -98,7 +98,7 @@ COVERAGE = {
     # does not cover them there).  Not routed by 'auto': the device-only backward is
     # 0.85-0.97x the portable one in every round of all 8 document cases (H200 10:02
     # UTC, B=4 H=16 S=4k / 8k D=128 bf16, 3 rotated rounds; docs/perf/
-    # masks-flex-bwd-h200-2026-12-04-s9.json), KeepMask 0.87x (10:37 UTC, 2 rounds), but
+    # masks-flex-bwd-h200-2026-12-04-s9.json), KeepMask 0.87x (10:23 UTC, 2 rounds), but
     # this route costs 0.4-0.6 ms more host time per eager step than the portable
     # backward, and a Documents / KeepMask step cannot be graph-captured: at S=4k the
     # user's eager step (host included) was 1.2-1.4x the portable route's, at 8k
