@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
-from anyattn import reference as R  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 
-from helpers import assert_close, np_mask, to_np  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
-from tr_util import needs_gluon, needs_sm90  # noqa: E402
+from tr_util import bwd_gpu_inputs, needs_gluon, needs_sm90  # noqa: E402
 
 
 def test_ws_dq_configs_are_data():
@@ -158,7 +156,6 @@ def test_ws_dq_against_float64(D, case):
     bitwise repeatable: every config (two partials, split 'h' / 'l', transposed 't') on
     the long chains, the split ones with the band and empty rows, and there dk / dv alone
     too (want_dq=False: the same consumers without dq, bwd_ws_kernel)."""
-    from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import launch as HL
 
     B, H, Hkv, Sq, Sk, dt, kind, seed, which = _GPU_CASES[case]
@@ -166,16 +163,7 @@ def test_ws_dq_against_float64(D, case):
     q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(getattr(torch, dt))
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
     mask = aa.Causal(align="bottom_right") if kind == "causal_br" else None
-    p = describe(q, k, v, mask=mask)
-    out, rs = TL.forward(p, q, k, v, None)
-    dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
-    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
-    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
-    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
-                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
-    delta = (out.float() * dout.float()).sum(-1).contiguous()
-    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
-    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    p, dout, l2, delta, rg = bwd_gpu_inputs(q, k, v, mask, g)
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
     cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
     if which == "all":

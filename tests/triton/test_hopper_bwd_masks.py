@@ -21,48 +21,17 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
-from helpers import assert_close, np_mask, to_np  # noqa: E402
+from helpers import assert_close, np_mask  # noqa: E402
 
-from tr_util import needs_gluon, needs_sm90  # noqa: E402
+from tr_util import array_mask_cases, bwd_gpu_inputs, needs_gluon, needs_sm90  # noqa: E402
 
 BM, BN = 64, 128     # the ws backward's query step and key tile
 
 
-def _sorted_ids(gen, n, docs):
-    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[:docs - 1] + 1).values
-    ids = torch.zeros(n, dtype=torch.int64)
-    ids[cuts] = 1
-    return torch.cumsum(ids, 0).to(torch.int32)
-
-
 def _cases(device="cpu"):
-    """name -> (B, H, Hkv, Sq, Sk, mask, DOCS mode expected)."""
-    g = torch.Generator().manual_seed(1)
-    dv = dict(device=device)
-    s700 = _sorted_ids(g, 700, 5)
-    bvar = torch.stack([_sorted_ids(g, 700, 3), _sorted_ids(g, 700, 7)])
-    q300 = torch.sort(torch.randint(0, 6, (300,), generator=g)).values.to(torch.int32)
-    k700 = torch.sort(torch.randint(0, 5, (700,), generator=g)).values.to(torch.int32)
-    unsorted = torch.randint(0, 4, (700,), generator=g).to(torch.int32)
-    keep = torch.rand(1, 1, 700, 700, generator=g) < 0.3
-    keep_h = torch.rand(2, 4, 300, 700, generator=g) < 0.05
-    keep_h[:, :, 5] = False                                  # empty rows
-    keep_h[0, 1, :, 128:256] = False                         # a key tile empty for one head
-    eq = (torch.arange(1024) // 512).to(torch.int32)
-    return {
-        "docs_rand": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv)), 2),
-        "docs_batch_causal": (2, 4, 2, 700, 700, aa.Causal() & aa.Documents(bvar.to(**dv)), 2),
-        # Sq != Sk, bottom-right causal; q id 5 has no key: empty rows
-        "docs_cross_br": (1, 2, 1, 300, 700, aa.Causal(align="bottom_right")
-                          & aa.Documents(q300.to(**dv), k700.to(**dv)), 2),
-        "docs_unsorted": (1, 2, 2, 700, 700, aa.Documents(unsorted.to(**dv)), 1),
-        "docs_eq512_gqa": (1, 4, 1, 1024, 1024, aa.Documents(eq.to(**dv)), 2),
-        "keep_causal": (1, 2, 2, 700, 700, aa.Causal() & aa.KeepMask(keep.to(**dv)), 0),
-        # per-head keep over a GQA group of 2, Sq != Sk, empty rows
-        "keep_heads_sparse": (2, 4, 2, 300, 700, aa.KeepMask(keep_h.to(**dv)), 0),
-        "docs_keep": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv))
-                      & aa.KeepMask(keep.to(**dv)), 2),
-    }
+    """name -> (B, H, Hkv, Sq, Sk, mask, DOCS mode expected): tr_util's, with the
+    backward's extras."""
+    return array_mask_cases(device, backward=True)
 
 
 def _inputs(name, D=8, seed=7):
@@ -361,23 +330,13 @@ def test_array_backward_compiles_for_sm90a(dq, docs, keep, band):
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_run(name, dtype, D, seed=3):
-    from anyattn.backends.triton import launch as TL
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(B, h, s, D, device="cuda", generator=g).to(dt)
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
-    p = describe(q, k, v, mask=mask)
-    out, rs = TL.forward(p, q, k, v, None)
-    dout = torch.randn(out.shape, device="cuda", generator=g).to(dt)
-    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
-    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
-    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
-                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
-    delta = (out.float() * dout.float()).sum(-1).contiguous()
-    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
-    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    p, dout, l2, delta, rg = bwd_gpu_inputs(q, k, v, mask, g)
     return p, q, k, v, dout, l2, delta, rg
 
 

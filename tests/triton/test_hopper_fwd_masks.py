@@ -22,40 +22,12 @@ from anyattn.problem import describe  # noqa: E402
 
 from helpers import TOL, assert_close, np_mask, to_np  # noqa: E402
 
-from tr_util import needs_gluon, needs_sm90  # noqa: E402
-
-
-def _sorted_ids(gen, n, docs):
-    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[:docs - 1] + 1).values
-    ids = torch.zeros(n, dtype=torch.int64)
-    ids[cuts] = 1
-    return torch.cumsum(ids, 0).to(torch.int32)
+from tr_util import array_mask_cases, needs_gluon, needs_sm90, sorted_ids  # noqa: E402
 
 
 def _cases(device="cpu"):
-    """name -> (B, H, Hkv, Sq, Sk, mask, DOCS mode expected)."""
-    g = torch.Generator().manual_seed(1)
-    dv = dict(device=device)
-    s700 = _sorted_ids(g, 700, 5)
-    bvar = torch.stack([_sorted_ids(g, 700, 3), _sorted_ids(g, 700, 7)])
-    q300 = torch.sort(torch.randint(0, 6, (300,), generator=g)).values.to(torch.int32)
-    k700 = torch.sort(torch.randint(0, 5, (700,), generator=g)).values.to(torch.int32)
-    unsorted = torch.randint(0, 4, (700,), generator=g).to(torch.int32)
-    keep = torch.rand(1, 1, 700, 700, generator=g) < 0.3
-    keep_h = torch.rand(2, 4, 300, 700, generator=g) < 0.05
-    keep_h[:, :, 5] = False                                  # empty rows
-    return {
-        "docs_rand": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv)), 2),
-        "docs_batch_causal": (2, 4, 2, 700, 700, aa.Causal() & aa.Documents(bvar.to(**dv)), 2),
-        # Sq != Sk, bottom-right causal; q id 5 has no key: empty rows
-        "docs_cross_br": (1, 2, 1, 300, 700, aa.Causal(align="bottom_right")
-                          & aa.Documents(q300.to(**dv), k700.to(**dv)), 2),
-        "docs_unsorted": (1, 2, 2, 700, 700, aa.Documents(unsorted.to(**dv)), 1),
-        "keep_causal": (1, 2, 2, 700, 700, aa.Causal() & aa.KeepMask(keep.to(**dv)), 0),
-        "keep_heads_sparse": (2, 4, 2, 300, 700, aa.KeepMask(keep_h.to(**dv)), 0),
-        "docs_keep": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv))
-                      & aa.KeepMask(keep.to(**dv)), 2),
-    }
+    """name -> (B, H, Hkv, Sq, Sk, mask, DOCS mode expected): tr_util's."""
+    return array_mask_cases(device)
 
 
 def _walk(p, q, k, v, marr, bm, bn, scale):
@@ -203,6 +175,20 @@ def _persist_cfg():
     return HCF.FWD_PERSIST
 
 
+def _forward_poisoned(p, q, k, v, cfgs):
+    """HL.forward of each config in ``cfgs`` (None: the default) into NaN-filled out /
+    stats buffers -> [(out, RowStats)]."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    B, H, Sq, D = q.shape
+    res = []
+    for cfg in cfgs:
+        out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device=q.device)
+        st = torch.full((2, B, H, Sq), float("nan"), device=q.device)
+        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
+    return res
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("persist", [False, True])
@@ -212,8 +198,6 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
     """fwd_ws_kernel (and the persistent kernel) with ARRAY vs float64: out within
     tolerance, lse -inf exactly on empty rows, every element written (poisoned buffers),
     two runs bitwise equal."""
-    from anyattn.backends.triton.hopper import launch as HL
-
     cfg = _persist_cfg() if persist else None
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
@@ -222,12 +206,7 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
     q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
     p = describe(q, k, v, mask=mask)
-    res = []
-    for _ in range(2):
-        out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
-        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
-        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
-    (o, rs), (o2, rs2) = res
+    (o, rs), (o2, rs2) = _forward_poisoned(p, q, k, v, (cfg, cfg))
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(rs.log_norm, rs2.log_norm)
     qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
@@ -241,7 +220,7 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
 
 def _gpu_masks(Sq, Sk):
     g = torch.Generator().manual_seed(5)
-    ids = _sorted_ids(g, Sq, 6).cuda()
+    ids = sorted_ids(g, Sq, 6).cuda()
     return {"none": None, "causal": aa.Causal(), "causal_br": aa.Causal(align="bottom_right"),
             "window": aa.Window(left=200, right=37),
             "docs_causal": (aa.Causal() & aa.Documents(ids)) if Sq == Sk else None}
@@ -257,8 +236,6 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     (one per SM), so every program walks two or three tiles of different key-loop
     lengths: out within tolerance of float64, every element written, bitwise repeatable,
     and bitwise equal to the per-tile default kernel (the same loop per row)."""
-    from anyattn.backends.triton.hopper import launch as HL
-
     mask = _gpu_masks(Sq, Sk)[kind]
     if kind == "docs_causal" and mask is None:
         pytest.skip("documents case: Sq == Sk only")
@@ -270,13 +247,9 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     p = describe(q, k, v, mask=mask)
     from anyattn.backends.triton.hopper import configs as HCF
 
-    res = []
     sched = None if kind == "docs_causal" else HCF.FWD_PERSIST_SCHED   # bands only
-    for cfg in (_persist_cfg(), _persist_cfg(), None, sched):
-        out = torch.full((B, H, Sq, 128), float("nan"), dtype=dt, device="cuda")
-        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
-        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=cfg))
-    (o, rs), (o2, rs2), (od, rsd), (osc, rssc) = res
+    (o, rs), (o2, rs2), (od, rsd), (osc, rssc) = _forward_poisoned(
+        p, q, k, v, (_persist_cfg(), _persist_cfg(), None, sched))
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(o, od) and torch.equal(rs.max, rsd.max)
     assert torch.equal(rs.log_norm, rsd.log_norm)
@@ -297,7 +270,7 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
     """D=64 with a band routes the persistent kernel on the host-built schedule
     (configs._FWD_BY_MASK): bitwise the per-tile kernel of the same loop, within
     tolerance of float64, every element written (poisoned), GQA, Sq != Sk."""
-    from anyattn.backends.triton.hopper import configs as HCF, launch as HL
+    from anyattn.backends.triton.hopper import configs as HCF
 
     Sq, Sk = 520, 777
     mask = _gpu_masks(Sq, Sk)[kind]
@@ -310,12 +283,7 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
     cfg = HCF.fwd_config(64, dtype, p.mask_class)
     assert cfg.persist and cfg.sched, cfg.name
     per_tile = dataclasses.replace(cfg, persist=False, sched=False)
-    res = []
-    for c in (None, per_tile):
-        out = torch.full((B, H, Sq, 64), float("nan"), dtype=dt, device="cuda")
-        st = torch.full((2, B, H, Sq), float("nan"), device="cuda")
-        res.append(HL.forward(p, q, k, v, out=out, stats=st, cfg=c))
-    (o, rs), (ot, rst) = res
+    (o, rs), (ot, rst) = _forward_poisoned(p, q, k, v, (None, per_tile))
     assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)
     assert torch.equal(rs.log_norm, rst.log_norm)
     qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
@@ -331,7 +299,7 @@ def test_gpu_scheduled_forward_under_graph_capture_without_warmup():
     the replay's bits are the eager call's."""
     from anyattn.backends.triton.hopper import launch as HL
 
-    Sq = Sk = 999
+    Sq = 999
     g = torch.Generator(device="cuda").manual_seed(17)
     q, k, v = (torch.randn(1, 4, Sq, 64, device="cuda", generator=g).to(torch.bfloat16)
                for _ in range(3))

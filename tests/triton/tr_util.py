@@ -17,7 +17,7 @@ from anyattn.backends.registry import unavailable_reason  # noqa: E402
 from helpers import torch_on  # noqa: E402
 
 __all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
-           "needs_sm90", "needs_triton"]
+           "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -40,3 +40,74 @@ GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
 def T(x, dtype=None):
     """A NumPy array as a torch tensor on DEV (dtype: a torch dtype or None)."""
     return torch_on(x, DEV, dtype)
+
+
+def sorted_ids(gen, n, docs):
+    """Document ids [n] int32, sorted, ``docs`` documents of random lengths."""
+    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[:docs - 1] + 1).values
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[cuts] = 1
+    return torch.cumsum(ids, 0).to(torch.int32)
+
+
+def array_mask_cases(device="cpu", backward=False):
+    """The Hopper kernels' Documents / KeepMask cases: name -> (B, H, Hkv, Sq, Sk, mask,
+    DOCS mode expected).  ``backward``: the backward's extras (a key tile empty for one
+    head in the per-head keep mask; equal documents over a GQA group of 4)."""
+    import anyattn as aa
+
+    g = torch.Generator().manual_seed(1)
+    dv = dict(device=device)
+    s700 = sorted_ids(g, 700, 5)
+    bvar = torch.stack([sorted_ids(g, 700, 3), sorted_ids(g, 700, 7)])
+    q300 = torch.sort(torch.randint(0, 6, (300,), generator=g)).values.to(torch.int32)
+    k700 = torch.sort(torch.randint(0, 5, (700,), generator=g)).values.to(torch.int32)
+    unsorted = torch.randint(0, 4, (700,), generator=g).to(torch.int32)
+    keep = torch.rand(1, 1, 700, 700, generator=g) < 0.3
+    keep_h = torch.rand(2, 4, 300, 700, generator=g) < 0.05
+    keep_h[:, :, 5] = False                                  # empty rows
+    if backward:
+        keep_h[0, 1, :, 128:256] = False                     # a key tile empty for one head
+    cases = {
+        "docs_rand": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv)), 2),
+        "docs_batch_causal": (2, 4, 2, 700, 700, aa.Causal() & aa.Documents(bvar.to(**dv)), 2),
+        # Sq != Sk, bottom-right causal; q id 5 has no key: empty rows
+        "docs_cross_br": (1, 2, 1, 300, 700, aa.Causal(align="bottom_right")
+                          & aa.Documents(q300.to(**dv), k700.to(**dv)), 2),
+        "docs_unsorted": (1, 2, 2, 700, 700, aa.Documents(unsorted.to(**dv)), 1),
+        "keep_causal": (1, 2, 2, 700, 700, aa.Causal() & aa.KeepMask(keep.to(**dv)), 0),
+        # per-head keep over a GQA group of 2, Sq != Sk, empty rows
+        "keep_heads_sparse": (2, 4, 2, 300, 700, aa.KeepMask(keep_h.to(**dv)), 0),
+        "docs_keep": (1, 2, 2, 700, 700, aa.Documents(s700.to(**dv))
+                      & aa.KeepMask(keep.to(**dv)), 2),
+    }
+    if backward:
+        eq = (torch.arange(1024) // 512).to(torch.int32)
+        cases["docs_eq512_gqa"] = (1, 4, 1, 1024, 1024, aa.Documents(eq.to(**dv)), 2)
+    return cases
+
+
+def bwd_gpu_inputs(q, k, v, mask, gen):
+    """The Hopper backward kernels' inputs for q, k, v (CUDA) under ``mask``: the portable
+    forward's out and statistics, a random dout from ``gen``, the float64 reference's
+    gradients and the kernels' l2 [B, H, 2, Sq] / delta [B, H, Sq] -> (p with dout and
+    wrt q, k, v, dout, l2, delta, reference grads)."""
+    import numpy as np
+
+    from anyattn import reference as R
+    from anyattn.backends.triton import launch as TL
+    from anyattn.problem import describe
+
+    from helpers import np_mask, to_np
+
+    p = describe(q, k, v, mask=mask)
+    out, rs = TL.forward(p, q, k, v, None)
+    dout = torch.randn(out.shape, device=q.device, generator=gen).to(q.dtype)
+    p = describe(q, k, v, mask=mask, dout=dout, wrt=("q", "k", "v"))
+    f64 = lambda x: to_np(x).astype(np.float64)  # noqa: E731
+    rg = R.backward(f64(q), f64(k), f64(v), f64(dout), mask=np_mask(mask), out=f64(out),
+                    stats=type(rs)(f64(rs.max), f64(rs.log_norm)))
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
+    l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
+    return p, dout, l2, delta, rg
