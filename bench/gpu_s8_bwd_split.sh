@@ -17,11 +17,7 @@
 # JSON: hopper_bwd.json in each folder; logs beside it.  Not routed by default.
 # Expected: check ~45-52 s (its cap CHECK_S 52), D=128 timings ~30-36 s (BENCH_S 36), D=64
 # only if >= 14 s are left.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-98} - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }
+DEFAULT_RUN_S=98; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 NH=wdkdvq128x64s2nh
 L=wdkdvq128x64s2nhl
 N=wdkdvq128x64s2n

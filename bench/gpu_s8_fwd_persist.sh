@@ -11,10 +11,7 @@
 # the float64 reference), so the gate left the persistent kernel out of the timing (a
 # second, warm call timed it) and the tests did not run; the D=64 check was cut too.
 # A re-run wants SMOKE_S >= 70 and RUN_S >= 240.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-185} - ($(date +%s) - T0) )); }
+DEFAULT_RUN_S=185; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used --format=csv | tee $OUT/smi.txt
 el "persist check"
 timeout ${SMOKE_S:-50} python3 bench/gpu_s8_fwd_check.py persist --out $OUT 2>&1 \

@@ -15,11 +15,7 @@
 #      -> $OUT/bench (masks-flex.json / .png).
 # Expected: tests ~60-120 s (compiles: 6 array-mask variants x 2 dtypes x 2 D x 3
 # configs), bench ~100-150 s.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-330} - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }
+DEFAULT_RUN_S=330; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 mkdir -p $OUT/tests $OUT/bench
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used,temperature.gpu \
   --format=csv | tee $OUT/smi.txt

@@ -7,9 +7,7 @@
 # Hopper backward with 'h' (row statistics prefetched), FlexAttention -> $OUT/bench.
 # Not run in session 9 (device budget); expected ~50 s of compiles (portable and Hopper
 # KeepMask kernels, 'h' with arrays, Flex's document graphs) + ~15 s per case.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-left() { echo $(( ${RUN_S:-95} - ($(date +%s) - T0) )); }
+DEFAULT_RUN_S=95; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 mkdir -p $OUT/bench
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used,temperature.gpu \
   --format=csv | tee $OUT/smi.txt

@@ -15,11 +15,7 @@
 #   3. D=64 S=4k causal or not: 'nh', 'nht' and the ws dK/dV route ('wdkdv128x64s2' +
 #      portable dQ: D=64's route without a band) -> $OUT/bench64 (the time left).
 # JSON: hopper_bwd.json in each folder; logs beside it.  Not routed by default.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-230} - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }
+DEFAULT_RUN_S=230; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 NH=wdkdvq128x64s2nh
 T=wdkdvq128x64s2nht
 W=wdkdv128x64s2

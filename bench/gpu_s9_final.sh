@@ -7,11 +7,7 @@
 #   3. KeepMask and causal documents through the Hopper backward vs Flex
 #      (bench/gpu_s9_bwd_masks2.sh, helper "docs"'s run 2, not run in its share);
 #   4. the GPU tests (pytest -m gpu tests/triton tests/torch, xdist from .whl).
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-580} - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }
+DEFAULT_RUN_S=580; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 mkdir -p $OUT/agh $OUT/tests
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used,temperature.gpu --format=csv | tee $OUT/smi.txt
 nproc; python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -1

@@ -7,11 +7,7 @@
 #      default vs the scheduled persistent 'ws128x128s2opfPg' vs cuDNN; D=64 bf16 S=2k /
 #      4k / 8k the routed path vs 'ws128x128s3opf' (the band default, not routed) vs its
 #      scheduled persistent form vs portable vs cuDNN.
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-T0=$(date +%s)
-el() { echo "=== $1 at $(( $(date +%s) - T0 )) s"; }
-left() { echo $(( ${RUN_S:-330} - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }
+DEFAULT_RUN_S=330; . bench/run_budget.sh   # PYTHONPATH, el / left / cap
 mkdir -p $OUT/agh $OUT/chk $OUT/fwd
 nvidia-smi --query-gpu=name,clocks.sm,utilization.gpu,memory.used,temperature.gpu --format=csv | tee $OUT/smi.txt
 el "autograd hand-over"
