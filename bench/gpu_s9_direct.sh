@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 9 (lead): direct launches on the Hopper routes — the GPU tests with
+# Session 9 (lead), run against commit cb36fcf (reverted after this run: see LOG
+# "session 9, lead"): direct launches on the Hopper routes — the GPU tests with
 # ANYATTN_TRITON_DIRECT_LAUNCH=1 (every launch after a site's first through
 # direct.Direct), then host µs per raw fwd+bwd step with and without.
 DEFAULT_RUN_S=300; . bench/run_budget.sh   # PYTHONPATH, el / left / cap

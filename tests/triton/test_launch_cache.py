@@ -22,7 +22,7 @@ from anyattn.backends.triton import prepared as P  # noqa: E402
 from anyattn.modifiers import ScoreMods  # noqa: E402
 from anyattn.problem import Problem, describe  # noqa: E402
 
-from tr_util import DEV, SM90, needs_gluon, needs_triton  # noqa: E402
+from tr_util import DEV, needs_triton  # noqa: E402
 
 B, H, S, D = 1, 2, 20, 16
 
@@ -295,71 +295,4 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
         used = [r[3] for pr in L._prepared._d.values() if pr.direct for r in pr.ready.values()]
         assert used and all(d for d in used)
         for a, b in zip(plain[-1], direct[-1]):
-            assert torch.equal(a, b)
-
-
-@needs_gluon
-def test_direct_launch_takes_tma_descriptors_by_their_whole_description():
-    """A Hopper kernel's TMA descriptors are operands of direct.Direct: a later launch
-    matches only with the same dtype, alignment, shape, strides, block shape and layout
-    (any base address); a scalar still matches by value."""
-    from anyattn.backends.triton import direct as DL
-    from anyattn.backends.triton.hopper import launch as HL
-
-    x, y = torch.zeros(2, 4, 256, 64, dtype=torch.bfloat16), torch.zeros(2, 4, 256, 64,
-                                                                          dtype=torch.bfloat16)
-    dx = HL.make_desc(x, 64)
-    d = DL.Direct(None, None, (dx, 3, 0.5), ())
-    assert d.matches((HL.make_desc(y, 64), 3, 0.5))              # another base
-    assert not d.matches((HL.make_desc(y, 128), 3, 0.5))         # block shape
-    assert not d.matches((HL.make_desc(y[:, :, :128], 64), 3, 0.5))   # shape
-    assert not d.matches((HL.make_desc(y.half(), 64), 3, 0.5))   # dtype
-    assert not d.matches((dx, 4, 0.5))
-
-
-def test_direct_launch_site_takes_triton_path_unless_asked_or_with_tensor_keywords(monkeypatch):
-    """direct.launch: Triton's own launch without ANYATTN_TRITON_DIRECT_LAUNCH=1, and with
-    it whenever a keyword is a tensor (the array masks' tables: not constants)."""
-    from anyattn.backends.triton import direct as DL
-
-    calls = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw))
-
-    k = Kernel()
-    monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH", raising=False)
-    DL.launch(k, (2, 1), (1, 2), dict(X=1))
-    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "1")
-    DL.launch(k, (2, 1), (1, 2), dict(X=1, T=torch.zeros(1)))
-    assert [c[0] for c in calls] == [(2, 1), (2, 1)] and not DL._sites
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="the Hopper routes need an sm_90 GPU")
-def test_direct_launch_gives_the_bits_of_the_hopper_routes(monkeypatch):
-    """The Hopper forward and backward (dQ inside) with direct launches: every launch
-    site after the first call replays its compiled kernel, the results bitwise those of
-    Triton's launches (D=128 none / causal, D=64 causal: the scheduled persistent
-    forward)."""
-    from anyattn.backends.triton import direct as DL
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    for D, mask in ((128, None), (128, aa.Causal()), (64, aa.Causal())):
-        q, k, v, do = (torch.randn(2, 4, 384, D, device="cuda", generator=g)
-                       .to(torch.bfloat16) for _ in range(4))
-
-        def step():
-            out, lse = aa.attention(q, k, v, mask=mask, backend="triton", return_lse=True)
-            gr = aa.attention_backward(q, k, v, do, mask=mask, backend="triton")
-            return out, lse, gr.dq, gr.dk, gr.dv
-
-        plain = step()
-        monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "1")
-        DL._sites.clear()
-        direct = [step() for _ in range(3)]
-        monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")
-        assert DL._sites and all(DL._sites.values()), "every Hopper site resolved"
-        for a, b in zip(plain, direct[-1]):
             assert torch.equal(a, b)

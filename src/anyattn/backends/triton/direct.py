@@ -18,7 +18,6 @@ on a GPU against the plain launches; launch.py reads it through configs.env_snap
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any, Union
 
 import torch
@@ -26,42 +25,20 @@ from triton import knobs
 from triton.runtime import jit as J
 from triton.runtime.driver import driver
 
-__all__ = ["Direct", "resolve", "launch"]
-
-
-def _is_desc(x) -> bool:
-    """A Gluon TMA descriptor (host side) of the Hopper kernels."""
-    return type(x).__name__ == "TensorDescriptor" and hasattr(x, "block_shape")
-
-
-def _fact(x) -> tuple:
-    """A tensor's dtype and 16-byte alignment; a TMA descriptor's whole description but
-    its base address (dtype, alignment, shape, strides, block shape, layout, padding):
-    a later launch reuses the compiled kernel only where all of it is the same."""
-    if isinstance(x, torch.Tensor):
-        return (x.dtype, x.data_ptr() & 15 == 0)
-    b = x.base
-    return ("desc", b.dtype, b.data_ptr() & 15 == 0, tuple(x.shape), tuple(x.strides),
-            tuple(x.block_shape), x.layout, x.padding)
+__all__ = ["Direct", "resolve"]
 
 
 def _facts(tensors) -> tuple:
-    return tuple([_fact(t) for t in tensors])
-
-
-def _is_operand(x) -> bool:
-    return isinstance(x, torch.Tensor) or _is_desc(x)
+    return tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
 
 
 class Direct:
-    """One compiled kernel and the argument facts it was specialised for (tensors and,
-    for the Hopper kernels, TMA descriptors by _fact; every other argument by value and
-    type)."""
+    """One compiled kernel and the argument facts it was specialised for."""
 
     def __init__(self, fn, ck, args: tuple, tail: tuple):
         self.fn, self.ck, self.tail = fn, ck, tail
-        tpos = [i for i, a in enumerate(args) if _is_operand(a)]
-        spos = [i for i, a in enumerate(args) if not _is_operand(a)]
+        tpos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        spos = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         # itemgetter of one index returns the item, not a 1-tuple: keep tuples
         self._tensors = operator.itemgetter(*tpos) if len(tpos) > 1 else \
             (lambda a: tuple(a[i] for i in tpos))
@@ -117,32 +94,3 @@ def resolve(kernel, args: tuple, kw: dict) -> Union[Direct, None, bool]:
     if len(values) < len(args) or any(a is not b for a, b in zip(values, args)):
         return False
     return Direct(kernel, ck, tuple(args), values[len(args):])
-
-
-#: launch sites of launch() -> Direct, or False where direct launches never apply
-_sites: dict = {}
-_SITES = 256
-
-
-def launch(kernel, grid, args: tuple, kw: dict) -> None:
-    """``kernel[grid](*args, **kw)``; with ANYATTN_TRITON_DIRECT_LAUNCH=1 a launch whose
-    arguments show the facts of an earlier one at the same site (kernel, grid, keywords)
-    calls that compiled kernel directly (the Hopper launches: their TMA descriptors are
-    arguments too).  Keywords must be constants (constexprs, num_warps): a call with a
-    tensor among them always takes Triton's path."""
-    if os.environ.get("ANYATTN_TRITON_DIRECT_LAUNCH") != "1" or any(
-            _is_operand(v) for v in kw.values()):
-        kernel[grid](*args, **kw)
-        return
-    key = (id(kernel), grid, tuple(sorted(kw.items())))
-    d = _sites.get(key)
-    if d and not hooks_set() and d.matches(args):
-        d(grid, args)
-        return
-    kernel[grid](*args, **kw)
-    if d is None:
-        d = resolve(kernel, args, kw)
-        if d is not None:
-            if len(_sites) >= _SITES:
-                _sites.clear()
-            _sites[key] = d

@@ -24,7 +24,6 @@ import torch
 import triton
 
 from ....rowstats import RowStats
-from .. import direct as DL
 from ..device_ctx import on_device
 from . import configs as HC
 
@@ -304,9 +303,8 @@ class FwdLaunch:
         rq, rk = self.q_rows, self.cfg.bn
         marr, kw = self.mask_args(q, p)
         with on_device(dev):
-            DL.launch(self.kernel, self.grid, (make_desc(q, rq), make_desc(k, rk),
-                                               make_desc(v, rk), make_desc(out, rq), stats,
-                                               *self.args, *marr), kw)
+            self.kernel[self.grid](make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
+                                   make_desc(out, rq), stats, *self.args, *marr, **kw)
         return out, RowStats(stats[0], stats[1])
 
 
@@ -570,13 +568,12 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
         # absent, the kernel's defaults None compile the dense code)
         akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
         with on_device(q.device):
-            DL.launch(dkdv_ws_kernel, grid,
-                      (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                       make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                       l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi),
-                      dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
-                           num_warps=4, **akw))
+            dkdv_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                                 make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                                 l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi,
+                                 HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
+                                 num_warps=4, **akw)
         return dk, dv
     with torch.cuda.device(q.device):
         dkdv_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
@@ -775,16 +772,16 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     rn = cfg.bn // 2
     grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
-        DL.launch(_ws_dq_kernel(cfg), grid,
-                  (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                   make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                   dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None), l2, delta,
-                   sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order),
-                  dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                       CONSUMER_REGS=cfg.consumer_regs, WRITER_REGS=WS_DQ_WRITER_REGS,
-                       PREFETCH=cfg.prefetch, CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split,
-                       LAG=cfg.lag, num_warps=4, **akw))
+        _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                              make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                              dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None), l2, delta,
+                              sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
+                              HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                              CONSUMER_REGS=cfg.consumer_regs,
+                              WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
+                              CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
+                              num_warps=4, **akw)
         n = B * H * Sq * D
-        DL.launch(dq_convert_kernel, (triton.cdiv(n, 4096),), (dqa, dq, n, p.scale),
-                  dict(CHAINS=nc, BLOCK=4096, num_warps=8))
+        dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
+                                                  BLOCK=4096, num_warps=8)
     return dq, dk, dv
