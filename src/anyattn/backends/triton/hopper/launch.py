@@ -18,6 +18,8 @@ launches (one per call signature).
 from __future__ import annotations
 
 import collections
+import dataclasses
+import types
 from typing import Optional
 
 import torch
@@ -169,9 +171,6 @@ _marr_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 def _mask_arrays(p, q, cfg) -> tuple:
     """mask_arrays without its cache."""
-    import dataclasses
-    import types
-
     from .. import launch as L
 
     dev = q.device
@@ -235,8 +234,6 @@ class FwdLaunch:
                 # under CUDA graph capture a schedule not built yet cannot be copied to
                 # the device (a host copy): that call runs the per-tile kernel of the
                 # same loop instead, whose results are bitwise the same
-                import dataclasses
-
                 self.per_tile = FwdLaunch(p, dataclasses.replace(cfg, persist=False,
                                                                   sched=False))
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
@@ -466,16 +463,12 @@ def _group_columns(cr, G: int):
 
 def _bwd_mask_tables(p, q, bm: int, bn: int) -> BwdMaskTables:
     """bwd_mask_tables without its cache."""
-    import types
-
     from .. import launch as L
 
     dev = q.device
     # the mask arrays (and the tile lists at bm x bn behind them, cached there)
     (_, _, _, iv, kid, siv_b, skid_b, km, skm_b, skm_h, skm_q, skm_k,
      docs) = mask_arrays(p, q, types.SimpleNamespace(bm=bm, bn=bn))
-    import dataclasses
-
     ma = dataclasses.replace(L._mask_args(p, q, None), mode=2)
     tl = L._lists_for(p, ma, types.SimpleNamespace(sbq=bm, sbk=bn), dev)
     cr = tl.col_cnt.to(torch.int32)                                   # [Bm, Hm, nkv, 4]
@@ -671,8 +664,6 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     cfg = HC.bwd_config(D) if cfg is None else cfg
     if cfg.ws and cfg.dq:
         if not want_dq:   # dk / dv alone: the same consumers without dq (bwd_ws_kernel)
-            import dataclasses
-
             dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
                                                   split=False, lag=False,
