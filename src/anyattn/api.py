@@ -196,8 +196,10 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     (the backward regenerates the dropout mask from the seed).  ``out``/``lse`` from the
     forward may be passed; otherwise they are recomputed.  ``lse`` is a [B, Hq, Sq] array
     (it defines ``P = exp(s - lse)``; one whose magnitude reaches 64 is refined by
-    recomputed row statistics, one extra forward pass, see :mod:`anyattn.rowstats`) or
-    a :class:`RowStats` from :func:`forward_with_stats`.
+    recomputed row statistics, one extra forward pass, see :mod:`anyattn.rowstats`; on
+    a CUDA tensor that magnitude check reads one flag back to the host, a device
+    synchronisation per call that also rules out CUDA graph capture) or a
+    :class:`RowStats` from :func:`forward_with_stats` (no check, no synchronisation).
     """
     _check_layout(layout)
     if dout is None:
