@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 import anyattn as aa  # noqa: E402
-from anyattn import api  # noqa: E402
 
 
 def step_fn(shape, docs):
@@ -38,7 +37,7 @@ def step_fn(shape, docs):
         if docs else None
 
     def step():      # RowStats passed back: no magnitude check (a plain lse syncs)
-        out, st = api.forward_with_stats(q, k, v, mask=mask, backend="triton")
+        out, st = aa.forward_with_stats(q, k, v, mask=mask, backend="triton")
         aa.attention_backward(q, k, v, do, mask=mask, out=out, lse=st, backend="triton")
     return step
 

@@ -3,7 +3,7 @@ layout and precision, on CPU (NumPy), CUDA GPUs (Triton) and any GPU (WebGPU).
 
 The public surface is exactly ``__all__``.
 """
-from .api import Gradients, attention, attention_backward
+from .api import Gradients, attention, attention_backward, forward_with_stats
 from .rowstats import RowStats
 from .backends.base import BackendUnavailable
 from .backends.registry import available_backends, describe_backends
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_backward",
+    "forward_with_stats",
     "Gradients",
     "RowStats",
     "Mask",
