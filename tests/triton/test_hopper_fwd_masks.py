@@ -175,6 +175,14 @@ def _persist_cfg():
     return HCF.FWD_PERSIST
 
 
+def _gpu_qkv(B, H, Hkv, Sq, Sk, D, dtype, seed):
+    """q [B, H, Sq, D], k / v [B, Hkv, Sk, D] on the GPU, standard normal in ``dtype``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    return tuple(torch.randn(B, h, s, D, device="cuda", generator=g).to(dt)
+                 for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+
+
 def _forward_poisoned(p, q, k, v, cfgs):
     """HL.forward of each config in ``cfgs`` (None: the default) into NaN-filled out /
     stats buffers -> [(out, RowStats)]."""
@@ -201,10 +209,7 @@ def test_gpu_forward_array_masks_match_float64(dtype, name, persist):
     cfg = _persist_cfg() if persist else None
 
     B, H, Hkv, Sq, Sk, mask, _ = _cases("cuda")[name]
-    g = torch.Generator(device="cuda").manual_seed(3)
-    dt = getattr(torch, dtype)
-    q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
-               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    q, k, v = _gpu_qkv(B, H, Hkv, Sq, Sk, 128, dtype, seed=3)
     p = describe(q, k, v, mask=mask)
     (o, rs), (o2, rs2) = _forward_poisoned(p, q, k, v, (cfg, cfg))
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
@@ -239,11 +244,8 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     mask = _gpu_masks(Sq, Sk)[kind]
     if kind == "docs_causal" and mask is None:
         pytest.skip("documents case: Sq == Sk only")
-    g = torch.Generator(device="cuda").manual_seed(11)
-    dt = getattr(torch, dtype)
     B, H, Hkv = 1, 64, 16
-    q, k, v = (torch.randn(B, h, s, 128, device="cuda", generator=g).to(dt)
-               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    q, k, v = _gpu_qkv(B, H, Hkv, Sq, Sk, 128, dtype, seed=11)
     p = describe(q, k, v, mask=mask)
     from anyattn.backends.triton.hopper import configs as HCF
 
@@ -274,11 +276,8 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
 
     Sq, Sk = 520, 777
     mask = _gpu_masks(Sq, Sk)[kind]
-    g = torch.Generator(device="cuda").manual_seed(13)
-    dt = getattr(torch, dtype)
     B, H, Hkv = 2, 8, 2
-    q, k, v = (torch.randn(B, h, s, 64, device="cuda", generator=g).to(dt)
-               for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
+    q, k, v = _gpu_qkv(B, H, Hkv, Sq, Sk, 64, dtype, seed=13)
     p = describe(q, k, v, mask=mask)
     cfg = HCF.fwd_config(64, dtype, p.mask_class)
     assert cfg.persist and cfg.sched, cfg.name
