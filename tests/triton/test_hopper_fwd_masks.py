@@ -292,6 +292,35 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window"])
+def test_gpu_d64_three_consumer_persistent_forward_is_the_per_tile_loop_bitwise(dtype, kind):
+    """The persistent forward with three consumers (bm 192, FWD_PERSIST_D64_NC3; the
+    host-built schedule with a band, its own head-major walk without): bitwise the
+    per-tile kernel of the same loop, within tolerance of float64, every element written
+    (poisoned), GQA, Sq != Sk, more query tiles than programs."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    Sq, Sk = 520, 777
+    mask = _gpu_masks(Sq, Sk)[kind]
+    B, H, Hkv = 2, 96, 24          # 3 x 192 = 576 query tiles > 132 programs
+    q, k, v = _gpu_qkv(B, H, Hkv, Sq, Sk, 64, dtype, seed=19)
+    p = describe(q, k, v, mask=mask)
+    cfg = HCF.FWD_PERSIST_D64_NC3
+    per_tile = dataclasses.replace(cfg, persist=False, sched=False)
+    (o, rs), (o2, rs2), (ot, rst) = _forward_poisoned(p, q, k, v, (cfg, cfg, per_tile))
+    assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
+    assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)
+    assert torch.equal(rs.log_norm, rst.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, dtype, "out")
+    lse = to_np(rs.max + rs.log_norm).astype(np.float64)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_gpu_scheduled_forward_under_graph_capture_without_warmup():
     """A scheduled persistent forward captured at a shape never run before (its schedule
     cannot be copied to the device inside the capture) runs the per-tile loop there:

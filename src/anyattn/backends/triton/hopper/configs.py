@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "bwd_config_dkdv_only",
            "dkdv_config",
-           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "FWD_PERSIST_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS",
+           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "FWD_PERSIST_D64_NC3",
+           "FWD_PERSIST_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS",
            "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS", "WS_DQT_BWD_VARIANTS"]
 
 
@@ -29,7 +30,7 @@ class HopperConfig:
     edges: bool = False       # ws + overlap: masked edge tiles in loops of their own
     p_smem: bool = False      # edges: P through shared memory (2 stages), not registers
     persist: bool = False     # ws + overlap: one program per SM walking query tiles
-                              # (fwd_persist_kernel; 2 consumers, + 32 KiB for O)
+                              # (fwd_persist_kernel; 2 or 3 consumers, + bm * D * 2 B for O)
     sched: bool = False       # persist: each program walks a host-built schedule (the
                               # per-tile grid's order dealt out greedily by loop length)
 
@@ -47,9 +48,9 @@ class HopperConfig:
         if self.p_smem and not self.edges:
             raise ValueError(f"{self}: p_smem needs edges=True (the edge loops' option)")
         if self.persist and not (self.ws and self.overlap and not self.edges
-                                 and self.bm == 128):
-            raise ValueError(f"{self}: persist runs the overlapped ws loop with 2 consumers "
-                             "(ws=True, overlap=True, edges=False, bm=128)")
+                                 and self.bm in (128, 192)):
+            raise ValueError(f"{self}: persist runs the overlapped ws loop with 2 or 3 "
+                             "consumers (ws=True, overlap=True, edges=False, bm=128 / 192)")
         if self.sched and not self.persist:
             raise ValueError(f"{self}: sched is the persistent kernel's walk (persist=True)")
         if self.ws and (self.bm % 64 or self.bm // 64 not in (2, 3)):
@@ -162,7 +163,12 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: registers, 131.5 KB shared, band or not).  D=128's scheduled walk at S=2k / 8k (H200
 #: 2026-12-04 09:55 UTC, bf16 and fp16): +2-3 % at S=2k, -1 to +1 % at 8k, passes mixed
 #: with the per-tile default's: not routed
-FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND], 128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
+#: Session 10: D=64 with three consumers (bm 192, 160 registers: the per-tile D=64
+#: no-mask default's loop) persistent on the schedule, FA3's hdim-64 query tile
+FWD_PERSIST_D64_NC3 = HopperConfig(192, 128, 3, consumer_regs=160, ws=True, overlap=True,
+                                   pingpong=True, exp_fma=True, persist=True, sched=True)
+FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3],
+                        128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
 
 
 def fwd_config(d: int, dtype: str = "bfloat16", mask_class: str = "band") -> HopperConfig:

@@ -3,7 +3,7 @@ partitions and overlapped, ping-pong key loop, with one program per SM walking q
 tiles instead of one program per tile.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
-D head dim, BM = NC * RM the query tile (NC = 2 consumer warpgroups of RM = 64 rows), BN
+D head dim, BM = NC * RM the query tile (NC = 2 or 3 consumer warpgroups of RM = 64 rows), BN
 the key tile, BH = B * H, n_m = cdiv(Sq, BM), T = n_m * BH query tiles.
 
 Program p takes tiles p, p + P, p + 2P, .. (P programs, at most one per SM).  Tile order:
@@ -204,17 +204,18 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                        EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
                        ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                       HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False):
+                       HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False,
+                       NC: gl.constexpr = 2):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
-    workers add 4 + 1).  Arguments as fwd_ws_kernel's (2 consumers, the overlapped
-    loop), plus BH = B * H and SCH: int32 [P + 1 + T] the schedule (SCHED: offsets of
-    each program's walk, then the tiles; not read otherwise)."""
+    workers add 4 (+ 4) + 1).  Arguments as fwd_ws_kernel's (NC = 2 or 3 consumers, the
+    overlapped loop), plus BH = B * H and SCH: int32 [P + 1 + T] the schedule (SCHED:
+    offsets of each program's walk, then the tiles; not read otherwise)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
-    NC: gl.constexpr = 2
+    gl.static_assert(NC == 2 or NC == 3, "2 or 3 consumer warpgroups")
     BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
     # the producer walks tiles too (index arithmetic): 32 registers, not fwd_ws_kernel's
@@ -241,18 +242,40 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
         mbarrier.init(v_empty.index(st), count=NC)
     fence_async_shared()
 
-    gl.warp_specialize(
-        [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                      HAS_KEEP, SCHED)),
-         (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                      HAS_KEEP, SCHED)),
-         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
-                      SCHED))],
-        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if NC == 2:
+        gl.warp_specialize(
+            [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                          BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                          HAS_KEEP, SCHED)),
+             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                          BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                          HAS_KEEP, SCHED)),
+             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
+                          Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
+                          SCHED))],
+            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                          BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                          HAS_KEEP, SCHED)),
+             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                          BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                          HAS_KEEP, SCHED)),
+             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                          BH, SCH, HAS_BAND, STAGES, BN, 2, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                          HAS_KEEP, SCHED)),
+             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
+                          Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
+                          SCHED))],
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

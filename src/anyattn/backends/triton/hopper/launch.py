@@ -239,7 +239,8 @@ class FwdLaunch:
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
                            EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
-                           HAS_KEEP=rm_.keep is not None, SCHED=self.sched is not None)
+                           HAS_KEEP=rm_.keep is not None, SCHED=self.sched is not None,
+                           NC=cfg.consumers)
         elif cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 

@@ -70,18 +70,18 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     vals += [warps] + ([cfg.consumers, cfg.edges, cfg.p_smem, bool(docs or keep), int(docs), keep]
                        if cfg.ws else [])
     consts = {(len(types) + i,): x for i, x in enumerate(vals)}
-    if cfg.persist:   # fwd_persist_kernel: + BH, SCH, no OVERLAP / NC / EDGES / PSMEM
+    if cfg.persist:   # fwd_persist_kernel: + BH, SCH, no OVERLAP / EDGES / PSMEM
         from .fwd_persist_kernel import fwd_persist_kernel as kern
 
         names = names[:len(types)] + ["BH", "SCH", "HAS_BAND", "STAGES", "CONSUMER_REGS",
                                       "PINGPONG", "EXP_FMA", "num_warps", "ARRAY", "DOCS",
-                                      "HAS_KEEP", "SCHED"]
+                                      "HAS_KEEP", "SCHED", "NC"]
         types = types + ["i32", "*i32"]
         if cfg.sched and (docs or keep):
             raise ValueError(f"{cfg.name}: the host-built schedule takes band masks only")
         # launch.FwdLaunch's rule: without a band the schedule is the kernel's own walk
         vals = [has_band, cfg.stages, cfg.consumer_regs, cfg.pingpong, cfg.exp_fma, warps,
-                bool(docs or keep), int(docs), keep, cfg.sched and has_band]
+                bool(docs or keep), int(docs), keep, cfg.sched and has_band, cfg.consumers]
         sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
         consts = {(len(types) + i,): x for i, x in enumerate(vals)}
     elif cfg.ws:
