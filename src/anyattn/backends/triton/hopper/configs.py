@@ -164,7 +164,11 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: 2026-12-04 09:55 UTC, bf16 and fp16): +2-3 % at S=2k, -1 to +1 % at 8k, passes mixed
 #: with the per-tile default's: not routed
 #: Session 10: D=64 with three consumers (bm 192, 160 registers: the per-tile D=64
-#: no-mask default's loop) persistent on the schedule, FA3's hdim-64 query tile
+#: no-mask default's loop) persistent on the schedule, FA3's hdim-64 query tile.  H200
+#: 2026-12-04 ~11:58 UTC (docs/perf/hopper-fwd-h200-2026-12-04-s10-lead1.json, bf16
+#: TFLOP/s at S=2k / 4k / 8k): 432 / 446 / 495 vs the routed per-tile 437 / 473 / 497,
+#: causal 177 / 266 / 368 vs the routed 336 / 388 / 408 (192-row tiles lose with a band in
+#: both kernels): not routed
 FWD_PERSIST_D64_NC3 = HopperConfig(192, 128, 3, consumer_regs=160, ws=True, overlap=True,
                                    pingpong=True, exp_fma=True, persist=True, sched=True)
 FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3],
