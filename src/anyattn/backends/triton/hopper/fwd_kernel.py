@@ -80,13 +80,19 @@ def _softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, 
     else:
         masked = MASK
     if masked:
-        offs_m = i0 + offs_mb
-        offs_n = t * BN + offs_nb
-        keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]                 # [BM, BN]
+        # per row the kept keys [j_lo, j_hi] (bounds, band): an element costs two
+        # compares against its key index, not the [BM, BN] differences j - i and four
+        offs_m = i0 + offs_mb                                                  # [BM]
+        offs_n = t * BN + offs_nb                                              # [BN]
         if HAS_BAND:
-            dd = offs_n[None, :] - offs_m[:, None]
-            keep = keep & (dd >= lo) & (dd <= hi)
-        s = gl.where(keep, s, float("-inf"))
+            j_hi = gl.minimum(offs_m + hi, Sk - 1)
+            j_lo = gl.maximum(offs_m + lo, 0)                                  # [BM]
+            j_hi = gl.where(offs_m < Sq, j_hi, -1)
+            keep = (offs_n[None, :] >= j_lo[:, None]) & (offs_n[None, :] <= j_hi[:, None])
+        else:
+            j_hi = gl.where(offs_m < Sq, Sk - 1, -1)
+            keep = offs_n[None, :] <= j_hi[:, None]
+        s = gl.where(keep, s, float("-inf"))                                   # [BM, BN]
         m_new = gl.maximum(m_i, gl.max(s, 1))                                  # [BM]
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
