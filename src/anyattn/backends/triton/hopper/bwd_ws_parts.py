@@ -181,11 +181,17 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
         p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, RN]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
-            offs_n = r0 + gl.arange(0, RN, layout=col_s)
-            keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+            offs_n = r0 + gl.arange(0, RN, layout=col_s)                       # [RN]
+            # with a band, per query the kept keys [j_lo, j_hi] (bounds, band): two compares an
+            # element against its key index (fwd_kernel._softmax_tile's form); without a
+            # band the bounds' two compares as before (the D=128 loops spill more with
+            # the other form there)
             if HAS_BAND:
-                dd = offs_n[None, :] - offs_m[:, None]
-                keep = keep & (dd >= lo) & (dd <= hi)
+                j_hi = gl.where(offs_m < Sq, gl.minimum(offs_m + hi, Sk - 1), -1)  # [BM]
+                j_lo = gl.maximum(offs_m + lo, 0)
+                keep = (offs_n[None, :] >= j_lo[:, None]) & (offs_n[None, :] <= j_hi[:, None])
+            else:
+                keep = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
             if ARRAY:
                 keep = keep & array_keep(offs_m, offs_n, h, Sq, Sk, IVb, KIDb, KMb, skm_h,
                                          skm_q, skm_k, DOCS, HAS_KEEP)
