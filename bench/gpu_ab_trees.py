@@ -1,7 +1,9 @@
 """A/B of two source trees of anyattn in ONE process on a GPU: the routed Triton forward
 and backward of each tree (the public core API: forward_with_stats, attention_backward)
-beside SDPA-cuDNN, in rotated rounds, and whether the two trees' outputs are bitwise
-equal (a change that must not alter results: masks, schedules).
+beside SDPA-cuDNN, in rotated rounds (device time: CUDA-graph replays, the cuDNN
+backward eagerly; --eager times everything with the host in the loop), and whether the
+two trees' outputs are bitwise equal (a change that must not alter results: masks,
+schedules).
 
 The base tree is imported under another package name: copy its ``src/anyattn`` to
 ``<dir>/anyattn_base`` (every import inside the package is relative), e.g.
@@ -46,6 +48,23 @@ def kept_fraction(S, kind, left):
     return min(1.0, (left + 1) / S)       # a causal window of left keys: ~(left + 1) / S
 
 
+def time_ms(fn, graph, how, name):
+    """Median ms of fn: replays of a CUDA graph of it (device time only; ``graph``),
+    else eager do_bench (host included).  Records which in how[name]."""
+    import triton
+
+    if graph:
+        try:
+            ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+            how[name] = "cuda-graph"
+            return ms
+        except Exception as e:       # a call that cannot be captured: timed eagerly
+            how[name] = f"eager ({type(e).__name__}: {str(e)[:80]})"
+    else:
+        how.setdefault(name, "eager")
+    return triton.testing.do_bench(fn, warmup=15, rep=80, return_mode="median")
+
+
 def mask_of(pkg, kind, left):
     if kind == "none":
         return None
@@ -61,6 +80,8 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", dest="graph", action="store_false",
+                    help="time eagerly (host in the loop) instead of CUDA-graph replays")
     a = ap.parse_args()
     import torch
     import triton
@@ -120,11 +141,11 @@ def main():
             fns["cudnn-bwd"] = (sdpa_b, 2.5 * fl)
         names = list(fns)
         per = {n: [] for n in names}
+        row["timing"] = {}
         for r in range(a.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
-                per[n].append(triton.testing.do_bench(fns[n][0], warmup=15, rep=80,
-                                                      return_mode="median"))
+                per[n].append(time_ms(fns[n][0], a.graph and n != "cudnn-bwd", row["timing"], n))
         for n in names:
             ms = sorted(per[n])[len(per[n]) // 2]
             row["ms"][n] = ms
