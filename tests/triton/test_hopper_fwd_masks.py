@@ -8,7 +8,6 @@ Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -281,7 +280,7 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
     p = describe(q, k, v, mask=mask)
     cfg = HCF.fwd_config(64, dtype, p.mask_class)
     assert cfg.persist and cfg.sched, cfg.name
-    per_tile = dataclasses.replace(cfg, persist=False, sched=False)
+    per_tile = cfg.per_tile()
     (o, rs), (ot, rst) = _forward_poisoned(p, q, k, v, (None, per_tile))
     assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)
     assert torch.equal(rs.log_norm, rst.log_norm)
@@ -293,21 +292,26 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("kind", ["none", "causal", "causal_br", "window"])
-def test_gpu_d64_three_consumer_persistent_forward_is_the_per_tile_loop_bitwise(dtype, kind):
-    """The persistent forward with three consumers (bm 192, FWD_PERSIST_D64_NC3; the
-    host-built schedule with a band, its own head-major walk without): bitwise the
-    per-tile kernel of the same loop, within tolerance of float64, every element written
-    (poisoned), GQA, Sq != Sk, more query tiles than programs."""
+@pytest.mark.parametrize("kind,Sq,Sk", [("none", 520, 777), ("causal", 520, 777),
+                                        ("causal_br", 520, 777), ("window", 520, 777),
+                                        ("causal_br", 777, 300)])
+@pytest.mark.parametrize("cfg_name", ["FWD_PERSIST_D64_NC3", "FWD_PERSIST_D64_X"])
+def test_gpu_d64_persistent_variants_are_the_per_tile_loop_bitwise(dtype, kind, Sq, Sk,
+                                                                   cfg_name):
+    """The D=64 persistent forward variants — three consumers (bm 192) and the overlapped
+    tile boundaries (xover: a tile's last P.V with the next one's first S, Q
+    double-buffered), on the host-built schedule with a band, their own walk without:
+    bitwise the per-tile kernel of the same loop, within tolerance of float64, every
+    element written (poisoned), GQA, Sq != Sk, more query tiles than programs; with
+    Sq 777 > Sk 300 bottom-right the first query tiles have no keys (n = 0)."""
     from anyattn.backends.triton.hopper import configs as HCF
 
-    Sq, Sk = 520, 777
     mask = _gpu_masks(Sq, Sk)[kind]
-    B, H, Hkv = 2, 96, 24          # 3 x 192 = 576 query tiles > 132 programs
+    B, H, Hkv = 2, 96, 24          # 2 x 96 x 3-7 query tiles > 132 programs
     q, k, v = _gpu_qkv(B, H, Hkv, Sq, Sk, 64, dtype, seed=19)
     p = describe(q, k, v, mask=mask)
-    cfg = HCF.FWD_PERSIST_D64_NC3
-    per_tile = dataclasses.replace(cfg, persist=False, sched=False)
+    cfg = getattr(HCF, cfg_name)
+    per_tile = cfg.per_tile()
     (o, rs), (o2, rs2), (ot, rst) = _forward_poisoned(p, q, k, v, (cfg, cfg, per_tile))
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)

@@ -5,11 +5,12 @@ Shared memory per forward program: 2 bytes * D * (BM + 2 * STAGES * BN).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["HopperConfig", "HopperBwdConfig", "fwd_config", "bwd_config", "bwd_config_dkdv_only",
            "dkdv_config",
-           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "FWD_PERSIST_D64_NC3",
+           "FWD_VARIANTS", "FWD_PERSIST", "FWD_PERSIST_SCHED", "FWD_PERSIST_D64_NC3", "FWD_PERSIST_D64_X",
            "FWD_PERSIST_VARIANTS", "BWD_VARIANTS", "WS_BWD_VARIANTS",
            "PREV_BWD", "WS_DQ_BWD_VARIANTS", "WS_DQS_BWD_VARIANTS", "WS_DQT_BWD_VARIANTS"]
 
@@ -33,6 +34,8 @@ class HopperConfig:
                               # (fwd_persist_kernel; 2 or 3 consumers, + bm * D * 2 B for O)
     sched: bool = False       # persist: each program walks a host-built schedule (the
                               # per-tile grid's order dealt out greedily by loop length)
+    xover: bool = False       # persist: a tile's last P.V issued with the next tile's
+                              # first S, the epilogue after (Q double-buffered)
 
     def __post_init__(self):
         if self.pingpong and not (self.ws and self.overlap):
@@ -53,6 +56,9 @@ class HopperConfig:
                              "consumers (ws=True, overlap=True, edges=False, bm=128 / 192)")
         if self.sched and not self.persist:
             raise ValueError(f"{self}: sched is the persistent kernel's walk (persist=True)")
+        if self.xover and not (self.persist and self.bm == 128):
+            raise ValueError(f"{self}: xover overlaps the persistent kernel's tile "
+                             "boundaries (persist=True, 2 consumers: bm=128)")
         if self.ws and (self.bm % 64 or self.bm // 64 not in (2, 3)):
             raise ValueError(f"{self}: the warp-specialised kernel runs 2 or 3 consumer "
                              "warpgroups of 64 query rows (bm 128 or 192)")
@@ -62,6 +68,11 @@ class HopperConfig:
         """ws: consumer warpgroups, 64 query rows each."""
         return self.bm // 64
 
+    def per_tile(self) -> "HopperConfig":
+        """A persistent config's loop as one program per query tile (the same products
+        in the same order per row: bitwise the same results)."""
+        return dataclasses.replace(self, persist=False, sched=False, xover=False)
+
     @property
     def name(self) -> str:
         """e.g. 'ws128x128s2' / '128x128s3o' / 'ws128x128s2opfem' (bench and LOG labels)."""
@@ -69,11 +80,12 @@ class HopperConfig:
                 f"{'o' if self.overlap else ''}{'p' if self.pingpong else ''}"
                 f"{'f' if self.exp_fma else ''}{'e' if self.edges else ''}"
                 f"{'m' if self.p_smem else ''}{'P' if self.persist else ''}"
-                f"{'g' if self.sched else ''}")
+                f"{'g' if self.sched else ''}{'x' if self.xover else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         p = 2 * self.bm * self.bn if self.p_smem else 0
         o = self.bm * d if self.persist else 0          # the persistent kernel's O buffer
+        o += self.bm * d if self.xover else 0           # its second Q buffer
         return elem * (d * (self.bm + 2 * self.stages * self.bn) + p + o)
 
 
@@ -171,7 +183,10 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: both kernels): not routed
 FWD_PERSIST_D64_NC3 = HopperConfig(192, 128, 3, consumer_regs=160, ws=True, overlap=True,
                                    pingpong=True, exp_fma=True, persist=True, sched=True)
-FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3],
+#: Session 10: the D=64 band default with the tile boundaries overlapped (xover)
+FWD_PERSIST_D64_X = HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True,
+                                 exp_fma=True, persist=True, sched=True, xover=True)
+FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3, FWD_PERSIST_D64_X],
                         128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
 
 
@@ -229,9 +244,11 @@ class HopperBwdConfig:
         if self.defer and not (self.dq and self.fused):
             raise ValueError(f"{self.name}: defer schedules the fused kernel's in-kernel dq "
                              "(fused=True, dq=True)")
-        if self.ws and (self.fused or self.bn != 128 or self.bm != 64):
+        if self.ws and (self.fused or self.bn != 128
+                        or self.bm not in ((64, 128) if self.trans else (64,))):
             raise ValueError(f"{self.name}: the warp-specialised kernels run bn 128 "
-                             "(two consumers of 64 key rows), bm 64, not fused")
+                             "(two consumers of 64 key rows), bm 64 (the transposed "
+                             "consumers: 64, or 128 at D=64), not fused")
         if not self.prefetch and not (self.ws and self.dq):
             raise ValueError(f"{self.name}: prefetch=False is an option of the "
                              "warp-specialised kernel with dq (ws=True, dq=True)")
@@ -342,6 +359,11 @@ WS_DQS_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                            split=True, trans=True)]
                        for d in (64, 128)}
+#: session 10 (helper "bm"): D=64 with query tiles of 128 rows ('wdkdvq128x128s2nht', FA3's
+#: hdim-64 tile: S^T / dP^T [64 keys, 128 queries] a consumer); numbers: LOG "session 10,
+#: the transposed backward with 128-row query tiles"
+WS_DQT_BWD_VARIANTS[64] = WS_DQT_BWD_VARIANTS[64] + [
+    HopperBwdConfig(128, 128, 2, ws=True, dq=True, prefetch=False, split=True, trans=True)]
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a

@@ -223,6 +223,10 @@ class FwdLaunch:
 
             self.kernel, self.q_rows = fwd_persist_kernel, cfg.bm // cfg.consumers
             self.grid = (min(_sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
+            if cfg.xover and self.array:
+                raise NotImplementedError(
+                    f"{cfg.name}: the overlapped tile boundaries (xover) take band masks "
+                    "only; use FWD_PERSIST or the default for Documents / KeepMask")
             if cfg.sched and self.array:
                 raise NotImplementedError(
                     f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
@@ -234,13 +238,12 @@ class FwdLaunch:
                 # under CUDA graph capture a schedule not built yet cannot be copied to
                 # the device (a host copy): that call runs the per-tile kernel of the
                 # same loop instead, whose results are bitwise the same
-                self.per_tile = FwdLaunch(p, dataclasses.replace(cfg, persist=False,
-                                                                  sched=False))
+                self.per_tile = FwdLaunch(p, cfg.per_tile())
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
                            EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
                            HAS_KEEP=rm_.keep is not None, SCHED=self.sched is not None,
-                           NC=cfg.consumers)
+                           NC=cfg.consumers, XOVER=cfg.xover)
         elif cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
@@ -668,7 +671,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
             dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
                                                   split=False, lag=False,
-                                                  trans=False))
+                                                  trans=False, bm=64))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
@@ -752,6 +755,9 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
         order = _order_of(p, cfg, order)
         unvisited = rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm,
                                                                cfg.bn)
+    if cfg.bm != 64 and D != 64:
+        raise NotImplementedError(f"{cfg.name}: query tiles of {cfg.bm} rows are built "
+                                  f"for D=64 only (bwd_ws_t_kernel), got D={D}")
     nq = triton.cdiv(Sq, cfg.bm)
     # fp32 partial sums, one accumulator per chain (the first adder of a query tile
     # stores: no init, except where a band or an array mask leaves query tiles without

@@ -75,13 +75,14 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
 
         names = names[:len(types)] + ["BH", "SCH", "HAS_BAND", "STAGES", "CONSUMER_REGS",
                                       "PINGPONG", "EXP_FMA", "num_warps", "ARRAY", "DOCS",
-                                      "HAS_KEEP", "SCHED", "NC"]
+                                      "HAS_KEEP", "SCHED", "NC", "XOVER"]
         types = types + ["i32", "*i32"]
         if cfg.sched and (docs or keep):
             raise ValueError(f"{cfg.name}: the host-built schedule takes band masks only")
         # launch.FwdLaunch's rule: without a band the schedule is the kernel's own walk
         vals = [has_band, cfg.stages, cfg.consumer_regs, cfg.pingpong, cfg.exp_fma, warps,
-                bool(docs or keep), int(docs), keep, cfg.sched and has_band, cfg.consumers]
+                bool(docs or keep), int(docs), keep, cfg.sched and has_band, cfg.consumers,
+                cfg.xover]
         sig = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
         consts = {(len(types) + i,): x for i, x in enumerate(vals)}
     elif cfg.ws:
