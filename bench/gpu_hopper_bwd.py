@@ -326,7 +326,7 @@ def phase_check():
 def phase_bench():
     from anyattn.rowstats import RowStats
 
-    for (b, h, s, d) in SHAPES:
+    for (b, h, s, d) in OPT.get("shapes") or SHAPES:
         if d not in OPT["dims"]:
             continue
         for causal in (False, True):
@@ -423,7 +423,11 @@ def main():
                          "default: the default + configs.WS_DQ_BWD_VARIANTS")
     ap.add_argument("--diag", default=None,
                     help="config names timed with the no-add diagnostic ('' none)")
+    ap.add_argument("--shapes", default=None,
+                    help="'B,H,S,D;...' timed instead of SHAPES (session 10: D=64 at 2k / 8k)")
     a = ap.parse_args()
+    if a.shapes:
+        OPT["shapes"] = [tuple(int(x) for x in sh.split(",")) for sh in a.shapes.split(";")]
     OPT.update(dims=tuple(int(x) for x in a.dims.split(",")), dtypes=tuple(a.dtypes.split(",")),
                configs=None if a.configs is None else a.configs.split(","),
                diag=None if a.diag is None else [x for x in a.diag.split(",") if x])

@@ -9,6 +9,7 @@ Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -65,8 +66,15 @@ def test_ws_dq_configs_are_data():
         with pytest.raises(ValueError, match="trans"):
             HCF.HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetch=False,
                                 **{"split": True, "trans": True, **bad})
+    # session 10: query tiles of 128 rows for the transposed consumers (D=64)
+    t128 = dataclasses.replace(t, bm=128)
+    assert t128.name == "wdkdvq128x128s2nht"
+    assert t128.smem_bytes(64) <= 227 * 1024
+    with pytest.raises(ValueError, match="bm 64"):
+        dataclasses.replace(t128, trans=False)
+    assert HCF.WS_DQT_BWD_VARIANTS[64] == [t, t128]
     for d in (64, 128):
-        assert HCF.WS_DQT_BWD_VARIANTS[d] == [t]
+        assert HCF.WS_DQT_BWD_VARIANTS[d][0] == t
         assert HCF.WS_DQ_BWD_VARIANTS[d][1] in HCF.BWD_VARIANTS[d]   # the contract grid's
         assert HCF.WS_DQS_BWD_VARIANTS[d][0] == h
         for cfg in (HCF.WS_DQ_BWD_VARIANTS[d] + HCF.WS_DQS_BWD_VARIANTS[d]
@@ -110,7 +118,8 @@ def test_ws_dq_compiles_for_sm90a():
 @pytest.mark.parametrize("D,band,name,hgmma,stack", [
     (128, False, "wdkdvq128x64s2nh", 64, 192), (64, True, "wdkdvq128x64s2nh", 48, 0),
     (128, False, "wdkdvq128x64s2nhl", 80, 192), (128, True, "wdkdvq128x64s2nht", 64, 256),
-    (64, True, "wdkdvq128x64s2nht", 48, 0)])
+    (64, True, "wdkdvq128x64s2nht", 48, 0), (64, False, "wdkdvq128x128s2nht", 80, 96),
+    (64, True, "wdkdvq128x128s2nht", 80, 96)])
 def test_ws_dq_split_compiles_for_sm90a(D, band, name, hgmma, stack):
     """Offline sm_90a, one partial per key tile ('nh', 'nhl'; 't': the transposed
     consumers, bwd_ws_t_kernel): per consumer S (S^T), dP (dP^T), dV, dK and two dQ

@@ -8,7 +8,7 @@ shared memory for the dQ products.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
 D head dim, RN = 64 key rows per consumer, BN = 2 * RN the key tile of a program, BM = 64
-the query tile, DH = D / 2, STAGES the depth of the Q / dO ring.
+the query tile (128 at D=64: 'wdkdvq128x128s2nht'), DH = D / 2, STAGES the depth of the Q / dO ring.
 
 One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions: consumer 0
 and 1 (4 warps each, setmaxnreg CONSUMER_REGS; bwd_ws_t_parts.consumer_t), the TMA
@@ -60,7 +60,8 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     DH: gl.constexpr = dqa_desc.block_type.shape[2]
     dt: gl.constexpr = q_desc.dtype
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
-    gl.static_assert(BM == 64, "64 query rows per tile")
+    gl.static_assert((BM == 64) | ((BM == 128) & (D == 64)),
+                     "64 query rows per tile (128 at D=64)")
     gl.static_assert(DH * 2 == D, "dQ accumulator blocks of D / 2 columns")
     ds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RN, BM], dt)
 

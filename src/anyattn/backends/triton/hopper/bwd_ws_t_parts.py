@@ -21,8 +21,16 @@ price: the queries' statistics are per column (16 of the BM columns a thread, 48
 registers for max, log_norm and delta), so they are staged through shared memory a tile
 ahead and read where used (consumer_t's doc).
 
-Shape legend: RN = 64 key rows per consumer, BM = 64 the query tile, D head dim, DH =
-D / 2 the staged dQ columns, STAGES the depth of the Q / dO ring.
+BM = 128 (D=64 only; session 10, FA3's hdim-64 tile): S^T / dP^T [64, 128] a consumer,
+the dV / dK products of K-dim 128, dQ[:, cols_w] [128, DH] (two wgmma row blocks).  Two
+changes keep its consumer loop near spill-free (1-3 STL / 11-16 LDL a tile, 237
+registers; without them 94 / 130): one staged exponent offset per query, c = log2(e) *
+(max + log_norm) (P^T = exp2(S^T * scale * log2 e - c[q]): 32 registers, not 64), and
+dP^T's accumulator starting at -delta[q] (dS^T = P^T * dP^T: no [BM] vector live beside
+P^T, dP^T and P^T's 16-bit copy).  BM = 64 keeps the form above (SASS unchanged).
+
+Shape legend: RN = 64 key rows per consumer, BM = 64 (or 128 at D=64) the query tile, D
+head dim, DH = D / 2 the staged dQ columns, STAGES the depth of the Q / dO ring.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -64,6 +72,10 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
                                                   instr_shape=[16, DH, 16])      # [BM, DH]
     key_s: gl.constexpr = gl.SliceLayout(1, st_l)                                # [RN]
     qry_s: gl.constexpr = gl.SliceLayout(0, st_l)                                # [BM]
+    # BM 128 (32 of the columns a thread): one exponent offset per query, log2(e) * max +
+    # log2(e) * log_norm, staged instead of the two (32 registers fewer where the
+    # exponentials are; P = exp2(S^T * scale * log2 e - c[q]))
+    FOLD: gl.constexpr = BM > 64
 
     r0 = j0 + WG * RN
     k_own = k_smem.index(WG)                                                     # [1, 1, RN, D]
@@ -91,8 +103,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
     else:   # tile 0's statistics into this consumer's slot 0
         cmx, cln, cdl = row_stats(L2, DELTA, b * H + h, t, Sq, offs_c, BM)     # [BM]
-        stats[0].index(2 * WG).store(cmx)
-        stats[1].index(2 * WG).store(cln)
+        if FOLD:
+            stats[0].index(2 * WG).store(cmx * LOG2E + cln)
+        else:
+            stats[0].index(2 * WG).store(cmx)
+            stats[1].index(2 * WG).store(cln)
         stats[2].index(2 * WG).store(cdl)
         gl.thread_barrier()
     mbarrier.wait(kb, 0)
@@ -111,16 +126,26 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         st = warpgroup_mma(k2, q2.permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)                                        # [RN, BM]
         mbarrier.wait(do_bar.index(stg), ph)
-        dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
-                            is_async=True)                                       # [RN, BM]
+        if FOLD:   # dP^T - delta[q]: the accumulator starts at -delta (no [BM] vector
+            # live beside P^T, dP^T and P^T's bf16 / fp16 copy)
+            ndl = zero_s - stats[2].index(2 * WG + sl).load(qry_s)[None, :]     # [RN, BM]
+            dpt = warpgroup_mma(v2, do2.permute((1, 0)), ndl, is_async=True)   # [RN, BM]
+        else:
+            dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
+                                is_async=True)                                   # [RN, BM]
         if PREFETCH:  # the next tile's statistics (the last tile's again at the end)
             mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
-        if not PREFETCH:   # this tile's max and log_norm from shared memory
-            mx = stats[0].index(2 * WG + sl).load(qry_s)                         # [BM]
-            ln2 = stats[1].index(2 * WG + sl).load(qry_s)
-        st = gl.fma(st, scale, 0.0)       # (an fma: never contracted into the next line)
-        pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])                  # [RN, BM]
+        if FOLD:           # this tile's exponent offsets from shared memory
+            cq = stats[0].index(2 * WG + sl).load(qry_s)                         # [BM]
+            st = gl.fma(st, scale, 0.0)   # S^T * scale, as below (then one fma)
+            pt = gl.exp2(st * LOG2E - cq[None, :])                               # [RN, BM]
+        else:
+            if not PREFETCH:   # this tile's max and log_norm from shared memory
+                mx = stats[0].index(2 * WG + sl).load(qry_s)                     # [BM]
+                ln2 = stats[1].index(2 * WG + sl).load(qry_s)
+            st = gl.fma(st, scale, 0.0)   # (an fma: never contracted into the next line)
+            pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])              # [RN, BM]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
             offs_n = r0 + gl.arange(0, RN, layout=key_s)                         # [RN]
             keep = (offs_n < Sk)[:, None] & (offs_m < Sq)[None, :]
@@ -131,9 +156,13 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         pt16 = gl.convert_layout(pt.to(dt), op_l)                                # [RN, BM]
         dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
         if not PREFETCH:   # ... and delta, once the max and log_norm are dead
-            dlt = stats[2].index(2 * WG + sl).load(qry_s)                        # [BM]
+            if not FOLD:
+                dlt = stats[2].index(2 * WG + sl).load(qry_s)                    # [BM]
         dpt = warpgroup_mma_wait(1, deps=(dpt,))                                 # [RN, BM]
-        dst = (pt * (dpt - dlt[None, :])).to(dt)                                 # [RN, BM]
+        if FOLD:
+            dst = (pt * dpt).to(dt)                                              # [RN, BM]
+        else:
+            dst = (pt * (dpt - dlt[None, :])).to(dt)                             # [RN, BM]
         dst16 = gl.convert_layout(dst, op_l)                                     # [RN, BM]
         dk = warpgroup_mma(dst16, q2, dk, is_async=True)                         # [RN, D]
         ds_w = ds_smem.index(2 * sl + WG)                 # this tile's slot, [RN, BM]
@@ -155,8 +184,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         dq_own.store(dq)
         if not PREFETCH:  # the next tile's statistics into the other slot (its last
             # readers, tile it - 1, are past this tile's barriers)
-            stats[0].index(2 * WG + 1 - sl).store(cmx)
-            stats[1].index(2 * WG + 1 - sl).store(cln)
+            if FOLD:
+                stats[0].index(2 * WG + 1 - sl).store(cmx * LOG2E + cln)
+            else:
+                stats[0].index(2 * WG + 1 - sl).store(cmx)
+                stats[1].index(2 * WG + 1 - sl).store(cln)
             stats[2].index(2 * WG + 1 - sl).store(cdl)
         fence_async_shared()
         gl.thread_barrier()               # the partition's 4 warps staged dQ[:, cols_w]
