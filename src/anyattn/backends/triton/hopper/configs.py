@@ -183,7 +183,9 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: both kernels): not routed
 FWD_PERSIST_D64_NC3 = HopperConfig(192, 128, 3, consumer_regs=160, ws=True, overlap=True,
                                    pingpong=True, exp_fma=True, persist=True, sched=True)
-#: Session 10: the D=64 band default with the tile boundaries overlapped (xover)
+#: Session 10: the D=64 band default with the tile boundaries overlapped (xover).  H200
+#: 2026-12-04 ~12:36 UTC (docs/perf/hopper-fwd-h200-2026-12-04-s10-lead3.json, bf16 causal
+#: TFLOP/s at S=2k / 4k / 8k): 330 / 388 / 411 vs the routed 342 / 390 / 409: not routed
 FWD_PERSIST_D64_X = HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True,
                                  exp_fma=True, persist=True, sched=True, xover=True)
 FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3, FWD_PERSIST_D64_X],
