@@ -75,9 +75,10 @@ def test_coverage_tensor_rules(monkeypatch):
 
 
 def test_backward_routes_d128_and_d64_bands(monkeypatch):
-    """The Hopper backward covers D=64 and 128; 'auto' routes D=128 and D=64 with a band,
-    where the H200 measured it faster than the portable backward, and keeps D=64 without
-    a mask portable (coverage.py); 'hopper' forces it, 'portable' keeps it off."""
+    """The Hopper backward covers D=64 and 128; 'auto' routes both, with a band or
+    without (D=64 without a mask since session 10), where the H200 measured it faster
+    than the portable backward (coverage.py); 'hopper' forces it, 'portable' keeps it
+    off."""
     from anyattn.backends.triton import launch as TL
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -85,9 +86,9 @@ def test_backward_routes_d128_and_d64_bands(monkeypatch):
     assert HCOV.routed_by_default("backward", "none", 128)
     assert HCOV.routed_by_default("backward", "band", 128)
     assert HCOV.routed_by_default("backward", "band", 64)
-    assert not HCOV.routed_by_default("backward", "none", 64)
+    assert HCOV.routed_by_default("backward", "none", 64)    # session 10
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
-    for d, mask, routed in ((128, None, True), (128, aa.Causal(), True), (64, None, False),
+    for d, mask, routed in ((128, None, True), (128, aa.Causal(), True), (64, None, True),
                             (64, aa.Causal(), True)):
         p = _problem(D=d, mask=mask)
         object.__setattr__(p, "device", "cuda:0")
@@ -104,14 +105,14 @@ def test_backward_routes_d128_and_d64_bands(monkeypatch):
 def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
     """The dQ-inside config (its programs wait for each other's add turns) is the route
     while a (batch, kv head)'s key tiles are at most half the SMs; past that the
-    dK/dV-only config (portable dQ, no waits) is; D=64 without a band takes the
-    dK/dV-only config anyway."""
+    dK/dV-only config (portable dQ, no waits) is; D=64 without a band too (since
+    session 10: the transposed consumers with 128-row query tiles)."""
     from anyattn.backends.triton.hopper import configs as HCF
 
     monkeypatch.setitem(HL._SMS, "cuda:0", 132)
     cases = ((128, None, 66 * 128, True), (128, None, 66 * 128 + 1, False),
              (128, aa.Causal(), 2048, True), (64, aa.Causal(), 4096, True),
-             (64, None, 4096, False))
+             (64, None, 4096, True), (64, None, 66 * 128 + 1, False))
     for d, mask, sk, dq in cases:
         q = torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)
         k = torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
@@ -121,6 +122,7 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
         assert cfg.ws and cfg.dq is dq, (d, mask, sk, cfg.name)
         if dq:
             assert cfg == HCF.bwd_config(d, p.mask_class) and cfg.split
+            assert cfg.bm == (128 if (d, mask) == (64, None) else 64), cfg.name
         else:
             assert cfg == HCF.bwd_config_dkdv_only(d)
 

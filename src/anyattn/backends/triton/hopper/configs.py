@@ -378,8 +378,16 @@ WS_DQT_BWD_VARIANTS[64] = WS_DQT_BWD_VARIANTS[64] + [
 #: other's dQ turns: launch.backward_config keeps the previous route where a (batch, kv
 #: head) has more key tiles than half the SMs (HopperBwdConfig.dq)
 _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQS_BWD_VARIANTS[128][0]}
-#: (D, mask class) exceptions to _BWD
-_BWD_BY_MASK = {(64, "band"): WS_DQS_BWD_VARIANTS[64][0]}
+#: (D, mask class) exceptions to _BWD.  Session 10 (helper "bm"): D=64 without a mask
+#: runs the transposed consumers with 128-row query tiles ('wdkdvq128x128s2nht'): H200
+#: 2026-12-04 12:40 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json, 3 rotated
+#: rounds, every round faster), route TFLOP/s at S=2k / 4k / 8k (B=8 / 4 / 2, H=32)
+#: 346 / 368 / 383 vs the portable backward 308 / 325 / 336 (the route 'auto' took
+#: there), the ws dK/dV route 308 / 326 / 331, 'nht' 315 / 332 / 344, cuDNN 401 / 435 /
+#: 434 (0.86-0.88x).  Causal it ties or loses to 'nh' at 2k / 4k (290 / 335 vs 293 /
+#: 334; 8k 365 vs 333): the band keeps 'nh'
+_BWD_BY_MASK = {(64, "band"): WS_DQS_BWD_VARIANTS[64][0],
+                (64, "none"): WS_DQT_BWD_VARIANTS[64][1]}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,

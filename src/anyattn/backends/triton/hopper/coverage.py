@@ -90,7 +90,11 @@ COVERAGE = {
     # 1.10 / 1.15x session 7's route at S=2k / 2k causal / 8k / 8k causal, 0.82-0.90x
     # cuDNN; docs/perf/hopper-bwd-h200-2026-12-04-s8c.json) and at D=64 with a band
     # (S=4k causal 1.12x; without a mask 0.93x the portable backward: D=64 without a band
-    # stays portable; session 7's route there was even with it)
+    # stays portable; session 7's route there was even with it).  Session 10: D=64
+    # without a mask routed too, to 'wdkdvq128x128s2nht' (the transposed consumers, query
+    # tiles of 128 rows; configs._BWD_BY_MASK): 1.08-1.14x the portable backward at S=2k
+    # / 4k / 8k in every rotated round (H200 2026-12-04 12:40 UTC,
+    # docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json)
     # Documents / KeepMask (session 9): the same kernels with the column range table,
     # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
     # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200
@@ -111,7 +115,7 @@ COVERAGE = {
                                                  "documents+keep", "band+documents+keep"}),
                          mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
                          auto_mask_classes=frozenset({"none", "band"}),
-                         auto_mask_classes_by_head_dim=((64, frozenset({"band"})),)),
+                         auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),)),
 }
 
 _PATHS = ("auto", "portable", "hopper")
