@@ -35,7 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .fwd_masks import softmax_tile_masked
-from .fwd_ws_kernel import _loop_overlap, _ov_step, _turn_pass, _turn_wait, epilogue, tile_keys
+from .fwd_ws_kernel import (_loop_overlap, _ov_step, _turn_pass, _turn_wait, consumer_layouts,
+                            epilogue, tile_keys)
 
 __all__ = ["fwd_persist_kernel"]
 
@@ -136,11 +137,9 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     D: gl.constexpr = q_desc.block_type.shape[3]
     BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BN, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, D, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    s_l: gl.constexpr = consumer_layouts(BN, D)[0]      # [RM, BN] scores
+    o_l: gl.constexpr = consumer_layouts(BN, D)[1]      # [RM, D] output accumulator
+    p_l: gl.constexpr = consumer_layouts(BN, D)[2]      # P as the register A operand
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
@@ -216,11 +215,9 @@ def _consumer_x(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_
     D: gl.constexpr = q_desc.block_type.shape[3]
     BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BN, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, D, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    s_l: gl.constexpr = consumer_layouts(BN, D)[0]      # [RM, BN] scores
+    o_l: gl.constexpr = consumer_layouts(BN, D)[1]      # [RM, D] output accumulator
+    p_l: gl.constexpr = consumer_layouts(BN, D)[2]      # P as the register A operand
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)

@@ -66,6 +66,18 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                                         v_smem.index(st))
 
 
+@gluon.constexpr_function
+def consumer_layouts(BN, D):
+    """A forward consumer warpgroup's layouts (4 warps, RM = 64 rows): the wgmma
+    accumulators of the scores [RM, BN] and of the output [RM, D], and P [RM, BN] as the
+    register A operand of P.V."""
+    s_l = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, BN, 16])
+    o_l = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, D, 16])
+    return s_l, o_l, gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+
+
 @gluon.jit
 def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: the k-th turn of consumer WG.  The turns go round the consumers
@@ -310,11 +322,9 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     dt: gl.constexpr = q_desc.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BN, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, D, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    s_l: gl.constexpr = consumer_layouts(BN, D)[0]      # [RM, BN] scores
+    o_l: gl.constexpr = consumer_layouts(BN, D)[1]      # [RM, D] output accumulator
+    p_l: gl.constexpr = consumer_layouts(BN, D)[2]      # P as the register A operand
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
