@@ -296,3 +296,30 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
         assert used and all(d for d in used)
         for a, b in zip(plain[-1], direct[-1]):
             assert torch.equal(a, b)
+
+
+def test_unresolved_direct_site_stops_paying_the_binder_twice(monkeypatch):
+    """A replayed site whose direct.resolve finds nothing (None) retries once, then
+    takes Triton's path alone: resolve (a binder pass) is not repeated on every call."""
+    from anyattn.backends.triton import direct as DL
+
+    calls = {"resolve": 0, "launch": 0}
+
+    def fake_resolve(kernel, args, kw):
+        calls["resolve"] += 1
+        return None
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def go(*a, **k):
+                calls["launch"] += 1
+            return go
+
+    monkeypatch.setattr(DL, "resolve", fake_resolve)
+    pr = L._Prepared(hop=False, direct=True)
+    ready = [(1,), (), {}, None]
+    for _ in range(6):
+        L._replay(pr, ready, FakeKernel(), (0,))
+    assert calls["launch"] == 6
+    assert calls["resolve"] == 2
+    assert ready[3] is False

@@ -728,7 +728,7 @@ class _Prepared:
     #: ANYATTN_TRITON_DIRECT_LAUNCH=1 on a CUDA device: repeats skip Triton's binding
     direct: bool = False
     #: kernel name -> [grid, positional tail, keywords, direct.Direct or None (not yet
-    #: resolved) or False (not available)] of its resolved launch
+    #: resolved) or 0 (one retry left) or False (not available)] of its resolved launch
     ready: Dict[str, list] = field(default_factory=dict)
 
 
@@ -804,8 +804,11 @@ def _replay(pr: _Prepared, ready: list, kernel, args) -> None:
         from . import direct as DL
 
         full = args + tail if tail else args
-        if d is None:    # after the first launch: Triton's cache holds the kernel now
-            d = ready[3] = DL.resolve(kernel, full, kw)
+        if d is None or d == 0:    # after the first launch: Triton's cache holds it now
+            r = DL.resolve(kernel, full, kw)
+            # unresolved (not cached, async compile): one retry (0), then Triton's path
+            # only (False), so a site never pays the binder twice on every call
+            d = ready[3] = r if r is not None else (0 if d is None else False)
         if d and not DL.hooks_set() and d.matches(full):
             d(grid, full)
             return
