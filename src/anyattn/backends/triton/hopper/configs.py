@@ -384,7 +384,7 @@ _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQS_BWD_VARIANTS[128][0]}
 #: rounds, every round faster), route TFLOP/s at S=2k / 4k / 8k (B=8 / 4 / 2, H=32)
 #: 346 / 368 / 383 vs the portable backward 308 / 325 / 336 (the route 'auto' took
 #: there), the ws dK/dV route 308 / 326 / 331, 'nht' 315 / 332 / 344, cuDNN 401 / 435 /
-#: 434 (0.86-0.88x).  Causal it ties or loses to 'nh' at 2k / 4k (290 / 335 vs 293 /
+#: 434 (0.84-0.88x).  Causal it ties or loses to 'nh' at 2k / 4k (290 / 335 vs 293 /
 #: 334; 8k 365 vs 333): the band keeps 'nh'
 _BWD_BY_MASK = {(64, "band"): WS_DQS_BWD_VARIANTS[64][0],
                 (64, "none"): WS_DQT_BWD_VARIANTS[64][1]}
