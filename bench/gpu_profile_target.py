@@ -1,10 +1,11 @@
 """One routed call of this tree (core API, Triton backend) or of SDPA-cuDNN inside an NVTX
 range named ``P``, after a warm-up call outside it: the target of an Nsight Compute run
-that profiles only the kernels of that one call (``ncu --nvtx --nvtx-include P/``).
+that profiles only the kernels of that one call (``ncu --nvtx --nvtx-include P``; a start / end range, not
+push / pop, so that the kernels autograd launches from its device thread are inside).
 
 Shape legend: B batch, H heads, S = Sq = Sk, D head dim (cases: bench/gpu_ab_trees.py).
 
-    ncu --nvtx --nvtx-include P/ ... python bench/gpu_profile_target.py --case d128n8k --which ours-bwd
+    ncu --nvtx --nvtx-include P ... python bench/gpu_profile_target.py --case d128n8k --which ours-bwd
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def main():
                 torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True)
     call()                                    # compile / plan outside the range
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("P")
+    rid = torch.cuda.nvtx.range_start("P")    # a start / end range: autograd's device thread too
     call()
-    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_end(rid)
     torch.cuda.synchronize()
     print(f"profiled {a.case} {a.which}", flush=True)
 

@@ -17,7 +17,7 @@ for t in $TARGETS; do
   c=${t%%:*}; w=${t##*:}; n=${c}_${w}
   if [ $(left) -lt 40 ]; then echo "skip $n: $(left) s left"; continue; fi
   el "$n"
-  timeout $(cap 120) ncu --clock-control none --nvtx --nvtx-include "P/" $SECS \
+  timeout $(cap 120) ncu --clock-control none --nvtx --nvtx-include "P" $SECS \
     --import-source no -f -o /tmp/ncu/rep/$n python3 bench/gpu_profile_target.py --case $c --which $w \
     > /tmp/ncu/csv/$n.run.log 2>&1
   echo "rc $? $(grep -c '==PROF== Profiling' /tmp/ncu/csv/$n.run.log) kernels"; tail -2 /tmp/ncu/csv/$n.run.log | cut -c1-300
