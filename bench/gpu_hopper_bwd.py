@@ -65,7 +65,8 @@ def _pool(D):
     the ws dK/dV config (dQ portable: the route where the dQ-inside one is not)."""
     out = []
     for c in ([HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]
-              + HCF.WS_DQT_BWD_VARIANTS[D] + [HCF.bwd_config_dkdv_only(D)]):
+              + HCF.WS_DQT_BWD_VARIANTS[D] + HCF.WS_DQR_BWD_VARIANTS[D]
+              + [HCF.bwd_config_dkdv_only(D)]):
         if c not in out:
             out.append(c)
     return out
@@ -93,7 +94,7 @@ def configs(D, dt="bfloat16"):
         return _by_names(D, OPT["configs"])
     return [c for c in _pool(D)
             if c not in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
-            + [HCF.bwd_config_dkdv_only(D)]]
+            + HCF.WS_DQR_BWD_VARIANTS[D] + [HCF.bwd_config_dkdv_only(D)]]
 
 
 def diag_configs(D):

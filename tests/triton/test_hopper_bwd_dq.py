@@ -83,6 +83,61 @@ def test_ws_dq_configs_are_data():
             assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
 
 
+def test_staged_statistics_and_swizzle_configs_are_data():
+    """Session 11's options of 'nh': 'r' (the producer stages the row statistics in shared
+    memory, 4 fp32 rows a stage) and 'z' (the dQ staging buffers swizzled at 32 bytes);
+    both refused where they do not apply."""
+    h = HCF.WS_DQS_BWD_VARIANTS[128][0]
+    r, z, rz = HCF.WS_DQR_BWD_VARIANTS[128]
+    assert (r.name, z.name, rz.name) == ("wdkdvq128x64s2nhr", "wdkdvq128x64s2nhz",
+                                         "wdkdvq128x64s2nhrz")
+    assert r.smem_bytes(128) == h.smem_bytes(128) + 16 * 2 * 64
+    assert z.smem_bytes(128) == h.smem_bytes(128)
+    for d in (64, 128):
+        for cfg in HCF.WS_DQR_BWD_VARIANTS[d]:
+            assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
+    with pytest.raises(ValueError, match="stats"):
+        dataclasses.replace(h, prefetch=True, stats=True)
+    with pytest.raises(ValueError, match="stats"):
+        dataclasses.replace(HCF.WS_DQT_BWD_VARIANTS[128][0], stats=True)
+    with pytest.raises(ValueError, match="dq_swizzle"):
+        dataclasses.replace(h, dq_swizzle=64)
+    with pytest.raises(ValueError, match="dq_swizzle"):
+        HCF.HopperBwdConfig(128, 64, 2, ws=True, dq_swizzle=32)
+
+
+@needs_gluon
+@pytest.mark.parametrize("name", ["wdkdvq128x64s2nhr", "wdkdvq128x64s2nhrz"])
+def test_staged_statistics_compile_for_sm90a(name):
+    """Offline sm_90a, D=128: 'nh''s 64 HGMMA; the consumers read the row statistics from
+    shared memory (LDS) and load nothing from global memory in their loops (the
+    producer's loop does: its LDG); 'z' issues 8-column reduce-adds (16 UTMAREDG, 'nh' 4)."""
+    from anyattn.backends.triton.hopper import bwd_offline as BO
+    from anyattn.backends.triton.hopper.offline import sass_of
+
+    cfg = next(c for c in HCF.WS_DQR_BWD_VARIANTS[128] if c.name == name)
+    c = BO.compile_dkdvq_ws("bfloat16", 128, False, cfg)
+    f = BO.ws_facts(c)
+    assert c.metadata.shared <= cfg.smem_bytes(128) + 1024, c.metadata.shared
+    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    if not sass:
+        return
+    assert f["sass_HGMMA"] == 64 and f["sass_HMMA"] == 0, f
+    assert len(re.findall(r"\bUTMAREDG", sass)) == (16 if cfg.dq_swizzle == 32 else 4)
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
+    loops = []       # (head, back edge) of the loops with the consumers' 32 HGMMA
+    for a, t in ins:
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < int(a, 16):
+            body = [x for aa, x in ins if int(m.group(1), 16) <= int(aa, 16) <= int(a, 16)]
+            if sum("HGMMA" in x for x in body) == 32 and len(body) < 1000:
+                loops.append(body)
+    assert len(loops) >= 2, [len(b) for b in loops]
+    for body in sorted(loops, key=len)[:2]:     # the two consumers' innermost loops
+        assert any(re.search(r"\bLDS", x) for x in body)
+        assert not any(re.search(r"\bLDG", x) for x in body), "a global load in a consumer loop"
+
+
 def test_dkdv_refuses_a_dq_config():
     """dkdv() computes dk / dv only: a config with dq is refused, not half run."""
     from anyattn.backends.triton.hopper import launch as HL
@@ -174,9 +229,10 @@ def test_ws_dq_against_float64(D, case):
     mask = aa.Causal(align="bottom_right") if kind == "causal_br" else None
     p, dout, l2, delta, rg = bwd_gpu_inputs(q, k, v, mask, g)
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
+    cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D] + HCF.WS_DQR_BWD_VARIANTS[D]
     if which == "all":
         cfgs = HCF.WS_DQ_BWD_VARIANTS[D] + cfgs
+    nh = {}       # 'nh''s results by order: 'r' / 'z' must give the same bits
     for cfg in cfgs:
         for order in (1, 0):
             runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
@@ -184,6 +240,11 @@ def test_ws_dq_against_float64(D, case):
             for i, n in enumerate(("dq", "dk", "dv")):
                 assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
                 assert_close(runs[0][i], getattr(rg, n), dt, f"{n} {cfg.name} order {order}")
+            if cfg == HCF.WS_DQS_BWD_VARIANTS[D][0]:
+                nh[order] = runs[0]
+            elif cfg in HCF.WS_DQR_BWD_VARIANTS[D]:
+                for i, n in enumerate(("dq", "dk", "dv")):
+                    assert torch.equal(runs[0][i], nh[order][i]), f"{n} {cfg.name} != 'nh'"
         if which == "split":   # dk / dv alone (want_dq=False)
             none, dk, dv = HL.backward_fused(p, q, k, v, dout, l2, delta, cfg=cfg,
                                              want_dq=False)

@@ -63,7 +63,7 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
     qd = mangle_type(make_desc(x, cfg.bm))
     kd = mangle_type(make_desc(x, cfg.bn // 2))
     ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm,
-                              D // 2 if cfg.split else None))
+                              D // 2 if cfg.split else None, cfg.dq_swizzle))
     names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "L2",
              "DELTA", "SEM", "NBH", "H", "G", "Sq", "Sk", "scale", "lo", "hi", "ORDER",
              "HAS_BAND", "STAGES", "CONSUMER_REGS", "WRITER_REGS", "PREFETCH", "CHAINS",
@@ -75,7 +75,15 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
             cfg.chains, False, cfg.split, cfg.lag, 4]
     sig = dict(zip(names, types + ["constexpr"] * len(vals)))
     consts = {(len(types) + i,): v for i, v in enumerate(vals)}
-    src = GluonASTSource(_ws_dq_kernel(cfg), sig, constexprs=consts)
+    fn = _ws_dq_kernel(cfg)
+    if cfg.stats:   # a constexpr further down the parameter list: the parameters before
+        # it at their defaults (None / False / 0, as a launch without ARRAY passes them)
+        for i in range(len(names), fn.arg_names.index("STATS")):
+            sig[fn.arg_names[i]] = "constexpr"
+            consts[(i,)] = fn.params[i].default
+        sig["STATS"] = "constexpr"
+        consts[(fn.arg_names.index("STATS"),)] = True
+    src = GluonASTSource(fn, sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
 
 

@@ -165,7 +165,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     rk_b=None, rk_h=None, IV=None, KID=None, siv_b=None, skid_b=None,
                     KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
                     ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                    HAS_KEEP: gl.constexpr = False):
+                    HAS_KEEP: gl.constexpr = False, STATS: gl.constexpr = False):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
@@ -179,7 +179,9 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     (bwd_kernel.key_tile_table), the rank of key tile j in query tile t's add order from
     RK int32 [Bm, Hm, nq, nkv] ((b, kv head) strides rk_b / rk_h; launch.bwd_mask_tables:
     ordered by (visiting step, j), ORDER unused), the edge tiles masked as in
-    bwd_ws_kernel (IV ... skm_k: its arguments; None without ARRAY)."""
+    bwd_ws_kernel (IV ... skm_k: its arguments; None without ARRAY).  STATS (not with
+    PREFETCH): the producer stages each tile's row statistics in shared memory beside its
+    Q / dO (bwd_ws_parts.producer), so no consumer waits on a global load."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -195,6 +197,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     else:
         gl.static_assert(DQC == D, "dQ accumulator blocks of D columns")
     gl.static_assert(SPLIT or not LAG, "LAG is an option of SPLIT")
+    gl.static_assert(not (STATS and PREFETCH), "STATS replaces PREFETCH's loads")
     pds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, RN], dt)
 
     pid_n, b, hk, j0 = key_tile_program(H, G, BN)   # key tile pid_n of kv head hk, batch b
@@ -207,6 +210,13 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     NDS: gl.constexpr = (6 if LAG else 4) if SPLIT else 2    # SPLIT: 2 (LAG 3) slots
     ds_smem = gl.allocate_shared_memory(dt, [NDS, BM, RN], pds_l)
     dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DQC], dqa_desc.layout)
+    if STATS:   # row 4 * stage + (0 max, 1 log2(e) * log_norm, 2 delta; 3 unused: shapes
+        # are powers of 2) [BM]
+        st_smem = gl.allocate_shared_memory(
+            gl.float32, [4 * STAGES, BM],
+            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))   # (rank 1: rows indexed to [BM])
+    else:       # not read without STATS (a partition's tuple takes no None variable)
+        st_smem = dqs
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -242,15 +252,16 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP)),
+                         DOCS, HAS_KEEP, st_smem, STATS)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP)),
+                         DOCS, HAS_KEEP, st_smem, STATS)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
-                         s0, n_div, off, n_tot, STAGES, BM)),
+                         s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
+                         STATS)),
              (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
                         s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
                         DIAG, SPLIT, RKc, nkv, True))],
@@ -267,14 +278,17 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
-                         PREFETCH, SPLIT, LAG)),
+                         PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
+                         st_smem, STATS)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
-                         PREFETCH, SPLIT, LAG)),
+                         PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
+                         st_smem, STATS)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
-                         s0, n_div, off, n_tot, STAGES, BM)),
+                         s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
+                         STATS)),
              (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
                         s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
                         DIAG, SPLIT))],

@@ -45,13 +45,31 @@ def row_stats(L2, DELTA, bh, t, Sq, offs_mb, BM: gl.constexpr):
 
 @gluon.jit
 def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0, n_div,
-             off, n_tot, STAGES: gl.constexpr, BM: gl.constexpr):
+             off, n_tot, STAGES: gl.constexpr, BM: gl.constexpr, st_smem=None, L2=None,
+             DELTA=None, H=0, Sq=0, STATS: gl.constexpr = False):
     """Q and dO of tile it into stage it % STAGES once both consumers released that
-    stage's previous tile (the first pass waits on the phase before init: free)."""
+    stage's previous tile (the first pass waits on the phase before init: free).
+    STATS: the tile's row statistics too (max, log2(e) * log_norm, delta: row_stats'
+    values, padding included) into rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM]
+    fp32, stored before the stage's
+    Q barrier is armed (its arrive releases them); each tile's loads are issued a tile
+    ahead, so their latency hides behind the wait for the stage."""
+    if STATS:
+        st_l: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])       # [BM], 1 warp
+        offs = gl.arange(0, BM, layout=st_l)
+        h, t = tile_of(0, hk, G, s0, n_div, off)
+        mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs, BM)
     for it in range(0, n_tot):
         st = it % STAGES
         h, t = tile_of(it, hk, G, s0, n_div, off)
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        if STATS:
+            st_smem.index(4 * st).store(mx)                                      # [BM]
+            st_smem.index(4 * st + 1).store(ln2)
+            st_smem.index(4 * st + 2).store(dlt)
+            gl.thread_barrier()           # the warp's stores before the arrive below
+            h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+            mx, ln2, dlt = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs, BM)
         mbarrier.expect(q_bar.index(st), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, t * BM, 0], q_bar.index(st),
                                         q_smem.index(st))
@@ -109,12 +127,16 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, PREFETCH: gl.constexpr,
              SPLIT: gl.constexpr, LAG: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
-             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
+             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None,
+             STATS: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
     the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
     the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
     dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None.  ARRAY:
-    the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP)."""
+    the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP).
+    STATS (not with PREFETCH): each tile's row statistics from the stage's slot of
+    st_smem [4 * STAGES, BM] (rows 4 * stage + 0, 1, 2), stored there by the producer (no global load on the tile's
+    path)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -176,7 +198,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
             mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         s = warpgroup_mma_wait(1, deps=(s,))                                   # [BM, RN]
-        if not PREFETCH:   # this tile's row statistics, loaded once S is done
+        if STATS:          # this tile's row statistics, staged by the producer
+            mx = st_smem.index(4 * stg).load(row_s)                              # [BM]
+            ln2 = st_smem.index(4 * stg + 1).load(row_s)
+        elif not PREFETCH:   # this tile's row statistics, loaded once S is done
             mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
         s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
         p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, RN]
@@ -211,6 +236,8 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             ds_w = ds_smem.index(2 * sl + WG)             # this tile's slot
         else:
             ds_w = ds_own
+        if STATS:
+            dlt = st_smem.index(4 * stg + 2).load(row_s)
         ds_w.store((p * (dp - dlt[:, None])).to(dt))
         fence_async_shared()
         gl.thread_barrier()               # ... and dS

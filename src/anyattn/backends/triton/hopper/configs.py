@@ -238,6 +238,14 @@ class HopperBwdConfig:
     #: split: the consumers compute S^T / dP^T (keys as the wgmma rows) so that P^T and
     #: dS^T stay in registers as the A operand of dV / dK ('t'; bwd_ws_t_kernel)
     trans: bool = False
+    #: ws with dq, not prefetch, not trans: the producer stages each tile's row
+    #: statistics in shared memory beside Q / dO ('r'; no global load on a consumer's
+    #: tile path)
+    stats: bool = False
+    #: ws with dq: the swizzle (bytes) of the fp32 dQ staging buffers and their bulk
+    #: reduce-adds; 32 ('z') makes the consumers' 8-byte stores of the wgmma accumulator
+    #: free of bank conflicts (128: two rows of each half-warp share banks)
+    dq_swizzle: int = 128
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -264,6 +272,13 @@ class HopperBwdConfig:
             raise ValueError(f"{self.name}: lag is an option of split")
         if self.trans and not (self.split and not self.lag):
             raise ValueError(f"{self.name}: trans is an option of split without lag")
+        if self.stats and not (self.ws and self.dq and not self.prefetch and not self.trans):
+            raise ValueError(f"{self.name}: stats is an option of the warp-specialised "
+                             "kernel with dq, without prefetch or trans")
+        if self.dq_swizzle not in (32, 128) or (self.dq_swizzle != 128
+                                                 and not (self.ws and self.dq)):
+            raise ValueError(f"{self.name}: dq_swizzle is 128, or 32 for the "
+                             "warp-specialised kernel with dq")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -278,7 +293,8 @@ class HopperBwdConfig:
                 f"{'d' if self.defer else ''}{'p' if self.pingpong else ''}"
                 f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
                 f"{'h' if self.split else ''}{'l' if self.lag else ''}"
-                f"{'t' if self.trans else ''}")
+                f"{'t' if self.trans else ''}{'r' if self.stats else ''}"
+                f"{'z' if self.dq_swizzle == 32 else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -289,6 +305,7 @@ class HopperBwdConfig:
         extra += elem * self.bm * self.bn if self.lag else 0     # a third dS slot
         # trans: no P buffers; the statistics staged (3 x 4 x bm fp32)
         extra -= elem * self.bm * self.bn - 48 * self.bm if self.trans else 0
+        extra += 16 * self.stages * self.bm if self.stats else 0   # 4 fp32 a row a stage
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -366,6 +383,18 @@ WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 #: the transposed backward with 128-row query tiles"
 WS_DQT_BWD_VARIANTS[64] = WS_DQT_BWD_VARIANTS[64] + [
     HopperBwdConfig(128, 128, 2, ws=True, dq=True, prefetch=False, split=True, trans=True)]
+
+#: session 11: 'nh' with the row statistics staged in shared memory by the producer ('r':
+#: no global load on a consumer's tile path; the Nsight Compute profile of 'nh' at D=128
+#: S=8k put ~9 % of the consumers' stall samples on those loads, the dP issue behind them)
+#: and / or the dQ staging buffers swizzled at 32 bytes ('z': the profile counted 4-way
+#: conflicts on the staging stores, 69 M excess wavefronts vs cuDNN's 1 M), D -> variants;
+#: results bitwise those of 'nh'.  Not routed until timed (LOG "session 11")
+WS_DQR_BWD_VARIANTS = {d: [dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=True),
+                           dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], dq_swizzle=32),
+                           dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=True,
+                                               dq_swizzle=32)]
+                       for d in (64, 128)}
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a

@@ -581,22 +581,27 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     return dk, dv
 
 
-def dqa_desc(dqa, rows: int, cols: Optional[int] = None):
+def dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128):
     """A 3-D TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
-    [1, rows, cols] (cols default D; the fused backward's bulk copies / reduce-adds); its
-    non-tensor fields cached as make_desc's are."""
-    if cols is None:
+    [1, rows, cols] (cols default D; the fused backward's bulk copies / reduce-adds) and
+    the shared layout's swizzle in bytes (128: get_default_for's; 32: boxes of 8
+    columns); its non-tensor fields cached as make_desc's are."""
+    if cols is None and swizzle == 128:
         return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
-    return _cached_desc(("dqa", cols) + desc_key(dqa, rows), dqa, rows,
-                        lambda x, r: _new_dqa_desc(x, r, cols))
+    return _cached_desc(("dqa", cols, swizzle) + desc_key(dqa, rows), dqa, rows,
+                        lambda x, r: _new_dqa_desc(x, r, cols, swizzle))
 
 
-def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None):
+def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block = [1, rows, dqa.shape[2] if cols is None else cols]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    if swizzle == 128:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32,
+                                      rank=3)
     return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
 
 
@@ -772,13 +777,14 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     with on_device(dev):
         _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                              dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None), l2, delta,
+                              dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None,
+                                       cfg.dq_swizzle), l2, delta,
                               sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
                               HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                               CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
                               CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
-                              num_warps=4, **akw)
+                              num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}))
         n = B * H * Sq * D
         dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
                                                   BLOCK=4096, num_warps=8)
