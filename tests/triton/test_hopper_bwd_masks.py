@@ -297,6 +297,10 @@ def compile_array(cfg, band: bool, docs: int, keep: bool, dtype="bfloat16", D=12
     consts += [("ARRAY", True), ("DOCS", docs), ("HAS_KEEP", keep)]
     order = list(sig) + ["ARRAY", "DOCS", "HAS_KEEP"]
     sig.update({"ARRAY": "constexpr", "DOCS": "constexpr", "HAS_KEEP": "constexpr"})
+    if cfg.dq and cfg.stats:   # 'r': the statistics staged by the producer (session 11)
+        consts.append(("STATS", True))
+        order.append("STATS")
+        sig["STATS"] = "constexpr"
     cx = {(order.index(n),): v for n, v in consts}
     return triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget(*SM90A),
                           options=dict(num_warps=4))

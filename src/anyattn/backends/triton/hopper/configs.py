@@ -389,7 +389,13 @@ WS_DQT_BWD_VARIANTS[64] = WS_DQT_BWD_VARIANTS[64] + [
 #: S=8k put ~9 % of the consumers' stall samples on those loads, the dP issue behind them)
 #: and / or the dQ staging buffers swizzled at 32 bytes ('z': the profile counted 4-way
 #: conflicts on the staging stores, 69 M excess wavefronts vs cuDNN's 1 M), D -> variants;
-#: results bitwise those of 'nh'.  Not routed until timed (LOG "session 11")
+#: results bitwise those of 'nh'.  H200 2026-12-04 14:41 UTC (docs/perf/hopper-bwd-h200-
+#: 2026-12-04-s11.json, 3 rotated rounds), route TFLOP/s at D=128 S=2k / 2k causal / 8k /
+#: 8k causal: 'nhr' 469 / 393 / 505 / 492 vs 'nh' 424 / 372 / 463 / 460 (+6-11 %; faster
+#: in every round but one outlier at 8k) and cuDNN 481 / 393 / 534 / 490 (0.95-1.00x):
+#: routed at D=128 (_BWD).  'z' is SLOWER (380 / 337 / 401 / 398: four times the bulk
+#: reduce-adds, 8 columns each, cost more than the conflicts they remove) and 'nhrz'
+#: too; D=64 S=4k causal 'nhr' 331 vs 'nh' 336 (0.99x): D=64 keeps 'nh' 
 WS_DQR_BWD_VARIANTS = {d: [dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=True),
                            dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], dq_swizzle=32),
                            dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=True,
@@ -406,7 +412,9 @@ WS_DQR_BWD_VARIANTS = {d: [dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=
 #: vs 326, so D=64 without a band keeps the previous route.  Its programs wait for each
 #: other's dQ turns: launch.backward_config keeps the previous route where a (batch, kv
 #: head) has more key tiles than half the SMs (HopperBwdConfig.dq)
-_BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQS_BWD_VARIANTS[128][0]}
+#: Session 11: D=128 runs 'nhr' ('nh' with the row statistics staged by the producer,
+#: WS_DQR_BWD_VARIANTS above), the same results bit for bit, 6-11 % faster
+_BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQR_BWD_VARIANTS[128][0]}
 #: (D, mask class) exceptions to _BWD.  Session 10 (helper "bm"): D=64 without a mask
 #: runs the transposed consumers with 128-row query tiles ('wdkdvq128x128s2nht'): H200
 #: 2026-12-04 12:40 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json, 3 rotated

@@ -94,7 +94,10 @@ COVERAGE = {
     # without a mask routed too, to 'wdkdvq128x128s2nht' (the transposed consumers, query
     # tiles of 128 rows; configs._BWD_BY_MASK): 1.08-1.14x the portable backward at S=2k
     # / 4k / 8k in every rotated round (H200 2026-12-04 12:40 UTC,
-    # docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json)
+    # docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json).  Session 11: D=128 runs 'nhr'
+    # ('nh' with the row statistics staged in shared memory by the producer; bitwise the
+    # same results), 1.06-1.11x 'nh' (H200 2026-12-04 14:41 UTC, docs/perf/hopper-bwd-
+    # h200-2026-12-04-s11.json)
     # Documents / KeepMask (session 9): the same kernels with the column range table,
     # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
     # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200

@@ -676,7 +676,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
             dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
                                                   split=False, lag=False,
-                                                  trans=False, bm=64))
+                                                  trans=False, bm=64, stats=False,
+                                                  dq_swizzle=128))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
