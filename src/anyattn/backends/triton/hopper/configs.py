@@ -401,6 +401,10 @@ WS_DQR_BWD_VARIANTS = {d: [dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=
                            dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=True,
                                                dq_swizzle=32)]
                        for d in (64, 128)}
+#: D=64: 'nhr' with a third Q / dO stage (the producer's statistics loads a stage
+#: further ahead; shared memory allows it at D=64 only)
+WS_DQR_BWD_VARIANTS[64] = WS_DQR_BWD_VARIANTS[64] + [
+    dataclasses.replace(WS_DQR_BWD_VARIANTS[64][0], stages=3)]
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a
