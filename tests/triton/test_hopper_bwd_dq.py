@@ -88,9 +88,12 @@ def test_staged_statistics_and_swizzle_configs_are_data():
     memory, 4 fp32 rows a stage) and 'z' (the dQ staging buffers swizzled at 32 bytes);
     both refused where they do not apply."""
     h = HCF.WS_DQS_BWD_VARIANTS[128][0]
-    r, z, rz = HCF.WS_DQR_BWD_VARIANTS[128]
-    assert (r.name, z.name, rz.name) == ("wdkdvq128x64s2nhr", "wdkdvq128x64s2nhz",
-                                         "wdkdvq128x64s2nhrz")
+    r, z, rz, rq = HCF.WS_DQR_BWD_VARIANTS[128]
+    assert (r.name, z.name, rz.name, rq.name) == (
+        "wdkdvq128x64s2nhr", "wdkdvq128x64s2nhz", "wdkdvq128x64s2nhrz", "wdkdvq128x64s2nhrq")
+    assert [c.name for c in HCF.WS_DQR_BWD_VARIANTS[64]][3:] == [
+        "wdkdvq128x64s3nhr", "wdkdvq128x64s2nhrq", "wdkdvq128x64s3nhrq"]
+    assert HCF.bwd_config(128) == r and HCF.bwd_config(64, "band").name == "wdkdvq128x64s3nhr"
     assert r.smem_bytes(128) == h.smem_bytes(128) + 16 * 2 * 64
     assert z.smem_bytes(128) == h.smem_bytes(128)
     for d in (64, 128):
@@ -104,10 +107,14 @@ def test_staged_statistics_and_swizzle_configs_are_data():
         dataclasses.replace(h, dq_swizzle=64)
     with pytest.raises(ValueError, match="dq_swizzle"):
         HCF.HopperBwdConfig(128, 64, 2, ws=True, dq_swizzle=32)
+    for bad in (dict(lag=True), dict(trans=True), dict(split=False)):
+        with pytest.raises(ValueError, match="dq_first"):
+            dataclasses.replace(h, dq_first=True, **bad)
 
 
 @needs_gluon
-@pytest.mark.parametrize("name", ["wdkdvq128x64s2nhr", "wdkdvq128x64s2nhrz"])
+@pytest.mark.parametrize("name", ["wdkdvq128x64s2nhr", "wdkdvq128x64s2nhrz",
+                                  "wdkdvq128x64s2nhrq"])
 def test_staged_statistics_compile_for_sm90a(name):
     """Offline sm_90a, D=128: 'nh''s 64 HGMMA; the consumers read the row statistics from
     shared memory (LDS) and load nothing from global memory in their loops (the

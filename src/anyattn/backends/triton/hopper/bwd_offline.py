@@ -76,13 +76,14 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
     sig = dict(zip(names, types + ["constexpr"] * len(vals)))
     consts = {(len(types) + i,): v for i, v in enumerate(vals)}
     fn = _ws_dq_kernel(cfg)
-    if cfg.stats:   # a constexpr further down the parameter list: the parameters before
-        # it at their defaults (None / False / 0, as a launch without ARRAY passes them)
-        for i in range(len(names), fn.arg_names.index("STATS")):
+    extra = {"STATS": cfg.stats, "DQ_FIRST": cfg.dq_first}
+    if any(extra.values()):   # constexprs further down the parameter list: the ones
+        # before them at their defaults (None / False / 0, as a launch without ARRAY
+        # passes them)
+        last = max(fn.arg_names.index(n) for n, v in extra.items() if v)
+        for i in range(len(names), last + 1):
             sig[fn.arg_names[i]] = "constexpr"
-            consts[(i,)] = fn.params[i].default
-        sig["STATS"] = "constexpr"
-        consts[(fn.arg_names.index("STATS"),)] = True
+            consts[(i,)] = extra.get(fn.arg_names[i], fn.params[i].default)
     src = GluonASTSource(fn, sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=4))
 

@@ -165,7 +165,8 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     rk_b=None, rk_h=None, IV=None, KID=None, siv_b=None, skid_b=None,
                     KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
                     ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                    HAS_KEEP: gl.constexpr = False, STATS: gl.constexpr = False):
+                    HAS_KEEP: gl.constexpr = False, STATS: gl.constexpr = False,
+                    DQ_FIRST: gl.constexpr = False):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
@@ -181,7 +182,9 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     ordered by (visiting step, j), ORDER unused), the edge tiles masked as in
     bwd_ws_kernel (IV ... skm_k: its arguments; None without ARRAY).  STATS (not with
     PREFETCH): the producer stages each tile's row statistics in shared memory beside its
-    Q / dO (bwd_ws_parts.producer), so no consumer waits on a global load."""
+    Q / dO (bwd_ws_parts.producer), so no consumer waits on a global load.  DQ_FIRST
+    (SPLIT without LAG): the consumers issue a tile's dQ products before its dK product
+    and stage dQ while dK runs (bwd_ws_parts.consumer)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -252,13 +255,13 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP, st_smem, STATS)),
+                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP, st_smem, STATS)),
+                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
                          s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
                          STATS)),
@@ -279,13 +282,13 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
                          PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
-                         st_smem, STATS)),
+                         st_smem, STATS, DQ_FIRST)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
                          PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
-                         st_smem, STATS)),
+                         st_smem, STATS, DQ_FIRST)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
                          s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
                          STATS)),

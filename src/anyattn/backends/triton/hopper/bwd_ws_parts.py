@@ -128,7 +128,7 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              SPLIT: gl.constexpr, LAG: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
              DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None,
-             STATS: gl.constexpr = False):
+             STATS: gl.constexpr = False, DQ_FIRST: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
     the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
     the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
@@ -136,7 +136,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP).
     STATS (not with PREFETCH): each tile's row statistics from the stage's slot of
     st_smem [4 * STAGES, BM] (rows 4 * stage + 0, 1, 2), stored there by the producer (no global load on the tile's
-    path)."""
+    path).  DQ_FIRST (SPLIT without LAG): each tile's dQ products issued before its dK
+    product, and only they waited before dQ is staged (dK runs meanwhile; the stage is
+    released once dK is done)."""
+    gl.static_assert(not DQ_FIRST or (SPLIT and not LAG), "DQ_FIRST: SPLIT without LAG")
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -243,7 +246,8 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         gl.thread_barrier()               # ... and dS
         if SPLIT:
             mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
-        dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)        # [RN, D]
+        if not DQ_FIRST:
+            dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)    # [RN, D]
         if WITH_DQ:
             if SPLIT:
                 if LAG:   # tile it - 1's partial (both halves stored: waited above)
@@ -257,10 +261,15 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
                 dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
             else:
                 dq = warpgroup_mma(ds_w, k2, zero_q, use_acc=False, is_async=True)    # [BM, D]
-            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
+            if DQ_FIRST:   # dK after the dQ products: the staging below runs beside it
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)  # [RN, D]
+                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))      # P free, dQ done
+            else:
+                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))          # P / dS / the stage free
-        mbarrier.arrive(empty.index(stg), count=1)
+        if not DQ_FIRST:
+            mbarrier.arrive(empty.index(stg), count=1)
         if WITH_DQ:
             # the staged partial (LAG: tile it - 1's column half) once the writer has read
             # the previous one ("dq empty"), then "dq full" (no helper function: its
@@ -278,6 +287,9 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
                 fence_async_shared()
                 gl.thread_barrier()       # the partition's 4 warps staged dQ_w
                 mbarrier.arrive(dq_full.index(WG), count=1)
+        if DQ_FIRST:
+            dk = warpgroup_mma_wait(0, deps=(dk,))                # dS / the stage free
+            mbarrier.arrive(empty.index(stg), count=1)
         if PREFETCH:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
             t = t_n

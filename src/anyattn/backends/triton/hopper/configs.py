@@ -246,6 +246,9 @@ class HopperBwdConfig:
     #: reduce-adds; 32 ('z') makes the consumers' 8-byte stores of the wgmma accumulator
     #: free of bank conflicts (128: two rows of each half-warp share banks)
     dq_swizzle: int = 128
+    #: split without lag or trans: a tile's dQ products issued before its dK product,
+    #: the dQ staging beside dK ('q')
+    dq_first: bool = False
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -279,6 +282,9 @@ class HopperBwdConfig:
                                                  and not (self.ws and self.dq)):
             raise ValueError(f"{self.name}: dq_swizzle is 128, or 32 for the "
                              "warp-specialised kernel with dq")
+        if self.dq_first and not (self.split and not self.lag and not self.trans):
+            raise ValueError(f"{self.name}: dq_first is an option of split without lag "
+                             "or trans")
         if self.pingpong and not (self.ws and not self.dq):
             raise ValueError(f"{self.name}: pingpong orders the warp-specialised dK/dV "
                              "kernel's consumers (ws=True, dq=False)")
@@ -294,7 +300,7 @@ class HopperBwdConfig:
                 f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
                 f"{'h' if self.split else ''}{'l' if self.lag else ''}"
                 f"{'t' if self.trans else ''}{'r' if self.stats else ''}"
-                f"{'z' if self.dq_swizzle == 32 else ''}")
+                f"{'z' if self.dq_swizzle == 32 else ''}{'q' if self.dq_first else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -405,6 +411,11 @@ WS_DQR_BWD_VARIANTS = {d: [dataclasses.replace(WS_DQS_BWD_VARIANTS[d][0], stats=
 #: further ahead; shared memory allows it at D=64 only)
 WS_DQR_BWD_VARIANTS[64] = WS_DQR_BWD_VARIANTS[64] + [
     dataclasses.replace(WS_DQR_BWD_VARIANTS[64][0], stages=3)]
+#: 'nhr' with the dQ products first ('q': dQ staged while dK runs), D -> (s2[, s3 at D=64])
+for _d in (64, 128):
+    WS_DQR_BWD_VARIANTS[_d] = WS_DQR_BWD_VARIANTS[_d] + [
+        dataclasses.replace(c, dq_first=True) for c in WS_DQR_BWD_VARIANTS[_d]
+        if c.stats and c.dq_swizzle == 128]
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a
@@ -427,7 +438,11 @@ _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQR_BWD_VARIANTS[128][0]}
 #: there), the ws dK/dV route 308 / 326 / 331, 'nht' 315 / 332 / 344, cuDNN 401 / 435 /
 #: 434 (0.84-0.88x).  Causal it ties or loses to 'nh' at 2k / 4k (290 / 335 vs 293 /
 #: 334; 8k 365 vs 333): the band keeps 'nh'
-_BWD_BY_MASK = {(64, "band"): WS_DQS_BWD_VARIANTS[64][0],
+#: Session 11: D=64 with a band runs 'nhr' with three stages ('wdkdvq128x64s3nhr'): H200
+#: 2026-12-04 14:47 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s11-d64b.json, 3 rotated
+#: rounds, every round faster), S=4k causal 347 vs 'nh' 335 (cuDNN 378); without a mask
+#: it ties the 128-row 'nht' (373 vs 367, 1.01x): that route stays
+_BWD_BY_MASK = {(64, "band"): WS_DQR_BWD_VARIANTS[64][3],
                 (64, "none"): WS_DQT_BWD_VARIANTS[64][1]}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its

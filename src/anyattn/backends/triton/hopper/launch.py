@@ -677,7 +677,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
                                                   split=False, lag=False,
                                                   trans=False, bm=64, stats=False,
-                                                  dq_swizzle=128))
+                                                  dq_swizzle=128, dq_first=False))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
@@ -785,7 +785,8 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
                               CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
                               CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
-                              num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}))
+                              num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}),
+                              **({"DQ_FIRST": True} if cfg.dq_first else {}))
         n = B * H * Sq * D
         dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
                                                   BLOCK=4096, num_warps=8)
