@@ -74,9 +74,10 @@ def _pool(D):
 
 def _by_names(D, names):
     """The pool's configs named in ``names`` ('default': configs.bwd_config(D)), in the
-    pool's order; an unknown name raises."""
+    pool's order; a name of another head dim's pool is skipped here, an unknown name
+    raises."""
     pool = _pool(D)
-    known = {c.name for c in pool} | {"default"}
+    known = {c.name for d in (64, 128) for c in _pool(d)} | {"default"}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown config names {bad}; known: {sorted(known)}")
