@@ -72,7 +72,8 @@ def test_ws_dq_configs_are_data():
     assert t128.smem_bytes(64) <= 227 * 1024
     with pytest.raises(ValueError, match="bm 64"):
         dataclasses.replace(t128, trans=False)
-    assert HCF.WS_DQT_BWD_VARIANTS[64] == [t, t128]
+    assert HCF.WS_DQT_BWD_VARIANTS[64] == [t, t128, dataclasses.replace(t, stats=True),
+                                           dataclasses.replace(t128, stats=True)]
     for d in (64, 128):
         assert HCF.WS_DQT_BWD_VARIANTS[d][0] == t
         assert HCF.WS_DQ_BWD_VARIANTS[d][1] in HCF.BWD_VARIANTS[d]   # the contract grid's
@@ -101,8 +102,11 @@ def test_staged_statistics_and_swizzle_configs_are_data():
             assert cfg.smem_bytes(d) <= 227 * 1024, cfg.name
     with pytest.raises(ValueError, match="stats"):
         dataclasses.replace(h, prefetch=True, stats=True)
-    with pytest.raises(ValueError, match="stats"):
-        dataclasses.replace(HCF.WS_DQT_BWD_VARIANTS[128][0], stats=True)
+    # the transposed consumers: one producer-staged copy instead of each consumer's two
+    tr = dataclasses.replace(HCF.WS_DQT_BWD_VARIANTS[128][0], stats=True)
+    assert tr.name == "wdkdvq128x64s2nhtr"
+    assert tr.smem_bytes(128) == HCF.WS_DQT_BWD_VARIANTS[128][0].smem_bytes(128) \
+        + 16 * 2 * 64 - 48 * 64
     with pytest.raises(ValueError, match="dq_swizzle"):
         dataclasses.replace(h, dq_swizzle=64)
     with pytest.raises(ValueError, match="dq_swizzle"):
@@ -239,7 +243,7 @@ def test_ws_dq_against_float64(D, case):
     cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D] + HCF.WS_DQR_BWD_VARIANTS[D]
     if which == "all":
         cfgs = HCF.WS_DQ_BWD_VARIANTS[D] + cfgs
-    nh = {}       # 'nh''s results by order: 'r' / 'z' must give the same bits
+    nh = {}       # (config name, order) -> the results of each base config
     for cfg in cfgs:
         for order in (1, 0):
             runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
@@ -247,11 +251,14 @@ def test_ws_dq_against_float64(D, case):
             for i, n in enumerate(("dq", "dk", "dv")):
                 assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
                 assert_close(runs[0][i], getattr(rg, n), dt, f"{n} {cfg.name} order {order}")
-            if cfg == HCF.WS_DQS_BWD_VARIANTS[D][0]:
-                nh[order] = runs[0]
-            elif cfg in HCF.WS_DQR_BWD_VARIANTS[D]:
+            base = dataclasses.replace(cfg, stats=False, dq_swizzle=128, dq_first=False,
+                                       stages=2)
+            if cfg == base:
+                nh[(cfg.name, order)] = runs[0]
+            else:   # 'r' / 'z' / 'q' / 3 stages: the same bits as the config without them
                 for i, n in enumerate(("dq", "dk", "dv")):
-                    assert torch.equal(runs[0][i], nh[order][i]), f"{n} {cfg.name} != 'nh'"
+                    assert torch.equal(runs[0][i], nh[(base.name, order)][i]), \
+                        f"{n} {cfg.name} != {base.name}"
         if which == "split":   # dk / dv alone (want_dq=False)
             none, dk, dv = HL.backward_fused(p, q, k, v, dout, l2, delta, cfg=cfg,
                                              want_dq=False)

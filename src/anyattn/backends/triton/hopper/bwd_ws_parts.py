@@ -46,14 +46,16 @@ def row_stats(L2, DELTA, bh, t, Sq, offs_mb, BM: gl.constexpr):
 @gluon.jit
 def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0, n_div,
              off, n_tot, STAGES: gl.constexpr, BM: gl.constexpr, st_smem=None, L2=None,
-             DELTA=None, H=0, Sq=0, STATS: gl.constexpr = False):
+             DELTA=None, H=0, Sq=0, STATS: gl.constexpr = False, FOLD: gl.constexpr = False):
     """Q and dO of tile it into stage it % STAGES once both consumers released that
     stage's previous tile (the first pass waits on the phase before init: free).
     STATS: the tile's row statistics too (max, log2(e) * log_norm, delta: row_stats'
     values, padding included) into rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM]
     fp32, stored before the stage's
     Q barrier is armed (its arrive releases them); each tile's loads are issued a tile
-    ahead, so their latency hides behind the wait for the stage."""
+    ahead, so their latency hides behind the wait for the stage.  FOLD (the transposed
+    consumers' 128-row tiles): row 0 holds the one exponent offset max * log2(e) +
+    log2(e) * log_norm, row 1 is not written."""
     if STATS:
         st_l: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])       # [BM], 1 warp
         offs = gl.arange(0, BM, layout=st_l)
@@ -64,8 +66,11 @@ def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s
         h, t = tile_of(it, hk, G, s0, n_div, off)
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
         if STATS:
-            st_smem.index(4 * st).store(mx)                                      # [BM]
-            st_smem.index(4 * st + 1).store(ln2)
+            if FOLD:
+                st_smem.index(4 * st).store(mx * LOG2E + ln2)                    # [BM]
+            else:
+                st_smem.index(4 * st).store(mx)                                  # [BM]
+                st_smem.index(4 * st + 1).store(ln2)
             st_smem.index(4 * st + 2).store(dlt)
             gl.thread_barrier()           # the warp's stores before the arrive below
             h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)

@@ -42,11 +42,13 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                       CT=None, ct_b=None, ct_h=None, RK=None, rk_b=None, rk_h=None, IV=None,
                       KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
                       skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
-                      DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
+                      DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False,
+                      STATS: gl.constexpr = False):
     """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv); only its
     SPLIT form without LAG, one accumulator (CHAINS 1), no array masks (ARRAY: CT ...
     HAS_KEEP): the others fail to compile.  dqa_desc: fp32 DQA [B * H, Sq, D] blocks
-    [1, BM, D / 2]; DIAG (timing only): the writer makes no adds."""
+    [1, BM, D / 2]; DIAG (timing only): the writer makes no adds.  STATS (not with
+    PREFETCH): the producer stages the queries' statistics (bwd_ws_t_parts.consumer_t)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(not ARRAY, "array masks (Documents / KeepMask) are not implemented "
                      "in the transposed consumers")
@@ -77,9 +79,14 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     # log_norm, delta, each [2 * consumer + parity, BM] (three buffers: the stores of a
     # tile need no barrier between them)
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    stats = (gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
-             gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
-             gl.allocate_shared_memory(gl.float32, [4, BM], st_sl))
+    if STATS:   # the producer's copy instead: rows 4 * stage + (0, 1, 2), [BM] each
+        st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
+        stats = (st_smem, st_smem, st_smem)     # (not read with STATS)
+    else:
+        stats = (gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
+                 gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
+                 gl.allocate_shared_memory(gl.float32, [4, BM], st_sl))
+        st_smem = dqs       # not read without STATS (a partition's tuple takes no None)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -109,13 +116,16 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
         [(consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, st_smem,
+                       STATS)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, st_smem,
+                       STATS)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                     n_div, off, n_tot, STAGES, BM)),
+                     n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, STATS,
+                     BM > 64)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
                     n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG,
                     SPLIT))],

@@ -47,7 +47,7 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
                dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
                hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
                HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-               PREFETCH: gl.constexpr):
+               PREFETCH: gl.constexpr, st_smem=None, STATS: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
     the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
     through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
@@ -57,7 +57,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     PREFETCH: the next tile's loaded into registers under the current tile; else staged
     through shared memory a tile ahead (3 registers a thread in a compact layout, stored
     before the tile's last warpgroup barrier) and read where used (max / log_norm before
-    the exponentials, delta before dS^T), so that no global load is on a tile's path."""
+    the exponentials, delta before dS^T), so that no global load is on a tile's path.
+    STATS (not with PREFETCH): the producer stages them instead, one copy for both
+    consumers in rows 4 * stage + (0, 1, 2) of st_smem [4 * STAGES, BM]
+    (bwd_ws_parts.producer with FOLD = BM > 64); ``stats`` is then not used."""
+    gl.static_assert(not (STATS and PREFETCH), "STATS replaces PREFETCH's loads")
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -101,7 +105,7 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     h, t = tile_of(0, hk, G, s0, n_div, off)
     if PREFETCH:
         mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
-    else:   # tile 0's statistics into this consumer's slot 0
+    elif not STATS:   # tile 0's statistics into this consumer's slot 0
         cmx, cln, cdl = row_stats(L2, DELTA, b * H + h, t, Sq, offs_c, BM)     # [BM]
         if FOLD:
             stats[0].index(2 * WG).store(cmx * LOG2E + cln)
@@ -118,8 +122,17 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         offs_m = t * BM + offs_mb                                                # [BM]
         sl = it & 1
         h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
-        if not PREFETCH:  # the next tile's statistics (the last tile's again at the end)
+        if not (PREFETCH or STATS):  # the next tile's statistics (the last tile's again
+            # at the end)
             cmx, cln, cdl = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_c, BM)
+        if STATS:   # this tile's rows of the producer's copy
+            smx = st_smem.index(4 * stg)
+            sln = st_smem.index(4 * stg + 1)
+            sdl = st_smem.index(4 * stg + 2)
+        else:       # this consumer's slot
+            smx = stats[0].index(2 * WG + sl)
+            sln = stats[1].index(2 * WG + sl)
+            sdl = stats[2].index(2 * WG + sl)
         q2 = q_smem.index(stg).reshape([BM, D])                                  # [BM, D]
         do2 = do_smem.index(stg).reshape([BM, D])
         mbarrier.wait(q_bar.index(stg), ph)
@@ -128,7 +141,7 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         mbarrier.wait(do_bar.index(stg), ph)
         if FOLD:   # dP^T - delta[q]: the accumulator starts at -delta (no [BM] vector
             # live beside P^T, dP^T and P^T's bf16 / fp16 copy)
-            ndl = zero_s - stats[2].index(2 * WG + sl).load(qry_s)[None, :]     # [RN, BM]
+            ndl = zero_s - sdl.load(qry_s)[None, :]                              # [RN, BM]
             dpt = warpgroup_mma(v2, do2.permute((1, 0)), ndl, is_async=True)   # [RN, BM]
         else:
             dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
@@ -137,13 +150,13 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
             mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
         if FOLD:           # this tile's exponent offsets from shared memory
-            cq = stats[0].index(2 * WG + sl).load(qry_s)                         # [BM]
+            cq = smx.load(qry_s)                                                 # [BM]
             st = gl.fma(st, scale, 0.0)   # S^T * scale, as below (then one fma)
             pt = gl.exp2(st * LOG2E - cq[None, :])                               # [RN, BM]
         else:
             if not PREFETCH:   # this tile's max and log_norm from shared memory
-                mx = stats[0].index(2 * WG + sl).load(qry_s)                     # [BM]
-                ln2 = stats[1].index(2 * WG + sl).load(qry_s)
+                mx = smx.load(qry_s)                                             # [BM]
+                ln2 = sln.load(qry_s)
             st = gl.fma(st, scale, 0.0)   # (an fma: never contracted into the next line)
             pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])              # [RN, BM]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
@@ -157,7 +170,7 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
         if not PREFETCH:   # ... and delta, once the max and log_norm are dead
             if not FOLD:
-                dlt = stats[2].index(2 * WG + sl).load(qry_s)                    # [BM]
+                dlt = sdl.load(qry_s)                                            # [BM]
         dpt = warpgroup_mma_wait(1, deps=(dpt,))                                 # [RN, BM]
         if FOLD:
             dst = (pt * dpt).to(dt)                                              # [RN, BM]
@@ -182,8 +195,8 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         # empty"), then "dq full" (inline: a helper's scope splits ptxas's regions)
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
         dq_own.store(dq)
-        if not PREFETCH:  # the next tile's statistics into the other slot (its last
-            # readers, tile it - 1, are past this tile's barriers)
+        if not (PREFETCH or STATS):  # the next tile's statistics into the other slot
+            # (its last readers, tile it - 1, are past this tile's barriers)
             if FOLD:
                 stats[0].index(2 * WG + 1 - sl).store(cmx * LOG2E + cln)
             else:

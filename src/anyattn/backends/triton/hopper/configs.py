@@ -238,9 +238,9 @@ class HopperBwdConfig:
     #: split: the consumers compute S^T / dP^T (keys as the wgmma rows) so that P^T and
     #: dS^T stay in registers as the A operand of dV / dK ('t'; bwd_ws_t_kernel)
     trans: bool = False
-    #: ws with dq, not prefetch, not trans: the producer stages each tile's row
-    #: statistics in shared memory beside Q / dO ('r'; no global load on a consumer's
-    #: tile path)
+    #: ws with dq, not prefetch: the producer stages each tile's row statistics in
+    #: shared memory beside Q / dO ('r'; no global load on a consumer's tile path; with
+    #: trans one copy replaces the consumers' own staging)
     stats: bool = False
     #: ws with dq: the swizzle (bytes) of the fp32 dQ staging buffers and their bulk
     #: reduce-adds; 32 ('z') makes the consumers' 8-byte stores of the wgmma accumulator
@@ -275,9 +275,9 @@ class HopperBwdConfig:
             raise ValueError(f"{self.name}: lag is an option of split")
         if self.trans and not (self.split and not self.lag):
             raise ValueError(f"{self.name}: trans is an option of split without lag")
-        if self.stats and not (self.ws and self.dq and not self.prefetch and not self.trans):
+        if self.stats and not (self.ws and self.dq and not self.prefetch):
             raise ValueError(f"{self.name}: stats is an option of the warp-specialised "
-                             "kernel with dq, without prefetch or trans")
+                             "kernel with dq, without prefetch")
         if self.dq_swizzle not in (32, 128) or (self.dq_swizzle != 128
                                                  and not (self.ws and self.dq)):
             raise ValueError(f"{self.name}: dq_swizzle is 128, or 32 for the "
@@ -312,6 +312,7 @@ class HopperBwdConfig:
         # trans: no P buffers; the statistics staged (3 x 4 x bm fp32)
         extra -= elem * self.bm * self.bn - 48 * self.bm if self.trans else 0
         extra += 16 * self.stages * self.bm if self.stats else 0   # 4 fp32 a row a stage
+        extra -= 48 * self.bm if self.stats and self.trans else 0  # not the consumers' copies
         return elem * d * (2 * self.bn + 2 * self.stages * self.bm) + extra
 
 
@@ -389,6 +390,11 @@ WS_DQT_BWD_VARIANTS = {d: [HopperBwdConfig(128, 64, 2, ws=True, dq=True, prefetc
 #: the transposed backward with 128-row query tiles"
 WS_DQT_BWD_VARIANTS[64] = WS_DQT_BWD_VARIANTS[64] + [
     HopperBwdConfig(128, 128, 2, ws=True, dq=True, prefetch=False, split=True, trans=True)]
+#: session 11: the transposed consumers with the producer staging the queries' statistics
+#: ('r', one copy for both consumers), D -> [64-row tiles (, 128-row at D=64)]
+for _d in (64, 128):
+    WS_DQT_BWD_VARIANTS[_d] = WS_DQT_BWD_VARIANTS[_d] + [
+        dataclasses.replace(c, stats=True) for c in WS_DQT_BWD_VARIANTS[_d]]
 
 #: session 11: 'nh' with the row statistics staged in shared memory by the producer ('r':
 #: no global load on a consumer's tile path; the Nsight Compute profile of 'nh' at D=128
