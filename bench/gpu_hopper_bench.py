@@ -502,7 +502,8 @@ def phase_sass():
             log(f"sass D={D} band={band}: {cnt}")
         for band, cfg in [(False, None), (True, None)] + [(True, c_) for c_ in HCF.BWD_VARIANTS[D]]:
             t = time.time()
-            c = OFF.compile_dkdv("bfloat16", D, band, cfg)
+            from anyattn.backends.triton.hopper.bwd_offline import compile_any
+            c = compile_any(cfg or HCF.bwd_config(D), "bfloat16", D, band)
             cnt = OFF.instruction_counts(c)
             cnt["sass_DEPBAR"] = OFF.sass_of(c.asm["cubin"]).count("WARPGROUP.DEPBAR")
             cnt.update(D=D, band=band, kernel="dkdv", cfg=(cfg or HCF.bwd_config(D)).name,

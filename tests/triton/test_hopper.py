@@ -105,8 +105,8 @@ def test_backward_routes_d128_and_d64_bands(monkeypatch):
 def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
     """The dQ-inside config (its programs wait for each other's add turns) is the route
     while a (batch, kv head)'s key tiles are at most half the SMs; past that the
-    dK/dV-only config (portable dQ, no waits) is; D=64 without a band too (since
-    session 10: the transposed consumers with 128-row query tiles)."""
+    dK/dV-only config (portable dQ, no waits) is; D=64 too (the transposed consumers
+    with 128-row query tiles: without a band since session 10, with one since 11)."""
     from anyattn.backends.triton.hopper import configs as HCF
 
     monkeypatch.setitem(HL._SMS, "cuda:0", 132)
@@ -122,7 +122,7 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
         assert cfg.ws and cfg.dq is dq, (d, mask, sk, cfg.name)
         if dq:
             assert cfg == HCF.bwd_config(d, p.mask_class) and cfg.split
-            assert cfg.bm == (128 if (d, mask) == (64, None) else 64), cfg.name
+            assert cfg.bm == (128 if d == 64 else 64), cfg.name
         else:
             assert cfg == HCF.bwd_config_dkdv_only(d)
 

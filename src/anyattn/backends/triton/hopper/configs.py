@@ -174,7 +174,14 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: 9: D=64's band config (_FWD_BY_MASK; sm_90a offline: 48 HGMMA, no STL / LDL, 168
 #: registers, 131.5 KB shared, band or not).  D=128's scheduled walk at S=2k / 8k (H200
 #: 2026-12-04 09:55 UTC, bf16 and fp16): +2-3 % at S=2k, -1 to +1 % at 8k, passes mixed
-#: with the per-tile default's: not routed
+#: with the per-tile default's: not routed.  Session 11 in device time (H200 2026-12-04
+#: 15:22 UTC, docs/perf/hopper-fwd-h200-2026-12-04-s11-graph.json, CUDA-graph replays, 3
+#: rotated rounds, bf16, outputs bitwise the per-tile kernel's): 570 / 458 / 594 / 524 /
+#: 610 / 559 TFLOP/s at S=2k / 2k causal / 4k / 4k causal / 8k / 8k causal vs the routed
+#: per-tile 558 / 442 / 586 / 507 / 605 / 558 (faster in every round but at 8k causal, a
+#: tie) and cuDNN 567 / 455 / 584 / 496 / 594 / 530.  Not routed yet: the host-side tests
+#: of the forward launch (test_hopper_host.py) and the array-mask compile tests assume the
+#: per-tile kernel, and no device time was left to re-run the GPU suite on a new route
 #: Session 10: D=64 with three consumers (bm 192, 160 registers: the per-tile D=64
 #: no-mask default's loop) persistent on the schedule, FA3's hdim-64 query tile.  H200
 #: 2026-12-04 ~11:58 UTC (docs/perf/hopper-fwd-h200-2026-12-04-s10-lead1.json, bf16
@@ -448,8 +455,13 @@ _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQR_BWD_VARIANTS[128][0]}
 #: 2026-12-04 14:47 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s11-d64b.json, 3 rotated
 #: rounds, every round faster), S=4k causal 347 vs 'nh' 335 (cuDNN 378); without a mask
 #: it ties the 128-row 'nht' (373 vs 367, 1.01x): that route stays
-_BWD_BY_MASK = {(64, "band"): WS_DQR_BWD_VARIANTS[64][3],
-                (64, "none"): WS_DQT_BWD_VARIANTS[64][1]}
+#: Later in session 11: D=64 runs the transposed consumers with 128-row tiles and the
+#: producer-staged statistics ('wdkdvq128x128s2nhtr', WS_DQT_BWD_VARIANTS[64][3]), with a
+#: band or without: H200 2026-12-04 15:21 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s11-
+#: tr-d64.json, 3 rotated rounds, every round faster, bitwise 'nht''s results), S=4k 413
+#: vs 'nht' 368, causal 363 vs 'nhr' s3 342 (cuDNN 428 / 375)
+_BWD_BY_MASK = {(64, "band"): WS_DQT_BWD_VARIANTS[64][3],
+                (64, "none"): WS_DQT_BWD_VARIANTS[64][3]}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,

@@ -106,7 +106,10 @@ def compile_dkdv(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, 
     from .bwd_kernel import dkdv_kernel
     from .launch import make_desc
 
-    cfg = cfg or HC.bwd_config(D)
+    cfg = cfg or HC.dkdv_config(D)
+    if cfg.ws:
+        raise ValueError(f"{cfg.name}: a warp-specialised config; bwd_offline.compile_any "
+                         "compiles those")
     tdt = getattr(torch, dtype)
     x = torch.empty((2, 2, 256, D), dtype=tdt)
     qd = mangle_type(make_desc(x, cfg.bm))
