@@ -97,7 +97,9 @@ COVERAGE = {
     # docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json).  Session 11: D=128 runs 'nhr'
     # ('nh' with the row statistics staged in shared memory by the producer; bitwise the
     # same results), 1.06-1.11x 'nh' (H200 2026-12-04 14:41 UTC, docs/perf/hopper-bwd-
-    # h200-2026-12-04-s11.json)
+    # h200-2026-12-04-s11.json); D=64, with a band or without, the 128-row transposed
+    # consumers with the statistics staged the same way ('wdkdvq128x128s2nhtr'), 1.12x /
+    # 1.06x the previous routes at S=4k / 4k causal (15:21 UTC, ...-s11-tr-d64.json)
     # Documents / KeepMask (session 9): the same kernels with the column range table,
     # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
     # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200
