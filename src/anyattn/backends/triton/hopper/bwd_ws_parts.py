@@ -51,9 +51,9 @@ def producer(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s
     stage's previous tile (the first pass waits on the phase before init: free).
     STATS: the tile's row statistics too (max, log2(e) * log_norm, delta: row_stats'
     values, padding included) into rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM]
-    fp32, stored before the stage's
-    Q barrier is armed (its arrive releases them); each tile's loads are issued a tile
-    ahead, so their latency hides behind the wait for the stage.  FOLD (the transposed
+    fp32, stored before the stage's Q barrier is armed (its arrive releases them); each
+    tile's loads are issued a tile ahead, so their latency hides behind the wait for the
+    stage.  FOLD (the transposed
     consumers' 128-row tiles): row 0 holds the one exponent offset max * log2(e) +
     log2(e) * log_norm, row 1 is not written."""
     if STATS:
@@ -139,9 +139,9 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
     dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None.  ARRAY:
     the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP).
-    STATS (not with PREFETCH): each tile's row statistics from the stage's slot of
-    st_smem [4 * STAGES, BM] (rows 4 * stage + 0, 1, 2), stored there by the producer (no global load on the tile's
-    path).  DQ_FIRST (SPLIT without LAG): each tile's dQ products issued before its dK
+    STATS (not with PREFETCH): each tile's row statistics from the stage's rows 4 * stage
+    + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer (no global load
+    on the tile's path).  DQ_FIRST (SPLIT without LAG): each tile's dQ products issued before its dK
     product, and only they waited before dQ is staged (dK runs meanwhile; the stage is
     released once dK is done)."""
     gl.static_assert(not DQ_FIRST or (SPLIT and not LAG), "DQ_FIRST: SPLIT without LAG")
