@@ -23,7 +23,7 @@ from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 
 from helpers import assert_close  # noqa: E402
 
-from tr_util import bwd_gpu_inputs, needs_gluon, needs_sm90  # noqa: E402
+from tr_util import bwd_gpu_inputs, needs_gluon, needs_sm90, offline_facts  # noqa: E402
 
 
 def test_ws_dq_configs_are_data():
@@ -125,14 +125,11 @@ def test_staged_statistics_compile_for_sm90a(name):
     """Offline sm_90a, D=128: 'nh''s 64 HGMMA; the consumers read the row statistics from
     shared memory (LDS) and load nothing from global memory in their loops (the
     producer's loop does: its LDG); 'z' issues 8-column reduce-adds (16 UTMAREDG, 'nh' 4)."""
-    from anyattn.backends.triton.hopper import bwd_offline as BO
-    from anyattn.backends.triton.hopper.offline import sass_of
-
     cfg = next(c for c in HCF.WS_DQR_BWD_VARIANTS[128] if c.name == name)
-    c = BO.compile_dkdvq_ws("bfloat16", 128, False, cfg)
-    f = BO.ws_facts(c)
-    assert c.metadata.shared <= cfg.smem_bytes(128) + 1024, c.metadata.shared
-    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    f = offline_facts("BO.compile_dkdvq_ws('bfloat16', 128, False, cfg)",
+                      f"cfg = next(c for c in HCF.WS_DQR_BWD_VARIANTS[128] if c.name == {name!r})")
+    assert f["shared"] <= cfg.smem_bytes(128) + 1024, f["shared"]
+    sass = f["sass"]
     if not sass:
         return
     assert f["sass_HGMMA"] == 64 and f["sass_HMMA"] == 0, f
@@ -167,15 +164,10 @@ def test_ws_dq_compiles_for_sm90a():
     40 HGMMA; the writer's bulk reduce-adds (UTMAREDG); setmaxnreg; no HMMA fallback; the
     shared memory of the four staged buffers within 227 KB; few spills (8 stack bytes at
     D=64 with a band, 2026-12-04)."""
-    from anyattn.backends.triton.hopper import bwd_offline as BO
-    from anyattn.backends.triton.hopper.offline import sass_of
-
-    cfg = HCF.WS_DQ_BWD_VARIANTS[64][1]
-    c = BO.compile_dkdvq_ws("bfloat16", 64, True, cfg)
-    f = BO.ws_facts(c)
+    f = offline_facts("BO.compile_dkdvq_ws('bfloat16', 64, True, HCF.WS_DQ_BWD_VARIANTS[64][1])")
     assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
-    assert c.metadata.shared <= 227 * 1024, c.metadata.shared
-    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    assert f["shared"] <= 227 * 1024, f["shared"]
+    sass = f["sass"]
     if sass:
         assert f["sass_HGMMA"] == 40 and f["sass_HMMA"] == 0, f
         assert re.search(r"\bUTMAREDG", sass), "no bulk reduce-add"
@@ -196,16 +188,14 @@ def test_ws_dq_split_compiles_for_sm90a(D, band, name, hgmma, stack):
     memory as configs.smem_bytes says (2026-12-04: 'nh' 213,536 B at D=128 vs the
     two-partial kernel's 229,896; 'nht' 200,256); no spills at D=64, few at D=128 (104 /
     160 stack bytes; 'nht' 120-136)."""
-    from anyattn.backends.triton.hopper import bwd_offline as BO
-    from anyattn.backends.triton.hopper.offline import sass_of
-
     cfg = next(c for c in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
                if c.name == name)
-    c = BO.compile_dkdvq_ws("bfloat16", D, band, cfg)
-    f = BO.ws_facts(c)
+    f = offline_facts(f"BO.compile_dkdvq_ws('bfloat16', {D}, {band}, cfg)",
+                      f"cfg = next(c for c in HCF.WS_DQS_BWD_VARIANTS[{D}] + "
+                      f"HCF.WS_DQT_BWD_VARIANTS[{D}] if c.name == {name!r})")
     assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
-    assert c.metadata.shared <= cfg.smem_bytes(D) + 1024, (c.metadata.shared, cfg.smem_bytes(D))
-    sass = sass_of(c.asm["cubin"]) if "cubin" in c.asm else ""
+    assert f["shared"] <= cfg.smem_bytes(D) + 1024, (f["shared"], cfg.smem_bytes(D))
+    sass = f["sass"]
     if sass:
         assert f["sass_HGMMA"] == hgmma and f["sass_HMMA"] == 0, f
         assert re.search(r"\bUTMAREDG", sass), "no bulk reduce-add"

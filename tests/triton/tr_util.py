@@ -17,7 +17,8 @@ from anyattn.backends.registry import unavailable_reason  # noqa: E402
 from helpers import torch_on  # noqa: E402
 
 __all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
-           "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs"]
+           "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs",
+           "offline_facts"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -111,3 +112,37 @@ def bwd_gpu_inputs(q, k, v, mask, gen):
     mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
     l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
     return p, dout, l2, delta, rg
+
+
+def offline_facts(call: str, setup: str = "", timeout: int = 600) -> dict:
+    """Compile ``call`` (a Python expression giving a CompiledKernel for sm_90a, e.g.
+    ``BO.compile_dkdvq_ws('bfloat16', 128, False, cfg)`` after ``setup`` statements) in a
+    fresh interpreter WITHOUT TRITON_INTERPRET -> bwd_offline.ws_facts plus ``shared``
+    (bytes) and ``sass`` (text, '' where cuobjdump is missing).  tests/conftest.py sets
+    TRITON_INTERPRET=1 where no GPU is present; Gluon kernels compiled inside that
+    process, after the interpreted suite, failed in 3 of 5 fresh-clone runs ("'ir.value'
+    object has no attribute 'dtype'" in bwd_kernel.key_tile_program), never alone —
+    test_hopper.py's compile tests have always used a child process for that reason."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [here, os.path.dirname(here), os.path.join(os.path.dirname(os.path.dirname(here)), "src"),
+         env.get("PYTHONPATH", "")])
+    code = ("import json\n"
+            "from anyattn.backends.triton.hopper import bwd_offline as BO, configs as HCF\n"
+            "from anyattn.backends.triton.hopper.offline import sass_of\n"
+            f"{setup}\n"
+            f"c = {call}\n"
+            "f = dict(BO.ws_facts(c), shared=c.metadata.shared,\n"
+            "         sass=sass_of(c.asm['cubin']) if 'cubin' in c.asm else '')\n"
+            "print('FACTS' + json.dumps(f, default=str))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=timeout, cwd=here)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("FACTS")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("FACTS"):])
