@@ -496,7 +496,9 @@ def phase_sass():
             t = time.time()
             c = OFF.compile_fwd("bfloat16", D, band, cfg)
             cnt = OFF.instruction_counts(c)
-            cnt.update(D=D, band=band, kernel="fwd", cfg=vname(cfg or HCF.fwd_config(D)),
+            # cfg None: compile_fwd's default, the route of the mask class
+            dflt = HCF.fwd_config(D, "bfloat16", "band" if band else "none")
+            cnt.update(D=D, band=band, kernel="fwd", cfg=vname(cfg or dflt),
                        compile_s=round(time.time() - t, 1))
             RES["sass"].append(cnt)
             log(f"sass D={D} band={band}: {cnt}")

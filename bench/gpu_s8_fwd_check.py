@@ -104,7 +104,10 @@ def check(name, cfgs, B, H, Hkv, Sq, Sk, D, dt, kind, against_default=False):
     mask, keep = mask_and_keep(kind, Sq, Sk, "cuda")
     p = describe(q, k, v, mask=mask)
     ro, rl = ref64(q, k, v, keep, p.scale)
-    base = run(p, q, k, v, HCF.fwd_config(D, dt)) if against_default else None
+    # the per-tile default (since session 12 the D=128 band / no-mask route is the
+    # persistent FWD_PERSIST_SCHED itself: its per-tile twin, _FWD[128])
+    base = (run(p, q, k, v, HCF.fwd_config(D, dt).per_tile()) if against_default
+            else None)
     for cfg in cfgs:
         a, b2 = run(p, q, k, v, cfg), run(p, q, k, v, cfg)
         lse = a[1] + a[2]

@@ -158,6 +158,25 @@ def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
         TL._use_hopper(p, "forward", None, ())
 
 
+def test_d128_forward_routes_the_scheduled_persistent_kernel_without_a_mask_and_with_a_band():
+    """D=128 (session 12, configs._FWD_BY_MASK): no mask or a band -> the persistent
+    kernel on the host-built schedule (FWD_PERSIST_SCHED, 'ws128x128s2opfPg'; H200
+    device time 1-3 % over the per-tile kernel at 5 of 6 shapes, bitwise its results);
+    the array mask classes (the schedule takes band masks only) -> the per-tile kernel of
+    the same loop (_FWD[128], 'ws128x128s2opf'); bf16 and fp16 alike."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    for dt in ("bfloat16", "float16"):
+        for mc in ("none", "band"):
+            cfg = HCF.fwd_config(128, dt, mc)
+            assert cfg == HCF.FWD_PERSIST_SCHED and cfg.name == "ws128x128s2opfPg", (dt, mc)
+        for mc in ("documents", "keep", "band+documents", "band+keep", "documents+keep",
+                   "band+documents+keep"):
+            cfg = HCF.fwd_config(128, dt, mc)
+            assert cfg == HCF.FWD_PERSIST_SCHED.per_tile() and not cfg.persist, (dt, mc)
+            assert cfg.name == "ws128x128s2opf"
+
+
 def test_backward_configs_are_data():
     """Backward configs: names as the bench and LOG use them; dq only through the fused
     kernel; every default and variant within the shared memory of an H100 / H200."""
@@ -257,14 +276,18 @@ def test_forward_config_rejects_inconsistent_schedules():
 
 def test_fp16_and_bf16_share_the_d128_forward_default():
     """fp16 runs the warp-specialised default too (checked in fp16 on every mask kind on
-    the H200, session 6); every forward default and variant fits an H100 / H200's shared
-    memory."""
+    the H200, session 6); every forward default (each mask class's route), variant and
+    persistent variant fits an H100 / H200's shared memory."""
     from anyattn.backends.triton.hopper import configs as HCF
 
-    assert HCF.fwd_config(128, "float16") == HCF.fwd_config(128, "bfloat16")
-    assert HCF.fwd_config(128, "float16").ws
+    classes = ("none", "band", "documents", "band+keep")
+    for mc in classes:
+        assert HCF.fwd_config(128, "float16", mc) == HCF.fwd_config(128, "bfloat16", mc)
+        assert HCF.fwd_config(128, "float16", mc).ws
     for d in (64, 128):
-        for c in [HCF.fwd_config(d)] + HCF.FWD_VARIANTS[d]:
+        routed = [HCF.fwd_config(d, dt, mc) for dt in ("bfloat16", "float16")
+                  for mc in classes]
+        for c in routed + HCF.FWD_VARIANTS[d] + HCF.FWD_PERSIST_VARIANTS[d]:
             assert c.smem_bytes(d) <= 227 * 1024, c.name
 
 

@@ -90,7 +90,8 @@ def test_kernel_walk_over_mask_arrays_matches_float64(name):
     k = torch.randn(B, Hkv, Sk, 8, generator=g, dtype=torch.float64)
     v = torch.randn(B, Hkv, Sk, 8, generator=g, dtype=torch.float64)
     p = describe(q, k, v, mask=mask)
-    cfg = HCF.fwd_config(128)
+    cfg = HCF.fwd_config(128, "bfloat16", p.mask_class)   # the array masks' route
+    assert not cfg.persist, cfg.name
     marr = HL.mask_arrays(p, q, cfg)
     assert marr[-1] == docs_mode
     got = _walk(p, q, k, v, marr, cfg.bm, cfg.bn, p.scale)
@@ -108,7 +109,7 @@ def test_walk_catches_a_table_one_tile_too_wide():
     q, k, v = (torch.randn(B, h, s, 8, generator=g, dtype=torch.float64)
                for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
     p = describe(q, k, v, mask=mask)
-    marr = list(HL.mask_arrays(p, q, HCF.fwd_config(128)))
+    marr = list(HL.mask_arrays(p, q, HCF.fwd_config(128, "bfloat16", p.mask_class)))
     rt = marr[0].clone().view(-1, 4)
     row = int(torch.nonzero((rt[:, 2] > rt[:, 1]) & (rt[:, 2] < rt[:, 3]))[0])
     rt[row, 2] += 1
@@ -153,9 +154,11 @@ def test_non_ws_config_refuses_array_masks():
                                                    (1, False, False, True),
                                                    (0, True, True, True)])
 def test_compiles_for_sm90a(docs, keep, band, spills):
-    """The default forward with array masks compiles for sm_90a with its HGMMA / UTMALDG;
-    document intervals (DOCS 2) add no local memory; the per-key id / keep loads do
-    (spills on the masked edge tiles: correct, slower)."""
+    """The default forward with array masks (offline.compile_fwd's default: the route of
+    the mask class, the per-tile ws128x128s2opf: 6 UTMALDG, the persistent kernel has 8)
+    compiles for sm_90a with its HGMMA / UTMALDG; document intervals (DOCS 2) add no
+    local memory; the per-key id / keep loads do (spills on the masked edge tiles:
+    correct, slower)."""
     from test_hopper import _compile_counts
 
     n = _compile_counts(f"O.compile_fwd('bfloat16', 128, {band}, docs={docs}, keep={keep})")
@@ -239,7 +242,10 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     """The persistent forward with more query tiles (H=64: 5 x 64 = 320) than programs
     (one per SM), so every program walks two or three tiles of different key-loop
     lengths: out within tolerance of float64, every element written, bitwise repeatable,
-    and bitwise equal to the per-tile default kernel (the same loop per row)."""
+    and bitwise equal to the per-tile kernel of the same loop (configs._FWD[128], pinned:
+    since session 12 the D=128 route without a mask or with a band is FWD_PERSIST_SCHED
+    itself); the routed config too (FWD_PERSIST_SCHED, on the schedule with a band and
+    its own walk without; the per-tile kernel with documents)."""
     mask = _gpu_masks(Sq, Sk)[kind]
     if kind == "docs_causal" and mask is None:
         pytest.skip("documents case: Sq == Sk only")
@@ -248,13 +254,16 @@ def test_gpu_persistent_forward_walks_many_tiles(dtype, kind, Sq, Sk):
     p = describe(q, k, v, mask=mask)
     from anyattn.backends.triton.hopper import configs as HCF
 
-    sched = None if kind == "docs_causal" else HCF.FWD_PERSIST_SCHED   # bands only
+    per_tile = _persist_cfg().per_tile()
+    routed = HCF.fwd_config(128, dtype, p.mask_class)
+    assert routed == (per_tile if kind == "docs_causal" else HCF.FWD_PERSIST_SCHED), \
+        routed.name
     (o, rs), (o2, rs2), (od, rsd), (osc, rssc) = _forward_poisoned(
-        p, q, k, v, (_persist_cfg(), _persist_cfg(), None, sched))
+        p, q, k, v, (_persist_cfg(), _persist_cfg(), per_tile, None))
     assert torch.equal(o, o2) and torch.equal(rs.max, rs2.max)
     assert torch.equal(o, od) and torch.equal(rs.max, rsd.max)
     assert torch.equal(rs.log_norm, rsd.log_norm)
-    assert torch.equal(osc, od) and torch.equal(rssc.max, rsd.max), "the scheduled walk"
+    assert torch.equal(osc, od) and torch.equal(rssc.max, rsd.max), "the routed config"
     assert torch.equal(rssc.log_norm, rsd.log_norm)
     qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
     ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
@@ -325,18 +334,21 @@ def test_gpu_d64_persistent_variants_are_the_per_tile_loop_bitwise(dtype, kind, 
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_scheduled_forward_under_graph_capture_without_warmup():
-    """A scheduled persistent forward captured at a shape never run before (its schedule
-    cannot be copied to the device inside the capture) runs the per-tile loop there:
-    the replay's bits are the eager call's."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_scheduled_forward_under_graph_capture_without_warmup(D):
+    """A scheduled persistent forward (the causal route at D=64 and, since session 12,
+    D=128) captured at a shape never run before (its schedule cannot be copied to the
+    device inside the capture) runs the per-tile loop there: the replay's bits are the
+    eager call's."""
     from anyattn.backends.triton.hopper import launch as HL
 
     Sq = 999
     g = torch.Generator(device="cuda").manual_seed(17)
-    q, k, v = (torch.randn(1, 4, Sq, 64, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, 4, Sq, D, device="cuda", generator=g).to(torch.bfloat16)
                for _ in range(3))
     p = describe(q, k, v, mask=aa.Causal())
     prep = HL.prepare_forward(p)
+    assert prep.cfg.persist and prep.cfg.sched, prep.cfg.name
     HL.forward(p, q, k, v, cfg=prep.per_tile.cfg)   # compiled outside the capture
     torch.cuda.synchronize()
     HL._sched_cache.clear()
@@ -417,7 +429,7 @@ def test_mask_arrays_cached_per_mask_tensor_version():
     ids = torch.arange(300, dtype=torch.int32) // 100
     q = torch.zeros(1, 2, 300, 8, dtype=torch.float64)
     p = describe(q, q, q, mask=aa.Documents(ids))
-    cfg = HCF.fwd_config(128)
+    cfg = HCF.fwd_config(128, "bfloat16", p.mask_class)
     a = HL.mask_arrays(p, q, cfg)
     assert HL.mask_arrays(p, q, cfg) is a
     ids[:] = torch.arange(300, dtype=torch.int32) // 150

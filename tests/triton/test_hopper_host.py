@@ -3,8 +3,9 @@
 ones ``TensorDescriptor`` builds, always over the call's own tensor; the prepared forward
 launch (``FwdLaunch``, kept per call signature by launch.py) passes the arguments the
 uncached path passes and holds no tensor.  CPU: the Gluon kernels are swapped for
-recorders (nothing runs); GPU (sm_90): the cached launches give the bits of uncached ones
-on new, strided, freed-and-reallocated tensors.
+recorders (nothing runs) and the SM count the persistent launch asks torch.cuda for is
+set (``_SMS``); GPU (sm_90): the cached launches give the bits of uncached ones on new,
+strided, freed-and-reallocated tensors.
 
 Shape legend: B batch, H / Hkv heads, S = Sq = Sk, D head dim.
 """
@@ -26,6 +27,7 @@ except ImportError:                                      # pragma: no cover
 
 import anyattn as aa  # noqa: E402
 from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
@@ -126,14 +128,37 @@ class _Recorder:
         return lambda *a, **kw: self.calls.append((grid, a, kw))
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """The Gluon forward kernels swapped for recorders; the forward routed to Hopper."""
-    from anyattn.backends.triton.hopper import fwd_kernel, fwd_ws_kernel
+#: the SM count the persistent forward's launch is given here (launch._sm_count asks
+#: torch.cuda on a GPU): fewer programs than the tests' 8 query tiles, so that the
+#: schedule deals several tiles to a program
+SMS = 3
 
+
+@pytest.fixture
+def sm_count(monkeypatch):
+    """launch._sm_count of the CPU device set to SMS (no torch.cuda here).  describe's
+    Problem cache is emptied first: test_hopper.py re-points cached CPU Problems at
+    'cuda:0' (object.__setattr__), whose SM count would be asked of torch.cuda."""
+    from anyattn import problem
+
+    problem.clear_cache()
+    monkeypatch.setitem(HL._SMS, "cpu", SMS)
+    return SMS
+
+
+@pytest.fixture
+def recorded(monkeypatch, sm_count):
+    """The Gluon forward kernels (per-tile and persistent) swapped for recorders; the
+    forward routed to Hopper; the SM count set (sm_count); no CUDA-graph capture (the
+    scheduled launch asks torch.cuda whether one is under way before it builds a
+    schedule; torch without CUDA cannot answer)."""
+    from anyattn.backends.triton.hopper import fwd_kernel, fwd_persist_kernel, fwd_ws_kernel
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     rec = _Recorder()
     monkeypatch.setattr(fwd_kernel, "fwd_kernel", rec)
     monkeypatch.setattr(fwd_ws_kernel, "fwd_ws_kernel", rec)
+    monkeypatch.setattr(fwd_persist_kernel, "fwd_persist_kernel", rec)
     monkeypatch.setattr(L, "_use_hopper", lambda p, d, plan, t: d == "forward")
     L.clear_prepared()
     yield rec
@@ -151,13 +176,26 @@ def _expected(p, q, k, v, out, stats):
     return fresh.grid, descs + (stats,) + fresh.args + marr, kw
 
 
+@pytest.mark.parametrize("route", ["routed", "per_tile"])
 @pytest.mark.parametrize("mask", [None, aa.Causal(), aa.Window(5, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_prepared_forward_passes_the_uncached_arguments(recorded, mask, dtype, layout):
+def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, mask, dtype,
+                                                        layout, route):
     """Repeated launch.forward calls on new tensors (the prepared launch, the descriptor
     cache) record the launch the uncached code made: the same grid, keywords, scalars and
-    descriptor fields, the descriptors over each call's own q, k, v and out."""
+    descriptor fields, the descriptors over each call's own q, k, v and out.  'routed':
+    the D=128 route without a mask or with a band (since session 12 the persistent
+    kernel on the host-built schedule, FWD_PERSIST_SCHED): one program per SM (SMS here)
+    over the 8 query tiles, B * H and the schedule (bands) or its placeholder (no mask:
+    the kernel's own walk) after the mask arguments.  'per_tile': the route pinned to
+    the per-tile kernel of the same loop (configs._FWD[128], the route of Documents /
+    KeepMask calls): one program per query tile."""
+    per_tile = HCF.FWD_PERSIST_SCHED.per_tile()
+    if route == "per_tile":
+        for mc in ("none", "band"):
+            monkeypatch.setitem(HCF._FWD_BY_MASK, (128, mc), per_tile)
+    want = HCF.FWD_PERSIST_SCHED if route == "routed" else per_tile
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         if layout == "bshd":
@@ -181,6 +219,24 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, mask, dtype, l
                 assert a == b and type(a) is type(b)
         assert all(a.base is t for a, t in zip(args[:4], (q, k, v, out)))
         assert tuple(out.shape) == (2, 4, 40, 128) and out.dtype == dtype
+        (pr,) = L._prepared._d.values()
+        assert pr.hfwd.cfg == want, pr.hfwd.cfg.name
+        n_tiles = 1 * 2 * 4                        # cdiv(40, 128) query tiles x B x H
+        if route == "routed":
+            assert grid == (min(SMS, n_tiles),) == (SMS,)
+            assert kw["SCHED"] is (mask is not None) and kw["NC"] == 2 and not kw["XOVER"]
+            assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
+            assert args[-2] == 2 * 4                # B * H
+            if mask is not None:                   # the cached schedule for SMS programs
+                assert pr.hfwd.sched[-1] == SMS
+                assert args[-1] is HL.persist_schedule(*pr.hfwd.sched, device=q.device)
+                assert args[-1].numel() == SMS + 1 + n_tiles
+                assert pr.hfwd.per_tile.cfg == per_tile
+            else:
+                assert pr.hfwd.sched is None and args[-1].numel() == 1
+        else:
+            assert grid == (1, n_tiles) and "SCHED" not in kw
+            assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
     assert len(L._prepared) == 1
 
 
@@ -191,7 +247,10 @@ def test_prepared_forward_holds_no_tensor(recorded):
     L.forward(p, q, k, v, None)
     (pr,) = L._prepared._d.values()
     assert isinstance(pr.hfwd, HL.FwdLaunch)
-    assert not any(isinstance(x, torch.Tensor) for x in vars(pr.hfwd).values())
+    # the route (FWD_PERSIST_SCHED) and its per-tile twin for graph capture
+    assert pr.hfwd.cfg.persist and isinstance(pr.hfwd.per_tile, HL.FwdLaunch)
+    for launch in (pr.hfwd, pr.hfwd.per_tile):
+        assert not any(isinstance(x, torch.Tensor) for x in vars(launch).values())
     refs = [weakref.ref(x) for x in (q, k, v)]
     recorded.calls.clear()
     del q, k, v
@@ -199,15 +258,68 @@ def test_prepared_forward_holds_no_tensor(recorded):
     assert all(r() is None for r in refs)
 
 
-def test_prepared_forward_refuses_a_different_config():
-    from anyattn.backends.triton.hopper import configs as HCF
+def test_scheduled_forward_under_capture_launches_its_per_tile_twin(recorded, monkeypatch):
+    """Under CUDA-graph capture, a scheduled launch whose schedule is not built yet (a
+    host copy cannot be captured) launches the per-tile kernel of the same loop (one
+    program per query tile, bitwise the same results: GPU test
+    test_gpu_scheduled_forward_under_graph_capture_without_warmup) and builds nothing;
+    once the schedule is built, capture or not, the persistent kernel."""
+    q, k, v = (torch.randn(1, 4, 300, 128).to(torch.bfloat16) for _ in range(3))
+    p = describe(q, k, v, mask=aa.Causal())
+    pr = HL.prepare_forward(p)
+    assert pr.cfg == HCF.FWD_PERSIST_SCHED and pr.sched is not None
+    HL._sched_cache.clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    HL.forward(p, q, k, v, prepared=pr)
+    grid, args, kw = recorded.calls.pop()
+    assert grid == (3, 4) and "SCHED" not in kw          # the per-tile kernel
+    assert not HL.schedule_ready(*pr.sched, device=q.device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    HL.forward(p, q, k, v, prepared=pr)
+    grid, args, kw = recorded.calls.pop()
+    assert grid == (SMS,) and kw["SCHED"] and HL.schedule_ready(*pr.sched, device=q.device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    HL.forward(p, q, k, v, prepared=pr)                 # built: the persistent kernel
+    grid, args, kw = recorded.calls.pop()
+    assert grid == (SMS,) and kw["SCHED"] and args[-1] is HL.persist_schedule(
+        *pr.sched, device=q.device)
 
+
+def test_prepared_forward_refuses_a_different_config(sm_count):
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     p = describe(q, q, q)
     pr = HL.prepare_forward(p)
-    other = next(c for c in HCF.FWD_VARIANTS[128] if c != pr.cfg)
-    with pytest.raises(ValueError, match="differs from the prepared"):
-        HL.forward(p, q, q, q, cfg=other, prepared=pr)
+    assert pr.cfg == HCF.FWD_PERSIST_SCHED
+    # any other config, the per-tile kernel of the same loop (bitwise its results) too
+    for other in (next(c for c in HCF.FWD_VARIANTS[128] if c != pr.cfg), pr.cfg.per_tile()):
+        with pytest.raises(ValueError, match="differs from the prepared"):
+            HL.forward(p, q, q, q, cfg=other, prepared=pr)
+
+
+def test_d128_forward_launch_is_persistent_without_a_mask_and_with_a_band(sm_count):
+    """The D=128 forward's launch (prepare_forward, the route since session 12): no mask
+    or a band (causal, bottom-right, window) -> the persistent kernel on min(SMs, query
+    tiles) programs, the host-built schedule with a band only; Documents / KeepMask ->
+    the per-tile warp-specialised kernel (the schedule takes band masks only), one
+    program per query tile; fp16 as bf16."""
+    from anyattn.backends.triton.hopper.fwd_persist_kernel import fwd_persist_kernel
+    from anyattn.backends.triton.hopper.fwd_ws_kernel import fwd_ws_kernel
+
+    ids = torch.arange(300, dtype=torch.int32) // 100
+    keep = torch.ones(1, 1, 300, 300, dtype=torch.bool)
+    for dt in (torch.bfloat16, torch.float16):
+        q = torch.zeros(1, 4, 300, 128, dtype=dt)      # 3 query tiles a head, 12 in all
+        for mask, sched in ((None, False), (aa.Causal(), True),
+                            (aa.Causal(align="bottom_right"), True),
+                            (aa.Window(left=200, right=37), True)):
+            pr = HL.prepare_forward(describe(q, q, q, mask=mask))
+            assert pr.cfg == HCF.FWD_PERSIST_SCHED, (mask, pr.cfg.name)
+            assert pr.kernel is fwd_persist_kernel and pr.grid == (SMS,)
+            assert (pr.sched is not None) is sched and pr.kw["SCHED"] is sched
+        for mask in (aa.Documents(ids), aa.Causal() & aa.Documents(ids), aa.KeepMask(keep)):
+            pr = HL.prepare_forward(describe(q, q, q, mask=mask))
+            assert pr.cfg == HCF.FWD_PERSIST_SCHED.per_tile() and not pr.cfg.persist
+            assert pr.kernel is fwd_ws_kernel and pr.grid == (3, 4)
 
 
 # ----------------------------------------------------------------------------- GPU bits

@@ -100,6 +100,13 @@ class HopperConfig:
 #: s8.json, bf16 TFLOP/s at S=2k / 2k causal / 8k / 8k causal): with a band the
 #: 2-consumer schedule with P in registers, 3 stages ('ws128x128s3opf': 401 / 305 / 445 /
 #: 410 vs portable 389 / 304 / 408 / 372), without a mask 3 consumers (_FWD_BY_MASK)
+#: Session 12 (2026-12-04): D=128 without a mask or with a band runs this config's loop
+#: in the persistent kernel (FWD_PERSIST_SCHED, 'ws128x128s2opfPg', _FWD_BY_MASK below;
+#: session 11's device-time numbers in the comment above FWD_PERSIST_VARIANTS); _FWD[128]
+#: stays the per-tile kernel of Documents / KeepMask calls (the host-built schedule takes
+#: band masks only) and is the persistent route's per-tile twin (HopperConfig.per_tile:
+#: bitwise the same results; FwdLaunch runs it under CUDA-graph capture before the
+#: schedule of a shape is built)
 _FWD = {64: HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=True, exp_fma=True),
         128: HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True)}
 #: (D, mask class) exceptions to _FWD: D=64 without a mask, 3 consumer warpgroups of 64
@@ -165,9 +172,11 @@ FWD_VARIANTS = {64: [HopperConfig(128, 128, 3, ws=True), HopperConfig(128, 128, 
 #: FWD_VARIANTS (fp16, array masks and its pytest tests not yet run on a GPU)
 FWD_PERSIST = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True, exp_fma=True,
                            persist=True)
-#: session 8, not run on a GPU yet: FWD_PERSIST walking a host-built schedule
-#: (launch.persist_schedule: the per-tile grid's launch order dealt out greedily by key
-#: loop length, so that live programs share heads in L2 as the per-tile kernel's do)
+#: session 8: FWD_PERSIST walking a host-built schedule (launch.persist_schedule: the
+#: per-tile grid's launch order dealt out greedily by key loop length, so that live
+#: programs share heads in L2 as the per-tile kernel's do; without a band every loop is
+#: as long and the kernel walks its own head-major order, the same walk).  Routed at
+#: D=128 for mask classes 'none' and 'band' since session 12 (_FWD_BY_MASK below)
 FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
                                  exp_fma=True, persist=True, sched=True)
 #: D -> the persistent forward configs the bench may name (not in FWD_VARIANTS).  Session
@@ -179,9 +188,13 @@ FWD_PERSIST_SCHED = HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=Tr
 #: rotated rounds, bf16, outputs bitwise the per-tile kernel's): 570 / 458 / 594 / 524 /
 #: 610 / 559 TFLOP/s at S=2k / 2k causal / 4k / 4k causal / 8k / 8k causal vs the routed
 #: per-tile 558 / 442 / 586 / 507 / 605 / 558 (faster in every round but at 8k causal, a
-#: tie) and cuDNN 567 / 455 / 584 / 496 / 594 / 530.  Not routed yet: the host-side tests
-#: of the forward launch (test_hopper_host.py) and the array-mask compile tests assume the
-#: per-tile kernel, and no device time was left to re-run the GPU suite on a new route
+#: tie) and cuDNN 567 / 455 / 584 / 496 / 594 / 530.  Routed in session 12 (2026-12-04,
+#: on these numbers; _FWD_BY_MASK[(128, 'none' / 'band')]): without a mask and with a
+#: band (causal, windows, bottom-right), bf16 and fp16 (fp16 timed in session 9 only);
+#: Documents / KeepMask stay on the per-tile _FWD[128] (the schedule takes band masks
+#: only).  The host-side tests pin the per-tile config where they are about it and check
+#: the persistent launch (SM count monkeypatched) where about the route; the GPU suite
+#: is to be re-run on the new route by the lead
 #: Session 10: D=64 with three consumers (bm 192, 160 registers: the per-tile D=64
 #: no-mask default's loop) persistent on the schedule, FA3's hdim-64 query tile.  H200
 #: 2026-12-04 ~11:58 UTC (docs/perf/hopper-fwd-h200-2026-12-04-s10-lead1.json, bf16
@@ -197,6 +210,9 @@ FWD_PERSIST_D64_X = HopperConfig(128, 128, 3, ws=True, overlap=True, pingpong=Tr
                                  exp_fma=True, persist=True, sched=True, xover=True)
 FWD_PERSIST_VARIANTS = {64: [_FWD_D64_BAND, FWD_PERSIST_D64_NC3, FWD_PERSIST_D64_X],
                         128: [FWD_PERSIST, FWD_PERSIST_SCHED]}
+#: session 12: the D=128 routes without a mask and with a band (see above)
+_FWD_BY_MASK[(128, "none")] = FWD_PERSIST_SCHED
+_FWD_BY_MASK[(128, "band")] = FWD_PERSIST_SCHED
 
 
 def fwd_config(d: int, dtype: str = "bfloat16", mask_class: str = "band") -> HopperConfig:

@@ -29,9 +29,11 @@ _SASS_PATTERNS = {"HGMMA": r"\bHGMMA\.", "UTMALDG": r"\bUTMALDG", "UTMASTG": r"\
 
 def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
                 cfg=None, docs: int = 0, keep: bool = False):
-    """triton.compile of the forward kernel of ``cfg`` (fwd_kernel, or fwd_ws_kernel when
-    cfg.ws) for sm_90a -> CompiledKernel (asm: ptx, cubin).  ``docs`` / ``keep``: the
-    warp-specialised kernel's Documents (1 ids, 2 key intervals) / KeepMask path (ARRAY)."""
+    """triton.compile of the forward kernel of ``cfg`` (fwd_kernel, fwd_ws_kernel when
+    cfg.ws, fwd_persist_kernel when cfg.persist) for sm_90a -> CompiledKernel (asm: ptx,
+    cubin).  ``docs`` / ``keep``: the warp-specialised kernel's Documents (1 ids, 2 key
+    intervals) / KeepMask path (ARRAY).  ``cfg`` None: the routed config of that mask
+    (configs.fwd_config of its mask class, as Problem.mask_class names it)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +44,10 @@ def compile_fwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False,
     from .fwd_kernel import fwd_kernel
     from .launch import make_desc
 
-    cfg = cfg or HC.fwd_config(D, dtype)
+    if cfg is None:
+        parts = [n for n, on in (("band", has_band), ("documents", bool(docs)),
+                                 ("keep", keep)) if on]
+        cfg = HC.fwd_config(D, dtype, "+".join(parts) or "none")
     tdt = getattr(torch, dtype)
     x = torch.empty((2, 2, 256, D), dtype=tdt)
     qd = make_desc(x, cfg.bm // cfg.consumers if cfg.ws else cfg.bm)
