@@ -61,12 +61,13 @@ ROUNDS = 3
 def _pool(D):
     """Every config this bench can run: the default, the ws configs with dq (session 8:
     configs.WS_DQ_BWD_VARIANTS), those with one partial per key tile
-    (WS_DQS_BWD_VARIANTS), the transposed consumers (session 9: WS_DQT_BWD_VARIANTS) and
-    the ws dK/dV config (dQ portable: the route where the dQ-inside one is not)."""
+    (WS_DQS_BWD_VARIANTS), the transposed consumers (session 9: WS_DQT_BWD_VARIANTS),
+    the staged statistics (session 11: WS_DQR), the interleaved staging rows (session
+    12: WS_DQI) and the ws dK/dV config (dQ portable: the route where the dQ-inside one is not)."""
     out = []
     for c in ([HCF.bwd_config(D)] + HCF.WS_DQ_BWD_VARIANTS[D] + HCF.WS_DQS_BWD_VARIANTS[D]
               + HCF.WS_DQT_BWD_VARIANTS[D] + HCF.WS_DQR_BWD_VARIANTS[D]
-              + [HCF.bwd_config_dkdv_only(D)]):
+              + HCF.WS_DQI_BWD_VARIANTS[D] + [HCF.bwd_config_dkdv_only(D)]):
         if c not in out:
             out.append(c)
     return out
@@ -95,7 +96,8 @@ def configs(D, dt="bfloat16"):
         return _by_names(D, OPT["configs"])
     return [c for c in _pool(D)
             if c not in HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
-            + HCF.WS_DQR_BWD_VARIANTS[D] + [HCF.bwd_config_dkdv_only(D)]]
+            + HCF.WS_DQR_BWD_VARIANTS[D] + HCF.WS_DQI_BWD_VARIANTS[D]
+            + [HCF.bwd_config_dkdv_only(D)]]
 
 
 def diag_configs(D):
@@ -385,9 +387,13 @@ def phase_bench():
                 if cfg.dq:
                     put(f"bwdk-{cfg.name}", lambda cfg=cfg: run_cfg(p, q, k, v, dout, l2,
                                                                     delta, cfg))
-            for cfg in diag_configs(d):   # diagnostic: the writer makes no adds
+            for cfg in diag_configs(d):   # diagnostics: the writer makes no adds; (split
+                # configs) its adds in no order, no turns waited (session 12)
                 put(f"bwdk-diag-noadd-{cfg.name}", lambda cfg=cfg: HL._backward_ws_dq(
-                    p, q, k, v, dout, l2, delta, None, None, None, cfg, None, _diag=True))
+                    p, q, k, v, dout, l2, delta, None, None, None, cfg, None, _diag=1))
+                if cfg.split:
+                    put(f"bwdk-diag-unordered-{cfg.name}", lambda cfg=cfg: HL._backward_ws_dq(
+                        p, q, k, v, dout, l2, delta, None, None, None, cfg, None, _diag=2))
             bwd_configs_and_sdpa(put, row, p, q, k, v, dout, l2, delta,
                                  [c for c in configs(d) if not c.dq], causal, fl)
             pb, cb = (row["ms"].get(n) for n in ("bwd-portable", "bwd-sdpa-cudnn-rounds"))

@@ -23,7 +23,7 @@ from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 
 from helpers import assert_close  # noqa: E402
 
-from tr_util import bwd_gpu_inputs, needs_gluon, needs_sm90, offline_facts  # noqa: E402
+from tr_util import HAS_GLUON, bwd_gpu_inputs, needs_gluon, needs_sm90, offline_facts  # noqa: E402
 
 
 def test_ws_dq_configs_are_data():
@@ -94,9 +94,13 @@ def test_staged_statistics_and_swizzle_configs_are_data():
         "wdkdvq128x64s2nhr", "wdkdvq128x64s2nhz", "wdkdvq128x64s2nhrz", "wdkdvq128x64s2nhrq")
     assert [c.name for c in HCF.WS_DQR_BWD_VARIANTS[64]][3:] == [
         "wdkdvq128x64s3nhr", "wdkdvq128x64s2nhrq", "wdkdvq128x64s3nhrq"]
-    assert HCF.bwd_config(128) == r
-    assert HCF.bwd_config(64, "band").name == HCF.bwd_config(64, "none").name == \
-        "wdkdvq128x128s2nhtr"
+    # the routes (session 12: 'r' with the interleaved staging rows 'i'; without a mask
+    # the writer's late release 'e' too)
+    assert HCF.bwd_config(128) == dataclasses.replace(r, dq_interleave=True)
+    assert HCF.bwd_config(128, "none") == dataclasses.replace(r, dq_interleave=True,
+                                                              late_release=True)
+    assert HCF.bwd_config(64, "band").name == "wdkdvq128x128s2nhtri"
+    assert HCF.bwd_config(64, "none").name == "wdkdvq128x128s2nhtrie"
     assert r.smem_bytes(128) == h.smem_bytes(128) + 16 * 2 * 64
     assert z.smem_bytes(128) == h.smem_bytes(128)
     for d in (64, 128):
@@ -116,6 +120,90 @@ def test_staged_statistics_and_swizzle_configs_are_data():
     for bad in (dict(lag=True), dict(trans=True), dict(split=False)):
         with pytest.raises(ValueError, match="dq_first"):
             dataclasses.replace(h, dq_first=True, **bad)
+
+
+def test_interleaved_staging_configs_are_data():
+    """Session 12's 'i' (HopperBwdConfig.dq_interleave): the routed dQ-inside configs with
+    the staging rows interleaved, the same shared memory; refused without dq or at a
+    32-byte swizzle; its accumulator descriptor is the 5-D view that swaps the row
+    bits (launch.dqa_desc).  'e' (late_release) on top, refused without split."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    i128, e128 = HCF.WS_DQI_BWD_VARIANTS[128]
+    i64, e64 = HCF.WS_DQI_BWD_VARIANTS[64]
+    assert (e128, e64) == (dataclasses.replace(i128, late_release=True),
+                           dataclasses.replace(i64, late_release=True))
+    assert (e128.name, e64.name) == ("wdkdvq128x64s2nhrie", "wdkdvq128x128s2nhtrie")
+    with pytest.raises(ValueError, match="late_release"):
+        dataclasses.replace(i128, split=False, late_release=True)
+    assert i128 == HCF.bwd_config(128) == dataclasses.replace(
+        HCF.WS_DQR_BWD_VARIANTS[128][0], dq_interleave=True)             # routed (session 12)
+    assert i64 == HCF.bwd_config(64, "band") == \
+        dataclasses.replace(HCF.WS_DQT_BWD_VARIANTS[64][3], dq_interleave=True)
+    assert (HCF.bwd_config(128, "none"), HCF.bwd_config(64, "none")) == (e128, e64)
+    assert (i128.name, i64.name) == ("wdkdvq128x64s2nhri", "wdkdvq128x128s2nhtri")
+    for d, c in ((128, i128), (64, i64)):
+        assert c.smem_bytes(d) == dataclasses.replace(c, dq_interleave=False).smem_bytes(d)
+    with pytest.raises(ValueError, match="dq_interleave"):
+        dataclasses.replace(i128, dq_swizzle=32)
+    with pytest.raises(ValueError, match="dq_interleave"):
+        HCF.HopperBwdConfig(128, 64, 2, ws=True, dq_interleave=True)
+    if not HAS_GLUON:
+        return
+    acc = torch.zeros((3, 200, 128), dtype=torch.float32)
+    d = HL.dqa_desc(acc, 64, 64, 128, True)
+    assert list(d.shape) == [3, 25, 4, 2, 128]
+    assert list(d.strides) == [200 * 128, 8 * 128, 128, 4 * 128, 1]
+    assert list(d.block_shape) == [1, 8, 4, 2, 64]
+    # (g, b0, b1) -> the accumulator's row 8 g + 4 b1 + b0
+    g, b0, b1 = 5, 3, 1
+    assert g * d.strides[1] + b0 * d.strides[2] + b1 * d.strides[3] == (8 * g + 4 * b1 + b0) * 128
+    with pytest.raises(ValueError, match="multiples of 8"):
+        HL.dqa_desc(torch.zeros((1, 100, 64), dtype=torch.float32), 64, 32, 128, True)
+
+
+@needs_gluon
+@pytest.mark.parametrize("name", ["wdkdvq128x64s2nhri", "wdkdvq128x128s2nhtri"])
+def test_interleaved_staging_compiles_for_sm90a(name):
+    """Offline sm_90a: 'i' keeps its base config's shared memory, HGMMA, 8-byte staging
+    stores and bulk reduce-adds (the 5-D box: as many), and adds no spill over it."""
+    D = 128 if "x64" in name else 64
+    setup = ("import dataclasses\n"
+             f"cfg = next(c for c in HCF.WS_DQI_BWD_VARIANTS[{D}] if c.name == {name!r})\n"
+             "base = dataclasses.replace(cfg, dq_interleave=False)")
+    f = offline_facts(f"BO.compile_dkdvq_ws('bfloat16', {D}, False, cfg)", setup)
+    fb = offline_facts(f"BO.compile_dkdvq_ws('bfloat16', {D}, False, base)", setup)
+    # the same buffers (but their alignment): within a KB of the config's count
+    assert f["shared"] <= fb["shared"] + 1024 and f["shared"] <= HCF.WS_DQI_BWD_VARIANTS[D][
+        0].smem_bytes(D) + 1024, (f["shared"], fb["shared"])
+    if not f["sass"]:
+        return
+    assert f["sass_HGMMA"] == fb["sass_HGMMA"]
+    n_red = lambda s: len(re.findall(r"\bUTMAREDG", s))  # noqa: E731
+    assert n_red(f["sass"]) == n_red(fb["sass"]) > 0
+    n_sts64 = lambda s: len(re.findall(r"\bSTS\.64\b", s))  # noqa: E731
+    assert n_sts64(f["sass"]) == n_sts64(fb["sass"])
+    assert f["sass_STL"] <= fb["sass_STL"] and f["sass_LDL"] <= fb["sass_LDL"], f
+
+
+@needs_gluon
+@pytest.mark.parametrize("D", [128, 64])
+def test_late_release_compiles_for_sm90a(D):
+    """Offline sm_90a: 'e' (the writer's late release) changes the writer warp only: the
+    consumers' HGMMA and staging stores as in 'i'; the writer still issues reduce-adds."""
+    setup = ("import dataclasses\n"
+             f"cfg = HCF.WS_DQI_BWD_VARIANTS[{D}][1]\n"
+             "base = dataclasses.replace(cfg, late_release=False)")
+    f = offline_facts(f"BO.compile_dkdvq_ws('bfloat16', {D}, False, cfg)", setup)
+    fb = offline_facts(f"BO.compile_dkdvq_ws('bfloat16', {D}, False, base)", setup)
+    assert f["shared"] <= fb["shared"] + 1024, (f["shared"], fb["shared"])
+    if not f["sass"]:
+        return
+    assert f["sass_HGMMA"] == fb["sass_HGMMA"]
+    n = lambda pat, x: len(re.findall(pat, x["sass"]))  # noqa: E731
+    assert n(r"\bSTS\.64\b", f) == n(r"\bSTS\.64\b", fb)
+    # the writer's adds (ptxas may peel its first tile: more copies of the same adds)
+    assert n(r"\bUTMAREDG", f) >= n(r"\bUTMAREDG", fb) > 0
 
 
 @needs_gluon
@@ -232,7 +320,8 @@ def test_ws_dq_against_float64(D, case):
     mask = aa.Causal(align="bottom_right") if kind == "causal_br" else None
     p, dout, l2, delta, rg = bwd_gpu_inputs(q, k, v, mask, g)
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    cfgs = HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D] + HCF.WS_DQR_BWD_VARIANTS[D]
+    cfgs = (HCF.WS_DQS_BWD_VARIANTS[D] + HCF.WS_DQT_BWD_VARIANTS[D]
+            + HCF.WS_DQR_BWD_VARIANTS[D] + HCF.WS_DQI_BWD_VARIANTS[D])
     if which == "all":
         cfgs = HCF.WS_DQ_BWD_VARIANTS[D] + cfgs
     nh = {}       # (config name, order) -> the results of each base config
@@ -244,10 +333,10 @@ def test_ws_dq_against_float64(D, case):
                 assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name} order {order}"
                 assert_close(runs[0][i], getattr(rg, n), dt, f"{n} {cfg.name} order {order}")
             base = dataclasses.replace(cfg, stats=False, dq_swizzle=128, dq_first=False,
-                                       stages=2)
+                                       stages=2, dq_interleave=False, late_release=False)
             if cfg == base:
                 nh[(cfg.name, order)] = runs[0]
-            else:   # 'r' / 'z' / 'q' / 3 stages: the same bits as the config without them
+            else:   # 'r' / 'z' / 'q' / 'i' / 'e' / 3 stages: the same bits as without them
                 for i, n in enumerate(("dq", "dk", "dv")):
                     assert torch.equal(runs[0][i], nh[(base.name, order)][i]), \
                         f"{n} {cfg.name} != {base.name}"

@@ -368,6 +368,45 @@ def test_gpu_scheduled_forward_under_graph_capture_without_warmup(D):
     assert torch.equal(st_cap.log_norm, st.log_norm)
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_captured_schedule_outlives_the_cache(monkeypatch):
+    """A graph captured with a scheduled persistent forward (D=128, causal) keeps reading
+    its schedule's device memory at every replay: the capture pins it
+    (launch._sched_pinned), so evicting it from the schedule cache (more new shapes than
+    _SCHED_CACHE, here 1) and allocating over the freed memory leave the replay's bits
+    the eager call's."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    monkeypatch.setattr(HL, "_SCHED_CACHE", 1)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    q, k, v = (torch.randn(2, 4, 1500, 128, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    p = describe(q, k, v, mask=aa.Causal())
+    prep = HL.prepare_forward(p)
+    assert prep.cfg.persist and prep.cfg.sched, prep.cfg.name
+    o, st = HL.forward(p, q, k, v, prepared=prep)      # compiled, schedule built
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            o_cap, st_cap = HL.forward(p, q, k, v, prepared=prep)
+    torch.cuda.current_stream().wait_stream(s)
+    key = tuple(prep.sched) + (str(q.device),)
+    assert key in HL._sched_pinned
+    for sq in (700, 900, 1100):    # other schedules evict this one from the cache
+        HL.persist_schedule(sq, sq, -(1 << 30), 0, 128, 128, 8, 132, device=q.device)
+    assert not HL.schedule_ready(*prep.sched, device=q.device)
+    junk = [torch.full((1 << 16,), -1, dtype=torch.int32, device="cuda") for _ in range(64)]
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    assert torch.equal(o_cap, o) and torch.equal(st_cap.max, st.max)
+    assert torch.equal(st_cap.log_norm, st.log_norm)
+
+
 def test_persist_schedule_deals_the_per_tile_order_greedily():
     """persist_schedule: every tile exactly once; each program's walk in the per-tile
     grid's launch order (head by head, longest query tile first); the busiest program's

@@ -1,7 +1,8 @@
 """dq from the fp32 accumulator(s) of the warp-specialised backward with dQ inside
 (bwd_ws_dq_kernel): dq = (sum of the CHAINS accumulators) * scale in q's dtype.
 
-Shape legend: N = B * H * Sq * D elements of dq; ACC fp32 [CHAINS, N] (contiguous).
+Shape legend: N = B * H * Sq * D elements of dq; ACC fp32 [CHAINS, B * H, SqA, D]
+(contiguous; SqA = Sq, or Sq rounded up to a multiple of 8: HopperBwdConfig.dq_interleave).
 """
 import triton
 import triton.language as tl
@@ -10,11 +11,20 @@ __all__ = ["dq_convert_kernel"]
 
 
 @triton.jit
-def dq_convert_kernel(ACC, DQ, N, scale, CHAINS: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (cdiv(N, BLOCK),): DQ[i] = (ACC[0, i] (+ ACC[1, i])) * scale."""
+def dq_convert_kernel(ACC, DQ, N, scale, SQD, SQD_ACC, CHAINS: tl.constexpr,
+                      PADDED: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(N, BLOCK),): DQ[i] = (ACC[0, a(i)] (+ ACC[1, a(i)])) * scale with
+    a(i) = i, or with PADDED (SQD = Sq * D per head of dq, SQD_ACC = SqA * D of ACC) the
+    same (head, row, column) in ACC's padded rows."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)      # [BLOCK]
     m = offs < N
-    acc = tl.load(ACC + offs, mask=m, other=0.0)
+    if PADDED:
+        acc_offs = (offs // SQD) * SQD_ACC + offs % SQD                     # [BLOCK]
+        n_acc = (N // SQD) * SQD_ACC
+    else:
+        acc_offs = offs
+        n_acc = N
+    acc = tl.load(ACC + acc_offs, mask=m, other=0.0)
     if CHAINS == 2:
-        acc = acc + tl.load(ACC + N + offs, mask=m, other=0.0)
+        acc = acc + tl.load(ACC + n_acc + acc_offs, mask=m, other=0.0)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=m)

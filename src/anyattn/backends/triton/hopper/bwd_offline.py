@@ -63,7 +63,8 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
     qd = mangle_type(make_desc(x, cfg.bm))
     kd = mangle_type(make_desc(x, cfg.bn // 2))
     ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm,
-                              D // 2 if cfg.split else None, cfg.dq_swizzle))
+                              D // 2 if cfg.split else None, cfg.dq_swizzle,
+                              cfg.dq_interleave))
     names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "L2",
              "DELTA", "SEM", "NBH", "H", "G", "Sq", "Sk", "scale", "lo", "hi", "ORDER",
              "HAS_BAND", "STAGES", "CONSUMER_REGS", "WRITER_REGS", "PREFETCH", "CHAINS",
@@ -76,7 +77,8 @@ def compile_dkdvq_ws(dtype: str = "bfloat16", D: int = 128, has_band: bool = Fal
     sig = dict(zip(names, types + ["constexpr"] * len(vals)))
     consts = {(len(types) + i,): v for i, v in enumerate(vals)}
     fn = _ws_dq_kernel(cfg)
-    extra = {"STATS": cfg.stats, "DQ_FIRST": cfg.dq_first}
+    extra = {"STATS": cfg.stats, "DQ_FIRST": cfg.dq_first, "DQ_IL": cfg.dq_interleave,
+             "LATE": cfg.late_release}
     if any(extra.values()):   # constexprs further down the parameter list: the ones
         # before them at their defaults (None / False / 0, as a launch without ARRAY
         # passes them)

@@ -73,16 +73,22 @@ __all__ = ["dkdvq_ws_kernel"]
 def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0, n_div,
             off, n_tot, nq, lo, hi, ORDER, HAS_BAND: gl.constexpr, BM: gl.constexpr,
             BN: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr,
-            SPLIT: gl.constexpr, RKc=None, nkv=0, ARRAY: gl.constexpr = False):
+            SPLIT: gl.constexpr, RKc=None, nkv=0, ARRAY: gl.constexpr = False,
+            IL: gl.constexpr = False, LATE: gl.constexpr = False):
     """The fixed-order adds of both consumers' staged partials (module doc).  CHAINS 1:
     one accumulator, consumer 1's add after consumer 0's is complete; CHAINS 2: consumer
     w's partials into accumulator w (rows w * NBH ...) with a counter of its own, both
     issued back to back, their completion waited (and the counters released) only at the
     next tile, after its partials are staged.  DIAG (timing only, dq left unwritten):
-    no adds, the staging buffers freed as soon as they are full.  SPLIT: the two staged
+    1 no adds, the staging buffers freed as soon as they are full; 2 (SPLIT) reduce-adds
+    in no order (no turns, no counters: not repeatable; DQA zeroed by the caller).  SPLIT: the two staged
     buffers are the column halves of one partial (adds back to back, freed once read,
     the counter released once both are complete).  ARRAY: the rank of this key tile in
-    query tile t's order from the rank table (RKc: its column, row stride nkv)."""
+    query tile t's order from the rank table (RKc: its column, row stride nkv).  IL:
+    dqa_desc / dqs are the interleaved 5-D forms (HopperBwdConfig.dq_interleave).  LATE
+    (SPLIT): a tile's adds are waited for (and its counter released) at the next tile,
+    once that tile's first half is staged, not before the writer takes the next tile
+    (HopperBwdConfig.late_release)."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])                   # [32]
     zero_c = gl.full([32], 0, gl.int32, layout=c_l)
     prev0 = SEM + zero_c                                                        # [32]
@@ -96,32 +102,51 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             rank, last = dq_rank(pid_n, t, Sk, nq, lo, hi, HAS_BAND, ORDER, BM, BN)
         sem = SEM + (bh * nq + t) + zero_c                                      # [32]
         ph = it & 1
-        if DIAG:
-            for w in gl.static_range(2):
-                mbarrier.wait(dq_full.index(w), ph)
-                mbarrier.arrive(dq_empty.index(w), count=1)
-        elif SPLIT:
-            DH: gl.constexpr = dqs.shape[3]
+        if DIAG == 2:   # (SPLIT) unordered reduce-adds: the turns' cost, measured
+            DH2: gl.constexpr = dqs.shape[len(dqs.shape) - 1]
             mbarrier.wait(dq_full.index(0), ph)
-            _spin_acquire(sem, zero_c + rank)          # this key tile's turn
-            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0)
+            _add_partial(dqa_desc, dqs.index(0), bh, t, 1, BM, 0, IL)
             mbarrier.wait(dq_full.index(1), ph)
-            _add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH)
+            _add_partial(dqa_desc, dqs.index(1), bh, t, 1, BM, DH2, IL)
             tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
             mbarrier.arrive(dq_empty.index(1), count=1)
-            _bulk_wait_all(sem)          # both adds complete: the next adder may follow
+        elif DIAG == 1:
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w), ph)
+                mbarrier.arrive(dq_empty.index(w), count=1)
+        elif SPLIT:
+            DH: gl.constexpr = dqs.shape[len(dqs.shape) - 1]
+            mbarrier.wait(dq_full.index(0), ph)
+            if LATE:
+                if it > 0:   # the previous tile's adds (issued a tile ago; the only ones
+                    # outstanding): complete -> its counter released
+                    _bulk_wait_all(prev0)
+                    gl.thread_barrier()
+                    _release(prev0, RELEASE_WARP)
+            _spin_acquire(sem, zero_c + rank)          # this key tile's turn
+            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
+            mbarrier.wait(dq_full.index(1), ph)
+            _add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH, IL)
+            tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
-            _release(sem, RELEASE_WARP)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            if LATE:
+                prev0 = sem
+            else:
+                _bulk_wait_all(sem)      # both adds complete: the next adder may follow
+                gl.thread_barrier()
+                _release(sem, RELEASE_WARP)
         elif CHAINS == 1:
             for w in gl.static_range(2):
                 mbarrier.wait(dq_full.index(w), ph)
                 if w == 0:
                     _spin_acquire(sem, zero_c + rank)      # this key tile's turn
-                    _add_partial(dqa_desc, dqs.index(w), bh, t, rank, BM)
+                    _add_partial(dqa_desc, dqs.index(w), bh, t, rank, BM, 0, IL)
                 else:
-                    _add_partial(dqa_desc, dqs.index(w), bh, t, 1, BM)
+                    _add_partial(dqa_desc, dqs.index(w), bh, t, 1, BM, 0, IL)
                 _bulk_wait_all(sem)      # complete: the next add of these rows follows it
                 gl.thread_barrier()      # (every lane past the issuing lane's wait)
                 mbarrier.arrive(dq_empty.index(w), count=1)
@@ -135,17 +160,22 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
                 _release(prev0, RELEASE_WARP)
                 _release(prev1, RELEASE_WARP)
             _spin_acquire(sem, zero_c + rank)
-            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM)
+            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
             mbarrier.wait(dq_full.index(1), ph)
             _spin_acquire(sem1, zero_c + rank)
-            _add_partial(dqa_desc, dqs.index(1), NBH + bh, t, rank, BM)
+            _add_partial(dqa_desc, dqs.index(1), NBH + bh, t, rank, BM, 0, IL)
             tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
             mbarrier.arrive(dq_empty.index(1), count=1)
             prev0 = sem
             prev1 = sem1
-    if (CHAINS == 2) & (not DIAG):
+    if LATE:
+        if SPLIT and (DIAG == 0) and (n_tot > 0):     # the last tile's adds
+            _bulk_wait_all(prev0)
+            gl.thread_barrier()
+            _release(prev0, RELEASE_WARP)
+    if (CHAINS == 2) & (DIAG == 0):
         if n_tot > 0:
             _bulk_wait_all(prev0)
             gl.thread_barrier()
@@ -166,7 +196,8 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
                     ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
                     HAS_KEEP: gl.constexpr = False, STATS: gl.constexpr = False,
-                    DQ_FIRST: gl.constexpr = False):
+                    DQ_FIRST: gl.constexpr = False, DQ_IL: gl.constexpr = False,
+                    LATE: gl.constexpr = False):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: fp32 DQA [CHAINS * B * H, Sq, D] (no init) blocks [1, BM, D]
@@ -184,7 +215,11 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     PREFETCH): the producer stages each tile's row statistics in shared memory beside its
     Q / dO (bwd_ws_parts.producer), so no consumer waits on a global load.  DQ_FIRST
     (SPLIT without LAG): the consumers issue a tile's dQ products before its dK product
-    and stage dQ while dK runs (bwd_ws_parts.consumer)."""
+    and stage dQ while dK runs (bwd_ws_parts.consumer).  DQ_IL: dqa_desc is
+    launch.dqa_desc's interleaved 5-D view, blocks [1, BM / 8, 4, 2, DQC], and the
+    staging buffers take its rows' order (HopperBwdConfig.dq_interleave).  LATE (SPLIT):
+    the writer waits for a tile's adds and releases its counter a tile later (_writer;
+    HopperBwdConfig.late_release)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -193,7 +228,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     dt: gl.constexpr = q_desc.dtype
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
     gl.static_assert(BM == 64, "64 query rows per tile (one wgmma row block per warp)")
-    DQC: gl.constexpr = dqa_desc.block_type.shape[2]
+    DQC: gl.constexpr = dqa_desc.block_type.shape[4 if DQ_IL else 2]
     if SPLIT:
         gl.static_assert(DQC * 2 == D, "SPLIT: dQ accumulator blocks of D / 2 columns")
         gl.static_assert(CHAINS == 1, "SPLIT: one accumulator")
@@ -212,7 +247,11 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
     NDS: gl.constexpr = (6 if LAG else 4) if SPLIT else 2    # SPLIT: 2 (LAG 3) slots
     ds_smem = gl.allocate_shared_memory(dt, [NDS, BM, RN], pds_l)
-    dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DQC], dqa_desc.layout)
+    if DQ_IL:   # [consumer, 1, row group g, b0, b1, DQC]: row 8 g + 4 b1 + b0
+        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM // 8, 4, 2, DQC],
+                                        dqa_desc.layout)
+    else:
+        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DQC], dqa_desc.layout)
     if STATS:   # row 4 * stage + (0 max, 1 log2(e) * log_norm, 2 delta; 3 unused: shapes
         # are powers of 2) [BM]
         st_smem = gl.allocate_shared_memory(
@@ -255,19 +294,19 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST)),
+                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST, DQ_IL)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
                          PREFETCH, SPLIT, LAG, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True,
-                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST)),
+                         DOCS, HAS_KEEP, st_smem, STATS, DQ_FIRST, DQ_IL)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
                          s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
                          STATS)),
              (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
                         s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
-                        DIAG, SPLIT, RKc, nkv, True))],
+                        DIAG, SPLIT, RKc, nkv, True, DQ_IL, LATE))],
             [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
     else:
         s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
@@ -282,17 +321,17 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
                          PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
-                         st_smem, STATS, DQ_FIRST)),
+                         st_smem, STATS, DQ_FIRST, DQ_IL)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
                          n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
                          PREFETCH, SPLIT, LAG, None, None, None, 0, 0, 0, False, 0, False,
-                         st_smem, STATS, DQ_FIRST)),
+                         st_smem, STATS, DQ_FIRST, DQ_IL)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
                          s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
                          STATS)),
              (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
                         s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS,
-                        DIAG, SPLIT))],
+                        DIAG, SPLIT, None, 0, False, DQ_IL, LATE))],
             [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

@@ -133,7 +133,8 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              SPLIT: gl.constexpr, LAG: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
              DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None,
-             STATS: gl.constexpr = False, DQ_FIRST: gl.constexpr = False):
+             STATS: gl.constexpr = False, DQ_FIRST: gl.constexpr = False,
+             DQ_IL: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
     the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
     the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
@@ -143,7 +144,8 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer (no global load
     on the tile's path).  DQ_FIRST (SPLIT without LAG): each tile's dQ products issued before its dK
     product, and only they waited before dQ is staged (dK runs meanwhile; the stage is
-    released once dK is done)."""
+    released once dK is done).  DQ_IL: dqs [2, 1, BM / 8, 4, 2, DQC], its rows interleaved
+    within each group of 8 (bwd_ws_dq_kernel; HopperBwdConfig.dq_interleave)."""
     gl.static_assert(not DQ_FIRST or (SPLIT and not LAG), "DQ_FIRST: SPLIT without LAG")
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
@@ -169,8 +171,12 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     p_own = p_smem.index(WG)                                                     # [BM, RN]
     ds_own = ds_smem.index(WG)
     if WITH_DQ:
-        DQC: gl.constexpr = dqs.shape[3]                 # D, or DH = D / 2 with SPLIT
-        dq_own = dqs.index(WG).reshape([BM, DQC])                                # fp32 [BM, DQC]
+        DQC: gl.constexpr = dqs.shape[len(dqs.shape) - 1]   # D, or DH = D / 2 with SPLIT
+        if DQ_IL:   # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0: a half-warp's
+            # 4 rows (b1 fixed) then sit 2 apart, in 4 distinct 32-byte bank groups
+            dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DQC])     # fp32 [g, b0, b1, DQC]
+        else:
+            dq_own = dqs.index(WG).reshape([BM, DQC])                # fp32 [BM, DQC]
         q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, DQC, 16])  # [BM, DQC]
         if SPLIT:   # this consumer's column half of both key halves, [RN, DH] each
@@ -282,13 +288,19 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             if LAG:
                 if it > 0:
                     mbarrier.wait(dq_empty.index(WG), ((it - 1) & 1) ^ 1)
-                    dq_own.store(dq)
+                    if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
+                        dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
+                    else:
+                        dq_own.store(dq)
                     fence_async_shared()
                     gl.thread_barrier()
                     mbarrier.arrive(dq_full.index(WG), count=1)
             else:
                 mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
-                dq_own.store(dq)
+                if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
+                    dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
+                else:
+                    dq_own.store(dq)
                 fence_async_shared()
                 gl.thread_barrier()       # the partition's 4 warps staged dQ_w
                 mbarrier.arrive(dq_full.index(WG), count=1)
@@ -312,7 +324,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             dq = warpgroup_mma(ds_smem.index(2 * sp + 1), k1c, dq, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq,))
             mbarrier.wait(dq_empty.index(WG), ((n_tot - 1) & 1) ^ 1)
-            dq_own.store(dq)
+            if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
+                dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
+            else:
+                dq_own.store(dq)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(dq_full.index(WG), count=1)

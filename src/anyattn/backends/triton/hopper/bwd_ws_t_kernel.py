@@ -43,12 +43,16 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                       KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
                       skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
                       DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False,
-                      STATS: gl.constexpr = False):
+                      STATS: gl.constexpr = False, DQ_IL: gl.constexpr = False,
+                      LATE: gl.constexpr = False):
     """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv); only its
     SPLIT form without LAG, one accumulator (CHAINS 1), no array masks (ARRAY: CT ...
     HAS_KEEP): the others fail to compile.  dqa_desc: fp32 DQA [B * H, Sq, D] blocks
     [1, BM, D / 2]; DIAG (timing only): the writer makes no adds.  STATS (not with
-    PREFETCH): the producer stages the queries' statistics (bwd_ws_t_parts.consumer_t)."""
+    PREFETCH): the producer stages the queries' statistics (bwd_ws_t_parts.consumer_t).
+    DQ_IL: dqa_desc is launch.dqa_desc's interleaved 5-D view and the staging buffers
+    take its rows' order (HopperBwdConfig.dq_interleave).  LATE: the writer's late
+    counter release (HopperBwdConfig.late_release)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(not ARRAY, "array masks (Documents / KeepMask) are not implemented "
                      "in the transposed consumers")
@@ -59,7 +63,7 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     D: gl.constexpr = q_desc.block_type.shape[3]
     RN: gl.constexpr = k_desc.block_type.shape[2]
     BN: gl.constexpr = 2 * RN
-    DH: gl.constexpr = dqa_desc.block_type.shape[2]
+    DH: gl.constexpr = dqa_desc.block_type.shape[4 if DQ_IL else 2]
     dt: gl.constexpr = q_desc.dtype
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
     gl.static_assert((BM == 64) | ((BM == 128) & (D == 64)),
@@ -74,7 +78,11 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     q_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     ds_smem = gl.allocate_shared_memory(dt, [4, RN, BM], ds_l)      # dS^T, 2 x 2 slots
-    dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DH], dqa_desc.layout)
+    if DQ_IL:   # [consumer, 1, row group g, b0, b1, DH]: row 8 g + 4 b1 + b0
+        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM // 8, 4, 2, DH],
+                                        dqa_desc.layout)
+    else:
+        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DH], dqa_desc.layout)
     # the queries' statistics staged a tile ahead (without PREFETCH): max, log2(e) *
     # log_norm, delta, each [2 * consumer + parity, BM] (three buffers: the stores of a
     # tile need no barrier between them)
@@ -117,16 +125,16 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                        ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                        n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, st_smem,
-                       STATS)),
+                       STATS, DQ_IL)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                        n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, st_smem,
-                       STATS)),
+                       STATS, DQ_IL)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                      n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, STATS,
                      BM > 64)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
                     n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG,
-                    SPLIT))],
+                    SPLIT, None, 0, False, DQ_IL, LATE))],
         [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

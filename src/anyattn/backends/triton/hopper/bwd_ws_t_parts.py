@@ -47,7 +47,8 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
                dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
                hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
                HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-               PREFETCH: gl.constexpr, st_smem=None, STATS: gl.constexpr = False):
+               PREFETCH: gl.constexpr, st_smem=None, STATS: gl.constexpr = False,
+               DQ_IL: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
     the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
     through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
@@ -60,12 +61,14 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     the exponentials, delta before dS^T), so that no global load is on a tile's path.
     STATS (not with PREFETCH): the producer stages them instead, one copy for both
     consumers in rows 4 * stage + (0, 1, 2) of st_smem [4 * STAGES, BM]
-    (bwd_ws_parts.producer with FOLD = BM > 64); ``stats`` is then not used."""
+    (bwd_ws_parts.producer with FOLD = BM > 64); ``stats`` is then not used.  DQ_IL:
+    dqs [2, 1, BM / 8, 4, 2, DH], its rows interleaved within each group of 8
+    (HopperBwdConfig.dq_interleave)."""
     gl.static_assert(not (STATS and PREFETCH), "STATS replaces PREFETCH's loads")
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
-    DH: gl.constexpr = dqs.shape[3]
+    DH: gl.constexpr = dqs.shape[len(dqs.shape) - 1]
     dt: gl.constexpr = q_smem.dtype
     st_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                    instr_shape=[16, BM, 16])     # [RN, BM]
@@ -90,7 +93,10 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     tma.async_copy_global_to_shared(v_desc, [b, hk, r0, 0], kb, v_own)
     k2 = k_own.reshape([RN, D])                                                  # [RN, D]
     v2 = v_own.reshape([RN, D])                                                  # [RN, D]
-    dq_own = dqs.index(WG).reshape([BM, DH])                                     # fp32 [BM, DH]
+    if DQ_IL:   # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0 (bwd_ws_parts)
+        dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DH])          # fp32 [g, b0, b1, DH]
+    else:
+        dq_own = dqs.index(WG).reshape([BM, DH])                     # fp32 [BM, DH]
     # this consumer's column half of both key halves (B of the dQ products), [RN, DH]
     k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DH, DH, dim=1)
     k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DH, DH, dim=1)
@@ -194,7 +200,10 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         # the staged column half once the writer has read the previous one ("dq
         # empty"), then "dq full" (inline: a helper's scope splits ptxas's regions)
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
-        dq_own.store(dq)
+        if DQ_IL:   # [BM, DH] -> [g, b1, b0, DH] -> [g, b0, b1, DH]
+            dq_own.store(dq.reshape([BM // 8, 2, 4, DH]).permute((0, 2, 1, 3)))
+        else:
+            dq_own.store(dq)
         if not (PREFETCH or STATS):  # the next tile's statistics into the other slot
             # (its last readers, tile it - 1, are past this tile's barriers)
             if FOLD:

@@ -272,6 +272,15 @@ class HopperBwdConfig:
     #: split without lag or trans: a tile's dQ products issued before its dK product,
     #: the dQ staging beside dK ('q')
     dq_first: bool = False
+    #: ws with dq, 128-byte swizzle: the staging buffers' rows interleaved within each
+    #: group of 8 (row 4 * b1 + b0 at 2 * b0 + b1; the bulk copies' 5-D box undoes it,
+    #: launch.dqa_desc) so that each half-warp's 8-byte stores of the wgmma accumulator
+    #: meet 4 rows in 4 distinct bank groups ('i'; no conflicts, the same bulk copies)
+    dq_interleave: bool = False
+    #: split: the dQ writer waits for a tile's bulk adds to complete (and releases the
+    #: query tile's counter to the next adder) a tile later, after the next tile's first
+    #: half is staged, instead of before it takes the next tile ('e')
+    late_release: bool = False
 
     def __post_init__(self):
         if self.dq and not (self.fused or self.ws):
@@ -305,6 +314,11 @@ class HopperBwdConfig:
                                                  and not (self.ws and self.dq)):
             raise ValueError(f"{self.name}: dq_swizzle is 128, or 32 for the "
                              "warp-specialised kernel with dq")
+        if self.dq_interleave and not (self.ws and self.dq and self.dq_swizzle == 128):
+            raise ValueError(f"{self.name}: dq_interleave is an option of the "
+                             "warp-specialised kernel with dq at dq_swizzle 128")
+        if self.late_release and not self.split:
+            raise ValueError(f"{self.name}: late_release is an option of split")
         if self.dq_first and not (self.split and not self.lag and not self.trans):
             raise ValueError(f"{self.name}: dq_first is an option of split without lag "
                              "or trans")
@@ -323,7 +337,8 @@ class HopperBwdConfig:
                 f"{'' if self.prefetch else 'n'}{'c2' if self.chains == 2 else ''}"
                 f"{'h' if self.split else ''}{'l' if self.lag else ''}"
                 f"{'t' if self.trans else ''}{'r' if self.stats else ''}"
-                f"{'z' if self.dq_swizzle == 32 else ''}{'q' if self.dq_first else ''}")
+                f"{'z' if self.dq_swizzle == 32 else ''}{'q' if self.dq_first else ''}"
+                f"{'i' if self.dq_interleave else ''}{'e' if self.late_release else ''}")
 
     def smem_bytes(self, d: int, elem: int = 2) -> int:
         extra = 2 * elem * self.bm * self.bn if (self.fused or self.ws) else 0
@@ -446,6 +461,23 @@ for _d in (64, 128):
         dataclasses.replace(c, dq_first=True) for c in WS_DQR_BWD_VARIANTS[_d]
         if c.stats and c.dq_swizzle == 128]
 
+#: session 12: the routed dQ-inside configs with the staging rows interleaved ('i',
+#: HopperBwdConfig.dq_interleave: a half-warp's 8-byte stores of the wgmma accumulator
+#: in 4 distinct bank groups instead of 2, the bulk copies' 5-D box restoring the order),
+#: D -> [the D=128 route 'nhr' + 'i', the D=64 route 'nhtr' (128-row tiles) + 'i'];
+#: results bitwise those without it
+WS_DQI_BWD_VARIANTS = {128: [dataclasses.replace(WS_DQR_BWD_VARIANTS[128][0],
+                                                 dq_interleave=True)],
+                       64: [dataclasses.replace(WS_DQT_BWD_VARIANTS[64][3],
+                                                dq_interleave=True)]}
+#: session 12: the no-add diagnostic of 'nhri' ran 595 vs 465 TFLOP/s at D=128 S=8k
+#: (B=2 H=16; causal 566 vs 505; docs/perf/hopper-bwd-h200-2026-12-04-s12-diag.json):
+#: the writer waited for each tile's adds to complete before taking the next tile.  'e'
+#: (late_release) waits for them a tile later; D -> ['i' + 'e']
+for _d in (64, 128):
+    WS_DQI_BWD_VARIANTS[_d] = WS_DQI_BWD_VARIANTS[_d] + [
+        dataclasses.replace(WS_DQI_BWD_VARIANTS[_d][0], late_release=True)]
+
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a
 #: band, at D=64 (coverage.py).  H200 2026-12-04 05:16 UTC (docs/perf/hopper-bwd-h200-
@@ -458,7 +490,13 @@ for _d in (64, 128):
 #: head) has more key tiles than half the SMs (HopperBwdConfig.dq)
 #: Session 11: D=128 runs 'nhr' ('nh' with the row statistics staged by the producer,
 #: WS_DQR_BWD_VARIANTS above), the same results bit for bit, 6-11 % faster
-_BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQR_BWD_VARIANTS[128][0]}
+#: Session 12: D=128 runs 'nhri' ('nhr' with the dQ staging rows interleaved,
+#: WS_DQI_BWD_VARIANTS), the same results bit for bit: H200 2026-12-04 17:29 UTC
+#: (docs/perf/hopper-bwd-h200-2026-12-04-s12.json, 3 rotated rounds, route TFLOP/s at
+#: S=2k / 2k causal / 8k / 8k causal) 473 / 409 / 498 / 504 vs 'nhr' 457 / 394 / 501 /
+#: 483 (faster in every round but at 8k without a mask, a tie) and cuDNN 484 / 395 / 535
+#: / 489
+_BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQI_BWD_VARIANTS[128][0]}
 #: (D, mask class) exceptions to _BWD.  Session 10 (helper "bm"): D=64 without a mask
 #: runs the transposed consumers with 128-row query tiles ('wdkdvq128x128s2nht'): H200
 #: 2026-12-04 12:40 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json, 3 rotated
@@ -476,8 +514,20 @@ _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQR_BWD_VARIANTS[128][0]}
 #: band or without: H200 2026-12-04 15:21 UTC (docs/perf/hopper-bwd-h200-2026-12-04-s11-
 #: tr-d64.json, 3 rotated rounds, every round faster, bitwise 'nht''s results), S=4k 413
 #: vs 'nht' 368, causal 363 vs 'nhr' s3 342 (cuDNN 428 / 375)
-_BWD_BY_MASK = {(64, "band"): WS_DQT_BWD_VARIANTS[64][3],
-                (64, "none"): WS_DQT_BWD_VARIANTS[64][3]}
+#: Session 12: D=64, band or not, runs 'nhtri' (the same with the dQ staging rows
+#: interleaved, WS_DQI_BWD_VARIANTS; bitwise the same results): S=4k 434 / 396 TFLOP/s
+#: without a mask / causal vs 'nhtr' 420 / 363, faster in every round (cuDNN 428 / 381;
+#: docs/perf/hopper-bwd-h200-2026-12-04-s12-d64.json)
+#: Session 12, without a mask: 'e' on top (the writer's late release, WS_DQI_BWD_VARIANTS
+#: [d][1]; bitwise the same results): H200 2026-12-04 17:52 UTC (docs/perf/hopper-bwd-
+#: h200-2026-12-04-s12-late*.json, 3 rotated rounds, route TFLOP/s) D=128 S=2k / 8k 491 /
+#: 530 vs 'nhri' 483 / 496, D=64 S=4k 449 vs 'nhtri' 433, faster in every round (cuDNN
+#: 492 / 541, 436).  With a band 'e' LOSES (D=128 2k / 8k causal 340 / 436 vs 412 / 508,
+#: D=64 4k causal 378 vs 396: there the next adder of a query tile follows within a
+#: tile, and the late release delays it): bands keep 'i' alone
+_BWD_BY_MASK = {(64, "band"): WS_DQI_BWD_VARIANTS[64][0],
+                (64, "none"): WS_DQI_BWD_VARIANTS[64][1],
+                (128, "none"): WS_DQI_BWD_VARIANTS[128][1]}
 
 #: backward variants the GPU tests check beside the defaults: the fused kernel with its
 #: in-kernel dQ (deferred turn wait 'd', 312 / 257 / 324 / 300 at D=128, and without,

@@ -273,6 +273,9 @@ class FwdLaunch:
             return ()
         sch = (persist_schedule(*self.sched, device=dev) if self.sched is not None
                else _dummy(dev, torch.int32))
+        if self.sched is not None and dev.type == "cuda" \
+                and torch.cuda.is_current_stream_capturing():
+            _sched_pinned[tuple(self.sched) + (str(dev),)] = sch   # the graph reads it
         return (self.out_shape[0] * self.out_shape[1], sch)
 
     def mask_args(self, q, p=None):
@@ -324,6 +327,9 @@ def _band_key_tiles(Sq, Sk, lo, hi, bm, bn):
 #: persist_schedule's tensors per (its arguments, device)
 _sched_cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
 _SCHED_CACHE = 32
+#: the schedules a CUDA-graph capture has launched with, never evicted: a captured graph
+#: reads its schedule's memory at every replay, after _sched_cache may have dropped it
+_sched_pinned: "dict[tuple, torch.Tensor]" = {}
 
 
 def schedule_ready(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1) -> bool:
@@ -581,28 +587,44 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
     return dk, dv
 
 
-def dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128):
-    """A 3-D TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
+def dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128,
+             interleave: bool = False):
+    """A TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
     [1, rows, cols] (cols default D; the fused backward's bulk copies / reduce-adds) and
     the shared layout's swizzle in bytes (128: get_default_for's; 32: boxes of 8
-    columns); its non-tensor fields cached as make_desc's are."""
-    if cols is None and swizzle == 128:
+    columns); its non-tensor fields cached as make_desc's are.  ``interleave``
+    (HopperBwdConfig.dq_interleave; Sq a multiple of 8): 5-D, dqa viewed as
+    [B * H, Sq / 8, 4, 2, D] with the two middle dimensions swapped (row 8 g + 4 b1 + b0
+    at (g, b0, b1)), blocks [1, rows / 8, 4, 2, cols]: a box's shared row 8 g + 2 b0 + b1
+    holds the accumulator's row 8 g + 4 b1 + b0."""
+    if cols is None and swizzle == 128 and not interleave:
         return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
-    return _cached_desc(("dqa", cols, swizzle) + desc_key(dqa, rows), dqa, rows,
-                        lambda x, r: _new_dqa_desc(x, r, cols, swizzle))
+    return _cached_desc(("dqa", cols, swizzle, interleave) + desc_key(dqa, rows), dqa, rows,
+                        lambda x, r: _new_dqa_desc(x, r, cols, swizzle, interleave))
 
 
-def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128):
+def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128,
+                  interleave: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, rows, dqa.shape[2] if cols is None else cols]
+    cols = dqa.shape[2] if cols is None else cols
+    if interleave:
+        n, sq, d = dqa.shape
+        if sq % 8 or rows % 8:
+            raise ValueError(f"interleave: rows ({rows}) and the accumulator's Sq ({sq}) "
+                             "must be multiples of 8")
+        s0, s1, _ = dqa.stride()
+        shape, strides = [n, sq // 8, 4, 2, d], [s0, 8 * s1, s1, 4 * s1, 1]
+        block = [1, rows // 8, 4, 2, cols]
+    else:
+        shape, strides, block = list(dqa.shape), list(dqa.stride()), [1, rows, cols]
     if swizzle == 128:
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     else:
         layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32,
                                       rank=3)
-    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
+    return TensorDescriptor(dqa, shape, strides, block, layout)
 
 
 def _order_of(p, cfg, order) -> int:
@@ -677,7 +699,9 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                           cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
                                                   split=False, lag=False,
                                                   trans=False, bm=64, stats=False,
-                                                  dq_swizzle=128, dq_first=False))
+                                                  dq_swizzle=128, dq_first=False,
+                                                  dq_interleave=False,
+                                                  late_release=False))
             return None, dk, dv
         return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
     if not cfg.fused:
@@ -739,8 +763,9 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     """(dq, dk, dv) through bwd_ws_dq_kernel.dkdvq_ws_kernel (dq's fp32 partials added in
     a fixed order into cfg.chains scratch accumulators), then dq = their sum * scale in
     q's dtype (bwd_dq_convert, one elementwise pass); arguments as backward_fused's.
-    ``_diag`` (the bench's timing diagnostic only): the kernel's writer makes no adds,
-    dq comes out undefined."""
+    ``_diag`` (the bench's timing diagnostics only): True / 1 the kernel's writer makes
+    no adds, dq comes out undefined; 2 (split configs) its reduce-adds in no order (no
+    turns: not repeatable)."""
     from .bwd_dq_convert import dq_convert_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -769,8 +794,12 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     # stores: no init, except where a band or an array mask leaves query tiles without
     # keys: their dq is 0), a counter per (chain, b, h, query tile) at zero
     nc = cfg.chains
-    dqa = torch.empty((nc * B * H, Sq, D), dtype=torch.float32, device=dev)
-    if unvisited:
+    # dq_interleave: the 5-D view (dqa_desc) needs whole groups of 8 rows per head
+    sq_acc = triton.cdiv(Sq, 8) * 8 if cfg.dq_interleave else Sq
+    dqa = torch.empty((nc * B * H, sq_acc, D), dtype=torch.float32, device=dev)
+    if unvisited or int(_diag) == 2:
+        if int(_diag) == 2 and not cfg.split:
+            raise ValueError("_diag 2 (unordered adds) is a diagnostic of split configs")
         dqa.zero_()
     sem = torch.zeros((nc * B * H * nq,), dtype=torch.int32, device=dev)
     rn = cfg.bn // 2
@@ -779,15 +808,19 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
         _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
                               dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None,
-                                       cfg.dq_swizzle), l2, delta,
+                                       cfg.dq_swizzle, cfg.dq_interleave), l2, delta,
                               sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
                               HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                               CONSUMER_REGS=cfg.consumer_regs,
                               WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
-                              CHAINS=nc, DIAG=bool(_diag), SPLIT=cfg.split, LAG=cfg.lag,
+                              CHAINS=nc, DIAG=int(_diag), SPLIT=cfg.split, LAG=cfg.lag,
                               num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}),
-                              **({"DQ_FIRST": True} if cfg.dq_first else {}))
+                              **({"DQ_FIRST": True} if cfg.dq_first else {}),
+                              **({"DQ_IL": True} if cfg.dq_interleave else {}),
+                              **({"LATE": True} if cfg.late_release else {}))
         n = B * H * Sq * D
-        dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, CHAINS=nc,
-                                                  BLOCK=4096, num_warps=8)
+        dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, Sq * D,
+                                                  sq_acc * D, CHAINS=nc,
+                                                  PADDED=sq_acc != Sq, BLOCK=4096,
+                                                  num_warps=8)
     return dq, dk, dv
