@@ -519,7 +519,7 @@ _BWD = {64: _BWD_DKDV_ONLY[64], 128: WS_DQI_BWD_VARIANTS[128][0]}
 #: without a mask / causal vs 'nhtr' 420 / 363, faster in every round (cuDNN 428 / 381;
 #: docs/perf/hopper-bwd-h200-2026-12-04-s12-d64.json)
 #: Session 12, without a mask: 'e' on top (the writer's late release, WS_DQI_BWD_VARIANTS
-#: [d][1]; bitwise the same results): H200 2026-12-04 17:52 UTC (docs/perf/hopper-bwd-
+#: [d][1]; bitwise the same results): H200 2026-12-04 17:41 UTC (docs/perf/hopper-bwd-
 #: h200-2026-12-04-s12-late*.json, 3 rotated rounds, route TFLOP/s) D=128 S=2k / 8k 491 /
 #: 530 vs 'nhri' 483 / 496, D=64 S=4k 449 vs 'nhtri' 433, faster in every round (cuDNN
 #: 492 / 541, 436).  With a band 'e' LOSES (D=128 2k / 8k causal 340 / 436 vs 412 / 508,
