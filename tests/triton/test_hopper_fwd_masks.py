@@ -332,6 +332,18 @@ def test_gpu_d64_persistent_variants_are_the_per_tile_loop_bitwise(dtype, kind, 
     assert np.array_equal(np.isfinite(lse), np.isfinite(rl)), "lse -inf exactly on empty rows"
 
 
+def _captured(call):
+    """-> (a CUDA graph of call() captured on a side stream, call()'s result there)."""
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            res = call()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph, res
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("D", [64, 128])
@@ -353,13 +365,7 @@ def test_gpu_scheduled_forward_under_graph_capture_without_warmup(D):
     torch.cuda.synchronize()
     HL._sched_cache.clear()
     assert prep.sched is not None and not HL.schedule_ready(*prep.sched, device=q.device)
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph):
-            o_cap, st_cap = HL.forward(p, q, k, v, prepared=prep)
-    torch.cuda.current_stream().wait_stream(s)
+    graph, (o_cap, st_cap) = _captured(lambda: HL.forward(p, q, k, v, prepared=prep))
     graph.replay()
     torch.cuda.synchronize()
     o, st = HL.forward(p, q, k, v, prepared=prep)      # eager: the scheduled kernel
@@ -387,13 +393,7 @@ def test_gpu_captured_schedule_outlives_the_cache(monkeypatch):
     assert prep.cfg.persist and prep.cfg.sched, prep.cfg.name
     o, st = HL.forward(p, q, k, v, prepared=prep)      # compiled, schedule built
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph):
-            o_cap, st_cap = HL.forward(p, q, k, v, prepared=prep)
-    torch.cuda.current_stream().wait_stream(s)
+    graph, (o_cap, st_cap) = _captured(lambda: HL.forward(p, q, k, v, prepared=prep))
     key = tuple(prep.sched) + (str(q.device),)
     assert key in HL._sched_pinned
     for sq in (700, 900, 1100):    # other schedules evict this one from the cache
