@@ -129,7 +129,8 @@ def test_interleaved_staging_configs_are_data():
     bits (launch.dqa_desc).  'e' (late_release) on top, refused without split."""
     from anyattn.backends.triton.hopper import launch as HL
 
-    i128, e128 = HCF.WS_DQI_BWD_VARIANTS[128]
+    i128, e128, ti128, te128 = HCF.WS_DQI_BWD_VARIANTS[128]
+    assert (ti128.name, te128.name) == ("wdkdvq128x64s2nhtri", "wdkdvq128x64s2nhtrie")
     i64, e64 = HCF.WS_DQI_BWD_VARIANTS[64]
     assert (e128, e64) == (dataclasses.replace(i128, late_release=True),
                            dataclasses.replace(i64, late_release=True))

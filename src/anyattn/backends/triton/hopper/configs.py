@@ -477,6 +477,11 @@ WS_DQI_BWD_VARIANTS = {128: [dataclasses.replace(WS_DQR_BWD_VARIANTS[128][0],
 for _d in (64, 128):
     WS_DQI_BWD_VARIANTS[_d] = WS_DQI_BWD_VARIANTS[_d] + [
         dataclasses.replace(WS_DQI_BWD_VARIANTS[_d][0], late_release=True)]
+#: session 12: at D=128 the 64-row transposed consumers ('nhtr', a tie with 'nhr' in
+#: session 11) with 'i', and with 'i' + 'e'
+WS_DQI_BWD_VARIANTS[128] = WS_DQI_BWD_VARIANTS[128] + [
+    dataclasses.replace(WS_DQT_BWD_VARIANTS[128][1], dq_interleave=True),
+    dataclasses.replace(WS_DQT_BWD_VARIANTS[128][1], dq_interleave=True, late_release=True)]
 
 #: D -> the backward's config since session 8: the warp-specialised kernel with dQ
 #: inside, one partial per key tile ('wdkdvq128x64s2nh'), routed at D=128 and, with a
