@@ -17,8 +17,23 @@ ahead of the device at moderate sizes.  Variants, timed in turn round after roun
 
 ``--hopper-fwd`` routes the forward through the Hopper launch code (hopper/launch.py:
 TMA descriptors, prepared launch) with its Gluon kernels swapped for no-ops too, and the
-backward through the portable kernels: the route the H200 runs at D=128 (use a shape
-with D=128).
+backward through the portable kernels; ``--hopper-bwd`` the backward alone (the portable
+delta preprocess, then launch.backward's Hopper route: hopper/launch.py
+``backward_config`` -> ``_backward_ws_dq`` with its Gluon kernel and
+``dq_convert_kernel``); ``--hopper`` both: the route the H200 runs at D=128 bf16 (use
+such a shape, e.g. ``--shape 4,16,2048,128``).  The routing is the library's own
+(launch._use_hopper: hopper/coverage.py's table and 'auto' set) with only the device
+facts of an sm_90 CUDA device put in (no interpreter, a CUDA device, capability 9.0,
+132 SMs), so a call the table does not route stays portable; the JSON names the
+routed configs.
+
+``--launcher``: each kernel launch, instead of doing nothing, runs the front of Triton's
+``JITFunction.run`` for an sm_90 target (the generated binder over the call's arguments
+with every parameter's specialisation, the kernel-cache key, the check of the kernel's
+globals; bench/triton_launcher_cost.py): the part of a real launch that is Python and
+depends on the arguments.  Still left out: the driver's device / stream queries, the
+launch metadata, the C launcher (which encodes each TMA descriptor) and the CUDA
+allocations (CPU ones here).
 
     python bench/host_overhead.py --out docs/perf/host-overhead-cpu-<date>.json
 
@@ -66,11 +81,54 @@ class _NoLaunch:
         return lambda *a, **kw: None
 
 
-def _stub_kernels() -> int:
+class _LauncherFront:
+    """Stands in for a @triton.jit / @gluon.jit kernel: kernel[grid](*args, **kw) runs
+    the front of Triton's JITFunction.run for an sm_90 target on these arguments
+    (triton_launcher_cost.launcher_front: binder, cache key, globals' check) and
+    launches nothing."""
+
+    _backend = None
+
+    def __init__(self, fn):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime import jit as J
+
+        if type(fn).__name__ == "InterpretedFunction":   # TRITON_INTERPRET=1's wrapper
+            fn = J.JITFunction(fn.fn, **fn.kwargs)
+        if _LauncherFront._backend is None:
+            _LauncherFront._backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.fn, self.key_cache = fn, {}
+        self.binder = J.create_function_from_signature(fn.signature, fn.params,
+                                                       _LauncherFront._backend)
+
+    def __getitem__(self, grid):
+        return self._front
+
+    def _front(self, *args, **kw):      # triton_launcher_cost.launcher_front
+        from triton.runtime import jit as J
+
+        fn = self.fn
+        kw["debug"] = kw.get("debug", fn.debug) or J.knobs.runtime.debug
+        kw["instrumentation_mode"] = J.knobs.compilation.instrumentation_mode
+        bound, spec, options = self.binder(*args, **kw)
+        J.compute_cache_key(self.key_cache, spec, options)
+        for (name, _), (val, globals_dict) in fn.used_global_vals.items():
+            if globals_dict.get(name) != val:
+                raise RuntimeError(name)
+        return tuple(bound.values())
+
+
+def _stand_in(fn, launcher: bool):
+    return _LauncherFront(fn) if launcher else _NoLaunch()
+
+
+def _stub_kernels(launcher: bool = False) -> int:
     n = 0
     for name in dir(K):
-        if type(getattr(K, name)).__name__ in ("JITFunction", "InterpretedFunction"):
-            setattr(K, name, _NoLaunch())
+        obj = getattr(K, name)
+        if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+            setattr(K, name, _stand_in(obj, launcher))
             n += 1
     return n
 
@@ -88,26 +146,80 @@ class _NoDevice:
         return False
 
 
-def _route_hopper(backward: bool = False) -> None:
-    """Forward calls (and with ``backward`` the backward's dK/dV) take the Hopper launch
-    code, its Gluon kernels no-ops (CPU)."""
+class _OnCuda:
+    """A Problem as the routing sees it on the H200: its device a CUDA one."""
+
+    def __init__(self, p):
+        self._p = p
+
+    device = "cuda:0"
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+
+def _route_hopper(forward: bool = True, backward: bool = False,
+                  launcher: bool = False) -> None:
+    """The forward (and / or the backward) take the route launch._use_hopper picks on an
+    sm_90 device (coverage.py's table, 'auto'), the Hopper launch code's Gluon kernels
+    no-ops (CPU) or, with ``launcher``, Triton's launcher front (_LauncherFront)."""
     from anyattn.backends.triton.hopper import (bwd_dq_convert, bwd_fused_kernel, bwd_kernel,
-                                                bwd_ws_dq_kernel, bwd_ws_kernel, fwd_kernel,
+                                                bwd_ws_dq_kernel, bwd_ws_kernel,
+                                                bwd_ws_t_kernel, fwd_kernel,
                                                 fwd_persist_kernel, fwd_ws_kernel)
+    from anyattn.backends.triton.hopper import coverage as HCov
     from anyattn.backends.triton.hopper import launch as HL
 
-    fwd_kernel.fwd_kernel = _NoLaunch()
-    fwd_ws_kernel.fwd_ws_kernel = _NoLaunch()
-    fwd_persist_kernel.fwd_persist_kernel = _NoLaunch()
-    bwd_kernel.dkdv_kernel = _NoLaunch()
-    bwd_ws_kernel.dkdv_ws_kernel = _NoLaunch()
-    bwd_fused_kernel.dkdvq_kernel = _NoLaunch()
-    bwd_ws_dq_kernel.dkdvq_ws_kernel = _NoLaunch()
-    bwd_dq_convert.dq_convert_kernel = _NoLaunch()
-    HL._sm_count = lambda device: 132          # the H200's (backward_config's residency rule)
-    routed = ("forward", "backward") if backward else ("forward",)
-    L._use_hopper = lambda p, direction, plan, tensors: direction in routed
+    for mod, name in ((fwd_kernel, "fwd_kernel"), (fwd_ws_kernel, "fwd_ws_kernel"),
+                      (fwd_persist_kernel, "fwd_persist_kernel"),
+                      (bwd_kernel, "dkdv_kernel"), (bwd_ws_kernel, "dkdv_ws_kernel"),
+                      (bwd_fused_kernel, "dkdvq_kernel"),
+                      (bwd_ws_dq_kernel, "dkdvq_ws_kernel"),
+                      (bwd_ws_t_kernel, "dkdvq_ws_t_kernel"),
+                      (bwd_dq_convert, "dq_convert_kernel")):
+        setattr(mod, name, _stand_in(getattr(mod, name), launcher))
+    HL._SMS["cpu"] = 132          # the H200's (persistent grid, backward_config, dq_order)
+    HCov._capability = lambda device: (9, 0)
+    real = L._use_hopper
+    routed = {"forward": forward, "backward": backward}
+
+    def use_hopper(p, direction, plan, tensors):   # at a signature's first call only
+        if not routed[direction]:
+            return False
+        interp = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            return real(_OnCuda(p), direction, plan, tensors)
+        finally:
+            if interp is not None:
+                os.environ["TRITON_INTERPRET"] = interp
+
+    L._use_hopper = use_hopper
     torch.cuda.device = _NoDevice
+    # the persistent forward asks before its schedule's first build (a CPU torch raises)
+    torch.cuda.is_current_stream_capturing = lambda: False
+
+
+def _routes(pf, pb) -> dict:
+    """The routes the prepared launches took (after a first call): per direction
+    'portable' or the Hopper config's name."""
+    from anyattn.backends.triton.hopper import launch as HL
+
+    hop = {d: any(pr.hop for key, pr in L._prepared._d.items() if key[0] == d)
+           for d in ("forward", "backward")}
+    out = {}
+    for d, p in (("forward", pf), ("backward", pb)):
+        if not hop[d]:
+            out[d] = "portable"
+        elif d == "forward":
+            out[d] = "hopper " + HL.prepare_forward(p).cfg.name
+        else:
+            out[d] = "hopper " + HL.backward_config(p).name
+    return out
+
+
+def _flags(a) -> str:
+    return "".join(f" {n}" for n, on in (("hopper-fwd", a.hopper_fwd), ("hopper-bwd", a.hopper_bwd),
+                                          ("hopper", a.hopper), ("launcher", a.launcher)) if on)
 
 
 def compare(a, argv) -> None:
@@ -118,6 +230,7 @@ def compare(a, argv) -> None:
     new_src = a.new or str(Path(__file__).resolve().parents[1] / "src")
     runs = {"old": [], "new": []}
     mins = {"old": [], "new": []}       # per run, the fastest round (least load)
+    routes = {}
     skip = {"--compare", "--pairs", "--out", "--png", "--new"}
     child = [x for i, x in enumerate(argv)
              if x not in skip and (i == 0 or argv[i - 1] not in skip)]
@@ -131,12 +244,12 @@ def compare(a, argv) -> None:
                                stdout=subprocess.DEVNULL)
                 doc = json.loads(Path(out).read_text())
                 runs[tag].append(doc["median"])
+                routes[tag] = doc.get("routes")
                 mins[tag].append({n: min(r) for n, r in doc["rounds"].items()})
     names = list(runs["new"][0])
     res = {}
     print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
-          f"{' hopper-fwd' if a.hopper_fwd else ''}{' hopper' if a.hopper else ''}, "
-          f"{a.pairs} alternating pairs of runs, load {os.getloadavg()[0]:.2f}")
+          f"{_flags(a)}, {a.pairs} alternating pairs of runs, load {os.getloadavg()[0]:.2f}")
     for n in names:
         old = [r[n] for r in runs["old"]]
         new = [r[n] for r in runs["new"]]
@@ -151,12 +264,15 @@ def compare(a, argv) -> None:
               f"paired diff {diff:+8.1f} ({diff / res[n]['old']:+.0%});  fastest rounds: "
               f"old {res[n]['old_min']:7.1f} new {res[n]['new_min']:7.1f} paired diff "
               f"{mdiff:+7.1f} ({mdiff / res[n]['old_min']:+.0%})")
+    if a.profile:
+        profile(fns, a, routes)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
-            hopper_fwd=a.hopper_fwd, hopper=a.hopper, old_src=a.compare, new_src=new_src, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
+            hopper_fwd=a.hopper_fwd, hopper_bwd=a.hopper_bwd, hopper=a.hopper,
+            launcher=a.launcher, routes=routes, old_src=a.compare, new_src=new_src, pairs=a.pairs, rounds=a.rounds, steps=a.steps,
             unit="microseconds of host time per fwd+bwd step (kernels no-op), medians",
             variants=res), indent=1))
     if a.png:
@@ -185,6 +301,29 @@ def plot(res, a, path) -> None:
     plt.close(fig)
 
 
+def profile(fns, a, routes, top: int = 40) -> None:
+    """cProfile of a.steps steps per variant -> a.profile (text): per variant the top
+    entries by own time and by cumulative time, in us per step."""
+    import cProfile
+    import io
+    import pstats
+
+    parts = [f"host_overhead --shape {a.shape}{' causal' if a.causal else ''}{_flags(a)}; "
+             f"routes {routes}; {a.steps} steps per variant under cProfile (times are "
+             f"inflated by the profiler; divide by {a.steps} for per step)\n"]
+    for n, f in fns.items():
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.steps):
+            f()
+        pr.disable()
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(top)
+            parts.append(f"===== {n} by {key}\n{buf.getvalue()}")
+    Path(a.profile).write_text("\n".join(parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2,4,256,64", help="B,H,S,D")
@@ -192,10 +331,16 @@ def main() -> None:
     ap.add_argument("--hopper-fwd", action="store_true",
                     help="forward through the Hopper launch code (no-op kernels), as on "
                          "the H200 at D=128")
+    ap.add_argument("--hopper-bwd", action="store_true",
+                    help="backward through the Hopper route (the portable delta "
+                         "preprocess, _backward_ws_dq's kernel and dq conversion, no-op)")
     ap.add_argument("--hopper", action="store_true",
                     help="forward and backward through the Hopper launch code (no-op "
                          "kernels): the route the H200 runs at D=128 bf16 (since session 8 "
                          "the backward's dQ-inside kernel)")
+    ap.add_argument("--launcher", action="store_true",
+                    help="kernels run Triton's launcher front for sm_90 (binder, cache "
+                         "key) instead of nothing")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
@@ -205,13 +350,17 @@ def main() -> None:
                     help="with --compare: the src tree of the later revision (default: this "
                          "checkout's, which may hold others' uncommitted edits)")
     ap.add_argument("--png", help="with --compare: a bar chart of old / new")
+    ap.add_argument("--profile", metavar="TXT",
+                    help="after the timing, cProfile --steps steps of each variant and "
+                         "write the top entries (own and cumulative time) to this file")
     a = ap.parse_args()
     if a.compare:
         compare(a, sys.argv[1:])
         return
-    assert _stub_kernels() > 0
-    if a.hopper_fwd or a.hopper:
-        _route_hopper(backward=a.hopper)
+    assert _stub_kernels(a.launcher) > 0
+    if a.hopper_fwd or a.hopper_bwd or a.hopper:
+        _route_hopper(forward=a.hopper_fwd or a.hopper, backward=a.hopper_bwd or a.hopper,
+                      launcher=a.launcher)
     B, H, S, D = (int(x) for x in a.shape.split(","))
     q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
     k, v = torch.randn_like(q).requires_grad_(), torch.randn_like(q).requires_grad_()
@@ -249,6 +398,7 @@ def main() -> None:
     for f in fns.values():
         for _ in range(20):
             f()
+    routes = _routes(pf, pb)
     us = {n: [] for n in fns}
     for _ in range(a.rounds):
         for n, f in fns.items():
@@ -258,17 +408,22 @@ def main() -> None:
             us[n].append((time.perf_counter() - t0) / a.steps * 1e6)
     med = {n: statistics.median(x) for n, x in us.items()}
     print(f"host us per fwd+bwd step, shape {a.shape}{' causal' if a.causal else ''}"
-          f"{' hopper-fwd' if a.hopper_fwd else ''}{' hopper' if a.hopper else ''}, load {os.getloadavg()[0]:.2f}")
+          f"{_flags(a)}, load {os.getloadavg()[0]:.2f}")
+    print(f"  routes: forward {routes['forward']}, backward {routes['backward']}")
     for n in fns:
         print(f"  {n:11s} median {med[n]:8.1f}  min {min(us[n]):8.1f}  "
               f"(+{med[n] - med['raw']:.1f} over raw)")
+    if a.profile:
+        profile(fns, a, routes)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
             load=os.getloadavg(), torch=torch.__version__, shape=a.shape, causal=a.causal,
-            hopper_fwd=a.hopper_fwd, hopper=a.hopper,
-            unit="microseconds of host time per fwd+bwd step (kernels no-op)",
+            hopper_fwd=a.hopper_fwd, hopper_bwd=a.hopper_bwd, hopper=a.hopper,
+            launcher=a.launcher, routes=routes,
+            unit="microseconds of host time per fwd+bwd step (kernels no-op"
+                 + (", or Triton's launcher front for sm_90" if a.launcher else "") + ")",
             rounds=us, median=med), indent=1))
 
 

@@ -710,6 +710,9 @@ class _Prepared:
     #: the Hopper forward's launch (hopper/launch.py FwdLaunch: config, grid, scalars,
     #: constexprs; its TMA descriptors are built per call on the call's tensors)
     hfwd: Any = None
+    #: the Hopper backward's config (hopper/launch.py backward_config: it reads only
+    #: Problem fields and the device's SM count), resolved on the signature's first call
+    hcfg: Any = None
     plan: Optional[C.Plan] = None
     prec: str = ""
     nparts: int = 1
@@ -954,7 +957,9 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
             if want_kv and pr.hop:
                 from .hopper import launch as HL
 
-                hcfg = HL.backward_config(p)
+                hcfg = pr.hcfg
+                if hcfg is None:
+                    hcfg = pr.hcfg = HL.backward_config(p)
                 if hcfg.fused or hcfg.dq:   # dk, dv and, when the config says so, dq
                     # in one kernel (bwd_fused_kernel / bwd_ws_dq_kernel)
                     got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,

@@ -23,7 +23,6 @@ import types
 from typing import Optional
 
 import torch
-import triton
 
 from ....rowstats import RowStats
 from ..device_ctx import on_device
@@ -35,6 +34,12 @@ __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays"
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (host code: triton.cdiv is a constexpr function, ~2 us a call
+    on a 2-core CPU against ~0.1 us; the launch code called it 6-8 times a step)."""
+    return -(-a // b)
 
 
 def _gl_dtype(dt):
@@ -559,7 +564,7 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
                          f"backward_fused()")
     rm_ = p.mask
     lo, hi, dk, dv, _ = _bwd_checks(p, q, l2, delta, dk, dv)
-    grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    grid = (_cdiv(Sk, cfg.bn), B * Hkv)
     if _is_array(p) and not cfg.ws:
         raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
                                   "warp-specialised backward only (a ws config)")
@@ -642,7 +647,7 @@ def dq_order(p, bn: int, bm: int) -> int:
     after it) when all cdiv(Sk, bn) key-tile programs of one (b, kv head) fit on the SMs
     at once (one program per SM), else 0 (ascending: waits only on earlier launches)."""
     sms = _sm_count(str(p.device))
-    return 1 if triton.cdiv(p.seq_k, bn) <= sms else 0
+    return 1 if _cdiv(p.seq_k, bn) <= sms else 0
 
 
 _SMS: dict = {}
@@ -664,7 +669,7 @@ def backward_config(p) -> HC.HopperBwdConfig:
     the margin of half the SMs keeps that true while other streams' kernels (collectives)
     hold SMs too."""
     cfg = HC.bwd_config(p.head_dim, p.mask_class)
-    if cfg.dq and triton.cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
+    if cfg.dq and _cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
         return HC.bwd_config_dkdv_only(p.head_dim)
     return cfg
 
@@ -673,7 +678,7 @@ def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
     """Whether every query tile of bm rows is visited by some key tile of bn keys under
     lo <= j - i <= hi (bwd_kernel.query_tile_range's rule; the tiles without keys form a
     prefix and / or a suffix, so the first and the last tile decide)."""
-    nq, nkv = triton.cdiv(Sq, bm), triton.cdiv(Sk, bn)
+    nq, nkv = _cdiv(Sq, bm), _cdiv(Sk, bn)
     for t in {0, nq - 1}:
         jlo = max(t * bm + lo, 0) // bn
         jhi = min(-(-max((t + 1) * bm + hi, 0) // bn) - 1, nkv - 1)
@@ -714,7 +719,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     rm_ = p.mask
     lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, with_dq)
     dev = q.device
-    nq = triton.cdiv(Sq, cfg.bm)
+    nq = _cdiv(Sq, cfg.bm)
     if _is_array(p):
         raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
                                   "warp-specialised backward only (a ws config)")
@@ -731,7 +736,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     else:
         dqa, sem, dq_arg = (torch.empty((1, cfg.bm, D), dtype=torch.float32, device=dev),
                             torch.empty((1,), dtype=torch.int32, device=dev), dk)
-    grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    grid = (_cdiv(Sk, cfg.bn), B * Hkv)
     tail = (l2, delta, dq_arg, dqa, sem, H, p.group, Sq, Sk, p.scale, lo, hi, order)
     with torch.cuda.device(dev):
         from .bwd_fused_kernel import dkdvq_kernel
@@ -789,13 +794,13 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     if cfg.bm != 64 and D != 64:
         raise NotImplementedError(f"{cfg.name}: query tiles of {cfg.bm} rows are built "
                                   f"for D=64 only (bwd_ws_t_kernel), got D={D}")
-    nq = triton.cdiv(Sq, cfg.bm)
+    nq = _cdiv(Sq, cfg.bm)
     # fp32 partial sums, one accumulator per chain (the first adder of a query tile
     # stores: no init, except where a band or an array mask leaves query tiles without
     # keys: their dq is 0), a counter per (chain, b, h, query tile) at zero
     nc = cfg.chains
     # dq_interleave: the 5-D view (dqa_desc) needs whole groups of 8 rows per head
-    sq_acc = triton.cdiv(Sq, 8) * 8 if cfg.dq_interleave else Sq
+    sq_acc = _cdiv(Sq, 8) * 8 if cfg.dq_interleave else Sq
     dqa = torch.empty((nc * B * H, sq_acc, D), dtype=torch.float32, device=dev)
     if unvisited or int(_diag) == 2:
         if int(_diag) == 2 and not cfg.split:
@@ -803,7 +808,7 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
         dqa.zero_()
     sem = torch.zeros((nc * B * H * nq,), dtype=torch.int32, device=dev)
     rn = cfg.bn // 2
-    grid = (triton.cdiv(Sk, cfg.bn), B * Hkv)
+    grid = (_cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
         _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                               make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
@@ -819,8 +824,7 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
                               **({"DQ_IL": True} if cfg.dq_interleave else {}),
                               **({"LATE": True} if cfg.late_release else {}))
         n = B * H * Sq * D
-        dq_convert_kernel[(triton.cdiv(n, 4096),)](dqa, dq, n, p.scale, Sq * D,
-                                                  sq_acc * D, CHAINS=nc,
-                                                  PADDED=sq_acc != Sq, BLOCK=4096,
-                                                  num_warps=8)
+        dq_convert_kernel[(_cdiv(n, 4096),)](dqa, dq, n, p.scale, Sq * D, sq_acc * D,
+                                             CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096,
+                                             num_warps=8)
     return dq, dk, dv
