@@ -231,7 +231,7 @@ def compare(a, argv) -> None:
     runs = {"old": [], "new": []}
     mins = {"old": [], "new": []}       # per run, the fastest round (least load)
     routes = {}
-    skip = {"--compare", "--pairs", "--out", "--png", "--new"}
+    skip = {"--compare", "--pairs", "--out", "--png", "--new", "--profile"}
     child = [x for i, x in enumerate(argv)
              if x not in skip and (i == 0 or argv[i - 1] not in skip)]
     with tempfile.TemporaryDirectory() as td:
@@ -350,6 +350,8 @@ def main() -> None:
                     help="with --compare: the src tree of the later revision (default: this "
                          "checkout's, which may hold others' uncommitted edits)")
     ap.add_argument("--png", help="with --compare: a bar chart of old / new")
+    ap.add_argument("--variants", help="comma-separated subset of the variants (default: "
+                    "all; module_ops clones the statistics plane, milliseconds on a CPU)")
     ap.add_argument("--profile", metavar="TXT",
                     help="after the timing, cProfile --steps steps of each variant and "
                          "write the top entries (own and cumulative time) to this file")
@@ -395,6 +397,8 @@ def main() -> None:
         torch.autograd.grad(Trivial.apply(q, k, v), (q, k, v), g)
 
     fns = dict(raw=raw, core=core, module=module, module_ops=module_ops, autograd=autograd)
+    if a.variants:
+        fns = {n: fns[n] for n in a.variants.split(",")}
     for f in fns.values():
         for _ in range(20):
             f()
@@ -412,7 +416,7 @@ def main() -> None:
     print(f"  routes: forward {routes['forward']}, backward {routes['backward']}")
     for n in fns:
         print(f"  {n:11s} median {med[n]:8.1f}  min {min(us[n]):8.1f}  "
-              f"(+{med[n] - med['raw']:.1f} over raw)")
+              f"(+{med[n] - med.get('raw', med[n]):.1f} over raw)")
     if a.profile:
         profile(fns, a, routes)
     if a.out:
