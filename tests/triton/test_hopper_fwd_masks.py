@@ -300,6 +300,30 @@ def test_gpu_d64_band_forward_is_the_per_tile_loop_bitwise(dtype, kind):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("D,kind", [(128, "none"), (128, "causal"), (64, "causal")])
+@pytest.mark.parametrize("S", [128, 300])
+def test_gpu_persistent_routes_with_one_head(D, kind, S):
+    """The routed persistent forwards (D=128 without a mask / causal, D=64 causal) at
+    B = H = 1: BH = 1 is not specialised to a constant (session 12: the epilogue's
+    BH.to(int64) failed to compile there); within tolerance of float64, every element
+    written (poisoned), and the per-tile kernel's bits."""
+    from anyattn.backends.triton.hopper import configs as HCF
+
+    mask = _gpu_masks(S, S)[kind]
+    q, k, v = _gpu_qkv(1, 1, 1, S, S, D, "bfloat16", seed=29)
+    p = describe(q, k, v, mask=mask)
+    cfg = HCF.fwd_config(D, "bfloat16", p.mask_class)
+    assert cfg.persist, cfg.name
+    (o, rs), (ot, rst) = _forward_poisoned(p, q, k, v, (None, cfg.per_tile()))
+    assert torch.equal(o, ot) and torch.equal(rs.max, rst.max)
+    assert torch.equal(rs.log_norm, rst.log_norm)
+    qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
+    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
+    assert_close(o, ro, "bfloat16", "out")
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind,Sq,Sk", [("none", 520, 777), ("causal", 520, 777),
                                         ("causal_br", 520, 777), ("window", 520, 777),

@@ -329,7 +329,7 @@ def _consumer_x(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["BH"])   # BH = 1 (one head) stays a tensor: epilogue's .to
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
                        skm_q, skm_k, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
