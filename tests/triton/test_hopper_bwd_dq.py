@@ -136,7 +136,7 @@ def test_interleaved_staging_configs_are_data():
                            dataclasses.replace(i64, late_release=True))
     assert (e128.name, e64.name) == ("wdkdvq128x64s2nhrie", "wdkdvq128x128s2nhtrie")
     with pytest.raises(ValueError, match="late_release"):
-        dataclasses.replace(i128, split=False, late_release=True)
+        dataclasses.replace(i128, split=False, dq_interleave=False, late_release=True)
     assert i128 == HCF.bwd_config(128) == dataclasses.replace(
         HCF.WS_DQR_BWD_VARIANTS[128][0], dq_interleave=True)             # routed (session 12)
     assert i64 == HCF.bwd_config(64, "band") == \
@@ -149,6 +149,9 @@ def test_interleaved_staging_configs_are_data():
         dataclasses.replace(i128, dq_swizzle=32)
     with pytest.raises(ValueError, match="dq_interleave"):
         HCF.HopperBwdConfig(128, 64, 2, ws=True, dq_interleave=True)
+    for bad in (dict(lag=True), dict(split=False)):   # forms not checked on a GPU
+        with pytest.raises(ValueError, match="dq_interleave"):
+            dataclasses.replace(i128, late_release=False, **bad)
     if not HAS_GLUON:
         return
     acc = torch.zeros((3, 200, 128), dtype=torch.float32)

@@ -272,7 +272,7 @@ class HopperBwdConfig:
     #: split without lag or trans: a tile's dQ products issued before its dK product,
     #: the dQ staging beside dK ('q')
     dq_first: bool = False
-    #: ws with dq, 128-byte swizzle: the staging buffers' rows interleaved within each
+    #: split without lag, 128-byte swizzle: the staging buffers' rows interleaved in each
     #: group of 8 (row 4 * b1 + b0 at 2 * b0 + b1; the bulk copies' 5-D box undoes it,
     #: launch.dqa_desc) so that each half-warp's 8-byte stores of the wgmma accumulator
     #: meet 4 rows in 4 distinct bank groups ('i'; no conflicts, the same bulk copies)
@@ -314,9 +314,10 @@ class HopperBwdConfig:
                                                  and not (self.ws and self.dq)):
             raise ValueError(f"{self.name}: dq_swizzle is 128, or 32 for the "
                              "warp-specialised kernel with dq")
-        if self.dq_interleave and not (self.ws and self.dq and self.dq_swizzle == 128):
-            raise ValueError(f"{self.name}: dq_interleave is an option of the "
-                             "warp-specialised kernel with dq at dq_swizzle 128")
+        if self.dq_interleave and not (self.split and not self.lag
+                                       and self.dq_swizzle == 128):
+            raise ValueError(f"{self.name}: dq_interleave is an option of split configs "
+                             "without lag at dq_swizzle 128 (the forms checked on a GPU)")
         if self.late_release and not self.split:
             raise ValueError(f"{self.name}: late_release is an option of split")
         if self.dq_first and not (self.split and not self.lag and not self.trans):
