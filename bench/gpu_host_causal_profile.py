@@ -8,9 +8,6 @@ H200: 885 vs 605 µs per step, the raw calls 369 vs 335).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 from pathlib import Path
 
@@ -37,19 +34,9 @@ def main(argv=None):
             for _ in range(20):
                 fn()
             THP._sync()
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(a.n):
-                fn()
-            THP._sync()
-            pr.disable()
-            buf = io.StringIO()
-            st = pstats.Stats(pr, stream=buf)
-            st.sort_stats("tottime").print_stats(40)
-            st.sort_stats("cumulative").print_stats(60)
-            (out / f"profile-{name}-{tag}-one-thread.txt").write_text(buf.getvalue())
-            tot = sum(v[2] for v in st.stats.values()) / a.n * 1e6
-            print(f"{tag} {name}: {tot:.0f} us of own time per step under cProfile", flush=True)
+            text = THP.profile_text(fn, a.n, top=60)   # own time, then cumulative
+            (out / f"profile-{name}-{tag}-one-thread.txt").write_text(text)
+            print(f"{tag} {name}: {text.splitlines()[0].strip()}", flush=True)
 
 
 if __name__ == "__main__":
