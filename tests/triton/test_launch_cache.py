@@ -254,21 +254,49 @@ def test_forced_hopper_path_raises_on_every_call(monkeypatch):
 def test_direct_launch_matches_only_the_facts_it_was_compiled_for():
     """direct.Direct replays a compiled kernel only for arguments with the same scalar
     values and types and the same tensor dtypes and 16-byte alignment (Triton's
-    specialisation facts); anything else takes Triton's own launch."""
+    specialisation facts), keywords included; anything else takes Triton's own launch."""
     from anyattn.backends.triton import direct as DL
 
     buf = torch.zeros(64)
     a, b = buf[:16], buf[16:32]                  # both 16-byte aligned
     args = (a, b, 16, 3, 0.5, 1)
-    d = DL.Direct(None, None, args, ("tail",))
-    assert d.matches((buf[32:48], torch.zeros(16), 16, 3, 0.5, 1))
-    for other in ((a, b, 17, 3, 0.5, 1),            # a value
-                  (a, b, 16, 3, 0.25, 1),           # a float value
-                  (a, b, 16, 3.0, 0.5, 1),          # a type (int -> float)
-                  (a, buf[1:17], 16, 3, 0.5, 1),    # alignment
-                  (a, b.double(), 16, 3, 0.5, 1),   # dtype
-                  (a, b, 16, 3, 0.5)):              # arity
-        assert not d.matches(other), other
+    kw = dict(MODE=2, HAS_BAND=True, num_warps=4)
+    d = DL.Direct(None, None, args, kw)
+    assert d.matches((buf[32:48], torch.zeros(16), 16, 3, 0.5, 1), dict(kw))
+    for other, okw in (((a, b, 17, 3, 0.5, 1), kw),            # a value
+                       ((a, b, 16, 3, 0.25, 1), kw),           # a float value
+                       ((a, b, 16, 3.0, 0.5, 1), kw),          # a type (int -> float)
+                       ((a, buf[1:17], 16, 3, 0.5, 1), kw),    # alignment
+                       ((a, b.double(), 16, 3, 0.5, 1), kw),   # dtype
+                       ((a, b, 16, 3, 0.5), kw),               # arity
+                       ((a, 16, b, 3, 0.5, 1), kw),            # a tensor slot, a scalar
+                       (args, dict(kw, MODE=1)),               # a keyword's value
+                       (args, dict(kw, HAS_BAND=1)),           # a keyword's type
+                       (args, dict(kw, num_stages=3)),         # another keyword
+                       (args, dict(MODE=2, HAS_BAND=True)),    # a keyword missing
+                       (args, None)):
+        assert not d.matches(other, okw), (other, okw)
+
+
+def test_direct_launch_binds_in_signature_order():
+    """Direct.values puts positional arguments, keywords and the defaults Triton bound
+    in the kernel's signature order (what CompiledKernel.run takes), options such as
+    num_warps left out; TMA descriptors are operands matched by dtype, block and
+    layout, their address and shape free."""
+    from anyattn.backends.triton import direct as DL
+    from anyattn.backends.triton.hopper import launch as HL
+
+    x = torch.zeros(2, 3, 256, 64, dtype=torch.bfloat16)
+    desc = HL.make_desc(x, 64)
+    bound = {"X": desc, "n": 5, "A": None, "MODE": 2, "B": 7, "FLAG": True}
+    kw = dict(FLAG=True, MODE=2, num_warps=4)
+    d = DL.Direct(None, None, (desc, 5), kw, bound)
+    y = torch.zeros(2, 3, 512, 64, dtype=torch.bfloat16)
+    dy = HL.make_desc(y, 64)
+    vals = d.values((dy, 5), dict(MODE=2, FLAG=True, num_warps=4))
+    assert vals == (dy, 5, None, 2, 7, True)
+    assert d.values((HL.make_desc(y, 128), 5), kw) is None           # another block
+    assert d.values((HL.make_desc(y.half(), 64), 5), kw) is None     # another dtype
 
 
 def test_direct_launch_does_not_apply_to_the_interpreter():
@@ -288,19 +316,20 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
                                                    wrt=("q", "k", "v", "bias"))]
     for kw in cases:
         L.clear_prepared()
+        monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "0")
         plain = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
-        monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "1")
+        monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")      # the default: on
         direct = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
-        monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")
         used = [r[3] for pr in L._prepared._d.values() if pr.direct for r in pr.ready.values()]
-        assert used and all(d for d in used)
+        used += [s for pr in L._prepared._d.values() if pr.direct for s in pr.sites.values()]
+        assert used and all(s.hits > 0 for s in used)
         for a, b in zip(plain[-1], direct[-1]):
             assert torch.equal(a, b)
 
 
 def test_unresolved_direct_site_stops_paying_the_binder_twice(monkeypatch):
-    """A replayed site whose direct.resolve finds nothing (None) retries once, then
-    takes Triton's path alone: resolve (a binder pass) is not repeated on every call."""
+    """A site whose direct.resolve finds nothing (None) retries once, then takes
+    Triton's path alone: resolve (a binder pass) is not repeated on every call."""
     from anyattn.backends.triton import direct as DL
 
     calls = {"resolve": 0, "launch": 0}
@@ -322,4 +351,51 @@ def test_unresolved_direct_site_stops_paying_the_binder_twice(monkeypatch):
         L._replay(pr, ready, FakeKernel(), (0,))
     assert calls["launch"] == 6
     assert calls["resolve"] == 2
-    assert ready[3] is False
+    assert ready[3].d is False and ready[3].hits == 0
+
+
+def test_direct_site_replays_the_resolved_kernel(monkeypatch):
+    """A resolved site launches through the Direct while the facts hold, through
+    Triton's path when they do not (and keeps the Direct), and never directly while
+    Triton's launch hooks are set or when it is off."""
+    from anyattn.backends.triton import direct as DL
+
+    log = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: log.append(("triton", grid, a))
+
+    class FakeDirect(DL.Direct):
+        def run(self, grid, vals):
+            log.append(("direct", grid, vals))
+            return True
+
+    t = torch.zeros(16)
+    monkeypatch.setattr(DL, "resolve", lambda kern, a, k: FakeDirect(kern, None, a, k))
+    monkeypatch.setattr(DL, "hooks_set", lambda: False)
+    site = DL.Site(FakeKernel(), True)
+    site((2,), (t, 3), {"M": 1})                 # Triton's path, then resolved
+    site((2,), (torch.ones(16), 3), {"M": 1})    # the same facts: direct
+    site((2,), (t, 4), {"M": 1})                 # another value: Triton's path
+    assert [e[0] for e in log] == ["triton", "direct", "triton"] and site.hits == 1
+    monkeypatch.setattr(DL, "hooks_set", lambda: True)
+    site((2,), (t, 3), {"M": 1})
+    off = DL.Site(FakeKernel(), False)
+    off((2,), (t, 3), {"M": 1})
+    off((2,), (t, 3), {"M": 1})
+    assert [e[0] for e in log[3:]] == ["triton"] * 3 and off.d is False
+
+
+def test_direct_launch_setting(monkeypatch):
+    """ANYATTN_TRITON_DIRECT_LAUNCH: on by default on CUDA devices, 0 turns it off, any
+    other value is an error; never on other devices."""
+    from anyattn.backends.triton import direct as DL
+
+    monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH", raising=False)
+    assert DL.enabled(torch.device("cuda", 0)) and not DL.enabled(torch.device("cpu"))
+    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "0")
+    assert not DL.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="DIRECT_LAUNCH"):
+        DL.enabled(torch.device("cuda", 0))

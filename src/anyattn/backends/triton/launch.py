@@ -728,11 +728,15 @@ class _Prepared:
     owner_db: bool = False
     want_kv: bool = False
     want_q: bool = False
-    #: ANYATTN_TRITON_DIRECT_LAUNCH=1 on a CUDA device: repeats skip Triton's binding
+    #: on a CUDA device unless ANYATTN_TRITON_DIRECT_LAUNCH=0 (direct.enabled): repeats
+    #: skip Triton's argument binding (direct.Site)
     direct: bool = False
-    #: kernel name -> [grid, positional tail, keywords, direct.Direct or None (not yet
-    #: resolved) or 0 (one retry left) or False (not available)] of its resolved launch
+    #: kernel name -> [grid, positional tail, keywords, direct.Site or None (not made
+    #: yet)] of its resolved launch
     ready: Dict[str, list] = field(default_factory=dict)
+    #: the launch sites without a resolved config (the delta preprocess, the Hopper
+    #: backward's kernels): name -> direct.Site
+    sites: Dict[Any, Any] = field(default_factory=dict)
 
 
 #: prepared launches, one per call signature (a training step of a model with a few
@@ -751,11 +755,14 @@ def _prepare(direction: str, p, plan, mods, named, bias) -> _Prepared:
 
 
 def _build(direction: str, p, plan, mods, named, bias) -> _Prepared:
+    from . import direct as DL
+
     hop = _use_hopper(p, direction, plan, named)
     if hop and direction == "forward":
         from .hopper import launch as HL
 
-        return _Prepared(hop=True, hfwd=HL.prepare_forward(p))
+        return _Prepared(hop=True, hfwd=HL.prepare_forward(
+            p, direct=DL.enabled(named[0][1].device)))
     q = named[0][1]
     dev = q.device
     plan = _plan(p, plan)
@@ -768,7 +775,7 @@ def _build(direction: str, p, plan, mods, named, bias) -> _Prepared:
                    md=None if per_call_md else md,
                    tlists=_no_lists(dev) if ma.mode == 0 else None,
                    sc=_dummy(dev, torch.float32),
-                   direct=q.is_cuda and os.environ.get("ANYATTN_TRITON_DIRECT_LAUNCH") == "1")
+                   direct=DL.enabled(q.device))
     if direction == "backward":
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
         pr.common = dict(D=D, DP=C.padded_dim(D), HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs,
@@ -799,23 +806,26 @@ def _run(pr: _Prepared, name: str, kernel, args, first) -> None:
 
 
 def _replay(pr: _Prepared, ready: list, kernel, args) -> None:
-    """A resolved launch again: kernel[grid](*args, *tail, **keywords), or, with
-    pr.direct, the compiled kernel straight through direct.Direct where the arguments
-    show the facts it was compiled for."""
-    grid, tail, kw, d = ready
-    if pr.direct and d is not False:
+    """A resolved launch again: kernel[grid](*args, *tail, **keywords) through the
+    launch's direct.Site (ready[3], made on its first replay): with pr.direct, the
+    compiled kernel straight through its C launcher where the arguments show the facts
+    it was compiled for."""
+    grid, tail, kw, site = ready
+    if site is None:
         from . import direct as DL
 
-        full = args + tail if tail else args
-        if d is None or d == 0:    # after the first launch: Triton's cache holds it now
-            r = DL.resolve(kernel, full, kw)
-            # unresolved (not cached, async compile): one retry (0), then Triton's path
-            # only (False), so a site never pays the binder twice on every call
-            d = ready[3] = r if r is not None else (0 if d is None else False)
-        if d and not DL.hooks_set() and d.matches(full):
-            d(grid, full)
-            return
-    kernel[grid](*args, *tail, **kw)
+        site = ready[3] = DL.Site(kernel, pr.direct)
+    site(grid, args + tail if tail else args, kw)
+
+
+def _site(pr: _Prepared, name: str, kernel):
+    """The direct.Site of launch ``name`` of this signature (made on its first call)."""
+    site = pr.sites.get(name)
+    if site is None:
+        from . import direct as DL
+
+        site = pr.sites[name] = DL.Site(kernel, pr.direct)
+    return site
 
 
 def clear_prepared() -> None:
@@ -915,9 +925,10 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds
            else pr.sc)
     with ctx:
-        K._bwd_pre_kernel[(_cdiv(Sq, plan.pre_bm), B * H)](
-            out, dout, mx, ln, delta, l2, md.sink_t, dsr, *_s3(out), *_s3(dout), H, Sq,
-            D=D, DP=pr.common["DP"], BM=plan.pre_bm, HAS_SINKS=want_ds)
+        _site(pr, "pre", K._bwd_pre_kernel)(
+            (_cdiv(Sq, plan.pre_bm), B * H),
+            (out, dout, mx, ln, delta, l2, md.sink_t, dsr, *_s3(out), *_s3(dout), H, Sq),
+            dict(D=D, DP=pr.common["DP"], BM=plan.pre_bm, HAS_SINKS=want_ds))
         if want_ds:   # torch's reduction: a fixed order, the same bits every run
             res["dsinks"] = dsr.sum(dim=(0, 2)).to(mods.sinks.dtype)
         if full_bias:
@@ -963,10 +974,12 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                 if hcfg.fused or hcfg.dq:   # dk, dv and, when the config says so, dq
                     # in one kernel (bwd_fused_kernel / bwd_ws_dq_kernel)
                     got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
-                                                  cfg=hcfg, want_dq=want_q and hcfg.dq)
+                                                  cfg=hcfg, want_dq=want_q and hcfg.dq,
+                                                  sites=pr.sites if pr.direct else None)
                     want_q = want_q and got is None
                 else:
-                    HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, cfg=hcfg)
+                    HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, cfg=hcfg,
+                            sites=pr.sites if pr.direct else None)
             elif want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
                              sc, scalars)

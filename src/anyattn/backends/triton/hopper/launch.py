@@ -207,9 +207,10 @@ class FwdLaunch:
     """One forward launch of a call signature (prepare_forward): config, grid, scalars,
     constexprs and output shapes; called with the call's q, k, v [B, H(kv), S, D] it
     allocates out [B, H, Sq, D] and stats [2, B, H, Sq] and launches.  Holds no
-    tensor."""
+    tensor.  ``direct``: repeats replay the compiled kernel (direct.Site)."""
 
-    def __init__(self, p, cfg):
+    def __init__(self, p, cfg, direct: bool = False):
+        from .. import direct as DL
         from .fwd_kernel import fwd_kernel
 
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
@@ -243,7 +244,7 @@ class FwdLaunch:
                 # under CUDA graph capture a schedule not built yet cannot be copied to
                 # the device (a host copy): that call runs the per-tile kernel of the
                 # same loop instead, whose results are bitwise the same
-                self.per_tile = FwdLaunch(p, cfg.per_tile())
+                self.per_tile = FwdLaunch(p, cfg.per_tile(), direct)
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
                            EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
@@ -270,6 +271,8 @@ class FwdLaunch:
             self.kernel, self.q_rows = fwd_kernel, cfg.bm
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            OVERLAP=cfg.overlap, num_warps=cfg.num_warps)
+        #: the launch (Triton's path, or with ``direct`` the resolved kernel's replays)
+        self.site = DL.Site(self.kernel, direct)
 
     def _tail(self, dev) -> tuple:
         """The persistent kernel's arguments after the mask arrays: (B * H, SCH) (SCH the
@@ -312,8 +315,8 @@ class FwdLaunch:
         rq, rk = self.q_rows, self.cfg.bn
         marr, kw = self.mask_args(q, p)
         with on_device(dev):
-            self.kernel[self.grid](make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
-                                   make_desc(out, rq), stats, *self.args, *marr, **kw)
+            self.site(self.grid, (make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
+                                  make_desc(out, rq), stats, *self.args, *marr), kw)
         return out, RowStats(stats[0], stats[1])
 
 
@@ -377,11 +380,11 @@ def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
     return out
 
 
-def prepare_forward(p, cfg=None) -> FwdLaunch:
+def prepare_forward(p, cfg=None, direct: bool = False) -> FwdLaunch:
     """The forward launch of Problem p (configs.fwd_config(D, dtype, mask class) unless
-    ``cfg``)."""
+    ``cfg``); ``direct``: its repeats replay the compiled kernel (direct.Site)."""
     return FwdLaunch(p, HC.fwd_config(p.head_dim, p.dtype, p.mask_class) if cfg is None
-                     else cfg)
+                     else cfg, direct)
 
 
 def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLaunch] = None):
@@ -550,11 +553,26 @@ def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tupl
     return lo, hi, dk, dv, dq
 
 
-def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
+def _launcher(sites, name: str, kernel):
+    """kernel[grid](*args, **kw) as ``launch(grid, args, kw)``: through the prepared
+    signature's direct.Site of that name where the caller keeps ``sites`` (launch.py's
+    prepared launches), else Triton's path."""
+    if sites is None:
+        return lambda grid, args, kw: kernel[grid](*args, **kw)
+    site = sites.get((name, kernel))
+    if site is None:
+        from .. import direct as DL
+
+        site = sites[(name, kernel)] = DL.Site(kernel, True)
+    return site
+
+
+def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None, sites=None):
     """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_kernel.dkdv_kernel (or
     bwd_ws_kernel.dkdv_ws_kernel when cfg.ws) from the backward preprocess's l2
     [B, H, 2, Sq] and delta [B, H, Sq] (fp32, contiguous; kernels.py module doc).  ``dk`` / ``dv``: preallocated buffers to write (tests poison
-    them); ``cfg``: a HopperBwdConfig other than configs.dkdv_config(D)."""
+    them); ``cfg``: a HopperBwdConfig other than configs.dkdv_config(D); ``sites``: the
+    prepared signature's launch sites (direct.Site by name), None for Triton's path."""
     from .bwd_kernel import dkdv_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -576,12 +594,13 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None):
         # absent, the kernel's defaults None compile the dense code)
         akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
         with on_device(q.device):
-            dkdv_ws_kernel[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                                 make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                                 l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi,
-                                 HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
-                                 num_warps=4, **akw)
+            _launcher(sites, "dkdv", dkdv_ws_kernel)(
+                grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                       make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                       l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi),
+                dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                     CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
+                     num_warps=4, **akw))
         return dk, dv
     with torch.cuda.device(q.device):
         dkdv_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
@@ -688,14 +707,16 @@ def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
 
 
 def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=None,
-                   want_dq: bool = True, order=None):
+                   want_dq: bool = True, order=None, sites=None):
     """-> (dq [B, H, Sq, D] or None, dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous,
     from the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32,
     contiguous), through bwd_fused_kernel.dkdvq_kernel (or, for a ws config with dq,
     bwd_ws_dq_kernel.dkdvq_ws_kernel): dK / dV, and dQ when want_dq (added in a fixed
     key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``:
     preallocated buffers to write (tests poison them); ``cfg``: default
-    configs.bwd_config(D); ``order``: the dQ add order, default dq_order()."""
+    configs.bwd_config(D); ``order``: the dQ add order, default dq_order(); ``sites``:
+    the prepared signature's launch sites (direct.Site by name), None for Triton's
+    path."""
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     cfg = HC.bwd_config(D) if cfg is None else cfg
     if cfg.ws and cfg.dq:
@@ -706,9 +727,10 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                                                   trans=False, bm=64, stats=False,
                                                   dq_swizzle=128, dq_first=False,
                                                   dq_interleave=False,
-                                                  late_release=False))
+                                                  late_release=False), sites=sites)
             return None, dk, dv
-        return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order)
+        return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order,
+                               sites=sites)
     if not cfg.fused:
         raise ValueError(f"backward_fused needs a fused config or a ws config with dq, got "
                          f"{cfg.name} (dkdv() runs the dK/dV kernel)")
@@ -764,7 +786,8 @@ def _ws_dq_kernel(cfg):
 WS_DQ_WRITER_REGS = 24
 
 
-def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=False):
+def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=False,
+                    sites=None):
     """(dq, dk, dv) through bwd_ws_dq_kernel.dkdvq_ws_kernel (dq's fp32 partials added in
     a fixed order into cfg.chains scratch accumulators), then dq = their sum * scale in
     q's dtype (bwd_dq_convert, one elementwise pass); arguments as backward_fused's.
@@ -810,21 +833,21 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     rn = cfg.bn // 2
     grid = (_cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
-        _ws_dq_kernel(cfg)[grid](make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                              make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                              dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None,
-                                       cfg.dq_swizzle, cfg.dq_interleave), l2, delta,
-                              sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order,
-                              HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                              CONSUMER_REGS=cfg.consumer_regs,
-                              WRITER_REGS=WS_DQ_WRITER_REGS, PREFETCH=cfg.prefetch,
-                              CHAINS=nc, DIAG=int(_diag), SPLIT=cfg.split, LAG=cfg.lag,
-                              num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}),
-                              **({"DQ_FIRST": True} if cfg.dq_first else {}),
-                              **({"DQ_IL": True} if cfg.dq_interleave else {}),
-                              **({"LATE": True} if cfg.late_release else {}))
+        _launcher(sites, "dkdvq", _ws_dq_kernel(cfg))(
+            grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                   make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                   dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None, cfg.dq_swizzle,
+                            cfg.dq_interleave), l2, delta,
+                   sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order),
+            dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                 CONSUMER_REGS=cfg.consumer_regs, WRITER_REGS=WS_DQ_WRITER_REGS,
+                 PREFETCH=cfg.prefetch, CHAINS=nc, DIAG=int(_diag), SPLIT=cfg.split,
+                 LAG=cfg.lag, num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}),
+                 **({"DQ_FIRST": True} if cfg.dq_first else {}),
+                 **({"DQ_IL": True} if cfg.dq_interleave else {}),
+                 **({"LATE": True} if cfg.late_release else {})))
         n = B * H * Sq * D
-        dq_convert_kernel[(_cdiv(n, 4096),)](dqa, dq, n, p.scale, Sq * D, sq_acc * D,
-                                             CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096,
-                                             num_warps=8)
+        _launcher(sites, "dq_convert", dq_convert_kernel)(
+            (_cdiv(n, 4096),), (dqa, dq, n, p.scale, Sq * D, sq_acc * D),
+            dict(CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8))
     return dq, dk, dv
