@@ -22,8 +22,9 @@ process on the machine that runs the kernels:
   (CUDA events around ``inner`` steps back to back, rounds in rotating order) of
   ``module`` and ``kernel`` as they are, with autograd's device threads off
   (``torch.autograd.set_multithreading_enabled(False)``: the backward runs on the
-  calling thread) and with direct launches (ANYATTN_TRITON_DIRECT_LAUNCH=1), to tell
-  which part of the step's host time each accounts for.
+  calling thread) and without direct launches (ANYATTN_TRITON_DIRECT_LAUNCH=0: every
+  launch through Triton's own path), to tell which part of the step's host time each
+  accounts for.
 
     python bench/torch_host_profile.py --out OUT_DIR [--big 4,16,2048,128] [--ablate]
 """
@@ -191,13 +192,19 @@ class _Setting:
 
 def _settings(fns) -> dict:
     out = {}
+    # every module / kernel setting sets the variable (the default, 1, or 0) around its
+    # steps, so that each pays the same environment writes
+    on = {"ANYATTN_TRITON_DIRECT_LAUNCH": "1"}
     for name in ("module", "kernel", "autograd"):
-        out[name] = _Setting(fns[name])
-        out[name + "_one_thread"] = _Setting(fns[name], threads=False)
+        env = None if name == "autograd" else on
+        out[name] = _Setting(fns[name], env=env)
+        out[name + "_one_thread"] = _Setting(fns[name], threads=False, env=env)
+    # direct launches are the default: these run every launch through Triton's path
     for name in ("module", "kernel"):
-        out[name + "_direct"] = _Setting(fns[name], env={"ANYATTN_TRITON_DIRECT_LAUNCH": "1"})
-        out[name + "_one_thread_direct"] = _Setting(
-            fns[name], threads=False, env={"ANYATTN_TRITON_DIRECT_LAUNCH": "1"})
+        out[name + "_no_direct"] = _Setting(fns[name],
+                                            env={"ANYATTN_TRITON_DIRECT_LAUNCH": "0"})
+        out[name + "_one_thread_no_direct"] = _Setting(
+            fns[name], threads=False, env={"ANYATTN_TRITON_DIRECT_LAUNCH": "0"})
     return out
 
 
