@@ -141,3 +141,35 @@ def test_backward_route_config_follows_the_sm_count(recorded, monkeypatch):
     assert [c[0] for c in recorded] == ["ws_dkdv"]
     pr, = [pr for key, pr in L._prepared._d.items() if key[0] == "backward"]
     assert pr.hcfg == HCF.bwd_config_dkdv_only(128)
+
+
+def test_repeats_go_direct_on_fresh_tensors(recorded, monkeypatch):
+    """With direct launches on (a CUDA device's default; here put in), a signature's
+    first call resolves each launch site and its repeats on fresh tensors replay them:
+    the delta preprocess, the dQ-inside kernel and the dq conversion all go direct (the
+    real launch hooks, empty, do not stop them)."""
+    from anyattn.backends.triton import direct as DL
+
+    direct = []
+
+    class RecordedDirect(DL.Direct):
+        def run(self, grid, vals):
+            direct.append((getattr(self.fn, "name", "pre"), grid))
+            return True
+
+    monkeypatch.setattr(DL, "enabled", lambda dev: True)
+    monkeypatch.setattr(DL, "resolve", lambda kern, a, k: RecordedDirect(kern, None, a, k))
+    B, H, S, D = 1, 2, 200, 128
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+                       for _ in range(4))
+        p = describe(q, k, v, dout=do, mask=aa.Causal(), wrt=("q", "k", "v"))
+        st = aa.RowStats(torch.zeros(B, H, S), torch.zeros(B, H, S))
+        recorded.clear()
+        direct.clear()
+        L.backward(p, q, k, v, do, torch.randn_like(q), st, None)
+        if i == 0:
+            assert [c[0] for c in recorded] == ["ws_dq", "convert"] and not direct
+        else:
+            assert not recorded and sorted(d[0] for d in direct) == ["convert", "pre", "ws_dq"]

@@ -387,6 +387,27 @@ def test_direct_site_replays_the_resolved_kernel(monkeypatch):
     assert [e[0] for e in log[3:]] == ["triton"] * 3 and off.d is False
 
 
+def test_launch_hooks_are_seen_only_when_set(monkeypatch):
+    """Triton 3.6 keeps its launch hooks as HookChains that are never None: an empty
+    chain is no hook (direct launches go ahead), a chain with a call is (Triton's path,
+    which calls it); a plain callable or None (earlier versions) likewise."""
+    from triton import knobs
+
+    from anyattn.backends.triton import direct as DL
+
+    assert not DL.hooks_set()
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        fn = lambda *a: None  # noqa: E731
+        hook.add(fn)
+        try:
+            assert DL.hooks_set()
+        finally:
+            hook.remove(fn)
+        assert not DL.hooks_set()
+    assert DL._hook_active(print) and not DL._hook_active(None)
+
+
 def test_direct_launch_setting(monkeypatch):
     """ANYATTN_TRITON_DIRECT_LAUNCH: on by default on CUDA devices, 0 turns it off, any
     other value is an error; never on other devices."""

@@ -153,13 +153,22 @@ class Direct:
         return True
 
 
+def _hook_active(hook) -> bool:
+    """A launch hook that would be called: Triton 3.6 keeps each as a HookChain (never
+    None; active when it holds calls), earlier versions as a callable or None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def hooks_set() -> bool:
     """Whether Triton's launch hooks are set (a profiler): then every launch takes
     Triton's own path, which calls them."""
     from triton import knobs
 
-    return (knobs.runtime.launch_enter_hook is not None
-            or knobs.runtime.launch_exit_hook is not None)
+    return (_hook_active(knobs.runtime.launch_enter_hook)
+            or _hook_active(knobs.runtime.launch_exit_hook))
 
 
 def resolve(kernel, args: tuple, kw: dict) -> Union[Direct, None, bool]:
