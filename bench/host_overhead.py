@@ -219,7 +219,8 @@ def _routes(pf, pb) -> dict:
 
 def _flags(a) -> str:
     return "".join(f" {n}" for n, on in (("hopper-fwd", a.hopper_fwd), ("hopper-bwd", a.hopper_bwd),
-                                          ("hopper", a.hopper), ("launcher", a.launcher)) if on)
+                                          ("hopper", a.hopper), ("launcher", a.launcher),
+                                          (f"docs={a.docs}", a.docs)) if on)
 
 
 def compare(a, argv) -> None:
@@ -328,6 +329,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2,4,256,64", help="B,H,S,D")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--docs", type=int, default=0,
+                    help="a Documents mask of this many equal documents (with --causal: "
+                    "causal within each); ANYATTN_TRITON_PATH=hopper routes its backward "
+                    "to Hopper")
     ap.add_argument("--hopper-fwd", action="store_true",
                     help="forward through the Hopper launch code (no-op kernels), as on "
                          "the H200 at D=128")
@@ -368,6 +373,9 @@ def main() -> None:
     k, v = torch.randn_like(q).requires_grad_(), torch.randn_like(q).requires_grad_()
     g = torch.randn_like(q)
     mask = anyattn.Causal() if a.causal else None
+    if a.docs:     # equal documents, one id row shared by the batch
+        ids = (torch.arange(S) * a.docs // S).to(torch.int32)
+        mask = anyattn.Documents(ids) if mask is None else mask & anyattn.Documents(ids)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     pf = describe(qd, kd, vd, mask=mask)
     pb = describe(qd, kd, vd, dout=g, mask=mask, wrt=("q", "k", "v"))

@@ -141,16 +141,32 @@ class Direct:
         """Launch the compiled kernel on ``vals`` (``values()``'s) on the current
         stream -> True; False (nothing launched) where the current device is not the
         one it was compiled on."""
-        from triton.runtime.driver import driver
-
-        dev = driver.active.get_current_device()
+        get_device, get_stream = _driver_queries()
+        dev = get_device()
         if self.device is not None and dev != self.device:
             return False
-        stream = driver.active.get_current_stream(dev)
+        stream = get_stream(dev)
         ck = self.ck
         ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                stream, ck.function, ck.packed_metadata, None, None, None, *vals)
         return True
+
+
+#: triton.runtime.driver.driver and triton.knobs.runtime, imported once
+_driver_config = None
+_runtime_knobs = None
+
+
+def _driver_queries():
+    """(current device, current stream) queries of Triton's active driver."""
+    global _driver_config
+    dc = _driver_config
+    if dc is None:
+        from triton.runtime.driver import driver
+
+        dc = _driver_config = driver
+    act = dc.active
+    return act.get_current_device, act.get_current_stream
 
 
 def _hook_active(hook) -> bool:
@@ -165,10 +181,13 @@ def _hook_active(hook) -> bool:
 def hooks_set() -> bool:
     """Whether Triton's launch hooks are set (a profiler): then every launch takes
     Triton's own path, which calls them."""
-    from triton import knobs
+    global _runtime_knobs
+    rk = _runtime_knobs
+    if rk is None:
+        from triton import knobs
 
-    return (_hook_active(knobs.runtime.launch_enter_hook)
-            or _hook_active(knobs.runtime.launch_exit_hook))
+        rk = _runtime_knobs = knobs.runtime
+    return _hook_active(rk.launch_enter_hook) or _hook_active(rk.launch_exit_hook)
 
 
 def resolve(kernel, args: tuple, kw: dict) -> Union[Direct, None, bool]:
