@@ -33,7 +33,9 @@ with every parameter's specialisation, the kernel-cache key, the check of the ke
 globals; bench/triton_launcher_cost.py): the part of a real launch that is Python and
 depends on the arguments.  Still left out: the driver's device / stream queries, the
 launch metadata, the C launcher (which encodes each TMA descriptor) and the CUDA
-allocations (CPU ones here).
+allocations (CPU ones here).  ``--direct`` (with ``--launcher``): a launch site's repeats
+go through ``direct.Direct`` instead (the facts' check and the binding in signature
+order, no binder), as on a CUDA device by default since session 13.
 
     python bench/host_overhead.py --out docs/perf/host-overhead-cpu-<date>.json
 
@@ -117,6 +119,35 @@ class _LauncherFront:
             if globals_dict.get(name) != val:
                 raise RuntimeError(name)
         return tuple(bound.values())
+
+
+def _direct_sites() -> None:
+    """--direct (with --launcher): a launch site's repeats take direct.Direct's path as on
+    a CUDA device (the default there since session 13): the facts' check and the binding
+    in signature order, resolved from the stand-in's binder after a launch through the
+    launcher front; its C launch is left out, as the launcher front's is."""
+    from anyattn.backends.triton import direct as DL
+
+    class _NoRunDirect(DL.Direct):
+        def run(self, grid, vals):
+            return True
+
+    def resolve(kernel, args, kw):
+        if not isinstance(kernel, _LauncherFront):
+            return False
+        from triton.runtime import jit as J
+
+        kw2 = dict(kw, debug=kw.get("debug", kernel.fn.debug) or J.knobs.runtime.debug,
+                   instrumentation_mode=J.knobs.compilation.instrumentation_mode)
+        bound, _, _ = kernel.binder(*args, **kw2)
+        d = _NoRunDirect(kernel, None, tuple(args), kw, dict(bound))
+        vals = d.values(tuple(args), kw)
+        if vals is None or any(a is not b for a, b in zip(vals, bound.values())):
+            raise AssertionError("direct.Direct binds otherwise than Triton's binder")
+        return d
+
+    DL.resolve = resolve
+    DL.enabled = lambda device: True
 
 
 def _stand_in(fn, launcher: bool):
@@ -220,6 +251,7 @@ def _routes(pf, pb) -> dict:
 def _flags(a) -> str:
     return "".join(f" {n}" for n, on in (("hopper-fwd", a.hopper_fwd), ("hopper-bwd", a.hopper_bwd),
                                           ("hopper", a.hopper), ("launcher", a.launcher),
+                                          ("direct", getattr(a, "direct", False)),
                                           (f"docs={a.docs}", a.docs)) if on)
 
 
@@ -346,6 +378,9 @@ def main() -> None:
     ap.add_argument("--launcher", action="store_true",
                     help="kernels run Triton's launcher front for sm_90 (binder, cache "
                          "key) instead of nothing")
+    ap.add_argument("--direct", action="store_true",
+                    help="with --launcher: repeats of a launch site go through "
+                    "direct.Direct (the facts' check, no binder) as on a CUDA device")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=200, help="steps per round and variant")
     ap.add_argument("--out", help="JSON file")
@@ -364,7 +399,12 @@ def main() -> None:
     if a.compare:
         compare(a, sys.argv[1:])
         return
+    if a.direct and not a.launcher:
+        raise SystemExit("--direct models the launch path after Triton's launcher front: "
+                         "give --launcher too")
     assert _stub_kernels(a.launcher) > 0
+    if a.direct:
+        _direct_sites()
     if a.hopper_fwd or a.hopper_bwd or a.hopper:
         _route_hopper(forward=a.hopper_fwd or a.hopper, backward=a.hopper_bwd or a.hopper,
                       launcher=a.launcher)
