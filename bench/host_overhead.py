@@ -297,8 +297,6 @@ def compare(a, argv) -> None:
               f"paired diff {diff:+8.1f} ({diff / res[n]['old']:+.0%});  fastest rounds: "
               f"old {res[n]['old_min']:7.1f} new {res[n]['new_min']:7.1f} paired diff "
               f"{mdiff:+7.1f} ({mdiff / res[n]['old_min']:+.0%})")
-    if a.profile:
-        profile(fns, a, routes)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -397,6 +395,9 @@ def main() -> None:
                          "write the top entries (own and cumulative time) to this file")
     a = ap.parse_args()
     if a.compare:
+        if a.profile:
+            raise SystemExit("--profile profiles this tree's variants in this process; "
+                             "run it without --compare")
         compare(a, sys.argv[1:])
         return
     if a.direct and not a.launcher:
