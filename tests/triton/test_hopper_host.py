@@ -360,3 +360,49 @@ def test_cached_hopper_forward_same_bits_on_new_tensors(mask):
         o1, s1 = L.forward(p, q, k, v, None)
         o2, s2 = uncached(p, q, k, v)
         assert torch.equal(o1, o2) and torch.equal(s1.log_norm, s2.log_norm)
+
+
+@pytest.mark.parametrize("mask", [None, aa.Causal()])
+def test_prepared_forward_repeats_go_direct_and_hold_no_tensor(recorded, monkeypatch, mask):
+    """With direct launches on (a CUDA device's default; here put in), the prepared
+    forward's first call resolves its launch site and the repeats on fresh tensors
+    replay it with the arguments the recorded launch had (descriptors over the call's
+    own tensors, the persistent kernel's schedule); the resolved site keeps facts, not
+    tensors."""
+    from anyattn.backends.triton import direct as DL
+
+    replayed = []
+
+    class RecordedDirect(DL.Direct):
+        def run(self, grid, vals):
+            replayed.append((grid, vals))
+            return True
+
+    monkeypatch.setattr(DL, "enabled", lambda dev: True)
+    monkeypatch.setattr(DL, "resolve", lambda kern, a, k: RecordedDirect(kern, None, a, k))
+    refs = []
+    for i in range(3):
+        q, k, v = (torch.randn(1, 2, 40, 128).to(torch.bfloat16) for _ in range(3))
+        p = describe(q, k, v, mask=mask)
+        out, st = L.forward(p, q, k, v, None)
+        if i == 0:
+            assert len(recorded.calls) == 1 and not replayed
+            first = recorded.calls.pop()
+        else:
+            assert not recorded.calls
+            grid, vals = replayed.pop()
+            # no binding here (the fake resolution has no signature): the positional
+            # arguments, then the keywords' values in the launch's order
+            n = len(first[1])
+            assert grid == first[0] and vals[n:] == tuple(first[2].values())
+            assert all(d.base is t for d, t in zip(vals[:4], (q, k, v, out)))
+            assert vals[4].data_ptr() == st.max.data_ptr()
+            scalars = [x for x in vals[5:n] if not isinstance(x, torch.Tensor)]
+            assert scalars == [x for x in first[1][5:] if not isinstance(x, torch.Tensor)]
+        refs += [weakref.ref(x) for x in (q, k, v, out)]
+    (pr,) = L._prepared._d.values()
+    assert pr.hfwd.site.hits == 2
+    del q, k, v, out, st, vals, first
+    replayed.clear()
+    gc.collect()
+    assert all(r() is None for r in refs)
