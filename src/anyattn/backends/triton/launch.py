@@ -402,11 +402,7 @@ class TileLists:
     hm: int
     nq: int
     nk: int
-    kept_fraction: float = 1.0   # of mask blocks, partial counted as kept
     mode: int = 1                # 1 lists, 2 range tables (see above)
-    #: blocks visited per block visited by the lists (ranges >= 1: empty blocks inside
-    #: the ranges, rows and columns together; 1.0 for lists)
-    visit_ratio: float = 1.0
 
     def row_strides(self):
         """(sc_b, sc_h, si_b, si_h, si_r) for the row lists (0 on broadcast dims)."""
@@ -522,21 +518,15 @@ def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
         return cnt, idx
 
     if ma.mode == 2:
-        kept = part | full
         rr, cr = _block_ranges(part, full), _block_ranges(part.transpose(-1, -2),
                                                           full.transpose(-1, -2))
         z = _dummy(device)
-        n_kept = float(kept.sum())
-        visits = float((rr[..., 3] - rr[..., 0]).sum() + (cr[..., 3] - cr[..., 0]).sum())
-        return TileLists(rr, z, z, z, cr, z, z, z, bm_, hm_, nq, nk,
-                         float(kept.float().mean()), mode=2,
-                         visit_ratio=visits / (2 * n_kept) if n_kept else 1.0)
+        return TileLists(rr, z, z, z, cr, z, z, z, bm_, hm_, nq, nk, mode=2)
     rc, ri = lists(part)
     rfc, rfi = lists(full)
     cc, ci = lists(part.transpose(-1, -2))
     cfc, cfi = lists(full.transpose(-1, -2))
-    kept = float((part | full).float().mean())
-    return TileLists(rc, ri, rfc, rfi, cc, ci, cfc, cfi, bm_, hm_, nq, nk, kept)
+    return TileLists(rc, ri, rfc, rfi, cc, ci, cfc, cfi, bm_, hm_, nq, nk)
 
 
 def _block_ranges(part, full):
