@@ -73,9 +73,6 @@ def _sites():
                 found[f"{i}:fwd_per_tile"] = pr.hfwd.per_tile.site
         for name, s in pr.sites.items():
             found[f"{i}:{name if isinstance(name, str) else name[0]}"] = s
-        for name, r in pr.ready.items():
-            if r[3] is not None:
-                found[f"{i}:{name}"] = r[3]
     return found
 
 

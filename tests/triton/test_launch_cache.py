@@ -320,8 +320,7 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
         plain = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
         monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")      # the default: on
         direct = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
-        used = [r[3] for pr in L._prepared._d.values() if pr.direct for r in pr.ready.values()]
-        used += [s for pr in L._prepared._d.values() if pr.direct for s in pr.sites.values()]
+        used = [s for pr in L._prepared._d.values() if pr.direct for s in pr.sites.values()]
         assert used and all(s.hits > 0 for s in used)
         for a, b in zip(plain[-1], direct[-1]):
             assert torch.equal(a, b)
@@ -346,12 +345,12 @@ def test_unresolved_direct_site_stops_paying_the_binder_twice(monkeypatch):
 
     monkeypatch.setattr(DL, "resolve", fake_resolve)
     pr = L._Prepared(hop=False, direct=True)
-    ready = [(1,), (), {}, None]
+    ready = [(1,), (), {}]
     for _ in range(6):
-        L._replay(pr, ready, FakeKernel(), (0,))
+        L._replay(pr, "k", ready, FakeKernel(), (0,))
     assert calls["launch"] == 6
     assert calls["resolve"] == 2
-    assert ready[3].d is False and ready[3].hits == 0
+    assert pr.sites["k"].d is False and pr.sites["k"].hits == 0
 
 
 def test_direct_site_replays_the_resolved_kernel(monkeypatch):

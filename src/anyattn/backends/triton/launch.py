@@ -721,11 +721,10 @@ class _Prepared:
     #: on a CUDA device unless ANYATTN_TRITON_DIRECT_LAUNCH=0 (direct.enabled): repeats
     #: skip Triton's argument binding (direct.Site)
     direct: bool = False
-    #: kernel name -> [grid, positional tail, keywords, direct.Site or None (not made
-    #: yet)] of its resolved launch
+    #: kernel name -> [grid, positional tail, keywords] of its resolved launch
     ready: Dict[str, list] = field(default_factory=dict)
-    #: the launch sites without a resolved config (the delta preprocess, the Hopper
-    #: backward's kernels): name -> direct.Site
+    #: launch name -> its direct.Site (made on its first call through _site; the
+    #: resolved launches' replays, the delta preprocess, the Hopper backward's kernels)
     sites: Dict[Any, Any] = field(default_factory=dict)
 
 
@@ -787,25 +786,20 @@ def _run(pr: _Prepared, name: str, kernel, args, first) -> None:
     _launch (fallbacks, autotuning) and the result is kept."""
     ready = pr.ready.get(name)
     if ready is not None:
-        _replay(pr, ready, kernel, args)
+        _replay(pr, name, ready, kernel, args)
         return
     grid_of, cfg, kw, tune_key, dt = first()
     c = _launch(kernel, grid_of, cfg, args, kw, _sig(dt=dt, **kw), tune_key)
     pr.ready[name] = [grid_of(c), (), dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
-                                           num_stages=c.num_stages), None]
+                                           num_stages=c.num_stages)]
 
 
-def _replay(pr: _Prepared, ready: list, kernel, args) -> None:
+def _replay(pr: _Prepared, name: str, ready: list, kernel, args) -> None:
     """A resolved launch again: kernel[grid](*args, *tail, **keywords) through the
-    launch's direct.Site (ready[3], made on its first replay): with pr.direct, the
-    compiled kernel straight through its C launcher where the arguments show the facts
-    it was compiled for."""
-    grid, tail, kw, site = ready
-    if site is None:
-        from . import direct as DL
-
-        site = ready[3] = DL.Site(kernel, pr.direct)
-    site(grid, args + tail if tail else args, kw)
+    launch's direct.Site: with pr.direct, the compiled kernel straight through its C
+    launcher where the arguments show the facts it was compiled for."""
+    grid, tail, kw = ready
+    _site(pr, name, kernel)(grid, args + tail if tail else args, kw)
 
 
 def _site(pr: _Prepared, name: str, kernel):
@@ -1065,10 +1059,10 @@ def _launch_fused_bwd(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, 
             *tlists.col_strides(), *tlists.row_strides(), *scalars)
     ready = pr.ready.get("bwd")
     if ready is None:     # launches once, with the first config pair that fits
-        pr.ready["bwd"] = [*_resolve_fused_bwd(p, plan, q, args, ma, pr.common, full_bias),
-                           None]
+        pr.ready["bwd"] = list(_resolve_fused_bwd(p, plan, q, args, ma, pr.common,
+                                                  full_bias))
         return
-    _replay(pr, ready, K._bwd_kernel, args)
+    _replay(pr, "bwd", ready, K._bwd_kernel, args)
 
 
 def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
