@@ -8,6 +8,11 @@
 #           D=128 bf16, host per step at S=128)
 #   masks   windows and documents vs FlexAttention with the host (eager; as shipped and
 #           with the Hopper forward + backward on Documents), B=4 H=16 S=4k D=128
+#   fresh   documents vs FlexAttention as a packed-sequence loop has them: a new mask on new
+#           ids every call (ids on the host, then on the GPU; Flex: a new block mask), as
+#           shipped and with the Hopper backward on Documents (its eager size rule)
+#   syncs   the GPU tests that count a fresh Documents mask's synchronisations
+#           (tests/triton/test_mask_inputs.py)
 #   user    bench/torch_module_bench.py --graph, B=4 H=16 S=2k D=128 bf16
 #   suite   the whole GPU suite (pytest -m gpu tests/triton tests/torch)
 #   prof    bench/torch_host_profile.py without --ablate (cProfile, the GPU's idle gaps)
@@ -26,6 +31,13 @@ for ph in $PHASES; do
     masks)  timeout $(cap 150) python3 bench/gpu_masks_vs_flex.py --out $OUT/$ph --budget 120 \
               --masks doc_eq512,doc_rand_causal,sliding:512,sliding:1024 --shapes 4096x128 \
               --variants default,hopfwd+hopbwd --repeat 2 > $OUT/$ph/log 2>&1 ;;
+    fresh)  for w in host device; do
+              timeout $(cap 100) python3 bench/gpu_masks_vs_flex.py --out $OUT/$ph/$w --budget 80 \
+                --masks doc_eq512,doc_rand_causal --shapes 4096x128,8192x128 --fresh $w \
+                --variants default,hopbwd --repeat 2 > $OUT/$ph/log.$w 2>&1
+            done; cat $OUT/$ph/log.* > $OUT/$ph/log ;;
+    syncs)  timeout $(cap 90) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 80 -rfE \
+              tests/triton/test_mask_inputs.py > $OUT/$ph/log 2>&1 ;;
     user)   timeout $(cap 110) python3 bench/torch_module_bench.py --graph --dtypes bf16 --seqs 2048 \
               --batch 4 --heads 16 --head-dim 128 --out $OUT/$ph/user.json --png $OUT/$ph/user.png \
               > $OUT/$ph/log 2>&1 ;;

@@ -26,6 +26,13 @@ FlexAttention compiles once per (S, D, mask family): the window, the document id
 the causal flag of a family are read from tensors inside its mask_mod (updated in
 place), so the windows share one compile and the document layouts another.
 
+``--fresh host|device``: a packed-sequence training loop's view of the document masks.
+Every anyattn call builds its ``Documents`` mask from a new copy of the ids (on the
+host, as a data loader yields them, or on the GPU), so its tile lists are rebuilt each
+call as they are each step of such a loop; Flex rebuilds its block mask each call
+(``create_block_mask`` with its defaults), as its users do when the documents change.
+Window masks and the KeepMask case are unaffected.
+
 Usage: python3 bench/gpu_masks_vs_flex.py --out DIR [--budget 90] [--variants a,b]
        python3 bench/gpu_masks_vs_flex.py --tiny        (CPU dry run, no timing)
 """
@@ -107,6 +114,18 @@ def case_mask(kind: str, S: int, gen, dev):
     if as_keep:
         mask = aa.KeepMask(keep[None, None])
     return mask, keep, "doc", {"doc": ids, "bidir": torch.tensor(not causal, device=dev)}
+
+
+def _fresh_masks(ids, causal: bool, where):
+    """-> a function giving a new Documents mask (Causal within documents if ``causal``)
+    on a new copy of ``ids`` on ``where`` at every call: new tensors, as each step of a
+    packed-sequence loop brings."""
+    src = ids.detach().to("cpu")
+
+    def make():
+        m = aa.Documents(src.clone().to(where))
+        return aa.Causal() & m if causal else m
+    return make
 
 
 # ---------------------------------------------------------------- reference and checks
@@ -232,7 +251,8 @@ def run(args):
                "step's forward + autograd.grad; *_gpu / *_host: device time of 20 calls "
                "queued behind a sleep kernel (no host gaps) / host enqueue time per call, "
                "medians of 3 rounds; gc.collect() before each implementation's timing",
-        variants=args.variants, budget_s=args.budget), "rows": [], "skipped": []}
+        variants=args.variants, budget_s=args.budget, fresh=args.fresh),
+        "rows": [], "skipped": []}
     if not tiny:
         import triton
 
@@ -284,14 +304,22 @@ def run(args):
                         _FX[name] = val.clone()
                 mod = _sw_mod if fam == "sw" else _doc_mod
                 bm = create_block_mask(mod, None, None, S, S, device=dev)
+                fresh = "none" if fam != "doc" or kind.startswith("keep_") else args.fresh
+                row["fresh"] = fresh
+                mask_of = (lambda m=mask: m) if fresh == "none" else _fresh_masks(
+                    data["doc"], kind.endswith("causal"), "cpu" if fresh == "host" else dev)
                 impls = {}
                 for var in variants:
                     nm = "anyattn" if var is None else f"anyattn[{var}]"
-                    impls[nm] = (lambda q_, k_, v_, m=mask: at.attention(q_, k_, v_, mask=m),
+                    impls[nm] = (lambda q_, k_, v_: at.attention(q_, k_, v_, mask=mask_of()),
                                  var)
                 if tiny:   # Flex has no CPU backward: a dense-mask stand-in for the dry run
                     impls["flex"] = (lambda q_, k_, v_, km=keep: F.scaled_dot_product_attention(
                         q_, k_, v_, attn_mask=km), None)
+                elif fresh != "none":     # a new block mask per call, as for new documents
+                    impls["flex"] = (lambda q_, k_, v_, mod=mod: flex(
+                        q_, k_, v_, block_mask=create_block_mask(mod, None, None, S, S,
+                                                                 device=dev)), None)
                 else:
                     impls["flex"] = (lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), None)
                 # checks: one (b, h) slice vs float64; anyattn bitwise repeatable
@@ -529,6 +557,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="time every implementation this many times in rotating order "
                          "(medians reported, each pass kept in ms_reps)")
+    ap.add_argument("--fresh", choices=("none", "host", "device"), default="none",
+                    help="document masks: a new mask on new ids (host or GPU copies) at "
+                         "every anyattn call, a new block mask at every Flex call")
     ap.add_argument("--no-cudnn", dest="cudnn", action="store_false")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (numpy backend, eager Flex)")

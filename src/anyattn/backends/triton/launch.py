@@ -33,6 +33,7 @@ from ...rowstats import RowStats
 from .device_ctx import on_device
 from . import configs as C
 from . import kernels as K
+from . import mask_inputs as MI
 from . import prepared as P
 
 __all__ = ["forward", "backward", "tile_lists", "clear_caches", "set_mask_lowering"]
@@ -234,16 +235,6 @@ def _dummy(device, dtype=torch.int32):
     return t
 
 
-def _to_dev(x, device, dtype=None):
-    if isinstance(x, torch.Tensor):
-        t = x
-    else:
-        import numpy as np
-
-        t = torch.from_numpy(np.ascontiguousarray(x))
-    return t.to(device=device, dtype=dtype if dtype is not None else t.dtype)
-
-
 def _mask_args(p, q, bias) -> _MaskArgs:
     rm = p.mask
     dev = q.device
@@ -253,8 +244,8 @@ def _mask_args(p, q, bias) -> _MaskArgs:
     lo, hi = max(lo, -_BIG), min(hi, _BIG)
     has_docs = rm.q_ids is not None
     if has_docs:
-        qid = _to_dev(rm.q_ids, dev, torch.int32).contiguous()
-        kid = _to_dev(rm.k_ids, dev, torch.int32).contiguous()
+        qid = MI.to_device(rm.q_ids, dev, torch.int32, keep=True).contiguous()
+        kid = MI.to_device(rm.k_ids, dev, torch.int32, keep=True).contiguous()
         sqid_b = Sq if qid.shape[0] > 1 else 0
         skid_b = Sk if kid.shape[0] > 1 else 0
     else:
@@ -262,7 +253,8 @@ def _mask_args(p, q, bias) -> _MaskArgs:
         sqid_b = skid_b = 0
     has_keep = rm.keep is not None
     if has_keep:
-        km = _to_dev(rm.keep, dev, torch.bool).view(torch.uint8).expand(B, H, Sq, Sk)
+        km = MI.to_device(rm.keep, dev, torch.bool, keep=True).view(torch.uint8).expand(
+            B, H, Sq, Sk)
         skm = tuple(km.stride())
     else:
         km, skm = _dummy(dev, torch.uint8), (0, 0, 0, 0)
@@ -340,12 +332,12 @@ def _mod_args(p, mods: Optional[ScoreMods], dev, draw: bool = True) -> _ModArgs:
         raise ValueError(f"softcap {p.softcap}: expected c > 0")
     slopes, sl_b = _dummy(dev, torch.float32), 0
     if mods.alibi_slopes is not None:
-        slopes = _to_dev(mods.alibi_slopes, dev, torch.float32).reshape(-1, p.heads_q)
+        slopes = MI.to_device(mods.alibi_slopes, dev, torch.float32).reshape(-1, p.heads_q)
         slopes = slopes.contiguous()
         sl_b = p.heads_q if slopes.shape[0] > 1 else 0
     sink_t = _dummy(dev, torch.float32)
     if mods.sinks is not None:
-        sink_t = _to_dev(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
+        sink_t = MI.to_device(mods.sinks, dev, torch.float32).reshape(p.heads_q).contiguous()
     dropout, drop = _drop_args(p, dev, draw)
     return _ModArgs(softcap=p.softcap is not None, alibi=mods.alibi_slopes is not None,
                     sinks=mods.sinks is not None, slopes=slopes, sl_b=sl_b, sink_t=sink_t,
@@ -421,19 +413,11 @@ _list_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 
 def clear_caches() -> None:
-    """Forget the tile lists and the prepared launches."""
+    """Forget the tile lists, the mask arrays' kept copies and facts, and the prepared
+    launches."""
     _list_cache.clear()
+    MI.clear()
     _prepared.clear()
-
-
-def _tensor_key(x):
-    """Identity of a torch tensor's contents for caching: storage pointer, layout and
-    version counter (bumped by every in-place write).  None for NumPy arrays (not cached)."""
-    if x is None:
-        return ()
-    if not isinstance(x, torch.Tensor):
-        return None
-    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, str(x.device))
 
 
 def _block_reduce(x, sb_q, sb_k):
@@ -447,8 +431,10 @@ def _block_reduce(x, sb_q, sb_k):
     return xa.reshape(shp).any(dim=5).any(dim=3), xl.reshape(shp).all(dim=5).all(dim=3)
 
 
-def _doc_blocks(qid, kid, sb_q, sb_k):
-    """any / all of q_ids[i] == k_ids[j] per block -> two bool [Bd, 1, nQ, nK]."""
+def _doc_blocks(qid, kid, sb_q, sb_k, sorted_ids: bool):
+    """any / all of q_ids[i] == k_ids[j] per block -> two bool [Bd, 1, nQ, nK].
+    sorted_ids: every row of both id arrays is non-decreasing (mask_inputs.ids_sorted):
+    the blocks' id intervals decide then, else the ids are compared pairwise."""
     bd = max(qid.shape[0], kid.shape[0])
     qid = qid.expand(bd, -1).to(torch.int64)
     kid = kid.expand(bd, -1).to(torch.int64)
@@ -459,7 +445,6 @@ def _doc_blocks(qid, kid, sb_q, sb_k):
         extra = n - x.shape[1]
         return torch.cat([x, x[:, -1:].expand(-1, extra)], 1) if extra else x
 
-    sorted_ids = bool((qid[:, 1:] >= qid[:, :-1]).all()) and bool((kid[:, 1:] >= kid[:, :-1]).all())
     if sorted_ids:
         qp = pad_rep(qid, nq * sb_q).reshape(bd, nq, sb_q)
         kp = pad_rep(kid, nk * sb_k).reshape(bd, nk, sb_k)
@@ -496,10 +481,10 @@ def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
         any_k = any_k & ((dmax >= ma.lo) & (dmin <= ma.hi))
         all_k = all_k & ((dmin >= ma.lo) & (dmax <= ma.hi))
     if ma.has_docs:
-        a, l = _doc_blocks(ma.qid, ma.kid, sb_q, sb_k)
+        a, l = _doc_blocks(ma.qid, ma.kid, sb_q, sb_k, all(MI.ids_sorted(rm.q_ids, rm.k_ids)))
         any_k, all_k = any_k & a, all_k & l
     if ma.has_keep:
-        keep = _to_dev(rm.keep, device, torch.bool)
+        keep = MI.to_device(rm.keep, device, torch.bool, keep=True)
         bx, hx = keep.shape[0], keep.shape[1]
         a, l = _block_reduce(keep.expand(bx, hx, Sq, Sk), sb_q, sb_k)
         any_k, all_k = any_k & a, all_k & l
@@ -559,7 +544,7 @@ def tile_lists(p, ma: _MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
     """The tile lists of p's mask at block size sb_q x sb_k, cached per mask contents
     (torch masks only; the cache holds the mask tensors so their memory stays theirs)."""
     rm = p.mask
-    parts = [_tensor_key(rm.keep), _tensor_key(rm.q_ids), _tensor_key(rm.k_ids)]
+    parts = [MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids)]
     if any(k is None for k in parts):
         return _build_lists(p, ma, sb_q, sb_k, device)
     key = (tuple(parts), ma.lo, ma.hi, p.batch, p.heads_q, p.seq_q, p.seq_k, sb_q, sb_k,

@@ -26,6 +26,7 @@ import torch
 
 from ....rowstats import RowStats
 from ..device_ctx import on_device
+from .. import mask_inputs as MI
 from . import configs as HC
 
 __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
@@ -128,12 +129,13 @@ def _dummy(dev, dtype):
     return t
 
 
-def _doc_intervals(qid, kid):
-    """Documents with k ids sorted along each batch row: per query its document as the
-    key interval [first, one past the last) -> int32 [Bd, 2, Sq] (an empty interval
-    where no key shares its id); None where some row's k ids are not sorted.  qid
-    [Bq, Sq], kid [Bk, Sk] int32 on the device, Bq / Bk 1 or Bd."""
-    if kid.shape[1] > 1 and not bool((kid[:, 1:] >= kid[:, :-1]).all()):
+def _doc_intervals(qid, kid, k_sorted: bool):
+    """Documents with k ids sorted along each batch row (k_sorted: mask_inputs.ids_sorted):
+    per query its document as the key interval [first, one past the last) -> int32
+    [Bd, 2, Sq] (an empty interval where no key shares its id); None where some row's
+    k ids are not sorted.  qid [Bq, Sq], kid [Bk, Sk] int32 on the device, Bq / Bk 1 or
+    Bd."""
+    if not k_sorted:
         return None
     bd = max(qid.shape[0], kid.shape[0])
     ks = kid.expand(bd, -1).contiguous()
@@ -152,10 +154,8 @@ def mask_arrays(p, q, cfg) -> tuple:
     [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents.  Cached per
     mask tensors (identity and version counter: an in-place write is a new mask) where
     every mask array is a torch tensor."""
-    from .. import launch as L
-
     rm = p.mask
-    parts = (L._tensor_key(rm.keep), L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+    parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
     key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
                                       p.seq_q, p.seq_k, str(q.device), cfg.bm, cfg.bn)
     hit = _marr_cache.get(key) if key is not None else None
@@ -186,11 +186,12 @@ def _mask_arrays(p, q, cfg) -> tuple:
     docs, qid, kid, sqid_b, skid_b = 0, _dummy(dev, torch.int32), ma.kid, 0, 0
     if ma.has_docs:
         rm = p.mask
-        parts = (L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+        parts = (MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
         key = None if None in parts else (parts, p.seq_q, p.seq_k, str(dev))
         hit = _doc_cache.get(key) if key is not None else None
         if hit is None:
-            hit = (_doc_intervals(ma.qid, ma.kid), (rm.q_ids, rm.k_ids))
+            hit = (_doc_intervals(ma.qid, ma.kid, MI.ids_sorted(rm.q_ids, rm.k_ids)[1]),
+                   (rm.q_ids, rm.k_ids))
             if key is not None:
                 _doc_cache[key] = hit
                 while len(_doc_cache) > _DOC_CACHE:
@@ -444,10 +445,8 @@ def bwd_mask_tables(p, q, bm: int = 64, bn: int = 128) -> BwdMaskTables:
     kernels' and the forward's tables come from (triton/launch.py tile_lists at bm x bn,
     range mode: its column table), reduced over each kv head's query-head group; cached
     per mask tensors as mask_arrays is."""
-    from .. import launch as L
-
     rm = p.mask
-    parts = (L._tensor_key(rm.keep), L._tensor_key(rm.q_ids), L._tensor_key(rm.k_ids))
+    parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
     key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
                                       p.heads_kv, p.seq_q, p.seq_k, str(q.device), bm, bn)
     hit = _bwd_tab_cache.get(key) if key is not None else None
