@@ -13,6 +13,8 @@
 #           shipped and with the Hopper backward on Documents (its eager size rule)
 #   syncs   the GPU tests that count a fresh Documents mask's synchronisations
 #           (tests/triton/test_mask_inputs.py)
+#   fixed   bench/gpu_bwd_overhead.py: the Hopper backward's fixed cost per program (line
+#           fit over Sq at Sk = 2k and 8k), what a persistent backward could hide
 #   user    bench/torch_module_bench.py --graph, B=4 H=16 S=2k D=128 bf16
 #   suite   the whole GPU suite (pytest -m gpu tests/triton tests/torch)
 #   prof    bench/torch_host_profile.py without --ablate (cProfile, the GPU's idle gaps)
@@ -38,6 +40,10 @@ for ph in $PHASES; do
             done; cat $OUT/$ph/log.* > $OUT/$ph/log ;;
     syncs)  timeout $(cap 90) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 80 -rfE \
               tests/triton/test_mask_inputs.py > $OUT/$ph/log 2>&1 ;;
+    fixed)  for sk in 2048 8192; do
+              timeout $(cap 60) python3 bench/gpu_bwd_overhead.py --out $OUT/$ph/sk$sk --sk $sk \
+                > $OUT/$ph/log.sk$sk 2>&1
+            done; cat $OUT/$ph/log.* > $OUT/$ph/log ;;
     user)   timeout $(cap 110) python3 bench/torch_module_bench.py --graph --dtypes bf16 --seqs 2048 \
               --batch 4 --heads 16 --head-dim 128 --out $OUT/$ph/user.json --png $OUT/$ph/user.png \
               > $OUT/$ph/log 2>&1 ;;

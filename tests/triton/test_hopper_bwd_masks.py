@@ -144,6 +144,65 @@ def test_backward_walk_over_tables_matches_float64(name):
         assert np.abs(got.numpy() - ref).max() <= 1e-10 * max(1.0, np.abs(ref).max()), n
 
 
+def _seen_by_walk(visits, B, Hkv, nq):
+    """bool [B, Hkv, nq]: the query tiles some program of (b, kv head) visits."""
+    seen = torch.zeros(B, Hkv, nq, dtype=torch.bool)
+    for (b, hk, _), vl in visits.items():
+        for _, t, _ in vl:
+            seen[b, hk, t] = True
+    return seen
+
+
+def _vis_of(tabs, B, H, nq) -> torch.Tensor:
+    """The visits table as dq_convert_kernel reads it, per (b, query head, tile)."""
+    kv = tabs.kw_visits
+    flat = kv["VIS"].flatten()
+    return torch.tensor([[[bool(flat[b * kv["vis_b"] + (h // kv["G"]) * kv["vis_h"] + t])
+                           for t in range(nq)] for h in range(H)] for b in range(B)])
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_visits_table_is_the_walks_visited_tiles(name):
+    """The visits table dq_convert_kernel reads (the accumulator is not zeroed) marks
+    exactly the query tiles the programs visit, per (b, head) through its kv head."""
+    p, mask, q, k, v, dout, tabs, _ = _tables(name)
+    *_, visits = _walk(p, mask, q, k, v, dout, tabs)
+    B, H, Sq, _ = q.shape
+    Hkv, nq = k.shape[1], -(-Sq // BM)
+    seen = _seen_by_walk(visits, B, Hkv, nq)
+    assert torch.equal(_vis_of(tabs, B, H, nq), seen.repeat_interleave(H // Hkv, dim=1))
+
+
+def test_dq_conversion_zeroes_the_unvisited_tiles_only():
+    """dq_convert_kernel with VISITS on an accumulator whose never-stored rows hold NaN
+    (no zeroing: a new mask reads nothing back from the device): the float64 reference's
+    dq, zeros in the query tiles without keys ("docs_cross_br": q id 5 has no key)."""
+    from anyattn.backends.triton.hopper.bwd_dq_convert import dq_convert_kernel
+
+    from tr_util import DEV
+
+    p, mask, q, k, v, dout, tabs, _ = _tables("docs_cross_br")
+    dq, _, _, visits = _walk(p, mask, q, k, v, dout, tabs)
+    B, H, Sq, D = q.shape
+    nq = -(-Sq // BM)
+    vis = _vis_of(tabs, B, H, nq)
+    assert not bool(vis.all()) and bool(vis.any()), "the case needs both kinds of tile"
+    rows = vis.repeat_interleave(BM, dim=2)[:, :, :Sq, None]          # [B, H, Sq, 1]
+    acc = torch.where(rows, dq / p.scale, float("nan")).to(torch.float32)
+    out = torch.full_like(acc, 7.0)
+    n = acc.numel()
+    kw = {key: (x.to(DEV) if isinstance(x, torch.Tensor) else x)
+          for key, x in tabs.kw_visits.items()}
+    dq_convert_kernel[(-(-n // 1024),)](acc.to(DEV), out_d := out.to(DEV), n, p.scale,
+                                        Sq * D, Sq * D, CHAINS=1, PADDED=False, BLOCK=1024,
+                                        H=H, D=D, **kw)
+    got = out_d.cpu().double()
+    rg = R.backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), mask=np_mask(mask))
+    assert not torch.isnan(got).any()
+    assert bool((got[~rows.expand_as(got)] == 0).all())
+    assert np.abs(got.numpy() - rg.dq).max() <= 1e-5 * max(1.0, np.abs(rg.dq).max())
+
+
 @pytest.mark.parametrize("name", list(_cases()))
 def test_dq_add_order_has_no_wait_cycle(name):
     """Replay of the writers' turn waits: each program walks its visits in order and adds

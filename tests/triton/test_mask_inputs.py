@@ -124,19 +124,22 @@ def _docs_problem(ids, B=1, H=2, D=8):
 
 
 def _build_all(p, q):
-    """What a routed step builds for a new Documents mask: the portable tile lists at two
-    block sizes (forward and backward tiles) and the Hopper forward's mask arrays."""
+    """What a step builds for a new Documents mask: the portable tile lists at two block
+    sizes (forward and backward tiles), the Hopper backward's tables (its route for
+    array masks: ANYATTN_TRITON_PATH=hopper) and the Hopper forward's mask arrays."""
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
     ma = L._mask_args(p, q, None)
     for sb in ((32, 32), (64, 32)):
         L.tile_lists(p, ma, *sb, q.device)
+    HL.bwd_mask_tables(p, q, 64, 128)
     return HL.mask_arrays(p, q, HCF.fwd_config(128, "bfloat16", p.mask_class))
 
 
 def test_new_host_documents_mask_builds_without_device_reads():
-    """Before session 14 each new mask's build read the device five times (the ids'
-    sortedness per block size and once more for the Hopper forward's intervals)."""
+    """Before session 14 each new mask's build read the device five times on the routed
+    step (the ids' sortedness per block size and once more for the Hopper forward's
+    intervals), once more through the Hopper backward (its unvisited-tile flag)."""
     g = torch.Generator().manual_seed(5)
     for step in range(3):                            # fresh ids each step, as a loop has
         p, q = _docs_problem(sorted_ids(g, 400, 3 + step))
@@ -252,13 +255,18 @@ def _syncs(fn) -> list:
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("path", ["auto", "hopper"])
 @pytest.mark.parametrize("ids_on", ["cpu", "cuda"])
-def test_gpu_step_with_a_fresh_documents_mask_synchronises_at_most_once(ids_on):
-    """A training step (the routed D=128 bf16 forward and backward) with new document
+def test_gpu_step_with_a_fresh_documents_mask_synchronises_at_most_once(ids_on, path,
+                                                                        monkeypatch):
+    """A training step (D=128 bf16: the routed forward and backward, or with
+    ANYATTN_TRITON_PATH=hopper the Hopper backward and its tables) with new document
     ids: none of its work waits for the GPU when the ids come from the host (a data
     loader's), and it waits once (the ids' sortedness) when they are on the GPU."""
     import anyattn.torch  # noqa: F401
 
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", path)
+    L.clear_prepared()
     g = torch.Generator().manual_seed(9)
     B, H, S, D = 2, 4, 1536, 128
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
@@ -271,3 +279,4 @@ def test_gpu_step_with_a_fresh_documents_mask_synchronises_at_most_once(ids_on):
         ids = sorted_ids(g, S, 5 + step).to(ids_on)
         syncs = _syncs(lambda: _gpu_step(ids, q, k, v, dout))
         assert len(syncs) == (0 if ids_on == "cpu" else 1), syncs
+    L.clear_prepared()

@@ -423,14 +423,16 @@ class BwdMaskTables:
     code); the key tile visits its range from index off on (the diagonal first, as the
     dense kernels' rotated order does).  rk int32 [Bm, Hm, nq, nkv]: the rank of key
     tile j among the key tiles whose range holds query tile t, ordered by (the step at
-    which j visits t, j): the dQ adds' order (bwd_ws_dq_kernel, ARRAY).  unvisited:
-    whether some query tile is in no key tile's range (its dq accumulator must start at
-    0).  kw: bwd_ws_kernel's keyword arguments (the range table, the mask arrays and
-    their strides, ARRAY / DOCS / HAS_KEEP); kw_dq: bwd_ws_dq_kernel's (kw and the rank
+    which j visits t, j): the dQ adds' order (bwd_ws_dq_kernel, ARRAY).  kw_visits:
+    dq_convert_kernel's keywords for the visits table int8 [Bm, Hm, nq] (whether some
+    key tile's range holds query tile t: the accumulator is not zeroed, the conversion
+    writes 0 where none does; a device table, so a new mask costs no host read).  kw:
+    bwd_ws_kernel's keyword arguments (the range table, the mask arrays and their
+    strides, ARRAY / DOCS / HAS_KEEP); kw_dq: bwd_ws_dq_kernel's (kw and the rank
     table)."""
 
-    def __init__(self, ct, rk, unvisited: bool, kw: dict, kw_dq: dict):
-        self.ct, self.rk, self.unvisited, self.kw, self.kw_dq = ct, rk, unvisited, kw, kw_dq
+    def __init__(self, ct, rk, kw_visits: dict, kw: dict, kw_dq: dict):
+        self.ct, self.rk, self.kw_visits, self.kw, self.kw_dq = ct, rk, kw_visits, kw, kw_dq
 
 
 #: bwd_mask_tables' results per (mask tensors' identity and version, band, shape,
@@ -507,7 +509,9 @@ def _bwd_mask_tables(p, q, bm: int, bn: int) -> BwdMaskTables:
                            torch.clamp(n, min=1)[..., None, :])
     order_key = torch.where(vis, step * nkv + j, (nq + 1) * nkv)      # [Bm, Hm, nq, nkv]
     rk = torch.argsort(torch.argsort(order_key, dim=-1), dim=-1).to(torch.int32)
-    unvisited = bool((~vis.any(-1)).any())
+    visits = vis.any(-1).to(torch.int8).contiguous()                  # [Bm, Hm, nq]
+    kw_visits = dict(VIS=visits, vis_b=hm * nq if bm_ > 1 else 0, vis_h=nq if hm > 1 else 0,
+                     G=p.group if hm > 1 else 1, BMQ=bm, VISITS=True)
     rs = lambda: (hm * nkv if bm_ > 1 else 0, nkv if hm > 1 else 0)   # noqa: E731
     ct_b, ct_h = rs()
     rk = rk.contiguous()
@@ -515,7 +519,7 @@ def _bwd_mask_tables(p, q, bm: int, bn: int) -> BwdMaskTables:
     kw = dict(CT=ct, ct_b=ct_b, ct_h=ct_h, IV=iv, KID=kid, siv_b=siv_b, skid_b=skid_b,
               KM=km, skm_b=skm_b, skm_h=skm_h, skm_q=skm_q, skm_k=skm_k, ARRAY=True,
               DOCS=docs, HAS_KEEP=p.mask.keep is not None)
-    return BwdMaskTables(ct, rk, unvisited, kw, dict(kw, RK=rk, rk_b=rk_b, rk_h=rk_h))
+    return BwdMaskTables(ct, rk, kw_visits, kw, dict(kw, RK=rk, rk_b=rk_b, rk_h=rk_h))
 
 
 def _is_array(p) -> bool:
@@ -799,7 +803,7 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
     rm_ = p.mask
     lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, True)
     dev = q.device
-    akw = {}
+    akw, ckw = {}, {}
     if _is_array(p):   # the tables' order (bwd_mask_tables), not order 0 / 1
         if order is not None:
             raise ValueError("order: a Documents / KeepMask backward adds dQ in its rank "
@@ -808,7 +812,8 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
             raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on "
                                       "bwd_ws_dq_kernel's consumers (trans=False) only")
         tabs = bwd_mask_tables(p, q, cfg.bm, cfg.bn)
-        akw, order, unvisited = tabs.kw_dq, 0, tabs.unvisited
+        akw, order, unvisited = tabs.kw_dq, 0, False
+        ckw = dict(tabs.kw_visits, H=H, D=D)     # unvisited query tiles: 0 in the conversion
     else:
         order = _order_of(p, cfg, order)
         unvisited = rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm,
@@ -818,8 +823,9 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
                                   f"for D=64 only (bwd_ws_t_kernel), got D={D}")
     nq = _cdiv(Sq, cfg.bm)
     # fp32 partial sums, one accumulator per chain (the first adder of a query tile
-    # stores: no init, except where a band or an array mask leaves query tiles without
-    # keys: their dq is 0), a counter per (chain, b, h, query tile) at zero
+    # stores: no init, except where a band leaves query tiles without keys: their dq is
+    # 0; an array mask's such tiles are written 0 by the conversion, VISITS), a counter
+    # per (chain, b, h, query tile) at zero
     nc = cfg.chains
     # dq_interleave: the 5-D view (dqa_desc) needs whole groups of 8 rows per head
     sq_acc = _cdiv(Sq, 8) * 8 if cfg.dq_interleave else Sq
@@ -848,5 +854,5 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
         n = B * H * Sq * D
         _launcher(sites, "dq_convert", dq_convert_kernel)(
             (_cdiv(n, 4096),), (dqa, dq, n, p.scale, Sq * D, sq_acc * D),
-            dict(CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8))
+            dict(CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8, **ckw))
     return dq, dk, dv
