@@ -11,8 +11,9 @@
 #   fresh   documents vs FlexAttention as a packed-sequence loop has them: a new mask on new
 #           ids every call (ids on the host, then on the GPU; Flex: a new block mask), as
 #           shipped and with the Hopper backward on Documents (its eager size rule)
-#   syncs   the GPU tests that count a fresh Documents mask's synchronisations
-#           (tests/triton/test_mask_inputs.py)
+#   syncs   the GPU tests of session 14's mask inputs: a fresh Documents mask's
+#           synchronisations (tests/triton/test_mask_inputs.py), host ids' bits
+#           (tests/torch/test_cuda.py), the array-mask Hopper backward's dq conversion
 #   fixed   bench/gpu_bwd_overhead.py: the Hopper backward's fixed cost per program (line
 #           fit over Sq at Sk = 2k and 8k), what a persistent backward could hide
 #   user    bench/torch_module_bench.py --graph, B=4 H=16 S=2k D=128 bf16
@@ -39,7 +40,8 @@ for ph in $PHASES; do
                 --variants default,hopbwd --repeat 2 > $OUT/$ph/log.$w 2>&1
             done; cat $OUT/$ph/log.* > $OUT/$ph/log ;;
     syncs)  timeout $(cap 90) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 80 -rfE \
-              tests/triton/test_mask_inputs.py > $OUT/$ph/log 2>&1 ;;
+              tests/triton/test_mask_inputs.py tests/torch/test_cuda.py \
+              tests/triton/test_hopper_bwd_masks.py > $OUT/$ph/log 2>&1 ;;
     fixed)  for sk in 2048 8192; do
               timeout $(cap 60) python3 bench/gpu_bwd_overhead.py --out $OUT/$ph/sk$sk --sk $sk \
                 > $OUT/$ph/log.sk$sk 2>&1

@@ -63,3 +63,24 @@ def test_bert_trains_with_dropout_on_cuda():
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all()
                                         for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("ids_kind", ["cpu_tensor", "numpy", "int64_beyond_int32"])
+def test_documents_ids_on_the_host_give_the_device_ids_results(ids_kind):
+    """Document ids may stay on the host (a data loader's): the same out and gradients,
+    bit for bit, as the same ids on the GPU."""
+    from anyattn import Documents
+
+    S = 700
+    ids = (torch.arange(S) * 5 // S).to(torch.int32)
+    host = {"cpu_tensor": ids, "numpy": ids.numpy(),
+            "int64_beyond_int32": ids.to(torch.int64) * 2 ** 33}[ids_kind]
+    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for m in (Documents(ids.cuda()) & Causal(), Documents(host) & Causal()):
+        out = at.attention(q, k, v, mask=m)
+        res.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)

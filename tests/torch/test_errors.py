@@ -135,3 +135,20 @@ def test_numpy_integer_offsets_are_accepted():
     for bad in (True, 1.5, np.float64(1)):
         with pytest.raises(TypeError, match="q_offset: expected an int"):
             at.attention(q0, k0, v0, q_offset=bad, backend="reference")
+
+
+def test_host_document_ids_for_a_gpu_call_are_lowered_to_a_cpu_copy():
+    """NumPy ids of a call on a GPU stay on the host as a CPU tensor (copied: a view of
+    the array would change without a version counter); CPU tensors stay as given."""
+    import numpy as np
+
+    from anyattn.torch.lowering import lower
+
+    ids = np.arange(9) // 3
+    _, _, qi, ki, _ = lower(Documents(ids), 1, 2, 9, 9, device=torch.device("cuda"))
+    assert qi.device.type == "cpu" and qi.shape == (1, 9) and qi.tolist() == [ids.tolist()]
+    ids[0] = 7
+    assert int(qi[0, 0]) == 0                        # a copy
+    t = torch.arange(9) // 3
+    _, _, qt, _, _ = lower(Documents(t), 1, 2, 9, 9, device=torch.device("cuda"))
+    assert qt.data_ptr() == t.data_ptr()

@@ -83,37 +83,107 @@ def _id_cases():
 
 
 def _rows_sorted(x) -> bool:
-    a = np.asarray(x).reshape(-1, np.asarray(x).shape[-1])
-    return bool(np.all(np.diff(a.astype(np.int64), axis=-1) >= 0))
+    a = np.asarray(x).astype(object)
+    a = a.reshape(-1, a.shape[-1])
+    return bool(np.all(a[:, 1:] >= a[:, :-1]))
+
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("name", list(_id_cases()))
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_ids_sorted_is_the_rows_order(name, where, monkeypatch):
+def test_kernel_ids_order_facts_are_the_rows_order(name, where, monkeypatch):
     if where == "device":
         monkeypatch.setattr(MI, "on_host", lambda ids: False)
     q, k = _id_cases()[name]
-    assert MI.ids_sorted(q, k) == (_rows_sorted(q), _rows_sorted(k))
+    ids = MI.kernel_ids(q, k, CPU)
+    assert (ids.q_sorted, ids.k_sorted) == (_rows_sorted(q), _rows_sorted(k))
+    assert ids.q.dtype == ids.k.dtype == torch.int32
+
+
+def _wide_cases():
+    """Ids a plain int32 cast would merge or reorder: name -> (q_ids, k_ids)."""
+    big = np.array([0, 0, 2 ** 32, 2 ** 32, 5, 2 ** 32 + 5], dtype=np.int64)
+    return {
+        "int64_2^32": (big, big),
+        "int64_negative": (-big, np.sort(-big)),
+        "int64_sorted": (np.sort(big), np.sort(big)),
+        "uint32_2^31": (np.array([1, 2 ** 31, 2 ** 31 + 1], dtype=np.uint32),
+                        np.array([2 ** 31 + 1, 1, 7], dtype=np.uint32)),
+        "uint64_2^63": (np.array([3, 2 ** 63 + 3, 2 ** 64 - 1], dtype=np.uint64),
+                        np.array([2 ** 64 - 1, 3, 3], dtype=np.uint64)),
+        "int64_vs_uint64": (np.array([-1, 2 ** 40, 9], dtype=np.int64),
+                            np.array([2 ** 64 - 1, 2 ** 40, 9], dtype=np.uint64)),
+        "narrow_int8": (np.array([-128, 127, 0], dtype=np.int8),
+                        np.array([127, 0, 0], dtype=np.int8)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_wide_cases()))
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_kernel_ids_are_equal_exactly_where_the_given_ids_are(name, where, monkeypatch):
+    """int32 ids for the kernels: equal where the given ids are equal (a plain cast of
+    2**32 and 0 would merge two documents), in the same order (sorted rows stay sorted).
+    The device branch runs on torch tensors of the ids (int64 and int8 ones; unsigned
+    wide ids go through the host branch there too)."""
+    q, k = _wide_cases()[name]
+    if where == "device":
+        monkeypatch.setattr(MI, "on_host", lambda ids: False)
+        q, k = (torch.from_numpy(x) if x.dtype in (np.int64, np.int8) else x for x in (q, k))
+    ids = MI.kernel_ids(q[None], k[None], CPU)
+    qo, ko = (np.asarray(x).astype(object).reshape(-1) for x in (q, k))
+    want = qo[:, None] == ko[None, :]
+    got = (ids.q.reshape(-1)[:, None] == ids.k.reshape(-1)[None, :]).numpy()
+    assert ids.q.dtype == torch.int32 and np.array_equal(got, want)
+    assert (ids.q_sorted, ids.k_sorted) == (_rows_sorted(q), _rows_sorted(k))
+    qa = ids.q.reshape(-1).numpy()
+    assert all((qo[i] < qo[j]) == (qa[i] < qa[j]) for i in range(len(qo))
+               for j in range(len(qo)))          # the order kept too
+
+
+def test_documents_beyond_int32_give_the_reference():
+    """End to end through the triton backend: document ids 0 and 2**32 (one int32 value
+    after a cast) stay two documents (this call was 0.79 off before session 14)."""
+    S = 64
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, S, 16, generator=g) for _ in range(3))
+    ids = np.r_[np.zeros(S // 2), np.full(S // 2, 2 ** 32)].astype(np.int64)
+    ref = aa.attention(q.numpy(), k.numpy(), v.numpy(), mask=aa.Documents(ids),
+                       backend="reference")
+    for mask_ids in (ids, torch.from_numpy(ids)):
+        out = aa.attention(q, k, v, mask=aa.Documents(mask_ids), backend="triton")
+        assert np.abs(out.numpy() - ref).max() < 1e-5
 
 
 def test_host_ids_are_checked_without_device_reads():
     q, k = _id_cases()["rows_mixed"]
     with device_reads() as seen:
-        assert MI.ids_sorted(q, k) == (False, False)
+        ids = MI.kernel_ids(q, k, CPU)
+    assert (ids.q_sorted, ids.k_sorted) == (False, False)
     assert seen == []
 
 
 def test_device_ids_are_read_once_per_id_tensors(device_resident):
     q, k = _id_cases()["sorted_q_unsorted_k"]
-    with device_reads() as seen:                     # as masks.resolve gives them: [1, S]
-        assert MI.ids_sorted(q[None], k[None]) == (True, False)
+
+    def facts():
+        ids = MI.kernel_ids(q[None], k[None], CPU)    # as masks.resolve gives them: [1, S]
+        return ids.q_sorted, ids.k_sorted
+
+    with device_reads() as seen:
+        assert facts() == (True, False)
     assert seen == ["tolist"]                        # both arrays in one read
     with device_reads() as seen:                     # a new resolve's views: same contents
-        assert MI.ids_sorted(q[None], k[None]) == (True, False)
+        assert facts() == (True, False)
     assert seen == []
     k[10], k[200] = int(k[200]), int(k[10])          # in place: a new version, read again
     with device_reads() as seen:
-        assert MI.ids_sorted(q[None], k[None]) == (True, True)
+        assert facts() == (True, True)
+    assert seen == ["tolist"]
+    wide = q.to(torch.int64)                         # int64: range and order, one read
+    with device_reads() as seen:
+        MI.kernel_ids(wide[None], wide[None], CPU)
     assert seen == ["tolist"]
 
 

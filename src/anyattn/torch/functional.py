@@ -194,9 +194,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     band_lo, band_hi, q_ids, k_ids, keep = lower(mask, B, Hq, Sq, Sk, 0, 0,
                                                  device=qb.device)
     for term, t in (("KeepMask", keep), ("Documents", q_ids), ("Documents", k_ids)):
-        if t is not None and t.device != qb.device:
+        # document ids may also stay on the host (docs/torch.md, packed sequences)
+        if t is not None and t.device != qb.device and not (
+                term == "Documents" and t.device.type == "cpu"):
             raise ValueError(f"mask: the {term} tensor is on {t.device} but q is on "
-                             f"{qb.device}; move it with .to(q.device)")
+                             f"{qb.device}; move it with .to(q.device)"
+                             + (" (document ids may also stay on the CPU)"
+                                if term == "Documents" else ""))
     if scale is None:
         scale = D ** -0.5
     try:

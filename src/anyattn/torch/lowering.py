@@ -7,6 +7,12 @@ into ``(band_lo, band_hi, q_ids [Bd, Sq] | None, k_ids [Bd, Sk] | None,
 keep [.., .., .., ..] bool | None)``, the same pieces as
 ``anyattn.masks.resolve`` but with torch operations only, so that Dynamo
 traces it without a graph break.  Shapes are checked by the core inside the op.
+
+Document ids may stay on the host when q is on a GPU (CPU tensors as given, NumPy
+arrays as CPU tensors): the Triton backend works out what its kernels need from them
+on the host and copies them without a host-device synchronisation (a packed-sequence
+loop's ids come from its data loader, new every step).  A second Documents term is
+folded into ``keep`` on q's device.
 """
 from __future__ import annotations
 
@@ -28,7 +34,14 @@ def _tensor(x, device) -> torch.Tensor:
 
 
 def _ids2(x, device) -> torch.Tensor:
-    t = _tensor(x, device)
+    """Document ids [S] or [Bd, S] -> [Bd, S]: a tensor as it is, a NumPy array as a tensor
+    on ``device``, or a CPU tensor (a copy: no view of an array that can change without
+    a version counter) where ``device`` is a GPU."""
+    if not isinstance(x, torch.Tensor) and device is not None and \
+            torch.device(device).type != "cpu":
+        t = torch.tensor(x)
+    else:
+        t = _tensor(x, device)
     return t if t.ndim == 2 else t[None]
 
 
@@ -61,6 +74,7 @@ def lower(mask, b: int, hq: int, sq: int, sk: int, q_offset: int = 0, k_offset: 
         if n == 0:
             q_ids, k_ids = qi, ki
         else:  # a second Documents term: fold it into the keep mask [Bd, 1, Sq, Sk]
+            qi, ki = (x.to(device) if device is not None else x for x in (qi, ki))
             doc = qi[:, None, :, None] == ki[:, None, None, :]
             keep = doc if keep is None else keep & doc
     for km in acc.keeps:

@@ -219,6 +219,8 @@ class _MaskArgs:
     sb: tuple                  # bias strides (b, h, m, n), 0 where broadcast
     has_bias: bool
     mode: int                  # 0 in-kernel ranges, 1 tile lists, 2 block-range tables
+    #: (q rows sorted, k rows sorted) of the kernels' document ids (mask_inputs.KernelIds)
+    ids_sorted: tuple = (False, False)
 
 
 #: one-element placeholders for absent operands, per (device, dtype): the kernels never
@@ -244,13 +246,15 @@ def _mask_args(p, q, bias) -> _MaskArgs:
     lo, hi = max(lo, -_BIG), min(hi, _BIG)
     has_docs = rm.q_ids is not None
     if has_docs:
-        qid = MI.to_device(rm.q_ids, dev, torch.int32, keep=True).contiguous()
-        kid = MI.to_device(rm.k_ids, dev, torch.int32, keep=True).contiguous()
+        ids = MI.kernel_ids(rm.q_ids, rm.k_ids, dev)
+        qid, kid = ids.q.contiguous(), ids.k.contiguous()
         sqid_b = Sq if qid.shape[0] > 1 else 0
         skid_b = Sk if kid.shape[0] > 1 else 0
+        ids_sorted = (ids.q_sorted, ids.k_sorted)
     else:
         qid = kid = _dummy(dev)
         sqid_b = skid_b = 0
+        ids_sorted = (False, False)
     has_keep = rm.keep is not None
     if has_keep:
         km = MI.to_device(rm.keep, dev, torch.bool, keep=True).view(torch.uint8).expand(
@@ -265,7 +269,7 @@ def _mask_args(p, q, bias) -> _MaskArgs:
         bx, sb = _dummy(dev, torch.float32), (0, 0, 0, 0)
     return _MaskArgs(lo=lo, hi=hi, has_band=rm.has_band, qid=qid, kid=kid, sqid_b=sqid_b,
                      skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
-                     bias=bx, sb=sb, has_bias=bias is not None,
+                     bias=bx, sb=sb, has_bias=bias is not None, ids_sorted=ids_sorted,
                      mode=_ARRAY_MASK_MODE[_mask_lowering] if (has_docs or has_keep) else 0)
 
 
@@ -433,7 +437,7 @@ def _block_reduce(x, sb_q, sb_k):
 
 def _doc_blocks(qid, kid, sb_q, sb_k, sorted_ids: bool):
     """any / all of q_ids[i] == k_ids[j] per block -> two bool [Bd, 1, nQ, nK].
-    sorted_ids: every row of both id arrays is non-decreasing (mask_inputs.ids_sorted):
+    sorted_ids: every row of both id arrays is non-decreasing (mask_inputs.kernel_ids):
     the blocks' id intervals decide then, else the ids are compared pairwise."""
     bd = max(qid.shape[0], kid.shape[0])
     qid = qid.expand(bd, -1).to(torch.int64)
@@ -481,7 +485,7 @@ def _build_lists(p, ma: _MaskArgs, sb_q, sb_k, device) -> TileLists:
         any_k = any_k & ((dmax >= ma.lo) & (dmin <= ma.hi))
         all_k = all_k & ((dmin >= ma.lo) & (dmax <= ma.hi))
     if ma.has_docs:
-        a, l = _doc_blocks(ma.qid, ma.kid, sb_q, sb_k, all(MI.ids_sorted(rm.q_ids, rm.k_ids)))
+        a, l = _doc_blocks(ma.qid, ma.kid, sb_q, sb_k, all(ma.ids_sorted))
         any_k, all_k = any_k & a, all_k & l
     if ma.has_keep:
         keep = MI.to_device(rm.keep, device, torch.bool, keep=True)

@@ -10,16 +10,19 @@ by all layers) reaches the kernels through this module:
   DMA would read it after the call returns), kept per mask tensor so that the layers
   sharing a mask copy it once (up to :data:`KEPT_BYTES` of copies: a large host
   KeepMask is copied per call rather than held on the GPU);
-- :func:`ids_sorted`: whether each row of the document ids is non-decreasing (the tile
-  lists and the Hopper forward take a cheaper exact path then), read where the ids
-  live: on the host for NumPy arrays and CPU tensors (no synchronisation), with one
-  device read for both id arrays on a GPU; kept per id tensors.
+- :func:`kernel_ids`: the document ids as the kernels read them (int32, renumbered in
+  order where some id is beyond int32: a plain cast would merge documents) and whether
+  each row is non-decreasing (the tile lists and the Hopper forward take a cheaper
+  exact path then), worked out where the ids live: on the host for NumPy arrays and
+  CPU tensors (no synchronisation), with one device read for both id arrays on a GPU;
+  kept per id tensors.
 
 Shape legend: Bd id rows (1 or B), Sq / Sk query / key positions.
 """
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -33,13 +36,13 @@ CACHE_SIZE = 16
 KEPT_BYTES = 64 << 20
 
 _copies: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_sorted: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_ids: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 
 def clear() -> None:
-    """Forget the kept copies and sortedness facts."""
+    """Forget the kept copies and document ids."""
     _copies.clear()
-    _sorted.clear()
+    _ids.clear()
 
 
 def tensor_key(x):
@@ -96,35 +99,101 @@ def to_device(x, device, dtype: Optional[torch.dtype] = None, keep: bool = False
     return _remember(_copies, key, out, x)
 
 
-def _host_rows_sorted(ids) -> bool:
-    a = ids if isinstance(ids, np.ndarray) else ids.detach().numpy()
-    a = a.reshape(-1, a.shape[-1])
-    return bool((a[:, 1:] >= a[:, :-1]).all())
-
-
 def on_host(ids) -> bool:
     """Whether ``ids`` can be read without the GPU: a NumPy array or a CPU tensor."""
     return not isinstance(ids, torch.Tensor) or ids.device.type == "cpu"
 
 
-def ids_sorted(q_ids, k_ids) -> tuple:
-    """(q rows sorted, k rows sorted): whether every row of q_ids [Bd, Sq] / k_ids [Bd, Sk]
-    (the mask's arrays as the user gave them) is non-decreasing.  Host-resident ids are
-    checked on the host; device-resident ones with one device read for both; the
-    answer is kept per id tensors (identity and version)."""
+@dataclass(frozen=True)
+class KernelIds:
+    """Document ids as the kernels read them: q [Bd, Sq], k [Bd, Sk] int32 on the device,
+    equal exactly where the given ids are equal (ids outside the int32 range are
+    renumbered in order); q_sorted / k_sorted: every row of q / k is non-decreasing."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    q_sorted: bool
+    k_sorted: bool
+
+
+#: torch dtypes whose every value is an int32 value (and that every torch op takes)
+_NARROW = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8})
+_I32_LO, _I32_HI = -(1 << 31), (1 << 31) - 1
+
+
+def _np_rows_sorted(a: np.ndarray) -> bool:
+    return bool((a[..., 1:] >= a[..., :-1]).all())
+
+
+def _np_fits_int32(a: np.ndarray) -> bool:
+    if a.size == 0:
+        return True
+    lo, hi = a.min(), a.max()
+    return (a.dtype.kind == "u" or int(lo) >= _I32_LO) and int(hi) <= _I32_HI
+
+
+def _host_ids(q_ids, k_ids, device) -> KernelIds:
+    """kernel_ids of host arrays: checked and converted on the host, then copied."""
+    qa, ka = (x if isinstance(x, np.ndarray) else x.detach().numpy() for x in (q_ids, k_ids))
+    if _np_fits_int32(qa) and _np_fits_int32(ka):
+        q32, k32 = qa.astype(np.int32), ka.astype(np.int32)
+    else:     # renumber in order: np.unique's inverse keeps <= and ==
+        both = np.concatenate([qa.ravel(), ka.ravel()]) if qa.dtype == ka.dtype else \
+            np.concatenate([qa.ravel().astype(object), ka.ravel().astype(object)])
+        _, inv = np.unique(both, return_inverse=True)
+        inv = inv.reshape(-1).astype(np.int32)
+        q32, k32 = inv[:qa.size].reshape(qa.shape), inv[qa.size:].reshape(ka.shape)
+    return KernelIds(_copy(torch.from_numpy(np.ascontiguousarray(q32)), device, None),
+                     _copy(torch.from_numpy(np.ascontiguousarray(k32)), device, None),
+                     _np_rows_sorted(q32), _np_rows_sorted(k32))
+
+
+def _rows_sorted(x: torch.Tensor) -> torch.Tensor:
+    return (x[..., 1:] >= x[..., :-1]).all()
+
+
+def _device_ids(q_ids, k_ids, device) -> KernelIds:
+    """kernel_ids of device tensors: one device read (the order facts, and whether every
+    value is an int32 value where the dtype allows others)."""
+    q, k = q_ids.to(device), k_ids.to(device)
+    q32, k32 = q.to(torch.int32), k.to(torch.int32)
+    flags = [_rows_sorted(q32), _rows_sorted(k32)]
+    narrow = q.dtype in _NARROW and k.dtype in _NARROW
+    if not narrow:
+        flags += [((x >= _I32_LO) & (x <= _I32_HI)).all() for x in (q, k)]
+        flags += [_rows_sorted(q), _rows_sorted(k)]
+    got = [bool(f) for f in torch.stack(flags).tolist()]           # the one device read
+    if narrow or (got[2] and got[3]):
+        return KernelIds(q32, k32, got[0], got[1])
+    # values beyond int32 (rare): renumbered in order (torch.unique: one more read)
+    _, inv = torch.unique(torch.cat([q.reshape(-1), k.reshape(-1)]), return_inverse=True)
+    inv = inv.to(torch.int32)
+    return KernelIds(inv[:q.numel()].reshape(q.shape), inv[q.numel():].reshape(k.shape),
+                     got[4], got[5])
+
+
+def kernel_ids(q_ids, k_ids, device) -> KernelIds:
+    """The document ids q_ids [Bd, Sq], k_ids [Bd, Sk] (a mask's arrays as given: NumPy
+    or torch, any integer dtype) as the kernels read them on ``device``: KernelIds.
+    Host arrays are checked and converted on the host and copied without a
+    synchronisation; device tensors cost one device read; the result is kept per id
+    tensors (identity and version)."""
     parts = (tensor_key(q_ids), tensor_key(k_ids))
-    key = None if None in parts else parts
-    hit = _sorted.get(key) if key is not None else None
+    key = None if None in parts else parts + (str(device),)
+    hit = _ids.get(key) if key is not None else None
     if hit is not None:
-        _sorted.move_to_end(key)
+        _ids.move_to_end(key)
         return hit[0]
-    if on_host(q_ids) and on_host(k_ids):
-        res = (_host_rows_sorted(q_ids), _host_rows_sorted(k_ids))
+    # NumPy ids, and unsigned 16 / 32 / 64-bit tensors (which few torch ops take), are
+    # worked out on the host (a GPU tensor among them is read back)
+    host = any(not isinstance(x, torch.Tensor) or (x.dtype not in _NARROW
+                                                   and x.dtype != torch.int64)
+               for x in (q_ids, k_ids))
+    if host or (on_host(q_ids) and on_host(k_ids)):
+        res = _host_ids(*(x.cpu() if isinstance(x, torch.Tensor) else x
+                          for x in (q_ids, k_ids)), device)
     else:
-        flags = [(x[..., 1:] >= x[..., :-1]).all() for x in
-                 (torch.as_tensor(q_ids), torch.as_tensor(k_ids))]
-        q_s, k_s = torch.stack(flags).tolist()           # the one device read
-        res = (bool(q_s), bool(k_s))
+        res = _device_ids(torch.as_tensor(q_ids), torch.as_tensor(k_ids), device)
     if key is None:
         return res
-    return _remember(_sorted, key, res, (q_ids, k_ids))
+    return _remember(_ids, key, res, (q_ids, k_ids))

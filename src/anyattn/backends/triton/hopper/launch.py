@@ -130,7 +130,7 @@ def _dummy(dev, dtype):
 
 
 def _doc_intervals(qid, kid, k_sorted: bool):
-    """Documents with k ids sorted along each batch row (k_sorted: mask_inputs.ids_sorted):
+    """Documents with k ids sorted along each batch row (k_sorted: mask_inputs.kernel_ids):
     per query its document as the key interval [first, one past the last) -> int32
     [Bd, 2, Sq] (an empty interval where no key shares its id); None where some row's
     k ids are not sorted.  qid [Bq, Sq], kid [Bk, Sk] int32 on the device, Bq / Bk 1 or
@@ -190,8 +190,7 @@ def _mask_arrays(p, q, cfg) -> tuple:
         key = None if None in parts else (parts, p.seq_q, p.seq_k, str(dev))
         hit = _doc_cache.get(key) if key is not None else None
         if hit is None:
-            hit = (_doc_intervals(ma.qid, ma.kid, MI.ids_sorted(rm.q_ids, rm.k_ids)[1]),
-                   (rm.q_ids, rm.k_ids))
+            hit = (_doc_intervals(ma.qid, ma.kid, ma.ids_sorted[1]), (rm.q_ids, rm.k_ids))
             if key is not None:
                 _doc_cache[key] = hit
                 while len(_doc_cache) > _DOC_CACHE:
