@@ -1,5 +1,6 @@
 """Direct launches (backends/triton/direct.py) on the routed Hopper kernels: a call
-signature's repeats replay the compiled kernel without Triton's argument binding, and
+signature's repeats replay the compiled kernel without Triton's argument binding (and,
+since session 14, without its launcher's Python wrapper: c_launch.py), and
 give the bits of Triton's own launches (ANYATTN_TRITON_DIRECT_LAUNCH=0) on every route:
 the forward (per-tile and persistent), the delta preprocess, the dQ-inside backward and
 its dQ conversion, the dK/dV-only backward, and the Documents / KeepMask tables passed as
@@ -100,6 +101,10 @@ def test_gpu_direct_launches_give_the_bits_of_triton_launches(name, monkeypatch)
     missed = {k: (s.hits, s.tries, s.d) for k, s in sites.items()
               if s.hits == 0 and not k.endswith("fwd_per_tile")}
     assert not missed, missed
+    # and through c_launch.CLaunch (the C launcher without Triton's wrapper; its tensor
+    # maps kept per address), not CompiledKernel.run
+    no_c = [k for k, s in sites.items() if s.d and s.d.cl is None]
+    assert not no_c, no_c
     for s in range(3):
         for i, (a, b) in enumerate(zip(plain[s], direct[s])):
             assert torch.equal(a, b), (s, i)

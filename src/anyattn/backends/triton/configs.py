@@ -56,7 +56,7 @@ class Plan:
 ENV_VARS = ("TRITON_INTERPRET", "ANYATTN_TRITON_CONFIG", "ANYATTN_TRITON_AUTOTUNE",
             "ANYATTN_TRITON_FUSED_BWD", "ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT",
             "ANYATTN_TRITON_FAST_TANH", "ANYATTN_TRITON_PATH", "ANYATTN_TRITON_DBIAS",
-            "ANYATTN_TRITON_DIRECT_LAUNCH")
+            "ANYATTN_TRITON_DIRECT_LAUNCH", "ANYATTN_TRITON_C_LAUNCH")
 
 #: os.environ's backing dict (bytes keys on POSIX): one ``dict.get`` per variable,
 #: ~0.1 us, where ``os.environ.get`` encodes the name each time (~2 us on a 2-core CPU).

@@ -11,8 +11,9 @@ on: the value and type of every argument that is neither a tensor nor a TMA desc
 (keywords included: constexprs, num_warps), the dtype and 16-byte alignment of every
 tensor, the dtype, block shape and layout of every descriptor.  A later launch whose
 arguments show the same facts gets the same compiled kernel by Triton's own rules, so it
-calls the C launcher directly (``CompiledKernel.run``, as ``CompiledKernel[grid]``
-does; the launcher still encodes each descriptor's tensor map from the call's tensor);
+calls the C launcher directly (c_launch.py: the compiled launch function without
+Triton's Python wrapper, each descriptor slot keeping its encoded tensor maps per
+address; ``CompiledKernel.run`` where that does not apply);
 any other launch, or any launch while Triton's launch hooks are set (a profiler), goes
 through ``kernel[grid]`` as before.
 
@@ -32,6 +33,9 @@ import torch
 __all__ = ["Direct", "Site", "resolve", "enabled", "hooks_set"]
 
 _ENV = "ANYATTN_TRITON_DIRECT_LAUNCH"
+#: "0": a direct launch calls CompiledKernel.run (Triton's wrapper, each tensor map
+#: encoded per launch) instead of c_launch.CLaunch (benchmarks' A/B)
+_ENV_C = "ANYATTN_TRITON_C_LAUNCH"
 
 
 def enabled(device) -> bool:
@@ -83,6 +87,8 @@ class Direct:
     def __init__(self, fn, ck, args: tuple, kw: dict, bound: Optional[dict] = None,
                  device: Any = None):
         self.fn, self.ck, self.device = fn, ck, device
+        #: the C launcher without Triton's wrapper (c_launch.py), None: ck.run
+        self.cl = _c_launch(ck)
         self.nargs = len(args)
         self.kwnames = tuple(kw)
         self._kw = _getter(self.kwnames) if self.kwnames else (lambda d: ())
@@ -147,9 +153,25 @@ class Direct:
             return False
         stream = get_stream(dev)
         ck = self.ck
-        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-               stream, ck.function, ck.packed_metadata, None, None, None, *vals)
+        if self.cl is not None:
+            self.cl(grid, stream, ck.function, ck.packed_metadata, vals)
+        else:
+            ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                   stream, ck.function, ck.packed_metadata, None, None, None, *vals)
         return True
+
+
+def _c_launch(ck):
+    """c_launch.CLaunch of a compiled kernel's launcher, or None (ck.run is called)."""
+    v = os.environ.get(_ENV_C, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{_ENV_C}={v!r}: expected 0 (CompiledKernel.run) or 1 (the C "
+                         "launcher without Triton's wrapper, the default)")
+    if ck is None or v == "0":
+        return None
+    from .c_launch import CLaunch
+
+    return CLaunch.of(ck.run)
 
 
 #: triton.runtime.driver.driver and triton.knobs.runtime, imported once
