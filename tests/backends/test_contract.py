@@ -110,6 +110,10 @@ MASKS = {
         np.sort(rng.integers(0, 4, (B, Sq)), axis=1), np.sort(rng.integers(0, 4, (B, Sk)), axis=1)),
     "keep_and_window": lambda Sq, Sk, B, H, rng: aa.KeepMask(rng.random((Sq, Sk)) < 0.8)
     & aa.Window(left=6, right=6),
+    # ids beyond int32: 0, 2**32, 2**33 are three documents (a cast to int32 merges them)
+    "docs_wide_ids": lambda Sq, Sk, B, H, rng: aa.Documents(
+        np.sort(rng.integers(0, 3, Sq)).astype(np.int64) << 32,
+        np.sort(rng.integers(0, 3, Sk)).astype(np.int64) << 32),
 }
 
 
