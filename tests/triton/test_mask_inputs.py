@@ -350,3 +350,21 @@ def test_gpu_step_with_a_fresh_documents_mask_synchronises_at_most_once(ids_on, 
         syncs = _syncs(lambda: _gpu_step(ids, q, k, v, dout))
         assert len(syncs) == (0 if ids_on == "cpu" else 1), syncs
     L.clear_prepared()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_gpu_host_copy_is_the_contents_at_the_call(pinned):
+    """The copy is queued behind the GPU's work (a sleep kernel) without waiting for it,
+    and the caller refills its buffer at once: the GPU copy holds the contents at the
+    call (the staging buffer is private), converted to the asked dtype."""
+    n = 1 << 20
+    src = torch.arange(n, dtype=torch.int64)
+    src = src.pin_memory() if pinned else src
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))                      # ~0.1 s of queued GPU work
+    out = MI.to_device(src, torch.device("cuda"), torch.int32)
+    src.fill_(-1)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.int32 and torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32))

@@ -5,11 +5,10 @@ before it: once per training step, it takes away the host's lead over the GPU.  
 ``Documents`` / ``KeepMask`` mask (a packed-sequence loop builds one every step, shared
 by all layers) reaches the kernels through this module:
 
-- :func:`to_device`: a host array's copy to the GPU that does not synchronise (a pageable
-  source is staged by the copy call itself; a pinned one is copied blocking, since its
-  DMA would read it after the call returns), kept per mask tensor so that the layers
-  sharing a mask copy it once (up to :data:`KEPT_BYTES` of copies: a large host
-  KeepMask is copied per call rather than held on the GPU);
+- :func:`to_device`: a host array's copy to the GPU that does not wait for the GPU
+  (staged in a private pinned buffer, then an asynchronous copy), kept per mask tensor so
+  that the layers sharing a mask copy it once (up to :data:`KEPT_BYTES` of copies: a
+  large host KeepMask is copied per call rather than held on the GPU);
 - :func:`kernel_ids`: the document ids as the kernels read them (int32, renumbered in
   order where some id is beyond int32: a plain cast would merge documents) and whether
   each row is non-decreasing (the tile lists and the Hopper forward take a cheaper
@@ -65,17 +64,22 @@ def _remember(cache, key, value, held) -> Any:
 
 def _copy(x, device, dtype: Optional[torch.dtype]):
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-    # cudaMemcpyAsync stages a pageable host buffer before it returns (no device
-    # synchronisation; a copy larger than the driver's staging memory may still wait for
-    # its first chunks' DMA, which document ids never are); a pinned buffer is read later
-    # by the DMA, when the caller may already have written it again: that copy blocks
-    nb = t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned()
-    return t.to(device=device, dtype=dtype if dtype is not None else t.dtype, non_blocking=nb)
+    dtype = dtype if dtype is not None else t.dtype
+    if t.device.type != "cpu" or device.type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    # host -> GPU without waiting for the GPU: staged (converted) in a private pinned
+    # buffer of torch's caching host allocator, which keeps the buffer from reuse until
+    # the copy that reads it has run (a pageable source may make the driver synchronise
+    # with the stream to stage it; the caller's own pinned buffer may be written again
+    # while the copy is queued)
+    staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device=device, non_blocking=True)
 
 
 def to_device(x, device, dtype: Optional[torch.dtype] = None, keep: bool = False):
-    """``x`` (a NumPy array or torch tensor) on ``device`` in ``dtype``, copied without a
-    host-device synchronisation where the source is pageable host memory.  ``keep``: the
+    """``x`` (a NumPy array or torch tensor) on ``device`` in ``dtype``, copied from the
+    host without a host-device synchronisation (``_copy``).  ``keep``: the
     copy of a torch tensor is kept per tensor identity and version (mask arrays, shared
     by the layers of a step); modifier arrays (learnable, small) are copied per call."""
     if isinstance(x, torch.Tensor) and x.device == device and (dtype is None
