@@ -120,10 +120,10 @@ def _fresh_masks(ids, causal: bool, where):
     """-> a function giving a new Documents mask (Causal within documents if ``causal``)
     on a new copy of ``ids`` on ``where`` at every call: new tensors, as each step of a
     packed-sequence loop brings."""
-    src = ids.detach().to("cpu")
+    src = ids.detach().to(where)         # once; each call clones it where it lives
 
     def make():
-        m = aa.Documents(src.clone().to(where))
+        m = aa.Documents(src.clone())
         return aa.Causal() & m if causal else m
     return make
 
