@@ -142,8 +142,9 @@ def _host_ids(q_ids, k_ids, device) -> KernelIds:
     if _np_fits_int32(qa) and _np_fits_int32(ka):
         q32, k32 = qa.astype(np.int32), ka.astype(np.int32)
     else:     # renumber in order: np.unique's inverse keeps <= and ==
-        both = np.concatenate([qa.ravel(), ka.ravel()]) if qa.dtype == ka.dtype else \
-            np.concatenate([qa.ravel().astype(object), ka.ravel().astype(object)])
+        common = np.result_type(qa, ka)            # int64 with uint64: float64, inexact
+        common = object if common.kind == "f" else common
+        both = np.concatenate([qa.ravel().astype(common), ka.ravel().astype(common)])
         _, inv = np.unique(both, return_inverse=True)
         inv = inv.reshape(-1).astype(np.int32)
         q32, k32 = inv[:qa.size].reshape(qa.shape), inv[qa.size:].reshape(ka.shape)
