@@ -113,9 +113,10 @@ def test_tensor_maps_kept_per_value(encodings):
 def test_slot_cache_is_bounded(encodings, monkeypatch):
     monkeypatch.setattr(CL, "SLOT_CACHE", 3)
     cl = CL.CLaunch.of(_launcher([]))
-    for seed in range(6):
-        qd, kd = _descs(seed)
+    alive = [_descs(seed) for seed in range(6)]       # six distinct addresses per slot
+    for qd, kd in alive:
         cl((1,), 0, "fn", "packed", (qd, torch.zeros(4), 77, kd, 0.125, 64))
+    assert len(encodings) == 12
     assert all(len(s.kept) == 3 for s in cl.slots)
 
 
