@@ -1,0 +1,202 @@
+"""Every environment switch anyattn reads, in one table, read in one place.
+
+``current()`` returns a frozen :class:`Settings` built from the environment.  It is
+rebuilt only when one of the variables in :data:`SWITCHES` changed since the last
+call (one dictionary lookup per variable), so a value set between two calls takes
+effect on the next call, and a bad value raises ``ValueError`` naming the variable
+and the accepted values at the first call that reads it.  No other module of the
+package reads ``os.environ`` for its own switches.
+
+``python -m anyattn info --settings`` prints the table with the values in effect.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, Optional, Tuple
+
+__all__ = ["Switch", "SWITCHES", "Settings", "current", "snapshot", "describe"]
+
+
+def _flag(default: bool) -> Callable[[str, str], bool]:
+    def parse(name: str, raw: str) -> bool:
+        if raw == "":
+            return default
+        if raw not in ("0", "1"):
+            raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+        return raw == "1"
+    return parse
+
+
+def _positive_int(name: str, raw: str) -> Optional[int]:
+    if raw == "":
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return n
+
+
+def _choice(*choices: str, lower: bool = True) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower() if lower else raw.strip()
+        if v == "":
+            return choices[0]
+        if v not in choices:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+        return v
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment variable: its name, the Settings field it fills, the default as
+    a user would write it, what it accepts and what it does."""
+
+    name: str
+    field: str
+    default: str
+    accepts: str
+    effect: str
+    parse: Callable[[str, str], object]
+
+
+#: the table (also rendered in docs/settings.md and by ``anyattn info --settings``)
+SWITCHES: Tuple[Switch, ...] = (
+    # --- NumPy backend
+    Switch("ANYATTN_NUMPY_THREADS", "numpy_threads", "CPUs this process may use",
+           "integer >= 1", "worker threads of the NumPy backend's shared pool",
+           _positive_int),
+    Switch("ANYATTN_NUMPY_BLOCK_Q", "numpy_block_q", "per mask kind", "integer >= 1",
+           "query rows per NumPy tile (forward and backward)", _positive_int),
+    Switch("ANYATTN_NUMPY_BLOCK_K", "numpy_block_k", "per mask kind", "integer >= 1",
+           "keys per NumPy tile (forward and backward)", _positive_int),
+    Switch("ANYATTN_NUMPY_BLAS_LOCAL", "numpy_blas_local", "1", "0 or 1",
+           "hold BLAS to one thread inside the NumPy workers (0: leave BLAS threads alone)",
+           _flag(True)),
+    # --- Triton backend
+    Switch("TRITON_INTERPRET", "triton_interpret", "0", "0 or 1",
+           "Triton's own switch: run kernels in its interpreter on CPU tensors (tests)",
+           _flag(False)),
+    Switch("ANYATTN_TRITON_PATH", "triton_path", "auto", "auto, portable, hopper",
+           "auto: the Hopper kernels where they cover the call; portable: never; "
+           "hopper: raise where they do not cover it", _choice("auto", "portable", "hopper")),
+    Switch("ANYATTN_TRITON_CONFIG", "triton_config", "heuristic", "heuristic, fixed",
+           "fixed: the small tile plan the interpreter uses, on the GPU too",
+           _choice("heuristic", "fixed")),
+    Switch("ANYATTN_TRITON_AUTOTUNE", "triton_autotune", "0", "0 or 1",
+           "time the candidate tiles once per problem class and keep the fastest",
+           _flag(False)),
+    Switch("ANYATTN_TRITON_FUSED_BWD", "triton_fused_bwd", "1", "0 or 1",
+           "portable backward: dK/dV and dQ in one launch (0: two kernels)", _flag(True)),
+    Switch("ANYATTN_TRITON_FP32_DOT", "triton_fp32_dot", "f16x3",
+           "f16x3, bf16x6, tf32x3, ieee", "product scheme of fp32 inputs (all <= 1e-5)",
+           _choice("f16x3", "bf16x6", "tf32x3", "ieee", "bf16x3")),
+    Switch("ANYATTN_TRITON_TF32_DOT", "triton_tf32_dot", "f16x3",
+           "f16x3, bf16x3, tf32, f16x1", "product scheme of fp32 inputs under precision='tf32'",
+           _choice("f16x3", "bf16x3", "tf32", "f16x1", "f16x31", "bf16x6", "tf32x3", "ieee")),
+    Switch("ANYATTN_TRITON_FAST_TANH", "triton_fast_tanh", "1", "0 or 1",
+           "softcap of 16-bit inputs through the hardware tanh (0: the portable tanh)",
+           _flag(True)),
+    Switch("ANYATTN_TRITON_DBIAS", "triton_dbias", "fused", "fused, recompute",
+           "recompute: dbias from a separate reduction kernel", _choice("fused", "recompute")),
+    Switch("ANYATTN_TRITON_DIRECT_LAUNCH", "triton_direct_launch", "1", "0 or 1",
+           "replay resolved kernel launches without Triton's launch path (CUDA devices)",
+           _flag(True)),
+    Switch("ANYATTN_TRITON_C_LAUNCH", "triton_c_launch", "1", "0 or 1",
+           "direct launches call the compiled launch function (0: Triton's wrapper)",
+           _flag(True)),
+    # --- WebGPU backend
+    Switch("ANYATTN_WGPU_ADAPTER", "wgpu_adapter", "the high-performance adapter",
+           "words of the adapter's description, e.g. 'vulkan', 'lavapipe', 'opengl'",
+           "which wgpu adapter the WebGPU backend opens", _text),
+    Switch("ANYATTN_WEBGPU_VARIANT", "webgpu_variant", "per adapter",
+           "a name of backends/webgpu VARIANTS", "force one WGSL kernel variant", _text),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed values of :data:`SWITCHES` (field names as in the table)."""
+
+    numpy_threads: Optional[int]
+    numpy_block_q: Optional[int]
+    numpy_block_k: Optional[int]
+    numpy_blas_local: bool
+    triton_interpret: bool
+    triton_path: str
+    triton_config: str
+    triton_autotune: bool
+    triton_fused_bwd: bool
+    triton_fp32_dot: str
+    triton_tf32_dot: str
+    triton_fast_tanh: bool
+    triton_dbias: str
+    triton_direct_launch: bool
+    triton_c_launch: bool
+    wgpu_adapter: str
+    webgpu_variant: str
+
+
+assert [s.field for s in SWITCHES] == [f.name for f in fields(Settings)]
+
+#: os.environ's backing dict (bytes keys on POSIX): one dict lookup per variable,
+#: where os.environ.get encodes the name on every call.  putenv / monkeypatch.setenv
+#: write through it; where it has another form, os.environ itself is read.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_FAST = os.name == "posix" and isinstance(_ENV_DATA, dict)
+_KEYS = tuple(s.name.encode() if _FAST else s.name for s in SWITCHES)
+
+_lock = threading.Lock()
+_last: Tuple[Optional[tuple], Optional[Settings]] = (None, None)
+
+
+def snapshot() -> tuple:
+    """The raw values of every switch now (None where unset); equal snapshots give equal
+    Settings, so a snapshot is a cheap cache key."""
+    if _FAST:
+        get = _ENV_DATA.get
+        return tuple([get(k) for k in _KEYS])
+    return tuple([os.environ.get(k) for k in _KEYS])
+
+
+def _decode(raw) -> str:
+    if raw is None:
+        return ""
+    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+
+
+def current() -> Settings:
+    """The settings in effect now (validated; rebuilt only when the environment changed)."""
+    global _last
+    snap = snapshot()
+    last_snap, last = _last
+    if snap == last_snap and last is not None:
+        return last
+    values: Dict[str, object] = {}
+    for switch, raw in zip(SWITCHES, snap):
+        values[switch.field] = switch.parse(switch.name, _decode(raw))
+    made = Settings(**values)
+    with _lock:
+        _last = (snap, made)
+    return made
+
+
+def describe() -> str:
+    """The table with the value in effect of each switch (set ones marked)."""
+    snap = snapshot()
+    lines = []
+    width = max(len(s.name) for s in SWITCHES)
+    for switch, raw in zip(SWITCHES, snap):
+        shown = _decode(raw) if raw is not None else f"(default: {switch.default})"
+        lines.append(f"  {switch.name:<{width}}  {shown}\n  {'':<{width}}  "
+                     f"{switch.effect}; accepts {switch.accepts}")
+    return "\n".join(lines)
