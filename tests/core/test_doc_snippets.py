@@ -297,3 +297,16 @@ def test_no_references_to_files_outside_or_missing():
             if "DESIGN.md" in line or "../shared/" in line:
                 bad.append(f"{_rel(path)}:{no}: {line.strip()[:100]}")
     assert not bad, "references outside the repository:\n" + "\n".join(bad)
+
+
+def test_readme_test_command_is_ci_command():
+    """The README's test command is the last line of .ci/run, character for character."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    bash = [b[2].strip() for b in parse_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+            if b[1] in ("bash", "sh")]
+    assert ci in bash, f"README.md has no bash block equal to .ci/run's command:\n{ci}"
+
+
+def test_readme_size():
+    """The README stays a front page (details live in docs/)."""
+    assert (ROOT / "README.md").stat().st_size <= 8 * 1024
