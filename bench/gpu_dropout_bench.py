@@ -2,7 +2,7 @@
 the triton backend.
 
     PYTHONUNBUFFERED=1 python bench/gpu_dropout_bench.py --out $OUT
-    python bench/gpu_dropout_bench.py --plot docs/perf/dropout-triton-h200-2026-12-03.json
+    python bench/gpu_dropout_bench.py --plot dev/perf/dropout-triton-h200-2026-12-03.json
     python bench/gpu_dropout_bench.py --tiny --out /tmp/x     # plumbing dry run on CPU
 
 One process, the JSON rewritten after every row:

@@ -1,7 +1,7 @@
 """GPU benchmark of the score modifiers (softcap, ALiBi, sinks) in the triton backend.
 
     PYTHONUNBUFFERED=1 python bench/gpu_modifiers_bench.py --phases check,ours,fp32,flex --out $OUT
-    python bench/gpu_modifiers_bench.py --plot docs/perf/modifiers-triton-h200-2026-12-03.json
+    python bench/gpu_modifiers_bench.py --plot dev/perf/modifiers-triton-h200-2026-12-03.json
 
 Phases (any subset, in this order; one process, the JSON rewritten after every row):
   check  correctness on the GPU vs a float64 torch computation with autograd (independent

@@ -14,8 +14,8 @@ backward).  The outputs are checked against the float64 reference (the same mask
 on a small problem before timing.
 
     PYTHONPATH=src python3 bench/numpy_dropout_bench.py --threads 2,1 --reps 25 \\
-        --out docs/perf/numpy-dropout-cpu-2026-12-03.json \\
-        --png docs/perf/numpy-dropout-cpu-2026-12-03.png
+        --out dev/perf/numpy-dropout-cpu-2026-12-03.json \\
+        --png dev/perf/numpy-dropout-cpu-2026-12-03.png
 """
 from __future__ import annotations
 

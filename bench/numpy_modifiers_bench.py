@@ -19,8 +19,8 @@ sinks ~ N(0, 1) per head.  The outputs are checked against the float64 reference
 small problem before timing.
 
     PYTHONPATH=src python3 bench/numpy_modifiers_bench.py --threads 2,1 --reps 25 \\
-        --out docs/perf/numpy-modifiers-cpu-2026-12-03.json \\
-        --png docs/perf/numpy-modifiers-cpu-2026-12-03.png
+        --out dev/perf/numpy-modifiers-cpu-2026-12-03.json \\
+        --png dev/perf/numpy-modifiers-cpu-2026-12-03.png
 """
 from __future__ import annotations
 

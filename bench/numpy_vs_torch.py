@@ -15,7 +15,7 @@ FLOPs by the FlashAttention convention: fwd 4·B·H·S²·D, bwd 2.5x, causal ½
 
 Usage::
 
-    python bench/numpy_vs_torch.py --rounds 15 --json docs/perf/x.json --plot x.png
+    python bench/numpy_vs_torch.py --rounds 15 --json dev/perf/x.json --plot x.png
     python bench/numpy_vs_torch.py --threads 1          # one worker, BLAS and torch at 1
     python bench/numpy_vs_torch.py --before HEAD~3      # also the package as of HEAD~3
 """

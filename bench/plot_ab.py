@@ -1,7 +1,7 @@
 """Bar chart of the A/B rows of gpu_bench.py results (``--ab``): backward TFLOP/s of each
 variant per case (FA convention; masked cases by kept pairs), no GPU needed.
 
-    python bench/plot_ab.py docs/perf/triton_h200_ab_2026-12-02.json [more.json ...] --png out.png
+    python bench/plot_ab.py dev/perf/triton_h200_ab_2026-12-02.json [more.json ...] --png out.png
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Ring (context-parallel) attention on N devices: tokens/s and scaling efficiency.
 
-    torchrun --nproc_per_node 8 bench/ring_bench.py --out docs/perf/ring_8gpu.json
+    torchrun --nproc_per_node 8 bench/ring_bench.py --out dev/perf/ring_8gpu.json
     python bench/ring_bench.py --nprocs 8 ...            # the same, through mp.spawn
     python bench/ring_bench.py --nprocs 2 --device cpu --dtype float32 --backend numpy \\
         --seqs 256,512 --heads 2 --head-dim 16           # CPU/gloo smoke run

@@ -27,7 +27,7 @@ step is fwd + bwd = 3.5x.  It also checks the module's output and gradients agai
 torch's SDPA before timing.  Results as JSON (and a PNG with --png).
 
     PYTHONPATH=src python bench/torch_module_bench.py --device cpu --threads 1 \
-        --out docs/perf/torch-module-cpu-<date>.json --png docs/perf/torch-module-cpu-<date>.png
+        --out dev/perf/torch-module-cpu-<date>.json --png dev/perf/torch-module-cpu-<date>.png
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: i
 
 class Trivial(torch.autograd.Function):
     """torch's floor for any module step: a 3-input autograd.Function that allocates its
-    output (bench/host_overhead.py and bench/torch_host_profile.py time it)."""
+    output (bench/lab/host_overhead.py and bench/lab/torch_host_profile.py time it)."""
 
     @staticmethod
     def forward(ctx, a, b, c):

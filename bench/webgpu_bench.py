@@ -649,7 +649,7 @@ def _host_time(be, fn, n=10):
 TIMESTAMPS = {"on": False, "rec": None, "refused": None}
 #: a round is "slow" when its median device time per submission is past this many
 #: times the fastest round's of the same implementation and size (the H200's slow
-#: phases ran kernels up to 4.5x slower for seconds, docs/perf/LOG.md session 6)
+#: phases ran kernels up to 4.5x slower for seconds, dev/perf/LOG.md session 6)
 SLOW_FACTOR = 1.3
 
 
@@ -732,7 +732,7 @@ def resident_case(be, B, H, S, D, dtype, gpu, host=True):
     bwd_call = lambda: aa.attention_backward(dq, dk, dv, dg, out=out, lse=st)  # noqa: E731
     fwd_call = lambda: forward_with_stats(dq, dk, dv)                         # noqa: E731
     # plan and device arrays alternately, ROUNDS rounds, medians: the H200 had phases of
-    # seconds in which the same kernels ran up to 4.5x slower (docs/perf/LOG.md, session
+    # seconds in which the same kernels ran up to 4.5x slower (dev/perf/LOG.md, session
     # 6, issue 17); one timing of each, taken apart, made their ratio depend on them
     samples = {"plan": [], "device-arrays": []}
     device = {"plan": [], "device-arrays": []}      # GPU ms per submission, per round
