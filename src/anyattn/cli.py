@@ -82,8 +82,7 @@ def _parse_shape(text: str) -> Tuple[int, int, int, int, int, int]:
 
 
 def seed_arg(text: str) -> int:
-    """argparse type of ``--seed``: an int in [0, 2**64) (NumPy's generator and the dropout
-    seed both take that range)."""
+    """argparse type of ``--seed``: an int in [0, 2**64), the range of a dropout seed."""
     try:
         seed = int(text)
     except ValueError:
@@ -103,7 +102,6 @@ def int_at_least(low: int):
         if n < low:
             raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
         return n
-    parse.__name__ = f"int>={low}"
     return parse
 
 
@@ -161,7 +159,7 @@ def _parse_mask(spec: str):
         return n
 
     if colon and not arg:
-        raise bad(f"nothing after ':'")
+        raise bad("nothing after ':'")
     if name in ("none", "causal", "causal_br"):
         if colon:
             raise bad(f"{name} takes no argument")
@@ -434,8 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--shape", type=_parse_shape, default=(1, 4, 4, 256, 256, 64),
                     help="B,H,S,D or B,Hq,Hkv,Sq,Sk,D (default 1,4,4,256,256,64)")
     ck.add_argument("--mask", default="causal", type=_mask_spec,
-                    help="none | causal | causal_br | sliding:W | window:L[:R] | documents:N | "
-                         "keep:P (default causal)")
+                    help="none | causal (default) | causal_br | sliding:W (causal, W >= 0 keys "
+                         "to the left, default 256) | window:L[:R] (L, R >= 0) | documents:N "
+                         "(N >= 1, default 4) | keep:P (fraction kept, P in (0, 1], "
+                         "default 0.5)")
     ck.add_argument("--bias", default="none", choices=["none", "full", "heads", "batch", "keys"])
     ck.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     ck.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
