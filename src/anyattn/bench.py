@@ -1,13 +1,19 @@
 """``python -m anyattn bench``: time backends forward + backward, side by side.
 
 FLOPs by the FlashAttention convention: forward 4·B·H·Sq·Sk·D, backward 2.5x
-the forward, forward + backward 3.5x; a causal mask halves each.  GFLOP/s
-come from the best (minimum) of ``--repeats`` timed runs; the median is kept
-in the JSON too.  All implementations of one case are timed in the same
-process, interleaved run by run, so that load from elsewhere hits them alike;
-with ``--vs torch`` the table also gives the *paired* ratio, the median over the
-rounds of torch's time / this implementation's time in the same round (on a shared
-machine it moves less than the ratio of the minima).
+the forward, forward + backward 3.5x; a causal mask halves each.  Each of
+``--repeats`` timed runs is one forward followed by one backward; the table
+gives the medians over the runs of the forward time, the backward time and
+the whole run's time (forward + backward of the same run), and GFLOP/s from
+those medians; the JSON keeps every time and the fastest whole run too.  All
+implementations of one case are timed in the same process, interleaved run by
+run, so that load from elsewhere hits them alike; with ``--vs torch`` the table
+also gives the *paired* ratio, the median over the rounds of torch's time /
+this implementation's time in the same round.
+
+As a yardstick the table is followed by this machine's NumPy matrix-product
+rate (``gemm_yardstick``): attention's counted FLOPs are matrix products, so
+that rate is about the most a CPU implementation built on them can reach.
 
 ``--vs torch`` adds torch's CPU ``scaled_dot_product_attention`` (forward +
 ``.backward``) on the same inputs.  ``--memory`` measures the peak extra
@@ -61,6 +67,9 @@ class Case:
 
 @dataclass
 class Result:
+    """One implementation on one case.  ``*_ms``: medians over the timed runs (``total_ms``
+    of whole forward + backward runs, not a sum of two medians); GFLOP/s from them."""
+
     case: Dict
     impl: str
     fwd_ms: float
@@ -69,9 +78,11 @@ class Result:
     fwd_gflops: float
     bwd_gflops: float
     total_gflops: float
-    median_total_ms: float
+    min_total_ms: float
     times_fwd_ms: List[float] = field(default_factory=list)
     times_bwd_ms: List[float] = field(default_factory=list)
+    times_total_ms: List[float] = field(default_factory=list)
+    #: torch's median total / this median total
     ratio_vs_torch: Optional[float] = None
     #: median over rounds of torch total / this total in the same round
     paired_ratio_vs_torch: Optional[float] = None
@@ -93,8 +104,21 @@ def _parse_shape(text: str) -> Tuple[int, int, int, int]:
     return parts  # type: ignore[return-value]
 
 
+DEFAULT_REPEATS = 3
+DEFAULT_WARMUP = 1
+
+
+def host_backends() -> Tuple[str, ...]:
+    """The backends the benchmark can time: those that take NumPy arrays."""
+    from .backends.registry import ENTRIES
+
+    return tuple(n for n, e in ENTRIES.items() if "numpy" in e.array_kinds)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench options to ``parser`` (the ``bench`` sub-command)."""
+    from .cli import int_at_least, out_path, seed_arg
+
     parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="B,H,S,D",
                         default=None,
                         help="problem shapes (default: 1,8,2048,64 and 1,4,4096,128)")
@@ -104,20 +128,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or unmasked only (off)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="input dtype (default float32)")
-    parser.add_argument("--backend", nargs="+", default=["numpy"], metavar="NAME",
-                        help="anyattn backends to time (default: numpy)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per implementation and case (default 3; best counts)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    parser.add_argument("--backend", nargs="+", default=["numpy"], choices=host_backends(),
+                        help="anyattn backends to time, those that take NumPy arrays "
+                             "(default: numpy)")
+    parser.add_argument("--repeats", type=int_at_least(1), default=None,
+                        help=f"timed runs per implementation and case (default "
+                             f"{DEFAULT_REPEATS}); the table gives their median")
+    parser.add_argument("--warmup", type=int_at_least(0), default=None,
+                        help=f"untimed runs first (default {DEFAULT_WARMUP})")
     parser.add_argument("--vs", choices=("torch",), default=None,
                         help="also time torch's CPU scaled_dot_product_attention")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
-    parser.add_argument("--plot", metavar="PATH", default=None,
-                        help="write a PNG bar plot (needs matplotlib)")
+    parser.add_argument("--json", metavar="PATH", type=out_path, default=None,
+                        help="write results as JSON (the directory must exist)")
+    parser.add_argument("--plot", metavar="PATH", type=out_path, default=None,
+                        help="write a PNG bar plot (needs matplotlib; the directory must exist)")
     parser.add_argument("--memory", action="store_true",
                         help="measure peak extra memory of fwd+bwd at (1,8,8192,64) instead "
                              "(--shapes overrides the shape)")
-    parser.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0,
+                        help="input seed, in [0, 2**64) (default 0)")
+
+
+def usage_error(args: argparse.Namespace) -> Optional[str]:
+    """None if ``args`` make a benchmark this machine can run, else one line naming the
+    flag, what it accepts and the remedy (checked before any work)."""
+    import importlib.util
+
+    from .backends.registry import ENTRIES
+    from .cli import backend_unavailable
+
+    names = host_backends()
+    for b in args.backend:
+        if b not in names:
+            return f"argument --backend: {b!r} is not one of {', '.join(names)}"
+    if len(set(args.backend)) < len(args.backend):
+        return f"argument --backend: a backend is named twice in {' '.join(args.backend)}"
+    if args.memory:
+        for flag, used in (("--vs", args.vs is not None), ("--plot", args.plot is not None),
+                           ("--repeats", args.repeats is not None),
+                           ("--warmup", args.warmup is not None)):
+            if used:
+                return (f"argument {flag}: --memory does not use it (it measures one "
+                        "forward + backward per shape, backend and mask); drop one of the two")
+    for b in args.backend:
+        if args.dtype not in ENTRIES[b].dtypes:
+            return (f"argument --dtype: backend {b!r} takes "
+                    f"{', '.join(sorted(ENTRIES[b].dtypes))}, got {args.dtype}")
+    if args.vs == "torch" and importlib.util.find_spec("torch") is None:
+        return "argument --vs: torch is not installed: pip install 'anyattn[torch]'"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "argument --plot: needs matplotlib, not installed: pip install 'anyattn[bench]'"
+    for b in args.backend:
+        why = backend_unavailable(b)
+        if why is not None:
+            return f"argument --backend: {b!r} cannot run here: {why}"
+    return None
 
 
 # ------------------------------------------------------------------ machine
@@ -240,6 +305,7 @@ def _time_case(case: Case, impls: Sequence[_Impl], repeats: int, warmup: int,
     states = [im.prepare(case, arrays) for im in impls]
     tf: List[List[float]] = [[] for _ in impls]
     tb: List[List[float]] = [[] for _ in impls]
+    tt: List[List[float]] = [[] for _ in impls]   # whole runs: forward + backward together
     outs: List[Optional[np.ndarray]] = [None] * len(impls)
     for r in range(warmup + repeats):
         timed = r >= warmup
@@ -256,46 +322,88 @@ def _time_case(case: Case, impls: Sequence[_Impl], repeats: int, warmup: int,
             if timed:
                 tf[i].append((t1 - t0) * 1e3)
                 tb[i].append((t2 - t1) * 1e3)
+                tt[i].append((t2 - t0) * 1e3)
             if outs[i] is None:
                 outs[i] = im.output(st, fo)
     results = []
     for i, im in enumerate(impls):
-        tot = [a + b for a, b in zip(tf[i], tb[i])]
-        f, b, t = min(tf[i]), min(tb[i]), min(tot)
+        f, b, t = (float(np.median(x)) for x in (tf[i], tb[i], tt[i]))
         results.append(Result(
             case=asdict(case), impl=im.name, fwd_ms=f, bwd_ms=b, total_ms=t,
             fwd_gflops=flops(case.B, case.H, case.S, case.S, case.D, case.causal, "fwd") / f / 1e6,
             bwd_gflops=flops(case.B, case.H, case.S, case.S, case.D, case.causal, "bwd") / b / 1e6,
             total_gflops=flops(case.B, case.H, case.S, case.S, case.D, case.causal,
                                "fwd+bwd") / t / 1e6,
-            median_total_ms=float(np.median(tot)), times_fwd_ms=tf[i], times_bwd_ms=tb[i]))
+            min_total_ms=min(tt[i]), times_fwd_ms=tf[i], times_bwd_ms=tb[i],
+            times_total_ms=tt[i]))
     torch_i = next((i for i, im in enumerate(impls) if im.name == "torch-sdpa"), None)
     if torch_i is not None:
         for i, res in enumerate(results):
-            res.ratio_vs_torch = res.total_gflops / results[torch_i].total_gflops
-            tt = [a + b for a, b in zip(tf[torch_i], tb[torch_i])]
-            mine = [a + b for a, b in zip(tf[i], tb[i])]
-            res.paired_ratio_vs_torch = float(np.median([x / y for x, y in zip(tt, mine)]))
+            res.ratio_vs_torch = results[torch_i].total_ms / res.total_ms
+            res.paired_ratio_vs_torch = float(np.median(
+                [x / y for x, y in zip(tt[torch_i], tt[i])]))
             res.max_abs_diff_vs_torch = float(np.max(np.abs(
                 outs[i].astype(np.float64) - outs[torch_i].astype(np.float64))))
     return results
 
 
+def gemm_yardstick(dtype: str, n: int = 1024, repeats: int = 5) -> Dict:
+    """This machine's NumPy matrix-product rate: ``n`` x ``n`` @ ``n`` x ``n`` in
+    ``dtype``, the fastest of ``repeats`` timed products after one untimed one."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return {"n": n, "dtype": dtype, "ms": best * 1e3, "gflops": 2.0 * n ** 3 / best / 1e9,
+            "statistic": f"fastest of {repeats}"}
+
+
 # ------------------------------------------------------------------ output
-def _table(results: Sequence[Result]) -> str:
+def _table(results: Sequence[Result], gemm_gflops: Optional[float] = None) -> str:
+    """Times are medians over the timed runs; 'f+b' is the whole forward + backward run."""
     has_ratio = any(r.ratio_vs_torch is not None for r in results)
-    head = f"{'case':<30} {'impl':<16} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} " \
-           f"{'fwd GF/s':>9} {'bwd GF/s':>9} {'tot GF/s':>9}" + (" vs torch  paired" if has_ratio
-                                                            else "")
+    head = (f"{'case':<30} {'impl':<16} {'fwd ms med':>10} {'bwd ms med':>10} "
+            f"{'f+b ms med':>10} {'fwd GF/s':>9} {'bwd GF/s':>9} {'f+b GF/s':>9}"
+            + (f" {'of GEMM':>7}" if gemm_gflops else "")
+            + (f" {'vs torch':>8} {'paired':>7}" if has_ratio else ""))
     lines = [head, "-" * len(head)]
     for r in results:
         c = Case(**r.case)
-        line = (f"{c.label + ' ' + c.dtype:<30} {r.impl:<16} {r.fwd_ms:9.1f} {r.bwd_ms:9.1f} "
-                f"{r.total_ms:9.1f} {r.fwd_gflops:9.1f} {r.bwd_gflops:9.1f} "
+        line = (f"{c.label + ' ' + c.dtype:<30} {r.impl:<16} {r.fwd_ms:10.1f} {r.bwd_ms:10.1f} "
+                f"{r.total_ms:10.1f} {r.fwd_gflops:9.1f} {r.bwd_gflops:9.1f} "
                 f"{r.total_gflops:9.1f}")
+        if gemm_gflops:
+            line += f" {100 * r.total_gflops / gemm_gflops:6.0f}%"
         if r.ratio_vs_torch is not None:
-            line += f" {r.ratio_vs_torch:8.2f}x {r.paired_ratio_vs_torch:6.2f}x"
+            line += f" {r.ratio_vs_torch:7.2f}x {r.paired_ratio_vs_torch:6.2f}x"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def _legend(repeats: int, warmup: int, gemm: Dict, has_torch: bool) -> str:
+    """What the table's numbers mean, printed under it."""
+    lines = [
+        f"ms med: median of {repeats} timed run(s) after {warmup} untimed; each run is one "
+        "forward then one backward, and f+b is the whole run's time.",
+        "GF/s: FlashAttention FLOP count (fwd 4*B*H*S*S*D, bwd 2.5x, causal half) / the "
+        "median time.",
+        f"yardstick: NumPy {gemm['dtype']} matrix product {gemm['n']}x{gemm['n']} @ "
+        f"{gemm['n']}x{gemm['n']} runs at {gemm['gflops']:.1f} GFLOP/s here "
+        f"({gemm['statistic']}); 'of GEMM' = f+b GF/s / that rate.",
+    ]
+    if has_torch:
+        lines.append("vs torch: torch's median f+b time / this one's; paired: median over "
+                     "the runs of the same ratio within each run.")
+    else:
+        import importlib.util
+
+        how = ("add --vs torch" if importlib.util.find_spec("torch") is not None
+               else "pip install 'anyattn[torch]' and add --vs torch")
+        lines.append(f"for torch's CPU scaled_dot_product_attention side by side: {how}.")
     return "\n".join(lines)
 
 
@@ -328,7 +436,7 @@ def _plot(results: Sequence[Result], path: str, title: str) -> bool:
                     va="bottom", fontsize=8)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases, fontsize=9)
-    ax.set_ylabel("fwd+bwd GFLOP/s (FA convention, causal ½)")
+    ax.set_ylabel("fwd+bwd GFLOP/s, median run (FA convention, causal ½)")
     ax.set_title(title, fontsize=10)
     ax.legend()
     fig.tight_layout()
@@ -377,60 +485,54 @@ def measure_memory(shape=MEMORY_SHAPE, causal: bool = False, dtype: str = "float
 
 # ------------------------------------------------------------------ main
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args``; print a table; 0 on success."""
-    if args.repeats < 1 or args.warmup < 0:
-        print("error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
+    """Run the benchmark described by ``args``; print a table; 0 on success, 2 (and one
+    line on stderr) for arguments it cannot run."""
+    why = usage_error(args)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
-    from .backends.registry import BACKEND_NAMES, unavailable_reason
-
-    for b in args.backend:
-        if b not in BACKEND_NAMES:
-            print(f"error: --backend {b!r} is unknown; expected some of {BACKEND_NAMES}",
-                  file=sys.stderr)
-            return 2
-        why = unavailable_reason(b)
-        if why is not None:
-            print(f"error: backend {b!r} is not available here: {why}", file=sys.stderr)
-            return 2
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     report: Dict = {"date": date, "machine": machine_info(),
                     "convention": "FlashAttention: fwd 4*B*H*Sq*Sk*D, bwd 2.5x, fwd+bwd 3.5x, "
-                                  "causal 0.5x; GFLOP/s from the minimum time of the repeats"}
+                                  "causal 0.5x; *_ms and GFLOP/s from the median over the "
+                                  "timed runs (total: whole forward + backward runs)"}
 
     if args.memory:
         shapes = args.shapes or [MEMORY_SHAPE]
         mems = []
         for shp in shapes:
             for causal in _causal_list(args.causal, default_off=True):
-                _progress(f"memory: {shp} {'causal ' if causal else ''}{args.backend[0]} ...")
-                m = measure_memory(shp, causal, args.dtype, args.backend[0], args.seed)
-                mems.append(m)
-                print(f"{str(tuple(shp)):<20} {'causal' if causal else 'full':<7} "
-                      f"{args.backend[0]}: peak extra {m['peak_extra_bytes'] / 2**20:8.1f} MiB "
-                      f"(outputs {m['outputs_bytes'] / 2**20:.1f} MiB, workspace "
-                      f"{m['workspace_bytes'] / 2**20:.1f} MiB) vs dense scores "
-                      f"{m['dense_scores_bytes'] / 2**30:.2f} GiB = "
-                      f"{100 * m['peak_over_dense']:.2f}%, {m['seconds']:.1f} s")
+                for backend in args.backend:
+                    _progress(f"memory: {shp} {'causal ' if causal else ''}{backend} ...")
+                    m = measure_memory(shp, causal, args.dtype, backend, args.seed)
+                    mems.append(m)
+                    print(f"{str(tuple(shp)):<20} {'causal' if causal else 'full':<7} "
+                          f"{backend}: peak extra {m['peak_extra_bytes'] / 2**20:8.1f} MiB "
+                          f"(outputs {m['outputs_bytes'] / 2**20:.1f} MiB, workspace "
+                          f"{m['workspace_bytes'] / 2**20:.1f} MiB) vs dense scores "
+                          f"{m['dense_scores_bytes'] / 2**30:.2f} GiB = "
+                          f"{100 * m['peak_over_dense']:.2f}%, {m['seconds']:.1f} s")
         report["memory"] = mems
         _write_json(args.json, report)
         return 0
 
     impls: List[_Impl] = [_AnyattnImpl(b) for b in args.backend]
     if args.vs == "torch":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            print("error: --vs torch needs torch (pip install torch)", file=sys.stderr)
-            return 2
         impls.append(_TorchImpl())
     cases = [Case(*shp, causal, args.dtype) for shp in (args.shapes or DEFAULT_SHAPES)
              for causal in _causal_list(args.causal)]
-    n_steps = len(cases) * len(impls) * args.repeats
+    n_steps = len(cases) * len(impls) * repeats
     step = [0]
     results: List[Result] = []
     for case in cases:
-        results += _time_case(case, impls, args.repeats, args.warmup, args.seed, step, n_steps)
-    print(_table(results))
+        results += _time_case(case, impls, repeats, warmup, args.seed, step, n_steps)
+    gemm = gemm_yardstick(args.dtype)
+    print(_table(results, gemm["gflops"]))
+    print(_legend(repeats, warmup, gemm, args.vs == "torch"))
+    report["gemm_yardstick"] = gemm
+    report["repeats"], report["warmup"] = repeats, warmup
     report["results"] = [asdict(r) for r in results]
     if hasattr(os, "getloadavg"):
         report["machine"]["loadavg_at_end"] = list(os.getloadavg())
@@ -455,9 +557,6 @@ def _causal_list(mode: str, default_off: bool = False) -> List[bool]:
 def _write_json(path: Optional[str], report: Dict) -> None:
     if not path:
         return
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     _progress(f"JSON written to {path}")

@@ -9,9 +9,11 @@ bench  time backends on a set of shapes (see anyattn.bench)
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -44,23 +46,151 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _parse_shape(text: str):
-    parts = [int(x) for x in text.split(",")]
-    if len(parts) == 4:  # B,H,S,D
-        b, h, s, d = parts
-        return b, h, h, s, s, d
-    if len(parts) == 6:
-        return tuple(parts)
-    raise argparse.ArgumentTypeError(
-        f"--shape {text!r}: expected B,H,S,D or B,Hq,Hkv,Sq,Sk,D")
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error on one line, ``anyattn check: error: ...``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(Exception):
+    """A bad command-line argument found after parsing; ``main`` reports it as argparse does."""
+
+
+def _ints(text: str) -> Optional[List[int]]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        return None
+
+
+def _parse_shape(text: str) -> Tuple[int, int, int, int, int, int]:
+    """argparse type of ``check --shape``: B,H,S,D or B,Hq,Hkv,Sq,Sk,D, positive integers."""
+    parts = _ints(text)
+    if parts is None or len(parts) not in (4, 6) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected positive integers B,H,S,D or B,Hq,Hkv,Sq,Sk,D "
+            "(e.g. 1,4,256,64)")
+    if len(parts) == 4:
+        b, h, sq, d = parts
+        return b, h, h, sq, sq, d
+    b, hq, hkv, sq, sk, d = parts
+    if hq % hkv:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: Hkv={hkv} key/value heads must divide Hq={hq} query heads (GQA/MQA)")
+    return b, hq, hkv, sq, sk, d
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of ``--seed``: an int in [0, 2**64), the range of a dropout seed."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer in [0, 2**64)")
+    return seed
+
+
+def int_at_least(low: int):
+    """argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
+        return n
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def _softcap(text: str) -> float:
+    c = _float(text)
+    if not (math.isfinite(c) and c > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number c > 0")
+    return c
+
+
+def _dropout(text: str) -> float:
+    p = _float(text)
+    if not 0 <= p < 1:                     # False for nan
+        raise argparse.ArgumentTypeError(f"{text!r}: expected dropout_p in [0, 1) "
+                                         "(0: no dropout)")
+    return p
+
+
+def out_path(text: str) -> str:
+    """argparse type of a file to write: its directory must exist (none is created)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: directory {folder!r} does not exist; create it first or give a "
+            "path in an existing directory")
+    return text
+
+
+MASK_SPECS = "none, causal, causal_br, sliding:W, window:L[:R], documents:N or keep:P"
+
+
+def _parse_mask(spec: str):
+    """-> (name, argument values); ArgumentTypeError naming the spec and the accepted ones."""
+    name, colon, arg = spec.partition(":")
+
+    def bad(why: str):
+        return argparse.ArgumentTypeError(f"{spec!r}: {why}; expected {MASK_SPECS}")
+
+    def count(text: str, what: str, low: int) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise bad(f"{what} must be an integer >= {low}, got {text!r}")
+        return n
+
+    if colon and not arg:
+        raise bad("nothing after ':'")
+    if name in ("none", "causal", "causal_br"):
+        if colon:
+            raise bad(f"{name} takes no argument")
+        return name, ()
+    if name == "sliding":
+        return name, (count(arg, "W (keys to the left)", 0) if colon else 256,)
+    if name == "window":
+        if not colon:
+            raise bad("window needs L (and optionally R)")
+        left, colon2, right = arg.partition(":")
+        if colon2 and ":" in right:
+            raise bad("window takes at most two numbers, L:R")
+        lo = count(left, "L", 0)
+        return name, (lo, count(right, "R", 0) if colon2 else lo)
+    if name == "documents":
+        return name, (count(arg, "N (documents)", 1) if colon else 4,)
+    if name == "keep":
+        frac = _float(arg) if colon else 0.5
+        if not 0 < frac <= 1:
+            raise bad(f"P (kept fraction) must be in (0, 1], got {arg!r}")
+        return name, (frac,)
+    raise bad("unknown mask")
 
 
 def build_mask(spec: str, B: int, Sq: int, Sk: int, rng):
-    """Mask from a command-line spec: none, causal, causal_br, sliding:W, window:L:R,
-    documents:N (N equal packed docs, causal), keep:P (random KeepMask, P kept)."""
+    """Mask from a command-line spec: none, causal, causal_br, sliding:W (causal, W keys
+    to the left; default 256), window:L[:R], documents:N (N equal packed docs, causal;
+    default 4), keep:P (random KeepMask, fraction P in (0, 1] kept; default 0.5)."""
     from . import masks as M
 
-    name, _, arg = spec.partition(":")
+    name, vals = _parse_mask(spec)
     if name == "none":
         return None
     if name == "causal":
@@ -68,32 +198,46 @@ def build_mask(spec: str, B: int, Sq: int, Sk: int, rng):
     if name == "causal_br":
         return M.Causal("bottom_right")
     if name == "sliding":
-        return M.Causal() & M.Window(left=int(arg or 256))
+        return M.Causal() & M.Window(left=vals[0])
     if name == "window":
-        left, _, right = arg.partition(":")
-        return M.Window(left=int(left), right=int(right or left))
+        return M.Window(left=vals[0], right=vals[1])
     if name == "documents":
-        n = int(arg or 4)
+        n = vals[0]
         q_ids = (np.arange(Sq) * n // max(Sq, 1)).astype(np.int32)
         k_ids = (np.arange(Sk) * n // max(Sk, 1)).astype(np.int32)
         return M.Causal() & M.Documents(q_ids, k_ids)
-    if name == "keep":
-        frac = float(arg or 0.5)
-        return M.KeepMask(rng.random((B, 1, Sq, Sk)) < frac)
-    raise argparse.ArgumentTypeError(
-        f"--mask {spec!r}: expected none, causal, causal_br, sliding:W, window:L:R, "
-        "documents:N or keep:P")
+    return M.KeepMask(rng.random((B, 1, Sq, Sk)) < vals[0])
 
 
 def _mask_spec(text: str) -> str:
     """argparse type of ``--mask``: the spec, checked now (a bad one is a usage error)."""
     try:
         build_mask(text, 1, 1, 1, np.random.default_rng(0))
-    except argparse.ArgumentTypeError as e:  # argparse prefixes "argument --mask: "
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--mask ")) from None
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return text
+
+
+def backend_unavailable(name: str) -> Optional[str]:
+    """None if backend ``name`` runs here, else why not and what a command-line user can do."""
+    import importlib.util
+
+    from .backends.registry import unavailable_reason
+
+    packages = {"triton": ("torch", "triton"), "webgpu": ("wgpu",)}.get(name, ())
+    missing = [m for m in packages if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"it needs {' and '.join(missing)}, not installed: "
+                f"pip install 'anyattn[{name}]'")
+    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("it needs a CUDA GPU and this machine has none; Triton's interpreter "
+                    "runs it on the CPU (slowly) when the environment sets TRITON_INTERPRET=1 "
+                    "(e.g. TRITON_INTERPRET=1 python -m anyattn check --backend triton), "
+                    "or use --backend numpy")
+    return unavailable_reason(name)
 
 
 def _to_backend(x, backend_name):
@@ -119,6 +263,50 @@ def _np(x):
     from .arrays import to_numpy
 
     return None if x is None else to_numpy(x).astype(np.float64)
+
+
+def _check_usage(args) -> None:
+    """``check``'s arguments against the backend they name: UsageError naming the flag."""
+    from .backends.registry import ENTRIES, get_backend
+
+    be, dt = args.backend, args.dtype
+    if dt == "bfloat16" and be != "triton":
+        raise UsageError(f"argument --dtype: bfloat16 needs --backend triton (NumPy has no "
+                         f"bfloat16); --backend {be} takes "
+                         f"{', '.join(sorted(ENTRIES[be].dtypes - {'bfloat16'}))}")
+    if dt not in ENTRIES[be].dtypes:
+        raise UsageError(f"argument --dtype: backend {be!r} takes "
+                         f"{', '.join(sorted(ENTRIES[be].dtypes))}, got {dt}")
+    why = backend_unavailable(be)
+    if why is not None:
+        raise UsageError(f"argument --backend: {be!r} cannot run here: {why}")
+    caps = get_backend(be).capabilities
+    precision = args.precision or "highest"
+    if precision not in caps.precisions:
+        raise UsageError(f"argument --precision: backend {be!r} takes "
+                         f"{', '.join(sorted(caps.precisions))}, got {precision}")
+    D = args.shape[-1]
+    if caps.max_head_dim is not None and D > caps.max_head_dim:
+        raise UsageError(f"argument --shape: backend {be!r} takes head dim D <= "
+                         f"{caps.max_head_dim}, got D={D}")
+    for flag, used, served in (("--softcap", args.softcap is not None, caps.softcap),
+                               ("--alibi", args.alibi, caps.alibi),
+                               ("--sinks", args.sinks, caps.sinks),
+                               ("--dropout", args.dropout > 0, caps.dropout),
+                               ("--bias", args.bias != "none", caps.bias)):
+        if used and not served:
+            raise UsageError(f"argument {flag}: backend {be!r} does not support it")
+
+
+def _timing_note(be: str) -> str:
+    """What the one timed call of ``check`` includes, for this backend."""
+    if be == "triton":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "Triton's interpreter on the CPU: slow by design, not a GPU timing"
+        return "first call: includes Triton's kernel compilation"
+    if be == "webgpu":
+        return "first call: includes shader compilation and pipeline creation"
+    return "one call each; python -m anyattn bench times repeated runs"
 
 
 def _cmd_check(args) -> int:
@@ -155,9 +343,6 @@ def _cmd_check(args) -> int:
     be = args.backend
     dt = args.dtype
     # inputs are rounded to the tested dtype first; the reference sees the rounded values
-    if be != "triton" and dt == "bfloat16":
-        raise TypeError(f"--dtype bfloat16: NumPy has no bfloat16; backend {be!r} takes "
-                        "NumPy arrays (use --backend triton, or float32/float16)")
 
     def prepare(x):
         if x is None:
@@ -192,7 +377,7 @@ def _cmd_check(args) -> int:
           + "".join(f", {n} {'on' if isinstance(x, np.ndarray) else x}"
                     for n, x in mods.items() if n != "dropout_seed"))
     print(f"  forward {1e3 * (t1 - t0):.2f} ms, backward {1e3 * (t2 - t1):.2f} ms "
-          "(first call: includes compilation/warm-up)")
+          f"({_timing_note(be)})")
     for name, got, ref in (("out", out, ro), ("lse", lse, rl), ("dq", grads.dq, rg.dq),
                            ("dk", grads.dk, rg.dk), ("dv", grads.dv, rg.dv),
                            ("dbias", grads.dbias, rg.dbias),
@@ -235,29 +420,35 @@ def _mask_to_backend(mask, be):
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .backends.registry import BACKEND_NAMES
 
-    ap = argparse.ArgumentParser(prog="anyattn", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="anyattn", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"anyattn {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench}")
     sub.add_parser("info", help="which backends run here, and why the others don't")
     ck = sub.add_parser("check", help="one problem on one backend vs the float64 reference")
+    ck.set_defaults(_error=ck.error)
     ck.add_argument("--shape", type=_parse_shape, default=(1, 4, 4, 256, 256, 64),
                     help="B,H,S,D or B,Hq,Hkv,Sq,Sk,D (default 1,4,4,256,256,64)")
     ck.add_argument("--mask", default="causal", type=_mask_spec,
-                    help="none | causal | causal_br | sliding:W | window:L:R | documents:N | "
-                         "keep:P (default causal)")
+                    help="none | causal (default) | causal_br | sliding:W (causal, W >= 0 keys "
+                         "to the left, default 256) | window:L[:R] (L, R >= 0) | documents:N "
+                         "(N >= 1, default 4) | keep:P (fraction kept, P in (0, 1], "
+                         "default 0.5)")
     ck.add_argument("--bias", default="none", choices=["none", "full", "heads", "batch", "keys"])
     ck.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
-    ck.add_argument("--backend", default="numpy")
+    ck.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
+                    help="default numpy; `python -m anyattn info` says which run here")
     ck.add_argument("--precision", default=None, choices=["highest", "tf32"])
-    ck.add_argument("--seed", type=int, default=0,
-                    help="inputs' random seed (also the dropout seed)")
-    ck.add_argument("--softcap", type=float, default=None, help="logit soft-cap c > 0")
+    ck.add_argument("--seed", type=seed_arg, default=0,
+                    help="inputs' random seed (also the dropout seed), in [0, 2**64)")
+    ck.add_argument("--softcap", type=_softcap, default=None, help="logit soft-cap c > 0")
     ck.add_argument("--alibi", action="store_true", help="ALiBi with slopes 2^(-8h/Hq)")
     ck.add_argument("--sinks", action="store_true", help="learnable sinks (random), dsinks")
-    ck.add_argument("--dropout", type=float, default=0.0, help="dropout_p in [0, 1)")
+    ck.add_argument("--dropout", type=_dropout, default=0.0, help="dropout_p in [0, 1)")
     bn = sub.add_parser("bench", help="time backends on a set of shapes (GFLOP/s, JSON, PNG)")
+    bn.set_defaults(_error=bn.error)
     try:
         from . import bench as _bench
     except ImportError as e:  # pragma: no cover - bench module missing
@@ -273,9 +464,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cmd_info(args)
     if args.cmd == "check":
         try:
+            _check_usage(args)
+        except UsageError as e:
+            args._error(str(e))
+        try:
             return _cmd_check(args)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"anyattn check: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     if args.cmd == "bench":
         if getattr(args, "_bench_error", None):
@@ -284,6 +479,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         from . import bench as _bench
 
+        why = _bench.usage_error(args)
+        if why is not None:
+            args._error(why)
         return _bench.run(args)
     return 2
 

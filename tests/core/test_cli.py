@@ -3,6 +3,7 @@ import subprocess
 import sys
 import os
 
+import numpy as np
 import pytest
 
 from anyattn.cli import build_mask, main
@@ -25,14 +26,17 @@ def test_check_passes_on_reference(capsys):
 
 
 def test_check_reports_errors_with_exit_2(capsys):
-    rc = main(["check", "--backend", "nonesuch", "--shape", "1,1,4,8"])
-    assert rc == 2
-    assert "unknown" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--backend", "nonesuch", "--shape", "1,1,4,8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --backend: invalid choice: 'nonesuch'" in err
+    for name in ("numpy", "triton", "webgpu", "reference"):
+        assert repr(name) in err
 
 
 def test_bad_mask_spec():
     import argparse
-    import numpy as np
 
     with pytest.raises(argparse.ArgumentTypeError):
         build_mask("diagonal", 1, 4, 4, np.random.default_rng(0))
@@ -124,3 +128,255 @@ def test_check_with_score_modifiers_and_dropout(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "PASS" in out
     assert "softcap 3.0" in out and "dropout_p 0.2" in out and "dsinks" in out
+
+
+# -- every bad argument: one line naming the flag and what it accepts, exit status 2 --------
+
+_MASKS = "expected none, causal, causal_br, sliding:W, window:L[:R], documents:N or keep:P"
+
+BAD_CHECK = [
+    (["--shape", "1,8,0,64"], "--shape", "B,H,S,D or B,Hq,Hkv,Sq,Sk,D"),
+    (["--shape", "1,8,-4,64"], "--shape", "positive integers"),
+    (["--shape", "1,8,a,64"], "--shape", "positive integers"),
+    (["--shape", "1,2,3"], "--shape", "B,H,S,D or B,Hq,Hkv,Sq,Sk,D"),
+    (["--shape", "1,4,3,8,8,8"], "--shape", "must divide Hq=4"),
+    (["--mask", "causal:3"], "--mask", "causal takes no argument; " + _MASKS),
+    (["--mask", "causal_br:1"], "--mask", "causal_br takes no argument"),
+    (["--mask", "none:x"], "--mask", "none takes no argument"),
+    (["--mask", "keep:2"], "--mask", "must be in (0, 1]"),
+    (["--mask", "keep:0"], "--mask", "must be in (0, 1]"),
+    (["--mask", "keep:nan"], "--mask", "must be in (0, 1]"),
+    (["--mask", "keep:"], "--mask", "nothing after ':'"),
+    (["--mask", "sliding:"], "--mask", "nothing after ':'"),
+    (["--mask", "sliding:-1"], "--mask", "integer >= 0"),
+    (["--mask", "sliding:1.5"], "--mask", "integer >= 0"),
+    (["--mask", "window"], "--mask", "window needs L"),
+    (["--mask", "window:-1"], "--mask", "integer >= 0"),
+    (["--mask", "window:1:x"], "--mask", "integer >= 0"),
+    (["--mask", "window:1:2:3"], "--mask", "at most two numbers"),
+    (["--mask", "documents:0"], "--mask", "integer >= 1"),
+    (["--mask", "documents:x"], "--mask", "integer >= 1"),
+    (["--mask", "diagonal"], "--mask", _MASKS),
+    (["--backend", "nonesuch"], "--backend", "'numpy', 'reference'"),
+    (["--seed", "-1"], "--seed", "[0, 2**64)"),
+    (["--seed", str(2 ** 64)], "--seed", "[0, 2**64)"),
+    (["--seed", "x"], "--seed", "[0, 2**64)"),
+    (["--softcap", "0"], "--softcap", "c > 0"),
+    (["--softcap", "-1"], "--softcap", "c > 0"),
+    (["--softcap", "nan"], "--softcap", "c > 0"),
+    (["--softcap", "inf"], "--softcap", "c > 0"),
+    (["--dropout", "1"], "--dropout", "[0, 1)"),
+    (["--dropout", "-0.1"], "--dropout", "[0, 1)"),
+    (["--dropout", "nan"], "--dropout", "[0, 1)"),
+    (["--dtype", "float8"], "--dtype", "'float16', 'float32', 'float64'"),
+    (["--dtype", "bfloat16"], "--dtype", "--backend triton"),
+    (["--dtype", "float64", "--backend", "webgpu"], "--dtype", "takes float16, float32"),
+    (["--bias", "rows"], "--bias", "'none', 'full'"),
+    (["--precision", "fast"], "--precision", "'highest', 'tf32'"),
+    (["--precision", "tf32"], "--precision", "backend 'numpy' takes highest"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,accepted", BAD_CHECK,
+                         ids=[" ".join(a) for a, _, _ in BAD_CHECK])
+def test_bad_check_argument_is_one_line_usage_error(argv, flag, accepted, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--shape", "1,1,4,8", *argv] if "--shape" not in argv
+             else ["check", *argv])
+    assert e.value.code == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.splitlines()
+    assert len(lines) == 1, cap.err
+    assert lines[0].startswith(f"anyattn check: error: argument {flag}: "), lines[0]
+    assert accepted in lines[0]
+
+
+BAD_BENCH = [
+    (["--shapes", "1,8,0,64"], "--shapes", "four positive integers B,H,S,D"),
+    (["--shapes", "1,8,a,64"], "--shapes", "four positive integers B,H,S,D"),
+    (["--repeats", "0"], "--repeats", "integer >= 1"),
+    (["--repeats", "x"], "--repeats", "integer >= 1"),
+    (["--warmup", "-1"], "--warmup", "integer >= 0"),
+    (["--seed", "-1"], "--seed", "[0, 2**64)"),
+    (["--backend", "triton"], "--backend", "'webgpu', 'numpy', 'reference'"),
+    (["--backend", "numpy", "numpy"], "--backend", "named twice"),
+    (["--dtype", "float16"], "--dtype", "'float32', 'float64'"),
+    (["--dtype", "float64", "--backend", "webgpu"], "--dtype", "takes float16, float32"),
+    (["--causal", "maybe"], "--causal", "'both', 'only', 'off'"),
+    (["--vs", "jax"], "--vs", "'torch'"),
+    (["--json", "{missing}/x.json"], "--json", "does not exist"),
+    (["--plot", "{missing}/x.png"], "--plot", "does not exist"),
+    (["--json", "."], "--json", "is a directory"),
+    (["--memory", "--vs", "torch"], "--vs", "--memory does not use it"),
+    (["--memory", "--repeats", "2"], "--repeats", "--memory does not use it"),
+    (["--memory", "--warmup", "0"], "--warmup", "--memory does not use it"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,accepted", BAD_BENCH,
+                         ids=[" ".join(a) for a, _, _ in BAD_BENCH])
+def test_bad_bench_argument_is_one_line_usage_error(argv, flag, accepted, capsys, tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--shapes", "1,1,8,8",
+              *(a.format(missing=missing) for a in argv)])
+    assert not missing.exists()                 # no directory is created
+    assert e.value.code == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.splitlines()
+    assert len(lines) == 1, cap.err
+    assert lines[0].startswith(f"anyattn bench: error: argument {flag}: "), lines[0]
+    assert accepted in lines[0]
+
+
+def test_bad_arguments_exit_2_without_traceback_in_a_process(tmp_path):
+    r = _run_cli("check", "--shape", "1,8,0,64")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "argument --shape" in r.stderr
+    missing = tmp_path / "missing" / "deeper"
+    r = _run_cli("bench", "--shapes", "1,1,8,8", "--json", str(missing / "x.json"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "argument --json" in r.stderr
+    assert not (tmp_path / "missing").exists()              # no directory was created
+
+
+@pytest.mark.parametrize("spec", ["none", "causal", "causal_br", "sliding", "sliding:2",
+                                  "window:1", "window:0:2", "documents", "documents:2",
+                                  "keep", "keep:1", "keep:0.7"])
+def test_good_mask_specs_pass(spec, capsys):
+    assert main(["check", "--backend", "reference", "--shape", "1,1,6,8", "--mask", spec]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_triton_without_cuda_says_what_a_cli_user_can_do(monkeypatch, capsys):
+    """Not the Python API's '.cuda()': the GPU it needs and the interpreter's switch."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--backend", "triton", "--shape", "1,1,8,8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("anyattn check: error: argument "
+                                                         "--backend: 'triton' cannot run here")
+    assert "CUDA GPU" in err and "TRITON_INTERPRET=1" in err and "--backend numpy" in err
+    assert ".cuda()" not in err
+
+
+def test_missing_extra_is_named_as_a_pip_install(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wgpu" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--backend", "webgpu", "--shape", "1,1,8,8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --backend: 'webgpu' cannot run here" in err
+    assert "pip install 'anyattn[webgpu]'" in err
+
+
+@pytest.mark.parametrize("backend", ["numpy", "reference"])
+def test_check_claims_no_compilation_on_host_backends(backend, capsys):
+    assert main(["check", "--backend", backend, "--shape", "1,1,8,8"]) == 0
+    timing = [ln for ln in capsys.readouterr().out.splitlines() if "forward" in ln]
+    assert len(timing) == 1
+    assert "compil" not in timing[0] and "first call" not in timing[0]
+    assert "warm-up" not in timing[0] and "one call each" in timing[0]
+
+
+# -- bench: what the numbers mean, and their statistics ------------------------------------
+
+def test_bench_says_what_the_numbers_mean(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import json
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",       # as on a machine without torch
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    js = tmp_path / "b.json"
+    assert main(["bench", "--shapes", "1,1,16,8", "--causal", "off", "--repeats", "1",
+                 "--warmup", "0", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    for col in ("fwd ms med", "bwd ms med", "f+b ms med", "of GEMM"):
+        assert col in head
+    assert "median of 1 timed run(s)" in out and "yardstick: NumPy float32 matrix product" in out
+    assert "pip install 'anyattn[torch]' and add --vs torch" in out
+    rep = json.loads(js.read_text())
+    assert rep["gemm_yardstick"]["gflops"] > 0 and rep["repeats"] == 1
+    res = rep["results"][0]
+    assert res["times_total_ms"] and res["total_ms"] == res["times_total_ms"][0]
+
+
+def test_bench_vs_torch_without_torch_is_a_usage_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--vs", "torch", "--shapes", "1,1,8,8"])
+    assert e.value.code == 2
+    assert "argument --vs: torch is not installed: pip install 'anyattn[torch]'" in \
+        capsys.readouterr().err
+
+
+def test_bench_total_is_the_median_of_whole_runs(monkeypatch):
+    """Three runs, fwd 1, 2, 6 ms and bwd 6, 1, 2 ms: whole runs 7, 3, 8 ms.  The total is
+    their median, 7 ms; not the fastest run (3), a sum of minima (2) or of medians (4)."""
+    from anyattn import bench
+
+    class Clock:
+        def __init__(self, ticks):
+            self.ticks = iter(ticks)
+
+        def perf_counter(self):
+            return next(self.ticks)
+
+        def sleep(self, seconds):
+            pass
+
+    ticks = []
+    for run, (f, b) in enumerate([(1, 6), (2, 1), (6, 2)]):
+        ticks += [run, run + f / 1e3, run + (f + b) / 1e3]
+
+    class Nothing(bench._Impl):
+        name = "nothing"
+
+        def prepare(self, case, arrays):
+            return None
+
+        def fwd(self, st):
+            return None
+
+        def bwd(self, st, fo):
+            return None
+
+        def output(self, st, fo):
+            return np.zeros(1)
+
+    monkeypatch.setattr(bench, "time", Clock(ticks))
+    monkeypatch.setattr(bench, "_progress", lambda msg: None)
+    case = bench.Case(1, 1, 4, 2, False, "float32")
+    (res,) = bench._time_case(case, [Nothing()], 3, 0, 0, [0], 3)
+    assert res.total_ms == pytest.approx(7.0)
+    assert res.fwd_ms == pytest.approx(2.0) and res.bwd_ms == pytest.approx(2.0)
+    assert res.min_total_ms == pytest.approx(3.0)
+    assert res.total_gflops == pytest.approx(
+        bench.flops(1, 1, 4, 4, 2, False, "fwd+bwd") / 7.0 / 1e6)
+
+
+def test_bench_memory_measures_every_named_backend(tmp_path, capsys):
+    import json
+
+    js = tmp_path / "m.json"
+    assert main(["bench", "--memory", "--backend", "numpy", "reference", "--shapes",
+                 "1,1,32,8", "--json", str(js)]) == 0
+    mems = json.loads(js.read_text())["memory"]
+    assert [m["backend"] for m in mems] == ["numpy", "reference"]

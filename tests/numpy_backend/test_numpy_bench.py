@@ -46,7 +46,10 @@ def test_memory_mode(tmp_path, capsys):
 
 
 def test_bad_arguments(capsys):
-    with pytest.raises(SystemExit):
-        _args("--shapes", "1,2,3")
-    assert bench.run(_args("--backend", "nope")) == 2
-    assert bench.run(_args("--repeats", "0")) == 2
+    for argv in (("--shapes", "1,2,3"), ("--backend", "nope"), ("--repeats", "0")):
+        with pytest.raises(SystemExit):
+            _args(*argv)
+    # checks across flags: run() refuses them too (one line on stderr, status 2)
+    capsys.readouterr()
+    assert bench.run(_args("--backend", "numpy", "numpy")) == 2
+    assert capsys.readouterr().err.startswith("error: argument --backend:")
