@@ -23,12 +23,16 @@ TF32_TOLERANCE = 3e-4
 
 def _cmd_info(args) -> int:
     from . import __version__
-    from .backends.registry import auto_array_kinds, describe_backends, get_backend
+    from .backends.registry import ENTRIES, auto_array_kinds, describe_backends, get_backend
 
     print(f"anyattn {__version__}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
-    for name, why in describe_backends():
-        if why is None:
+    for st in describe_backends():
+        name, why = st
+        if st.state == "installed":     # not loaded: nothing heavy imported to say so
+            print(f"  {name:10s} installed, not yet loaded ({ENTRIES[name].dispatch}): "
+                  f"{st.detail}")
+        elif why is None:
             be = get_backend(name)
             c = be.capabilities
             extra = getattr(be, "describe_device", lambda: "")()
