@@ -305,8 +305,10 @@ def _plot(results: Sequence[Result], path: str, title: str) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        _progress("matplotlib is not installed: no plot written (pip install matplotlib)")
+    except ImportError as e:
+        from .extras import import_error
+
+        _progress(f"no plot written: {import_error('matplotlib', 'bench', e)}")
         return False
     cases: List[str] = []
     impls: List[str] = []
@@ -419,8 +421,10 @@ def run(args: argparse.Namespace) -> int:
     if args.vs == "torch":
         try:
             import torch  # noqa: F401
-        except ImportError:
-            print("error: --vs torch needs torch (pip install torch)", file=sys.stderr)
+        except ImportError as e:
+            from .extras import import_error
+
+            print(f"error: {import_error('torch', 'torch', e, '--vs torch')}", file=sys.stderr)
             return 2
         impls.append(_TorchImpl())
     cases = [Case(*shp, causal, args.dtype) for shp in (args.shapes or DEFAULT_SHAPES)

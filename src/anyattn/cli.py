@@ -106,8 +106,9 @@ def _to_backend(x, backend_name):
         return x
     import os
 
-    import torch
+    from .extras import require
 
+    torch = require("torch", "triton", "--backend triton")
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
         else "cpu"
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
@@ -278,7 +279,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cmd == "check":
         try:
             return _cmd_check(args)
-        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        except (ValueError, TypeError, NotImplementedError, RuntimeError, ImportError) as e:
             print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     if args.cmd == "bench":
