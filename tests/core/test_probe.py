@@ -160,13 +160,20 @@ def test_backend_status_is_a_name_reason_pair():
     assert (name, why, bad.state, bad.detail) == ("triton", "no GPU", "unavailable", "no GPU")
     assert str(inst) == "webgpu: installed, not yet loaded: wgpu found"
     assert dict(anyattn.describe_backends())["numpy"] is None
+    import copy
+    import pickle
+
+    for st in (ok, inst, bad):
+        for back in (copy.copy(st), pickle.loads(pickle.dumps(st))):
+            assert (back, back.state, back.detail) == (st, st.state, st.detail)
+    assert repr(inst) == "BackendStatus('webgpu', 'installed', 'wgpu found')"
     with pytest.raises(ValueError, match="state"):
         BackendStatus("numpy", "maybe")
     with pytest.raises(ValueError, match="state"):
         Probe("ready")
 
 
-def test_describe_verify_loads_and_checks(monkeypatch):
+def test_describe_verify_loads_and_checks():
     """verify=True is the full check of every backend (what unavailable_reason says)."""
     for st in registry.describe_backends(verify=True):
         assert st.state in ("available", "unavailable")

@@ -202,6 +202,12 @@ class BackendStatus(tuple):
         self.state, self.detail = state, detail
         return self
 
+    def __getnewargs__(self):                 # copy and pickle rebuild all three fields
+        return self[0], self.state, self.detail
+
+    def __repr__(self) -> str:
+        return f"BackendStatus({self[0]!r}, {self.state!r}, {self.detail!r})"
+
     @property
     def name(self) -> str:
         return self[0]
