@@ -413,8 +413,10 @@ def _plot(results: Sequence[Result], path: str, title: str) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        _progress("matplotlib is not installed: no plot written (pip install matplotlib)")
+    except ImportError as e:
+        from .extras import import_error
+
+        _progress(f"no plot written: {import_error('matplotlib', 'bench', e)}")
         return False
     cases: List[str] = []
     impls: List[str] = []

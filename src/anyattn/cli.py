@@ -25,12 +25,16 @@ TF32_TOLERANCE = 3e-4
 
 def _cmd_info(args) -> int:
     from . import __version__
-    from .backends.registry import auto_array_kinds, describe_backends, get_backend
+    from .backends.registry import ENTRIES, auto_array_kinds, describe_backends, get_backend
 
     print(f"anyattn {__version__}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
-    for name, why in describe_backends():
-        if why is None:
+    for st in describe_backends():
+        name, why = st
+        if st.state == "installed":     # not loaded: nothing heavy imported to say so
+            print(f"  {name:10s} installed, not yet loaded ({ENTRIES[name].dispatch}): "
+                  f"{st.detail}")
+        elif why is None:
             be = get_backend(name)
             c = be.capabilities
             extra = getattr(be, "describe_device", lambda: "")()
@@ -246,8 +250,9 @@ def _to_backend(x, backend_name):
         return x
     import os
 
-    import torch
+    from .extras import require
 
+    torch = require("torch", "triton", "--backend triton")
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
         else "cpu"
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
@@ -469,7 +474,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             args._error(str(e))
         try:
             return _cmd_check(args)
-        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        except (ValueError, TypeError, NotImplementedError, RuntimeError,
+                ImportError) as e:
             print(f"anyattn check: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     if args.cmd == "bench":

@@ -14,7 +14,8 @@ descriptions, are uploaded as small tables).  ``.numpy()`` reads an array back.
 Rules: every tensor argument of one call lives on anyattn's wgpu device (the
 one ``device()`` returns); mixing device arrays with NumPy arrays, or with
 arrays of another wgpu device, is refused with a ``TypeError`` / ``ValueError``.
-wgpu is imported only when an array is created or read.
+wgpu is imported only when an array is created or read; without it, that raises
+ImportError naming the extra (``pip install "anyattn[webgpu]"``).
 """
 from __future__ import annotations
 
@@ -252,7 +253,9 @@ def from_buffer(buffer, shape, dtype, *, offset: int = 0,
     for attr in ("size", "usage"):
         if not hasattr(buffer, attr):
             raise TypeError(f"buffer: expected a wgpu GPUBuffer, got {type(buffer).__name__}")
-    import wgpu
+    from .extras import require
+
+    wgpu = require("wgpu", "webgpu", "anyattn.webgpu.from_buffer")
 
     if not int(buffer.usage) & int(wgpu.BufferUsage.STORAGE):
         raise ValueError(f"buffer {buffer.label!r}: lacks BufferUsage.STORAGE (the kernels bind "
@@ -314,7 +317,9 @@ def asarray(x, dtype=None) -> DeviceArray:
         a = a.astype(_check_dtype(dtype))
     _check_dtype(a.dtype)
     a = np.ascontiguousarray(a)
-    import wgpu
+    from .extras import require
+
+    wgpu = require("wgpu", "webgpu", "anyattn.webgpu.asarray")
 
     dev = device()
     nbytes = max(16, -(-a.nbytes // 16) * 16)

@@ -14,11 +14,31 @@ from ..modifiers import ScoreMods
 from ..problem import Problem
 from ..rowstats import RowStats
 
-__all__ = ["Capabilities", "Backend", "BackendUnavailable"]
+__all__ = ["Capabilities", "Backend", "BackendUnavailable", "Probe"]
 
 
 class BackendUnavailable(RuntimeError):
     """An explicitly requested backend cannot run on this machine."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a backend's package says about it without importing the backend's libraries
+    (its ``probe()``, read by the registry).
+
+    state: ``"unavailable"`` (``detail``: why, e.g. a package that is not installed),
+    ``"installed"`` (its packages are installed but not loaded; ``detail``: what is
+    known and what is checked at first use) or ``"loaded"`` (its libraries and device
+    are loaded already: asking the backend itself imports nothing more).
+    """
+
+    state: str
+    detail: str = ""
+
+    def __post_init__(self):
+        if self.state not in ("unavailable", "installed", "loaded"):
+            raise ValueError(f"Probe.state: expected 'unavailable', 'installed' or 'loaded', "
+                             f"got {self.state!r}")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,14 @@ checked against these entries first; only a backend that passes is imported and
 asked for its ``availability()`` (which may import torch, triton or wgpu and
 open a device).  So a call on NumPy arrays never imports torch, triton or wgpu.
 
+Describing the backends (``describe_backends``, ``python -m anyattn info``) imports
+none of them either: a backend with heavy libraries has a ``probe()`` in its package
+that decides from installed packages (``importlib.util.find_spec``), environment
+flags and driver files, and asks its libraries only where they are loaded already.
+Such a backend is reported "installed" (not yet loaded, its device checked at first
+use) until a call (or ``unavailable_reason``) has loaded it; then "available" or
+"unavailable" as verified.
+
 Automatic dispatch, the rule:
 
 - torch tensors on a CUDA device: ``triton``;
@@ -27,16 +35,16 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from ..problem import Problem
-from .base import Backend, BackendUnavailable
+from .base import Backend, BackendUnavailable, Probe
 
 __all__ = ["BACKEND_NAMES", "Entry", "ENTRIES", "get_backend", "choose", "describe_backends",
-           "available_backends", "unavailable_reason", "reach_reasons", "auto_array_kinds",
-           "clear_choices"]
+           "available_backends", "backend_status", "BackendStatus", "unavailable_reason",
+           "reach_reasons", "auto_array_kinds", "clear_choices", "AVAILABLE", "INSTALLED",
+           "UNAVAILABLE"]
 
 _F16_32 = frozenset({"float16", "bfloat16", "float32"})
 _ALL = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -61,12 +69,15 @@ class Entry:
     #: (variable, value): with this environment setting the backend takes CPU
     #: devices too (Triton's interpreter); never for auto-dispatch.
     cpu_when_env: Optional[Tuple[str, str]] = None
-    #: modules its availability() imports: a refusal's hint probes the backend only
-    #: when they are already loaded (an error message never imports them)
-    heavy: Tuple[str, ...] = ()
+    #: "module:function" returning a ``Probe`` without importing the backend's libraries
+    #: (torch, triton, wgpu); None: the backend imports nothing heavy, describing it
+    #: loads and checks it
+    probe: Optional[str] = None
     #: the remedy appended to a refusal for the array kind / the device
     kind_remedy: str = ""
     device_remedy: str = ""
+    #: the dispatch rule in words (``python -m anyattn info`` for a backend not yet loaded)
+    dispatch: str = "only when named"
 
     def device_types_now(self, auto: bool = False) -> FrozenSet[str]:
         if auto or self.cpu_when_env is None:
@@ -81,7 +92,9 @@ ENTRIES: Dict[str, Entry] = {
     "triton": Entry("anyattn.backends.triton.backend:TritonBackend",
                     frozenset({"torch"}), frozenset({"cuda"}), _F16_32,
                     auto_array_kinds=frozenset({"torch"}),
-                    cpu_when_env=("TRITON_INTERPRET", "1"), heavy=("torch", "triton"),
+                    cpu_when_env=("TRITON_INTERPRET", "1"),
+                    probe="anyattn.backends.triton:probe",
+                    dispatch="automatic for torch CUDA tensors",
                     kind_remedy="pass torch CUDA tensors",
                     device_remedy="move the inputs with .cuda() (CPU tensors run only "
                                   "under Triton's interpreter, TRITON_INTERPRET=1)"),
@@ -89,11 +102,14 @@ ENTRIES: Dict[str, Entry] = {
     "webgpu": Entry("anyattn.backends.webgpu.backend:WebGPUBackend",
                     frozenset({"numpy", "webgpu"}), frozenset({"cpu", "webgpu"}),
                     frozenset({"float32", "float16"}),
-                    auto_array_kinds=frozenset({"webgpu"}), heavy=("wgpu",),
+                    auto_array_kinds=frozenset({"webgpu"}),
+                    probe="anyattn.backends.webgpu:probe",
+                    dispatch="automatic for WebGPU device arrays, NumPy arrays only when named",
                     kind_remedy="pass NumPy arrays or anyattn.webgpu device arrays"),
     "numpy": Entry("anyattn.backends.numpy_backend:NumpyBackend",
                    frozenset({"numpy", "torch"}), frozenset({"cpu"}), _ALL,
                    auto_array_kinds=frozenset({"numpy", "torch"}),
+                   dispatch="automatic for NumPy arrays and torch CPU tensors",
                    kind_remedy=_HOST_REMEDY,
                    device_remedy="move the inputs with .cpu()"),
     "reference": Entry("anyattn.backends.reference_backend:ReferenceBackend",
@@ -133,8 +149,9 @@ def get_backend(name: str) -> Optional[Backend]:
 
 
 def unavailable_reason(name: str) -> Optional[str]:
-    """None if the named backend can run on this machine, else why not (may import
-    the backend's libraries and open its device)."""
+    """None if the named backend can run on this machine, else why not: the full check,
+    which imports the backend's libraries and may open its device (for a backend about
+    to be used; ``backend_status`` describes one without loading it)."""
     be = get_backend(name)
     if be is None:
         return _load_errors[name]
@@ -164,13 +181,83 @@ def auto_array_kinds(name: str) -> FrozenSet[str]:
     return _check_name(name).auto_array_kinds
 
 
-def describe_backends() -> List[Tuple[str, Optional[str]]]:
-    """[(name, None | reason it is unavailable)] for every backend (imports them all)."""
-    return [(n, unavailable_reason(n)) for n in BACKEND_NAMES]
+#: BackendStatus.state values
+AVAILABLE, INSTALLED, UNAVAILABLE = "available", "installed", "unavailable"
 
 
-def available_backends() -> List[str]:
-    return [n for n, why in describe_backends() if why is None]
+class BackendStatus(tuple):
+    """``(name, reason)``: ``reason`` is None unless the backend cannot run here.
+
+    ``state``: ``"available"`` (loaded and checked: it runs here), ``"installed"``
+    (its packages are installed but not yet loaded: the device is checked at first
+    use, ``reason`` None) or ``"unavailable"`` (``reason`` says why).  ``detail``:
+    what is known about an installed backend, the reason of an unavailable one.
+    """
+
+    def __new__(cls, name: str, state: str, detail: str = ""):
+        if state not in (AVAILABLE, INSTALLED, UNAVAILABLE):
+            raise ValueError(f"state: expected {AVAILABLE!r}, {INSTALLED!r} or "
+                             f"{UNAVAILABLE!r}, got {state!r}")
+        self = super().__new__(cls, (name, detail if state == UNAVAILABLE else None))
+        self.state, self.detail = state, detail
+        return self
+
+    def __getnewargs__(self):                 # copy and pickle rebuild all three fields
+        return self[0], self.state, self.detail
+
+    def __repr__(self) -> str:
+        return f"BackendStatus({self[0]!r}, {self.state!r}, {self.detail!r})"
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+    @property
+    def reason(self) -> Optional[str]:
+        return self[1]
+
+    def __str__(self) -> str:
+        if self.state == AVAILABLE:
+            return f"{self.name}: available"
+        if self.state == INSTALLED:
+            return f"{self.name}: installed, not yet loaded: {self.detail}"
+        return f"{self.name}: unavailable: {self.detail}"
+
+
+def _probe(name: str) -> Probe:
+    target = _check_name(name).probe
+    if target is None or name in _load_errors:
+        return Probe("loaded")
+    mod_name, fn_name = target.split(":")
+    return getattr(importlib.import_module(mod_name), fn_name)()
+
+
+def backend_status(name: str, verify: bool = False) -> BackendStatus:
+    """The named backend's state without importing its libraries (torch, triton, wgpu)
+    unless they are loaded already; ``verify=True``: load and check it
+    (``unavailable_reason``)."""
+    pr = Probe("loaded") if verify else _probe(name)
+    if pr.state == "unavailable":
+        return BackendStatus(name, UNAVAILABLE, pr.detail)
+    if pr.state == "installed":
+        return BackendStatus(name, INSTALLED, pr.detail)
+    why = unavailable_reason(name)
+    return BackendStatus(name, AVAILABLE) if why is None else \
+        BackendStatus(name, UNAVAILABLE, why)
+
+
+def describe_backends(verify: bool = False) -> List[BackendStatus]:
+    """Every backend's ``BackendStatus``, a ``(name, None | reason it is unavailable)``
+    pair with ``.state`` ("available", "installed": not yet loaded, its device checked
+    at first use, or "unavailable") and ``.detail``.  Imports no backend library
+    (torch, triton, wgpu) unless ``verify=True``, which loads and checks them all."""
+    return [backend_status(n, verify) for n in BACKEND_NAMES]
+
+
+def available_backends(verify: bool = False) -> List[str]:
+    """The backends not known to be unavailable: available ones and, unless
+    ``verify=True`` (which loads and checks them), installed ones not yet loaded."""
+    return [st.name for st in describe_backends(verify) if st.reason is None]
 
 
 #: (Problem, backend argument, TRITON_INTERPRET) -> the backend ``choose`` gave.  Only
@@ -252,15 +339,16 @@ def _choose(p: Problem, backend: Optional[str]) -> Backend:
 
 
 def _hint(refused: str, p: Problem) -> str:
-    """The other backends that can compute ``p``.  One whose probe would import a
-    module not yet loaded (torch, triton, wgpu) is named as a maybe, not probed."""
+    """The other backends that can compute ``p``.  One not yet loaded (its check would
+    import torch, triton or wgpu, or open a device) is named as a maybe, not probed."""
     can, maybe = [], []
     for name in BACKEND_NAMES:
         if name == refused or reach_reasons(name, p):
             continue
-        if not all(m in sys.modules for m in ENTRIES[name].heavy):
+        st = backend_status(name)
+        if st.state == INSTALLED:
             maybe.append(name)
-        elif unavailable_reason(name) is None and not get_backend(name).unsupported_reasons(p):
+        elif st.state == AVAILABLE and not get_backend(name).unsupported_reasons(p):
             can.append(name)
     hint = f"; backends that can: {can}" if can else ""
     if maybe:

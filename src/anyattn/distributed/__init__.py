@@ -9,8 +9,14 @@
 Importing this module imports torch (``import anyattn`` alone does not).
 See docs/distributed.md.
 """
-from .attention import ring_attention
-from .sharding import SHARDINGS, chunk_ids, local_positions, shard, unshard, unshard_local
+from ..extras import require
+
+require("torch", "torch", "anyattn.distributed")
+del require
+
+from .attention import ring_attention  # noqa: E402
+from .sharding import (SHARDINGS, chunk_ids, local_positions, shard, unshard,  # noqa: E402
+                       unshard_local)
 
 __all__ = ["ring_attention", "shard", "unshard", "unshard_local", "local_positions",
            "chunk_ids", "SHARDINGS"]

@@ -12,8 +12,15 @@
 Importing ``anyattn`` never imports torch; importing ``anyattn.torch`` does.
 The work runs in two ``torch.library`` custom ops, ``torch.ops.anyattn.attention_fwd``
 and ``torch.ops.anyattn.attention_bwd`` (see ``anyattn.torch.ops``).
+Without torch, importing it raises ImportError naming the extra to install
+(``pip install "anyattn[torch]"``).
 """
-from .functional import attention, use_backend
-from .sdpa import scaled_dot_product_attention
+from ..extras import require
+
+require("torch", "torch", "anyattn.torch")
+del require
+
+from .functional import attention, use_backend  # noqa: E402
+from .sdpa import scaled_dot_product_attention  # noqa: E402
 
 __all__ = ["attention", "scaled_dot_product_attention", "use_backend"]

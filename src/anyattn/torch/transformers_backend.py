@@ -513,8 +513,14 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
 def register() -> None:
     """Register ``"anyattn"`` with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        from ..extras import import_error
+
+        raise import_error("transformers", "transformers", e,
+                           "anyattn.torch.transformers_backend") from e
 
     AttentionInterface.register(NAME, anyattn_attention_forward)
     AttentionMaskInterface.register(NAME, anyattn_mask)

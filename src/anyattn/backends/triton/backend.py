@@ -40,22 +40,26 @@ class TritonBackend(Backend):
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:
+        """The full check (imports torch and triton); ``anyattn.backends.triton.probe``
+        is the one that imports nothing."""
         if self._checked:
             return self._why
         self._checked = True
+        from ...extras import import_error
+        from . import NO_DEVICE
+
         try:
             import torch
-        except ImportError:
-            self._why = "needs torch (pip install torch)"
+        except ImportError as e:
+            self._why = str(import_error("torch", "triton", e))
             return self._why
         try:
             import triton  # noqa: F401
-        except ImportError:
-            self._why = "needs triton (pip install triton==3.6.0)"
+        except ImportError as e:
+            self._why = str(import_error("triton", "triton", e))
             return self._why
         if not _interpreting() and not torch.cuda.is_available():
-            self._why = ("no CUDA device (torch.cuda.is_available() is False) and "
-                         "TRITON_INTERPRET=1 is not set for the CPU interpreter")
+            self._why = f"no CUDA device (torch.cuda.is_available() is False) and {NO_DEVICE}"
             return self._why
         self._why = None
         return None

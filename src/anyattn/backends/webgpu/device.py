@@ -24,8 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-__all__ = ["Context", "get_context", "unavailable_reason", "ENV_ADAPTER", "LLVMPIPE_LOOP_LIMIT",
-           "wants_gl", "NATIVE_BACKENDS", "SUBGROUP_FEATURE"]
+__all__ = ["Context", "get_context", "unavailable_reason", "tried", "ENV_ADAPTER",
+           "LLVMPIPE_LOOP_LIMIT", "wants_gl", "NATIVE_BACKENDS", "SUBGROUP_FEATURE"]
 
 ENV_ADAPTER = "ANYATTN_WGPU_ADAPTER"
 #: the wgpu instance backends used unless GL is asked for (InstanceBackend flag names)
@@ -167,7 +167,9 @@ def _create() -> Context:
     try:
         import wgpu
     except ImportError as e:
-        raise RuntimeError(f"wgpu is not installed ({e}); pip install wgpu==0.32.0") from e
+        from ...extras import import_error
+
+        raise RuntimeError(str(import_error("wgpu", "webgpu", e))) from e
     _limit_instance_backends()
     adapter = _pick_adapter(wgpu)
     lim = adapter.limits
@@ -202,6 +204,11 @@ def get_context() -> Context:
         if _ctx is None:
             raise RuntimeError(_err)
         return _ctx
+
+
+def tried() -> bool:
+    """Was the device created, or its creation tried and failed?  (Imports nothing.)"""
+    return _ctx is not None or _err is not None
 
 
 def unavailable_reason() -> Optional[str]:
