@@ -237,7 +237,8 @@ def test_blas_limit_is_counted_and_restored(monkeypatch):
 
 
 def test_blas_limits_without_threadpoolctl_are_no_ops(monkeypatch):
-    """threadpoolctl is optional: without it nothing is limited and calls still work."""
+    """Without threadpoolctl (an install without dependencies) nothing can be limited:
+    the mode is "fallback" and calls still work."""
     import builtins
 
     real_import = builtins.__import__
@@ -253,12 +254,15 @@ def test_blas_limits_without_threadpoolctl_are_no_ops(monkeypatch):
     monkeypatch.setattr(blas_threads, "_set_local", [])
     monkeypatch.setattr(blas_threads, "_path", None)
     monkeypatch.setattr(blas_threads, "_core", None)
+    monkeypatch.setattr(blas_threads, "_import_error", None)
     assert not blas_threads.threadpoolctl_available()
     assert not blas_threads.per_thread_supported()
     assert blas_threads.limit_this_thread(1) is False
     with blas_threads.limited(1) as on:
         assert on is False
     assert blas_threads.blas_library_path() is None
+    assert blas_threads.mode() == "fallback" and blas_threads.blas_info() == []
+    assert "threadpoolctl cannot be imported" in blas_threads.unavailable_reason()
     be = NumpyBackend(NumpyConfig(threads=2, fwd_bq=16, fwd_bk=16, bwd_bq=16, bwd_bk=16))
     q, k, v, g, bias, mask = _problem(4)
     _call(be, q, k, v, g, bias, mask)
