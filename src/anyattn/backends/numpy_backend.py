@@ -278,7 +278,9 @@ _pool_size = 0
 _limit_blas = os.environ.get("ANYATTN_NUMPY_BLAS_LOCAL", "1") != "0"
 
 #: the backward splits each (batch, kv head)'s key tiles into chunks until there are
-#: at least this many units (fixed: the chunks decide dq's summation order)
+#: at least this many units, keeping >= 2 key tiles per chunk where there are >= 4
+#: (each chunk past the first costs a dq partial); fixed, not by thread count: the
+#: chunks decide dq's summation order
 BWD_UNITS = 16
 #: most dbias accumulators when units share parts of dbias (fixed: they decide its
 #: summation order); each costs one dbias of memory
@@ -643,7 +645,8 @@ class NumpyBackend(Backend):
                 row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
                 log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
         nt = cfg.n_threads()
-        chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, BWD_UNITS))   # not by nt
+        chunks = _split(plan.nk, min(_n_chunks(plan.nk, B * Hkv, BWD_UNITS),  # not by nt
+                                     max(2, plan.nk // 2)))
         nc = len(chunks)
         draw = self._draw(p)
         gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
