@@ -175,6 +175,13 @@ gr = aa.attention_backward(q, k, v, g, bias=bias, backend="numpy",
                            wrt=("q", "k", "v", "bias"))
 res["bias_logits"] = digest((out, lse) + tuple(x for x in gr if x is not None))
 
+# the automatic 512-wide tiles: GEMMs large enough for BLAS to split them over its
+# threads where a unit runs on the calling thread (one worker)
+q, k, v, g = (rng.standard_normal((1, 1, 1024, 64)).astype(np.float32) for _ in range(4))
+out, lse = aa.attention(q, k, v, return_lse=True, backend="numpy")
+gr = aa.attention_backward(q, k, v, g, backend="numpy")
+res["auto_tiles"] = digest((out, lse) + tuple(x for x in gr if x is not None))
+
 # several key tiles per head (dq over key tiles), broadcast biases (dbias reductions
 # over batch, heads and keys), GQA; small tiles so that every reduction has many terms
 be.config = NumpyConfig(fwd_bq=16, fwd_bk=16, bwd_bq=16, bwd_bk=16,
