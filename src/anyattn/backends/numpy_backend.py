@@ -16,7 +16,10 @@ reduction order depend on the problem only, never on the thread count (a kv
 head's key tiles go to :data:`BWD_UNITS`-based chunks whose dq partials are added
 in chunk order; a dbias that several units share is accumulated in at most
 :data:`DBIAS_SLOTS` buffers, each filled by a fixed list of units in order, added in
-slot order).  BLAS's threads only split a GEMM's output, never its sums.
+slot order).  BLAS runs at one thread in the workers and with its own threads
+where units run on the calling thread (one worker); OpenBLAS's threads split a
+GEMM's output, never its sums, so that changes no bits either (other BLAS
+libraries may not promise this: MKL, for one, only with ``MKL_CBWR``).
 
 The worker pool is shared by all calls and safe for any number of calling threads
 (each call has its own queue; the pool is only ever replaced under a lock); its
