@@ -19,7 +19,7 @@ in chunk order; a dbias that several units share is accumulated in at most
 slot order).  BLAS runs at one thread in the workers and with its own threads
 where units run on the calling thread (one worker); OpenBLAS's threads split a
 GEMM's output, never its sums, so that changes no bits either (other BLAS
-libraries may not promise this: MKL, for one, only with ``MKL_CBWR``).
+libraries may not promise this).
 
 The worker pool is shared by all calls and safe for any number of calling threads
 (each call has its own queue; the pool is only ever replaced under a lock); its
