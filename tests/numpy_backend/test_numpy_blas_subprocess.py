@@ -100,6 +100,14 @@ def spy(fn):
 
 for name in ("forward_rows", "forward_rows_bounded", "backward_keys"):
     setattr(nb, name, spy(getattr(nb, name)))
+submitted = [0]                 # workers started for one call (they run concurrently)
+real_submit = nb._submit_all
+
+def submit_spy(fn, n):
+    submitted[0] = max(submitted[0], n)
+    return real_submit(fn, n)
+
+nb._submit_all = submit_spy
 
 rng = np.random.default_rng(0)
 B, Hq, Hkv, S, D = 1, 4, 2, 384, 32
@@ -115,7 +123,7 @@ for b in (None, bias):
     pb = describe(q, k, v, dout=g, bias=b, wrt=wrt)
     be.backward(pb, q, k, v, g, out, st, b, NO_MODS)
 after = get()
-workers = len({t for t, _ in seen})
+workers = max(len({t for t, _ in seen}), submitted[0])
 print(json.dumps({"workers": workers, "blas_in_units": max(n for _, n in seen),
                   "before": before, "after": after, "cpus": os.cpu_count(),
                   "pool": nb.NumpyConfig().n_threads(), "units": len(seen),
@@ -127,7 +135,7 @@ print(json.dumps({"workers": workers, "blas_in_units": max(n for _, n in seen),
 def test_workers_times_blas_threads_fit_the_cpus(blocked):
     """Inside the backend's worker threads, during real forward and backward calls, the
     BLAS threads in effect (OpenBLAS's own count, read through ctypes) times the workers
-    that ran units stay within the CPUs; the caller's BLAS threads are what they were
+    (those started for a call, or that ran units) stay within the CPUs; the caller's BLAS threads are what they were
     before the calls.  Without threadpoolctl the backend runs its units on the calling
     thread (BLAS keeps its threads) and says so in describe_device()."""
     if (os.cpu_count() or 1) < 2:
