@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -70,6 +71,7 @@ def _run(code: str, env_extra: dict, block: bool) -> dict:
 # ------------------------------------------------------------- oversubscription
 BLAS_IN_WORKERS = """
 import threading
+import numpy as np
 from anyattn.backends import numpy_backend as nb
 from anyattn.backends import blas_threads
 from anyattn.modifiers import NO_MODS
@@ -157,6 +159,7 @@ def test_workers_times_blas_threads_fit_the_cpus(blocked):
 # ------------------------------------------------------------- bitwise results
 BITS = """
 import hashlib
+import numpy as np
 import anyattn as aa
 from anyattn.backends.registry import get_backend
 from anyattn.backends.numpy_backend import NumpyConfig
