@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
