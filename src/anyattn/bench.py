@@ -152,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def usage_error(args: argparse.Namespace) -> Optional[str]:
     """None if ``args`` make a benchmark this machine can run, else one line naming the
     flag, what it accepts and the remedy (checked before any work)."""
-    import importlib.util
+    from .extras import installed
 
     from .backends.registry import ENTRIES
     from .cli import backend_unavailable
@@ -174,9 +174,9 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
         if args.dtype not in ENTRIES[b].dtypes:
             return (f"argument --dtype: backend {b!r} takes "
                     f"{', '.join(sorted(ENTRIES[b].dtypes))}, got {args.dtype}")
-    if args.vs == "torch" and importlib.util.find_spec("torch") is None:
+    if args.vs == "torch" and not installed("torch"):
         return "argument --vs: torch is not installed: pip install 'anyattn[torch]'"
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
+    if args.plot and not installed("matplotlib"):
         return "argument --plot: needs matplotlib, not installed: pip install 'anyattn[bench]'"
     for b in args.backend:
         why = backend_unavailable(b)
@@ -399,9 +399,9 @@ def _legend(repeats: int, warmup: int, gemm: Dict, has_torch: bool) -> str:
         lines.append("vs torch: torch's median f+b time / this one's; paired: median over "
                      "the runs of the same ratio within each run.")
     else:
-        import importlib.util
+        from .extras import installed
 
-        how = ("add --vs torch" if importlib.util.find_spec("torch") is not None
+        how = ("add --vs torch" if installed("torch")
                else "pip install 'anyattn[torch]' and add --vs torch")
         lines.append(f"for torch's CPU scaled_dot_product_attention side by side: {how}.")
     return "\n".join(lines)

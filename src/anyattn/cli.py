@@ -224,12 +224,11 @@ def _mask_spec(text: str) -> str:
 
 def backend_unavailable(name: str) -> Optional[str]:
     """None if backend ``name`` runs here, else why not and what a command-line user can do."""
-    import importlib.util
-
     from .backends.registry import unavailable_reason
+    from .extras import installed
 
     packages = {"triton": ("torch", "triton"), "webgpu": ("wgpu",)}.get(name, ())
-    missing = [m for m in packages if importlib.util.find_spec(m) is None]
+    missing = [m for m in packages if not installed(m)]
     if missing:
         return (f"it needs {' and '.join(missing)}, not installed: "
                 f"pip install 'anyattn[{name}]'")

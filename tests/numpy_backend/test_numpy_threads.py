@@ -237,7 +237,8 @@ def test_blas_limit_is_counted_and_restored(monkeypatch):
 
 
 def test_blas_limits_without_threadpoolctl_are_no_ops(monkeypatch):
-    """threadpoolctl is optional: without it nothing is limited and calls still work."""
+    """Without threadpoolctl (an install without dependencies) nothing can be limited:
+    the mode is "fallback" and calls still work."""
     import builtins
 
     real_import = builtins.__import__
@@ -253,12 +254,15 @@ def test_blas_limits_without_threadpoolctl_are_no_ops(monkeypatch):
     monkeypatch.setattr(blas_threads, "_set_local", [])
     monkeypatch.setattr(blas_threads, "_path", None)
     monkeypatch.setattr(blas_threads, "_core", None)
+    monkeypatch.setattr(blas_threads, "_import_error", None)
     assert not blas_threads.threadpoolctl_available()
     assert not blas_threads.per_thread_supported()
     assert blas_threads.limit_this_thread(1) is False
     with blas_threads.limited(1) as on:
         assert on is False
     assert blas_threads.blas_library_path() is None
+    assert blas_threads.mode() == "fallback" and blas_threads.blas_info() == []
+    assert "threadpoolctl cannot be imported" in blas_threads.unavailable_reason()
     be = NumpyBackend(NumpyConfig(threads=2, fwd_bq=16, fwd_bk=16, bwd_bq=16, bwd_bk=16))
     q, k, v, g, bias, mask = _problem(4)
     _call(be, q, k, v, g, bias, mask)
@@ -270,3 +274,53 @@ def test_blas_found_through_threadpoolctl():
     assert blas_threads.blas_library_path()
     if blas_threads.per_thread_supported():
         assert blas_threads.limit_this_thread(1) is True
+
+
+def test_describe_device_names_blas_pool_and_mode():
+    """`python -m anyattn info`'s numpy line: the BLAS threadpoolctl found (name,
+    version, path, threads), the pool size and how workers limit BLAS."""
+    pytest.importorskip("threadpoolctl")
+    be = NumpyBackend(NumpyConfig(threads=3))
+    text = be.describe_device()
+    info = blas_threads.blas_info()
+    assert info, "threadpoolctl found no BLAS"
+    assert info[0]["name"] in text and info[0]["path"] in text
+    assert f"{info[0]['threads']} thread" in text
+    assert "pool 3 workers (set)" in text
+    assert {"per-thread": "per thread", "process-wide": "process-wide"}[
+        blas_threads.mode()] in text
+
+
+def test_openblas_is_limited_process_wide_and_restored():
+    """OpenBLAS's ``openblas_set_num_threads_local`` changes the whole process's count
+    (pthreads builds), so OpenBLAS is not taken as per-thread: its limit is the counted
+    process-wide one, lifted when the call ends."""
+    pytest.importorskip("threadpoolctl")
+    libs = blas_threads.blas_info()
+    if not libs or any(x["name"] != "openblas" for x in libs):
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    assert blas_threads.mode() == "process-wide"
+    before = [x["threads"] for x in blas_threads.blas_info()]
+    with blas_threads.limited(1):
+        assert all(x["threads"] == 1 for x in blas_threads.blas_info())
+    assert [x["threads"] for x in blas_threads.blas_info()] == before
+
+
+def test_fallback_mode_defaults_to_one_worker(monkeypatch):
+    """Where BLAS threads cannot be limited, the default pool is one worker (and
+    describe_device says why); an explicit thread count is kept."""
+    monkeypatch.setattr(blas_threads, "mode", lambda: "fallback")
+    monkeypatch.setattr(blas_threads, "blas_info", lambda: [])
+    monkeypatch.setattr(blas_threads, "unavailable_reason",
+                        lambda: "threadpoolctl cannot be imported (test)")
+    monkeypatch.delenv("ANYATTN_NUMPY_THREADS", raising=False)
+    nb._default_threads.cache_clear()
+    try:
+        assert NumpyConfig().n_threads() == 1
+        assert NumpyConfig(threads=2).n_threads() == 2
+        text = NumpyBackend(NumpyConfig()).describe_device()
+        assert "pool 1 worker," in text and "fallback" in text
+        assert "threadpoolctl cannot be imported" in text
+    finally:
+        monkeypatch.undo()
+        nb._default_threads.cache_clear()

@@ -8,15 +8,32 @@ the row statistics' units and a small thread schedule.  The tile math lives in
 :mod:`anyattn.backends.numpy_tiles`.
 
 Work is split into units: (batch, query head, query tiles) for the forward and
-(batch, kv head, key tiles) for the backward, at least 4 per worker thread
-(NumPy releases the GIL inside its loops and BLAS calls).  Every unit writes
-its own outputs (split key ranges get their own dq partials, added in unit
-order), so results are bitwise repeatable for a given thread count, whichever
-worker ran which unit.  The worker pool is shared by all calls and safe for
-any number of calling threads (each call has its own queue; the pool is only
-ever replaced under a lock); its default size is the number of CPUs this
-process may use (:func:`available_cpus`).  While the workers run, BLAS is held
-to one thread each (:mod:`anyattn.backends.blas_threads`, via threadpoolctl).
+(batch, kv head, key tiles) for the backward (NumPy releases the GIL inside its
+loops and BLAS calls).  Results are bitwise the same whatever the thread count,
+BLAS's thread split or which worker ran which unit: every forward unit writes its
+own rows, computed tile by tile in a fixed order; the backward's units and their
+reduction order depend on the problem only, never on the thread count (a kv
+head's key tiles go to :data:`BWD_UNITS`-based chunks whose dq partials are added
+in chunk order; a dbias that several units share is accumulated in at most
+:data:`DBIAS_SLOTS` buffers, each filled by a fixed list of units in order, added in
+slot order).  BLAS runs at one thread in the workers and with its own threads
+where units run on the calling thread (one worker); OpenBLAS's threads split a
+GEMM's output, never its sums, so that changes no bits either (other BLAS
+libraries may not promise this).
+
+The worker pool is shared by all calls and safe for any number of calling threads
+(each call has its own queue; the pool is only ever replaced under a lock); its
+default size is the number of CPUs this process may use (:func:`available_cpus`).
+While the workers run, BLAS is held to one thread each
+(:mod:`anyattn.backends.blas_threads`, via threadpoolctl: per thread where the
+BLAS allows it, else process-wide for the duration of the call).  Where
+threadpoolctl is missing or controls no BLAS, the default pool is one worker:
+units run on the calling thread and BLAS keeps its threads
+(``python -m anyattn info`` shows which mode applies).
+
+Floating-point warnings: NaN/Inf inputs propagate as through a matmul; the
+overflows and ``inf - inf`` they cause inside the kernels are not reported as
+NumPy RuntimeWarnings (everything runs under ``np.errstate(all="ignore")``).
 
 Knobs: ``NumpyBackend.config`` (a frozen :class:`NumpyConfig`), or the
 environment variables ``ANYATTN_NUMPY_THREADS``, ``ANYATTN_NUMPY_BLOCK_Q``,
@@ -249,6 +266,11 @@ def available_cpus(affinity: Optional[Callable[[], Any]] = None, **cgroup_paths)
 
 @functools.lru_cache(maxsize=1)
 def _default_threads() -> int:
+    """available_cpus(), or 1 where BLAS threads cannot be limited in workers
+    (blas_threads mode "fallback", unless ANYATTN_NUMPY_BLAS_LOCAL=0 leaves them
+    alone on purpose)."""
+    if _limit_blas and blas_threads.mode() == "fallback":
+        return 1
     return available_cpus()
 
 
@@ -257,6 +279,15 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_size = 0
 #: hold BLAS to one thread inside the workers (ANYATTN_NUMPY_BLAS_LOCAL=0 turns it off)
 _limit_blas = os.environ.get("ANYATTN_NUMPY_BLAS_LOCAL", "1") != "0"
+
+#: the backward splits each (batch, kv head)'s key tiles into chunks until there are
+#: at least this many units, keeping >= 2 key tiles per chunk where there are >= 4
+#: (each chunk past the first costs a dq partial); fixed, not by thread count: the
+#: chunks decide dq's summation order
+BWD_UNITS = 16
+#: most dbias accumulators when units share parts of dbias (fixed: they decide its
+#: summation order); each costs one dbias of memory
+DBIAS_SLOTS = 4
 
 
 def _submit_all(fn: Callable[[int], TileCounts], n: int) -> List[Future]:
@@ -277,22 +308,21 @@ def _submit_all(fn: Callable[[int], TileCounts], n: int) -> List[Future]:
         return [_pool.submit(fn, w) for w in range(n)]
 
 
-def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
-               static: bool = False) -> TileCounts:
+def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> TileCounts:
     """Run the callables on ``n_threads`` workers; sum their tile counts.
 
-    Units write disjoint outputs, so by default workers pull the next unit
-    from a queue of this call (balances load when another process shares a
-    core) and the result does not depend on which worker ran what.
-    ``static=True`` deals unit i to worker i % n instead, for per-worker
-    accumulators.  Any number of threads may call this at once: each call has
-    its own queue and outputs, the pool threads are shared.
+    Units write disjoint outputs, so workers pull the next unit from a queue of
+    this call (balances load when another process shares a core) and the result
+    does not depend on which worker ran what.  Any number of threads may call
+    this at once: each call has its own queue and outputs, the pool threads are
+    shared.  Units run under ``np.errstate(all="ignore")``.
     """
     total = TileCounts()
     nw = max(1, min(n_threads, len(units)))
     if nw == 1:
-        for u in units:
-            total.add(u())
+        with np.errstate(all="ignore"):
+            for u in units:
+                total.add(u())
         return total
     lock = threading.Lock()
     queue = iter(range(len(units)))
@@ -302,16 +332,13 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
         if per_thread_blas:
             blas_threads.limit_this_thread(1)
         c = TileCounts()
-        if static:
-            for u in units[w::nw]:
-                c.add(u())
-            return c
-        while True:
-            with lock:
-                i = next(queue, None)
-            if i is None:
-                return c
-            c.add(units[i]())
+        with np.errstate(all="ignore"):      # a worker thread starts with the defaults
+            while True:
+                with lock:
+                    i = next(queue, None)
+                if i is None:
+                    return c
+                c.add(units[i]())
 
     limit = (blas_threads.limited(1) if _limit_blas and not per_thread_blas
              else contextlib.nullcontext())
@@ -323,11 +350,21 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int,
     return total
 
 
-def _n_chunks(n_tiles: int, n_heads: int, n_threads: int) -> int:
-    """Split each head's tiles into chunks so that there are >= 4 units per worker."""
-    if n_threads <= 1:
+def _n_chunks(n_tiles: int, n_heads: int, n_units: int) -> int:
+    """Split each head's tiles into chunks so that there are >= n_units units."""
+    if n_units <= 1:
         return 1
-    return max(1, min(n_tiles, -(-4 * n_threads // n_heads)))
+    return max(1, min(n_tiles, -(-n_units // n_heads)))
+
+
+def _in_order(units: Sequence[Callable[[], TileCounts]]) -> Callable[[], TileCounts]:
+    """One unit that runs ``units`` one after the other, in this order."""
+    def run() -> TileCounts:
+        c = TileCounts()
+        for u in units:
+            c.add(u())
+        return c
+    return run
 
 
 def _split(n: int, parts: int) -> List[List[int]]:
@@ -419,6 +456,34 @@ class NumpyBackend(Backend):
         #: tile counts of the last forward/backward call on this instance (debug aid).
         self.last_counts: Dict[str, TileCounts] = {}
 
+    def describe_device(self) -> str:
+        """One line for ``python -m anyattn info``: the BLAS (as threadpoolctl reports
+        it: library, version, kernel family, path, threads now), the worker pool and
+        how BLAS threads are limited inside the workers."""
+        nt = self.config.n_threads()
+        pool = f"pool {nt} worker{'s' if nt != 1 else ''}"
+        if self.config.threads is not None:
+            pool += " (set)"
+        libs = blas_threads.blas_info()
+        blas = "; ".join(
+            f"BLAS {x['name']} {x['version'] or '?'}"
+            + (f" ({x['core']}" + (f", {x['threading_layer']}" if x['threading_layer']
+                                  else "") + ")" if x['core'] else "")
+            + f" {x['threads']} thread{'s' if x['threads'] != 1 else ''} at {x['path']}"
+            for x in libs)
+        m = blas_threads.mode()
+        if not _limit_blas:
+            how = "BLAS threads in workers: left alone (ANYATTN_NUMPY_BLAS_LOCAL=0)"
+        elif m == "per-thread":
+            how = "BLAS threads in workers: 1, per thread"
+        elif m == "process-wide":
+            how = "BLAS threads in workers: 1, process-wide while a call runs workers"
+        else:
+            how = (f"BLAS threads in workers: fallback, {blas_threads.unavailable_reason()}:"
+                   " units run on the calling thread, BLAS keeps its threads"
+                   " (pip install threadpoolctl)")
+        return ", ".join(x for x in (blas, pool, how) if x)
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _draw(p) -> Optional[DropoutDraw]:
@@ -439,7 +504,8 @@ class NumpyBackend(Backend):
 
     # ------------------------------------------------------------------ forward
     def forward(self, p, q, k, v, bias, mods=NO_MODS) -> Tuple[Any, RowStats]:
-        out, rmax, rlog = self._forward_np(p, q, k, v, bias, mods)
+        with np.errstate(all="ignore"):          # NaN/Inf propagate; no warnings
+            out, rmax, rlog = self._forward_np(p, q, k, v, bias, mods)
         sdt = "float64" if p.dtype == "float64" else "float32"
         kind = p.array_kind
         return _to_caller(out, p.dtype, kind), RowStats(_to_caller(rmax, sdt, kind),
@@ -488,7 +554,8 @@ class NumpyBackend(Backend):
             q2mul = qsmul = dt.type(p.scale / cap)
             bmul = bcap = cap * LOG2E              # |s| <= c·log2e (log2 units)
         nt = cfg.n_threads()
-        chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, nt))
+        # rows are independent: any split gives the same bits; >= 4 units per worker
+        chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, 4 * nt if nt > 1 else 1))
         draw = self._draw(p)
 
         def unit(b: int, h: int, tiles: List[int]) -> Callable[[], TileCounts]:
@@ -541,6 +608,12 @@ class NumpyBackend(Backend):
     # ----------------------------------------------------------------- backward
     def backward(self, p, q, k, v, dout, out, stats: RowStats, bias,
                  mods=NO_MODS) -> Dict[str, Any]:
+        """Gradients (see Backend.backward and :meth:`_backward_np`)."""
+        with np.errstate(all="ignore"):          # NaN/Inf propagate; no warnings
+            return self._backward_np(p, q, k, v, dout, out, stats, bias, mods)
+
+    def _backward_np(self, p, q, k, v, dout, out, stats: RowStats, bias,
+                     mods=NO_MODS) -> Dict[str, Any]:
         """Gradients (see Backend.backward).  Score modifiers: a softcap makes the
         kernels recompute tanh and multiply dS by 1 - tanh² before dq/dk; ALiBi's row
         term moves from the given maxima into the kernels' rebased ones (exactly:
@@ -575,7 +648,8 @@ class NumpyBackend(Backend):
                 row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
                 log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
         nt = cfg.n_threads()
-        chunks = _split(plan.nk, _n_chunks(plan.nk, B * Hkv, nt))
+        chunks = _split(plan.nk, min(_n_chunks(plan.nk, B * Hkv, BWD_UNITS),  # not by nt
+                                     max(2, plan.nk // 2)))
         nc = len(chunks)
         draw = self._draw(p)
         gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
@@ -609,8 +683,7 @@ class NumpyBackend(Backend):
 
         delta_all = np.empty((B, Hq, Sq), dtype=dt) if want_s else None   # δ for dsinks
         units_keys = [(b, hk, c) for b in range(B) for hk in range(Hkv) for c in range(nc)]
-        nw = max(1, min(nt, len(units_keys)))
-        dbias_bufs = self._dbias_buffers(p, bias, units_keys, nw, dt) if want_b else None
+        dbias_bufs = self._dbias_buffers(p, bias, units_keys, dt) if want_b else None
 
         def unit(idx: int, b: int, hk: int, c: int) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
@@ -669,9 +742,11 @@ class NumpyBackend(Backend):
             return run
 
         units = [unit(i, *key) for i, key in enumerate(units_keys)]
-        per_worker = dbias_bufs is not None and len(dbias_bufs) > 1
+        if dbias_bufs is not None and len(dbias_bufs) > 1:
+            # shared dbias parts: slot s runs units s, s + n, ... in this order
+            units = [_in_order(units[s::len(dbias_bufs)]) for s in range(len(dbias_bufs))]
         if want_q or want_k or want_v or want_b:
-            self.last_counts = {"backward": _run_units(units, nt, static=per_worker)}
+            self.last_counts = {"backward": _run_units(units, nt)}
         elif want_s:                               # dsinks alone: δ is all it needs
             delta_all = np.einsum("bhid,bhid->bhi", g, out)            # [B, Hq, Sq]
 
@@ -697,9 +772,10 @@ class NumpyBackend(Backend):
         return res
 
     @staticmethod
-    def _dbias_buffers(p, bias, units_keys, nw: int, dt) -> List[np.ndarray]:
+    def _dbias_buffers(p, bias, units_keys, dt) -> List[np.ndarray]:
         """dbias accumulators [Bb, Hb, Sqb, Skb]: one shared buffer when the units
-        write disjoint parts of it, else one per worker (added in worker order)."""
+        write disjoint parts of it, else min(units, DBIAS_SLOTS), unit i adding into
+        buffer i % n (added in buffer order): the same for every thread count."""
         shape = p.bias_shape
 
         def region(b, hk, c):
@@ -708,5 +784,5 @@ class NumpyBackend(Backend):
 
         regions = [region(*u) for u in units_keys]
         disjoint = len(set(regions)) == len(regions)
-        n = 1 if disjoint or nw == 1 else nw
+        n = 1 if disjoint else min(len(units_keys), DBIAS_SLOTS)
         return [np.zeros(shape, dtype=dt) for _ in range(n)]

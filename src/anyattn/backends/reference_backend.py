@@ -25,7 +25,17 @@ class ReferenceBackend(Backend):
     def _mask(self, p):
         return _ResolvedAsMask(p.mask, p.q_offset - p.k_offset)
 
+    # NaN/Inf inputs propagate into the results; the inf - inf and 0·inf they meet on
+    # the way are not reported as NumPy RuntimeWarnings (np.errstate below)
     def forward(self, p, q, k, v, bias, mods):
+        with np.errstate(all="ignore"):
+            return self._forward(p, q, k, v, bias, mods)
+
+    def backward(self, p, q, k, v, dout, out, stats, bias, mods):
+        with np.errstate(all="ignore"):
+            return self._backward(p, q, k, v, dout, out, stats, bias, mods)
+
+    def _forward(self, p, q, k, v, bias, mods):
         out, st = reference.forward_stats(q, k, v, mask=self._mask(p), bias=bias,
                                           scale=p.scale, **_mod_args(p, mods))
         # the statistics stay float64: the backward recomputes s in float64, and a
@@ -33,7 +43,7 @@ class ReferenceBackend(Backend):
         return _cast(out, p.dtype, p), RowStats(_cast(st.max, "float64", p),
                                                 _cast(st.log_norm, "float64", p))
 
-    def backward(self, p, q, k, v, dout, out, stats, bias, mods):
+    def _backward(self, p, q, k, v, dout, out, stats, bias, mods):
         g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
                                wrt=tuple(p.wrt), out=out, stats=stats, **_mod_args(p, mods))
         res = {}
