@@ -268,11 +268,11 @@ def test_triton_without_cuda_says_what_a_cli_user_can_do(monkeypatch, capsys):
 
 
 def test_missing_extra_is_named_as_a_pip_install(monkeypatch, capsys):
-    import importlib.util
+    from anyattn import extras
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wgpu" else real(name, *a))
+    real = extras.installed
+    monkeypatch.setattr(extras, "installed",
+                        lambda name: name != "wgpu" and real(name))
     with pytest.raises(SystemExit) as e:
         main(["check", "--backend", "webgpu", "--shape", "1,1,8,8"])
     assert e.value.code == 2
@@ -293,12 +293,13 @@ def test_check_claims_no_compilation_on_host_backends(backend, capsys):
 # -- bench: what the numbers mean, and their statistics ------------------------------------
 
 def test_bench_says_what_the_numbers_mean(tmp_path, monkeypatch, capsys):
-    import importlib.util
     import json
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",       # as on a machine without torch
-                        lambda name, *a: None if name == "torch" else real(name, *a))
+    from anyattn import extras
+
+    real = extras.installed
+    monkeypatch.setattr(extras, "installed",               # as on a machine without torch
+                        lambda name: name != "torch" and real(name))
     js = tmp_path / "b.json"
     assert main(["bench", "--shapes", "1,1,16,8", "--causal", "off", "--repeats", "1",
                  "--warmup", "0", "--json", str(js)]) == 0
@@ -315,11 +316,11 @@ def test_bench_says_what_the_numbers_mean(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_vs_torch_without_torch_is_a_usage_error(monkeypatch, capsys):
-    import importlib.util
+    from anyattn import extras
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torch" else real(name, *a))
+    real = extras.installed
+    monkeypatch.setattr(extras, "installed",
+                        lambda name: name != "torch" and real(name))
     with pytest.raises(SystemExit) as e:
         main(["bench", "--vs", "torch", "--shapes", "1,1,8,8"])
     assert e.value.code == 2
