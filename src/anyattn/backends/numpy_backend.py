@@ -481,7 +481,8 @@ class NumpyBackend(Backend):
         else:
             how = (f"BLAS threads in workers: fallback, {blas_threads.unavailable_reason()}:"
                    " units run on the calling thread, BLAS keeps its threads"
-                   " (pip install threadpoolctl)")
+                   " (threadpoolctl is a required dependency of anyattn: reinstall it"
+                   " without --no-deps)")
         return ", ".join(x for x in (blas, pool, how) if x)
 
     # ------------------------------------------------------------------ helpers
