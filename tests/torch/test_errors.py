@@ -43,6 +43,19 @@ BAD = {
     "backend": (ValueError, "backend", lambda: at.attention(q0, k0, v0, backend="cuda")),
     "precision": (ValueError, "precision", lambda: at.attention(q0, k0, v0, precision="low")),
     "scale": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="x")),
+    # accepted before: float("0.5") and float(True) took them
+    "scale_numeric_str": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="0.5")),
+    "scale_bool": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale=True)),
+    # accepted before: any truthy value returned (out, lse)
+    "return_lse_int": (TypeError, "return_lse", lambda: at.attention(q0, k0, v0,
+                                                                     return_lse=1)),
+    "return_lse_none": (TypeError, "return_lse", lambda: at.attention(q0, k0, v0,
+                                                                      return_lse=None)),
+    # accepted before: the generator was silently ignored
+    "generator_and_seed": (ValueError, "generator", lambda: at.attention(
+        q0, k0, v0, dropout_p=0.1, dropout_seed=3, generator=torch.Generator())),
+    "generator_type": (TypeError, "generator", lambda: at.attention(q0, k0, v0,
+                                                                    generator=5)),
     "meta_device": (ValueError, "k", lambda: at.attention(q0, k0.to("meta"), v0)),
     "keep_device": (ValueError, "mask", lambda: at.attention(
         q0, k0, v0, mask=KeepMask(torch.ones(9, 11, dtype=torch.bool, device="meta")))),
