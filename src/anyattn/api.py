@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import numpy as np
+
 from .arrays import array_kind, dtype_name
 from .backends.registry import choose
 from .masks import Mask
@@ -32,6 +34,13 @@ def _to_bhsd(x, layout):
 def _check_layout(layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
+
+
+def _check_flag(name, val):
+    """A bool argument: Python's bool or NumPy's (1, None, 'yes' are refused, as torch
+    refuses them for its bool arguments)."""
+    if not isinstance(val, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(val).__name__}")
 
 
 def _bias4(bias, p: Problem):
@@ -158,6 +167,7 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     same bits on every backend; lse is that of the undropped softmax.
     """
     _check_layout(layout)
+    _check_flag("return_lse", return_lse)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
                              k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)

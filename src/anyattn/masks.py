@@ -78,12 +78,39 @@ def _diag_offset(align: str, sq: int, sk: int) -> int:
 
 
 class Mask:
-    """Base of every mask term; ``a & b`` keeps a pair iff both keep it."""
+    """Base of every mask term; ``a & b`` keeps a pair iff both keep it.
 
-    def __and__(self, other: "Mask") -> "AndMask":
-        if not isinstance(other, Mask):
+    A boolean NumPy array or torch tensor on either side of ``&`` is taken as
+    ``KeepMask(array)`` (``Causal() & m`` is ``Causal() & KeepMask(m)``, ``m & Causal()``
+    is ``KeepMask(m) & Causal()``); an array of another dtype is a TypeError.  ``|`` (or)
+    is not implemented for mask terms: it raises NotImplementedError with the remedy.
+    """
+
+    #: makes NumPy hand ``array & mask`` / ``array | mask`` to the mask's reflected
+    #: operator instead of applying ``&`` to every element of the array
+    __array_ufunc__ = None
+
+    def __and__(self, other: Any) -> "AndMask":
+        other = _as_term(other)
+        if other is None:
             return NotImplemented
         return AndMask(_terms(self) + _terms(other))
+
+    def __rand__(self, other: Any) -> "AndMask":
+        other = _as_term(other)
+        if other is None:
+            return NotImplemented
+        return AndMask(_terms(other) + _terms(self))
+
+    def __or__(self, other: Any):
+        if isinstance(other, Mask) or array_kind(other) is not None:
+            _refuse_or()
+        return NotImplemented
+
+    def __ror__(self, other: Any):
+        if array_kind(other) is not None:
+            _refuse_or()
+        return NotImplemented
 
     # Each subclass lowers itself into a _Lowering accumulator.
     def _lower(self, acc: "_Lowering") -> None:  # pragma: no cover - abstract
@@ -92,6 +119,28 @@ class Mask:
 
 def _terms(m: Mask) -> Tuple[Mask, ...]:
     return m.terms if isinstance(m, AndMask) else (m,)
+
+
+def _as_term(other: Any) -> Optional["Mask"]:
+    """The mask term ``other`` stands for in ``mask & other``: itself for a mask,
+    ``KeepMask(other)`` for a boolean array or tensor, None for anything else (the
+    operator then answers NotImplemented).  An array of another dtype raises."""
+    if isinstance(other, Mask):
+        return other
+    if array_kind(other) is None:
+        return None
+    if str(other.dtype) not in ("bool", "torch.bool"):
+        raise TypeError(
+            f"mask & array: the array has dtype {other.dtype}, but an array term of a "
+            "mask must be boolean (True = attend); convert it with KeepMask(m.astype(bool)) "
+            "(m.bool() for a torch tensor), or pass an additive float mask as bias=")
+    return KeepMask(other)
+
+
+def _refuse_or() -> None:
+    raise NotImplementedError(
+        "mask | mask: union (or) of mask terms is not implemented; compute the union as "
+        "one boolean array and pass KeepMask(keep), or use & (and) of mask terms")
 
 
 @dataclass(frozen=True)
@@ -549,6 +598,11 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
     (context parallelism); they shift the band terms only.  Array terms are
     indexed locally.  Shapes are checked here; errors name the term.
     """
+    if isinstance(mask, type) and issubclass(mask, Mask):
+        raise TypeError(
+            f"mask: got the class {mask.__name__}, not a mask object; pass an instance, "
+            f"e.g. mask={mask.__name__}()"
+        )
     if mask is not None and not hasattr(mask, "_lower"):
         raise TypeError(
             f"mask: expected a mask object (Causal, Window, KeepMask, Documents or "

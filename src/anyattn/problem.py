@@ -399,6 +399,8 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     else:
+        if isinstance(scale, (str, bytes, bool, np.bool_)):
+            _fail(TypeError, f"scale: expected a float, got {type(scale).__name__}")
         try:
             scale = float(scale)
         except (TypeError, ValueError):

@@ -36,6 +36,12 @@ def call(**kw):
     (dict(mask=aa.KeepMask(np.ones((4, 6), bool))), ValueError, ["KeepMask", "broadcast"]),
     (dict(scale=float("nan")), ValueError, ["scale"]),
     (dict(scale="big"), TypeError, ["scale"]),
+    (dict(scale="0.5"), TypeError, ["scale", "str"]),       # float("0.5") took it
+    (dict(scale=True), TypeError, ["scale", "bool"]),       # float(True) took it
+    (dict(scale=np.bool_(True)), TypeError, ["scale", "bool"]),
+    (dict(return_lse=1), TypeError, ["return_lse", "bool"]),  # any truthy value took it
+    (dict(return_lse=None), TypeError, ["return_lse", "NoneType"]),
+    (dict(return_lse="no"), TypeError, ["return_lse", "str"]),
     (dict(precision="fp8"), ValueError, ["precision"]),
     (dict(layout="sbhd"), ValueError, ["layout"]),
 ])
@@ -208,3 +214,11 @@ def test_big_endian_document_ids_are_converted():
     np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="Documents.*masked array"):
         aa.Documents(np.ma.masked_array(ids))
+
+
+def test_numpy_scalars_stay_accepted_for_scale_and_return_lse():
+    want, lse = aa.attention(Q, K, V, scale=0.5, return_lse=True, backend="reference")
+    got, lse2 = aa.attention(Q, K, V, scale=np.float32(0.5), return_lse=np.bool_(True),
+                             backend="reference")
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse2, lse)

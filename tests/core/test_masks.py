@@ -113,3 +113,57 @@ def test_masks_hashable_and_value_equal():
     km = aa.KeepMask(np.ones((2, 2), bool))
     assert km == km and km != aa.KeepMask(np.ones((2, 2), bool))
     assert len({aa.Causal() & aa.Window(left=2), aa.Causal() & aa.Window(left=2)}) == 1
+
+
+# ------------------------------------- issue "First hour", item 6: arrays as mask terms
+def _same_terms(a, b):
+    """Two compositions with the same terms in the same order (arrays by identity)."""
+    ta, tb = a.terms, b.terms
+    return len(ta) == len(tb) and all(
+        type(x) is type(y) and (x.mask is y.mask if isinstance(x, aa.KeepMask) else x == y)
+        for x, y in zip(ta, tb))
+
+
+def test_boolean_array_in_and_is_a_keep_mask_term_on_either_side():
+    """Causal() & m was a bare TypeError ('unsupported operand'); m & Causal() too."""
+    m = np.random.default_rng(5).random((7, 9)) < 0.6
+    w = aa.Window(left=3)
+    assert _same_terms(aa.Causal() & m, aa.Causal() & aa.KeepMask(m))
+    assert _same_terms(m & aa.Causal(), aa.KeepMask(m) & aa.Causal())
+    assert _same_terms(aa.Causal() & m & w, aa.Causal() & aa.KeepMask(m) & w)
+    assert _same_terms(m & (aa.Causal() & w), aa.KeepMask(m) & aa.Causal() & w)
+    i, j = np.arange(7)[:, None], np.arange(9)[None]
+    assert np.array_equal(dense(m & aa.Causal())[0, 0], m & (j <= i))
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, s, 8)).astype(np.float32) for s in (7, 9, 9))
+    want = aa.attention(q, k, v, mask=aa.Causal() & aa.KeepMask(m), backend="reference")
+    for mask in (aa.Causal() & m, m & aa.Causal()):
+        np.testing.assert_array_equal(aa.attention(q, k, v, mask=mask, backend="reference"),
+                                      want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8])
+def test_non_boolean_array_in_and_names_the_remedy(dtype):
+    m = np.ones((7, 9), dtype)
+    for build in (lambda: aa.Causal() & m, lambda: m & aa.Causal()):
+        with pytest.raises(TypeError, match=r"mask & array: the array has dtype .*"
+                                            r"KeepMask\(m\.astype\(bool\)\).*bias="):
+            build()
+
+
+def test_or_of_mask_terms_is_refused_with_the_remedy():
+    """'|' is not implemented for mask terms: NotImplementedError naming KeepMask, on
+    either side of an array (NumPy used to apply '|' element by element)."""
+    m = np.ones((7, 9), bool)
+    for build in (lambda: aa.Causal() | aa.Window(left=2), lambda: aa.Causal() | m,
+                  lambda: m | aa.Causal()):
+        with pytest.raises(NotImplementedError, match=r"union .*KeepMask"):
+            build()
+    with pytest.raises(TypeError, match="does not support ufuncs"):
+        np.logical_and(m, aa.Causal())
+
+
+def test_mask_class_instead_of_instance_is_named():
+    """mask=Causal (the class) failed with 'Causal._lower() missing 1 required ...'."""
+    with pytest.raises(TypeError, match=r"mask: got the class Causal.*mask=Causal\(\)"):
+        resolve(aa.Causal, 1, 1, 3, 3)

@@ -104,12 +104,63 @@ def test_no_grad_returns_plain_tensors():
     assert out.grad_fn is None and lse.grad_fn is None and not out.requires_grad
 
 
-def test_double_backward_raises():
-    q, k, v, g = _inputs()
-    out = at.attention(q, k, v)
-    (dq,) = torch.autograd.grad(out, (q,), g, create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(dq.sum(), (q,))
+DOUBLE = r"double backward \(second-order gradients\) is not supported by anyattn"
+
+
+def _double_backward_cases():
+    """numpy on both paths; the interpreted Triton backend (same autograd Function) once."""
+    from anyattn.backends.registry import unavailable_reason
+
+    cases = [("numpy", path, dg) for path in ("eager", "ops") for dg in (False, True)]
+    return cases + ([("triton", "eager", False)] if unavailable_reason("triton") is None
+                    else [])
+
+
+@pytest.mark.parametrize("backend,path,dout_grad", _double_backward_cases())
+def test_double_backward_raises_ours(backend, path, dout_grad, monkeypatch):
+    """A gradient of a gradient raised torch's 'element 0 of tensors does not require
+    grad' (eager path, dout without grad: the first-order gradient stood for a constant)
+    or 'no autograd formula was registered' (ops path); now one clear message on both
+    paths, the numpy backend and the interpreted Triton one.  The first-order gradients
+    are those of a plain backward."""
+    q, k, v, g = _inputs(B=1, Hq=2, Hkv=1, Sq=9, Sk=11)
+    g.requires_grad_(dout_grad)
+    kw = dict(backend=backend, mask=anyattn.Causal())
+
+    def run(create_graph):
+        out = at.attention(q, k, v, **kw)
+        return torch.autograd.grad(out, (q, k, v), g, create_graph=create_graph)
+
+    run_path = (lambda f: _via_ops(monkeypatch, f)) if path == "ops" else (lambda f: f())
+    plain = run_path(lambda: run(False))
+    grads = run_path(lambda: run(True))
+    for a, b in zip(grads, plain):
+        assert torch.equal(a.detach(), b) and a.requires_grad
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        torch.autograd.grad(grads[0].square().sum(), (q,))
+    with pytest.raises(RuntimeError, match=DOUBLE):      # a gradient penalty
+        (grads[1].square().sum() + grads[2].sum()).backward()
+
+
+@pytest.mark.parametrize("path", ["eager", "ops"])
+def test_gradgradcheck_raises_ours(path, monkeypatch):
+    """gradgradcheck reported a Jacobian mismatch on the eager path (second-order terms
+    silently 0)."""
+    q, k, v = (x.detach().double()[:1, :2, :5, :4].requires_grad_() for x in _inputs()[:3])
+
+    def check():
+        return torch.autograd.gradgradcheck(lambda *a: at.attention(*a), (q, k, v))
+
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        check() if path == "eager" else _via_ops(monkeypatch, check)
+
+
+def test_double_backward_of_the_sdpa_drop_in_raises_ours():
+    q, k, v, _ = _inputs(Hkv=4)
+    out = at.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (dq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        dq.sum().backward()
 
 
 def test_inplace_change_after_forward_is_caught():

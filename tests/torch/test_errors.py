@@ -43,6 +43,19 @@ BAD = {
     "backend": (ValueError, "backend", lambda: at.attention(q0, k0, v0, backend="cuda")),
     "precision": (ValueError, "precision", lambda: at.attention(q0, k0, v0, precision="low")),
     "scale": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="x")),
+    # accepted before: float("0.5") and float(True) took them
+    "scale_numeric_str": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale="0.5")),
+    "scale_bool": (TypeError, "scale", lambda: at.attention(q0, k0, v0, scale=True)),
+    # accepted before: any truthy value returned (out, lse)
+    "return_lse_int": (TypeError, "return_lse", lambda: at.attention(q0, k0, v0,
+                                                                     return_lse=1)),
+    "return_lse_none": (TypeError, "return_lse", lambda: at.attention(q0, k0, v0,
+                                                                      return_lse=None)),
+    # accepted before: the generator was silently ignored
+    "generator_and_seed": (ValueError, "generator", lambda: at.attention(
+        q0, k0, v0, dropout_p=0.1, dropout_seed=3, generator=torch.Generator())),
+    "generator_type": (TypeError, "generator", lambda: at.attention(q0, k0, v0,
+                                                                    generator=5)),
     "meta_device": (ValueError, "k", lambda: at.attention(q0, k0.to("meta"), v0)),
     "keep_device": (ValueError, "mask", lambda: at.attention(
         q0, k0, v0, mask=KeepMask(torch.ones(9, 11, dtype=torch.bool, device="meta")))),
@@ -152,3 +165,18 @@ def test_host_document_ids_for_a_gpu_call_are_lowered_to_a_cpu_copy():
     t = torch.arange(9) // 3
     _, _, qt, _, _ = lower(Documents(t), 1, 2, 9, 9, device=torch.device("cuda"))
     assert qt.data_ptr() == t.data_ptr()
+
+
+def test_boolean_tensor_in_and_is_a_keep_mask_term_on_either_side():
+    """Causal() & tensor (and tensor & Causal()) was a bare TypeError; now the tensor is a
+    KeepMask term, with the bits of the explicit KeepMask composition."""
+    m = torch.rand(9, 11, generator=torch.Generator().manual_seed(2)) > 0.4
+    want = at.attention(q0, k0, v0, mask=Causal() & KeepMask(m))
+    for mask in (Causal() & m, m & Causal()):
+        assert torch.equal(at.attention(q0, k0, v0, mask=mask), want)
+    for build in (lambda: Causal() & m.float(), lambda: m.long() & Causal()):
+        with pytest.raises(TypeError, match=r"dtype torch\.(float32|int64).*KeepMask"):
+            build()
+    for build in (lambda: Causal() | m, lambda: m | Causal()):
+        with pytest.raises(NotImplementedError, match="KeepMask"):
+            build()

@@ -24,7 +24,6 @@ CASES = {
     "scale": dict(scale=0.37),
     "bool_mask": dict(attn_mask="bool"),
     "float_mask": dict(attn_mask="float"),
-    "bool_mask_and_causal": dict(attn_mask="bool", is_causal=True),
 }
 
 
@@ -95,31 +94,85 @@ def test_fully_masked_row_is_zero_like_torch_cpu():
 
 
 q0, k0, v0 = torch.randn(2, 4, 9, 8), torch.randn(2, 4, 11, 8), torch.randn(2, 4, 11, 8)
+bmask = torch.rand(9, 11, generator=torch.Generator().manual_seed(1)) > 0.3
+#: case -> (the argument our message names, the call)
 BAD = {
-    "mixed_dtype": lambda f: f(q0, k0.double(), v0),
-    "integer_inputs": lambda f: f(q0.int(), k0.int(), v0.int()),
-    "int_mask": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 11, dtype=torch.int32)),
-    "float64_mask": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 11, dtype=torch.float64)),
-    "mask_shape": lambda f: f(q0, k0, v0, attn_mask=torch.ones(9, 9, dtype=torch.bool)),
-    "mask_batch": lambda f: f(q0, k0, v0, attn_mask=torch.ones(3, 1, 9, 11, dtype=torch.bool)),
-    "mask_5d": lambda f: f(q0, k0, v0, attn_mask=torch.ones(1, 1, 1, 9, 11, dtype=torch.bool)),
-    "heads_without_gqa": lambda f: f(q0, k0[:, :2], v0[:, :2]),
-    "gqa_not_a_divisor": lambda f: f(q0, k0[:, :3], v0[:, :3], enable_gqa=True),
-    "head_dim": lambda f: f(q0, k0[..., :4], v0[..., :4]),
-    "scale_type": lambda f: f(q0, k0, v0, scale="a"),
+    "mixed_dtype": ("query", lambda f: f(q0, k0.double(), v0)),
+    "integer_inputs": ("query", lambda f: f(q0.int(), k0.int(), v0.int())),
+    "int_mask": ("attn_mask", lambda f: f(q0, k0, v0,
+                                          attn_mask=torch.ones(9, 11, dtype=torch.int32))),
+    "float64_mask": ("attn_mask", lambda f: f(q0, k0, v0, attn_mask=torch.ones(
+        9, 11, dtype=torch.float64))),
+    "mask_shape": ("attn_mask", lambda f: f(q0, k0, v0,
+                                            attn_mask=torch.ones(9, 9, dtype=torch.bool))),
+    "mask_batch": ("attn_mask", lambda f: f(q0, k0, v0, attn_mask=torch.ones(
+        3, 1, 9, 11, dtype=torch.bool))),
+    "mask_5d": ("attn_mask", lambda f: f(q0, k0, v0, attn_mask=torch.ones(
+        1, 1, 1, 9, 11, dtype=torch.bool))),
+    "mask_not_a_tensor": ("attn_mask", lambda f: f(q0, k0, v0, attn_mask=bmask.numpy())),
+    "heads_without_gqa": ("key", lambda f: f(q0, k0[:, :2], v0[:, :2])),
+    "value_heads_differ": ("value", lambda f: f(q0, k0, v0[:, :2])),
+    "gqa_not_a_divisor": ("key", lambda f: f(q0, k0[:, :3], v0[:, :3], enable_gqa=True)),
+    "head_dim": ("key", lambda f: f(q0, k0[..., :4], v0[..., :4])),
+    "one_dim_inputs": ("query", lambda f: f(q0[0, 0, 0], k0[0, 0, 0], v0[0, 0, 0])),
+    "scale_type": ("scale", lambda f: f(q0, k0, v0, scale="a")),
+    "scale_positional": ("scale", lambda f: f(q0, k0, v0, None, 0.0, False, 0.5)),
+    "dropout_type": ("dropout_p", lambda f: f(q0, k0, v0, dropout_p="0.1")),
+    "dropout_above_one": ("dropout_p", lambda f: f(q0, k0, v0, dropout_p=1.5)),
+    "dropout_inf": ("dropout_p", lambda f: f(q0, k0, v0, dropout_p=float("inf"))),
+    "is_causal_type": ("is_causal", lambda f: f(q0, k0, v0, is_causal=1)),
+    "enable_gqa_type": ("enable_gqa", lambda f: f(q0, k0, v0, enable_gqa=None)),
+    # torch raises for these with every kernel but its 4-D CPU one (next test)
+    "mask_and_causal_3d": ("attn_mask", lambda f: f(q0[0], k0[0], v0[0], attn_mask=bmask,
+                                                    is_causal=True)),
+    "float_mask_and_causal_2d": ("attn_mask", lambda f: f(
+        q0[0, 0], k0[0, 0], v0[0, 0], attn_mask=torch.zeros(9, 11), is_causal=True)),
+    "mask_and_causal_dropout": ("attn_mask", lambda f: f(q0, k0, v0, attn_mask=bmask,
+                                                         is_causal=True, dropout_p=0.1)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_raises_where_torch_raises(case):
+    name, call = BAD[case]
     with pytest.raises(Exception) as torch_err:
-        BAD[case](F.scaled_dot_product_attention)
+        call(F.scaled_dot_product_attention)
     with pytest.raises(type(torch_err.value)) as ours:
-        BAD[case](sdpa)
-    assert str(ours.value)  # a message, naming the argument
-    first_word = str(ours.value).split(":")[0]
-    assert any(n in first_word for n in ("query", "key", "value", "attn_mask", "scale")), \
-        str(ours.value)
+        call(sdpa)
+    msg = str(ours.value)
+    # our message names the argument (keyword-only scale: Python's own message, as torch's)
+    assert name in msg or (case == "scale_positional" and "positional" in msg), msg
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_mask_with_is_causal_raises_like_torchs_math_kernel(mask_kind):
+    """attn_mask with is_causal=True was accepted (keeping the pairs both keep); torch
+    documents an error, and raises it from its math kernel (its 4-D CPU kernel alone
+    accepts the pair).  Ours: a RuntimeError (and ValueError) naming attn_mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = bmask if mask_kind == "bool" else torch.randn(9, 11)
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError, match="is_causal=True"):
+        F.scaled_dot_product_attention(q0, k0, v0, attn_mask=m, is_causal=True)
+    with pytest.raises(RuntimeError, match=r"attn_mask: must be None when is_causal=True"):
+        sdpa(q0, k0, v0, attn_mask=m, is_causal=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        sdpa(q0, k0, v0, attn_mask=m, is_causal=True)
+
+
+def test_numpy_scalars_are_taken_like_torch():
+    """np.float32 / np.int64 scale or dropout_p were refused; torch takes them."""
+    import numpy as np
+
+    want = F.scaled_dot_product_attention(q0, k0, v0, scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        assert _close(sdpa(q0, k0, v0, scale=scale), want)
+    assert _close(sdpa(q0, k0, v0, scale=np.int64(1)),
+                  F.scaled_dot_product_attention(q0, k0, v0, scale=1.0))
+    torch.manual_seed(4)
+    a = sdpa(q0, k0, v0, dropout_p=np.float32(0.25))
+    torch.manual_seed(4)
+    assert torch.equal(a, sdpa(q0, k0, v0, dropout_p=float(np.float32(0.25))))
 
 
 def test_key_value_length_mismatch_raises():

@@ -32,7 +32,6 @@ import os
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import api
 from ..backends.registry import choose
@@ -40,7 +39,7 @@ from ..masks import ResolvedMask
 from ..modifiers import NO_MODS
 from ..problem import describe
 from ..rowstats import RowStats
-from .ops import LoweredMask
+from .ops import LoweredMask, first_order_only
 
 __all__ = ["eligible", "attention", "clear_caches"]
 
@@ -252,34 +251,43 @@ class _Attention(torch.autograd.Function):
         return out, row_max, log_norm
 
     @staticmethod
-    @once_differentiable      # no double backward: a second-order grad raises
     def backward(ctx, dout, _dmax, _dlog_norm):
         if dout is None:          # out took no part in what is differentiated
             return (None,) * 7
         q, k, v, bias, sinks, out, row_max, log_norm = ctx.saved_tensors
-        wrt = frozenset(n for n, on in zip(("q", "k", "v", "bias", "sinks"),
-                                           ctx.needs_input_grad[:5]) if on)
-        grads = [None] * 7
-        if not wrt:
-            return tuple(grads)
-        p = ctx.problem if wrt == ctx.problem.wrt else _with_wrt(ctx.problem, wrt)
-        mods = NO_MODS if ctx.alibi_slopes is None and sinks is None else \
-            api._mods(p, ctx.alibi_slopes, sinks)
-        if p.is_empty:
-            res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
-                   "dv": torch.zeros_like(v),
-                   "dbias": None if bias is None else torch.zeros_like(bias),
-                   "dsinks": None if sinks is None else torch.zeros_like(sinks)}
-        else:
-            res = ctx.backend.backward(p, q, k, v, dout, out, RowStats(row_max, log_norm),
-                                       api._bias4(bias, p), mods)
-        for i, (name, key, like) in enumerate((("q", "dq", q), ("k", "dk", k), ("v", "dv", v),
-                                               ("bias", "dbias", bias),
-                                               ("sinks", "dsinks", sinks))):
-            if name in wrt:
-                g = _as_torch(res[key], like)
-                grads[i] = g.reshape(like.shape) if tuple(g.shape) != tuple(like.shape) else g
+        with torch.no_grad():
+            grads = _backward_grads(ctx, dout, q, k, v, bias, sinks, out, row_max,
+                                    log_norm)
+        # no double backward: under create_graph=True the gradients raise when
+        # differentiated (they are not constants in q, k, v, dout)
+        return first_order_only(grads, dout, q, k, v, bias, sinks)
+
+
+def _backward_grads(ctx, dout, q, k, v, bias, sinks, out, row_max, log_norm):
+    """_Attention's gradients (None where autograd asks for none), as plain tensors."""
+    wrt = frozenset(n for n, on in zip(("q", "k", "v", "bias", "sinks"),
+                                       ctx.needs_input_grad[:5]) if on)
+    grads = [None] * 7
+    if not wrt:
         return tuple(grads)
+    p = ctx.problem if wrt == ctx.problem.wrt else _with_wrt(ctx.problem, wrt)
+    mods = NO_MODS if ctx.alibi_slopes is None and sinks is None else \
+        api._mods(p, ctx.alibi_slopes, sinks)
+    if p.is_empty:
+        res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
+               "dv": torch.zeros_like(v),
+               "dbias": None if bias is None else torch.zeros_like(bias),
+               "dsinks": None if sinks is None else torch.zeros_like(sinks)}
+    else:
+        res = ctx.backend.backward(p, q, k, v, dout, out, RowStats(row_max, log_norm),
+                                   api._bias4(bias, p), mods)
+    for i, (name, key, like) in enumerate((("q", "dq", q), ("k", "dk", k), ("v", "dv", v),
+                                           ("bias", "dbias", bias),
+                                           ("sinks", "dsinks", sinks))):
+        if name in wrt:
+            g = _as_torch(res[key], like)
+            grads[i] = g.reshape(like.shape) if tuple(g.shape) != tuple(like.shape) else g
+    return tuple(grads)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], keep, q_ids, k_ids,

@@ -11,6 +11,7 @@ import numbers
 import operator
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 from .. import api
@@ -65,6 +66,13 @@ _SEED_HIGH = 2 ** 63 - 1
 
 def _dropout_seed(dropout_p, generator, dropout_seed) -> Optional[torch.Tensor]:
     """-> a one-element int64 CPU tensor holding the seed, or None without dropout."""
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator or None, got "
+                            f"{type(generator).__name__}")
+        if dropout_seed is not None:
+            raise ValueError("generator, dropout_seed: pass one of them (dropout_seed fixes "
+                             "the seed, generator draws it), not both")
     if dropout_seed is None and type(dropout_p) is float and dropout_p == 0.0:
         return None        # what check_dropout answers for these, without the call
     from ..dropout import check_dropout
@@ -83,9 +91,6 @@ def _dropout_seed(dropout_p, generator, dropout_seed) -> Optional[torch.Tensor]:
             raise ValueError(f"dropout_seed: {seed} >= 2**63; anyattn.torch carries seeds in "
                              "int64 (the core API takes any seed in [0, 2**64))")
         return torch.tensor([seed], dtype=torch.int64)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator or None, got "
-                        f"{type(generator).__name__}")
     dev = "cpu" if generator is None else generator.device
     return torch.randint(0, _SEED_HIGH, (1,), generator=generator, dtype=torch.int64,
                          device=dev).cpu()
@@ -170,6 +175,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         if x is not None:
             _check_tensor(name, x)
     api._check_layout(layout)
+    api._check_flag("return_lse", return_lse)
     if backend is None:
         backend = _default_backend
     for name, val in (("backend", backend), ("precision", precision)):
@@ -204,6 +210,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     if scale is None:
         scale = D ** -0.5
     try:
+        if isinstance(scale, (str, bytes, bool, np.bool_)):
+            raise TypeError
         scale = float(scale)
     except (TypeError, ValueError):
         raise TypeError(f"scale: expected a float (default 1/sqrt(D)), got "

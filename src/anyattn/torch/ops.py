@@ -20,8 +20,9 @@ The forward keeps only ``out`` and the row statistics (row max and log-normalise
 apart: see ``anyattn.rowstats``) for the backward.  Autograd: registered on
 the forward op (used by torch.compile, export and opcheck) and, for eager calls, the
 same formulas through a small ``autograd.Function`` (``attention_with_grad``), which
-is cheaper per call.  Double backward is not supported (the backward op has no
-autograd: a second ``backward`` through it raises).
+is cheaper per call.  Double backward is not supported: the backward op's autograd
+formula raises :data:`DOUBLE_BACKWARD` (so does :func:`first_order_only`, which the
+eager path of :mod:`.eager` wraps its gradients in).
 """
 from __future__ import annotations
 
@@ -33,9 +34,52 @@ from .. import api
 from ..masks import Mask
 from ..rowstats import RowStats
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_with_grad", "LoweredMask"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_with_grad", "LoweredMask",
+           "first_order_only", "DOUBLE_BACKWARD"]
 
 Tensor = torch.Tensor
+
+#: what differentiating a gradient of anyattn (a second-order gradient) raises
+DOUBLE_BACKWARD = (
+    "double backward (second-order gradients) is not supported by anyattn: the gradients "
+    "of anyattn.torch.attention and anyattn.torch.scaled_dot_product_attention are not "
+    "differentiable themselves (torch.autograd.grad(..., create_graph=True) followed by a "
+    "backward through those gradients, gradgradcheck, Hessian products); use "
+    "torch.nn.functional.scaled_dot_product_attention where second-order gradients are "
+    "needed, or .detach() the first-order gradients to use them as values")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """apply(n, g_1..g_n, *deps) -> (g_1..g_n) unchanged, on a node whose backward raises
+    :data:`DOUBLE_BACKWARD`; ``deps`` (tensors that require grad: what the gradients
+    depend on) make autograd record that node."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+def first_order_only(grads, *deps):
+    """The gradients a backward computed (None where not asked for), as they are unless
+    that backward records a graph (``create_graph=True``) and some of ``deps`` (the
+    tensors they were computed from: dout, q, k, v, ...) require grad: then each one
+    carries a node that raises :data:`DOUBLE_BACKWARD` when differentiated, instead of
+    standing for a constant (a silently wrong second-order gradient)."""
+    if not torch.is_grad_enabled():
+        return grads
+    deps = [x for x in deps if isinstance(x, Tensor) and x.requires_grad]
+    at = [i for i, g in enumerate(grads) if g is not None]
+    if not deps or not at:
+        return grads
+    wrapped = _FirstOrderOnly.apply(len(at), *(grads[i] for i in at), *deps)
+    res = list(grads)
+    for i, g in zip(at, wrapped):
+        res[i] = g
+    return tuple(res)
 
 
 class LoweredMask(Mask):
@@ -181,6 +225,14 @@ def _attention_bwd_fake(dout, q, k, v, out, row_max, log_norm, bias, keep, q_ids
     db = bias.new_empty(bias.shape) if (grad_bias and bias is not None) else _empty(q)
     ds = sinks.new_empty(sinks.shape) if (grad_sinks and sinks is not None) else _empty(q)
     return dq, dk, dv, db, ds
+
+
+def _attention_bwd_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+# a backward run with create_graph=True records this node on the gradients it returns
+attention_bwd.register_autograd(_attention_bwd_backward)
 
 
 # ---------------------------------------------------------------------- autograd

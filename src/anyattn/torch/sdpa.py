@@ -7,8 +7,9 @@ batch dims that broadcast.  Output [*, L, E].
 Semantics follow torch: a boolean ``attn_mask`` keeps True entries, a float
 mask is added to the scores, ``is_causal`` is top-left (``j <= i``), GQA
 only with ``enable_gqa=True`` (a key/value head dim of 1 broadcasts, as in
-torch).  ``attn_mask`` together with ``is_causal`` keeps the pairs both keep
-(as torch's default CPU kernel does; its math kernel raises instead).
+torch); ``scale`` and ``enable_gqa`` are keyword-only.  ``attn_mask`` together with
+``is_causal=True`` raises, as torch documents (its math kernel and every kernel for
+inputs of 2 or 3 dims raise; its 4-D CPU kernel alone accepts the pair).
 
 Every argument is honoured or refused, none is ignored.  Errors are raised
 where torch raises, with an exception that is an instance
@@ -21,6 +22,7 @@ NotImplementedError; a query row that keeps no key returns 0.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -39,11 +41,22 @@ class SDPATypeError(TypeError, RuntimeError):
     """Bad dtype for the SDPA drop-in (a RuntimeError in torch)."""
 
 
+def _real(x) -> bool:
+    """A real number other than a bool (Python and NumPy ints and floats, as torch takes)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enable_gqa):
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
             raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be "
                             f"bool, not {type(flag).__name__}")
+    if attn_mask is not None and is_causal:
+        raise SDPAValueError(
+            "attn_mask: must be None when is_causal=True (torch raises 'Explicit attn_mask "
+            "should not be set when is_causal=True'); fold the causal pattern into the mask "
+            "(a boolean mask: attn_mask & torch.ones(L, S, dtype=torch.bool).tril()), or "
+            "use anyattn.torch.attention(q, k, v, mask=Causal() & KeepMask(attn_mask))")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be "
@@ -51,13 +64,13 @@ def _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enabl
         if x.ndim < 2:
             raise SDPAValueError(f"{name}: expected at least 2 dims [*, S, E], got shape "
                                  f"{tuple(x.shape)}")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+    if not _real(dropout_p):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
     if dropout_p != dropout_p:
         raise SDPAValueError("dropout_p=nan: expected a probability in [0, 1)")
     if not 0.0 <= dropout_p < 1.0:
         raise SDPAValueError(f"dropout_p={dropout_p}: expected a probability in [0, 1)")
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+    if scale is not None and not _real(scale):
         raise TypeError(f"scaled_dot_product_attention(): argument 'scale' must be float, "
                         f"not {type(scale).__name__}")
     if not (query.dtype == key.dtype == value.dtype):
@@ -147,7 +160,7 @@ def _mask4(attn_mask, out_lead, L, S):
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor] = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 dropout_p: float = 0.0, is_causal: bool = False, *,
                                  scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` computed by anyattn (module doc)."""
@@ -159,12 +172,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     hq = q4.shape[1]
     if attn_mask is not None:
         attn_mask = _mask4(attn_mask, (*batch, hq) if query.ndim > 2 else (), L, S)
-    mask = Causal() if is_causal else None
+    mask = Causal() if is_causal else None      # is_causal excludes attn_mask (_check_args)
     bias = None
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = KeepMask(attn_mask)
-        mask = keep if mask is None else mask & keep
+        mask = KeepMask(attn_mask)
     elif attn_mask is not None:
         bias = attn_mask
-    out = attention(q4, k4, v4, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p))
+    out = attention(q4, k4, v4, mask=mask, bias=bias,
+                    scale=None if scale is None else float(scale), dropout_p=float(dropout_p))
     return out.reshape(*batch, hq, L, E) if query.ndim > 2 else out.reshape(L, E)
