@@ -82,7 +82,7 @@ def _out_operand(buffer, p) -> Operand:
 
 def _build(be, run, buffer, group, prefix):
     """One plan for ``group`` (Params sharing every input field; ``wrt`` distinct)."""
-    from ...abi import bits_f32
+    from ...abi.params import bits_f32
     p = group[0]
     B, H, SQ, SK, D = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim
     kind = p.mask_kind
