@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ...arrays import array_kind
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -36,7 +37,6 @@ from ...rowstats import RowStats
 __all__ = ["WebGPUBackend"]
 
 _NP = {"float32": np.float32, "float16": np.float16}
-_ELEM = {"float32": "f32", "float16": "f16"}
 
 
 _CAPS = Capabilities(
@@ -136,13 +136,13 @@ class WebGPUBackend(Backend):
     def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS, b0=0):
         """Uploads, masks, score modifiers and dropout of one call; a backward config
         when ``dout`` is given.  ``b0``: the global index of batch 0 (batch chunks)."""
-        from .engine import upload_view
+        from .engine import ELEMENT_TYPES, upload_view
 
         if p.dtype not in _NP:
             raise NotImplementedError(f"webgpu: dtype {p.dtype} is not supported")
         npdt = _NP[p.dtype]
         call = self._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
-                          _ELEM[p.dtype], uprefix, backward=dout is not None,
+                          ELEMENT_TYPES[p.dtype], uprefix, backward=dout is not None,
                           dropout=p.has_dropout)
         run = call.run
         call.set_scale(p.scale)
@@ -170,10 +170,10 @@ class WebGPUBackend(Backend):
         launches: the host then reads half the bytes and converts nothing (NumPy's
         float32 <-> float16 casts run at ~6-8 ns per element, which made the f16 host
         path slower than fp32)."""
-        from .resident import _ew, _nbytes, _result
+        from .elementwise import buffer_bytes, ew, result_array
 
-        dst = call.run.buffer(role, _nbytes(count, np.float16))
-        _ew(call, _result(src, (count,), np.float32, src_off), dst, 0, dst16=True)
+        dst = call.run.buffer(role, buffer_bytes(count, np.float16))
+        ew(call, result_array(src, (count,), np.float32, src_off), dst, 0, dst16=True)
         return dst
 
     @staticmethod
@@ -320,7 +320,8 @@ class WebGPUBackend(Backend):
         already on the device (benchmarks), else out and the RowStats ``stats`` are
         uploaded."""
         from .engine import Operand
-        from .launch import DSQ_ROLE, Clear
+        from .clears import Clear
+        from .launch import DSQ_ROLE
 
         B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                  p.head_dim)
@@ -439,12 +440,41 @@ class WebGPUBackend(Backend):
             self.last_pieces = dict(call.pieces)
             return read()
 
+    # ------------------------------------------- device arrays: no kernel of their own
     def stats_from_lse(self, p: Problem, q, k, v, bias, mods, lse) -> RowStats:
-        """Device arrays: the statistics of a plain lse device array (always refined on
-        the device against recomputed ones: its magnitude cannot be read on the host)."""
+        """A plain lse device array: always refined on the device against recomputed
+        statistics (its magnitude cannot be read on the host); a NumPy lse as on every
+        backend (Backend.stats_from_lse)."""
+        if array_kind(lse) != "webgpu":
+            return super().stats_from_lse(p, q, k, v, bias, mods, lse)
         from . import resident
 
         return resident.stats_from_lse(self, p, q, k, v, bias, mods, lse)
+
+    def zeros_like(self, x):
+        """A new zero device array for a device array ``x`` (WebGPU zero-initialises
+        buffers: no transfer); a NumPy array for a NumPy ``x``."""
+        if array_kind(x) != "webgpu":
+            return super().zeros_like(x)
+        from . import resident
+
+        return resident.zeros(x.shape, x.dtype)
+
+    def empty_stats(self, p: Problem, q, mods: ScoreMods) -> RowStats:
+        """Statistics of rows that keep no key, as device arrays for device-array inputs
+        (written on the device); NumPy arrays for NumPy inputs."""
+        if array_kind(q) != "webgpu":
+            return super().empty_stats(p, q, mods)
+        from . import resident
+
+        return resident.empty_stats(p, mods.sinks)
+
+    def add_arrays(self, a, b):
+        """a + b for float32 device arrays of one shape on anyattn's device (the
+        ``+`` of DeviceArray, which RowStats.lse uses)."""
+        from . import resident
+
+        return resident.add_arrays(a, b)
 
     # -------------------------------------------------------------- benchmarks
     def plan(self, p: Problem, q, k, v, dout=None, bias=None, mods=NO_MODS):

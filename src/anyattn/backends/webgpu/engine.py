@@ -26,14 +26,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import launch as _launch
-from .launch import (DSQ_ROLE, Clear, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
-                     clear_map, dsq_bytes, dsq_chunks, dsq_limit, split_range)
+from .clears import Clear, clear_map
+from .launch import (DSQ_ROLE, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
+                     dsq_bytes, dsq_chunks, dsq_limit, split_range)
 from .uniforms import FLAGS
 
-__all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
-           "LOG_NORM_ROW", "f32_scalar"]
+__all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "ELEMENT_TYPES",
+           "STATS_ROWS", "LOG_NORM_ROW", "f32_scalar"]
 
 NEG_INF = float("-inf")
+#: a problem's dtype -> the element type of the kernels that run it
+ELEMENT_TYPES = {"float32": "f32", "float16": "f16"}
 #: f32 values per softmax row in the ``stats`` scratch buffer (see the module doc)
 STATS_ROWS = 7
 #: the log-normaliser's block of ``stats``: [LOG_NORM_ROW * n, (LOG_NORM_ROW + 1) * n)

@@ -19,13 +19,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import uniforms
+from .clears import Clear
 from .device import Context
 from .pipelines import KernelError, PipelineCache
 
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
            "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
            "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes",
-           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks", "Clear", "clear_map"]
+           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -520,21 +521,6 @@ class Launch:
     layout: str
     buffers: Sequence[object]  # bind-group resources in binding order (0 = uniform)
     grid: Tuple[int, int, int]
-
-
-
-
-@dataclass(frozen=True)
-class Clear:
-    """A clear of the first ``nbytes`` of ``buf`` (a pooled buffer can be larger than the
-    call that clears it needs).  A clears list holds these or whole buffers."""
-    buf: object
-    nbytes: int
-
-
-def clear_map(c, f):
-    """The clear ``c`` (a ``Clear`` or a whole buffer) with its buffer replaced by f(buffer)."""
-    return Clear(f(c.buf), c.nbytes) if isinstance(c, Clear) else f(c)
 
 
 class Runner:

@@ -42,7 +42,7 @@ import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .launch import Clear, clear_map
+from .clears import Clear, clear_map
 
 __all__ = ["Template", "TemplateCache", "ResultSpec"]
 
