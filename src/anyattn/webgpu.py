@@ -110,9 +110,7 @@ def _claim(buffer) -> None:
     good: the pool never hands it out again, whatever happens to the result arrays."""
     from .backends.registry import get_backend
 
-    run = get_backend("webgpu")._runner
-    if run is not None:
-        run.results.claim(buffer)
+    get_backend("webgpu").claim_buffer(buffer)
 
 
 def asarray(x, dtype=None) -> DeviceArray:

@@ -3,7 +3,8 @@ refinements of device arrays on the device, and new result buffers.
 
 Used by the device-resident calls (resident.py) and by the backend's f16 casts
 (backend.py).  ``Seq`` collects launches when no engine ``Call`` is at hand; a
-``Call`` serves as well (both have ``run``, ``uni``, ``launches`` and ``_u``).
+``Call`` serves as well (both have ``run``, ``uni``, ``launches`` and
+``uniform_buffer``).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Seq:
         self.copies = []
         self.uni: Dict[str, object] = {}
 
-    def _u(self, vals):
+    def uniform_buffer(self, vals):
         buf = self.run.uniform(f"{self.prefix}{self._n}", vals)
         self._n += 1
         return buf
@@ -96,7 +97,7 @@ def ew(seq, src, dst_buf, dst_off: int, *, dst16: bool = False, op: Optional[str
                 db_sb=st[0], db_sh=st[1], db_si=st[2], db_sj=st[3], o_off=src.offset,
                 out2_off=dst_off)
     vals.update(extra or {})
-    ubuf = seq._u(vals)
+    ubuf = seq.uniform_buffer(vals)
     s2 = src2 if src2 is not None else run.dummy
     seq.launches.append(Launch("ew", pipe, "ew", [ubuf, src.buffer, s2, dst_buf],
                                run.flat_grid(ceil_div(n, 4))))

@@ -58,7 +58,7 @@ def _copyable(x) -> bool:
 
 def zeros(shape, dtype):
     """A new zero device array (WebGPU zero-initialises buffers: no transfer)."""
-    run = _backend()._run()
+    run = _backend().runner()
     n = int(np.prod(shape, dtype=np.int64))
     buf = fresh_buffer(run, buffer_bytes(n, dtype), "anyattn.zeros")
     return result_array(buf, tuple(shape), dtype)
@@ -98,19 +98,19 @@ def device_reasons(p: Problem, ctx) -> list:
 
 
 def _check_chunks(be, p: Problem, backward: bool, bias) -> None:
-    chunks = be._batch_chunks(p, backward=backward, bias=None)
+    chunks = be.batch_chunks(p, backward=backward, bias=None)
     if bias is not None:
-        _check_binding(be._run(), bias, "bias")
+        _check_binding(be.runner(), bias, "bias")
     if len(chunks) > 1:
         raise ValueError(f"webgpu: this problem needs {len(chunks)} batch chunks (a buffer past "
-                         f"the adapter's max storage binding of {be._run().max_binding} bytes); "
+                         f"the adapter's max storage binding of {be.runner().max_binding} bytes); "
                          "device arrays run in one piece: split the batch")
 
 
 def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: bool):
     """The Call of one device-resident forward/backward: operands, masks, bias,
     modifiers and dropout; gathers appended to its launches."""
-    call = be._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
+    call = be.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                     ELEMENT_TYPES[p.dtype], "dev_u", backward=backward,
                     dropout=p.has_dropout)
     call.aux_role = None          # the mask tables stay with this call's launch template
@@ -137,18 +137,18 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
         if abs(diag) + p.seq_q + p.seq_k >= _I32:
             raise ValueError(f"q_offset/k_offset: the ALiBi distance |i - j + {diag}| passes "
                              "the i32 range of the webgpu kernels; bring the offsets closer")
-        off = call._aux_put(np.zeros(sl.size, np.uint32))
+        off = call.aux_put(np.zeros(sl.size, np.uint32))
         call.uni.update(al_off=off, al_sb=p.heads_q if sl.shape[0] > 1 else 0,
                         alibi_diag=diag)
         call.mod_consts["ALIBI"] = 1
         fills.append((sl, off))
     if mods.sinks is not None:
-        off = call._aux_put(np.zeros(p.heads_q, np.uint32))
+        off = call.aux_put(np.zeros(p.heads_q, np.uint32))
         call.uni["snk_off"] = off
         call.mod_consts["SINKS"] = 1
         fills.append((mods.sinks, off))
     if fills:
-        call._aux_upload()
+        call.aux_upload()
         for x, off in fills:                 # f32 values into aux, on the device
             _check_binding(run, x, "alibi_slopes/sinks")
             ew(call, x, call.aux_buf, off)
@@ -280,7 +280,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
     from .templates import Template
 
     key = _key(what, be, p, inputs, extra)
-    run = be._run()
+    run = be.runner()
     bufs = {n: x.buffer for n, x in inputs.items() if x is not None}
     tpl = run.templates.get(key)
     if tpl is None:
@@ -345,7 +345,7 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
         res.add("log_norm", ist, rows, np.float32, LOG_NORM_ROW * n)
         return call
 
-    with be._lock:
+    with be.lock:
         r = _run_cached(be, "fwd", p, inputs, build)
     return r["out"], RowStats(r["max"], r["log_norm"])
 
@@ -354,10 +354,10 @@ def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowSt
     """A plain lse device array -> statistics honouring it at full precision
     (anyattn.rowstats.refine against recomputed local statistics, on the device)."""
     _, local = forward(be, p, q, k, v, bias, mods)
-    run = be._run()
+    run = be.runner()
     n = p.batch * p.heads_q * p.seq_q
     out = fresh_buffer(run, 4 * STATS_ROWS * n, "anyattn.stats")
-    with be._lock:
+    with be.lock:
         seq = Seq(run)
         ew(seq, lse, out, 0, op="refine", src2=local.max.buffer,
             extra=dict(q_off=0, k_off=LOG_NORM_ROW * n, v_off=LOG_NORM_ROW * n))
@@ -381,7 +381,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     dt = np.dtype(p.dtype)
     inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
                   bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
-    in_place = _stats_in_place(be._run(), p, inputs)
+    in_place = _stats_in_place(be.runner(), p, inputs)
 
     def build(res):
         _check_chunks(be, p, True, bias)
@@ -476,7 +476,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             emit("dsinks", dsk, isk, (HQ,), sdt)
         return call
 
-    with be._lock:
+    with be.lock:
         r = _run_cached(be, "bwd", p, inputs, build, extra=in_place)
     return {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
 
@@ -510,7 +510,7 @@ def _dsinks(call, st, dst) -> None:
     pieces = split_range(rows, 1, call.limit, "webgpu kernel 'dsinks'")
     pipe = run.pipeline("dsinks", "dsinks", {}, "f32")
     for idx, (t0, t1) in enumerate(pieces):
-        ubuf = call._u(dict(call.uni, t0=t0, t1=t1, flags=FLAGS["FIRST"] if idx == 0 else 0,
+        ubuf = call.uniform_buffer(dict(call.uni, t0=t0, t1=t1, flags=FLAGS["FIRST"] if idx == 0 else 0,
                             k_off=LOG_NORM_ROW * call.n, out2_off=0))
         call.launches.append(Launch("dsinks", pipe, "dsinks", [ubuf, st, call.aux_buf, dst],
                                     run.flat_grid(call.HQ)))
@@ -529,8 +529,8 @@ def add_arrays(a, b):
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"DeviceArray +: shapes {a.shape} and {b.shape} differ")
     be = _backend()
-    with be._lock:
-        run = be._run()
+    with be.lock:
+        run = be.runner()
         seq = Seq(run)
         if not b.is_contiguous:
             b = gather_contig(seq, b, "dev_add_b")
@@ -544,7 +544,7 @@ def empty_stats(p: Problem, sinks) -> RowStats:
     """Statistics of rows that keep no key (Sk = 0): max = -inf (the sink, with sinks),
     log_norm = 0."""
     be = _backend()
-    run = be._run()
+    run = be.runner()
     rows = (p.batch, p.heads_q, p.seq_q)
     n = int(np.prod(rows))
     mx = fresh_buffer(run, 4 * n, "anyattn.stats")
@@ -556,14 +556,14 @@ def empty_stats(p: Problem, sinks) -> RowStats:
         ew(seq, src, mx, 0, shape=rows, strides=(0, src.strides[0], 0))
     else:
         ew(seq, _neg_inf(run), mx, 0, shape=rows, strides=(0, 0, 0))
-    with be._lock:
+    with be.lock:
         seq.submit()
     return RowStats(result_array(mx, rows, np.float32), result_array(ln, rows, np.float32))
 
 
 def _neg_inf(run):
     """A one-element device array holding -inf (a constant written once per device)."""
-    buf = run._bufs.get("_neg_inf")
+    buf = run.role_buffers.get("_neg_inf")
     if buf is None:
         buf = run.buffer("_neg_inf", 16)
         run.device.queue.write_buffer(buf, 0, np.full(4, -np.inf, np.float32))
