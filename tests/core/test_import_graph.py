@@ -212,3 +212,19 @@ def test_core_imports_no_backend_module():
     arrows = _back_arrows(graph)
     assert not arrows, ("core modules import backend modules (allowed: "
                         f"{sorted(CORE_MAY_IMPORT)}):\n" + "\n".join(arrows))
+
+
+def test_api_calls_only_declared_backend_methods():
+    """What the public API asks of a backend (``be.<name>`` in api.py) is declared,
+    with a docstring, on the Backend interface: no backend-specific call hides there."""
+    from anyattn.backends.base import Backend
+
+    tree = ast.parse((SRC / PACKAGE / "api.py").read_text())
+    asked = {node.attr for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+             and node.value.id == "be"}
+    assert {"forward", "backward"} <= asked, asked
+    undeclared = sorted(n for n in asked if not callable(getattr(Backend, n, None)))
+    assert not undeclared, f"api.py calls backend methods Backend does not declare: {undeclared}"
+    bare = sorted(n for n in asked if not getattr(Backend, n).__doc__)
+    assert not bare, f"Backend methods without a docstring: {bare}"
