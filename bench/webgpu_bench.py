@@ -611,7 +611,7 @@ def guarded(what, fn, *a, **kw):
 # ------------------------------------------------------------------ device arrays (issue 17)
 def _wait(be):
     """Block until the queue is idle (read a few bytes back: DESIGN.md section 6)."""
-    be._run().read(be._run().dummy, 1)
+    be.runner().read(be.runner().dummy, 1)
 
 
 def _time_calls(be, fn, min_s=0.3, max_n=100):
@@ -658,7 +658,7 @@ def _with_timestamps(be, fn):
     ms per submission in order, or None without --timestamps / where refused)."""
     if not TIMESTAMPS["on"] or TIMESTAMPS["refused"]:
         return fn(), None
-    run = be._run()
+    run = be.runner()
     if TIMESTAMPS["rec"] is None:
         from anyattn.backends.webgpu.timestamps import Timestamps
 

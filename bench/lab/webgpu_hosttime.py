@@ -65,7 +65,7 @@ def main():
     host = [rng.standard_normal((B, H, S, D)).astype(dt) for _ in range(4)]
     q, k, v, g = (wg.asarray(x) for x in host)
     be = get_backend("webgpu")
-    run = be._run()
+    run = be.runner()
     queue_cls = type(run.device.queue)
     orig = queue_cls.submit
     inside = [0.0]
@@ -143,7 +143,7 @@ def pyonly(src, dt, N):
     rng = np.random.default_rng(0)
     q, k, v, g = (wg.asarray(rng.standard_normal((1, 1, 16, 16)).astype(dt)) for _ in range(4))
     be = get_backend("webgpu")
-    run = be._run()
+    run = be.runner()
     out, st = forward_with_stats(q, k, v)
     for _ in range(20):
         aa.attention_backward(q, k, v, g, out=out, lse=st)
@@ -192,7 +192,7 @@ def stages(out_path, points="512x64xfloat32,512x64xfloat16,512x128xfloat32,512x1
     from anyattn.problem import describe
 
     be = get_backend("webgpu")
-    run = be._run()
+    run = be.runner()
     tm = _Timers()
     tm.wrap(api, "describe", "api_describe")
     tm.wrap(api, "choose", "api_choose")

@@ -93,7 +93,7 @@ def main() -> None:
     from anyattn.backends.webgpu.timestamps import Timestamps
 
     be = get_backend("webgpu")
-    run = be._run()
+    run = be.runner()
     smi_csv = out / f"webgpu-smi-{a.tag}.csv"
     import shutil
 

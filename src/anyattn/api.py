@@ -16,7 +16,7 @@ from .masks import Mask
 from .modifiers import ScoreMods
 from .problem import Problem, describe
 from .reference import Gradients
-from .rowstats import RowStats, needs_refine, refine
+from .rowstats import RowStats
 
 __all__ = ["attention", "attention_backward", "Gradients", "RowStats"]
 
@@ -48,46 +48,6 @@ def _bias4(bias, p: Problem):
     if bias is None or bias.ndim == 4:
         return bias
     return bias.reshape(p.bias_shape)
-
-
-def _zeros_like(x, shape=None, dtype=None):
-    if array_kind(x) == "webgpu":
-        from .backends.webgpu.resident import zeros
-
-        return zeros(shape if shape is not None else x.shape, dtype or x.dtype)
-    if array_kind(x) == "torch":
-        import torch
-
-        return torch.zeros(shape if shape is not None else x.shape,
-                           dtype=dtype or x.dtype, device=x.device)
-    import numpy as np
-
-    return np.zeros(shape if shape is not None else x.shape, dtype=dtype or x.dtype)
-
-
-def _empty_stats(q, p: Problem, mods: ScoreMods) -> RowStats:
-    """Statistics of rows that keep no key: max = -inf (the sink, with sinks),
-    log_norm = 0."""
-    import numpy as np
-
-    shape = (p.batch, p.heads_q, p.seq_q)
-    if array_kind(q) == "webgpu":
-        from .backends.webgpu.resident import empty_stats
-
-        return empty_stats(p, mods.sinks)
-    if array_kind(q) == "torch":
-        import torch
-
-        dt = torch.float64 if p.dtype == "float64" else torch.float32
-        mx = torch.full(shape, float("-inf"), dtype=dt, device=q.device)
-        if mods.sinks is not None:
-            mx = mods.sinks.to(dt).reshape(1, -1, 1).expand(shape).clone()
-        return RowStats(mx, torch.zeros(shape, dtype=dt, device=q.device))
-    dt = np.float64 if p.dtype == "float64" else np.float32
-    mx = np.full(shape, -np.inf, dtype=dt)
-    if mods.sinks is not None:
-        mx[...] = mods.sinks.astype(dt).reshape(1, -1, 1)
-    return RowStats(mx, np.zeros(shape, dtype=dt))
 
 
 def _mods(p: Problem, alibi_slopes, sinks) -> ScoreMods:
@@ -135,7 +95,7 @@ def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
     be = choose(p, backend)
     mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:
-        return _zeros_like(q), _empty_stats(q, p, mods), p
+        return be.zeros_like(q), be.empty_stats(p, q, mods), p
     out, stats = be.forward(p, q, k, v, _bias4(bias, p), mods)
     return out, stats, p
 
@@ -226,21 +186,17 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     be = choose(p, backend)
     mods = _mods(p, alibi_slopes, sinks)
     if p.is_empty:
-        res = {"dq": _zeros_like(qb), "dk": _zeros_like(kb), "dv": _zeros_like(vb),
-               "dbias": None if bias is None else _zeros_like(bias),
-               "dsinks": None if sinks is None else _zeros_like(sinks)}
+        res = {"dq": be.zeros_like(qb), "dk": be.zeros_like(kb), "dv": be.zeros_like(vb),
+               "dbias": None if bias is None else be.zeros_like(bias),
+               "dsinks": None if sinks is None else be.zeros_like(sinks)}
     else:
         b4 = _bias4(bias, p)
         if ob is None:
             ob, stats = be.forward(p, qb, kb, vb, b4, mods)
         elif given is not None:
             stats = given
-        elif array_kind(lse) == "webgpu":    # not readable on the host: refined on the GPU
-            stats = be.stats_from_lse(p, qb, kb, vb, b4, mods, lse)
-        elif needs_refine(lse):
-            stats = refine(lse, be.forward(p, qb, kb, vb, b4, mods)[1])
         else:
-            stats = RowStats.from_lse(lse)
+            stats = be.stats_from_lse(p, qb, kb, vb, b4, mods, lse)
         res = be.backward(p, qb, kb, vb, gb, ob, stats, b4, mods)
     dq = res.get("dq") if "q" in p.wrt else None
     dk = res.get("dk") if "k" in p.wrt else None

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from anyattn import abi as A
-from anyattn.abi_regions import Region, first_common, first_duplicate
+from anyattn.abi.regions import Region, first_common, first_duplicate
 
 from abi_cases import BACKEND, inputs, mask_for, run_and_check
 
@@ -332,7 +332,7 @@ def test_region_checks_agree_with_brute_force_on_random_geometry():
 def test_solver_out_of_budget(monkeypatch):
     """Past its budget the solver enumerates small regions (still exact) and refuses
     large ones with a ValueError that names the fields (never a wrong answer)."""
-    from anyattn import abi_regions
+    from anyattn.abi import regions as abi_regions
 
     monkeypatch.setattr(abi_regions, "BUDGET", 0)
     assert first_duplicate(Region("x", 5, (2, 3), (2, 1), ())) == 7

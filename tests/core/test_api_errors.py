@@ -192,10 +192,10 @@ def test_broadcast_messages_name_each_alternative_once():
     with pytest.raises(ValueError, match=r"dim -4 is 2, expected 1\)"):
         aa.attention(q, k, v, mask=aa.KeepMask(np.ones((2, 1, 5, 6), bool)),
                      backend="reference")
-    from anyattn import abi as A
+    from anyattn.abi.params import _mask_strides
 
     with pytest.raises(ValueError, match=r"dim 0 is 2, expected 1 \("):
-        A._mask_strides((2, 1, 5, 6), (1, 1, 5, 6))
+        _mask_strides((2, 1, 5, 6), (1, 1, 5, 6))
 
 
 def test_big_endian_document_ids_are_converted():

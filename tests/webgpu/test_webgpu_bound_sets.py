@@ -58,7 +58,7 @@ def test_new_buffers_same_signature_never_served_old_bind_groups(be):
     first = [_grads(d) for d in devs]
     for h, got in zip(hosts, first):
         _check_vs_ref(h, got)
-    run = be._run()
+    run = be.runner()
     before = dict(run.cache_stats)
     for d, want in zip(devs * 2, first * 2):       # repeats: bound-set hits
         got = _grads(d)
@@ -75,7 +75,7 @@ def test_dead_buffer_id_reuse_and_grown_roles(be):
     d1 = tuple(wg.asarray(x) for x in h1)
     _grads(d1)
     _grads(d1)
-    run = be._run()
+    run = be.runner()
     tpl_count = sum(len(t._bound) for t in run.templates._d.values())
     del d1
     gc.collect()
@@ -107,7 +107,7 @@ def test_stats_in_place_bitwise_and_caller_rows_unchanged(be):
     rng = np.random.default_rng(9)
     host = make_qkv(rng, B, HQ, HKV, S, S, D)
     q, k, v, g = (wg.asarray(x) for x in host)
-    run = be._run()
+    run = be.runner()
     out, st = forward_with_stats(q, k, v)
     mx0, ln0 = st.max.numpy().copy(), st.log_norm.numpy().copy()
     gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
@@ -152,7 +152,7 @@ def test_f16_results_from_the_epilogue_bitwise_the_cast(be, D_):
     rng = np.random.default_rng(11)
     host = make_qkv(rng, 1, 4, 2, 70, 70, D_, dtype="float16")
     dev = tuple(wg.asarray(x) for x in host)
-    run = be._run()
+    run = be.runner()
     got = _grads(dev, mask=aa.Causal())
     launches = [l[4] for l in list(run.templates._d.values())[-1].launches]
     if D_ % 4 == 0:
@@ -183,7 +183,7 @@ def test_timestamps_recorded_or_refused(be):
     'timestamp-query'; without it the constructor refuses with the reason."""
     from anyattn.backends.webgpu import timestamps as T
 
-    run = be._run()
+    run = be.runner()
     if T.FEATURE not in run.ctx.features:
         with pytest.raises(NotImplementedError, match="timestamp-query"):
             T.Timestamps(run, 4)
@@ -221,7 +221,7 @@ def test_bound_sets_keep_no_buffer_alive(be):
                    wg.from_buffer(arena.buffer, st.max.shape, "float32", offset=n))
     for _ in range(2):                                   # a miss, then a bound-set hit
         aa.attention_backward(*dev, out=out, lse=own)
-    tpl = list(be._run().templates._d.values())[-1]
+    tpl = list(be.runner().templates._d.values())[-1]
     assert len(tpl.copies_before) == 2 and tpl.stats["bound_hits"] >= 1
     ref = weakref.ref(arena.buffer)
     del arena, own

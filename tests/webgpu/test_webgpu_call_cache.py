@@ -62,7 +62,7 @@ def _call(dev, **kw):
 
 
 def _uncached(be, dev, **kw):
-    be._run().clear_caches()
+    be.runner().clear_caches()
     return _call(dev, **kw)[1]
 
 
@@ -71,7 +71,7 @@ def test_repeat_hits_and_matches_uncached(be, data):
     group (a new forward's out costs the delta launch one); results have the bits of
     the uncached path."""
     host, dev = data
-    run = be._run()
+    run = be.runner()
     first = _call(dev, mask=aa.Causal())[1]
     q, k, v, g = dev
     out, st = forward_with_stats(q, k, v, mask=aa.Causal())
@@ -216,7 +216,7 @@ def test_fresh_dropout_seed_hits_the_template(be, data):
     step's results stay as they were, and the runner's shared (content-keyed) uniform
     blocks keep their seed (a host-array call with seed 1 after the others)."""
     host, dev = data
-    run = be._run()
+    run = be.runner()
     kw = dict(mask=aa.Causal(), dropout_p=0.3)
     ref = {s: _uncached(be, dev, dropout_seed=s, **kw) for s in (1, 2, 2**64 - 3)}
     first = _call(dev, dropout_seed=1, **kw)
@@ -237,7 +237,7 @@ def test_fresh_dropout_seed_hits_the_template(be, data):
 def test_caches_bounded(be, data, monkeypatch):
     """Past the bounds the oldest entries go; results stay those of the uncached path."""
     _, dev = data
-    run = be._run()
+    run = be.runner()
     for name, n in (("MAX_PACKED", 6), ("MAX_UNIFORMS", 6), ("MAX_GROUPS", 4)):
         monkeypatch.setattr(run, name, n)
     run.clear_caches()
@@ -250,7 +250,7 @@ def test_caches_bounded(be, data, monkeypatch):
 
 def test_uniform_key_tells_signed_zero_apart(be):
     """0.0 and -0.0 pack to different bits: the content cache keeps them apart."""
-    run = be._run()
+    run = be.runner()
     a = run.uniform("t", {"softcap": 0.0})
     b = run.uniform("t", {"softcap": -0.0})
     assert a is not b
@@ -268,7 +268,7 @@ def test_cache_keeps_no_caller_buffer_alive(be, data):
 
     _, dev = data
     q, k, v, g = dev
-    run = be._run()
+    run = be.runner()
     out, st = forward_with_stats(q, k, v)
     mine = wg.asarray(out.numpy())
     gr = aa.attention_backward(q, k, v, g, out=mine, lse=st)
@@ -291,7 +291,7 @@ def test_result_buffer_reused_only_when_no_array_holds_it(be, data):
 
     host, dev = data
     q, k, v, g = dev
-    run = be._run()
+    run = be.runner()
     out, st = forward_with_stats(q, k, v)
     gr = aa.attention_backward(q, k, v, g, out=out, lse=st)
     ref = {n: getattr(gr, n).numpy() for n in ("dq", "dk", "dv")}

@@ -289,7 +289,7 @@ def test_same_seed_same_bits_across_calls_splits_and_chunks(be):
               q_offset=3, k_offset=1, softcap=2.0, sinks=sinks, backend="webgpu")
     wrt = ("q", "k", "v", "bias", "sinks")
     names = ("dq", "dk", "dv", "dbias", "dsinks")
-    run = be._run()
+    run = be.runner()
     saved = run.max_binding
     fwd_pieces = []
 
@@ -355,9 +355,9 @@ def test_dropout_poisoned_scratch(be):
     wrt = ("q", "k", "v", "bias")
     o1 = aa.attention(q, k, v, **kw)
     a = aa.attention_backward(q, k, v, g, wrt=wrt, **kw)
-    be._run().poison()
+    be.runner().poison()
     np.testing.assert_array_equal(o1, aa.attention(q, k, v, **kw))
-    be._run().poison()
+    be.runner().poison()
     b = aa.attention_backward(q, k, v, g, wrt=wrt, **kw)
     for n in ("dq", "dk", "dv", "dbias"):
         np.testing.assert_array_equal(getattr(a, n), getattr(b, n))
@@ -400,7 +400,7 @@ def test_engine_refuses_positions_past_u32(be):
     from anyattn.backends.webgpu.launch import choose_config
     from anyattn.backends.webgpu.engine import Call
 
-    call = Call(be._run(), choose_config(be.context, 8), 2, 1, 1, 4, 4, 8)
+    call = Call(be.runner(), choose_config(be.context, 8), 2, 1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match=r"^batch: positions"):
         call.set_dropout(0.5, 1, 0, 0, b0=2**32 - 1)
     with pytest.raises(ValueError, match=r"^k_offset: positions"):
@@ -480,6 +480,6 @@ def test_workgroup_memory_counts_the_dropout_words(be):
     limit = be.context.limits.get("max-compute-workgroup-storage-size", 16384)
     if big.smem_bytes("forward", dropout=True) <= limit:
         pytest.skip(f"{big} fits {be.context.name} with dropout")
-    call = Call(be._run(), big, 1, 1, 1, 8, 8, 16)
+    call = Call(be.runner(), big, 1, 1, 1, 8, 8, 16)
     with pytest.raises(NotImplementedError, match=r"with dropout needs \d+ bytes"):
         call.set_dropout(0.5, 1, 0, 0)

@@ -63,13 +63,13 @@ def test_chunked_bitwise_unchunked(be, monkeypatch):
     one = grads(be, q, k, v, g, dsq, mask=mask)
     assert_same(ref, one)
     row = dsq_bytes(2, 37, 70, dsq.BK)
-    run = be._run()
+    run = be.runner()
     for rows, n_chunks in ((1, 4), (3, 2)):
         run.release(DSQ_ROLE)
         monkeypatch.setattr(launch, "DSQ_MAX_BYTES", rows * row)
         got = grads(be, q, k, v, g, dsq, mask=mask)
         assert_same(one, got)
-        assert run._bufs[DSQ_ROLE].size <= rows * row
+        assert run.role_buffers[DSQ_ROLE].size <= rows * row
         call = backward_call(be, q, k, v, g, dsq, mask)
         seq = [lch.kernel for lch in call.launches if lch.kernel in ("bwd_dkdv", "bwd_dq")]
         assert seq == ["bwd_dkdv", "bwd_dq"] * n_chunks
@@ -138,20 +138,20 @@ def test_abi_plans_share_one_scratch(be, monkeypatch):
     larger problem grows it (the old buffer destroyed) and the first plan, submitted
     again from the cache, re-binds the new buffer: the same bits, one re-encode."""
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
-    run = be._run()
+    run = be.runner()
     run.release(DSQ_ROLE)
     small = _abi_group(be, 81, 1, 2, 24, 16)
     first = _abi_run(be, *small)
     key = next(k for k, v in abi_bridge._PLANS.items() if v[0] is small[0])
     plan = abi_bridge._PLANS[key][1]
-    old = run._bufs[DSQ_ROLE]
+    old = run.role_buffers[DSQ_ROLE]
     assert plan.roles[DSQ_ROLE][1] is old
     _abi_run(be, *_abi_group(be, 82, 1, 2, 80, 16))       # grows the shared scratch
-    assert run._bufs[DSQ_ROLE] is not old and run._bufs[DSQ_ROLE].size > old.size
-    assert [r for r in run._bufs if r.endswith("dsq")] == [DSQ_ROLE]
+    assert run.role_buffers[DSQ_ROLE] is not old and run.role_buffers[DSQ_ROLE].size > old.size
+    assert [r for r in run.role_buffers if r.endswith("dsq")] == [DSQ_ROLE]
     assert abi_bridge._PLANS[key][1] is plan and plan.rebinds == 0
     again = _abi_run(be, *small)                           # the cached plan, re-bound
-    assert plan.rebinds == 1 and plan.roles[DSQ_ROLE][1] is run._bufs[DSQ_ROLE]
+    assert plan.rebinds == 1 and plan.roles[DSQ_ROLE][1] is run.role_buffers[DSQ_ROLE]
     for x, y in zip(first, again):
         np.testing.assert_array_equal(x, y)
     _abi_run(be, *small)                                   # no further re-encode
@@ -163,7 +163,7 @@ def test_templates_rebind_a_grown_scratch(be, monkeypatch):
     a larger call grew it, a repeat binds the new buffer (a new bound set): the same bits."""
     wg = pytest.importorskip("anyattn.webgpu")
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
-    run = be._run()
+    run = be.runner()
     run.release(DSQ_ROLE)
 
     def call(S, seed):
@@ -174,9 +174,9 @@ def test_templates_rebind_a_grown_scratch(be, monkeypatch):
         return [gr.dq.numpy(), gr.dk.numpy(), gr.dv.numpy()], dev
 
     first, dev = call(24, 91)
-    old = run._bufs[DSQ_ROLE]
+    old = run.role_buffers[DSQ_ROLE]
     call(80, 92)
-    assert run._bufs[DSQ_ROLE] is not old
+    assert run.role_buffers[DSQ_ROLE] is not old
     misses = run.cache_stats["bound_misses"]
     q, k, v, g = dev
     out, st = forward_with_stats(q, k, v, mask=aa.Causal())
@@ -212,7 +212,7 @@ def test_dbias_uses_the_shared_scratch(be, monkeypatch):
     dS never written) clears what it needs and gives the bits of a fresh scratch (host
     arrays and device arrays)."""
     wg = pytest.importorskip("anyattn.webgpu")
-    run = be._run()
+    run = be.runner()
     run.release(DSQ_ROLE)
     r = np.random.default_rng(93)
     q, k, v, g = make_qkv(r, 1, 2, 1, 70, 150, 24)
@@ -229,17 +229,17 @@ def test_dbias_uses_the_shared_scratch(be, monkeypatch):
 
     fresh = grads(be, q, k, v, g, None, mask, bias, wrt), device_call()
     need = 4 * 2 * 70 * 150
-    assert need <= run._bufs[DSQ_ROLE].size < 4 * 2 * 160 * 160
+    assert need <= run.role_buffers[DSQ_ROLE].size < 4 * 2 * 160 * 160
     monkeypatch.setenv(ENV_VARIANT, "portable-dsq")
     grads(be, *make_qkv(np.random.default_rng(94), 1, 2, 1, 160, 160, 16), None, aa.Causal())
     monkeypatch.delenv(ENV_VARIANT)
-    big = run._bufs[DSQ_ROLE]
+    big = run.role_buffers[DSQ_ROLE]
     assert big.size >= 4 * 2 * 160 * 160
     run.poison()
     again_dev = device_call()
     run.poison()
     again = grads(be, q, k, v, g, None, mask, bias, wrt), again_dev
-    assert run._bufs[DSQ_ROLE] is big
-    assert not {"ds", "dev_ds"} & set(run._bufs)
+    assert run.role_buffers[DSQ_ROLE] is big
+    assert not {"ds", "dev_ds"} & set(run.role_buffers)
     for a, b in zip(fresh, again):
         assert_same(a, b)

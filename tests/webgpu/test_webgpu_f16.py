@@ -102,7 +102,7 @@ def test_f16_out_read_by_delta_where_it_lies(be16):
                             strides=(S * H * D, D, H * D, 1)))
     for o in views:
         gr = aa.attention_backward(dq_, dk_, dv_, dg_, out=o, lse=st, mask=aa.Causal())
-        tpl = list(be16._run().templates._d.values())[-1]
+        tpl = list(be16.runner().templates._d.values())[-1]
         # no gather before delta; f16 dk and dv written by the dK/dV pass into one buffer
         # and the f16 dq by the dQ pass (OUTB16: no cast launches, session 7)
         assert [l[4] for l in tpl.launches] == ["delta", "bwd_dkdv", "bwd_dq"]

@@ -74,7 +74,7 @@ def test_broadcast_bias_is_not_materialised(be):
     q, k, v, g = make_qkv(rng, 2, 2, 1, 64, 256, 8)
     row = rng.standard_normal((1, 1, 1, 256)).astype(np.float32)
     bias = np.broadcast_to(row, (2, 2, 64, 256))      # 256 KiB if materialised
-    run = be._run()
+    run = be.runner()
     saved = run.max_binding
     run.max_binding = 64 * 1024
     try:
@@ -91,7 +91,7 @@ def test_broadcast_bias_is_not_materialised(be):
 def test_oversized_bias_is_refused_before_any_copy(be):
     """A bias that cannot fit the binding limit (128 MiB on lavapipe) even compacted is
     refused from its shape: no host copy (the view below would copy to 256 MiB)."""
-    run = be._run()
+    run = be.runner()
     lim = min(run.max_binding, run.max_buffer)
     n = int(np.sqrt(lim // 4)) * 2                     # n*n*4 = 4 * lim bytes
     rng = np.random.default_rng(2)

@@ -99,7 +99,7 @@ def test_real_llvmpipe_limit_splits_and_is_right(be):
 
 
 def test_buffer_too_large_raises_before_work(be, monkeypatch):
-    run = be._run()
+    run = be.runner()
     monkeypatch.setattr(run, "max_binding", 1024)
     q, k, v, _ = make_qkv(np.random.default_rng(4), 1, 2, 2, 64, 64, 16)
     with pytest.raises(ValueError, match="max storage binding"):
@@ -120,7 +120,7 @@ def test_batches_split_at_the_binding_limit(be, monkeypatch):
     wrt = ("q", "k", "v", "bias")
     o1 = aa.attention(q, k, v, backend="webgpu", **kw)
     g1 = aa.attention_backward(q, k, v, g, wrt=wrt, backend="webgpu", **kw)
-    monkeypatch.setattr(be._run(), "max_binding", 2 * 4 * 6 * Hq * Sq + 4 * Hq * Sq * Sk)
+    monkeypatch.setattr(be.runner(), "max_binding", 2 * 4 * 6 * Hq * Sq + 4 * Hq * Sq * Sk)
     o2 = aa.attention(q, k, v, backend="webgpu", **kw)
     assert be.last_pieces.get("batch_chunks", 1) > 1
     g2 = aa.attention_backward(q, k, v, g, wrt=wrt, backend="webgpu", **kw)
@@ -133,7 +133,7 @@ def test_batches_split_at_the_binding_limit(be, monkeypatch):
 
 
 def test_dispatch_limit(be, monkeypatch):
-    run = be._run()
+    run = be.runner()
     monkeypatch.setattr(run, "max_groups", 2)
     q, k, v, _ = make_qkv(np.random.default_rng(5), 1, 3, 3, 100, 10, 8)
     with pytest.raises(ValueError, match="workgroups along x"):
@@ -142,7 +142,7 @@ def test_dispatch_limit(be, monkeypatch):
 
 def test_bh_grid_is_chunked(be, monkeypatch):
     """More batch*heads than workgroups per dimension: launches are chunked (bh0)."""
-    run = be._run()
+    run = be.runner()
     q, k, v, g = make_qkv(np.random.default_rng(6), 2, 3, 3, 9, 10, 8)
     ref = aa.attention(q, k, v, backend="webgpu")
     monkeypatch.setattr(run, "max_groups", 4)
@@ -152,7 +152,7 @@ def test_bh_grid_is_chunked(be, monkeypatch):
 
 def test_compile_failure_names_the_kernel(be):
     with pytest.raises(KernelError, match="scatter"):
-        be._run().pipes.get("scatter", "tile", {})    # bindings of another layout
+        be.runner().pipes.get("scatter", "tile", {})    # bindings of another layout
 
 
 def test_f16_refused_without_the_feature(be, monkeypatch):

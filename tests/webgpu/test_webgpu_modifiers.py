@@ -284,7 +284,7 @@ def test_batch_chunks_slice_per_batch_slopes(be):
     q, k, v, g = make_qkv(r, B, Hq, Hkv, Sq, Sk, D)
     mods = _mods(r, ["alibi_b", "sinks", "softcap"], B, Hq)
     mods["alibi_slopes"][1] *= 4                  # batches differ clearly
-    run = be._run()
+    run = be.runner()
     saved = run.max_binding
     run.max_binding = 4 * 2 * Hkv * Sk * D + 16   # one batch's dk/dv buffer fits, not two
     try:
@@ -318,9 +318,9 @@ def test_poisoned_scratch_with_modifiers(be):
     wrt = ("q", "k", "v", "bias", "sinks")
     o1 = aa.attention(q, k, v, **kw)
     a = aa.attention_backward(q, k, v, g, wrt=wrt, **kw)
-    be._run().poison()
+    be.runner().poison()
     np.testing.assert_array_equal(o1, aa.attention(q, k, v, **kw))
-    be._run().poison()
+    be.runner().poison()
     b = aa.attention_backward(q, k, v, g, wrt=wrt, **kw)
     for n in ("dq", "dk", "dv", "dbias", "dsinks"):
         np.testing.assert_array_equal(getattr(a, n), getattr(b, n))

@@ -179,10 +179,10 @@ def test_poisoned_scratch(be):
     kw = dict(mask=aa.Causal("bottom_right"), bias=bias)
     base = aa.attention_backward(q, k, v, g, wrt=("q", "k", "v", "bias"), backend="webgpu", **kw)
     o1 = aa.attention(q, k, v, backend="webgpu", **kw)
-    be._run().poison()
+    be.runner().poison()
     o2 = aa.attention(q, k, v, backend="webgpu", **kw)
     np.testing.assert_array_equal(o1, o2)
-    be._run().poison()
+    be.runner().poison()
     again = aa.attention_backward(q, k, v, g, wrt=("q", "k", "v", "bias"), backend="webgpu", **kw)
     for n in ("dq", "dk", "dv", "dbias"):
         np.testing.assert_array_equal(getattr(base, n), getattr(again, n))

@@ -10,9 +10,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
+from ..arrays import array_kind
 from ..modifiers import ScoreMods
 from ..problem import Problem
-from ..rowstats import RowStats
+from ..rowstats import RowStats, needs_refine, refine
 
 __all__ = ["Capabilities", "Backend", "BackendUnavailable", "Probe"]
 
@@ -144,6 +145,64 @@ class Backend(ABC):
         query group); dbias in ``p.bias_shape`` (summed over broadcast dims); dsinks
         [Hq] in the sinks' dtype.  With sinks, ``stats`` include the sink.
         """
+
+    # -- results without kernels: empty problems, a given lse ----------------------
+    # The public API (anyattn.api) asks the chosen backend for these instead of building
+    # arrays itself: only the backend knows its array kinds.  The defaults serve NumPy
+    # arrays and torch tensors; a backend with arrays of its own overrides them (webgpu).
+    def zeros_like(self, x):
+        """A new zero array like ``x``: same array kind, device, shape and dtype (the
+        output and gradients of an empty problem)."""
+        kind = array_kind(x)
+        if kind == "torch":
+            import torch
+
+            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if kind == "numpy":
+            import numpy as np
+
+            return np.zeros(x.shape, dtype=x.dtype)
+        raise NotImplementedError(f"backend {self.name!r}: zeros_like of {kind} arrays is "
+                                  "not implemented; a backend taking them overrides it")
+
+    def empty_stats(self, p: Problem, q, mods: ScoreMods) -> RowStats:
+        """Statistics of rows that keep no key (``p.is_empty``), [B, Hq, Sq] in q's array
+        kind and on its device, float32 (float64 for float64 inputs): max = -inf (the
+        row's sink with ``mods.sinks``), log_norm = 0."""
+        kind = array_kind(q)
+        shape = (p.batch, p.heads_q, p.seq_q)
+        if kind == "torch":
+            import torch
+
+            dt = torch.float64 if p.dtype == "float64" else torch.float32
+            mx = torch.full(shape, float("-inf"), dtype=dt, device=q.device)
+            if mods.sinks is not None:
+                mx = mods.sinks.to(dt).reshape(1, -1, 1).expand(shape).clone()
+            return RowStats(mx, torch.zeros(shape, dtype=dt, device=q.device))
+        if kind == "numpy":
+            import numpy as np
+
+            dt = np.float64 if p.dtype == "float64" else np.float32
+            mx = np.full(shape, -np.inf, dtype=dt)
+            if mods.sinks is not None:
+                mx[...] = mods.sinks.astype(dt).reshape(1, -1, 1)
+            return RowStats(mx, np.zeros(shape, dtype=dt))
+        raise NotImplementedError(f"backend {self.name!r}: empty_stats of {kind} arrays is "
+                                  "not implemented; a backend taking them overrides it")
+
+    def stats_from_lse(self, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowStats:
+        """Statistics for a plain lse [B, Hq, Sq] given to the backward (the arguments
+        are the backward's, as :meth:`forward` takes them).
+
+        The lse keeps its literal meaning ``P = exp(s - lse)``
+        (:meth:`RowStats.from_lse`); one whose finite entries reach
+        :data:`anyattn.rowstats.REFINE_ABOVE` in magnitude is refined against
+        statistics recomputed by one :meth:`forward` (:func:`anyattn.rowstats.refine`).
+        The default reads that magnitude on the host (NumPy arrays, torch tensors: one
+        flag read back from a GPU)."""
+        if needs_refine(lse):
+            return refine(lse, self.forward(p, q, k, v, bias, mods)[1])
+        return RowStats.from_lse(lse)
 
     def backward_arena(self, arena, params) -> None:  # pragma: no cover - optional
         """Seed-ABI entry on this backend's own arena type (see anyattn.abi)."""

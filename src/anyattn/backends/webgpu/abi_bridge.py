@@ -56,7 +56,7 @@ def run_arena(be, buffer, params) -> None:
     anyattn.abi: distinct ``wrt``, disjoint outputs) as one plan: the forward statistics
     and delta once, one dK/dV pass for both dK and dV, one dQ pass."""
     group = tuple(params) if isinstance(params, (tuple, list)) else (params,)
-    run = be._run()
+    run = be.runner()
     _check_buffer(run, buffer)
     key = (id(buffer), buffer.size, group, be.loop_limit_override, be.config_override)
     hit = _PLANS.get(key)
@@ -82,7 +82,7 @@ def _out_operand(buffer, p) -> Operand:
 
 def _build(be, run, buffer, group, prefix):
     """One plan for ``group`` (Params sharing every input field; ``wrt`` distinct)."""
-    from ...abi import bits_f32
+    from ...abi.params import bits_f32
     p = group[0]
     B, H, SQ, SK, D = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim
     kind = p.mask_kind
@@ -90,7 +90,7 @@ def _build(be, run, buffer, group, prefix):
     todo = [g for g in group if B * H * rows[g.wrt] * D]      # outputs with elements
     if not todo:
         return _Noop(), {}
-    call = be._call((B, H, H, SQ, SK), D, "f32", uprefix=prefix + "u")
+    call = be.new_call((B, H, H, SQ, SK), D, "f32", uprefix=prefix + "u")
     if SQ == 0 or SK == 0:          # nothing attends: the seed's gradient is zero
         numel = max(B * H * rows[g.wrt] * D for g in todo)
         zeros = run.upload(prefix + "zero", np.zeros(numel, np.float32))

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ...arrays import array_kind
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -36,7 +37,6 @@ from ...rowstats import RowStats
 __all__ = ["WebGPUBackend"]
 
 _NP = {"float32": np.float32, "float16": np.float16}
-_ELEM = {"float32": "f32", "float16": "f16"}
 
 
 _CAPS = Capabilities(
@@ -64,7 +64,8 @@ class WebGPUBackend(Backend):
 
     def __init__(self):
         self._runner = None
-        self._lock = threading.Lock()
+        #: serialises work on the runner (its buffers, uniforms and queue)
+        self.lock = threading.Lock()
         #: for tests: override the per-invocation loop budget (None: the adapter's)
         self.loop_limit_override: Optional[int] = None
         #: for tests: compile kernels that record their loop trips into the dS buffer
@@ -107,18 +108,29 @@ class WebGPUBackend(Backend):
                 why.append(f"bias dtype {p.bias_dtype} is not supported")
         return why
 
-    def _run(self):
+    def runner(self):
+        """The backend's launch.Runner (buffers, uniforms, dispatch), made on first use.
+        Hold ``self.lock`` while building or submitting work on it."""
         from .launch import Runner
 
         if self._runner is None:
             self._runner = Runner(self.context)
         return self._runner
 
-    def _call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False):
+    def claim_buffer(self, buffer) -> None:
+        """``buffer`` (one anyattn returned results in, or any other) is the caller's for
+        good: the result pool never hands it out again (nothing to do before the first
+        call has made a runner)."""
+        if self._runner is not None:
+            self._runner.results.claim(buffer)
+
+    def new_call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False):
+        """A fresh engine.Call for sizes (B, HQ, HKV, SQ, SK), head dim ``D`` and kernel
+        element type ``elem``, with this adapter's tile config (or ``config_override``)."""
         from .engine import Call
         from .launch import choose_config
 
-        run = self._run()
+        run = self.runner()
         B, HQ, HKV, SQ, SK = p_sizes
         # rows: the variant table's grid fill (wide only where its dQ grid fills the GPU)
         # and the *-dsq variants' dS scratch (only where one chunk of it fits)
@@ -136,13 +148,13 @@ class WebGPUBackend(Backend):
     def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS, b0=0):
         """Uploads, masks, score modifiers and dropout of one call; a backward config
         when ``dout`` is given.  ``b0``: the global index of batch 0 (batch chunks)."""
-        from .engine import upload_view
+        from .engine import ELEMENT_TYPES, upload_view
 
         if p.dtype not in _NP:
             raise NotImplementedError(f"webgpu: dtype {p.dtype} is not supported")
         npdt = _NP[p.dtype]
-        call = self._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
-                          _ELEM[p.dtype], uprefix, backward=dout is not None,
+        call = self.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
+                          ELEMENT_TYPES[p.dtype], uprefix, backward=dout is not None,
                           dropout=p.has_dropout)
         run = call.run
         call.set_scale(p.scale)
@@ -170,10 +182,10 @@ class WebGPUBackend(Backend):
         launches: the host then reads half the bytes and converts nothing (NumPy's
         float32 <-> float16 casts run at ~6-8 ns per element, which made the f16 host
         path slower than fp32)."""
-        from .resident import _ew, _nbytes, _result
+        from .elementwise import buffer_bytes, ew, result_array
 
-        dst = call.run.buffer(role, _nbytes(count, np.float16))
-        _ew(call, _result(src, (count,), np.float32, src_off), dst, 0, dst16=True)
+        dst = call.run.buffer(role, buffer_bytes(count, np.float16))
+        ew(call, result_array(src, (count,), np.float32, src_off), dst, 0, dst16=True)
         return dst
 
     @staticmethod
@@ -220,7 +232,7 @@ class WebGPUBackend(Backend):
         return call, read
 
     # ------------------------------------------------- batch chunks (binding limit)
-    def _batch_chunks(self, p: Problem, backward: bool, bias=None):
+    def batch_chunks(self, p: Problem, backward: bool, bias=None):
         """Batch ranges whose buffers all fit the adapter's storage-binding limit.
 
         Checked from shapes alone, before anything is copied or uploaded: the bias
@@ -228,7 +240,7 @@ class WebGPUBackend(Backend):
         set_bias uploads), and a bias shared by every batch must fit whole."""
         from .engine import STATS_ROWS, compact_broadcast
 
-        run = self._run()
+        run = self.runner()
         lim = min(run.max_binding, run.max_buffer)
         it = np.dtype(_NP.get(p.dtype, np.float32)).itemsize
         Hq, Hk, Sq, Sk, D = p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -292,7 +304,7 @@ class WebGPUBackend(Backend):
             from . import resident
 
             return resident.forward(self, p, q, k, v, bias, mods)
-        chunks = self._batch_chunks(p, backward=False, bias=bias)
+        chunks = self.batch_chunks(p, backward=False, bias=bias)
         if len(chunks) > 1:
             parts = []
             for b0, b1 in chunks:
@@ -306,7 +318,7 @@ class WebGPUBackend(Backend):
         return self._forward_one(p, q, k, v, bias, mods)
 
     def _forward_one(self, p: Problem, q, k, v, bias, mods=NO_MODS, b0=0):
-        with self._lock:
+        with self.lock:
             call, read = self._build_forward(p, q, k, v, bias, mods=mods, b0=b0)
             call.submit()
             self.last_pieces = dict(call.pieces)
@@ -320,7 +332,8 @@ class WebGPUBackend(Backend):
         already on the device (benchmarks), else out and the RowStats ``stats`` are
         uploaded."""
         from .engine import Operand
-        from .launch import DSQ_ROLE, Clear
+        from .clears import Clear
+        from .launch import DSQ_ROLE
 
         B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                  p.head_dim)
@@ -407,7 +420,7 @@ class WebGPUBackend(Backend):
                          mods: ScoreMods) -> Dict[str, object]:
         if not ({"q", "k", "v", "bias"} & set(p.wrt)):      # dsinks alone: no kernel
             return {"dq": None, "dk": None, "dv": None, "dbias": None}
-        chunks = self._batch_chunks(p, backward=True, bias=bias)
+        chunks = self.batch_chunks(p, backward=True, bias=bias)
         if len(chunks) == 1:
             return self._backward_one(p, q, k, v, dout, out, stats, bias, mods)
         parts = []
@@ -432,19 +445,48 @@ class WebGPUBackend(Backend):
         return res
 
     def _backward_one(self, p: Problem, q, k, v, dout, out, stats, bias, mods=NO_MODS, b0=0):
-        with self._lock:
+        with self.lock:
             call, read = self._build_backward(p, q, k, v, dout, out, stats, bias, mods=mods,
                                               b0=b0)
             call.submit()
             self.last_pieces = dict(call.pieces)
             return read()
 
+    # ------------------------------------------- device arrays: no kernel of their own
     def stats_from_lse(self, p: Problem, q, k, v, bias, mods, lse) -> RowStats:
-        """Device arrays: the statistics of a plain lse device array (always refined on
-        the device against recomputed ones: its magnitude cannot be read on the host)."""
+        """A plain lse device array: always refined on the device against recomputed
+        statistics (its magnitude cannot be read on the host); a NumPy lse as on every
+        backend (Backend.stats_from_lse)."""
+        if array_kind(lse) != "webgpu":
+            return super().stats_from_lse(p, q, k, v, bias, mods, lse)
         from . import resident
 
         return resident.stats_from_lse(self, p, q, k, v, bias, mods, lse)
+
+    def zeros_like(self, x):
+        """A new zero device array for a device array ``x`` (WebGPU zero-initialises
+        buffers: no transfer); a NumPy array for a NumPy ``x``."""
+        if array_kind(x) != "webgpu":
+            return super().zeros_like(x)
+        from . import resident
+
+        return resident.zeros(x.shape, x.dtype)
+
+    def empty_stats(self, p: Problem, q, mods: ScoreMods) -> RowStats:
+        """Statistics of rows that keep no key, as device arrays for device-array inputs
+        (written on the device); NumPy arrays for NumPy inputs."""
+        if array_kind(q) != "webgpu":
+            return super().empty_stats(p, q, mods)
+        from . import resident
+
+        return resident.empty_stats(p, mods.sinks)
+
+    def add_arrays(self, a, b):
+        """a + b for float32 device arrays of one shape on anyattn's device (the
+        ``+`` of DeviceArray, which RowStats.lse uses)."""
+        from . import resident
+
+        return resident.add_arrays(a, b)
 
     # -------------------------------------------------------------- benchmarks
     def plan(self, p: Problem, q, k, v, dout=None, bias=None, mods=NO_MODS):
@@ -452,7 +494,7 @@ class WebGPUBackend(Backend):
         -> (fwd_plan, bwd_plan, read_fwd, read_bwd); ``plan.submit(n)`` re-runs one
         without any host transfer (the backward reads the forward's out and row
         statistics)."""
-        with self._lock:
+        with self.lock:
             call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu", mods=mods)
             fwd = call.freeze()
             run = call.run
@@ -477,5 +519,5 @@ class WebGPUBackend(Backend):
         """
         from .abi_bridge import run_arena
 
-        with self._lock:
+        with self.lock:
             run_arena(self, buffer, params)

@@ -26,14 +26,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import launch as _launch
-from .launch import (DSQ_ROLE, Clear, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
-                     clear_map, dsq_bytes, dsq_chunks, dsq_limit, split_range)
+from .clears import Clear, clear_map
+from .launch import (DSQ_ROLE, Launch, LoopLimitError, Runner, TileConfig, ceil_div,
+                     dsq_bytes, dsq_chunks, dsq_limit, split_range)
 from .uniforms import FLAGS
 
-__all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "STATS_ROWS",
-           "LOG_NORM_ROW", "f32_scalar"]
+__all__ = ["Operand", "Call", "upload_view", "compact_broadcast", "NEG_INF", "ELEMENT_TYPES",
+           "STATS_ROWS", "LOG_NORM_ROW", "f32_scalar"]
 
 NEG_INF = float("-inf")
+#: a problem's dtype -> the element type of the kernels that run it
+ELEMENT_TYPES = {"float32": "f32", "float16": "f16"}
 #: f32 values per softmax row in the ``stats`` scratch buffer (see the module doc)
 STATS_ROWS = 7
 #: the log-normaliser's block of ``stats``: [LOG_NORM_ROW * n, (LOG_NORM_ROW + 1) * n)
@@ -182,7 +185,7 @@ class Call:
         from ...arrays import to_numpy
 
         F = FLAGS
-        put = self._aux_put
+        put = self.aux_put
         n_parts = len(self._aux_parts)
         lo_clip = -(self.SQ + 2)
         hi_clip = self.SK + 2
@@ -221,9 +224,9 @@ class Call:
             self.uni.update(tm_off=put(tm.astype(np.uint32)), tm_sb=(Hm * nq * nk) if Bm > 1 else 0,
                             tm_sh=(nq * nk) if Hm > 1 else 0)
         if len(self._aux_parts) > n_parts:
-            self._aux_upload()
+            self.aux_upload()
 
-    def _aux_put(self, a: np.ndarray) -> int:
+    def aux_put(self, a: np.ndarray) -> int:
         """Append 4-byte words to the aux buffer's contents -> their u32 offset."""
         a = np.ascontiguousarray(a).reshape(-1).view(np.uint32)
         self._aux_parts.append(a)
@@ -231,7 +234,7 @@ class Call:
         self._aux_pos += a.size
         return off
 
-    def _aux_upload(self) -> None:
+    def aux_upload(self) -> None:
         data = np.concatenate(self._aux_parts)
         if self.aux_role is not None:
             self.aux_buf = self.run.upload(self.aux_role, data)
@@ -260,7 +263,7 @@ class Call:
                 raise ValueError(f"q_offset/k_offset: the ALiBi distance |i - j + {alibi_diag}| "
                                  "passes the i32 range of the webgpu kernels; bring the "
                                  "offsets closer together")
-            self.uni.update(al_off=self._aux_put(sl.astype(np.float32)),
+            self.uni.update(al_off=self.aux_put(sl.astype(np.float32)),
                             al_sb=self.HQ if sl.shape[0] > 1 else 0,
                             alibi_diag=int(alibi_diag))
             self.mod_consts["ALIBI"] = 1
@@ -268,10 +271,10 @@ class Call:
             t = np.asarray(sinks).astype(np.float32).reshape(-1)
             if t.size != self.HQ:
                 raise ValueError(f"sinks: {t.size} values, expected [{self.HQ}]")
-            self.uni["snk_off"] = self._aux_put(t)
+            self.uni["snk_off"] = self.aux_put(t)
             self.mod_consts["SINKS"] = 1
         if alibi_slopes is not None or sinks is not None:
-            self._aux_upload()
+            self.aux_upload()
 
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:
@@ -318,7 +321,7 @@ class Call:
         self.uni.update(bi_off=0, bi_sb=sb, bi_sh=sh, bi_si=si, bi_sj=sj)
 
     # ---------------------------------------------------------------- launches
-    def _u(self, extra: Dict[str, object]):
+    def uniform_buffer(self, extra: Dict[str, object]):
         vals = dict(self.uni)
         vals.update(extra)
         buf = self.run.uniform(f"{self.uprefix}{self._n_uni}", vals)
@@ -370,7 +373,7 @@ class Call:
                 if ml:
                     vals["ml_rd"] = 2 * self.n + 2 * self.n * ((idx + 1) % 2)
                     vals["ml_wr"] = 2 * self.n + 2 * self.n * (idx % 2)
-                ubuf = self._u(vals)
+                ubuf = self.uniform_buffer(vals)
                 if "DROPOUT" in self.mod_consts:
                     self.seeded[id(ubuf)] = dict(self.uni, **vals)
                 self.launches.append(Launch(kernel, pipe, "tile",
@@ -396,7 +399,7 @@ class Call:
             consts["OUT16"] = 1
         pipe = self.run.pipeline("delta", "delta", consts, self.elem)
         vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)
-        ubuf = self._u(vals)
+        ubuf = self.uniform_buffer(vals)
         self.launches.append(Launch("delta", pipe, "delta",
                                     [ubuf, self.g.buf, out_op.buf, stats,
                                      vmean if vmean is not None else self.run.dummy],
@@ -516,7 +519,7 @@ class Call:
                         red_b=red[0], red_h=red[1], red_i=red[2], red_j=red[3],
                         db_nb=bias_shape[0], db_nh=bias_shape[1], db_ni=bias_shape[2],
                         db_nj=bias_shape[3])
-            ubuf = self._u(vals)
+            ubuf = self.uniform_buffer(vals)
             self.launches.append(Launch("reduce_dbias", pipe, "reduce", [ubuf, dsb, outb],
                                         self.run.flat_grid(numel)))
         return numel
@@ -527,7 +530,7 @@ class Call:
         pipe = self.run.pipeline("vmean", "vmean", {}, self.elem)
         for idx, (t0, t1) in enumerate(pieces):
             fl = (FLAGS["FIRST"] if idx == 0 else 0) | (FLAGS["LAST"] if idx == len(pieces) - 1 else 0)
-            ubuf = self._u(dict(self.uni, **self.v.fields("v"), t0=t0, t1=t1, flags=fl,
+            ubuf = self.uniform_buffer(dict(self.uni, **self.v.fields("v"), t0=t0, t1=t1, flags=fl,
                                 n_out=numel))
             self.launches.append(Launch("vmean", pipe, "vmean", [ubuf, self.v.buf, outb],
                                         self.run.flat_grid(numel)))
@@ -535,7 +538,7 @@ class Call:
     def scatter(self, src, src_off: int, arena, rows: int, o: Operand) -> None:
         numel = self.B * self.HQ * rows * self.D
         pipe = self.run.pipeline("scatter", "scatter", {}, "f32")
-        ubuf = self._u(dict(self.uni, SQ=rows, n_out=numel, q_off=src_off, **o.fields("o")))
+        ubuf = self.uniform_buffer(dict(self.uni, SQ=rows, n_out=numel, q_off=src_off, **o.fields("o")))
         self.launches.append(Launch("scatter", pipe, "scatter", [ubuf, src, arena],
                                     self.run.flat_grid(numel)))
 
@@ -579,7 +582,7 @@ class Plan:
         used = {id(b) for l in self.launches for b in l.buffers}
         used |= {id(c.buf if isinstance(c, Clear) else c) for c in self.clears}
         used |= {id(x) for c in self.copies + self.copies_before for x in (c[0], c[2])}
-        for role, buf in self.run._bufs.items():
+        for role, buf in self.run.role_buffers.items():
             if id(buf) in used and not role.startswith("_"):
                 self.roles[role] = (int(buf.size), buf)
 
@@ -587,7 +590,7 @@ class Plan:
         """Re-bind the roles whose pooled buffer is no longer the one encoded with."""
         new = {}
         for role, (nbytes, buf) in self.roles.items():
-            if self.run._bufs.get(role) is not buf:
+            if self.run.role_buffers.get(role) is not buf:
                 new[id(buf)] = self.run.buffer(role, nbytes)
                 self.roles[role] = (nbytes, new[id(buf)])
         if not new:

@@ -19,13 +19,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import uniforms
+from .clears import Clear
 from .device import Context
 from .pipelines import KernelError, PipelineCache
 
 __all__ = ["TileConfig", "choose_config", "half_config", "LoopLimitError", "Runner", "Launch",
            "ceil_div", "VARIANTS", "RM8_VARIANTS", "VARIANT_TABLE", "WIDE_MIN_GROUPS",
            "ENV_VARIANT", "pick_variant", "dq_groups", "DSQ_MAX_BYTES", "dsq_bytes",
-           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks", "Clear", "clear_map"]
+           "DSQ_ROLE", "DSQ_PREFETCH", "dsq_limit", "dsq_chunks"]
 
 #: kernel variants of the tiled kernels (forward, dQ, dK/dV) and the delta pass:
 #: ``portable`` the original kernels; ``prefetch`` the next staged chunk (S/dP's Q/K/dO/V
@@ -522,21 +523,6 @@ class Launch:
     grid: Tuple[int, int, int]
 
 
-
-
-@dataclass(frozen=True)
-class Clear:
-    """A clear of the first ``nbytes`` of ``buf`` (a pooled buffer can be larger than the
-    call that clears it needs).  A clears list holds these or whole buffers."""
-    buf: object
-    nbytes: int
-
-
-def clear_map(c, f):
-    """The clear ``c`` (a ``Clear`` or a whole buffer) with its buffer replaced by f(buffer)."""
-    return Clear(f(c.buf), c.nbytes) if isinstance(c, Clear) else f(c)
-
-
 class Runner:
     """Persistent buffers (by role name, grown when too small), uniforms, dispatch, read-back."""
 
@@ -547,7 +533,7 @@ class Runner:
         self.ctx = ctx
         self.device = ctx.device
         self.pipes = PipelineCache(ctx.device)
-        self._bufs: Dict[str, object] = {}
+        self.role_buffers: Dict[str, object] = {}
         self.usage = (wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
                       | wgpu.BufferUsage.COPY_SRC)
         self.max_binding = int(ctx.limits["max-storage-buffer-binding-size"])
@@ -588,7 +574,7 @@ class Runner:
         if not uniform:
             self.check_size(role, int(nbytes))
         nbytes = max(16, (int(nbytes) + 15) // 16 * 16)
-        buf = self._bufs.get(role)
+        buf = self.role_buffers.get(role)
         if buf is not None and buf.size >= nbytes:
             return buf
         usage = (self.wgpu.BufferUsage.UNIFORM | self.wgpu.BufferUsage.COPY_DST) if uniform \
@@ -596,18 +582,18 @@ class Runner:
         if buf is not None:
             buf.destroy()
         buf = self.device.create_buffer(label=role, size=nbytes, usage=usage)
-        self._bufs[role] = buf
+        self.role_buffers[role] = buf
         return buf
 
     def release(self, prefix: str) -> None:
         """Destroy the pooled buffers whose role starts with ``prefix``."""
-        for role in [r for r in self._bufs if r.startswith(prefix)]:
-            self._bufs.pop(role).destroy()
+        for role in [r for r in self.role_buffers if r.startswith(prefix)]:
+            self.role_buffers.pop(role).destroy()
 
     def poison(self) -> None:
         """Fill every pooled storage buffer with NaN (tests: every output element must be
         written by the next call)."""
-        for role, buf in self._bufs.items():
+        for role, buf in self.role_buffers.items():
             if role.startswith("_") or not (buf.usage & self.wgpu.BufferUsage.STORAGE):
                 continue
             self.device.queue.write_buffer(buf, 0, np.full(buf.size // 4, np.nan, np.float32))

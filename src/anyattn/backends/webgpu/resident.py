@@ -24,35 +24,29 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
 from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
 from ...rowstats import RowStats
-from .engine import LOG_NORM_ROW, STATS_ROWS, Operand
-from .launch import DSQ_ROLE, ENV_VARIANT, Clear, Launch, ceil_div, split_range
+from .clears import Clear
+from .device_array import HOME, DeviceArray, contiguous_strides
+from .elementwise import (Seq, buffer_bytes, ew, fresh_buffer, gather_contig, result_array,
+                          shape4)
+from .engine import ELEMENT_TYPES, LOG_NORM_ROW, STATS_ROWS, Operand
+from .launch import DSQ_ROLE, ENV_VARIANT, Launch, split_range
 from .uniforms import FLAGS
 
 __all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empty_stats",
-           "device_reasons", "HOME"]
+           "device_reasons"]
 
-#: the device label of anyattn's own wgpu device (anyattn.webgpu._device_label)
-HOME = "webgpu:0"
 _F32 = np.dtype(np.float32)
 _I32 = (1 << 31) - 1
 
 
 # ------------------------------------------------------------------ buffers, views
-def _fresh(run, nbytes: int, label: str):
-    """A new buffer for a result the caller keeps (zero-initialised by WebGPU)."""
-    run.check_size(label, int(nbytes))
-    usage = run.usage
-    return run.device.create_buffer(label=label, size=max(16, -(-int(nbytes) // 16) * 16),
-                                    usage=usage)
-
-
 def _copyable(x) -> bool:
     """A contiguous float32 view of a buffer with COPY_SRC: copy_buffer_to_buffer moves
     it bit for bit (the ``ew`` gather otherwise)."""
@@ -62,25 +56,12 @@ def _copyable(x) -> bool:
             and bool(int(x.buffer.usage) & int(wgpu.BufferUsage.COPY_SRC)))
 
 
-def _nbytes(count: int, dtype) -> int:
-    """Bytes of ``count`` elements (f16 rounded up to whole vec4s: the kernels write
-    f16 four at a time)."""
-    if np.dtype(dtype) == np.float16:
-        return 8 * ceil_div(count, 4)
-    return 4 * count
-
-
-def _result(buf, shape, dtype, offset: int = 0):
-    from ...webgpu import DeviceArray, _contiguous_strides
-
-    return DeviceArray(buf, shape, dtype, _contiguous_strides(shape), offset, HOME)
-
-
 def zeros(shape, dtype):
     """A new zero device array (WebGPU zero-initialises buffers: no transfer)."""
-    run = _backend()._run()
+    run = _backend().runner()
     n = int(np.prod(shape, dtype=np.int64))
-    return _result(_fresh(run, _nbytes(n, dtype), "anyattn.zeros"), tuple(shape), dtype)
+    buf = fresh_buffer(run, buffer_bytes(n, dtype), "anyattn.zeros")
+    return result_array(buf, tuple(shape), dtype)
 
 
 def _backend():
@@ -90,14 +71,6 @@ def _backend():
     return get_backend("webgpu")
 
 
-def _shape4(x) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Shape and element strides left-padded to 4 dims; size-1 dims get stride 0."""
-    pad = 4 - x.ndim
-    shape = (1,) * pad + tuple(x.shape)
-    strides = (0,) * pad + tuple(x.strides)
-    return shape, tuple(0 if n == 1 else s for n, s in zip(shape, strides))
-
-
 def _check_binding(run, x, name: str) -> None:
     if x.buffer.size > run.max_binding:
         raise ValueError(f"{name}: its buffer has {x.buffer.size} bytes, past this adapter's max "
@@ -105,77 +78,12 @@ def _check_binding(run, x, name: str) -> None:
                          "webgpu kernels bind whole buffers: use a smaller buffer")
 
 
-# ------------------------------------------------------------------ the ew kernel
-class _Seq:
-    """A list of launches with their own uniform buffers (when no Call is at hand)."""
-
-    def __init__(self, run, prefix: str = "ew_u"):
-        self.run, self.prefix, self.launches, self.clears, self._n = run, prefix, [], [], 0
-        self.copies = []
-        self.uni: Dict[str, object] = {}
-
-    def _u(self, vals):
-        buf = self.run.uniform(f"{self.prefix}{self._n}", vals)
-        self._n += 1
-        return buf
-
-    def submit(self) -> None:
-        self.run.run(self.launches, self.clears, self.copies)
-        self.launches, self.clears, self.copies = [], [], []
-
-
-def _ew(seq, src, dst_buf, dst_off: int, *, dst16: bool = False, op: Optional[str] = None,
-        src2=None, extra: Optional[Dict[str, int]] = None, shape=None, strides=None) -> None:
-    """One ``ew`` launch: dst[dst_off + e] = op(src viewed as ``shape``/``strides``),
-    e over the C order of the (4-D padded) shape."""
-    run = seq.run
-    sh, st = _shape4(src)
-    if shape is not None:
-        sh = (1,) * (4 - len(shape)) + tuple(shape)
-        st = (0,) * (4 - len(strides)) + tuple(strides)
-        st = tuple(0 if n == 1 else s for n, s in zip(sh, st))
-    n = int(np.prod(sh))
-    if n == 0:
-        return
-    if dst16 and dst_off % 4:
-        raise RuntimeError("ew: an f16 destination starts at a multiple of 4 elements")
-    src16 = src.dtype == np.float16
-    consts = {}
-    if src16:
-        consts["SRC16"] = 1
-    if dst16:
-        consts["DST16"] = 1
-    if op == "add":
-        consts["OP_ADD"] = 1
-    elif op == "refine":
-        consts["OP_REFINE"] = 1
-    elem = "f16" if (src16 or dst16) else "f32"
-    pipe = run.pipeline("ew", "ew", consts, elem)
-    vals = dict(seq.uni, n_out=n, db_nb=sh[0], db_nh=sh[1], db_ni=sh[2], db_nj=sh[3],
-                db_sb=st[0], db_sh=st[1], db_si=st[2], db_sj=st[3], o_off=src.offset,
-                out2_off=dst_off)
-    vals.update(extra or {})
-    ubuf = seq._u(vals)
-    s2 = src2 if src2 is not None else run.dummy
-    seq.launches.append(Launch("ew", pipe, "ew", [ubuf, src.buffer, s2, dst_buf],
-                               run.flat_grid(ceil_div(n, 4))))
-
-
-def _gather_contig(seq, x, role: str, dtype=None):
-    """x copied on the device into the pooled scratch ``role``, C-contiguous, in
-    ``dtype`` (default x's) -> the contiguous DeviceArray over that scratch."""
-    dt = np.dtype(dtype or x.dtype)
-    buf = seq.run.buffer(role, _nbytes(x.size, dt))
-    _ew(seq, x, buf, 0, dst16=dt == np.float16)
-    return _result(buf, x.shape, dt)
-
-
 def _operand(seq, x, role: str) -> Operand:
     """A [B, H, S, D] device array as a kernel operand: bound where it lies when its
     D stride is 1 (any b/h/s strides), else gathered contiguous on the device."""
     _check_binding(seq.run, x, role)
     if not (x.shape[3] == 1 or x.strides[3] == 1):
-        x = _gather_contig(seq, x, f"dev_{role}")
+        x = gather_contig(seq, x, f"dev_{role}")
     sb, sh, ss, _ = (0 if n == 1 else s for n, s in zip(x.shape, x.strides))
     return Operand(x.buffer, x.offset, sb, sh, ss)
 
@@ -190,22 +98,21 @@ def device_reasons(p: Problem, ctx) -> list:
 
 
 def _check_chunks(be, p: Problem, backward: bool, bias) -> None:
-    chunks = be._batch_chunks(p, backward=backward, bias=None)
+    chunks = be.batch_chunks(p, backward=backward, bias=None)
     if bias is not None:
-        _check_binding(be._run(), bias, "bias")
+        _check_binding(be.runner(), bias, "bias")
     if len(chunks) > 1:
         raise ValueError(f"webgpu: this problem needs {len(chunks)} batch chunks (a buffer past "
-                         f"the adapter's max storage binding of {be._run().max_binding} bytes); "
+                         f"the adapter's max storage binding of {be.runner().max_binding} bytes); "
                          "device arrays run in one piece: split the batch")
 
 
 def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: bool):
     """The Call of one device-resident forward/backward: operands, masks, bias,
     modifiers and dropout; gathers appended to its launches."""
-    from .backend import _ELEM
-
-    call = be._call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
-                    _ELEM[p.dtype], "dev_u", backward=backward, dropout=p.has_dropout)
+    call = be.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
+                    ELEMENT_TYPES[p.dtype], "dev_u", backward=backward,
+                    dropout=p.has_dropout)
     call.aux_role = None          # the mask tables stay with this call's launch template
     run = call.run
     call.set_scale(p.scale)
@@ -217,8 +124,8 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
     call.set_mask(p.mask)
     if bias is not None:
         if bias.dtype != np.float32:
-            bias = _gather_contig(call, bias, "dev_bias", np.float32)
-        sh, st = _shape4(bias)
+            bias = gather_contig(call, bias, "dev_bias", np.float32)
+        sh, st = shape4(bias)
         call.bias_buf = bias.buffer
         call.flags |= FLAGS["HAS_BIAS"]
         call.uni.update(bi_off=bias.offset, bi_sb=st[0], bi_sh=st[1], bi_si=st[2], bi_sj=st[3])
@@ -230,21 +137,21 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
         if abs(diag) + p.seq_q + p.seq_k >= _I32:
             raise ValueError(f"q_offset/k_offset: the ALiBi distance |i - j + {diag}| passes "
                              "the i32 range of the webgpu kernels; bring the offsets closer")
-        off = call._aux_put(np.zeros(sl.size, np.uint32))
+        off = call.aux_put(np.zeros(sl.size, np.uint32))
         call.uni.update(al_off=off, al_sb=p.heads_q if sl.shape[0] > 1 else 0,
                         alibi_diag=diag)
         call.mod_consts["ALIBI"] = 1
         fills.append((sl, off))
     if mods.sinks is not None:
-        off = call._aux_put(np.zeros(p.heads_q, np.uint32))
+        off = call.aux_put(np.zeros(p.heads_q, np.uint32))
         call.uni["snk_off"] = off
         call.mod_consts["SINKS"] = 1
         fills.append((mods.sinks, off))
     if fills:
-        call._aux_upload()
+        call.aux_upload()
         for x, off in fills:                 # f32 values into aux, on the device
             _check_binding(run, x, "alibi_slopes/sinks")
-            _ew(call, x, call.aux_buf, off)
+            ew(call, x, call.aux_buf, off)
     if p.has_dropout:
         call.set_dropout(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, 0)
     return call
@@ -265,10 +172,8 @@ class _Results:
         return self.bufs[-1], len(self.bufs) - 1
 
     def add(self, name: str, index: int, shape, dtype, offset: int = 0) -> None:
-        from ...webgpu import _contiguous_strides
-
         self.specs.append((name, index, tuple(shape), np.dtype(dtype), int(offset),
-                           _contiguous_strides(shape)))
+                           contiguous_strides(shape)))
 
 
 _COPY_SRC = []        # int(wgpu.BufferUsage.COPY_SRC), set on first use (wgpu is lazy)
@@ -374,10 +279,8 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
     a miss), bind this call's buffers, submit -> {name: result DeviceArray}."""
     from .templates import Template
 
-    from ...webgpu import DeviceArray
-
     key = _key(what, be, p, inputs, extra)
-    run = be._run()
+    run = be.runner()
     bufs = {n: x.buffer for n, x in inputs.items() if x is not None}
     tpl = run.templates.get(key)
     if tpl is None:
@@ -406,7 +309,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
     be.last_pieces = dict(tpl.pieces)
     out = {}
     for name, i, shape, dt, off, strides in tpl.results:
-        arr = DeviceArray._result(rbufs[i], shape, dt, strides, off, HOME)
+        arr = DeviceArray.root(rbufs[i], shape, dt, strides, off, HOME)
         run.results.hold(rbufs[i], arr)
         out[name] = arr
     return out
@@ -432,8 +335,8 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
         if p.dtype == "float16":
             outb = run.buffer("dev_out32", 4 * n * D)
             call.forward(stats, outb)
-            o16, iout = res.new(_nbytes(n * D, np.float16), "anyattn.out")
-            _ew(call, _result(outb, shape, np.float32), o16, 0, dst16=True)
+            o16, iout = res.new(buffer_bytes(n * D, np.float16), "anyattn.out")
+            ew(call, result_array(outb, shape, np.float32), o16, 0, dst16=True)
         else:
             outb, iout = res.new(4 * n * D, "anyattn.out")
             call.forward(stats, outb)
@@ -442,7 +345,7 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
         res.add("log_norm", ist, rows, np.float32, LOG_NORM_ROW * n)
         return call
 
-    with be._lock:
+    with be.lock:
         r = _run_cached(be, "fwd", p, inputs, build)
     return r["out"], RowStats(r["max"], r["log_norm"])
 
@@ -451,17 +354,17 @@ def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowSt
     """A plain lse device array -> statistics honouring it at full precision
     (anyattn.rowstats.refine against recomputed local statistics, on the device)."""
     _, local = forward(be, p, q, k, v, bias, mods)
-    run = be._run()
+    run = be.runner()
     n = p.batch * p.heads_q * p.seq_q
-    out = _fresh(run, 4 * STATS_ROWS * n, "anyattn.stats")
-    with be._lock:
-        seq = _Seq(run)
-        _ew(seq, lse, out, 0, op="refine", src2=local.max.buffer,
+    out = fresh_buffer(run, 4 * STATS_ROWS * n, "anyattn.stats")
+    with be.lock:
+        seq = Seq(run)
+        ew(seq, lse, out, 0, op="refine", src2=local.max.buffer,
             extra=dict(q_off=0, k_off=LOG_NORM_ROW * n, v_off=LOG_NORM_ROW * n))
         seq.submit()
     rows = (p.batch, p.heads_q, p.seq_q)
-    return RowStats(_result(out, rows, np.float32, 0),
-                    _result(out, rows, np.float32, LOG_NORM_ROW * n))
+    return RowStats(result_array(out, rows, np.float32, 0),
+                    result_array(out, rows, np.float32, LOG_NORM_ROW * n))
 
 
 # ------------------------------------------------------------------ backward
@@ -478,7 +381,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     dt = np.dtype(p.dtype)
     inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
                   bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
-    in_place = _stats_in_place(be._run(), p, inputs)
+    in_place = _stats_in_place(be.runner(), p, inputs)
 
     def build(res):
         _check_chunks(be, p, True, bias)
@@ -498,8 +401,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                 res.add(name, idx, shape, np.float32, off)
                 return
             count = int(np.prod(shape))
-            y, iy = res.new(_nbytes(count, want_dt), f"anyattn.{name}")
-            _ew(call, _result(buf, shape, np.float32, off), y, 0, dst16=True)
+            y, iy = res.new(buffer_bytes(count, want_dt), f"anyattn.{name}")
+            ew(call, result_array(buf, shape, np.float32, off), y, 0, dst16=True)
             res.add(name, iy, shape, want_dt)
 
         if in_place:                 # the forward's own [7, n] buffer: delta into row 1
@@ -511,14 +414,14 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                     call.copies_before.append((src.buffer, 4 * src.offset, st, 4 * row * n,
                                                4 * n))
                 else:
-                    _ew(call, src, st, row * n)
+                    ew(call, src, st, row * n)
         # an f16 out is read where it lies by the delta kernel (OUT16), widened exactly
         call.delta(st, _operand(call, out, "out"), out16=out.dtype == np.float16)
         nkv = B * HKV * SK * D
         kvshape = (B, HKV, SK, D)
         if want_k and want_v and dt == np.float16 and call.out16_ok("bwd_dkdv"):
             # f16 dk, dv written by the dK/dV pass itself into one result buffer
-            y, iy = res.new(_nbytes(2 * nkv, dt), "anyattn.dkdv")
+            y, iy = res.new(buffer_bytes(2 * nkv, dt), "anyattn.dkdv")
             call.dkdv(st, y, True, True, out16=True, dq_next=want_q and not want_b)
             res.add("dk", iy, kvshape, dt, 0)
             res.add("dv", iy, kvshape, dt, nkv)
@@ -528,8 +431,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             if ikv is None and want_k and want_v and nkv % 4 == 0:
                 # f16: one cast for both into one result buffer (dk, dv two views of it, as
                 # in f32; dv's offset a whole 8-byte group)
-                y, iy = res.new(_nbytes(2 * nkv, dt), "anyattn.dkdv")
-                _ew(call, _result(kv, (2 * nkv,), np.float32), y, 0, dst16=True)
+                y, iy = res.new(buffer_bytes(2 * nkv, dt), "anyattn.dkdv")
+                ew(call, result_array(kv, (2 * nkv,), np.float32), y, 0, dst16=True)
                 res.add("dk", iy, kvshape, dt, 0)
                 res.add("dv", iy, kvshape, dt, nkv)
             else:
@@ -547,7 +450,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             call.clears.append(Clear(dsb, 4 * B * HQ * SQ * SK))
         if want_q and dt == np.float16 and call.out16_ok("bwd_dq"):
             # f16 dQ written by the dQ pass itself (no f32 scratch, no cast launch)
-            y, iy = res.new(_nbytes(n * D, dt), "anyattn.dq")
+            y, iy = res.new(buffer_bytes(n * D, dt), "anyattn.dq")
             call.dq(st, y, dsb, out16=True)
             res.add("dq", iy, (B, HQ, SQ, D), dt)
         elif want_q or want_b:
@@ -573,7 +476,7 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
             emit("dsinks", dsk, isk, (HQ,), sdt)
         return call
 
-    with be._lock:
+    with be.lock:
         r = _run_cached(be, "bwd", p, inputs, build, extra=in_place)
     return {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
 
@@ -607,7 +510,7 @@ def _dsinks(call, st, dst) -> None:
     pieces = split_range(rows, 1, call.limit, "webgpu kernel 'dsinks'")
     pipe = run.pipeline("dsinks", "dsinks", {}, "f32")
     for idx, (t0, t1) in enumerate(pieces):
-        ubuf = call._u(dict(call.uni, t0=t0, t1=t1, flags=FLAGS["FIRST"] if idx == 0 else 0,
+        ubuf = call.uniform_buffer(dict(call.uni, t0=t0, t1=t1, flags=FLAGS["FIRST"] if idx == 0 else 0,
                             k_off=LOG_NORM_ROW * call.n, out2_off=0))
         call.launches.append(Launch("dsinks", pipe, "dsinks", [ubuf, st, call.aux_buf, dst],
                                     run.flat_grid(call.HQ)))
@@ -626,42 +529,42 @@ def add_arrays(a, b):
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"DeviceArray +: shapes {a.shape} and {b.shape} differ")
     be = _backend()
-    with be._lock:
-        run = be._run()
-        seq = _Seq(run)
+    with be.lock:
+        run = be.runner()
+        seq = Seq(run)
         if not b.is_contiguous:
-            b = _gather_contig(seq, b, "dev_add_b")
-        out = _fresh(run, 4 * a.size, "anyattn.add")
-        _ew(seq, a, out, 0, op="add", src2=b.buffer, extra=dict(q_off=b.offset))
+            b = gather_contig(seq, b, "dev_add_b")
+        out = fresh_buffer(run, 4 * a.size, "anyattn.add")
+        ew(seq, a, out, 0, op="add", src2=b.buffer, extra=dict(q_off=b.offset))
         seq.submit()
-    return _result(out, a.shape, np.float32)
+    return result_array(out, a.shape, np.float32)
 
 
 def empty_stats(p: Problem, sinks) -> RowStats:
     """Statistics of rows that keep no key (Sk = 0): max = -inf (the sink, with sinks),
     log_norm = 0."""
     be = _backend()
-    run = be._run()
+    run = be.runner()
     rows = (p.batch, p.heads_q, p.seq_q)
     n = int(np.prod(rows))
-    mx = _fresh(run, 4 * n, "anyattn.stats")
-    ln = _fresh(run, 4 * n, "anyattn.stats")
-    seq = _Seq(run)
+    mx = fresh_buffer(run, 4 * n, "anyattn.stats")
+    ln = fresh_buffer(run, 4 * n, "anyattn.stats")
+    seq = Seq(run)
     if sinks is not None:
-        src = sinks if sinks.dtype == np.float32 else _gather_contig(seq, sinks, "dev_snk",
+        src = sinks if sinks.dtype == np.float32 else gather_contig(seq, sinks, "dev_snk",
                                                                     np.float32)
-        _ew(seq, src, mx, 0, shape=rows, strides=(0, src.strides[0], 0))
+        ew(seq, src, mx, 0, shape=rows, strides=(0, src.strides[0], 0))
     else:
-        _ew(seq, _neg_inf(run), mx, 0, shape=rows, strides=(0, 0, 0))
-    with be._lock:
+        ew(seq, _neg_inf(run), mx, 0, shape=rows, strides=(0, 0, 0))
+    with be.lock:
         seq.submit()
-    return RowStats(_result(mx, rows, np.float32), _result(ln, rows, np.float32))
+    return RowStats(result_array(mx, rows, np.float32), result_array(ln, rows, np.float32))
 
 
 def _neg_inf(run):
     """A one-element device array holding -inf (a constant written once per device)."""
-    buf = run._bufs.get("_neg_inf")
+    buf = run.role_buffers.get("_neg_inf")
     if buf is None:
         buf = run.buffer("_neg_inf", 16)
         run.device.queue.write_buffer(buf, 0, np.full(4, -np.inf, np.float32))
-    return _result(buf, (1,), np.float32)
+    return result_array(buf, (1,), np.float32)

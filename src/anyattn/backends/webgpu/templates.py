@@ -42,7 +42,7 @@ import weakref
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .launch import Clear, clear_map
+from .clears import Clear, clear_map
 
 __all__ = ["Template", "TemplateCache", "ResultSpec"]
 
@@ -88,7 +88,7 @@ class Template:
                 slot.setdefault(id(buf), ("in", name))
         for i, buf in enumerate(result_bufs):
             slot.setdefault(id(buf), ("res", i))
-        for role, buf in run._bufs.items():
+        for role, buf in run.role_buffers.items():
             slot.setdefault(id(buf), ("role", role, buf.size))
 
         seeded = getattr(call, "seeded", {})
