@@ -117,7 +117,7 @@ def host_backends() -> Tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench options to ``parser`` (the ``bench`` sub-command)."""
-    from .cli import int_at_least, out_path, seed_arg
+    from .cli_args import int_at_least, out_path, seed_arg
 
     parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="B,H,S,D",
                         default=None,
@@ -155,7 +155,7 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
     from .extras import installed
 
     from .backends.registry import ENTRIES
-    from .cli import backend_unavailable
+    from .cli_args import backend_unavailable
 
     names = host_backends()
     for b in args.backend:

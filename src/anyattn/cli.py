@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .cli_args import backend_unavailable, seed_arg
+
 __all__ = ["main"]
 
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
@@ -85,30 +87,6 @@ def _parse_shape(text: str) -> Tuple[int, int, int, int, int, int]:
     return b, hq, hkv, sq, sk, d
 
 
-def seed_arg(text: str) -> int:
-    """argparse type of ``--seed``: an int in [0, 2**64), the range of a dropout seed."""
-    try:
-        seed = int(text)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed < 2 ** 64:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer in [0, 2**64)")
-    return seed
-
-
-def int_at_least(low: int):
-    """argparse type: an int >= ``low``."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = low - 1
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
-        return n
-    return parse
-
-
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -129,18 +107,6 @@ def _dropout(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: expected dropout_p in [0, 1) "
                                          "(0: no dropout)")
     return p
-
-
-def out_path(text: str) -> str:
-    """argparse type of a file to write: its directory must exist (none is created)."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: directory {folder!r} does not exist; create it first or give a "
-            "path in an existing directory")
-    return text
 
 
 MASK_SPECS = "none, causal, causal_br, sliding:W, window:L[:R], documents:N or keep:P"
@@ -220,27 +186,6 @@ def _mask_spec(text: str) -> str:
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return text
-
-
-def backend_unavailable(name: str) -> Optional[str]:
-    """None if backend ``name`` runs here, else why not and what a command-line user can do."""
-    from .backends.registry import unavailable_reason
-    from .extras import installed
-
-    packages = {"triton": ("torch", "triton"), "webgpu": ("wgpu",)}.get(name, ())
-    missing = [m for m in packages if not installed(m)]
-    if missing:
-        return (f"it needs {' and '.join(missing)}, not installed: "
-                f"pip install 'anyattn[{name}]'")
-    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        import torch
-
-        if not torch.cuda.is_available():
-            return ("it needs a CUDA GPU and this machine has none; Triton's interpreter "
-                    "runs it on the CPU (slowly) when the environment sets TRITON_INTERPRET=1 "
-                    "(e.g. TRITON_INTERPRET=1 python -m anyattn check --backend triton), "
-                    "or use --backend numpy")
-    return unavailable_reason(name)
 
 
 def _to_backend(x, backend_name):
