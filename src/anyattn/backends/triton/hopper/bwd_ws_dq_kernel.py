@@ -61,10 +61,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .bwd_fused_kernel import (RELEASE_WARP, _add_partial, _bulk_wait_all, _release,
-                               _spin_acquire, dq_rank, visit_offset)
-from .bwd_kernel import key_tile_program, key_tile_queries, key_tile_table
 from .bwd_ws_parts import consumer, producer, tile_of
+from .dq_turns import (RELEASE_WARP, add_partial, bulk_wait_all, dq_rank, release,
+                       spin_acquire, visit_offset)
+from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
 
 __all__ = ["dkdvq_ws_kernel"]
 
@@ -105,9 +105,9 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
         if DIAG == 2:   # (SPLIT) unordered reduce-adds: the turns' cost, measured
             DH2: gl.constexpr = dqs.shape[len(dqs.shape) - 1]
             mbarrier.wait(dq_full.index(0), ph)
-            _add_partial(dqa_desc, dqs.index(0), bh, t, 1, BM, 0, IL)
+            add_partial(dqa_desc, dqs.index(0), bh, t, 1, BM, 0, IL)
             mbarrier.wait(dq_full.index(1), ph)
-            _add_partial(dqa_desc, dqs.index(1), bh, t, 1, BM, DH2, IL)
+            add_partial(dqa_desc, dqs.index(1), bh, t, 1, BM, DH2, IL)
             tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
@@ -122,13 +122,13 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             if LATE:
                 if it > 0:   # the previous tile's adds (issued a tile ago; the only ones
                     # outstanding): complete -> its counter released
-                    _bulk_wait_all(prev0)
+                    bulk_wait_all(prev0)
                     gl.thread_barrier()
-                    _release(prev0, RELEASE_WARP)
-            _spin_acquire(sem, zero_c + rank)          # this key tile's turn
-            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
+                    release(prev0, RELEASE_WARP)
+            spin_acquire(sem, zero_c + rank)          # this key tile's turn
+            add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
             mbarrier.wait(dq_full.index(1), ph)
-            _add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH, IL)
+            add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH, IL)
             tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
@@ -136,34 +136,34 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             if LATE:
                 prev0 = sem
             else:
-                _bulk_wait_all(sem)      # both adds complete: the next adder may follow
+                bulk_wait_all(sem)      # both adds complete: the next adder may follow
                 gl.thread_barrier()
-                _release(sem, RELEASE_WARP)
+                release(sem, RELEASE_WARP)
         elif CHAINS == 1:
             for w in gl.static_range(2):
                 mbarrier.wait(dq_full.index(w), ph)
                 if w == 0:
-                    _spin_acquire(sem, zero_c + rank)      # this key tile's turn
-                    _add_partial(dqa_desc, dqs.index(w), bh, t, rank, BM, 0, IL)
+                    spin_acquire(sem, zero_c + rank)      # this key tile's turn
+                    add_partial(dqa_desc, dqs.index(w), bh, t, rank, BM, 0, IL)
                 else:
-                    _add_partial(dqa_desc, dqs.index(w), bh, t, 1, BM, 0, IL)
-                _bulk_wait_all(sem)      # complete: the next add of these rows follows it
+                    add_partial(dqa_desc, dqs.index(w), bh, t, 1, BM, 0, IL)
+                bulk_wait_all(sem)      # complete: the next add of these rows follows it
                 gl.thread_barrier()      # (every lane past the issuing lane's wait)
                 mbarrier.arrive(dq_empty.index(w), count=1)
-            _release(sem, RELEASE_WARP)
+            release(sem, RELEASE_WARP)
         else:
             sem1 = sem + NBH * nq                                               # [32]
             mbarrier.wait(dq_full.index(0), ph)
             if it > 0:   # the previous tile's adds (a tile ago): complete -> released
-                _bulk_wait_all(prev0)
+                bulk_wait_all(prev0)
                 gl.thread_barrier()
-                _release(prev0, RELEASE_WARP)
-                _release(prev1, RELEASE_WARP)
-            _spin_acquire(sem, zero_c + rank)
-            _add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
+                release(prev0, RELEASE_WARP)
+                release(prev1, RELEASE_WARP)
+            spin_acquire(sem, zero_c + rank)
+            add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, IL)
             mbarrier.wait(dq_full.index(1), ph)
-            _spin_acquire(sem1, zero_c + rank)
-            _add_partial(dqa_desc, dqs.index(1), NBH + bh, t, rank, BM, 0, IL)
+            spin_acquire(sem1, zero_c + rank)
+            add_partial(dqa_desc, dqs.index(1), NBH + bh, t, rank, BM, 0, IL)
             tma.store_wait(pendings=0)   # both staging buffers read
             gl.thread_barrier()
             mbarrier.arrive(dq_empty.index(0), count=1)
@@ -172,15 +172,15 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
             prev1 = sem1
     if LATE:
         if SPLIT and (DIAG == 0) and (n_tot > 0):     # the last tile's adds
-            _bulk_wait_all(prev0)
+            bulk_wait_all(prev0)
             gl.thread_barrier()
-            _release(prev0, RELEASE_WARP)
+            release(prev0, RELEASE_WARP)
     if (CHAINS == 2) & (DIAG == 0):
         if n_tot > 0:
-            _bulk_wait_all(prev0)
+            bulk_wait_all(prev0)
             gl.thread_barrier()
-            _release(prev0, RELEASE_WARP)
-            _release(prev1, RELEASE_WARP)
+            release(prev0, RELEASE_WARP)
+            release(prev1, RELEASE_WARP)
 
 
 @gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER", "ct_b",

@@ -40,7 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .bwd_kernel import key_tile_program, key_tile_queries, key_tile_table
+from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
 from .bwd_ws_parts import consumer, producer
 
 __all__ = ["dkdv_ws_kernel"]

@@ -23,11 +23,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .bwd_fused_kernel import visit_offset
-from .bwd_kernel import key_tile_program, key_tile_queries
 from .bwd_ws_dq_kernel import _writer
 from .bwd_ws_parts import producer
 from .bwd_ws_t_parts import consumer_t
+from .dq_turns import visit_offset
+from .tile_ranges import key_tile_program, key_tile_queries
 
 __all__ = ["dkdvq_ws_t_kernel"]
 

@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from .fwd_kernel import key_tile_range
+from .tile_ranges import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
 __all__ = ["fwd_ws_kernel", "tile_keys", "epilogue"]
