@@ -222,7 +222,7 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
             offs_n = r0 + gl.arange(0, RN, layout=col_s)                       # [RN]
             # with a band, per query the kept keys [j_lo, j_hi] (bounds, band): two compares an
-            # element against its key index (fwd_kernel._softmax_tile's form); without a
+            # element against its key index (fwd_masks.softmax_tile's form); without a
             # band the bounds' two compares as before (the D=128 loops spill more with
             # the other form there)
             if HAS_BAND:

@@ -21,7 +21,7 @@ price: the queries' statistics are per column (16 of the BM columns a thread, 48
 registers for max, log_norm and delta), so they are staged through shared memory a tile
 ahead and read where used (consumer_t's doc).
 
-BM = 128 (D=64 only; session 10, FA3's hdim-64 tile): S^T / dP^T [64, 128] a consumer,
+BM = 128 (D=64 only; FA3's hdim-64 tile): S^T / dP^T [64, 128] a consumer,
 the dV / dK products of K-dim 128, dQ[:, cols_w] [128, DH] (two wgmma row blocks).  Two
 changes keep its consumer loop near spill-free (1-3 STL / 11-16 LDL a tile, 237
 registers; without them 94 / 130): one staged exponent offset per query, c = log2(e) *

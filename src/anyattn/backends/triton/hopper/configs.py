@@ -30,6 +30,9 @@ class HopperConfig:
         if self.bm not in (128, 192):
             raise ValueError(f"{self}: the forward runs 2 or 3 consumer warpgroups of 64 "
                              "query rows (bm 128 or 192)")
+        if self.persist and self.bm != 128:
+            raise ValueError(f"{self}: the persistent forward runs 2 consumer warpgroups "
+                             "(bm 128)")
 
     @property
     def consumers(self) -> int:

@@ -1,4 +1,5 @@
-"""Array masks (Documents / KeepMask) of the Hopper forward's edge tiles.
+"""The Hopper forward's online softmax of one score tile (softmax_tile: bounds and band on
+the edge tiles) and the array masks (Documents / KeepMask) applied before it.
 
 Shape legend: RM query rows of a consumer warpgroup, BN the key tile, Sq / Sk queries /
 keys.  The warp-specialised forward (fwd_ws_kernel) walks a block-range table at its own

@@ -243,15 +243,15 @@ class FwdLaunch:
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                            CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
                            num_warps=4, ARRAY=False, HAS_KEEP=False,
-                           SCHED=self.sched is not None, NC=cfg.consumers, XOVER=False)
+                           SCHED=self.sched is not None, NC=cfg.consumers)
         else:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
             self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // cfg.consumers
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, OVERLAP=True, PINGPONG=True,
-                           EXP_FMA=True, NC=cfg.consumers, EDGES=False, PSMEM=False,
-                           num_warps=4, ARRAY=self.array, HAS_KEEP=rm_.keep is not None)
+                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
+                           NC=cfg.consumers, num_warps=4, ARRAY=self.array,
+                           HAS_KEEP=rm_.keep is not None)
         #: the launch (Triton's path, or with ``direct`` the resolved kernel's replays)
         self.site = DL.Site(self.kernel, direct)
 
