@@ -75,8 +75,7 @@ def _expected(p, cfg, sms):
     order = 1 if nkv <= sms else 0
     kw = dict(HAS_BAND=bool(p.mask.has_band), STAGES=cfg.stages,
               CONSUMER_REGS=cfg.consumer_regs, WRITER_REGS=HL.WS_DQ_WRITER_REGS,
-              PREFETCH=False, CHAINS=1, DIAG=0, SPLIT=True, LAG=False, num_warps=4,
-              STATS=True, DQ_IL=True)
+              num_warps=4)
     if cfg.late_release:
         kw["LATE"] = True
     sq_acc = -(-S // 8) * 8

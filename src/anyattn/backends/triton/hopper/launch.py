@@ -730,9 +730,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
                    sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order),
             dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                  CONSUMER_REGS=cfg.consumer_regs, WRITER_REGS=WS_DQ_WRITER_REGS,
-                 PREFETCH=False, CHAINS=1, DIAG=0, SPLIT=True, LAG=False, num_warps=4,
-                 **akw, STATS=True, DQ_IL=True,
-                 **({"LATE": True} if cfg.late_release else {})))
+                 num_warps=4, **akw, **({"LATE": True} if cfg.late_release else {})))
         n = B * H * Sq * D
         _launcher(sites, "dq_convert", dq_convert_kernel)(
             (_cdiv(n, 4096),), (dqa, dq, n, p.scale, Sq * D, sq_acc * D),
