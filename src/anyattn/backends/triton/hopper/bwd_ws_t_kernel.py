@@ -74,7 +74,6 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     # * log_norm, 2 delta), [BM] each
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
-    stats = (st_smem, st_smem, st_smem)     # (the consumers' own copies: not read)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -102,15 +101,13 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
 
     gl.warp_specialize(   # the transposed consumers, the producer, the dQ writer
         [(consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, st_smem,
-                       True, True)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, st_smem)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, st_smem,
-                       True, True)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, st_smem)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                      n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, True,
                      BM > 64)),
