@@ -6,12 +6,10 @@ Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries
 D head dim, BM = NC * RM the query tile (NC = 2 consumer warpgroups of RM = 64 rows), BN
 the key tile, BH = B * H, n_m = cdiv(Sq, BM), T = n_m * BH query tiles.
 
-Program p takes tiles p, p + P, p + 2P, .. (P programs, at most one per SM).  Tile order:
-with a band (causal, windows) the longest first, across heads (tile idx -> query tile
-n_m - 1 - idx // BH of head idx % BH: the first wave holds the longest key loops, the
-short ones fill the tail); without, head-major (idx -> head idx // n_m, query tile
-idx % n_m: neighbouring programs share K / V in L2).  SCHED (a host-built schedule,
-launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
+Without a band every tile's key loop is as long: program p takes tiles p, p + P,
+p + 2P, .. (P programs, at most one per SM) in head-major order (idx -> head idx // n_m,
+query tile idx % n_m: neighbouring programs share K / V in L2).  With a band (SCHED, a
+host-built schedule, launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
 SCH[p + 1]), each idx = bh * n_m + pid_m: the per-tile grid's launch order dealt out
 greedily by key-loop length, so that the live programs share heads (L2) as the per-tile
 kernel's do while the work stays balanced (walking across heads would keep more K / V
@@ -41,14 +39,10 @@ __all__ = ["fwd_persist_kernel"]
 
 
 @gluon.jit
-def _tile_of(idx, n_m, BH, H, HAS_BAND: gl.constexpr):
-    """Tile idx of the walk -> (query tile, b * H + h, b, h) (module doc: the order)."""
-    if HAS_BAND:
-        pid_m = n_m - 1 - idx // BH
-        bh = idx % BH
-    else:
-        bh = idx // n_m
-        pid_m = idx % n_m
+def _tile_of(idx, n_m, H):
+    """Tile idx of the walk -> (query tile, b * H + h, b, h), head-major (module doc)."""
+    bh = idx // n_m
+    pid_m = idx % n_m
     return pid_m, bh, bh // H, bh % H
 
 
@@ -67,7 +61,7 @@ def _walk(SCH, total, SCHED: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(k, SCH, n_m, BH, H, HAS_BAND: gl.constexpr, SCHED: gl.constexpr):
+def _tile_at(k, SCH, n_m, H, SCHED: gl.constexpr):
     """Walk position k -> (query tile, b * H + h, b, h): the schedule's entry (SCHED,
     idx = bh * n_m + pid_m) or _tile_of's order."""
     if SCHED:
@@ -76,7 +70,7 @@ def _tile_at(k, SCH, n_m, BH, H, HAS_BAND: gl.constexpr, SCHED: gl.constexpr):
         pid_m = idx % n_m
         res = (pid_m, bh, bh // H, bh % H)
     else:
-        res = _tile_of(k, n_m, BH, H, HAS_BAND)
+        res = _tile_of(k, n_m, H)
     return res
 
 
@@ -91,7 +85,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H,
     start, end, step = _walk(SCH, n_m * BH, SCHED)
     c = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         hk = h // G
@@ -116,7 +110,7 @@ def _load_q(q_desc, q_own, qb, k, SCH, n_m, BH, H, WG: gl.constexpr, HAS_BAND: g
             BM: gl.constexpr, RM: gl.constexpr, SCHED: gl.constexpr):
     """TMA of this consumer's RM rows of Q of the tile at walk position k into q_own,
     completing on qb."""
-    pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+    pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
     mbarrier.expect(qb, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, pid_m * BM + WG * RM, 0], qb, q_own)
 
@@ -157,7 +151,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     c = 0
     j = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         r0 = pid_m * BM + WG * RM
@@ -206,10 +200,13 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
                        HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False,
                        NC: gl.constexpr = 2):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
-    workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers), plus BH = B * H and SCH: int32 [P + 1 + T] the schedule (SCHED:
-    offsets of each program's walk, then the tiles; not read otherwise)."""
+    workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers), plus BH = B * H
+    and SCH: int32 [P + 1 + T] the schedule (SCHED: offsets of each program's walk, then
+    the tiles; not read otherwise)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
+    gl.static_assert(SCHED == HAS_BAND, "a band walks the host-built schedule, no band "
+                     "the kernel's own head-major order")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
