@@ -83,7 +83,7 @@ def _expected(p, cfg, sms):
     kernel = ("ws_dq_t" if cfg.trans else "ws_dq", (nkv, B * Hkv),
               (B * H, H, p.group, S, S, p.scale, lo, hi, order), kw)
     convert = ((-(-n // 4096),), (n, p.scale, S * D, sq_acc * D),
-               dict(CHAINS=1, PADDED=sq_acc != S, BLOCK=4096, num_warps=8))
+               dict(PADDED=sq_acc != S, BLOCK=4096, num_warps=8))
     return kernel, convert, sq_acc
 
 

@@ -194,7 +194,7 @@ def test_dq_conversion_zeroes_the_unvisited_tiles_only():
     kw = {key: (x.to(DEV) if isinstance(x, torch.Tensor) else x)
           for key, x in tabs.kw_visits.items()}
     dq_convert_kernel[(-(-n // 1024),)](acc.to(DEV), out_d := out.to(DEV), n, p.scale,
-                                        Sq * D, Sq * D, CHAINS=1, PADDED=False, BLOCK=1024,
+                                        Sq * D, Sq * D, PADDED=False, BLOCK=1024,
                                         H=H, D=D, **kw)
     got = out_d.cpu().double()
     rg = R.backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), mask=np_mask(mask))

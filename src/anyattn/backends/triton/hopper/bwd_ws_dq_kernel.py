@@ -87,9 +87,9 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
                 gl.thread_barrier()
                 release(prev0, RELEASE_WARP)
         spin_acquire(sem, zero_c + rank)          # this key tile's turn
-        add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0, True)
+        add_partial(dqa_desc, dqs.index(0), bh, t, rank, BM, 0)
         mbarrier.wait(dq_full.index(1), ph)
-        add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH, True)
+        add_partial(dqa_desc, dqs.index(1), bh, t, rank, BM, DH)
         tma.store_wait(pendings=0)   # both staging buffers read
         gl.thread_barrier()
         mbarrier.arrive(dq_empty.index(0), count=1)

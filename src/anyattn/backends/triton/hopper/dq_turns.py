@@ -93,22 +93,15 @@ def release(ptrs, WHO: gl.constexpr):
 
 
 @gluon.jit
-def add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr, col: gl.constexpr = 0,
-                 IL: gl.constexpr = False):
+def add_partial(dqa_desc, src, row, t, rank, BM: gl.constexpr, col: gl.constexpr = 0):
     """The bulk add of one staged partial into accumulator rows [row, t * BM ...] from
     column ``col`` on: a bulk tensor store for the first adder (rank 0), else a bulk
-    tensor reduce-add.  IL: dqa_desc is launch.dqa_desc's interleaved 5-D view (rows in
+    tensor reduce-add.  dqa_desc is launch.dqa_desc's interleaved 5-D view (rows in
     groups of 8)."""
-    if IL:
-        if rank == 0:
-            tma.async_copy_shared_to_global(dqa_desc, [row, t * (BM // 8), 0, 0, col], src)
-        else:
-            _tma_reduce_add(dqa_desc, [row, t * (BM // 8), 0, 0, col], src)
+    if rank == 0:
+        tma.async_copy_shared_to_global(dqa_desc, [row, t * (BM // 8), 0, 0, col], src)
     else:
-        if rank == 0:
-            tma.async_copy_shared_to_global(dqa_desc, [row, t * BM, col], src)
-        else:
-            _tma_reduce_add(dqa_desc, [row, t * BM, col], src)
+        _tma_reduce_add(dqa_desc, [row, t * (BM // 8), 0, 0, col], src)
 
 
 @gluon.jit

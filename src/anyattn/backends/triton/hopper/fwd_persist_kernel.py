@@ -29,10 +29,8 @@ tables: those of fwd_ws_kernel (its module doc), the same functions.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .fwd_masks import softmax_tile_masked
 from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, tile_keys
 
 __all__ = ["fwd_persist_kernel"]

@@ -734,5 +734,5 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
         n = B * H * Sq * D
         _launcher(sites, "dq_convert", dq_convert_kernel)(
             (_cdiv(n, 4096),), (dqa, dq, n, p.scale, Sq * D, sq_acc * D),
-            dict(CHAINS=1, PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8, **ckw))
+            dict(PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8, **ckw))
     return dq, dk, dv
