@@ -395,7 +395,7 @@ def run(args):
 
 _COV0 = None     # hopper/coverage.py's forward row as imported (the variants' base)
 _BCOV0 = None    # ... and its backward row
-_BWD_BY_MASK0 = None   # hopper/configs.py's _BWD_BY_MASK as imported
+_BWD_ARRAYS0 = None   # hopper/configs.py's _BWD_ARRAYS as imported
 
 #: the array-mask classes (Documents / KeepMask)
 _ARRAY_CLASSES = frozenset({"documents", "band+documents", "keep", "band+keep",
@@ -409,10 +409,8 @@ def _set_variant(var):
     (Documents / KeepMask forwards routed to the Hopper forward / kept portable:
     hopper/coverage.py's auto_mask_classes), 'hopbwd' / 'hopbwdkv' / 'portbwd' (their
     backwards routed to the Hopper backward with dQ inside, to its ws dK/dV kernel + the
-    portable dQ (configs.bwd_config_dkdv_only), or kept portable), 'persist' (the Hopper
-    forward's persistent config as its D=128 default), 'bwd=NAME' (the array masks'
-    backward config at D=128: a ws dQ-inside config of configs.WS_DQ_BWD_VARIANTS /
-    WS_DQS_BWD_VARIANTS by name); None restores the defaults."""
+    portable dQ (configs.bwd_config_dkdv_only), or kept portable); None restores the
+    defaults."""
     import dataclasses
 
     from anyattn.backends.triton import configs as C
@@ -421,29 +419,21 @@ def _set_variant(var):
 
     from anyattn.backends.triton.hopper import configs as HCF
 
-    global _COV0, _BCOV0, _BWD_BY_MASK0
+    global _COV0, _BCOV0, _BWD_ARRAYS0
     if _COV0 is None:
         _COV0 = HCOV.COVERAGE["forward"]
         _BCOV0 = HCOV.COVERAGE["backward"]
-        _BWD_BY_MASK0 = dict(HCF._BWD_BY_MASK)
+        _BWD_ARRAYS0 = HCF._BWD_ARRAYS
     HCOV.COVERAGE["forward"] = _COV0
     HCOV.COVERAGE["backward"] = _BCOV0
-    HCF._BWD_BY_MASK.clear()
-    HCF._BWD_BY_MASK.update(_BWD_BY_MASK0)
+    HCF._BWD_ARRAYS = _BWD_ARRAYS0
 
-    for key in [k for k in HCF._FWD_BY_DTYPE if k[0] == 128]:
-        del HCF._FWD_BY_DTYPE[key]
     setter = getattr(launch, "set_mask_lowering", None)
-    lowering, fields, persist = None, {}, {}
+    lowering, fields = None, {}
     for tok in (var or "").split("+"):
         if not tok:
             continue
-        if tok == "persist":     # the Hopper forward's persistent config as the default
-            from anyattn.backends.triton.hopper import configs as HCF
-
-            pc = HCF.FWD_PERSIST
-            persist = {(128, "bfloat16"): pc, (128, "float16"): pc}
-        elif tok in ("hopfwd", "portfwd"):
+        if tok in ("hopfwd", "portfwd"):
             routed = (_COV0.mask_classes if tok == "hopfwd"
                       else _COV0.auto_mask_classes - {"documents", "band+documents",
                                                       "keep", "band+keep", "documents+keep",
@@ -455,15 +445,7 @@ def _set_variant(var):
                       else base - _ARRAY_CLASSES)
             HCOV.COVERAGE["backward"] = dataclasses.replace(_BCOV0, auto_mask_classes=routed)
             if tok == "hopbwdkv":
-                for mc in _ARRAY_CLASSES:
-                    HCF._BWD_BY_MASK[(128, mc)] = HCF.bwd_config_dkdv_only(128)
-        elif tok.startswith("bwd="):
-            named = {c.name: c for c in HCF.WS_DQ_BWD_VARIANTS[128]
-                     + HCF.WS_DQS_BWD_VARIANTS[128]}
-            if tok[4:] not in named:
-                raise ValueError(f"variant token {tok!r}: expected bwd= one of {sorted(named)}")
-            for mc in _ARRAY_CLASSES:
-                HCF._BWD_BY_MASK[(128, mc)] = named[tok[4:]]
+                HCF._BWD_ARRAYS = HCF.bwd_config_dkdv_only(128)
         elif tok.startswith("fwd") and "x" in tok:
             bm, bn = (int(x) for x in tok[3:].split("x"))
             fields["fwd"] = C.KernelConfig(bm, bn, 8, 3)
@@ -471,9 +453,7 @@ def _set_variant(var):
             lowering = tok
         else:
             raise ValueError(f"variant token {tok!r}: expected lists, ranges, fwdBMxBN, "
-                             "hopfwd, portfwd, hopbwd, hopbwdkv, portbwd, bwd=NAME or "
-                             "persist")
-    HCF._FWD_BY_DTYPE.update(persist)
+                             "hopfwd, portfwd, hopbwd, hopbwdkv or portbwd")
     if setter is None and lowering is not None:
         raise ValueError(f"variant {var!r}: this tree has no launch.set_mask_lowering")
     if setter is not None:

@@ -95,7 +95,7 @@ def main(argv=None):
             raise SystemExit(f"Sk={a.sk}: the routed config {cfg.name} is dK/dV-only (more "
                              "key tiles than half the SMs); choose a smaller --sk")
         full = lambda: HL.backward_fused(p, q, k, v, dout, l2, delta, cfg=cfg)  # noqa: E731
-        dkdv = lambda: HL.dkdv(p, q, k, v, dout, l2, delta, cfg=kv_only)  # noqa: E731
+        dkdv = lambda: HL.dkdv(p, q, k, v, dout, l2, delta)  # noqa: E731
         r1, r2, (dk2, dv2) = full(), full(), dkdv()
         same_bits = all(torch.equal(x, y) for x, y in zip(r1, r2))
         kv_err = max(float((x.float() - y.float()).abs().max() / y.float().abs().max())

@@ -19,7 +19,7 @@ ahead of the device at moderate sizes.  Variants, timed in turn round after roun
 TMA descriptors, prepared launch) with its Gluon kernels swapped for no-ops too, and the
 backward through the portable kernels; ``--hopper-bwd`` the backward alone (the portable
 delta preprocess, then launch.backward's Hopper route: hopper/launch.py
-``backward_config`` -> ``_backward_ws_dq`` with its Gluon kernel and
+``backward_config`` -> ``backward_fused`` with its Gluon kernel and
 ``dq_convert_kernel``); ``--hopper`` both: the route the H200 runs at D=128 bf16 (use
 such a shape, e.g. ``--shape 4,16,2048,128``).  The routing is the library's own
 (launch._use_hopper: hopper/coverage.py's table and 'auto' set) with only the device
@@ -194,17 +194,15 @@ def _route_hopper(forward: bool = True, backward: bool = False,
     """The forward (and / or the backward) take the route launch._use_hopper picks on an
     sm_90 device (coverage.py's table, 'auto'), the Hopper launch code's Gluon kernels
     no-ops (CPU) or, with ``launcher``, Triton's launcher front (_LauncherFront)."""
-    from anyattn.backends.triton.hopper import (bwd_dq_convert, bwd_fused_kernel, bwd_kernel,
-                                                bwd_ws_dq_kernel, bwd_ws_kernel,
-                                                bwd_ws_t_kernel, fwd_kernel,
-                                                fwd_persist_kernel, fwd_ws_kernel)
+    from anyattn.backends.triton.hopper import (bwd_dq_convert, bwd_ws_dq_kernel, bwd_ws_kernel,
+                                                bwd_ws_t_kernel, fwd_persist_kernel,
+                                                fwd_ws_kernel)
     from anyattn.backends.triton.hopper import coverage as HCov
     from anyattn.backends.triton.hopper import launch as HL
 
-    for mod, name in ((fwd_kernel, "fwd_kernel"), (fwd_ws_kernel, "fwd_ws_kernel"),
+    for mod, name in ((fwd_ws_kernel, "fwd_ws_kernel"),
                       (fwd_persist_kernel, "fwd_persist_kernel"),
-                      (bwd_kernel, "dkdv_kernel"), (bwd_ws_kernel, "dkdv_ws_kernel"),
-                      (bwd_fused_kernel, "dkdvq_kernel"),
+                      (bwd_ws_kernel, "dkdv_ws_kernel"),
                       (bwd_ws_dq_kernel, "dkdvq_ws_kernel"),
                       (bwd_ws_t_kernel, "dkdvq_ws_t_kernel"),
                       (bwd_dq_convert, "dq_convert_kernel")):
@@ -368,7 +366,7 @@ def main() -> None:
                          "the H200 at D=128")
     ap.add_argument("--hopper-bwd", action="store_true",
                     help="backward through the Hopper route (the portable delta "
-                         "preprocess, _backward_ws_dq's kernel and dq conversion, no-op)")
+                         "preprocess, backward_fused's kernel and dq conversion, no-op)")
     ap.add_argument("--hopper", action="store_true",
                     help="forward and backward through the Hopper launch code (no-op "
                          "kernels): the route the H200 runs at D=128 bf16 (since session 8 "

@@ -47,7 +47,7 @@ def test_coverage_reasons_name_what_is_missing(monkeypatch):
         p = _problem(**kw)
         object.__setattr__(p, "device", "cuda:0")
         assert word in HCOV.supports(p, "forward"), (kw, HCOV.supports(p, "forward"))
-    # Documents: covered by the forward (session 7) and, at D=128, the backward (session 9)
+    # Documents: covered by the forward and, at D=128, the backward
     p = _problem(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
     object.__setattr__(p, "device", "cuda:0")
     assert HCOV.supports(p, "forward") is None
@@ -76,9 +76,7 @@ def test_coverage_tensor_rules(monkeypatch):
 
 def test_backward_routes_d128_and_d64_bands(monkeypatch):
     """The Hopper backward covers D=64 and 128; 'auto' routes both, with a band or
-    without (D=64 without a mask since session 10), where the H200 measured it faster
-    than the portable backward (coverage.py); 'hopper' forces it, 'portable' keeps it
-    off."""
+    without (coverage.py); 'hopper' forces it, 'portable' keeps it off."""
     from anyattn.backends.triton import launch as TL
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -86,7 +84,7 @@ def test_backward_routes_d128_and_d64_bands(monkeypatch):
     assert HCOV.routed_by_default("backward", "none", 128)
     assert HCOV.routed_by_default("backward", "band", 128)
     assert HCOV.routed_by_default("backward", "band", 64)
-    assert HCOV.routed_by_default("backward", "none", 64)    # session 10
+    assert HCOV.routed_by_default("backward", "none", 64)
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
     for d, mask, routed in ((128, None, True), (128, aa.Causal(), True), (64, None, True),
                             (64, aa.Causal(), True)):
@@ -106,7 +104,7 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
     """The dQ-inside config (its programs wait for each other's add turns) is the route
     while a (batch, kv head)'s key tiles are at most half the SMs; past that the
     dK/dV-only config (portable dQ, no waits) is; D=64 too (the transposed consumers
-    with 128-row query tiles: without a band since session 10, with one since 11)."""
+    with 128-row query tiles)."""
     from anyattn.backends.triton.hopper import configs as HCF
 
     monkeypatch.setitem(HL._SMS, "cuda:0", 132)
@@ -119,19 +117,19 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
         p = describe(q, k, k, mask=mask)
         object.__setattr__(p, "device", "cuda:0")
         cfg = HL.backward_config(p)
-        assert cfg.ws and cfg.dq is dq, (d, mask, sk, cfg.name)
+        assert cfg.dq is dq, (d, mask, sk, cfg.name)
         if dq:
-            assert cfg == HCF.bwd_config(d, p.mask_class) and cfg.split
-            assert cfg.bm == (128 if d == 64 else 64), cfg.name
+            assert cfg == HCF.bwd_config(d, p.mask_class)
+            assert cfg.bm == (128 if d == 64 else 64) and cfg.trans is (d == 64), cfg.name
         else:
             assert cfg == HCF.bwd_config_dkdv_only(d)
 
 
 def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
     """D=64: the forward is covered and routed by 'auto' with no mask (3 consumer
-    warpgroups) or a band (since session 9: 2 consumers in the persistent kernel on the
-    host-built schedule), and the array masks are refused at D=64 with the reason
-    (coverage.py, configs.py)."""
+    warpgroups) or a band (2 consumers in the persistent kernel on the host-built
+    schedule), and the array masks are refused at D=64 with the reason (coverage.py,
+    configs.py)."""
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF
 
@@ -147,10 +145,9 @@ def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
         object.__setattr__(p, "device", "cuda:0")
         assert HCOV.supports(p, "forward") is None
         assert TL._use_hopper(p, "forward", None, ()) is routed, mask
-    for dt in ("bfloat16", "float16"):
-        assert HCF.fwd_config(64, dt, "none").name == "ws192x128s3opf"
-        assert HCF.fwd_config(64, dt, "band").name == "ws128x128s3opfPg"
-        assert HCF.fwd_config(128, dt, "none") == HCF.fwd_config(128, dt, "band")
+    assert HCF.fwd_config(64, "none").name == "ws192x128s3opf"
+    assert HCF.fwd_config(64, "band").name == "ws128x128s3opfPg"
+    assert HCF.fwd_config(128, "none") == HCF.fwd_config(128, "band")
     p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
     object.__setattr__(p, "device", "cuda:0")
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
@@ -159,54 +156,74 @@ def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
 
 
 def test_d128_forward_routes_the_scheduled_persistent_kernel_without_a_mask_and_with_a_band():
-    """D=128 (session 12, configs._FWD_BY_MASK): no mask or a band -> the persistent
-    kernel on the host-built schedule (FWD_PERSIST_SCHED, 'ws128x128s2opfPg'; H200
-    device time 1-3 % over the per-tile kernel at 5 of 6 shapes, bitwise its results);
-    the array mask classes (the schedule takes band masks only) -> the per-tile kernel of
-    the same loop (_FWD[128], 'ws128x128s2opf'); bf16 and fp16 alike."""
+    """D=128: no mask or a band -> the persistent kernel on the host-built schedule
+    ('ws128x128s2opfPg'); the array mask classes (the schedule takes band masks only) ->
+    the per-tile kernel of the same loop ('ws128x128s2opf')."""
     from anyattn.backends.triton.hopper import configs as HCF
 
-    for dt in ("bfloat16", "float16"):
-        for mc in ("none", "band"):
-            cfg = HCF.fwd_config(128, dt, mc)
-            assert cfg == HCF.FWD_PERSIST_SCHED and cfg.name == "ws128x128s2opfPg", (dt, mc)
-        for mc in ("documents", "keep", "band+documents", "band+keep", "documents+keep",
-                   "band+documents+keep"):
-            cfg = HCF.fwd_config(128, dt, mc)
-            assert cfg == HCF.FWD_PERSIST_SCHED.per_tile() and not cfg.persist, (dt, mc)
-            assert cfg.name == "ws128x128s2opf"
+    for mc in ("none", "band"):
+        cfg = HCF.fwd_config(128, mc)
+        assert cfg.persist and cfg.name == "ws128x128s2opfPg", mc
+    for mc in ("documents", "keep", "band+documents", "band+keep", "documents+keep",
+               "band+documents+keep"):
+        cfg = HCF.fwd_config(128, mc)
+        assert cfg == HCF.fwd_config(128, "band").per_tile() and not cfg.persist, mc
+        assert cfg.name == "ws128x128s2opf"
 
 
-def test_backward_configs_are_data():
-    """Backward configs: names as the bench and LOG use them; dq only through the fused
-    kernel; every default and variant within the shared memory of an H100 / H200."""
+def test_routed_configs_are_the_compiled_lists():
+    """FWD_CONFIGS / BWD_CONFIGS are exactly what the routes can launch (every covered
+    class's config, the persistent ones' per-tile twins, the dK/dV-only fallback), ten
+    in all, each within the shared memory of an H100 / H200; uncovered cases raise."""
     from anyattn.backends.triton.hopper import configs as HCF
 
-    assert HCF.HopperBwdConfig(128, 64, 2, fused=True, dq=True).name == "fdkdvq128x64s2"
-    assert HCF.HopperBwdConfig(128, 32, 2).name == "dkdv128x32s2"
-    assert HCF.HopperBwdConfig(128, 64, 2, fused=True, dq=True, defer=True).name == \
-        "fdkdvq128x64s2d"
-    with pytest.raises(ValueError, match="fused"):
-        HCF.HopperBwdConfig(128, 64, 2, dq=True)
-    with pytest.raises(ValueError, match="dq=True"):
-        HCF.HopperBwdConfig(128, 64, 2, fused=True, defer=True)
-    assert HCF.HopperBwdConfig(128, 64, 2, ws=True, pingpong=True).name == "wdkdv128x64s2p"
-    assert HCF.bwd_config(128).ws and HCF.bwd_config(64).ws
-    with pytest.raises(ValueError, match="warp-specialised"):
-        HCF.HopperBwdConfig(128, 32, 2, ws=True)
-    with pytest.raises(ValueError, match="ws=True"):
-        HCF.HopperBwdConfig(128, 64, 2, pingpong=True)
-    for d in (64, 128):
-        for c in [HCF.bwd_config(d)] + HCF.BWD_VARIANTS[d]:
-            assert c.smem_bytes(d) <= 227 * 1024, c.name
+    classes = {64: ("none", "band"),
+               128: ("none", "band", "documents", "keep", "band+documents", "band+keep",
+                     "documents+keep", "band+documents+keep")}
+    fwd, bwd, at = set(), set(), set()
+    for d, mcs in classes.items():
+        for mc in mcs:
+            c = HCF.fwd_config(d, mc)
+            fwd |= {c, c.per_tile()}
+            bwd.add(HCF.bwd_config(d, mc))
+            at |= {(c, d), (c.per_tile(), d), (HCF.bwd_config(d, mc), d)}
+        bwd.add(HCF.bwd_config_dkdv_only(d))
+        at.add((HCF.bwd_config_dkdv_only(d), d))
+    assert fwd == set(HCF.FWD_CONFIGS) and bwd == set(HCF.BWD_CONFIGS)
+    assert len(HCF.FWD_CONFIGS) + len(HCF.BWD_CONFIGS) == 10
+    assert sorted(c.name for c in HCF.BWD_CONFIGS) == [
+        "wdkdv128x64s2", "wdkdvq128x128s2nhtri", "wdkdvq128x128s2nhtrie",
+        "wdkdvq128x64s2nhri", "wdkdvq128x64s2nhrie"]
+    for c, d in at:   # each at the head dim it is routed at
+        assert c.smem_bytes(d) <= 227 * 1024, (c.name, d)
+    for bad in (lambda: HCF.fwd_config(64, "documents"), lambda: HCF.fwd_config(96, "none"),
+                lambda: HCF.bwd_config(64, "keep"), lambda: HCF.bwd_config_dkdv_only(96)):
+        with pytest.raises(KeyError):
+            bad()
+
+
+def test_configs_reject_shapes_the_kernels_do_not_implement():
+    """Config fields that the kernels do not implement raise instead of being ignored."""
+    from anyattn.backends.triton.hopper.configs import HopperBwdConfig, HopperConfig
+
+    with pytest.raises(ValueError, match="2 or 3 consumer"):
+        HopperConfig(256, 128, 2)
+    with pytest.raises(ValueError, match="bm 64"):
+        HopperBwdConfig(128)
+    with pytest.raises(ValueError, match="bn 128"):
+        HopperBwdConfig(64, bn=64, dq=True)
+    with pytest.raises(ValueError, match="options of dq configs"):
+        HopperBwdConfig(64, late_release=True)
+    c = HopperConfig(192, 128, 3, consumer_regs=160)
+    assert c.name == "ws192x128s3opf" and c.consumers == 3
+    assert c.smem_bytes(64) == 2 * 64 * (192 + 2 * 3 * 128)
 
 
 def test_dq_tiles_all_visited_matches_the_tile_ranges():
-    """launch._dq_tiles_all_visited (whether the fused backward's dq needs zeroing first)
-    against the key tiles' query-tile ranges (bwd_kernel.query_tile_range's rule) over
+    """launch._dq_tiles_all_visited (whether the dQ accumulator needs zeroing first)
+    against the key tiles' query-tile ranges (tile_ranges.query_tile_range's rule) over
     random band masks and sizes."""
     import random
-
 
     def visited(Sq, Sk, lo, hi, bm, bn):
         nq, seen = -(-Sq // bm), set()
@@ -250,97 +267,46 @@ def test_forcing_hopper_where_not_covered_raises(monkeypatch):
         TL.backward(p, q, q, q, q, q, None, None)
 
 
-def test_forward_config_rejects_inconsistent_schedules():
-    """Schedule flags that the kernels do not implement raise instead of being ignored."""
-    from anyattn.backends.triton.hopper.configs import HopperConfig
-
-    with pytest.raises(ValueError, match="pingpong needs ws=True and overlap=True"):
-        HopperConfig(128, 128, 2, ws=True, pingpong=True)
-    with pytest.raises(ValueError, match="stages >= 3"):
-        HopperConfig(128, 128, 2, 8, overlap=True)
-    with pytest.raises(ValueError, match="exp_fma"):
-        HopperConfig(128, 128, 2, 8, exp_fma=True)
-    with pytest.raises(ValueError, match="edges needs ws=True and overlap=True"):
-        HopperConfig(128, 128, 2, ws=True, edges=True)
-    with pytest.raises(ValueError, match="p_smem needs edges=True"):
-        HopperConfig(128, 128, 2, ws=True, overlap=True, p_smem=True)
-    with pytest.raises(ValueError, match="2 or 3 consumer"):
-        HopperConfig(256, 128, 2, ws=True)
-    assert HopperConfig(128, 128, 2, ws=True, overlap=True, pingpong=True,
-                        exp_fma=True).name == "ws128x128s2opf"
-    c = HopperConfig(192, 128, 3, ws=True, overlap=True, pingpong=True, exp_fma=True,
-                     edges=True, p_smem=True)
-    assert c.name == "ws192x128s3opfem" and c.consumers == 3
-    assert c.smem_bytes(64) == 2 * (64 * (192 + 2 * 3 * 128) + 2 * 192 * 128)
-
-
-def test_fp16_and_bf16_share_the_d128_forward_default():
-    """fp16 runs the warp-specialised default too (checked in fp16 on every mask kind on
-    the H200, session 6); every forward default (each mask class's route), variant and
-    persistent variant fits an H100 / H200's shared memory."""
-    from anyattn.backends.triton.hopper import configs as HCF
-
-    classes = ("none", "band", "documents", "band+keep")
-    for mc in classes:
-        assert HCF.fwd_config(128, "float16", mc) == HCF.fwd_config(128, "bfloat16", mc)
-        assert HCF.fwd_config(128, "float16", mc).ws
-    for d in (64, 128):
-        routed = [HCF.fwd_config(d, dt, mc) for dt in ("bfloat16", "float16")
-                  for mc in classes]
-        for c in routed + HCF.FWD_VARIANTS[d] + HCF.FWD_PERSIST_VARIANTS[d]:
-            assert c.smem_bytes(d) <= 227 * 1024, c.name
-
-
 # ----------------------------------------------------------------------------- offline
 def _compile_counts(expr):
-    """Instruction counts of ``expr`` (an offline.compile_* call) compiled for sm_90a in a
-    child process without TRITON_INTERPRET (tests/conftest.py sets it where no GPU is
-    present, and Gluon functions do not compile under the interpreter)."""
+    """Instruction counts of ``expr`` (a bench/lab/hopper_offline.compile_* call, ``O``)
+    compiled for sm_90a in a child process without TRITON_INTERPRET (tests/conftest.py
+    sets it where no GPU is present, and Gluon functions do not compile under the
+    interpreter)."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    code = ("import json; from anyattn.backends.triton.hopper import offline as O, configs as C; "
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"),
+                                         os.path.join(root, "bench", "lab"),
+                                         env.get("PYTHONPATH", "")])
+    code = ("import json; import hopper_offline as O; "
+            "from anyattn.backends.triton.hopper import configs as C; "
             f"c = {expr}; "
             "print(json.dumps(dict(O.instruction_counts(c), has_sass=bool(O.sass_of(c.asm['cubin'])))))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @needs_gluon
 @pytest.mark.parametrize("expr,stores", [
-    # the plain kernel (two warpgroups meeting at a CTA barrier; D=64's default until
-    # session 8)
-    ("O.compile_fwd('bfloat16', 64, False, C.HopperConfig(128, 128, 3, 8))", 1),
-    ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True))", 2),
-    ("O.compile_fwd('bfloat16', 128, True, C.HopperConfig(128, 128, 2, ws=True, overlap=True, "
-     "pingpong=True, exp_fma=True))", 2),
-    ("O.compile_fwd('bfloat16', 64, True, C.HopperConfig(192, 128, 3, ws=True, overlap=True, "
-     "pingpong=True, exp_fma=True, edges=True, p_smem=True, consumer_regs=160))", 3),
-    ("O.compile_dkdv('bfloat16', 64, True)", 2),
-    # the fused backward with dQ: dK, dV and the first dQ partial of a query tile
-    # (the later ones are bulk reduce-adds, UTMAREDG)
-    ("O.compile_dkdv('bfloat16', 64, True, C.HopperBwdConfig(128, 64, 2, fused=True, dq=True))",
-     3),
-    # the warp-specialised dK/dV: dK and dV of each consumer's 64 key rows
-    ("__import__('anyattn.backends.triton.hopper.bwd_offline', fromlist=['_'])"
-     ".compile_dkdv_ws('bfloat16', 64, True, C.HopperBwdConfig(128, 64, 2, ws=True, "
-     "pingpong=True))", 4)])
+    ("O.compile_fwd('bfloat16', 128, True, C.fwd_config(128, 'band').per_tile())", 2),
+    ("O.compile_fwd('bfloat16', 64, False)", 3),
+    # the dK/dV-only kernel: dK and dV of each consumer's 64 key rows
+    ("O.compile_bwd('bfloat16', 64, True, C.bwd_config_dkdv_only(64))", 4)])
 def test_compiles_for_sm90a_with_hopper_instructions(expr, stores):
     """The kernels compile for sm_90a here (no GPU) and their SASS holds warpgroup MMAs
     (HGMMA) and bulk tensor loads (UTMALDG), no HMMA fallback, no local memory; the
-    warp-specialised forward moves registers between its partitions (setmaxnreg); its
-    overlapped loop issues two products per tile (twice the HGMMA of the plain one)."""
+    warp-specialised kernels move registers between their partitions (setmaxnreg); the
+    overlapped forward loop issues two products per tile."""
     n = _compile_counts(expr)
     assert n["ptx_wgmma"] > 0 and n["ptx_tma_load"] > 0 and n["ptx_tma_store"] == stores, n
-    if "ws=True" in expr:
-        assert n["ptx_setmaxnreg"] > 0, n
-    if "overlap=True" in expr and "edges" not in expr and n["has_sass"]:
+    assert n["ptx_setmaxnreg"] > 0, n
+    if "compile_fwd('bfloat16', 128" in expr and n["has_sass"]:
         assert n["sass_HGMMA"] == 64, n   # per consumer: S(0), S(j) + P.V(j-1), last P.V
     if n["has_sass"]:
         assert n["sass_HGMMA"] > 0 and n["sass_UTMALDG"] > 0 and n["sass_HMMA"] == 0, n
@@ -429,8 +395,8 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
 
 @gpu_grid(["none", "causal", "causal_br", "window2"])
 def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
-    """The warp-specialised forward (configs.FWD_VARIANTS): out within tolerance of
-    float64, every element written, bitwise equal to itself."""
+    """The routed forward config of the mask's class and its per-tile twin: out within
+    tolerance of float64, every element written, bitwise equal to itself."""
     from anyattn.backends.triton.hopper import configs as HCF
 
     B, H, Hkv, Sq, Sk = shape
@@ -439,7 +405,8 @@ def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
     p = describe(q, k, v, mask=mask)
     qr, kr, vr = (to_np(x).astype(np.float64) for x in (q, k, v))
     ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask))
-    for cfg in [c for c in HCF.FWD_VARIANTS[D] if c.ws]:
+    routed = HCF.fwd_config(D, p.mask_class)
+    for cfg in sorted({routed, routed.per_tile()}, key=lambda c: c.name):
         res = []
         for _ in range(2):
             out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device="cuda")
@@ -454,8 +421,8 @@ def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
 
 @gpu_grid()
 def test_backward_matches_float64(dtype, D, kind, shape, layout):
-    """The routed backward (portable delta, the Hopper backward config: the fused kernel
-    with dQ) and every backward config into poisoned buffers (dq too where the config
+    """The routed backward (portable delta, the Hopper backward config with dQ inside) and
+    every backward config of that head dim into poisoned buffers (dq too where the config
     computes it): within the dtype's tolerance of float64, two runs bitwise equal."""
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF
@@ -486,23 +453,22 @@ def test_backward_matches_float64(dtype, D, kind, shape, layout):
     delta = (out.float() * dout.float()).sum(-1).contiguous()
     mx = torch.where(rs.max == float("-inf"), float("inf"), rs.max)
     l2 = torch.stack([mx, rs.log_norm * 1.4426950408889634], 2).contiguous()
-    for cfg in [HCF.bwd_config(D)] + HCF.BWD_VARIANTS[D]:
+    for cfg in [HCF.bwd_config(D, "none"), HCF.bwd_config(D, "band"),
+                HCF.bwd_config_dkdv_only(D)]:
         dk = torch.full((B, Hkv, Sk, D), float("nan"), dtype=q.dtype, device="cuda")
         dv = torch.full_like(dk, float("nan"))
         dq = torch.full_like(q.contiguous(), float("nan"))
-        if cfg.fused or cfg.dq:   # the fused kernel, the ws kernel with dq (session 8)
-            got = HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg,
-                                    want_dq=cfg.dq)[0]
-            if cfg.dq:
-                assert_close(got, rg.dq, dtype, f"dq {cfg.name}")
-                # the ascending add order (what the launcher takes when the key tiles
-                # of a head do not fit on the SMs at once): the same sums, other bits
-                got0 = [HL.backward_fused(p, q, k, v, dout, l2, delta,
-                                          torch.full_like(dq, float("nan")), cfg=cfg,
-                                          order=0)[0] for _ in range(2)]
-                assert_close(got0[0], rg.dq, dtype, f"dq {cfg.name} order 0")
-                assert torch.equal(got0[0], got0[1]), f"dq {cfg.name} order 0 repeat"
+        if cfg.dq:
+            got = HL.backward_fused(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg=cfg)[0]
+            assert_close(got, rg.dq, dtype, f"dq {cfg.name}")
+            # the ascending add order (what the launcher takes when the key tiles of a
+            # head do not fit on the SMs at once): the same sums, other bits
+            got0 = [HL.backward_fused(p, q, k, v, dout, l2, delta,
+                                      torch.full_like(dq, float("nan")), cfg=cfg,
+                                      order=0)[0] for _ in range(2)]
+            assert_close(got0[0], rg.dq, dtype, f"dq {cfg.name} order 0")
+            assert torch.equal(got0[0], got0[1]), f"dq {cfg.name} order 0 repeat"
         else:
-            HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv, cfg=cfg)
+            HL.dkdv(p, q, k, v, dout, l2, delta, dk, dv)
         assert_close(dk, rg.dk, dtype, f"dk {cfg.name}")
         assert_close(dv, rg.dv, dtype, f"dv {cfg.name}")

@@ -194,7 +194,7 @@ def test_dq_conversion_zeroes_the_unvisited_tiles_only():
     kw = {key: (x.to(DEV) if isinstance(x, torch.Tensor) else x)
           for key, x in tabs.kw_visits.items()}
     dq_convert_kernel[(-(-n // 1024),)](acc.to(DEV), out_d := out.to(DEV), n, p.scale,
-                                        Sq * D, Sq * D, CHAINS=1, PADDED=False, BLOCK=1024,
+                                        Sq * D, Sq * D, PADDED=False, BLOCK=1024,
                                         H=H, D=D, **kw)
     got = out_d.cpu().double()
     rg = R.backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), mask=np_mask(mask))
@@ -269,19 +269,15 @@ def test_tables_cached_per_mask_tensor_version():
     assert a.ct.view(-1, 8)[0, 3] == 5 and b.ct.view(-1, 8)[0, 3] == 10
 
 
-def test_non_ws_and_transposed_configs_refuse_array_masks():
+def test_transposed_configs_refuse_array_masks():
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     p = describe(q, q, q, mask=aa.Documents(torch.zeros(64, dtype=torch.int32)))
     l2 = torch.zeros(1, 2, 2, 64)
     delta = torch.zeros(1, 2, 64)
-    with pytest.raises(NotImplementedError, match="warp-specialised"):
-        HL.dkdv(p, q, q, q, q, l2, delta, cfg=HCF.dkdv_config(128))
-    with pytest.raises(NotImplementedError, match="warp-specialised"):
-        HL.backward_fused(p, q, q, q, q, l2, delta, cfg=HCF.PREV_BWD[128], want_dq=False)
     with pytest.raises(NotImplementedError, match="trans"):
-        HL.backward_fused(p, q, q, q, q, l2, delta, cfg=HCF.WS_DQT_BWD_VARIANTS[128][0])
+        HL.backward_fused(p, q, q, q, q, l2, delta, cfg=HCF.bwd_config(64, "band"))
     with pytest.raises(ValueError, match="rank"):
         HL.backward_fused(p, q, q, q, q, l2, delta, cfg=HCF.bwd_config(128, "documents"),
                           order=1)
@@ -295,90 +291,29 @@ def test_array_masks_covered_by_the_backward_not_routed():
                "band+documents+keep"):
         assert mc in cov.covered_mask_classes(128)
         assert mc not in cov.covered_mask_classes(64)     # not timed at D=64
-    # faster on the device, but the eager user path is host-bound there (LOG session 9):
-    # covered, not routed by 'auto'
+    # faster on the device, but the eager user path is host-bound there: covered, not
+    # routed by 'auto'
     for mc in ("documents", "band+documents", "keep", "band+keep", "documents+keep",
                "band+documents+keep"):
         assert not HCOV.routed_by_default("backward", mc, 128)
     assert HCOV.routed_by_default("backward", "none", 128)
     assert HCOV.routed_by_default("backward", "band", 128)
     assert HCOV.routed_by_default("backward", "band", 64)
-    assert HCOV.routed_by_default("backward", "none", 64)    # session 10
+    assert HCOV.routed_by_default("backward", "none", 64)
 
 
 # ----------------------------------------------------------------------------- offline
-_ARRAY_NAMES = ["CT", "ct_b", "ct_h", "IV", "KID", "siv_b", "skid_b", "KM", "skm_b",
-                "skm_h", "skm_q", "skm_k"]
-_ARRAY_TYPES = ["*i32", "i32", "i32", "*i32", "*i32", "i32", "i32", "*u8", "i32", "i32",
-                "i32", "i32"]
-
-
-def compile_array(cfg, band: bool, docs: int, keep: bool, dtype="bfloat16", D=128):
-    """Offline sm_90a compile of a ws backward config's ARRAY code (bwd_offline's
-    signature with the array keywords) -> CompiledKernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    from anyattn.backends.triton.hopper.launch import WS_DQ_WRITER_REGS, dqa_desc, make_desc
-    from anyattn.backends.triton.hopper.offline import SM90A
-
-    x = torch.empty((2, 2, 256, D), dtype=getattr(torch, dtype))
-    qd, kd = mangle_type(make_desc(x, cfg.bm)), mangle_type(make_desc(x, cfg.bn // 2))
-    an, at = list(_ARRAY_NAMES), list(_ARRAY_TYPES)
-    if cfg.dq:
-        from anyattn.backends.triton.hopper.bwd_ws_dq_kernel import dkdvq_ws_kernel as fn
-
-        ad = mangle_type(dqa_desc(torch.empty((4, 256, D), dtype=torch.float32), cfg.bm,
-                                  D // 2 if cfg.split else None))
-        names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc",
-                 "L2", "DELTA", "SEM", "NBH", "H", "G", "Sq", "Sk", "scale", "lo", "hi",
-                 "ORDER"]
-        types = [qd, kd, kd, qd, kd, kd, ad, "*fp32", "*fp32", "*i32", "i32", "i32", "i32",
-                 "i32", "i32", "fp32", "i32", "i32", "i32"]
-        consts = [("HAS_BAND", band), ("STAGES", cfg.stages),
-                  ("CONSUMER_REGS", cfg.consumer_regs), ("WRITER_REGS", WS_DQ_WRITER_REGS),
-                  ("PREFETCH", cfg.prefetch), ("CHAINS", cfg.chains), ("DIAG", False),
-                  ("SPLIT", cfg.split), ("LAG", cfg.lag), ("num_warps", 4)]
-        an[3:3], at[3:3] = ["RK", "rk_b", "rk_h"], ["*i32", "i32", "i32"]
-    else:
-        from anyattn.backends.triton.hopper.bwd_ws_kernel import dkdv_ws_kernel as fn
-
-        names = ["q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "L2",
-                 "DELTA", "H", "G", "Sq", "Sk", "scale", "lo", "hi"]
-        types = [qd, kd, kd, qd, kd, kd, "*fp32", "*fp32", "i32", "i32", "i32", "i32",
-                 "fp32", "i32", "i32"]
-        consts = [("HAS_BAND", band), ("STAGES", cfg.stages),
-                  ("CONSUMER_REGS", cfg.consumer_regs), ("PINGPONG", cfg.pingpong),
-                  ("num_warps", 4)]
-    sig = dict(zip(names, types))
-    sig.update({n: "constexpr" for n, _ in consts})
-    sig.update(zip(an, at))
-    consts += [("ARRAY", True), ("DOCS", docs), ("HAS_KEEP", keep)]
-    order = list(sig) + ["ARRAY", "DOCS", "HAS_KEEP"]
-    sig.update({"ARRAY": "constexpr", "DOCS": "constexpr", "HAS_KEEP": "constexpr"})
-    if cfg.dq and cfg.stats:   # 'r': the statistics staged by the producer (session 11)
-        consts.append(("STATS", True))
-        order.append("STATS")
-        sig["STATS"] = "constexpr"
-    cx = {(order.index(n),): v for n, v in consts}
-    return triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget(*SM90A),
-                          options=dict(num_warps=4))
-
-
 @needs_gluon
 @pytest.mark.parametrize("dq", [False, True])
 @pytest.mark.parametrize("docs,keep,band", [(2, False, True), (1, False, False),
                                             (0, True, True), (2, True, False)])
 def test_array_backward_compiles_for_sm90a(dq, docs, keep, band):
-    """The D=128 ws backward configs (dK/dV only; dQ inside, the routed config) compile
+    """The D=128 backward configs (dK/dV only; dQ inside, the routed config) compile
     for sm_90a with array masks: the dense configs' HGMMA counts (48 / 64), no HMMA, the
-    bulk reduce-add of dQ inside; their local memory (spills on the masked edge tiles) is
-    recorded in the LOG, not asserted.  Compiled in a child process without
+    bulk reduce-add of dQ inside; their local memory (spills on the masked edge tiles)
+    is not asserted.  Compiled in a child process without
     TRITON_INTERPRET (tr_util.offline_facts says why)."""
-    f = offline_facts("compile_array(cfg, %r, %d, %r)" % (band, docs, keep),
-                      "from test_hopper_bwd_masks import compile_array\n"
+    f = offline_facts("O.compile_bwd('bfloat16', 128, %r, cfg, %d, %r)" % (band, docs, keep),
                       "cfg = HCF.bwd_config(128, 'documents') if %r else "
                       "HCF.bwd_config_dkdv_only(128)" % dq)
     assert f["ptx_setmaxnreg"] > 0 and f["ptx_tma_load"] > 0, f
@@ -402,28 +337,27 @@ def _gpu_run(name, dtype, D, seed=3):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", list(_cases()))
-def test_gpu_backward_array_masks_match_float64(name, dtype, D):
-    """dk / dv of the ws dK/dV kernel and dq / dk / dv of the dQ-inside kernel ('nh',
-    and 'n': two partials a key tile) with ARRAY vs float64 into NaN-poisoned buffers
-    (every element written; dq 0 on empty rows), two runs bitwise equal."""
+def test_gpu_backward_array_masks_match_float64(name, dtype):
+    """D=128 (the head dim the array masks are covered at): dk / dv of the dK/dV-only
+    kernel and dq / dk / dv of the routed dQ-inside config with ARRAY vs float64 into
+    NaN-poisoned buffers (every element written; dq 0 on empty rows), two runs bitwise
+    equal."""
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
-    p, q, k, v, dout, l2, delta, rg = _gpu_run(name, dtype, D)
+    p, q, k, v, dout, l2, delta, rg = _gpu_run(name, dtype, 128)
     nan = lambda x: torch.full_like(x.contiguous(), float("nan"))  # noqa: E731
-    runs = [HL.dkdv(p, q, k, v, dout, l2, delta, nan(k), nan(v),
-                    cfg=HCF.bwd_config_dkdv_only(D)) for _ in range(2)]
+    runs = [HL.dkdv(p, q, k, v, dout, l2, delta, nan(k), nan(v)) for _ in range(2)]
     for i, n in enumerate(("dk", "dv")):
         assert torch.equal(runs[0][i], runs[1][i]), f"{n} dkdv"
         assert_close(runs[0][i], getattr(rg, n), dtype, f"{n} dkdv")
-    for cfg in (HCF.WS_DQS_BWD_VARIANTS[D][0], HCF.WS_DQ_BWD_VARIANTS[D][1]):
-        runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
-                                  cfg=cfg) for _ in range(2)]
-        for i, n in enumerate(("dq", "dk", "dv")):
-            assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name}"
-            assert_close(runs[0][i], getattr(rg, n), dtype, f"{n} {cfg.name}")
+    cfg = HCF.bwd_config(128, p.mask_class)
+    runs = [HL.backward_fused(p, q, k, v, dout, l2, delta, nan(q), nan(k), nan(v),
+                              cfg=cfg) for _ in range(2)]
+    for i, n in enumerate(("dq", "dk", "dv")):
+        assert torch.equal(runs[0][i], runs[1][i]), f"{n} {cfg.name}"
+        assert_close(runs[0][i], getattr(rg, n), dtype, f"{n} {cfg.name}")
 
 
 @pytest.mark.gpu
@@ -442,5 +376,5 @@ def test_gpu_routed_backward_with_array_masks(name, monkeypatch):
     res = TL.backward(p, q, k, v, dout, out, rs, None)
     for n in ("dq", "dk", "dv"):
         assert_close(res[n], getattr(rg, n), "bfloat16", f"{n} routed")
-    assert HCF.bwd_config(128, p.mask_class).ws
+    assert HCF.bwd_config(128, p.mask_class).dq
     TL.clear_prepared()

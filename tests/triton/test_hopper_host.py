@@ -72,7 +72,8 @@ def test_cached_dq_accumulator_descriptor_is_the_built_one():
     for _ in range(2):                                   # miss, then hits
         for shape in ((8, 48, 128), (1, 8, 128), (8, 40, 64)):
             x = torch.empty(shape, dtype=torch.float32)
-            _same_desc(HL.dqa_desc(x, 64), HL._new_dqa_desc(x, 64))
+            cols = shape[2] // 2
+            _same_desc(HL.dqa_desc(x, 64, cols), HL._new_dqa_desc(x, 64, cols))
     assert len(HL._desc_parts) == 3
 
 
@@ -152,11 +153,10 @@ def recorded(monkeypatch, sm_count):
     forward routed to Hopper; the SM count set (sm_count); no CUDA-graph capture (the
     scheduled launch asks torch.cuda whether one is under way before it builds a
     schedule; torch without CUDA cannot answer)."""
-    from anyattn.backends.triton.hopper import fwd_kernel, fwd_persist_kernel, fwd_ws_kernel
+    from anyattn.backends.triton.hopper import fwd_persist_kernel, fwd_ws_kernel
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     rec = _Recorder()
-    monkeypatch.setattr(fwd_kernel, "fwd_kernel", rec)
     monkeypatch.setattr(fwd_ws_kernel, "fwd_ws_kernel", rec)
     monkeypatch.setattr(fwd_persist_kernel, "fwd_persist_kernel", rec)
     monkeypatch.setattr(L, "_use_hopper", lambda p, d, plan, t: d == "forward")
@@ -185,17 +185,17 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
     """Repeated launch.forward calls on new tensors (the prepared launch, the descriptor
     cache) record the launch the uncached code made: the same grid, keywords, scalars and
     descriptor fields, the descriptors over each call's own q, k, v and out.  'routed':
-    the D=128 route without a mask or with a band (since session 12 the persistent
-    kernel on the host-built schedule, FWD_PERSIST_SCHED): one program per SM (SMS here)
-    over the 8 query tiles, B * H and the schedule (bands) or its placeholder (no mask:
-    the kernel's own walk) after the mask arguments.  'per_tile': the route pinned to
-    the per-tile kernel of the same loop (configs._FWD[128], the route of Documents /
-    KeepMask calls): one program per query tile."""
-    per_tile = HCF.FWD_PERSIST_SCHED.per_tile()
+    the D=128 route without a mask or with a band (the persistent kernel on the
+    host-built schedule): one program per SM (SMS here) over the 8 query tiles, B * H
+    and the schedule (bands) or its placeholder (no mask: the kernel's own walk) after
+    the mask arguments.  'per_tile': the route pinned to the per-tile kernel of the same
+    loop (the route of Documents / KeepMask calls): one program per query tile."""
+    routed = HCF.fwd_config(128, "band")
+    per_tile = routed.per_tile()
     if route == "per_tile":
         for mc in ("none", "band"):
-            monkeypatch.setitem(HCF._FWD_BY_MASK, (128, mc), per_tile)
-    want = HCF.FWD_PERSIST_SCHED if route == "routed" else per_tile
+            monkeypatch.setitem(HCF._FWD, (128, mc), per_tile)
+    want = routed if route == "routed" else per_tile
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         if layout == "bshd":
@@ -224,7 +224,7 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
         n_tiles = 1 * 2 * 4                        # cdiv(40, 128) query tiles x B x H
         if route == "routed":
             assert grid == (min(SMS, n_tiles),) == (SMS,)
-            assert kw["SCHED"] is (mask is not None) and kw["NC"] == 2 and not kw["XOVER"]
+            assert kw["SCHED"] is (mask is not None) and kw["NC"] == 2 and "XOVER" not in kw
             assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
             assert args[-2] == 2 * 4                # B * H
             if mask is not None:                   # the cached schedule for SMS programs
@@ -247,7 +247,7 @@ def test_prepared_forward_holds_no_tensor(recorded):
     L.forward(p, q, k, v, None)
     (pr,) = L._prepared._d.values()
     assert isinstance(pr.hfwd, HL.FwdLaunch)
-    # the route (FWD_PERSIST_SCHED) and its per-tile twin for graph capture
+    # the route (persistent, scheduled) and its per-tile twin for graph capture
     assert pr.hfwd.cfg.persist and isinstance(pr.hfwd.per_tile, HL.FwdLaunch)
     for launch in (pr.hfwd, pr.hfwd.per_tile):
         assert not any(isinstance(x, torch.Tensor) for x in vars(launch).values())
@@ -267,7 +267,7 @@ def test_scheduled_forward_under_capture_launches_its_per_tile_twin(recorded, mo
     q, k, v = (torch.randn(1, 4, 300, 128).to(torch.bfloat16) for _ in range(3))
     p = describe(q, k, v, mask=aa.Causal())
     pr = HL.prepare_forward(p)
-    assert pr.cfg == HCF.FWD_PERSIST_SCHED and pr.sched is not None
+    assert pr.cfg == HCF.fwd_config(128, "band") and pr.sched is not None
     HL._sched_cache.clear()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     HL.forward(p, q, k, v, prepared=pr)
@@ -289,15 +289,15 @@ def test_prepared_forward_refuses_a_different_config(sm_count):
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     p = describe(q, q, q)
     pr = HL.prepare_forward(p)
-    assert pr.cfg == HCF.FWD_PERSIST_SCHED
+    assert pr.cfg == HCF.fwd_config(128, "none")
     # any other config, the per-tile kernel of the same loop (bitwise its results) too
-    for other in (next(c for c in HCF.FWD_VARIANTS[128] if c != pr.cfg), pr.cfg.per_tile()):
+    for other in (HCF.fwd_config(64, "band"), pr.cfg.per_tile()):
         with pytest.raises(ValueError, match="differs from the prepared"):
             HL.forward(p, q, q, q, cfg=other, prepared=pr)
 
 
 def test_d128_forward_launch_is_persistent_without_a_mask_and_with_a_band(sm_count):
-    """The D=128 forward's launch (prepare_forward, the route since session 12): no mask
+    """The D=128 forward's launch (prepare_forward): no mask
     or a band (causal, bottom-right, window) -> the persistent kernel on min(SMs, query
     tiles) programs, the host-built schedule with a band only; Documents / KeepMask ->
     the per-tile warp-specialised kernel (the schedule takes band masks only), one
@@ -313,12 +313,12 @@ def test_d128_forward_launch_is_persistent_without_a_mask_and_with_a_band(sm_cou
                             (aa.Causal(align="bottom_right"), True),
                             (aa.Window(left=200, right=37), True)):
             pr = HL.prepare_forward(describe(q, q, q, mask=mask))
-            assert pr.cfg == HCF.FWD_PERSIST_SCHED, (mask, pr.cfg.name)
+            assert pr.cfg == HCF.fwd_config(128, "band"), (mask, pr.cfg.name)
             assert pr.kernel is fwd_persist_kernel and pr.grid == (SMS,)
             assert (pr.sched is not None) is sched and pr.kw["SCHED"] is sched
         for mask in (aa.Documents(ids), aa.Causal() & aa.Documents(ids), aa.KeepMask(keep)):
             pr = HL.prepare_forward(describe(q, q, q, mask=mask))
-            assert pr.cfg == HCF.FWD_PERSIST_SCHED.per_tile() and not pr.cfg.persist
+            assert pr.cfg == HCF.fwd_config(128, "band").per_tile() and not pr.cfg.persist
             assert pr.kernel is fwd_ws_kernel and pr.grid == (3, 4)
 
 

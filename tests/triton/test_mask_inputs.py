@@ -203,7 +203,7 @@ def _build_all(p, q):
     for sb in ((32, 32), (64, 32)):
         L.tile_lists(p, ma, *sb, q.device)
     HL.bwd_mask_tables(p, q, 64, 128)
-    return HL.mask_arrays(p, q, HCF.fwd_config(128, "bfloat16", p.mask_class))
+    return HL.mask_arrays(p, q, HCF.fwd_config(128, p.mask_class))
 
 
 def test_new_host_documents_mask_builds_without_device_reads():

@@ -116,12 +116,13 @@ def bwd_gpu_inputs(q, k, v, mask, gen):
 
 def offline_facts(call: str, setup: str = "", timeout: int = 600) -> dict:
     """Compile ``call`` (a Python expression giving a CompiledKernel for sm_90a, e.g.
-    ``BO.compile_dkdvq_ws('bfloat16', 128, False, cfg)`` after ``setup`` statements) in a
-    fresh interpreter WITHOUT TRITON_INTERPRET -> bwd_offline.ws_facts plus ``shared``
+    ``O.compile_bwd('bfloat16', 128, False, cfg)`` after ``setup`` statements; ``O``:
+    bench/lab/hopper_offline.py) in a fresh interpreter WITHOUT TRITON_INTERPRET ->
+    hopper_offline.ws_facts plus ``shared``
     (bytes) and ``sass`` (text, '' where cuobjdump is missing).  tests/conftest.py sets
     TRITON_INTERPRET=1 where no GPU is present; Gluon kernels compiled inside that
     process, after the interpreted suite, failed in 3 of 5 fresh-clone runs ("'ir.value'
-    object has no attribute 'dtype'" in bwd_kernel.key_tile_program), never alone —
+    object has no attribute 'dtype'" in tile_ranges.key_tile_program), never alone —
     test_hopper.py's compile tests have always used a child process for that reason."""
     import json
     import os
@@ -130,16 +131,17 @@ def offline_facts(call: str, setup: str = "", timeout: int = 600) -> dict:
 
     here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(here))
     env["PYTHONPATH"] = os.pathsep.join(
-        [here, os.path.dirname(here), os.path.join(os.path.dirname(os.path.dirname(here)), "src"),
-         env.get("PYTHONPATH", "")])
+        [here, os.path.dirname(here), os.path.join(root, "src"),
+         os.path.join(root, "bench", "lab"), env.get("PYTHONPATH", "")])
     code = ("import json\n"
-            "from anyattn.backends.triton.hopper import bwd_offline as BO, configs as HCF\n"
-            "from anyattn.backends.triton.hopper.offline import sass_of\n"
+            "import hopper_offline as O\n"
+            "from anyattn.backends.triton.hopper import configs as HCF\n"
             f"{setup}\n"
             f"c = {call}\n"
-            "f = dict(BO.ws_facts(c), shared=c.metadata.shared,\n"
-            "         sass=sass_of(c.asm['cubin']) if 'cubin' in c.asm else '')\n"
+            "f = dict(O.ws_facts(c), shared=c.metadata.shared,\n"
+            "         sass=O.sass_of(c.asm['cubin']) if 'cubin' in c.asm else '')\n"
             "print('FACTS' + json.dumps(f, default=str))\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=timeout, cwd=here)

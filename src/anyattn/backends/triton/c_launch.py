@@ -5,8 +5,8 @@ Triton 3.6's CUDA launcher (``triton.backends.nvidia.driver.CudaLauncher``) wrap
 compiled C launch function of a kernel that takes TMA descriptors in a Python loop
 (``wrap_handle_tensordesc``'s ``inner``): over every argument, and for each descriptor
 an encoding of its tensor map (``make_tensordesc_arg``: ``fill_tma_descriptor``, a
-driver call) and the expansion into (map, shape..., strides...).  On the H200 machine's
-host that costs ~25-35 us per launch of the Hopper kernels (7 descriptors in the
+driver call) and the expansion into (map, shape..., strides...).  That costs tens of
+microseconds of host time per launch of the Hopper kernels (7 descriptors in the
 backward), on every launch: the descriptors are new objects each call, over tensors that
 the caching allocator mostly hands back at the same addresses step after step.
 

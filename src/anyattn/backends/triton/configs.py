@@ -154,7 +154,7 @@ _plan_cache: Dict[tuple, Plan] = {}
 
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
              seq: int) -> Plan:
-    """The heuristic plan for a problem class (H100/H200 measurements, see docs/perf),
+    """The heuristic plan for a problem class (tiles measured fastest on Hopper GPUs),
     memoised on its arguments, the environment (one env_snapshot, a superset of what it
     reads) and the overrides' version (Plans are frozen)."""
     key = (dp, dtype, precision, mask_class, has_bias, seq, env_snapshot(), _overrides_version)
@@ -172,19 +172,10 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
     if use_fixed():
         return fixed_plan(prec)
     wide = dtype == "float32"
-    # measured on the H200 (docs/perf/triton_h200.json, "tune"): bf16 S=4096 D=128 best
-    # fwd 128x128 w8 s3, dK/dV 64x128 w8 s3, dQ 128x64 w8 s3; D=64 fwd 64x64 w4 s3,
-    # dQ 128x64 w4 s3;
-    # broadcast-dbias reduction at bf16 D=128 128x64 w8 s2 (docs/perf/triton_h200_ab_*.json).
-    # fp32 split products (docs/perf/triton_h200_fp32split_2026-12-02.json, D=128 S=4096):
-    # six products fwd 128x32 w8 s2, dK/dV 32x64 w4 s2, dQ 64x32 w4 s2 (a 32-row dQ tile
-    # cannot use wgmma), one launch; three products ('tf32') dK/dV 64x64 w8 s2 (D=128:
-    # 32x128 w8 s2, 1.44x faster), dQ 64x64 w4 s2, two launches (fused, dQ runs at w8).
-    # Scaled fp16 three products ('f16x3', docs/perf/triton_h200_f16_2026-12-03.json,
-    # S=4096): D=64 dK/dV 64x128 w8 (121.5 bwd TFLOP/s vs 69.2 at 64x64), fwd 128x64 w8
-    # (129.6 vs 96.8); D=128 dQ 128x64 w8 s1 (94.9 vs 91.3 at 64x64 w4), fwd 128x64 w8
-    # (150.2 vs 122.5); two launches (fused 74.6); round two
-    # (triton_h200_f16b_2026-12-03.json): D=128 dK/dV 64x128 w8 s1 99.7 vs 93.9 at 32x128.
+    # the tiles (BM x BN, warps, stages) measured fastest per padded head dim and
+    # operand scheme: 16-bit operands; the fp32 split products (six products: a 32-row
+    # dQ tile cannot use wgmma; three: larger dK/dV tiles, two launches); scaled fp16
+    # three products ('f16x3': 8-warp tiles, two launches).
     three = prec in ("bf16x3", "bf16x3r", "f16x3")
     if prec == "f16x1":   # one fp16 product per product: the kernels see fp16 operands
         wide = False
@@ -201,10 +192,8 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
             p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
             if dp == 64 and dtype != "float32":
-                # the kernels with the row statistics kept apart (H200 2026-12-03, B=4
-                # H=32 S=4096 bf16, ms non-causal / causal): fwd 128x64 w8 s3 1.37 / 0.76
-                # vs 1.41 / 0.89 at 64x64 w4 s3; dK/dV 64x64 w4 s3 4.17 / 2.41 (with the
-                # dQ) vs 4.30 / 2.59 at 64x128 w8 s3
+                # D=64 exactly: a 128-row forward tile and a 64x64 dK/dV tile (with
+                # the row statistics kept apart) beat the wider D<=64 tiles
                 p = replace(p, fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 64, 4, 3))
     elif dp <= 128:
         if wide and prec == "f16x3":
@@ -225,9 +214,8 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
         else:
             p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
                      dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
-    # one-launch backward: measured faster for 16-bit D=128 (+5 % at S=4k, +9 % at 2k) and
-    # six-product fp32 D=128 (+7 %), slower for 16-bit D<=64 (its dQ wants 4 warps, the
-    # dK/dV 8) and three-product fp32 (its dQ wants 4 warps), see docs/perf/LOG.md;
+    # one-launch backward where it is faster: D > 64 but not three-product fp32 (at
+    # D <= 64 and three products the dQ wants 4 warps, the dK/dV 8);
     # ANYATTN_TRITON_FUSED_BWD=0 turns it off everywhere.
     fused = fused_enabled() and dp > 64 and not (wide and three)
     p = replace(p, prec=prec, fused_bwd=fused)

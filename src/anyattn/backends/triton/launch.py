@@ -873,8 +873,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
     kernels need nothing more, and the delta kernel writes each row's term of dsinks,
     summed here over batch and queries in a fixed order (no atomics)."""
     # the Hopper path (pr.hop) computes dk / dv, and dq where its config says so
-    # (hopper/bwd_fused_kernel.py, configs as data); the delta preprocess stays portable,
-    # and so does a dq-only call
+    # (hopper/configs.py); the delta preprocess stays portable, and so does a dq-only call
     pr = _prepare("backward", p, plan, mods, (("q", q), ("k", k), ("v", v), ("dout", dout)),
                   bias)
     plan = pr.plan
@@ -944,15 +943,13 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[C.Plan
                 hcfg = pr.hcfg
                 if hcfg is None:
                     hcfg = pr.hcfg = HL.backward_config(p)
-                if hcfg.fused or hcfg.dq:   # dk, dv and, when the config says so, dq
-                    # in one kernel (bwd_fused_kernel / bwd_ws_dq_kernel)
-                    got, _, _ = HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
-                                                  cfg=hcfg, want_dq=want_q and hcfg.dq,
-                                                  sites=pr.sites if pr.direct else None)
-                    want_q = want_q and got is None
-                else:
-                    HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, cfg=hcfg,
-                            sites=pr.sites if pr.direct else None)
+                sites = pr.sites if pr.direct else None
+                if hcfg.dq and want_q:   # dk, dv and dq in one kernel
+                    HL.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv, cfg=hcfg,
+                                      sites=sites)
+                    want_q = False
+                else:                    # dk, dv; dq (if wanted) portable below
+                    HL.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites)
             elif want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
                              sc, scalars)

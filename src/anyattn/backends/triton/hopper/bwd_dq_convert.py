@@ -1,8 +1,8 @@
-"""dq from the fp32 accumulator(s) of the warp-specialised backward with dQ inside
-(bwd_ws_dq_kernel): dq = (sum of the CHAINS accumulators) * scale in q's dtype.
+"""dq from the fp32 accumulator of the warp-specialised backward with dQ inside
+(bwd_ws_dq_kernel): dq = accumulator * scale in q's dtype.
 
-Shape legend: N = B * H * Sq * D elements of dq; ACC fp32 [CHAINS, B * H, SqA, D]
-(contiguous; SqA = Sq, or Sq rounded up to a multiple of 8: HopperBwdConfig.dq_interleave);
+Shape legend: N = B * H * Sq * D elements of dq; ACC fp32 [B * H, SqA, D] (contiguous;
+SqA: Sq rounded up to a multiple of 8, launch.dqa_desc's interleaved view);
 VIS int8 [Bm, Hv, nq] (VISITS: whether some key tile visits query tile t of (b, kv head);
 Bm / Hv 1 where broadcast, Hv = H / G otherwise).
 """
@@ -13,12 +13,12 @@ __all__ = ["dq_convert_kernel"]
 
 
 @triton.jit
-def dq_convert_kernel(ACC, DQ, N, scale, SQD, SQD_ACC, CHAINS: tl.constexpr,
-                      PADDED: tl.constexpr, BLOCK: tl.constexpr, VIS=None, vis_b=0, vis_h=0,
-                      H=1, G=1, D=1, BMQ=1, VISITS: tl.constexpr = False):
-    """Grid (cdiv(N, BLOCK),): DQ[i] = (ACC[0, a(i)] (+ ACC[1, a(i)])) * scale with
-    a(i) = i, or with PADDED (SQD = Sq * D per head of dq, SQD_ACC = SqA * D of ACC) the
-    same (head, row, column) in ACC's padded rows.  VISITS (Documents / KeepMask: the
+def dq_convert_kernel(ACC, DQ, N, scale, SQD, SQD_ACC, PADDED: tl.constexpr,
+                      BLOCK: tl.constexpr, VIS=None, vis_b=0, vis_h=0, H=1, G=1, D=1, BMQ=1,
+                      VISITS: tl.constexpr = False):
+    """Grid (cdiv(N, BLOCK),): DQ[i] = ACC[a(i)] * scale with a(i) = i, or with PADDED
+    (SQD = Sq * D per head of dq, SQD_ACC = SqA * D of ACC) the same (head, row, column)
+    in ACC's padded rows.  VISITS (Documents / KeepMask: the
     accumulator is not zeroed, and a query tile no key tile visits holds no partial):
     DQ[i] = 0 where VIS[b, h // G, row // BMQ] is 0 (strides vis_b, vis_h; 0 where
     broadcast)."""
@@ -26,13 +26,9 @@ def dq_convert_kernel(ACC, DQ, N, scale, SQD, SQD_ACC, CHAINS: tl.constexpr,
     m = offs < N
     if PADDED:
         acc_offs = (offs // SQD) * SQD_ACC + offs % SQD                     # [BLOCK]
-        n_acc = (N // SQD) * SQD_ACC
     else:
         acc_offs = offs
-        n_acc = N
     acc = tl.load(ACC + acc_offs, mask=m, other=0.0)
-    if CHAINS == 2:
-        acc = acc + tl.load(ACC + n_acc + acc_offs, mask=m, other=0.0)
     if VISITS:
         bh = offs // SQD                                                    # [BLOCK]
         t = (offs % SQD) // D // BMQ

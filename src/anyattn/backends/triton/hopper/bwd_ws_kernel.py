@@ -8,7 +8,7 @@ the query tile, STAGES the depth of the Q / dO ring.
 One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions (bwd_ws_parts,
 shared with bwd_ws_dq_kernel: the consumer without WITH_DQ):
   producer (1 warp, few registers): for every (query head of the group, query tile) that
-      sees the key tile (band ranges: bwd_kernel.query_tile_range, empty tiles skipped)
+      sees the key tile (band ranges: tile_ranges.query_tile_range, empty tiles skipped)
       Q and dO [BM, D] by TMA into ring stage it % STAGES on "q ready" / "do ready",
       once both consumers released the stage's previous tile ("empty", count 2);
   consumer w (w = 0 the default partition, w = 1 a worker; 4 warps, setmaxnreg
@@ -32,7 +32,7 @@ turn[w], issues, arrives on turn[1 - w]), so that one's exponentials and dS run 
 the other's products hold the tensor cores; without it the consumers drift apart only
 as the shared ring lets them.
 
-The numerics are the portable backward's (kernels.py) and bwd_fused_kernel's; every
+The numerics are the portable backward's (kernels.py); every
 dK / dV element has one owner and a fixed summation order: bitwise repeatable, no
 atomics.  dQ stays with the portable kernel.
 """
@@ -40,7 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .bwd_kernel import key_tile_program, key_tile_queries, key_tile_table
+from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
 from .bwd_ws_parts import consumer, producer
 
 __all__ = ["dkdv_ws_kernel"]
@@ -59,7 +59,7 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq].  Band masks through
     lo / hi (open: +-2^30), one compile per config.  ARRAY (Documents / KeepMask): the
-    query tiles of each key tile from the column range table CT (bwd_kernel.
+    query tiles of each key tile from the column range table CT (tile_ranges.
     key_tile_table; ct_b / ct_h its (b, kv head) strides), the edge tiles masked by
     bwd_ws_parts.array_keep: DOCS 1 q ids IV [Bd, Sq] and k ids KID [Bd, Sk] (batch
     strides siv_b / skid_b, 0: one row), DOCS 2 IV [Bd, 2, Sq] the key interval of each
@@ -108,15 +108,13 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
             [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
                          None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, True,
-                         False, False, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS,
-                         HAS_KEEP)),
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, IVb,
+                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
                          None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, True,
-                         False, False, IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS,
-                         HAS_KEEP)),
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, IVb,
+                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                          n_div, 0, n_tot, STAGES, BM))],
             [4, 1], [CONSUMER_REGS, 24])
@@ -127,13 +125,11 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
             [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
                          None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False, True,
-                         False, False)),
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PINGPONG, False)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                          p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, turn, None,
                          None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False, True,
-                         False, False)),
+                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PINGPONG, False)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                          n_div, 0, n_tot, STAGES, BM))],
             [4, 1], [CONSUMER_REGS, 24])

@@ -4,8 +4,8 @@ bwd_ws_dq_kernel (dK / dV and the staged dQ partials, WITH_DQ); the module docs 
 two kernels describe the schedules.
 
 Shape legend: G = H / Hkv, Sq / Sk queries / keys, D head dim, RN = 64 key rows per
-consumer, BM = 64 the query tile, STAGES the depth of the Q / dO ring, DQC the columns of a
-staged dQ partial (D, or D / 2 with SPLIT).
+consumer, BM = 64 the query tile, STAGES the depth of the Q / dO ring, DQC = D / 2 the
+columns of a staged dQ half.
 
 Documents / KeepMask (ARRAY): the kernels read each key tile's query tiles from a column
 range table (launch.bwd_mask_tables); the consumer masks the edge tiles (outside
@@ -129,24 +129,19 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              ds_smem, dqs, kv_bar, q_bar, do_bar, empty, turn, dq_full, dq_empty, ds_bar, L2,
              DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, PREFETCH: gl.constexpr,
-             SPLIT: gl.constexpr, LAG: gl.constexpr, IVb=None, KIDb=None, KMb=None,
+             PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
-             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None,
-             STATS: gl.constexpr = False, DQ_FIRST: gl.constexpr = False,
-             DQ_IL: gl.constexpr = False):
+             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
-    the staged dQ partials (SPLIT: the column half WG of the key tile's one partial), and
-    the dK / dV epilogue (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ
-    dqs / dq_full / dq_empty / ds_bar are None; without PINGPONG turn is None.  ARRAY:
-    the edge tiles' Documents / KeepMask pairs too (array_keep's IVb ... HAS_KEEP).
-    STATS (not with PREFETCH): each tile's row statistics from the stage's rows 4 * stage
-    + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer (no global load
-    on the tile's path).  DQ_FIRST (SPLIT without LAG): each tile's dQ products issued before its dK
-    product, and only they waited before dQ is staged (dK runs meanwhile; the stage is
-    released once dK is done).  DQ_IL: dqs [2, 1, BM / 8, 4, 2, DQC], its rows interleaved
-    within each group of 8 (bwd_ws_dq_kernel; HopperBwdConfig.dq_interleave)."""
-    gl.static_assert(not DQ_FIRST or (SPLIT and not LAG), "DQ_FIRST: SPLIT without LAG")
+    the staged column half WG of the key tile's dQ partial, and the dK / dV epilogue
+    (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ dqs / dq_full /
+    dq_empty / ds_bar / st_smem are None and each tile's row statistics are loaded from
+    global memory under the previous tile's S / dP; with it they come from the stage's
+    rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer
+    (no global load on the tile's path), and dqs is [2, 1, BM / 8, 4, 2, DH], its rows
+    interleaved within each group of 8 (launch.dqa_desc).  Without PINGPONG turn is not
+    waited on.  ARRAY: the edge tiles' Documents / KeepMask pairs too (array_keep's
+    IVb ... HAS_KEEP)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -171,17 +166,15 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     p_own = p_smem.index(WG)                                                     # [BM, RN]
     ds_own = ds_smem.index(WG)
     if WITH_DQ:
-        DQC: gl.constexpr = dqs.shape[len(dqs.shape) - 1]   # D, or DH = D / 2 with SPLIT
-        if DQ_IL:   # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0: a half-warp's
-            # 4 rows (b1 fixed) then sit 2 apart, in 4 distinct 32-byte bank groups
-            dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DQC])     # fp32 [g, b0, b1, DQC]
-        else:
-            dq_own = dqs.index(WG).reshape([BM, DQC])                # fp32 [BM, DQC]
+        DQC: gl.constexpr = dqs.shape[len(dqs.shape) - 1]   # DH = D / 2
+        # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0: a half-warp's 4 rows (b1
+        # fixed) then sit 2 apart, in 4 distinct 32-byte bank groups
+        dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DQC])         # fp32 [g, b0, b1, DQC]
         q_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, DQC, 16])  # [BM, DQC]
-        if SPLIT:   # this consumer's column half of both key halves, [RN, DH] each
-            k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
-            k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
+        # this consumer's column half of both key halves, [RN, DH] each
+        k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
+        k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DQC, DQC, dim=1)
 
     offs_mb = gl.arange(0, BM, layout=row_s)
     zero_s = gl.zeros([BM, RN], gl.float32, layout=s_l)
@@ -190,10 +183,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     dk = gl.zeros([RN, D], gl.float32, layout=a_l)
     dv = gl.zeros([RN, D], gl.float32, layout=a_l)
     h, t = tile_of(0, hk, G, s0, n_div, off)
-    if PREFETCH:
+    if not WITH_DQ:
         mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
     mbarrier.wait(kb, 0)
-    if SPLIT:
+    if WITH_DQ:
         mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
     for it in range(0, n_tot):
         stg = it % STAGES
@@ -207,22 +200,20 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         mbarrier.wait(do_bar.index(stg), ph)
         dp = warpgroup_mma(do2, vT, zero_s, use_acc=False, is_async=True)      # [BM, RN]
         _turn_pass(turn, WG, PINGPONG)
-        if PREFETCH:  # the next tile's statistics (the last tile's again at the end),
+        if not WITH_DQ:  # the next tile's statistics (the last tile's again at the end),
             # loaded while S / dP run
             h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
             mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         s = warpgroup_mma_wait(1, deps=(s,))                                   # [BM, RN]
-        if STATS:          # this tile's row statistics, staged by the producer
+        if WITH_DQ:        # this tile's row statistics, staged by the producer
             mx = st_smem.index(4 * stg).load(row_s)                              # [BM]
             ln2 = st_smem.index(4 * stg + 1).load(row_s)
-        elif not PREFETCH:   # this tile's row statistics, loaded once S is done
-            mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
         s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
         p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, RN]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
             offs_n = r0 + gl.arange(0, RN, layout=col_s)                       # [RN]
             # with a band, per query the kept keys [j_lo, j_hi] (bounds, band): two compares an
-            # element against its key index (fwd_kernel._softmax_tile's form); without a
+            # element against its key index (fwd_masks.softmax_tile's form); without a
             # band the bounds' two compares as before (the D=128 loops spill more with
             # the other form there)
             if HAS_BAND:
@@ -240,74 +231,41 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         gl.thread_barrier()               # the partition's 4 warps stored P
         dv = warpgroup_mma(p_own.permute((1, 0)), do2, dv, is_async=True)      # [RN, D]
         dp = warpgroup_mma_wait(1, deps=(dp,))                                  # [BM, RN]
-        if SPLIT:
-            if LAG:
-                sl = it % 3
-                if it > 0:   # the other's dS of tile it - 1 stored: this slot is free
-                    mbarrier.wait(ds_bar, (it - 1) & 1)
-            else:
-                sl = it & 1
+        if WITH_DQ:
+            sl = it & 1
             ds_w = ds_smem.index(2 * sl + WG)             # this tile's slot
         else:
             ds_w = ds_own
-        if STATS:
+        if WITH_DQ:
             dlt = st_smem.index(4 * stg + 2).load(row_s)
         ds_w.store((p * (dp - dlt[:, None])).to(dt))
         fence_async_shared()
         gl.thread_barrier()               # ... and dS
-        if SPLIT:
-            mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
-        if not DQ_FIRST:
-            dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)    # [RN, D]
         if WITH_DQ:
-            if SPLIT:
-                if LAG:   # tile it - 1's partial (both halves stored: waited above)
-                    sp = (it + 2) % 3
-                else:
-                    mbarrier.wait(ds_bar, it & 1)         # ... and the other half
-                    sp = sl
-                ds0 = ds_smem.index(2 * sp)
-                ds1 = ds_smem.index(2 * sp + 1)
-                dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)  # [BM, DH]
-                dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
-            else:
-                dq = warpgroup_mma(ds_w, k2, zero_q, use_acc=False, is_async=True)    # [BM, D]
-            if DQ_FIRST:   # dK after the dQ products: the staging below runs beside it
-                dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)  # [RN, D]
-                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))      # P free, dQ done
-            else:
-                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
+            mbarrier.arrive(ds_bar, count=1)              # this half of dS is stored
+        dk = warpgroup_mma(ds_w.permute((1, 0)), q2, dk, is_async=True)        # [RN, D]
+        if WITH_DQ:
+            mbarrier.wait(ds_bar, it & 1)                 # ... and the other half
+            sp = sl
+            ds0 = ds_smem.index(2 * sp)
+            ds1 = ds_smem.index(2 * sp + 1)
+            dq = warpgroup_mma(ds0, k0c, zero_q, use_acc=False, is_async=True)  # [BM, DH]
+            dq = warpgroup_mma(ds1, k1c, dq, is_async=True)                    # [BM, DH]
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))  # P / dS / the stage free
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))          # P / dS / the stage free
-        if not DQ_FIRST:
-            mbarrier.arrive(empty.index(stg), count=1)
+        mbarrier.arrive(empty.index(stg), count=1)
         if WITH_DQ:
-            # the staged partial (LAG: tile it - 1's column half) once the writer has read
-            # the previous one ("dq empty"), then "dq full" (no helper function: its
-            # inlined scope's line-table labels split ptxas's scheduling regions)
-            if LAG:
-                if it > 0:
-                    mbarrier.wait(dq_empty.index(WG), ((it - 1) & 1) ^ 1)
-                    if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
-                        dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
-                    else:
-                        dq_own.store(dq)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    mbarrier.arrive(dq_full.index(WG), count=1)
-            else:
-                mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
-                if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
-                    dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
-                else:
-                    dq_own.store(dq)
-                fence_async_shared()
-                gl.thread_barrier()       # the partition's 4 warps staged dQ_w
-                mbarrier.arrive(dq_full.index(WG), count=1)
-        if DQ_FIRST:
-            dk = warpgroup_mma_wait(0, deps=(dk,))                # dS / the stage free
-            mbarrier.arrive(empty.index(stg), count=1)
-        if PREFETCH:
+            # the staged partial once the writer has read the previous one ("dq empty"),
+            # then "dq full" (no helper function: its inlined scope's line-table labels
+            # split ptxas's scheduling regions)
+            mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
+            # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
+            dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
+            fence_async_shared()
+            gl.thread_barrier()       # the partition's 4 warps staged dQ_w
+            mbarrier.arrive(dq_full.index(WG), count=1)
+        if not WITH_DQ:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
             t = t_n
             if ARRAY:     # the keep mask's head
@@ -315,27 +273,11 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         else:
             h, t = tile_of(it + 1, hk, G, s0, n_div, off)
 
-    if LAG:
-        if n_tot > 0:     # the last tile's column half
-            mbarrier.wait(ds_bar, (n_tot - 1) & 1)
-            sp = (n_tot - 1) % 3
-            dq = warpgroup_mma(ds_smem.index(2 * sp), k0c, zero_q, use_acc=False,
-                               is_async=True)                                    # [BM, DH]
-            dq = warpgroup_mma(ds_smem.index(2 * sp + 1), k1c, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            mbarrier.wait(dq_empty.index(WG), ((n_tot - 1) & 1) ^ 1)
-            if DQ_IL:   # [BM, DQC] -> [g, b1, b0, DQC] -> [g, b0, b1, DQC]
-                dq_own.store(dq.reshape([BM // 8, 2, 4, DQC]).permute((0, 2, 1, 3)))
-            else:
-                dq_own.store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(dq_full.index(WG), count=1)
-    if SPLIT:   # the other consumer's last dQ products (they read K_w) are done
+    if WITH_DQ:   # the other consumer's last dQ products (they read K_w) are done
         mbarrier.arrive(ds_bar, count=1)
         mbarrier.wait(ds_bar, n_tot & 1)
     # epilogue: through this consumer's own K / V buffers (only its wgmmas read them;
-    # SPLIT: the other's too, done now)
+    # with dq the other's too, done now)
     k2.store((dk * scale).to(dt))
     v_own.reshape([RN, D]).store(dv.to(dt))
     fence_async_shared()

@@ -1,5 +1,5 @@
 """Warp-specialised Gluon backward for Hopper (sm_90a) with dQ inside and TRANSPOSED
-consumers (configs 'wdkdvq…ht', HopperBwdConfig.trans): bwd_ws_dq_kernel's SPLIT kernel
+consumers (configs 'wdkdvq…ht', HopperBwdConfig.trans): bwd_ws_dq_kernel's kernel
 (one dQ partial per key tile, its column halves staged by the two consumers and added in
 a fixed order by the dQ-writer warp: bitwise repeatable) whose consumers compute S^T and
 dP^T with their keys as the wgmma rows, so that P^T and dS^T feed the dV / dK products
@@ -8,26 +8,25 @@ shared memory for the dQ products.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
 D head dim, RN = 64 key rows per consumer, BN = 2 * RN the key tile of a program, BM = 64
-the query tile (128 at D=64: 'wdkdvq128x128s2nht'), DH = D / 2, STAGES the depth of the Q / dO ring.
+the query tile (128 at D=64), DH = D / 2, STAGES the depth of the Q / dO ring.
 
 One program per (key tile, b * Hkv + hk); ``gl.warp_specialize`` partitions: consumer 0
 and 1 (4 warps each, setmaxnreg CONSUMER_REGS; bwd_ws_t_parts.consumer_t), the TMA
-producer warp (bwd_ws_parts.producer) and the dQ writer warp (bwd_ws_dq_kernel._writer,
-SPLIT), with bwd_ws_dq_kernel's barriers, add order, counters and "ds ready" mbarrier;
+producer warp (bwd_ws_parts.producer) and the dQ writer warp (bwd_ws_dq_kernel._writer),
+with bwd_ws_dq_kernel's barriers, add order, counters and "ds ready" mbarrier;
 the module doc of bwd_ws_dq_kernel describes them.  Shared memory: K, V [2, RN, D], the
-Q / dO ring, dS^T [2 parities x 2 consumers, RN, BM], the staged fp32 [2, BM, DH], the
-queries' statistics 3 x [2 consumers x 2 parities, BM] fp32 (no P buffers: 13 KB less
-than the SPLIT kernel).
+Q / dO ring and its row statistics, dS^T [2 parities x 2 consumers, RN, BM], the staged
+fp32 [2, BM, DH] (no P buffers).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .bwd_fused_kernel import visit_offset
-from .bwd_kernel import key_tile_program, key_tile_queries
 from .bwd_ws_dq_kernel import _writer
 from .bwd_ws_parts import producer
 from .bwd_ws_t_parts import consumer_t
+from .dq_turns import visit_offset
+from .tile_ranges import key_tile_program, key_tile_queries
 
 __all__ = ["dkdvq_ws_t_kernel"]
 
@@ -37,33 +36,24 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                       DELTA, SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER,
                       HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                      PREFETCH: gl.constexpr, CHAINS: gl.constexpr, DIAG: gl.constexpr,
-                      SPLIT: gl.constexpr, LAG: gl.constexpr, num_warps: gl.constexpr,
+                      num_warps: gl.constexpr,
                       CT=None, ct_b=None, ct_h=None, RK=None, rk_b=None, rk_h=None, IV=None,
                       KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
                       skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
                       DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False,
-                      STATS: gl.constexpr = False, DQ_IL: gl.constexpr = False,
                       LATE: gl.constexpr = False):
-    """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv); only its
-    SPLIT form without LAG, one accumulator (CHAINS 1), no array masks (ARRAY: CT ...
-    HAS_KEEP): the others fail to compile.  dqa_desc: fp32 DQA [B * H, Sq, D] blocks
-    [1, BM, D / 2]; DIAG (timing only): the writer makes no adds.  STATS (not with
-    PREFETCH): the producer stages the queries' statistics (bwd_ws_t_parts.consumer_t).
-    DQ_IL: dqa_desc is launch.dqa_desc's interleaved 5-D view and the staging buffers
-    take its rows' order (HopperBwdConfig.dq_interleave).  LATE: the writer's late
-    counter release (HopperBwdConfig.late_release)."""
+    """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv), without
+    array masks (ARRAY: CT ... HAS_KEEP fail to compile).  The producer stages the
+    queries' statistics (bwd_ws_t_parts.consumer_t reads them there).  LATE: the
+    writer's late counter release (HopperBwdConfig.late_release)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(not ARRAY, "array masks (Documents / KeepMask) are not implemented "
                      "in the transposed consumers")
-    gl.static_assert(SPLIT, "the transposed consumers run the SPLIT schedule only")
-    gl.static_assert(not LAG, "the transposed consumers have no LAG form")
-    gl.static_assert(CHAINS == 1, "the transposed consumers add into one accumulator")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     RN: gl.constexpr = k_desc.block_type.shape[2]
     BN: gl.constexpr = 2 * RN
-    DH: gl.constexpr = dqa_desc.block_type.shape[4 if DQ_IL else 2]
+    DH: gl.constexpr = dqa_desc.block_type.shape[4]
     dt: gl.constexpr = q_desc.dtype
     gl.static_assert(RN == 64, "64 key rows per consumer warpgroup")
     gl.static_assert((BM == 64) | ((BM == 128) & (D == 64)),
@@ -78,23 +68,12 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     q_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     ds_smem = gl.allocate_shared_memory(dt, [4, RN, BM], ds_l)      # dS^T, 2 x 2 slots
-    if DQ_IL:   # [consumer, 1, row group g, b0, b1, DH]: row 8 g + 4 b1 + b0
-        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM // 8, 4, 2, DH],
-                                        dqa_desc.layout)
-    else:
-        dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM, DH], dqa_desc.layout)
-    # the queries' statistics staged a tile ahead (without PREFETCH): max, log2(e) *
-    # log_norm, delta, each [2 * consumer + parity, BM] (three buffers: the stores of a
-    # tile need no barrier between them)
+    # [consumer, 1, row group g, b0, b1, DH]: row 8 g + 4 b1 + b0
+    dqs = gl.allocate_shared_memory(gl.float32, [2, 1, BM // 8, 4, 2, DH], dqa_desc.layout)
+    # the queries' statistics, staged by the producer: rows 4 * stage + (0 max, 1 log2(e)
+    # * log_norm, 2 delta), [BM] each
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    if STATS:   # the producer's copy instead: rows 4 * stage + (0, 1, 2), [BM] each
-        st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
-        stats = (st_smem, st_smem, st_smem)     # (not read with STATS)
-    else:
-        stats = (gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
-                 gl.allocate_shared_memory(gl.float32, [4, BM], st_sl),
-                 gl.allocate_shared_memory(gl.float32, [4, BM], st_sl))
-        st_smem = dqs       # not read without STATS (a partition's tuple takes no None)
+    st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -120,21 +99,19 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     nkv = (Sk + BN - 1) // BN
     off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)
 
-    gl.warp_specialize(   # the transposed consumers, the producer, the dQ writer (SPLIT)
+    gl.warp_specialize(   # the transposed consumers, the producer, the dQ writer
         [(consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, PREFETCH, st_smem,
-                       STATS, DQ_IL)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, st_smem)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                       ds_smem, dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                       ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, PREFETCH, st_smem,
-                       STATS, DQ_IL)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, st_smem)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                     n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, STATS,
+                     n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, True,
                      BM > 64)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
-                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, CHAINS, DIAG,
-                    SPLIT, None, 0, False, DQ_IL, LATE))],
+                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, None, 0, False,
+                    LATE))],
         [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

@@ -1,5 +1,5 @@
 """The transposed consumer warpgroup of the warp-specialised Hopper backward with dQ inside
-(bwd_ws_t_kernel; sm_90a): bwd_ws_parts.consumer's SPLIT schedule with the consumer's
+(bwd_ws_t_kernel; sm_90a): bwd_ws_parts.consumer's dQ schedule with the consumer's
 keys as the wgmma rows, so that P^T and dS^T stay in registers as the A operand of the
 dV / dK products (FA3's layout for the hdim-128 backward).
 
@@ -18,16 +18,16 @@ staged in fp32 for the dQ writer (bwd_ws_dq_kernel._writer) as bwd_ws_parts.cons
 does.  Against that consumer: no P store (nor its fence and barrier) and no shared reads
 of P / dS for dV / dK; dS is still stored once (the dQ products need both halves).  The
 price: the queries' statistics are per column (16 of the BM columns a thread, 48
-registers for max, log_norm and delta), so they are staged through shared memory a tile
-ahead and read where used (consumer_t's doc).
+registers for max, log_norm and delta), so they are read from the producer's staged copy
+where used (consumer_t's doc).
 
-BM = 128 (D=64 only; session 10, FA3's hdim-64 tile): S^T / dP^T [64, 128] a consumer,
+BM = 128 (D=64 only; FA3's hdim-64 tile): S^T / dP^T [64, 128] a consumer,
 the dV / dK products of K-dim 128, dQ[:, cols_w] [128, DH] (two wgmma row blocks).  Two
 changes keep its consumer loop near spill-free (1-3 STL / 11-16 LDL a tile, 237
-registers; without them 94 / 130): one staged exponent offset per query, c = log2(e) *
+registers): one staged exponent offset per query, c = log2(e) *
 (max + log_norm) (P^T = exp2(S^T * scale * log2 e - c[q]): 32 registers, not 64), and
 dP^T's accumulator starting at -delta[q] (dS^T = P^T * dP^T: no [BM] vector live beside
-P^T, dP^T and P^T's 16-bit copy).  BM = 64 keeps the form above (SASS unchanged).
+P^T, dP^T and P^T's 16-bit copy).  BM = 64 keeps the form above.
 
 Shape legend: RN = 64 key rows per consumer, BM = 64 (or 128 at D=64) the query tile, D
 head dim, DH = D / 2 the staged dQ columns, STAGES the depth of the Q / dO ring.
@@ -37,34 +37,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_ws_parts import LOG2E, row_stats, tile_of
+from .bwd_ws_parts import LOG2E, tile_of
 
 __all__ = ["consumer_t"]
 
 
 @gluon.jit
 def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-               dqs, stats, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
+               dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
                hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
-               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-               PREFETCH: gl.constexpr, st_smem=None, STATS: gl.constexpr = False,
-               DQ_IL: gl.constexpr = False):
+               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, st_smem):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
     the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
     through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
-    2 * parity + consumer); dqs [2, 1, BM, DH] fp32; stats: three fp32 [2 * consumer +
-    parity, BM] (max, log2(e) * log_norm, delta; used without PREFETCH).  The queries' statistics are per column here
-    (each thread holds 16 of the BM columns: 48 registers for max, log_norm and delta):
-    PREFETCH: the next tile's loaded into registers under the current tile; else staged
-    through shared memory a tile ahead (3 registers a thread in a compact layout, stored
-    before the tile's last warpgroup barrier) and read where used (max / log_norm before
-    the exponentials, delta before dS^T), so that no global load is on a tile's path.
-    STATS (not with PREFETCH): the producer stages them instead, one copy for both
-    consumers in rows 4 * stage + (0, 1, 2) of st_smem [4 * STAGES, BM]
-    (bwd_ws_parts.producer with FOLD = BM > 64); ``stats`` is then not used.  DQ_IL:
-    dqs [2, 1, BM / 8, 4, 2, DH], its rows interleaved within each group of 8
-    (HopperBwdConfig.dq_interleave)."""
-    gl.static_assert(not (STATS and PREFETCH), "STATS replaces PREFETCH's loads")
+    2 * parity + consumer); dqs [2, 1, BM / 8, 4, 2, DH] fp32, its rows interleaved
+    within each group of 8 (launch.dqa_desc).  The queries' statistics are per column
+    here (each thread holds 16 of the BM columns): the producer stages them, one copy
+    for both consumers, in rows 4 * stage + (0, 1, 2) of st_smem [4 * STAGES, BM]
+    (bwd_ws_parts.producer with FOLD = BM > 64), read where used (max / log_norm before
+    the exponentials, delta before dS^T), so that no global load is on a tile's path."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -93,33 +84,18 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     tma.async_copy_global_to_shared(v_desc, [b, hk, r0, 0], kb, v_own)
     k2 = k_own.reshape([RN, D])                                                  # [RN, D]
     v2 = v_own.reshape([RN, D])                                                  # [RN, D]
-    if DQ_IL:   # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0 (bwd_ws_parts)
-        dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DH])          # fp32 [g, b0, b1, DH]
-    else:
-        dq_own = dqs.index(WG).reshape([BM, DH])                     # fp32 [BM, DH]
+    # shared row 8 g + 2 b0 + b1 holds row 8 g + 4 b1 + b0 (bwd_ws_parts)
+    dq_own = dqs.index(WG).reshape([BM // 8, 4, 2, DH])              # fp32 [g, b0, b1, DH]
     # this consumer's column half of both key halves (B of the dQ products), [RN, DH]
     k0c = k_smem.index(0).reshape([RN, D]).slice(WG * DH, DH, dim=1)
     k1c = k_smem.index(1).reshape([RN, D]).slice(WG * DH, DH, dim=1)
 
-    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                   # [BM]
     offs_mb = gl.arange(0, BM, layout=qry_s)
-    offs_c = gl.arange(0, BM, layout=c_l)
     zero_s = gl.zeros([RN, BM], gl.float32, layout=st_l)
     zero_q = gl.zeros([BM, DH], gl.float32, layout=q_l)
     dk = gl.zeros([RN, D], gl.float32, layout=a_l)
     dv = gl.zeros([RN, D], gl.float32, layout=a_l)
     h, t = tile_of(0, hk, G, s0, n_div, off)
-    if PREFETCH:
-        mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
-    elif not STATS:   # tile 0's statistics into this consumer's slot 0
-        cmx, cln, cdl = row_stats(L2, DELTA, b * H + h, t, Sq, offs_c, BM)     # [BM]
-        if FOLD:
-            stats[0].index(2 * WG).store(cmx * LOG2E + cln)
-        else:
-            stats[0].index(2 * WG).store(cmx)
-            stats[1].index(2 * WG).store(cln)
-        stats[2].index(2 * WG).store(cdl)
-        gl.thread_barrier()
     mbarrier.wait(kb, 0)
     mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
     for it in range(0, n_tot):
@@ -127,18 +103,10 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         ph = (it // STAGES) & 1
         offs_m = t * BM + offs_mb                                                # [BM]
         sl = it & 1
-        h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
-        if not (PREFETCH or STATS):  # the next tile's statistics (the last tile's again
-            # at the end)
-            cmx, cln, cdl = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_c, BM)
-        if STATS:   # this tile's rows of the producer's copy
-            smx = st_smem.index(4 * stg)
-            sln = st_smem.index(4 * stg + 1)
-            sdl = st_smem.index(4 * stg + 2)
-        else:       # this consumer's slot
-            smx = stats[0].index(2 * WG + sl)
-            sln = stats[1].index(2 * WG + sl)
-            sdl = stats[2].index(2 * WG + sl)
+        _, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+        smx = st_smem.index(4 * stg)      # this tile's rows of the producer's copy
+        sln = st_smem.index(4 * stg + 1)
+        sdl = st_smem.index(4 * stg + 2)
         q2 = q_smem.index(stg).reshape([BM, D])                                  # [BM, D]
         do2 = do_smem.index(stg).reshape([BM, D])
         mbarrier.wait(q_bar.index(stg), ph)
@@ -152,17 +120,14 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         else:
             dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
                                 is_async=True)                                   # [RN, BM]
-        if PREFETCH:  # the next tile's statistics (the last tile's again at the end)
-            mx_n, ln2_n, dlt_n = row_stats(L2, DELTA, b * H + h_n, t_n, Sq, offs_mb, BM)
         st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
         if FOLD:           # this tile's exponent offsets from shared memory
             cq = smx.load(qry_s)                                                 # [BM]
             st = gl.fma(st, scale, 0.0)   # S^T * scale, as below (then one fma)
             pt = gl.exp2(st * LOG2E - cq[None, :])                               # [RN, BM]
         else:
-            if not PREFETCH:   # this tile's max and log_norm from shared memory
-                mx = smx.load(qry_s)                                             # [BM]
-                ln2 = sln.load(qry_s)
+            mx = smx.load(qry_s)          # this tile's max and log_norm      [BM]
+            ln2 = sln.load(qry_s)
             st = gl.fma(st, scale, 0.0)   # (an fma: never contracted into the next line)
             pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])              # [RN, BM]
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
@@ -174,9 +139,8 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
             pt = gl.where(keep, pt, 0.0)
         pt16 = gl.convert_layout(pt.to(dt), op_l)                                # [RN, BM]
         dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
-        if not PREFETCH:   # ... and delta, once the max and log_norm are dead
-            if not FOLD:
-                dlt = sdl.load(qry_s)                                            # [BM]
+        if not FOLD:      # ... and delta, once the max and log_norm are dead
+            dlt = sdl.load(qry_s)                                                # [BM]
         dpt = warpgroup_mma_wait(1, deps=(dpt,))                                 # [RN, BM]
         if FOLD:
             dst = (pt * dpt).to(dt)                                              # [RN, BM]
@@ -200,23 +164,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         # the staged column half once the writer has read the previous one ("dq
         # empty"), then "dq full" (inline: a helper's scope splits ptxas's regions)
         mbarrier.wait(dq_empty.index(WG), (it & 1) ^ 1)
-        if DQ_IL:   # [BM, DH] -> [g, b1, b0, DH] -> [g, b0, b1, DH]
-            dq_own.store(dq.reshape([BM // 8, 2, 4, DH]).permute((0, 2, 1, 3)))
-        else:
-            dq_own.store(dq)
-        if not (PREFETCH or STATS):  # the next tile's statistics into the other slot
-            # (its last readers, tile it - 1, are past this tile's barriers)
-            if FOLD:
-                stats[0].index(2 * WG + 1 - sl).store(cmx * LOG2E + cln)
-            else:
-                stats[0].index(2 * WG + 1 - sl).store(cmx)
-                stats[1].index(2 * WG + 1 - sl).store(cln)
-            stats[2].index(2 * WG + 1 - sl).store(cdl)
+        # [BM, DH] -> [g, b1, b0, DH] -> [g, b0, b1, DH]
+        dq_own.store(dq.reshape([BM // 8, 2, 4, DH]).permute((0, 2, 1, 3)))
         fence_async_shared()
         gl.thread_barrier()               # the partition's 4 warps staged dQ[:, cols_w]
         mbarrier.arrive(dq_full.index(WG), count=1)
-        if PREFETCH:
-            mx, ln2, dlt = mx_n, ln2_n, dlt_n
         t = t_n
 
     # the other consumer's last dQ products (they read K_w) are done

@@ -2,9 +2,9 @@
 covered.
 
 Shape legend: B batch, H query heads, Sq / Sk queries / keys, D head dim.  A call the
-table does not cover goes to the portable kernels (routing, documented in
-docs/triton.md "Hopper path"); ANYATTN_TRITON_PATH=hopper on such a call raises with
-the reason instead.
+table does not cover goes to the portable kernels (backends/triton/launch.py
+_use_hopper); ANYATTN_TRITON_PATH=hopper on such a call raises with the reason
+instead.
 """
 from __future__ import annotations
 
@@ -52,66 +52,23 @@ class Coverage:
 
 #: direction -> coverage (None: no Hopper kernel for that direction yet)
 COVERAGE = {
+    # D=64: no mask and bands only (the array masks were never checked at D=64).  'auto'
+    # routes every covered class but KeepMask (covered, never timed against the portable
+    # forward)
     "forward": Coverage(capabilities=frozenset({(9, 0)}),
                         dtypes=frozenset({"float16", "bfloat16"}),
-                        # D=64: routed without a mask only.  Sessions 4-6 measured every
-                        # D=64 Hopper forward at 0.63-1.06x the portable one; session 8
-                        # (hopper-fwd-h200-2026-12-04-s8.json, bf16 S=2k / 8k) the
-                        # schedule with P in registers wins, the mask choosing the tile
-                        # (configs.fwd_config): ws192x128s3opf 1.15 / 1.23x portable with
-                        # no mask (1.00 / 1.08x cuDNN); with a causal band
-                        # ws128x128s3opf 1.005 / 1.10x, even at S=2k.  Session 9 (H200
-                        # 2026-12-04 09:55 UTC, hopper-fwd-h200-2026-12-04-s9.json): its
-                        # loop in the persistent kernel on the host-built schedule
-                        # (ws128x128s3opfPg) 1.10 / 1.12 / 1.14x portable causal at S=2k /
-                        # 4k / 8k (fp16 4k 1.15x), every pass: bands routed.  Windows at
-                        # D=64 take the same config, untimed.  The array masks
-                        # (Documents / KeepMask) were never checked at D=64: not covered
                         head_dims=frozenset({64, 128}),
                         mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
                         auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
-                        # Documents / KeepMask (session 7): the range table at the 128 x
-                        # 128 tile, document key intervals / ids / keep bytes on edge tiles
-                        # only (fwd_masks.py).  Routed by 'auto' where the H200 showed it
-                        # faster than the portable forward: documents, causal or not
-                        # (2026-12-04 01:06 UTC, B=4 H=16 S=4k D=128 bf16, device-only fwd
-                        # 0.59-0.69x the portable's; docs/perf/masks-flex-h200-2026-12-04-
-                        # s7.json); KeepMask classes covered, not timed: not routed
                         mask_classes=frozenset({"none", "band", "documents", "keep",
                                                 "band+documents", "band+keep",
                                                 "documents+keep", "band+documents+keep"}),
                         auto_mask_classes=frozenset({"none", "band", "documents",
                                                      "band+documents"})),
-    # launch.backward_config: since session 8 the warp-specialised kernel with dQ inside
-    # (one partial per key tile, 'wdkdvq128x64s2nh'; the delta preprocess stays
-    # portable), where a (batch, kv head) has at most half the SMs' worth of key tiles,
-    # else session 7's warp-specialised dK/dV + portable dQ.  Routed by 'auto' at D=128
-    # (H200 2026-12-04 05:16 UTC, 3 rotated rounds, every round faster: 1.13 / 1.14 /
-    # 1.10 / 1.15x session 7's route at S=2k / 2k causal / 8k / 8k causal, 0.82-0.90x
-    # cuDNN; docs/perf/hopper-bwd-h200-2026-12-04-s8c.json) and at D=64 with a band
-    # (S=4k causal 1.12x; without a mask 0.93x the portable backward: D=64 without a band
-    # stays portable; session 7's route there was even with it).  Session 10: D=64
-    # without a mask routed too, to 'wdkdvq128x128s2nht' (the transposed consumers, query
-    # tiles of 128 rows; configs._BWD_BY_MASK): 1.08-1.14x the portable backward at S=2k
-    # / 4k / 8k in every rotated round (H200 2026-12-04 12:40 UTC,
-    # docs/perf/hopper-bwd-h200-2026-12-04-s10-bm*.json).  Session 11: D=128 runs 'nhr'
-    # ('nh' with the row statistics staged in shared memory by the producer; bitwise the
-    # same results), 1.06-1.11x 'nh' (H200 2026-12-04 14:41 UTC, docs/perf/hopper-bwd-
-    # h200-2026-12-04-s11.json); D=64, with a band or without, the 128-row transposed
-    # consumers with the statistics staged the same way ('wdkdvq128x128s2nhtr'), 1.12x /
-    # 1.06x the previous routes at S=4k / 4k causal (15:21 UTC, ...-s11-tr-d64.json)
-    # Documents / KeepMask (session 9): the same kernels with the column range table,
-    # the dQ rank table and the edge tiles' array masks (launch.bwd_mask_tables,
-    # bwd_ws_parts.array_keep), checked vs float64 at D=128 and D=64 (GPU tests, H200
-    # 2026-12-04 10:01 UTC); covered at D=128 only (D=64: arrays not timed, the forward
-    # does not cover them there).  Not routed by 'auto': the device-only backward is
-    # 0.85-0.97x the portable one in every round of all 8 document cases (H200 10:02
-    # UTC, B=4 H=16 S=4k / 8k D=128 bf16, 3 rotated rounds; docs/perf/
-    # masks-flex-bwd-h200-2026-12-04-s9.json), KeepMask 0.87x (10:23 UTC, 2 rounds), but
-    # this route costs 0.4-0.6 ms more host time per eager step than the portable
-    # backward, and a Documents / KeepMask step cannot be graph-captured: at S=4k the
-    # user's eager step (host included) was 1.2-1.4x the portable route's, at 8k
-    # 0.94-0.98x.  ANYATTN_TRITON_PATH=hopper takes it
+    # Documents / KeepMask at D=128 only.  Not routed by 'auto': on the device faster
+    # than the portable backward, but this route costs more host time per eager step and
+    # an array-mask step cannot be graph-captured, so the user's eager step is slower at
+    # moderate lengths; ANYATTN_TRITON_PATH=hopper takes it
     "backward": Coverage(capabilities=frozenset({(9, 0)}),
                          dtypes=frozenset({"float16", "bfloat16"}),
                          head_dims=frozenset({64, 128}),

@@ -1,4 +1,5 @@
-"""Array masks (Documents / KeepMask) of the Hopper forward's edge tiles.
+"""The Hopper forward's online softmax of one score tile (softmax_tile: bounds and band on
+the edge tiles) and the array masks (Documents / KeepMask) applied before it.
 
 Shape legend: RM query rows of a consumer warpgroup, BN the key tile, Sq / Sk queries /
 keys.  The warp-specialised forward (fwd_ws_kernel) walks a block-range table at its own
@@ -13,9 +14,50 @@ DOCS 2 the row's document as the key interval [qa, qe); KID: k ids of this batch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .fwd_kernel import _softmax_tile
 
 __all__ = ["softmax_tile_masked", "pair_keep"]
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
+                  HAS_BAND: gl.constexpr, BN: gl.constexpr, EXP_FMA: gl.constexpr = False,
+                  MASK: gl.constexpr = None):
+    """Online softmax of one score tile s [BM, BN] (raw q.k): -> p [BM, BN] fp32,
+    alpha [BM] (the old accumulator's factor), l_i, m_i [BM].  Masks only the edge tiles
+    (t outside [f0, f1)): bounds and the band lo <= j - i <= hi.  EXP_FMA: the exponent
+    as one fma per element, s * c - m * c (c = qk_scale), instead of (s - m) * c.
+    MASK: None decides per tile at run time (a branch); True / False: the caller knows
+    (True is right for any tile, False only inside [f0, f1))."""
+    if MASK is None:
+        masked = (t < f0) | (t >= f1)
+    else:
+        masked = MASK
+    if masked:
+        # per row the kept keys [j_lo, j_hi] (bounds, band): an element costs two
+        # compares against its key index, not the [BM, BN] differences j - i and four
+        offs_m = i0 + offs_mb                                                  # [BM]
+        offs_n = t * BN + offs_nb                                              # [BN]
+        if HAS_BAND:
+            j_hi = gl.minimum(offs_m + hi, Sk - 1)
+            j_lo = gl.maximum(offs_m + lo, 0)                                  # [BM]
+            j_hi = gl.where(offs_m < Sq, j_hi, -1)
+            keep = (offs_n[None, :] >= j_lo[:, None]) & (offs_n[None, :] <= j_hi[:, None])
+        else:
+            j_hi = gl.where(offs_m < Sq, Sk - 1, -1)
+            keep = offs_n[None, :] <= j_hi[:, None]
+        s = gl.where(keep, s, float("-inf"))                                   # [BM, BN]
+        m_new = gl.maximum(m_i, gl.max(s, 1))                                  # [BM]
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = m_new
+    if EXP_FMA:
+        p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))       # [BM, BN]
+    else:
+        p = gl.exp2((s - m_use[:, None]) * qk_scale)          # [BM, BN]; 1 at the row max
+    alpha = gl.exp2((m_i - m_use) * qk_scale)                                      # [BM]
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
 
 
 @gluon.jit
@@ -46,7 +88,7 @@ def pair_keep(offs_m, offs_n, Sq, Sk, qa, qe, kd, KM, skm_q, skm_k, DOCS: gl.con
 def _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN: gl.constexpr,
              DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """s [RM, BN] with -inf where key tile t's documents / keep mask exclude the pair
-    (bounds and band are _softmax_tile's; pair_keep)."""
+    (bounds and band are softmax_tile's; pair_keep)."""
     qa, qe, KID, KM, skm_q, skm_k = am
     offs_n = t * BN + offs_nb                                                  # [BN]
     offs_m = r0 + offs_mb                                                      # [RM]
@@ -63,7 +105,7 @@ def softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo
                         qk_scale, am, HAS_BAND: gl.constexpr, BN: gl.constexpr,
                         EXP_FMA: gl.constexpr, MASK: gl.constexpr, ARRAY: gl.constexpr,
                         DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """fwd_kernel._softmax_tile with the array mask applied first on masked tiles
+    """softmax_tile with the array mask applied first on masked tiles
     (MASK: None decides per tile, t outside [f0, f1); True / False: the caller knows).
     -> p [RM, BN], alpha, l_i, m_i [RM]."""
     if ARRAY:
@@ -73,5 +115,5 @@ def softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo
             masked = MASK
         if masked:
             s = _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN, DOCS, HAS_KEEP)
-    return _softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
+    return softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
                          qk_scale, HAS_BAND, BN, EXP_FMA, MASK)

@@ -3,19 +3,17 @@ partitions and overlapped, ping-pong key loop, with one program per SM walking q
 tiles instead of one program per tile.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
-D head dim, BM = NC * RM the query tile (NC = 2 or 3 consumer warpgroups of RM = 64 rows), BN
+D head dim, BM = NC * RM the query tile (NC = 2 consumer warpgroups of RM = 64 rows), BN
 the key tile, BH = B * H, n_m = cdiv(Sq, BM), T = n_m * BH query tiles.
 
-Program p takes tiles p, p + P, p + 2P, .. (P programs, at most one per SM).  Tile order:
-with a band (causal, windows) the longest first, across heads (tile idx -> query tile
-n_m - 1 - idx // BH of head idx % BH: the first wave holds the longest key loops, the
-short ones fill the tail); without, head-major (idx -> head idx // n_m, query tile
-idx % n_m: neighbouring programs share K / V in L2).  SCHED (a host-built schedule,
-launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
+Without a band every tile's key loop is as long: program p takes tiles p, p + P,
+p + 2P, .. (P programs, at most one per SM) in head-major order (idx -> head idx // n_m,
+query tile idx % n_m: neighbouring programs share K / V in L2).  With a band (SCHED, a
+host-built schedule, launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
 SCH[p + 1]), each idx = bh * n_m + pid_m: the per-tile grid's launch order dealt out
 greedily by key-loop length, so that the live programs share heads (L2) as the per-tile
-kernel's do while the work stays balanced (session 8: across heads, 128 MiB of K / V
-were live against a 60 MB L2 and causal ran 10 % under the per-tile kernel).
+kernel's do while the work stays balanced (walking across heads would keep more K / V
+live than L2 holds).
 
 What persistence buys: the producer runs ahead into the next tile's K / V while the
 consumers finish a tile (its last P.V, the epilogue); each consumer loads the next
@@ -26,30 +24,23 @@ turns are counted across tiles (fwd_ws_kernel._loop_overlap's c0); Q arrives on 
 barrier per consumer, phase = tiles done & 1.  _loop_overlap releases every V stage but
 its tile's last (a one-tile program never refills it); here the consumer releases that
 one after the loop, else the producer waits forever for it from the next tile's second
-key tile on (the session-7 hang; session 8 found it offline).  Numerics, masks, range
+key tile on.  Numerics, masks, range
 tables: those of fwd_ws_kernel (its module doc), the same functions.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .fwd_masks import softmax_tile_masked
-from .fwd_ws_kernel import (_loop_overlap, _ov_step, _turn_pass, _turn_wait, consumer_layouts,
-                            epilogue, tile_keys)
+from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, tile_keys
 
 __all__ = ["fwd_persist_kernel"]
 
 
 @gluon.jit
-def _tile_of(idx, n_m, BH, H, HAS_BAND: gl.constexpr):
-    """Tile idx of the walk -> (query tile, b * H + h, b, h) (module doc: the order)."""
-    if HAS_BAND:
-        pid_m = n_m - 1 - idx // BH
-        bh = idx % BH
-    else:
-        bh = idx // n_m
-        pid_m = idx % n_m
+def _tile_of(idx, n_m, H):
+    """Tile idx of the walk -> (query tile, b * H + h, b, h), head-major (module doc)."""
+    bh = idx // n_m
+    pid_m = idx % n_m
     return pid_m, bh, bh // H, bh % H
 
 
@@ -68,7 +59,7 @@ def _walk(SCH, total, SCHED: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(k, SCH, n_m, BH, H, HAS_BAND: gl.constexpr, SCHED: gl.constexpr):
+def _tile_at(k, SCH, n_m, H, SCHED: gl.constexpr):
     """Walk position k -> (query tile, b * H + h, b, h): the schedule's entry (SCHED,
     idx = bh * n_m + pid_m) or _tile_of's order."""
     if SCHED:
@@ -77,7 +68,7 @@ def _tile_at(k, SCH, n_m, BH, H, HAS_BAND: gl.constexpr, SCHED: gl.constexpr):
         pid_m = idx % n_m
         res = (pid_m, bh, bh // H, bh % H)
     else:
-        res = _tile_of(k, n_m, BH, H, HAS_BAND)
+        res = _tile_of(k, n_m, H)
     return res
 
 
@@ -92,7 +83,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H,
     start, end, step = _walk(SCH, n_m * BH, SCHED)
     c = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         hk = h // G
@@ -117,7 +108,7 @@ def _load_q(q_desc, q_own, qb, k, SCH, n_m, BH, H, WG: gl.constexpr, HAS_BAND: g
             BM: gl.constexpr, RM: gl.constexpr, SCHED: gl.constexpr):
     """TMA of this consumer's RM rows of Q of the tile at walk position k into q_own,
     completing on qb."""
-    pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+    pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
     mbarrier.expect(qb, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, pid_m * BM + WG * RM, 0], qb, q_own)
 
@@ -158,7 +149,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     c = 0
     j = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
                                   ARRAY, BM, BN)
         r0 = pid_m * BM + WG * RM
@@ -197,138 +188,6 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
-def _consumer_x(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT, rt_b, rt_h, BH,
-                SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-                EXP_FMA: gl.constexpr, SCHED: gl.constexpr):
-    """_consumer with the query tiles' boundaries overlapped (XOVER, no array masks): the
-    next tile's first S = Q'.K^T is issued with this tile's last O += P.V (one turn, as a
-    key loop's step issues S_j with P_{j-1}.V_{j-1}), its softmax runs while that P.V
-    does, and this tile's epilogue follows; a tile costs no lone first S or last P.V.  Q
-    is double-buffered per consumer (q_smem [2 * NC, 1, 1, RM, D], slot 2 * WG + j % 2
-    for the j-th tile of the walk, loaded two tiles ahead).  Tiles without keys (n = 0)
-    take the plain boundary.  The products and their order per tile are _loop_overlap's:
-    the results are bitwise those of _consumer."""
-    RM: gl.constexpr = q_desc.block_type.shape[2]
-    D: gl.constexpr = q_desc.block_type.shape[3]
-    BM: gl.constexpr = NC * RM
-    dt: gl.constexpr = q_desc.dtype
-    s_l: gl.constexpr = consumer_layouts(BN, D)[0]      # [RM, BN] scores
-    o_l: gl.constexpr = consumer_layouts(BN, D)[1]      # [RM, D] output accumulator
-    p_l: gl.constexpr = consumer_layouts(BN, D)[2]      # P as the register A operand
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-
-    o_own = o_smem.index(WG)                                        # [1, 1, RM, D]
-    offs_mb = gl.arange(0, RM, layout=row_s)
-    offs_nb = gl.arange(0, BN, layout=col_s)
-    zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
-    am = (0, 0, RT, RT, 0, 0)              # no array masks: softmax_tile_masked ignores it
-    n_m = (Sq + BM - 1) // BM
-    start, end, step = _walk(SCH, n_m * BH, SCHED)
-    if start < end:
-        _load_q(q_desc, q_smem.index(2 * WG), q_bar.index(2 * WG), start, SCH, n_m, BH, H,
-                WG, HAS_BAND, BM, RM, SCHED)
-    if start + step < end:
-        _load_q(q_desc, q_smem.index(2 * WG + 1), q_bar.index(2 * WG + 1), start + step, SCH,
-                n_m, BH, H, WG, HAS_BAND, BM, RM, SCHED)
-    c = 0                                  # ring slots (and turns) used so far
-    j = 0                                  # tiles done
-    pre = 0                                # this tile's first S done at the last boundary
-    m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([RM], gl.float32, layout=row_s)
-    acc = gl.zeros([RM, D], gl.float32, layout=o_l)
-    p16 = gl.zeros([RM, BN], dt, layout=p_l)
-    for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, BH, H, HAS_BAND, SCHED)
-        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
-                                  False, BM, BN)
-        r0 = pid_m * BM + WG * RM
-        q2 = q_smem.index(2 * WG + j % 2).reshape([RM, D])                    # [RM, D]
-        if pre == 0:
-            m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([RM], gl.float32, layout=row_s)
-            acc = gl.zeros([RM, D], gl.float32, layout=o_l)
-            mbarrier.wait(q_bar.index(2 * WG + j % 2), (j // 2) & 1)
-            if n > 0:                      # the first S alone (_loop_overlap's)
-                st0 = c % STAGES
-                mbarrier.wait(k_bar.index(st0), (c // STAGES) & 1)
-                _turn_wait(turn, c, WG, PINGPONG)
-                kT = k_smem.index(st0).reshape([BN, D]).permute((1, 0))        # [D, BN]
-                s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-                _turn_pass(turn, WG, NC, PINGPONG)
-                s = warpgroup_mma_wait(0, deps=(s_tok,))                       # [RM, BN]
-                mbarrier.arrive(k_empty.index(st0), count=1)
-                p, alpha, l_i, m_i = softmax_tile_masked(
-                    s, m_i, l_i, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                    qk_scale, am, HAS_BAND, BN, EXP_FMA, None, False, 0, False)
-                p16 = gl.convert_layout(p.to(dt), p_l)
-        for it in range(1, n):   # _ov_step counts slots from the walk's start: t0 - c
-            acc, p16, m_i, l_i = _ov_step(c + it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
-                                          v_empty, turn, None, acc, p16, m_i, l_i, zero_s,
-                                          t0 - c, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo,
-                                          hi, qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
-                                          row_o, WG, NC, PINGPONG, EXP_FMA, False, None,
-                                          False, 0, False)
-        # the next tile of the walk (this one again where there is none: unused)
-        has_next = k + step < end
-        kn = gl.minimum(k + step, end - 1)
-        pid_n, bh_n, b_n, h_n = _tile_at(kn, SCH, n_m, BH, H, HAS_BAND, SCHED)
-        t0n, f0n, f1n, nn = tile_keys(pid_n, b_n, h_n, Sq, Sk, lo, hi, RT, rt_b, rt_h,
-                                      HAS_BAND, False, BM, BN)
-        lst = (c + n - 1) % STAGES
-        if has_next & (n > 0) & (nn > 0):
-            # the next tile's first S with this tile's last P.V, one turn
-            jn = j + 1
-            qn = q_smem.index(2 * WG + jn % 2).reshape([RM, D])               # [RM, D]
-            mbarrier.wait(q_bar.index(2 * WG + jn % 2), (jn // 2) & 1)
-            stn = (c + n) % STAGES
-            mbarrier.wait(k_bar.index(stn), ((c + n) // STAGES) & 1)
-            mbarrier.wait(v_bar.index(lst), ((c + n - 1) // STAGES) & 1)
-            _turn_wait(turn, c + n, WG, PINGPONG)
-            kT = k_smem.index(stn).reshape([BN, D]).permute((1, 0))            # [D, BN]
-            s_tok = warpgroup_mma(qn, kT, zero_s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
-            _turn_pass(turn, WG, NC, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=(s_tok,))          # S'_0 done; P.V may run
-            mbarrier.arrive(k_empty.index(stn), count=1)
-            m_n = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
-            l_n = gl.zeros([RM], gl.float32, layout=row_s)
-            p, alpha, l_n, m_n = softmax_tile_masked(
-                s, m_n, l_n, t0n, f0n, f1n, pid_n * BM + WG * RM, offs_mb, offs_nb, Sq, Sk,
-                lo, hi, qk_scale, am, HAS_BAND, BN, EXP_FMA, None, False, 0, False)
-            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # this tile's O is done
-            mbarrier.arrive(v_empty.index(lst), count=1)
-            p16 = gl.convert_layout(p.to(dt), p_l)             # the next tile's P_0
-            pre = 1
-        else:
-            if n > 0:
-                mbarrier.wait(v_bar.index(lst), ((c + n - 1) // STAGES) & 1)
-                acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc,
-                                    is_async=True)
-                acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-                mbarrier.arrive(v_empty.index(lst), count=1)
-            m_n = m_i
-            l_n = l_i
-            pre = 0
-        # every Q.K^T of this tile is done: its Q buffer takes the tile two ahead
-        if k + 2 * step < end:
-            _load_q(q_desc, q_smem.index(2 * WG + j % 2), q_bar.index(2 * WG + j % 2),
-                    k + 2 * step, SCH, n_m, BH, H, WG, HAS_BAND, BM, RM, SCHED)
-        tma.store_wait(pendings=0)         # the previous tile's out left o_own
-        epilogue(acc, l_i, m_i, o_own, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
-                 row_o)
-        acc = gl.zeros([RM, D], gl.float32, layout=o_l)
-        m_i = m_n
-        l_i = l_n
-        c += n
-        j += 1
-    tma.store_wait(pendings=0)
-
-
 @gluon.jit(do_not_specialize=["BH"])   # BH = 1 (one head) stays a tensor: epilogue's .to
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
@@ -337,31 +196,30 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
                        EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
                        ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
                        HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False,
-                       NC: gl.constexpr = 2, XOVER: gl.constexpr = False):
+                       NC: gl.constexpr = 2):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
-    workers add 4 (+ 4) + 1).  Arguments as fwd_ws_kernel's (NC = 2 or 3 consumers, the
-    overlapped loop), plus BH = B * H and SCH: int32 [P + 1 + T] the schedule (SCHED:
-    offsets of each program's walk, then the tiles; not read otherwise)."""
+    workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers), plus BH = B * H
+    and SCH: int32 [P + 1 + T] the schedule (SCHED: offsets of each program's walk, then
+    the tiles; not read otherwise)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
+    gl.static_assert(SCHED == HAS_BAND, "a band walks the host-built schedule, no band "
+                     "the kernel's own head-major order")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
-    gl.static_assert(NC == 2 or NC == 3, "2 or 3 consumer warpgroups")
-    gl.static_assert(not XOVER or (NC == 2 and not ARRAY),
-                     "the overlapped tile boundaries (XOVER): 2 consumers, no array masks")
-    QB: gl.constexpr = 2 * NC if XOVER else NC      # Q buffers: two per consumer (XOVER)
+    gl.static_assert(NC == 2, "2 consumer warpgroups")
     BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
     # the producer walks tiles too (index arithmetic): 32 registers, not fwd_ws_kernel's
     # 24 (which spill here); 2 * 128 * CONSUMER_REGS + 128 * 32 <= 64 K at 240
     PRODUCER_REGS: gl.constexpr = 32
 
-    q_smem = gl.allocate_shared_memory(dt, [QB, 1, 1, RM, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
     o_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [QB, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -370,8 +228,6 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
     for w in gl.static_range(NC):
         mbarrier.init(q_bar.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
-    for w in gl.static_range(NC, QB):                # XOVER: the second Q buffers'
-        mbarrier.init(q_bar.index(w), count=1)
     for st in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(st), count=1)
         mbarrier.init(v_bar.index(st), count=1)
@@ -379,54 +235,18 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
         mbarrier.init(v_empty.index(st), count=NC)
     fence_async_shared()
 
-    if XOVER:
-        gl.warp_specialize(
-            [(_consumer_x, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar,
-                            v_bar, k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale,
-                            scale, RT, rt_b, rt_h, BH, SCH, HAS_BAND, STAGES, BN, 0, NC,
-                            PINGPONG, EXP_FMA, SCHED)),
-             (_consumer_x, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar,
-                            v_bar, k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale,
-                            scale, RT, rt_b, rt_h, BH, SCH, HAS_BAND, STAGES, BN, 1, NC,
-                            PINGPONG, EXP_FMA, SCHED)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                          Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
-                          SCHED))],
-            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    elif NC == 2:
-        gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                          BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                          HAS_KEEP, SCHED)),
-             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                          BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                          HAS_KEEP, SCHED)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                          Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
-                          SCHED))],
-            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                          BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                          HAS_KEEP, SCHED)),
-             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                          BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                          HAS_KEEP, SCHED)),
-             (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                          k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                          rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                          BH, SCH, HAS_BAND, STAGES, BN, 2, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
-                          HAS_KEEP, SCHED)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                          Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
-                          SCHED))],
-            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP, SCHED)),
+         (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
+                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
+                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      HAS_KEEP, SCHED)),
+         (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
+                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
+                      SCHED))],
+        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -14,23 +14,20 @@ Partitions (``gl.warp_specialize``):
       barrier and TMA-loads K [BN, D] on "k ready", then the same for V ("v empty" /
       "v ready").  K and V are released apart (count NC: one arrive per consumer), K as
       soon as its S = Q.K^T is done, V after its P.V.
-Key-loop schedules (constexpr, configs.HopperConfig.overlap / .pingpong):
-  simple: per tile issue S = Q.K^T [RM, BN], wait for it (and the previous P.V), softmax,
-      issue O += P.V [RM, D] (P from registers).  A consumer's own softmax never overlaps
-      its products; the other consumer's drift gives what overlap there is.
-  overlap (FA3's intra-warpgroup overlap): per tile j issue S_j = Q.K_j^T and
-      O += P_{j-1}.V_{j-1} back to back, wait for S_j only (``warpgroup_mma_wait(1)``),
-      run the softmax of j while P_{j-1}.V_{j-1} runs, then wait for it and rescale O.
-      P_{j-1} stays in registers until its product is done.
-  pingpong (with overlap; FA3's inter-warpgroup schedule): the consumers take turns
-      to issue their pair of products, ordered by NC "turn" mbarriers (consumer w waits
-      on turn[w], issues, arrives on turn[(w + 1) % NC]), so that one consumer's softmax
-      runs while another's products hold the tensor cores.
-  edges (with overlap; _loop_edges): the overlapped schedule with the masked tiles in
-      loops of their own, the unmasked ones in a hot loop without mask code; PSMEM: P
-      through shared memory (two stages per consumer) instead of registers.
-No CTA-wide barrier in the loop.  The numerics, band ranges, masks and the epilogue are
-those of fwd_kernel (its module doc).  Documents / KeepMask (ARRAY): the key range of a
+Key loop (FA3's intra-warpgroup overlap): per tile j issue S_j = Q.K_j^T and
+  O += P_{j-1}.V_{j-1} back to back, wait for S_j only (``warpgroup_mma_wait(1)``), run
+  the softmax of j while P_{j-1}.V_{j-1} runs, then wait for it and rescale O.  P_{j-1}
+  stays in registers until its product is done.  PINGPONG (FA3's inter-warpgroup
+  schedule): the consumers take turns to issue their pair of products, ordered by NC
+  "turn" mbarriers (consumer w waits on turn[w], issues, arrives on turn[(w + 1) % NC]),
+  so that one consumer's softmax runs while another's products hold the tensor cores.
+No CTA-wide barrier in the loop.  K and V tiles come from the band range [t0, t1)
+(tile_ranges.key_tile_range; no mask: all), masked at the edges [t0, f0) and [f1, t1)
+only; rows past Sq / Sk are zero-filled by the copy engine (and masked) and clipped on
+the TMA store of out.  Numerics are the portable forward's (kernels.py module doc, "Row
+statistics"): the row max is kept in raw q.k units, ``p = exp2((x - m) * scale *
+log2 e)``, the statistics ``max = m * scale`` and ``log_norm = ln(l)`` go to two fp32
+planes [2, B * H * Sq]; empty rows: out 0, max -inf, log_norm 0.  Documents / KeepMask (ARRAY): the key range of a
 program is read from a block-range table at its BM x BN tile instead of computed from the
 band (the producer walks it by tile index as before); the consumers apply the id compare
 / keep bytes on the edge tiles only (fwd_masks), composed with the band there.
@@ -38,9 +35,9 @@ band (the producer walks it by tile index as before); the consumers apply the id
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .fwd_kernel import key_tile_range
+from .tile_ranges import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
 __all__ = ["fwd_ws_kernel", "tile_keys", "epilogue"]
@@ -95,38 +92,6 @@ def _turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr)
     """Ping-pong: hand the tensor cores to the next consumer."""
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
-
-
-@gluon.jit
-def _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, acc, m_i, l_i, zero_s,
-                 n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                 HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                 D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
-                 EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
-                 HAS_KEEP: gl.constexpr):
-    """Per tile: S = Q.K^T, wait (S and the previous P.V), softmax, issue P.V.
-    -> acc [RM, D] (done), l_i, m_i [RM]."""
-    for it in range(0, n):
-        t = t0 + it
-        stg = it % STAGES
-        ph = (it // STAGES) & 1
-        mbarrier.wait(k_bar.index(stg), ph)
-        kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
-        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))                     # s [RM, BN]
-        mbarrier.arrive(k_empty.index(stg), count=1)          # K(it) read: refill it
-        if it > 0:                                            # P.V(it - 1) done
-            mbarrier.arrive(v_empty.index((it - 1) % STAGES), count=1)
-        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb,
-                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
-                                                 DOCS, HAS_KEEP)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(dt), p_l)                                 # [RM, BN]
-        mbarrier.wait(v_bar.index(stg), ph)
-        acc = warpgroup_mma(p16, v_smem.index(stg).reshape([BN, D]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))                                   # [RM, D]
-    return acc, l_i, m_i
 
 
 @gluon.jit
@@ -189,130 +154,12 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 
 
 @gluon.jit
-def _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, p16,
-             m_i, l_i, zero_s, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-             HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-             dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr,
-             NC: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
-             PSMEM: gl.constexpr, MASK: gl.constexpr, ARRAY: gl.constexpr,
-             DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """Tile it >= 1 of the overlapped schedule: issue S_it and O += P_{it-1}.V_{it-1},
-    softmax of it (MASK: _softmax_tile's) while P.V runs, wait, rescale O.  P_{it-1}:
-    p16 [RM, BN] in registers, or (PSMEM) p_buf [2 * NC, RM, BN] stage 2 * WG + (it - 1) % 2
-    in shared memory, where P_it goes to stage 2 * WG + it % 2 before the wait (the
-    stage P.V(it - 2) read).
-    -> acc [RM, D], P_it in registers (p16 unchanged under PSMEM), m_i, l_i."""
-    stg = it % STAGES
-    pst = (it - 1) % STAGES
-    mbarrier.wait(k_bar.index(stg), (it // STAGES) & 1)
-    mbarrier.wait(v_bar.index(pst), ((it - 1) // STAGES) & 1)
-    _turn_wait(turn, it, WG, PINGPONG)
-    kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                    # [D, BN]
-    s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-    if PSMEM:
-        acc = warpgroup_mma(p_buf.index(2 * WG + (it - 1) % 2), v_smem.index(pst).reshape([BN, D]),
-                            acc, is_async=True)
-    else:
-        acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
-    _turn_pass(turn, WG, NC, PINGPONG)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))              # S_it done; P.V(it - 1) may run
-    mbarrier.arrive(k_empty.index(stg), count=1)
-    p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
-                                             offs_nb, Sq, Sk, lo, hi, qk_scale, am, HAS_BAND,
-                                             BN, EXP_FMA, MASK, ARRAY, DOCS, HAS_KEEP)
-    if PSMEM:
-        p_buf.index(2 * WG + it % 2).store(p.to(dt))
-        fence_async_shared()
-        acc = warpgroup_mma_wait(0, deps=(acc,))            # P.V(it - 1) done: V free
-        gl.thread_barrier()          # the partition's 4 warps wrote P_it before its P.V
-        p_new = p16
-    else:
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
-        p_new = gl.convert_layout(p.to(dt), p_l)
-    mbarrier.arrive(v_empty.index(pst), count=1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    return acc, p_new, m_i, l_i
-
-
-@gluon.jit
-def _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, p_buf, acc, m_i,
-                l_i, zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
-                WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-                EXP_FMA: gl.constexpr, PSMEM: gl.constexpr, ARRAY: gl.constexpr,
-                DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """_loop_overlap's schedule with the mask decided per segment, not per tile: tile 0
-    (masked path: right for any tile), then tiles [1, a) masked (below f0), [a, b)
-    unmasked (the hot loop: no mask code, no branch), [b, n) masked (the diagonal /
-    partial tiles).  PSMEM: P through shared memory (two stages per consumer) instead of
-    registers: with P in registers carried round the loop, ptxas packs the new P into
-    the registers the running P.V still reads, interleaved with the exponentials, and so
-    waits for P.V before the softmax (SASS: WARPGROUP.DEPBAR before the MUFU.EX2s): the
-    overlap is lost.  -> acc [RM, D] (done), l_i, m_i."""
-    RM: gl.constexpr = q2.shape[0]
-    p16 = gl.zeros([RM, BN], dt, layout=p_l)
-    if n > 0:
-        mbarrier.wait(k_bar.index(0), 0)
-        _turn_wait(turn, 0, WG, PINGPONG)
-        kT = k_smem.index(0).reshape([BN, D]).permute((1, 0))                  # [D, BN]
-        s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        _turn_pass(turn, WG, NC, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
-                                                 offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, EXP_FMA, True, ARRAY,
-                                                 DOCS, HAS_KEEP)
-        if PSMEM:                                        # acc is 0: no rescale needed
-            p_buf.index(2 * WG).store(p.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()
-        else:
-            p16 = gl.convert_layout(p.to(dt), p_l)
-        a = gl.minimum(gl.maximum(f0 - t0, 1), n)          # [1, a): below the band's f0
-        b = gl.minimum(gl.maximum(f1 - t0, a), n)          # [a, b): unmasked
-        for it in range(1, a):
-            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
-                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
-                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
-                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, True,
-                                          ARRAY, DOCS, HAS_KEEP)
-        for it in range(a, b):
-            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
-                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
-                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
-                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, False,
-                                          ARRAY, DOCS, HAS_KEEP)
-        for it in range(b, n):
-            acc, p16, m_i, l_i = _ov_step(it, q2, k_smem, v_smem, k_bar, v_bar, k_empty,
-                                          v_empty, turn, p_buf, acc, p16, m_i, l_i, zero_s,
-                                          t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                                          qk_scale, am, HAS_BAND, STAGES, BN, D, dt, p_l,
-                                          row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM, True,
-                                          ARRAY, DOCS, HAS_KEEP)
-        lst = (n - 1) % STAGES
-        mbarrier.wait(v_bar.index(lst), ((n - 1) // STAGES) & 1)
-        if PSMEM:
-            acc = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2),
-                                v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        else:
-            acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
-            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-    return acc, l_i, m_i
-
-
-@gluon.jit
 def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-              turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
+              turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
               QIDb, KIDb, KMb, skm_q, skm_k,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr, EDGES: gl.constexpr,
-              PSMEM: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
+              EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
               HAS_KEEP: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
     loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ARRAY:
@@ -354,24 +201,11 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
         qe = 0
     am = (qa, qe, KIDb, KMb, skm_q, skm_k)
     mbarrier.wait(qb, 0)
-    if EDGES:
-        acc, l_i, m_i = _loop_edges(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-                                    turn, p_smem, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0, offs_mb,
-                                    offs_nb, Sq, Sk, lo, hi, qk_scale, am, HAS_BAND, STAGES,
-                                    BN, D, dt, p_l, row_o, WG, NC, PINGPONG, EXP_FMA, PSMEM,
-                                    ARRAY, DOCS, HAS_KEEP)
-    elif OVERLAP:
-        acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-                                      turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
-                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, 0,
-                                      HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                      PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
-    else:
-        acc, l_i, m_i = _loop_simple(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-                                     warpgroup_mma_init(acc), m_i, l_i, zero_s, n, t0, f0,
-                                     f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                     HAS_BAND, STAGES, BN, D, dt, p_l, row_o, EXP_FMA, ARRAY,
-                                     DOCS, HAS_KEEP)
+    acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
+                                  turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
+                                  offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, 0,
+                                  HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
+                                  PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
 
     # this consumer's own Q buffer takes out: only its wgmmas read it
     epilogue(acc, l_i, m_i, q_own, o_desc, LSE, b, h, bh, r0, Sq, gl.num_programs(1),
@@ -382,7 +216,7 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
 @gluon.jit
 def epilogue(acc, l_i, m_i, o_buf, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
              row_o: gl.constexpr):
-    """fwd_kernel's epilogue for rows [r0, r0 + RM) of (b, h): out = acc / l (0 on empty
+    """The epilogue for rows [r0, r0 + RM) of (b, h): out = acc / l (0 on empty
     rows) through o_buf [1, 1, RM, D] (shared, free) by TMA (not waited for); max -inf and
     log_norm 0 on empty rows, to LSE [2, BH * Sq] (bh = b * H + h)."""
     dt: gl.constexpr = o_desc.dtype
@@ -434,17 +268,15 @@ def tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND: gl.constexp
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr,
-                  num_warps: gl.constexpr, NC: gl.constexpr = 2, EDGES: gl.constexpr = False,
-                  PSMEM: gl.constexpr = False, ARRAY: gl.constexpr = False,
-                  DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
+                  PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
+                  NC: gl.constexpr = 2, ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
+                  HAS_KEEP: gl.constexpr = False):
     """Grid (cdiv(Sq, NC * RM), B * H), num_warps = 4 (consumer 0; the workers add
     4 * (NC - 1) + 1).  q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc:
     [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).
     qk_scale = scale * log2(e); band masks through lo / hi (open: +-2^30).  NC: consumer
-    warpgroups (2 or 3); OVERLAP / PINGPONG / EDGES / PSMEM: the key-loop schedule
-    (module doc; PINGPONG and EDGES need OVERLAP, PSMEM needs EDGES); EXP_FMA:
-    fwd_kernel._softmax_tile's.  ARRAY (Documents / KeepMask, fwd_masks): the key tiles of
+    warpgroups (2 or 3); PINGPONG: the consumers' turns (module doc); EXP_FMA:
+    fwd_masks.softmax_tile's.  ARRAY (Documents / KeepMask, fwd_masks): the key tiles of
     query tile pid_m come from the range table RT int32 [Bm, Hm, nQ, 4] at this kernel's
     tile BM x BN (row b * rt_b + h * rt_h + pid_m; 0 strides where broadcast): (t0, f0,
     f1, t1), [f0, f1) unmasked; the band (HAS_BAND) is in the table and masked on the
@@ -454,14 +286,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     empty interval where none), KID unused; KeepMask: uint8 KM with element strides
     skm_b, skm_h, skm_q, skm_k (0 where broadcast)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
-    gl.static_assert(OVERLAP or not PINGPONG, "ping-pong issues the overlapped pair")
-    gl.static_assert(OVERLAP or not EDGES, "the edge loops run the overlapped schedule")
-    gl.static_assert(EDGES or not PSMEM, "P through shared memory: the edge loops only")
     gl.static_assert((NC == 2) or (NC == 3), "two or three consumer warpgroups")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
-    gl.static_assert(not EDGES or (DOCS != 1 and not HAS_KEEP),
-                     "the edge loops take document intervals only (Triton 3.6 fails to "
-                     "lower their per-key loads)")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -495,11 +321,6 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         mbarrier.init(v_bar.index(st), count=1)
         mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
         mbarrier.init(v_empty.index(st), count=NC)
-    if PSMEM:       # P of each consumer's last two tiles [2 * NC, RM, BN]
-        p_smem = gl.allocate_shared_memory(
-            dt, [2 * NC, RM, BN], gl.NVMMASharedLayout.get_default_for([RM, BN], dt))
-    else:
-        p_smem = q_smem             # not read
     fence_async_shared()
 
     t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND, ARRAY,
@@ -511,35 +332,30 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     if NC == 2:
         gl.warp_specialize(
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
-                          HAS_KEEP)),
+                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
-                          HAS_KEEP)),
+                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
-                          HAS_KEEP)),
+                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
-                          HAS_KEEP)),
+                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, p_smem, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
+                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 2, NC,
-                          OVERLAP, PINGPONG, EXP_FMA, EDGES, PSMEM, ARRAY, DOCS,
-                          HAS_KEEP)),
+                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -31,7 +31,7 @@ from . import configs as HC
 
 __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
            "persist_schedule", "dkdv", "bwd_mask_tables", "BwdMaskTables",
-           "backward_fused", "dqa_desc", "dq_order"]
+           "backward_config", "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
@@ -211,7 +211,6 @@ class FwdLaunch:
 
     def __init__(self, p, cfg, direct: bool = False):
         from .. import direct as DL
-        from .fwd_kernel import fwd_kernel
 
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
         rm_ = p.mask
@@ -229,48 +228,30 @@ class FwdLaunch:
 
             self.kernel, self.q_rows = fwd_persist_kernel, cfg.bm // cfg.consumers
             self.grid = (min(_sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
-            if cfg.xover and self.array:
-                raise NotImplementedError(
-                    f"{cfg.name}: the overlapped tile boundaries (xover) take band masks "
-                    "only; use FWD_PERSIST or the default for Documents / KeepMask")
-            if cfg.sched and self.array:
+            if self.array:
                 raise NotImplementedError(
                     f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
-                    "KeepMask key ranges are per call); use FWD_PERSIST or the default")
+                    "KeepMask key ranges are per call); use the per-tile config")
             # without a band every tile's loop is as long: the greedy schedule is the
             # kernel's own head-major round robin, so SCHED is off there (same walk)
-            if cfg.sched and rm_.has_band:
+            if rm_.has_band:
                 self.sched = (Sq, Sk, lo, hi, cfg.bm, cfg.bn, B * H, self.grid[0])
                 # under CUDA graph capture a schedule not built yet cannot be copied to
                 # the device (a host copy): that call runs the per-tile kernel of the
                 # same loop instead, whose results are bitwise the same
                 self.per_tile = FwdLaunch(p, cfg.per_tile(), direct)
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
-                           EXP_FMA=cfg.exp_fma, num_warps=4, ARRAY=self.array,
-                           HAS_KEEP=rm_.keep is not None, SCHED=self.sched is not None,
-                           NC=cfg.consumers, XOVER=cfg.xover)
-        elif cfg.ws:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
+                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
+                           num_warps=4, ARRAY=False, HAS_KEEP=False,
+                           SCHED=self.sched is not None, NC=cfg.consumers)
+        else:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
             self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // cfg.consumers
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, OVERLAP=cfg.overlap,
-                           PINGPONG=cfg.pingpong, EXP_FMA=cfg.exp_fma, NC=cfg.consumers,
-                           EDGES=cfg.edges, PSMEM=cfg.p_smem, num_warps=4,
-                           ARRAY=self.array, HAS_KEEP=rm_.keep is not None)
-            if self.array and cfg.edges and rm_.keep is not None:
-                raise NotImplementedError(
-                    f"{cfg.name}: the edge loops take Documents only (Triton 3.6 fails to "
-                    "lower their keep-mask loads); use a config without edges")
-        elif self.array:
-            raise NotImplementedError(
-                f"{cfg.name}: Documents / KeepMask run on the warp-specialised forward "
-                "only (a ws config)")
-        else:
-            self.kernel, self.q_rows = fwd_kernel, cfg.bm
-            self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           OVERLAP=cfg.overlap, num_warps=cfg.num_warps)
+                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
+                           NC=cfg.consumers, num_warps=4, ARRAY=self.array,
+                           HAS_KEEP=rm_.keep is not None)
         #: the launch (Triton's path, or with ``direct`` the resolved kernel's replays)
         self.site = DL.Site(self.kernel, direct)
 
@@ -289,17 +270,15 @@ class FwdLaunch:
     def mask_args(self, q, p=None):
         """-> (the kernel's mask-array arguments after the scalars, its keywords) for
         this call: mask_arrays() of p's Documents / KeepMask, else placeholders (the
-        warp-specialised kernel) or nothing (the plain one)."""
+        placeholders."""
         if self.array:
             if p is None:
                 raise ValueError("a Documents / KeepMask forward needs the call's Problem "
                                  "(p=) for its mask arrays")
             *marr, docs = mask_arrays(p, q, self.cfg)
             return tuple(marr) + self._tail(q.device), dict(self.kw, DOCS=docs)
-        if self.cfg.ws:
-            i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
-            return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self._tail(q.device), self.kw
-        return (), self.kw
+        i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
+        return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self._tail(q.device), self.kw
 
     def __call__(self, q, k, v, out=None, stats=None, p=None):
         """-> out, RowStats(max, log_norm) (see forward).  ``p``: the call's Problem,
@@ -381,10 +360,10 @@ def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
 
 
 def prepare_forward(p, cfg=None, direct: bool = False) -> FwdLaunch:
-    """The forward launch of Problem p (configs.fwd_config(D, dtype, mask class) unless
+    """The forward launch of Problem p (configs.fwd_config(D, mask class) unless
     ``cfg``); ``direct``: its repeats replay the compiled kernel (direct.Site)."""
-    return FwdLaunch(p, HC.fwd_config(p.head_dim, p.dtype, p.mask_class) if cfg is None
-                     else cfg, direct)
+    return FwdLaunch(p, HC.fwd_config(p.head_dim, p.mask_class) if cfg is None else cfg,
+                     direct)
 
 
 def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLaunch] = None):
@@ -569,93 +548,62 @@ def _launcher(sites, name: str, kernel):
     return site
 
 
-def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, cfg=None, sites=None):
-    """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_kernel.dkdv_kernel (or
-    bwd_ws_kernel.dkdv_ws_kernel when cfg.ws) from the backward preprocess's l2
-    [B, H, 2, Sq] and delta [B, H, Sq] (fp32, contiguous; kernels.py module doc).  ``dk`` / ``dv``: preallocated buffers to write (tests poison
-    them); ``cfg``: a HopperBwdConfig other than configs.dkdv_config(D); ``sites``: the
-    prepared signature's launch sites (direct.Site by name), None for Triton's path."""
-    from .bwd_kernel import dkdv_kernel
+def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, sites=None):
+    """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_ws_kernel.dkdv_ws_kernel
+    (configs.bwd_config_dkdv_only) from the backward preprocess's l2 [B, H, 2, Sq] and
+    delta [B, H, Sq] (fp32, contiguous; kernels.py module doc).  ``dk`` / ``dv``:
+    preallocated buffers to write (tests poison them); ``sites``: the prepared
+    signature's launch sites (direct.Site by name), None for Triton's path."""
+    from .bwd_ws_kernel import dkdv_ws_kernel
 
-    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
-    cfg = HC.dkdv_config(D) if cfg is None else cfg
-    if cfg.fused or cfg.dq:
-        raise ValueError(f"dkdv() runs the dK/dV kernels; {cfg.name} is run by "
-                         f"backward_fused()")
+    B, Hkv, Sk, D = p.batch, p.heads_kv, p.seq_k, p.head_dim
+    cfg = HC.bwd_config_dkdv_only(D)
     rm_ = p.mask
     lo, hi, dk, dv, _ = _bwd_checks(p, q, l2, delta, dk, dv)
     grid = (_cdiv(Sk, cfg.bn), B * Hkv)
-    if _is_array(p) and not cfg.ws:
-        raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
-                                  "warp-specialised backward only (a ws config)")
-    if cfg.ws:    # two consumer warpgroups of bn / 2 key rows, one producer warp
-        from .bwd_ws_kernel import dkdv_ws_kernel
-
-        rn = cfg.bn // 2
-        # Documents / KeepMask: the column range table and the mask arrays (keywords;
-        # absent, the kernel's defaults None compile the dense code)
-        akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
-        with on_device(q.device):
-            _launcher(sites, "dkdv", dkdv_ws_kernel)(
-                grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
-                       make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                       l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi),
-                dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                     CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong,
-                     num_warps=4, **akw))
-        return dk, dv
-    with torch.cuda.device(q.device):
-        dkdv_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
-                          make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
-                          l2, delta, H, p.group, Sq, Sk, p.scale, lo, hi,
-                          HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                          num_warps=cfg.num_warps)
+    rn = cfg.bn // 2      # two consumer warpgroups of bn / 2 key rows, one producer warp
+    # Documents / KeepMask: the column range table and the mask arrays (keywords;
+    # absent, the kernel's defaults None compile the dense code)
+    akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
+    with on_device(q.device):
+        _launcher(sites, "dkdv", dkdv_ws_kernel)(
+            grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
+                   make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
+                   l2, delta, p.heads_q, p.group, p.seq_q, Sk, p.scale, lo, hi),
+            dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
+                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=False, num_warps=4, **akw))
     return dk, dv
 
 
-def dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128,
-             interleave: bool = False):
-    """A TMA descriptor over the fp32 dQ accumulator dqa [B * H, Sq, D] with blocks
-    [1, rows, cols] (cols default D; the fused backward's bulk copies / reduce-adds) and
-    the shared layout's swizzle in bytes (128: get_default_for's; 32: boxes of 8
-    columns); its non-tensor fields cached as make_desc's are.  ``interleave``
-    (HopperBwdConfig.dq_interleave; Sq a multiple of 8): 5-D, dqa viewed as
-    [B * H, Sq / 8, 4, 2, D] with the two middle dimensions swapped (row 8 g + 4 b1 + b0
-    at (g, b0, b1)), blocks [1, rows / 8, 4, 2, cols]: a box's shared row 8 g + 2 b0 + b1
-    holds the accumulator's row 8 g + 4 b1 + b0."""
-    if cols is None and swizzle == 128 and not interleave:
-        return _cached_desc(("dqa",) + desc_key(dqa, rows), dqa, rows, _new_dqa_desc)
-    return _cached_desc(("dqa", cols, swizzle, interleave) + desc_key(dqa, rows), dqa, rows,
-                        lambda x, r: _new_dqa_desc(x, r, cols, swizzle, interleave))
+def dqa_desc(dqa, rows: int, cols: int):
+    """A TMA descriptor over the fp32 dQ accumulator dqa [B * H, SqA, D] (SqA a multiple
+    of 8) for bulk copies / reduce-adds of [rows, cols] blocks, its non-tensor fields
+    cached as make_desc's are.  5-D: dqa viewed as [B * H, SqA / 8, 4, 2, D] with the two
+    middle dimensions swapped (row 8 g + 4 b1 + b0 at (g, b0, b1)), blocks
+    [1, rows / 8, 4, 2, cols]: a box's shared row 8 g + 2 b0 + b1 holds the
+    accumulator's row 8 g + 4 b1 + b0 (the staging rows' interleave)."""
+    return _cached_desc(("dqa", cols) + desc_key(dqa, rows), dqa, rows,
+                        lambda x, r: _new_dqa_desc(x, r, cols))
 
 
-def _new_dqa_desc(dqa, rows: int, cols: Optional[int] = None, swizzle: int = 128,
-                  interleave: bool = False):
+def _new_dqa_desc(dqa, rows: int, cols: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    cols = dqa.shape[2] if cols is None else cols
-    if interleave:
-        n, sq, d = dqa.shape
-        if sq % 8 or rows % 8:
-            raise ValueError(f"interleave: rows ({rows}) and the accumulator's Sq ({sq}) "
-                             "must be multiples of 8")
-        s0, s1, _ = dqa.stride()
-        shape, strides = [n, sq // 8, 4, 2, d], [s0, 8 * s1, s1, 4 * s1, 1]
-        block = [1, rows // 8, 4, 2, cols]
-    else:
-        shape, strides, block = list(dqa.shape), list(dqa.stride()), [1, rows, cols]
-    if swizzle == 128:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32,
-                                      rank=3)
+    n, sq, d = dqa.shape
+    if sq % 8 or rows % 8:
+        raise ValueError(f"dqa_desc: rows ({rows}) and the accumulator's Sq ({sq}) must be "
+                         "multiples of 8")
+    s0, s1, _ = dqa.stride()
+    shape, strides = [n, sq // 8, 4, 2, d], [s0, 8 * s1, s1, 4 * s1, 1]
+    block = [1, rows // 8, 4, 2, cols]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dqa, shape, strides, block, layout)
 
 
 def _order_of(p, cfg, order) -> int:
-    """The dQ add order of backward_fused / _backward_ws_dq: ``order`` (0 ascending, 1
-    rotated; ValueError otherwise) or, when None, dq_order()'s default."""
+    """The dQ add order of backward_fused: ``order`` (0 ascending, 1 rotated; ValueError
+    otherwise) or, when None, dq_order()'s default."""
     order = dq_order(p, cfg.bn, cfg.bm) if order is None else int(order)
     if order not in (0, 1):
         raise ValueError(f"order {order}: expected 0 (ascending) or 1 (rotated)")
@@ -663,10 +611,10 @@ def _order_of(p, cfg, order) -> int:
 
 
 def dq_order(p, bn: int, bm: int) -> int:
-    """The fused backward's dQ add order (bwd_fused_kernel module doc): 1 (rotated /
-    diagonal first: no waiting in steady state, but a program may wait for one launched
-    after it) when all cdiv(Sk, bn) key-tile programs of one (b, kv head) fit on the SMs
-    at once (one program per SM), else 0 (ascending: waits only on earlier launches)."""
+    """The dQ add order (dq_turns module doc): 1 (rotated / diagonal first: no waiting in
+    steady state, but a program may wait for one launched after it) when all
+    cdiv(Sk, bn) key-tile programs of one (b, kv head) fit on the SMs at once (one
+    program per SM), else 0 (ascending: waits only on earlier launches)."""
     sms = _sm_count(str(p.device))
     return 1 if _cdiv(p.seq_k, bn) <= sms else 0
 
@@ -683,21 +631,20 @@ def _sm_count(device: str) -> int:
 
 def backward_config(p) -> HC.HopperBwdConfig:
     """The routed backward's config for Problem p: configs.bwd_config(D, mask class),
-    unless that config computes dQ inside and a (batch, kv head) of p has more key-tile
-    programs than half the device's SMs: then the dK/dV-only config (dQ portable).  The
-    dQ-inside kernel's programs wait for each other's add turns (dq_order); the rotated
-    order assumes all key-tile programs of one (batch, kv head) are resident at once, and
-    the margin of half the SMs keeps that true while other streams' kernels (collectives)
-    hold SMs too."""
+    unless a (batch, kv head) of p has more key-tile programs than half the device's
+    SMs: then the dK/dV-only config (dQ portable).  The dQ-inside kernel's programs wait
+    for each other's add turns (dq_order); the rotated order assumes all key-tile
+    programs of one (batch, kv head) are resident at once, and the margin of half the
+    SMs keeps that true while other streams' kernels (collectives) hold SMs too."""
     cfg = HC.bwd_config(p.head_dim, p.mask_class)
-    if cfg.dq and _cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
+    if _cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
         return HC.bwd_config_dkdv_only(p.head_dim)
     return cfg
 
 
 def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
     """Whether every query tile of bm rows is visited by some key tile of bn keys under
-    lo <= j - i <= hi (bwd_kernel.query_tile_range's rule; the tiles without keys form a
+    lo <= j - i <= hi (tile_ranges.query_tile_range's rule; the tiles without keys form a
     prefix and / or a suffix, so the first and the last tile decide)."""
     nq, nkv = _cdiv(Sq, bm), _cdiv(Sk, bn)
     for t in {0, nq - 1}:
@@ -708,73 +655,9 @@ def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
     return True
 
 
-def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=None,
-                   want_dq: bool = True, order=None, sites=None):
-    """-> (dq [B, H, Sq, D] or None, dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous,
-    from the backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32,
-    contiguous), through bwd_fused_kernel.dkdvq_kernel (or, for a ws config with dq,
-    bwd_ws_dq_kernel.dkdvq_ws_kernel): dK / dV, and dQ when want_dq (added in a fixed
-    key-tile order: bitwise repeatable).  ``dq`` / ``dk`` / ``dv``:
-    preallocated buffers to write (tests poison them); ``cfg``: default
-    configs.bwd_config(D); ``order``: the dQ add order, default dq_order(); ``sites``:
-    the prepared signature's launch sites (direct.Site by name), None for Triton's
-    path."""
-    B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
-    cfg = HC.bwd_config(D) if cfg is None else cfg
-    if cfg.ws and cfg.dq:
-        if not want_dq:   # dk / dv alone: the same consumers without dq (bwd_ws_kernel)
-            dk, dv = dkdv(p, q, k, v, dout, l2, delta, dk, dv,
-                          cfg=dataclasses.replace(cfg, dq=False, prefetch=True, chains=1,
-                                                  split=False, lag=False,
-                                                  trans=False, bm=64, stats=False,
-                                                  dq_swizzle=128, dq_first=False,
-                                                  dq_interleave=False,
-                                                  late_release=False), sites=sites)
-            return None, dk, dv
-        return _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order,
-                               sites=sites)
-    if not cfg.fused:
-        raise ValueError(f"backward_fused needs a fused config or a ws config with dq, got "
-                         f"{cfg.name} (dkdv() runs the dK/dV kernel)")
-    if want_dq and not cfg.dq:
-        raise ValueError(f"config {cfg.name} computes dk / dv only: call it with "
-                         f"want_dq=False (dq through the portable kernel)")
-    with_dq = bool(want_dq)
-    rm_ = p.mask
-    lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, with_dq)
-    dev = q.device
-    nq = _cdiv(Sq, cfg.bm)
-    if _is_array(p):
-        raise NotImplementedError(f"{cfg.name}: Documents / KeepMask run on the "
-                                  "warp-specialised backward only (a ws config)")
-    order = _order_of(p, cfg, order)
-    if with_dq:
-        # fp32 partial sums (no init: the first adder of a query tile stores), one
-        # counter per (b, h, query tile) at zero; query tiles that no key tile
-        # sees (band masks) keep dq's zeros
-        dqa = torch.empty((B * H, Sq, D), dtype=torch.float32, device=dev)
-        sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
-        if rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm, cfg.bn):
-            dq.zero_()
-        dq_arg = dq
-    else:
-        dqa, sem, dq_arg = (torch.empty((1, cfg.bm, D), dtype=torch.float32, device=dev),
-                            torch.empty((1,), dtype=torch.int32, device=dev), dk)
-    grid = (_cdiv(Sk, cfg.bn), B * Hkv)
-    tail = (l2, delta, dq_arg, dqa, sem, H, p.group, Sq, Sk, p.scale, lo, hi, order)
-    with torch.cuda.device(dev):
-        from .bwd_fused_kernel import dkdvq_kernel
-
-        dkdvq_kernel[grid](make_desc(q, cfg.bm), make_desc(k, cfg.bn), make_desc(v, cfg.bn),
-                           make_desc(dout, cfg.bm), make_desc(dk, cfg.bn), make_desc(dv, cfg.bn),
-                           dqa_desc(dqa, cfg.bm), *tail, HAS_BAND=bool(rm_.has_band),
-                           WITH_DQ=with_dq, STAGES=cfg.stages, DEFER=cfg.defer, num_warps=8)
-    return (dq if with_dq else None), dk, dv
-
-
 def _ws_dq_kernel(cfg):
-    """The dQ-inside warp-specialised kernel of config cfg: bwd_ws_t_kernel's transposed
-    consumers (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments."""
+    """The dQ-inside kernel of config cfg: bwd_ws_t_kernel's transposed consumers
+    (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments."""
     if cfg.trans:
         from .bwd_ws_t_kernel import dkdvq_ws_t_kernel
 
@@ -784,21 +667,28 @@ def _ws_dq_kernel(cfg):
     return dkdvq_ws_kernel
 
 
-#: registers of bwd_ws_dq_kernel's dQ-writer warp (setmaxnreg)
+#: registers of the dQ-writer warp (setmaxnreg)
 WS_DQ_WRITER_REGS = 24
 
 
-def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=False,
-                    sites=None):
-    """(dq, dk, dv) through bwd_ws_dq_kernel.dkdvq_ws_kernel (dq's fp32 partials added in
-    a fixed order into cfg.chains scratch accumulators), then dq = their sum * scale in
-    q's dtype (bwd_dq_convert, one elementwise pass); arguments as backward_fused's.
-    ``_diag`` (the bench's timing diagnostics only): True / 1 the kernel's writer makes
-    no adds, dq comes out undefined; 2 (split configs) its reduce-adds in no order (no
-    turns: not repeatable)."""
+def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=None,
+                   order=None, sites=None):
+    """-> (dq [B, H, Sq, D], dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous, from the
+    backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32, contiguous),
+    through the dQ-inside kernel of ``cfg`` (default configs.bwd_config(D, mask class);
+    it must have dq): dq's fp32 partials added in a fixed order into a scratch
+    accumulator (bitwise repeatable), then dq = its rows * scale in q's dtype
+    (bwd_dq_convert, one elementwise pass).  ``dq`` / ``dk`` / ``dv``: preallocated
+    buffers to write (tests poison them); ``order``: the dQ add order, default
+    dq_order(); ``sites``: the prepared signature's launch sites (direct.Site by name),
+    None for Triton's path."""
     from .bwd_dq_convert import dq_convert_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    cfg = HC.bwd_config(D, p.mask_class) if cfg is None else cfg
+    if not cfg.dq:
+        raise ValueError(f"backward_fused runs the dQ-inside kernels; {cfg.name} computes "
+                         "dk / dv only (dkdv())")
     rm_ = p.mask
     lo, hi, dk, dv, dq = _bwd_checks(p, q, l2, delta, dk, dv, dq, True)
     dev = q.device
@@ -821,37 +711,28 @@ def _backward_ws_dq(p, q, k, v, dout, l2, delta, dq, dk, dv, cfg, order, _diag=F
         raise NotImplementedError(f"{cfg.name}: query tiles of {cfg.bm} rows are built "
                                   f"for D=64 only (bwd_ws_t_kernel), got D={D}")
     nq = _cdiv(Sq, cfg.bm)
-    # fp32 partial sums, one accumulator per chain (the first adder of a query tile
-    # stores: no init, except where a band leaves query tiles without keys: their dq is
-    # 0; an array mask's such tiles are written 0 by the conversion, VISITS), a counter
-    # per (chain, b, h, query tile) at zero
-    nc = cfg.chains
-    # dq_interleave: the 5-D view (dqa_desc) needs whole groups of 8 rows per head
-    sq_acc = _cdiv(Sq, 8) * 8 if cfg.dq_interleave else Sq
-    dqa = torch.empty((nc * B * H, sq_acc, D), dtype=torch.float32, device=dev)
-    if unvisited or int(_diag) == 2:
-        if int(_diag) == 2 and not cfg.split:
-            raise ValueError("_diag 2 (unordered adds) is a diagnostic of split configs")
+    # fp32 partial sums (the first adder of a query tile stores: no init, except where a
+    # band leaves query tiles without keys: their dq is 0; an array mask's such tiles are
+    # written 0 by the conversion, VISITS), a counter per (b, h, query tile) at zero;
+    # the 5-D view (dqa_desc) needs whole groups of 8 rows per head
+    sq_acc = _cdiv(Sq, 8) * 8
+    dqa = torch.empty((B * H, sq_acc, D), dtype=torch.float32, device=dev)
+    if unvisited:
         dqa.zero_()
-    sem = torch.zeros((nc * B * H * nq,), dtype=torch.int32, device=dev)
+    sem = torch.zeros((B * H * nq,), dtype=torch.int32, device=dev)
     rn = cfg.bn // 2
     grid = (_cdiv(Sk, cfg.bn), B * Hkv)
     with on_device(dev):
         _launcher(sites, "dkdvq", _ws_dq_kernel(cfg))(
             grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
                    make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
-                   dqa_desc(dqa, cfg.bm, D // 2 if cfg.split else None, cfg.dq_swizzle,
-                            cfg.dq_interleave), l2, delta,
+                   dqa_desc(dqa, cfg.bm, D // 2), l2, delta,
                    sem, B * H, H, p.group, Sq, Sk, p.scale, lo, hi, order),
             dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
                  CONSUMER_REGS=cfg.consumer_regs, WRITER_REGS=WS_DQ_WRITER_REGS,
-                 PREFETCH=cfg.prefetch, CHAINS=nc, DIAG=int(_diag), SPLIT=cfg.split,
-                 LAG=cfg.lag, num_warps=4, **akw, **({"STATS": True} if cfg.stats else {}),
-                 **({"DQ_FIRST": True} if cfg.dq_first else {}),
-                 **({"DQ_IL": True} if cfg.dq_interleave else {}),
-                 **({"LATE": True} if cfg.late_release else {})))
+                 num_warps=4, **akw, **({"LATE": True} if cfg.late_release else {})))
         n = B * H * Sq * D
         _launcher(sites, "dq_convert", dq_convert_kernel)(
             (_cdiv(n, 4096),), (dqa, dq, n, p.scale, Sq * D, sq_acc * D),
-            dict(CHAINS=nc, PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8, **ckw))
+            dict(PADDED=sq_acc != Sq, BLOCK=4096, num_warps=8, **ckw))
     return dq, dk, dv
