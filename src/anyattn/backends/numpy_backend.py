@@ -55,6 +55,7 @@ import numpy as np
 from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from . import blas_threads
+from ..features import MODIFIERS
 from .base import Backend, Capabilities
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -448,8 +449,7 @@ class NumpyBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest"}), softcap=True, alibi=True, sinks=True,
-        dropout=True)
+        precisions=frozenset({"highest"}), modifiers=MODIFIERS)
 
     def __init__(self, config: Optional[NumpyConfig] = None):
         self.config = config if config is not None else NumpyConfig.from_env()
