@@ -67,7 +67,8 @@ def test_problem_features_name_exactly_what_it_uses(name):
 def test_a_backend_without_a_feature_refuses_it_with_the_tables_words(name):
     f = features.get(name)
     full = Capabilities(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
-                        dtypes=frozenset({"float32"}), modifiers=features.MODIFIERS)
+                        dtypes=frozenset({"float32"}), mask_terms=features.MASK_TERMS,
+                        modifiers=features.MODIFIERS)
     field = {"mask_term": "mask_terms", "input": "inputs", "gradient": "gradients",
              "modifier": "modifiers"}[f.kind]
     lacking = dataclasses.replace(full, **{field: getattr(full, field) - {name}})

@@ -51,6 +51,8 @@ class Capabilities:
     kind: ``mask_terms`` (lowered mask terms), ``inputs`` (bias, GQA), ``gradients``
     (bias_grad, sinks_grad) and ``modifiers`` (softcap, alibi, sinks, dropout).  A
     problem using a feature outside them is refused with that feature's words.
+    ``mask_terms`` and ``modifiers`` start empty: a backend names what it implements,
+    so a term or modifier added to the table is refused by every backend that does not.
     """
 
     array_kinds: FrozenSet[str]            # {'numpy'} or {'torch'}
@@ -58,10 +60,10 @@ class Capabilities:
     dtypes: FrozenSet[str]
     precisions: FrozenSet[str] = frozenset({"highest"})
     max_head_dim: Optional[int] = None
-    mask_terms: FrozenSet[str] = features.MASK_TERMS
+    mask_terms: FrozenSet[str] = frozenset()   # each backend names the terms it implements
     inputs: FrozenSet[str] = features.INPUTS
     gradients: FrozenSet[str] = features.GRADIENTS
-    modifiers: FrozenSet[str] = frozenset()
+    modifiers: FrozenSet[str] = frozenset()    # ... and the modifiers
     auto: bool = True                      # may auto-dispatch pick it?
 
     def __post_init__(self):

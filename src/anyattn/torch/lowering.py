@@ -82,4 +82,14 @@ def lower(mask, b: int, hq: int, sq: int, sk: int, q_offset: int = 0, k_offset: 
             f"composition), got {type(mask).__name__}; pass a boolean tensor as "
             "anyattn.KeepMask(tensor)")
     f = lower_terms(mask, b, hq, sq, sk, q_offset, k_offset, ops=TorchOps(device))
+    other = sorted(k for k, v in f.items() if v is not None and k not in _OP_FIELDS)
+    if other:
+        raise NotImplementedError(
+            f"mask: the lowered fields {other} have no argument in the anyattn torch ops "
+            "(band, document ids, keep); call anyattn.attention with the tensors, or lower "
+            "that term to a KeepMask")
     return f["band_lo"], f["band_hi"], f["q_ids"], f["k_ids"], f["keep"]
+
+
+#: the ResolvedMask fields the custom ops carry (keep_key: NumPy arrays only)
+_OP_FIELDS = ("band_lo", "band_hi", "q_ids", "k_ids", "keep", "keep_key")

@@ -37,7 +37,7 @@ class TritonBackend(Backend):
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
-            modifiers=MODIFIERS)
+            mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:

@@ -43,7 +43,7 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, modifiers=MODIFIERS)
+    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
 
 
 class WebGPUBackend(Backend):
