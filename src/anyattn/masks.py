@@ -9,7 +9,9 @@ Masks are small frozen objects composed with ``&``.  Index-based terms
 cache of tile maps without hashing their contents.
 
 Every term is lowered by :func:`resolve` to one :class:`ResolvedMask`, the form
-backends consume:
+backends consume.  Each kind of lowered term is one :class:`TermKind` in
+:data:`TERM_KINDS` (its fold, its float64 rule, its tile classification), found by
+name by the reference, the tile maps, :mod:`anyattn.features` and the backends:
 
 * a *band* ``lo <= j - i <= hi`` (either side ``None`` = unbounded) that
   collects every causal and window term, alignment and position offsets

@@ -397,6 +397,13 @@ class _Call:
 
     def __init__(self, p, mods, plan: TilePlan, dt: np.dtype):
         self.p, self.mods, self.plan, self.dt = p, mods, plan, dt
+        # forward, set by the launcher before the hooks: query multipliers (base 2,
+        # natural units) and the score bound's factor and cap (log2 units)
+        self.q2mul = self.qsmul = self.bmul = self.bcap = None
+        # backward, set by the launcher: the statistics as given (stats64) and as the
+        # kernels see them (row_max, log_norm, float64); units, -max column, w, q factor
+        self.stats64 = self.row_max = self.log_norm = None
+        self.base2 = self.col = self.w = self.qmul = None
         self.slopes: Optional[np.ndarray] = None    # ALiBi: float64 [Ba, Hq]
         self.anchor: Optional[np.ndarray] = None    # ALiBi: anchors [Sq] (alibi_anchors)
         self.dmin: Optional[np.ndarray] = None      # ALiBi: row distances [Sq]
