@@ -88,7 +88,7 @@ def test_capabilities_refuse_unknown_feature_names_and_plain_strings():
     with pytest.raises(TypeError, match="expected a set"):
         Capabilities(**base, modifiers="softcap")
     with pytest.raises(ValueError, match="unknown"):
-        Capabilities(**base).supports("prefix")
+        Capabilities(**base).supports("dilated")
 
 
 def test_every_backend_declares_known_features():
