@@ -238,12 +238,12 @@ def _check_usage(args) -> None:
     if caps.max_head_dim is not None and D > caps.max_head_dim:
         raise UsageError(f"argument --shape: backend {be!r} takes head dim D <= "
                          f"{caps.max_head_dim}, got D={D}")
-    for flag, used, served in (("--softcap", args.softcap is not None, caps.softcap),
-                               ("--alibi", args.alibi, caps.alibi),
-                               ("--sinks", args.sinks, caps.sinks),
-                               ("--dropout", args.dropout > 0, caps.dropout),
-                               ("--bias", args.bias != "none", caps.bias)):
-        if used and not served:
+    for flag, used, feature in (("--softcap", args.softcap is not None, "softcap"),
+                                ("--alibi", args.alibi, "alibi"),
+                                ("--sinks", args.sinks, "sinks"),
+                                ("--dropout", args.dropout > 0, "dropout"),
+                                ("--bias", args.bias != "none", "bias")):
+        if used and not caps.supports(feature):
             raise UsageError(f"argument {flag}: backend {be!r} does not support it")
 
 

@@ -9,7 +9,9 @@ Masks are small frozen objects composed with ``&``.  Index-based terms
 cache of tile maps without hashing their contents.
 
 Every term is lowered by :func:`resolve` to one :class:`ResolvedMask`, the form
-backends consume:
+backends consume.  Each kind of lowered term is one :class:`TermKind` in
+:data:`TERM_KINDS` (its fold, its float64 rule, its tile classification), found by
+name by the reference, the tile maps, :mod:`anyattn.features` and the backends:
 
 * a *band* ``lo <= j - i <= hi`` (either side ``None`` = unbounded) that
   collects every causal and window term, alignment and position offsets
@@ -35,7 +37,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import numpy as np
 
@@ -50,6 +52,11 @@ __all__ = [
     "AndMask",
     "ResolvedMask",
     "resolve",
+    "lower",
+    "TermKind",
+    "TERM_KINDS",
+    "ArrayOps",
+    "CORE_OPS",
     "TILE_EMPTY",
     "TILE_PARTIAL",
     "TILE_FULL",
@@ -167,7 +174,7 @@ class Causal(Mask):
         _check_align(self.align)
 
     def _lower(self, acc: "_Lowering") -> None:
-        acc.band(None, _diag_offset(self.align, acc.sq, acc.sk))
+        acc.add("band", (None, _diag_offset(self.align, acc.sq, acc.sk)))
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ class Window(Mask):
         off = _diag_offset(self.align, acc.sq, acc.sk)
         lo = None if self.left is None else off - self.left
         hi = None if self.right is None else off + self.right
-        acc.band(lo, hi)
+        acc.add("band", (lo, hi))
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,7 +250,7 @@ class KeepMask(Mask):
         return f"KeepMask(shape={tuple(self.mask.shape)})"
 
     def _lower(self, acc: "_Lowering") -> None:
-        acc.keep(self.mask)
+        acc.add("keep", self.mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,39 +299,251 @@ class Documents(Mask):
         return f"Documents(q_ids={tuple(self.q_ids.shape)}, k_ids={tuple(self.k_ids.shape)})"
 
     def _lower(self, acc: "_Lowering") -> None:
-        acc.documents(self.q_ids, self.k_ids)
+        acc.add("documents", (self.q_ids, self.k_ids))
 
 
 class _Lowering:
-    """Accumulates mask terms for one problem size."""
+    """Accumulates the lowered items of a mask's terms for one problem size: one list
+    per term kind of :data:`TERM_KINDS`, in the order the terms appear."""
 
     def __init__(self, b: int, hq: int, sq: int, sk: int):
         self.b, self.hq, self.sq, self.sk = b, hq, sq, sk
-        self.lo: Optional[int] = None
-        self.hi: Optional[int] = None
-        self.docs: list = []
-        self.keeps: list = []
+        self.items: Dict[str, list] = {name: [] for name in TERM_KINDS}
 
+    def add(self, kind: str, item: Any) -> None:
+        """One item for the term kind ``kind`` (its TermKind.fold says what an item is)."""
+        self.items[kind].append(item)
+
+    # the built-in kinds by name (mask objects outside this module use these)
     def band(self, lo: Optional[int], hi: Optional[int]) -> None:
-        if lo is not None:
-            self.lo = lo if self.lo is None else max(self.lo, lo)
-        if hi is not None:
-            self.hi = hi if self.hi is None else min(self.hi, hi)
-
-    def keep(self, m) -> None:
-        self.keeps.append(m)
+        self.add("band", (lo, hi))
 
     def documents(self, q_ids, k_ids) -> None:
-        self.docs.append((q_ids, k_ids))
+        self.add("documents", (q_ids, k_ids))
+
+    def keep(self, m) -> None:
+        self.add("keep", m)
+
+
+class ArrayOps:
+    """The array operations the lowering folds terms with; this one keeps every array
+    in its own library (NumPy arrays and torch tensors alike) and checks shapes.
+
+    A caller that must trace the lowering (``anyattn.torch.lowering``: Dynamo) passes a
+    subclass: its ``combine_ids`` returns None (no data-dependent shapes), so a second
+    Documents term becomes a keep array (``doc_keep``), and its ``ids2`` / ``keep4``
+    convert inputs to its library and device.
+    """
+
+    #: shapes are checked here (errors name the term); False where a later step checks
+    check = True
+
+    def ids2(self, ids):
+        """Document ids [S] or [Bd, S] -> [Bd, S]."""
+        return ids if ids.ndim == 2 else ids[None]
+
+    def keep4(self, keep):
+        """A keep array of 1..4 dims -> 4 dims (NumPy broadcasting rules)."""
+        while keep.ndim < 4:
+            keep = keep[None]
+        return keep
+
+    def logical_and(self, a, b):
+        if array_kind(a) == "torch" or array_kind(b) == "torch":
+            import torch
+
+            return torch.as_tensor(a) & torch.as_tensor(b)
+        return np.logical_and(a, b)
+
+    def combine_ids(self, q1, k1, q2, k2):
+        """Ids whose equality means both id pairs are equal (NumPy int64), or None when
+        this library cannot (the term then folds into keep through :meth:`doc_keep`)."""
+        return _combine_ids(q1, k1, q2, k2)
+
+    def doc_keep(self, q_ids, k_ids):
+        """A Documents pair [Bd, Sq], [Bd, Sk] as a keep array [Bd, 1, Sq, Sk]."""
+        return q_ids[:, None, :, None] == k_ids[:, None, None, :]
+
+
+#: the operations :func:`resolve` folds with
+CORE_OPS = ArrayOps()
+
+
+class TermKind:
+    """One kind of lowered mask term, defined once: every backend finds it here.
+
+    ``name`` is its feature name (:mod:`anyattn.features`), ``refusal`` the words of a
+    backend that lacks it, ``fields`` the :class:`ResolvedMask` attributes it fills.
+    Subclasses define:
+
+    * ``fold(items, acc, ops, q_offset, k_offset)`` -> {field: value}: the items that
+      mask objects added (:class:`_Lowering`), checked (when ``ops.check``) and folded
+      into the ResolvedMask fields with ``ops`` (:class:`ArrayOps`: NumPy or torch);
+    * ``present(rm)``: does the resolved mask hold this term?
+    * ``keep_block(rm, i0, i1, j0, j1)``: the float64 reference's rule, NumPy bool
+      broadcastable to [B, Hq, i1 - i0, j1 - j0] (True = keep);
+    * ``tile_parts(rm, bq, bk)``: tile classification, (any kept, all kept) per tile,
+      bool [Bx, Hx, nQ|1, nK|1] (exact: a tile is empty / full iff the rule says so).
+    """
+
+    name: str = "?"
+    refusal: str = "?"
+    fields: Tuple[str, ...] = ()
+
+    def fold(self, items: list, acc: _Lowering, ops: ArrayOps, q_offset: int,
+             k_offset: int) -> Dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def present(self, rm: "ResolvedMask") -> bool:
+        return any(getattr(rm, f) is not None for f in self.fields)
+
+    def keep_block(self, rm: "ResolvedMask", i0: int, i1: int, j0: int,
+                   j1: int) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def tile_parts(self, rm: "ResolvedMask", bq: int,
+                   bk: int) -> Tuple[np.ndarray, np.ndarray]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _BandTerm(TermKind):
+    """``band_lo <= j - i <= band_hi`` (either side None = open): every Causal and
+    Window term, alignment and the offsets ``q_offset - k_offset`` applied."""
+
+    name = "band"
+    refusal = "does not support Causal/Window masks"
+    fields = ("band_lo", "band_hi")
+
+    def fold(self, items, acc, ops, q_offset, k_offset):
+        lo = hi = None
+        for l, h in items:
+            if l is not None:
+                lo = l if lo is None else max(lo, l)
+            if h is not None:
+                hi = h if hi is None else min(hi, h)
+        shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
+        return {"band_lo": None if lo is None else lo + shift,
+                "band_hi": None if hi is None else hi + shift}
+
+    def keep_block(self, rm, i0, i1, j0, j1):
+        d = np.arange(j0, j1)[None, :] - np.arange(i0, i1)[:, None]  # [ni, nj]
+        keep = np.ones(d.shape, dtype=bool)
+        if rm.band_lo is not None:
+            keep &= d >= rm.band_lo
+        if rm.band_hi is not None:
+            keep &= d <= rm.band_hi
+        return keep
+
+    def tile_parts(self, rm, bq, bk):
+        """Exact from the tiles' corner differences (j - i takes every integer in
+        [dmin, dmax] on a tile): bool [1, 1, nQ, nK] each."""
+        nq, nk = -(-rm.sq // bq), -(-rm.sk // bk)
+        qi0 = np.arange(nq)[:, None] * bq
+        qi1 = np.minimum(qi0 + bq, rm.sq) - 1
+        kj0 = np.arange(nk)[None, :] * bk
+        kj1 = np.minimum(kj0 + bk, rm.sk) - 1
+        dmin, dmax = kj0 - qi1, kj1 - qi0  # range of j - i within the tile
+        lo = -np.inf if rm.band_lo is None else rm.band_lo
+        hi = np.inf if rm.band_hi is None else rm.band_hi
+        return ((dmax >= lo) & (dmin <= hi))[None, None], \
+            ((dmin >= lo) & (dmax <= hi))[None, None]
+
+
+class _DocumentsTerm(TermKind):
+    """``q_ids[i] == k_ids[j]`` with ``q_ids [Bd, Sq]``, ``k_ids [Bd, Sk]`` (Bd in {1, B});
+    two Documents terms combine into one id pair (or, where the array library cannot,
+    the second becomes a keep array)."""
+
+    name = "documents"
+    refusal = "does not support Documents masks"
+    fields = ("q_ids", "k_ids")
+
+    def fold(self, items, acc, ops, q_offset, k_offset):
+        q_ids = k_ids = None
+        for qi, ki in items:
+            qi2, ki2 = ops.ids2(qi), ops.ids2(ki)
+            if ops.check:
+                for nm, ids, s in (("q_ids", qi2, acc.sq), ("k_ids", ki2, acc.sk)):
+                    if ids.shape[1] != s or ids.shape[0] not in (1, acc.b):
+                        raise ValueError(
+                            f"Documents({nm}=...): shape {tuple(ids.shape)} does not fit "
+                            f"{'Sq' if nm == 'q_ids' else 'Sk'}={s}, B={acc.b}; expected "
+                            f"[{s}] or [{acc.b}, {s}]")
+            if q_ids is None:
+                q_ids, k_ids = qi2, ki2
+                continue
+            both = ops.combine_ids(q_ids, k_ids, qi2, ki2)
+            if both is not None:     # keep iff both id pairs match -> combined ids
+                q_ids, k_ids = both
+            else:
+                acc.add("keep", ops.doc_keep(qi2, ki2))
+        return {"q_ids": q_ids, "k_ids": k_ids}
+
+    def keep_block(self, rm, i0, i1, j0, j1):
+        qd, kd = to_numpy(rm.q_ids), to_numpy(rm.k_ids)
+        return qd[:, None, i0:i1, None] == kd[:, None, None, j0:j1]   # [Bd, 1, ni, nj]
+
+    def tile_parts(self, rm, bq, bk):
+        return TILE_CACHE.get(("documents", _ids_digest(rm.q_ids, rm.k_ids),
+                               rm.sq, rm.sk, bq, bk),
+                              lambda: _document_tiles(rm, bq, bk))
+
+
+class _KeepTerm(TermKind):
+    """A boolean array, 4-D, broadcastable to [B, Hq, Sq, Sk] (the AND of every KeepMask)."""
+
+    name = "keep"
+    refusal = "does not support KeepMask"
+    fields = ("keep",)
+
+    def fold(self, items, acc, ops, q_offset, k_offset):
+        keep = None
+        tokens = [_frozen_token(km) for km in items]
+        keep_key = None
+        if len(tokens) == 1 and tokens[0] is not None:
+            keep_key = tokens[0]   # one immutable array (several: their AND is new per call)
+        target = (acc.b, acc.hq, acc.sq, acc.sk)
+        for km in items:
+            k4 = ops.keep4(km)
+            if ops.check:
+                for ax, (have, want) in enumerate(zip(k4.shape, target)):
+                    if have not in (1, want):
+                        raise ValueError(
+                            f"KeepMask(mask=...): shape {tuple(km.shape)} does not broadcast "
+                            f"to [B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, "
+                            "expected " + ("1)" if want == 1 else f"1 or {want})"))
+            keep = k4 if keep is None else ops.logical_and(keep, k4)
+        return {"keep": keep, "keep_key": keep_key}
+
+    def keep_block(self, rm, i0, i1, j0, j1):
+        km = to_numpy(rm.keep)                                         # [Bx, Hx, Sq|1, Sk|1]
+        rows = slice(i0, i1) if km.shape[2] > 1 else slice(0, 1)   # broadcast dims: row 0
+        cols = slice(j0, j1) if km.shape[3] > 1 else slice(0, 1)
+        return km[:, :, rows, cols]
+
+    def tile_parts(self, rm, bq, bk):
+        build = lambda: _tile_reduce(to_numpy(rm.keep), bq, bk)  # noqa: E731
+        if rm.keep_key is None:
+            return build()
+        return TILE_CACHE.get(("keep", rm.keep_key[0], rm.sq, rm.sk, bq, bk), build,
+                              rm.keep_key[1])
+
+
+#: every lowered term kind by feature name, in folding order (a kind may add items to
+#: a later one: a second Documents term becomes a keep array where ids cannot combine)
+TERM_KINDS: Dict[str, TermKind] = {t.name: t for t in (_BandTerm(), _DocumentsTerm(),
+                                                        _KeepTerm())}
 
 
 @dataclass(frozen=True, eq=False)
 class ResolvedMask:
     """A mask lowered for one problem size; what backends consume.
 
+    One group of fields per term kind of :data:`TERM_KINDS`:
     ``band_lo``/``band_hi``: keep iff ``band_lo <= j - i <= band_hi`` (None = open).
     ``q_ids [Bd, Sq]``, ``k_ids [Bd, Sk]``: document ids (same array library
     as given) or None.  ``keep``: bool, 4-D, broadcastable to [B, Hq, Sq, Sk], or None.
+    A pair is kept iff every present term keeps it.
     """
 
     sq: int
@@ -341,59 +560,44 @@ class ResolvedMask:
     _tile_maps: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def terms(self) -> Tuple[str, ...]:
+        """The names of the term kinds present, in :data:`TERM_KINDS` order."""
+        return tuple(n for n, t in TERM_KINDS.items() if t.present(self))
+
+    @property
     def is_empty_mask(self) -> bool:
         """True when no term restricts anything (plain full attention)."""
-        return (self.band_lo is None and self.band_hi is None and self.q_ids is None
-                and self.keep is None)
+        return not self.terms
 
     @property
     def has_band(self) -> bool:
-        return self.band_lo is not None or self.band_hi is not None
+        return TERM_KINDS["band"].present(self)
 
     # ----------------------------------------------------------- dense rules
     def band_keep(self, i0: int, i1: int, j0: int, j1: int):
         """Band term on a tile: bool [i1-i0, j1-j0], or None if it keeps everything."""
         if not self.has_band:
             return None
-        d = np.arange(j0, j1)[None, :] - np.arange(i0, i1)[:, None]  # [ti, tj]
-        keep = np.ones(d.shape, dtype=bool)
-        if self.band_lo is not None:
-            keep &= d >= self.band_lo
-        if self.band_hi is not None:
-            keep &= d <= self.band_hi
-        return keep
+        return TERM_KINDS["band"].keep_block(self, i0, i1, j0, j1)
 
     def tile_keep(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int):
         """Every term on one tile of one (b, h): NumPy bool [i1-i0, j1-j0] or None (all kept)."""
-        keep = self.band_keep(i0, i1, j0, j1)
-        if self.q_ids is not None:
-            qd = to_numpy(self.q_ids)
-            kd = to_numpy(self.k_ids)
-            bq = b if qd.shape[0] > 1 else 0
-            bk = b if kd.shape[0] > 1 else 0
-            doc = qd[bq, i0:i1, None] == kd[bk, None, j0:j1]
-            keep = doc if keep is None else keep & doc
-        if self.keep is not None:
-            km = to_numpy(self.keep)
-            km = km[b if km.shape[0] > 1 else 0, h if km.shape[1] > 1 else 0]
-            rows = slice(i0, i1) if km.shape[0] > 1 else slice(0, 1)  # broadcast dims: row 0
-            cols = slice(j0, j1) if km.shape[1] > 1 else slice(0, 1)
-            km = km[rows, cols]
-            km = np.broadcast_to(km, (i1 - i0, j1 - j0))
-            keep = km if keep is None else keep & km
+        keep = None
+        for name in self.terms:
+            blk = TERM_KINDS[name].keep_block(self, i0, i1, j0, j1)
+            while blk.ndim < 4:
+                blk = blk[None]
+            blk = np.broadcast_to(blk[b if blk.shape[0] > 1 else 0, h if blk.shape[1] > 1 else 0],
+                                  (i1 - i0, j1 - j0))
+            keep = blk if keep is None else keep & blk
         return keep
 
     def dense_keep(self, b_count: int, h_count: int) -> np.ndarray:
-        """The whole keep pattern as NumPy bool [B or 1, Hq or 1, Sq, Sk] (reference use)."""
+        """The whole keep pattern as NumPy bool [B or 1, Hq or 1, Sq, Sk]: the float64
+        reference's mask, the AND of every term's rule."""
         out = np.ones((1, 1, self.sq, self.sk), dtype=bool)
-        band = self.band_keep(0, self.sq, 0, self.sk)
-        if band is not None:
-            out = out & band
-        if self.q_ids is not None:
-            qd, kd = to_numpy(self.q_ids), to_numpy(self.k_ids)
-            out = out & (qd[:, None, :, None] == kd[:, None, None, :])
-        if self.keep is not None:
-            out = out & to_numpy(self.keep)
+        for name in self.terms:
+            out = out & TERM_KINDS[name].keep_block(self, 0, self.sq, 0, self.sk)
         return out
 
     # -------------------------------------------------------------- tile maps
@@ -412,8 +616,9 @@ class ResolvedMask:
         """Per-tile codes (TILE_EMPTY / TILE_PARTIAL / TILE_FULL) as int8
         [Bm, Hm, nQ, nK], ``Bm``/``Hm`` 1 where no term varies over batch/heads.
 
-        Memoised on this object per tile size; the document and (immutable) keep parts
-        also across calls in :data:`TILE_CACHE` (see the module docstring).
+        The AND of every term's ``tile_parts``; memoised on this object per tile size,
+        the document and (immutable) keep parts also across calls in
+        :data:`TILE_CACHE` (see the module docstring).
         """
         key = (bq, bk)
         if key in self._tile_maps:
@@ -421,19 +626,8 @@ class ResolvedMask:
         nq, nk = -(-self.sq // bq), -(-self.sk // bk)
         any_kept = np.ones((1, 1, nq, nk), dtype=bool)
         all_kept = np.ones((1, 1, nq, nk), dtype=bool)
-        parts = []
-        if self.has_band:
-            parts.append(self._band_tiles(bq, bk))
-        if self.q_ids is not None:
-            parts.append(TILE_CACHE.get(("documents", _ids_digest(self.q_ids, self.k_ids),
-                                         self.sq, self.sk, bq, bk),
-                                        lambda: self._document_tiles(bq, bk)))
-        if self.keep is not None:
-            build = lambda: _tile_reduce(to_numpy(self.keep), bq, bk)  # noqa: E731
-            parts.append(build() if self.keep_key is None else
-                         TILE_CACHE.get(("keep", self.keep_key[0], self.sq, self.sk, bq, bk),
-                                        build, self.keep_key[1]))   # [Bx, Hx, nQ, nK] each
-        for a, l in parts:                    # each [Bx, Hx, nQ|1, nK|1]
+        for name in self.terms:                # each [Bx, Hx, nQ|1, nK|1]
+            a, l = TERM_KINDS[name].tile_parts(self, bq, bk)
             any_kept = any_kept & a
             all_kept = all_kept & l
         codes = np.where(all_kept, TILE_FULL, np.where(any_kept, TILE_PARTIAL, TILE_EMPTY))
@@ -441,49 +635,35 @@ class ResolvedMask:
         self._tile_maps[key] = codes
         return codes
 
-    def _band_tiles(self, bq: int, bk: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Band term per tile: (any kept, all kept), bool [1, 1, nQ, nK], exact from the
-        tiles' corner differences (j - i takes every integer in [dmin, dmax] on a tile)."""
-        nq, nk = -(-self.sq // bq), -(-self.sk // bk)
-        qi0 = np.arange(nq)[:, None] * bq
-        qi1 = np.minimum(qi0 + bq, self.sq) - 1
-        kj0 = np.arange(nk)[None, :] * bk
-        kj1 = np.minimum(kj0 + bk, self.sk) - 1
-        dmin, dmax = kj0 - qi1, kj1 - qi0  # range of j - i within the tile
-        lo = -np.inf if self.band_lo is None else self.band_lo
-        hi = np.inf if self.band_hi is None else self.band_hi
-        return ((dmax >= lo) & (dmin <= hi))[None, None], \
-            ((dmin >= lo) & (dmax <= hi))[None, None]
 
-    def _document_tiles(self, bq: int, bk: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Document term per tile: (any kept, all kept), bool [Bd, 1, nQ, nK].
+def _document_tiles(rm: ResolvedMask, bq: int, bk: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Document term per tile: (any kept, all kept), bool [Bd, 1, nQ, nK].
 
-        A tile keeps some pair iff its query and key tiles share an id, and every pair
-        iff both hold one and the same id.  Per batch row: ids numbered by np.unique,
-        an incidence matrix tile x id for each side (bool [nQ, U], [nK, U]) and one
-        product of the two counts the shared ids of every tile pair: O(S log S + nQ·nK·U)
-        instead of one [bq, Sk] compare per query tile (54 ms -> ~2 ms at S = 8192 with
-        16 documents)."""
-        qd, kd = to_numpy(self.q_ids), to_numpy(self.k_ids)
-        nq, nk = -(-self.sq // bq), -(-self.sk // bk)
-        bd = max(qd.shape[0], kd.shape[0])
-        a = np.zeros((bd, 1, nq, nk), dtype=bool)
-        l = np.zeros((bd, 1, nq, nk), dtype=bool)
-        for b in range(bd):
-            qrow = qd[min(b, qd.shape[0] - 1)]
-            krow = kd[min(b, kd.shape[0] - 1)]
-            uniq, inv = np.unique(np.concatenate([qrow, krow]), return_inverse=True)
-            inv = inv.reshape(-1)
-            mq = np.zeros((nq, len(uniq)), dtype=np.float32)          # [nQ, U] incidence
-            mk = np.zeros((nk, len(uniq)), dtype=np.float32)          # [nK, U]
-            mq[np.arange(self.sq) // bq, inv[:self.sq]] = 1
-            mk[np.arange(self.sk) // bk, inv[self.sq:]] = 1
-            a[b, 0] = (mq @ mk.T) > 0                                  # [nQ, nK] shared ids
-            one_q = mq.sum(axis=1) == 1                                # one id in the tile
-            one_k = mk.sum(axis=1) == 1
-            id_q, id_k = mq.argmax(axis=1), mk.argmax(axis=1)
-            l[b, 0] = one_q[:, None] & one_k[None, :] & (id_q[:, None] == id_k[None, :])
-        return a, l
+    A tile keeps some pair iff its query and key tiles share an id, and every pair
+    iff both hold one and the same id.  Per batch row: ids numbered by np.unique,
+    an incidence matrix tile x id for each side (bool [nQ, U], [nK, U]) and one
+    product of the two counts the shared ids of every tile pair: O(S log S + nQ·nK·U)
+    instead of one [bq, Sk] compare per query tile."""
+    qd, kd = to_numpy(rm.q_ids), to_numpy(rm.k_ids)
+    nq, nk = -(-rm.sq // bq), -(-rm.sk // bk)
+    bd = max(qd.shape[0], kd.shape[0])
+    a = np.zeros((bd, 1, nq, nk), dtype=bool)
+    l = np.zeros((bd, 1, nq, nk), dtype=bool)
+    for b in range(bd):
+        qrow = qd[min(b, qd.shape[0] - 1)]
+        krow = kd[min(b, kd.shape[0] - 1)]
+        uniq, inv = np.unique(np.concatenate([qrow, krow]), return_inverse=True)
+        inv = inv.reshape(-1)
+        mq = np.zeros((nq, len(uniq)), dtype=np.float32)          # [nQ, U] incidence
+        mk = np.zeros((nk, len(uniq)), dtype=np.float32)          # [nK, U]
+        mq[np.arange(rm.sq) // bq, inv[:rm.sq]] = 1
+        mk[np.arange(rm.sk) // bk, inv[rm.sq:]] = 1
+        a[b, 0] = (mq @ mk.T) > 0                                  # [nQ, nK] shared ids
+        one_q = mq.sum(axis=1) == 1                                # one id in the tile
+        one_k = mk.sum(axis=1) == 1
+        id_q, id_k = mq.argmax(axis=1), mk.argmax(axis=1)
+        l[b, 0] = one_q[:, None] & one_k[None, :] & (id_q[:, None] == id_k[None, :])
+    return a, l
 
 
 class TileMapCache:
@@ -583,11 +763,20 @@ def _tile_reduce(keep4: np.ndarray, bq: int, bk: int):
     return (k_any.reshape(shape).any(axis=(3, 5)), k_all.reshape(shape).all(axis=(3, 5)))
 
 
-def _expand4(arr):
-    """Left-pad an array to 4 dims (NumPy broadcasting rules)."""
-    while arr.ndim < 4:
-        arr = arr[None]
-    return arr
+def lower(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int, q_offset: int = 0,
+          k_offset: int = 0, ops: ArrayOps = CORE_OPS) -> Dict[str, Any]:
+    """Fold ``mask``'s terms for a problem of size (B, Hq, Sq, Sk) -> the
+    :class:`ResolvedMask` fields, {} for no mask: every term kind's ``fold`` in
+    :data:`TERM_KINDS` order, with the array operations ``ops`` (NumPy arrays and torch
+    tensors alike; ``anyattn.torch.lowering`` passes traceable torch ones)."""
+    if mask is None:
+        return {}
+    acc = _Lowering(b, hq, sq, sk)
+    mask._lower(acc)
+    fields: Dict[str, Any] = {}
+    for name, kind in TERM_KINDS.items():
+        fields.update(kind.fold(acc.items[name], acc, ops, q_offset, k_offset))
+    return fields
 
 
 def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
@@ -596,8 +785,14 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
 
     ``q_offset``/``k_offset`` are the global positions of query 0 and key 0
     (context parallelism); they shift the band terms only.  Array terms are
-    indexed locally.  Shapes are checked here; errors name the term.
+    indexed locally.  Shapes are checked here; errors name the term.  A
+    :class:`ResolvedMask` (already lowered, offsets applied) is returned as it is.
     """
+    if isinstance(mask, ResolvedMask):
+        if (mask.sq, mask.sk) != (sq, sk):
+            raise ValueError(f"mask: a ResolvedMask for Sq={mask.sq}, Sk={mask.sk} does not "
+                             f"fit Sq={sq}, Sk={sk}; resolve the mask for this problem")
+        return mask
     if isinstance(mask, type) and issubclass(mask, Mask):
         raise TypeError(
             f"mask: got the class {mask.__name__}, not a mask object; pass an instance, "
@@ -609,57 +804,7 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
             f"their & composition), got {type(mask).__name__}; pass a boolean array "
             "as KeepMask(array)"
         )
-    acc = _Lowering(b, hq, sq, sk)
-    if mask is not None:
-        mask._lower(acc)
-    shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
-    lo = None if acc.lo is None else acc.lo + shift
-    hi = None if acc.hi is None else acc.hi + shift
-
-    q_ids = k_ids = None
-    for qi, ki in acc.docs:
-        qi2 = qi if qi.ndim == 2 else qi[None]
-        ki2 = ki if ki.ndim == 2 else ki[None]
-        for nm, ids, s in (("q_ids", qi2, sq), ("k_ids", ki2, sk)):
-            if ids.shape[1] != s or ids.shape[0] not in (1, b):
-                raise ValueError(
-                    f"Documents({nm}=...): shape {tuple(ids.shape)} does not fit "
-                    f"{'Sq' if nm == 'q_ids' else 'Sk'}={s}, B={b}; expected [{s}] or [{b}, {s}]"
-                )
-        if q_ids is None:
-            q_ids, k_ids = qi2, ki2
-        else:  # two document terms: keep iff both id pairs match -> combine ids
-            q_ids, k_ids = _combine_ids(q_ids, k_ids, qi2, ki2)
-
-    keep = None
-    tokens = [_frozen_token(km) for km in acc.keeps]
-    keep_key = None
-    if len(tokens) == 1 and tokens[0] is not None:
-        keep_key = tokens[0]   # one immutable array (several: their AND is new per call)
-    for km in acc.keeps:
-        k4 = _expand4(km)
-        target = (b, hq, sq, sk)
-        for ax, (have, want) in enumerate(zip(k4.shape, target)):
-            if have not in (1, want):
-                raise ValueError(
-                    f"KeepMask(mask=...): shape {tuple(km.shape)} does not broadcast to "
-                    f"[B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, expected "
-                    + ("1)" if want == 1 else f"1 or {want})")
-                )
-        if keep is None:
-            keep = k4
-        else:
-            keep = _and_arrays(keep, k4)
-    return ResolvedMask(sq=sq, sk=sk, band_lo=lo, band_hi=hi, q_ids=q_ids, k_ids=k_ids,
-                        keep=keep, keep_key=keep_key)
-
-
-def _and_arrays(a, b):
-    if array_kind(a) == "torch" or array_kind(b) == "torch":
-        import torch
-
-        return torch.as_tensor(a) & torch.as_tensor(b)
-    return np.logical_and(a, b)
+    return ResolvedMask(sq=sq, sk=sk, **lower(mask, b, hq, sq, sk, q_offset, k_offset))
 
 
 def _combine_ids(q1, k1, q2, k2):

@@ -8,6 +8,7 @@ argument, what was given, what was expected and the remedy.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -18,6 +19,7 @@ import numpy as np
 
 from .arrays import array_kind, device_name, dtype_name
 from .dropout import U32_LIMIT, check_dropout
+from .features import features_of
 from .masks import AndMask, Causal, Mask, ResolvedMask, Window, resolve
 
 __all__ = ["Problem", "describe", "FLOAT_DTYPES", "PRECISIONS", "GRAD_NAMES"]
@@ -57,6 +59,12 @@ class Problem:
     dropout_p: float = 0.0                          # keep = anyattn.dropout_mask(...)
     dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
 
+    @functools.cached_property
+    def features(self) -> FrozenSet[str]:
+        """The names of the features this problem uses (:data:`anyattn.features.FEATURES`:
+        mask terms, inputs, gradients, modifiers)."""
+        return features_of(self)
+
     @property
     def has_dropout(self) -> bool:
         return self.dropout_p > 0.0
@@ -91,9 +99,7 @@ class Problem:
     @property
     def mask_class(self) -> str:
         """A coarse label for configs and benchmarks: none/band/documents/keep/mixed."""
-        parts = [n for n, on in (("band", self.mask.has_band),
-                                 ("documents", self.mask.q_ids is not None),
-                                 ("keep", self.mask.keep is not None)) if on]
+        parts = self.mask.terms
         if not parts:
             return "none"
         return parts[0] if len(parts) == 1 else "+".join(parts)
@@ -104,8 +110,8 @@ class Problem:
         f = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
         if backward:
             f *= 2.5
-        if self.mask.band_hi is not None and self.mask.band_lo is None \
-                and self.mask.q_ids is None and self.mask.keep is None:
+        if self.mask.terms == ("band",) and self.mask.band_hi is not None \
+                and self.mask.band_lo is None:
             f *= 0.5
         return f
 

@@ -394,7 +394,7 @@ def test_capability_and_no_refusal():
     from anyattn.problem import describe
 
     be = get_backend("numpy")
-    assert be.capabilities.dropout
+    assert "dropout" in be.capabilities.modifiers
     q = np.zeros((1, 1, 4, 8))
     assert be.unsupported_reasons(describe(q, q, q, dropout_p=0.1, dropout_seed=1)) == []
 

@@ -85,3 +85,29 @@ def test_dynamic_shapes_bottom_right_band():
         (g1,) = torch.autograd.grad(got.sum(), q)
         (g2,) = torch.autograd.grad(want.sum(), q)
         assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_every_term_kind_folds_inside_fullgraph_like_the_core():
+    """The core's lowering (anyattn.masks.lower over torch ops) traces without a graph
+    break for every term kind together, a second Documents term and two keep arrays
+    included, and gives the bits of the eager call, which folds with NumPy."""
+    from anyattn import KeepMask, Window
+
+    torch._dynamo.reset()
+    ids = torch.arange(20) // 6
+    k1 = torch.rand(20, 20, generator=torch.Generator().manual_seed(0)) > 0.2
+    k2 = torch.rand(1, 1, 1, 20, generator=torch.Generator().manual_seed(1)) > 0.1
+
+    def f(q, k, v, ids, k1, k2):
+        mask = (Causal() & Window(left=9) & Documents(ids) & Documents(ids % 2)
+                & KeepMask(k1) & KeepMask(k2))
+        return at.attention(q, k, v, mask=mask, q_offset=3, k_offset=1)
+
+    q = torch.randn(1, 2, 20, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    got = torch.compile(f, fullgraph=True)(q, k, v, ids, k1, k2)
+    want = f(q, k, v, ids, k1, k2)
+    assert torch.equal(got, want)
+    (g1,) = torch.autograd.grad(got.sum(), q)
+    (g2,) = torch.autograd.grad(want.sum(), q)
+    assert torch.allclose(g1, g2, atol=1e-6)

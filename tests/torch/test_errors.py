@@ -180,3 +180,24 @@ def test_boolean_tensor_in_and_is_a_keep_mask_term_on_either_side():
     for build in (lambda: Causal() | m, lambda: m | Causal()):
         with pytest.raises(NotImplementedError, match="KeepMask"):
             build()
+
+
+def test_a_lowered_field_the_ops_cannot_carry_is_refused_not_dropped(monkeypatch):
+    """A term kind whose fields have no op argument raises instead of vanishing."""
+    from anyattn import masks
+    from anyattn.torch.lowering import lower
+
+    class Extra(masks.TermKind):
+        name, fields = "extra", ("extra",)
+
+        def fold(self, items, acc, ops, q_offset, k_offset):
+            return {"extra": items[0] if items else None}
+
+    class ExtraMask(masks.Mask):
+        def _lower(self, acc):
+            acc.add("extra", 3)
+
+    monkeypatch.setitem(masks.TERM_KINDS, "extra", Extra())
+    with pytest.raises(NotImplementedError, match=r"\['extra'\].*torch ops"):
+        lower(ExtraMask() & Causal(), 1, 1, 4, 4)
+    assert lower(Causal(), 1, 1, 4, 4)[:2] == (None, 0)

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
+from .. import features
 from ..arrays import array_kind
 from ..modifiers import ScoreMods
 from ..problem import Problem
@@ -44,24 +45,54 @@ class Probe:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend accepts; checked by Backend.unsupported_reasons."""
+    """What a backend accepts; checked by Backend.unsupported_reasons.
+
+    The feature sets name entries of :data:`anyattn.features.FEATURES`, one set per
+    kind: ``mask_terms`` (lowered mask terms), ``inputs`` (bias, GQA), ``gradients``
+    (bias_grad, sinks_grad) and ``modifiers`` (softcap, alibi, sinks, dropout).  A
+    problem using a feature outside them is refused with that feature's words.
+    ``mask_terms`` and ``modifiers`` start empty: a backend names what it implements,
+    so a term or modifier added to the table is refused by every backend that does not.
+    """
 
     array_kinds: FrozenSet[str]            # {'numpy'} or {'torch'}
     device_types: FrozenSet[str]           # {'cpu'}, {'cuda'}, ...
     dtypes: FrozenSet[str]
     precisions: FrozenSet[str] = frozenset({"highest"})
     max_head_dim: Optional[int] = None
-    band: bool = True                      # Causal / Window terms
-    documents: bool = True
-    keep_mask: bool = True
-    bias: bool = True
-    bias_grad: bool = True
-    gqa: bool = True
-    softcap: bool = False                  # score modifiers (anyattn.modifiers)
-    alibi: bool = False
-    sinks: bool = False                    # forward and dsinks
-    dropout: bool = False                  # anyattn.dropout: the shared keep mask
+    mask_terms: FrozenSet[str] = frozenset()   # each backend names the terms it implements
+    inputs: FrozenSet[str] = features.INPUTS
+    gradients: FrozenSet[str] = features.GRADIENTS
+    modifiers: FrozenSet[str] = frozenset()    # ... and the modifiers
     auto: bool = True                      # may auto-dispatch pick it?
+
+    def __post_init__(self):
+        for kind in features.KINDS:
+            field_name = _FIELD_OF_KIND[kind]
+            given = getattr(self, field_name)
+            if isinstance(given, str) or not isinstance(given, (set, frozenset)):
+                raise TypeError(f"Capabilities({field_name}=...): expected a set of feature "
+                                f"names, got {type(given).__name__}")
+            unknown = set(given) - features.names_of(kind)
+            if unknown:
+                raise ValueError(f"Capabilities({field_name}=...): {sorted(unknown)} are not "
+                                 f"{kind} features; expected a subset of "
+                                 f"{sorted(features.names_of(kind))} (anyattn.features)")
+            object.__setattr__(self, field_name, frozenset(given))
+
+    @property
+    def features(self) -> FrozenSet[str]:
+        """Every feature name this backend supports, of all kinds."""
+        return frozenset().union(*(getattr(self, f) for f in _FIELD_OF_KIND.values()))
+
+    def supports(self, name: str) -> bool:
+        """Does this backend support the feature called ``name``?"""
+        return name in getattr(self, _FIELD_OF_KIND[features.get(name).kind])
+
+
+#: the Capabilities field holding each kind of feature
+_FIELD_OF_KIND = {"mask_term": "mask_terms", "input": "inputs", "gradient": "gradients",
+                  "modifier": "modifiers"}
 
 
 class Backend(ABC):
@@ -95,26 +126,9 @@ class Backend(ABC):
             why.append(f"supports precision {sorted(c.precisions)}, got {p.precision!r}")
         if c.max_head_dim is not None and p.head_dim > c.max_head_dim:
             why.append(f"supports head_dim <= {c.max_head_dim}, got {p.head_dim}")
-        if p.mask.has_band and not c.band:
-            why.append("does not support Causal/Window masks")
-        if p.mask.q_ids is not None and not c.documents:
-            why.append("does not support Documents masks")
-        if p.mask.keep is not None and not c.keep_mask:
-            why.append("does not support KeepMask")
-        if p.has_bias and not c.bias:
-            why.append("does not support an additive bias")
-        if "bias" in p.wrt and not c.bias_grad:
-            why.append("does not compute the bias gradient")
-        if p.group > 1 and not c.gqa:
-            why.append("does not support GQA/MQA (Hq != Hkv)")
-        if p.softcap is not None and not c.softcap:
-            why.append("does not support softcap (logit soft-capping)")
-        if p.has_alibi and not c.alibi:
-            why.append("does not support alibi_slopes")
-        if p.has_sinks and not c.sinks:
-            why.append("does not support sinks (attention sinks)")
-        if p.has_dropout and not c.dropout:
-            why.append("does not support dropout_p > 0")
+        used = p.features
+        why += [f.refusal for f in features.FEATURES
+                if f.name in used and not c.supports(f.name)]
         return why + self.extra_reasons(p)
 
     def extra_reasons(self, p: Problem) -> List[str]:

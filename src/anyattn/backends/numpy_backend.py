@@ -56,7 +56,8 @@ from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from . import blas_threads
 from .base import Backend, Capabilities
-from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, AlibiRows, BackwardHeads,
+from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
+                          BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
                           backward_columns,
                           backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
@@ -389,6 +390,153 @@ def _alibi_rows(p, slopes: np.ndarray, anchor: np.ndarray, b: int, h: int, u: fl
     return AlibiRows(slope * u, anchor, p.seq_k, dt)
 
 
+class _Call:
+    """What the launcher and the modifiers' hooks share in one call (forward or
+    backward): the problem, its array modifiers, the tile plan, the compute dtype and the
+    values the hooks set (defaults: no modifier)."""
+
+    def __init__(self, p, mods, plan: TilePlan, dt: np.dtype):
+        self.p, self.mods, self.plan, self.dt = p, mods, plan, dt
+        # forward, set by the launcher before the hooks: query multipliers (base 2,
+        # natural units) and the score bound's factor and cap (log2 units)
+        self.q2mul = self.qsmul = self.bmul = self.bcap = None
+        # backward, set by the launcher: the statistics as given (stats64) and as the
+        # kernels see them (row_max, log_norm, float64); units, -max column, w, q factor
+        self.stats64 = self.row_max = self.log_norm = None
+        self.base2 = self.col = self.w = self.qmul = None
+        self.slopes: Optional[np.ndarray] = None    # ALiBi: float64 [Ba, Hq]
+        self.anchor: Optional[np.ndarray] = None    # ALiBi: anchors [Sq] (alibi_anchors)
+        self.dmin: Optional[np.ndarray] = None      # ALiBi: row distances [Sq]
+        self.draw: Optional[DropoutDraw] = None     # dropout
+        self.capu: Optional[float] = None           # backward: softcap c·u
+        self.floor: Optional[float] = None          # backward: EXP_FLOOR2 in kernel units
+        self.wfold: Optional[np.ndarray] = None     # backward: softcap's w·2^-max_u
+
+
+class _Modifier:
+    """One modifier of the NumPy backend: the hooks the launcher calls for a problem
+    that uses it, in :data:`MODIFIER_STEPS` order.  Their tile functions live in
+    :mod:`.numpy_tiles` (``TileMods.cap_t``, ``AlibiRows.add_t``,
+    ``DropoutTiles.keep_t``), which the kernels call at their stage of the pipeline
+    (scores: softcap, bias, ALiBi; P after its row sum: dropout)."""
+
+    name = "?"
+
+    def forward_setup(self, c: _Call) -> None:
+        """Before the units: query multipliers, per-call tables."""
+
+    def forward_finish(self, c: _Call, out, rmax, rlog):
+        """After the units: -> (out, rmax, rlog) with this modifier's part applied."""
+        return out, rmax, rlog
+
+    def backward_stats(self, c: _Call) -> None:
+        """The given statistics (``c.row_max``, ``c.log_norm``, float64) in the terms the
+        kernels compute (before the units' dtype and base are chosen)."""
+
+    def backward_setup(self, c: _Call) -> None:
+        """The kernels' operands, once ``c.base2``, ``c.col``, ``c.w`` are known."""
+
+
+class _Softcap(_Modifier):
+    """c·tanh(x / c): the queries carry scale / c, the kernels apply TileMods.cap_t (the
+    backward: 1 - tanh² after dbias)."""
+
+    name = "softcap"
+
+    def forward_setup(self, c):
+        cap, dt = c.p.softcap, c.dt                # x/c in natural units for tanh
+        c.q2mul = c.qsmul = dt.type(c.p.scale / cap)
+        c.bmul = c.bcap = cap * LOG2E              # |s| <= c·log2e (log2 units)
+
+    def backward_setup(self, c):
+        cap, dt, col = c.p.softcap, c.dt, c.col    # x/c in natural units for tanh
+        c.qmul = dt.type(c.p.scale / cap)
+        c.capu = cap * LOG2E if c.base2 else cap
+        if c.base2 and c.plan.bias is None and c.slopes is None and c.capu <= 100:
+            # exp2(c·u·t) stays in [2^-100, 2^100] and |max_u| <= 64: 2^-max_u joins w
+            c64 = col.astype(np.float64)
+            with np.errstate(invalid="ignore", over="ignore"):
+                c.wfold = np.where(np.isfinite(c64), c.w * np.exp2(c64),
+                                   np.where(np.isnan(c64), np.nan, 0.0)).astype(dt)
+
+
+class _Alibi(_Modifier):
+    """-slope·|i' - j'|, rebased per row (alibi_anchors): the row term joins the
+    statistics here, the tile term is AlibiRows.add_t in the kernels."""
+
+    name = "alibi"
+
+    def _anchors(self, c):
+        p = c.p
+        c.slopes = _slopes64(p, c.mods)                                # [Ba, Hq]
+        c.anchor, c.dmin = alibi_anchors(c.plan.mask, p.seq_q, p.seq_k, alibi_diag(p))
+
+    def forward_setup(self, c):
+        self._anchors(c)                           # ALiBi rebased per row: [Sq] each
+
+    def forward_finish(self, c, out, rmax, rlog):
+        if c.dmin.any():                           # ALiBi's row term -slope·dmin_i
+            rmax, rlog = shift_stats(rmax, rlog, -c.slopes[:, :, None] * c.dmin)
+        return out, rmax, rlog
+
+    def backward_stats(self, c):
+        self._anchors(c)                           # kernels see ALiBi rebased per row
+        if c.dmin.any():
+            row_max, log_norm = c.row_max, c.log_norm
+            fin = np.isfinite(row_max)
+            m, e = two_sum(np.where(fin, row_max, 0.0),
+                           np.broadcast_to(c.slopes[:, :, None] * c.dmin, row_max.shape))
+            c.row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
+            c.log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
+
+    def backward_setup(self, c):
+        c.floor = _exp_floor(c.dt, c.base2)
+
+
+class _Dropout(_Modifier):
+    """P ∘ keep / (1 - p): column words once per call (DropoutDraw), keep tiles drawn in
+    the kernels (DropoutTiles.keep_t)."""
+
+    name = "dropout"
+
+    def forward_setup(self, c):
+        c.draw = _draw(c.p)
+
+    def backward_setup(self, c):
+        c.draw = _draw(c.p)
+
+
+class _Sinks(_Modifier):
+    """One more term exp(sink) in every denominator: folded into the wide accumulator and
+    the statistics after the units (anyattn.modifiers.fold_sinks); dsinks from δ."""
+
+    name = "sinks"
+
+    def forward_finish(self, c, out, rmax, rlog):
+        sinks = _as_np(c.mods.sinks).astype(c.dt)                     # [Hq]
+        with np.errstate(invalid="ignore"):                           # NaN rows stay NaN
+            out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
+        no_sink = (sinks == -np.inf)[None, :, None]                    # keep ONE_KEY marks
+        return out, st.max, np.where(no_sink, rlog, st.log_norm)
+
+
+#: every modifier this backend implements, by feature name, in the order its hooks run
+#: (ALiBi's statistics before softcap's operands, its row term before the sink's fold)
+MODIFIER_STEPS: Dict[str, _Modifier] = {m.name: m for m in (_Alibi(), _Softcap(),
+                                                            _Dropout(), _Sinks())}
+
+
+def _modifiers_of(p) -> List[_Modifier]:
+    """The table entries of the modifiers ``p`` uses, in table order."""
+    used = p.features
+    return [m for name, m in MODIFIER_STEPS.items() if name in used]
+
+
+def _draw(p) -> DropoutDraw:
+    """The call's dropout: column words and threshold."""
+    return DropoutDraw(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, p.seq_q, p.seq_k)
+
+
 def _dsinks(mods, stats64: Tuple[np.ndarray, np.ndarray], delta: np.ndarray) -> np.ndarray:
     """dsinks [Hq] (float64) = -Σ_{b,i} exp((sink - max) - log_norm)·δ from the given
     statistics (float64 [B, Hq, Sq], sink included) and δ [B, Hq, Sq]; rows with an
@@ -448,8 +596,8 @@ class NumpyBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest"}), softcap=True, alibi=True, sinks=True,
-        dropout=True)
+        precisions=frozenset({"highest"}), mask_terms=frozenset(TILE_TERMS),
+        modifiers=frozenset(MODIFIER_STEPS))
 
     def __init__(self, config: Optional[NumpyConfig] = None):
         self.config = config if config is not None else NumpyConfig.from_env()
@@ -486,14 +634,6 @@ class NumpyBackend(Backend):
         return ", ".join(x for x in (blas, pool, how) if x)
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _draw(p) -> Optional[DropoutDraw]:
-        """The call's dropout (column words, threshold), or None without dropout."""
-        if not p.has_dropout:
-            return None
-        return DropoutDraw(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, p.seq_q,
-                           p.seq_k)
-
     def _plan(self, p, bq: int, bk: int, bias) -> TilePlan:
         bq, bk = min(bq, p.seq_q), min(bk, p.seq_k)
         m = p.mask
@@ -538,26 +678,22 @@ class NumpyBackend(Backend):
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, *cfg.tiles("fwd", p.mask), bias)
-        B, Hq, Sq, Sk, D, G = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.group
+        B, Hq, Sq, D, G = p.batch, p.heads_q, p.seq_q, p.head_dim, p.group
         out = np.empty((B, Hq, Sq, D), dtype=dt)
         rmax = np.empty((B, Hq, Sq), dtype=dt)
         rlog = np.empty((B, Hq, Sq), dtype=dt)
-        cap = p.softcap
-        slopes = _slopes64(p, mods)                                    # [Ba, Hq] or None
-        anchor = dmin = None
-        if slopes is not None:                     # ALiBi rebased per row: [Sq] each
-            anchor, dmin = alibi_anchors(plan.mask, Sq, Sk, alibi_diag(p))
-        if cap is None:
-            q2mul = dt.type(p.scale * LOG2E)       # base 2
-            qsmul = dt.type(p.scale)               # natural units
-            bmul, bcap = 1.0, None                 # |q2|·|k| bounds |s| in log2 units
-        else:                                      # x/c in natural units for tanh
-            q2mul = qsmul = dt.type(p.scale / cap)
-            bmul = bcap = cap * LOG2E              # |s| <= c·log2e (log2 units)
+        used = _modifiers_of(p)
+        c = _Call(p, mods, plan, dt)
+        c.q2mul = dt.type(p.scale * LOG2E)         # base 2
+        c.qsmul = dt.type(p.scale)                 # natural units
+        c.bmul, c.bcap = 1.0, None                 # |q2|·|k| bounds |s| in log2 units
+        for m in used:
+            m.forward_setup(c)
+        cap, slopes, anchor, draw = p.softcap, c.slopes, c.anchor, c.draw
+        q2mul, qsmul, bmul, bcap = c.q2mul, c.qsmul, c.bmul, c.bcap
         nt = cfg.n_threads()
         # rows are independent: any split gives the same bits; >= 4 units per worker
         chunks = _split(plan.nq, _n_chunks(plan.nq, B * Hq, 4 * nt if nt > 1 else 1))
-        draw = self._draw(p)
 
         def unit(b: int, h: int, tiles: List[int]) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
@@ -596,14 +732,8 @@ class NumpyBackend(Backend):
 
         units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
         self.last_counts = {"forward": _run_units(units, nt)}
-        if slopes is not None and dmin.any():      # ALiBi's row term -slope·dmin_i
-            rmax, rlog = shift_stats(rmax, rlog, -slopes[:, :, None] * dmin)
-        if mods.sinks is not None:                 # one more term of every denominator
-            sinks = _as_np(mods.sinks).astype(dt)                      # [Hq]
-            with np.errstate(invalid="ignore"):                       # NaN rows stay NaN
-                out, st = fold_sinks(out, RowStats(rmax, rlog), sinks)
-            no_sink = (sinks == -np.inf)[None, :, None]                # keep ONE_KEY marks
-            rmax, rlog = st.max, np.where(no_sink, rlog, st.log_norm)
+        for m in used:
+            out, rmax, rlog = m.forward_finish(c, out, rmax, rlog)
         return out, rmax, rlog
 
     # ----------------------------------------------------------------- backward
@@ -633,46 +763,33 @@ class NumpyBackend(Backend):
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
         need_ds = want_q or want_k or want_b
-        stats64 = (row_max, log_norm)              # as given: the sink's P uses these
-        cap = p.softcap
         B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                     p.head_dim, p.group)
         plan = self._plan(p, *cfg.tiles("bwd", p.mask), bias)
-        slopes = _slopes64(p, mods)
-        anchor = None
-        if slopes is not None:                     # kernels see ALiBi rebased per row
-            anchor, dmin = alibi_anchors(plan.mask, Sq, Sk, alibi_diag(p))   # [Sq] each
-            if dmin.any():
-                fin = np.isfinite(row_max)
-                m, e = two_sum(np.where(fin, row_max, 0.0),
-                               np.broadcast_to(slopes[:, :, None] * dmin, row_max.shape))
-                row_max = np.where(fin, m, row_max)    # max + slope·dmin = m + e
-                log_norm = np.where(fin & (log_norm != 0), log_norm + e, log_norm)
+        used = _modifiers_of(p)
+        c = _Call(p, mods, plan, dt)
+        c.stats64 = (row_max, log_norm)            # as given: the sink's P uses these
+        c.row_max, c.log_norm = row_max, log_norm
+        for m in used:                             # statistics in the kernels' terms
+            m.backward_stats(c)
+        row_max, log_norm = c.row_max, c.log_norm
         nt = cfg.n_threads()
         chunks = _split(plan.nk, min(_n_chunks(plan.nk, B * Hkv, BWD_UNITS),  # not by nt
                                      max(2, plan.nk // 2)))
         nc = len(chunks)
-        draw = self._draw(p)
-        gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
 
         # units: base 2 where there is no bias and the maxima are moderate
         fin = np.isfinite(row_max)
         base2 = bias is None and (not fin.any() or
                                   float(np.max(np.abs(row_max[fin]))) * LOG2E <= BASE2_LIMIT)
         col, w, unit_max, single = backward_columns(row_max, log_norm, dt, base2)
-        qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
-        capu = None
-        floor = _exp_floor(dt, base2) if slopes is not None else None
-        wfold = None                               # softcap: w·2^-max_u (see BackwardHeads)
-        if cap is not None:                        # x/c in natural units for tanh
-            qmul = dt.type(p.scale / cap)
-            capu = cap * LOG2E if base2 else cap
-            if base2 and bias is None and slopes is None and capu <= 100:
-                # exp2(c·u·t) stays in [2^-100, 2^100] and |max_u| <= 64: 2^-max_u joins w
-                c64 = col.astype(np.float64)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    wfold = np.where(np.isfinite(c64), w * np.exp2(c64),
-                                     np.where(np.isnan(c64), np.nan, 0.0)).astype(dt)
+        c.base2, c.col, c.w = base2, col, w
+        c.qmul = dt.type(p.scale * LOG2E) if base2 else dt.type(p.scale)
+        for m in used:                             # operands of the kernels
+            m.backward_setup(c)
+        slopes, anchor, draw = c.slopes, c.anchor, c.draw
+        qmul, capu, floor, wfold = c.qmul, c.capu, c.floor, c.wfold
+        gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
         dk = np.empty((B, Hkv, Sk, D), dtype=dt) if want_k else None
@@ -754,7 +871,7 @@ class NumpyBackend(Backend):
         res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None,
                                "dsinks": None}
         if want_s:
-            res["dsinks"] = _to_caller(_dsinks(mods, stats64, delta_all),
+            res["dsinks"] = _to_caller(_dsinks(mods, c.stats64, delta_all),
                                        p.sinks_dtype, p.array_kind)
         if want_q:
             for (b, hk, c) in sorted(dq_parts):  # fixed order: chunk 1, 2, ...

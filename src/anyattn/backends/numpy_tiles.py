@@ -59,13 +59,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..dropout import col_words, keep_scale, row_words, threshold
+from ..arrays import to_numpy
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
            "AlibiRows", "TileMods", "alibi_anchors", "shift_stats", "two_sum",
-           "DropoutDraw", "DropoutTiles",
+           "DropoutDraw", "DropoutTiles", "TILE_TERMS",
            "LOG2E", "LN2", "BASE2_LIMIT", "BOUNDED_MAX_C", "ONE_KEY", "BOUNDED_MIN_SUM",
            "EXP_FLOOR2", "FAR_FRACTION"]
 
@@ -157,8 +158,7 @@ class TilePlan:
 
     @property
     def band_only(self) -> bool:
-        m = self.mask
-        return m.q_ids is None and m.keep is None
+        return self.mask.terms == ("band",)
 
     def codes_bh(self, b: int, h: int) -> Optional[np.ndarray]:
         """Tile codes [nQ, nK] of one (batch, query head), or None (all full)."""
@@ -194,23 +194,17 @@ class TilePlan:
 
     # ------------------------------------------------------------ per-tile terms
     def excluded_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
-        """bool [nj, ni], True where the mask drops the pair (transposed tile)."""
-        m = self.mask
-        if self.band_only:
-            key = (j0 - i0, j1 - j0, i1 - i0)  # a band tile depends on j0 - i0 only
-            ex = self._band_cache.get(key)
-            if ex is None:
-                d = np.arange(j0, j1)[:, None] - np.arange(i0, i1)[None, :]  # [nj, ni] j - i
-                ex = np.zeros(d.shape, dtype=bool)
-                if m.band_lo is not None:
-                    ex |= d < m.band_lo
-                if m.band_hi is not None:
-                    ex |= d > m.band_hi
-                self._band_cache[key] = ex
+        """bool [nj, ni], True where the mask drops the pair (transposed tile): the OR of
+        every present term's :data:`TILE_TERMS` function."""
+        terms = self.mask.terms
+        ex = TILE_TERMS[terms[0]](self, b, h, i0, i1, j0, j1)
+        if len(terms) == 1 and ex.shape == (j1 - j0, i1 - i0):
             return ex
-        keep = m.tile_keep(b, h, i0, i1, j0, j1)            # [ni, nj]
-        out = np.empty((j1 - j0, i1 - i0), dtype=bool)
-        return np.logical_not(keep.T, out=out)              # [nj, ni]
+        out = np.zeros((j1 - j0, i1 - i0), dtype=bool)
+        for name in terms:
+            np.logical_or(out, ex if name == terms[0] else
+                          TILE_TERMS[name](self, b, h, i0, i1, j0, j1), out=out)
+        return out
 
     def bias_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """The bias on one tile, transposed: [nj|1, ni|1] (broadcast dims stay 1)."""
@@ -235,6 +229,55 @@ class TilePlan:
         rows = slice(i0, i1) if shape[2] > 1 else slice(0, 1)
         cols = slice(j0, j1) if shape[3] > 1 else slice(0, 1)
         dbias[bb, hb, rows, cols] += t.T
+
+
+# ------------------------------------------------------------------ mask terms
+# One function per lowered term kind (anyattn.masks.TERM_KINDS), found by name through
+# TILE_TERMS: (plan, b, h, i0, i1, j0, j1) -> bool [nj|1, ni|1], True where the term
+# drops the pair of key j0 + r and query i0 + c (a transposed tile, broadcastable).
+def _band_excluded_t(plan: TilePlan, b: int, h: int, i0: int, i1: int, j0: int,
+                     j1: int) -> np.ndarray:
+    """band_lo <= j - i <= band_hi; one array per (j0 - i0, nj, ni), shared read-only."""
+    m = plan.mask
+    key = (j0 - i0, j1 - j0, i1 - i0)  # a band tile depends on j0 - i0 only
+    ex = plan._band_cache.get(key)
+    if ex is None:
+        d = np.arange(j0, j1)[:, None] - np.arange(i0, i1)[None, :]  # [nj, ni] j - i
+        ex = np.zeros(d.shape, dtype=bool)
+        if m.band_lo is not None:
+            ex |= d < m.band_lo
+        if m.band_hi is not None:
+            ex |= d > m.band_hi
+        plan._band_cache[key] = ex
+    return ex
+
+
+def _documents_excluded_t(plan: TilePlan, b: int, h: int, i0: int, i1: int, j0: int,
+                          j1: int) -> np.ndarray:
+    """q_ids[i] != k_ids[j]: [nj, ni]."""
+    qd, kd = to_numpy(plan.mask.q_ids), to_numpy(plan.mask.k_ids)
+    qrow = qd[b if qd.shape[0] > 1 else 0, i0:i1]
+    krow = kd[b if kd.shape[0] > 1 else 0, j0:j1]
+    return krow[:, None] != qrow[None, :]
+
+
+def _keep_excluded_t(plan: TilePlan, b: int, h: int, i0: int, i1: int, j0: int,
+                     j1: int) -> np.ndarray:
+    """not keep[b, h, i, j]: [nj|1, ni|1] (the keep array's broadcast dims stay 1)."""
+    km = to_numpy(plan.mask.keep)
+    km = km[b if km.shape[0] > 1 else 0, h if km.shape[1] > 1 else 0]
+    rows = slice(i0, i1) if km.shape[0] > 1 else slice(0, 1)
+    cols = slice(j0, j1) if km.shape[1] > 1 else slice(0, 1)
+    kt = km[rows, cols].T                                             # [nj|1, ni|1]
+    return np.logical_not(kt, out=np.empty(kt.shape, dtype=bool))
+
+
+#: the NumPy tile function of every mask term kind this backend implements
+TILE_TERMS: Dict[str, Callable[..., np.ndarray]] = {
+    "band": _band_excluded_t,
+    "documents": _documents_excluded_t,
+    "keep": _keep_excluded_t,
+}
 
 
 def _kept_tiles(codes_row: Optional[np.ndarray], n: int) -> List[Tuple[int, int]]:

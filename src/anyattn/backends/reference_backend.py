@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ..arrays import to_numpy
 from ..rowstats import RowStats
+from ..features import MODIFIERS
+from ..masks import TERM_KINDS
 from .base import Backend, Capabilities
 
 __all__ = ["ReferenceBackend"]
@@ -19,11 +20,8 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        precisions=frozenset({"highest", "tf32"}), softcap=True, alibi=True, sinks=True,
-        dropout=True, auto=False)
-
-    def _mask(self, p):
-        return _ResolvedAsMask(p.mask, p.q_offset - p.k_offset)
+        precisions=frozenset({"highest", "tf32"}), mask_terms=frozenset(TERM_KINDS),
+        modifiers=MODIFIERS, auto=False)
 
     # NaN/Inf inputs propagate into the results; the inf - inf and 0·inf they meet on
     # the way are not reported as NumPy RuntimeWarnings (np.errstate below)
@@ -36,7 +34,7 @@ class ReferenceBackend(Backend):
             return self._backward(p, q, k, v, dout, out, stats, bias, mods)
 
     def _forward(self, p, q, k, v, bias, mods):
-        out, st = reference.forward_stats(q, k, v, mask=self._mask(p), bias=bias,
+        out, st = reference.forward_stats(q, k, v, mask=p.mask, bias=bias,
                                           scale=p.scale, **_mod_args(p, mods))
         # the statistics stay float64: the backward recomputes s in float64, and a
         # max rounded to float32 would shift P by |s|·2⁻²⁴ (the API rounds the lse)
@@ -44,7 +42,7 @@ class ReferenceBackend(Backend):
                                                 _cast(st.log_norm, "float64", p))
 
     def _backward(self, p, q, k, v, dout, out, stats, bias, mods):
-        g = reference.backward(q, k, v, dout, mask=self._mask(p), bias=bias, scale=p.scale,
+        g = reference.backward(q, k, v, dout, mask=p.mask, bias=bias, scale=p.scale,
                                wrt=tuple(p.wrt), out=out, stats=stats, **_mod_args(p, mods))
         res = {}
         for name in ("dq", "dk", "dv"):
@@ -56,8 +54,8 @@ class ReferenceBackend(Backend):
 
 
 def _mod_args(p, mods):
-    """The score modifiers as reference keyword arguments (offsets included: the
-    reference's masks and ALiBi both take them)."""
+    """The score modifiers as reference keyword arguments (offsets included: ALiBi and
+    dropout take them; ``p.mask`` has them applied already and is taken as it is)."""
     return dict(softcap=p.softcap, alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
                 q_offset=p.q_offset, k_offset=p.k_offset, dropout_p=p.dropout_p,
                 dropout_seed=p.dropout_seed)
@@ -70,20 +68,3 @@ def _cast(x: np.ndarray, dtype: str, p):
 
         return torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, dtype))
     return x.astype(dtype)
-
-
-class _ResolvedAsMask:
-    """Adapter: lets reference.forward take an already resolved mask."""
-
-    def __init__(self, rmask, shift: int):
-        self.rmask = rmask
-        self.shift = shift          # resolve() adds q_offset - k_offset back
-
-    def _lower(self, acc):
-        r = self.rmask
-        acc.band(None if r.band_lo is None else r.band_lo - self.shift,
-                 None if r.band_hi is None else r.band_hi - self.shift)
-        if r.q_ids is not None:
-            acc.documents(to_numpy(r.q_ids), to_numpy(r.k_ids))
-        if r.keep is not None:
-            acc.keep(to_numpy(r.keep))

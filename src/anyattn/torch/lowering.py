@@ -4,15 +4,17 @@ Shape legend: B batch, Hq query heads, Sq/Sk queries/keys, Bd 1 or B.
 
 ``lower`` folds a mask (Causal, Window, Documents, KeepMask and their ``&``)
 into ``(band_lo, band_hi, q_ids [Bd, Sq] | None, k_ids [Bd, Sk] | None,
-keep [.., .., .., ..] bool | None)``, the same pieces as
-``anyattn.masks.resolve`` but with torch operations only, so that Dynamo
-traces it without a graph break.  Shapes are checked by the core inside the op.
+keep [.., .., .., ..] bool | None)`` with the core's lowering
+(:func:`anyattn.masks.lower`, every term kind's fold) over :class:`TorchOps`: torch
+operations only, so that Dynamo traces it without a graph break.  This module only
+converts inputs; shapes are checked by the core inside the op.
 
 Document ids may stay on the host when q is on a GPU (CPU tensors as given, NumPy
 arrays as CPU tensors): the Triton backend works out what its kernels need from them
 on the host and copies them without a host-device synchronisation (a packed-sequence
 loop's ids come from its data loader, new every step).  A second Documents term is
-folded into ``keep`` on q's device.
+folded into ``keep`` on q's device (combining two id pairs needs a data-dependent
+``unique``).
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..masks import _Lowering
+from ..masks import ArrayOps
+from ..masks import lower as lower_terms
 
-__all__ = ["lower"]
+__all__ = ["lower", "TorchOps"]
 
 
 def _tensor(x, device) -> torch.Tensor:
@@ -33,23 +36,39 @@ def _tensor(x, device) -> torch.Tensor:
     return torch.as_tensor(x, device=device)
 
 
-def _ids2(x, device) -> torch.Tensor:
-    """Document ids [S] or [Bd, S] -> [Bd, S]: a tensor as it is, a NumPy array as a tensor
-    on ``device``, or a CPU tensor (a copy: no view of an array that can change without
-    a version counter) where ``device`` is a GPU."""
-    if not isinstance(x, torch.Tensor) and device is not None and \
-            torch.device(device).type != "cpu":
-        t = torch.tensor(x)
-    else:
-        t = _tensor(x, device)
-    return t if t.ndim == 2 else t[None]
+class TorchOps(ArrayOps):
+    """The core lowering's array operations as traceable torch ops on ``device``."""
 
+    check = False           # the core checks shapes inside the op
 
-def _keep4(x, device) -> torch.Tensor:
-    t = _tensor(x, device)
-    while t.ndim < 4:
-        t = t[None]
-    return t
+    def __init__(self, device: Optional[torch.device]):
+        self.device = device
+
+    def ids2(self, ids) -> torch.Tensor:
+        """Document ids [S] or [Bd, S] -> [Bd, S]: a tensor as it is, a NumPy array as a
+        tensor on the device, or a CPU tensor (a copy: no view of an array that can
+        change without a version counter) where the device is a GPU."""
+        device = self.device
+        if not isinstance(ids, torch.Tensor) and device is not None and \
+                torch.device(device).type != "cpu":
+            t = torch.tensor(ids)
+        else:
+            t = _tensor(ids, device)
+        return super().ids2(t)
+
+    def keep4(self, keep) -> torch.Tensor:
+        return super().keep4(_tensor(keep, self.device))
+
+    def logical_and(self, a, b) -> torch.Tensor:
+        return a & b
+
+    def combine_ids(self, q1, k1, q2, k2):
+        return None                       # data-dependent shapes: fold into keep instead
+
+    def doc_keep(self, q_ids, k_ids) -> torch.Tensor:
+        if self.device is not None:
+            q_ids, k_ids = q_ids.to(self.device), k_ids.to(self.device)
+        return super().doc_keep(q_ids, k_ids)
 
 
 def lower(mask, b: int, hq: int, sq: int, sk: int, q_offset: int = 0, k_offset: int = 0,
@@ -62,22 +81,15 @@ def lower(mask, b: int, hq: int, sq: int, sk: int, q_offset: int = 0, k_offset: 
             f"mask: expected a mask object (Causal, Window, KeepMask, Documents or their & "
             f"composition), got {type(mask).__name__}; pass a boolean tensor as "
             "anyattn.KeepMask(tensor)")
-    acc = _Lowering(b, hq, sq, sk)
-    mask._lower(acc)
-    shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
-    lo = None if acc.lo is None else acc.lo + shift
-    hi = None if acc.hi is None else acc.hi + shift
+    f = lower_terms(mask, b, hq, sq, sk, q_offset, k_offset, ops=TorchOps(device))
+    other = sorted(k for k, v in f.items() if v is not None and k not in _OP_FIELDS)
+    if other:
+        raise NotImplementedError(
+            f"mask: the lowered fields {other} have no argument in the anyattn torch ops "
+            "(band, document ids, keep); call anyattn.attention with the tensors, or lower "
+            "that term to a KeepMask")
+    return f["band_lo"], f["band_hi"], f["q_ids"], f["k_ids"], f["keep"]
 
-    q_ids = k_ids = keep = None
-    for n, (qi, ki) in enumerate(acc.docs):
-        qi, ki = _ids2(qi, device), _ids2(ki, device)
-        if n == 0:
-            q_ids, k_ids = qi, ki
-        else:  # a second Documents term: fold it into the keep mask [Bd, 1, Sq, Sk]
-            qi, ki = (x.to(device) if device is not None else x for x in (qi, ki))
-            doc = qi[:, None, :, None] == ki[:, None, None, :]
-            keep = doc if keep is None else keep & doc
-    for km in acc.keeps:
-        km = _keep4(km, device)
-        keep = km if keep is None else keep & km
-    return lo, hi, q_ids, k_ids, keep
+
+#: the ResolvedMask fields the custom ops carry (keep_key: NumPy arrays only)
+_OP_FIELDS = ("band_lo", "band_hi", "q_ids", "k_ids", "keep", "keep_key")

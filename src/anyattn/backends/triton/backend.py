@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from ...features import MODIFIERS
 from ..base import Backend, Capabilities
 
 __all__ = ["TritonBackend"]
@@ -36,7 +37,7 @@ class TritonBackend(Backend):
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
-            softcap=True, alibi=True, sinks=True, dropout=True)
+            mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...arrays import array_kind
+from ...features import MODIFIERS
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -42,7 +43,7 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, softcap=True, alibi=True, sinks=True, dropout=True)
+    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
 
 
 class WebGPUBackend(Backend):

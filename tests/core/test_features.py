@@ -1,0 +1,99 @@
+"""The feature table (anyattn.features): Problem.features, Capabilities as sets of
+feature names, every refusal derived from the table."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn import features
+from anyattn.backends.base import Backend, Capabilities
+from anyattn.problem import describe
+
+q = np.zeros((2, 4, 6, 8), np.float32)
+kv = np.zeros((2, 2, 6, 8), np.float32)
+ids = np.array([0, 0, 1, 1, 2, 2])
+
+#: one problem per feature, using it and (as far as can be) nothing else
+USES = {
+    "band": dict(mask=aa.Causal()),
+    "documents": dict(mask=aa.Documents(ids)),
+    "keep": dict(mask=aa.KeepMask(np.ones((6, 6), bool))),
+    "bias": dict(bias=np.zeros((6, 6), np.float32)),
+    "bias_grad": dict(bias=np.zeros((6, 6), np.float32), dout=q, wrt=("bias",)),
+    "gqa": dict(),
+    "softcap": dict(softcap=2.0),
+    "alibi": dict(alibi_slopes=np.ones(4, np.float32)),
+    "sinks": dict(sinks=np.zeros(4, np.float32)),
+    "sinks_grad": dict(sinks=np.zeros(4, np.float32), dout=q, wrt=("sinks",)),
+    "dropout": dict(dropout_p=0.5, dropout_seed=1),
+}
+#: what else those problems use of necessity
+ALSO = {"bias_grad": {"bias"}, "sinks_grad": {"sinks"}}
+
+
+class _Stub(Backend):
+    name = "stub"
+
+    def __init__(self, caps):
+        self.capabilities = caps
+
+    def forward(self, *a):  # pragma: no cover - never called
+        raise AssertionError
+
+    def backward(self, *a):  # pragma: no cover - never called
+        raise AssertionError
+
+
+def _problem(name):
+    k = q if name != "gqa" else kv
+    return describe(q, k, k, **USES[name])
+
+
+def test_every_feature_has_a_problem_here_and_a_known_kind():
+    assert set(USES) == {f.name for f in features.FEATURES}
+    assert features.MASK_TERMS | features.INPUTS | features.GRADIENTS | features.MODIFIERS \
+        == set(USES)
+
+
+@pytest.mark.parametrize("name", sorted(USES))
+def test_problem_features_name_exactly_what_it_uses(name):
+    p = _problem(name)
+    assert p.features == {name} | ALSO.get(name, set())
+    assert describe(q, q, q).features == frozenset()
+
+
+@pytest.mark.parametrize("name", sorted(USES))
+def test_a_backend_without_a_feature_refuses_it_with_the_tables_words(name):
+    f = features.get(name)
+    full = Capabilities(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+                        dtypes=frozenset({"float32"}), mask_terms=features.MASK_TERMS,
+                        modifiers=features.MODIFIERS)
+    field = {"mask_term": "mask_terms", "input": "inputs", "gradient": "gradients",
+             "modifier": "modifiers"}[f.kind]
+    lacking = dataclasses.replace(full, **{field: getattr(full, field) - {name}})
+    p = _problem(name)
+    assert _Stub(full).unsupported_reasons(p) == []
+    assert _Stub(lacking).unsupported_reasons(p) == [f.refusal]
+    assert not lacking.supports(name) and full.supports(name)
+
+
+def test_capabilities_refuse_unknown_feature_names_and_plain_strings():
+    base = dict(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+                dtypes=frozenset({"float32"}))
+    with pytest.raises(ValueError, match=r"modifiers=.*\['softkap'\].*anyattn.features"):
+        Capabilities(**base, modifiers=frozenset({"softkap"}))
+    with pytest.raises(ValueError, match="mask_terms"):
+        Capabilities(**base, mask_terms=frozenset({"softcap"}))   # a modifier, not a term
+    with pytest.raises(TypeError, match="expected a set"):
+        Capabilities(**base, modifiers="softcap")
+    with pytest.raises(ValueError, match="unknown"):
+        Capabilities(**base).supports("dilated")
+
+
+def test_every_backend_declares_known_features():
+    from anyattn.backends.numpy_backend import NumpyBackend
+    from anyattn.backends.reference_backend import ReferenceBackend
+
+    for be in (NumpyBackend(), ReferenceBackend()):
+        assert be.capabilities.features == {f.name for f in features.FEATURES}
