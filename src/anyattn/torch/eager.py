@@ -225,7 +225,7 @@ def _run_forward(pf, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
     """pf: the forward Problem (no ``wrt``) -> (out [B, Hq, Sq, D], row_max, log_norm
     [B, Hq, Sq]) as torch tensors."""
     if pf.is_empty:
-        out, stats = api._zeros_like(q), api._empty_stats(q, pf, mods)
+        out, stats = be.zeros_like(q), be.empty_stats(pf, q, mods)
     else:
         out, stats = be.forward(pf, q, k, v, api._bias4(bias, pf), mods)
     sdt = _lse_dtype(q)
