@@ -178,7 +178,7 @@ def test_missing_wgpu_reason(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "wgpu", None)
-    with pytest.raises(RuntimeError, match="wgpu is not installed"):
+    with pytest.raises(RuntimeError, match=r"needs wgpu, which is not installed: pip install \"anyattn\[webgpu\]\""):
         wdev._create()
 
 
