@@ -40,7 +40,7 @@ import numpy as np
 __all__ = ["add_arguments", "run", "flops", "Case", "Result", "DEFAULT_SHAPES",
            "MEMORY_SHAPE"]
 
-#: the two shapes of issue 2's performance target, (B, H, S, D)
+#: the two shapes of the performance target, (B, H, S, D)
 DEFAULT_SHAPES: Tuple[Tuple[int, int, int, int], ...] = ((1, 8, 2048, 64), (1, 4, 4096, 128))
 MEMORY_SHAPE = (1, 8, 8192, 64)
 
@@ -187,7 +187,7 @@ def usage_error(args: argparse.Namespace) -> Optional[str]:
 
 # ------------------------------------------------------------------ machine
 def machine_info() -> Dict:
-    """What the numbers were measured on."""
+    """The machine and software the numbers come from."""
     info: Dict = {"python": platform.python_version(), "numpy": np.__version__,
                   "platform": platform.platform(), "cpu_count": os.cpu_count()}
     try:

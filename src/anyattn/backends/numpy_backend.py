@@ -80,12 +80,12 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
     return n
 
 
-#: automatic tiles (bq, bk) by pass and by what the mask is: GEMMs of 512 run ~10 % faster
+#: automatic tiles (bq, bk) by pass and by what the mask is: GEMMs of 512 run faster
 #: than 256 at one thread and need half the NumPy calls (two workers contend for the
 #: GIL between calls); with a band term (causal, windows) the long side lies across the
 #: band and a partial tile computes only the rows (forward) / keys (backward) the band
 #: reaches (TilePlan.band_rows / band_keys), so the diagonal costs what a 256 grid's
-#: does; other masks keep 256 x 256.  docs/perf/LOG.md, 2026-12-03 (issue 16).
+#: does; other masks keep 256 x 256.
 AUTO_TILES = {("fwd", "none"): (512, 512), ("bwd", "none"): (512, 512),
               ("fwd", "band"): (512, 256), ("bwd", "band"): (256, 512),
               ("fwd", "other"): (256, 256), ("bwd", "other"): (256, 256)}

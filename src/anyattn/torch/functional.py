@@ -105,8 +105,8 @@ def _needs_precheck(q, k, v, bias, softcap=None, alibi_slopes=None, sinks=None) 
     meta devices (the dispatcher would pick one device's kernel, or the fake one),
     a bias that asks for its gradient (a backend without dbias must refuse now,
     not in ``loss.backward()``), and any score modifier (a backend that lacks it, or
-    dsinks, must refuse now too).  Skipping the full check elsewhere saves ~20 us of
-    Python per call (measured: bench/torch_module_bench.py).
+    dsinks, must refuse now too).  Skipping the full check elsewhere saves Python work
+    on every call (bench/torch_module_bench.py times it).
     """
     dev = q.device
     if dev.type == "meta":

@@ -9,7 +9,7 @@ lower); ``shader-f16`` is requested where the adapter has it.
 Native backends only (Vulkan, Metal, DX12), unless GL is asked for: wgpu's GL/EGL
 backend loads Mesa's EGL driver (libEGL_mesa, swrast_dri), which brings Mesa's libLLVM
 into the global symbol scope; a later ``import triton`` (automatic dispatch,
-``anyattn.torch``, ``torch.compile``) can then crash with SIGSEGV (issue 12).  The
+``anyattn.torch``, ``torch.compile``) can then crash with SIGSEGV.  The
 instance is created with ``set_instance_extras(backends=[Vulkan, Metal, DX12])`` before
 wgpu creates it.  ``ANYATTN_WGPU_ADAPTER`` naming GL (a word ``gl``, ``opengl``,
 ``gles`` or ``egl``, e.g. ``opengl`` or ``llvmpipe gl``: the words other than the GL

@@ -73,7 +73,7 @@ DSQ_ROLE = "dsq"
 #: the dQ pass of a ``*-dsq`` variant whose base prefetches (staged-dsq, wide-dsq) loads
 #: the next key tile's dS rows into registers before the current tile's update (DSQ_PF;
 #: the same values stored to the same tile: the same bits).  False: the loads at the
-#: tile's start (session 8's measured kernels; A/B: bench/webgpu_s8_check.sh)
+#: tile's start (kept for A/B comparison)
 DSQ_PREFETCH = True
 
 
@@ -109,30 +109,17 @@ ENV_VARIANT = "ANYATTN_WEBGPU_VARIANT"
 #: change an entry here (data, not code) after a measurement (bench/webgpu_bench.py
 #: --resident --variants).  The fourth column: the fewest workgroups the variant's dQ
 #: pass must have for the entry to apply, when the problem's size is known
-#: (``choose_config(rows=...)``; 0: any size).  H200 through Vulkan, 2026-12-03
-#: (docs/perf/webgpu-resident-h200-2026-12-03.json), backward at S=4096 vs portable:
-#: f32 staged 1.14-1.17x, subgroups 1.14-1.18x (the same within noise; forward +7 %
-#: more with subgroups), f16 every variant 0.51-0.70x.  ``staged`` rather than
-#: ``subgroups``: bitwise portable's results, no assumption on subgroup lane order,
-#: which WebGPU does not promise.  H200 2026-12-03 19:07 UTC
-#: (docs/perf/webgpu-kernels-h200-2026-12-03.json), f32 backward: ``wide`` 15.90
-#: TFLOP/s at S=4096 D=128 (staged 13.54: 1.17x), 13.40 at D=64 (staged 11.79: 1.14x),
-#: but 4.85 at S=512 D=128 (staged 5.84: 0.83x): its dQ pass had 32 workgroups there
-#: (B=1 H=8: 4 query tiles of 128 rows x 8 heads) against 256 at S=4096, on 132 SMs
-#: with one 256-thread workgroup each.  So ``wide`` only where its dQ grid fills the
-#: GPU (``WIDE_MIN_GROUPS``), else ``staged`` (bitwise the same results): H200 21:10 UTC
-#: (docs/perf/webgpu-variants-h200-s6-2026-12-03.json), B=1 H=8 D=128, wide vs staged:
-#: S=1024 (wide dQ grid 64) 10.34 vs 12.22 TFLOP/s (0.85x), S=2048 (grid 128) 15.21 vs
-#: 13.10 (1.16x), S=4096 (256) 15.85.  f16 stays portable (every prefetching f16
-#: variant slower: wide 0.66x, staged 0.53x at S=4096 D=128; rows8 0.88x, 21:10 UTC).
-#: Session 8 (H200 04:31 UTC, docs/perf/webgpu-variants-h200-s8-2026-12-04.json), the
-#: 5-product backward (``*-dsq``, entries taken only where the problem's dS scratch is
-#: known to fit: ``_dsq_fits``), backward TFLOP/s at D=128 B=1 H=8: S=4096 f32 wide-dsq
-#: 19.68 vs wide 15.91 (1.24x; staged-dsq 18.88), S=1024 f32 staged-dsq 16.35 vs staged
-#: 12.43 (1.32x; wide-dsq 14.47: its dQ grid of 64), f16 portable-dsq 19.97 vs portable
-#: 14.49 at S=4096 (1.38x), 15.38 vs 13.12 at S=1024 (1.17x).  Bitwise the base's results.
-#: With dS in tile order (vec4 stores / loads; H200 04:39 UTC,
-#: docs/perf/webgpu-variants-h200-s8b-2026-12-04.json): wide-dsq 20.93 at S=4096 D=128 f32.
+#: (``choose_config(rows=...)``; 0: any size).  Why these entries, in order:
+#: - the 5-product backward (``*-dsq``: the dQ pass reads dS back instead of recomputing
+#:   S and dP) before its base, which it outruns; taken only where the problem's dS
+#:   scratch is known to fit (``_dsq_fits``); bitwise the base's results;
+#: - ``wide`` (128-row query tiles) only where its dQ grid has enough workgroups to fill
+#:   a large GPU (``WIDE_MIN_GROUPS``, about one per multiprocessor); with fewer, most
+#:   of the GPU idles and ``staged`` is faster (bitwise the same results);
+#: - ``staged`` rather than ``subgroups``: bitwise portable's results and no assumption
+#:   on subgroup lane order, which WebGPU does not promise;
+#: - f16 takes portable(-dsq): every prefetching variant is slower in f16;
+#: - CPU adapters take portable.
 WIDE_MIN_GROUPS = 128
 VARIANT_TABLE = (
     # (cpu adapter?, needs 'subgroup', elem or None = any, min dQ workgroups) -> variant
@@ -300,7 +287,7 @@ class TileConfig:
 
     # ---- loop trips per invocation (mirrors the loops of the kernels) ----------
     # llvmpipe counts every loop *test*: a loop entered once that runs n times costs
-    # n + 1 (measured: tests/webgpu/test_webgpu_limits.py::test_llvmpipe_counting_rule).
+    # n + 1 (pinned by tests/webgpu/test_webgpu_limits.py::test_llvmpipe_counting_rule).
     @staticmethod
     def _loop(n: int) -> int:
         return n + 1
@@ -346,9 +333,8 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
     (HC = 2), updates flushed every 16 rows as two f16 chains of 8 (errors at the level
     of a naive fp16 implementation).  Forward: D chunks of 32 (same workgroup bytes
     per row as f32), IC = 16.  Backward on a GPU (``smem_limit`` > 0): D chunks of 64
-    and the longest staged row chunk IC in (64, 32) that fits (fewer barriers;
-    measured on the H200: bwd 1.25x / 1.27x the f32 speed at D = 64 / 128 against
-    1.18x / 1.25x with the forward's chunks, docs/perf/LOG.md 2026-12-02 evening).
+    and the longest staged row chunk IC in (64, 32) that fits (fewer barriers: faster
+    than the forward's chunks).
     ``dropout``: count the DROPOUT kernels' workgroup words."""
     h = dataclasses.replace(cfg, DC=32, IC=16, UC=16, half=True, HC=2)
     if backward and smem_limit:
@@ -541,7 +527,7 @@ class Runner:
         self.max_groups = int(ctx.limits.get("max-compute-workgroups-per-dimension", 65535))
         self.dummy = self.buffer("_dummy", 16)       # read-only slots
         self.dummy_w = self.buffer("_dummy_w", 16)   # read-write slots (exclusive use)
-        # per-call host work (issue 17): uniform blocks by content, written once and
+        # per-call host work: uniform blocks by content, written once and
         # never again (so any launch, plan or cached bind group may share one), and
         # bind groups by (layout, ids of the bound buffers).  Both LRU-bounded.  A bind
         # group entry holds its buffers only weakly: when one of them dies the entry

@@ -1,4 +1,4 @@
-"""Launch lists of device-array calls cached per signature (issue 17: host work per call).
+"""Launch lists of device-array calls cached per signature (less host work per call).
 
 Two device-array calls with one signature (sizes, dtypes, element strides and offsets,
 mask / bias / modifier / dropout description, wrt, tile config and variant, which
@@ -26,7 +26,7 @@ from the runner's cache (keyed by buffer ids: a repeat with the same buffers cre
 none) and submits.  The first call of a signature is submitted through its fresh
 template too, so a cache hit runs exactly the launches of the uncached path.
 
-Bound sets (session 7): a template also keeps, for the last ``MAX_BOUND`` distinct sets
+Bound sets: a template also keeps, for the last ``MAX_BOUND`` distinct sets
 of buffers it was called with (inputs, results, pooled roles, in slot order), the
 resolved launches (pipelines, bind groups, grids; clears and copies are resolved per call
 so that no set holds a buffer).  A call whose

@@ -97,7 +97,7 @@ fn biased(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
 // 1 − tanh²(y)) with y = x / c (the backward multiplies dS by the second).  Not WGSL's
 // tanh: on llvmpipe it is off by up to 3e-8 absolutely near 0 (6.9e-5 relative at
 // |y| = 1e-3, any relative error below) and 6 ulp at 0.5.  |y| < 0.55: the odd Taylor
-// series to y^17 (<= 0.73 ulp measured); else (1 − e)/(1 + e), e = exp(−2|y|), no
+// series to y^17 (<= 0.73 ulp); else (1 − e)/(1 + e), e = exp(−2|y|), no
 // cancellation there (<= 2.6 ulp), and 1 − tanh² = 4e/(1 + e)² without the
 // cancellation of 1 − t·t near saturation.  Saturates to ±c (e = 0), never NaN
 // unless x is NaN.
