@@ -8,19 +8,15 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-import numpy as np
-
+from .arguments import bias_4d, check_flag, check_layout, score_mods
 from .arrays import array_kind, dtype_name
 from .backends.registry import choose
 from .masks import Mask
-from .modifiers import ScoreMods
 from .problem import Problem, describe
 from .reference import Gradients
 from .rowstats import RowStats
 
 __all__ = ["attention", "attention_backward", "Gradients", "RowStats"]
-
-LAYOUTS = ("bhsd", "bshd")
 
 
 def _to_bhsd(x, layout):
@@ -29,32 +25,6 @@ def _to_bhsd(x, layout):
     if array_kind(x) == "torch":
         return x.transpose(1, 2)
     return x.swapaxes(1, 2)
-
-
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
-
-
-def _check_flag(name, val):
-    """A bool argument: Python's bool or NumPy's (1, None, 'yes' are refused, as torch
-    refuses them for its bool arguments)."""
-    if not isinstance(val, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(val).__name__}")
-
-
-def _bias4(bias, p: Problem):
-    """The bias as a 4-D view (left-padded with size-1 dims)."""
-    if bias is None or bias.ndim == 4:
-        return bias
-    return bias.reshape(p.bias_shape)
-
-
-def _mods(p: Problem, alibi_slopes, sinks) -> ScoreMods:
-    """The validated modifier arrays; slopes as a [Ba, Hq] view."""
-    if alibi_slopes is not None and alibi_slopes.ndim == 1:
-        alibi_slopes = alibi_slopes.reshape(p.alibi_shape)
-    return ScoreMods(alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def _lse_out(stats: RowStats, p: Problem):
@@ -93,10 +63,10 @@ def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
                  alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                  dropout_seed=dropout_seed)
     be = choose(p, backend)
-    mods = _mods(p, alibi_slopes, sinks)
+    mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
         return be.zeros_like(q), be.empty_stats(p, q, mods), p
-    out, stats = be.forward(p, q, k, v, _bias4(bias, p), mods)
+    out, stats = be.forward(p, q, k, v, bias_4d(bias, p), mods)
     return out, stats, p
 
 
@@ -126,8 +96,8 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     ``keep = anyattn.dropout_mask((B, Hq, Sq, Sk), p, seed, q_offset=, k_offset=)``, the
     same bits on every backend; lse is that of the undropped softmax.
     """
-    _check_layout(layout)
-    _check_flag("return_lse", return_lse)
+    check_layout(layout)
+    check_flag("return_lse", return_lse)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
                              k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
@@ -171,7 +141,7 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     synchronisation per call that also rules out CUDA graph capture) or a
     :class:`RowStats` from :func:`forward_with_stats` (no check, no synchronisation).
     """
-    _check_layout(layout)
+    check_layout(layout)
     if dout is None:
         raise TypeError("dout: the gradient of the output is required, shape [B, Hq, Sq, D]")
     qb, kb, vb, gb, ob = (_to_bhsd(x, layout) for x in (q, k, v, dout, out))
@@ -184,13 +154,13 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                  dropout_p=dropout_p, dropout_seed=dropout_seed)
     be = choose(p, backend)
-    mods = _mods(p, alibi_slopes, sinks)
+    mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
         res = {"dq": be.zeros_like(qb), "dk": be.zeros_like(kb), "dv": be.zeros_like(vb),
                "dbias": None if bias is None else be.zeros_like(bias),
                "dsinks": None if sinks is None else be.zeros_like(sinks)}
     else:
-        b4 = _bias4(bias, p)
+        b4 = bias_4d(bias, p)
         if ob is None:
             ob, stats = be.forward(p, qb, kb, vb, b4, mods)
         elif given is not None:

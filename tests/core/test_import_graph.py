@@ -18,8 +18,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "anyattn"
 
 #: the core: the public API, the problem description and the ABI
-CORE_PREFIXES = ("anyattn.api", "anyattn.problem", "anyattn.masks", "anyattn.modifiers",
-                 "anyattn.dropout", "anyattn.rowstats", "anyattn.reference", "anyattn.abi")
+CORE_PREFIXES = ("anyattn.api", "anyattn.arguments", "anyattn.problem", "anyattn.masks",
+                 "anyattn.modifiers", "anyattn.dropout", "anyattn.rowstats", "anyattn.reference",
+                 "anyattn.abi")
 #: the only backend modules the core may import
 CORE_MAY_IMPORT = frozenset({"anyattn.backends.registry", "anyattn.backends.base"})
 

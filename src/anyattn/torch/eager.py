@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import api
+from .. import arguments
 from ..backends.registry import choose
 from ..masks import ResolvedMask
 from ..modifiers import NO_MODS
@@ -217,7 +217,7 @@ def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
     p, pf = _describe(key, call, q, k, v, bias, sinks, wrt)
     be = _choose(key, p, call.backend)
     mods = NO_MODS if call.alibi_slopes is None and sinks is None else \
-        api._mods(p, call.alibi_slopes, sinks)
+        arguments.score_mods(p, call.alibi_slopes, sinks)
     return p, pf, be, mods
 
 
@@ -227,7 +227,7 @@ def _run_forward(pf, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
     if pf.is_empty:
         out, stats = be.zeros_like(q), be.empty_stats(pf, q, mods)
     else:
-        out, stats = be.forward(pf, q, k, v, api._bias4(bias, pf), mods)
+        out, stats = be.forward(pf, q, k, v, arguments.bias_4d(bias, pf), mods)
     sdt = _lse_dtype(q)
     mx, ln = _as_torch(stats.max, q), _as_torch(stats.log_norm, q)
     return (_as_torch(out, q), mx if mx.dtype == sdt else mx.to(sdt),
@@ -272,7 +272,7 @@ def _backward_grads(ctx, dout, q, k, v, bias, sinks, out, row_max, log_norm):
         return tuple(grads)
     p = ctx.problem if wrt == ctx.problem.wrt else _with_wrt(ctx.problem, wrt)
     mods = NO_MODS if ctx.alibi_slopes is None and sinks is None else \
-        api._mods(p, ctx.alibi_slopes, sinks)
+        arguments.score_mods(p, ctx.alibi_slopes, sinks)
     if p.is_empty:
         res = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
                "dv": torch.zeros_like(v),
@@ -280,7 +280,7 @@ def _backward_grads(ctx, dout, q, k, v, bias, sinks, out, row_max, log_norm):
                "dsinks": None if sinks is None else torch.zeros_like(sinks)}
     else:
         res = ctx.backend.backward(p, q, k, v, dout, out, RowStats(row_max, log_norm),
-                                   api._bias4(bias, p), mods)
+                                   arguments.bias_4d(bias, p), mods)
     for i, (name, key, like) in enumerate((("q", "dq", q), ("k", "dk", k), ("v", "dv", v),
                                            ("bias", "dbias", bias),
                                            ("sinks", "dsinks", sinks))):

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from .. import api
+from .. import arguments
 from ..backends.registry import choose
 from ..problem import describe
 from . import eager, ops
@@ -174,8 +174,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             _check_tensor(name, x)
-    api._check_layout(layout)
-    api._check_flag("return_lse", return_lse)
+    arguments.check_layout(layout)
+    arguments.check_flag("return_lse", return_lse)
     if backend is None:
         backend = _default_backend
     for name, val in (("backend", backend), ("precision", precision)):
@@ -228,7 +228,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
             qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend,
             precision, q_offset, k_offset, None if softcap is None else float(softcap),
             alibi_slopes, sinks, float(dropout_p) if seed_t is not None else 0.0,
-            ops._seed(seed_t))
+            ops.seed_value(seed_t))
         out = _bhsd(out, layout)
         return (out, row_max + log_norm) if return_lse else out
     args = (qb, kb, vb, bias, keep, q_ids, k_ids, band_lo, band_hi, scale, backend, precision)

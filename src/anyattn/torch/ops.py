@@ -35,7 +35,7 @@ from ..masks import Mask
 from ..rowstats import RowStats
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_with_grad", "LoweredMask",
-           "first_order_only", "DOUBLE_BACKWARD"]
+           "first_order_only", "DOUBLE_BACKWARD", "seed_value"]
 
 Tensor = torch.Tensor
 
@@ -131,7 +131,7 @@ def _distinct(outputs, inputs):
     return tuple(res)
 
 
-def _seed(t: Optional[Tensor]) -> Optional[int]:
+def seed_value(t: Optional[Tensor]) -> Optional[int]:
     """The dropout seed a one-element int64 tensor carries (None: no seed)."""
     return None if t is None else int(t.reshape(-1)[0].item())
 
@@ -162,7 +162,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                                      backend=backend, precision=precision,
                                      q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                                      alibi_slopes=alibi_slopes, sinks=sinks,
-                                     dropout_p=dropout_p, dropout_seed=_seed(dropout_seed))
+                                     dropout_p=dropout_p, dropout_seed=seed_value(dropout_seed))
     sdt = _lse_dtype(q)
     return _distinct((_as_torch(out, q), _as_torch(st.max, q).to(sdt),
                       _as_torch(st.log_norm, q).to(sdt)),
@@ -204,7 +204,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                mask=mask, bias=bias, scale=scale, wrt=wrt, backend=backend,
                                precision=precision, q_offset=q_offset, k_offset=k_offset,
                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                               dropout_p=dropout_p, dropout_seed=_seed(dropout_seed))
+                               dropout_p=dropout_p, dropout_seed=seed_value(dropout_seed))
     dq = _as_torch(g.dq, q) if grad_q else _empty(q)
     dk = _as_torch(g.dk, k) if grad_k else _empty(k)
     dv = _as_torch(g.dv, v) if grad_v else _empty(v)
