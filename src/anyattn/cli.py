@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from . import settings
 from .cli_args import backend_unavailable, seed_arg
 
 __all__ = ["main"]
@@ -192,12 +192,10 @@ def _to_backend(x, backend_name):
     """NumPy -> what the backend takes (torch on CUDA for triton)."""
     if x is None or backend_name != "triton":
         return x
-    import os
-
     from .extras import require
 
     torch = require("torch", "triton", "--backend triton")
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
+    dev = "cuda" if torch.cuda.is_available() and not settings.current().triton_interpret \
         else "cpu"
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
@@ -250,7 +248,7 @@ def _check_usage(args) -> None:
 def _timing_note(be: str) -> str:
     """What the one timed call of ``check`` includes, for this backend."""
     if be == "triton":
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if settings.current().triton_interpret:
             return "Triton's interpreter on the CPU: slow by design, not a GPU timing"
         return "first call: includes Triton's kernel compilation"
     if be == "webgpu":

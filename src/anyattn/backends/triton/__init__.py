@@ -15,6 +15,7 @@ import os
 import sys
 from typing import List
 
+from ... import settings
 from ...extras import installed, missing_message
 from ..base import Probe
 
@@ -31,6 +32,7 @@ def _driver_paths() -> tuple:
     if sys.platform.startswith("linux"):
         return _LINUX_DRIVER_FILES
     if sys.platform == "win32":
+        # Windows' own variable (where the system lives), not an anyattn switch
         return (os.path.join(os.environ.get("SystemRoot", r"C:\Windows"), "System32",
                              "nvcuda.dll"),)
     return ()
@@ -49,7 +51,7 @@ def probe() -> Probe:
             return Probe("unavailable", missing_message(package, "triton"))
     if "torch" in sys.modules and "triton" in sys.modules:
         return Probe("loaded")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if settings.current().triton_interpret:
         return Probe("installed", "torch and triton found; CPU tensors run under Triton's "
                                   "interpreter (TRITON_INTERPRET=1), checked at first use")
     if "torch" in sys.modules:

@@ -5,9 +5,9 @@ torch and triton are imported lazily, so ``import anyattn`` never needs them.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
+from ... import settings
 from ..base import Backend, Capabilities
 
 __all__ = ["TritonBackend"]
@@ -16,7 +16,7 @@ MAX_HEAD_DIM = 256
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.current().triton_interpret
 
 
 class TritonBackend(Backend):

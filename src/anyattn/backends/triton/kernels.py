@@ -65,10 +65,10 @@ fp32 results through the per-(batch, kv head) factors of SC [B * Hkv, 8] (see
 launch._f16_scales): 0 1/(sq sk) on scores, 1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv)
 on out, 4 1/(PS_BWD sdo) on dv, 5 1/(gamma sq) on dk, 6 1/(gamma sk) on dq.
 """
-import os
-
 import triton
 import triton.language as tl
+
+from ... import settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -78,8 +78,10 @@ LN2 = 0.6931471805599453
 PS_FWD = tl.constexpr(16384.0)
 PS_BWD = tl.constexpr(1024.0)
 #: Triton 3.6's interpreter multiplies bfloat16 tiles as raw integers; under it the
-#: dot operands are upcast to fp32 (after the usual rounding to the input dtype).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+#: dot operands are upcast to fp32 (after the usual rounding to the input dtype).  Read
+#: at import, as Triton decides at import (jit decoration) whether it interprets; the
+#: setting parses TRITON_INTERPRET as Triton does.
+_INTERPRETED = tl.constexpr(settings.current().triton_interpret)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -17,8 +17,8 @@ key that holds everything it depends on:
 - the direction, the explicit plan (or None), which score-modifier arrays are passed;
 - each tensor's strides and whether its address is 16-byte aligned (the Hopper path's
   TMA rules read both);
-- one snapshot of the environment variables the launch path reads
-  (``configs.env_snapshot``) and the version of the plan overrides
+- one snapshot of the environment switches (``anyattn.settings.snapshot``: every
+  switch, a superset of what the launch path reads) and the version of the plan overrides
   (``configs.set_override``), so a setting changed between calls takes effect on the
   next call.
 
@@ -33,6 +33,7 @@ import dataclasses
 import operator
 from typing import Any, Optional
 
+from ... import settings
 from . import configs as C
 
 __all__ = ["PROBLEM_FIELDS", "problem_key", "layout_key", "call_key", "LRU"]
@@ -78,7 +79,7 @@ def call_key(direction: str, p, plan, mods, tensors) -> tuple:
     has_slopes = mods is not None and mods.alibi_slopes is not None
     has_sinks = mods is not None and mods.sinks is not None
     return (direction, problem_key(p), plan, has_slopes, has_sinks,
-            tuple([layout_key(x) for x in tensors]), C.env_snapshot(),
+            tuple([layout_key(x) for x in tensors]), settings.snapshot(),
             C.overrides_version())
 
 
