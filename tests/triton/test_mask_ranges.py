@@ -49,7 +49,7 @@ def _ranges_brute(part, full):
 
 
 def test_block_ranges_match_their_definition():
-    from anyattn.backends.triton.launch import _block_ranges
+    from anyattn.backends.triton.tiles import block_ranges as _block_ranges
 
     rng = np.random.default_rng(0)
     for shape in ((1, 1, 7, 9), (2, 3, 5, 4), (1, 1, 4, 1)):

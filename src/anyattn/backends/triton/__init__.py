@@ -1,10 +1,15 @@
 """The ``triton`` backend: fused attention forward and backward for torch CUDA tensors
 (and CPU tensors under ``TRITON_INTERPRET=1``).
 
-kernels.py  @triton.jit kernels only
-launch.py   layouts, strides, dtypes, mask tile lists, grids
-configs.py  frozen tile configs, heuristics, autotuning, the fixed test plan
-backend.py  TritonBackend: capabilities, availability, refusals, dispatch
+kernels.py   @triton.jit kernels only
+launch.py    the entry points (forward, backward) and the caches' controls
+route.py     which path (Hopper or portable) and config a call runs: one function
+forward.py   the forward's launch;  backward.py: the backward's launches
+prepared.py  per-signature prepared launches, launch resolution (fallbacks, autotuning)
+tiles.py     mask arguments, tile lists;  operands.py: layouts, fp32 schemes, modifiers
+configs.py   frozen tile configs, heuristics, autotuning, the fixed test plan
+backend.py   TritonBackend: capabilities, availability, refusals, dispatch
+hopper/      the Hopper kernels (Gluon), their configs and coverage table
 
 Nothing here imports torch or triton at package import time; backend.py does so lazily.
 :func:`probe` says what it can without importing them.

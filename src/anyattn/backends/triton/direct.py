@@ -17,7 +17,7 @@ address; ``CompiledKernel.run`` where that does not apply);
 any other launch, or any launch while Triton's launch hooks are set (a profiler), goes
 through ``kernel[grid]`` as before.
 
-``Site`` is one launch site of one prepared call signature (launch.py's prepared
+``Site`` is one launch site of one prepared call signature (prepared.py's prepared
 launches, hopper/launch.py's): Triton's path until Triton's cache holds the kernel, then
 the Direct.  On by default on CUDA devices; ANYATTN_TRITON_DIRECT_LAUNCH=0 turns it off
 (read when a prepared launch is built: settings.snapshot keys them).
