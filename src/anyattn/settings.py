@@ -48,9 +48,9 @@ def _positive_int(name: str, raw: str) -> Optional[int]:
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer (or unset)") from None
+        raise ValueError(f"{name}={raw!r}: expected an integer >= 1 (or unset)") from None
     if n < 1:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer (or unset)")
+        raise ValueError(f"{name}={raw!r}: expected an integer >= 1 (or unset)")
     return n
 
 

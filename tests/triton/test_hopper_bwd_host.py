@@ -1,5 +1,5 @@
 """Host side of the Hopper backward route (launch.backward -> hopper/launch.py
-backward_config -> backward_fused): the launches it makes, checked on
+route.route -> backward_fused): the launches it makes, checked on
 the CPU with the Gluon kernel and the dq conversion swapped for recorders (nothing runs;
 the portable delta preprocess runs in Triton's interpreter) and the SM count set.
 
