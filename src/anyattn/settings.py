@@ -106,12 +106,12 @@ SWITCHES: Tuple[Switch, ...] = (
            "as Triton reads it: 1, true, on, yes, y (any case) are on, anything else off",
            "Triton's own switch: run kernels in its interpreter on CPU tensors (tests)",
            _triton_bool),
-    Switch("ANYATTN_TRITON_PATH", "triton_path", "auto", "auto, portable, hopper",
+    Switch("ANYATTN_TRITON_PATH", "triton_path", "auto", "auto, portable, hopper (any case)",
            "auto: the Hopper kernels where they cover the call and are routed by default; "
-           "portable: never; hopper: wherever they cover it, raising where they do not "
-           "(any case)", _choice("auto", "portable", "hopper")),
+           "portable: never; hopper: wherever they cover it, raising where they do not",
+           _choice("auto", "portable", "hopper")),
     Switch("ANYATTN_TRITON_CONFIG", "triton_config", "heuristic", "heuristic, fixed",
-           "fixed: the small tile plan the interpreter uses, on the GPU too",
+           "fixed: the small tile plan the interpreter always uses, on the GPU too",
            _choice("heuristic", "fixed", lower=False)),
     Switch("ANYATTN_TRITON_AUTOTUNE", "triton_autotune", "0", "0 or 1",
            "time the candidate tiles once per problem class and keep the fastest",

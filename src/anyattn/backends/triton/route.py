@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from ... import settings
-from . import configs as C
-from .hopper import configs as HC
-from .hopper import coverage as HCOV
+from . import configs
+from .hopper import configs as hopper_configs
+from .hopper import coverage
 
 __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name"]
@@ -62,10 +62,10 @@ class ProblemFacts:
     layout: Optional[str] = None
 
     def __post_init__(self):
-        unknown = set(self.features) - set(HCOV.FEATURES)
+        unknown = set(self.features) - set(coverage.FEATURES)
         if unknown:
             raise ValueError(f"ProblemFacts.features: unknown {sorted(unknown)}; expected "
-                             f"names of {HCOV.FEATURES}")
+                             f"names of {coverage.FEATURES}")
 
     @property
     def empty(self) -> bool:
@@ -82,7 +82,7 @@ class ProblemFacts:
         return cls(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seq_q=p.seq_q,
                    seq_k=p.seq_k, head_dim=p.head_dim, dtype=p.dtype,
                    mask_class=p.mask_class, features=feats, precision=p.precision,
-                   layout=HCOV.layout_reason(tensors))
+                   layout=coverage.layout_reason(tensors))
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Route:
     config: str
     reasons: Tuple[str, ...]
     hopper: Any = None
-    plan: Optional[C.Plan] = None
+    plan: Optional[configs.Plan] = None
 
     @property
     def hop(self) -> bool:
@@ -125,32 +125,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(c: C.KernelConfig) -> str:
+def _kernel(c: configs.KernelConfig) -> str:
     return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}"
 
 
-def plan_name(plan: C.Plan, direction: str) -> str:
-    """A portable plan's tiles as one word per kernel, e.g. 'fwd128x128w8s3' or
-    'fused(dkdv64x128w8s3+dq128x64w8s3)', with the fp32 product scheme after a '/'."""
+def plan_name(plan: configs.Plan, direction: str) -> str:
+    """A portable plan's tiles in one word, BMxBN, warps and stages per kernel: e.g.
+    'fwd128x128w8s3', 'dkdv64x128w8s1+dq128x64w8s1' (two backward launches) or
+    'fused(dkdv64x128w8s3+dq128x64)' (one launch: dQ's tiles, dK/dV's warps and
+    stages)."""
     if direction == "forward":
-        name = f"fwd{_kernel(plan.fwd)}"
-    elif plan.fused_bwd:
-        name = f"fused(dkdv{_kernel(plan.dkdv)}+dq{plan.dq.bm}x{plan.dq.bn})"
-    else:
-        name = f"dkdv{_kernel(plan.dkdv)}+dq{_kernel(plan.dq)}"
-    return name
+        return f"fwd{_kernel(plan.fwd)}"
+    if plan.fused_bwd:
+        return f"fused(dkdv{_kernel(plan.dkdv)}+dq{plan.dq.bm}x{plan.dq.bn})"
+    return f"dkdv{_kernel(plan.dkdv)}+dq{_kernel(plan.dq)}"
 
 
-def _portable_plan(problem: ProblemFacts, plan: Optional[C.Plan]) -> Tuple[C.Plan, str]:
+def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple[configs.Plan, str]:
     if plan is not None:
         return plan, "the explicit plan passed by the caller"
-    got = C.plan_for(C.padded_dim(problem.head_dim), problem.dtype, problem.precision,
+    got = configs.plan_for(configs.padded_dim(problem.head_dim), problem.dtype, problem.precision,
                      problem.mask_class, "bias" in problem.features,
                      max(problem.seq_q, problem.seq_k))
-    if C.use_fixed():
+    if configs.use_fixed():
         why = "the fixed test plan (TRITON_INTERPRET=1 or ANYATTN_TRITON_CONFIG=fixed)"
     else:
-        why = (f"configs.plan_for: padded D {C.padded_dim(problem.head_dim)}, "
+        why = (f"configs.plan_for: padded D {configs.padded_dim(problem.head_dim)}, "
                f"{problem.dtype}, mask class {problem.mask_class}")
     if problem.dtype == "float32":
         why += f"; fp32 products '{got.prec}' (precision {problem.precision})"
@@ -158,7 +158,7 @@ def _portable_plan(problem: ProblemFacts, plan: Optional[C.Plan]) -> Tuple[C.Pla
 
 
 def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
-          env: Optional[settings.Settings] = None, plan: Optional[C.Plan] = None) -> Route:
+          env: Optional[settings.Settings] = None, plan: Optional[configs.Plan] = None) -> Route:
     """The route of one direction of a call (module doc).  ``env``: the settings
     (default: settings.current()); ``plan``: an explicit portable plan (None: the
     heuristic one).  NotImplementedError under ANYATTN_TRITON_PATH=hopper where the
@@ -172,7 +172,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
     if setting == "portable":
         reasons.append("path: portable (ANYATTN_TRITON_PATH=portable)")
     else:
-        why = HCOV.uncovered(problem, direction, device)
+        why = coverage.uncovered(problem, direction, device)
         if setting == "hopper":
             why = why or ("an explicit portable plan was passed" if plan is not None
                           else None)
@@ -187,7 +187,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
             reasons.append(f"path: portable (not covered by the Hopper path: {why})")
         elif plan is not None:
             reasons.append("path: portable (an explicit portable plan was passed)")
-        elif not HCOV.routed_by_default(direction, problem.mask_class, problem.head_dim):
+        elif not coverage.routed_by_default(direction, problem.mask_class, problem.head_dim):
             reasons.append(f"path: portable (covered, but 'auto' does not route mask class "
                            f"{problem.mask_class} at head_dim {problem.head_dim}: "
                            "hopper/coverage.py)")
@@ -196,7 +196,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
             reasons.append("path: hopper (ANYATTN_TRITON_PATH=auto; covered and routed "
                            "by default)")
     if hop and direction == "forward":
-        cfg = HC.fwd_config(problem.head_dim, problem.mask_class)
+        cfg = hopper_configs.fwd_config(problem.head_dim, problem.mask_class)
         reasons.append(f"config: {cfg.name} = hopper/configs.fwd_config({problem.head_dim}, "
                        f"{problem.mask_class!r})")
         return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg)
@@ -205,13 +205,13 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         name = plan_name(portable, direction)
         reasons.append(f"config: {name} = {why_plan}")
         return Route(direction, "portable", name, tuple(reasons), plan=portable)
-    cfg = HC.bwd_config(problem.head_dim, problem.mask_class)
+    cfg = hopper_configs.bwd_config(problem.head_dim, problem.mask_class)
     tiles = _cdiv(problem.seq_k, cfg.bn)
     if device.sm_count is None:
         raise ValueError("DeviceFacts.sm_count: the Hopper backward's config needs the "
                          "device's SM count")
     if tiles > device.sm_count // 2:
-        cfg = HC.bwd_config_dkdv_only(problem.head_dim)
+        cfg = hopper_configs.bwd_config_dkdv_only(problem.head_dim)
         reasons.append(f"config: {cfg.name}, dQ portable ({plan_name(portable, direction)}"
                        f"): {tiles} key tiles per (batch, kv head) > {device.sm_count} SMs "
                        "// 2")
@@ -265,7 +265,7 @@ def device_facts(device, env: Optional[settings.Settings] = None) -> DeviceFacts
     return DeviceFacts(kind=kind, capability=_capability(name), sm_count=sm_count(name))
 
 
-def route_call(p, direction: str, plan: Optional[C.Plan] = None, tensors=()) -> Route:
+def route_call(p, direction: str, plan: Optional[configs.Plan] = None, tensors=()) -> Route:
     """The route of one call of Problem p (the launch code's entry): its facts, its
     device's facts and the settings in effect, through route()."""
     env = settings.current()
