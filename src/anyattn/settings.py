@@ -186,8 +186,7 @@ def snapshot() -> tuple:
     """The raw values of every switch now (None where unset); equal snapshots give equal
     Settings, so a snapshot is a cheap cache key."""
     if _FAST:
-        get = _ENV_DATA.get
-        return tuple([get(k) for k in _KEYS])
+        return tuple(map(_ENV_DATA.get, _KEYS))
     return tuple([os.environ.get(k) for k in _KEYS])
 
 
