@@ -719,7 +719,7 @@ def _fp32_variant_ms(q, k, v, g, precision, fields):
     ``precision`` ('highest' / 'tf32')."""
     dp = C.padded_dim(q.shape[-1])
     C.set_override(dp, "float32", precision, **fields)
-    before = set(L._fallback_cache)
+    before = set(L.prepared.FALLBACK_CACHE)
     try:
         fwd = lambda: aa.attention(q, k, v, return_lse=True, backend="triton",  # noqa: E731
                                    precision=precision)
@@ -727,7 +727,7 @@ def _fp32_variant_ms(q, k, v, g, precision, fields):
         bwd = lambda: aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="triton",  # noqa: E731
                                             precision=precision)
         bwd()
-        ran = {k_[0]: str(v_) for k_, v_ in L._fallback_cache.items() if k_ not in before}
+        ran = {k_[0]: str(v_) for k_, v_ in L.prepared.FALLBACK_CACHE.items() if k_ not in before}
         return bench_ms(fwd, rep=30), bench_ms(bwd, rep=30), ran
     finally:
         C.set_override(dp, "float32", precision)

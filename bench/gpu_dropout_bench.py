@@ -214,7 +214,7 @@ def compiled_kernels():
     from anyattn.backends.triton import kernels as K
 
     found = {}
-    for name in ("_fwd_kernel", "_bwd_kernel", "_dkdv_kernel", "_dq_kernel"):
+    for name in ("fwd_kernel", "bwd_kernel", "dkdv_kernel", "dq_kernel"):
         fn = getattr(K, name)
         try:
             for caches in fn.device_caches.values():

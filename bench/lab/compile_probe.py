@@ -82,8 +82,8 @@ def probe(kernel: str, dtype: str, prec: str, d: int, bm: int, bn: int, warps: i
     from anyattn.backends.triton import configs as C
     from anyattn.backends.triton import kernels as K
 
-    fn = {"fwd": K._fwd_kernel, "dkdv": K._dkdv_kernel, "dq": K._dq_kernel,
-          "bwd": K._bwd_kernel}[kernel]
+    fn = {"fwd": K.fwd_kernel, "dkdv": K.dkdv_kernel, "dq": K.dq_kernel,
+          "bwd": K.bwd_kernel}[kernel]
     dp = C.padded_dim(d)
     ce = dict(D=d, DP=dp, BM=bm, BN=bn, SBQ=128, SBK=128, MODE=mode, HAS_BAND=False,
               HAS_DOCS=False, HAS_KEEP=False, HAS_BIAS=bias, PREC=prec)

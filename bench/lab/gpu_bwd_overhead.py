@@ -9,7 +9,7 @@ cost (prologue: barriers, the K / V loads; epilogue: dK / dV conversion and stor
 writer's drain) times the number of waves, plus the launch.  That intercept is what a
 persistent backward could hide (docs/triton.md, "Next: a persistent backward").  This
 script times, at every Sq of ``--sqs``, the routed kernel (``hopper.launch.backward_fused``
-with ``backward_config``: the dQ-inside kernel and its dq conversion) and the same
+with the route (route.route): the dQ-inside kernel and its dq conversion) and the same
 problem's dK/dV-only kernel (no dQ writer, no turns), each as the median of
 ``triton.testing.do_bench``, then fits the line per kernel and reports the intercept, the
 per-program fixed cost (intercept / waves, waves = programs / SMs) and that cost as a
@@ -37,6 +37,7 @@ import anyattn as aa  # noqa: E402
 from anyattn.backends.triton import launch as TL  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
+from anyattn.backends.triton import route  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -89,7 +90,7 @@ def main(argv=None):
     rows, t0 = [], time.time()
     for Sq in sqs:
         p, q, k, v, dout, l2, delta = case(B, H, Sq, a.sk, a.D, a.causal)
-        cfg = HL.backward_config(p)
+        cfg = route.route_call(p, "backward").hopper
         kv_only = HCF.bwd_config_dkdv_only(a.D)
         if not cfg.dq:
             raise SystemExit(f"Sk={a.sk}: the routed config {cfg.name} is dK/dV-only (more "

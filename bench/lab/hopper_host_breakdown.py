@@ -13,6 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import host_overhead as HO
 import torch, anyattn, triton
 from anyattn.backends.triton import launch as L
+from anyattn.backends.triton.backward import stat_plane
+from anyattn.backends.triton.device_ctx import on_device
+from anyattn.backends.triton.operands import unit_last
 from anyattn.backends.triton.hopper import launch as HL
 from anyattn.problem import describe
 HO._stub_kernels(launcher)
@@ -23,9 +26,9 @@ mask = anyattn.Causal() if causal else None
 pf = describe(q,k,v,mask=mask); pb = describe(q,k,v,dout=g,mask=mask,wrt=("q","k","v"))
 out, st = L.forward(pf,q,k,v,None)
 L.backward(pb,q,k,v,g,out,st,None)
-pr = L._prepare("forward", pf, None, None, (("q", q), ("k", k), ("v", v)), None)
+pr = L.prepared.prepare("forward", pf, None, None, (("q", q), ("k", k), ("v", v)), None)
 fl = pr.hfwd
-cfg = HL.backward_config(pb)
+cfg = L.prepared.prepare("backward", pb, None, None, (("q", q), ("k", k), ("v", v), ("dout", g)), None).hcfg
 dk = torch.empty_like(k); dv = torch.empty_like(v); dq = torch.empty_like(q)
 l2 = torch.empty((B,H,2,S)); delta = torch.empty((B,H,S))
 def T(name, fn, n=2000):
@@ -39,8 +42,8 @@ def T(name, fn, n=2000):
 T("raw step (L.forward + L.backward)", lambda: (L.forward(pf,q,k,v,None), L.backward(pb,q,k,v,g,out,st,None)), 300)
 T("L.forward", lambda: L.forward(pf,q,k,v,None), 500)
 T("L.backward", lambda: L.backward(pb,q,k,v,g,out,st,None), 500)
-T("  _prepare fwd", lambda: L._prepare("forward", pf, None, None, (("q", q), ("k", k), ("v", v)), None))
-T("  _prepare bwd", lambda: L._prepare("backward", pb, None, None, (("q", q), ("k", k), ("v", v), ("dout", g)), None))
+T("  _prepare fwd", lambda: L.prepared.prepare("forward", pf, None, None, (("q", q), ("k", k), ("v", v)), None))
+T("  _prepare bwd", lambda: L.prepared.prepare("backward", pb, None, None, (("q", q), ("k", k), ("v", v), ("dout", g)), None))
 T("  FwdLaunch.__call__", lambda: fl(q,k,v,p=pf), 500)
 T("  FwdLaunch.mask_args", lambda: fl.mask_args(q, pf))
 T("  make_desc", lambda: HL.make_desc(q, 64))
@@ -50,14 +53,14 @@ T("  torch.empty stats", lambda: torch.empty((2,B,H,S)), 500)
 T("  torch.zeros sem", lambda: torch.zeros((B*H*16,), dtype=torch.int32), 500)
 T("  RowStats(stats[0], stats[1])", lambda: (out, out[0], out[1]))
 T("  triton.cdiv", lambda: triton.cdiv(S, 64))
-T("  backward_config", lambda: HL.backward_config(pb))
+T("  backward_config", lambda: L.prepared.prepare("backward", pb, None, None, (("q", q), ("k", k), ("v", v), ("dout", g)), None).hcfg)
 T("  dq_order", lambda: HL.dq_order(pb, 128, 64))
 T("  _bwd_checks", lambda: HL._bwd_checks(pb, q, l2, delta, dk, dv, dq, True))
 T("  _dq_tiles_all_visited", lambda: HL._dq_tiles_all_visited(S,S,0,2**30,64,128))
 T("  backward_fused", lambda: HL.backward_fused(pb, q,k,v,g,l2,delta,dq,dk,dv,cfg=cfg), 500)
-T("  _stat_plane", lambda: L._stat_plane(st.max, q.device))
-T("  _unit_last", lambda: L._unit_last(q))
-T("  on_device(cpu)", lambda: L.on_device(q.device))
+T("  _stat_plane", lambda: stat_plane(st.max, q.device))
+T("  _unit_last", lambda: unit_last(q))
+T("  on_device(cpu)", lambda: on_device(q.device))
 if launcher:
     recs = []
     orig = HO._LauncherFront._front

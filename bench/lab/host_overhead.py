@@ -22,7 +22,7 @@ delta preprocess, then launch.backward's Hopper route: hopper/launch.py
 ``backward_config`` -> ``backward_fused`` with its Gluon kernel and
 ``dq_convert_kernel``); ``--hopper`` both: the route the H200 runs at D=128 bf16 (use
 such a shape, e.g. ``--shape 4,16,2048,128``).  The routing is the library's own
-(launch._use_hopper: hopper/coverage.py's table and 'auto' set) with only the device
+(route.route: hopper/coverage.py's table and 'auto' set) with only the device
 facts of an sm_90 CUDA device put in (no interpreter, a CUDA device, capability 9.0,
 132 SMs), so a call the table does not route stays portable; the JSON names the
 routed configs.
@@ -191,14 +191,12 @@ class _OnCuda:
 
 def _route_hopper(forward: bool = True, backward: bool = False,
                   launcher: bool = False) -> None:
-    """The forward (and / or the backward) take the route launch._use_hopper picks on an
+    """The forward (and / or the backward) take the route route.route picks on an
     sm_90 device (coverage.py's table, 'auto'), the Hopper launch code's Gluon kernels
     no-ops (CPU) or, with ``launcher``, Triton's launcher front (_LauncherFront)."""
     from anyattn.backends.triton.hopper import (bwd_dq_convert, bwd_ws_dq_kernel, bwd_ws_kernel,
                                                 bwd_ws_t_kernel, fwd_persist_kernel,
                                                 fwd_ws_kernel)
-    from anyattn.backends.triton.hopper import coverage as HCov
-    from anyattn.backends.triton.hopper import launch as HL
 
     for mod, name in ((fwd_ws_kernel, "fwd_ws_kernel"),
                       (fwd_persist_kernel, "fwd_persist_kernel"),
@@ -207,22 +205,23 @@ def _route_hopper(forward: bool = True, backward: bool = False,
                       (bwd_ws_t_kernel, "dkdvq_ws_t_kernel"),
                       (bwd_dq_convert, "dq_convert_kernel")):
         setattr(mod, name, _stand_in(getattr(mod, name), launcher))
-    HL._SMS["cpu"] = 132          # the H200's (persistent grid, backward_config, dq_order)
-    HCov._capability = lambda device: (9, 0)
-    real = L._use_hopper
+    import dataclasses
+
+    from anyattn import settings
+    from anyattn.backends.triton import route as triton_route
+
+    # the H200's SM count (persistent grid, the backward's config, dq_order)
+    triton_route.SM_COUNTS["cpu"] = 132
+    facts = triton_route.DeviceFacts("cuda", (9, 0), 132)
     routed = {"forward": forward, "backward": backward}
 
-    def use_hopper(p, direction, plan, tensors):   # at a signature's first call only
-        if not routed[direction]:
-            return False
-        interp = os.environ.pop("TRITON_INTERPRET", None)
-        try:
-            return real(_OnCuda(p), direction, plan, tensors)
-        finally:
-            if interp is not None:
-                os.environ["TRITON_INTERPRET"] = interp
+    def route_call(p, direction, plan=None, tensors=()):   # a signature's first call only
+        path = "auto" if routed[direction] else "portable"
+        env = dataclasses.replace(settings.current(), triton_path=path)
+        return triton_route.route(triton_route.ProblemFacts.of(p, tensors), direction, facts,
+                                  env, plan)
 
-    L._use_hopper = use_hopper
+    triton_route.route_call = route_call
     torch.cuda.device = _NoDevice
     # the persistent forward asks before its schedule's first build (a CPU torch raises)
     torch.cuda.is_current_stream_capturing = lambda: False
@@ -231,18 +230,10 @@ def _route_hopper(forward: bool = True, backward: bool = False,
 def _routes(pf, pb) -> dict:
     """The routes the prepared launches took (after a first call): per direction
     'portable' or the Hopper config's name."""
-    from anyattn.backends.triton.hopper import launch as HL
-
-    hop = {d: any(pr.hop for key, pr in L._prepared._d.items() if key[0] == d)
-           for d in ("forward", "backward")}
-    out = {}
-    for d, p in (("forward", pf), ("backward", pb)):
-        if not hop[d]:
-            out[d] = "portable"
-        elif d == "forward":
-            out[d] = "hopper " + HL.prepare_forward(p).cfg.name
-        else:
-            out[d] = "hopper " + HL.backward_config(p).name
+    out = {"forward": "portable", "backward": "portable"}
+    for key, pr in L.prepared.PREPARED._d.items():
+        if pr.hop:
+            out[key[0]] = "hopper " + pr.route.config
     return out
 
 

@@ -207,6 +207,8 @@ def machine_info() -> Dict:
         pass
     if hasattr(os, "getloadavg"):
         info["loadavg_at_start"] = list(os.getloadavg())
+    # reported, not acted on: the variables that shaped this run, as set (settings.py
+    # parses anyattn's own switches)
     info["env"] = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                               "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                               "ANYATTN_NUMPY_THREADS") if k in os.environ}

@@ -1,7 +1,9 @@
 """Command line: ``python -m anyattn info | check | bench`` (``--version``).
 
 info   which backends can run here and, for each that cannot, why; which arrays
-       automatic dispatch gives each
+       automatic dispatch gives each; --settings: every environment switch with its
+       value in effect (docs/settings.md); --route B,Hq,Hkv,Sq,Sk,D --cc 9.0: the Triton
+       route (Hopper or portable, which config, why) of forward and backward
 check  forward + backward of one problem on one backend vs the float64 reference;
        exit status 1 on a mismatch
 bench  time backends on a set of shapes (see anyattn.bench)
@@ -10,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from . import settings
 from .cli_args import backend_unavailable, seed_arg
 
 __all__ = ["main"]
@@ -25,7 +27,66 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-
 TF32_TOLERANCE = 3e-4
 
 
+#: --mask of ``info --route``: the mask classes (Problem.mask_class) and the names of
+#: ``check --mask`` that map onto them
+_ROUTE_MASKS = {"causal": "band", "causal_br": "band", "sliding": "band", "window": "band"}
+_ROUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                 "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def _route_shape(text: str) -> Tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 6 or min(dims) < 0 or min(dims[:3] + dims[5:]) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected B,Hq,Hkv,Sq,Sk,D (six integers, B, Hq, Hkv, D >= 1)")
+    return dims
+
+
+def _capability_arg(text: str) -> Tuple[int, int]:
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a compute capability "
+                                         "MAJOR.MINOR, e.g. 9.0") from None
+    return major, minor
+
+
+def _print_route(args) -> int:
+    """``info --route``: the Triton route of forward and backward from the flags' facts."""
+    from .backends.triton import route as triton_route
+
+    b, hq, hkv, sq, sk, d = args.route
+    mask = _ROUTE_MASKS.get(args.mask.split(":")[0], args.mask)
+    feats = frozenset(f for f in args.features.split(",") if f)
+    problem = triton_route.ProblemFacts(batch=b, heads_q=hq, heads_kv=hkv, seq_q=sq,
+                                        seq_k=sk, head_dim=d, dtype=_ROUTE_DTYPES[args.dtype],
+                                        mask_class=mask, features=feats,
+                                        precision=args.precision)
+    sms = args.sms if args.sms is not None else 132
+    device = triton_route.DeviceFacts("cuda", args.cc, sms)
+    print(f"problem: {problem}")
+    print(f"device: {device}" + ("" if args.sms is not None else
+                                 "  (--sms not given: 132, an H100 SXM's)"))
+    print(f"settings: ANYATTN_TRITON_PATH={settings.current().triton_path}")
+    for direction in triton_route.DIRECTIONS:
+        try:
+            print(triton_route.route(problem, direction, device).describe())
+        except NotImplementedError as e:
+            print(f"{direction}: error: {e}")
+    return 0
+
+
 def _cmd_info(args) -> int:
+    if getattr(args, "settings", False):
+        print("anyattn settings (environment variables, docs/settings.md):")
+        print(settings.describe())
+        if args.route is None:
+            return 0
+    if args.route is not None:
+        return _print_route(args)
     from . import __version__
     from .backends.registry import ENTRIES, auto_array_kinds, describe_backends, get_backend
 
@@ -192,12 +253,10 @@ def _to_backend(x, backend_name):
     """NumPy -> what the backend takes (torch on CUDA for triton)."""
     if x is None or backend_name != "triton":
         return x
-    import os
-
     from .extras import require
 
     torch = require("torch", "triton", "--backend triton")
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
+    dev = "cuda" if torch.cuda.is_available() and not settings.current().triton_interpret \
         else "cpu"
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
@@ -250,7 +309,7 @@ def _check_usage(args) -> None:
 def _timing_note(be: str) -> str:
     """What the one timed call of ``check`` includes, for this backend."""
     if be == "triton":
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if settings.current().triton_interpret:
             return "Triton's interpreter on the CPU: slow by design, not a GPU timing"
         return "first call: includes Triton's kernel compilation"
     if be == "webgpu":
@@ -375,7 +434,29 @@ def build_parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"anyattn {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench}")
-    sub.add_parser("info", help="which backends run here, and why the others don't")
+    inf = sub.add_parser("info", help="which backends run here, and why the others don't; "
+                                      "--settings: the switches; --route: the Triton route")
+    inf.set_defaults(_error=inf.error)
+    inf.add_argument("--settings", action="store_true",
+                     help="print every environment switch with its value in effect")
+    inf.add_argument("--route", type=_route_shape, default=None, metavar="B,Hq,Hkv,Sq,Sk,D",
+                     help="print the Triton route (path, config, reasons) of forward and "
+                          "backward for this shape on the device the flags describe (no "
+                          "GPU needed)")
+    inf.add_argument("--dtype", default="bf16", choices=sorted(_ROUTE_DTYPES),
+                     help="--route: the inputs' dtype (default bf16)")
+    inf.add_argument("--mask", default="none",
+                     help="--route: a mask class (none, band, documents, keep, "
+                          "band+documents, ...) or causal / window / sliding (band)")
+    inf.add_argument("--features", default="",
+                     help="--route: score features, comma-separated: bias, softcap, alibi, "
+                          "sinks, dropout")
+    inf.add_argument("--precision", default="highest", choices=["highest", "tf32"],
+                     help="--route: precision (fp32 inputs)")
+    inf.add_argument("--cc", type=_capability_arg, default=None,
+                     help="--route: the device's compute capability, e.g. 9.0 (required)")
+    inf.add_argument("--sms", type=int, default=None,
+                     help="--route: the device's SM count (default 132)")
     ck = sub.add_parser("check", help="one problem on one backend vs the float64 reference")
     ck.set_defaults(_error=ck.error)
     ck.add_argument("--shape", type=_parse_shape, default=(1, 4, 4, 256, 256, 64),
@@ -410,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "info":
+        if args.route is not None and args.cc is None:
+            args._error("--route needs --cc (the device's compute capability, e.g. 9.0)")
+        if args.route is not None:
+            try:
+                return _cmd_info(args)
+            except ValueError as e:      # a mask class or feature the route cannot read
+                print(f"anyattn info: error: {e}", file=sys.stderr)
+                return 2
         return _cmd_info(args)
     if args.cmd == "check":
         try:

@@ -7,6 +7,8 @@ import argparse
 import os
 from typing import Optional
 
+from . import settings
+
 __all__ = ["seed_arg", "int_at_least", "out_path", "backend_unavailable"]
 
 
@@ -56,7 +58,7 @@ def backend_unavailable(name: str) -> Optional[str]:
     if missing:
         return (f"it needs {' and '.join(missing)}, not installed: "
                 f"pip install 'anyattn[{name}]'")
-    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if name == "triton" and not settings.current().triton_interpret:
         import torch
 
         if not torch.cuda.is_available():

@@ -4,8 +4,9 @@
 rebuilt only when one of the variables in :data:`SWITCHES` changed since the last
 call (one dictionary lookup per variable), so a value set between two calls takes
 effect on the next call, and a bad value raises ``ValueError`` naming the variable
-and the accepted values at the first call that reads it.  No other module of the
-package reads ``os.environ`` for its own switches.
+and the accepted values at the next call (whichever backend makes it: one bad switch
+is reported, not skipped).  No other module of the package reads ``os.environ`` for
+its own switches (tests/core/test_settings.py checks that).
 
 ``python -m anyattn info --settings`` prints the table with the values in effect.
 """
@@ -16,17 +17,29 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Callable, Dict, Optional, Tuple
 
-__all__ = ["Switch", "SWITCHES", "Settings", "current", "snapshot", "describe"]
+__all__ = ["Switch", "SWITCHES", "Settings", "current", "snapshot", "describe",
+           "markdown_table"]
 
 
 def _flag(default: bool) -> Callable[[str, str], bool]:
     def parse(name: str, raw: str) -> bool:
-        if raw == "":
+        v = raw.strip()
+        if v == "":
             return default
-        if raw not in ("0", "1"):
-            raise ValueError(f"{name}={raw!r}: expected 0 or 1")
-        return raw == "1"
+        if v not in ("0", "1"):
+            raise ValueError(f"{name}={raw!r}: expected 0 or 1 (unset: "
+                             f"{int(default)})")
+        return v == "1"
     return parse
+
+
+#: the words Triton's own knobs read as true (triton.knobs.env_bool); every other value
+#: is false there, so it is false here too (the variable is Triton's, not anyattn's)
+_TRITON_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def _triton_bool(name: str, raw: str) -> bool:
+    return raw.strip().lower() in _TRITON_TRUE
 
 
 def _positive_int(name: str, raw: str) -> Optional[int]:
@@ -35,9 +48,9 @@ def _positive_int(name: str, raw: str) -> Optional[int]:
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
+        raise ValueError(f"{name}={raw!r}: expected an integer >= 1 (or unset)") from None
     if n < 1:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+        raise ValueError(f"{name}={raw!r}: expected an integer >= 1 (or unset)")
     return n
 
 
@@ -47,7 +60,8 @@ def _choice(*choices: str, lower: bool = True) -> Callable[[str, str], str]:
         if v == "":
             return choices[0]
         if v not in choices:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)} "
+                             f"(unset: {choices[0]})")
         return v
     return parse
 
@@ -69,6 +83,11 @@ class Switch:
     parse: Callable[[str, str], object]
 
 
+#: the fp32 product schemes of the portable Triton kernels (backends/triton/operands.py
+#: maps them onto the kernels' PREC): the first is the default
+_SCHEMES = ("f16x3", "bf16x6", "bf16x3", "bf16x6r", "bf16x3r", "f16x1", "f16x31", "tf32",
+            "tf32x3", "ieee")
+
 #: the table (also rendered in docs/settings.md and by ``anyattn info --settings``)
 SWITCHES: Tuple[Switch, ...] = (
     # --- NumPy backend
@@ -83,31 +102,35 @@ SWITCHES: Tuple[Switch, ...] = (
            "hold BLAS to one thread inside the NumPy workers (0: leave BLAS threads alone)",
            _flag(True)),
     # --- Triton backend
-    Switch("TRITON_INTERPRET", "triton_interpret", "0", "0 or 1",
+    Switch("TRITON_INTERPRET", "triton_interpret", "0",
+           "as Triton reads it: 1, true, on, yes, y (any case) are on, anything else off",
            "Triton's own switch: run kernels in its interpreter on CPU tensors (tests)",
-           _flag(False)),
-    Switch("ANYATTN_TRITON_PATH", "triton_path", "auto", "auto, portable, hopper",
-           "auto: the Hopper kernels where they cover the call; portable: never; "
-           "hopper: raise where they do not cover it", _choice("auto", "portable", "hopper")),
+           _triton_bool),
+    Switch("ANYATTN_TRITON_PATH", "triton_path", "auto", "auto, portable, hopper (any case)",
+           "auto: the Hopper kernels where they cover the call and are routed by default; "
+           "portable: never; hopper: wherever they cover it, raising where they do not",
+           _choice("auto", "portable", "hopper")),
     Switch("ANYATTN_TRITON_CONFIG", "triton_config", "heuristic", "heuristic, fixed",
-           "fixed: the small tile plan the interpreter uses, on the GPU too",
-           _choice("heuristic", "fixed")),
+           "fixed: the small tile plan the interpreter always uses, on the GPU too",
+           _choice("heuristic", "fixed", lower=False)),
     Switch("ANYATTN_TRITON_AUTOTUNE", "triton_autotune", "0", "0 or 1",
            "time the candidate tiles once per problem class and keep the fastest",
            _flag(False)),
     Switch("ANYATTN_TRITON_FUSED_BWD", "triton_fused_bwd", "1", "0 or 1",
            "portable backward: dK/dV and dQ in one launch (0: two kernels)", _flag(True)),
-    Switch("ANYATTN_TRITON_FP32_DOT", "triton_fp32_dot", "f16x3",
-           "f16x3, bf16x6, tf32x3, ieee", "product scheme of fp32 inputs (all <= 1e-5)",
-           _choice("f16x3", "bf16x6", "tf32x3", "ieee", "bf16x3")),
-    Switch("ANYATTN_TRITON_TF32_DOT", "triton_tf32_dot", "f16x3",
-           "f16x3, bf16x3, tf32, f16x1", "product scheme of fp32 inputs under precision='tf32'",
-           _choice("f16x3", "bf16x3", "tf32", "f16x1", "f16x31", "bf16x6", "tf32x3", "ieee")),
+    Switch("ANYATTN_TRITON_FP32_DOT", "triton_fp32_dot", "f16x3", ", ".join(_SCHEMES),
+           "product scheme of fp32 inputs (precision='highest'; f16x3, bf16x6, tf32x3 and "
+           "ieee are within 1e-5 of float64, docs/triton.md 'Precision')",
+           _choice(*_SCHEMES, lower=False)),
+    Switch("ANYATTN_TRITON_TF32_DOT", "triton_tf32_dot", "f16x3", ", ".join(_SCHEMES),
+           "product scheme of fp32 inputs under precision='tf32'",
+           _choice(*_SCHEMES, lower=False)),
     Switch("ANYATTN_TRITON_FAST_TANH", "triton_fast_tanh", "1", "0 or 1",
            "softcap of 16-bit inputs through the hardware tanh (0: the portable tanh)",
            _flag(True)),
     Switch("ANYATTN_TRITON_DBIAS", "triton_dbias", "fused", "fused, recompute",
-           "recompute: dbias from a separate reduction kernel", _choice("fused", "recompute")),
+           "recompute: a bias broadcast over batch / heads gets its dbias from the "
+           "separate reduction kernel", _choice("fused", "recompute", lower=False)),
     Switch("ANYATTN_TRITON_DIRECT_LAUNCH", "triton_direct_launch", "1", "0 or 1",
            "replay resolved kernel launches without Triton's launch path (CUDA devices)",
            _flag(True)),
@@ -163,8 +186,7 @@ def snapshot() -> tuple:
     """The raw values of every switch now (None where unset); equal snapshots give equal
     Settings, so a snapshot is a cheap cache key."""
     if _FAST:
-        get = _ENV_DATA.get
-        return tuple([get(k) for k in _KEYS])
+        return tuple(map(_ENV_DATA.get, _KEYS))
     return tuple([os.environ.get(k) for k in _KEYS])
 
 
@@ -200,3 +222,11 @@ def describe() -> str:
         lines.append(f"  {switch.name:<{width}}  {shown}\n  {'':<{width}}  "
                      f"{switch.effect}; accepts {switch.accepts}")
     return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The table of docs/settings.md (tests/core/test_settings.py checks the doc holds it)."""
+    rows = ["| variable | default | accepts | effect |", "| --- | --- | --- | --- |"]
+    for s in SWITCHES:
+        rows.append(f"| `{s.name}` | {s.default} | {s.accepts} | {s.effect} |")
+    return "\n".join(rows)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import anyattn
+from anyattn import settings
 from anyattn.api import _check_stats
 from anyattn.arrays import _DTYPE_NAMES, dtype_name
 from anyattn.rowstats import RowStats
@@ -361,8 +362,8 @@ def test_choose_memo_per_problem_name_and_interpreter(monkeypatch):
         with pytest.raises(TypeError, match="backend"):
             R.choose(p, ["numpy"])
     n = len(R._choices)
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if R.os.environ.get("TRITON_INTERPRET") == "1"
-                       else "1")
+    monkeypatch.setenv("TRITON_INTERPRET",
+                       "0" if settings.current().triton_interpret else "1")
     assert R.choose(p).name == "numpy" and len(R._choices) == n + 1, "the variable is keyed"
     pd = P.describe(q, k, v, mask=anyattn.Documents(np.arange(5) // 2, np.arange(7) // 3))
     R.choose(pd)

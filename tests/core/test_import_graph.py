@@ -26,10 +26,7 @@ CORE_MAY_IMPORT = frozenset({"anyattn.backends.registry", "anyattn.backends.base
 
 #: cycles known and being removed elsewhere, each as the set of its modules (an
 #: exception matches only that exact set: a cycle that grows is reported)
-KNOWN_CYCLES: List[frozenset] = [
-    # backends/triton: launch.py <-> hopper/launch.py (fixed on its own branch)
-    frozenset({"anyattn.backends.triton.launch", "anyattn.backends.triton.hopper.launch"}),
-]
+KNOWN_CYCLES: List[frozenset] = []
 
 
 def module_names(src: Path = SRC) -> Dict[str, Path]:

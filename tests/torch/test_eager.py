@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import anyattn
 import anyattn.torch as at
 from anyattn.torch import eager, ops
+from anyattn import settings
 
 
 def _inputs(B=2, Hq=4, Hkv=2, Sq=13, Sk=17, D=16, seed=0):
@@ -293,8 +294,8 @@ def test_backend_choice_memo_follows_name_and_interpreter_setting(monkeypatch):
     keys = list(eager._chosen)
     assert {be.name for be in eager._chosen.values()} == {"numpy", "reference"}
     assert all(ck[1] in ("numpy", "reference") for ck in keys)
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if eager.os.environ.get("TRITON_INTERPRET") == "1"
-                       else "1")
+    monkeypatch.setenv("TRITON_INTERPRET",
+                       "0" if settings.current().triton_interpret else "1")
     at.attention(q, k, v, backend="numpy")
     assert calls == ["numpy", "reference", "numpy"], "a changed TRITON_INTERPRET asks again"
     with pytest.raises(NotImplementedError, match="backend='webgpu'|webgpu"):

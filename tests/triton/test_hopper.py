@@ -17,6 +17,8 @@ pytest.importorskip("triton")
 import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
+from anyattn import settings  # noqa: E402
+from anyattn.backends.triton import route as ROUTE  # noqa: E402
 from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 
@@ -32,55 +34,56 @@ def _problem(dtype=torch.bfloat16, D=128, mask=None, bias=None, device="cpu", **
 
 
 # ----------------------------------------------------------------------------- coverage
-def test_coverage_reasons_name_what_is_missing(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+def _facts(cc=(9, 0), sms=132):
+    return ROUTE.DeviceFacts("cuda", cc, sms)
+
+
+def _why(p, direction, cc=(9, 0), tensors=()):
+    """coverage.uncovered of Problem p on an sm_<cc> device (plain facts: no GPU)."""
+    return HCOV.uncovered(ROUTE.ProblemFacts.of(p, tensors), direction, _facts(cc))
+
+
+def _route(p, direction, sms=132):
+    """The route of Problem p on an sm_90 device with ``sms`` SMs, under the settings in
+    effect."""
+    return ROUTE.route(ROUTE.ProblemFacts.of(p), direction, _facts(sms=sms))
+
+
+def test_coverage_reasons_name_what_is_missing():
     p = _problem()
-    object.__setattr__(p, "device", "cuda:0")
-    assert HCOV.supports(p, "forward") is None
-    assert HCOV.supports(p, "backward") is None
+    assert _why(p, "forward") is None
+    assert _why(p, "backward") is None
     for kw, word in ((dict(dtype=torch.float32), "dtype float32"), (dict(D=96), "head_dim 96"),
                      (dict(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))),
                       "mask class documents at head_dim 64"),
                      (dict(bias=torch.zeros(1, 1, 8, 8)), "bias"),
                      (dict(softcap=30.0), "softcap")):
         p = _problem(**kw)
-        object.__setattr__(p, "device", "cuda:0")
-        assert word in HCOV.supports(p, "forward"), (kw, HCOV.supports(p, "forward"))
+        assert word in _why(p, "forward"), (kw, _why(p, "forward"))
     # Documents: covered by the forward and, at D=128, the backward
     p = _problem(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
-    object.__setattr__(p, "device", "cuda:0")
-    assert HCOV.supports(p, "forward") is None
-    assert HCOV.supports(p, "backward") is None
+    assert _why(p, "forward") is None
+    assert _why(p, "backward") is None
     p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
-    object.__setattr__(p, "device", "cuda:0")
-    assert "mask class documents at head_dim 64" in HCOV.supports(p, "backward")
-    monkeypatch.setattr(HCOV, "_capability", lambda dev: (8, 0))
-    p = _problem()
-    object.__setattr__(p, "device", "cuda:0")
-    assert "compute capability 8.0" in HCOV.supports(p, "forward")
+    assert "mask class documents at head_dim 64" in _why(p, "backward")
+    assert "compute capability 8.0" in _why(_problem(), "forward", cc=(8, 0))
+    interp = ROUTE.DeviceFacts("cpu", interpreter=True)
+    assert "interpreter" in HCOV.uncovered(ROUTE.ProblemFacts.of(_problem()), "forward", interp)
 
 
-def test_coverage_tensor_rules(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
+def test_coverage_tensor_rules():
     p = _problem()
-    object.__setattr__(p, "device", "cuda:0")
     x = torch.zeros(1, 2, 8, 136, dtype=torch.bfloat16)[..., :128]
-    assert HCOV.supports(p, "forward", (("q", x),)) is None          # 272-byte rows
+    assert _why(p, "forward", tensors=(("q", x),)) is None          # 272-byte rows
     y = torch.zeros(1, 2, 8, 132, dtype=torch.bfloat16)[..., :128]
-    assert "16 bytes" in HCOV.supports(p, "forward", (("k", y),))
+    assert "16 bytes" in _why(p, "forward", tensors=(("k", y),))
     z = torch.zeros(1, 2, 128, 8, dtype=torch.bfloat16).transpose(-1, -2)
-    assert "last-dim stride" in HCOV.supports(p, "forward", (("v", z),))
+    assert "last-dim stride" in _why(p, "forward", tensors=(("v", z),))
 
 
 def test_backward_routes_d128_and_d64_bands(monkeypatch):
     """The Hopper backward covers D=64 and 128; 'auto' routes both, with a band or
     without (coverage.py); 'hopper' forces it, 'portable' keeps it off."""
-    from anyattn.backends.triton import launch as TL
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
     assert HCOV.routed_by_default("backward", "none", 128)
     assert HCOV.routed_by_default("backward", "band", 128)
     assert HCOV.routed_by_default("backward", "band", 64)
@@ -89,25 +92,22 @@ def test_backward_routes_d128_and_d64_bands(monkeypatch):
     for d, mask, routed in ((128, None, True), (128, aa.Causal(), True), (64, None, True),
                             (64, aa.Causal(), True)):
         p = _problem(D=d, mask=mask)
-        object.__setattr__(p, "device", "cuda:0")
-        assert HCOV.supports(p, "backward") is None
-        assert TL._use_hopper(p, "backward", None, ()) is routed, (d, mask)
+        assert _why(p, "backward") is None
+        assert _route(p, "backward").hop is routed, (d, mask)
     p = _problem(D=64)
-    object.__setattr__(p, "device", "cuda:0")
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
-    assert TL._use_hopper(p, "backward", None, ()) is True
+    assert _route(p, "backward").hop is True
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
-    assert TL._use_hopper(_problem(), "backward", None, ()) is False
+    assert _route(_problem(), "backward").hop is False
 
 
-def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
+def test_backward_config_keeps_dq_waits_within_half_the_sms():
     """The dQ-inside config (its programs wait for each other's add turns) is the route
     while a (batch, kv head)'s key tiles are at most half the SMs; past that the
     dK/dV-only config (portable dQ, no waits) is; D=64 too (the transposed consumers
     with 128-row query tiles)."""
     from anyattn.backends.triton.hopper import configs as HCF
 
-    monkeypatch.setitem(HL._SMS, "cuda:0", 132)
     cases = ((128, None, 66 * 128, True), (128, None, 66 * 128 + 1, False),
              (128, aa.Causal(), 2048, True), (64, aa.Causal(), 4096, True),
              (64, None, 4096, True), (64, None, 66 * 128 + 1, False))
@@ -115,8 +115,7 @@ def test_backward_config_keeps_dq_waits_within_half_the_sms(monkeypatch):
         q = torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)
         k = torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
         p = describe(q, k, k, mask=mask)
-        object.__setattr__(p, "device", "cuda:0")
-        cfg = HL.backward_config(p)
+        cfg = _route(p, "backward", sms=132).hopper
         assert cfg.dq is dq, (d, mask, sk, cfg.name)
         if dq:
             assert cfg == HCF.bwd_config(d, p.mask_class)
@@ -130,29 +129,24 @@ def test_d64_forward_is_routed_without_a_mask_and_with_a_band(monkeypatch):
     warpgroups) or a band (2 consumers in the persistent kernel on the host-built
     schedule), and the array masks are refused at D=64 with the reason (coverage.py,
     configs.py)."""
-    from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
-    monkeypatch.setattr(HCOV, "_capability", lambda dev: (9, 0))
     assert HCOV.routed_by_default("forward", "none", 64)
     assert HCOV.routed_by_default("forward", "band", 64)
     assert HCOV.routed_by_default("forward", "band", 128)
     assert HCOV.routed_by_default("forward", "documents", 128)
     for mask, routed in ((None, True), (aa.Causal(), True)):
         p = _problem(D=64, mask=mask)
-        object.__setattr__(p, "device", "cuda:0")
-        assert HCOV.supports(p, "forward") is None
-        assert TL._use_hopper(p, "forward", None, ()) is routed, mask
+        assert _why(p, "forward") is None
+        assert _route(p, "forward").hop is routed, mask
     assert HCF.fwd_config(64, "none").name == "ws192x128s3opf"
     assert HCF.fwd_config(64, "band").name == "ws128x128s3opfPg"
     assert HCF.fwd_config(128, "none") == HCF.fwd_config(128, "band")
     p = _problem(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
-    object.__setattr__(p, "device", "cuda:0")
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
     with pytest.raises(NotImplementedError, match="documents at head_dim 64"):
-        TL._use_hopper(p, "forward", None, ())
+        _route(p, "forward")
 
 
 def test_d128_forward_routes_the_scheduled_persistent_kernel_without_a_mask_and_with_a_band():
@@ -247,9 +241,9 @@ def test_dq_tiles_all_visited_matches_the_tile_ranges():
 def test_path_setting(monkeypatch):
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "fast")
     with pytest.raises(ValueError, match="ANYATTN_TRITON_PATH"):
-        HCOV.path_setting()
+        settings.current()
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "Portable")
-    assert HCOV.path_setting() == "portable"
+    assert settings.current().triton_path == "portable"
 
 
 def test_forcing_hopper_where_not_covered_raises(monkeypatch):
@@ -356,7 +350,8 @@ def test_forward_matches_float64(dtype, D, kind, shape, layout):
     mask = MASKS[kind]
     p = describe(q, k, v, mask=mask)
     if D == 128:
-        assert HCOV.supports(p, "forward", (("q", q), ("k", k), ("v", v))) is None
+        assert HCOV.uncovered(ROUTE.ProblemFacts.of(p, (("q", q), ("k", k), ("v", v))),
+                              "forward", ROUTE.device_facts(q.device)) is None
     res = []
     for _ in range(2):
         out = torch.full((B, H, Sq, D), float("nan"), dtype=q.dtype, device="cuda")
@@ -431,7 +426,8 @@ def test_backward_matches_float64(dtype, D, kind, shape, layout):
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, getattr(torch, dtype), layout, seed=5)
     mask = MASKS[kind]
     p = describe(q, k, v, mask=mask)
-    assert HCOV.supports(p, "backward", (("q", q), ("k", k), ("v", v))) is None
+    assert HCOV.uncovered(ROUTE.ProblemFacts.of(p, (("q", q), ("k", k), ("v", v))),
+                          "backward", ROUTE.device_facts(q.device)) is None
     out, rs = TL.forward(p, q, k, v, None)
     g = torch.Generator(device="cuda").manual_seed(7)
     dout = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)

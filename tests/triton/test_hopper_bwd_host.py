@@ -1,5 +1,5 @@
 """Host side of the Hopper backward route (launch.backward -> hopper/launch.py
-backward_config -> backward_fused): the launches it makes, checked on
+route.route -> backward_fused): the launches it makes, checked on
 the CPU with the Gluon kernel and the dq conversion swapped for recorders (nothing runs;
 the portable delta preprocess runs in Triton's interpreter) and the SM count set.
 
@@ -23,6 +23,7 @@ except ImportError:                                      # pragma: no cover
 
 import anyattn as aa  # noqa: E402
 from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.backends.triton import route as ROUTE  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
@@ -52,12 +53,14 @@ def recorded(monkeypatch):
 
     problem.clear_cache()
     calls = []
-    monkeypatch.setitem(HL._SMS, "cpu", 132)
+    monkeypatch.setitem(ROUTE.SM_COUNTS, "cpu", 132)
     monkeypatch.setattr(bwd_ws_dq_kernel, "dkdvq_ws_kernel", _Recorder(calls, "ws_dq"))
     monkeypatch.setattr(bwd_ws_t_kernel, "dkdvq_ws_t_kernel", _Recorder(calls, "ws_dq_t"))
     monkeypatch.setattr(bwd_ws_kernel, "dkdv_ws_kernel", _Recorder(calls, "ws_dkdv"))
     monkeypatch.setattr(bwd_dq_convert, "dq_convert_kernel", _Recorder(calls, "convert"))
-    monkeypatch.setattr(L, "_use_hopper", lambda p, d, plan, t: d == "backward")
+    # the device's facts as an sm_90 GPU's: the route sends the backward to Hopper
+    monkeypatch.setattr(ROUTE, "device_facts", lambda dev, env=None: ROUTE.DeviceFacts(
+        "cuda", (9, 0), ROUTE.SM_COUNTS[str(dev)]))
     L.clear_prepared()
     yield calls
     L.clear_prepared()
@@ -99,7 +102,7 @@ def test_backward_route_launches(recorded, mask, S):
                        for _ in range(4))
         p = describe(q, k, v, dout=do, mask=mask, wrt=("q", "k", "v"))
         cfg = HCF.bwd_config(D, p.mask_class)
-        assert HL.backward_config(p) == cfg and cfg.dq
+        assert ROUTE.route_call(p, "backward").hopper == cfg and cfg.dq
         out = torch.randn_like(q)
         st = aa.RowStats(torch.zeros(B, H, S), torch.zeros(B, H, S))
         recorded.clear()
@@ -122,21 +125,21 @@ def test_backward_route_launches(recorded, mask, S):
         assert (cname, cgrid, ckw) == ("convert", wcgrid, wckw)
         assert cargs[0] is dqa and cargs[1] is res["dq"] and cargs[2:] == wcscal
         assert res["dq"].shape == q.shape and res["dk"].shape == k.shape
-    prs = [pr for key, pr in L._prepared._d.items() if key[0] == "backward"]
+    prs = [pr for key, pr in L.prepared.PREPARED._d.items() if key[0] == "backward"]
     assert len(prs) == 1 and prs[0].hop and prs[0].hcfg == cfg
 
 
 def test_backward_route_config_follows_the_sm_count(recorded, monkeypatch):
     """Where a (batch, kv head) has more key tiles than half the SMs, the route is the
-    dK/dV-only kernel with the portable dQ (backward_config), per signature."""
-    monkeypatch.setitem(HL._SMS, "cpu", 2)      # 256 keys = 2 tiles > 2 // 2
+    dK/dV-only kernel with the portable dQ (route.route), per signature."""
+    monkeypatch.setitem(ROUTE.SM_COUNTS, "cpu", 2)      # 256 keys = 2 tiles > 2 // 2
     q, k, v, do = (torch.randn(1, 2, 256, 128).to(torch.bfloat16) for _ in range(4))
     p = describe(q, k, v, dout=do, wrt=("q", "k", "v"))
-    assert HL.backward_config(p) == HCF.bwd_config_dkdv_only(128)
+    assert ROUTE.route_call(p, "backward").hopper == HCF.bwd_config_dkdv_only(128)
     st = aa.RowStats(torch.zeros(1, 2, 256), torch.zeros(1, 2, 256))
     L.backward(p, q, k, v, do, torch.randn_like(q), st, None)
     assert [c[0] for c in recorded] == ["ws_dkdv"]
-    pr, = [pr for key, pr in L._prepared._d.items() if key[0] == "backward"]
+    pr, = [pr for key, pr in L.prepared.PREPARED._d.items() if key[0] == "backward"]
     assert pr.hcfg == HCF.bwd_config_dkdv_only(128)
 
 

@@ -365,7 +365,7 @@ def test_gpu_backward_array_masks_match_float64(name, dtype):
 @pytest.mark.parametrize("name", ["docs_batch_causal", "keep_heads_sparse"])
 def test_gpu_routed_backward_with_array_masks(name, monkeypatch):
     """ANYATTN_TRITON_PATH=hopper sends the array-mask backward through the Hopper route
-    (launch.backward_config) and matches float64."""
+    (route.route) and matches float64."""
     from anyattn.backends.triton import launch as TL
     from anyattn.backends.triton.hopper import configs as HCF
 

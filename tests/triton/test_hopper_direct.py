@@ -67,7 +67,7 @@ def _sites():
     from anyattn.backends.triton import launch as TL
 
     found = {}
-    for i, pr in enumerate(TL._prepared._d.values()):
+    for i, pr in enumerate(TL.prepared.PREPARED._d.values()):
         if pr.hfwd is not None:
             found[f"{i}:fwd"] = pr.hfwd.site
             if getattr(pr.hfwd, "per_tile", None) is not None:

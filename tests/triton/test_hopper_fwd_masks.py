@@ -139,9 +139,10 @@ def test_array_masks_are_covered_and_routed_only_where_measured():
 def test_persistent_config_refuses_array_masks(monkeypatch):
     """The host-built schedule takes band masks only: a persistent config refuses a
     Documents / KeepMask call instead of walking a wrong range."""
+    from anyattn.backends.triton import route as ROUTE
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
-    monkeypatch.setitem(HL._SMS, "cpu", 132)
+    monkeypatch.setitem(ROUTE.SM_COUNTS, "cpu", 132)
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     for mask in (aa.Documents(torch.zeros(8, dtype=torch.int32)),
                  aa.KeepMask(torch.ones(1, 1, 8, 8, dtype=torch.bool))):

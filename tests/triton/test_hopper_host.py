@@ -27,11 +27,12 @@ except ImportError:                                      # pragma: no cover
 
 import anyattn as aa  # noqa: E402
 from anyattn.backends.triton import launch as L  # noqa: E402
+from anyattn.backends.triton import route as ROUTE  # noqa: E402
 from anyattn.backends.triton.hopper import configs as HCF  # noqa: E402
 from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
-from tr_util import needs_sm90  # noqa: E402
+from tr_util import needs_sm90, route_to_hopper  # noqa: E402
 
 
 def _fields(d) -> dict:
@@ -129,7 +130,7 @@ class _Recorder:
         return lambda *a, **kw: self.calls.append((grid, a, kw))
 
 
-#: the SM count the persistent forward's launch is given here (launch._sm_count asks
+#: the SM count the persistent forward's launch is given here (route.sm_count asks
 #: torch.cuda on a GPU): fewer programs than the tests' 8 query tiles, so that the
 #: schedule deals several tiles to a program
 SMS = 3
@@ -137,13 +138,13 @@ SMS = 3
 
 @pytest.fixture
 def sm_count(monkeypatch):
-    """launch._sm_count of the CPU device set to SMS (no torch.cuda here).  describe's
+    """route.sm_count of the CPU device set to SMS (no torch.cuda here).  describe's
     Problem cache is emptied first: test_hopper.py re-points cached CPU Problems at
     'cuda:0' (object.__setattr__), whose SM count would be asked of torch.cuda."""
     from anyattn import problem
 
     problem.clear_cache()
-    monkeypatch.setitem(HL._SMS, "cpu", SMS)
+    monkeypatch.setitem(ROUTE.SM_COUNTS, "cpu", SMS)
     return SMS
 
 
@@ -159,7 +160,7 @@ def recorded(monkeypatch, sm_count):
     rec = _Recorder()
     monkeypatch.setattr(fwd_ws_kernel, "fwd_ws_kernel", rec)
     monkeypatch.setattr(fwd_persist_kernel, "fwd_persist_kernel", rec)
-    monkeypatch.setattr(L, "_use_hopper", lambda p, d, plan, t: d == "forward")
+    route_to_hopper(monkeypatch, "forward")
     L.clear_prepared()
     yield rec
     L.clear_prepared()
@@ -219,7 +220,7 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
                 assert a == b and type(a) is type(b)
         assert all(a.base is t for a, t in zip(args[:4], (q, k, v, out)))
         assert tuple(out.shape) == (2, 4, 40, 128) and out.dtype == dtype
-        (pr,) = L._prepared._d.values()
+        (pr,) = L.prepared.PREPARED._d.values()
         assert pr.hfwd.cfg == want, pr.hfwd.cfg.name
         n_tiles = 1 * 2 * 4                        # cdiv(40, 128) query tiles x B x H
         if route == "routed":
@@ -237,7 +238,7 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
         else:
             assert grid == (1, n_tiles) and "SCHED" not in kw
             assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
-    assert len(L._prepared) == 1
+    assert len(L.prepared.PREPARED) == 1
 
 
 def test_prepared_forward_holds_no_tensor(recorded):
@@ -245,7 +246,7 @@ def test_prepared_forward_holds_no_tensor(recorded):
     p = describe(q, k, v, mask=aa.Causal())
     L.forward(p, q, k, v, None)
     L.forward(p, q, k, v, None)
-    (pr,) = L._prepared._d.values()
+    (pr,) = L.prepared.PREPARED._d.values()
     assert isinstance(pr.hfwd, HL.FwdLaunch)
     # the route (persistent, scheduled) and its per-tile twin for graph capture
     assert pr.hfwd.cfg.persist and isinstance(pr.hfwd.per_tile, HL.FwdLaunch)
@@ -351,7 +352,7 @@ def test_cached_hopper_forward_same_bits_on_new_tensors(mask):
         q, k, v = inputs(seed, layout)
         p = describe(q, k, v, mask=mask)
         o1, s1 = L.forward(p, q, k, v, None)
-        assert all(pr.hop and pr.hfwd is not None for pr in L._prepared._d.values())
+        assert all(pr.hop and pr.hfwd is not None for pr in L.prepared.PREPARED._d.values())
         o2, s2 = uncached(p, q, k, v)
         assert torch.equal(o1, o2) and torch.equal(s1.max, s2.max)
         assert torch.equal(s1.log_norm, s2.log_norm)
@@ -400,7 +401,7 @@ def test_prepared_forward_repeats_go_direct_and_hold_no_tensor(recorded, monkeyp
             scalars = [x for x in vals[5:n] if not isinstance(x, torch.Tensor)]
             assert scalars == [x for x in first[1][5:] if not isinstance(x, torch.Tensor)]
         refs += [weakref.ref(x) for x in (q, k, v, out)]
-    (pr,) = L._prepared._d.values()
+    (pr,) = L.prepared.PREPARED._d.values()
     assert pr.hfwd.site.hits == 2
     del q, k, v, out, st, vals, first
     replayed.clear()

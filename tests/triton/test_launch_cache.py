@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
+from anyattn import settings  # noqa: E402
 from anyattn.backends.triton import configs as C  # noqa: E402
 from anyattn.backends.triton import launch as L  # noqa: E402
 from anyattn.backends.triton import prepared as P  # noqa: E402
@@ -83,7 +84,7 @@ def test_key_changes_with_layout_alignment_env_overrides_and_mods(monkeypatch):
     flat = torch.zeros(q.numel() + 1, device=q.device)
     qm = flat[1:].view(q.shape)                                   # 4-byte offset
     assert key(tensors=(qm, k, v)) != base
-    for name in C.ENV_VARS:
+    for name in [switch.name for switch in settings.SWITCHES]:
         with monkeypatch.context() as m:
             m.setenv(name, "some-other-value")
             assert key() != base, name
@@ -121,14 +122,14 @@ def test_lru_is_bounded():
     assert c.get(3) is None and c.get(2) == "2"
 
 
-def test_env_snapshot_follows_the_environment(monkeypatch):
+def test_settings_snapshot_follows_the_environment(monkeypatch):
     monkeypatch.delenv("ANYATTN_TRITON_DBIAS", raising=False)
-    a = C.env_snapshot()
+    a = settings.snapshot()
     monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
-    b = C.env_snapshot()
+    b = settings.snapshot()
     assert a != b
     monkeypatch.delenv("ANYATTN_TRITON_DBIAS")
-    assert C.env_snapshot() == a
+    assert settings.snapshot() == a
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -187,12 +188,12 @@ def test_cached_calls_give_the_bits_of_uncached_calls(monkeypatch):
     cached = {}
     for name, ts, kw in cases:
         cached[name] = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
-    n_entries = len(L._prepared)
+    n_entries = len(L.prepared.PREPARED)
     assert n_entries >= len(cases) - 2     # (dropout seeds share one entry; so may bf16's)
     again = ("base", "causal", "docs", "bias_bcast", "sinks", "dropout_seed", "strided")
     repeat = {name: _call(*ts, monkeypatch=monkeypatch, **dict(kw))
               for name, ts, kw in cases if name in again}
-    assert len(L._prepared) == n_entries   # repeats hit
+    assert len(L.prepared.PREPARED) == n_entries   # repeats hit
     for name, ts, kw in cases:
         L.clear_prepared()
         fresh = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
@@ -209,13 +210,13 @@ def test_plan_override_and_explicit_plan_take_effect(monkeypatch):
     L.clear_prepared()
     L.forward(p, q, k, v, None)
     seen = []
-    real = L._launch
+    real = L.prepared.resolve_launch
 
     def spy(kernel, grid_of, cfg, *a, **kw):
         seen.append(cfg)
         return real(kernel, grid_of, cfg, *a, **kw)
 
-    monkeypatch.setattr(L, "_launch", spy)
+    monkeypatch.setattr(L.prepared, "resolve_launch", spy)
     L.forward(p, q, k, v, None)
     assert seen == []                     # prepared: no second resolution
     C.set_override(16, "float32", "highest", pre_bm=16)
@@ -305,7 +306,7 @@ def test_direct_launch_does_not_apply_to_the_interpreter():
 
     if DEV == "cuda":
         pytest.skip("runs where the kernels are interpreted (no GPU)")
-    assert DL.resolve(K._fwd_kernel, (), {}) is False
+    assert DL.resolve(K.fwd_kernel, (), {}) is False
 
 
 @pytest.mark.gpu
@@ -320,7 +321,7 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
         plain = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
         monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")      # the default: on
         direct = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
-        used = [s for pr in L._prepared._d.values() if pr.direct for s in pr.sites.values()]
+        used = [s for pr in L.prepared.PREPARED._d.values() if pr.direct for s in pr.sites.values()]
         assert used and all(s.hits > 0 for s in used)
         for a, b in zip(plain[-1], direct[-1]):
             assert torch.equal(a, b)
@@ -344,10 +345,10 @@ def test_unresolved_direct_site_stops_paying_the_binder_twice(monkeypatch):
             return go
 
     monkeypatch.setattr(DL, "resolve", fake_resolve)
-    pr = L._Prepared(hop=False, direct=True)
+    pr = L.prepared.Prepared(route=None, hop=False, direct=True)
     ready = [(1,), (), {}]
     for _ in range(6):
-        L._replay(pr, "k", ready, FakeKernel(), (0,))
+        L.prepared.replay(pr, "k", ready, FakeKernel(), (0,))
     assert calls["launch"] == 6
     assert calls["resolve"] == 2
     assert pr.sites["k"].d is False and pr.sites["k"].hits == 0

@@ -199,7 +199,7 @@ def _build_all(p, q):
     array masks: ANYATTN_TRITON_PATH=hopper) and the Hopper forward's mask arrays."""
     from anyattn.backends.triton.hopper import configs as HCF, launch as HL
 
-    ma = L._mask_args(p, q, None)
+    ma = L.tiles.mask_args(p, q, None)
     for sb in ((32, 32), (64, 32)):
         L.tile_lists(p, ma, *sb, q.device)
     HL.bwd_mask_tables(p, q, 64, 128)
@@ -242,9 +242,9 @@ def test_doc_blocks_interval_path_equals_pairwise_comparison(sorted_case):
         q = q[:, torch.randperm(333, generator=g)]
     qi, ki = q.to(torch.int32), k.to(torch.int32)
     for sb in ((32, 32), (64, 16)):
-        pair = L._doc_blocks(qi, ki, *sb, sorted_ids=False)
+        pair = L.tiles.doc_blocks(qi, ki, *sb, sorted_ids=False)
         if sorted_case:
-            fast = L._doc_blocks(qi, ki, *sb, sorted_ids=True)
+            fast = L.tiles.doc_blocks(qi, ki, *sb, sorted_ids=True)
             assert all(torch.equal(a, b) for a, b in zip(pair, fast))
         eq = (qi[:, :, None] == ki[:, None, :]).numpy()
         nq, nk = -(-333 // sb[0]), -(-301 // sb[1])

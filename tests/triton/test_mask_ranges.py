@@ -49,7 +49,7 @@ def _ranges_brute(part, full):
 
 
 def test_block_ranges_match_their_definition():
-    from anyattn.backends.triton.launch import _block_ranges
+    from anyattn.backends.triton.tiles import block_ranges as _block_ranges
 
     rng = np.random.default_rng(0)
     for shape in ((1, 1, 7, 9), (2, 3, 5, 4), (1, 1, 4, 1)):
@@ -119,7 +119,7 @@ def test_documents_with_full_and_partial_blocks(ranges, causal):
     from anyattn.problem import describe
 
     p = describe(T(q), T(k), T(v), mask=mask)
-    tl = ranges.tile_lists(p, ranges._mask_args(p, T(q), None), 32, 32, torch.device(DEV))
+    tl = ranges.tile_lists(p, ranges.tiles.mask_args(p, T(q), None), 32, 32, torch.device(DEV))
     assert tl.mode == 2 and tuple(tl.row_cnt.shape) == (B, 1, 3, 4)
     assert tuple(tl.col_cnt.shape) == (B, 1, 4, 4)
     codes = p.mask.tile_map(32, 32)                    # core's NumPy tile map [B, 1, nQ, nK]

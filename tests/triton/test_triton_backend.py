@@ -106,7 +106,7 @@ def test_keepmask_block_skipping_and_cache():
     check(q, k, v, g, mask=mask)
     # the tile lists: counts match the block codes of the mask, and are cached
     p = describe(T(q), T(k), T(v), mask=mask)
-    ma = launch._mask_args(p, T(q), None)
+    ma = launch.tiles.mask_args(p, T(q), None)
     a = launch.tile_lists(p, ma, 32, 32, torch.device(DEV))
     b = launch.tile_lists(p, ma, 32, 32, torch.device(DEV))
     assert a is b
@@ -248,7 +248,7 @@ def test_split_parts_are_the_rounded_residuals(n):
     """The launcher's fp32 -> bf16 parts (hi, mid[, lo] side by side) of a strided view
     sum back to x within 2^-7 per part (elementwise), and on a GPU they are the
     round-to-nearest residuals bit for bit (Triton's interpreter truncates instead)."""
-    from anyattn.backends.triton.launch import _split_parts
+    from anyattn.backends.triton.operands import split_parts as _split_parts
 
     base = torch.randn(2, 37, 3, 20, device=DEV) * 10.0
     x = base.permute(0, 2, 1, 3)                       # [B, H, S, D], row stride 60
@@ -295,7 +295,7 @@ def test_scaled_fp16_parts_and_scales():
     """The scaled-fp16 split: sigma is a power of two per (batch, kv-head group) from the
     finite max |x| (NaN / inf ignored), |x * sigma| <= 2^14, and hi + lo (fp16, side by
     side) give x * sigma to 2^-21 of the group max elementwise."""
-    from anyattn.backends.triton import launch as L
+    from anyattn.backends.triton import operands
     from anyattn.problem import describe
 
     B, Hq, Hkv, S, D = 2, 4, 2, 37, 20
@@ -307,7 +307,7 @@ def test_scaled_fp16_parts_and_scales():
     k = torch.randn(B, Hkv, S, D, device=DEV) * 1e-6
     v = torch.randn(B, Hkv, S, D, device=DEV) * 1e5
     p = describe(q, k, v)
-    sc, sig = L._f16_scales(p, q, k, v)
+    sc, sig = operands.f16_scales(p, q, k, v)
     fin = torch.where(torch.isfinite(q), q.abs(), torch.zeros_like(q))
     for name, x, g in (("q", q, 2), ("k", k, 1), ("v", v, 1)):
         s = sig[name]
@@ -315,7 +315,7 @@ def test_scaled_fp16_parts_and_scales():
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)          # powers of two
         xa = (fin if name == "q" else x.abs()).reshape(B * Hkv, -1).amax(1)
         assert ((xa * s) <= 2.0 ** 14).all() and ((xa * s) > 2.0 ** 13).all()
-        y = L._split_half(x, s, g, 2)
+        y = operands.split_half(x, s, g, 2)
         assert y.dtype == torch.float16 and y.shape == (B, x.shape[1], S, 2 * D)
         xs = x.double() * s.double().repeat_interleave(g).reshape(B, -1, 1, 1)
         back = y[..., :D].double() + y[..., D:].double()
@@ -528,7 +528,7 @@ def test_gpu_head_dims_and_bias():
 # ----------------------------------------------------------------------------- configs
 def test_configs_plans_and_tuner():
     from anyattn.backends.triton import configs as C
-    from anyattn.backends.triton.launch import _fallbacks
+    from anyattn.backends.triton.prepared import fallbacks as _fallbacks
 
     for dp in (16, 64, 128, 256):
         for dt in ("bfloat16", "float16", "float32"):
@@ -568,7 +568,7 @@ def test_import_is_lazy_and_strided_views_are_not_copied():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.stdout.strip() == "False", r.stderr
-    from anyattn.backends.triton.launch import _unit_last
+    from anyattn.backends.triton.operands import unit_last as _unit_last
 
     arena = torch.zeros(4 * 3 * 10 * 8 * 2)                  # a float32 arena
     view = arena.as_strided((4, 3, 10, 8), (480, 160, 16, 1))  # strided, last stride 1

@@ -18,7 +18,7 @@ from helpers import torch_on  # noqa: E402
 
 __all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
            "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs",
-           "offline_facts"]
+           "offline_facts", "hopper_facts", "route_to_hopper"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -148,3 +148,34 @@ def offline_facts(call: str, setup: str = "", timeout: int = 600) -> dict:
     lines = [x for x in r.stdout.splitlines() if x.startswith("FACTS")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     return json.loads(lines[-1][len("FACTS"):])
+
+
+def hopper_facts(device, sms=None):
+    """route.DeviceFacts of an sm_90 GPU with the SM count route.SM_COUNTS holds for
+    ``device`` (``sms`` where given): what the route reads of a Hopper device, on the CPU."""
+    from anyattn.backends.triton import route
+
+    return route.DeviceFacts("cuda", (9, 0), route.SM_COUNTS.get(str(device), 132)
+                             if sms is None else sms)
+
+
+def route_to_hopper(monkeypatch, direction: str) -> None:
+    """Route every call of ``direction`` to the Hopper path here (CPU tensors, the
+    kernels swapped for recorders by the caller): route.route_call with the facts of an
+    sm_90 device and ANYATTN_TRITON_PATH=hopper (a call the path does not cover raises);
+    the other direction keeps its real route."""
+    import dataclasses
+
+    from anyattn import settings
+    from anyattn.backends.triton import route
+
+    real = route.route_call
+
+    def routed(p, d, plan=None, tensors=()):
+        if d != direction:
+            return real(p, d, plan, tensors)
+        env = dataclasses.replace(settings.current(), triton_path="hopper")
+        return route.route(route.ProblemFacts.of(p, tensors), d, hopper_facts(p.device),
+                           env, plan)
+
+    monkeypatch.setattr(route, "route_call", routed)

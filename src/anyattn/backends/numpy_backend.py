@@ -54,6 +54,7 @@ import numpy as np
 
 from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
+from .. import settings
 from . import blas_threads
 from .base import Backend, Capabilities
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
@@ -65,19 +66,6 @@ from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, Alibi
                           with_ones_column)
 
 __all__ = ["NumpyBackend", "NumpyConfig", "available_cpus", "cgroup_cpu_quota"]
-
-
-def _env_int(name: str, default: Optional[int]) -> Optional[int]:
-    val = os.environ.get(name)
-    if val is None or val == "":
-        return default
-    try:
-        n = int(val)
-    except ValueError:
-        raise ValueError(f"{name}={val!r}: expected a positive integer") from None
-    if n < 1:
-        raise ValueError(f"{name}={val!r}: expected a positive integer")
-    return n
 
 
 #: automatic tiles (bq, bk) by pass and by what the mask is: GEMMs of 512 run faster
@@ -127,13 +115,13 @@ class NumpyConfig:
     @classmethod
     def from_env(cls) -> "NumpyConfig":
         c = cls()
-        bq = _env_int("ANYATTN_NUMPY_BLOCK_Q", None)
-        bk = _env_int("ANYATTN_NUMPY_BLOCK_K", None)
+        env = settings.current()
+        bq, bk = env.numpy_block_q, env.numpy_block_k
         if bq is not None:
             c = replace(c, fwd_bq=bq, bwd_bq=bq)
         if bk is not None:
             c = replace(c, fwd_bk=bk, bwd_bk=bk)
-        return replace(c, threads=_env_int("ANYATTN_NUMPY_THREADS", None))
+        return replace(c, threads=env.numpy_threads)
 
     def n_threads(self) -> int:
         return self.threads if self.threads is not None else _default_threads()
@@ -270,7 +258,7 @@ def _default_threads() -> int:
     """available_cpus(), or 1 where BLAS threads cannot be limited in workers
     (blas_threads mode "fallback", unless ANYATTN_NUMPY_BLAS_LOCAL=0 leaves them
     alone on purpose)."""
-    if _limit_blas and blas_threads.mode() == "fallback":
+    if _limit_blas() and blas_threads.mode() == "fallback":
         return 1
     return available_cpus()
 
@@ -278,8 +266,12 @@ def _default_threads() -> int:
 _pool_lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_size = 0
-#: hold BLAS to one thread inside the workers (ANYATTN_NUMPY_BLAS_LOCAL=0 turns it off)
-_limit_blas = os.environ.get("ANYATTN_NUMPY_BLAS_LOCAL", "1") != "0"
+
+
+def _limit_blas() -> bool:
+    """Hold BLAS to one thread inside the workers (ANYATTN_NUMPY_BLAS_LOCAL=0 turns it
+    off)."""
+    return settings.current().numpy_blas_local
 
 #: the backward splits each (batch, kv head)'s key tiles into chunks until there are
 #: at least this many units, keeping >= 2 key tiles per chunk where there are >= 4
@@ -327,7 +319,7 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> Til
         return total
     lock = threading.Lock()
     queue = iter(range(len(units)))
-    per_thread_blas = _limit_blas and blas_threads.per_thread_supported()
+    per_thread_blas = _limit_blas() and blas_threads.per_thread_supported()
 
     def worker(w: int) -> TileCounts:
         if per_thread_blas:
@@ -341,7 +333,7 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> Til
                     return c
                 c.add(units[i]())
 
-    limit = (blas_threads.limited(1) if _limit_blas and not per_thread_blas
+    limit = (blas_threads.limited(1) if _limit_blas() and not per_thread_blas
              else contextlib.nullcontext())
     with limit:
         futures = _submit_all(worker, nw)
@@ -620,7 +612,7 @@ class NumpyBackend(Backend):
             + f" {x['threads']} thread{'s' if x['threads'] != 1 else ''} at {x['path']}"
             for x in libs)
         m = blas_threads.mode()
-        if not _limit_blas:
+        if not _limit_blas():
             how = "BLAS threads in workers: left alone (ANYATTN_NUMPY_BLAS_LOCAL=0)"
         elif m == "per-thread":
             how = "BLAS threads in workers: 1, per thread"

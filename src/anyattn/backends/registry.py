@@ -34,10 +34,10 @@ Automatic dispatch, the rule:
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from .. import settings
 from ..problem import Problem
 from .base import Backend, BackendUnavailable, Probe
 
@@ -68,7 +68,7 @@ class Entry:
     auto_array_kinds: FrozenSet[str]   # the array kinds auto-dispatch may give it
     #: (variable, value): with this environment setting the backend takes CPU
     #: devices too (Triton's interpreter); never for auto-dispatch.
-    cpu_when_env: Optional[Tuple[str, str]] = None
+    cpu_when_setting: Optional[str] = None
     #: "module:function" returning a ``Probe`` without importing the backend's libraries
     #: (torch, triton, wgpu); None: the backend imports nothing heavy, describing it
     #: loads and checks it
@@ -80,9 +80,9 @@ class Entry:
     dispatch: str = "only when named"
 
     def device_types_now(self, auto: bool = False) -> FrozenSet[str]:
-        if auto or self.cpu_when_env is None:
+        if auto or self.cpu_when_setting is None:
             return self.device_types
-        if os.environ.get(self.cpu_when_env[0]) == self.cpu_when_env[1]:
+        if getattr(settings.current(), self.cpu_when_setting):
             return self.device_types | {"cpu"}
         return self.device_types
 
@@ -92,7 +92,7 @@ ENTRIES: Dict[str, Entry] = {
     "triton": Entry("anyattn.backends.triton.backend:TritonBackend",
                     frozenset({"torch"}), frozenset({"cuda"}), _F16_32,
                     auto_array_kinds=frozenset({"torch"}),
-                    cpu_when_env=("TRITON_INTERPRET", "1"),
+                    cpu_when_setting="triton_interpret",
                     probe="anyattn.backends.triton:probe",
                     dispatch="automatic for torch CUDA tensors",
                     kind_remedy="pass torch CUDA tensors",
@@ -278,7 +278,7 @@ def choose(p: Problem, backend: Optional[str] = None) -> Backend:
     """The backend that computes ``p``: the named one (or an exception), else the first able."""
     key = None
     if p.mask.q_ids is None and p.mask.keep is None:
-        key = (p, backend, os.environ.get("TRITON_INTERPRET"))
+        key = (p, backend, settings.current().triton_interpret)
         try:
             be = _choices.get(key)
         except TypeError:                 # an unhashable backend argument: refused below

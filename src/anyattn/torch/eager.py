@@ -28,12 +28,11 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import os
 from typing import Optional, Tuple
 
 import torch
 
-from .. import arguments
+from .. import arguments, settings
 from ..backends.registry import choose
 from ..masks import ResolvedMask
 from ..modifiers import NO_MODS
@@ -194,7 +193,7 @@ def _choose(key, p, name: Optional[str]):
     """choose(p, name), memoised per cached signature (~6-15 us per call saved)."""
     if key is None:
         return choose(p, name)
-    ck = (key, name, os.environ.get("TRITON_INTERPRET"))
+    ck = (key, name, settings.current().triton_interpret)
     be = _chosen.get(ck)
     if be is None:
         be = choose(p, name)

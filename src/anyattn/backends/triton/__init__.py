@@ -1,10 +1,15 @@
 """The ``triton`` backend: fused attention forward and backward for torch CUDA tensors
 (and CPU tensors under ``TRITON_INTERPRET=1``).
 
-kernels.py  @triton.jit kernels only
-launch.py   layouts, strides, dtypes, mask tile lists, grids
-configs.py  frozen tile configs, heuristics, autotuning, the fixed test plan
-backend.py  TritonBackend: capabilities, availability, refusals, dispatch
+kernels.py   @triton.jit kernels only
+launch.py    the entry points (forward, backward) and the caches' controls
+route.py     which path (Hopper or portable) and config a call runs: one function
+forward.py   the forward's launch;  backward.py: the backward's launches
+prepared.py  per-signature prepared launches, launch resolution (fallbacks, autotuning)
+tiles.py     mask arguments, tile lists;  operands.py: layouts, fp32 schemes, modifiers
+configs.py   frozen tile configs, heuristics, autotuning, the fixed test plan
+backend.py   TritonBackend: capabilities, availability, refusals, dispatch
+hopper/      the Hopper kernels (Gluon), their configs and coverage table
 
 Nothing here imports torch or triton at package import time; backend.py does so lazily.
 :func:`probe` says what it can without importing them.
@@ -15,6 +20,7 @@ import os
 import sys
 from typing import List
 
+from ... import settings
 from ...extras import installed, missing_message
 from ..base import Probe
 
@@ -31,6 +37,7 @@ def _driver_paths() -> tuple:
     if sys.platform.startswith("linux"):
         return _LINUX_DRIVER_FILES
     if sys.platform == "win32":
+        # Windows' own variable (where the system lives), not an anyattn switch
         return (os.path.join(os.environ.get("SystemRoot", r"C:\Windows"), "System32",
                              "nvcuda.dll"),)
     return ()
@@ -49,7 +56,7 @@ def probe() -> Probe:
             return Probe("unavailable", missing_message(package, "triton"))
     if "torch" in sys.modules and "triton" in sys.modules:
         return Probe("loaded")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if settings.current().triton_interpret:
         return Probe("installed", "torch and triton found; CPU tensors run under Triton's "
                                   "interpreter (TRITON_INTERPRET=1), checked at first use")
     if "torch" in sys.modules:

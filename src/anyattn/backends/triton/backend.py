@@ -5,10 +5,10 @@ torch and triton are imported lazily, so ``import anyattn`` never needs them.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 from ...features import MODIFIERS
+from ... import settings
 from ..base import Backend, Capabilities
 
 __all__ = ["TritonBackend"]
@@ -17,7 +17,7 @@ MAX_HEAD_DIM = 256
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.current().triton_interpret
 
 
 class TritonBackend(Backend):

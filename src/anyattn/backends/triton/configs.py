@@ -9,13 +9,15 @@ launches dK/dV and dQ as two kernels instead of one.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ... import settings
+
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
            "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket",
-           "ENV_VARS", "env_snapshot", "overrides_version"]
+           "overrides_version", "use_fixed", "fused_enabled", "softcap_mode",
+           "fp32_precision"]
 
 
 @dataclass(frozen=True)
@@ -50,32 +52,6 @@ class Plan:
         return self
 
 
-#: every environment variable the Triton launch path reads (here, in launch.py and in
-#: hopper/coverage.py); a call takes one snapshot of them (``env_snapshot``) for the key
-#: of its prepared launch, so a value changed between calls takes effect on the next one
-ENV_VARS = ("TRITON_INTERPRET", "ANYATTN_TRITON_CONFIG", "ANYATTN_TRITON_AUTOTUNE",
-            "ANYATTN_TRITON_FUSED_BWD", "ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT",
-            "ANYATTN_TRITON_FAST_TANH", "ANYATTN_TRITON_PATH", "ANYATTN_TRITON_DBIAS",
-            "ANYATTN_TRITON_DIRECT_LAUNCH", "ANYATTN_TRITON_C_LAUNCH")
-
-#: os.environ's backing dict (bytes keys on POSIX): one ``dict.get`` per variable,
-#: ~0.1 us, where ``os.environ.get`` encodes the name each time (~2 us on a 2-core CPU).
-#: It is what os.environ reads and writes (putenv / monkeypatch.setenv included); where
-#: it has another form the snapshot reads os.environ itself.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEYS = tuple(n.encode() for n in ENV_VARS)
-_FAST_ENV = os.name == "posix" and isinstance(_ENV_DATA, dict)
-
-
-def env_snapshot() -> tuple:
-    """The values of ENV_VARS now (None where unset; bytes or str, compared only with
-    another snapshot)."""
-    if _FAST_ENV:
-        get = _ENV_DATA.get
-        return tuple([get(k) for k in _ENV_KEYS])
-    return tuple([os.environ.get(n) for n in ENV_VARS])
-
-
 def padded_dim(d: int) -> int:
     """Head dim padded to a power of two, at least 16 (tl.dot's minimum)."""
     dp = 16
@@ -92,7 +68,7 @@ def length_bucket(s: int) -> int:
 
 
 def fused_enabled() -> bool:
-    return os.environ.get("ANYATTN_TRITON_FUSED_BWD", "1") != "0"
+    return settings.current().triton_fused_bwd
 
 
 def fixed_plan(prec: str = "ieee") -> Plan:
@@ -104,12 +80,12 @@ def fixed_plan(prec: str = "ieee") -> Plan:
 
 
 def use_fixed() -> bool:
-    return (os.environ.get("ANYATTN_TRITON_CONFIG") == "fixed"
-            or os.environ.get("TRITON_INTERPRET") == "1")
+    env = settings.current()
+    return env.triton_config == "fixed" or env.triton_interpret
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("ANYATTN_TRITON_AUTOTUNE") == "1" and not use_fixed()
+    return settings.current().triton_autotune and not use_fixed()
 
 
 #: input dtypes whose softcap may use the hardware tanh.approx.f32 (max rel. error ~2^-11,
@@ -123,9 +99,10 @@ def softcap_mode(dtype: str, device) -> int:
     op) for 16-bit inputs on a CUDA device of compute capability >= 7.5, else 1 (the
     portable tanh of kernels._tanh_d: fp32 inputs, the interpreter, which cannot run
     inline PTX).  ANYATTN_TRITON_FAST_TANH=0 forces 1 (for A/B timing)."""
-    if dtype not in FAST_TANH_DTYPES or os.environ.get("ANYATTN_TRITON_FAST_TANH") == "0":
+    env = settings.current()
+    if dtype not in FAST_TANH_DTYPES or not env.triton_fast_tanh:
         return 1
-    if os.environ.get("TRITON_INTERPRET") == "1" or getattr(device, "type", "cuda") != "cuda":
+    if env.triton_interpret or getattr(device, "type", "cuda") != "cuda":
         return 1
     import torch
 
@@ -144,9 +121,8 @@ def fp32_precision(precision: str, dtype: str) -> str:
     ~2^-16) costs the same as 'f16x3'."""
     if dtype != "float32":
         return "tf32"   # ignored for 16-bit inputs
-    if precision == "tf32":
-        return os.environ.get("ANYATTN_TRITON_TF32_DOT", "f16x3")
-    return os.environ.get("ANYATTN_TRITON_FP32_DOT", "f16x3")
+    env = settings.current()
+    return env.triton_tf32_dot if precision == "tf32" else env.triton_fp32_dot
 
 
 _plan_cache: Dict[tuple, Plan] = {}
@@ -155,9 +131,10 @@ _plan_cache: Dict[tuple, Plan] = {}
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
              seq: int) -> Plan:
     """The heuristic plan for a problem class (tiles measured fastest on Hopper GPUs),
-    memoised on its arguments, the environment (one env_snapshot, a superset of what it
-    reads) and the overrides' version (Plans are frozen)."""
-    key = (dp, dtype, precision, mask_class, has_bias, seq, env_snapshot(), _overrides_version)
+    memoised on its arguments, the settings (one settings.snapshot, a superset of what
+    it reads) and the overrides' version (Plans are frozen)."""
+    key = (dp, dtype, precision, mask_class, has_bias, seq, settings.snapshot(),
+           _overrides_version)
     plan = _plan_cache.get(key)
     if plan is None:
         if len(_plan_cache) > 256:

@@ -17,35 +17,32 @@ address; ``CompiledKernel.run`` where that does not apply);
 any other launch, or any launch while Triton's launch hooks are set (a profiler), goes
 through ``kernel[grid]`` as before.
 
-``Site`` is one launch site of one prepared call signature (launch.py's prepared
+``Site`` is one launch site of one prepared call signature (prepared.py's prepared
 launches, hopper/launch.py's): Triton's path until Triton's cache holds the kernel, then
 the Direct.  On by default on CUDA devices; ANYATTN_TRITON_DIRECT_LAUNCH=0 turns it off
-(read when a prepared launch is built: configs.env_snapshot keys them).
+(read when a prepared launch is built: settings.snapshot keys them).
 """
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any, Optional, Union
 
 import torch
 
+from ... import settings
+
 __all__ = ["Direct", "Site", "resolve", "enabled", "hooks_set"]
 
-_ENV = "ANYATTN_TRITON_DIRECT_LAUNCH"
-#: "0": a direct launch calls CompiledKernel.run (Triton's wrapper, each tensor map
-#: encoded per launch) instead of c_launch.CLaunch (benchmarks' A/B)
-_ENV_C = "ANYATTN_TRITON_C_LAUNCH"
+#: settings: ANYATTN_TRITON_DIRECT_LAUNCH=0 turns direct launches off (enabled);
+#: ANYATTN_TRITON_C_LAUNCH=0 makes a direct launch call CompiledKernel.run (Triton's
+#: wrapper, each tensor map encoded per launch) instead of c_launch.CLaunch (benchmarks'
+#: A/B)
 
 
 def enabled(device) -> bool:
     """Whether launches on ``device`` replay resolved kernels: CUDA devices, unless
     ANYATTN_TRITON_DIRECT_LAUNCH=0."""
-    v = os.environ.get(_ENV, "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{_ENV}={v!r}: expected 0 (Triton's launch path) or 1 "
-                         "(direct launches, the default)")
-    return v == "1" and getattr(device, "type", device) == "cuda"
+    return settings.current().triton_direct_launch and getattr(device, "type", device) == "cuda"
 
 
 def _is_desc(x) -> bool:
@@ -163,11 +160,7 @@ class Direct:
 
 def _c_launch(ck):
     """c_launch.CLaunch of a compiled kernel's launcher, or None (ck.run is called)."""
-    v = os.environ.get(_ENV_C, "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{_ENV_C}={v!r}: expected 0 (CompiledKernel.run) or 1 (the C "
-                         "launcher without Triton's wrapper, the default)")
-    if ck is None or v == "0":
+    if ck is None or not settings.current().triton_c_launch:
         return None
     from .c_launch import CLaunch
 

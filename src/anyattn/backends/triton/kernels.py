@@ -31,7 +31,7 @@ modes (constexpr ``MODE``):
      split into masked edges and an unmasked middle;
   1  tile lists (documents / KeepMask, band folded in): per row of mask blocks
      a count and sorted indices of partial blocks and of full blocks, built
-     once per mask on the GPU (launch.py); full blocks load no mask;
+     once per mask on the GPU (tiles.py); full blocks load no mask;
   2  block ranges (the same masks, launch.set_mask_lowering("ranges")): per row of
      mask blocks one range [t0, t1) of blocks that holds every kept one and inside it
      the run [f0, f1) of full blocks, passed in CNT as a table [.., 4]; the loops are
@@ -62,13 +62,13 @@ The computed tiles are split after a power-of-two scaling too: p by PS_FWD / PS_
 (p <= 1), dS by gamma = 2^10 / bound(|dS|) from |dS| <= p (|dP| + |delta|) <=
 max|dout_i| max|v_j| + max|delta| (row norms).  Every scale is undone exactly on the
 fp32 results through the per-(batch, kv head) factors of SC [B * Hkv, 8] (see
-launch._f16_scales): 0 1/(sq sk) on scores, 1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv)
+operands.f16_scales): 0 1/(sq sk) on scores, 1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv)
 on out, 4 1/(PS_BWD sdo) on dv, 5 1/(gamma sq) on dk, 6 1/(gamma sk) on dq.
 """
-import os
-
 import triton
 import triton.language as tl
+
+from ... import settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -78,8 +78,10 @@ LN2 = 0.6931471805599453
 PS_FWD = tl.constexpr(16384.0)
 PS_BWD = tl.constexpr(1024.0)
 #: Triton 3.6's interpreter multiplies bfloat16 tiles as raw integers; under it the
-#: dot operands are upcast to fp32 (after the usual rounding to the input dtype).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+#: dot operands are upcast to fp32 (after the usual rounding to the input dtype).  Read
+#: at import, as Triton decides at import (jit decoration) whether it interprets; the
+#: setting parses TRITON_INTERPRET as Triton does.
+_INTERPRETED = tl.constexpr(settings.current().triton_interpret)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -520,7 +522,7 @@ def _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI: tl.constexpr, RAW: tl.conste
 #: anyattn.dropout's generator (module doc there), bit for bit: a row word per (b, h, i)
 #: and a column word per j from Philox4x32-10, then per element mix32(row ^ col) >= t.
 #: Every 32-bit scalar (seed halves k0 / k1, threshold t, position offsets) arrives as
-#: an int32 holding the uint32's bits (launch._u32_bits) and is bitcast back here.
+#: an int32 holding the uint32's bits (operands._u32_bits) and is bitcast back here.
 @triton.jit
 def _bits(x):
     """An int32 kernel argument carrying uint32 bits -> uint32."""
@@ -567,7 +569,7 @@ def _col_words(offs_n, k_off, sd0, sd1):
 
 
 @triton.jit
-def _drop_words_kernel(DW, H, Sq, Sk, q_off, k_off, sd0, sd1, BLOCK: tl.constexpr):
+def drop_words_kernel(DW, H, Sq, Sk, q_off, k_off, sd0, sd1, BLOCK: tl.constexpr):
     """Grid (cdiv(max(Sq, Sk), BLOCK), 1 + B * H): dropout's premixed words into int32 DW
     [Sk + B * H * Sq]: the column words of keys 0..Sk-1 first (program row 0), then the
     row words of each (b, h) (program row 1 + b * H + h), every Philox call made once per
@@ -627,7 +629,7 @@ def _row_block(X, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
 
 
 @triton.jit
-def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
+def split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
                   NP: tl.constexpr, BM: tl.constexpr):
     """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (any batch / head / row strides,
     unit last stride) -> bf16 parts side by side in contiguous Y [B, H, S, NP * D]:
@@ -642,7 +644,7 @@ def _split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexp
 
 
 @triton.jit
-def _split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
+def split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
                       DP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (unit last stride) times the
     power of two SIG[b * (H // G) + h // G] -> fp16 parts side by side in contiguous
@@ -656,7 +658,7 @@ def _split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
 
 
 @triton.jit
-def _row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
+def row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
                       DP: tl.constexpr, BM: tl.constexpr):
     """Grid (cdiv(S, BM), B * H): per row of X [B, H, S, D] (unit last stride), over its
     finite entries (NaN / inf count as 0, so that they propagate through the products,
@@ -727,7 +729,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SLOPES, SINKS,
+def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SLOPES, SINKS,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                 sc_b, sc_h, si_b, si_h, si_r,
@@ -768,7 +770,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
     KIDb = KID + b * skid_b
     KMb = KM + b * skm_b + h * skm_h
     slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not (SOFTCAP or HAS_BIAS))
-    if DROPOUT:    # dropout's row words (precomputed, _drop_words_kernel): once per tile
+    if DROPOUT:    # dropout's row words (precomputed, drop_words_kernel): once per tile
         DWr = DW + Sk + (b * H + h) * Sq
         dw = _load_words(DWr, offs_m, Sq)
     else:
@@ -892,7 +894,7 @@ def _fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, S
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
+def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
                     H, Sq, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     HAS_SINKS: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq]; the row
@@ -1130,7 +1132,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                  SLOPES,
                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
@@ -1344,7 +1346,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
+def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                SLOPES,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
@@ -1368,7 +1370,7 @@ def _dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCN
 
 
 @triton.jit
-def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
+def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT, FIDX,
                      SC, SLOPES,
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                      sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
@@ -1415,7 +1417,7 @@ def _dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, ID
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
+def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 CCNT, CIDX, CFCNT, CFIDX, RCNT, RIDX, RFCNT, RFIDX, SC, SLOPES,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sdq_b, sdq_h, sdq_s,
@@ -1434,7 +1436,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
     Grid (NKV_TILES + G * NQ_TILES, B * HKV): programs [0, NKV_TILES) own a key tile
     (BN keys) of kv head hk and write its dk, dv (query tiles of BM); the rest own a
     query tile (BM2 queries) of one of the G query heads of hk and write its dq (key
-    tiles of BN2).  Same results as _dkdv_kernel + _dq_kernel, bit for bit."""
+    tiles of BN2).  Same results as dkdv_kernel + dq_kernel, bit for bit."""
     pid = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // HKV).to(tl.int64)
@@ -1463,7 +1465,7 @@ def _bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
 
 
 @triton.jit
-def _dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
+def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                   sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,

@@ -8,8 +8,7 @@ uploads and launch plan), abi_bridge (the seed's arena ABI), backend
 """
 from __future__ import annotations
 
-import os
-
+from ... import settings
 from ...extras import installed, missing_message
 from ..base import Probe
 
@@ -25,7 +24,7 @@ def probe() -> Probe:
         return Probe("loaded")
     if not installed("wgpu"):
         return Probe("unavailable", missing_message("wgpu", "webgpu"))
-    want = os.environ.get(device.ENV_ADAPTER, "").strip()
+    want = settings.current().wgpu_adapter
     chosen = f"the adapter {device.ENV_ADAPTER}={want!r} selects" if want else \
         "the adapter (high-performance, Vulkan/Metal/DX12)"
     return Probe("installed", f"wgpu found; {chosen} is opened and checked at first use")

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from ... import settings
+
 __all__ = ["Context", "get_context", "unavailable_reason", "tried", "ENV_ADAPTER",
            "LLVMPIPE_LOOP_LIMIT", "wants_gl", "NATIVE_BACKENDS", "SUBGROUP_FEATURE"]
 
@@ -92,7 +94,7 @@ def _words(text: str):
 def wants_gl(want: Optional[str] = None) -> bool:
     """Does ``ANYATTN_WGPU_ADAPTER`` (or ``want``) ask for wgpu's GL backend?"""
     if want is None:
-        want = os.environ.get(ENV_ADAPTER, "")
+        want = settings.current().wgpu_adapter
     return any(w in _GL_WORDS for w in _words(want))
 
 
@@ -115,7 +117,7 @@ def _limit_instance_backends() -> Optional[str]:
 
 
 def _pick_adapter(wgpu):
-    want = os.environ.get(ENV_ADAPTER, "").strip()
+    want = settings.current().wgpu_adapter
     if wants_gl(want):              # the GL word picks the backend, other words the adapter
         adapters = wgpu.gpu.enumerate_adapters_sync()
         rest = [w for w in _words(want) if w not in _GL_WORDS]
@@ -151,7 +153,8 @@ def _pick_adapter(wgpu):
 def _quiet_loader_env() -> None:
     """Mesa's Vulkan WSI layer prints 'XDG_RUNTIME_DIR is invalid' on headless machines;
     give it a private directory when the variable is unset (compute never uses it),
-    removed again when the process exits."""
+    removed again when the process exits.  (The loader's variable, not an anyattn
+    switch: read and written here, not in settings.py.)"""
     if not os.environ.get("XDG_RUNTIME_DIR"):
         import atexit
         import shutil

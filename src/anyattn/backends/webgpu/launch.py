@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ... import settings
 from . import uniforms
 from .clears import Clear
 from .device import Context
@@ -354,9 +355,7 @@ def _forced_variant(ctx: Context, elem: str, variant: Optional[str]) -> Optional
     """``variant`` or ``$ANYATTN_WEBGPU_VARIANT`` when given (an unknown name is a
     ``ValueError``, one this adapter or element type cannot run a
     ``NotImplementedError`` with the reason), else None."""
-    import os
-
-    want = variant or os.environ.get(ENV_VARIANT, "").strip()
+    want = variant or settings.current().webgpu_variant
     if not want:
         return None
     if want not in VARIANTS:

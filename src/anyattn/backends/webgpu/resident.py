@@ -23,11 +23,11 @@ RowStats of ``anyattn.api.forward_with_stats`` to skip that pass.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Dict, Tuple
 
 import numpy as np
 
+from ... import settings
 from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
 from ...rowstats import RowStats
@@ -36,7 +36,7 @@ from .device_array import HOME, DeviceArray, contiguous_strides
 from .elementwise import (Seq, buffer_bytes, ew, fresh_buffer, gather_contig, result_array,
                           shape4)
 from .engine import ELEMENT_TYPES, LOG_NORM_ROW, STATS_ROWS, Operand
-from .launch import DSQ_ROLE, ENV_VARIANT, Launch, split_range
+from .launch import DSQ_ROLE, Launch, split_range
 from .uniforms import FLAGS
 
 __all__ = ["forward", "backward", "stats_from_lse", "add_arrays", "zeros", "empty_stats",
@@ -266,7 +266,7 @@ def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
     key = (what, fields, mk,
            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
-           be.loop_limit_override, be.debug_trips, os.environ.get(ENV_VARIANT, ""), extra)
+           be.loop_limit_override, be.debug_trips, settings.current().webgpu_variant, extra)
     try:
         hash(key)
     except TypeError:

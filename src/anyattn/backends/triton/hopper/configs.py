@@ -130,7 +130,7 @@ _BWD: Dict[Tuple[int, str], HopperBwdConfig] = {
 #: D=128 Documents / KeepMask: the band config's kernel over the mask's tables
 _BWD_ARRAYS = _BWD[(128, "band")]
 #: dQ portable: the dQ-inside kernels' waits need every key-tile program of a (batch,
-#: kv head) resident (launch.backward_config), and a call without dq needs none
+#: kv head) resident (route.py decides), and a call without dq needs none
 _BWD_DKDV_ONLY = HopperBwdConfig(64)
 
 

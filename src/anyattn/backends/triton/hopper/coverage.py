@@ -2,18 +2,22 @@
 covered.
 
 Shape legend: B batch, H query heads, Sq / Sk queries / keys, D head dim.  A call the
-table does not cover goes to the portable kernels (backends/triton/launch.py
-_use_hopper); ANYATTN_TRITON_PATH=hopper on such a call raises with the reason
-instead.
+table does not cover goes to the portable kernels (backends/triton/route.py, which
+reads this table); ANYATTN_TRITON_PATH=hopper on such a call raises with the reason
+instead.  Everything here takes plain data (route.ProblemFacts / DeviceFacts), so it
+runs without a GPU.
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Tuple
 
-__all__ = ["Coverage", "COVERAGE", "supports", "path_setting", "routed_by_default"]
+__all__ = ["Coverage", "COVERAGE", "FEATURES", "uncovered", "routed_by_default",
+           "tensor_reason", "layout_reason"]
+
+#: the score features a problem may have (route.ProblemFacts.features); the Hopper
+#: path has none of them
+FEATURES = ("bias", "softcap", "alibi", "sinks", "dropout")
 
 
 @dataclass(frozen=True)
@@ -80,25 +84,6 @@ COVERAGE = {
                          auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),)),
 }
 
-_PATHS = ("auto", "portable", "hopper")
-
-
-def path_setting() -> str:
-    """ANYATTN_TRITON_PATH: 'auto' (default: Hopper where covered), 'portable', 'hopper'
-    (raise where not covered)."""
-    v = os.environ.get("ANYATTN_TRITON_PATH", "auto").strip().lower() or "auto"
-    if v not in _PATHS:
-        raise ValueError(f"ANYATTN_TRITON_PATH={v!r}: expected one of {', '.join(_PATHS)}")
-    return v
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: str) -> Tuple[int, int]:
-    import torch
-
-    return tuple(torch.cuda.get_device_capability(device))
-
-
 def routed_by_default(direction: str, mask_class: Optional[str] = None,
                       head_dim: Optional[int] = None) -> bool:
     """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` (with a mask
@@ -112,7 +97,8 @@ def routed_by_default(direction: str, mask_class: Optional[str] = None,
                  or head_dim in cov.auto_head_dims))
 
 
-def _tensor_reason(name: str, x) -> Optional[str]:
+def tensor_reason(name: str, x) -> Optional[str]:
+    """None if the kernels can read tensor ``x`` through TMA, else why not."""
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         return f"{name} has last-dim stride {x.stride(-1)} (TMA needs 1)"
     esz = x.element_size()
@@ -126,42 +112,46 @@ def _tensor_reason(name: str, x) -> Optional[str]:
     return None
 
 
-def supports(p, direction: str, tensors=(), mods=None) -> Optional[str]:
-    """None if the Hopper path computes this call, else the reason it does not.
-    ``tensors``: (name, tensor) pairs the kernels would read through TMA."""
+def layout_reason(tensors) -> Optional[str]:
+    """None if every (name, tensor) pair can be read through TMA, else the first reason."""
+    for name, x in tensors:
+        why = tensor_reason(name, x)
+        if why:
+            return why
+    return None
+
+
+def uncovered(problem, direction: str, device) -> Optional[str]:
+    """None if the Hopper path computes this call, else the reason it does not, in one
+    line.  ``problem``: route.ProblemFacts; ``device``: route.DeviceFacts (plain data:
+    no GPU is asked)."""
     cov = COVERAGE.get(direction)
     if cov is None:
         return f"no Hopper {direction} kernel yet"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if device.interpreter:
         return "the Triton interpreter runs the portable kernels only"
-    if not str(p.device).startswith("cuda"):
-        return f"needs a CUDA device, got {p.device}"
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
-    except ImportError:
+    if device.kind != "cuda":
+        return f"needs a CUDA device, got {device.kind}"
+    if not device.gluon:
         return "needs triton.experimental.gluon (Triton >= 3.5)"
-    cc = _capability(str(p.device))
+    cc = device.capability
     if tuple(cc) not in cov.capabilities:
         return f"compute capability {cc[0]}.{cc[1]} (covers {sorted(cov.capabilities)})"
-    if p.dtype not in cov.dtypes:
-        return f"dtype {p.dtype} (covers {sorted(cov.dtypes)})"
-    if p.head_dim not in cov.head_dims:
-        return f"head_dim {p.head_dim} (covers {sorted(cov.head_dims)})"
-    classes = cov.covered_mask_classes(p.head_dim)
-    if p.mask_class not in classes:
-        return (f"mask class {p.mask_class} at head_dim {p.head_dim} (covers "
+    if problem.dtype not in cov.dtypes:
+        return f"dtype {problem.dtype} (covers {sorted(cov.dtypes)})"
+    if problem.head_dim not in cov.head_dims:
+        return f"head_dim {problem.head_dim} (covers {sorted(cov.head_dims)})"
+    classes = cov.covered_mask_classes(problem.head_dim)
+    if problem.mask_class not in classes:
+        return (f"mask class {problem.mask_class} at head_dim {problem.head_dim} (covers "
                 f"{sorted(classes)})")
-    feats = [n for n, on in (("bias", p.has_bias), ("softcap", p.softcap is not None),
-                             ("alibi", p.has_alibi), ("sinks", p.has_sinks),
-                             ("dropout", p.has_dropout)) if on]
+    feats = [f for f in FEATURES if f in problem.features]
     if feats:
         return f"score features {', '.join(feats)} (the Hopper path has none)"
-    if p.is_empty or min(p.batch, p.heads_q, p.seq_q, p.seq_k) == 0:
+    if problem.empty:
         return "an empty problem"
-    if p.precision not in ("highest", "tf32"):
-        return f"precision {p.precision}"
-    for name, x in tensors:
-        why = _tensor_reason(name, x)
-        if why:
-            return why
+    if problem.precision not in ("highest", "tf32"):
+        return f"precision {problem.precision}"
+    if problem.layout is not None:
+        return problem.layout
     return None

@@ -3,7 +3,7 @@ the edge tiles) and the array masks (Documents / KeepMask) applied before it.
 
 Shape legend: RM query rows of a consumer warpgroup, BN the key tile, Sq / Sk queries /
 keys.  The warp-specialised forward (fwd_ws_kernel) walks a block-range table at its own
-tile (launch.py ``_block_ranges``; per 128-row query tile (t0, f0, f1, t1): every kept
+tile (tiles.py ``block_ranges``; per 128-row query tile (t0, f0, f1, t1): every kept
 key tile in [t0, t1), [f0, f1) a run of fully kept tiles); the tiles outside [f0, f1)
 are masked here before the online softmax (which adds the bounds and the band), those
 inside run without mask code.  ``am`` is the tuple the kernel passes down:

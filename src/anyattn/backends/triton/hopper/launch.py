@@ -1,8 +1,8 @@
 """Launch code of the Hopper path: TMA descriptors over the callers' strides, grids.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Sq / Sk queries / keys,
-D head dim.  Only problems that coverage.supports() accepts arrive here (the router in
-backends/triton/launch.py asks first); the checks below are the descriptors' own.
+D head dim.  Only problems that coverage.uncovered() accepts arrive here (the route,
+backends/triton/route.py, decides first); the checks below are the descriptors' own.
 
 Host cost: a TMA descriptor is a small host object (the tensor, its shape and strides,
 the block and the shared-memory layout); Triton's launcher encodes the CUDA tensor map
@@ -12,7 +12,7 @@ about an address outlives a launch.  Building one through ``TensorDescriptor`` c
 forward; ``make_desc`` keeps what a descriptor holds besides its tensor per (shape,
 strides, dtype, block rows, 16-byte alignment) -- every input of that validation and
 layout -- and attaches the call's tensor to it (~2 us).  ``prepare_forward`` keeps the
-rest of a forward launch (config, grid, scalars, constexprs) for launch.py's prepared
+rest of a forward launch (config, grid, scalars, constexprs) for prepared.py's prepared
 launches (one per call signature).
 """
 from __future__ import annotations
@@ -27,11 +27,13 @@ import torch
 from ....rowstats import RowStats
 from ..device_ctx import on_device
 from .. import mask_inputs as MI
+from .. import tiles
+from ..route import sm_count
 from . import configs as HC
 
 __all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
            "persist_schedule", "dkdv", "bwd_mask_tables", "BwdMaskTables",
-           "backward_config", "backward_fused", "dqa_desc", "dq_order"]
+           "backward_fused", "dqa_desc", "dq_order"]
 
 _BIG = 1 << 30
 LOG2E = 1.4426950408889634
@@ -149,7 +151,7 @@ def mask_arrays(p, q, cfg) -> tuple:
     """The Documents / KeepMask arguments of the warp-specialised forward for Problem p
     (its call's mask contents): (RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b,
     skm_h, skm_q, skm_k, DOCS).  RT: the block-range table at the kernel's tile
-    (cfg.bm x cfg.bn; launch.py ``_block_ranges``, cached with the portable tile lists);
+    (cfg.bm x cfg.bn; tiles.block_ranges, cached with the portable tile lists);
     DOCS 2 (k ids sorted in every row: each query's document as a key interval,
     [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents.  Cached per
     mask tensors (identity and version counter: an in-place write is a new mask) where
@@ -176,12 +178,10 @@ _marr_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 def _mask_arrays(p, q, cfg) -> tuple:
     """mask_arrays without its cache."""
-    from .. import launch as L
-
     dev = q.device
-    ma = L._mask_args(p, q, None)
+    ma = tiles.mask_args(p, q, None)
     ma = dataclasses.replace(ma, mode=2)
-    tl = L._lists_for(p, ma, types.SimpleNamespace(sbq=cfg.bm, sbk=cfg.bn), dev)
+    tl = tiles.lists_for(p, ma, types.SimpleNamespace(sbq=cfg.bm, sbk=cfg.bn), dev)
     rt_b, rt_h = tl.row_strides()[:2]
     docs, qid, kid, sqid_b, skid_b = 0, _dummy(dev, torch.int32), ma.kid, 0, 0
     if ma.has_docs:
@@ -227,7 +227,7 @@ class FwdLaunch:
             from .fwd_persist_kernel import fwd_persist_kernel
 
             self.kernel, self.q_rows = fwd_persist_kernel, cfg.bm // cfg.consumers
-            self.grid = (min(_sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
+            self.grid = (min(sm_count(str(p.device)), self.grid[0] * self.grid[1]),)
             if self.array:
                 raise NotImplementedError(
                     f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
@@ -372,7 +372,7 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
     preallocated buffers to write (tests poison them); fresh ones when None.  ``cfg``: a
     HopperConfig other than configs.fwd_config(D) (the bench's variants).
     ``prepared``: ``prepare_forward(p, cfg)`` kept by the caller for p's call signature
-    (launch.py's prepared launches), else built here."""
+    (prepared.py's prepared launches), else built here."""
     if prepared is not None:
         if cfg is not None and cfg != prepared.cfg:
             raise ValueError(f"cfg {cfg.name} differs from the prepared launch's "
@@ -422,7 +422,7 @@ def bwd_mask_tables(p, q, bm: int = 64, bn: int = 128) -> BwdMaskTables:
     """The column range table, the dQ rank table and the mask arrays of p's Documents /
     KeepMask for the warp-specialised backward at its tile (bn keys per program, bm
     queries per step): BwdMaskTables.  Built from the tile occupancy that the portable
-    kernels' and the forward's tables come from (triton/launch.py tile_lists at bm x bn,
+    kernels' and the forward's tables come from (triton/tiles.py tile_lists at bm x bn,
     range mode: its column table), reduced over each kv head's query-head group; cached
     per mask tensors as mask_arrays is."""
     rm = p.mask
@@ -460,14 +460,13 @@ def _group_columns(cr, G: int):
 
 def _bwd_mask_tables(p, q, bm: int, bn: int) -> BwdMaskTables:
     """bwd_mask_tables without its cache."""
-    from .. import launch as L
 
     dev = q.device
     # the mask arrays (and the tile lists at bm x bn behind them, cached there)
     (_, _, _, iv, kid, siv_b, skid_b, km, skm_b, skm_h, skm_q, skm_k,
      docs) = mask_arrays(p, q, types.SimpleNamespace(bm=bm, bn=bn))
-    ma = dataclasses.replace(L._mask_args(p, q, None), mode=2)
-    tl = L._lists_for(p, ma, types.SimpleNamespace(sbq=bm, sbk=bn), dev)
+    ma = dataclasses.replace(tiles.mask_args(p, q, None), mode=2)
+    tl = tiles.lists_for(p, ma, types.SimpleNamespace(sbq=bm, sbk=bn), dev)
     cr = tl.col_cnt.to(torch.int32)                                   # [Bm, Hm, nkv, 4]
     if cr.shape[1] > 1 and p.group > 1:
         cr = _group_columns(cr, p.group)
@@ -536,7 +535,7 @@ def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tupl
 
 def _launcher(sites, name: str, kernel):
     """kernel[grid](*args, **kw) as ``launch(grid, args, kw)``: through the prepared
-    signature's direct.Site of that name where the caller keeps ``sites`` (launch.py's
+    signature's direct.Site of that name where the caller keeps ``sites`` (prepared.py's
     prepared launches), else Triton's path."""
     if sites is None:
         return lambda grid, args, kw: kernel[grid](*args, **kw)
@@ -615,31 +614,8 @@ def dq_order(p, bn: int, bm: int) -> int:
     steady state, but a program may wait for one launched after it) when all
     cdiv(Sk, bn) key-tile programs of one (b, kv head) fit on the SMs at once (one
     program per SM), else 0 (ascending: waits only on earlier launches)."""
-    sms = _sm_count(str(p.device))
+    sms = sm_count(str(p.device))
     return 1 if _cdiv(p.seq_k, bn) <= sms else 0
-
-
-_SMS: dict = {}
-
-
-def _sm_count(device: str) -> int:
-    """The device's SM count (cached per device name)."""
-    if device not in _SMS:
-        _SMS[device] = int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return _SMS[device]
-
-
-def backward_config(p) -> HC.HopperBwdConfig:
-    """The routed backward's config for Problem p: configs.bwd_config(D, mask class),
-    unless a (batch, kv head) of p has more key-tile programs than half the device's
-    SMs: then the dK/dV-only config (dQ portable).  The dQ-inside kernel's programs wait
-    for each other's add turns (dq_order); the rotated order assumes all key-tile
-    programs of one (batch, kv head) are resident at once, and the margin of half the
-    SMs keeps that true while other streams' kernels (collectives) hold SMs too."""
-    cfg = HC.bwd_config(p.head_dim, p.mask_class)
-    if _cdiv(p.seq_k, cfg.bn) > _sm_count(str(p.device)) // 2:
-        return HC.bwd_config_dkdv_only(p.head_dim)
-    return cfg
 
 
 def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:

@@ -1,0 +1,76 @@
+"""The portable Triton forward's launch (the Hopper forward where the call's route says
+so: route.py, hopper/launch.py).
+
+Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
+queries / keys, D head dim.
+
+Inputs may have any strides; a tensor whose last dim is not contiguous is copied once
+(the kernels assume unit stride along D), every other layout (including strided float32
+views into an ABI arena) is read in place.  Outputs are fresh contiguous [B, H, S, D]
+tensors.  What a call derives from its shapes, layouts, options and settings is kept per
+call signature (prepared.py), so a repeated call only allocates its outputs, builds the
+argument tuple and launches.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...modifiers import ScoreMods
+from ...rowstats import RowStats
+from . import configs, kernels, operands, prepared, tiles
+from .device_ctx import on_device
+from .operands import s3
+from .tiles import cdiv
+
+__all__ = ["forward"]
+
+
+def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
+            mods: Optional[ScoreMods] = None):
+    """-> out [B, H, Sq, D] (q's dtype), RowStats(max, log_norm) of [B, H, Sq] fp32
+    (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer).  ``mods``:
+    the score modifiers (p.softcap, mods.alibi_slopes, mods.sinks), applied in the
+    kernel; with sinks the statistics include the sink."""
+    pr = prepared.prepare("forward", p, plan, mods, (("q", q), ("k", k), ("v", v)), bias)
+    if pr.hop:
+        from .hopper import launch as hopper_launch
+
+        return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd)
+    plan = pr.plan
+    q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
+    B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
+    dev = q.device
+    ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, bias)
+    md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
+    tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
+    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
+    prec, nparts = pr.prec, pr.nparts
+    with on_device(dev):
+        if prec in operands.SCALED:
+            sc, sig = operands.f16_scales(p, q, k, v)
+            q, k, v = (operands.split_half(x, sig[n], g, nparts)
+                       for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
+        else:
+            sc = pr.sc
+            if nparts > 1:
+                q, k, v = (operands.split_parts(x, nparts) for x in (q, k, v))
+        args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
+                tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
+                md.slopes, md.sink_t,
+                *s3(q), *s3(k), *s3(v), *s3(out),
+                *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm,
+                *tlists.row_strides(),
+                H, p.group, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi, *md.scalars)
+
+        def first():
+            kw = dict(D=D, DP=configs.padded_dim(D), SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
+                      HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
+                      HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
+            return (lambda c: (cdiv(Sq, c.bm), B * H), plan.fwd, kw,
+                    prepared.tuning_key("fwd", p, plan), str(args[0].dtype))
+
+        prepared.run(pr, "fwd", kernels.fwd_kernel, args, first)
+    return out, RowStats(stats[0], stats[1])

@@ -1,0 +1,276 @@
+"""The Triton route: which kernels a call runs (the Hopper path or the portable one) and
+with which config, decided by one function over plain data.
+
+Shape legend: B batch, Hq / Hkv query / kv heads, Sq / Sk queries / keys, D head dim.
+
+``route(problem, direction, device, env, plan)`` takes a :class:`ProblemFacts` (dtype,
+head dim, mask class, score features, lengths, the tensors' TMA verdict), a
+:class:`DeviceFacts` (device kind, compute capability, SM count, interpreter, Gluon)
+and the settings (``anyattn.settings``), and returns a :class:`Route`: the path, the
+config's name and object, and one line of reason per decision.  Nothing in it asks a
+GPU, so it is tested as a table on the CPU (tests/triton/test_route.py) and printed by
+``python -m anyattn info --route B,Hq,Hkv,Sq,Sk,D --dtype bf16 --mask causal --cc 9.0``.
+
+The decisions, in order:
+
+1. path: ANYATTN_TRITON_PATH=portable keeps the portable kernels; otherwise the Hopper
+   path where hopper/coverage.py's table covers the call (its reason where not) and,
+   under 'auto', routes it by default; 'hopper' raises NotImplementedError where the
+   table does not cover the call.  An explicit portable ``plan`` keeps the portable path.
+2. config: Hopper forward: hopper/configs.fwd_config(D, mask class).  Hopper backward:
+   hopper/configs.bwd_config(D, mask class) (dQ inside the kernel) while a (batch, kv
+   head)'s key tiles fit in half the SMs, else the dK/dV-only config with the portable
+   dQ: the dQ-inside kernel's programs wait for each other's add turns and need all key
+   tiles of a (batch, kv head) resident, and half the SMs keeps that true while other
+   streams' kernels (collectives) hold SMs too.  Portable (and the Hopper backward's
+   portable preprocess / dQ): the explicit plan, else configs.plan_for (the fixed test
+   plan under TRITON_INTERPRET=1 or ANYATTN_TRITON_CONFIG=fixed).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, Optional, Tuple
+
+from ... import settings
+from . import configs
+from .hopper import configs as hopper_configs
+from .hopper import coverage
+
+__all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
+           "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name"]
+
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class ProblemFacts:
+    """What the route reads of a call.  ``features``: the score features present (names
+    of hopper/coverage.FEATURES); ``layout``: why the tensors cannot be read through TMA
+    (hopper/coverage.layout_reason), None where they can."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    mask_class: str = "none"
+    features: FrozenSet[str] = frozenset()
+    precision: str = "highest"
+    layout: Optional[str] = None
+
+    def __post_init__(self):
+        unknown = set(self.features) - set(coverage.FEATURES)
+        if unknown:
+            raise ValueError(f"ProblemFacts.features: unknown {sorted(unknown)}; expected "
+                             f"names of {coverage.FEATURES}")
+
+    @property
+    def empty(self) -> bool:
+        return 0 in (self.batch, self.heads_q, self.seq_q, self.seq_k)
+
+    @classmethod
+    def of(cls, p, tensors=()) -> "ProblemFacts":
+        """The facts of Problem p; ``tensors``: the (name, tensor) pairs the Hopper
+        kernels would read through TMA."""
+        feats = frozenset(n for n, on in (("bias", p.has_bias),
+                                          ("softcap", p.softcap is not None),
+                                          ("alibi", p.has_alibi), ("sinks", p.has_sinks),
+                                          ("dropout", p.has_dropout)) if on)
+        return cls(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seq_q=p.seq_q,
+                   seq_k=p.seq_k, head_dim=p.head_dim, dtype=p.dtype,
+                   mask_class=p.mask_class, features=feats, precision=p.precision,
+                   layout=coverage.layout_reason(tensors))
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the route reads of the device: its kind ('cuda', 'cpu'), compute capability
+    and SM count (CUDA), whether Triton interprets (TRITON_INTERPRET) and whether this
+    Triton has Gluon (the Hopper kernels' language)."""
+
+    kind: str
+    capability: Optional[Tuple[int, int]] = None
+    sm_count: Optional[int] = None
+    interpreter: bool = False
+    gluon: bool = True
+
+
+@dataclass(frozen=True)
+class Route:
+    """One direction's route: ``path`` 'hopper' or 'portable'; ``config`` the name of the
+    config that runs (``hopper``: the HopperConfig / HopperBwdConfig on the Hopper path;
+    ``plan``: the portable plan, also on the Hopper backward for its portable preprocess
+    and dQ; None on the Hopper forward); ``reasons``: one line per decision."""
+
+    direction: str
+    path: str
+    config: str
+    reasons: Tuple[str, ...]
+    hopper: Any = None
+    plan: Optional[configs.Plan] = None
+
+    @property
+    def hop(self) -> bool:
+        return self.path == "hopper"
+
+    def describe(self) -> str:
+        return "\n".join([f"{self.direction}: {self.path} {self.config}"]
+                         + [f"  {r}" for r in self.reasons])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernel(c: configs.KernelConfig) -> str:
+    return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}"
+
+
+def plan_name(plan: configs.Plan, direction: str) -> str:
+    """A portable plan's tiles in one word, BMxBN, warps and stages per kernel: e.g.
+    'fwd128x128w8s3', 'dkdv64x128w8s1+dq128x64w8s1' (two backward launches) or
+    'fused(dkdv64x128w8s3+dq128x64)' (one launch: dQ's tiles, dK/dV's warps and
+    stages)."""
+    if direction == "forward":
+        return f"fwd{_kernel(plan.fwd)}"
+    if plan.fused_bwd:
+        return f"fused(dkdv{_kernel(plan.dkdv)}+dq{plan.dq.bm}x{plan.dq.bn})"
+    return f"dkdv{_kernel(plan.dkdv)}+dq{_kernel(plan.dq)}"
+
+
+def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple[configs.Plan, str]:
+    if plan is not None:
+        return plan, "the explicit plan passed by the caller"
+    got = configs.plan_for(configs.padded_dim(problem.head_dim), problem.dtype, problem.precision,
+                     problem.mask_class, "bias" in problem.features,
+                     max(problem.seq_q, problem.seq_k))
+    if configs.use_fixed():
+        why = "the fixed test plan (TRITON_INTERPRET=1 or ANYATTN_TRITON_CONFIG=fixed)"
+    else:
+        why = (f"configs.plan_for: padded D {configs.padded_dim(problem.head_dim)}, "
+               f"{problem.dtype}, mask class {problem.mask_class}")
+    if problem.dtype == "float32":
+        why += f"; fp32 products '{got.prec}' (precision {problem.precision})"
+    return got, why
+
+
+def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
+          env: Optional[settings.Settings] = None, plan: Optional[configs.Plan] = None) -> Route:
+    """The route of one direction of a call (module doc).  ``env``: the settings
+    (default: settings.current()); ``plan``: an explicit portable plan (None: the
+    heuristic one).  NotImplementedError under ANYATTN_TRITON_PATH=hopper where the
+    Hopper path does not cover the call."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction {direction!r}: expected one of {DIRECTIONS}")
+    env = settings.current() if env is None else env
+    setting = env.triton_path
+    reasons = []
+    hop = False
+    if setting == "portable":
+        reasons.append("path: portable (ANYATTN_TRITON_PATH=portable)")
+    else:
+        why = coverage.uncovered(problem, direction, device)
+        if setting == "hopper":
+            why = why or ("an explicit portable plan was passed" if plan is not None
+                          else None)
+            if why is not None:
+                raise NotImplementedError(
+                    f"ANYATTN_TRITON_PATH=hopper: the Hopper {direction} path does not "
+                    f"cover this call: {why}; unset it (or set 'auto' / 'portable') for "
+                    f"the portable kernels")
+            hop = True
+            reasons.append("path: hopper (ANYATTN_TRITON_PATH=hopper; covered)")
+        elif why is not None:
+            reasons.append(f"path: portable (not covered by the Hopper path: {why})")
+        elif plan is not None:
+            reasons.append("path: portable (an explicit portable plan was passed)")
+        elif not coverage.routed_by_default(direction, problem.mask_class, problem.head_dim):
+            reasons.append(f"path: portable (covered, but 'auto' does not route mask class "
+                           f"{problem.mask_class} at head_dim {problem.head_dim}: "
+                           "hopper/coverage.py)")
+        else:
+            hop = True
+            reasons.append("path: hopper (ANYATTN_TRITON_PATH=auto; covered and routed "
+                           "by default)")
+    if hop and direction == "forward":
+        cfg = hopper_configs.fwd_config(problem.head_dim, problem.mask_class)
+        reasons.append(f"config: {cfg.name} = hopper/configs.fwd_config({problem.head_dim}, "
+                       f"{problem.mask_class!r})")
+        return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg)
+    portable, why_plan = _portable_plan(problem, plan)
+    if not hop:
+        name = plan_name(portable, direction)
+        reasons.append(f"config: {name} = {why_plan}")
+        return Route(direction, "portable", name, tuple(reasons), plan=portable)
+    cfg = hopper_configs.bwd_config(problem.head_dim, problem.mask_class)
+    tiles = _cdiv(problem.seq_k, cfg.bn)
+    if device.sm_count is None:
+        raise ValueError("DeviceFacts.sm_count: the Hopper backward's config needs the "
+                         "device's SM count")
+    if tiles > device.sm_count // 2:
+        cfg = hopper_configs.bwd_config_dkdv_only(problem.head_dim)
+        reasons.append(f"config: {cfg.name}, dQ portable ({plan_name(portable, direction)}"
+                       f"): {tiles} key tiles per (batch, kv head) > {device.sm_count} SMs "
+                       "// 2")
+    else:
+        reasons.append(f"config: {cfg.name} = hopper/configs.bwd_config({problem.head_dim}, "
+                       f"{problem.mask_class!r}), dQ inside: {tiles} key tiles per "
+                       f"(batch, kv head) <= {device.sm_count} SMs // 2")
+    return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg, plan=portable)
+
+
+# ----------------------------------------------------------------------------- facts of a device
+#: device name -> SM count (asked once per device)
+SM_COUNTS: Dict[str, int] = {}
+
+
+def sm_count(device: str) -> int:
+    """The CUDA device's SM count (cached per device name)."""
+    if device not in SM_COUNTS:
+        import torch
+
+        SM_COUNTS[device] = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return SM_COUNTS[device]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: str) -> Tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gluon() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def device_facts(device, env: Optional[settings.Settings] = None) -> DeviceFacts:
+    """The facts of a torch device (a CUDA device is asked its capability and SM count
+    once; a CPU device and the interpreter are asked nothing)."""
+    env = settings.current() if env is None else env
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind != "cuda" or env.triton_interpret:
+        return DeviceFacts(kind=kind, interpreter=env.triton_interpret)
+    name = str(device)
+    if not _has_gluon():
+        return DeviceFacts(kind=kind, gluon=False)
+    return DeviceFacts(kind=kind, capability=_capability(name), sm_count=sm_count(name))
+
+
+def route_call(p, direction: str, plan: Optional[configs.Plan] = None, tensors=()) -> Route:
+    """The route of one call of Problem p (the launch code's entry): its facts, its
+    device's facts and the settings in effect, through route()."""
+    env = settings.current()
+    if env.triton_path == "portable":   # nothing of the device or the tensors is read
+        facts = ProblemFacts.of(p)
+        return route(facts, direction, DeviceFacts(kind="unasked"), env, plan)
+    return route(ProblemFacts.of(p, tensors), direction, device_facts(p.device, env), env,
+                 plan)
