@@ -116,7 +116,7 @@ def fp32_precision(precision: str, dtype: str) -> str:
     <= 1e-5 vs float64), or 'bf16x6' (six bf16 split products), 'tf32x3' (3xTF32),
     'ieee' (FMA), all <= 1e-5.  'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default
     'f16x3' as well, since every single-rounding 11-bit scheme ('tf32', 'f16x1',
-    'f16x31') measured above the ~3e-4 that precision='tf32' promises (a lone fp16 or
+    'f16x31') errs above the ~3e-4 that precision='tf32' promises (a lone fp16 or
     tf32 rounding of an operand is already 2.4e-4); 'bf16x3' (three bf16 products,
     ~2^-16) costs the same as 'f16x3'."""
     if dtype != "float32":
@@ -130,7 +130,7 @@ _plan_cache: Dict[tuple, Plan] = {}
 
 def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
              seq: int) -> Plan:
-    """The heuristic plan for a problem class (tiles measured fastest on Hopper GPUs),
+    """The heuristic plan for a problem class (the tiles that ran fastest on Hopper GPUs),
     memoised on its arguments, the settings (one settings.snapshot, a superset of what
     it reads) and the overrides' version (Plans are frozen)."""
     key = (dp, dtype, precision, mask_class, has_bias, seq, settings.snapshot(),
@@ -149,7 +149,7 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
     if use_fixed():
         return fixed_plan(prec)
     wide = dtype == "float32"
-    # the tiles (BM x BN, warps, stages) measured fastest per padded head dim and
+    # the tiles (BM x BN, warps, stages) that ran fastest per padded head dim and
     # operand scheme: 16-bit operands; the fp32 split products (six products: a 32-row
     # dQ tile cannot use wgmma; three: larger dK/dV tiles, two launches); scaled fp16
     # three products ('f16x3': 8-warp tiles, two launches).

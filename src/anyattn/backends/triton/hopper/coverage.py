@@ -30,11 +30,11 @@ class Coverage:
     head_dims: FrozenSet[int]
     mask_classes: FrozenSet[str]
     #: whether ANYATTN_TRITON_PATH=auto routes covered calls here (False: the kernel is
-    #: correct on what it covers but measured slower than the portable path; only
+    #: correct on what it covers but slower than the portable path; only
     #: ANYATTN_TRITON_PATH=hopper runs it)
     auto: bool = True
     #: the mask classes 'auto' routes here (None: every covered one); the others are
-    #: covered but measured no faster than the portable path
+    #: covered but no faster than the portable path
     auto_mask_classes: Optional[FrozenSet[str]] = None
     #: the head dims 'auto' routes here (None: every covered one); the others likewise
     auto_head_dims: Optional[FrozenSet[int]] = None
