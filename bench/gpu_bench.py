@@ -968,6 +968,9 @@ def main():
     ap.add_argument("--checks", default="", help="comma-separated names of --check cases (default all)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few dense shapes only")
+    ap.add_argument("--dims", default="64,128", help="--bench: head dims (comma-separated)")
+    ap.add_argument("--seqs", default="512,1024,2048,4096,8192,16384",
+                    help="--bench: sequence lengths (comma-separated; B = 16k tokens / S)")
     ap.add_argument("--masked", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--flex-seqs", default="4096", help="dense S values timed with FlexAttention")
@@ -1021,12 +1024,13 @@ def main():
             save()
             log(f"tune done {time.time() - t0:.0f}s")
         if a.bench:
-            allS = [512, 1024, 2048, 4096, 8192, 16384]
+            allS = [int(x) for x in a.seqs.split(",")]
+            dims = tuple(int(x) for x in a.dims.split(","))
             if a.quick:
                 rows = [("bf16", (128,), [1024, 4096]), ("fp32", (128,), [4096]),
                         ("tf32", (128,), [4096])]
             else:
-                rows = [("bf16", (64, 128), allS)]
+                rows = [("bf16", dims, allS)]
             phase_bench(rows, [] if a.no_flex else [int(x) for x in a.flex_seqs.split(",")])
             save()
             log(f"bench done {time.time() - t0:.0f}s")
