@@ -314,9 +314,11 @@ def test_fallback_mode_defaults_to_one_worker(monkeypatch):
     monkeypatch.setattr(blas_threads, "unavailable_reason",
                         lambda: "threadpoolctl cannot be imported (test)")
     monkeypatch.delenv("ANYATTN_NUMPY_THREADS", raising=False)
+    monkeypatch.setattr(nb, "available_cpus", lambda **kw: 2)
     nb._default_threads.cache_clear()
     try:
-        assert NumpyConfig().n_threads() == 1
+        with pytest.warns(RuntimeWarning, match="1 worker instead of 2.*without --no-deps"):
+            assert NumpyConfig().n_threads() == 1
         assert NumpyConfig(threads=2).n_threads() == 2
         text = NumpyBackend(NumpyConfig()).describe_device()
         assert "pool 1 worker," in text and "fallback" in text

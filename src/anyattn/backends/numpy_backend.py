@@ -46,6 +46,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -259,6 +260,14 @@ def _default_threads() -> int:
     (blas_threads mode "fallback", unless ANYATTN_NUMPY_BLAS_LOCAL=0 leaves them
     alone on purpose)."""
     if _limit_blas() and blas_threads.mode() == "fallback":
+        n = available_cpus()
+        if n > 1:
+            warnings.warn(
+                f"anyattn's numpy backend runs on 1 worker instead of {n}: "
+                f"{blas_threads.unavailable_reason()}, so BLAS threads cannot be limited "
+                "inside workers (a process-wide BLAS pool is slow under load). threadpoolctl "
+                "is a required dependency of anyattn: reinstall it without --no-deps",
+                RuntimeWarning, stacklevel=2)
         return 1
     return available_cpus()
 
