@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -488,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _dispatch(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "info":
         if args.route is not None and args.cc is None:
@@ -523,6 +524,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             args._error(why)
         return _bench.run(args)
     return 2
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one subcommand; the exit status (argparse's own errors exit with 2)."""
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader of the output went away (``anyattn info | head``): stop quietly, as
+        # other command-line tools do, without a traceback at interpreter exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -381,3 +381,19 @@ def test_bench_memory_measures_every_named_backend(tmp_path, capsys):
                  "1,1,32,8", "--json", str(js)]) == 0
     mems = json.loads(js.read_text())["memory"]
     assert [m["backend"] for m in mems] == ["numpy", "reference"]
+
+
+def test_closed_pipe_stops_quietly():
+    """``anyattn info | head -1``: the reader goes away; no traceback, exit status 1."""
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = dict(os.environ, PYTHONPATH=src)
+    proc = subprocess.Popen([sys.executable, "-m", "anyattn", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.readline()
+    proc.stdout.close()                     # the reader goes away after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 1)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
