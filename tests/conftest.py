@@ -29,12 +29,40 @@ if "TRITON_INTERPRET" not in os.environ:
         pass
 
 
+#: the one switch for the larger cases: ``pytest --exhaustive`` or ANYATTN_EXHAUSTIVE=1
+#: runs the tests marked ``exhaustive`` (add ``-m exhaustive`` to run only those) and
+#: the Hypothesis tests at their full example counts (the ``anyattn-exhaustive`` profile).
+EXHAUSTIVE_HOW = "pytest --exhaustive -m exhaustive (or ANYATTN_EXHAUSTIVE=1)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="run the tests marked exhaustive (larger sizes, every "
+                          "parametrisation) and Hypothesis at full example counts; "
+                          "same as ANYATTN_EXHAUSTIVE=1")
+
+
+def pytest_configure(config):
+    if config.getoption("--exhaustive"):
+        os.environ["ANYATTN_EXHAUSTIVE"] = "1"
+    try:
+        from hypothesis import settings
+    except ImportError:      # the Hypothesis tests import it themselves and say so
+        return
+    # Example counts are set per test through helpers.examples(default, exhaustive);
+    # the profiles set the rest (and the count of a test that names none).
+    settings.register_profile("anyattn", max_examples=20, deadline=None)
+    settings.register_profile("anyattn-exhaustive", max_examples=200, deadline=None)
+    settings.load_profile("anyattn-exhaustive" if sys.modules["helpers"].exhaustive()
+                          else "anyattn")
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    if os.environ.get("ANYATTN_SLOW") == "1":
+    if sys.modules["helpers"].exhaustive():
         return
-    skip = pytest.mark.skip(reason="slow: set ANYATTN_SLOW=1 to run larger sizes")
+    skip = pytest.mark.skip(reason=f"exhaustive: run with {EXHAUSTIVE_HOW}")
     for item in items:
-        if "slow" in item.keywords:
+        if item.get_closest_marker("exhaustive") is not None:
             item.add_marker(skip)
