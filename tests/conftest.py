@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,12 +30,74 @@ if "TRITON_INTERPRET" not in os.environ:
         pass
 
 
+#: the one switch for the larger cases: ``pytest --exhaustive`` or ANYATTN_EXHAUSTIVE=1
+#: runs the tests marked ``exhaustive`` (add ``-m exhaustive`` to run only those) and
+#: the Hypothesis tests at their full example counts (the ``anyattn-exhaustive`` profile).
+EXHAUSTIVE_HOW = ("pytest --exhaustive (or ANYATTN_EXHAUSTIVE=1); "
+                  "pytest --exhaustive -m exhaustive runs only these")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="run the tests marked exhaustive (larger sizes, every "
+                          "parametrisation) and Hypothesis at full example counts; "
+                          "same as ANYATTN_EXHAUSTIVE=1")
+
+
+def pytest_configure(config):
+    if config.getoption("--exhaustive"):
+        os.environ["ANYATTN_EXHAUSTIVE"] = "1"
+    try:
+        from hypothesis import settings
+    except ImportError:      # the Hypothesis tests import it themselves and say so
+        return
+    # Example counts are set per test through helpers.examples(default, exhaustive);
+    # the profiles set the rest (and the count of a test that names none).
+    settings.register_profile("anyattn", max_examples=20, deadline=None)
+    settings.register_profile("anyattn-exhaustive", max_examples=200, deadline=None)
+    settings.load_profile("anyattn-exhaustive" if sys.modules["helpers"].exhaustive()
+                          else "anyattn")
+
+
+#: tests whose parametrisations are run as a covering set by default (every value of
+#: every parameter at least once, see _covering_set), all of them with --exhaustive:
+#: the Hopper compile-only checks (PTX for sm_90a on any machine, tens of seconds each).
+COVERING_SET = re.compile(r"^test_\w*compiles?_\w*sm90a")
+
+
+def _covering_set(items):
+    """The items (of one test function) to keep: greedily, the one that adds the most
+    (parameter, value) pairs not yet covered, until every pair is covered; ties go to
+    the first in collection order."""
+    def pairs(item):
+        cs = getattr(item, "callspec", None)
+        return {(k, repr(v)) for k, v in (cs.params.items() if cs else ())}
+
+    todo = set().union(*(pairs(i) for i in items)) if items else set()
+    keep = []
+    while todo:
+        best = max(items, key=lambda i: len(pairs(i) & todo))
+        keep.append(best)
+        todo -= pairs(best)
+    return keep or items[:1]
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    if os.environ.get("ANYATTN_SLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow: set ANYATTN_SLOW=1 to run larger sizes")
+    groups = {}
     for item in items:
-        if "slow" in item.keywords:
+        name = getattr(item, "originalname", item.name)
+        if COVERING_SET.match(name):
+            groups.setdefault((item.path, name), []).append(item)
+    for group in groups.values():
+        keep = _covering_set(group)
+        for item in group:
+            if item not in keep:
+                item.add_marker(pytest.mark.exhaustive)
+    if sys.modules["helpers"].exhaustive():
+        return
+    skip = pytest.mark.skip(reason=f"exhaustive: run with {EXHAUSTIVE_HOW}")
+    for item in items:
+        if item.get_closest_marker("exhaustive") is not None:
             item.add_marker(skip)

@@ -198,6 +198,18 @@ def make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype="float32", scale_v=1.0):
     return tuple(x.astype(dtype) for x in (q, k, v, g))
 
 
+def exhaustive() -> bool:
+    """True where the larger cases run: ``pytest --exhaustive`` or ANYATTN_EXHAUSTIVE=1
+    (tests/conftest.py; docs/testing.md)."""
+    return os.environ.get("ANYATTN_EXHAUSTIVE") == "1"
+
+
+def examples(default: int, full: int) -> int:
+    """A Hypothesis test's max_examples: ``default`` in the default run, ``full`` in the
+    exhaustive one."""
+    return full if exhaustive() else default
+
+
 @dataclass
 class Harness:
     """How a backend takes test inputs: array library, device, dtypes, sizes."""

@@ -17,7 +17,7 @@ from anyattn import reference as R
 from anyattn.backends.registry import unavailable_reason
 
 from abi_cases import BACKEND, inputs, mask_for, run_and_check
-from helpers import assert_close
+from helpers import assert_close, examples
 
 KINDS = [A.MASK_NONE, A.MASK_CAUSAL, A.MASK_KEEP, A.MASK_CAUSAL_WINDOW, A.MASK_BIAS]
 WRTS = [A.WRT_Q, A.WRT_K, A.WRT_V]
@@ -261,7 +261,7 @@ def test_bias_rows_of_minus_inf_give_zeros():
             assert np.array_equal(got[0, 0, 1], np.zeros(2, np.float32))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40, 100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), H=st.integers(1, 2), Sq=st.integers(1, 11), Sk=st.integers(1, 11),
        D=st.integers(1, 9), kind=st.sampled_from(KINDS), wrt=st.sampled_from(WRTS),
        layout=st.sampled_from(["bhsd", "bshd"]), window=st.integers(0, 4),

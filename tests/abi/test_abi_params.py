@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from anyattn import abi as A
 
 from abi_seed_shader import SEED_PATH
+from helpers import examples
 
 SEED_ORDER = (
     "batch heads seq_q seq_k head_dim q_off k_off v_off dy_off out_off mask_off mask_kind "
@@ -64,7 +65,7 @@ def test_pack_layout_is_little_endian_u32_in_field_order():
     assert A.Params.unpack(np.frombuffer(raw, dtype="<u4")) == p
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(50, 200), deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=38, max_size=38))
 def test_pack_unpack_round_trip(values):
     p = A.Params(**dict(zip(A.FIELD_NAMES, values)))

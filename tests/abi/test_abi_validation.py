@@ -11,6 +11,7 @@ from anyattn import abi as A
 from anyattn.abi.regions import Region, first_common, first_duplicate
 
 from abi_cases import BACKEND, inputs, mask_for, run_and_check
+from helpers import examples
 
 B, H, SQ, SK, D = 2, 2, 3, 4, 5
 
@@ -202,7 +203,7 @@ def _brute(off, shape, strides):
     return idx.reshape(-1)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100, 300), deadline=None)
 @given(st.data())
 def test_validation_agrees_with_brute_force(data):
     """Random small Params: accepted iff every index is in the arena, the output is

@@ -14,7 +14,7 @@ import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.registry import unavailable_reason
 
-from helpers import assert_close, harness_for, make_qkv, np_mask, term_magnitudes, to_np, TOL
+from helpers import assert_close, examples, harness_for, make_qkv, np_mask, term_magnitudes, to_np, TOL
 
 import os
 
@@ -347,7 +347,7 @@ def test_hypothesis_problems(name):
         pytest.skip(f"{name} unavailable: {why}")
     hx = harness_for(name)
 
-    @settings(max_examples=6 if hx.small else 25, deadline=None, derandomize=True,
+    @settings(max_examples=examples(3, 6) if hx.small else examples(25, 25), deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(problems(hx.small))
     def check(prob):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -247,9 +248,9 @@ def run_case(rank, world, opts):
     return res
 
 
-def run(rank, world, port, out_dir, transport="gloo"):
+def run(rank, world, port, out_dir, transport="gloo", names=None):
     """mp.spawn entry: join the group on loopback (gloo: CPU cases; nccl: one GPU per
-    rank, the CUDA cases), run every case, write JSON."""
+    rank, the CUDA cases), run every case (or those in ``names``), write JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       ANYATTN_NUMPY_THREADS="1", OMP_NUM_THREADS="1")
     import torch
@@ -266,14 +267,16 @@ def run(rank, world, port, out_dir, transport="gloo"):
     try:
         only = os.environ.get("ANYATTN_RING_CASES")      # a substring: run those cases only
         for name, opts in (cases(world) if transport == "gloo" else cases_gpu(world)):
-            if only and only not in name:
+            if (only and only not in name) or (names is not None and name not in names):
                 continue
+            t0 = time.perf_counter()
             try:
                 r = run_case(rank, world, opts)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
                 raise                       # mp.spawn stops the other ranks
             if r is not None:
+                r["seconds"] = time.perf_counter() - t0     # where a slow run spends its time
                 results[name] = r
             dist.barrier()
     finally:

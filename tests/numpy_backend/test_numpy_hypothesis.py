@@ -9,6 +9,7 @@ import anyattn as aa
 from anyattn.backends.numpy_backend import NumpyConfig
 from anyattn.backends.registry import get_backend
 
+from helpers import examples
 from np_util import check
 
 
@@ -65,13 +66,13 @@ def _run(prob, dtype):
         be.config = old
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(50, 150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_drawn_problems_float64(prob):
     _run(prob, "float64")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20, 60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_drawn_problems_float32(prob):
     _run(prob, "float32")
