@@ -1,0 +1,236 @@
+"""Programs: traced functions ready to run, and bound to one call's captures and sizes.
+
+A :class:`Program` is what a trace produced (capture-independent: shapes and dtype
+classes only), with its structural key and, on demand, its derivatives.  Binding it
+(:meth:`Program.bind`) to arrays and the problem's sizes checks every capture index
+(:func:`.bounds.check_gathers`) and gives a :class:`BoundProgram`, which the reference
+evaluates densely and the NumPy backend per tile:
+
+* :class:`ScoreTiles` applies a score function to transposed score tiles [nj, ni] and,
+  in the backward, returns its derivatives and scatters capture gradients;
+* :meth:`BoundProgram.keep_t` evaluates a mask function on a tile; :func:`mask_tile_parts`
+  classifies every tile (any / all kept), chunked and cached by content.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..arrays import to_numpy
+from .bounds import check_gathers
+from .derive import derivatives
+from .evaluate import cast_captures, evaluate
+from .graph import FLOAT, Node, ordered, structural_key
+from .trace import CaptureSpec, Traced
+
+__all__ = ["Program", "BoundProgram", "ScoreTiles", "mask_tile_parts", "dense_grids"]
+
+
+class Program:
+    """A traced score or mask function (no capture values).
+
+    ``kind`` 'score_mod' / 'mask_mod'; ``name`` the function's; ``out`` its output node;
+    ``specs`` the captures it reads; ``key`` its structural hash (graph and capture
+    shapes / dtypes: two traces of one function share it); ``uses`` the index inputs
+    it reads (a mask that never reads ``h`` is classified once for all heads)."""
+
+    def __init__(self, traced: Traced):
+        self.kind, self.name, self.out = traced.kind, traced.name, traced.out
+        self.bld, self.specs = traced.bld, dict(traced.specs)
+        self.key = structural_key([self.out], (self.kind,) + tuple(
+            (n, s.shape, s.dtype) for n, s in sorted(self.specs.items())))
+        self.uses = frozenset(n.attr for n in ordered([self.out]) if n.op == "input")
+        self._grads: Dict[FrozenSet[str], Tuple[Node, List[Node]]] = {}
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} {self.name!r}"
+
+    def float_captures(self) -> Tuple[str, ...]:
+        return tuple(n for n, s in self.specs.items() if s.dtype == FLOAT)
+
+    def gathers(self, names) -> List[Node]:
+        """The gather nodes of the captures ``names``, in graph order."""
+        return [n for n in ordered([self.out]) if n.op == "gather" and n.attr in names]
+
+    def grad_nodes(self, wrt: FrozenSet[str]) -> Tuple[Node, List[Tuple[Node, Node]]]:
+        """(d out / d score, [(gather node, d out / d gather)] for the captures ``wrt``)."""
+        hit = self._grads.get(wrt)
+        if hit is None:
+            gs = self.gathers(wrt)
+            leaves = [self.bld.input("score")] + gs
+            d = derivatives(self.out, self.bld, leaves)
+            hit = self._grads[wrt] = (d[leaves[0].uid], [(g, d[g.uid]) for g in gs])
+        return hit
+
+    def bind(self, arrays: Dict[str, Any], sizes: Tuple[int, int, int, int]
+             ) -> "BoundProgram":
+        return BoundProgram(self, {n: to_numpy(a) for n, a in arrays.items()}, sizes)
+
+
+class BoundProgram:
+    """A program with one call's captures (NumPy arrays) and sizes (B, Hq, Sq, Sk);
+    every capture index was checked to lie in range."""
+
+    def __init__(self, program: Program, arrays: Dict[str, np.ndarray],
+                 sizes: Tuple[int, int, int, int]):
+        self.program, self.arrays, self.sizes = program, arrays, tuple(sizes)
+        for name, spec in program.specs.items():
+            if tuple(arrays[name].shape) != spec.shape:  # pragma: no cover - internal
+                raise ValueError(f"{program.where}: capture {name!r} changed shape")
+        check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
+        self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
+        self._digest: Optional[str] = None
+
+    def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
+        dt = np.dtype(dt)
+        if dt not in self._caps:
+            self._caps[dt] = cast_captures(self.arrays, self.program.specs, dt)
+        return self._caps[dt]
+
+    def digest(self) -> str:
+        """Content key of the captures (shapes, dtypes, bytes)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in sorted(self.arrays):
+                a = np.ascontiguousarray(self.arrays[name])
+                h.update(f"{name}:{a.shape}:{a.dtype.str};".encode())
+                h.update(memoryview(a).cast("B") if a.size else b"")
+            self._digest = h.hexdigest()
+        return self._digest
+
+    # ------------------------------------------------------------------ masks
+    def keep_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+        """A mask function on a transposed tile: bool [nj, ni] (evaluated in float64,
+        as the reference does)."""
+        env = {"b": np.int64(b), "h": np.int64(h),
+               "q_idx": np.arange(i0, i1, dtype=np.int64)[None, :],
+               "kv_idx": np.arange(j0, j1, dtype=np.int64)[:, None]}
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64))
+        return np.broadcast_to(k, (j1 - j0, i1 - i0))
+
+    def keep_dense(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+        """A mask function on rows i0..i1-1, keys j0..j1-1 of every (b, h) it reads:
+        bool [Bx, Hx, ni, nj] (Bx = B where it reads b, else 1; Hx likewise)."""
+        env = dense_grids(self.sizes, self.program.uses, i0, i1, j0, j1)
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64))
+        B, H = _bh(self.sizes, self.program.uses)
+        return np.broadcast_to(k, (B, H, i1 - i0, j1 - j0))
+
+    # ------------------------------------------------------------- dense score
+    def score_dense(self, s: np.ndarray, wrt: FrozenSet[str] = frozenset(),
+                    grads: bool = False):
+        """The score function on dense float64 scores s [B, Hq, Sq, Sk] -> s' (and, with
+        ``grads``, d s'/d s and [(capture, index arrays, d s'/d gather)])."""
+        B, H, Sq, Sk = s.shape
+        env = dense_grids((B, H, Sq, Sk), frozenset({"b", "h"}), 0, Sq, 0, Sk)
+        env["score"] = s
+        dt = np.dtype(np.float64)
+        if not grads:
+            return np.broadcast_to(evaluate([self.program.out], env, self.caps(dt), dt)[0],
+                                   s.shape)
+        dsc, gl = self.program.grad_nodes(frozenset(wrt))
+        outs = [self.program.out, dsc] + [d for _, d in gl]
+        memo: Dict[int, Any] = {}
+        vals = evaluate(outs, env, self.caps(dt), dt, memo)
+        gathers = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
+                   for i, (g, _) in enumerate(gl)]
+        return np.broadcast_to(vals[0], s.shape), vals[1], gathers
+
+
+def _bh(sizes, uses) -> Tuple[int, int]:
+    B, H = sizes[0], sizes[1]
+    return (B if "b" in uses else 1), (H if "h" in uses else 1)
+
+
+def dense_grids(sizes, uses, i0, i1, j0, j1) -> Dict[str, np.ndarray]:
+    """Index grids [Bx, Hx, ni, nj] (broadcast shapes) of rows i0..i1-1, keys j0..j1-1."""
+    B, H = _bh(sizes, uses)
+    return {"b": np.arange(B, dtype=np.int64)[:, None, None, None],
+            "h": np.arange(H, dtype=np.int64)[None, :, None, None],
+            "q_idx": np.arange(i0, i1, dtype=np.int64)[None, None, :, None],
+            "kv_idx": np.arange(j0, j1, dtype=np.int64)[None, None, None, :]}
+
+
+def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) -> None:
+    """dst (float64, a capture's shape) += vals summed at the indices ``idx`` (one
+    array per axis, broadcast with vals): np.bincount, a fixed sequential order."""
+    vals = np.asarray(vals)
+    if dst.ndim == 0:
+        dst[()] += float(np.sum(vals, dtype=np.float64))
+        return
+    shape = np.broadcast_shapes(vals.shape, *(np.shape(i) for i in idx))
+    flat = np.ravel_multi_index(tuple(np.broadcast_to(i, shape) for i in idx), dst.shape)
+    dst.reshape(-1)[...] += np.bincount(flat.reshape(-1),
+                                        weights=np.broadcast_to(vals, shape).reshape(-1),
+                                        minlength=dst.size)
+
+
+class ScoreTiles:
+    """A score function on transposed score tiles st [nj, ni] (queries i0..i1-1 along
+    axis 1, keys j0..j1-1 along axis 0) of one call, in the compute dtype ``dt``;
+    shared read-only by the workers.  ``wrt``: the captures whose gradients the
+    backward wants (None: a forward)."""
+
+    def __init__(self, bound: BoundProgram, dt: np.dtype,
+                 wrt: Optional[FrozenSet[str]] = None):
+        self.bound, self.dt = bound, np.dtype(dt)
+        self.prog = bound.program
+        self.caps = bound.caps(self.dt)
+        self.out = self.prog.out
+        self.wrt = wrt
+        if wrt is not None:
+            self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
+            self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
+
+    def _env(self, st, b, h, i0, i1, j0, j1):
+        return {"score": st, "b": np.int64(b), "h": np.int64(h),
+                "q_idx": np.arange(i0, i1, dtype=np.int64)[None, :],
+                "kv_idx": np.arange(j0, j1, dtype=np.int64)[:, None]}
+
+    def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
+                j1: int) -> None:
+        """st = score_mod(st) in place."""
+        r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt)
+        np.copyto(st, r)
+
+    def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
+                     j1: int):
+        """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
+        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
+        memo: Dict[int, Any] = {}
+        outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
+        vals = evaluate(outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt, memo)
+        gath = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
+                for i, (g, _) in enumerate(self.dgathers)]
+        dsc = None if self.unit_dscore else vals[1]
+        np.copyto(st, vals[0])
+        return dsc, gath
+
+
+def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
+                    chunk: int = 1 << 21) -> Tuple[np.ndarray, np.ndarray]:
+    """A mask function per tile: (any kept, all kept), bool [Bx, Hx, nQ, nK].
+
+    Evaluated on row blocks of whole query tiles (about ``chunk`` pairs at a time) and
+    reduced per key tile: O(Bx·Hx·Sq·Sk) evaluations, O(chunk) memory."""
+    B, H, Sq, Sk = bound.sizes
+    Bx, Hx = _bh(bound.sizes, bound.program.uses)
+    nq, nk = -(-Sq // bq), -(-Sk // bk)
+    any_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
+    all_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
+    tiles_per = max(1, chunk // max(1, Bx * Hx * bq * Sk))
+    pad = nk * bk - Sk
+    for t0 in range(0, nq, tiles_per):
+        t1 = min(nq, t0 + tiles_per)
+        i0, i1 = t0 * bq, min(Sq, t1 * bq)
+        keep = bound.keep_dense(i0, i1, 0, Sk)                     # [Bx, Hx, ni, Sk]
+        rpad = (t1 - t0) * bq - (i1 - i0)
+        ka = np.pad(keep, ((0, 0), (0, 0), (0, rpad), (0, pad)), constant_values=False)
+        kl = np.pad(keep, ((0, 0), (0, 0), (0, rpad), (0, pad)), constant_values=True)
+        shape = (Bx, Hx, t1 - t0, bq, nk, bk)
+        any_k[:, :, t0:t1] = ka.reshape(shape).any(axis=(3, 5))
+        all_k[:, :, t0:t1] = kl.reshape(shape).all(axis=(3, 5))
+    return any_k, all_k
