@@ -196,8 +196,8 @@ class ScoreTiles:
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt)
         np.copyto(st, r)
 
-    def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
-                     j1: int):
+    def apply_grad_t(self, st: np.ndarray, h: int, i0: int, i1: int, j0: int,
+                     j1: int, b: int):
         """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
         memo: Dict[int, Any] = {}
