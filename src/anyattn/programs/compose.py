@@ -12,7 +12,7 @@ from typing import Any, Dict, Tuple
 
 from .bound import BoundProgram, Program
 from .graph import BOOL
-from .trace import (CaptureSpec, Sym, Traced, _result, capture_spec, index_syms,
+from .trace import (CaptureSpec, Sym, Traced, check_result, capture_spec, index_syms,
                     new_context, proxy_of)
 
 __all__ = ["FunctionContext", "mask_program"]
@@ -44,7 +44,7 @@ class FunctionContext:
         return Sym(self.ctx.bld.const(value, BOOL), self.ctx)
 
     def done(self, res) -> Program:
-        out = _result(res, self.ctx, BOOL)
+        out = check_result(res, self.ctx, BOOL)
         return Program(Traced("mask_mod", self.ctx.fname, out, self.ctx.bld,
                               dict(self.specs), dict(self.arrays)))
 

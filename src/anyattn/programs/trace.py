@@ -30,7 +30,7 @@ from .graph import BOOL, FLOAT, INDEX_INPUTS, INT, Builder, Node
 
 __all__ = ["Sym", "CaptureProxy", "CaptureSpec", "Traced", "trace", "capture_spec",
            "TRACING_ERRORS", "TraceError", "clamp_sym", "lift", "new_context", "index_syms",
-           "call_traced", "proxy_of", "fn_name"]
+           "call_traced", "proxy_of", "fn_name", "check_result"]
 
 #: the kinds of function, their index arguments and what they must return
 KINDS = {"score_mod": (("score",) + INDEX_INPUTS, FLOAT),
@@ -474,7 +474,7 @@ def call_traced(fn, kind: str, captures: Optional[Dict[str, Any]], ctx: _Context
         raise
     except Exception as e:        # anything else the function did with a symbol
         raise TypeError(f"{where_}: could not be traced: {type(e).__name__}: {e}") from e
-    return _result(res, ctx, want)
+    return check_result(res, ctx, want)
 
 
 def trace(fn, kind: str, captures: Optional[Dict[str, Any]] = None) -> Traced:
@@ -505,7 +505,7 @@ def proxy_of(spec: CaptureSpec, ctx: _Context):
 TRACING_ERRORS = (TraceError,)
 
 
-def _result(res, ctx: _Context, want: str) -> Node:
+def check_result(res, ctx: _Context, want: str) -> Node:
     kind, what = ctx.kind, ("a float" if want == FLOAT else "a bool")
     if isinstance(res, CaptureProxy):
         res._as_value()
