@@ -48,8 +48,15 @@ def reduce_to_shape(x: np.ndarray, shape) -> np.ndarray:
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_slopes=None,
-            score_mod=None, mod_wrt=None):
+def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_slopes=None):
+    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th)
+    without a score function (see :func:`_scores_mod`)."""
+    return _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
+                       alibi_slopes)[:5]
+
+
+def _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None,
+                alibi_slopes=None, score_mod=None, mod_wrt=None):
     """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th, smd).
 
     ``th`` = tanh(scale·qk / softcap) [B,Hq,Sq,Sk] (None without softcap): the backward
@@ -156,7 +163,7 @@ def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
     q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    s, _, _, vexp, _, _ = _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
+    s, _, _, vexp, _, _ = _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
                                   alibi_slopes, _bound(score_mod, q, k, mask, q_offset,
                                                        k_offset))
     p, row_max, log_norm = _softmax_stats(s, sinks)
@@ -188,7 +195,7 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     smod = _bound(score_mod, q, k, mask, q_offset, k_offset)
     mod_wrt = None if smod is None else \
         tuple(w for w in wrt if w not in ("q", "k", "v", "bias", "sinks"))
-    s, keep, kexp, vexp, th, smd = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset,
+    s, keep, kexp, vexp, th, smd = _scores_mod(q, k, v, mask, bias0, scale, q_offset, k_offset,
                                            softcap, alibi_slopes, smod, mod_wrt)
     if lse is not None and stats is not None:
         raise ValueError("lse and stats: pass one of them, not both")
