@@ -203,6 +203,9 @@ class ScoreTiles:
         memo: Dict[int, Any] = {}
         outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
         vals = evaluate(outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt, memo)
+        # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
+        # s' into st below
+        vals = [v.copy() if v is st else v for v in vals]
         gath = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
                 for i, (g, _) in enumerate(self.dgathers)]
         dsc = None if self.unit_dscore else vals[1]
