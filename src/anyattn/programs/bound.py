@@ -83,6 +83,7 @@ class BoundProgram:
         check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
+        self._order = ordered([program.out])
 
     def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
         dt = np.dtype(dt)
@@ -108,7 +109,8 @@ class BoundProgram:
         env = {"b": np.int64(b), "h": np.int64(h),
                "q_idx": np.arange(i0, i1, dtype=np.int64)[None, :],
                "kv_idx": np.arange(j0, j1, dtype=np.int64)[:, None]}
-        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64))
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64),
+                      order=self._order)
         return np.broadcast_to(k, (j1 - j0, i1 - i0))
 
     def keep_dense(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
@@ -181,9 +183,12 @@ class ScoreTiles:
         self.caps = bound.caps(self.dt)
         self.out = self.prog.out
         self.wrt = wrt
+        self.order = ordered([self.out])
         if wrt is not None:
             self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
             self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
+            self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
+            self.grad_order = ordered(self.outs)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
         return {"score": st, "b": np.int64(b), "h": np.int64(h),
@@ -193,7 +198,8 @@ class ScoreTiles:
     def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                 j1: int) -> None:
         """st = score_mod(st) in place."""
-        r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt)
+        r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
+                      order=self.order)
         np.copyto(st, r)
 
     def apply_grad_t(self, st: np.ndarray, h: int, i0: int, i1: int, j0: int,
@@ -201,8 +207,8 @@ class ScoreTiles:
         """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
         memo: Dict[int, Any] = {}
-        outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
-        vals = evaluate(outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt, memo)
+        vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
+                        memo, order=self.grad_order)
         # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
         # s' into st below
         vals = [v.copy() if v is st else v for v in vals]

@@ -40,12 +40,27 @@ def cast_captures(arrays: Dict[str, np.ndarray], specs, dt: np.dtype) -> Dict[st
     return out
 
 
+def _gather(c: np.ndarray, idx: list):
+    """c[idx...] (one index per axis, broadcast); where all but one index are scalars,
+    those select a view and np.take reads the rest (~1.5x faster than fancy indexing)."""
+    if not idx:
+        return c[()]
+    arrays = [ax for ax, i in enumerate(idx) if np.ndim(i) > 0]
+    if len(arrays) == 1:
+        ax = arrays[0]
+        view = c[tuple(slice(None) if a == ax else i for a, i in enumerate(idx))]
+        return np.take(view, idx[ax])
+    return c[tuple(idx)]
+
+
 def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np.ndarray],
-             dt: np.dtype, memo: Dict[int, object] = None) -> List[object]:
-    """The values of ``outputs`` (arrays or scalars, broadcast as their inputs are)."""
+             dt: np.dtype, memo: Dict[int, object] = None,
+             order: Sequence[Node] = None) -> List[object]:
+    """The values of ``outputs`` (arrays or scalars, broadcast as their inputs are).
+    ``order``: ``ordered(outputs)`` if the caller keeps it (per-tile callers do)."""
     val: Dict[int, object] = {} if memo is None else memo
     f = dt.type
-    for n in ordered(outputs):
+    for n in (ordered(outputs) if order is None else order):
         if n.uid in val:
             continue
         op = n.op
@@ -55,8 +70,7 @@ def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np
             r = f(n.attr) if n.dtype == FLOAT else (np.bool_(n.attr) if n.dtype == BOOL
                                                     else np.int64(n.attr))
         elif op == "gather":
-            c = caps[n.attr]
-            r = c[tuple(val[a.uid] for a in n.args)] if n.args else c[()]
+            r = _gather(caps[n.attr], [val[a.uid] for a in n.args])
         elif op == "tofloat":
             r = np.asarray(val[n.args[0].uid]).astype(dt)
         elif op == "toint":
