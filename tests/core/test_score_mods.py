@@ -355,3 +355,13 @@ def test_union_with_bad_array_terms_names_the_term():
         resolve(aa.Causal() | aa.KeepMask(np.ones((4, 4), bool)), 1, 1, 5, 5)
     with pytest.raises(ValueError, match=r"Documents\(q_ids=...\): shape \(1, 4\) does not fit"):
         resolve(aa.Causal() | aa.Documents(np.zeros(4, int)), 1, 1, 5, 5)
+
+
+def test_torch_functions_trace_and_unknown_ones_are_refused():
+    torch = pytest.importorskip("torch")
+    t = trace(lambda s, b, h, i, j: torch.where(i >= j, torch.clamp(s, min=-3.0),
+                                                torch.tanh(s) * torch.exp(s)), "score_mod")
+    assert render(t.out) == "where((q_idx >= kv_idx), maximum(score, -3.0), (tanh(score) * " \
+                            "exp(score)))"
+    with pytest.raises(TypeError, match="torch.softmax is not supported"):
+        aa.ScoreMod(lambda s, b, h, i, j: torch.softmax(s, 0))

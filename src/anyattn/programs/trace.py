@@ -180,6 +180,12 @@ class Sym:
     def __array_function__(self, func, types_, args, kwargs):
         return numpy_function(self.ctx, func, args, kwargs)
 
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        ctx = next(a.ctx for a in list(args) + list((kwargs or {}).values())
+                   if isinstance(a, Sym))
+        return torch_function(ctx, func, args, kwargs or {})
+
     def __array__(self, *a, **k):
         self.ctx.fail(TypeError, "a traced value converted to a NumPy array (np.asarray, "
                                  "or an operation with a non-capture array); pass arrays "
@@ -314,6 +320,46 @@ def numpy_function(ctx: _Context, func, args, kwargs):
         return clamp_sym(ctx, *args)
     ctx.fail(TypeError, f"np.{name} is not supported in a traced function; use np.where(c, "
                         "x, y), np.clip(x, lo, hi), NumPy ufuncs or anyattn.math")
+
+
+_TORCH_UNARY = {"neg": "neg", "negative": "neg", "abs": "abs", "sign": "sign",
+                "floor": "floor", "ceil": "ceil", "logical_not": "not",
+                "bitwise_not": "invert", **{n: n for n in ops.MATH_UNARY}}
+_TORCH_BINARY = {"add": "add", "sub": "sub", "subtract": "sub", "mul": "mul",
+                 "multiply": "mul", "div": "div", "true_divide": "div",
+                 "floor_divide": "floordiv", "remainder": "mod", "pow": "pow",
+                 "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
+                 "minimum": "minimum", "maximum": "maximum", "fmin": "minimum",
+                 "fmax": "maximum", "logical_and": "logical_and",
+                 "logical_or": "logical_or", "logical_xor": "logical_xor",
+                 "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor"}
+
+
+def torch_function(ctx: _Context, func, args, kwargs):
+    """torch.where / torch.tanh / torch.clamp / ... on traced values (torch hands them to
+    ``Sym.__torch_function__``)."""
+    name = getattr(func, "__name__", str(func))
+    try:
+        if name == "where" and len(args) == 3 and not kwargs:
+            return Sym(_where(ctx, *args), ctx)
+        if name in ("clamp", "clip") and len(args) >= 1:
+            rest = list(args[1:]) + [None] * (3 - len(args))
+            lo = kwargs.pop("min", rest[0])
+            hi = kwargs.pop("max", rest[1])
+            if not kwargs:
+                return clamp_sym(ctx, args[0], lo, hi)
+        if not kwargs and name in _TORCH_UNARY and len(args) == 1:
+            return Sym(ops.unary(ctx.bld, _TORCH_UNARY[name], lift(args[0], ctx)), ctx)
+        if not kwargs and name in _TORCH_BINARY and len(args) == 2:
+            return Sym(ops.binary(ctx.bld, _TORCH_BINARY[name], lift(args[0], ctx),
+                                  lift(args[1], ctx)), ctx)
+    except ops.OpError as e:
+        ctx.fail(TypeError, f"torch.{name}: {e}")
+    ctx.fail(TypeError, f"torch.{name}"
+             + (f" with {sorted(kwargs)}" if kwargs else "")
+             + " is not supported in a traced function; use torch.where(c, x, y), "
+             "torch.clamp(x, min, max), elementwise torch functions, NumPy ufuncs or "
+             "anyattn.math")
 
 
 def _where(ctx: _Context, c, x, y) -> Node:
