@@ -338,8 +338,10 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
     that call's Problem back without the checks (frozen, it holds no array); a call
     with a Documents / KeepMask mask is validated in full every time.
 
-    ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
-    None describes a forward.  A backward (``dout`` given) with ``wrt=None`` is a
+    ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES` and the
+    names of ``score_mod``'s float captures); None describes a forward.
+    ``score_mod``: a score function or ``anyattn.ScoreMod``, bound here to the problem's
+    sizes (its capture indices checked); ``Problem.score_mod`` holds the bound program.  A backward (``dout`` given) with ``wrt=None`` is a
     TypeError: an explicit None would otherwise compute nothing without a word.
     ``q_offset``/``k_offset``: any integer (``operator.index``: int, np.int64, ...),
     not bool or float.  ``scale`` must be finite in the compute dtype (float32 for
