@@ -21,7 +21,7 @@ import numpy as np
 from ..arrays import to_numpy
 from .bounds import check_gathers
 from .derive import derivatives
-from .evaluate import cast_captures, evaluate
+from .evaluate import cast_captures, evaluate, use_counts
 from .graph import FLOAT, Node, ordered, structural_key
 from .trace import CaptureSpec, Traced
 
@@ -184,11 +184,13 @@ class ScoreTiles:
         self.out = self.prog.out
         self.wrt = wrt
         self.order = ordered([self.out])
+        self.uses = use_counts(self.order)
         if wrt is not None:
             self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
             self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
             self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
             self.grad_order = ordered(self.outs)
+            self.grad_uses = use_counts(self.grad_order)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
         return {"score": st, "b": np.int64(b), "h": np.int64(h),
@@ -199,16 +201,17 @@ class ScoreTiles:
                 j1: int) -> None:
         """st = score_mod(st) in place."""
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                      order=self.order)
-        np.copyto(st, r)
+                      order=self.order, uses=self.uses, reuse=("score",))
+        if r is not st:
+            np.copyto(st, r)
 
-    def apply_grad_t(self, st: np.ndarray, h: int, i0: int, i1: int, j0: int,
-                     j1: int, b: int):
+    def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
+                     j1: int):
         """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
         memo: Dict[int, Any] = {}
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                        memo, order=self.grad_order)
+                        memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",))
         # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
         # s' into st below
         vals = [v.copy() if v is st else v for v in vals]

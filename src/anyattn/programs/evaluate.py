@@ -13,7 +13,7 @@ import numpy as np
 
 from .graph import BOOL, FLOAT, Node, ordered
 
-__all__ = ["evaluate", "cast_captures"]
+__all__ = ["evaluate", "cast_captures", "use_counts"]
 
 _LN2 = 0.6931471805599453
 
@@ -53,19 +53,42 @@ def _gather(c: np.ndarray, idx: list):
     return c[tuple(idx)]
 
 
+def use_counts(order: Sequence[Node]) -> Dict[int, int]:
+    """How many argument slots of the nodes ``order`` read each node (for
+    :func:`evaluate`'s in-place reuse)."""
+    c: Dict[int, int] = {}
+    for n in order:
+        for a in n.args:
+            c[a.uid] = c.get(a.uid, 0) + 1
+    return c
+
+
 def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np.ndarray],
              dt: np.dtype, memo: Dict[int, object] = None,
-             order: Sequence[Node] = None) -> List[object]:
+             order: Sequence[Node] = None, uses: Dict[int, int] = None,
+             reuse: Sequence[str] = ()) -> List[object]:
     """The values of ``outputs`` (arrays or scalars, broadcast as their inputs are).
-    ``order``: ``ordered(outputs)`` if the caller keeps it (per-tile callers do)."""
+
+    ``order``: ``ordered(outputs)`` if the caller keeps it (per-tile callers do).
+    ``uses`` (``use_counts(order)``): float elementwise operations then write into an
+    argument's array where that argument is a temporary of this evaluation read for the
+    last time (same shape and dtype), never into an output or an input, except the inputs
+    named in ``reuse`` (the caller gives those up)."""
     val: Dict[int, object] = {} if memo is None else memo
     f = dt.type
+    inplace = uses is not None
+    if inplace:
+        left = dict(uses)
+        keep = {o.uid for o in outputs}
+        owned = set()
     for n in (ordered(outputs) if order is None else order):
         if n.uid in val:
             continue
         op = n.op
+        fresh = True                                 # r is an array made here
         if op == "input":
             r = env[n.attr]
+            fresh = n.attr in reuse
         elif op == "const":
             r = f(n.attr) if n.dtype == FLOAT else (np.bool_(n.attr) if n.dtype == BOOL
                                                     else np.int64(n.attr))
@@ -78,11 +101,27 @@ def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np
         elif op == "where":
             c, x, y = (val[a.uid] for a in n.args)
             r = np.where(c, x, y)
-        elif op in _UNARY:
-            r = _UNARY[op](val[n.args[0].uid])
         else:
-            r = _BINARY[op](val[n.args[0].uid], val[n.args[1].uid])
+            fn = _UNARY[op] if op in _UNARY else _BINARY[op]
+            args = [val[a.uid] for a in n.args]
+            out = None
+            if inplace and n.dtype == FLOAT:
+                shape = None
+                for a, x in zip(n.args, args):
+                    if (a.uid in owned and left.get(a.uid) == 1 and a.uid not in keep
+                            and isinstance(x, np.ndarray) and x.dtype == dt):
+                        if shape is None:
+                            shape = np.broadcast_shapes(*(np.shape(y) for y in args))
+                        if x.shape == shape:
+                            out = x
+                            break
+            r = fn(*args) if out is None else fn(*args, out=out)
         if n.dtype == FLOAT and getattr(r, "dtype", dt) != dt:
             r = np.asarray(r).astype(dt)         # a 0-d result NumPy widened
         val[n.uid] = r
+        if inplace:
+            for a in n.args:
+                left[a.uid] -= 1
+            if fresh and isinstance(r, np.ndarray):
+                owned.add(n.uid)
     return [val[o.uid] for o in outputs]
