@@ -1212,7 +1212,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         plan.add_dbias(dbias, dst, b, h, i0, i1, c0, c1)
                     if smod is not None:                            # through score_mod
                         for name, idx, dg in (gath if hs.dcap is not None else ()):
-                            contrib = dst * dg                      # [nc, ni]
+                            one = np.ndim(dg) == 0 and dg == 1
+                            contrib = dst if one and ex is None else dst * dg   # [nc, ni]
                             if ex is not None:                      # dropped pairs: 0
                                 np.copyto(contrib, dt.type(0), where=ex)
                             scatter_add(hs.dcap[name], idx, contrib)

@@ -158,16 +158,29 @@ def dense_grids(sizes, uses, i0, i1, j0, j1) -> Dict[str, np.ndarray]:
 
 def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) -> None:
     """dst (float64, a capture's shape) += vals summed at the indices ``idx`` (one
-    array per axis, broadcast with vals): np.bincount, a fixed sequential order."""
+    array per axis, broadcast with vals): np.bincount over the span of flat indices the
+    tile reaches, a fixed sequential order."""
     vals = np.asarray(vals)
     if dst.ndim == 0:
         dst[()] += float(np.sum(vals, dtype=np.float64))
         return
     shape = np.broadcast_shapes(vals.shape, *(np.shape(i) for i in idx))
-    flat = np.ravel_multi_index(tuple(np.broadcast_to(i, shape) for i in idx), dst.shape)
-    dst.reshape(-1)[...] += np.bincount(flat.reshape(-1),
-                                        weights=np.broadcast_to(vals, shape).reshape(-1),
-                                        minlength=dst.size)
+    if 0 in shape:
+        return
+    arrays = [ax for ax, i in enumerate(idx) if np.ndim(i) > 0]
+    if len(arrays) == 1:              # the other axes fixed: a 1-D view of dst
+        ax = arrays[0]
+        out = dst[tuple(slice(None) if a == ax else int(i) for a, i in enumerate(idx))]
+        flat = np.broadcast_to(idx[ax], shape).reshape(-1)
+    else:
+        out = dst.reshape(-1)
+        flat = np.ravel_multi_index(tuple(np.broadcast_to(i, shape) for i in idx),
+                                    dst.shape).reshape(-1)
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo:
+        flat = flat - lo
+    out[lo:hi + 1] += np.bincount(flat, weights=np.broadcast_to(vals, shape).reshape(-1),
+                                  minlength=hi - lo + 1)
 
 
 class ScoreTiles:
