@@ -42,8 +42,11 @@ def relative_position_bias(B, Hq, Sq, Sk, rng) -> Entry:
     def rel_bias(score, b, h, q_idx, kv_idx, table):
         return score + table[h, q_idx - kv_idx + (Sk - 1)]
 
+    i, j = np.arange(Sq)[:, None], np.arange(Sk)[None, :]
+    dense = np.ascontiguousarray(table[:, i - j + (Sk - 1)][None])   # [1, Hq, Sq, Sk]
     return Entry("relative position bias", dict(score_mod=aa.ScoreMod(rel_bias, table=table),
-                                                mask=aa.Causal()), wrt=("table",))
+                                                mask=aa.Causal()), wrt=("table",),
+                 builtin=dict(bias=dense, mask=aa.Causal()))
 
 
 def t5_buckets(B, Hq, Sq, Sk, rng, n_buckets=16, max_distance=64) -> Entry:
@@ -139,7 +142,9 @@ def chunked(B, Hq, Sq, Sk, rng, chunk=16) -> Entry:
     def chunked_fn(b, h, q_idx, kv_idx):
         return (q_idx // chunk == kv_idx // chunk) & (kv_idx <= q_idx)
 
-    return Entry("chunked (Llama 4)", dict(mask=aa.MaskMod(chunked_fn)))
+    ids_q, ids_k = np.arange(Sq) // chunk, np.arange(Sk) // chunk
+    return Entry("chunked (Llama 4)", dict(mask=aa.MaskMod(chunked_fn)),
+                 builtin=dict(mask=aa.Causal() & aa.Documents(ids_q, ids_k)))
 
 
 def causal_fn(B, Hq, Sq, Sk, rng) -> Entry:

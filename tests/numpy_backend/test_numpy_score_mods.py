@@ -156,3 +156,30 @@ def test_capture_gradients_alone_and_torch_cpu_tensors(np_config):
     rg = aa.attention_backward(*_f64(q, k, v, g), score_mod=sm, wrt=("t",),
                                backend="reference")
     assert_close(gr.dcaptures["t"].numpy(), rg.dcaptures["t"], "float32", "dt")
+
+
+def test_rows_a_score_function_sends_to_minus_inf_are_empty_rows(np_config):
+    """-inf from the score function drops a key like a mask: a row with every key at -inf
+    has out 0, lse -inf and zero gradients (the capture's included)."""
+    np_config(**TILES)
+    q, k, v, g = qkv(10, 1, 2, 2, 24, 24, 8, "float32")
+    t = np.ones(2, np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: aa.math.where(i % 2 == 0, s * t[h], -np.inf),
+                     t=t)
+    out, lse, gr = _run(dict(score_mod=sm), q, k, v, g, ("q", "k", "v", "t"))
+    assert (out[:, :, 1::2] == 0).all() and np.isneginf(lse[:, :, 1::2]).all()
+    rg = aa.attention_backward(*_f64(q, k, v, g), score_mod=sm, wrt=("q", "k", "t"),
+                               backend="reference")
+    assert (gr.dq[:, :, 1::2] == 0).all()
+    assert_close(gr.dq, rg.dq, "float32", "dq")
+    assert_close(gr.dcaptures["t"], rg.dcaptures["t"], "float32", "dt")
+
+
+def test_empty_problems_give_zero_capture_gradients():
+    q = np.zeros((1, 2, 0, 8), np.float32)
+    k = np.zeros((1, 2, 5, 8), np.float32)
+    t = np.ones((2, 3), np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, j % 3], t=t)
+    gr = aa.attention_backward(q, k, k, q, score_mod=sm, wrt=("q", "t"))
+    assert gr.dq.shape == q.shape and (gr.dcaptures["t"] == 0).all()
+    assert gr.dcaptures["t"].shape == t.shape

@@ -239,23 +239,26 @@ def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
                     chunk: int = 1 << 21) -> Tuple[np.ndarray, np.ndarray]:
     """A mask function per tile: (any kept, all kept), bool [Bx, Hx, nQ, nK].
 
-    Evaluated on row blocks of whole query tiles (about ``chunk`` pairs at a time) and
-    reduced per key tile: O(Bx·Hx·Sq·Sk) evaluations, O(chunk) memory."""
+    Evaluated per (b, h) it reads, on row blocks of whole query tiles (about ``chunk``
+    pairs at a time), and reduced per key tile: O(Bx·Hx·Sq·Sk) evaluations, O(chunk)
+    memory."""
     B, H, Sq, Sk = bound.sizes
     Bx, Hx = _bh(bound.sizes, bound.program.uses)
     nq, nk = -(-Sq // bq), -(-Sk // bk)
     any_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
     all_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
-    tiles_per = max(1, chunk // max(1, Bx * Hx * bq * Sk))
+    tiles_per = max(1, chunk // max(1, bq * Sk))
     pad = nk * bk - Sk
-    for t0 in range(0, nq, tiles_per):
-        t1 = min(nq, t0 + tiles_per)
-        i0, i1 = t0 * bq, min(Sq, t1 * bq)
-        keep = bound.keep_dense(i0, i1, 0, Sk)                     # [Bx, Hx, ni, Sk]
-        rpad = (t1 - t0) * bq - (i1 - i0)
-        ka = np.pad(keep, ((0, 0), (0, 0), (0, rpad), (0, pad)), constant_values=False)
-        kl = np.pad(keep, ((0, 0), (0, 0), (0, rpad), (0, pad)), constant_values=True)
-        shape = (Bx, Hx, t1 - t0, bq, nk, bk)
-        any_k[:, :, t0:t1] = ka.reshape(shape).any(axis=(3, 5))
-        all_k[:, :, t0:t1] = kl.reshape(shape).all(axis=(3, 5))
+    for b in range(Bx):
+        for h in range(Hx):
+            for t0 in range(0, nq, tiles_per):
+                t1 = min(nq, t0 + tiles_per)
+                i0, i1 = t0 * bq, min(Sq, t1 * bq)
+                keep = bound.keep_t(b, h, i0, i1, 0, Sk).T              # [ni, Sk]
+                rpad = (t1 - t0) * bq - (i1 - i0)
+                ka = np.pad(keep, ((0, rpad), (0, pad)), constant_values=False)
+                kl = np.pad(keep, ((0, rpad), (0, pad)), constant_values=True)
+                shape = (t1 - t0, bq, nk, bk)
+                any_k[b, h, t0:t1] = ka.reshape(shape).any(axis=(1, 3))
+                all_k[b, h, t0:t1] = kl.reshape(shape).all(axis=(1, 3))
     return any_k, all_k
