@@ -365,3 +365,38 @@ def test_torch_functions_trace_and_unknown_ones_are_refused():
                             "exp(score)))"
     with pytest.raises(TypeError, match="torch.softmax is not supported"):
         aa.ScoreMod(lambda s, b, h, i, j: torch.softmax(s, 0))
+
+
+def _random_expr(rng, depth):
+    """A random expression builder over (s, b, h, i, j): a function that works on traced
+    values and on NumPy arrays alike, float-valued."""
+    if depth == 0:
+        leaf = int(rng.integers(0, 6))
+        c = float(rng.integers(-3, 4)) / 2
+        return [lambda s, b, h, i, j: s, lambda s, b, h, i, j: i * 1.0,
+                lambda s, b, h, i, j: (j - i) * 0.5, lambda s, b, h, i, j: h + c,
+                lambda s, b, h, i, j: (i // (h + 1)) % 3 - b,
+                lambda s, b, h, i, j: s * c][leaf]
+    x, y = _random_expr(rng, depth - 1), _random_expr(rng, depth - 1)
+    op = int(rng.integers(0, 11))
+    return [lambda *a: x(*a) + y(*a), lambda *a: x(*a) - y(*a), lambda *a: x(*a) * y(*a),
+            lambda *a: x(*a) / (abs(y(*a)) + 1.0), lambda *a: x(*a) // (abs(y(*a)) + 1.0),
+            lambda *a: x(*a) % (abs(y(*a)) + 1.5), lambda *a: np.tanh(x(*a)) - abs(y(*a)),
+            lambda *a: np.where((x(*a) > y(*a)) | (a[3] < a[4]), x(*a), y(*a)),
+            lambda *a: np.minimum(x(*a), y(*a)) + np.maximum(x(*a), -y(*a)),
+            lambda *a: am.clamp(x(*a), -2.0, 2.0) * np.exp(am.clamp(y(*a), -3.0, 3.0)),
+            lambda *a: am.where(~(x(*a) >= 0.5) & (a[1] == 0), -x(*a), am.sqrt(abs(y(*a))))
+            ][op]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_expressions_evaluate_as_numpy_computes_them(seed):
+    """The traced graph, evaluated in float64, equals the same function run by NumPy on
+    the index arrays (dtype rules, floor division, modulo, where / min / max)."""
+    rng = np.random.default_rng(seed)
+    body = _random_expr(rng, 3)
+    sm = aa.ScoreMod(lambda s, b, h, i, j: body(s, b, h, i, j) + s * 0.0)
+    s = np.random.default_rng(seed + 100).standard_normal((B, H, SQ, SK))
+    want = np.broadcast_to(body(s, *_grids()) + s * 0.0, s.shape)
+    got = sm.bind((B, H, SQ, SK)).score_dense(s)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
