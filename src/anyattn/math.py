@@ -15,7 +15,7 @@ from .programs.trace import Sym, clamp_sym, lift
 
 __all__ = ["where", "exp", "exp2", "log", "log2", "log1p", "expm1", "tanh", "sqrt",
            "square", "sin", "cos", "minimum", "maximum", "clamp", "floor", "ceil", "sign",
-           "abs"]
+           "abs", "to_int"]
 
 
 def _sym_of(*args):
@@ -69,6 +69,16 @@ def _binary(name: str, np_fn):
 
 minimum = _binary("minimum", np.minimum)
 maximum = _binary("maximum", np.maximum)
+
+
+def to_int(x):
+    """``x`` as an integer, truncated toward zero like ``int()`` (and torch's ``.long()``):
+    for computed indices such as T5's log buckets; clamp the result before indexing a
+    capture (a float has no bound the index check could use)."""
+    s = _sym_of(x)
+    if s is None:
+        return np.trunc(x).astype(np.int64)
+    return Sym(ops.unary(s.ctx.bld, "trunc_int", s.node), s.ctx)
 
 
 def where(cond, x, y):

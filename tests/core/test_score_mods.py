@@ -400,3 +400,35 @@ def test_random_expressions_evaluate_as_numpy_computes_them(seed):
     want = np.broadcast_to(body(s, *_grids()) + s * 0.0, s.shape)
     got = sm.bind((B, H, SQ, SK)).score_dense(s)
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_t5_buckets_computed_in_the_function_equal_a_bucket_capture():
+    """T5's log buckets written with anyattn.math (log, to_int, clamp) give the bucket
+    table's result; without the clamp the float-derived index is refused."""
+    n_buckets, max_d, exact = 8, 32, 2
+    table = np.random.default_rng(7).standard_normal((H, n_buckets))
+
+    def bucket_of(rel):                          # rel = kv_idx - q_idx, works on arrays too
+        n = abs(rel)
+        big = exact + am.to_int(am.log(am.maximum(n, 1) / exact) / math.log(max_d / exact)
+                                * (n_buckets // 2 - exact))
+        small = am.where(n < exact, n, am.minimum(big, n_buckets // 2 - 1))
+        return am.clamp(small + am.where(rel > 0, n_buckets // 2, 0), 0, n_buckets - 1)
+
+    rel = np.arange(-(SQ - 1), SK)
+    buckets = bucket_of(rel)
+    fn_in = aa.ScoreMod(lambda s, b, h, i, j, table: s + table[h, bucket_of(j - i)],
+                        table=table)
+    fn_cap = aa.ScoreMod(lambda s, b, h, i, j, table, bk: s + table[h, bk[j - i + SQ - 1]],
+                         table=table, bk=buckets)
+    q, k, v, g = _qkv(8)
+    kw = dict(backend="reference", wrt=("q", "table"))
+    a = aa.attention_backward(q, k, v, g, score_mod=fn_in, **kw)
+    c = aa.attention_backward(q, k, v, g, score_mod=fn_cap, **kw)
+    np.testing.assert_allclose(a.dq, c.dq, atol=1e-14)
+    np.testing.assert_allclose(a.dcaptures["table"], c.dcaptures["table"], atol=1e-14)
+    unclamped = aa.ScoreMod(lambda s, b, h, i, j, table:
+                            s + table[h, am.to_int(am.log((abs(j - i) + 1) * 1.0))],
+                            table=table)
+    with pytest.raises(ValueError, match=r"axis 1 .* values in \[-inf, inf\]"):
+        describe(q, k, v, score_mod=unclamped)

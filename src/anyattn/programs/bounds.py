@@ -67,6 +67,8 @@ def intervals(outputs, sizes: Tuple[int, int, int, int],
             r = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
         elif op == "toint":
             r = a[0]
+        elif op == "trunc_int":                  # from a float: no bound known
+            r = (-INF, INF)
         elif op == "add":
             r = (a[0][0] + a[1][0], a[0][1] + a[1][1])
         elif op == "sub":

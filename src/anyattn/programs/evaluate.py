@@ -98,6 +98,9 @@ def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np
             r = np.asarray(val[n.args[0].uid]).astype(dt)
         elif op == "toint":
             r = np.asarray(val[n.args[0].uid]).astype(np.int64)
+        elif op == "trunc_int":                   # NaN / inf: unspecified, clamp after
+            with np.errstate(invalid="ignore"):
+                r = np.trunc(val[n.args[0].uid]).astype(np.int64)
         elif op == "where":
             c, x, y = (val[a.uid] for a in n.args)
             r = np.where(c, x, y)

@@ -28,7 +28,8 @@ INPUTS = ("score",) + INDEX_INPUTS
 
 #: operations by arity; the tracer and the helpers of anyattn.math build only these
 UNARY = ("neg", "abs", "not", "invert", "exp", "exp2", "log", "log2", "log1p", "expm1",
-         "tanh", "sqrt", "square", "sin", "cos", "floor", "ceil", "sign", "tofloat")
+         "tanh", "sqrt", "square", "sin", "cos", "floor", "ceil", "sign", "tofloat", "toint",
+         "trunc_int")
 BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "lt", "le", "gt", "ge",
           "eq", "ne", "and", "or", "xor", "bitand", "bitor", "bitxor", "minimum",
           "maximum")

@@ -71,6 +71,10 @@ def unary(bld: Builder, op: str, a: Node) -> Node:
         return bld.node("invert", INT, (a,))
     if op == "not":
         return bld.node("not", BOOL, (to_bool(bld, a),))
+    if op == "trunc_int":                             # int(x): toward zero
+        if a.dtype != FLOAT:
+            return to_int(bld, a)
+        return bld.node("trunc_int", INT, (a,))
     raise OpError(f"unknown unary operation {op!r}")  # pragma: no cover - internal
 
 
