@@ -14,6 +14,7 @@ evaluates densely and the NumPy backend per tile:
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,6 +44,7 @@ class Program:
             (n, s.shape, s.dtype) for n, s in sorted(self.specs.items())))
         self.uses = frozenset(n.attr for n in ordered([self.out]) if n.op == "input")
         self._grads: Dict[FrozenSet[str], Tuple[Node, List[Node]]] = {}
+        self._lock = threading.Lock()           # derivatives add nodes to the builder
 
     @property
     def where(self) -> str:
@@ -57,13 +59,14 @@ class Program:
 
     def grad_nodes(self, wrt: FrozenSet[str]) -> Tuple[Node, List[Tuple[Node, Node]]]:
         """(d out / d score, [(gather node, d out / d gather)] for the captures ``wrt``)."""
-        hit = self._grads.get(wrt)
-        if hit is None:
-            gs = self.gathers(wrt)
-            leaves = [self.bld.input("score")] + gs
-            d = derivatives(self.out, self.bld, leaves)
-            hit = self._grads[wrt] = (d[leaves[0].uid], [(g, d[g.uid]) for g in gs])
-        return hit
+        with self._lock:
+            hit = self._grads.get(wrt)
+            if hit is None:
+                gs = self.gathers(wrt)
+                leaves = [self.bld.input("score")] + gs
+                d = derivatives(self.out, self.bld, leaves)
+                hit = self._grads[wrt] = (d[leaves[0].uid], [(g, d[g.uid]) for g in gs])
+            return hit
 
     def bind(self, arrays: Dict[str, Any], sizes: Tuple[int, int, int, int]
              ) -> "BoundProgram":
