@@ -1,7 +1,8 @@
 """Score and mask functions on the NumPy backend against the nearest built-in, in one
 process: causal as a MaskMod vs Causal(), softcap as a score function vs softcap=, a
-relative-position table as a ScoreMod vs the same dense bias, chunked attention as a
-MaskMod vs Causal() & Documents(chunk ids); and the first call's trace time.
+relative-position table as a ScoreMod vs the same dense bias, ALiBi as a ScoreMod vs
+alibi_slopes=, a sliding window as a MaskMod vs Causal() & Window(), chunked attention
+as a MaskMod vs Causal() & Documents(chunk ids); and the first call's trace time.
 
 Shape legend: B batch, H heads, S = Sq = Sk tokens, D head dim.
 
@@ -33,6 +34,7 @@ def pairs(H: int, S: int, rng):
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
     bias = np.ascontiguousarray(tab[:, i - j + S - 1][None])              # [1, H, S, S]
     chunk = 256
+    slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32)
     return {
         "causal": (dict(mask=aa.Causal()),
                    dict(mask=aa.MaskMod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)), ()),
@@ -43,6 +45,13 @@ def pairs(H: int, S: int, rng):
                    dict(score_mod=aa.ScoreMod(lambda s, b, h, q_idx, kv_idx, tab:
                                               s + tab[h, q_idx - kv_idx + (S - 1)], tab=tab),
                         mask=aa.Causal()), ("tab",)),
+        "alibi": (dict(alibi_slopes=slopes, mask=aa.Causal()),
+                  dict(score_mod=aa.ScoreMod(lambda s, b, h, q_idx, kv_idx, slopes:
+                                             s - slopes[h] * abs(q_idx - kv_idx),
+                                             slopes=slopes), mask=aa.Causal()), ()),
+        "window": (dict(mask=aa.Causal() & aa.Window(left=255)),
+                   dict(mask=aa.MaskMod(lambda b, h, q_idx, kv_idx:
+                                        (kv_idx <= q_idx) & (q_idx - kv_idx <= 255))), ()),
         "chunked": (dict(mask=aa.Causal() & aa.Documents(np.arange(S) // chunk)),
                     dict(mask=aa.MaskMod(lambda b, h, q_idx, kv_idx:
                                          (q_idx // chunk == kv_idx // chunk)

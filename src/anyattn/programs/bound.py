@@ -20,7 +20,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..arrays import to_numpy
-from .bounds import check_gathers
+from .bounds import check_gathers, index_dtype
 from .derive import derivatives
 from .evaluate import cast_captures, evaluate, use_counts
 from .graph import FLOAT, Node, ordered, structural_key
@@ -83,7 +83,9 @@ class BoundProgram:
         for name, spec in program.specs.items():
             if tuple(arrays[name].shape) != spec.shape:  # pragma: no cover - internal
                 raise ValueError(f"{program.where}: capture {name!r} changed shape")
-        check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
+        iv = check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
+        #: the integer dtype of index arithmetic (int32 where no integer node leaves it)
+        self.idt = index_dtype(iv)
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
         self._order = ordered([program.out])
@@ -91,7 +93,7 @@ class BoundProgram:
     def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
         dt = np.dtype(dt)
         if dt not in self._caps:
-            self._caps[dt] = cast_captures(self.arrays, self.program.specs, dt)
+            self._caps[dt] = cast_captures(self.arrays, self.program.specs, dt, self.idt)
         return self._caps[dt]
 
     def digest(self) -> str:
@@ -109,18 +111,19 @@ class BoundProgram:
     def keep_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """A mask function on a transposed tile: bool [nj, ni] (evaluated in float64,
         as the reference does)."""
-        env = {"b": np.int64(b), "h": np.int64(h),
-               "q_idx": np.arange(i0, i1, dtype=np.int64)[None, :],
-               "kv_idx": np.arange(j0, j1, dtype=np.int64)[:, None]}
+        it = self.idt.type
+        env = {"b": it(b), "h": it(h), "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
+               "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
         k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64),
-                      order=self._order)
+                      order=self._order, idt=self.idt)
         return np.broadcast_to(k, (j1 - j0, i1 - i0))
 
     def keep_dense(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """A mask function on rows i0..i1-1, keys j0..j1-1 of every (b, h) it reads:
         bool [Bx, Hx, ni, nj] (Bx = B where it reads b, else 1; Hx likewise)."""
         env = dense_grids(self.sizes, self.program.uses, i0, i1, j0, j1)
-        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64))
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64),
+                      idt=self.idt)
         B, H = _bh(self.sizes, self.program.uses)
         return np.broadcast_to(k, (B, H, i1 - i0, j1 - j0))
 
@@ -134,12 +137,12 @@ class BoundProgram:
         env["score"] = s
         dt = np.dtype(np.float64)
         if not grads:
-            return np.broadcast_to(evaluate([self.program.out], env, self.caps(dt), dt)[0],
-                                   s.shape)
+            return np.broadcast_to(evaluate([self.program.out], env, self.caps(dt), dt,
+                                            idt=self.idt)[0], s.shape)
         dsc, gl = self.program.grad_nodes(frozenset(wrt))
         outs = [self.program.out, dsc] + [d for _, d in gl]
         memo: Dict[int, Any] = {}
-        vals = evaluate(outs, env, self.caps(dt), dt, memo)
+        vals = evaluate(outs, env, self.caps(dt), dt, memo, idt=self.idt)
         gathers = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
                    for i, (g, _) in enumerate(gl)]
         return np.broadcast_to(vals[0], s.shape), vals[1], gathers
@@ -197,6 +200,7 @@ class ScoreTiles:
         self.bound, self.dt = bound, np.dtype(dt)
         self.prog = bound.program
         self.caps = bound.caps(self.dt)
+        self.idt = bound.idt
         self.out = self.prog.out
         self.wrt = wrt
         self.order = ordered([self.out])
@@ -209,15 +213,16 @@ class ScoreTiles:
             self.grad_uses = use_counts(self.grad_order)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
-        return {"score": st, "b": np.int64(b), "h": np.int64(h),
-                "q_idx": np.arange(i0, i1, dtype=np.int64)[None, :],
-                "kv_idx": np.arange(j0, j1, dtype=np.int64)[:, None]}
+        it = self.idt.type
+        return {"score": st, "b": it(b), "h": it(h),
+                "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
+                "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
 
     def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                 j1: int) -> None:
         """st = score_mod(st) in place."""
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                      order=self.order, uses=self.uses, reuse=("score",))
+                      order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
         if r is not st:
             np.copyto(st, r)
 
@@ -227,7 +232,8 @@ class ScoreTiles:
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
         memo: Dict[int, Any] = {}
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                        memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",))
+                        memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
+                        idt=self.idt)
         # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
         # s' into st below
         vals = [v.copy() if v is st else v for v in vals]

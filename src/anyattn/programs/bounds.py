@@ -19,7 +19,7 @@ import numpy as np
 
 from .graph import BOOL, FLOAT, Node, ordered, render
 
-__all__ = ["check_gathers", "intervals"]
+__all__ = ["check_gathers", "intervals", "index_dtype"]
 
 INF = math.inf
 Interval = Tuple[float, float]
@@ -122,10 +122,11 @@ def intervals(outputs, sizes: Tuple[int, int, int, int],
     return iv
 
 
-def check_gathers(outputs, sizes, arrays, specs, where_: str) -> None:
-    """Refuse (ValueError) a gather whose index can leave its capture's axis."""
+def check_gathers(outputs, sizes, arrays, specs, where_: str):
+    """Refuse (ValueError) a gather whose index can leave its capture's axis -> the
+    intervals of :func:`intervals` (None for an empty problem: nothing is evaluated)."""
     if 0 in sizes:
-        return                                   # nothing is evaluated
+        return None
     iv = intervals(outputs, sizes, arrays)
     B, H, Sq, Sk = sizes
     for n in ordered(outputs):
@@ -142,6 +143,17 @@ def check_gathers(outputs, sizes, arrays, specs, where_: str) -> None:
                     f"q_idx < {Sq}, kv_idx < {Sk}, outside [0, {shape[ax] - 1}]; enlarge "
                     f"the capture or clamp the index (anyattn.math.clamp(i, 0, "
                     f"{shape[ax] - 1}))")
+    return iv
+
+
+def index_dtype(iv) -> np.dtype:
+    """int32 where every integer node's interval fits it (half the memory traffic of
+    int64 in the index arithmetic), else int64."""
+    lim = 2 ** 31 - 1
+    if iv is not None and all(r is None or (-lim <= r[0] and r[1] <= lim)
+                              for r in iv.values()):
+        return np.dtype(np.int32)
+    return np.dtype(np.int64)
 
 
 def _fmt(x) -> str:

@@ -30,12 +30,14 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true
            "bitxor": np.bitwise_xor, "minimum": np.minimum, "maximum": np.maximum}
 
 
-def cast_captures(arrays: Dict[str, np.ndarray], specs, dt: np.dtype) -> Dict[str, np.ndarray]:
-    """Captures as the evaluator reads them: float -> ``dt``, integer -> int64, bool."""
+def cast_captures(arrays: Dict[str, np.ndarray], specs, dt: np.dtype,
+                  idt: np.dtype = np.dtype(np.int64)) -> Dict[str, np.ndarray]:
+    """Captures as the evaluator reads them: float -> ``dt``, integer -> ``idt``
+    (int64, or int32 where the index analysis proved their values fit), bool."""
     want = {FLOAT: dt, BOOL: np.dtype(bool)}
     out = {}
     for name, arr in arrays.items():
-        t = want.get(specs[name].dtype, np.dtype(np.int64))
+        t = want.get(specs[name].dtype, np.dtype(idt))
         out[name] = arr if arr.dtype == t else arr.astype(t)
     return out
 
@@ -49,7 +51,8 @@ def _gather(c: np.ndarray, idx: list):
     if len(arrays) == 1:
         ax = arrays[0]
         view = c[tuple(slice(None) if a == ax else i for a, i in enumerate(idx))]
-        return np.take(view, idx[ax])
+        i = idx[ax]
+        return np.take(view, i if i.dtype == np.intp else i.astype(np.intp))
     return c[tuple(idx)]
 
 
@@ -66,20 +69,25 @@ def use_counts(order: Sequence[Node]) -> Dict[int, int]:
 def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np.ndarray],
              dt: np.dtype, memo: Dict[int, object] = None,
              order: Sequence[Node] = None, uses: Dict[int, int] = None,
-             reuse: Sequence[str] = ()) -> List[object]:
+             reuse: Sequence[str] = (), idt: np.dtype = np.dtype(np.int64)) -> List[object]:
     """The values of ``outputs`` (arrays or scalars, broadcast as their inputs are).
 
     ``order``: ``ordered(outputs)`` if the caller keeps it (per-tile callers do).
     ``uses`` (``use_counts(order)``): float elementwise operations then write into an
     argument's array where that argument is a temporary of this evaluation read for the
     last time (same shape and dtype), never into an output or an input, except the inputs
-    named in ``reuse`` (the caller gives those up)."""
+    named in ``reuse`` (the caller gives those up).  ``idt``: the integer dtype of the
+    index inputs and captures (int32 only where no integer node can leave it); integer
+    constants stay Python ints, which take the dtype of the array they meet."""
     val: Dict[int, object] = {} if memo is None else memo
     f = dt.type
     inplace = uses is not None
     if inplace:
         left = dict(uses)
-        keep = {o.uid for o in outputs}
+        order = ordered(outputs) if order is None else order
+        # outputs, and gather indices (callers read those back to scatter gradients)
+        keep = {o.uid for o in outputs} | {a.uid for n in order if n.op == "gather"
+                                           for a in n.args}
         owned = set()
     for n in (ordered(outputs) if order is None else order):
         if n.uid in val:
@@ -91,13 +99,13 @@ def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np
             fresh = n.attr in reuse
         elif op == "const":
             r = f(n.attr) if n.dtype == FLOAT else (np.bool_(n.attr) if n.dtype == BOOL
-                                                    else np.int64(n.attr))
+                                                    else int(n.attr))
         elif op == "gather":
             r = _gather(caps[n.attr], [val[a.uid] for a in n.args])
         elif op == "tofloat":
             r = np.asarray(val[n.args[0].uid]).astype(dt)
         elif op == "toint":
-            r = np.asarray(val[n.args[0].uid]).astype(np.int64)
+            r = np.asarray(val[n.args[0].uid]).astype(idt)
         elif op == "trunc_int":                   # NaN / inf: unspecified, clamp after
             with np.errstate(invalid="ignore"):
                 r = np.trunc(val[n.args[0].uid]).astype(np.int64)
@@ -108,11 +116,13 @@ def evaluate(outputs: Sequence[Node], env: Dict[str, object], caps: Dict[str, np
             fn = _UNARY[op] if op in _UNARY else _BINARY[op]
             args = [val[a.uid] for a in n.args]
             out = None
-            if inplace and n.dtype == FLOAT:
+            want = dt if n.dtype == FLOAT else idt
+            if inplace and n.dtype != BOOL and all(
+                    not isinstance(x, np.ndarray) or x.dtype == want for x in args):
                 shape = None
                 for a, x in zip(n.args, args):
                     if (a.uid in owned and left.get(a.uid) == 1 and a.uid not in keep
-                            and isinstance(x, np.ndarray) and x.dtype == dt):
+                            and isinstance(x, np.ndarray)):
                         if shape is None:
                             shape = np.broadcast_shapes(*(np.shape(y) for y in args))
                         if x.shape == shape:
