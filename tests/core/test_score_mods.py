@@ -432,3 +432,18 @@ def test_t5_buckets_computed_in_the_function_equal_a_bucket_capture():
                             table=table)
     with pytest.raises(ValueError, match=r"axis 1 .* values in \[-inf, inf\]"):
         describe(q, k, v, score_mod=unclamped)
+
+
+def test_index_arithmetic_is_int32_only_where_every_value_fits():
+    small = aa.ScoreMod(lambda s, b, h, i, j: s + (i - j) * 1.0).bind((B, H, SQ, SK))
+    assert small.idt == np.int32
+    big = 3_000_000_000
+    wide = aa.ScoreMod(lambda s, b, h, i, j: s + ((i * big + j) % 7) * 1.0)
+    bound = wide.bind((B, H, SQ, SK))
+    assert bound.idt == np.int64
+    q, k, v, g = _qkv(9)
+    i, j = _grids()[2:]
+    want = aa.attention(q, k, v, bias=((i * big + j) % 7) * 1.0, backend="reference")
+    for be in ("reference", "numpy"):
+        np.testing.assert_allclose(aa.attention(q, k, v, score_mod=wide, backend=be), want,
+                                   atol=1e-12)
