@@ -490,7 +490,9 @@ class TermKind:
 
 class _BandTerm(TermKind):
     """``band_lo <= j - i <= band_hi`` (either side None = open): every Causal and
-    Window term, alignment and the offsets ``q_offset - k_offset`` applied."""
+    Window term, alignment and the offsets ``q_offset - k_offset`` applied, and the
+    band-shaped conjuncts of mask functions (items ``(lo, hi, "local")``: on local
+    indices, the offsets not applied)."""
 
     name = "band"
     refusal = "does not support Causal/Window masks"
@@ -498,12 +500,16 @@ class _BandTerm(TermKind):
 
     def fold(self, items, acc, ops, q_offset, k_offset):
         lo = hi = None
-        for l, h in items:
+        shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
+        for item in items:
+            l, h = item[:2]
+            if len(item) > 2:        # (lo, hi, "local"): on local indices, no offsets
+                l = None if l is None else l - shift
+                h = None if h is None else h - shift
             if l is not None:
                 lo = l if lo is None else max(lo, l)
             if h is not None:
                 hi = h if hi is None else min(hi, h)
-        shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
         return {"band_lo": None if lo is None else lo + shift,
                 "band_hi": None if hi is None else hi + shift}
 

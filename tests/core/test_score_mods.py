@@ -213,7 +213,7 @@ def test_backends_without_a_lowering_refuse_with_the_feature_words():
     q, k, v, _ = _qkv()
     for kw, words in ((dict(score_mod=lambda s, b, h, i, j: s * 2),
                        "does not support score_mod (score functions)"),
-                      (dict(mask=aa.MaskMod(lambda b, h, i, j: i >= j)),
+                      (dict(mask=aa.MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)),
                        "does not support mask functions (MaskMod, or | of mask terms)"),
                       (dict(mask=aa.Causal() | aa.Window(left=2)),
                        "does not support mask functions")):
@@ -447,3 +447,30 @@ def test_index_arithmetic_is_int32_only_where_every_value_fits():
     for be in ("reference", "numpy"):
         np.testing.assert_allclose(aa.attention(q, k, v, score_mod=wide, backend=be), want,
                                    atol=1e-12)
+
+
+@pytest.mark.parametrize("fn, terms, lo, hi", [
+    (lambda b, h, i, j: j <= i, ("band",), None, 0),
+    (lambda b, h, i, j: (j <= i) & (i - j <= 8), ("band",), -8, 0),
+    (lambda b, h, i, j: abs(i - j) < 3, ("band",), -2, 2),
+    (lambda b, h, i, j: j == i + 3, ("band",), 3, 3),
+    (lambda b, h, i, j: i > j, ("band",), None, -1),
+    (lambda b, h, i, j: (j - 1 >= i - 4) & (i % 2 == 0), ("band", "mask_mod"), -3, None),
+    (lambda b, h, i, j: 2 * j - i <= 0, ("mask_mod",), None, None),
+    (lambda b, h, i, j: (j <= i) | (j < 2), ("mask_mod",), None, None),
+])
+def test_band_shaped_conjuncts_of_a_mask_function_lower_to_the_band(fn, terms, lo, hi):
+    """Conjuncts comparing kv_idx - q_idx with a constant become the band term (the
+    built-ins' tile ranges); the indices stay local whatever the offsets."""
+    rm = resolve(aa.MaskMod(fn), B, H, SQ, SK, q_offset=5, k_offset=2)
+    assert rm.terms == terms and (rm.band_lo, rm.band_hi) == (lo, hi)
+    want = np.broadcast_to(fn(*_grids()), (B, H, SQ, SK))
+    np.testing.assert_array_equal(np.broadcast_to(rm.dense_keep(B, H), want.shape), want)
+
+
+def test_a_mask_function_spelling_causal_is_causal():
+    q, k, v, g = _qkv(11)
+    assert resolve(aa.MaskMod(lambda b, h, i, j: j <= i), B, H, SQ, SK).terms == ("band",)
+    np.testing.assert_array_equal(
+        aa.attention(q, k, v, mask=aa.MaskMod(lambda b, h, i, j: j <= i)),
+        aa.attention(q, k, v, mask=aa.Causal()))

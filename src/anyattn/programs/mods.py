@@ -9,12 +9,14 @@ capture index out of range when a call's sizes are known.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..masks import Mask
 from .bound import BoundProgram, Program
 from .compose import FunctionContext
-from .trace import Sym, call_traced, fn_name, trace
+from .bands import split_bands
+from .graph import BOOL
+from .trace import Sym, Traced, call_traced, fn_name, trace
 
 __all__ = ["ScoreMod", "MaskMod", "as_score_mod", "RESERVED"]
 
@@ -66,7 +68,9 @@ class MaskMod(Mask):
     ``fn(b, h, q_idx, kv_idx, prefix) -> bool`` (True = attend).  Indices are local
     (``q_offset`` / ``k_offset`` shift only the band terms, as for array masks).
     Tiles are classified full / partial / empty by evaluating ``fn`` once per pair
-    (cached by content), so empty tiles cost nothing and full ones skip ``fn``."""
+    (cached by content), so empty tiles cost nothing and full ones skip ``fn``.
+    Top-level conjuncts that are bands (``kv_idx <= q_idx``, ``abs(q_idx - kv_idx) <= w``)
+    lower to the band term instead (:mod:`anyattn.programs.bands`)."""
 
     def __init__(self, fn, **captures):
         traced = trace(fn, "mask_mod", captures)
@@ -74,16 +78,29 @@ class MaskMod(Mask):
         self.program = Program(traced)
         self.captures: Dict[str, Any] = dict(traced.arrays)
         self._explicit = dict(captures)
+        # band-shaped conjuncts lower to the band term, the rest stays a function
+        self.bands, rest = split_bands(traced.out)
+        self.residual: Optional[Program] = None
+        if rest:
+            out = rest[0]
+            for c in rest[1:]:
+                out = traced.bld.node("and", BOOL, (out, c))
+            self.residual = self.program if not self.bands else Program(
+                Traced("mask_mod", traced.name, out, traced.bld, traced.specs,
+                       traced.arrays))
 
     @property
     def name(self) -> str:
         return self.program.name
 
     def _lower(self, acc) -> None:
-        acc.add("mask_mod", self)
+        for lo, hi in self.bands:
+            acc.add("band", (lo, hi, "local"))
+        if self.residual is not None:
+            acc.add("mask_mod", self)
 
     def _bound_function(self, b, hq, sq, sk, q_offset, k_offset) -> BoundProgram:
-        return self.program.bind(self.captures, (b, hq, sq, sk))
+        return self.residual.bind(self.captures, (b, hq, sq, sk))
 
     def _fn(self, fx: FunctionContext):
         node = call_traced(self.fn, "mask_mod", self._explicit, fx.ctx,
