@@ -1,8 +1,7 @@
 """Tile kernels of the NumPy backend: blocked softmax forward, one-pass backward.
 
 Shape legend: Sq/Sk queries/keys of one head, D head dim of q and k, Dv of v (and out,
-dout), ni/nj rows of one
-query/key tile (<= bq/bk), G query heads per key/value head.
+dout), ni/nj rows of one query/key tile (<= bq/bk), G query heads per key/value head.
 
 Four choices run through the kernels here:
 
