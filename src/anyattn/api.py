@@ -66,7 +66,8 @@ def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
     be = choose(p, backend)
     mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
-        return be.zeros_like(q), be.empty_stats(p, q, mods), p
+        out = be.zeros_like(q, (p.batch, p.heads_q, p.seq_q, p.head_dim_v))
+        return out, be.empty_stats(p, q, mods), p
     out, stats = be.forward(p, q, k, v, bias_4d(bias, p), mods)
     return out, stats, p
 

@@ -169,18 +169,20 @@ class Backend(ABC):
     # The public API (anyattn.api) asks the chosen backend for these instead of building
     # arrays itself: only the backend knows its array kinds.  The defaults serve NumPy
     # arrays and torch tensors; a backend with arrays of its own overrides them (webgpu).
-    def zeros_like(self, x):
-        """A new zero array like ``x``: same array kind, device, shape and dtype (the
-        output and gradients of an empty problem)."""
+    def zeros_like(self, x, shape=None):
+        """A new zero array like ``x``: same array kind, device and dtype, ``x``'s shape
+        or ``shape`` (the output and gradients of an empty problem; its output is
+        [B, Hq, Sq, Dv], q's shape only where Dv == D)."""
         kind = array_kind(x)
+        shape = tuple(x.shape) if shape is None else tuple(shape)
         if kind == "torch":
             import torch
 
-            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros(shape, dtype=x.dtype, device=x.device)
         if kind == "numpy":
             import numpy as np
 
-            return np.zeros(x.shape, dtype=x.dtype)
+            return np.zeros(shape, dtype=x.dtype)
         raise NotImplementedError(f"backend {self.name!r}: zeros_like of {kind} arrays is "
                                   "not implemented; a backend taking them overrides it")
 
