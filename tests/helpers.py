@@ -90,7 +90,8 @@ def term_magnitudes(q, k, v, g, *, mask=None, bias=None, scale=None, q_offset=0,
         "dq": scale * np.einsum("bhij,bhjd->bhid", adx, np.abs(kexp)),
         "dk": (scale * np.einsum("bhij,bhid->bhjd", adx, np.abs(q))).reshape(
             B, Hkv, G, Sk, D).sum(2),
-        "dv": np.einsum("bhij,bhid->bhjd", pd, np.abs(g)).reshape(B, Hkv, G, Sk, D).sum(2),
+        "dv": np.einsum("bhij,bhid->bhjd", pd, np.abs(g)).reshape(B, Hkv, G, Sk,
+                                                                   v.shape[-1]).sum(2),
     }
     if b is not None:
         res["dbias"] = R.reduce_to_shape(ads, b.shape)
@@ -190,11 +191,13 @@ def torch_on(x, device, dtype=None):
     return t if dtype is None else t.to(dtype)
 
 
-def make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype="float32", scale_v=1.0):
+def make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype="float32", scale_v=1.0, Dv=None):
+    """q, k [.., D] and v, dout [.., Dv] (Dv = D unless given)."""
+    Dv = D if Dv is None else Dv
     q = rng.standard_normal((B, Hq, Sq, D))
     k = rng.standard_normal((B, Hkv, Sk, D))
-    v = rng.standard_normal((B, Hkv, Sk, D)) * scale_v
-    g = rng.standard_normal((B, Hq, Sq, D))
+    v = rng.standard_normal((B, Hkv, Sk, Dv)) * scale_v
+    g = rng.standard_normal((B, Hq, Sq, Dv))
     return tuple(x.astype(dtype) for x in (q, k, v, g))
 
 

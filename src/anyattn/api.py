@@ -1,7 +1,8 @@
 """The public entry points: attention and attention_backward.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys,
-D head dim.  ``layout="bhsd"`` (default) takes [B, H, S, D]; ``layout="bshd"``
+D head dim of q and k, Dv head dim of v (Dv may differ from D).
+``layout="bhsd"`` (default) takes [B, H, S, D]; ``layout="bshd"``
 takes [B, S, H, D] and returns results in that layout too.
 """
 from __future__ import annotations
@@ -69,7 +70,8 @@ def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
     be = choose(p, backend)
     mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
-        return be.zeros_like(q), be.empty_stats(p, q, mods), p
+        out = be.zeros_like(q, (p.batch, p.heads_q, p.seq_q, p.head_dim_v))
+        return out, be.empty_stats(p, q, mods), p
     out, stats = be.forward(p, q, k, v, bias_4d(bias, p), mods)
     return out, stats, p
 
@@ -82,7 +84,7 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
               dropout_seed: Optional[int] = None, score_mod=None):
     """Scaled dot-product attention.
 
-    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] -> out [B, Hq, Sq, D] (and lse
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] -> out [B, Hq, Sq, Dv] (and lse
     [B, Hq, Sq], float32 natural log, with ``return_lse=True``).  ``mask``:
     Causal / Window / KeepMask / Documents, composed with ``&``; ``bias``:
     additive, broadcastable to [B, Hq, Sq, Sk].  A query that keeps no key
@@ -139,7 +141,7 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                        dropout_seed: Optional[int] = None, score_mod=None) -> Gradients:
     """Gradients of ``sum(attention(q, k, v, ...) * dout)``.
 
-    -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D],
+    -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv],
     dbias in the bias's own shape, dsinks [Hq], dcaptures {name: gradient in the
     capture's shape}), None for what ``wrt`` (a subset of 'q', 'k', 'v', 'bias',
     'sinks' and the names of the score_mod's float captures; None is a TypeError)
@@ -155,7 +157,7 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     """
     check_layout(layout)
     if dout is None:
-        raise TypeError("dout: the gradient of the output is required, shape [B, Hq, Sq, D]")
+        raise TypeError("dout: the gradient of the output is required, shape [B, Hq, Sq, Dv]")
     qb, kb, vb, gb, ob = (_to_bhsd(x, layout) for x in (q, k, v, dout, out))
     given = lse if isinstance(lse, RowStats) else None
     if given is not None:

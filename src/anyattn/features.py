@@ -2,9 +2,10 @@
 
 A *feature* is something a backend may or may not support: a lowered mask term
 (``band``, ``documents``, ``keep``; see :data:`anyattn.masks.TERM_KINDS`), an input
-(``bias``, ``gqa``), a gradient (``bias_grad``, ``sinks_grad``) or a modifier of the
-scores or probabilities (``softcap``, ``alibi``, ``sinks``, ``dropout``, and
-``score_mod``, a user's score function; :data:`BUILTIN_MODIFIERS` are the others).  Each entry
+(``bias``, ``gqa``, ``value_dim``), a gradient (``bias_grad``, ``sinks_grad``) or a
+modifier of the scores or probabilities (``softcap``, ``alibi``, ``sinks``, ``dropout``,
+and ``score_mod``, a user's score function; :data:`BUILTIN_MODIFIERS` are the others).
+Each entry
 holds its name, its kind, the words a refusal uses and the predicate that says
 whether a :class:`~anyattn.problem.Problem` uses it.
 
@@ -23,7 +24,8 @@ from typing import Any, Callable, Dict, FrozenSet, Tuple
 from .masks import TERM_KINDS
 
 __all__ = ["Feature", "FEATURES", "KINDS", "names_of", "features_of", "MASK_TERMS",
-           "INPUTS", "GRADIENTS", "MODIFIERS", "BUILTIN_MODIFIERS", "FUNCTION_MODIFIERS"]
+           "INPUTS", "DEFAULT_INPUTS", "GRADIENTS", "MODIFIERS", "BUILTIN_MODIFIERS",
+           "FUNCTION_MODIFIERS"]
 
 #: the kinds of feature, each one set of :class:`~anyattn.backends.base.Capabilities`
 KINDS = ("mask_term", "input", "gradient", "modifier")
@@ -32,13 +34,16 @@ KINDS = ("mask_term", "input", "gradient", "modifier")
 @dataclass(frozen=True)
 class Feature:
     """One feature: ``name`` (unique), ``kind`` (one of :data:`KINDS`), ``refusal``
-    (the sentence after "backend X ..." when a backend lacks it) and ``used``
-    (Problem -> bool)."""
+    (the sentence after "backend X ..." when a backend lacks it), ``used``
+    (Problem -> bool) and ``opt_in``: an input that the default
+    :class:`~anyattn.backends.base.Capabilities` leave out, so that only backends
+    naming it support it (mask terms and modifiers are always named)."""
 
     name: str
     kind: str
     refusal: str
     used: Callable[[Any], bool]
+    opt_in: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,6 +61,9 @@ FEATURES: Tuple[Feature, ...] = tuple(_term(n) for n in TERM_KINDS) + (
     Feature("bias_grad", "gradient", "does not compute the bias gradient",
             lambda p: "bias" in p.wrt),
     Feature("gqa", "input", "does not support GQA/MQA (Hq != Hkv)", lambda p: p.group > 1),
+    Feature("value_dim", "input", "does not support a value head dim different from the "
+            "query/key head dim (v [B, Hkv, Sk, Dv] with Dv != D)",
+            lambda p: p.head_dim_v != p.head_dim, opt_in=True),
     Feature("softcap", "modifier", "does not support softcap (logit soft-capping)",
             lambda p: p.softcap is not None),
     Feature("alibi", "modifier", "does not support alibi_slopes", lambda p: p.has_alibi),
@@ -99,6 +107,8 @@ def get(name: str) -> Feature:
 
 MASK_TERMS = names_of("mask_term")
 INPUTS = names_of("input")
+#: the inputs a backend supports unless it says otherwise (all but the opt-in ones)
+DEFAULT_INPUTS = frozenset(f.name for f in FEATURES if f.kind == "input" and not f.opt_in)
 GRADIENTS = names_of("gradient")
 MODIFIERS = names_of("modifier")
 #: the modifiers that are user functions (lowered per function, not a fixed formula)

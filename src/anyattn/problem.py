@@ -1,7 +1,8 @@
 """One validated description of an attention call.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads (G = Hq / Hkv),
-Sq queries, Sk keys, D head dim.  Logical layout [B, H, S, D]; any strides.
+Sq queries, Sk keys, D head dim of q and k, Dv head dim of v (and of out / dout;
+Dv may differ from D).  Logical layout [B, H, S, D]; any strides.
 
 Validation happens here, once, at the API boundary: every error names the
 argument, what was given, what was expected and the remedy.
@@ -40,7 +41,8 @@ class Problem:
     heads_kv: int
     seq_q: int
     seq_k: int
-    head_dim: int
+    head_dim: int           # D: q's and k's head dim (the default scale uses it)
+    head_dim_v: int         # Dv: v's head dim, and out's / dout's
     dtype: str              # 'float32', 'bfloat16', ...
     array_kind: str         # 'numpy' | 'torch'
     device: str             # 'cpu', 'cuda:0', ...
@@ -111,11 +113,12 @@ class Problem:
         return parts[0] if len(parts) == 1 else "+".join(parts)
 
     def flops(self, backward: bool = False) -> float:
-        """FLOPs by the FlashAttention convention: fwd 4*B*Hq*Sq*Sk*D, bwd 2.5x
-        (one causal band halves it); other masks are not discounted."""
-        f = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
-        if backward:
-            f *= 2.5
+        """FLOPs by the FlashAttention convention: fwd 2*B*Hq*Sq*Sk*(D + Dv) (q·kᵀ, P·v),
+        bwd 2*B*Hq*Sq*Sk*(3*D + 2*Dv) (q·kᵀ, dout·vᵀ, dv, dq, dk; 2.5x the forward when
+        Dv == D); one causal band halves it; other masks are not discounted."""
+        d, dv = self.head_dim, self.head_dim_v
+        f = 2.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * \
+            ((3 * d + 2 * dv) if backward else (d + dv))
         if self.mask.terms == ("band",) and self.mask.band_hi is not None \
                 and self.mask.band_lo is None:
             f *= 0.5
@@ -379,17 +382,21 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
     _same("v", v, dt, dev)
     B, Hq, Sq, D = (int(s) for s in q.shape)
     Bk, Hkv, Sk, Dk = (int(s) for s in k.shape)
+    Dv = int(v.shape[3])
     if Bk != B:
         _fail(ValueError, f"k: batch {Bk} differs from q's batch {B} (q {tuple(q.shape)}, "
                           f"k {tuple(k.shape)})")
     if Dk != D:
         _fail(ValueError, f"k: head_dim {Dk} differs from q's head_dim {D} (q "
                           f"{tuple(q.shape)}, k {tuple(k.shape)})")
-    if tuple(v.shape) != tuple(k.shape):
-        _fail(ValueError, f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}; "
-                          "k and v must both be [B, Hkv, Sk, D]")
+    if tuple(v.shape[:3]) != (Bk, Hkv, Sk):
+        _fail(ValueError, f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)} in "
+                          "[B, Hkv, Sk]; expected v [B, Hkv, Sk, Dv] = "
+                          f"[{Bk}, {Hkv}, {Sk}, Dv] (Dv may differ from D)")
     if D < 1:
         _fail(ValueError, f"q: head_dim is {D}; expected at least 1")
+    if Dv < 1:
+        _fail(ValueError, f"v: head_dim is {Dv} (v {tuple(v.shape)}); expected at least 1")
     if Hkv == 0 or Hq % Hkv != 0:
         _fail(ValueError, f"k: {Hkv} key/value heads do not divide q's {Hq} query heads; "
                           "GQA/MQA needs Hq to be a multiple of Hkv")
@@ -398,9 +405,9 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
             continue
         _check_tensor(name, x, kind)
         _same(name, x, dt, dev)
-        if tuple(x.shape) != tuple(q.shape):
-            _fail(ValueError, f"{name}: shape {tuple(x.shape)} differs from q's "
-                              f"{tuple(q.shape)}; expected [B, Hq, Sq, D]")
+        if tuple(x.shape) != (B, Hq, Sq, Dv):
+            _fail(ValueError, f"{name}: shape {tuple(x.shape)}; expected [B, Hq, Sq, Dv] = "
+                              f"{[B, Hq, Sq, Dv]} (q {tuple(q.shape)}, v {tuple(v.shape)})")
     if dout is not None and wrt is None:
         _fail(TypeError, "wrt=None: name the gradients to compute, e.g. wrt=('q', 'k', 'v') "
                          "(the default) or any subset of ('q', 'k', 'v', 'bias', 'sinks')")
@@ -518,6 +525,7 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
         if str(rmask.keep.device) != dev:
             _fail(ValueError, f"mask: KeepMask is on {rmask.keep.device} but q is on {dev}")
     return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_k=Sk, head_dim=D,
+                   head_dim_v=Dv,
                    dtype=dt, array_kind=kind, device=dev, scale=scale, mask=rmask,
                    bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
                    wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,

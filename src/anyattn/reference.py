@@ -1,7 +1,7 @@
 """Float64 dense attention, forward and backward: the oracle of every test.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq/Sk
-queries/keys, D head dim.  Inputs in [B, H, S, D] (NumPy or torch, any dtype);
+queries/keys, D head dim of q and k, Dv of v.  Inputs in [B, H, S, D] (NumPy or torch, any dtype);
 results are float64 NumPy arrays.  Written for clarity, not speed: it builds
 the full [B, Hq, Sq, Sk] score tensor.
 
@@ -132,7 +132,7 @@ def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[
             q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
             alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
             dropout_seed: Optional[int] = None, score_mod=None):
-    """-> (out [B, Hq, Sq, D], lse [B, Hq, Sq]) in float64."""
+    """-> (out [B, Hq, Sq, Dv], lse [B, Hq, Sq]) in float64."""
     out, st = forward_stats(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset,
                             k_offset=k_offset, softcap=softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -154,7 +154,7 @@ def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                   softcap: Optional[float] = None, alibi_slopes=None, sinks=None,
                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                   score_mod=None):
-    """-> (out [B, Hq, Sq, D], RowStats(max, log_norm) [B, Hq, Sq]) in float64.
+    """-> (out [B, Hq, Sq, Dv], RowStats(max, log_norm) [B, Hq, Sq]) in float64.
 
     Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c, ``alibi_slopes``
     [Hq] or [B, Hq], ``sinks`` [Hq] (in the statistics: lse includes the sink).
@@ -235,7 +235,7 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
         res["dk"] = dk.reshape(B, Hkv, G, Sk, D).sum(axis=2)
     if "v" in wrt:
         dv = np.einsum("bhij,bhid->bhjd", pd, g)
-        res["dv"] = dv.reshape(B, Hkv, G, Sk, D).sum(axis=2)
+        res["dv"] = dv.reshape(B, Hkv, G, Sk, v.shape[-1]).sum(axis=2)
     if "bias" in wrt:
         res["dbias"] = reduce_to_shape(ds, np.shape(bias0))
     if "sinks" in wrt:

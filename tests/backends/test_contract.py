@@ -476,3 +476,116 @@ def test_dropout_draws_the_shared_mask(hx, case, shape, mname, with_bias, extra)
         wrt = ("q", "k", "v") + (("bias",) if with_bias else ()) + \
             (("sinks",) if "sinks" in mods else ())
         _run_both(hx, dtype, q, k, v, g, mask=mask, bias=bias, wrt=wrt, mods=mods)
+
+
+# ----------------------------------------------------------- value head dim (Dv != D)
+#: (D, Dv): q/k head dim and v's (multi-head latent attention: 192/128; odd dims)
+VALUE_DIMS = [(192, 128), (128, 64), (64, 128), (40, 24), (24, 40)]
+VALUE_DIM_MASKS = {
+    "causal": lambda Sq, Sk, B, rng: aa.Causal("bottom_right"),
+    "window": lambda Sq, Sk, B, rng: aa.Window(left=5, right=3),
+    "documents": lambda Sq, Sk, B, rng: aa.Documents(
+        np.sort(rng.integers(0, 3, (B, Sq)), axis=1), np.sort(rng.integers(0, 3, (B, Sk)), axis=1)),
+    "keep": lambda Sq, Sk, B, rng: aa.KeepMask(rng.random((B, 1, Sq, Sk)) < 0.6),
+}
+
+
+def _value_dim_supported(hx) -> bool:
+    from anyattn.backends.registry import get_backend
+
+    return get_backend(hx.name).capabilities.supports("value_dim")
+
+
+def _value_dim_refused(hx):
+    """A backend without the feature refuses Dv != D with the table's words, before any
+    work (forward and backward)."""
+    from anyattn import features
+
+    q, k, v, g = (hx.put(x) for x in make_qkv(np.random.default_rng(0), 1, 2, 1, 5, 7, 16,
+                                              Dv=8))
+    words = features.get("value_dim").refusal
+    with pytest.raises(NotImplementedError, match=r"cannot compute this problem") as ei:
+        aa.attention(q, k, v, backend=hx.name)
+    assert words in str(ei.value)
+    with pytest.raises(NotImplementedError) as ei:
+        aa.attention_backward(q, k, v, g, backend=hx.name)
+    assert words in str(ei.value)
+
+
+@pytest.mark.parametrize("mname", list(VALUE_DIM_MASKS))
+@pytest.mark.parametrize("dims", VALUE_DIMS, ids=[f"{d}-{dv}" for d, dv in VALUE_DIMS])
+def test_value_head_dim(hx, dims, mname):
+    """q, k [.., D], v [.., Dv] -> out [.., Dv]: forward, lse and every gradient against
+    float64 with each mask kind, GQA and Sq != Sk (a backend without the ``value_dim``
+    feature must refuse it instead)."""
+    if not _value_dim_supported(hx):
+        if dims == VALUE_DIMS[0] and mname == "causal":
+            _value_dim_refused(hx)
+            return
+        pytest.skip(f"{hx.name} refuses value_dim (checked once)")
+    D, Dv = dims
+    B, Hq, Hkv, Sq, Sk = (1, 4, 2, 7, 11) if hx.small else (2, 4, 2, 29, 37)
+    rng = np.random.default_rng(D + Dv)
+    mask = _put_mask(hx, VALUE_DIM_MASKS[mname](Sq, Sk, B, rng))
+    for dtype in hx.dtypes:
+        q, k, v, g = make_qkv(np.random.default_rng(D), B, Hq, Hkv, Sq, Sk, D, dtype, Dv=Dv)
+        out, grads = _run_both(hx, dtype, q, k, v, g, mask=mask)
+        assert tuple(out.shape) == (B, Hq, Sq, Dv)
+        assert tuple(grads.dv.shape) == (B, Hkv, Sk, Dv)
+        assert tuple(grads.dk.shape) == (B, Hkv, Sk, D)
+
+
+@pytest.mark.parametrize("dims", [(40, 24), (24, 40)], ids=["40-24", "24-40"])
+def test_value_head_dim_with_modifiers_bias_dropout(hx, dims):
+    """Dv != D with bias + dbias, softcap, ALiBi, sinks + dsinks, dropout and offsets at
+    once; then the backward with the forward's out/lse given, and a bshd layout."""
+    if not _value_dim_supported(hx):
+        pytest.skip(f"{hx.name} refuses value_dim (test_value_head_dim checks the refusal)")
+    D, Dv = dims
+    B, Hq, Hkv, Sq, Sk = (1, 4, 2, 9, 13) if hx.small else (2, 4, 2, 33, 41)
+    rng = np.random.default_rng(21)
+    q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, D, Dv=Dv)
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    mods = dict(softcap=2.0, alibi_slopes=rng.uniform(0.05, 0.6, Hq).astype(np.float32),
+                sinks=rng.standard_normal(Hq).astype(np.float32), q_offset=3, k_offset=1,
+                dropout_p=0.2, dropout_seed=99)
+    _run_both(hx, "float32", q, k, v, g, mask=aa.Causal("bottom_right"), bias=bias,
+              wrt=("q", "k", "v", "bias", "sinks"), mods=mods)
+    out, lse = aa.attention(hx.put(q), hx.put(k), hx.put(v), mask=aa.Causal(),
+                            return_lse=True, backend=hx.name)
+    given = aa.attention_backward(hx.put(q), hx.put(k), hx.put(v), hx.put(g), out=out,
+                                  lse=lse, mask=aa.Causal(), backend=hx.name)
+    rg = R.backward(q, k, v, g, mask=aa.Causal())
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(given, n), getattr(rg, n), "float32", n)
+    t = (lambda x: hx.put(np.ascontiguousarray(x.swapaxes(1, 2))))
+    out = aa.attention(t(q), t(k), t(v), layout="bshd", backend=hx.name)
+    assert tuple(out.shape) == (B, Sq, Hq, Dv)
+    assert_close(to_np(out).swapaxes(1, 2), R.forward(q, k, v)[0], "float32", "out")
+
+
+def test_value_head_dim_writes_every_element(hx, monkeypatch):
+    """Every element of out, dq, dk, dv is written with Dv != D: the NumPy backend's
+    np.empty buffers (results and scratch) are poisoned with NaN."""
+    if hx.name != "numpy":
+        pytest.skip("poisons the NumPy backend's buffers")
+    from anyattn.backends import numpy_backend, numpy_tiles
+
+    class Poisoned:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(shape, dtype=float, **kw):
+            return np.full(shape, np.nan, dtype=dtype, **kw)
+
+    q, k, v, g = make_qkv(np.random.default_rng(22), 2, 4, 2, 23, 31, 40, Dv=24)
+    ro, _ = R.forward(q, k, v, mask=aa.Causal())
+    rg = R.backward(q, k, v, g, mask=aa.Causal())
+    monkeypatch.setattr(numpy_backend, "np", Poisoned())
+    monkeypatch.setattr(numpy_tiles, "np", Poisoned())
+    out = aa.attention(q, k, v, mask=aa.Causal(), backend="numpy")
+    grads = aa.attention_backward(q, k, v, g, mask=aa.Causal(), backend="numpy")
+    assert_close(out, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(grads, n), getattr(rg, n), "float32", n)

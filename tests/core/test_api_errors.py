@@ -222,3 +222,65 @@ def test_numpy_scalars_stay_accepted_for_scale_and_return_lse():
                              backend="reference")
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(lse2, lse)
+
+
+# ------------------------------------------------------------- value head dim (Dv != D)
+V5 = rng.standard_normal((2, 2, 6, 5)).astype(np.float32)      # Dv = 5, D = 8
+G5 = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
+
+
+@pytest.mark.parametrize("v, words", [
+    (V5[:, :, :4], ["v: shape (2, 2, 4, 5)", "k's (2, 2, 6, 8)", "[2, 2, 6, Dv]"]),
+    (V5[:, :1], ["v: shape (2, 1, 6, 5)", "k's (2, 2, 6, 8)", "[B, Hkv, Sk]"]),
+    (V5[:1], ["v: shape (1, 2, 6, 5)", "[2, 2, 6, Dv]"]),
+    (V5[..., :0], ["v: head_dim is 0", "(2, 2, 6, 0)", "at least 1"]),
+])
+def test_value_shape_errors_name_both_shapes(v, words):
+    """v may differ from k in its head dim only; anything else raises one line naming
+    v's and k's shapes, before any work."""
+    for fn in (lambda: aa.attention(Q, K, v, backend="numpy"),
+               lambda: aa.attention_backward(Q, K, v, G5, backend="numpy")):
+        with pytest.raises(ValueError) as ei:
+            fn()
+        msg = str(ei.value)
+        assert "\n" not in msg
+        for w in words:
+            assert w in msg, (w, msg)
+
+
+def test_out_and_dout_must_have_the_value_head_dim():
+    out, lse = aa.attention(Q, K, V5, return_lse=True, backend="numpy")
+    assert out.shape == (2, 4, 5, 5)
+    for kw, name in ((dict(dout=G), "dout"), (dict(dout=G5, out=out[..., :4]), "out"),
+                     (dict(dout=G5[..., :4]), "dout")):
+        d = kw.pop("dout")
+        extra = dict(lse=lse) if "out" in kw else {}
+        with pytest.raises(ValueError) as ei:
+            aa.attention_backward(Q, K, V5, d, backend="numpy", **kw, **extra)
+        msg = str(ei.value)
+        assert msg.startswith(f"{name}: shape") and "[B, Hq, Sq, Dv] = [2, 4, 5, 5]" in msg \
+            and "v (2, 2, 6, 5)" in msg, msg
+    g = aa.attention_backward(Q, K, V5, G5, out=out, lse=lse, backend="numpy")
+    assert g.dq.shape == Q.shape and g.dk.shape == K.shape and g.dv.shape == V5.shape
+
+
+def test_value_head_dim_on_empty_problems():
+    """Sq = 0 or Sk = 0: out [B, Hq, Sq, Dv] of zeros, gradients of their inputs' shapes."""
+    for be in ("numpy", "reference"):
+        out, lse = aa.attention(Q[:, :, :0], K, V5, return_lse=True, backend=be)
+        assert out.shape == (2, 4, 0, 5) and lse.shape == (2, 4, 0)
+        out = aa.attention(Q, K[:, :, :0], V5[:, :, :0], backend=be)
+        assert out.shape == (2, 4, 5, 5) and np.all(out == 0)
+        g = aa.attention_backward(Q, K[:, :, :0], V5[:, :, :0], G5, backend=be)
+        assert g.dv.shape == (2, 2, 0, 5) and g.dq.shape == Q.shape and np.all(g.dq == 0)
+
+
+def test_value_head_dim_in_torch_errors():
+    torch = pytest.importorskip("torch")
+    import anyattn.torch as at
+
+    q, k = torch.from_numpy(Q), torch.from_numpy(K)
+    with pytest.raises(ValueError, match=r"^v: shape \(2, 2, 4, 5\) does not match k's"):
+        at.attention(q, k, torch.from_numpy(V5[:, :, :4]).requires_grad_())
+    out = at.attention(q, k, torch.from_numpy(V5))
+    assert tuple(out.shape) == (2, 4, 5, 5)

@@ -27,6 +27,7 @@ USES = {
     "sinks": dict(sinks=np.zeros(4, np.float32)),
     "sinks_grad": dict(sinks=np.zeros(4, np.float32), dout=q, wrt=("sinks",)),
     "dropout": dict(dropout_p=0.5, dropout_seed=1),
+    "value_dim": dict(),
     "mask_mod": dict(mask=aa.MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)),
     "score_mod": dict(score_mod=lambda s, b, h, i, j: s - (i - j) ** 2),
     "score_mod_grad": dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h],
@@ -52,7 +53,8 @@ class _Stub(Backend):
 
 def _problem(name):
     k = q if name != "gqa" else kv
-    return describe(q, k, k, **USES[name])
+    v = np.zeros((2, 4, 6, 5), np.float32) if name == "value_dim" else k
+    return describe(q, k, v, **USES[name])
 
 
 def test_every_feature_has_a_problem_here_and_a_known_kind():
@@ -73,7 +75,7 @@ def test_a_backend_without_a_feature_refuses_it_with_the_tables_words(name):
     f = features.get(name)
     full = Capabilities(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
                         dtypes=frozenset({"float32"}), mask_terms=features.MASK_TERMS,
-                        modifiers=features.MODIFIERS)
+                        inputs=features.INPUTS, modifiers=features.MODIFIERS)
     field = {"mask_term": "mask_terms", "input": "inputs", "gradient": "gradients",
              "modifier": "modifiers"}[f.kind]
     lacking = dataclasses.replace(full, **{field: getattr(full, field) - {name}})
@@ -102,3 +104,15 @@ def test_every_backend_declares_known_features():
 
     for be in (NumpyBackend(), ReferenceBackend()):
         assert be.capabilities.features == {f.name for f in features.FEATURES}
+
+
+def test_value_dim_is_opt_in():
+    """The default Capabilities leave value_dim out: a backend that does not name it
+    refuses v [B, Hkv, Sk, Dv] with Dv != D in the table's words."""
+    caps = Capabilities(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
+                        dtypes=frozenset({"float32"}))
+    assert caps.inputs == features.INPUTS - {"value_dim"} == features.DEFAULT_INPUTS
+    assert not caps.supports("value_dim")
+    assert _Stub(caps).unsupported_reasons(_problem("value_dim")) == \
+        [features.get("value_dim").refusal]
+    assert _Stub(caps).unsupported_reasons(_problem("gqa")) == []

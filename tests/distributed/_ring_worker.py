@@ -76,6 +76,9 @@ def cases(world: int):
               backend="reference")),
         ("contiguous-causal_docs-dropout-float32",
          dict(sharding="contiguous", mask="causal_docs", dtype="float32", dropout=True)),
+        # a value head dim of its own (Dv = 24 != D = 16): out and dv of v's head dim
+        ("zigzag-causal_docs-value_dim-float32",
+         dict(sharding="zigzag", mask="causal_docs", dtype="float32", dv=24)),
         ("contiguous-docs-mods-reference-float64",
          dict(sharding="contiguous", mask="causal_docs", dtype="float64", mods=True,
               backend="reference")),
@@ -163,8 +166,9 @@ def run_case(rank, world, opts):
     hkv = opts.get("hkv", HKV)
     rng = np.random.default_rng(1234)     # the same on every rank
     dt = getattr(torch, opts["dtype"])
-    q, dout = (torch.from_numpy(rng.standard_normal((B, HQ, seq, D))).to(dt) for _ in "12")
-    k, v = (torch.from_numpy(rng.standard_normal((B, hkv, seq, D))).to(dt) for _ in "12")
+    dv = opts.get("dv", D)                # v's head dim (and dout's)
+    q, dout = (torch.from_numpy(rng.standard_normal((B, HQ, seq, d))).to(dt) for d in (D, dv))
+    k, v = (torch.from_numpy(rng.standard_normal((B, hkv, seq, d))).to(dt) for d in (D, dv))
     scale = None
     if opts.get("logits"):
         qn, kn = _large_logits(rng, q.shape, k.shape, opts["logits"])

@@ -47,8 +47,9 @@ def problems(draw):
             bias[rng.random(shape) < 0.2] = -np.inf
     tiles = draw(st.tuples(*[st.sampled_from([4, 8, 16, 32, 64])] * 4))
     threads = draw(st.sampled_from([1, 2]))
+    Dv = D if draw(st.booleans()) else draw(st.integers(1, 20))     # v's head dim
     arrays = [rng.standard_normal(s) for s in
-              [(B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), (B, Hq, Sq, D)]]
+              [(B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv), (B, Hq, Sq, Dv)]]
     return arrays, mask, bias, tiles, threads
 
 

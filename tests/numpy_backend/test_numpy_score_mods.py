@@ -183,3 +183,23 @@ def test_empty_problems_give_zero_capture_gradients():
     gr = aa.attention_backward(q, k, k, q, score_mod=sm, wrt=("q", "t"))
     assert gr.dq.shape == q.shape and (gr.dcaptures["t"] == 0).all()
     assert gr.dcaptures["t"].shape == t.shape
+
+
+def test_score_and_mask_functions_with_a_value_head_dim(np_config):
+    """Dv != D: out and dv in v's head dim, the capture gradient unchanged."""
+    np_config(**TILES)
+    rng = np.random.default_rng(12)
+    q, k = (rng.standard_normal((1, 4, 40, 16)).astype(np.float32) for _ in range(2))
+    v, g = (rng.standard_normal((1, 4, 40, 24)).astype(np.float32) for _ in range(2))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s * t[h] + 0.1 * (i - j),
+                     t=np.linspace(0.5, 1.5, 4).astype(np.float32))
+    kw = dict(score_mod=sm, mask=aa.MaskMod(lambda b, h, i, j: (i + j) % 3 != 0))
+    wrt = ("q", "k", "v", "t")
+    out, lse, gr = _run(kw, q, k, v, g, wrt)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", **kw)
+    rg = aa.attention_backward(*_f64(q, k, v, g), wrt=wrt, backend="reference", **kw)
+    assert out.shape == (1, 4, 40, 24)
+    assert_close(out, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n), getattr(rg, n), "float32", n)
+    assert_close(gr.dcaptures["t"], rg.dcaptures["t"], "float32", "dt")

@@ -68,6 +68,24 @@ def test_sdpa_drop_in_compiles_fullgraph():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_value_head_dim_compiles_fullgraph():
+    """v with a head dim of its own (MLA): the fake implementations give out
+    [B, Hq, Sq, Dv] and dv of v's shape; compiled equals eager, both calls of the op."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return at.attention(q, k, v, mask=Causal()).square().sum()
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 12, 24, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 12, 24, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 12, 16, generator=g, requires_grad=True)
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_dynamic_shapes_bottom_right_band():
     """With dynamic shapes the band offset Sk - Sq is a SymInt argument of the op."""
     torch._dynamo.reset()

@@ -84,3 +84,18 @@ def test_documents_ids_on_the_host_give_the_device_ids_results(ids_kind):
         res.append((out, *torch.autograd.grad(out, (q, k, v), g)))
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+def test_value_head_dim_is_refused_on_cuda():
+    """The triton backend lacks the value_dim feature: CUDA tensors with Dv != D raise
+    before any work, in the feature table's words (the SDPA drop-in too)."""
+    from anyattn import features
+
+    q = torch.randn(1, 4, 64, 192, device="cuda", requires_grad=True)
+    v = torch.randn(1, 4, 64, 128, device="cuda", requires_grad=True)
+    words = features.get("value_dim").refusal
+    with pytest.raises(NotImplementedError, match="value head dim") as ei:
+        at.attention(q, q, v, mask=Causal())
+    assert words in str(ei.value)
+    with pytest.raises(NotImplementedError, match="value head dim"):
+        at.scaled_dot_product_attention(q, q, v, is_causal=True)

@@ -64,6 +64,30 @@ def test_eager_path_gives_the_ops_bits(case, monkeypatch):
         assert torch.equal(a, b), case
 
 
+@pytest.mark.parametrize("case", ["plain", "window_bias", "modifiers", "dropout"])
+def test_eager_path_value_head_dim_gives_the_ops_bits(case, monkeypatch):
+    """v [B, Hkv, Sk, Dv] with Dv (24) != D (16): out [B, Hq, Sq, Dv], dv of v's shape, the
+    same bits on both paths and the reference's values."""
+    from anyattn import reference as R
+
+    q, k, _, _ = _inputs()
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(2, 2, 17, 24, generator=gen, requires_grad=True)
+    g = torch.randn(2, 4, 13, 24, generator=gen)
+    kw = _cases()[case]
+    direct = _step(q, k, v, g, kw)
+    via_ops = _via_ops(monkeypatch, lambda: _step(q, k, v, g, kw))
+    assert direct[0].shape == (2, 4, 13, 24) and direct[4].shape == v.shape
+    for a, b in zip(direct, via_ops):
+        assert a.shape == b.shape and torch.equal(a, b), case
+    if case == "plain":
+        ro, _ = R.forward(q.detach(), k.detach(), v.detach())
+        rg = R.backward(q.detach(), k.detach(), v.detach(), g)
+        for got, ref in zip((direct[0],) + direct[2:5], (ro, rg.dq, rg.dk, rg.dv)):
+            torch.testing.assert_close(got, torch.from_numpy(ref).float(), rtol=0,
+                                       atol=1e-5 * float(abs(ref).max()))
+
+
 def test_eager_path_bshd_layout_and_partial_grads(monkeypatch):
     q, k, v, g = _inputs()
     qs, ks, vs = (x.detach().transpose(1, 2).requires_grad_(x is q) for x in (q, k, v))

@@ -10,10 +10,10 @@ from anyattn import Causal, Documents, KeepMask, Window
 from helpers import TOL, rel_err
 
 
-def _qkv(B=2, Hq=4, Hkv=2, Sq=37, Sk=45, D=24, dtype=torch.float32, grad=True):
+def _qkv(B=2, Hq=4, Hkv=2, Sq=37, Sk=45, D=24, dtype=torch.float32, grad=True, Dv=None):
     q = torch.randn(B, Hq, Sq, D, dtype=dtype)
     k = torch.randn(B, Hkv, Sk, D, dtype=dtype)
-    v = torch.randn(B, Hkv, Sk, D, dtype=dtype)
+    v = torch.randn(B, Hkv, Sk, D if Dv is None else Dv, dtype=dtype)
     return [x.requires_grad_(grad) for x in (q, k, v)]
 
 
@@ -41,12 +41,14 @@ def test_matches_torch_sdpa_fp32(causal, gqa):
     assert rel_err(out, ref.detach().numpy()) < 1e-5
 
 
+@pytest.mark.parametrize("Dv", [None, 40], ids=["D", "Dv40"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_on_cpu(dtype):
-    """CPU half precision (fp32 accumulation); compare with the fp64 oracle and torch."""
+def test_half_precision_on_cpu(dtype, Dv):
+    """CPU half precision (fp32 accumulation); compare with the fp64 oracle and torch
+    (also with a value head dim of its own)."""
     if at.functional._default_backend == "reference":
         pytest.skip("the reference computes in float64: nothing to learn about half precision")
-    q, k, v = _qkv(dtype=dtype)
+    q, k, v = _qkv(dtype=dtype, Dv=Dv)
     out = at.attention(q, k, v, mask=Causal())
     assert out.dtype == dtype
     g = torch.randn_like(out)

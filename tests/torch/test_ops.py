@@ -25,6 +25,9 @@ def _fwd_cases():
         "causal": (q, k, v, None, None, None, None, None, 0, sc, _backend(), None),
         "window_bias": (q, k, v, bias, None, None, None, -3, 0, 0.3, _backend(), None),
         "keep_docs": (q, k, v, None, keep, qi, ki, None, 2, sc, _backend(), "highest"),
+        # a value head dim of its own (5 != 8): out [B, Hq, Sq, 5] (the fake impl too)
+        "value_dim": (q, k, torch.randn(B, Hkv, Sk, 5, requires_grad=True), bias, None, None,
+                      None, None, 0, sc, _backend(), None),
         "no_grad": tuple(x.detach() if isinstance(x, torch.Tensor) else x
                          for x in (q, k, v, None, None, None, None, None, None, sc,
                                    _backend(), None)),
@@ -37,10 +40,11 @@ def test_opcheck_forward(case):
     torch.library.opcheck(torch.ops.anyattn.attention_fwd.default, args)
 
 
+@pytest.mark.parametrize("case", ["window_bias", "value_dim"])
 @pytest.mark.parametrize("grads", [(True, True, True, False), (True, False, False, False),
                                    (False, True, True, True)])
-def test_opcheck_backward(grads):
-    q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr = _fwd_cases()["window_bias"]
+def test_opcheck_backward(grads, case):
+    q, k, v, bias, keep, qi, ki, lo, hi, sc, be, pr = _fwd_cases()[case]
     q, k, v, bias = (x.detach() for x in (q, k, v, bias))
     out, row_max, log_norm = torch.ops.anyattn.attention_fwd(q, k, v, bias, keep, qi, ki, lo,
                                                              hi, sc, be, pr)

@@ -203,6 +203,28 @@ def test_dropout_draws_the_shared_mask_from_torchs_seed():
         sdpa(q0, k0, v0, dropout_p=1.0)
 
 
-def test_value_head_dim_differs_not_implemented():
-    with pytest.raises(NotImplementedError, match="value"):
-        sdpa(q0, k0, v0[..., :4])
+@pytest.mark.parametrize("e,ev", [(12, 8), (8, 12), (5, 3)])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool_mask", "gqa"])
+def test_value_head_dim_differs_like_torch(case, e, ev):
+    """value [*, S, Ev] with Ev != E gives [*, L, Ev], as torch's SDPA: forward and every
+    gradient (scale 1/sqrt(E) by default); a 3-D batchless call too."""
+    torch.manual_seed(5)
+    hkv = 2 if case == "gqa" else 4
+    q = torch.randn(2, 4, 9, e, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, hkv, 11, e, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, hkv, 11, ev, dtype=torch.float64, requires_grad=True)
+    kw = dict(is_causal=case == "causal", enable_gqa=case == "gqa")
+    if case == "bool_mask":
+        kw["attn_mask"] = _mask("bool")
+    got, want = sdpa(q, k, v, **kw), F.scaled_dot_product_attention(q, k, v, **kw)
+    assert got.shape == want.shape == (2, 4, 9, ev)
+    assert _close(got, want, 1e-12)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g),
+                    torch.autograd.grad(want, (q, k, v), g)):
+        assert a.shape == b.shape and _close(a, b, 1e-12)
+    if case == "gqa":
+        return
+    got3 = sdpa(q[0], k[0], v[0], is_causal=True)
+    want3 = F.scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True)
+    assert got3.shape == (4, 9, ev) and _close(got3, want3, 1e-12)

@@ -608,3 +608,43 @@ def test_bert_trains_with_attention_dropout_and_the_same_mask_on_every_backend()
         ids = torch.arange(24).view(2, 12) % 61 + 3
         no_drop = model(input_ids=ids, labels=ids).loss
     assert float(no_drop) != float(loss_np)
+
+
+def test_deepseek_v3_mla_value_dim_trains_and_generates_like_eager(monkeypatch):
+    """DeepSeek-V3's multi-head latent attention hands the attention function
+    q/k of qk_nope_head_dim + qk_rope_head_dim = 24 and v of v_head_dim = 12: one
+    training step's loss and gradients and greedy decoding from a left-padded batch
+    equal eager's (CPU, through the NumPy backend)."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64,
+        attention_dropout=0.0)
+    eager, ours = _pair(cfg)
+    import anyattn.torch.transformers_backend as tb
+
+    dims = set()
+    inner = tb.attention
+
+    def spy(q, k, v, **kw):
+        dims.add((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return inner(q, k, v, **kw)
+
+    monkeypatch.setattr(tb, "attention", spy)
+    batch = _batch("right")
+    le, ge = _loss_and_grads(eager, batch)
+    lo, go = _loss_and_grads(ours, batch)
+    assert dims == {(24, 24, 12)}
+    assert torch.allclose(lo, le, rtol=1e-5, atol=1e-6), (lo.item(), le.item())
+    assert ge.keys() == go.keys() and len(ge) > 10
+    for name in ge:
+        scale = ge[name].abs().max().clamp_min(1e-12)
+        err = float((go[name] - ge[name]).abs().max() / scale)
+        assert err < 1e-4, f"{name}: relative gradient error {err:.2g}"
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(12))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))

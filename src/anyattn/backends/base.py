@@ -1,6 +1,7 @@
 """What a backend is: capabilities as data, refusals with reasons, forward/backward.
 
-Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
+Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim
+of q and k, Dv head dim of v (and of out / dout).
 Tensors reach a backend in the logical layout [B, H, S, D] with any strides; a
 bias arrives as a 4-D view broadcastable to [B, Hq, Sq, Sk].
 """
@@ -48,11 +49,13 @@ class Capabilities:
     """What a backend accepts; checked by Backend.unsupported_reasons.
 
     The feature sets name entries of :data:`anyattn.features.FEATURES`, one set per
-    kind: ``mask_terms`` (lowered mask terms), ``inputs`` (bias, GQA), ``gradients``
+    kind: ``mask_terms`` (lowered mask terms), ``inputs`` (bias, GQA, value_dim), ``gradients``
     (bias_grad, sinks_grad) and ``modifiers`` (softcap, alibi, sinks, dropout).  A
     problem using a feature outside them is refused with that feature's words.
-    ``mask_terms`` and ``modifiers`` start empty: a backend names what it implements,
-    so a term or modifier added to the table is refused by every backend that does not.
+    ``mask_terms`` and ``modifiers`` start empty and ``inputs`` holds the inputs that are
+    not opt-in (:data:`anyattn.features.DEFAULT_INPUTS`): a backend names what it
+    implements, so a term, modifier or opt-in input (``value_dim``) added to the table is
+    refused by every backend that does not.
     """
 
     array_kinds: FrozenSet[str]            # {'numpy'} or {'torch'}
@@ -61,7 +64,7 @@ class Capabilities:
     precisions: FrozenSet[str] = frozenset({"highest"})
     max_head_dim: Optional[int] = None
     mask_terms: FrozenSet[str] = frozenset()   # each backend names the terms it implements
-    inputs: FrozenSet[str] = features.INPUTS
+    inputs: FrozenSet[str] = features.DEFAULT_INPUTS   # opt-in inputs must be named
     gradients: FrozenSet[str] = features.GRADIENTS
     modifiers: FrozenSet[str] = frozenset()    # ... and the modifiers
     auto: bool = True                      # may auto-dispatch pick it?
@@ -126,6 +129,8 @@ class Backend(ABC):
             why.append(f"supports precision {sorted(c.precisions)}, got {p.precision!r}")
         if c.max_head_dim is not None and p.head_dim > c.max_head_dim:
             why.append(f"supports head_dim <= {c.max_head_dim}, got {p.head_dim}")
+        if c.max_head_dim is not None and p.head_dim_v > c.max_head_dim:
+            why.append(f"supports a value head dim <= {c.max_head_dim}, got {p.head_dim_v}")
         used = p.features
         why += [f.refusal for f in features.FEATURES
                 if f.name in used and not c.supports(f.name)]
@@ -138,7 +143,7 @@ class Backend(ABC):
     # -- work ---------------------------------------------------------------------
     @abstractmethod
     def forward(self, p: Problem, q, k, v, bias, mods: ScoreMods) -> Tuple[Any, RowStats]:
-        """-> (out [B, Hq, Sq, D] in q's dtype, RowStats of [B, Hq, Sq] float32/float64).
+        """-> (out [B, Hq, Sq, Dv] in q's dtype, RowStats of [B, Hq, Sq] float32/float64).
 
         The statistics keep the row maximum and the log-normaliser apart (see
         :mod:`anyattn.rowstats`); their lse is what the public API returns.  With
@@ -155,7 +160,7 @@ class Backend(ABC):
         ``stats`` define ``P = exp((s - stats.max) - stats.log_norm)`` (P = 0 where
         ``stats.max`` is -inf); the bias is added to ``s`` before ``max`` is subtracted.
 
-        dq [B, Hq, Sq, D]; dk, dv [B, Hkv, Sk, D] (summed over each kv head's
+        dq [B, Hq, Sq, D]; dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv] (summed over each kv head's
         query group); dbias in ``p.bias_shape`` (summed over broadcast dims); dsinks
         [Hq] in the sinks' dtype.  With sinks, ``stats`` include the sink.
         """
@@ -164,18 +169,20 @@ class Backend(ABC):
     # The public API (anyattn.api) asks the chosen backend for these instead of building
     # arrays itself: only the backend knows its array kinds.  The defaults serve NumPy
     # arrays and torch tensors; a backend with arrays of its own overrides them (webgpu).
-    def zeros_like(self, x):
-        """A new zero array like ``x``: same array kind, device, shape and dtype (the
-        output and gradients of an empty problem)."""
+    def zeros_like(self, x, shape=None):
+        """A new zero array like ``x``: same array kind, device and dtype, ``x``'s shape
+        or ``shape`` (the output and gradients of an empty problem; its output is
+        [B, Hq, Sq, Dv], q's shape only where Dv == D)."""
         kind = array_kind(x)
+        shape = tuple(x.shape) if shape is None else tuple(shape)
         if kind == "torch":
             import torch
 
-            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros(shape, dtype=x.dtype, device=x.device)
         if kind == "numpy":
             import numpy as np
 
-            return np.zeros(x.shape, dtype=x.dtype)
+            return np.zeros(shape, dtype=x.dtype)
         raise NotImplementedError(f"backend {self.name!r}: zeros_like of {kind} arrays is "
                                   "not implemented; a backend taking them overrides it")
 

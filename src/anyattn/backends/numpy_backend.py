@@ -1,7 +1,7 @@
 """The NumPy backend: CPU attention, forward and backward, without an [Sq, Sk] matrix.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq/Sk
-queries/keys, D head dim.
+queries/keys, D head dim of q and k, Dv head dim of v, out and dout.
 
 This module is the launch side: dtype/array-library conversion, the tile plan,
 the row statistics' units and a small thread schedule.  The tile math lives in
@@ -53,6 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..features import INPUTS
 from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from .. import settings
@@ -623,7 +624,7 @@ class NumpyBackend(Backend):
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         precisions=frozenset({"highest"}), mask_terms=frozenset(TILE_TERMS),
-        modifiers=frozenset(MODIFIER_STEPS))
+        inputs=INPUTS, modifiers=frozenset(MODIFIER_STEPS))
 
     def __init__(self, config: Optional[NumpyConfig] = None):
         self.config = config if config is not None else NumpyConfig.from_env()
@@ -680,7 +681,7 @@ class NumpyBackend(Backend):
 
     def _forward_np(self, p, q, k, v, bias, mods=NO_MODS
                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> (out [B, Hq, Sq, D], row max [B, Hq, Sq], log-normaliser [B, Hq, Sq]) in
+        """-> (out [B, Hq, Sq, Dv], row max [B, Hq, Sq], log-normaliser [B, Hq, Sq]) in
         the compute dtype (statistics in natural-log units, see anyattn.rowstats).
 
         Without a bias: base-2 scores, the bounded forward where the logits are small
@@ -704,8 +705,8 @@ class NumpyBackend(Backend):
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, *cfg.tiles("fwd", p.mask), bias)
-        B, Hq, Sq, D, G = p.batch, p.heads_q, p.seq_q, p.head_dim, p.group
-        out = np.empty((B, Hq, Sq, D), dtype=dt)
+        B, Hq, Sq, Dv, G = p.batch, p.heads_q, p.seq_q, p.head_dim_v, p.group
+        out = np.empty((B, Hq, Sq, Dv), dtype=dt)
         rmax = np.empty((B, Hq, Sq), dtype=dt)
         rlog = np.empty((B, Hq, Sq), dtype=dt)
         used = _modifiers_of(p)
@@ -790,8 +791,8 @@ class NumpyBackend(Backend):
         want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
         want_c = p.capture_wrt                     # score_mod captures
         need_ds = want_q or want_k or want_b or bool(want_c)
-        B, Hq, Hkv, Sq, Sk, D, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
-                                    p.head_dim, p.group)
+        B, Hq, Hkv, Sq, Sk, D, Dv, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+                                        p.head_dim, p.head_dim_v, p.group)
         plan = self._plan(p, *cfg.tiles("bwd", p.mask), bias)
         used = _modifiers_of(p)
         c = _Call(p, mods, plan, dt)
@@ -821,7 +822,7 @@ class NumpyBackend(Backend):
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
         dk = np.empty((B, Hkv, Sk, D), dtype=dt) if want_k else None
-        dv = np.empty((B, Hkv, Sk, D), dtype=dt) if want_v else None
+        dv = np.empty((B, Hkv, Sk, Dv), dtype=dt) if want_v else None
         # per-chunk dq partials when one kv head's key tiles are split over workers
         dq_parts = ({(b, hk, c): np.zeros((G, Sq, D), dtype=dt)
                      for b in range(B) for hk in range(Hkv) for c in range(1, nc)}
@@ -840,7 +841,7 @@ class NumpyBackend(Backend):
             def run() -> TileCounts:
                 hsl = slice(hk * G, (hk + 1) * G)
                 heads = list(range(hk * G, (hk + 1) * G))
-                o = out[b, hsl]                                        # [G, Sq, D]
+                o = out[b, hsl]                                        # [G, Sq, Dv]
                 gg = g[b, hsl]
                 q2a = np.empty((G, Sq, D + 1), dtype=dt)               # [q·scale·u | -max_u]
                 np.multiply(q[b, hsl], qmul, out=q2a[..., :D])
@@ -855,13 +856,13 @@ class NumpyBackend(Backend):
                         delta_all[b, hsl] = delta
 
                 def weighted(wr: np.ndarray) -> np.ndarray:
-                    ga = np.empty((G, Sq, D + 1), dtype=dt)            # w·[dout | -delta]
+                    ga = np.empty((G, Sq, Dv + 1), dtype=dt)           # w·[dout | -delta]
                     wg = wr if gmul is None else wr * gmul             # dropout: w/(1 - p)
-                    np.multiply(gg, wg[..., None], out=ga[..., :D])
+                    np.multiply(gg, wg[..., None], out=ga[..., :Dv])
                     if need_ds:
-                        np.multiply(delta, -wr, out=ga[..., D])
+                        np.multiply(delta, -wr, out=ga[..., Dv])
                     else:
-                        ga[..., D] = 0
+                        ga[..., Dv] = 0
                     return ga
 
                 ga = weighted(wr)

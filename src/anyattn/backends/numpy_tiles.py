@@ -1,7 +1,7 @@
 """Tile kernels of the NumPy backend: blocked softmax forward, one-pass backward.
 
-Shape legend: Sq/Sk queries/keys of one head, D head dim, ni/nj rows of one
-query/key tile (<= bq/bk), G query heads per key/value head.
+Shape legend: Sq/Sk queries/keys of one head, D head dim of q and k, Dv of v (and out,
+dout), ni/nj rows of one query/key tile (<= bq/bk), G query heads per key/value head.
 
 Four choices run through the kernels here:
 
@@ -728,12 +728,12 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
 
     qop [Sq, D]: queries times ``scale·log2(e)`` (``base2``) or times ``scale``
     (natural units; required with a bias, which is added as it is), or times
-    ``scale / c`` with a softcap (``mods.cap`` = c in the kernel's units); k, v
-    [Sk, D] (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row
+    ``scale / c`` with a softcap (``mods.cap`` = c in the kernel's units); k [Sk, D], v
+    [Sk, Dv] (any row stride, unit column stride); ``blocks``: ``(tile, i0, i1)`` row
     ranges inside query tiles; ``mods``: softcap and ALiBi (:class:`TileMods`) in the
     same units; ``qk_bound``: a bound of |scale·qk| (capped) in these units, if known
     (ALiBi's far tiles floor their exponents where ``2·qk_bound + span`` can pass the
-    floor, else where the span passes ``FAR_FRACTION·floor``).  Writes out [Sq, D] and
+    floor, else where the span passes ``FAR_FRACTION·floor``).  Writes out [Sq, Dv] and
     the natural row statistics rmax, rlog [Sq] on those rows only (of the scores
     without ALiBi's row term, see :func:`alibi_anchors`).  ``drop`` (dropout, with the
     row words ``drop_rows`` [Sq] of this head): P is multiplied by the keep tile after
@@ -895,7 +895,7 @@ def forward_rows_bounded(plan: TilePlan, b: int, h: int, q2: np.ndarray, k: np.n
     Dropout (``drop``, row words ``drop_rows`` [Sq]): as in :func:`forward_rows`; a
     one-key row gets ``keep·v/(1 - p)`` of its key.
 
-    q2 [Sq, D] scaled queries; k, v [Sk, D]; knorm [nK]; writes out [Sq, D], rmax,
+    q2 [Sq, D] scaled queries; k [Sk, D], v [Sk, Dv]; knorm [nK]; writes out [Sq, Dv], rmax,
     rlog [Sq] on the rows of ``q_tiles``.
     """
     dt = plan.dtype
@@ -1027,7 +1027,7 @@ class BackwardHeads:
 
     q2a [Sq, D+1] = [q·scale·u | -max_u] with u = log2(e) (``base2``) or 1
     (natural units), -inf in the last column on empty rows (P = 0 there); q
-    [Sq, D] raw queries; ga [Sq, D+1] = w·[dout | -delta] with delta = rowsum(dout
+    [Sq, D] raw queries; ga [Sq, Dv+1] = w·[dout | -delta] with delta = rowsum(dout
     * out) and w = exp(-log_norm); dq [Sq, D] accumulators (unscaled: the caller
     multiplies by ``scale``) or None; heads: the query-head indices; snap: per
     head, :func:`snap_plan`'s rows whose top key gets P = 1 exactly.  The extra
@@ -1090,11 +1090,12 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     softcap dS is multiplied by ``1 - tanh²(x/c)`` after dbias, before dq and dk.  With
     dropout (``hs.drop``) dS is formed first, then P~ is multiplied by the keep tile
     for dv (see :class:`BackwardHeads`).
-    ka, va [Sk, D+1] = [k | 1], [v | 1]; dk, dv [Sk, D] outputs or None;
-    dbias [Bb, Hb, Sqb, Skb] or None.
+    ka [Sk, D+1] = [k | 1], va [Sk, Dv+1] = [v | 1]; dk [Sk, D], dv [Sk, Dv] outputs or
+    None; dbias [Bb, Hb, Sqb, Skb] or None.
     """
     dt = plan.dtype
-    D = va.shape[1] - 1
+    D = ka.shape[1] - 1
+    Dv = va.shape[1] - 1
     counts = TileCounts()
     need_ds = dk is not None or hs.dq is not None or dbias is not None or hs.dcap is not None
     smod = hs.score
@@ -1115,17 +1116,17 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     snaps = hs.snap if hs.snap and any(hs.snap) else None
     ones = np.ones(plan.bk, dtype=dt) if snaps is not None else None   # [bk] (_snap)
     drop = hs.drop
-    vt = va[:, :D]                                  # [Sk, D] (dropout's dP GEMM)
+    vt = va[:, :Dv]                                 # [Sk, Dv] (dropout's dP GEMM)
     # dropped pairs may overflow in exp; an empty row's -inf column meets BLAS's zero
     # padding (0·inf) inside the GEMM: both harmless, silenced once for the whole loop
     with np.errstate(over="ignore", invalid="ignore"):
         for jt in k_tiles:
             j0, j1 = plan.k_range(jt)
             nj = j1 - j0
-            kta, vta = ka[j0:j1], va[j0:j1]                        # [nj, D+1]
+            kta, vta = ka[j0:j1], va[j0:j1]                        # [nj, D+1], [nj, Dv+1]
             kt = kta[:, :D]                                         # [nj, D]
             dk_acc = np.zeros((nj, D), dtype=dt) if dk is not None else None
-            dv_acc = np.zeros((nj, D), dtype=dt) if dv is not None else None
+            dv_acc = np.zeros((nj, Dv), dtype=dt) if dv is not None else None
             for gi, h in enumerate(hs.heads):
                 c = codes[gi]
                 tiles = _kept_tiles(None if c is None else c[:, jt], plan.nq)
@@ -1179,26 +1180,26 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     zero_ds = None
                     if sn is not None:                              # rows carried by one key
                         zero_ds = _snap(st, *sn, ones)
-                    gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, D+1]
+                    gta = (hs.gaf if fold else hs.ga)[gi][i0:i1]    # [ni, Dv+1]
                     kf = None
                     if drop is not None:                            # keep tile [nc, ni]
                         kf = drop.keep_t(hs.drop_rows[gi][i0:i1], c0, c1)
                     elif dv_acc is not None:
-                        dv_acc[ks] += np.matmul(st, gta[:, :D])     # [nc, D]
+                        dv_acc[ks] += np.matmul(st, gta[:, :Dv])    # [nc, Dv]
                     if not need_ds:
                         if drop is not None and dv_acc is not None:
                             if kf is not None:
                                 st *= kf                            # P~ ∘ keep
-                            dv_acc[ks] += np.matmul(st, gta[:, :D])  # [nc, D]
+                            dv_acc[ks] += np.matmul(st, gta[:, :Dv])  # [nc, Dv]
                         continue
                     dst = pbuf[:nc * ni].reshape(nc, ni)
                     if drop is None:
                         np.matmul(vta[ks], gta.T, out=dst)          # w·(dPᵀ - delta), [nc, ni]
                     else:                                   # w·(keep∘dPᵀ/(1 - p) - delta)
-                        np.matmul(vt[c0:c1], gta[:, :D].T, out=dst)
+                        np.matmul(vt[c0:c1], gta[:, :Dv].T, out=dst)
                         if kf is not None:
                             dst *= kf
-                        dst += np.ascontiguousarray(gta[:, D])      # a strided row: 2x slower
+                        dst += np.ascontiguousarray(gta[:, Dv])     # a strided row: 2x slower
                     if zero_ds is not None:                         # P = 1: dP - delta = 0
                         sub = dst[:, zero_ds[0]]
                         sub[zero_ds[1]] = 0
@@ -1207,7 +1208,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     if drop is not None and dv_acc is not None:     # dv from P~ ∘ keep
                         if kf is not None:
                             st *= kf
-                        dv_acc[ks] += np.matmul(st, gta[:, :D])     # [nc, D]
+                        dv_acc[ks] += np.matmul(st, gta[:, :Dv])    # [nc, Dv]
                     if dbias is not None:
                         plan.add_dbias(dbias, dst, b, h, i0, i1, c0, c1)
                     if smod is not None:                            # through score_mod

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import reference
 from ..rowstats import RowStats
-from ..features import MODIFIERS
+from ..features import INPUTS, MODIFIERS
 from ..masks import TERM_KINDS
 from .base import Backend, Capabilities
 
@@ -21,7 +21,7 @@ class ReferenceBackend(Backend):
         array_kinds=frozenset({"numpy", "torch"}), device_types=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         precisions=frozenset({"highest", "tf32"}), mask_terms=frozenset(TERM_KINDS),
-        modifiers=MODIFIERS, auto=False)
+        inputs=INPUTS, modifiers=MODIFIERS, auto=False)
 
     # NaN/Inf inputs propagate into the results; the inf - inf and 0·inf they meet on
     # the way are not reported as NumPy RuntimeWarnings (np.errstate below)

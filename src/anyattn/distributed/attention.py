@@ -75,11 +75,11 @@ def _acc_dtype(dt: torch.dtype) -> torch.dtype:
 
 # --------------------------------------------------------------------- forward
 def _forward(s: _Setup, q, k, v, sinks=None):
-    """-> (out [B,Hq,S_loc,D] in q's dtype, RowStats of [B,Hq,S_loc] float32/float64).
+    """-> (out [B,Hq,S_loc,Dv] in q's dtype, RowStats of [B,Hq,S_loc] float32/float64).
     ``sinks`` [Hq]: counted once, folded into the merged statistics at the end."""
-    B, Hq, S_loc, D = q.shape
+    B, Hq, S_loc, _ = q.shape
     acc = _acc_dtype(q.dtype)
-    o_acc = torch.zeros((B, Hq, S_loc, D), dtype=acc, device=q.device)
+    o_acc = torch.zeros((B, Hq, S_loc, v.shape[-1]), dtype=acc, device=q.device)
     m_acc = torch.full((B, Hq, S_loc), float("-inf"), dtype=acc, device=q.device)
     ln_acc = torch.zeros((B, Hq, S_loc), dtype=acc, device=q.device)
     kv = [k.contiguous(), v.contiguous()]

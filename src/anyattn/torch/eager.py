@@ -221,10 +221,11 @@ def _prepare(call: _Call, q, k, v, bias, sinks, wrt):
 
 
 def _run_forward(pf, be, mods, q, k, v, bias) -> Tuple[Tensor, Tensor, Tensor]:
-    """pf: the forward Problem (no ``wrt``) -> (out [B, Hq, Sq, D], row_max, log_norm
+    """pf: the forward Problem (no ``wrt``) -> (out [B, Hq, Sq, Dv], row_max, log_norm
     [B, Hq, Sq]) as torch tensors."""
     if pf.is_empty:
-        out, stats = be.zeros_like(q), be.empty_stats(pf, q, mods)
+        out = be.zeros_like(q, (pf.batch, pf.heads_q, pf.seq_q, pf.head_dim_v))
+        stats = be.empty_stats(pf, q, mods)
     else:
         out, stats = be.forward(pf, q, k, v, arguments.bias_4d(bias, pf), mods)
     sdt = _lse_dtype(q)

@@ -1,7 +1,7 @@
 """``anyattn.torch.attention``: the differentiable entry point for torch tensors.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq / Hkv), Sq/Sk
-queries/keys, D head dim.  ``layout="bhsd"`` takes [B, H, S, D];
+queries/keys, D head dim of q and k, Dv of v and out.  ``layout="bhsd"`` takes [B, H, S, D];
 ``layout="bshd"`` takes [B, S, H, D] and returns ``out`` in that layout.
 """
 from __future__ import annotations
@@ -151,8 +151,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     """Scaled dot-product attention on torch tensors, differentiable in q, k, v, bias
     and sinks.
 
-    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] (Hq a multiple of Hkv) -> out
-    [B, Hq, Sq, D] in q's dtype; with ``return_lse=True`` also lse [B, Hq, Sq]
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (Hq a multiple of Hkv;
+    Dv may differ from D) -> out [B, Hq, Sq, Dv] in q's dtype; with ``return_lse=True``
+    also lse [B, Hq, Sq]
     (float32; not differentiable).  ``mask``: Causal / Window / KeepMask /
     Documents composed with ``&``; ``bias``: additive, broadcastable to
     [B, Hq, Sq, Sk] (a -inf entry excludes that key).  A query that keeps no

@@ -1,8 +1,8 @@
 """The two ``torch.library.custom_op``s behind ``anyattn.torch``: forward and backward.
 
 Shape legend: B batch, Hq/Hkv query/key-value heads, Sq/Sk queries/keys,
-D head dim.  Every tensor argument is in the logical layout [B, H, S, D]
-(any strides); results come back contiguous.
+D head dim of q and k, Dv of v and out.  Every tensor argument is in the logical
+layout [B, H, S, D] (any strides); results come back contiguous.
 
 A mask object (Causal, Window, Documents, KeepMask) is not a tensor, so it
 crosses the op boundary already lowered to what every backend consumes
@@ -150,7 +150,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   alibi_slopes: Optional[Tensor] = None,
                   sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
                   dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """-> (out [B, Hq, Sq, D] in q's dtype, row_max, log_norm [B, Hq, Sq] float32
+    """-> (out [B, Hq, Sq, Dv] in q's dtype, row_max, log_norm [B, Hq, Sq] float32
     (float64 for float64 q)); lse = row_max + log_norm (the sink included).
 
     The band is given before the offsets shift it (the core applies
@@ -174,7 +174,8 @@ def _attention_fwd_fake(q, k, v, bias, keep, q_ids, k_ids, band_lo, band_hi, sca
                         precision, q_offset=0, k_offset=0, softcap=None, alibi_slopes=None,
                         sinks=None, dropout_p=0.0, dropout_seed=None):
     B, Hq, Sq, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)),
+    return (q.new_empty((B, Hq, Sq, v.shape[-1])),
+            q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)),
             q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q)))
 
 

@@ -1,8 +1,8 @@
 """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-Shape legend (torch's): query [*, L, E], key/value [*, S, E]; the dim before
-L/S is the head dim (H for query, Hkv for key/value), the dims before it are
-batch dims that broadcast.  Output [*, L, E].
+Shape legend (torch's): query [*, L, E], key [*, S, E], value [*, S, Ev] (Ev may
+differ from E, as in torch); the dim before L/S is the head dim (H for query, Hkv for
+key/value), the dims before it are batch dims that broadcast.  Output [*, L, Ev].
 
 Semantics follow torch: a boolean ``attn_mask`` keeps True entries, a float
 mask is added to the scores, ``is_causal`` is top-left (``j <= i``), GQA
@@ -17,8 +17,7 @@ of torch's class (RuntimeError) *and* of anyattn's (TypeError / ValueError),
 naming the argument.  ``dropout_p > 0`` drops with ``anyattn.dropout_mask`` (a seed
 drawn from torch's default CPU generator per call, so ``torch.manual_seed`` reproduces
 it; the mask differs from torch's own, which depends on its kernel and device).
-Differences: ``dropout_p`` must be below 1; a value head dim different from E raises
-NotImplementedError; a query row that keeps no key returns 0.
+Differences: ``dropout_p`` must be below 1; a query row that keeps no key returns 0.
 """
 from __future__ import annotations
 
@@ -91,10 +90,6 @@ def _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enabl
     if value.shape[-2] != key.shape[-2]:
         raise SDPAValueError(f"value: {value.shape[-2]} keys but key has {key.shape[-2]} "
                              f"(key {tuple(key.shape)}, value {tuple(value.shape)})")
-    if value.shape[-1] != key.shape[-1]:
-        raise NotImplementedError(
-            f"value: head dim {value.shape[-1]} differs from key's {key.shape[-1]}; anyattn "
-            "needs one head dim for q, k and v (pad v, or use torch's SDPA)")
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask: expected a Tensor or None, got "
@@ -166,7 +161,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """``torch.nn.functional.scaled_dot_product_attention`` computed by anyattn (module doc)."""
     _check_args(query, key, value, attn_mask, dropout_p, scale, is_causal, enable_gqa)
     _heads(query, key, value, enable_gqa)
-    L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
+    L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     batch = _batch_dims(*(x for x in (query, key, value) if x.ndim > 3))
     q4, k4, v4 = (_to4(x, batch) for x in (query, key, value))
     hq = q4.shape[1]
@@ -180,4 +175,4 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         bias = attn_mask
     out = attention(q4, k4, v4, mask=mask, bias=bias,
                     scale=None if scale is None else float(scale), dropout_p=float(dropout_p))
-    return out.reshape(*batch, hq, L, E) if query.ndim > 2 else out.reshape(L, E)
+    return out.reshape(*batch, hq, L, Ev) if query.ndim > 2 else out.reshape(L, Ev)

@@ -1,6 +1,7 @@
 """``attn_implementation="anyattn"`` for Hugging Face transformers models.
 
-Shape legend: B batch, H/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim.
+Shape legend: B batch, H/Hkv query/key-value heads, Sq/Sk queries/keys, D head dim
+of query and key, Dv of value and the output (DeepSeek's MLA: Dv != D).
 
 Importing this module registers two things under the name ``"anyattn"``: the
 attention function (:func:`anyattn_attention_forward`) with
@@ -407,9 +408,10 @@ def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 
 
 def _eager_empty_rows(out, query, key, value, rows, valid, bias, scaling, softcap):
-    """``out`` [B, H, Sq, D] (0 on the rows that keep no key) with eager's result on
+    """``out`` [B, H, Sq, Dv] (0 on the rows that keep no key) with eager's result on
     those rows: every key, uniformly (scores + finfo.min), with eager's gradients."""
     B, H, _, D = query.shape
+    Dv = value.shape[-1]
     n = rows.shape[1]
     index = rows[:, None, :, None]                                  # [B, 1, n, 1]
     q_rows = query.gather(2, index.expand(B, H, n, D))               # [B, H, n, D]
@@ -426,7 +428,7 @@ def _eager_empty_rows(out, query, key, value, rows, valid, bias, scaling, softca
         low = bias + torch.finfo(bias.dtype).min                    # rounds to finfo.min
     out_rows = attention(q_rows, key, value, bias=low, scale=scaling, softcap=softcap)
     out_rows = torch.where(valid[:, None, :, None], out_rows, out_rows.new_zeros(()))
-    return out.scatter_add(2, index.expand(B, H, n, D), out_rows)
+    return out.scatter_add(2, index.expand(B, H, n, Dv), out_rows)
 
 
 def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -442,7 +444,8 @@ def anyattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               cu_seq_lens_k: Optional[torch.Tensor] = None,
                               seq_idx: Optional[torch.Tensor] = None,
                               **kwargs) -> Tuple[torch.Tensor, None]:
-    """query [B, H, Sq, D], key/value [B, Hkv, Sk, D] -> (out [B, Sq, H, D], None).
+    """query [B, H, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] -> (out
+    [B, Sq, H, Dv], None).
 
     ``attention_mask``: a :class:`StructuredMask` (from :func:`anyattn_mask`), a 4-D
     bool (True = attend) or float (added) tensor broadcastable to [B, H, Sq, Sk], or

@@ -464,14 +464,15 @@ class WebGPUBackend(Backend):
 
         return resident.stats_from_lse(self, p, q, k, v, bias, mods, lse)
 
-    def zeros_like(self, x):
+    def zeros_like(self, x, shape=None):
         """A new zero device array for a device array ``x`` (WebGPU zero-initialises
-        buffers: no transfer); a NumPy array for a NumPy ``x``."""
+        buffers: no transfer), of ``x``'s shape or ``shape``; a NumPy array for a NumPy
+        ``x``."""
         if array_kind(x) != "webgpu":
-            return super().zeros_like(x)
+            return super().zeros_like(x, shape)
         from . import resident
 
-        return resident.zeros(x.shape, x.dtype)
+        return resident.zeros(tuple(x.shape) if shape is None else tuple(shape), x.dtype)
 
     def empty_stats(self, p: Problem, q, mods: ScoreMods) -> RowStats:
         """Statistics of rows that keep no key, as device arrays for device-array inputs
