@@ -9,6 +9,8 @@ from .backends.base import BackendUnavailable
 from .backends.registry import available_backends, describe_backends
 from .dropout import dropout_mask
 from .masks import Causal, Documents, KeepMask, Mask, Window
+from .programs.mods import MaskMod, ScoreMod
+from . import math
 
 __version__ = "0.1.0"
 
@@ -23,6 +25,9 @@ __all__ = [
     "Window",
     "KeepMask",
     "Documents",
+    "MaskMod",
+    "ScoreMod",
+    "math",
     "dropout_mask",
     "BackendUnavailable",
     "available_backends",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import numpy as np
+
 from .arguments import bias_4d, check_flag, check_layout, score_mods
 from .arrays import array_kind, dtype_name
 from .backends.registry import choose
@@ -47,22 +49,24 @@ def forward_with_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                        precision: Optional[str] = None, q_offset: int = 0,
                        k_offset: int = 0, softcap: Optional[float] = None,
                        alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-                       dropout_seed: Optional[int] = None):
+                       dropout_seed: Optional[int] = None, score_mod=None):
     """[B, H, S, D] inputs -> (out, RowStats): the forward with its row statistics
     kept apart, for callers that pass them on to :func:`attention_backward` (the
     torch autograd and ring attention do).  With sinks the statistics include them."""
     out, stats, _ = _forward(q, k, v, mask, bias, scale, backend, precision, q_offset,
-                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
+                             score_mod)
     return out, stats
 
 
 def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
-             softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None):
+             softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+             score_mod=None):
     """Validate, dispatch, run -> (out, RowStats, Problem); inputs in [B, H, S, D]."""
     p = describe(q, k, v, mask=mask, bias=bias, scale=scale, precision=precision,
                  q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                  alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                 dropout_seed=dropout_seed)
+                 dropout_seed=dropout_seed, score_mod=score_mod)
     be = choose(p, backend)
     mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
@@ -77,7 +81,7 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
               precision: Optional[str] = None, layout: str = "bhsd",
               q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
               alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-              dropout_seed: Optional[int] = None):
+              dropout_seed: Optional[int] = None, score_mod=None):
     """Scaled dot-product attention.
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] -> out [B, Hq, Sq, Dv] (and lse
@@ -97,12 +101,18 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     int in [0, 2**64)) gives ``out = (P ∘ keep / (1 − p))·v`` with
     ``keep = anyattn.dropout_mask((B, Hq, Sq, Sk), p, seed, q_offset=, k_offset=)``, the
     same bits on every backend; lse is that of the undropped softmax.
+
+    ``score_mod`` (:doc:`programmable`): a function ``score_mod(score, b, h, q_idx,
+    kv_idx) -> score`` or an ``anyattn.ScoreMod`` with captures, applied to every scaled
+    score after softcap, before bias and masks.  ``mask`` may hold ``MaskMod`` terms
+    (mask functions) and ``|`` compositions.
     """
     check_layout(layout)
     check_flag("return_lse", return_lse)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
-                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
+                             score_mod)
     out = _to_bhsd(out, layout)
     return (out, _lse_out(stats, p)) if return_lse else out
 
@@ -128,12 +138,14 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                        q_offset: int = 0, k_offset: int = 0,
                        softcap: Optional[float] = None, alibi_slopes=None,
                        sinks=None, dropout_p: float = 0.0,
-                       dropout_seed: Optional[int] = None) -> Gradients:
+                       dropout_seed: Optional[int] = None, score_mod=None) -> Gradients:
     """Gradients of ``sum(attention(q, k, v, ...) * dout)``.
 
     -> Gradients(dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv],
-    dbias in the bias's own shape, dsinks [Hq]), None for what ``wrt`` (a subset of
-    'q', 'k', 'v', 'bias', 'sinks'; None is a TypeError) leaves out.  The score
+    dbias in the bias's own shape, dsinks [Hq], dcaptures {name: gradient in the
+    capture's shape}), None for what ``wrt`` (a subset of 'q', 'k', 'v', 'bias',
+    'sinks' and the names of the score_mod's float captures; None is a TypeError)
+    leaves out.  The score
     modifiers and dropout are those of :func:`attention` and must match the forward's
     (the backward regenerates the dropout mask from the seed).  ``out``/``lse`` from the
     forward may be passed; otherwise they are recomputed.  ``lse`` is a [B, Hq, Sq] array
@@ -154,13 +166,16 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     p = describe(qb, kb, vb, dout=gb, out=ob, lse=lse, mask=mask, bias=bias, scale=scale,
                  precision=precision, wrt=wrt, q_offset=q_offset, k_offset=k_offset,
                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                 dropout_p=dropout_p, dropout_seed=dropout_seed)
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=score_mod)
     be = choose(p, backend)
     mods = score_mods(p, alibi_slopes, sinks)
     if p.is_empty:
         res = {"dq": be.zeros_like(qb), "dk": be.zeros_like(kb), "dv": be.zeros_like(vb),
                "dbias": None if bias is None else be.zeros_like(bias),
-               "dsinks": None if sinks is None else be.zeros_like(sinks)}
+               "dsinks": None if sinks is None else be.zeros_like(sinks),
+               "dcaptures": {n: np.zeros(p.score_mod.arrays[n].shape,
+                                         p.score_mod.arrays[n].dtype)
+                             for n in p.capture_wrt} or None}
     else:
         b4 = bias_4d(bias, p)
         if ob is None:
@@ -177,5 +192,6 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
     if db is not None and tuple(db.shape) != tuple(bias.shape):
         db = db.reshape(bias.shape)
     ds = res.get("dsinks") if "sinks" in p.wrt else None
+    dc = res.get("dcaptures") if p.capture_wrt else None
     return Gradients(dq=_to_bhsd(dq, layout), dk=_to_bhsd(dk, layout),
-                     dv=_to_bhsd(dv, layout), dbias=db, dsinks=ds)
+                     dv=_to_bhsd(dv, layout), dbias=db, dsinks=ds, dcaptures=dc)

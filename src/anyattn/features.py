@@ -2,8 +2,10 @@
 
 A *feature* is something a backend may or may not support: a lowered mask term
 (``band``, ``documents``, ``keep``; see :data:`anyattn.masks.TERM_KINDS`), an input
-(``bias``, ``gqa``, ``value_dim``), a gradient (``bias_grad``, ``sinks_grad``) or a modifier of the
-scores or probabilities (``softcap``, ``alibi``, ``sinks``, ``dropout``).  Each entry
+(``bias``, ``gqa``, ``value_dim``), a gradient (``bias_grad``, ``sinks_grad``) or a
+modifier of the scores or probabilities (``softcap``, ``alibi``, ``sinks``, ``dropout``,
+and ``score_mod``, a user's score function; :data:`BUILTIN_MODIFIERS` are the others).
+Each entry
 holds its name, its kind, the words a refusal uses and the predicate that says
 whether a :class:`~anyattn.problem.Problem` uses it.
 
@@ -22,7 +24,8 @@ from typing import Any, Callable, Dict, FrozenSet, Tuple
 from .masks import TERM_KINDS
 
 __all__ = ["Feature", "FEATURES", "KINDS", "names_of", "features_of", "MASK_TERMS",
-           "INPUTS", "DEFAULT_INPUTS", "GRADIENTS", "MODIFIERS"]
+           "INPUTS", "DEFAULT_INPUTS", "GRADIENTS", "MODIFIERS", "BUILTIN_MODIFIERS",
+           "FUNCTION_MODIFIERS"]
 
 #: the kinds of feature, each one set of :class:`~anyattn.backends.base.Capabilities`
 KINDS = ("mask_term", "input", "gradient", "modifier")
@@ -69,6 +72,11 @@ FEATURES: Tuple[Feature, ...] = tuple(_term(n) for n in TERM_KINDS) + (
     Feature("sinks_grad", "gradient", "does not compute the sinks gradient (dsinks)",
             lambda p: "sinks" in p.wrt),
     Feature("dropout", "modifier", "does not support dropout_p > 0", lambda p: p.has_dropout),
+    Feature("score_mod", "modifier", "does not support score_mod (score functions)",
+            lambda p: p.score_mod is not None),
+    Feature("score_mod_grad", "gradient",
+            "does not compute gradients of score_mod captures (dcaptures)",
+            lambda p: bool(p.capture_wrt)),
 )
 
 _BY_NAME: Dict[str, Feature] = {f.name: f for f in FEATURES}
@@ -103,3 +111,8 @@ INPUTS = names_of("input")
 DEFAULT_INPUTS = frozenset(f.name for f in FEATURES if f.kind == "input" and not f.opt_in)
 GRADIENTS = names_of("gradient")
 MODIFIERS = names_of("modifier")
+#: the modifiers that are user functions (lowered per function, not a fixed formula)
+FUNCTION_MODIFIERS = frozenset({"score_mod"})
+#: the modifiers with a fixed formula (softcap, ALiBi, sinks, dropout): what a backend
+#: that lowers no user function declares
+BUILTIN_MODIFIERS = MODIFIERS - FUNCTION_MODIFIERS

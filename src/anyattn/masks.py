@@ -50,6 +50,7 @@ __all__ = [
     "KeepMask",
     "Documents",
     "AndMask",
+    "OrMask",
     "ResolvedMask",
     "resolve",
     "lower",
@@ -89,8 +90,9 @@ class Mask:
 
     A boolean NumPy array or torch tensor on either side of ``&`` is taken as
     ``KeepMask(array)`` (``Causal() & m`` is ``Causal() & KeepMask(m)``, ``m & Causal()``
-    is ``KeepMask(m) & Causal()``); an array of another dtype is a TypeError.  ``|`` (or)
-    is not implemented for mask terms: it raises NotImplementedError with the remedy.
+    is ``KeepMask(m) & Causal()``); an array of another dtype is a TypeError.  ``a | b``
+    keeps a pair iff either keeps it: it lowers to one mask function (every term has a
+    function form, ``_fn``), classified per tile like a ``MaskMod``.
     """
 
     #: makes NumPy hand ``array & mask`` / ``array | mask`` to the mask's reflected
@@ -109,15 +111,30 @@ class Mask:
             return NotImplemented
         return AndMask(_terms(other) + _terms(self))
 
-    def __or__(self, other: Any):
-        if isinstance(other, Mask) or array_kind(other) is not None:
-            _refuse_or()
-        return NotImplemented
+    def __or__(self, other: Any) -> "OrMask":
+        other = _as_term(other)
+        if other is None:
+            return NotImplemented
+        return OrMask(_or_terms(self) + _or_terms(other))
 
-    def __ror__(self, other: Any):
-        if array_kind(other) is not None:
-            _refuse_or()
-        return NotImplemented
+    def __ror__(self, other: Any) -> "OrMask":
+        other = _as_term(other)
+        if other is None:
+            return NotImplemented
+        return OrMask(_or_terms(other) + _or_terms(self))
+
+    def _fn(self, fx) -> Any:  # pragma: no cover - abstract
+        """This term as a traced bool expression of ``fx``'s indices (see
+        :mod:`anyattn.programs.compose`)."""
+        raise NotImplementedError
+
+    def _bound_function(self, b: int, hq: int, sq: int, sk: int, q_offset: int,
+                        k_offset: int):
+        """This term's function form, bound for a problem (the ``mask_mod`` term kind's
+        item)."""
+        from .programs.compose import mask_program
+
+        return mask_program(self, (b, hq, sq, sk), q_offset, k_offset)
 
     # Each subclass lowers itself into a _Lowering accumulator.
     def _lower(self, acc: "_Lowering") -> None:  # pragma: no cover - abstract
@@ -144,10 +161,8 @@ def _as_term(other: Any) -> Optional["Mask"]:
     return KeepMask(other)
 
 
-def _refuse_or() -> None:
-    raise NotImplementedError(
-        "mask | mask: union (or) of mask terms is not implemented; compute the union as "
-        "one boolean array and pass KeepMask(keep), or use & (and) of mask terms")
+def _or_terms(m: Mask) -> Tuple[Mask, ...]:
+    return m.terms if isinstance(m, OrMask) else (m,)
 
 
 @dataclass(frozen=True)
@@ -160,8 +175,34 @@ class AndMask(Mask):
         for t in self.terms:
             t._lower(acc)
 
+    def _fn(self, fx):
+        out = self.terms[0]._fn(fx)
+        for t in self.terms[1:]:
+            out = out & t._fn(fx)
+        return out
+
     def __repr__(self) -> str:
         return " & ".join(repr(t) for t in self.terms)
+
+
+@dataclass(frozen=True, eq=False)
+class OrMask(Mask):
+    """Disjunction of mask terms (built by ``|``): lowered to one mask function
+    (the ``mask_mod`` term kind) from the terms' function forms."""
+
+    terms: Tuple[Mask, ...]
+
+    def _lower(self, acc: "_Lowering") -> None:
+        acc.add("mask_mod", self)
+
+    def _fn(self, fx):
+        out = self.terms[0]._fn(fx)
+        for t in self.terms[1:]:
+            out = out | t._fn(fx)
+        return out
+
+    def __repr__(self) -> str:
+        return "(" + " | ".join(repr(t) for t in self.terms) + ")"
 
 
 @dataclass(frozen=True)
@@ -175,6 +216,10 @@ class Causal(Mask):
 
     def _lower(self, acc: "_Lowering") -> None:
         acc.add("band", (None, _diag_offset(self.align, acc.sq, acc.sk)))
+
+    def _fn(self, fx):
+        _, _, sq, sk = fx.sizes
+        return _band_fn(fx, None, _diag_offset(self.align, sq, sk))
 
 
 @dataclass(frozen=True)
@@ -211,6 +256,24 @@ class Window(Mask):
         lo = None if self.left is None else off - self.left
         hi = None if self.right is None else off + self.right
         acc.add("band", (lo, hi))
+
+    def _fn(self, fx):
+        off = _diag_offset(self.align, fx.sizes[2], fx.sizes[3])
+        return _band_fn(fx, None if self.left is None else off - self.left,
+                        None if self.right is None else off + self.right)
+
+
+def _band_fn(fx, lo: Optional[int], hi: Optional[int]):
+    """``lo <= kv_idx - q_idx <= hi`` with the position offsets applied (as the band
+    term's fold applies them)."""
+    shift = fx.q_offset - fx.k_offset
+    d = fx.kv_idx - fx.q_idx
+    out = fx.const(True)
+    if lo is not None:
+        out = out & (d >= lo + shift)
+    if hi is not None:
+        out = out & (d <= hi + shift)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -251,6 +314,14 @@ class KeepMask(Mask):
 
     def _lower(self, acc: "_Lowering") -> None:
         acc.add("keep", self.mask)
+
+    def _fn(self, fx):
+        k4 = CORE_OPS.keep4(self.mask)
+        _check_keep_shape(self.mask, k4, fx.sizes)
+        keep = fx.capture("keep", k4)
+        idx = [i if n > 1 else 0 for i, n in zip((fx.b, fx.h, fx.q_idx, fx.kv_idx),
+                                                   k4.shape)]
+        return keep[tuple(idx)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -300,6 +371,17 @@ class Documents(Mask):
 
     def _lower(self, acc: "_Lowering") -> None:
         acc.add("documents", (self.q_ids, self.k_ids))
+
+    def _fn(self, fx):
+        b, _, sq, sk = fx.sizes
+        sides = []
+        for nm, ids, s, pos in (("q_ids", self.q_ids, sq, fx.q_idx),
+                                ("k_ids", self.k_ids, sk, fx.kv_idx)):
+            ids2 = CORE_OPS.ids2(ids)
+            _check_ids_shape(nm, ids2, s, b)
+            cap = fx.capture(nm, ids2)
+            sides.append(cap[fx.b if ids2.shape[0] > 1 else 0, pos])
+        return sides[0] == sides[1]
 
 
 class _Lowering:
@@ -408,7 +490,9 @@ class TermKind:
 
 class _BandTerm(TermKind):
     """``band_lo <= j - i <= band_hi`` (either side None = open): every Causal and
-    Window term, alignment and the offsets ``q_offset - k_offset`` applied."""
+    Window term, alignment and the offsets ``q_offset - k_offset`` applied, and the
+    band-shaped conjuncts of mask functions (items ``(lo, hi, "local")``: on local
+    indices, the offsets not applied)."""
 
     name = "band"
     refusal = "does not support Causal/Window masks"
@@ -416,12 +500,16 @@ class _BandTerm(TermKind):
 
     def fold(self, items, acc, ops, q_offset, k_offset):
         lo = hi = None
-        for l, h in items:
+        shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
+        for item in items:
+            l, h = item[:2]
+            if len(item) > 2:        # (lo, hi, "local"): on local indices, no offsets
+                l = None if l is None else l - shift
+                h = None if h is None else h - shift
             if l is not None:
                 lo = l if lo is None else max(lo, l)
             if h is not None:
                 hi = h if hi is None else min(hi, h)
-        shift = q_offset - k_offset  # keep iff lo <= (j + ko) - (i + qo) <= hi
         return {"band_lo": None if lo is None else lo + shift,
                 "band_hi": None if hi is None else hi + shift}
 
@@ -449,6 +537,23 @@ class _BandTerm(TermKind):
             ((dmin >= lo) & (dmax <= hi))[None, None]
 
 
+def _check_ids_shape(nm: str, ids, s: int, b: int) -> None:
+    if ids.shape[1] != s or ids.shape[0] not in (1, b):
+        raise ValueError(
+            f"Documents({nm}=...): shape {tuple(ids.shape)} does not fit "
+            f"{'Sq' if nm == 'q_ids' else 'Sk'}={s}, B={b}; expected "
+            f"[{s}] or [{b}, {s}]")
+
+
+def _check_keep_shape(km, k4, target) -> None:
+    for ax, (have, want) in enumerate(zip(k4.shape, target)):
+        if have not in (1, want):
+            raise ValueError(
+                f"KeepMask(mask=...): shape {tuple(km.shape)} does not broadcast "
+                f"to [B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, "
+                "expected " + ("1)" if want == 1 else f"1 or {want})"))
+
+
 class _DocumentsTerm(TermKind):
     """``q_ids[i] == k_ids[j]`` with ``q_ids [Bd, Sq]``, ``k_ids [Bd, Sk]`` (Bd in {1, B});
     two Documents terms combine into one id pair (or, where the array library cannot,
@@ -464,11 +569,7 @@ class _DocumentsTerm(TermKind):
             qi2, ki2 = ops.ids2(qi), ops.ids2(ki)
             if ops.check:
                 for nm, ids, s in (("q_ids", qi2, acc.sq), ("k_ids", ki2, acc.sk)):
-                    if ids.shape[1] != s or ids.shape[0] not in (1, acc.b):
-                        raise ValueError(
-                            f"Documents({nm}=...): shape {tuple(ids.shape)} does not fit "
-                            f"{'Sq' if nm == 'q_ids' else 'Sk'}={s}, B={acc.b}; expected "
-                            f"[{s}] or [{acc.b}, {s}]")
+                    _check_ids_shape(nm, ids, s, acc.b)
             if q_ids is None:
                 q_ids, k_ids = qi2, ki2
                 continue
@@ -506,12 +607,7 @@ class _KeepTerm(TermKind):
         for km in items:
             k4 = ops.keep4(km)
             if ops.check:
-                for ax, (have, want) in enumerate(zip(k4.shape, target)):
-                    if have not in (1, want):
-                        raise ValueError(
-                            f"KeepMask(mask=...): shape {tuple(km.shape)} does not broadcast "
-                            f"to [B, Hq, Sq, Sk] = {list(target)} (dim {ax - 4} is {have}, "
-                            "expected " + ("1)" if want == 1 else f"1 or {want})"))
+                _check_keep_shape(km, k4, target)
             keep = k4 if keep is None else ops.logical_and(keep, k4)
         return {"keep": keep, "keep_key": keep_key}
 
@@ -529,10 +625,46 @@ class _KeepTerm(TermKind):
                               rm.keep_key[1])
 
 
+class _FunctionTerm(TermKind):
+    """Mask functions: every ``MaskMod`` and every ``|`` of terms, each a bound program
+    (:class:`anyattn.programs.bound.BoundProgram`; a pair is kept iff every one keeps it).
+    Tiles are classified by evaluating the functions on every pair once, chunked, and
+    cached in :data:`TILE_CACHE` by the graph's structural key, a digest of the
+    captures' contents and the sizes."""
+
+    name = "mask_mod"
+    refusal = "does not support mask functions (MaskMod, or | of mask terms)"
+    fields = ("mask_fns",)
+
+    def fold(self, items, acc, ops, q_offset, k_offset):
+        if not items:
+            return {"mask_fns": None}
+        return {"mask_fns": tuple(m._bound_function(acc.b, acc.hq, acc.sq, acc.sk,
+                                                    q_offset, k_offset) for m in items)}
+
+    def keep_block(self, rm, i0, i1, j0, j1):
+        keep = None
+        for bp in rm.mask_fns:
+            k = bp.keep_dense(i0, i1, j0, j1)                  # [Bx, Hx, ni, nj]
+            keep = k if keep is None else keep & k
+        return keep
+
+    def tile_parts(self, rm, bq, bk):
+        from .programs.bound import mask_tile_parts
+
+        any_k = all_k = None
+        for bp in rm.mask_fns:
+            a, l = TILE_CACHE.get(("mask_mod", bp.program.key, bp.digest(), bp.sizes, bq, bk),
+                                  lambda bp=bp: mask_tile_parts(bp, bq, bk))
+            any_k = a if any_k is None else any_k & a
+            all_k = l if all_k is None else all_k & l
+        return any_k, all_k
+
+
 #: every lowered term kind by feature name, in folding order (a kind may add items to
 #: a later one: a second Documents term becomes a keep array where ids cannot combine)
 TERM_KINDS: Dict[str, TermKind] = {t.name: t for t in (_BandTerm(), _DocumentsTerm(),
-                                                        _KeepTerm())}
+                                                        _KeepTerm(), _FunctionTerm())}
 
 
 @dataclass(frozen=True, eq=False)
@@ -543,6 +675,7 @@ class ResolvedMask:
     ``band_lo``/``band_hi``: keep iff ``band_lo <= j - i <= band_hi`` (None = open).
     ``q_ids [Bd, Sq]``, ``k_ids [Bd, Sk]``: document ids (same array library
     as given) or None.  ``keep``: bool, 4-D, broadcastable to [B, Hq, Sq, Sk], or None.
+    ``mask_fns``: mask functions (bound programs) or None.
     A pair is kept iff every present term keeps it.
     """
 
@@ -553,6 +686,8 @@ class ResolvedMask:
     q_ids: Any = None
     k_ids: Any = None
     keep: Any = None
+    #: mask functions (MaskMod, ``|`` of terms): bound programs, or None
+    mask_fns: Any = None
     #: identity tokens of the keep arrays when every one is immutable (see
     #: :func:`_frozen_token`), else None: the keep part of a tile map is then not cached
     keep_key: Any = field(default=None, repr=False, compare=False)
@@ -800,8 +935,8 @@ def resolve(mask: Optional[Mask], b: int, hq: int, sq: int, sk: int,
         )
     if mask is not None and not hasattr(mask, "_lower"):
         raise TypeError(
-            f"mask: expected a mask object (Causal, Window, KeepMask, Documents or "
-            f"their & composition), got {type(mask).__name__}; pass a boolean array "
+            f"mask: expected a mask object (Causal, Window, KeepMask, Documents, MaskMod "
+            f"or their & / | composition), got {type(mask).__name__}; pass a boolean array "
             "as KeepMask(array)"
         )
     return ResolvedMask(sq=sq, sk=sk, **lower(mask, b, hq, sq, sk, q_offset, k_offset))

@@ -60,6 +60,12 @@ class Problem:
     sinks_dtype: Optional[str] = None               # None: no sinks; else sinks [Hq]
     dropout_p: float = 0.0                          # keep = anyattn.dropout_mask(...)
     dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
+    score_mod: Any = None                           # a BoundProgram (anyattn.programs)
+
+    @property
+    def capture_wrt(self) -> FrozenSet[str]:
+        """The score_mod captures whose gradients ``wrt`` asks for."""
+        return self.wrt - frozenset(GRAD_NAMES)
 
     @functools.cached_property
     def features(self) -> FrozenSet[str]:
@@ -231,6 +237,26 @@ def _check_mod_array(name: str, x, kind: str, dt: str, dev: str,
     return shape
 
 
+def _check_score_mod(score_mod, sizes, dev: str, alibi_slopes):
+    """score_mod= -> a BoundProgram for these sizes (captures on q's device, every
+    capture index in range), or None."""
+    if score_mod is None:
+        return None
+    from .programs.mods import as_score_mod
+
+    sm = as_score_mod(score_mod)
+    for name, arr in sm.captures.items():
+        if device_name(arr) != dev:
+            _fail(ValueError, f"score_mod {sm.name!r}: capture {name!r} is on "
+                              f"{device_name(arr)} but q is on {dev}; move it to q's device")
+    if alibi_slopes is not None:
+        _fail(NotImplementedError, "score_mod with alibi_slopes: not supported together; "
+                                   "write the ALiBi term inside the score function "
+                                   "(score - slopes[h] * abs(q_idx - kv_idx), slopes a "
+                                   "capture)")
+    return sm.bind(sizes)
+
+
 #: signature -> Problem of the calls ``describe`` accepted whose Problem holds no array
 #: (a mask of band terms only; see :func:`_signature`); cleared when full.
 _PROBLEMS: dict = {}
@@ -306,7 +332,8 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
              bias=None, scale: Optional[float] = None, precision: Optional[str] = None,
              wrt: Optional[Iterable[str]] = None, q_offset: int = 0,
              k_offset: int = 0, softcap: Optional[float] = None, alibi_slopes=None,
-             sinks=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None) -> Problem:
+             sinks=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+             score_mod=None) -> Problem:
     """Validate a call's inputs (already in [B, H, S, D] logical layout) -> Problem.
 
     A call equal to an accepted one in everything validation reads (array types, shapes,
@@ -314,16 +341,19 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
     that call's Problem back without the checks (frozen, it holds no array); a call
     with a Documents / KeepMask mask is validated in full every time.
 
-    ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES`);
-    None describes a forward.  A backward (``dout`` given) with ``wrt=None`` is a
+    ``wrt``: the gradients a backward computes (a subset of :data:`GRAD_NAMES` and the
+    names of ``score_mod``'s float captures); None describes a forward.
+    ``score_mod``: a score function or ``anyattn.ScoreMod``, bound here to the problem's
+    sizes (its capture indices checked); ``Problem.score_mod`` holds the bound program.  A backward (``dout`` given) with ``wrt=None`` is a
     TypeError: an explicit None would otherwise compute nothing without a word.
     ``q_offset``/``k_offset``: any integer (``operator.index``: int, np.int64, ...),
     not bool or float.  ``scale`` must be finite in the compute dtype (float32 for
     16/32-bit inputs, float64 for float64).  NumPy masked arrays and non-native byte
     orders are refused (the mask / the byte order would be misread).
     """
-    key = _signature(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
-                     k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+    key = None if score_mod is not None else \
+        _signature(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
+                   k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
     if key is not None:
         try:
             p = _PROBLEMS.get(key)
@@ -332,7 +362,7 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
         if p is not None:
             return p
     p = _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
-                  k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+                  k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, score_mod)
     if key is not None:
         if len(_PROBLEMS) >= _PROBLEMS_MAX:
             _PROBLEMS.clear()
@@ -341,7 +371,8 @@ def describe(q, k, v, *, dout=None, out=None, lse=None, mask: Optional[Mask] = N
 
 
 def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offset,
-              k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed) -> Problem:
+              k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
+              score_mod=None) -> Problem:
     """describe's checks, in full."""
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
@@ -439,6 +470,8 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
         _check_mod_array("sinks", sinks, kind, dt, dev, ((Hq,),), "[Hq]")
         sinks_dtype = dtype_name(sinks)
 
+    smod = _check_score_mod(score_mod, (B, Hq, Sq, Sk), dev, alibi_slopes)
+
     if precision is None:
         precision = "highest"
     if precision not in PRECISIONS:
@@ -450,9 +483,17 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
         if isinstance(wrt, str):
             wrt = (wrt,)
         wrt_list = list(wrt)
-        bad = [w for w in wrt_list if w not in GRAD_NAMES]
+        caps = () if smod is None else smod.program.float_captures()
+        bad = [w for w in wrt_list if w not in GRAD_NAMES and w not in caps]
         if bad:
-            _fail(ValueError, f"wrt: {bad} not understood; expected a subset of {GRAD_NAMES}")
+            other = [] if smod is None else [n for n in bad if n in smod.program.specs]
+            if other:
+                _fail(ValueError, f"wrt: score_mod capture(s) {other} are not float arrays; "
+                                  "only float captures have gradients")
+            _fail(ValueError, f"wrt: {bad} not understood; expected a subset of "
+                              f"{GRAD_NAMES + tuple(caps)}"
+                              + (" (the names after 'sinks' are score_mod captures)"
+                                 if caps else ""))
         if not wrt_list:
             _fail(ValueError, "wrt: is empty; ask for at least one of "
                               f"{', '.join(repr(n) for n in GRAD_NAMES)}")
@@ -489,4 +530,4 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
                    bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
                    wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                    alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype,
-                   dropout_p=dropout_p, dropout_seed=dropout_seed)
+                   dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=smod)

@@ -18,6 +18,7 @@ from .arrays import to_numpy
 from .dropout import dropout_mask
 from .rowstats import RowStats
 from .masks import Mask, resolve
+from .programs.bound import scatter_add
 
 __all__ = ["Gradients", "forward", "backward", "seed_backward", "reduce_to_shape"]
 
@@ -30,6 +31,8 @@ class Gradients(NamedTuple):
     dv: Optional[object] = None
     dbias: Optional[object] = None
     dsinks: Optional[object] = None
+    #: score_mod capture gradients by capture name (those ``wrt`` named), or None
+    dcaptures: Optional[dict] = None
 
 
 def _f64(x):
@@ -46,10 +49,20 @@ def reduce_to_shape(x: np.ndarray, shape) -> np.ndarray:
 
 
 def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_slopes=None):
-    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th).
+    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th)
+    without a score function (see :func:`_scores_mod`)."""
+    return _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
+                       alibi_slopes)[:5]
+
+
+def _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None,
+                alibi_slopes=None, score_mod=None, mod_wrt=None):
+    """-> (s [B,Hq,Sq,Sk] with -inf where excluded, keep [..] bool, kexp, vexp, th, smd).
 
     ``th`` = tanh(scale·qk / softcap) [B,Hq,Sq,Sk] (None without softcap): the backward
-    needs 1 − th²."""
+    needs 1 − th².  ``score_mod`` (a bound program, :mod:`anyattn.programs`) applies
+    after softcap, before bias, ALiBi and masks; with ``mod_wrt`` (capture names, maybe
+    empty) ``smd`` = (d s'/d s, [(capture, index arrays, d s'/d gather)]), else None."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -60,6 +73,13 @@ def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_
     if softcap is not None:
         th = np.tanh(s / softcap)
         s = softcap * th
+    smd = None
+    if score_mod is not None:
+        if mod_wrt is None:
+            s = np.array(score_mod.score_dense(s))
+        else:
+            s, dsc, gath = score_mod.score_dense(s, frozenset(mod_wrt), grads=True)
+            s, smd = np.array(s), (dsc, gath)
     if bias is not None:
         s = s + bias
     if alibi_slopes is not None:
@@ -71,7 +91,7 @@ def _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap=None, alibi_
     keep = resolve(mask, B, Hq, Sq, Sk, q_offset, k_offset).dense_keep(B, Hq)
     keep = np.broadcast_to(keep, s.shape)
     s = np.where(keep, s, -np.inf)
-    return s, keep, kexp, vexp, th
+    return s, keep, kexp, vexp, th, smd
 
 
 def _softmax_stats(s, sinks=None):
@@ -111,11 +131,12 @@ def _softmax(s):
 def forward(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
             q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
             alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-            dropout_seed: Optional[int] = None):
+            dropout_seed: Optional[int] = None, score_mod=None):
     """-> (out [B, Hq, Sq, Dv], lse [B, Hq, Sq]) in float64."""
     out, st = forward_stats(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset,
                             k_offset=k_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                            sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                            score_mod=score_mod)
     return out, st.max + st.log_norm
 
 
@@ -131,7 +152,8 @@ def _dropped(p, dropout_p, dropout_seed, q_offset, k_offset):
 def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
                   scale: Optional[float] = None, q_offset: int = 0, k_offset: int = 0,
                   softcap: Optional[float] = None, alibi_slopes=None, sinks=None,
-                  dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
+                  dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  score_mod=None):
     """-> (out [B, Hq, Sq, Dv], RowStats(max, log_norm) [B, Hq, Sq]) in float64.
 
     Score modifiers (see :mod:`anyattn.modifiers`): ``softcap`` c, ``alibi_slopes``
@@ -141,8 +163,9 @@ def forward_stats(q, k, v, *, mask: Optional[Mask] = None, bias=None,
     q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    s, _, _, vexp, _ = _scores(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
-                               alibi_slopes)
+    s, _, _, vexp, _, _ = _scores_mod(q, k, v, mask, bias, scale, q_offset, k_offset, softcap,
+                                  alibi_slopes, _bound(score_mod, q, k, mask, q_offset,
+                                                       k_offset))
     p, row_max, log_norm = _softmax_stats(s, sinks)
     pd = _dropped(p, dropout_p, dropout_seed, q_offset, k_offset)
     return np.einsum("bhij,bhjd->bhid", pd, vexp), RowStats(row_max, log_norm)
@@ -153,9 +176,10 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
              q_offset: int = 0, k_offset: int = 0, out=None, lse=None,
              stats: Optional[RowStats] = None, softcap: Optional[float] = None,
              alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-             dropout_seed: Optional[int] = None) -> Gradients:
+             dropout_seed: Optional[int] = None, score_mod=None) -> Gradients:
     """Gradients of sum(out * dout), float64; dk/dv summed over each query group;
-    dsinks [Hq] (``wrt`` names 'sinks') summed over batch and queries.
+    dsinks [Hq] (``wrt`` names 'sinks') summed over batch and queries; ``dcaptures``
+    {name: array in the capture's shape} for the score_mod captures ``wrt`` names.
 
     With ``out`` and ``lse`` or ``stats`` given (from a forward, possibly over more
     keys than these, as in ring attention) they define P = exp(s - lse) (with stats:
@@ -168,8 +192,11 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     G = Hq // Hkv
     if scale is None:
         scale = 1.0 / np.sqrt(D)
-    s, _, kexp, vexp, th = _scores(q, k, v, mask, bias0, scale, q_offset, k_offset,
-                                   softcap, alibi_slopes)
+    smod = _bound(score_mod, q, k, mask, q_offset, k_offset)
+    mod_wrt = None if smod is None else \
+        tuple(w for w in wrt if w not in ("q", "k", "v", "bias", "sinks"))
+    s, keep, kexp, vexp, th, smd = _scores_mod(q, k, v, mask, bias0, scale, q_offset, k_offset,
+                                           softcap, alibi_slopes, smod, mod_wrt)
     if lse is not None and stats is not None:
         raise ValueError("lse and stats: pass one of them, not both")
     if lse is None and stats is None:
@@ -190,8 +217,17 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
     dp = np.einsum("bhid,bhjd->bhij", g, vexp)           # dP = g vᵀ
     delta = np.sum(g * out, axis=-1, keepdims=True)      # δ = <g, out>
     ds = pd * dp - p * delta                             # dS = P ∘ (dP ∘ keep/(1−p) − δ)
-    dx = ds if th is None else ds * (1.0 - th * th)      # through c·tanh(x / c)
     res = {}
+    dx = ds
+    if smd is not None:                                  # through score_mod
+        dsc, gath = smd
+        if mod_wrt:
+            dcap = {n: np.zeros(smod.arrays[n].shape) for n in mod_wrt}
+            for name, idx, dg in gath:                   # d s'/d gather, scattered
+                scatter_add(dcap[name], idx, np.where(keep, ds * dg, 0.0))
+            res["dcaptures"] = dcap
+        dx = np.where(keep, ds * dsc, 0.0)
+    dx = dx if th is None else dx * (1.0 - th * th)     # through c·tanh(x / c)
     if "q" in wrt:
         res["dq"] = scale * np.einsum("bhij,bhjd->bhid", dx, kexp)
     if "k" in wrt:
@@ -210,6 +246,19 @@ def backward(q, k, v, dout, *, mask: Optional[Mask] = None, bias=None,
             p_sink = np.where(np.isfinite(m) & np.isfinite(t), np.exp((t - m) - ln), 0.0)
         res["dsinks"] = -(p_sink * delta[..., 0]).sum(axis=(0, 2))
     return Gradients(**res)
+
+
+def _bound(score_mod, q, k, mask, q_offset, k_offset):
+    """A score_mod argument (ScoreMod, function or bound program) bound for these sizes."""
+    if score_mod is None:
+        return None
+    from .programs.bound import BoundProgram
+    from .programs.mods import as_score_mod
+
+    if isinstance(score_mod, BoundProgram):
+        return score_mod
+    B, Hq, Sq, _ = q.shape
+    return as_score_mod(score_mod).bind((B, Hq, Sq, k.shape[2]))
 
 
 # ----------------------------------------------------------------------------- seed

@@ -28,9 +28,14 @@ USES = {
     "sinks_grad": dict(sinks=np.zeros(4, np.float32), dout=q, wrt=("sinks",)),
     "dropout": dict(dropout_p=0.5, dropout_seed=1),
     "value_dim": dict(),
+    "mask_mod": dict(mask=aa.MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)),
+    "score_mod": dict(score_mod=lambda s, b, h, i, j: s - (i - j) ** 2),
+    "score_mod_grad": dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h],
+                                                 t=np.zeros(4, np.float32)),
+                           dout=q, wrt=("t",)),
 }
 #: what else those problems use of necessity
-ALSO = {"bias_grad": {"bias"}, "sinks_grad": {"sinks"}}
+ALSO = {"bias_grad": {"bias"}, "sinks_grad": {"sinks"}, "score_mod_grad": {"score_mod"}}
 
 
 class _Stub(Backend):

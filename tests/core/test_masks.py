@@ -151,14 +151,20 @@ def test_non_boolean_array_in_and_names_the_remedy(dtype):
             build()
 
 
-def test_or_of_mask_terms_is_refused_with_the_remedy():
-    """'|' is not implemented for mask terms: NotImplementedError naming KeepMask, on
-    either side of an array (NumPy used to apply '|' element by element)."""
-    m = np.ones((7, 9), bool)
-    for build in (lambda: aa.Causal() | aa.Window(left=2), lambda: aa.Causal() | m,
-                  lambda: m | aa.Causal()):
-        with pytest.raises(NotImplementedError, match=r"union .*KeepMask"):
-            build()
+def test_or_of_mask_terms_is_the_union_on_either_side_of_an_array():
+    """'|' keeps a pair iff either side keeps it, lowered to one mask function; a bool
+    array on either side is a KeepMask (NumPy used to apply '|' element by element)."""
+    m = np.zeros((7, 9), bool)
+    m[:, 8] = True
+    i, j = np.arange(7)[:, None], np.arange(9)[None, :]
+    causal = j <= i
+    window = (i - j <= 2) & (j - i <= 0)
+    for mask, want in ((aa.Causal() | aa.Window(left=2, right=0), causal | window),
+                       (aa.Causal() | m, causal | m), (m | aa.Causal(), m | causal),
+                       ((aa.Causal() | m) & aa.Window(left=2), (causal | m) & (i - j <= 2))):
+        rm = resolve(mask, 1, 1, 7, 9)
+        assert "mask_mod" in rm.terms
+        np.testing.assert_array_equal(rm.dense_keep(1, 1)[0, 0], want)
     with pytest.raises(TypeError, match="does not support ufuncs"):
         np.logical_and(m, aa.Causal())
 

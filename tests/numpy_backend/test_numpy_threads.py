@@ -85,6 +85,68 @@ def test_concurrent_calls_give_the_serial_bits(monkeypatch):
     assert not mismatches, mismatches[:5]
 
 
+def test_score_and_mask_functions_are_bitwise_independent_of_thread_count(np_config):
+    """A score function with a learnable table and a mask function: out, lse and every
+    gradient, the table's (scattered per unit slot, slots added in order) included, are
+    the same bits with 1, 2 and 3 workers."""
+    q, k, v, g = qkv(12, 2, 4, 2, 70, 90, 16, dtype="float32")
+    tab = np.random.default_rng(1).standard_normal((4, 159)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, tab: s + tab[h, i - j + 89] * np.tanh(s),
+                     tab=tab)
+    mask = aa.MaskMod(lambda b, h, i, j: (i + j) % 5 != 0) & aa.Causal("bottom_right")
+    runs = []
+    for t in (1, 2, 3):
+        np_config(fwd_bq=16, fwd_bk=32, bwd_bq=32, bwd_bk=16, threads=t)
+        out, lse = aa.attention(q, k, v, score_mod=sm, mask=mask, return_lse=True)
+        gr = aa.attention_backward(q, k, v, g, score_mod=sm, mask=mask,
+                                   wrt=("q", "k", "v", "tab"))
+        runs.append((out, lse, gr.dq, gr.dk, gr.dv, gr.dcaptures["tab"]))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_one_score_function_shared_by_concurrent_callers(np_config):
+    """Four threads call the backward with one ScoreMod (whose derivatives are built on
+    first use, under a lock) and new wrt sets: every result equals the serial one."""
+    np_config(fwd_bq=16, fwd_bk=16, bwd_bq=16, bwd_bk=16, threads=2)
+    q, k, v, g = qkv(13, 1, 2, 2, 40, 40, 8, dtype="float32")
+    t = np.linspace(0.5, 1.5, 2).astype(np.float32)
+    u = np.linspace(-1.0, 1.0, 79).astype(np.float32)
+
+    def make():
+        return aa.ScoreMod(lambda s, b, h, i, j, t, u: s * t[h] + u[i - j + 39] * np.tanh(s),
+                           t=t, u=u)
+
+    wrts = [("q", "t"), ("k", "u"), ("t", "u"), ("v", "t", "u")]
+    serial = [aa.attention_backward(q, k, v, g, score_mod=make(), wrt=w) for w in wrts]
+    shared = make()
+    results, errors = [None] * 4, []
+    start = threading.Barrier(4)
+
+    def client(n):
+        try:
+            start.wait()
+            results[n] = aa.attention_backward(q, k, v, g, score_mod=shared, wrt=wrts[n])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for got, want in zip(results, serial):
+        for name in ("dq", "dk", "dv"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
+        for n, x in want.dcaptures.items():
+            np.testing.assert_array_equal(got.dcaptures[n], x)
+
+
 def test_concurrent_calls_through_the_api(np_config):
     """The registered backend through aa.attention / attention_backward from several
     threads at once: the serial bits."""

@@ -59,6 +59,7 @@ from ..rowstats import RowStats
 from .. import settings
 from . import blas_threads
 from .base import Backend, Capabilities
+from ..programs.bound import ScoreTiles
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -413,6 +414,8 @@ class _Call:
         self.capu: Optional[float] = None           # backward: softcap c·u
         self.floor: Optional[float] = None          # backward: EXP_FLOOR2 in kernel units
         self.wfold: Optional[np.ndarray] = None     # backward: softcap's w·2^-max_u
+        self.natural = False                        # score_mod: natural units throughout
+        self.score: Optional[ScoreTiles] = None     # score_mod on tiles
 
 
 class _Modifier:
@@ -522,10 +525,30 @@ class _Sinks(_Modifier):
         return out, st.max, np.where(no_sink, rlog, st.log_norm)
 
 
+class _ScoreMod(_Modifier):
+    """A user's score function (anyattn.programs), applied per tile after the cap
+    (TileMods.score_t; backward: ScoreTiles.apply_grad_t).  Its values are unbounded,
+    so the kernels run in natural units with a running max (as with a bias); capture
+    gradients are scattered per unit into float64 buffers added in a fixed order."""
+
+    name = "score_mod"
+
+    def forward_setup(self, c):
+        c.natural = True
+        c.score = ScoreTiles(c.p.score_mod, c.dt)
+
+    def backward_stats(self, c):
+        c.natural = True
+
+    def backward_setup(self, c):
+        c.score = ScoreTiles(c.p.score_mod, c.dt, wrt=c.p.capture_wrt)
+
+
 #: every modifier this backend implements, by feature name, in the order its hooks run
 #: (ALiBi's statistics before softcap's operands, its row term before the sink's fold)
 MODIFIER_STEPS: Dict[str, _Modifier] = {m.name: m for m in (_Alibi(), _Softcap(),
-                                                            _Dropout(), _Sinks())}
+                                                            _ScoreMod(), _Dropout(),
+                                                            _Sinks())}
 
 
 def _modifiers_of(p) -> List[_Modifier]:
@@ -573,9 +596,10 @@ def _exp_floor(dt: np.dtype, base2: bool) -> float:
 
 
 def _tile_mods(p, slopes: Optional[np.ndarray], anchor: Optional[np.ndarray], b: int,
-               h: int, dt: np.dtype) -> Callable[[bool], Optional[TileMods]]:
+               h: int, dt: np.dtype, score: Optional[ScoreTiles] = None
+               ) -> Callable[[bool], Optional[TileMods]]:
     """units -> the TileMods of (batch b, query head h) in base 2 (True) or natural
-    units (False), None without softcap and ALiBi; made on first use, one per unit of
+    units (False), None without softcap, ALiBi and score_mod; made on first use, one per unit of
     work (AlibiRows caches views: never shared between threads)."""
     made: Dict[bool, Optional[TileMods]] = {}
 
@@ -584,8 +608,9 @@ def _tile_mods(p, slopes: Optional[np.ndarray], anchor: Optional[np.ndarray], b:
             u = LOG2E if base2 else 1.0
             al = None if slopes is None else _alibi_rows(p, slopes, anchor, b, h, u, dt)
             cap = None if p.softcap is None else p.softcap * u
-            made[base2] = None if cap is None and al is None else \
-                TileMods(cap, al, None if al is None else _exp_floor(dt, base2))
+            made[base2] = None if cap is None and al is None and score is None else \
+                TileMods(cap, al, None if al is None else _exp_floor(dt, base2),
+                         score, (b, h))
         return made[base2]
     return get
 
@@ -701,10 +726,10 @@ class NumpyBackend(Backend):
             def run() -> TileCounts:
                 kh, vh = _blasable(k[b, h // G]), _blasable(v[b, h // G])
                 o, mx, ln = out[b, h], rmax[b, h], rlog[b, h]
-                tm = _tile_mods(p, slopes, anchor, b, h, dt)
+                tm = _tile_mods(p, slopes, anchor, b, h, dt, c.score)
                 dkw = {} if draw is None else dict(drop=draw.tiles(plan.bq * plan.bk, dt),
                                                    drop_rows=draw.rows(b, h))
-                if bias is not None:
+                if bias is not None or c.natural:
                     qs = np.multiply(q[b, h], qsmul)                   # [Sq, D]
                     return forward_rows(plan, b, h, qs, kh, vh, o, mx, ln,
                                         tile_blocks(plan, tiles), False, tm(False), **dkw)
@@ -764,7 +789,8 @@ class NumpyBackend(Backend):
         log_norm = _as_np(stats.log_norm).astype(np.float64)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
-        need_ds = want_q or want_k or want_b
+        want_c = p.capture_wrt                     # score_mod captures
+        need_ds = want_q or want_k or want_b or bool(want_c)
         B, Hq, Hkv, Sq, Sk, D, Dv, G = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                         p.head_dim, p.head_dim_v, p.group)
         plan = self._plan(p, *cfg.tiles("bwd", p.mask), bias)
@@ -782,7 +808,7 @@ class NumpyBackend(Backend):
 
         # units: base 2 where there is no bias and the maxima are moderate
         fin = np.isfinite(row_max)
-        base2 = bias is None and (not fin.any() or
+        base2 = bias is None and not c.natural and (not fin.any() or
                                   float(np.max(np.abs(row_max[fin]))) * LOG2E <= BASE2_LIMIT)
         col, w, unit_max, single = backward_columns(row_max, log_norm, dt, base2)
         c.base2, c.col, c.w = base2, col, w
@@ -791,6 +817,7 @@ class NumpyBackend(Backend):
             m.backward_setup(c)
         slopes, anchor, draw = c.slopes, c.anchor, c.draw
         qmul, capu, floor, wfold = c.qmul, c.capu, c.floor, c.wfold
+        score_tiles = c.score
         gmul = None if draw is None else dt.type(draw.scale)   # dout weights · 1/(1 - p)
 
         dq = np.zeros((B, Hq, Sq, D), dtype=dt) if want_q else None
@@ -804,6 +831,11 @@ class NumpyBackend(Backend):
         delta_all = np.empty((B, Hq, Sq), dtype=dt) if want_s else None   # δ for dsinks
         units_keys = [(b, hk, c) for b in range(B) for hk in range(Hkv) for c in range(nc)]
         dbias_bufs = self._dbias_buffers(p, bias, units_keys, dt) if want_b else None
+        # capture gradients: float64 buffers per slot (units idx, idx + n, ... in order)
+        n_slots = max(len(dbias_bufs) if dbias_bufs else 1,
+                      min(len(units_keys), DBIAS_SLOTS) if want_c else 1)
+        dcap_slots = [{n: np.zeros(p.score_mod.arrays[n].shape) for n in sorted(want_c)}
+                      for _ in range(n_slots)] if want_c else None
 
         def unit(idx: int, b: int, hk: int, c: int) -> Callable[[], TileCounts]:
             def run() -> TileCounts:
@@ -844,7 +876,8 @@ class NumpyBackend(Backend):
                     heads=heads, q2a=list(q2a), q=[_blasable(q[b, h]) for h in heads],
                     ga=list(ga), dq=[dqa[i] for i in range(G)] if want_q else None,
                     base2=base2, snap=snap, cap=capu, floor=floor,
-                    cols=None if capu is None else [col[b, h] for h in heads],
+                    cols=None if capu is None and score_tiles is None else
+                    [col[b, h] for h in heads],
                     qk_bound=None if floor is None else
                     _qk_bounds(q[b, hsl], k[b, hk], p.scale * (LOG2E if base2 else 1.0),
                                capu),
@@ -853,7 +886,9 @@ class NumpyBackend(Backend):
                     [_alibi_rows(p, slopes, anchor, b, h, LOG2E if base2 else 1.0, dt)
                      for h in heads],
                     drop=None if draw is None else draw.tiles(plan.bq * plan.bk, dt),
-                    drop_rows=None if draw is None else [draw.rows(b, h) for h in heads])
+                    drop_rows=None if draw is None else [draw.rows(b, h) for h in heads],
+                    score=score_tiles,
+                    dcap=None if dcap_slots is None else dcap_slots[idx % n_slots])
                 db = dbias_bufs[idx % len(dbias_bufs)] if dbias_bufs is not None else None
                 return backward_keys(plan, b, hs, with_ones_column(k[b, hk], dt),
                                      with_ones_column(v[b, hk], dt),
@@ -862,16 +897,24 @@ class NumpyBackend(Backend):
             return run
 
         units = [unit(i, *key) for i, key in enumerate(units_keys)]
-        if dbias_bufs is not None and len(dbias_bufs) > 1:
-            # shared dbias parts: slot s runs units s, s + n, ... in this order
-            units = [_in_order(units[s::len(dbias_bufs)]) for s in range(len(dbias_bufs))]
-        if want_q or want_k or want_v or want_b:
+        if n_slots > 1:
+            # shared dbias parts / capture gradients: slot s runs units s, s + n, ... in
+            # this order
+            units = [_in_order(units[s::n_slots]) for s in range(n_slots)]
+        if want_q or want_k or want_v or want_b or want_c:
             self.last_counts = {"backward": _run_units(units, nt)}
         elif want_s:                               # dsinks alone: δ is all it needs
             delta_all = np.einsum("bhid,bhid->bhi", g, out)            # [B, Hq, Sq]
 
         res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None,
                                "dsinks": None}
+        if want_c:                                 # slots added in slot order
+            dc = dcap_slots[0]
+            for extra in dcap_slots[1:]:
+                for n in dc:
+                    dc[n] += extra[n]
+            res["dcaptures"] = {n: _to_caller(x, str(p.score_mod.arrays[n].dtype),
+                                              p.array_kind) for n, x in dc.items()}
         if want_s:
             res["dsinks"] = _to_caller(_dsinks(mods, c.stats64, delta_all),
                                        p.sinks_dtype, p.array_kind)

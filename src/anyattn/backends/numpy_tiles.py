@@ -61,6 +61,7 @@ import numpy as np
 from ..dropout import col_words, keep_scale, row_words, threshold
 from ..arrays import to_numpy
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
+from ..programs.bound import ScoreTiles, scatter_add
 
 __all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
@@ -272,11 +273,24 @@ def _keep_excluded_t(plan: TilePlan, b: int, h: int, i0: int, i1: int, j0: int,
     return np.logical_not(kt, out=np.empty(kt.shape, dtype=bool))
 
 
+def _function_excluded_t(plan: TilePlan, b: int, h: int, i0: int, i1: int, j0: int,
+                         j1: int) -> np.ndarray:
+    """not (every mask function keeps (b, h, i, j)): [nj, ni], the functions evaluated on
+    the tile's index grids (only partial tiles get here: the tile map skips empty ones
+    and full ones need no mask)."""
+    keep = None
+    for bp in plan.mask.mask_fns:
+        k = bp.keep_t(b, h, i0, i1, j0, j1)
+        keep = k if keep is None else keep & k
+    return np.logical_not(keep)
+
+
 #: the NumPy tile function of every mask term kind this backend implements
 TILE_TERMS: Dict[str, Callable[..., np.ndarray]] = {
     "band": _band_excluded_t,
     "documents": _documents_excluded_t,
     "keep": _keep_excluded_t,
+    "mask_mod": _function_excluded_t,
 }
 
 
@@ -552,6 +566,13 @@ class TileMods:
     cap: Optional[float] = None
     alibi: Optional[AlibiRows] = None
     floor: Optional[float] = None
+    #: a score function (natural units only) and the (batch, query head) it runs for
+    score: Optional[ScoreTiles] = None
+    bh: Tuple[int, int] = (0, 0)
+
+    def score_t(self, st: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> None:
+        """st [nj, ni] = score_mod(st) for queries i0..i1-1, keys j0..j1-1 (in place)."""
+        self.score.apply_t(st, self.bh[0], self.bh[1], i0, i1, j0, j1)
 
     def cap_t(self, st: np.ndarray, t: Optional[np.ndarray] = None) -> None:
         """st [nj, ni] = x/c -> c·u·tanh(x/c) in place; tanh(x/c) also into ``t`` if given."""
@@ -728,6 +749,7 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
     neg_inf = dt.type(-np.inf)
     expf = np.exp2 if base2 else np.exp
     cap = mods is not None and mods.cap is not None
+    score = mods is not None and mods.score is not None
     alibi = None if mods is None else mods.alibi
     floor = None if mods is None or mods.floor is None else mods.floor
     if floor is not None:
@@ -756,6 +778,8 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
             np.matmul(k[j0:j1], qt[rs].T, out=st)              # sT [nj, nr] (x/c: cap)
             if cap:
                 mods.cap_t(st)                                  # c·tanh(x/c) [nj, nr]
+            if score:
+                mods.score_t(st, r0, r1, j0, j1)                # score_mod(s) [nj, nr]
             if plan.bias is not None:
                 st += plan.bias_t(b, h, r0, r1, j0, j1)
             if alibi is not None:                               # - slope·|anchor_i - j|
@@ -1021,6 +1045,12 @@ class BackwardHeads:
     ``floor``: exponents are raised to it before the exp (:data:`EXP_FLOOR2`) on tiles
     where ALiBi reaches below ``FAR_FRACTION·floor``; ga must then be 0 on empty rows
     (their -inf column is floored too).
+    ``score`` (score_mod, natural units): :class:`~anyattn.programs.bound.ScoreTiles`;
+    q2a then holds ``[q·scale | -max]`` (or ``scale / c`` with a cap) and ``cols`` the
+    -max column: the kernel applies the function to the score GEMM against k alone,
+    then subtracts the max; dS' (of the function's output) goes to dbias and, times the
+    function's derivatives, scatter-adds into ``dcap`` {capture: float64 gradient};
+    dS = dS'·d s'/d s continues to dq and dk.
     ``drop`` (dropout): per-unit :class:`DropoutTiles` with ``drop_rows`` [Sq] per head;
     ga (and gaf) then hold ``[w·dout/(1 - p) | -w·delta]``: the kernel forms
     ``dSᵀ = P~ ∘ (keep ∘ (v·(w g/(1 - p))ᵀ) - w·delta)`` (GEMM against v alone) and
@@ -1042,6 +1072,8 @@ class BackwardHeads:
     qk_bound: Optional[List[float]] = None  # per head: bound of |scale·qk| (kernel units)
     drop: Optional[DropoutTiles] = None     # dropout scratch of this unit
     drop_rows: Optional[List[np.ndarray]] = None   # per head: row words [Sq] (DropoutDraw)
+    score: Optional[ScoreTiles] = None      # score_mod (natural units; cols given)
+    dcap: Optional[Dict[str, np.ndarray]] = None   # float64 capture gradients of this unit
 
 
 def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va: np.ndarray,
@@ -1065,7 +1097,8 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
     D = ka.shape[1] - 1
     Dv = va.shape[1] - 1
     counts = TileCounts()
-    need_ds = dk is not None or hs.dq is not None or dbias is not None
+    need_ds = dk is not None or hs.dq is not None or dbias is not None or hs.dcap is not None
+    smod = hs.score
     sbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # P tile
     pbuf = np.empty(plan.bq * plan.bk, dtype=dt)   # dP / dS tile
     cap = hs.cap is not None
@@ -1117,8 +1150,13 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         np.matmul(kt[ks], qa[:, :D].T, out=tt)      # x/c, [nc, ni]
                         np.tanh(tt, out=tt)                         # t = tanh(x/c)
                         np.multiply(tt, capu, out=st)               # c·t
+                    elif smod is not None:
+                        np.matmul(kt[ks], qa[:, :D].T, out=st)      # s, [nc, ni]
+                    if smod is not None:                            # s' = score_mod(s)
+                        dsc, gath = smod.apply_grad_t(st, b, h, i0, i1, c0, c1)
+                    if cap or smod is not None:
                         if not fold:
-                            st += hs.cols[gi][i0:i1]                # c·t - max [nc, ni]
+                            st += hs.cols[gi][i0:i1]                # s' - max [nc, ni]
                     else:
                         np.matmul(kta[ks], qa.T, out=st)            # s - max, [nc, ni]
                     if plan.bias is not None:                       # natural units
@@ -1131,9 +1169,11 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     if far and plan.bias_neginf:                    # a -inf bias drops
                         np.copyto(st, dt.type(0),
                                   where=np.isneginf(plan.bias_t(b, h, i0, i1, c0, c1)))
+                    ex = None
                     if code == TILE_PARTIAL:
                         # zeroed after exp: exp(-inf) is NumPy's slow special-value path
-                        np.copyto(st, dt.type(0), where=plan.excluded_t(b, h, i0, i1, c0, c1))
+                        ex = plan.excluded_t(b, h, i0, i1, c0, c1)
+                        np.copyto(st, dt.type(0), where=ex)
                         counts.partial += 1
                     else:
                         counts.full += 1
@@ -1171,6 +1211,17 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                         dv_acc[ks] += np.matmul(st, gta[:, :Dv])    # [nc, Dv]
                     if dbias is not None:
                         plan.add_dbias(dbias, dst, b, h, i0, i1, c0, c1)
+                    if smod is not None:                            # through score_mod
+                        for name, idx, dg in (gath if hs.dcap is not None else ()):
+                            one = np.ndim(dg) == 0 and dg == 1
+                            contrib = dst if one and ex is None else dst * dg   # [nc, ni]
+                            if ex is not None:                      # dropped pairs: 0
+                                np.copyto(contrib, dt.type(0), where=ex)
+                            scatter_add(hs.dcap[name], idx, contrib)
+                        if dsc is not None:
+                            dst *= dsc                              # dS = dS'·d s'/d s
+                            if ex is not None:
+                                np.copyto(dst, dt.type(0), where=ex)
                     if cap and (dk_acc is not None or hs.dq is not None):
                         np.multiply(tt, tt, out=tt)                 # t²
                         np.subtract(dt.type(1), tt, out=tt)         # 1 - t² [nc, ni]

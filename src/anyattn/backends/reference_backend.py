@@ -50,6 +50,9 @@ class ReferenceBackend(Backend):
             res[name] = None if x is None else _cast(x, p.dtype, p)
         res["dbias"] = None if g.dbias is None else _cast(g.dbias, p.bias_dtype, p)
         res["dsinks"] = None if g.dsinks is None else _cast(g.dsinks, p.sinks_dtype, p)
+        if g.dcaptures is not None:
+            res["dcaptures"] = {n: _cast(x, str(p.score_mod.arrays[n].dtype), p)
+                                for n, x in g.dcaptures.items()}
         return res
 
 
@@ -58,7 +61,7 @@ def _mod_args(p, mods):
     dropout take them; ``p.mask`` has them applied already and is taken as it is)."""
     return dict(softcap=p.softcap, alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
                 q_offset=p.q_offset, k_offset=p.k_offset, dropout_p=p.dropout_p,
-                dropout_seed=p.dropout_seed)
+                dropout_seed=p.dropout_seed, score_mod=p.score_mod)
 
 
 def _cast(x: np.ndarray, dtype: str, p):

@@ -17,7 +17,7 @@ import torch
 from .. import arguments
 from ..backends.registry import choose
 from ..problem import describe
-from . import eager, ops
+from . import eager, ops, programs
 from .lowering import lower
 
 __all__ = ["attention", "use_backend"]
@@ -147,7 +147,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               alibi_slopes: Optional[torch.Tensor] = None,
               sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
               generator: Optional[torch.Generator] = None,
-              dropout_seed: Optional[int] = None):
+              dropout_seed: Optional[int] = None, score_mod=None):
     """Scaled dot-product attention on torch tensors, differentiable in q, k, v, bias
     and sinks.
 
@@ -169,6 +169,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     on every backend and device for one seed).  The seed is drawn from ``generator``
     (default: torch's CPU default generator, so ``torch.manual_seed`` reproduces a run)
     once per call and saved for the backward; ``dropout_seed`` (an int) fixes it instead.
+
+    ``score_mod`` and mask functions (``MaskMod``, ``|`` of mask terms; see
+    docs/programmable.md): CPU tensors, outside ``torch.compile``, through the core's
+    backends; captured tensors that require grad get their gradients by autograd.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -187,6 +191,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:  # raises, naming the argument
         _validate_eagerly(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
                           *mods)
+    if programs.uses_functions(mask, score_mod):
+        seed_t = _dropout_seed(dropout_p, generator, dropout_seed)
+        return programs.attention(
+            q, k, v, mask=mask, bias=bias, scale=scale, backend=backend, precision=precision,
+            layout=layout, q_offset=q_offset, k_offset=k_offset, return_lse=return_lse,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            dropout_p=float(dropout_p) if seed_t is not None else 0.0,
+            dropout_seed=ops.seed_value(seed_t), score_mod=score_mod)
     qb, kb, vb = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
     direct = eager.eligible(qb, kb, vb, bias, alibi_slopes, sinks)
     if qb.shape[-1] == 0 or (not direct and not torch.compiler.is_compiling()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ...features import MODIFIERS
+from ...features import BUILTIN_MODIFIERS
 from ... import settings
 from ..base import Backend, Capabilities
 
@@ -37,7 +37,7 @@ class TritonBackend(Backend):
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
-            mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
+            mask_terms=frozenset({"band", "documents", "keep"}), modifiers=BUILTIN_MODIFIERS)
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:

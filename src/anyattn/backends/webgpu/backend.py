@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...arrays import array_kind
-from ...features import MODIFIERS
+from ...features import BUILTIN_MODIFIERS
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -43,7 +43,7 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}), modifiers=MODIFIERS)
+    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}), modifiers=BUILTIN_MODIFIERS)
 
 
 class WebGPUBackend(Backend):

@@ -1,0 +1,99 @@
+"""Band-shaped parts of a mask function, lowered to the band term.
+
+A mask function's top-level conjuncts (``a & b & ...``) that compare ``kv_idx - q_idx``
+with a constant (``kv_idx <= q_idx``, ``q_idx - kv_idx <= w``, ``abs(q_idx - kv_idx) <= w``,
+``kv_idx == q_idx + 3``, ...) are exactly a band ``lo <= kv_idx - q_idx <= hi``: they
+lower to the band term (closed-form tile ranges, partial tiles trimmed to the rows and
+keys the band reaches), and only the other conjuncts stay a function.  A function that
+is a band and nothing else (causal, a sliding window) then runs as the built-in terms do.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from .graph import BOOL, INT, Node
+
+__all__ = ["split_bands", "conjuncts"]
+
+Affine = Tuple[int, int, int]          # a·q_idx + b·kv_idx + c
+
+
+def conjuncts(n: Node) -> List[Node]:
+    """The operands of a top-level chain of logical ``and``."""
+    if n.op == "and" and n.dtype == BOOL:
+        return conjuncts(n.args[0]) + conjuncts(n.args[1])
+    return [n]
+
+
+def _affine(n: Node) -> Optional[Affine]:
+    """``n`` as a·q_idx + b·kv_idx + c with integer a, b, c, or None."""
+    if n.dtype != INT:
+        return None
+    if n.op == "input":
+        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(n.attr)
+    if n.op == "const":
+        return (0, 0, int(n.attr))
+    if n.op in ("add", "sub"):
+        x, y = _affine(n.args[0]), _affine(n.args[1])
+        if x is None or y is None:
+            return None
+        s = 1 if n.op == "add" else -1
+        return (x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2])
+    if n.op == "neg":
+        x = _affine(n.args[0])
+        return None if x is None else (-x[0], -x[1], -x[2])
+    if n.op == "mul":
+        x, y = _affine(n.args[0]), _affine(n.args[1])
+        if x is None or y is None:
+            return None
+        if x[:2] == (0, 0):
+            x, y = y, x
+        if y[:2] != (0, 0):
+            return None
+        k = y[2]
+        return (k * x[0], k * x[1], k * x[2])
+    return None
+
+
+def _band_of(n: Node) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """The band ``lo <= kv_idx - q_idx <= hi`` that the comparison ``n`` is, or None."""
+    if n.op not in ("lt", "le", "gt", "ge", "eq"):
+        return None
+    left, right = n.args
+    if left.op == "abs" and n.op in ("lt", "le"):       # abs(x) <= c: -c <= x <= c
+        x, c = _affine(left.args[0]), _affine(right)
+        if x is None or c is None or c[:2] != (0, 0) or x[0] != -x[1] or abs(x[1]) != 1:
+            return None
+        s, c0 = x[1], x[2]                              # x = s·d + c0, d = kv - q
+        w = c[2] - (1 if n.op == "lt" else 0)
+        # -w <= s·d + c0 <= w  ->  d in [(-w - c0)/s, (w - c0)/s] (s = ±1)
+        lo, hi = (-w - c0, w - c0) if s == 1 else (c0 - w, c0 + w)
+        return lo, hi
+    x, y = _affine(left), _affine(right)
+    if x is None or y is None:
+        return None
+    a, b, c = x[0] - y[0], x[1] - y[1], x[2] - y[2]     # left - right = a·q + b·kv + c
+    if a != -b or abs(b) != 1:
+        return None
+    # left - right = s·d + c with d = kv - q, s = ±1; normalise to "s·d + c <op> 0"
+    s = b
+    if n.op == "eq":
+        return (-c * s, -c * s)
+    strict = n.op in ("lt", "gt")
+    if n.op in ("gt", "ge"):                            # s·d + c >= 0 -> -s·d - c <= 0
+        s, c = -s, -c
+    if strict:
+        c += 1                                          # s·d + c < 0 -> s·d + c + 1 <= 0
+    return (None, -c) if s == 1 else (c, None)          # s·d <= -c
+
+
+def split_bands(out: Node) -> Tuple[List[Tuple[Optional[int], Optional[int]]], List[Node]]:
+    """(bands of the band-shaped conjuncts of ``out``, the other conjuncts)."""
+    bands, rest = [], []
+    for c in conjuncts(out):
+        band = _band_of(c)
+        if band is None:
+            rest.append(c)
+        else:
+            bands.append(band)
+    return bands, rest

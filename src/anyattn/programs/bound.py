@@ -1,0 +1,273 @@
+"""Programs: traced functions ready to run, and bound to one call's captures and sizes.
+
+A :class:`Program` is what a trace produced (capture-independent: shapes and dtype
+classes only), with its structural key and, on demand, its derivatives.  Binding it
+(:meth:`Program.bind`) to arrays and the problem's sizes checks every capture index
+(:func:`.bounds.check_gathers`) and gives a :class:`BoundProgram`, which the reference
+evaluates densely and the NumPy backend per tile:
+
+* :class:`ScoreTiles` applies a score function to transposed score tiles [nj, ni] and,
+  in the backward, returns its derivatives and scatters capture gradients;
+* :meth:`BoundProgram.keep_t` evaluates a mask function on a tile; :func:`mask_tile_parts`
+  classifies every tile (any / all kept), chunked and cached by content.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..arrays import to_numpy
+from .bounds import check_gathers, index_dtype
+from .derive import derivatives
+from .evaluate import cast_captures, evaluate, use_counts
+from .graph import FLOAT, Node, ordered, structural_key
+from .trace import CaptureSpec, Traced
+
+__all__ = ["Program", "BoundProgram", "ScoreTiles", "mask_tile_parts", "dense_grids"]
+
+
+class Program:
+    """A traced score or mask function (no capture values).
+
+    ``kind`` 'score_mod' / 'mask_mod'; ``name`` the function's; ``out`` its output node;
+    ``specs`` the captures it reads; ``key`` its structural hash (graph and capture
+    shapes / dtypes: two traces of one function share it); ``uses`` the index inputs
+    it reads (a mask that never reads ``h`` is classified once for all heads)."""
+
+    def __init__(self, traced: Traced):
+        self.kind, self.name, self.out = traced.kind, traced.name, traced.out
+        self.bld, self.specs = traced.bld, dict(traced.specs)
+        self.key = structural_key([self.out], (self.kind,) + tuple(
+            (n, s.shape, s.dtype) for n, s in sorted(self.specs.items())))
+        self.uses = frozenset(n.attr for n in ordered([self.out]) if n.op == "input")
+        self._grads: Dict[FrozenSet[str], Tuple[Node, List[Node]]] = {}
+        self._lock = threading.Lock()           # derivatives add nodes to the builder
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} {self.name!r}"
+
+    def float_captures(self) -> Tuple[str, ...]:
+        return tuple(n for n, s in self.specs.items() if s.dtype == FLOAT)
+
+    def gathers(self, names) -> List[Node]:
+        """The gather nodes of the captures ``names``, in graph order."""
+        return [n for n in ordered([self.out]) if n.op == "gather" and n.attr in names]
+
+    def grad_nodes(self, wrt: FrozenSet[str]) -> Tuple[Node, List[Tuple[Node, Node]]]:
+        """(d out / d score, [(gather node, d out / d gather)] for the captures ``wrt``)."""
+        with self._lock:
+            hit = self._grads.get(wrt)
+            if hit is None:
+                gs = self.gathers(wrt)
+                leaves = [self.bld.input("score")] + gs
+                d = derivatives(self.out, self.bld, leaves)
+                hit = self._grads[wrt] = (d[leaves[0].uid], [(g, d[g.uid]) for g in gs])
+            return hit
+
+    def bind(self, arrays: Dict[str, Any], sizes: Tuple[int, int, int, int]
+             ) -> "BoundProgram":
+        return BoundProgram(self, {n: to_numpy(a) for n, a in arrays.items()}, sizes)
+
+
+class BoundProgram:
+    """A program with one call's captures (NumPy arrays) and sizes (B, Hq, Sq, Sk);
+    every capture index was checked to lie in range."""
+
+    def __init__(self, program: Program, arrays: Dict[str, np.ndarray],
+                 sizes: Tuple[int, int, int, int]):
+        self.program, self.arrays, self.sizes = program, arrays, tuple(sizes)
+        for name, spec in program.specs.items():
+            if tuple(arrays[name].shape) != spec.shape:  # pragma: no cover - internal
+                raise ValueError(f"{program.where}: capture {name!r} changed shape")
+        iv = check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
+        #: the integer dtype of index arithmetic (int32 where no integer node leaves it)
+        self.idt = index_dtype(iv)
+        self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
+        self._digest: Optional[str] = None
+        self._order = ordered([program.out])
+
+    def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
+        dt = np.dtype(dt)
+        if dt not in self._caps:
+            self._caps[dt] = cast_captures(self.arrays, self.program.specs, dt, self.idt)
+        return self._caps[dt]
+
+    def digest(self) -> str:
+        """Content key of the captures (shapes, dtypes, bytes)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in sorted(self.arrays):
+                a = np.ascontiguousarray(self.arrays[name])
+                h.update(f"{name}:{a.shape}:{a.dtype.str};".encode())
+                h.update(memoryview(a).cast("B") if a.size else b"")
+            self._digest = h.hexdigest()
+        return self._digest
+
+    # ------------------------------------------------------------------ masks
+    def keep_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+        """A mask function on a transposed tile: bool [nj, ni] (evaluated in float64,
+        as the reference does)."""
+        it = self.idt.type
+        env = {"b": it(b), "h": it(h), "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
+               "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64),
+                      order=self._order, idt=self.idt)
+        return np.broadcast_to(k, (j1 - j0, i1 - i0))
+
+    def keep_dense(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+        """A mask function on rows i0..i1-1, keys j0..j1-1 of every (b, h) it reads:
+        bool [Bx, Hx, ni, nj] (Bx = B where it reads b, else 1; Hx likewise)."""
+        env = dense_grids(self.sizes, self.program.uses, i0, i1, j0, j1)
+        k, = evaluate([self.program.out], env, self.caps(np.float64), np.dtype(np.float64),
+                      idt=self.idt)
+        B, H = _bh(self.sizes, self.program.uses)
+        return np.broadcast_to(k, (B, H, i1 - i0, j1 - j0))
+
+    # ------------------------------------------------------------- dense score
+    def score_dense(self, s: np.ndarray, wrt: FrozenSet[str] = frozenset(),
+                    grads: bool = False):
+        """The score function on dense float64 scores s [B, Hq, Sq, Sk] -> s' (and, with
+        ``grads``, d s'/d s and [(capture, index arrays, d s'/d gather)])."""
+        B, H, Sq, Sk = s.shape
+        env = dense_grids((B, H, Sq, Sk), frozenset({"b", "h"}), 0, Sq, 0, Sk)
+        env["score"] = s
+        dt = np.dtype(np.float64)
+        if not grads:
+            return np.broadcast_to(evaluate([self.program.out], env, self.caps(dt), dt,
+                                            idt=self.idt)[0], s.shape)
+        dsc, gl = self.program.grad_nodes(frozenset(wrt))
+        outs = [self.program.out, dsc] + [d for _, d in gl]
+        memo: Dict[int, Any] = {}
+        vals = evaluate(outs, env, self.caps(dt), dt, memo, idt=self.idt)
+        gathers = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
+                   for i, (g, _) in enumerate(gl)]
+        return np.broadcast_to(vals[0], s.shape), vals[1], gathers
+
+
+def _bh(sizes, uses) -> Tuple[int, int]:
+    B, H = sizes[0], sizes[1]
+    return (B if "b" in uses else 1), (H if "h" in uses else 1)
+
+
+def dense_grids(sizes, uses, i0, i1, j0, j1) -> Dict[str, np.ndarray]:
+    """Index grids [Bx, Hx, ni, nj] (broadcast shapes) of rows i0..i1-1, keys j0..j1-1."""
+    B, H = _bh(sizes, uses)
+    return {"b": np.arange(B, dtype=np.int64)[:, None, None, None],
+            "h": np.arange(H, dtype=np.int64)[None, :, None, None],
+            "q_idx": np.arange(i0, i1, dtype=np.int64)[None, None, :, None],
+            "kv_idx": np.arange(j0, j1, dtype=np.int64)[None, None, None, :]}
+
+
+def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) -> None:
+    """dst (float64, a capture's shape) += vals summed at the indices ``idx`` (one
+    array per axis, broadcast with vals): np.bincount over the span of flat indices the
+    tile reaches, a fixed sequential order."""
+    vals = np.asarray(vals)
+    if dst.ndim == 0:
+        dst[()] += float(np.sum(vals, dtype=np.float64))
+        return
+    shape = np.broadcast_shapes(vals.shape, *(np.shape(i) for i in idx))
+    if 0 in shape:
+        return
+    arrays = [ax for ax, i in enumerate(idx) if np.ndim(i) > 0]
+    if len(arrays) == 1:              # the other axes fixed: a 1-D view of dst
+        ax = arrays[0]
+        out = dst[tuple(slice(None) if a == ax else int(i) for a, i in enumerate(idx))]
+        flat = np.broadcast_to(idx[ax], shape).reshape(-1)
+    else:
+        out = dst.reshape(-1)
+        flat = np.ravel_multi_index(tuple(np.broadcast_to(i, shape) for i in idx),
+                                    dst.shape).reshape(-1)
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo:
+        flat = flat - lo
+    out[lo:hi + 1] += np.bincount(flat, weights=np.broadcast_to(vals, shape).reshape(-1),
+                                  minlength=hi - lo + 1)
+
+
+class ScoreTiles:
+    """A score function on transposed score tiles st [nj, ni] (queries i0..i1-1 along
+    axis 1, keys j0..j1-1 along axis 0) of one call, in the compute dtype ``dt``;
+    shared read-only by the workers.  ``wrt``: the captures whose gradients the
+    backward wants (None: a forward)."""
+
+    def __init__(self, bound: BoundProgram, dt: np.dtype,
+                 wrt: Optional[FrozenSet[str]] = None):
+        self.bound, self.dt = bound, np.dtype(dt)
+        self.prog = bound.program
+        self.caps = bound.caps(self.dt)
+        self.idt = bound.idt
+        self.out = self.prog.out
+        self.wrt = wrt
+        self.order = ordered([self.out])
+        self.uses = use_counts(self.order)
+        if wrt is not None:
+            self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
+            self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
+            self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
+            self.grad_order = ordered(self.outs)
+            self.grad_uses = use_counts(self.grad_order)
+
+    def _env(self, st, b, h, i0, i1, j0, j1):
+        it = self.idt.type
+        return {"score": st, "b": it(b), "h": it(h),
+                "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
+                "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
+
+    def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
+                j1: int) -> None:
+        """st = score_mod(st) in place."""
+        r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
+                      order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
+        if r is not st:
+            np.copyto(st, r)
+
+    def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
+                     j1: int):
+        """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
+        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
+        memo: Dict[int, Any] = {}
+        vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
+                        memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
+                        idt=self.idt)
+        # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
+        # s' into st below
+        vals = [v.copy() if v is st else v for v in vals]
+        gath = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
+                for i, (g, _) in enumerate(self.dgathers)]
+        dsc = None if self.unit_dscore else vals[1]
+        np.copyto(st, vals[0])
+        return dsc, gath
+
+
+def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
+                    chunk: int = 1 << 21) -> Tuple[np.ndarray, np.ndarray]:
+    """A mask function per tile: (any kept, all kept), bool [Bx, Hx, nQ, nK].
+
+    Evaluated per (b, h) it reads, on row blocks of whole query tiles (about ``chunk``
+    pairs at a time), and reduced per key tile: O(Bx·Hx·Sq·Sk) evaluations, O(chunk)
+    memory."""
+    B, H, Sq, Sk = bound.sizes
+    Bx, Hx = _bh(bound.sizes, bound.program.uses)
+    nq, nk = -(-Sq // bq), -(-Sk // bk)
+    any_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
+    all_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
+    tiles_per = max(1, chunk // max(1, bq * Sk))
+    pad = nk * bk - Sk
+    for b in range(Bx):
+        for h in range(Hx):
+            for t0 in range(0, nq, tiles_per):
+                t1 = min(nq, t0 + tiles_per)
+                i0, i1 = t0 * bq, min(Sq, t1 * bq)
+                keep = bound.keep_t(b, h, i0, i1, 0, Sk).T              # [ni, Sk]
+                rpad = (t1 - t0) * bq - (i1 - i0)
+                ka = np.pad(keep, ((0, rpad), (0, pad)), constant_values=False)
+                kl = np.pad(keep, ((0, rpad), (0, pad)), constant_values=True)
+                shape = (t1 - t0, bq, nk, bk)
+                any_k[b, h, t0:t1] = ka.reshape(shape).any(axis=(1, 3))
+                all_k[b, h, t0:t1] = kl.reshape(shape).all(axis=(1, 3))
+    return any_k, all_k

@@ -1,0 +1,112 @@
+"""The public objects of programmable attention: ``ScoreMod`` and ``MaskMod``.
+
+``ScoreMod(fn, **captures)``: ``fn(score, b, h, q_idx, kv_idx, *captures) -> score``,
+applied to every scaled score (FlexAttention's ``score_mod``).  ``MaskMod(fn,
+**captures)``: ``fn(b, h, q_idx, kv_idx, *captures) -> bool`` (True = attend), a mask
+term that composes with ``&`` and ``|`` with the built-in ones.  Both trace ``fn`` once,
+when built (see :mod:`anyattn.programs.trace`); a bad function is refused here, a
+capture index out of range when a call's sizes are known.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from ..masks import Mask
+from .bound import BoundProgram, Program
+from .compose import FunctionContext
+from .bands import split_bands
+from .graph import BOOL
+from .trace import Sym, Traced, call_traced, fn_name, trace
+
+__all__ = ["ScoreMod", "MaskMod", "as_score_mod", "RESERVED"]
+
+#: names a capture may not take: wrt= names gradients by them
+RESERVED = ("q", "k", "v", "bias", "sinks")
+
+
+class ScoreMod:
+    """A score function and its captures: ``ScoreMod(fn, table=t)`` with
+    ``fn(score, b, h, q_idx, kv_idx, table)``.  A plain function passed as ``score_mod=``
+    becomes ``ScoreMod(fn)`` (arrays it closes over are captures, named after their
+    variable).  ``captures``: the arrays by name; float ones can be named in ``wrt``."""
+
+    def __init__(self, fn, **captures):
+        traced = trace(fn, "score_mod", captures)
+        bad = [n for n in traced.specs if n in RESERVED]
+        if bad:
+            raise ValueError(f"score_mod {traced.name!r}: capture name(s) {bad} are reserved "
+                             f"for the gradients {RESERVED} of wrt=; rename the capture")
+        self.fn = fn
+        self.program = Program(traced)
+        self.captures: Dict[str, Any] = dict(traced.arrays)
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    def bind(self, sizes: Tuple[int, int, int, int]) -> BoundProgram:
+        return self.program.bind(self.captures, sizes)
+
+    def __repr__(self) -> str:
+        caps = ", ".join(f"{n}={tuple(a.shape)}" for n, a in self.captures.items())
+        return f"ScoreMod({self.name}{', ' + caps if caps else ''})"
+
+
+def as_score_mod(x) -> ScoreMod:
+    """``score_mod=`` argument -> ScoreMod (a plain function is traced here)."""
+    if isinstance(x, ScoreMod):
+        return x
+    if isinstance(x, Mask) or isinstance(x, type) or not callable(x):
+        raise TypeError(f"score_mod: expected a function score_mod(score, b, h, q_idx, "
+                        f"kv_idx) or anyattn.ScoreMod, got {type(x).__name__}"
+                        + ("; a MaskMod goes in mask=" if isinstance(x, Mask) else ""))
+    return ScoreMod(x)
+
+
+class MaskMod(Mask):
+    """A mask function and its captures: ``MaskMod(fn, prefix=lengths)`` with
+    ``fn(b, h, q_idx, kv_idx, prefix) -> bool`` (True = attend).  Indices are local
+    (``q_offset`` / ``k_offset`` shift only the band terms, as for array masks).
+    Tiles are classified full / partial / empty by evaluating ``fn`` once per pair
+    (cached by content), so empty tiles cost nothing and full ones skip ``fn``.
+    Top-level conjuncts that are bands (``kv_idx <= q_idx``, ``abs(q_idx - kv_idx) <= w``)
+    lower to the band term instead (:mod:`anyattn.programs.bands`)."""
+
+    def __init__(self, fn, **captures):
+        traced = trace(fn, "mask_mod", captures)
+        self.fn = fn
+        self.program = Program(traced)
+        self.captures: Dict[str, Any] = dict(traced.arrays)
+        self._explicit = dict(captures)
+        # band-shaped conjuncts lower to the band term, the rest stays a function
+        self.bands, rest = split_bands(traced.out)
+        self.residual: Optional[Program] = None
+        if rest:
+            out = rest[0]
+            for c in rest[1:]:
+                out = traced.bld.node("and", BOOL, (out, c))
+            self.residual = self.program if not self.bands else Program(
+                Traced("mask_mod", traced.name, out, traced.bld, traced.specs,
+                       traced.arrays))
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    def _lower(self, acc) -> None:
+        for lo, hi in self.bands:
+            acc.add("band", (lo, hi, "local"))
+        if self.residual is not None:
+            acc.add("mask_mod", self)
+
+    def _bound_function(self, b, hq, sq, sk, q_offset, k_offset) -> BoundProgram:
+        return self.residual.bind(self.captures, (b, hq, sq, sk))
+
+    def _fn(self, fx: FunctionContext):
+        node = call_traced(self.fn, "mask_mod", self._explicit, fx.ctx,
+                           [fx.b, fx.h, fx.q_idx, fx.kv_idx],
+                           lambda name, arr: fx.capture(name, arr))
+        return Sym(node, fx.ctx)
+
+    def __repr__(self) -> str:
+        return f"MaskMod({fn_name(self.fn)})"
