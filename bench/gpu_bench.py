@@ -656,14 +656,15 @@ def _ab_row(case, b, h, s, d, kind, dtype, variants, with_flex, flex, gen, bias_
 
 def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
     """A/B timings.  Groups: dense / masked (fused vs two launches, + Flex), dbias (dbias
-    kernel configs), bias (in-place dbias sum vs recompute, dq configs), fp32, variants."""
+    kernel configs, on a bias broadcast over queries), bias (dq configs of the in-place
+    dbias sum), fp32, variants."""
 
     torch._dynamo.config.recompile_limit = 10_000
     torch._dynamo.config.accumulated_recompile_limit = 10_000
     flex = _flex_compiled()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
-    two = {"fused": ({}, None), "two_launch": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, None)}
+    two = {"fused": ({}, dict(fused_bwd=True)), "two_launch": ({}, dict(fused_bwd=False))}
     if "dense" in groups:
         for b, h, s, d, kind in ((16, 16, 1024, 128, "none"), (8, 16, 2048, 128, "none"),
                                  (4, 16, 4096, 128, "none"), (4, 16, 4096, 128, "causal"),
@@ -676,12 +677,11 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
         for kind in ("sliding:512", "doc", "blocks"):
             _ab_row(kind, 4, 16, 4096, 128, kind, bf, two, with_flex, flex, gen)
     if "dbias" in groups:
-        var = {f"dbias{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}": ({"ANYATTN_TRITON_DBIAS": "recompute"},
-                                                                    dict(dbias=c)) for c in DBIAS_CFGS}
-        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", bf, var, False, flex, gen, (1, 16, 4096, 4096))
+        var = {f"dbias{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}": ({}, dict(dbias=c))
+               for c in DBIAS_CFGS}
+        _ab_row("bias_11SS", 4, 16, 4096, 128, "none", bf, var, False, flex, gen, (1, 1, 1, 4096))
     if "bias" in groups:
-        var = {"owner": ({}, None),
-               "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, dict(dbias=KC(128, 64, 8, 2)))}
+        var = {"owner": ({}, None)}
         var.update({f"owner_dq{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}": ({}, dict(dq=c))
                     for c in (KC(64, 64, 4, 3), KC(128, 64, 8, 2), KC(64, 128, 8, 3),
                               KC(128, 128, 8, 2))})
@@ -690,11 +690,11 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
         var = {"fused": ({}, None),
                "fused_s4": ({}, dict(dkdv=KC(64, 128, 8, 4), dq=KC(128, 64, 8, 4)))}
         _ab_row("dense", 4, 16, 4096, 128, "none", bf, var, False, flex, gen)
-        var = {"two_launch": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, None),
-               "fused_w4": ({"ANYATTN_TRITON_FUSED_BWD": "1"},
-                            dict(dkdv=KC(64, 128, 4, 3), dq=KC(128, 64, 4, 3))),
-               "fused_w8": ({"ANYATTN_TRITON_FUSED_BWD": "1"}, None),
-               "two_launch_dq_w8": ({"ANYATTN_TRITON_FUSED_BWD": "0"}, dict(dq=KC(128, 64, 8, 3)))}
+        var = {"two_launch": ({}, None),
+               "fused_w4": ({}, dict(fused_bwd=True, dkdv=KC(64, 128, 4, 3),
+                                     dq=KC(128, 64, 4, 3))),
+               "fused_w8": ({}, dict(fused_bwd=True)),
+               "two_launch_dq_w8": ({}, dict(dq=KC(128, 64, 8, 3)))}
         _ab_row("dense", 4, 32, 4096, 64, "none", bf, var, False, flex, gen)
     if "recheck" in groups:   # the default plan only, with Flex, after a kernel change
         one = {"default": ({}, None)}
@@ -709,9 +709,8 @@ def phase_ab(groups=("dense", "masked", "dbias"), with_flex=True):
         phase_fp32_variants(variants=FP32_VARIANTS2)
     if "fp32" in groups:
         _ab_row("dense", 4, 16, 4096, 128, "none", torch.float32, two, False, flex, gen)
-        var = {"owner": ({}, None), "recompute": ({"ANYATTN_TRITON_DBIAS": "recompute"}, None)}
-        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", torch.float32, var, False, flex, gen,
-                (1, 16, 4096, 4096))
+        _ab_row("bias_1HSS", 4, 16, 4096, 128, "none", torch.float32, {"owner": ({}, None)},
+                False, flex, gen, (1, 16, 4096, 4096))
 
 
 def _fp32_variant_ms(q, k, v, g, precision, fields):
