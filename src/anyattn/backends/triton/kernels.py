@@ -41,9 +41,9 @@ parts"): the launcher scales q, k, v and dout by powers of two sigma (one per ba
 kv-head group, from the finite max |x|, so that |x * sigma| <= 2^14) and stores fp16
 parts of the scaled values side by side along the last dim, hi and lo ([.., S, 2 * D],
 x * sigma ~= hi + lo to ~2^-22); every product sums three fp16 products (hi*hi + hi*lo
-+ lo*hi: ~fp32 accuracy).  Operands travel as part triples (x0, x1, x2) through
-``_load_op`` / ``_op_parts`` / ``_dotp`` (x2 repeats x1, x1 and x2 repeat x0 for 16-bit
-inputs; the compiler drops the repeats).  The computed tiles are split after a
++ lo*hi: ~fp32 accuracy).  Operands travel as part pairs (hi, lo) through
+``_load_op`` / ``_op_parts`` / ``_dotp`` (lo repeats hi for 16-bit inputs; the compiler
+drops the repeat).  The computed tiles are split after a
 power-of-two scaling too: p by PS_FWD / PS_BWD (p <= 1), dS by gamma = 2^10 /
 bound(|dS|) from |dS| <= p (|dP| + |delta|) <= max|dout_i| max|v_j| + max|delta| (row
 norms).  Every scale is undone exactly on the fp32 results through the per-(batch, kv
@@ -131,8 +131,8 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _dotp(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
-    """a @ b [M, N] from part triples (see module doc): 'hsplit3' three products of the
+def _dotp(a0, a1, b0, b1, PREC: tl.constexpr):
+    """a @ b [M, N] from part pairs (see module doc): 'hsplit3' three products of the
     fp16 parts (lo*hi + hi*lo + hi*hi, smallest first); otherwise _dot(a0, b0, PREC)."""
     if PREC == "hsplit3":
         acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
@@ -146,15 +146,15 @@ def _dotp(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
 
 @triton.jit
 def _op_parts(x, f, like, PREC: tl.constexpr):
-    """A computed fp32 tile (p, dS) as an operand part triple: x * f (f a power of two)
+    """A computed fp32 tile (p, dS) as an operand part pair: x * f (f a power of two)
     split into fp16 for 'hsplit3' (f is ignored otherwise); else cast to the dtype of
     ``like``."""
     if PREC == "hsplit3":
         hi, lo = _split2h(x * f)
-        return hi, lo, lo
+        return hi, lo
     else:
         y = x.to(like.dtype)
-        return y, y, y
+        return y, y
 
 
 @triton.jit
@@ -302,13 +302,13 @@ def _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: t
 @triton.jit
 def _load_op(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
              CHECK_S: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
-    """Rows of an operand as a part triple of [R, DP] tiles ([DP, R] with TRANS); for
+    """Rows of an operand as a part pair of [R, DP] tiles ([DP, R] with TRANS); for
     'hsplit3' the lo part sits at column D (see module doc)."""
     x0 = _load_part(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     x1 = x0
     if PREC == "hsplit3":
         x1 = _load_part(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
-    return x0, x1, x1
+    return x0, x1
 
 
 @triton.jit
@@ -591,7 +591,7 @@ def row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
               Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
               QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
@@ -603,7 +603,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     a score modifier (s_scale the natural score scale), raw products q.k without
     (qk_scale = s_scale * log2(e) takes them to base 2)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+    kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -612,7 +612,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw q.k
+    s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw q.k
     if SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
         s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,  # backward's
                            HAS_BIAS, SOFTCAP, ALIBI, False)
@@ -636,11 +636,11 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:    # out = (P o keep).v / (1 - p) (scaled in the epilogue); l undropped
         p = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), p, 0.0)
-    v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+    v0, v1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
-    p0, p1, p2 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
-    acc = acc + _dotp(p0, p1, p2, v0, v1, v2, PREC)
+    p0, p1 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
+    acc = acc + _dotp(p0, p1, v0, v1, PREC)
     return acc, l_i, m_new
 
 
@@ -693,7 +693,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         DWr = DW
         dw = 0
 
-    q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
+    q0, q1 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -701,19 +701,19 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
@@ -727,7 +727,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
@@ -735,7 +735,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
@@ -827,7 +827,7 @@ def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
                Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
@@ -838,7 +838,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
-    qT0, qT1, qT2 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
+    qT0, qT1 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BM]
     if MASKED:
         mx = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))       # [BM]
@@ -853,7 +853,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
-    sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC)               # [BN, BM] raw
+    sT = _dotp(k0, k1, qT0, qT1, PREC)               # [BN, BM] raw
     if SOFTCAP or (ALIBI and HAS_BIAS):
         sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
                               HAS_BIAS, SOFTCAP, ALIBI, True)
@@ -866,19 +866,19 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     pT = tl.math.exp2((sT - mx[None, :]) * 1.4426950408889634 - ln2[None, :])  # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
-    do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
+    do0, do1 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, False)  # [BM, DP]
     if DROPOUT:    # dv = (P o keep)^T.dout / (1 - p) (scaled at the end)
         dkeep = _drop_keep(_load_words(DWr, offs_m, Sq), dw, dthr, True)
-        pT0, pT1, pT2 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
+        pT0, pT1 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
     else:
-        pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
-    dv += _dotp(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
+        pT0, pT1 = _op_parts(pT, PS_BWD, do0, PREC)
+    dv += _dotp(pT0, pT1, do0, do1, PREC)          # [BN, DP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
     else:
         dlt = tl.load(DLh + offs_m)
-    dpT = _dotp(v0, v1, v2, tl.trans(do0), tl.trans(do1), tl.trans(do2), PREC)  # [BN, BM]
+    dpT = _dotp(v0, v1, tl.trans(do0), tl.trans(do1), PREC)  # [BN, BM]
     if PREC == "hsplit3":
         dpT = dpT * mvo
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
@@ -886,8 +886,8 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     dsT = pT * (dpT - dlt[None, :])
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
-    ds0, ds1, ds2 = _op_parts(dsT, gam, qT0, PREC)
-    dk += _dotp(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
+    ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
+    dk += _dotp(ds0, ds1, tl.trans(qT0), tl.trans(qT1), PREC)  # [BN, DP]
     return dk, dv
 
 
@@ -923,9 +923,9 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         dw = _load_words(DW, offs_n, Sk)
     else:
         dw = 0
-    k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
+    k0, k1 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
-    v0, v1, v2 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
+    v0, v1 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
     dk = tl.zeros([BN, DP], dtype=tl.float32)
     dv = tl.zeros([BN, DP], dtype=tl.float32)
@@ -948,19 +948,19 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
@@ -974,7 +974,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_part = tl.load(CNT + cb)
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
@@ -983,7 +983,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
@@ -1032,7 +1032,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
 
 
 @triton.jit
-def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+def _dq_tile(dq, q0, q1, do0, do1,
              mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
              Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
@@ -1044,9 +1044,9 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+    kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
-    vT0, vT1, vT2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+    vT0, vT1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
@@ -1061,7 +1061,7 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw
+    s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw
     if SOFTCAP or (ALIBI and HAS_BIAS):
         s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
                             HAS_BIAS, SOFTCAP, ALIBI, False)
@@ -1074,7 +1074,7 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
     if MASKED:
         p = tl.where(keep, p, 0.0)
-    dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
+    dp = _dotp(do0, do1, vT0, vT1, PREC)            # [BM, BN]
     if PREC == "hsplit3":
         dp = dp * mvo
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
@@ -1090,8 +1090,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
     if SOFTCAP:
         ds = ds * dt                                          # through c tanh(x / c)
-    ds0, ds1, ds2 = _op_parts(ds, gam, kT0, PREC)
-    dq += _dotp(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
+    ds0, ds1 = _op_parts(ds, gam, kT0, PREC)
+    dq += _dotp(ds0, ds1, tl.trans(kT0), tl.trans(kT1), PREC)  # [BM, DP]
     return dq
 
 
@@ -1123,9 +1123,9 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     offs_m = i0 + offs_mb
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
-    q0, q1, q2 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
+    q0, q1 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
                           True, PREC, False)                                          # [BM, DP]
-    do0, do1, do2 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
+    do0, do1 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
                              DP, True, PREC, False)                                   # [BM, DP]
     row = bh * Sq + offs_m
     l2p = L2 + bh * (2 * Sq) + offs_m
@@ -1150,19 +1150,19 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
@@ -1176,7 +1176,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
@@ -1184,7 +1184,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
