@@ -83,11 +83,6 @@ class Switch:
     parse: Callable[[str, str], object]
 
 
-#: the fp32 product schemes of the portable Triton kernels (backends/triton/operands.py
-#: maps them onto the kernels' PREC): the first is the default
-_SCHEMES = ("f16x3", "bf16x6", "bf16x3", "bf16x6r", "bf16x3r", "f16x1", "f16x31", "tf32",
-            "tf32x3", "ieee")
-
 #: the table (also rendered in docs/settings.md and by ``anyattn info --settings``)
 SWITCHES: Tuple[Switch, ...] = (
     # --- NumPy backend
@@ -116,27 +111,6 @@ SWITCHES: Tuple[Switch, ...] = (
     Switch("ANYATTN_TRITON_AUTOTUNE", "triton_autotune", "0", "0 or 1",
            "time the candidate tiles once per problem class and keep the fastest",
            _flag(False)),
-    Switch("ANYATTN_TRITON_FUSED_BWD", "triton_fused_bwd", "1", "0 or 1",
-           "portable backward: dK/dV and dQ in one launch (0: two kernels)", _flag(True)),
-    Switch("ANYATTN_TRITON_FP32_DOT", "triton_fp32_dot", "f16x3", ", ".join(_SCHEMES),
-           "product scheme of fp32 inputs (precision='highest'; f16x3, bf16x6, tf32x3 and "
-           "ieee are within 1e-5 of float64, docs/triton.md 'Precision')",
-           _choice(*_SCHEMES, lower=False)),
-    Switch("ANYATTN_TRITON_TF32_DOT", "triton_tf32_dot", "f16x3", ", ".join(_SCHEMES),
-           "product scheme of fp32 inputs under precision='tf32'",
-           _choice(*_SCHEMES, lower=False)),
-    Switch("ANYATTN_TRITON_FAST_TANH", "triton_fast_tanh", "1", "0 or 1",
-           "softcap of 16-bit inputs through the hardware tanh (0: the portable tanh)",
-           _flag(True)),
-    Switch("ANYATTN_TRITON_DBIAS", "triton_dbias", "fused", "fused, recompute",
-           "recompute: a bias broadcast over batch / heads gets its dbias from the "
-           "separate reduction kernel", _choice("fused", "recompute", lower=False)),
-    Switch("ANYATTN_TRITON_DIRECT_LAUNCH", "triton_direct_launch", "1", "0 or 1",
-           "replay resolved kernel launches without Triton's launch path (CUDA devices)",
-           _flag(True)),
-    Switch("ANYATTN_TRITON_C_LAUNCH", "triton_c_launch", "1", "0 or 1",
-           "direct launches call the compiled launch function (0: Triton's wrapper)",
-           _flag(True)),
     # --- WebGPU backend
     Switch("ANYATTN_WGPU_ADAPTER", "wgpu_adapter", "the high-performance adapter",
            "words of the adapter's description, e.g. 'vulkan', 'lavapipe', 'opengl'",
@@ -158,13 +132,6 @@ class Settings:
     triton_path: str
     triton_config: str
     triton_autotune: bool
-    triton_fused_bwd: bool
-    triton_fp32_dot: str
-    triton_tf32_dot: str
-    triton_fast_tanh: bool
-    triton_dbias: str
-    triton_direct_launch: bool
-    triton_c_launch: bool
     wgpu_adapter: str
     webgpu_variant: str
 

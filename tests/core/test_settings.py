@@ -86,7 +86,7 @@ SWITCHES = settings.SWITCHES
 #: the free-text switches are checked where they are used)
 BAD = {s.name: "bogus" for s in SWITCHES}
 BAD.update(ANYATTN_NUMPY_THREADS="0", ANYATTN_NUMPY_BLOCK_Q="-4", ANYATTN_NUMPY_BLOCK_K="x",
-           ANYATTN_TRITON_FP32_DOT="IEEE", ANYATTN_TRITON_CONFIG="Fixed")
+           ANYATTN_TRITON_CONFIG="Fixed")
 FREE = {"TRITON_INTERPRET", "ANYATTN_WGPU_ADAPTER", "ANYATTN_WEBGPU_VARIANT"}
 
 
@@ -117,28 +117,27 @@ def test_values_and_defaults(monkeypatch):
     for s in SWITCHES:
         monkeypatch.delenv(s.name, raising=False)
     env = settings.current()
-    assert (env.numpy_threads, env.triton_path, env.triton_fused_bwd, env.triton_fp32_dot,
-            env.triton_dbias, env.numpy_blas_local) == (None, "auto", True, "f16x3",
-                                                        "fused", True)
+    assert (env.numpy_threads, env.triton_path, env.triton_config, env.triton_autotune,
+            env.numpy_blas_local) == (None, "auto", "heuristic", False, True)
     monkeypatch.setenv("ANYATTN_NUMPY_THREADS", " 3")
     monkeypatch.setenv("ANYATTN_TRITON_PATH", " Hopper ")
-    monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", "0")
-    monkeypatch.setenv("ANYATTN_TRITON_TF32_DOT", "bf16x3")
+    monkeypatch.setenv("ANYATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("ANYATTN_TRITON_CONFIG", "fixed")
     env = settings.current()
-    assert (env.numpy_threads, env.triton_path, env.triton_fused_bwd,
-            env.triton_tf32_dot) == (3, "hopper", False, "bf16x3")
+    assert (env.numpy_threads, env.triton_path, env.triton_autotune,
+            env.triton_config) == (3, "hopper", True, "fixed")
 
 
 def test_current_follows_the_environment_and_is_cached(monkeypatch):
-    monkeypatch.delenv("ANYATTN_TRITON_DBIAS", raising=False)
+    monkeypatch.delenv("ANYATTN_TRITON_CONFIG", raising=False)
     a = settings.current()
     assert settings.current() is a           # unchanged: the same object
     snap = settings.snapshot()
-    monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
+    monkeypatch.setenv("ANYATTN_TRITON_CONFIG", "fixed")
     assert settings.snapshot() != snap
-    assert settings.current().triton_dbias == "recompute"
-    monkeypatch.delenv("ANYATTN_TRITON_DBIAS")
-    assert settings.current().triton_dbias == "fused" and settings.snapshot() == snap
+    assert settings.current().triton_config == "fixed"
+    monkeypatch.delenv("ANYATTN_TRITON_CONFIG")
+    assert settings.current().triton_config == "heuristic" and settings.snapshot() == snap
 
 
 def test_info_settings_prints_every_switch(capsys, monkeypatch):
@@ -150,4 +149,4 @@ def test_info_settings_prints_every_switch(capsys, monkeypatch):
     for s in SWITCHES:
         assert s.name in out
     assert re.search(r"ANYATTN_TRITON_PATH\s+portable\b", out)
-    assert re.search(r"ANYATTN_TRITON_DBIAS\s+\(default: fused\)", out)
+    assert re.search(r"ANYATTN_TRITON_CONFIG\s+\(default: heuristic\)", out)

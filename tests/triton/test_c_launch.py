@@ -138,13 +138,3 @@ def test_kernel_without_descriptors_calls_the_c_function_directly():
     launcher(2, 1, 1, 9, "fn", "packed", None, None, None, x, 5)
     cl((2,), 9, "fn", "packed", (x, 5))
     assert calls[0] == calls[1]
-
-
-def test_setting_is_checked(monkeypatch):
-    from anyattn.backends.triton import direct as DL
-
-    monkeypatch.setenv("ANYATTN_TRITON_C_LAUNCH", "yes")
-    with pytest.raises(ValueError, match="ANYATTN_TRITON_C_LAUNCH"):
-        DL._c_launch(object())
-    monkeypatch.setenv("ANYATTN_TRITON_C_LAUNCH", "0")
-    assert DL._c_launch(object()) is None

@@ -1,10 +1,9 @@
 """Direct launches (backends/triton/direct.py) on the routed Hopper kernels: a call
-signature's repeats replay the compiled kernel without Triton's argument binding (and,
-since session 14, without its launcher's Python wrapper: c_launch.py), and
-give the bits of Triton's own launches (ANYATTN_TRITON_DIRECT_LAUNCH=0) on every route:
-the forward (per-tile and persistent), the delta preprocess, the dQ-inside backward and
-its dQ conversion, the dK/dV-only backward, and the Documents / KeepMask tables passed as
-keyword tensors.  Each call takes fresh tensors (new addresses, new descriptors), the
+signature's repeats replay the compiled kernel without Triton's argument binding (and
+without its launcher's Python wrapper: c_launch.py), and give the bits of Triton's own
+launches (direct.enabled off) on every route: the forward (per-tile and persistent), the
+delta preprocess, the dQ-inside backward and its dQ conversion, the dK/dV-only
+backward, and the Documents / KeepMask tables passed as keyword tensors.  Each call takes fresh tensors (new addresses, new descriptors), the
 array masks fresh mask tensors.
 
 Shape legend: B batch, H / Hkv heads, Sq / Sk queries / keys, D head dim.
@@ -81,16 +80,17 @@ def _sites():
 @needs_sm90
 @pytest.mark.parametrize("name", list(_CASES))
 def test_gpu_direct_launches_give_the_bits_of_triton_launches(name, monkeypatch):
+    from anyattn.backends.triton import direct as DL
     from anyattn.backends.triton import launch as TL
 
     case = _CASES[name]
     monkeypatch.setenv("ANYATTN_TRITON_PATH", case[7])
     TL.clear_prepared()
-    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "0")
-    plain = [_step(case, s) for s in range(3)]
+    with monkeypatch.context() as m:              # every launch through Triton's path
+        m.setattr(DL, "enabled", lambda device: False)
+        plain = [_step(case, s) for s in range(3)]
     assert all(s.hits == 0 for s in _sites().values())
     TL.clear_prepared()
-    monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")          # the default: on
     direct = [_step(case, s) for s in range(3)]
     sites = _sites()
     hop = {k: s for k, s in sites.items()

@@ -123,24 +123,20 @@ def test_lru_is_bounded():
 
 
 def test_settings_snapshot_follows_the_environment(monkeypatch):
-    monkeypatch.delenv("ANYATTN_TRITON_DBIAS", raising=False)
+    monkeypatch.delenv("ANYATTN_TRITON_PATH", raising=False)
     a = settings.snapshot()
-    monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "portable")
     b = settings.snapshot()
     assert a != b
-    monkeypatch.delenv("ANYATTN_TRITON_DBIAS")
+    monkeypatch.delenv("ANYATTN_TRITON_PATH")
     assert settings.snapshot() == a
 
 
 # ----------------------------------------------------------------------------- end to end
-def _call(q, k, v, g, env=(), monkeypatch=None, wrt=("q", "k", "v"), **kw):
+def _call(q, k, v, g, wrt=("q", "k", "v"), **kw):
     """forward + backward through the core on the triton backend -> list of tensors."""
-    with monkeypatch.context() as m:
-        for name, val in env:
-            m.setenv(name, val)
-        out, lse = aa.attention(q, k, v, backend="triton", return_lse=True, **kw)
-        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="triton",
-                                   wrt=wrt, **kw)
+    out, lse = aa.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, backend="triton", wrt=wrt, **kw)
     return [out, lse] + [getattr(gr, "d" + n) for n in wrt]
 
 
@@ -157,16 +153,13 @@ def _variants():
         docs=dict(mask=aa.Documents(ids)),
         keep=dict(mask=aa.KeepMask(keep)),
         bias_bcast=dict(bias=bias_b, wrt=("q", "k", "v", "bias")),
-        bias_recompute=dict(bias=bias_b, wrt=("k", "bias"),
-                            env=(("ANYATTN_TRITON_DBIAS", "recompute"),)),
+        bias_k_only=dict(bias=bias_b, wrt=("k", "bias")),
         wrt_q=dict(wrt=("q",)),
         softcap=dict(softcap=3.0),
         alibi=dict(alibi_slopes=torch.tensor([0.5, 0.25], device=DEV)),
         sinks=dict(sinks=torch.tensor([0.3, -1.0], device=DEV), wrt=("q", "k", "v", "sinks")),
         dropout=dict(dropout_p=0.25, dropout_seed=11),
         dropout_seed=dict(dropout_p=0.25, dropout_seed=12),
-        unfused=dict(env=(("ANYATTN_TRITON_FUSED_BWD", "0"),)),
-        ieee=dict(env=(("ANYATTN_TRITON_FP32_DOT", "ieee"),)),
         offsets=dict(mask=aa.Causal(), q_offset=3),
     )
     return t
@@ -187,16 +180,16 @@ def test_cached_calls_give_the_bits_of_uncached_calls(monkeypatch):
     L.clear_prepared()
     cached = {}
     for name, ts, kw in cases:
-        cached[name] = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+        cached[name] = _call(*ts, **dict(kw))
     n_entries = len(L.prepared.PREPARED)
     assert n_entries >= len(cases) - 2     # (dropout seeds share one entry; so may bf16's)
     again = ("base", "causal", "docs", "bias_bcast", "sinks", "dropout_seed", "strided")
-    repeat = {name: _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+    repeat = {name: _call(*ts, **dict(kw))
               for name, ts, kw in cases if name in again}
     assert len(L.prepared.PREPARED) == n_entries   # repeats hit
     for name, ts, kw in cases:
         L.clear_prepared()
-        fresh = _call(*ts, monkeypatch=monkeypatch, **dict(kw))
+        fresh = _call(*ts, **dict(kw))
         for i, b in enumerate(fresh):
             assert torch.equal(cached[name][i], b), name
             assert name not in repeat or torch.equal(repeat[name][i], b), name
@@ -315,12 +308,15 @@ def test_direct_launch_gives_the_bits_of_triton_launches(monkeypatch):
     q, k, v, g = _qkv()
     cases = [dict(), dict(mask=aa.Causal()), dict(bias=torch.randn(1, H, S, S, device=DEV),
                                                    wrt=("q", "k", "v", "bias"))]
+    from anyattn.backends.triton import direct as DL
+
     for kw in cases:
         L.clear_prepared()
-        monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "0")
-        plain = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
-        monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH")      # the default: on
-        direct = [_call(q, k, v, g, monkeypatch=monkeypatch, **dict(kw)) for _ in range(3)]
+        with monkeypatch.context() as m:          # every launch through Triton's path
+            m.setattr(DL, "enabled", lambda device: False)
+            plain = [_call(q, k, v, g, **dict(kw)) for _ in range(3)]
+        L.clear_prepared()
+        direct = [_call(q, k, v, g, **dict(kw)) for _ in range(3)]
         used = [s for pr in L.prepared.PREPARED._d.values() if pr.direct for s in pr.sites.values()]
         assert used and all(s.hits > 0 for s in used)
         for a, b in zip(plain[-1], direct[-1]):
@@ -408,15 +404,7 @@ def test_launch_hooks_are_seen_only_when_set(monkeypatch):
     assert DL._hook_active(print) and not DL._hook_active(None)
 
 
-def test_direct_launch_setting(monkeypatch):
-    """ANYATTN_TRITON_DIRECT_LAUNCH: on by default on CUDA devices, 0 turns it off, any
-    other value is an error; never on other devices."""
+def test_direct_launch_on_cuda_devices_only():
     from anyattn.backends.triton import direct as DL
 
-    monkeypatch.delenv("ANYATTN_TRITON_DIRECT_LAUNCH", raising=False)
     assert DL.enabled(torch.device("cuda", 0)) and not DL.enabled(torch.device("cpu"))
-    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "0")
-    assert not DL.enabled(torch.device("cuda", 0))
-    monkeypatch.setenv("ANYATTN_TRITON_DIRECT_LAUNCH", "yes")
-    with pytest.raises(ValueError, match="DIRECT_LAUNCH"):
-        DL.enabled(torch.device("cuda", 0))

@@ -20,7 +20,7 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 
 from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
-from tr_util import DEV, HAS_CUDA, needs_triton, T  # noqa: E402
+from tr_util import DEV, HAS_CUDA, needs_triton, T, two_launch_backward  # noqa: E402
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -227,11 +227,11 @@ def test_fused_backward_equals_two_launches(case, monkeypatch):
     else:
         mask = aa.KeepMask(T(rng.random((Sq, Sk)) < 0.5))
         bias, wrt = T(rng.standard_normal((2, 2, Sq, Sk)).astype(np.float32)), wrt + ("bias",)
-    runs = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", fused)
-        runs[fused] = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt,
-                                            backend="triton")
+    runs = {"1": aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt,
+                                       backend="triton")}
+    two_launch_backward(monkeypatch)
+    runs["0"] = aa.attention_backward(q, k, v, g, mask=mask, bias=bias, wrt=wrt,
+                                      backend="triton")
     for n in wrt:
         n = "d" + n
         assert torch.equal(getattr(runs["1"], n), getattr(runs["0"], n)), (case, n)
@@ -240,54 +240,6 @@ def test_fused_backward_equals_two_launches(case, monkeypatch):
         rg = R.backward(*(to_np(x).astype(np.float64) for x in (q, k, v, g)), mask=rm)
         for n in ("dq", "dk", "dv"):
             assert_close(getattr(runs["1"], n), getattr(rg, n), "float32", n)
-
-
-@needs_triton
-@pytest.mark.parametrize("n", [2, 3])
-def test_split_parts_are_the_rounded_residuals(n):
-    """The launcher's fp32 -> bf16 parts (hi, mid[, lo] side by side) of a strided view
-    sum back to x within 2^-7 per part (elementwise), and on a GPU they are the
-    round-to-nearest residuals bit for bit (Triton's interpreter truncates instead)."""
-    from anyattn.backends.triton.operands import split_parts as _split_parts
-
-    base = torch.randn(2, 37, 3, 20, device=DEV) * 10.0
-    x = base.permute(0, 2, 1, 3)                       # [B, H, S, D], row stride 60
-    y = _split_parts(x, n)
-    assert y.shape == (2, 3, 37, n * 20) and y.dtype == torch.bfloat16 and y.is_contiguous()
-    hi = x.to(torch.bfloat16)
-    r = x - hi.float()
-    mid = r.to(torch.bfloat16)
-    want = [hi, mid] + ([(r - mid.float()).to(torch.bfloat16)] if n == 3 else [])
-    if HAS_CUDA:
-        assert torch.equal(y, torch.cat(want, dim=-1))
-    back = sum(y[..., i * 20:(i + 1) * 20].double() for i in range(n))
-    assert ((back - x.double()).abs() <= x.double().abs() * 2.0 ** (-7 * n)).all()
-    assert not torch.equal(back, x.double() * 0)
-
-
-@needs_triton
-@pytest.mark.parametrize("scheme", ["bf16x6", "bf16x3"])
-def test_presplit_operands_equal_register_split(scheme, monkeypatch):
-    """fp32 inputs split once by the launcher give the same bits as splitting every tile
-    in registers (same products, same order), forward and backward, with a bias."""
-    rng = np.random.default_rng(13)
-    Sq, Sk = 40, 52
-    q, k, v, g = (T(x) for x in make_qkv(rng, 1, 4, 2, Sq, Sk, 24))
-    bias = T(rng.standard_normal((1, 4, Sq, Sk)).astype(np.float32))
-    mask = aa.Causal("bottom_right")
-    precision = "tf32" if scheme == "bf16x3" else "highest"
-    env = "ANYATTN_TRITON_TF32_DOT" if scheme == "bf16x3" else "ANYATTN_TRITON_FP32_DOT"
-    res = {}
-    for var in (scheme, scheme + "r"):
-        monkeypatch.setenv(env, var)
-        out, lse = aa.attention(q, k, v, mask=mask, bias=bias, return_lse=True,
-                                backend="triton", precision=precision)
-        gr = aa.attention_backward(q, k, v, g, out=out, lse=lse, mask=mask, bias=bias,
-                                   wrt=("q", "k", "v", "bias"), backend="triton",
-                                   precision=precision)
-        res[var] = (out, lse, gr.dq, gr.dk, gr.dv, gr.dbias)
-    for a, b in zip(res[scheme], res[scheme + "r"]):
-        assert torch.equal(a, b)
 
 
 @needs_triton
@@ -315,7 +267,7 @@ def test_scaled_fp16_parts_and_scales():
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)          # powers of two
         xa = (fin if name == "q" else x.abs()).reshape(B * Hkv, -1).amax(1)
         assert ((xa * s) <= 2.0 ** 14).all() and ((xa * s) > 2.0 ** 13).all()
-        y = operands.split_half(x, s, g, 2)
+        y = operands.split_half(x, s, g)
         assert y.dtype == torch.float16 and y.shape == (B, x.shape[1], S, 2 * D)
         xs = x.double() * s.double().repeat_interleave(g).reshape(B, -1, 1, 1)
         back = y[..., :D].double() + y[..., D:].double()
@@ -364,33 +316,11 @@ def test_scaled_fp16_given_lse_below_the_true_one():
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme", ["f16x1", "f16x31"])
-def test_fp16_class_schemes_selectable(scheme, monkeypatch):
-    """The faster opt-in schemes (one fp16 rounding of an operand: fp16-class accuracy,
-    over the ~3e-4 of precision='tf32', docs/triton.md) meet the fp16 tolerance."""
-    monkeypatch.setenv("ANYATTN_TRITON_TF32_DOT", scheme)
-    rng = np.random.default_rng(23)
-    q, k, v, g = make_qkv(rng, 1, 2, 1, 27, 35, 16)
-    qt, kt, vt, gt = (T(x) for x in (q, k, v, g))
-    out, lse = aa.attention(qt, kt, vt, mask=aa.Causal(), return_lse=True, backend="triton",
-                            precision="tf32")
-    gr = aa.attention_backward(qt, kt, vt, gt, mask=aa.Causal(), backend="triton",
-                               precision="tf32")
-    ro, rl = R.forward(q, k, v, mask=aa.Causal())
-    rg = R.backward(q, k, v, g, mask=aa.Causal())
-    tol = TOL["float16"]
-    assert_close(out, ro, "float16", "out", tol=tol)
-    assert np.abs(to_np(lse) - rl).max() <= tol * max(1.0, np.abs(rl).max())
-    for n in ("dq", "dk", "dv"):
-        assert_close(getattr(gr, n), getattr(rg, n), "float16", n, tol=tol)
-
-
-@needs_triton
 @pytest.mark.parametrize("bshape", ["1H", "B1"])
-def test_dbias_owner_sum_with_batch_varying_masks(bshape, monkeypatch):
+def test_dbias_owner_sum_with_batch_varying_masks(bshape):
     """A bias broadcast over batch or heads: the dq programs sum dS into dbias in place
-    (tiles one batch's mask skips and another's keeps included); same numbers as the
-    recomputing reduction kernel and the reference, bitwise repeatable."""
+    (tiles one batch's mask skips and another's keeps included); the reference's
+    numbers, bitwise repeatable."""
     rng = np.random.default_rng(10)
     B, Hq, Hkv, Sq, Sk = 2, 2, 1, 40, 67
     q, k, v, g = make_qkv(rng, B, Hq, Hkv, Sq, Sk, 16)
@@ -410,10 +340,6 @@ def test_dbias_owner_sum_with_batch_varying_masks(bshape, monkeypatch):
     again = aa.attention_backward(qt, kt, vt, gt, mask=mask, bias=bt, wrt=wrt, backend="triton")
     for n in ("dq", "dk", "dv", "dbias"):
         assert torch.equal(getattr(gr, n), getattr(again, n)), n
-    monkeypatch.setenv("ANYATTN_TRITON_DBIAS", "recompute")
-    other = aa.attention_backward(qt, kt, vt, gt, mask=mask, bias=bt, wrt=wrt, backend="triton")
-    assert torch.equal(gr.dq, other.dq) and torch.equal(gr.dk, other.dk)
-    assert_close(gr.dbias, to_np(other.dbias).astype(np.float64), "float32", "dbias")
 
 
 @needs_triton
@@ -540,10 +466,15 @@ def test_configs_plans_and_tuner():
             p = C.plan_for(dp, dt, "highest", "none", False, 4096)   # fixed under the interpreter
             for c in (p.fwd, p.dq, p.dkdv):
                 assert p.sbq % c.bm == 0 and p.sbk % c.bn == 0
-    # the defaults (without ANYATTN_TRITON_*_DOT): fp32-accurate for both precisions
-    if not any(os.environ.get(n) for n in ("ANYATTN_TRITON_FP32_DOT", "ANYATTN_TRITON_TF32_DOT")):
-        assert C.fp32_precision("highest", "float32") == "f16x3"
-        assert C.fp32_precision("tf32", "float32") == "f16x3"
+    # fp32 multiplies as scaled fp16 parts under both precisions (fp32-accurate)
+    from anyattn.backends.triton import operands
+    from anyattn.problem import describe
+
+    x = torch.zeros(1, 1, 4, 8)
+    for precision in ("highest", "tf32"):
+        assert operands.kernel_prec(describe(x, x, x, precision=precision)) == "hsplit3"
+        assert operands.register_prec(describe(x, x, x, precision=precision)) == "bf16x6"
+    assert operands.kernel_prec(describe(x.half(), x.half(), x.half())) == "tf32"
     # every fallback keeps tiles that divide the mask block (128)
     for c in _fallbacks(C.KernelConfig(128, 64, 8, 3)):
         assert 128 % c.bm == 0 and 128 % c.bn == 0 and c.num_stages >= 1

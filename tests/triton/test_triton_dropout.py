@@ -20,7 +20,7 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 
 from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
-from tr_util import GRAD, needs_triton, T  # noqa: E402
+from tr_util import GRAD, needs_triton, T, two_launch_backward  # noqa: E402
 
 
 BIG_SEED = (1 << 64) - 0x1234_5678_9ABC   # >= 2**63: both halves with the top bit set
@@ -144,11 +144,10 @@ def test_documents_two_launch_equals_fused(monkeypatch):
     qs = np.sort(rng.integers(0, 3, (1, 33)), axis=1)
     ks = np.sort(rng.integers(0, 3, (1, 40)), axis=1)
     mask = aa.Documents(T(qs), T(ks))
-    monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", "0")
-    two = check(q, k, v, g, p=0.15, seed=99, mask=mask)[2]
-    monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", "1")
     one = aa.attention_backward(T(q), T(k), T(v), T(g), mask=mask, backend="triton",
                                 dropout_p=0.15, dropout_seed=99)
+    two_launch_backward(monkeypatch)
+    two = check(q, k, v, g, p=0.15, seed=99, mask=mask)[2]
     for n in ("dq", "dk", "dv"):
         assert torch.equal(getattr(one, n), getattr(two, n)), n
 
@@ -163,15 +162,12 @@ def test_bf16():
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme, tol", [("f16x3", TOL["float32"]), ("bf16x6", TOL["float32"]),
-                                         ("bf16x3r", TOL["tf32"]), ("ieee", TOL["float32"])])
-def test_fp32_schemes(scheme, tol, monkeypatch):
-    """fp32 'highest' under each product scheme (the scaled fp16 parts, the bf16 splits
-    stored once / in registers, plain fp32 dots)."""
-    monkeypatch.setenv("ANYATTN_TRITON_FP32_DOT", scheme)
+def test_fp32_scaled_parts():
+    """fp32 'highest' (products of scaled fp16 parts) with dropout: fp32 accuracy."""
     rng = np.random.default_rng(7)
     q, k, v, g = make_qkv(rng, 1, 2, 1, 20, 34, 8)
-    check(2 * q, k, v, g, p=0.3, seed=2024, mask=aa.Causal("bottom_right"), tol=tol)
+    check(2 * q, k, v, g, p=0.3, seed=2024, mask=aa.Causal("bottom_right"),
+          tol=TOL["float32"])
 
 
 @needs_triton

@@ -20,7 +20,7 @@ import anyattn as aa  # noqa: E402
 from anyattn import reference as R  # noqa: E402
 
 from helpers import TOL, assert_close, make_qkv, np_mask, to_np  # noqa: E402
-from tr_util import GRAD, HAS_CUDA, needs_triton, T  # noqa: E402
+from tr_util import GRAD, HAS_CUDA, needs_triton, T, two_launch_backward  # noqa: E402
 
 
 def mods_for(rng, B, Hq, softcap=None, alibi=None, sinks=None):
@@ -197,11 +197,11 @@ def test_all_two_launch_backward_equals_fused(monkeypatch):
     mods = mods_for(rng, 1, 2, softcap=1.1, alibi="h", sinks=True)
     tm = {n: (T(x) if isinstance(x, np.ndarray) else x) for n, x in mods.items()}
     wrt = ("q", "k", "v", "sinks")
-    runs = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", fused)
-        runs[fused] = aa.attention_backward(T(q), T(k), T(v), T(g), mask=aa.Causal(), wrt=wrt,
-                                            backend="triton", **tm)
+    runs = {"1": aa.attention_backward(T(q), T(k), T(v), T(g), mask=aa.Causal(), wrt=wrt,
+                                       backend="triton", **tm)}
+    two_launch_backward(monkeypatch)
+    runs["0"] = aa.attention_backward(T(q), T(k), T(v), T(g), mask=aa.Causal(), wrt=wrt,
+                                      backend="triton", **tm)
     for n in wrt:
         assert torch.equal(getattr(runs["1"], GRAD[n]), getattr(runs["0"], GRAD[n])), n
     rg = R.backward(q, k, v, g, mask=aa.Causal(), wrt=wrt, **mods)
@@ -218,20 +218,6 @@ def test_all_bf16():
                          mask=aa.Causal(), tdtype=torch.bfloat16, dtype="bfloat16")
     assert out.dtype == torch.bfloat16 and gr.dk.dtype == torch.bfloat16
     assert lse.dtype == torch.float32 and gr.dsinks.dtype == torch.float32
-
-
-@needs_triton
-@pytest.mark.parametrize("scheme, tol", [("bf16x6", TOL["float32"]), ("bf16x3r", TOL["tf32"]),
-                                         ("bf16x3", TOL["tf32"]), ("ieee", TOL["float32"])])
-def test_all_fp32_schemes(scheme, tol, monkeypatch):
-    """Every fp32 product scheme ('f16x3', the default, runs in the tests above): split
-    once into six / three bf16 products ('bf16x6', 'bf16x3'), split in registers
-    ('bf16x3r'), plain fp32 dots ('ieee')."""
-    monkeypatch.setenv("ANYATTN_TRITON_FP32_DOT", scheme)
-    rng = np.random.default_rng(11)
-    q, k, v, g = make_qkv(rng, 1, 2, 1, 20, 34, 8)
-    check(2 * q, k, v, g, mods_for(rng, 1, 2, softcap=1.3, alibi="h", sinks=True),
-          mask=aa.Causal("bottom_right"), tol=tol)
 
 
 @needs_triton

@@ -18,7 +18,7 @@ from helpers import torch_on  # noqa: E402
 
 __all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
            "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs",
-           "offline_facts", "hopper_facts", "route_to_hopper"]
+           "offline_facts", "hopper_facts", "route_to_hopper", "two_launch_backward"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -179,3 +179,16 @@ def route_to_hopper(monkeypatch, direction: str) -> None:
                            env, plan)
 
     monkeypatch.setattr(route, "route_call", routed)
+
+
+def two_launch_backward(monkeypatch) -> None:
+    """Run every later backward call through the two-launch portable backward (dK/dV,
+    then dQ: the heuristic plans' backward at D <= 64 and for fp32 inputs) with the fixed
+    test plan's tiles, where the interpreter's fixed plan launches one kernel: the launch
+    entry gets that plan as its explicit ``plan``."""
+    import functools
+
+    from anyattn.backends.triton import configs, launch
+
+    monkeypatch.setattr(launch, "backward", functools.partial(
+        launch.backward, plan=configs.fixed_plan(fused_bwd=False)))

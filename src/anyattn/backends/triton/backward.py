@@ -59,7 +59,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     l2 = torch.empty((B, H, 2, Sq), dtype=torch.float32, device=dev)
     ctx = on_device(dev)
     res: Dict[str, Any] = {"dq": None, "dk": None, "dv": None, "dbias": None, "dsinks": None}
-    prec, nparts = pr.prec, pr.nparts
+    prec = pr.prec
     dsr = (torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if want_ds
            else pr.sc)
     with ctx:
@@ -81,18 +81,16 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
         scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars)
-        # the operands as the kernels read them (bf16 / scaled fp16 parts for the split
-        # fp32 schemes); sc: the scaled schemes' factors (after delta: gamma needs it)
-        if prec in operands.SCALED:
+        # the operands as the kernels read them (scaled fp16 parts for fp32 inputs);
+        # sc: the scaled parts' factors (after delta: gamma needs it)
+        if prec == operands.SCALED:
             sc, sig = operands.f16_scales(p, q, k, v, dout, delta)
-            qo, ko, vo, doo = (operands.split_half(x, sig[n], g, nparts) for x, n, g in
+            qo, ko, vo, doo = (operands.split_half(x, sig[n], g) for x, n, g in
                                ((q, "q", p.group), (k, "k", 1), (v, "v", 1),
                                 (dout, "do", p.group)))
         else:
             sc = pr.sc
             qo, ko, vo, doo = q, k, v, dout
-            if nparts > 1:
-                qo, ko, vo, doo = (operands.split_parts(x, nparts) for x in (q, k, v, dout))
         if owner_db:
             if want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
@@ -129,7 +127,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
                               WRITE_DB=full_bias, **pr.common)
                     return (lambda c: (cdiv(Sq, c.bm), B * H), plan.dq, kw,
-                            prepared.tuning_key("dq", p, plan), str(qo.dtype))
+                            prepared.tuning_key("dq", p), str(qo.dtype))
 
                 prepared.run(pr, "dq", kernels.dq_kernel, args, first)
         if want_kv:
@@ -154,7 +152,7 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
         kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common)
         B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
         return (lambda c: (cdiv(Sk, c.bn), B * Hkv), plan.dkdv, kw,
-                prepared.tuning_key("dkdv", p, plan), str(q.dtype))
+                prepared.tuning_key("dkdv", p), str(q.dtype))
 
     prepared.run(pr, "dkdv", kernels.dkdv_kernel, args, first)
 
@@ -182,7 +180,7 @@ def _launch_dq_dbias(pr, p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tl
         kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, RED_B=red_b, RED_H=red_h,
                   **pr.common)
         return (lambda c: (cdiv(Sq, c.bm), bb * hb), plan.dq, kw,
-                prepared.tuning_key("dq", p, plan),
+                prepared.tuning_key("dq", p),
                 str(q.dtype))
 
     prepared.run(pr, "dq_dbias", kernels.dq_dbias_kernel, args, first)
@@ -244,7 +242,7 @@ def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
         cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(kw["DP"], p.dtype)
                               if plan.sbq % pair[0].bm == 0 and plan.sbk % pair[0].bn == 0
                               and plan.sbq % pair[1].bm == 0 and plan.sbk % pair[1].bn == 0]
-        c1, c2 = configs.tune(prepared.tuning_key("bwd", p, plan) + (sig,), cands,
+        c1, c2 = configs.tune(prepared.tuning_key("bwd", p) + (sig,), cands,
                         lambda pair: (lambda: launch(pair)))
     key = ("bwd_kernel", c1, c2, sig)
     first = prepared.FALLBACK_CACHE.get(key)
@@ -286,7 +284,7 @@ def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
                 D=p.head_dim, DP=configs.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
-                PREC=operands.register_prec(plan.prec), num_warps=cc.num_warps,
+                PREC=operands.register_prec(p), num_warps=cc.num_warps,
                 num_stages=cc.num_stages,
                 **md.flags)
             return dbias

@@ -1,11 +1,10 @@
 """Tile configurations for the Triton kernels: frozen dataclasses, a heuristic table,
 an optional autotuner (cached per key), and a fixed small plan for tests.
 
-Key of a plan: (padded head dim DP, dtype, precision, mask class, bias?, length
-bucket).  ``ANYATTN_TRITON_CONFIG=fixed`` (or ``TRITON_INTERPRET=1``) selects the
-fixed test plan; ``ANYATTN_TRITON_AUTOTUNE=1`` times the candidates of each kernel
-once per key on the first call and caches the fastest; ``ANYATTN_TRITON_FUSED_BWD=0``
-launches dK/dV and dQ as two kernels instead of one.
+Key of a plan: (padded head dim DP, dtype, mask class, bias?, length bucket).
+``ANYATTN_TRITON_CONFIG=fixed`` (or ``TRITON_INTERPRET=1``) selects the fixed test
+plan; ``ANYATTN_TRITON_AUTOTUNE=1`` times the candidates of each kernel once per key on
+the first call and caches the fastest.
 """
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from ... import settings
 
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
            "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket",
-           "overrides_version", "use_fixed", "fused_enabled", "softcap_mode",
-           "fp32_precision"]
+           "overrides_version", "use_fixed", "softcap_mode"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,8 @@ class KernelConfig:
 @dataclass(frozen=True)
 class Plan:
     """Every kernel's config for one problem class, plus the mask-block size of the
-    tile lists (sbq x sbk, multiples of every bm / bn) and the fp32 dot precision."""
+    tile lists (sbq x sbk, multiples of every bm / bn) and whether the backward runs
+    dK/dV and dQ in one launch."""
 
     fwd: KernelConfig
     dkdv: KernelConfig
@@ -42,7 +41,6 @@ class Plan:
     pre_bm: int = 64
     sbq: int = 128
     sbk: int = 128
-    prec: str = "tf32"          # tl.dot input_precision for fp32 inputs
     fused_bwd: bool = True      # dK/dV and dQ in one launch (dkdv's warps / stages)
 
     def check(self) -> "Plan":
@@ -67,16 +65,14 @@ def length_bucket(s: int) -> int:
     return b
 
 
-def fused_enabled() -> bool:
-    return settings.current().triton_fused_bwd
-
-
-def fixed_plan(prec: str = "ieee") -> Plan:
+def fixed_plan(fused_bwd: bool = True) -> Plan:
     """Small tiles for the interpreter and tests: several tiles even at S ~ 40, and
-    mask blocks (32) larger than the tiles (16) so sub-tiling is exercised."""
+    mask blocks (32) larger than the tiles (16) so sub-tiling is exercised.
+    ``fused_bwd=False``: the two-launch backward (dK/dV, then dQ) that the heuristic
+    plans take at D <= 64 and for fp32 inputs."""
     return Plan(fwd=KernelConfig(32, 16, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
                 dq=KernelConfig(32, 16, 4, 1), dbias=KernelConfig(16, 16, 4, 1),
-                pre_bm=32, sbq=32, sbk=32, prec=prec, fused_bwd=fused_enabled()).check()
+                pre_bm=32, sbq=32, sbk=32, fused_bwd=fused_bwd).check()
 
 
 def use_fixed() -> bool:
@@ -98,31 +94,14 @@ def softcap_mode(dtype: str, device) -> int:
     """The kernels' SOFTCAP constexpr for a softcap problem: 2 (tanh.approx.f32, one MUFU
     op) for 16-bit inputs on a CUDA device of compute capability >= 7.5, else 1 (the
     portable tanh of kernels._tanh_d: fp32 inputs, the interpreter, which cannot run
-    inline PTX).  ANYATTN_TRITON_FAST_TANH=0 forces 1 (for A/B timing)."""
-    env = settings.current()
-    if dtype not in FAST_TANH_DTYPES or not env.triton_fast_tanh:
+    inline PTX)."""
+    if dtype not in FAST_TANH_DTYPES:
         return 1
-    if env.triton_interpret or getattr(device, "type", "cuda") != "cuda":
+    if settings.current().triton_interpret or getattr(device, "type", "cuda") != "cuda":
         return 1
     import torch
 
     return 2 if torch.cuda.get_device_capability(device) >= FAST_TANH_MIN_CC else 1
-
-
-def fp32_precision(precision: str, dtype: str) -> str:
-    """The fp32 product scheme (docs/triton.md, "Precision").  'highest' (default):
-    ANYATTN_TRITON_FP32_DOT, default 'f16x3' (operands scaled by powers of two into
-    fp16 range and split into fp16 hi + lo; three fp16 products, ~2^-22 per product,
-    <= 1e-5 vs float64), or 'bf16x6' (six bf16 split products), 'tf32x3' (3xTF32),
-    'ieee' (FMA), all <= 1e-5.  'tf32' opt-in: ANYATTN_TRITON_TF32_DOT, default
-    'f16x3' as well, since every single-rounding 11-bit scheme ('tf32', 'f16x1',
-    'f16x31') errs above the ~3e-4 that precision='tf32' promises (a lone fp16 or
-    tf32 rounding of an operand is already 2.4e-4); 'bf16x3' (three bf16 products,
-    ~2^-16) costs the same as 'f16x3'."""
-    if dtype != "float32":
-        return "tf32"   # ignored for 16-bit inputs
-    env = settings.current()
-    return env.triton_tf32_dot if precision == "tf32" else env.triton_fp32_dot
 
 
 _plan_cache: Dict[tuple, Plan] = {}
@@ -132,7 +111,8 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
              seq: int) -> Plan:
     """The heuristic plan for a problem class (the tiles that ran fastest on Hopper GPUs),
     memoised on its arguments, the settings (one settings.snapshot, a superset of what
-    it reads) and the overrides' version (Plans are frozen)."""
+    it reads) and the overrides' version (Plans are frozen).  ``precision`` selects the
+    overrides of set_override only: 'highest' and 'tf32' multiply fp32 alike."""
     key = (dp, dtype, precision, mask_class, has_bias, seq, settings.snapshot(),
            _overrides_version)
     plan = _plan_cache.get(key)
@@ -145,42 +125,27 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
 
 def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
               seq: int) -> Plan:
-    prec = fp32_precision(precision, dtype)
     if use_fixed():
-        return fixed_plan(prec)
+        return fixed_plan()
+    # the tiles (BM x BN, warps, stages) that ran fastest per padded head dim: 16-bit
+    # operands; fp32 inputs, multiplied as three products of scaled fp16 parts
+    # (operands.py): 8-warp tiles, two backward launches
     wide = dtype == "float32"
-    # the tiles (BM x BN, warps, stages) that ran fastest per padded head dim and
-    # operand scheme: 16-bit operands; the fp32 split products (six products: a 32-row
-    # dQ tile cannot use wgmma; three: larger dK/dV tiles, two launches); scaled fp16
-    # three products ('f16x3': 8-warp tiles, two launches).
-    three = prec in ("bf16x3", "bf16x3r", "f16x3")
-    if prec == "f16x1":   # one fp16 product per product: the kernels see fp16 operands
-        wide = False
     if dp <= 64:
-        if wide and prec == "f16x3":
+        if wide:
             p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 2),
                      dq=KernelConfig(64, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
-        elif wide:
-            p = Plan(fwd=KernelConfig(128, 32, 8, 2),
-                     dkdv=KernelConfig(64, 64, 8, 2) if three else KernelConfig(32, 64, 4, 2),
-                     dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
-                     dbias=KernelConfig(64, 64, 4, 2))
         else:
             p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
-            if dp == 64 and dtype != "float32":
+            if dp == 64:
                 # D=64 exactly: a 128-row forward tile and a 64x64 dK/dV tile (with
                 # the row statistics kept apart) beat the wider D<=64 tiles
                 p = replace(p, fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 64, 4, 3))
     elif dp <= 128:
-        if wide and prec == "f16x3":
+        if wide:
             p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 1),
                      dq=KernelConfig(128, 64, 8, 1), dbias=KernelConfig(64, 64, 4, 2))
-        elif wide:
-            p = Plan(fwd=KernelConfig(128, 32, 8, 2),
-                     dkdv=KernelConfig(32, 128, 8, 2) if three else KernelConfig(32, 64, 4, 2),
-                     dq=KernelConfig(64, 64, 4, 2) if three else KernelConfig(64, 32, 4, 2),
-                     dbias=KernelConfig(64, 64, 4, 2))
         else:
             p = Plan(fwd=KernelConfig(128, 128, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
                      dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(128, 64, 8, 2))
@@ -191,11 +156,9 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
         else:
             p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
                      dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
-    # one-launch backward where it is faster: D > 64 but not three-product fp32 (at
-    # D <= 64 and three products the dQ wants 4 warps, the dK/dV 8);
-    # ANYATTN_TRITON_FUSED_BWD=0 turns it off everywhere.
-    fused = fused_enabled() and dp > 64 and not (wide and three)
-    p = replace(p, prec=prec, fused_bwd=fused)
+    # one-launch backward where it is faster: D > 64 and 16-bit inputs (at D <= 64 and
+    # for fp32 the dQ wants other warps than the dK/dV)
+    p = replace(p, fused_bwd=dp > 64 and not wide)
     override = _overrides.get((dp, dtype, precision))
     if override is not None:
         p = replace(p, **override)

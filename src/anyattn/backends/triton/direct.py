@@ -19,8 +19,7 @@ through ``kernel[grid]`` as before.
 
 ``Site`` is one launch site of one prepared call signature (prepared.py's prepared
 launches, hopper/launch.py's): Triton's path until Triton's cache holds the kernel, then
-the Direct.  On by default on CUDA devices; ANYATTN_TRITON_DIRECT_LAUNCH=0 turns it off
-(read when a prepared launch is built: settings.snapshot keys them).
+the Direct.  On for CUDA devices.
 """
 from __future__ import annotations
 
@@ -29,20 +28,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ... import settings
-
 __all__ = ["Direct", "Site", "resolve", "enabled", "hooks_set"]
-
-#: settings: ANYATTN_TRITON_DIRECT_LAUNCH=0 turns direct launches off (enabled);
-#: ANYATTN_TRITON_C_LAUNCH=0 makes a direct launch call CompiledKernel.run (Triton's
-#: wrapper, each tensor map encoded per launch) instead of c_launch.CLaunch (benchmarks'
-#: A/B)
 
 
 def enabled(device) -> bool:
-    """Whether launches on ``device`` replay resolved kernels: CUDA devices, unless
-    ANYATTN_TRITON_DIRECT_LAUNCH=0."""
-    return settings.current().triton_direct_launch and getattr(device, "type", device) == "cuda"
+    """Whether launches on ``device`` replay resolved kernels: CUDA devices."""
+    return getattr(device, "type", device) == "cuda"
 
 
 def _is_desc(x) -> bool:
@@ -159,8 +150,9 @@ class Direct:
 
 
 def _c_launch(ck):
-    """c_launch.CLaunch of a compiled kernel's launcher, or None (ck.run is called)."""
-    if ck is None or not settings.current().triton_c_launch:
+    """c_launch.CLaunch of a compiled kernel's launcher, or None (ck.run is called: a
+    launcher of another form than c_launch reproduces)."""
+    if ck is None:
         return None
     from .c_launch import CLaunch
 

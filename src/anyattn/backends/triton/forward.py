@@ -47,16 +47,14 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
     tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
-    prec, nparts = pr.prec, pr.nparts
+    prec = pr.prec
     with on_device(dev):
-        if prec in operands.SCALED:
+        if prec == operands.SCALED:
             sc, sig = operands.f16_scales(p, q, k, v)
-            q, k, v = (operands.split_half(x, sig[n], g, nparts)
+            q, k, v = (operands.split_half(x, sig[n], g)
                        for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
         else:
             sc = pr.sc
-            if nparts > 1:
-                q, k, v = (operands.split_parts(x, nparts) for x in (q, k, v))
         args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
                 tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
                 md.slopes, md.sink_t,
@@ -70,7 +68,7 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
                       HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
                       HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
             return (lambda c: (cdiv(Sq, c.bm), B * H), plan.fwd, kw,
-                    prepared.tuning_key("fwd", p, plan), str(args[0].dtype))
+                    prepared.tuning_key("fwd", p), str(args[0].dtype))
 
         prepared.run(pr, "fwd", kernels.fwd_kernel, args, first)
     return out, RowStats(stats[0], stats[1])

@@ -31,39 +31,26 @@ modes (constexpr ``MODE``):
      split into masked edges and an unmasked middle;
   1  tile lists (documents / KeepMask, band folded in): per row of mask blocks
      a count and sorted indices of partial blocks and of full blocks, built
-     once per mask on the GPU (tiles.py); full blocks load no mask;
-  2  block ranges (the same masks, launch.set_mask_lowering("ranges")): per row of
-     mask blocks one range [t0, t1) of blocks that holds every kept one and inside it
-     the run [f0, f1) of full blocks, passed in CNT as a table [.., 4]; the loops are
-     mode 0's three (masked edges, unmasked middle) without per-tile index loads.
+     once per mask on the GPU (tiles.py); full blocks load no mask.
 No kernel uses atomics: every output element has one owner program, so
 results are bitwise repeatable.
 
-fp16 / bf16 tiles multiply on tensor cores with fp32 accumulation.  fp32 tiles go
-through ``_dot`` with PREC: 'bf16x6' (six bf16 split products, ~fp32 accurate),
-'bf16x3' (three), both split in registers, or tl.dot's own 'tf32', 'tf32x3', 'ieee'.
-The forward and backward kernels also take PREC 'split6' / 'split3': the same six /
-three products, but with q, k, v and dout split once by the launcher into bf16 parts
-stored side by side along the last dim ([.., S, 3 * D]: hi, mid, lo; [.., S, 2 * D]:
-hi, mid), so that loaded tiles go to the tensor cores straight from shared memory and
-only the computed tiles (p, dS) are split in registers.  Operands travel as part
-triples (x0, x1, x2) through ``_load_op`` / ``_op_parts`` / ``_dotp``; with one part
-(every other PREC) x1 and x2 repeat x0 and the compiler drops them.
-
-PREC 'hsplit3' / 'hsplit1' (fp32 inputs, "scaled fp16 parts"): the launcher scales q, k,
-v and dout by powers of two sigma (one per batch and kv-head group, from the finite
-max |x|, so that |x * sigma| <= 2^14) and stores fp16 parts of the scaled values: hi and
-lo ([.., S, 2 * D], x * sigma ~= hi + lo to ~2^-22) or hi alone ([.., S, D], ~2^-12).
-'hsplit3' sums three fp16 products (hi*hi + hi*lo + lo*hi: ~fp32 accuracy at the cost of
-the 'split3' bf16 scheme, fp16 keeping 11 mantissa bits to bf16's 8), 'hsplit1' one;
-'hsplit31' three for the score products (s, dP: their error goes through exp) and one
-for the accumulating products (p.v, pT.dout, dS.k, dST.q; ``_dotacc``).
-The computed tiles are split after a power-of-two scaling too: p by PS_FWD / PS_BWD
-(p <= 1), dS by gamma = 2^10 / bound(|dS|) from |dS| <= p (|dP| + |delta|) <=
-max|dout_i| max|v_j| + max|delta| (row norms).  Every scale is undone exactly on the
-fp32 results through the per-(batch, kv head) factors of SC [B * Hkv, 8] (see
-operands.f16_scales): 0 1/(sq sk) on scores, 1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv)
-on out, 4 1/(PS_BWD sdo) on dv, 5 1/(gamma sq) on dk, 6 1/(gamma sk) on dq.
+fp16 / bf16 tiles multiply on tensor cores with fp32 accumulation (PREC 'tf32', which
+tl.dot ignores for 16-bit operands).  fp32 inputs run PREC 'hsplit3' ("scaled fp16
+parts"): the launcher scales q, k, v and dout by powers of two sigma (one per batch and
+kv-head group, from the finite max |x|, so that |x * sigma| <= 2^14) and stores fp16
+parts of the scaled values side by side along the last dim, hi and lo ([.., S, 2 * D],
+x * sigma ~= hi + lo to ~2^-22); every product sums three fp16 products (hi*hi + hi*lo
++ lo*hi: ~fp32 accuracy).  Operands travel as part pairs (hi, lo) through
+``_load_op`` / ``_op_parts`` / ``_dotp`` (lo repeats hi for 16-bit inputs; the compiler
+drops the repeat).  The computed tiles are split after a
+power-of-two scaling too: p by PS_FWD / PS_BWD (p <= 1), dS by gamma = 2^10 /
+bound(|dS|) from |dS| <= p (|dP| + |delta|) <= max|dout_i| max|v_j| + max|delta| (row
+norms).  Every scale is undone exactly on the fp32 results through the per-(batch, kv
+head) factors of SC [B * Hkv, 8] (see operands.f16_scales): 0 1/(sq sk) on scores,
+1 1/(sv sdo) on dP, 2 gamma, 3 1/(PS_FWD sv) on out, 4 1/(PS_BWD sdo) on dv, 5 1/(gamma
+sq) on dk, 6 1/(gamma sk) on dq.  The broadcast dbias reduction (dbias_kernel) takes the
+fp32 tiles themselves: PREC 'bf16x6', six bf16 products of tiles split in registers.
 """
 import triton
 import triton.language as tl
@@ -130,27 +117,12 @@ def _dot_bf16x6(a, b):
 
 
 @triton.jit
-def _dot_bf16x3(a, b):
-    """fp32 a @ b to ~2^-16 relative with three bf16 products (hi*hi + hi*mid + mid*hi):
-    a faster, more accurate stand-in for single-pass TF32."""
-    ah, am, al = _split3(a)
-    bh, bm, bl = _split3(b)
-    acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
-    acc = _dot16(am, bh, acc)
-    acc = _dot16(ah, bm, acc)
-    acc = _dot16(ah, bh, acc)
-    return acc
-
-
-@triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """a [M, K] @ b [K, N] with fp32 accumulation.  PREC, for fp32 operands: 'tf32',
-    'tf32x3', 'ieee' (tl.dot's own), 'bf16x6' or 'bf16x3' (split products); ignored
-    for 16-bit operands."""
+    """a [M, K] @ b [K, N] with fp32 accumulation: for fp32 operands with PREC 'bf16x6'
+    six bf16 split products (_dot_bf16x6); otherwise tl.dot (PREC its input_precision,
+    ignored for 16-bit operands)."""
     if PREC == "bf16x6" and a.dtype == tl.float32:
         return _dot_bf16x6(a, b)
-    elif PREC == "bf16x3" and a.dtype == tl.float32:
-        return _dot_bf16x3(a, b)
     else:
         if _INTERPRETED:
             return tl.dot(a.to(tl.float32), b.to(tl.float32))
@@ -159,58 +131,30 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _dotp(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
-    """a @ b [M, N] from part triples (see module doc): 'split6' six products of the
-    bf16 parts (hi, mid, lo), smallest first, as _dot_bf16x6; 'split3' three of (hi, mid)
-    as _dot_bf16x3; otherwise _dot(a0, b0, PREC)."""
-    if PREC == "split6":
-        acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
-        acc = _dot16(a2, b0, acc)
-        acc = _dot16(a0, b2, acc)
-        acc = _dot16(a1, b1, acc)
-        acc = _dot16(a1, b0, acc)
-        acc = _dot16(a0, b1, acc)
-        acc = _dot16(a0, b0, acc)
-        return acc
-    elif PREC == "split3" or PREC == "hsplit3" or PREC == "hsplit31":
+def _dotp(a0, a1, b0, b1, PREC: tl.constexpr):
+    """a @ b [M, N] from part pairs (see module doc): 'hsplit3' three products of the
+    fp16 parts (lo*hi + hi*lo + hi*hi, smallest first); otherwise _dot(a0, b0, PREC)."""
+    if PREC == "hsplit3":
         acc = tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32)
         acc = _dot16(a1, b0, acc)
         acc = _dot16(a0, b1, acc)
         acc = _dot16(a0, b0, acc)
         return acc
-    elif PREC == "hsplit1":
-        return _dot16(a0, b0, tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32))
     else:
         return _dot(a0, b0, PREC)
 
 
 @triton.jit
-def _dotacc(a0, a1, a2, b0, b1, b2, PREC: tl.constexpr):
-    """An accumulating product (p.v, pT.dout, dS.k, dST.q): as _dotp, except that
-    'hsplit31' multiplies the hi parts alone (its score products p, dP take three)."""
-    if PREC == "hsplit31":
-        return _dot16(a0, b0, tl.zeros([a0.shape[0], b0.shape[1]], dtype=tl.float32))
-    else:
-        return _dotp(a0, a1, a2, b0, b1, b2, PREC)
-
-
-@triton.jit
 def _op_parts(x, f, like, PREC: tl.constexpr):
-    """A computed fp32 tile (p, dS) as an operand part triple: split in registers for
-    'split6' / 'split3'; x * f (f a power of two) split into fp16 for 'hsplit3' / cast
-    to fp16 for 'hsplit1' and 'hsplit31' (f is ignored otherwise); else cast to the dtype
-    of ``like``."""
-    if PREC == "split6" or PREC == "split3":
-        return _split3(x)
-    elif PREC == "hsplit3":
+    """A computed fp32 tile (p, dS) as an operand part pair: x * f (f a power of two)
+    split into fp16 for 'hsplit3' (f is ignored otherwise); else cast to the dtype of
+    ``like``."""
+    if PREC == "hsplit3":
         hi, lo = _split2h(x * f)
-        return hi, lo, lo
-    elif PREC == "hsplit1" or PREC == "hsplit31":
-        y = (x * f).to(tl.float16)
-        return y, y, y
+        return hi, lo
     else:
         y = x.to(like.dtype)
-        return y, y, y
+        return y, y
 
 
 @triton.jit
@@ -273,15 +217,6 @@ def _query_tile_range(j0, Sq, Sk, lo, hi, BM: tl.constexpr, BN: tl.constexpr):
     g0 = tl.minimum(tl.maximum(g0, s0), s1)
     g1 = tl.minimum(tl.maximum(g1, g0), s1)
     return s0, g0, g1, s1
-
-
-@triton.jit
-def _block_range(RNG, r, NSUB: tl.constexpr):
-    """Entry r of a range table RNG [.., 4] (mask blocks: first kept, first and one past
-    the last unmasked, one past the last kept) in tiles of 1 / NSUB block."""
-    rg = RNG + 4 * r
-    return (tl.load(rg) * NSUB, tl.load(rg + 1) * NSUB, tl.load(rg + 2) * NSUB,
-            tl.load(rg + 3) * NSUB)
 
 
 @triton.jit
@@ -367,16 +302,13 @@ def _load_rows_t(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: t
 @triton.jit
 def _load_op(ptr, start, stride_s, S, offs_r, offs_d, D: tl.constexpr, DP: tl.constexpr,
              CHECK_S: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
-    """Rows of an operand as a part triple of [R, DP] tiles ([DP, R] with TRANS); part i
-    sits at column i * D for 'split6' / 'split3' (see module doc)."""
+    """Rows of an operand as a part pair of [R, DP] tiles ([DP, R] with TRANS); for
+    'hsplit3' the lo part sits at column D (see module doc)."""
     x0 = _load_part(ptr, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
     x1 = x0
-    x2 = x0
-    if PREC == "split6" or PREC == "split3" or PREC == "hsplit3" or PREC == "hsplit31":
+    if PREC == "hsplit3":
         x1 = _load_part(ptr + D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
-    if PREC == "split6":
-        x2 = _load_part(ptr + 2 * D, start, stride_s, S, offs_r, offs_d, D, DP, CHECK_S, TRANS)
-    return x0, x1, x2
+    return x0, x1
 
 
 @triton.jit
@@ -629,32 +561,16 @@ def _row_block(X, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
 
 
 @triton.jit
-def split_kernel(X, Y, sx_b, sx_h, sx_s, H, S, D: tl.constexpr, DP: tl.constexpr,
-                  NP: tl.constexpr, BM: tl.constexpr):
-    """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (any batch / head / row strides,
-    unit last stride) -> bf16 parts side by side in contiguous Y [B, H, S, NP * D]:
-    hi, mid (NP = 2), lo (NP = 3), each rounded to nearest (as _split3)."""
-    x, b, h, row, offs_d, msk, inb = _row_block(X, sx_b, sx_h, sx_s, H, S, D, DP, BM)
-    hi, mid, lo = _split3(x)
-    yp = Y + (row * (NP * D))[:, None] + offs_d[None, :]
-    tl.store(yp, hi, mask=msk)
-    tl.store(yp + D, mid, mask=msk)
-    if NP == 3:
-        tl.store(yp + 2 * D, lo, mask=msk)
-
-
-@triton.jit
 def split_f16_kernel(X, Y, SIG, sx_b, sx_h, sx_s, H, G, S, D: tl.constexpr,
-                      DP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
+                      DP: tl.constexpr, BM: tl.constexpr):
     """Grid (cdiv(S, BM), B * H): rows [BM, D] of fp32 X (unit last stride) times the
-    power of two SIG[b * (H // G) + h // G] -> fp16 parts side by side in contiguous
-    Y [B, H, S, NP * D]: hi (NP = 1), lo (NP = 2), as _split2h."""
+    power of two SIG[b * (H // G) + h // G] -> fp16 parts hi, lo side by side in
+    contiguous Y [B, H, S, 2 * D], as _split2h."""
     x, b, h, row, offs_d, msk, inb = _row_block(X, sx_b, sx_h, sx_s, H, S, D, DP, BM)
     hi, lo = _split2h(x * tl.load(SIG + b * (H // G) + h // G))
-    yp = Y + (row * (NP * D))[:, None] + offs_d[None, :]
+    yp = Y + (row * (2 * D))[:, None] + offs_d[None, :]
     tl.store(yp, hi, mask=msk)
-    if NP == 2:
-        tl.store(yp + D, lo, mask=msk)
+    tl.store(yp + D, lo, mask=msk)
 
 
 @triton.jit
@@ -675,7 +591,7 @@ def row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
               Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
               QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
@@ -687,7 +603,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     a score modifier (s_scale the natural score scale), raw products q.k without
     (qk_scale = s_scale * log2(e) takes them to base 2)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+    kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -696,7 +612,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw q.k
+    s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw q.k
     if SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
         s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,  # backward's
                            HAS_BIAS, SOFTCAP, ALIBI, False)
@@ -720,11 +636,11 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n, offs_m, of
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:    # out = (P o keep).v / (1 - p) (scaled in the epilogue); l undropped
         p = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), p, 0.0)
-    v0, v1, v2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+    v0, v1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                           MASKED, PREC, False)  # [BN, DP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
-    p0, p1, p2 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
-    acc = acc + _dotacc(p0, p1, p2, v0, v1, v2, PREC)
+    p0, p1 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
+    acc = acc + _dotp(p0, p1, v0, v1, PREC)
     return acc, l_i, m_new
 
 
@@ -754,7 +670,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     out_mul = 1.0
     s_scale = scale
     # the scaled fp16 schemes: undo the operand scales (module doc)
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    if PREC == "hsplit3":
         s_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, scale)
         qk_scale = s_scale * 1.4426950408889634
     i0 = pid_m * BM
@@ -777,7 +693,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         DWr = DW
         dw = 0
 
-    q0, q1, q2 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
+    q0, q1 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -785,40 +701,19 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
-                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-    elif MODE == 2:
-        # per-row ranges of mask blocks (RNG [.., nQ, 4]: t0, f0, f1, t1), in sub-tiles
-        t0, f0, f1, t1 = _block_range(CNT, b * sc_b + h * sc_h + i0 // SBQ, SBK // BN)
-        for t in range(t0, f0):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
-                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-        for t in range(f0, f1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
-                                      Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-        for t in range(f1, t1):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
@@ -832,7 +727,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
@@ -840,7 +735,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, q2, Kh, Vh, sk_s, sv_s, start_n,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
@@ -865,14 +760,14 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
-        if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        if PREC == "hsplit3":
             out = tl.where(empty[:, None], 0.0, (acc * (out_mul * alpha)[:, None]) / l_safe[:, None])
         else:
             out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
         row_max = mx2
     else:
         l_safe = tl.where(empty, 1.0, l_i)
-        if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+        if PREC == "hsplit3":
             out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
         else:
             out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
@@ -932,7 +827,7 @@ def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
                Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
@@ -943,7 +838,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
-    qT0, qT1, qT2 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
+    qT0, qT1 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BM]
     if MASKED:
         mx = tl.load(L2h + offs_m, mask=offs_m < Sq, other=float("inf"))       # [BM]
@@ -958,7 +853,7 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
-    sT = _dotp(k0, k1, k2, qT0, qT1, qT2, PREC)               # [BN, BM] raw
+    sT = _dotp(k0, k1, qT0, qT1, PREC)               # [BN, BM] raw
     if SOFTCAP or (ALIBI and HAS_BIAS):
         sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
                               HAS_BIAS, SOFTCAP, ALIBI, True)
@@ -971,28 +866,28 @@ def _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
     pT = tl.math.exp2((sT - mx[None, :]) * 1.4426950408889634 - ln2[None, :])  # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
-    do0, do1, do2 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
+    do0, do1 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, False)  # [BM, DP]
     if DROPOUT:    # dv = (P o keep)^T.dout / (1 - p) (scaled at the end)
         dkeep = _drop_keep(_load_words(DWr, offs_m, Sq), dw, dthr, True)
-        pT0, pT1, pT2 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
+        pT0, pT1 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
     else:
-        pT0, pT1, pT2 = _op_parts(pT, PS_BWD, do0, PREC)
-    dv += _dotacc(pT0, pT1, pT2, do0, do1, do2, PREC)          # [BN, DP]
+        pT0, pT1 = _op_parts(pT, PS_BWD, do0, PREC)
+    dv += _dotp(pT0, pT1, do0, do1, PREC)          # [BN, DP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
     else:
         dlt = tl.load(DLh + offs_m)
-    dpT = _dotp(v0, v1, v2, tl.trans(do0), tl.trans(do1), tl.trans(do2), PREC)  # [BN, BM]
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    dpT = _dotp(v0, v1, tl.trans(do0), tl.trans(do1), PREC)  # [BN, BM]
+    if PREC == "hsplit3":
         dpT = dpT * mvo
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
         dpT = tl.where(dkeep, dpT * drs, 0.0)
     dsT = pT * (dpT - dlt[None, :])
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
-    ds0, ds1, ds2 = _op_parts(dsT, gam, qT0, PREC)
-    dk += _dotacc(ds0, ds1, ds2, tl.trans(qT0), tl.trans(qT1), tl.trans(qT2), PREC)  # [BN, DP]
+    ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
+    dk += _dotp(ds0, ds1, tl.trans(qT0), tl.trans(qT1), PREC)  # [BN, DP]
     return dk, dv
 
 
@@ -1017,7 +912,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     dk_mul = scale
     dv_mul = 1.0
     # the scaled fp16 schemes: undo the operand scales (module doc)
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    if PREC == "hsplit3":
         s_scale, mvo, gam, _, dv_mul, dk_mul, _ = _scale_factors(SC, b, hk, H, G, scale)
     j0 = pid_n * BN
     offs_nb = tl.arange(0, BN)
@@ -1028,9 +923,9 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         dw = _load_words(DW, offs_n, Sk)
     else:
         dw = 0
-    k0, k1, k2 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
+    k0, k1 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
-    v0, v1, v2 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
+    v0, v1 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
     dk = tl.zeros([BN, DP], dtype=tl.float32)
     dv = tl.zeros([BN, DP], dtype=tl.float32)
@@ -1053,40 +948,19 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
             for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-        elif MODE == 2:
-            # per-column ranges of mask blocks (RNG [.., nK, 4]: s0, g0, g1, s1), in sub-tiles
-            s0, g0, g1, s1 = _block_range(CNT, b * sc_b + h * sc_h + j0 // SBK, SBQ // BM)
-            for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-            for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
-            for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
@@ -1100,7 +974,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_part = tl.load(CNT + cb)
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
@@ -1109,13 +983,13 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, k2, v0, v1, v2,
+                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC)
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
         dv = dv * drs                      # 1 / (1 - p)
@@ -1158,7 +1032,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
 
 
 @triton.jit
-def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+def _dq_tile(dq, q0, q1, do0, do1,
              mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
              Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
@@ -1170,9 +1044,9 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
-    kT0, kT1, kT2 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+    kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
-    vT0, vT1, vT2 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
+    vT0, vT1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
@@ -1187,7 +1061,7 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
-    s = _dotp(q0, q1, q2, kT0, kT1, kT2, PREC)               # [BM, BN] raw
+    s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw
     if SOFTCAP or (ALIBI and HAS_BIAS):
         s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
                             HAS_BIAS, SOFTCAP, ALIBI, False)
@@ -1200,8 +1074,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
     p = tl.math.exp2((s - mx[:, None]) * 1.4426950408889634 - ln2[:, None])
     if MASKED:
         p = tl.where(keep, p, 0.0)
-    dp = _dotp(do0, do1, do2, vT0, vT1, vT2, PREC)            # [BM, BN]
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    dp = _dotp(do0, do1, vT0, vT1, PREC)            # [BM, BN]
+    if PREC == "hsplit3":
         dp = dp * mvo
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
         dp = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), dp * drs, 0.0)
@@ -1216,8 +1090,8 @@ def _dq_tile(dq, q0, q1, q2, do0, do1, do2,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
     if SOFTCAP:
         ds = ds * dt                                          # through c tanh(x / c)
-    ds0, ds1, ds2 = _op_parts(ds, gam, kT0, PREC)
-    dq += _dotacc(ds0, ds1, ds2, tl.trans(kT0), tl.trans(kT1), tl.trans(kT2), PREC)  # [BM, DP]
+    ds0, ds1 = _op_parts(ds, gam, kT0, PREC)
+    dq += _dotp(ds0, ds1, tl.trans(kT0), tl.trans(kT1), PREC)  # [BM, DP]
     return dq
 
 
@@ -1242,16 +1116,16 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     s_scale = scale
     dq_mul = scale
     # the scaled fp16 schemes: undo the operand scales (module doc)
-    if PREC == "hsplit3" or PREC == "hsplit1" or PREC == "hsplit31":
+    if PREC == "hsplit3":
         s_scale, mvo, gam, _, _, _, dq_mul = _scale_factors(SC, b, hk, H, G, scale)
     i0 = pid_m * BM
     offs_mb = tl.arange(0, BM)
     offs_m = i0 + offs_mb
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
-    q0, q1, q2 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
+    q0, q1 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
                           True, PREC, False)                                          # [BM, DP]
-    do0, do1, do2 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
+    do0, do1 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
                              DP, True, PREC, False)                                   # [BM, DP]
     row = bh * Sq + offs_m
     l2p = L2 + bh * (2 * Sq) + offs_m
@@ -1276,40 +1150,19 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     if MODE == 0:
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f0, f1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
         for t in range(f1, t1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
-    elif MODE == 2:
-        # per-row ranges of mask blocks (RNG [.., nQ, 4]: t0, f0, f1, t1), in sub-tiles
-        t0, f0, f1, t1 = _block_range(CNT, b * sc_b + h * sc_h + i0 // SBQ, SBK // BN)
-        for t in range(t0, f0):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
-        for t in range(f0, f1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
-                          Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
-        for t in range(f1, t1):
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
@@ -1323,7 +1176,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_part = tl.load(CNT + cb)
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
@@ -1331,7 +1184,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
-            dq = _dq_tile(dq, q0, q1, q2, do0, do1, do2,
+            dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,

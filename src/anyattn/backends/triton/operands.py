@@ -1,6 +1,6 @@
 """The operands of the portable kernels besides the mask: layouts (unit stride along D),
-the fp32 product schemes (bf16 / scaled fp16 parts split once per call, their scale
-tables) and the score modifiers' arguments (softcap, ALiBi, sinks, dropout words).
+the fp32 product scheme (scaled fp16 parts split once per call, their scale tables) and
+the score modifiers' arguments (softcap, ALiBi, sinks, dropout words).
 
 Shape legend: B batch, H = Hq query heads, Hkv kv heads, Sq / Sk queries / keys, D head
 dim.
@@ -19,8 +19,8 @@ from . import configs, kernels, mask_inputs, tiles
 from .device_ctx import on_device
 from .tiles import cdiv
 
-__all__ = ["unit_last", "s3", "SCALED", "kernel_prec", "register_prec", "split_parts",
-           "f16_scales", "split_half", "SIGMA_EXP", "GAMMA_EXP", "ModArgs", "mod_args",
+__all__ = ["unit_last", "s3", "SCALED", "kernel_prec", "register_prec", "f16_scales",
+           "split_half", "SIGMA_EXP", "GAMMA_EXP", "ModArgs", "mod_args",
            "interpreter_compat"]
 
 
@@ -55,49 +55,21 @@ def unit_last(x):
     return x.contiguous()
 
 
-#: fp32 product scheme of the plan -> (PREC of the fwd / bwd kernels, parts per
-#: operand).  'bf16x6' / 'bf16x3' split q, k, v, dout once here into bf16 parts
-#: ('split6' / 'split3'); the '...r' variants split every tile in registers inside the
-#: kernels instead; 'f16x3' / 'f16x1' store scaled fp16 parts (hi, lo / hi alone) and
-#: multiply them in three / one fp16 products ('hsplit3' / 'hsplit1', kernels.py doc);
-#: 'f16x31' three for the score products, one for the accumulating ones ('hsplit31').
-_KERNEL_PREC = {"bf16x6": ("split6", 3), "bf16x3": ("split3", 2),
-                "bf16x6r": ("bf16x6", 1), "bf16x3r": ("bf16x3", 1),
-                "f16x3": ("hsplit3", 2), "f16x1": ("hsplit1", 1), "f16x31": ("hsplit31", 2)}
+#: the kernels' PREC of fp32 inputs (both precisions): q, k, v, dout scaled by powers of
+#: two and stored as fp16 parts (hi, lo) side by side, three fp16 products per product
+#: (kernels.py doc); 16-bit inputs multiply as they are (PREC 'tf32', unused there)
+SCALED = "hsplit3"
 
 
-SCALED = ("hsplit3", "hsplit1", "hsplit31")
+def kernel_prec(p) -> str:
+    """The PREC of the forward / backward kernels for a problem."""
+    return SCALED if p.dtype == "float32" else "tf32"
 
 
-def kernel_prec(p, plan):
-    """(PREC for the forward / backward kernels, parts per operand) of a problem."""
-    if p.dtype == "float32" and plan.prec in _KERNEL_PREC:
-        return _KERNEL_PREC[plan.prec]
-    return plan.prec, 1
-
-
-def register_prec(prec: str) -> str:
-    """The in-register form of a product scheme (for the kernel that takes fp32 tiles:
-    the broadcast dbias reduction); the scaled fp16 schemes use the bf16 one of the
-    same accuracy class there."""
-    return {"bf16x6r": "bf16x6", "bf16x3r": "bf16x3", "f16x3": "bf16x6",
-            "f16x1": "bf16x3", "f16x31": "bf16x3"}.get(prec, prec)
-
-
-def split_parts(x, n: int):
-    """fp32 [B, H, S, D] -> contiguous bf16 [B, H, S, n * D] holding the parts of x side
-    by side along the last dim: hi, mid (n = 2) and lo (n = 3), x ~= hi + mid + lo, each
-    rounded as the kernels' in-register split rounds (to nearest on a GPU; Triton's
-    interpreter truncates), so both give the same bits (n = 1: x itself)."""
-    if n == 1:
-        return x
-    B, H, S, D = x.shape
-    out = torch.empty((B, H, S, n * D), dtype=torch.bfloat16, device=x.device)
-    bm = 32
-    with on_device(x.device):
-        kernels.split_kernel[(cdiv(S, bm), B * H)](x, out, *s3(x), H, S, D=D,
-                                                      DP=configs.padded_dim(D), NP=n, BM=bm)
-    return out
+def register_prec(p) -> str:
+    """The PREC of the kernel that takes fp32 tiles (the broadcast dbias reduction):
+    six bf16 products of the tiles split in registers for fp32 inputs."""
+    return "bf16x6" if p.dtype == "float32" else "tf32"
 
 
 def _row_stats(x):
@@ -165,15 +137,15 @@ def f16_scales(p, q, k, v, dout=None, delta=None):
     return sc.float(), {n: s.float() for n, s in sig.items()}
 
 
-def split_half(x, sig, group: int, n: int):
+def split_half(x, sig, group: int):
     """fp32 [B, H, S, D] times sigma [B * Hkv] (per kv-head group of `group` heads) ->
-    contiguous fp16 [B, H, S, n * D]: hi (n = 1) and lo (n = 2) of the scaled values,
+    contiguous fp16 [B, H, S, 2 * D]: hi and lo of the scaled values side by side,
     rounded to nearest (kernels.split_f16_kernel)."""
     B, H, S, D = x.shape
-    out = torch.empty((B, H, S, n * D), dtype=torch.float16, device=x.device)
+    out = torch.empty((B, H, S, 2 * D), dtype=torch.float16, device=x.device)
     bm = 32
     kernels.split_f16_kernel[(cdiv(S, bm), B * H)](x, out, sig, *s3(x), H, group, S, D=D,
-                                                     DP=configs.padded_dim(D), NP=n, BM=bm)
+                                                     DP=configs.padded_dim(D), BM=bm)
     return out
 
 

@@ -146,7 +146,7 @@ def fallbacks(cfg: configs.KernelConfig):
 def resolve_launch(kernel, grid_of, cfg: configs.KernelConfig, args, kw, sig, tune_key=None):
     """kernel[grid_of(cfg)](*args, BM=, BN=, **kw) with the first config of
     fallbacks(cfg) that fits the GPU's resources (remembered per signature).
-    With ANYATTN_TRITON_AUTOTUNE=1 and a ``tune_key`` (kernel, DP, dtype, precision, mask
+    With ANYATTN_TRITON_AUTOTUNE=1 and a ``tune_key`` (kernel, DP, dtype, mask
     class, bias, length bucket), the candidates of configs.candidates are timed once
     on these inputs and the fastest is used from then on."""
     from triton.runtime.errors import OutOfResources
@@ -177,8 +177,8 @@ def resolve_launch(kernel, grid_of, cfg: configs.KernelConfig, args, kw, sig, tu
     raise err
 
 
-def tuning_key(kernel: str, p, plan) -> tuple:
-    return (kernel, configs.padded_dim(p.head_dim), p.dtype, plan.prec, p.mask_class, p.has_bias,
+def tuning_key(kernel: str, p) -> tuple:
+    return (kernel, configs.padded_dim(p.head_dim), p.dtype, p.mask_class, p.has_bias,
             configs.length_bucket(max(p.seq_q, p.seq_k)))
 
 
@@ -205,7 +205,6 @@ class Prepared:
     hcfg: Any = None
     plan: Optional[configs.Plan] = None
     prec: str = ""
-    nparts: int = 1
     ma: Optional[tiles.MaskArgs] = None      # None: a bias, Documents or KeepMask (per call)
     md: Optional[operands.ModArgs] = None       # None: slopes, sinks or dropout (per call)
     tlists: Optional[tiles.TileLists] = None  # None: the mask's tile lists (their own cache)
@@ -218,8 +217,8 @@ class Prepared:
     owner_db: bool = False
     want_kv: bool = False
     want_q: bool = False
-    #: on a CUDA device unless ANYATTN_TRITON_DIRECT_LAUNCH=0 (direct.enabled): repeats
-    #: skip Triton's argument binding (direct.Site)
+    #: on a CUDA device (direct.enabled): repeats skip Triton's argument binding
+    #: (direct.Site)
     direct: bool = False
     #: kernel name -> [grid, positional tail, keywords] of its resolved launch
     ready: Dict[str, list] = field(default_factory=dict)
@@ -256,12 +255,12 @@ def build(direction: str, p, plan, mods, named, bias) -> Prepared:
             p, chosen.hopper, direct=direct_on))
     q = named[0][1]
     plan = chosen.plan
-    prec, nparts = operands.kernel_prec(p, plan)
+    prec = operands.kernel_prec(p)
     ma = tiles.mask_args(p, q, bias)
     md = operands.mod_args(p, mods, dev, draw=False)
     per_call_md = md.alibi or md.sinks or md.dropout
     pr = Prepared(route=chosen, hop=chosen.hop, hcfg=chosen.hopper, plan=plan, prec=prec,
-                  nparts=nparts, ma=None if (bias is not None or ma.mode) else ma,
+                  ma=None if (bias is not None or ma.mode) else ma,
                   md=None if per_call_md else md,
                   tlists=tiles.no_lists(dev) if ma.mode == 0 else None,
                   sc=tiles.dummy(dev, torch.float32), direct=direct_on)
@@ -273,8 +272,8 @@ def build(direction: str, p, plan, mods, named, bias) -> Prepared:
         pr.want_db = "bias" in p.wrt and bias is not None
         pr.full_bias = pr.want_db and tuple(p.bias_shape) == (B, H, Sq, Sk)
         # broadcast over batch and/or heads only: the dq programs own and sum the dbias rows
-        pr.owner_db = (pr.want_db and not pr.full_bias and tuple(p.bias_shape[2:]) == (Sq, Sk)
-                       and settings.current().triton_dbias != "recompute")
+        pr.owner_db = (pr.want_db and not pr.full_bias
+                       and tuple(p.bias_shape[2:]) == (Sq, Sk))
         pr.want_kv = "k" in p.wrt or "v" in p.wrt
         pr.want_q = "q" in p.wrt or pr.full_bias or pr.owner_db
     return pr

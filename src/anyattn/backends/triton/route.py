@@ -153,7 +153,7 @@ def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple
         why = (f"configs.plan_for: padded D {configs.padded_dim(problem.head_dim)}, "
                f"{problem.dtype}, mask class {problem.mask_class}")
     if problem.dtype == "float32":
-        why += f"; fp32 products '{got.prec}' (precision {problem.precision})"
+        why += "; fp32 as three products of scaled fp16 parts ('f16x3')"
     return got, why
 
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
 from . import mask_inputs
 
 __all__ = ["BIG", "cdiv", "MaskArgs", "mask_args", "dummy", "TileLists", "tile_lists",
-           "no_lists", "lists_for", "block_ranges", "doc_blocks", "mask_lowering",
-           "set_lowering", "clear"]
+           "no_lists", "lists_for", "block_ranges", "doc_blocks", "clear"]
 
 BIG = 1 << 30            # an open band side
 
@@ -46,7 +45,8 @@ class MaskArgs:
     bias: Any                  # expanded [B, H, Sq, Sk] view or a dummy
     sb: tuple                  # bias strides (b, h, m, n), 0 where broadcast
     has_bias: bool
-    mode: int                  # 0 in-kernel ranges, 1 tile lists, 2 block-range tables
+    mode: int                  # 0 in-kernel ranges, 1 tile lists (2: the Hopper path's
+    #                            block-range tables, TileLists)
     #: (q rows sorted, k rows sorted) of the kernels' document ids (mask_inputs.KernelIds)
     ids_sorted: tuple = (False, False)
 
@@ -98,34 +98,7 @@ def mask_args(p, q, bias) -> MaskArgs:
     return MaskArgs(lo=lo, hi=hi, has_band=rm.has_band, qid=qid, kid=kid, sqid_b=sqid_b,
                      skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
                      bias=bx, sb=sb, has_bias=bias is not None, ids_sorted=ids_sorted,
-                     mode=_ARRAY_MASK_MODE[_mask_lowering] if (has_docs or has_keep) else 0)
-
-
-#: how Documents / KeepMask masks reach the portable kernels (launch.set_mask_lowering):
-#: "lists" (MODE 1, the default) or "ranges" (MODE 2)
-_mask_lowering = "lists"
-
-
-_ARRAY_MASK_MODE = {"lists": 1, "ranges": 2}
-
-
-def mask_lowering() -> str:
-    """The mask lowering in effect ('lists' or 'ranges')."""
-    return _mask_lowering
-
-
-def set_lowering(name: Optional[str]) -> bool:
-    """Set the mask lowering (None: 'lists'); ValueError for another name.  Returns
-    whether it changed (the caller then forgets what was built under the other one:
-    launch.set_mask_lowering)."""
-    global _mask_lowering
-    name = "lists" if name is None else name
-    if name not in _ARRAY_MASK_MODE:
-        raise ValueError(f"set_mask_lowering: {name!r} is not a mask lowering; expected one "
-                         f"of {sorted(_ARRAY_MASK_MODE)} (or None for the default 'lists')")
-    changed = name != _mask_lowering
-    _mask_lowering = name
-    return changed
+                     mode=1 if (has_docs or has_keep) else 0)
 
 
 def clear() -> None:
@@ -140,8 +113,8 @@ class TileLists:
     cols: cnt [Bm, Hm, nK], idx [Bm, Hm, nK, nQ]; Bm, Hm are 1 where nothing varies.
     With ``mode == 2`` (block ranges) row_cnt / col_cnt hold instead the range tables
     int32 [Bm, Hm, nQ, 4] / [Bm, Hm, nK, 4] (first kept block, first and one past the
-    last of the run of full blocks, one past the last kept block; the kernels read them
-    in place of the counts) and the other fields are placeholders."""
+    last of the run of full blocks, one past the last kept block; the Hopper kernels
+    read them, hopper/launch.py) and the other fields are placeholders."""
 
     row_cnt: Any
     row_idx: Any

@@ -191,15 +191,15 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
         KMb = KM + b.to(gl.int64) * skm_b
         gl.warp_specialize(   # as below, with the array masks, the table's order
             [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True,
                          IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP,
                          st_smem)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True,
                          IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP,
                          st_smem)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
@@ -215,17 +215,16 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
         nq = (Sq + BM - 1) // BM
         nkv = (Sk + BN - 1) // BN
         off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)
-        gl.warp_specialize(   # bwd_ws_parts' partitions with dq (no ping-pong turns), the
-            # writer
+        gl.warp_specialize(   # bwd_ws_parts' partitions with dq, the writer
             [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, True,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True,
                          None, None, None, 0, 0, 0, False, 0, False, st_smem)),
              (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, None, dq_full,
+                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
                          dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, True,
+                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True,
                          None, None, None, 0, 0, 0, False, 0, False, st_smem)),
              (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
                          s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,

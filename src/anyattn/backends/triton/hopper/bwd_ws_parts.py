@@ -108,28 +108,11 @@ def array_keep(offs_m, offs_n, h, Sq, Sk, IVb, KIDb, KMb, skm_h, skm_q, skm_k,
 
 
 @gluon.jit
-def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: consumer WG's k-th turn (0, 1, 0, 1, ...: consumer 0's first is free)."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (k & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(1), k & 1)
-
-
-@gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: hand the tensor cores to the other consumer."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
 def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, p_smem,
-             ds_smem, dqs, kv_bar, q_bar, do_bar, empty, turn, dq_full, dq_empty, ds_bar, L2,
+             ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2,
              DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, WITH_DQ: gl.constexpr, IVb=None, KIDb=None, KMb=None,
+             WITH_DQ: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
              DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
@@ -139,8 +122,7 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     global memory under the previous tile's S / dP; with it they come from the stage's
     rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer
     (no global load on the tile's path), and dqs is [2, 1, BM / 8, 4, 2, DH], its rows
-    interleaved within each group of 8 (launch.dqa_desc).  Without PINGPONG turn is not
-    waited on.  ARRAY: the edge tiles' Documents / KeepMask pairs too (array_keep's
+    interleaved within each group of 8 (launch.dqa_desc).  ARRAY: the edge tiles' Documents / KeepMask pairs too (array_keep's
     IVb ... HAS_KEEP)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
@@ -195,11 +177,9 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         q2 = q_smem.index(stg).reshape([BM, D])
         do2 = do_smem.index(stg).reshape([BM, D])
         mbarrier.wait(q_bar.index(stg), ph)
-        _turn_wait(turn, it, WG, PINGPONG)
         s = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)        # [BM, RN]
         mbarrier.wait(do_bar.index(stg), ph)
         dp = warpgroup_mma(do2, vT, zero_s, use_acc=False, is_async=True)      # [BM, RN]
-        _turn_pass(turn, WG, PINGPONG)
         if not WITH_DQ:  # the next tile's statistics (the last tile's again at the end),
             # loaded while S / dP run
             h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)

@@ -20,18 +20,13 @@ __all__ = ["softmax_tile_masked", "pair_keep"]
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale,
-                  HAS_BAND: gl.constexpr, BN: gl.constexpr, EXP_FMA: gl.constexpr = False,
-                  MASK: gl.constexpr = None):
+                  HAS_BAND: gl.constexpr, BN: gl.constexpr):
     """Online softmax of one score tile s [BM, BN] (raw q.k): -> p [BM, BN] fp32,
     alpha [BM] (the old accumulator's factor), l_i, m_i [BM].  Masks only the edge tiles
-    (t outside [f0, f1)): bounds and the band lo <= j - i <= hi.  EXP_FMA: the exponent
-    as one fma per element, s * c - m * c (c = qk_scale), instead of (s - m) * c.
-    MASK: None decides per tile at run time (a branch); True / False: the caller knows
-    (True is right for any tile, False only inside [f0, f1))."""
-    if MASK is None:
-        masked = (t < f0) | (t >= f1)
-    else:
-        masked = MASK
+    (t outside [f0, f1), decided per tile at run time): bounds and the band
+    lo <= j - i <= hi.  The exponent is one fma per element, s * c - m * c
+    (c = qk_scale)."""
+    masked = (t < f0) | (t >= f1)
     if masked:
         # per row the kept keys [j_lo, j_hi] (bounds, band): an element costs two
         # compares against its key index, not the [BM, BN] differences j - i and four
@@ -51,10 +46,7 @@ def softmax_tile(s, m_i, l_i, t, f0, f1, i0, offs_mb, offs_nb, Sq, Sk, lo, hi, q
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = m_new
-    if EXP_FMA:
-        p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))       # [BM, BN]
-    else:
-        p = gl.exp2((s - m_use[:, None]) * qk_scale)          # [BM, BN]; 1 at the row max
+    p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))           # [BM, BN]
     alpha = gl.exp2((m_i - m_use) * qk_scale)                                      # [BM]
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, l_i, m_new
@@ -103,17 +95,12 @@ def _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN: gl.constexpr,
 @gluon.jit
 def softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
                         qk_scale, am, HAS_BAND: gl.constexpr, BN: gl.constexpr,
-                        EXP_FMA: gl.constexpr, MASK: gl.constexpr, ARRAY: gl.constexpr,
-                        DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """softmax_tile with the array mask applied first on masked tiles
-    (MASK: None decides per tile, t outside [f0, f1); True / False: the caller knows).
-    -> p [RM, BN], alpha, l_i, m_i [RM]."""
+                        ARRAY: gl.constexpr, DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
+    """softmax_tile with the array mask applied first on masked tiles (t outside
+    [f0, f1)).  -> p [RM, BN], alpha, l_i, m_i [RM]."""
     if ARRAY:
-        if MASK is None:
-            masked = (t < f0) | (t >= f1)
-        else:
-            masked = MASK
+        masked = (t < f0) | (t >= f1)
         if masked:
             s = _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN, DOCS, HAS_KEEP)
     return softmax_tile(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
-                         qk_scale, HAS_BAND, BN, EXP_FMA, MASK)
+                         qk_scale, HAS_BAND, BN)

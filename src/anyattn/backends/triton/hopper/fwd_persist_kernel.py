@@ -118,8 +118,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
               v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT, rt_b, rt_h, QID,
               KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, BH, SCH,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-              EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
+              WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
               HAS_KEEP: gl.constexpr, SCHED: gl.constexpr):
     """Rows [WG * RM, (WG + 1) * RM) of each of this program's query tiles: Q (the next
     tile's loaded when this one's key loop is done), the overlapped key loop, the
@@ -173,7 +172,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
                                       offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c,
                                       HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                      PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
+                                      ARRAY, DOCS, HAS_KEEP)
         if n > 0:     # the tile's last V (its P.V waited for in the loop): free its stage
             mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
         # every wgmma reading Q is done: the next tile's Q flies during the epilogue
@@ -192,8 +191,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
                        skm_q, skm_k, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                       EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                        ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
                        HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False,
                        NC: gl.constexpr = 2):
@@ -239,12 +237,12 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
         [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
                       rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS,
                       HAS_KEEP, SCHED)),
          (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
                       rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, PINGPONG, EXP_FMA, ARRAY, DOCS,
+                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS,
                       HAS_KEEP, SCHED)),
          (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
                       Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,

@@ -17,7 +17,7 @@ Partitions (``gl.warp_specialize``):
 Key loop (FA3's intra-warpgroup overlap): per tile j issue S_j = Q.K_j^T and
   O += P_{j-1}.V_{j-1} back to back, wait for S_j only (``warpgroup_mma_wait(1)``), run
   the softmax of j while P_{j-1}.V_{j-1} runs, then wait for it and rescale O.  P_{j-1}
-  stays in registers until its product is done.  PINGPONG (FA3's inter-warpgroup
+  stays in registers until its product is done.  Ping-pong (FA3's inter-warpgroup
   schedule): the consumers take turns to issue their pair of products, ordered by NC
   "turn" mbarriers (consumer w waits on turn[w], issues, arrives on turn[(w + 1) % NC]),
   so that one consumer's softmax runs while another's products hold the tensor cores.
@@ -76,22 +76,20 @@ def consumer_layouts(BN, D):
 
 
 @gluon.jit
-def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _turn_wait(turn, k, WG: gl.constexpr):
     """Ping-pong: the k-th turn of consumer WG.  The turns go round the consumers
     0, 1, .., NC - 1, 0, ..: consumer 0's first turn is free and its k-th waits for the
     (k - 1)-th completion of turn[0]; consumer w > 0 waits for the k-th of turn[w]."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (k & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(WG), k & 1)
+    if WG == 0:
+        mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(WG), k & 1)
 
 
 @gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr):
+def _turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr):
     """Ping-pong: hand the tensor cores to the next consumer."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
+    mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
 
 
 @gluon.jit
@@ -99,9 +97,8 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
                   zero_s, n, t0, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c0,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
-                  WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-                  EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
-                  HAS_KEEP: gl.constexpr):
+                  WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
+                  DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
     ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
     Tile 0's S before the loop, the last P.V after it.  c0: ring slots (and ping-pong
@@ -112,16 +109,15 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
     if n > 0:
         st0 = c0 % STAGES
         mbarrier.wait(k_bar.index(st0), (c0 // STAGES) & 1)
-        _turn_wait(turn, c0, WG, PINGPONG)
+        _turn_wait(turn, c0, WG)
         kT = k_smem.index(st0).reshape([BN, D]).permute((1, 0))                # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
-        _turn_pass(turn, WG, NC, PINGPONG)
+        _turn_pass(turn, WG, NC)
         s = warpgroup_mma_wait(0, deps=(s_tok,))                               # [RM, BN]
         mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
                                                  offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
-                                                 DOCS, HAS_KEEP)
+                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP)
         p16 = gl.convert_layout(p.to(dt), p_l)           # acc is 0: no rescale needed
     for it in range(1, n):
         g = c0 + it                                   # this consumer's ring slot count
@@ -130,17 +126,16 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         pst = (g - 1) % STAGES
         mbarrier.wait(k_bar.index(stg), ph)
         mbarrier.wait(v_bar.index(pst), ((g - 1) // STAGES) & 1)
-        _turn_wait(turn, g, WG, PINGPONG)
+        _turn_wait(turn, g, WG)
         kT = k_smem.index(stg).reshape([BN, D]).permute((1, 0))                # [D, BN]
         s_tok = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p16, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
-        _turn_pass(turn, WG, NC, PINGPONG)
+        _turn_pass(turn, WG, NC)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # S_it done; P.V(it - 1) may run
         mbarrier.arrive(k_empty.index(stg), count=1)
         p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
                                                  offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, EXP_FMA, None, ARRAY,
-                                                 DOCS, HAS_KEEP)
+                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
         mbarrier.arrive(v_empty.index(pst), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -158,9 +153,8 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
               turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
               QIDb, KIDb, KMb, skm_q, skm_k,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr,
-              EXP_FMA: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
-              HAS_KEEP: gl.constexpr):
+              WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
+              DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
     loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ARRAY:
     the edge tiles' Documents (DOCS 1: q ids QIDb [Sq], k ids KIDb [Sk] of batch row b;
@@ -205,7 +199,7 @@ def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_emp
                                   turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
                                   offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, 0,
                                   HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                  PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)
+                                  ARRAY, DOCS, HAS_KEEP)
 
     # this consumer's own Q buffer takes out: only its wgmmas read it
     epilogue(acc, l_i, m_i, q_own, o_desc, LSE, b, h, bh, r0, Sq, gl.num_programs(1),
@@ -268,15 +262,14 @@ def tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND: gl.constexp
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PINGPONG: gl.constexpr, EXP_FMA: gl.constexpr, num_warps: gl.constexpr,
+                  num_warps: gl.constexpr,
                   NC: gl.constexpr = 2, ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
                   HAS_KEEP: gl.constexpr = False):
     """Grid (cdiv(Sq, NC * RM), B * H), num_warps = 4 (consumer 0; the workers add
     4 * (NC - 1) + 1).  q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc:
     [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).
     qk_scale = scale * log2(e); band masks through lo / hi (open: +-2^30).  NC: consumer
-    warpgroups (2 or 3); PINGPONG: the consumers' turns (module doc); EXP_FMA:
-    fwd_masks.softmax_tile's.  ARRAY (Documents / KeepMask, fwd_masks): the key tiles of
+    warpgroups (2 or 3), taking turns (module doc).  ARRAY (Documents / KeepMask, fwd_masks): the key tiles of
     query tile pid_m come from the range table RT int32 [Bm, Hm, nQ, 4] at this kernel's
     tile BM x BN (row b * rt_b + h * rt_h + pid_m; 0 strides where broadcast): (t0, f0,
     f1, t1), [f0, f1) unmasked; the band (HAS_BAND) is in the table and masked on the
@@ -334,11 +327,11 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
+                          ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
+                          ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
@@ -347,15 +340,15 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
             [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
+                          ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
+                          ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
                           v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
                           qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 2, NC,
-                          PINGPONG, EXP_FMA, ARRAY, DOCS, HAS_KEEP)),
+                          ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -241,16 +241,16 @@ class FwdLaunch:
                 # same loop instead, whose results are bitwise the same
                 self.per_tile = FwdLaunch(p, cfg.per_tile(), direct)
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
-                           num_warps=4, ARRAY=False, HAS_KEEP=False,
+                           CONSUMER_REGS=cfg.consumer_regs, num_warps=4, ARRAY=False,
+                           HAS_KEEP=False,
                            SCHED=self.sched is not None, NC=cfg.consumers)
         else:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
             self.kernel, self.q_rows = fwd_ws_kernel, cfg.bm // cfg.consumers
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, PINGPONG=True, EXP_FMA=True,
-                           NC=cfg.consumers, num_warps=4, ARRAY=self.array,
+                           CONSUMER_REGS=cfg.consumer_regs, NC=cfg.consumers, num_warps=4,
+                           ARRAY=self.array,
                            HAS_KEEP=rm_.keep is not None)
         #: the launch (Triton's path, or with ``direct`` the resolved kernel's replays)
         self.site = DL.Site(self.kernel, direct)
@@ -570,7 +570,7 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, sites=None):
                    make_desc(dout, cfg.bm), make_desc(dk, rn), make_desc(dv, rn),
                    l2, delta, p.heads_q, p.group, p.seq_q, Sk, p.scale, lo, hi),
             dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=False, num_warps=4, **akw))
+                 CONSUMER_REGS=cfg.consumer_regs, num_warps=4, **akw))
     return dk, dv
 
 
