@@ -51,7 +51,8 @@ def test_key_changes_with_each_problem_field():
                    bias_shape=(1, 1, S, S), bias_dtype="float32", precision="tf32",
                    wrt=frozenset({"q"}), q_offset=3, k_offset=1, softcap=5.0,
                    alibi_shape=(1, H), alibi_dtype="float32", sinks_dtype="float32",
-                   dropout_p=0.1)
+                   dropout_p=0.1, head_dim_v=24,
+                   score_mod=describe(q, k, v, score_mod=lambda s, b, h, i, j: s * 2).score_mod)
     assert set(changes) == set(P.PROBLEM_FIELDS)   # a new field needs a case here
     for name, val in changes.items():
         p2 = dataclasses.replace(p, **{name: val})
