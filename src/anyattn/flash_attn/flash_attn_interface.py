@@ -22,8 +22,8 @@ import torch
 
 from ..masks import Documents
 from ..torch.functional import attention
-from . import _common as common
-from ._varlen import check_cu_seqlens, layout
+from . import common
+from .varlen import check_cu_seqlens, layout
 
 __all__ = [
     "flash_attn_func",

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._common import int_value
+from .common import int_value
 
 __all__ = ["Layout", "check_cu_seqlens", "layout"]
 
