@@ -357,7 +357,7 @@ def test_tiny_gpt_trains_and_generates():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     with torch.no_grad():
         prompt = data[:1, :4]
