@@ -520,3 +520,15 @@ def test_cuda_func_and_varlen(dtype, tol):
                                      v[:, :5].detach(), cache_seqlens=torch.tensor(
                                          [3, 100], dtype=torch.int32, device=dev), causal=True)
     assert out.shape == (2, 1, 8, 64) and torch.isfinite(out).all()
+
+
+def test_varlen_without_sequences_and_kvcache_empty_keys():
+    q = rand(0, 2, 8)
+    cu = torch.tensor([0], dtype=torch.int32)
+    out, lse, S = fa.flash_attn_varlen_func(q, q, q, cu, cu, 0, 0, causal=True,
+                                            return_attn_probs=True)
+    assert out.shape == (0, 2, 8) and lse.shape == (2, 0) and S.shape == (0, 2, 0, 0)
+    kc = rand(1, 4, 2, 8)
+    out, lse = fa.flash_attn_with_kvcache(rand(1, 2, 2, 8), kc, kc, cache_seqlens=0,
+                                          return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

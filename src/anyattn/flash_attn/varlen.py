@@ -143,14 +143,14 @@ def layout(lq: np.ndarray, lk: np.ndarray, aligned: bool, per_sequence_slopes: b
     elif not aligned or np.array_equal(lq, lk):
         kind = "packed"
         nb, tq, tk = 1, int(lq.sum()), int(lk.sum())
-        q_first = np.concatenate([[0], np.cumsum(lq)[:-1]]).astype(np.int64)
-        k_first = np.concatenate([[0], np.cumsum(lk)[:-1]]).astype(np.int64)
+        q_first = np.cumsum(lq) - lq                       # exclusive running sums
+        k_first = np.cumsum(lk) - lk
         q_ids = np.repeat(4 * seq + 2, lq)[None]
         k_ids = np.repeat(4 * seq + 2, lk)[None]
     else:
         kind = "slots"
         slot = np.maximum(lq, lk)
-        start = np.concatenate([[0], np.cumsum(slot)[:-1]]).astype(np.int64)
+        start = np.cumsum(slot) - slot
         nb = 1
         tq = tk = int(slot.sum())
         q_first = start + slot - lq
@@ -180,5 +180,4 @@ def _within(lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
