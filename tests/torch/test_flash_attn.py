@@ -532,3 +532,14 @@ def test_varlen_without_sequences_and_kvcache_empty_keys():
     out, lse = fa.flash_attn_with_kvcache(rand(1, 2, 2, 8), kc, kc, cache_seqlens=0,
                                           return_softmax_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_varlen_layout_reused_for_the_same_lengths():
+    """The layers of a step share cu_seqlens: one layout (ids, tile lists) serves them."""
+    from anyattn.flash_attn.varlen import layout
+
+    lq, lk = np.array([3, 0, 5]), np.array([4, 2, 5])
+    a = layout(lq, lk, True, False, torch.device("cpu"))
+    b = layout(lq.copy(), lk.copy(), True, False, torch.device("cpu"))
+    assert a is b and a.kind == "slots"
+    assert layout(lq, lk, False, False, torch.device("cpu")) is not a

@@ -24,6 +24,8 @@ d, a query slot left empty holds 4d, a key slot left empty 4d + 1, a token 4d + 
 """
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -124,11 +126,36 @@ def _rows(index: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(index).to(device)
 
 
+#: the layouts of recent calls by their lengths (LRU): the layers of a training step share
+#: one cu_seqlens, so they share one layout, its id tensors, and the tile lists the
+#: backends keep per id tensor (never written after they are built)
+_LAYOUTS: "collections.OrderedDict[tuple, Layout]" = collections.OrderedDict()
+_LAYOUTS_SIZE = 8
+_LAYOUTS_LOCK = threading.Lock()
+
+
 def layout(lq: np.ndarray, lk: np.ndarray, aligned: bool, per_sequence_slopes: bool,
            device) -> Layout:
     """The layout of N sequences (see the module docstring).  ``aligned``: a band or
     ALiBi needs each sequence's bottom-right alignment; ``per_sequence_slopes``: ALiBi
-    slopes of shape [N, Hq]."""
+    slopes of shape [N, Hq].  The same lengths give the same Layout object."""
+    lq, lk = np.asarray(lq, np.int64), np.asarray(lk, np.int64)
+    key = (lq.tobytes(), lk.tobytes(), bool(aligned), bool(per_sequence_slopes), str(device))
+    with _LAYOUTS_LOCK:
+        hit = _LAYOUTS.get(key)
+        if hit is not None:
+            _LAYOUTS.move_to_end(key)
+            return hit
+    lay = _build(lq, lk, aligned, per_sequence_slopes, device)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = lay
+        while len(_LAYOUTS) > _LAYOUTS_SIZE:
+            _LAYOUTS.popitem(last=False)
+    return lay
+
+
+def _build(lq: np.ndarray, lk: np.ndarray, aligned: bool, per_sequence_slopes: bool,
+           device) -> Layout:
     n = lq.size
     seq = np.arange(n, dtype=np.int64)
     if per_sequence_slopes and n > 0:
