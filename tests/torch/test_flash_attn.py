@@ -543,3 +543,22 @@ def test_varlen_layout_reused_for_the_same_lengths():
     b = layout(lq.copy(), lk.copy(), True, False, torch.device("cpu"))
     assert a is b and a.kind == "slots"
     assert layout(lq, lk, False, False, torch.device("cpu")) is not a
+
+
+def test_varlen_keys_not_copied_when_no_sequence_has_more_queries_than_keys():
+    from anyattn.flash_attn.varlen import layout
+
+    lq, lk = np.array([2, 0, 4, 1]), np.array([5, 3, 4, 6])
+    lay = layout(lq, lk, True, False, torch.device("cpu"))
+    assert lay.kind == "slots" and lay.k_rows is None and lay.q_rows is not None
+    lay = layout(lk, lq, True, False, torch.device("cpu"))
+    assert lay.q_rows is None and lay.k_rows is not None
+    q, k = rand(int(lq.sum()), 2, 8, grad=True), rand(int(lk.sum()), 1, 8, grad=True)
+    grads_vs_ref(lambda x, y: fa.flash_attn_varlen_func(x, y, y, _cu(lq), _cu(lk), 4, 6,
+                                                        causal=True, window_size=(2, -1)),
+                 lambda x, y: ref_varlen(x, y, y, lq, lk, causal=True, window=(2, -1))[0],
+                 [q, k])
+    qb, kb = rand(int(lk.sum()), 2, 8, grad=True), rand(int(lq.sum()), 1, 8, grad=True)
+    grads_vs_ref(lambda x, y: fa.flash_attn_varlen_func(x, y, y, _cu(lk), _cu(lq), 6, 4,
+                                                        causal=True),
+                 lambda x, y: ref_varlen(x, y, y, lk, lq, causal=True)[0], [qb, kb])

@@ -193,10 +193,16 @@ def _build(lq: np.ndarray, lk: np.ndarray, aligned: bool, per_sequence_slopes: b
         k_ids[k_index] = 4 * np.repeat(seq, lk) + 2
         q_ids, k_ids = q_ids.reshape(nb, tq), k_ids.reshape(nb, tk)
     packed = kind == "packed"
+    # a side whose tokens already sit where the layout puts them is not copied (slots
+    # where every sequence has at least as many keys as queries: the keys)
+    q_same = packed or (nb == 1 and tq == q_index.size and
+                        np.array_equal(q_index, np.arange(tq)))
+    k_same = packed or (nb == 1 and tk == k_index.size and
+                        np.array_equal(k_index, np.arange(tk)))
     return Layout(
         kind=kind, nb=nb, tq=tq, tk=tk,
-        q_rows=None if packed else _rows(q_index, device),
-        k_rows=None if packed else _rows(k_index, device),
+        q_rows=None if q_same else _rows(q_index, device),
+        k_rows=None if k_same else _rows(k_index, device),
         q_ids=torch.from_numpy(np.ascontiguousarray(q_ids, dtype=np.int32)),
         k_ids=torch.from_numpy(np.ascontiguousarray(k_ids, dtype=np.int32)),
         q_first=q_first, k_first=k_first)
