@@ -467,6 +467,11 @@ def test_bad_kvcache_arguments():
                                    rotary_cos=torch.ones(8, 4), rotary_sin=torch.ones(8, 4))
     with pytest.raises(NotImplementedError, match="num_splits: 4"):
         fa.flash_attn_with_kvcache(q, kc, kc, num_splits=4)
+    for kw, err, match in ((dict(softmax_scale=float("nan")), ValueError, "scale: nan"),
+                           (dict(alibi_slopes=torch.ones(2, dtype=torch.int64)), TypeError,
+                            "alibi_slopes: dtype int64")):
+        with pytest.raises(err, match=match):           # refused by the core, before writing
+            fa.flash_attn_with_kvcache(q, kc, kc.clone(), knew, knew, cache_seqlens=0, **kw)
     with pytest.raises(TypeError, match="k: has dtype torch.float64"):
         fa.flash_attn_with_kvcache(q, kc, kc, knew.double(), knew.double(), cache_seqlens=0)
     assert torch.equal(kc, snapshot)

@@ -20,7 +20,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..backends.registry import choose
 from ..masks import Documents
+from ..problem import describe
 from ..torch.functional import attention
 from . import common
 from .varlen import check_cu_seqlens, layout
@@ -390,6 +392,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     slopes = common.alibi(alibi_slopes, hq, bsz)
     mask = common.band_mask(left, right)
     ends = lengths + s_new
+    if bsz:
+        # the core's checks and a backend for these inputs before the cache is written, so
+        # that a refusal leaves it as it was (key ranges differ only in length)
+        kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (k_cache, v_cache))
+        choose(describe(q[:1].transpose(1, 2), kk, vv, mask=mask, scale=scale, softcap=cap,
+                        alibi_slopes=None if slopes is None else
+                        (slopes if slopes.ndim == 1 else slopes[:1])))
     with torch.no_grad():
         if s_new:
             rows = torch.from_numpy(idx).to(k_cache.device)[:, None]              # [B, 1]
