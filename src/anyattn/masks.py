@@ -369,6 +369,32 @@ class Documents(Mask):
     def __repr__(self) -> str:
         return f"Documents(q_ids={tuple(self.q_ids.shape)}, k_ids={tuple(self.k_ids.shape)})"
 
+    @classmethod
+    def from_lengths(cls, q_lengths, k_lengths=None) -> "Documents":
+        """Packed sequences given by their lengths: sequence d holds the next
+        ``q_lengths[d]`` queries and ``k_lengths[d]`` keys (default: ``q_lengths``), as
+        FlashAttention's ``cu_seqlens`` = 0 followed by the running sums.  Lengths: a
+        1-D sequence of ints >= 0 (a list, NumPy array or CPU tensor); an empty
+        sequence is allowed.  Band terms (Causal, Window) stay on the packed axes: with
+        equal query and key lengths for every sequence, ``Causal()`` is each sequence's
+        causal mask; otherwise see ``anyattn.flash_attn`` (bottom-right per sequence)."""
+        ids, counts = [], []
+        for name, lengths in (("q_lengths", q_lengths),
+                              ("k_lengths", q_lengths if k_lengths is None else k_lengths)):
+            a = np.asarray(to_numpy(lengths) if array_kind(lengths) else lengths)
+            if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+                raise TypeError(f"Documents.from_lengths({name}=...): expected a 1-D sequence "
+                                f"of ints, got shape {a.shape}, dtype {a.dtype}")
+            if (a < 0).any():
+                raise ValueError(f"Documents.from_lengths({name}=...): holds "
+                                 f"{int(a.min())}; lengths are >= 0")
+            ids.append(np.repeat(np.arange(a.size, dtype=np.int32), a.astype(np.int64)))
+            counts.append(a.size)
+        if counts[0] != counts[1]:
+            raise ValueError(f"Documents.from_lengths: {counts[0]} query lengths but "
+                             f"{counts[1]} key lengths; give one of each per sequence")
+        return cls(ids[0], ids[1])
+
     def _lower(self, acc: "_Lowering") -> None:
         acc.add("documents", (self.q_ids, self.k_ids))
 

@@ -1,0 +1,431 @@
+"""FlashAttention 2's public functions over anyattn (``flash_attn.flash_attn_interface``).
+
+Shape legend: B batch, Sq/Sk queries/keys, Hq/Hk query/key-value heads (Hk divides Hq),
+D head dim (Dv of v), N sequences of a packed batch, Tq/Tk packed tokens.  Inputs are
+in FlashAttention's layout: [B, S, H, D], packed [T, H, D].
+
+Every function runs through :func:`anyattn.torch.attention` (CPU tensors on the NumPy
+backend, CUDA tensors on Triton) and is differentiable where FlashAttention's is (all
+but ``flash_attn_with_kvcache``).  Semantics are FlashAttention's: causal masks,
+windows and ALiBi are aligned at the bottom right (query i sits at key position
+``i + Sk - Sq``; per sequence in the varlen functions), ``window_size=(left, right)``
+with -1 for an unbounded side, ``softcap <= 0`` is off.  docs/flash_attn.md lists
+every difference.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..backends.registry import choose
+from ..masks import Documents
+from ..problem import describe
+from ..torch.functional import attention
+from . import common
+from .varlen import check_cu_seqlens, layout
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+_BSHD = "(batch_size, seqlen, nheads, headdim)"
+_THD = "(total_tokens, nheads, headdim)"
+
+
+def _check_heads(q_name: str, hq: int, k_name: str, hk: int) -> None:
+    if hk == 0 or hq % hk:
+        raise ValueError(f"{k_name}: {hk} key/value heads do not divide {q_name}'s {hq} "
+                         "query heads; MQA/GQA needs nheads to be a multiple of nheads_k")
+
+
+def _check_qkv(names, q, k, v, seq_axis_batch: bool) -> None:
+    """Shapes of q, k, v: [B, S, H, D] (``seq_axis_batch``) or packed [T, H, D]."""
+    nq, nk, nv = names
+    nd, what = (4, _BSHD) if seq_axis_batch else (3, _THD)
+    hint = ("packed varlen tensors go to flash_attn_varlen_func" if seq_axis_batch
+            else "padded batches go to flash_attn_func")
+    for name, x in ((nq, q), (nk, k), (nv, v)):
+        common.check_tensor(name, x, nd, what, hint)
+    if seq_axis_batch:
+        common.same(nq, q.shape[0], nk, k.shape[0], "batch size (dim 0)")
+        common.same(nk, k.shape[0], nv, v.shape[0], "batch size (dim 0)")
+    s = 1 if seq_axis_batch else 0
+    common.same(nk, k.shape[s], nv, v.shape[s], f"number of keys (dim {s})")
+    common.same(nk, k.shape[-2], nv, v.shape[-2], "number of heads (dim -2)")
+    common.same(nq, q.shape[-1], nk, k.shape[-1], "head dim (dim -1)")
+    _check_heads(nq, q.shape[-2], nk, k.shape[-2])
+
+
+def _options(causal, window_size, softcap, deterministic, return_attn_probs,
+             flag_name="return_attn_probs"):
+    causal = common.flag("causal", causal)
+    common.flag("deterministic", deterministic)     # the backward is always deterministic
+    probs = common.flag(flag_name, return_attn_probs)
+    left, right = common.window(window_size, causal)
+    return left, right, common.softcap_value(softcap), probs
+
+
+def _dense(names, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+           alibi_slopes, deterministic, return_attn_probs):
+    """flash_attn_func on [B, S, H, D] tensors (the packed variants pass views)."""
+    _check_qkv(names, q, k, v, True)
+    left, right, cap, probs = _options(causal, window_size, softcap, deterministic,
+                                       return_attn_probs)
+    scale = common.scale_value(softmax_scale, q.shape[-1])
+    slopes = common.alibi(alibi_slopes, q.shape[2], q.shape[0])
+    p, seed = common.dropout_seed(dropout_p)
+    out, lse = attention(q, k, v, layout="bshd", mask=common.band_mask(left, right),
+                         scale=scale, softcap=cap, alibi_slopes=slopes, dropout_p=p,
+                         dropout_seed=seed, return_lse=True)
+    if not probs:
+        return out
+    blocks = []
+    b_count, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    for b in range(b_count):
+        row = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        pb = common.probabilities(q[b], k[b], lse[b], scale, cap, row, left, right)
+        keep = None if seed is None else common.dropout_keep(seed, p, b, hq, range(sq),
+                                                             range(sk))
+        blocks.append(common.encode_dropout(pb, keep))
+    s_dmask = torch.stack(blocks).to(q.dtype) if blocks else q.new_zeros((0, hq, sq, sk))
+    return out, lse, s_dmask
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    deterministic=False, return_attn_probs=False):
+    """Attention of q [B, Sq, Hq, D] over k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]
+    -> out [B, Sq, Hq, Dv]; with ``return_attn_probs`` also (softmax_lse [B, Hq, Sq]
+    float32, S_dmask [B, Hq, Sq, Sk]).
+
+    ``causal``: bottom-right aligned (query i sees keys j <= i + Sk - Sq; a row that
+    sees none gets 0).  ``window_size=(left, right)``: keys in
+    [i + Sk - Sq - left, i + Sk - Sq + right], -1 = unbounded side.  ``softcap`` > 0:
+    scores ``softcap·tanh(s / softcap)``.  ``alibi_slopes`` [Hq] or [B, Hq]: adds
+    ``-slope·|i + Sk - Sq - j|``.  ``dropout_p``: anyattn's dropout mask, seed drawn
+    from torch's default generator.  ``deterministic``: accepted; the backward is
+    always deterministic.  ``S_dmask``: the probabilities, negated where dropout dropped
+    them (a dense recomputation, a testing aid).  Hk divides Hq (MQA/GQA: query head h
+    reads key/value head h // (Hq / Hk)).
+    """
+    return _dense(("q", "k", "v"), q, k, v, dropout_p, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` with kv [B, Sk, 2, Hk, D] (k = kv[:, :, 0], v = kv[:, :, 1]);
+    the gradient of kv comes back packed."""
+    common.check_tensor("q", q, 4, _BSHD)
+    common.check_packed("kv", kv, 5, 2, 2, "(batch_size, seqlen, 2, nheads_k, headdim)")
+    return _dense(("q", "kv[:, :, 0]", "kv[:, :, 1]"), q, kv[:, :, 0], kv[:, :, 1],
+                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` with qkv [B, S, 3, H, D] (q, k, v = qkv[:, :, 0 / 1 / 2]);
+    the gradient of qkv comes back packed."""
+    common.check_packed("qkv", qkv, 5, 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
+    return _dense(("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"), qkv[:, :, 0],
+                  qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+# ------------------------------------------------------------------------------ varlen
+
+def _varlen(names, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+            deterministic, return_attn_probs, block_table=None,
+            cu_names=("cu_seqlens_q", "cu_seqlens_k"),
+            max_names=("max_seqlen_q", "max_seqlen_k")):
+    """flash_attn_varlen_func on packed [T, H, D] tensors (see the module docstring)."""
+    _check_qkv(names, q, k, v, False)
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: paged key/value caches are not implemented yet; pass k and v "
+            "packed (total_k, nheads_k, headdim)")
+    left, right, cap, probs = _options(causal, window_size, softcap, deterministic,
+                                       return_attn_probs)
+    scale = common.scale_value(softmax_scale, q.shape[-1])
+    lq = check_cu_seqlens(cu_names[0], cu_seqlens_q, q.shape[0], names[0], max_names[0],
+                          max_seqlen_q, q.device)
+    lk = check_cu_seqlens(cu_names[1], cu_seqlens_k, k.shape[0], names[1], max_names[1],
+                          max_seqlen_k, q.device)
+    if lq.size != lk.size:
+        raise ValueError(f"{cu_names[1]}: has {lk.size + 1} entries but {cu_names[0]} has "
+                         f"{lq.size + 1}; both are (batch_size + 1,)")
+    n, hq = lq.size, q.shape[1]
+    slopes = common.alibi(alibi_slopes, hq, n)
+    p, seed = common.dropout_seed(dropout_p)
+    band = common.band_mask(left, right)
+    lay = layout(lq, lk, aligned=band is not None or slopes is not None,
+                 per_sequence_slopes=slopes is not None and slopes.ndim == 2,
+                 device=q.device)
+    mask = Documents(lay.q_ids, lay.k_ids)
+    if band is not None:
+        mask = mask & band
+    ql = lay.scatter(q, lay.q_rows, lay.tq)
+    kl, vl = (lay.scatter(x, lay.k_rows, lay.tk) for x in (k, v))
+    out, lse = attention(ql, kl, vl, layout="bshd", mask=mask, scale=scale, softcap=cap,
+                         alibi_slopes=slopes, dropout_p=p, dropout_seed=seed,
+                         return_lse=True)
+    out, lse = lay.gather_out(out), lay.gather_lse(lse)
+    if not probs:
+        return out
+    mq, mk = common.int_value(max_names[0], max_seqlen_q), common.int_value(max_names[1],
+                                                                            max_seqlen_k)
+    s_dmask = q.new_zeros((n, hq, mq, mk))
+    cq = np.concatenate([[0], np.cumsum(lq)])
+    ck = np.concatenate([[0], np.cumsum(lk)])
+    for d in range(n):
+        a, b = int(cq[d]), int(cq[d + 1])
+        c, e = int(ck[d]), int(ck[d + 1])
+        row = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[d])
+        pb = common.probabilities(q[a:b], k[c:e], lse[:, a:b], scale, cap, row, left, right)
+        keep = None
+        if seed is not None:
+            batch = d if lay.kind == "padded" else 0
+            q0 = int(lay.q_first[d]) - batch * lay.tq
+            k0 = int(lay.k_first[d]) - batch * lay.tk
+            keep = common.dropout_keep(seed, p, batch, hq, range(q0, q0 + b - a),
+                                       range(k0, k0 + e - c))
+        s_dmask[d, :, :b - a, :e - c] = common.encode_dropout(pb, keep).to(q.dtype)
+    return out, lse, s_dmask
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over N packed sequences: q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv];
+    sequence d holds q[cu_seqlens_q[d]:cu_seqlens_q[d + 1]] and the keys
+    k[cu_seqlens_k[d]:cu_seqlens_k[d + 1]] -> out [Tq, Hq, Dv]; with
+    ``return_attn_probs`` also (softmax_lse [Hq, Tq] float32, S_dmask
+    [N, Hq, max_seqlen_q, max_seqlen_k], zero beyond each sequence).
+
+    ``cu_seqlens_*``: int32 (or int64) [N + 1], starting at 0, non-decreasing, ending at
+    Tq / Tk; every length at most ``max_seqlen_*``: each checked before any work (a GPU
+    tensor is read once; CPU tensors are accepted and cost no synchronisation).  Causal
+    masks, windows and ALiBi are aligned at the bottom right of each sequence (its own
+    lq and lk).  Other arguments as :func:`flash_attn_func`; ``alibi_slopes`` [Hq] or
+    [N, Hq].  ``block_table`` (paged keys) raises NotImplementedError.
+    """
+    return _varlen(("q", "k", "v"), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, deterministic, return_attn_probs, block_table)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` with kv [Tk, 2, Hk, D]."""
+    common.check_tensor("q", q, 3, _THD)
+    common.check_packed("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    return _varlen(("q", "kv[:, 0]", "kv[:, 1]"), q, kv[:, 0], kv[:, 1], cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` with qkv [T, 3, H, D] and one ``cu_seqlens``."""
+    common.check_packed("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
+    return _varlen(("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"), qkv[:, 0], qkv[:, 1],
+                   qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, cu_names=("cu_seqlens", "cu_seqlens"),
+                   max_names=("max_seqlen", "max_seqlen"))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
+    """An int tensor [B] (on the CPU or q's device) as int64 NumPy, or None."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of shape ({b},), dtype torch.int32, "
+                        f"got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype torch.int32 (or int64), got {x.dtype}")
+    if tuple(x.shape) != (b,):
+        raise ValueError(f"{name}: expected shape (batch_size,) = ({b},), got "
+                         f"{tuple(x.shape)}")
+    if x.device.type != "cpu" and x.device != device:
+        raise ValueError(f"{name}: is on {x.device} but q is on {device}; move it with "
+                         ".to(q.device)")
+    return x.detach().cpu().numpy().astype(np.int64)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q [B, Sq, Hq, D] over a contiguous cache k_cache [Bc, Sc, Hk, D],
+    v_cache [Bc, Sc, Hk, Dv] -> out [B, Sq, Hq, Dv] (and softmax_lse [B, Hq, Sq] float32
+    with ``return_softmax_lse``).  Not differentiable (as FlashAttention's).
+
+    Batch entry b reads cache row ``cache_batch_idx[b]`` (default b; then Bc == B).
+    ``k``, ``v`` [B, Snew, Hk, D/Dv]: written into the cache *in place* at positions
+    [cache_seqlens[b], cache_seqlens[b] + Snew) before the attention (needs
+    ``cache_seqlens``).  The keys of entry b are the cache positions
+    [cache_leftpad[b], cache_seqlens[b] + Snew) (the whole cache without
+    ``cache_seqlens``); causal masks, windows and ALiBi are aligned at their bottom
+    right.  ``cache_seqlens``: an int or an int tensor [B]; bounds are checked before any
+    work (a GPU tensor is read once).  ``block_table`` (paged caches) and
+    ``rotary_cos`` / ``rotary_sin`` raise NotImplementedError; ``num_splits`` may be 0
+    (choose) or 1 (no split): the keys are never split here.
+    """
+    common.check_tensor("q", q, 4, _BSHD)
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: paged KV caches are not implemented yet; pass a contiguous cache "
+            "k_cache / v_cache of shape (batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if x is not None:
+            raise NotImplementedError(
+                f"{name}: rotary embedding inside flash_attn_with_kvcache is not implemented "
+                "yet; rotate q and k before the call and pass rotary_cos=rotary_sin=None")
+    common.flag("rotary_interleaved", rotary_interleaved)
+    splits = common.int_value("num_splits", num_splits)
+    if splits < 0:
+        raise ValueError(f"num_splits: is {splits}; expected 0 (choose) or a positive int")
+    if splits > 1:
+        raise NotImplementedError(
+            f"num_splits: {splits} splits of the keys (split-KV decoding) are not implemented "
+            "yet; pass num_splits=0 or 1")
+    if not q.is_floating_point():
+        raise TypeError(f"q: expected a floating-point tensor, got dtype {q.dtype}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        common.check_tensor(name, x, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+        if x.device != q.device:
+            raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; they must be "
+                             "on one device")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: has dtype {x.dtype} but q has {q.dtype}; they must match")
+    common.same("k_cache", tuple(k_cache.shape[:3]), "v_cache", tuple(v_cache.shape[:3]),
+                "(batch_size_cache, seqlen_cache, nheads_k)")
+    common.same("q", q.shape[-1], "k_cache", k_cache.shape[-1], "head dim (dim -1)")
+    _check_heads("q", q.shape[2], "k_cache", k_cache.shape[2])
+    bsz, sq, hq, _ = q.shape
+    b_cache, s_cache, hk, _ = k_cache.shape
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    s_new = 0
+    if k is not None:
+        for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            common.check_tensor(name, x, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+            if x.dtype != cache.dtype:
+                raise TypeError(f"{name}: has dtype {x.dtype} but the cache has {cache.dtype}; "
+                                "they must match (the cache is written in place)")
+            want = (bsz, k.shape[1], hk, cache.shape[3])
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name}: expected shape {want} (batch_size, seqlen_new, "
+                                 f"nheads_k, headdim), got {tuple(x.shape)}")
+            if x.device != cache.device:
+                raise ValueError(f"{name}: is on {x.device} but the cache is on "
+                                 f"{cache.device}")
+        s_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: is None but k and v are given; the new keys "
+                             "are written at cache_seqlens[b], so pass it")
+    idx = _host_ints("cache_batch_idx", cache_batch_idx, bsz, q.device)
+    if idx is None:
+        if b_cache != bsz:
+            raise ValueError(f"k_cache: holds {b_cache} sequences but q has batch size {bsz}; "
+                             "pass cache_batch_idx to pick the cache rows")
+        idx = np.arange(bsz, dtype=np.int64)
+    elif idx.size and (idx.min() < 0 or idx.max() >= b_cache):
+        bad = int(idx[(idx < 0) | (idx >= b_cache)][0])
+        raise ValueError(f"cache_batch_idx: holds {bad}, outside the cache's "
+                         f"{b_cache} rows [0, {b_cache})")
+    if cache_seqlens is None:
+        lengths = np.full(bsz, s_cache, dtype=np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(bsz, int(cache_seqlens), dtype=np.int64)
+    else:
+        lengths = _host_ints("cache_seqlens", cache_seqlens, bsz, q.device)
+    if (lengths < 0).any():
+        raise ValueError(f"cache_seqlens: holds {int(lengths.min())}; lengths are >= 0")
+    if (lengths + s_new > s_cache).any():
+        b = int(np.argmax(lengths + s_new > s_cache))
+        raise ValueError(f"cache_seqlens: entry {b} holds {lengths[b]} keys, and {s_new} new "
+                         f"ones would end at {lengths[b] + s_new}, beyond the cache's "
+                         f"{s_cache} positions (k_cache.shape[1]); allocate a longer cache")
+    leftpad = _host_ints("cache_leftpad", cache_leftpad, bsz, q.device)
+    if leftpad is None:
+        leftpad = np.zeros(bsz, dtype=np.int64)
+    else:
+        if cache_seqlens is None:
+            raise ValueError("cache_leftpad: needs cache_seqlens (the keys of entry b are "
+                             "[cache_leftpad[b], cache_seqlens[b]))")
+        if ((leftpad < 0) | (leftpad > lengths)).any():
+            b = int(np.argmax((leftpad < 0) | (leftpad > lengths)))
+            raise ValueError(f"cache_leftpad: entry {b} is {leftpad[b]}, outside [0, "
+                             f"cache_seqlens[{b}] = {lengths[b]}]")
+    causal = common.flag("causal", causal)
+    left, right = common.window(window_size, causal)
+    cap = common.softcap_value(softcap)
+    lse_flag = common.flag("return_softmax_lse", return_softmax_lse)
+    scale = common.scale_value(softmax_scale, q.shape[-1])
+    slopes = common.alibi(alibi_slopes, hq, bsz)
+    mask = common.band_mask(left, right)
+    ends = lengths + s_new
+    if bsz:
+        # the core's checks and a backend for these inputs before the cache is written, so
+        # that a refusal leaves it as it was (key ranges differ only in length)
+        kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (k_cache, v_cache))
+        choose(describe(q[:1].transpose(1, 2), kk, vv, mask=mask, scale=scale, softcap=cap,
+                        alibi_slopes=None if slopes is None else
+                        (slopes if slopes.ndim == 1 else slopes[:1])))
+    with torch.no_grad():
+        if s_new:
+            rows = torch.from_numpy(idx).to(k_cache.device)[:, None]              # [B, 1]
+            pos = torch.from_numpy(lengths[:, None] + np.arange(s_new)).to(k_cache.device)
+            k_cache.index_put_((rows, pos), k)
+            v_cache.index_put_((rows, pos), v)
+        one = (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True
+        if one:
+            lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
+            if np.array_equal(idx, np.arange(b_cache)):
+                kk, vv = k_cache, v_cache
+            else:
+                sel = torch.from_numpy(idx).to(k_cache.device)
+                kk, vv = k_cache.index_select(0, sel), v_cache.index_select(0, sel)
+            out, lse = attention(q, kk[:, lo:hi], vv[:, lo:hi], layout="bshd", mask=mask,
+                                 scale=scale, softcap=cap, alibi_slopes=slopes,
+                                 return_lse=True)
+        else:
+            outs, lses = [], []
+            for b in range(bsz):
+                i, lo, hi = int(idx[b]), int(leftpad[b]), int(ends[b])
+                row = None if slopes is None else (slopes if slopes.ndim == 1
+                                                   else slopes[b:b + 1])
+                o, s = attention(q[b:b + 1], k_cache[i:i + 1, lo:hi], v_cache[i:i + 1, lo:hi],
+                                 layout="bshd", mask=mask, scale=scale, softcap=cap,
+                                 alibi_slopes=row, return_lse=True)
+                outs.append(o)
+                lses.append(s)
+            out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if lse_flag else out
