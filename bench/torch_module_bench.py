@@ -12,10 +12,6 @@ out.backward(g)`` of:
   validation, no dispatch): the raw kernels;
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with autograd;
 - ``module_ops``: ``module`` through the custom ops (the path tracing takes);
-- with ``--direct``: ``module_direct`` and ``kernel_direct``, ``module`` and ``kernel``
-  with ANYATTN_TRITON_DIRECT_LAUNCH=1 (repeat launches skip Triton's argument binding,
-  backends/triton/direct.py; the variable is set for each whole timed sample), and the
-  check that ``module_direct`` gives ``module``'s bits;
 - with ``--graph`` (CUDA): ``module_graph``, one replay of a CUDA graph that captured the
   module's forward and ``torch.autograd.grad`` (docs/torch.md "CUDA graphs": no host
   work per step but the replay), and the check that a replay gives the eager module's
@@ -100,14 +96,6 @@ class set_env:
         return False
 
 
-def with_env(fn, **env):
-    """fn, to be run with ``env`` set (time_round_robin sets it around each sample)."""
-    def run():
-        fn()
-    run.env = env
-    return run
-
-
 def time_round_robin(fns, dev, reps: int, warmup: int, budget_s: float, inner: int = 1):
     """{name: [seconds, ...]}: the variants timed in turn, rep after rep, so that a load
     change on a shared machine hits all of them alike (stops after budget_s, >= 3 reps)."""
@@ -140,7 +128,7 @@ class Trivial(torch.autograd.Function):
         return g, g, g
 
 
-def variants(q, k, v, g, causal, backend, direct=False):
+def variants(q, k, v, g, causal, backend):
     """The steps to time, each a zero-argument callable."""
     mask = Causal() if causal else None
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -176,9 +164,6 @@ def variants(q, k, v, g, causal, backend, direct=False):
 
     fns = {"module": module, "api": api, "kernel": kernel, "sdpa": sdpa,
            "module_ops": module_ops}
-    if direct:
-        fns["module_direct"] = with_env(module, ANYATTN_TRITON_DIRECT_LAUNCH="1")
-        fns["kernel_direct"] = with_env(kernel, ANYATTN_TRITON_DIRECT_LAUNCH="1")
     return fns, be.name
 
 
@@ -244,21 +229,6 @@ def _errs_vs_sdpa(outs, q, k, v, g, causal):
             for n, a, b in zip(("out", "dq", "dk", "dv"), outs, refs)}
 
 
-def direct_bits(q, k, v, g, causal, backend):
-    """Whether the module's out / dq / dk / dv are the same bits with direct launches
-    (the third call of each: the first resolves the launches, the second the direct
-    ones)."""
-    def step():
-        qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = at.attention(qa, ka, va, mask=Causal() if causal else None, backend=backend)
-        return (out,) + torch.autograd.grad(out, (qa, ka, va), g)
-
-    plain = [step() for _ in range(3)][-1]
-    with set_env({"ANYATTN_TRITON_DIRECT_LAUNCH": "1"}):
-        direct = [step() for _ in range(3)][-1]
-    return all(torch.equal(a, b) for a, b in zip(plain, direct))
-
-
 def probe_fully_masked(dev):
     """What torch SDPA returns for a query row that keeps no key, per dtype (for docs)."""
     res = {}
@@ -294,7 +264,7 @@ def run(args, on_row=lambda rows: None):
                 B, H, D = args.batch, args.heads, args.head_dim
                 q, k, v, g = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(4))
                 flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-                fns, be_name = variants(q, k, v, g, causal, args.backend, args.direct)
+                fns, be_name = variants(q, k, v, g, causal, args.backend)
                 row = dict(dtype=dname, B=B, H=H, S=S, D=D, causal=causal, backend=be_name,
                            flops=flops, inner=args.inner)
                 graph = gouts = None
@@ -309,8 +279,6 @@ def run(args, on_row=lambda rows: None):
                         torch.cuda.synchronize()
                 if S <= args.check_max_s:
                     row["err_vs_sdpa"] = check(q, k, v, g, causal, args.backend)
-                if args.direct:
-                    row["direct_same_bits"] = direct_bits(q, k, v, g, causal, args.backend)
                 if graph is not None:
                     row.update(graph_bits(graph, gouts, q, k, v, g, causal, args.backend))
                 times = time_round_robin(fns, dev, args.reps, args.warmup, args.budget,
@@ -327,9 +295,6 @@ def run(args, on_row=lambda rows: None):
                     row[f"overhead_vs_api{tag}"] = row[f"module_{key}"] / row[f"api_{key}"] - 1
                     row[f"overhead_ops_vs_kernel{tag}"] = (row[f"module_ops_{key}"]
                                                            / row[f"kernel_{key}"] - 1)
-                    if args.direct:
-                        row[f"overhead_direct_vs_kernel{tag}"] = (
-                            row[f"module_direct_{key}"] / row[f"kernel_{key}"] - 1)
                     if graph is not None:
                         row[f"overhead_graph_vs_kernel{tag}"] = (
                             row[f"module_graph_{key}"] / row[f"kernel_{key}"] - 1)
@@ -342,10 +307,6 @@ def run(args, on_row=lambda rows: None):
                       f"{100 * row['overhead_vs_kernel']:+.1f}% vs kernel (min "
                       f"{100 * row['overhead_vs_kernel_min']:+.1f}%; through the ops "
                       f"{100 * row['overhead_ops_vs_kernel']:+.1f}%"
-                      + (f"; direct: module {row['module_direct_ms']:.2f} kernel "
-                         f"{row['kernel_direct_ms']:.2f} ms, "
-                         f"{100 * row['overhead_direct_vs_kernel']:+.1f}% vs kernel, same "
-                         f"bits {row['direct_same_bits']}" if args.direct else "")
                       + (f"; graph: {row['module_graph_ms']:.2f} ms, "
                          f"{100 * row['overhead_graph_vs_kernel']:+.1f}% vs kernel, same "
                          f"bits {row['graph_same_bits']} (eager repeat {row['eager_repeat_same_bits']}, "
@@ -408,8 +369,6 @@ def main(argv=None):
                     help="steps per timed sample, back to back (1: one isolated step)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and the numpy backend (default: all cores)")
-    ap.add_argument("--direct", action="store_true",
-                    help="also time module / kernel with ANYATTN_TRITON_DIRECT_LAUNCH=1")
     ap.add_argument("--graph", action="store_true",
                     help="also time one CUDA-graph replay of the module step (CUDA only)")
     ap.add_argument("--out", default=None)

@@ -22,11 +22,7 @@ process on the machine that runs the kernels:
   (CUDA events around ``inner`` steps back to back, rounds in rotating order) of
   ``module`` and ``kernel`` as they are, with autograd's device threads off
   (``torch.autograd.set_multithreading_enabled(False)``: the backward runs on the
-  calling thread), without direct launches (ANYATTN_TRITON_DIRECT_LAUNCH=0: every
-  launch through Triton's own path) and with direct launches through
-  ``CompiledKernel.run`` (ANYATTN_TRITON_C_LAUNCH=0: Triton's launcher wrapper, each
-  tensor map encoded per launch), to tell which part of the step's host time each
-  accounts for.
+  calling thread), to tell which part of the step's host time it accounts for.
 
     python bench/lab/torch_host_profile.py --out OUT_DIR [--big 4,16,2048,128] [--ablate]
 """
@@ -194,23 +190,9 @@ class _Setting:
 
 def _settings(fns) -> dict:
     out = {}
-    # every module / kernel setting sets the variable (the default, 1, or 0) around its
-    # steps, so that each pays the same environment writes
-    on = {"ANYATTN_TRITON_DIRECT_LAUNCH": "1", "ANYATTN_TRITON_C_LAUNCH": "1"}
     for name in ("module", "kernel", "autograd"):
-        env = None if name == "autograd" else on
-        out[name] = _Setting(fns[name], env=env)
-        out[name + "_one_thread"] = _Setting(fns[name], threads=False, env=env)
-    # direct launches are the default: these run every launch through Triton's path
-    for name in ("module", "kernel"):
-        out[name + "_no_direct"] = _Setting(fns[name],
-                                            env={"ANYATTN_TRITON_DIRECT_LAUNCH": "0"})
-        out[name + "_one_thread_no_direct"] = _Setting(
-            fns[name], threads=False, env={"ANYATTN_TRITON_DIRECT_LAUNCH": "0"})
-        # direct launches through CompiledKernel.run (Triton's launcher wrapper, every
-        # tensor map encoded per launch): what c_launch.py (session 14) saves
-        out[name + "_no_c"] = _Setting(fns[name], env={"ANYATTN_TRITON_DIRECT_LAUNCH": "1",
-                                                       "ANYATTN_TRITON_C_LAUNCH": "0"})
+        out[name] = _Setting(fns[name])
+        out[name + "_one_thread"] = _Setting(fns[name], threads=False)
     return out
 
 

@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Callable, Dict, Optional, Tuple
 
-__all__ = ["Switch", "SWITCHES", "Settings", "current", "snapshot", "describe",
-           "markdown_table"]
+__all__ = ["Switch", "SWITCHES", "TOOL_VARIABLES", "Settings", "current", "snapshot",
+           "describe", "markdown_table", "unknown_variables"]
 
 
 def _flag(default: bool) -> Callable[[str, str], bool]:
@@ -120,6 +120,14 @@ SWITCHES: Tuple[Switch, ...] = (
 )
 
 
+#: ANYATTN_* variables read by the test suite and the benchmarks, never by the library
+#: (docs/testing.md); every other ANYATTN_* name outside :data:`SWITCHES` is unknown
+TOOL_VARIABLES = frozenset({"ANYATTN_EXHAUSTIVE", "ANYATTN_SUITE_BACKENDS",
+                            "ANYATTN_TORCH_TEST_BACKEND", "ANYATTN_RING_CASES",
+                            "ANYATTN_ABI_BACKEND", "ANYATTN_PRINT_MAGNITUDES",
+                            "ANYATTN_BENCH_SRC"})
+
+
 @dataclass(frozen=True)
 class Settings:
     """The parsed values of :data:`SWITCHES` (field names as in the table)."""
@@ -163,13 +171,37 @@ def _decode(raw) -> str:
     return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
 
 
+def unknown_variables() -> Tuple[str, ...]:
+    """The ANYATTN_* variables set now that are neither a switch nor a tool's variable
+    (a misspelling, or a switch this version does not have): they have no effect."""
+    known = {s.name for s in SWITCHES} | TOOL_VARIABLES
+    return tuple(sorted(n for n in os.environ if n.startswith("ANYATTN_") and n not in known))
+
+
+_warned: set = set()
+
+
+def _warn_unknown() -> None:
+    fresh = [n for n in unknown_variables() if n not in _warned]
+    if fresh:
+        _warned.update(fresh)
+        import warnings
+
+        warnings.warn(f"{', '.join(fresh)}: not a switch of anyattn, ignored (the switches: "
+                      "docs/settings.md or `python -m anyattn info --settings`)",
+                      RuntimeWarning, stacklevel=3)
+
+
 def current() -> Settings:
-    """The settings in effect now (validated; rebuilt only when the environment changed)."""
+    """The settings in effect now (validated; rebuilt only when the environment changed).
+    An ANYATTN_* variable that is no switch draws one RuntimeWarning per name, the first
+    time settings are built after it was set with a switch changed, or at the first call."""
     global _last
     snap = snapshot()
     last_snap, last = _last
     if snap == last_snap and last is not None:
         return last
+    _warn_unknown()
     values: Dict[str, object] = {}
     for switch, raw in zip(SWITCHES, snap):
         values[switch.field] = switch.parse(switch.name, _decode(raw))
@@ -180,7 +212,8 @@ def current() -> Settings:
 
 
 def describe() -> str:
-    """The table with the value in effect of each switch (set ones marked)."""
+    """The table with the value in effect of each switch (set ones marked), and the
+    ANYATTN_* variables set that are no switch."""
     snap = snapshot()
     lines = []
     width = max(len(s.name) for s in SWITCHES)
@@ -188,6 +221,9 @@ def describe() -> str:
         shown = _decode(raw) if raw is not None else f"(default: {switch.default})"
         lines.append(f"  {switch.name:<{width}}  {shown}\n  {'':<{width}}  "
                      f"{switch.effect}; accepts {switch.accepts}")
+    unknown = unknown_variables()
+    if unknown:
+        lines.append(f"  not switches, ignored: {', '.join(unknown)}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ ENV_ALLOWED = {
         "the one reader",
     ("settings.py", "return tuple([os.environ.get(k) for k in _KEYS])"):
         "the one reader",
+    ("settings.py", 'return tuple(sorted(n for n in os.environ if n.startswith("ANYATTN_")'):
+        "the one reader: names no switch has",
     ("bench.py", 'info["env"] = {k: os.environ[k] for k'):
         "reports the variables that shaped a benchmark run, acts on none",
     ("bench.py", '"ANYATTN_NUMPY_THREADS") if k in os.environ}'):
@@ -150,3 +152,21 @@ def test_info_settings_prints_every_switch(capsys, monkeypatch):
         assert s.name in out
     assert re.search(r"ANYATTN_TRITON_PATH\s+portable\b", out)
     assert re.search(r"ANYATTN_TRITON_CONFIG\s+\(default: heuristic\)", out)
+
+
+def test_an_unknown_variable_warns_once_and_is_listed(monkeypatch):
+    """A misspelt or removed ANYATTN_* switch is not silently ignored: one RuntimeWarning
+    naming it, and `info --settings` lists it; a tool's variable draws none."""
+    monkeypatch.setenv("ANYATTN_TRITON_FUSED_BWD", "0")        # a switch that is gone
+    monkeypatch.setenv("ANYATTN_EXHAUSTIVE", "0")              # the test suite's
+    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setattr(settings, "_last", (None, None))
+    with pytest.warns(RuntimeWarning, match="ANYATTN_TRITON_FUSED_BWD: not a switch") as got:
+        settings.current()
+    assert not any("ANYATTN_EXHAUSTIVE" in str(w.message) for w in got)
+    assert "not switches, ignored: ANYATTN_TRITON_FUSED_BWD" in settings.describe()
+    monkeypatch.setenv("ANYATTN_NUMPY_THREADS", "1")           # a rebuild: no second warning
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings.current()
