@@ -5,6 +5,14 @@
 // Workgroup tiles hold SV = 4 consecutive d values (vec4<f32>; vec4<f16> in HALF mode).
 // HALF: products in packed f16 (vec2<f16> FMA, lanes = even/odd d) over runs of HC
 // vec4 columns (2*HC products per lane), each run's partial added into f32 s / dp.
+//@define SDP_D U.D
+//@if VDIM
+// VDIM (v's head dim U.DV differs from D): with DP the loop runs over max(D, DV), the
+// loaders reading zeros past each operand's own dim (q, k past D; dO, v past DV).
+//@if DP
+//@define SDP_D max(U.D,U.DV)
+//@endif DP
+//@endif VDIM
 //@if PREFETCH
 // PREFETCH: the chunk at d0 + DC is read from global memory into registers (pq/pg,
 // pk/pv: NEQ / NEK elements per invocation) before the products of chunk d0, so the
@@ -19,7 +27,7 @@ let d00 = 0u;
 //@define PF_D0 d00
 //@include sdp_ld
 //@endif PREFETCH
-for (var d0 = 0u; d0 < U.D; d0 += DC) {
+for (var d0 = 0u; d0 < $SDP_D$; d0 += DC) {
   TRIP
 //@ifn PREFETCH
   for (var e = lid; e < BQ * DC4; e += NT) {
@@ -66,7 +74,7 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
 //@if PREFETCH
   //@include sdp_st
   let d0n = d0 + DC;
-  if (d0n < U.D) {
+  if (d0n < $SDP_D$) {
     //@define PF_D0 d0n
     //@include sdp_ld
   }
