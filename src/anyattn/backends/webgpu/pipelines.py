@@ -27,6 +27,7 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
   output helpers of a value-dim result (``ld4_vout`` / ``st4_vout``, bounded by ``U.DV``;
   ``ld4_out`` / ``st4_out`` without VDIM); ``lds_v`` / ``lds_g`` are bounded by ``U.DV``.
   Without VDIM the kernels are the plain ones, text for text.
+* ``//@# text``: a comment of the source that the assembled kernel does not carry.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -158,6 +159,8 @@ def _conditionals(text: str) -> str:
     out, skip = [], []
     for line in text.split("\n"):
         st = line.strip()
+        if st.startswith("//@#"):      # a source comment the kernel does not carry
+            continue
         m = re.match(r"//@(define|undef|ifn|if|endif) (\w+)(?: (\S+))?$", st)
         if m:
             kind, name, val = m.groups()

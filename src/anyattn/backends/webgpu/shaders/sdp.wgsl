@@ -80,70 +80,28 @@ for (var d0 = 0u; d0 < $SDP_D$; d0 += DC) {
   }
 //@endif PREFETCH
   workgroupBarrier();
-  //@ifn HALF
-  //@for c DC4
-  {
-    //@for x 4
-    let k{x#} = sk[(tx + {x#}u * TX) * RSQ + {c}];
-    //@if DP
-    let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {c}];
-    //@endif DP
-    //@end x
-    //@for r RM
-    {
-      let a = sq[(ty * RM + {r}) * RSQ + {c}];
-      s[{r}] += vec4<f32>(dot(a, k0), dot(a, k1), dot(a, k2), dot(a, k3));
-      //@if DP
-      let g4 = sg[(ty * RM + {r}) * RSQ + {c}];
-      dp[{r}] += vec4<f32>(dot(g4, v0), dot(g4, v1), dot(g4, v2), dot(g4, v3));
-      //@endif DP
-    }
-    //@end r
+  //@ifn VDIM
+//@include sdp_mul
+  //@endif VDIM
+  //@if VDIM
+  //@ifn DP
+//@include sdp_mul
+  //@endif DP
+  //@if DP
+  // VDIM: a chunk both dims reach takes the S and dP products; past one of them only
+  // the other's (the loaders give zeros there: the same sums, without the zero terms)
+  if (d0 < min(U.D, U.DV)) {
+//@include sdp_mul
+  } else if (d0 < U.D) {
+  //@undef DP
+//@include sdp_mul
+  //@define DP
+  } else {
+  //@define SDP_NO_S
+//@include sdp_mul
+  //@undef SDP_NO_S
   }
-  //@end c
-  //@endif HALF
-  //@if HALF
-  //@for cr NHC
-  {
-    // hs[r*4 + x]: f16 partial of s[r][x] over the HC columns of this run (2 lanes)
-    var hs: array<vec2<f16>, 4 * RM>;
-    //@if DP
-    var hp: array<vec2<f16>, 4 * RM>;
-    //@endif DP
-    //@for ci HC
-    {
-      //@for x 4
-      let k{x#} = sk[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
-      //@if DP
-      let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
-      //@endif DP
-      //@end x
-      //@for r RM
-      {
-        let a = sq[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
-        //@if DP
-        let g4 = sg[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
-        //@endif DP
-        //@for x 4
-        hs[{r#} * 4 + {x#}] = fma(a.zw, k{x#}.zw, fma(a.xy, k{x#}.xy, hs[{r#} * 4 + {x#}]));
-        //@if DP
-        hp[{r#} * 4 + {x#}] = fma(g4.zw, v{x#}.zw, fma(g4.xy, v{x#}.xy, hp[{r#} * 4 + {x#}]));
-        //@endif DP
-        //@end x
-      }
-      //@end r
-    }
-    //@end ci
-    //@for r RM
-    s[{r}] += vec4<f32>(hsum(hs[{r#} * 4]), hsum(hs[{r#} * 4 + 1]), hsum(hs[{r#} * 4 + 2]),
-                        hsum(hs[{r#} * 4 + 3]));
-    //@if DP
-    dp[{r}] += vec4<f32>(hsum(hp[{r#} * 4]), hsum(hp[{r#} * 4 + 1]), hsum(hp[{r#} * 4 + 2]),
-                         hsum(hp[{r#} * 4 + 3]));
-    //@endif DP
-    //@end r
-  }
-  //@end cr
-  //@endif HALF
+  //@endif DP
+  //@endif VDIM
   workgroupBarrier();
 }
