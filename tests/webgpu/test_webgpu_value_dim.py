@@ -99,6 +99,19 @@ def test_gpu_variants_are_portable_bitwise(be, monkeypatch, variant):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_subgroups_variant(be, monkeypatch):
+    """The subgroups variant (butterfly row reductions in the forward, several lanes per
+    row in the delta pass over Dv) with Dv != D against float64."""
+    from helpers import compare_with_reference
+
+    if not be.context.has_subgroups:
+        pytest.skip(f"adapter {be.context.name} has no 'subgroup' feature")
+    monkeypatch.setenv(ENV_VARIANT, "subgroups")
+    for D, Dv in DIMS:
+        q, k, v, g = _case(68, D, Dv, Sq=33)
+        compare_with_reference("webgpu", q, k, v, g, mask=aa.Causal("bottom_right"))
+
+
 def test_split_launches_and_column_slices(be):
     """Launches split at a one-unit loop budget (forward, dQ, dK/dV continue from stored
     f32 partials, dV's at its own stride) give one launch's bits; D and Dv past one
