@@ -5,7 +5,8 @@
 
 Host arrays through the public API (upload and read-back included), no mask, each
 case warmed once (pipeline compiles), then ``--repeat`` rounds timing each case once in
-turn (a drifting machine load hits both alike); the median per case.  Prints (and with --json writes) the adapter, the cases and the medians.
+turn (a drifting machine load hits both alike); the median per case.  Prints (and with
+--json writes) the adapter, the cases and the medians.
 """
 from __future__ import annotations
 

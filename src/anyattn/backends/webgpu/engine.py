@@ -402,9 +402,9 @@ class Call:
         return self.D
 
     def sdp_dim(self, kernel: str) -> int:
-        """The head dim a kernel's S (and dP) loop runs over: D in the forward, the
-        larger of D and DV where dP = dO.V^T shares it (the loaders read zeros past each
-        operand's own dim)."""
+        """The head dim a kernel's S (and dP) loop runs over (the trip model's): D in the
+        forward, the larger of D and DV where dP = dO.V^T shares it (a chunk past one of
+        them takes only the other's products)."""
         return self.D if kernel == "forward" else max(self.D, self.DV)
 
     def forward(self, stats, outb) -> None:
@@ -413,7 +413,7 @@ class Call:
         self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
 
     def delta(self, stats, out_op: Operand, vmean=None, out16: bool = False) -> None:
-        """delta = <dout, out> per row into stats[n:2n]; ``out16``: ``out_op`` is f16
+        """delta = <dout, out> (rows of DV) into stats[n:2n]; ``out16``: ``out_op`` is f16
         (f16 inputs only), widened exactly in the kernel (OUT16), else f32."""
         if self.limit is not None and self.DV + TileConfig.FIXED_TRIPS > self.limit:
             raise LoopLimitError(f"webgpu kernel 'delta': Dv={self.DV} loop trips > {self.limit}")
@@ -436,9 +436,9 @@ class Call:
 
     def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False,
              dq_next: bool = False, ds_role: str = DSQ_ROLE) -> None:
-        """dK [B, HKV, SK, D] then dV [B, HKV, SK, DV] into outb (f32; ``out16``: f16, converted in the
-        epilogue as ``dq``'s, both wanted, see ``out16_ok``).  ``dq_next``: a ``dq``
-        without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
+        """dK [B, HKV, SK, D] then dV [B, HKV, SK, DV] into outb (f32; ``out16``: f16,
+        converted in the epilogue as ``dq``'s, both wanted, see ``out16_ok``).
+        ``dq_next``: a ``dq`` without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
         stores dS into the pooled scratch ``ds_role`` (one per Runner) and that ``dq``
         only reads it.  Past the scratch cap (``dsq_chunks``) the pass runs over chunks
         of (batch, KV head) rows, each chunk's dQ launches placed right after its dK/dV

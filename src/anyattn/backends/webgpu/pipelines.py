@@ -244,7 +244,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     else:
         text = "//@define VD U.D\n//@define VOUT out\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
-                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES):                                    # only where used
+                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES):            # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)
