@@ -359,3 +359,18 @@ def test_big_endian_arena_is_refused_with_a_true_message():
                                         r"\(big-endian\) byte order.*astype\('<f4'\)"):
         A.attention_backward_arena(be, p, backend=BACKEND)
     assert np.array_equal(be, arena, equal_nan=True)
+
+
+@pytest.mark.parametrize("which", ["v", "dy", "k"])
+def test_pack_arena_refuses_a_value_head_dim(which):
+    """The seed's ABI has one head_dim: v (or dy) with a head dim of its own (Dv != D), or
+    a k of another shape, is refused by name before an arena is made (the Params could
+    not describe it; anyattn.attention_backward takes Dv != D)."""
+    rng = np.random.default_rng(3)
+    q, k, v, dy = inputs(rng, B, H, SQ, SK, D)
+    x = {"v": v, "dy": dy, "k": k}[which]
+    bad = np.concatenate([x, x[..., :2]], axis=-1)
+    args = dict(q=q, k=k, v=v, dy=dy)
+    args[which] = bad
+    with pytest.raises(ValueError, match=rf"^{which}: shape .*one head_dim for q, k, v and dy"):
+        A.pack_arena(**args, wrt=A.WRT_V)

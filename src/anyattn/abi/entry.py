@@ -380,6 +380,14 @@ def pack_arena(q, k, v, dy, *, wrt: int, mask_kind: int = MASK_NONE, mask=None,
     q, k, v, dy = (np.asarray(x, dtype=np.float32) for x in (q, k, v, dy))
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
+    # the seed's Params have one head_dim for q, k, v and dy (no value head dim of its own)
+    for name, x, want in (("k", k, (B, H, Sk, D)), ("v", v, (B, H, Sk, D)),
+                          ("dy", dy, (B, H, Sq, D))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {list(want)} (q "
+                             f"{tuple(q.shape)}); the seed's ABI has one head_dim for q, k, v "
+                             "and dy: for v with a head dim of its own (Dv != D) call "
+                             "anyattn.attention_backward")
     rows = Sq if wrt == WRT_Q else Sk
     m = None
     if mask_kind in (MASK_KEEP, MASK_BIAS):

@@ -1,6 +1,7 @@
 """The ``webgpu`` backend: tiled WGSL kernels through wgpu-py (Vulkan, Metal, DX12, lavapipe).
 
-Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim of q and k, Dv
+head dim of v (and of out / dout; the opt-in input ``value_dim`` where it differs).
 NumPy arrays in and out: float32, or float16 (f16 tiles and packed f16 products over
 short runs, f32 accumulation: launch.half_config) where the adapter has
 ``shader-f16``.  Forward: one pass with the row statistics (row max and
@@ -29,7 +30,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...arrays import array_kind
-from ...features import BUILTIN_MODIFIERS
+from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -43,7 +44,8 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}), modifiers=BUILTIN_MODIFIERS)
+    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}),
+    modifiers=BUILTIN_MODIFIERS, inputs=DEFAULT_INPUTS | {"value_dim"})
 
 
 class WebGPUBackend(Backend):
@@ -125,9 +127,10 @@ class WebGPUBackend(Backend):
         if self._runner is not None:
             self._runner.results.claim(buffer)
 
-    def new_call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False):
-        """A fresh engine.Call for sizes (B, HQ, HKV, SQ, SK), head dim ``D`` and kernel
-        element type ``elem``, with this adapter's tile config (or ``config_override``)."""
+    def new_call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False, Dv=None):
+        """A fresh engine.Call for sizes (B, HQ, HKV, SQ, SK), head dim ``D`` (``Dv``: v's,
+        None = D) and kernel element type ``elem``, with this adapter's tile config (or
+        ``config_override``; chosen for the larger of D and Dv)."""
         from .engine import Call
         from .launch import choose_config
 
@@ -135,12 +138,14 @@ class WebGPUBackend(Backend):
         B, HQ, HKV, SQ, SK = p_sizes
         # rows: the variant table's grid fill (wide only where its dQ grid fills the GPU)
         # and the *-dsq variants' dS scratch (only where one chunk of it fits)
-        cfg = self.config_override or choose_config(run.ctx, D, elem, backward, dropout,
+        Dv = D if Dv is None else Dv
+        cfg = self.config_override or choose_config(run.ctx, max(D, Dv), elem, backward, dropout,
                                                     rows=(B * HQ, SQ, SK, HQ // max(HKV, 1)))
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")
-        call = Call(run, cfg, *p_sizes, D, elem=elem, debug=self.debug_trips, uprefix=uprefix)
+        call = Call(run, cfg, *p_sizes, D, elem=elem, debug=self.debug_trips, uprefix=uprefix,
+                    DV=Dv)
         if self.loop_limit_override is not None:
             call.limit = self.loop_limit_override
         return call
@@ -156,7 +161,7 @@ class WebGPUBackend(Backend):
         npdt = _NP[p.dtype]
         call = self.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                           ELEMENT_TYPES[p.dtype], uprefix, backward=dout is not None,
-                          dropout=p.has_dropout)
+                          dropout=p.has_dropout, Dv=p.head_dim_v)
         run = call.run
         call.set_scale(p.scale)
         call.q = upload_view(run, "q", q, npdt)
@@ -217,17 +222,18 @@ class WebGPUBackend(Backend):
         call = self._setup(p, q, k, v, None, bias, uprefix, mods, b0)
         run = call.run
         stats = self._stats(call)
-        outb = run.buffer("out", 4 * call.n * p.head_dim)
+        Dv = p.head_dim_v
+        outb = run.buffer("out", 4 * call.n * Dv)
         call.forward(stats, outb)
-        out16 = self._cast16(call, outb, call.n * p.head_dim, "out16") \
+        out16 = self._cast16(call, outb, call.n * Dv, "out16") \
             if p.dtype == "float16" else None
 
         def read():
-            shape = (p.batch, p.heads_q, p.seq_q, p.head_dim)
+            shape = (p.batch, p.heads_q, p.seq_q, Dv)
             if out16 is not None:
-                out = self._read16(run, out16, call.n * p.head_dim).reshape(shape)
+                out = self._read16(run, out16, call.n * Dv).reshape(shape)
             else:
-                out = run.read(outb, call.n * p.head_dim).reshape(shape)
+                out = run.read(outb, call.n * Dv).reshape(shape)
             st = self._read_stats(run, stats, call.n, (p.batch, p.heads_q, p.seq_q))
             return out, st
         return call, read
@@ -244,9 +250,10 @@ class WebGPUBackend(Backend):
         run = self.runner()
         lim = min(run.max_binding, run.max_buffer)
         it = np.dtype(_NP.get(p.dtype, np.float32)).itemsize
-        Hq, Hk, Sq, Sk, D = p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
-        per_b = {"q": Hq * Sq * D * it, "k/v": Hk * Sk * D * it, "out": 4 * Hq * Sq * D,
-                 "stats": 4 * STATS_ROWS * Hq * Sq}
+        Hq, Hk, Sq, Sk, D, Dv = (p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
+                                 p.head_dim_v)
+        per_b = {"q": Hq * Sq * max(D, Dv) * it, "k/v": Hk * Sk * max(D, Dv) * it,
+                 "out": 4 * Hq * Sq * max(D, Dv), "stats": 4 * STATS_ROWS * Hq * Sq}
         if bias is not None:
             b4 = np.asarray(bias)
             b4 = compact_broadcast(b4.reshape((1,) * (4 - b4.ndim) + b4.shape))
@@ -260,7 +267,7 @@ class WebGPUBackend(Backend):
                                  f"({run.ctx.name}); shorten the sequence or use another "
                                  "backend")
         if backward:
-            per_b["dkdv"] = 4 * 2 * Hk * Sk * D
+            per_b["dkdv"] = 4 * Hk * Sk * (D + Dv)
             if "bias" in p.wrt:
                 per_b["ds"] = 4 * Hq * Sq * Sk
         role, worst = max(per_b.items(), key=lambda kv: kv[1])
@@ -336,8 +343,8 @@ class WebGPUBackend(Backend):
         from .clears import Clear
         from .launch import DSQ_ROLE
 
-        B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
-                                 p.head_dim)
+        B, HQ, HKV, SQ, SK, D, Dv = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+                                     p.head_dim, p.head_dim_v)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b = "bias" in p.wrt
         call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0)
@@ -352,11 +359,11 @@ class WebGPUBackend(Backend):
             out16 = p.dtype == "float16"
         else:
             (stats, ob), out16 = resident, False
-        call.delta(stats, Operand(ob, 0, HQ * SQ * D, SQ * D, D), out16=out16)
-        nkv = B * HKV * SK * D
+        call.delta(stats, Operand(ob, 0, HQ * SQ * Dv, SQ * Dv, Dv), out16=out16)
+        nk, nv = B * HKV * SK * D, B * HKV * SK * Dv      # dk, then dv from element nk on
         bufs = {}
         if want_k or want_v:
-            bufs["kv"] = run.buffer("dkdv", 4 * 2 * nkv)
+            bufs["kv"] = run.buffer("dkdv", 4 * (nk + nv))
             call.dkdv(stats, bufs["kv"], want_k, want_v, dq_next=want_q and not want_b)
         dsb = None
         if want_b:                      # dS for dbias: the shared dS scratch (DSQ_ROLE)
@@ -371,8 +378,8 @@ class WebGPUBackend(Backend):
             call.reduce_dbias(dsb, bufs["b"], tuple(p.bias_shape))
         half = p.dtype == "float16"
         if half:                        # dq, dk, dv cast to f16 on the device
-            for name, want, src, cnt, off in (("dk", want_k, "kv", nkv, 0),
-                                              ("dv", want_v, "kv", nkv, nkv),
+            for name, want, src, cnt, off in (("dk", want_k, "kv", nk, 0),
+                                              ("dv", want_v, "kv", nv, nk),
                                               ("dq", want_q, "q", call.n * D, 0)):
                 if want:
                     bufs[name + "16"] = self._cast16(call, bufs[src], cnt, name + "16", off)
@@ -380,8 +387,8 @@ class WebGPUBackend(Backend):
         def read():
             res: Dict[str, object] = {"dq": None, "dk": None, "dv": None, "dbias": None}
             for name, want, src, cnt, off, shape in (
-                    ("dk", want_k, "kv", nkv, 0, (B, HKV, SK, D)),
-                    ("dv", want_v, "kv", nkv, nkv, (B, HKV, SK, D)),
+                    ("dk", want_k, "kv", nk, 0, (B, HKV, SK, D)),
+                    ("dv", want_v, "kv", nv, nk, (B, HKV, SK, Dv)),
                     ("dq", want_q, "q", call.n * D, 0, (B, HQ, SQ, D))):
                 if not want:
                     continue
@@ -500,7 +507,7 @@ class WebGPUBackend(Backend):
             call, read_f = self._build_forward(p, q, k, v, bias, uprefix="plan_fu", mods=mods)
             fwd = call.freeze()
             run = call.run
-            resident = (self._stats(call), run.buffer("out", 4 * call.n * p.head_dim))
+            resident = (self._stats(call), run.buffer("out", 4 * call.n * p.head_dim_v))
             bwd, read_b = None, None
             if dout is not None:
                 call, read_b = self._build_backward(p, q, k, v, dout, None, None, bias,

@@ -1,14 +1,16 @@
 """Host side of one attention call on the GPU: uploads, uniforms, launch plans.
 
-Shape legend: B batch, HQ/HKV heads (G = HQ/HKV), SQ/SK queries/keys, D head dim,
-n = B*HQ*SQ rows.  Scratch layout of ``stats`` (f32, STATS_ROWS * n): [0, n) row max,
+Shape legend: B batch, HQ/HKV heads (G = HQ/HKV), SQ/SK queries/keys, D head dim of
+q and k, DV head dim of v (and of out / dout; DV = D unless v's differs), n = B*HQ*SQ
+rows.  Scratch layout of ``stats`` (f32, STATS_ROWS * n): [0, n) row max,
 [n, 2n) delta, [2n, 4n) and [4n, 6n) two (m, l) sets for split forward launches,
 [6n, 7n) log-normaliser.  The row max and the log-normaliser stay apart (DESIGN.md §1):
 the backward forms P = exp((s - max) - log_norm), never exp(s - lse).
 Sentinels: an excluded score and the max of an empty row are -inf (the ``neg_inf``
 uniform, tested on its bits in the kernels); a finite bias, even finfo(float32).min,
 is a score.
-Outputs are f32 scratch: out/dq [B, HQ, SQ, D]; dk then dv [B, HKV, SK, D];
+Outputs are f32 scratch: out [B, HQ, SQ, DV], dq [B, HQ, SQ, D]; dk [B, HKV, SK, D]
+then dv [B, HKV, SK, DV] (from ``out2_off`` = B*HKV*SK*D on);
 dS [B, HQ, SQ, SK] for dbias.
 Score modifiers (``Call.set_mods``): ALiBi slopes [Ba, HQ] and sinks [HQ] as f32 words
 of ``aux`` next to the mask data; the kernels that use them are compiled with the
@@ -139,6 +141,9 @@ class Call:
     g: Optional[Operand] = None
     debug: bool = False
     uprefix: str = "u"          # role prefix of this call's uniform buffers
+    #: v's head dim (and out's / dout's); None: D.  Where it differs from D the tiled
+    #: kernels are compiled with VDIM and read it from the uniform DV (pipelines.py)
+    DV: Optional[int] = None
     #: the pooled role of the ``aux`` table; None: a buffer of this call's own (a cached
     #: launch template keeps it, so no later call can overwrite its mask data)
     aux_role: Optional[str] = "aux"
@@ -146,12 +151,16 @@ class Call:
 
     def __post_init__(self):
         c = self.cfg
+        if self.DV is None:
+            self.DV = self.D
         self.n = self.B * self.HQ * self.SQ
         self.nqt = ceil_div(self.SQ, c.BQ)
         self.nkt = ceil_div(self.SK, c.BK)
         self.uni.update(B=self.B, HQ=self.HQ, HKV=self.HKV, G=self.HQ // self.HKV, SQ=self.SQ,
                         SK=self.SK, D=self.D, neg_inf=NEG_INF, inv_sk=1.0 / max(self.SK, 1),
                         nqt=self.nqt, nkt=self.nkt, stat_n=self.n)
+        if self.DV != self.D:
+            self.uni["DV"] = self.DV
         self.bias_buf = self.aux_buf = self.run.dummy
         self._aux_parts: List[np.ndarray] = []   # u32 words of aux (masks, modifiers)
         self._aux_pos = 0
@@ -352,11 +361,14 @@ class Call:
         pieces = self._pieces(trips or kernel, n_units, dk, dv)
         consts = cfg.consts()
         consts.update(defines or {})
+        if self.DV != self.D:
+            consts["VDIM"] = 1
+        slices = cfg.slices(self.out_dim(kernel))
         consts.update({k: v for k, v in self.mod_consts.items()
                        if k != "SINKS" or kernel == "forward"})   # the sink: forward only
         pipe = self.run.pipeline(kernel, "tile", consts, self.elem, self.debug)
         if self.debug and dsb is None:   # debug builds write each invocation's loop trips here
-            n_inv = grid_x * n_bh * cfg.slices(self.D) * cfg.NT
+            n_inv = grid_x * n_bh * slices * cfg.NT
             dsb = self.trip_buf = self.run.buffer(f"trips_{kernel}", 4 * n_inv)
             self.clears.append(dsb)
             self.trip_count = n_inv
@@ -378,18 +390,33 @@ class Call:
                     self.seeded[id(ubuf)] = dict(self.uni, **vals)
                 self.launches.append(Launch(kernel, pipe, "tile",
                                             self._tile_buffers(ubuf, stats, outb, dsb),
-                                            (grid_x, b_ - a, cfg.slices(self.D))))
+                                            (grid_x, b_ - a, slices)))
+
+    def out_dim(self, kernel: str) -> int:
+        """The output columns a tiled kernel's column slices cover: DV (forward: out), D
+        (dQ), the larger of the two (dK/dV: a slice past one of them skips its update)."""
+        if kernel == "forward":
+            return self.DV
+        if kernel == "bwd_dkdv":
+            return max(self.D, self.DV)
+        return self.D
+
+    def sdp_dim(self, kernel: str) -> int:
+        """The head dim a kernel's S (and dP) loop runs over (the trip model's): D in the
+        forward, the larger of D and DV where dP = dO.V^T shares it (a chunk past one of
+        them takes only the other's products)."""
+        return self.D if kernel == "forward" else max(self.D, self.DV)
 
     def forward(self, stats, outb) -> None:
-        """out [B, HQ, SQ, D] (f32) into outb; row max into stats[0:n], log-normaliser
+        """out [B, HQ, SQ, DV] (f32) into outb; row max into stats[0:n], log-normaliser
         into stats[6n:7n]."""
         self._tile("forward", self.nkt, self.nqt, self.B * self.HQ, stats, outb, ml=True)
 
     def delta(self, stats, out_op: Operand, vmean=None, out16: bool = False) -> None:
-        """delta = <dout, out> per row into stats[n:2n]; ``out16``: ``out_op`` is f16
+        """delta = <dout, out> (rows of DV) into stats[n:2n]; ``out16``: ``out_op`` is f16
         (f16 inputs only), widened exactly in the kernel (OUT16), else f32."""
-        if self.limit is not None and self.D + TileConfig.FIXED_TRIPS > self.limit:
-            raise LoopLimitError(f"webgpu kernel 'delta': D={self.D} loop trips > {self.limit}")
+        if self.limit is not None and self.DV + TileConfig.FIXED_TRIPS > self.limit:
+            raise LoopLimitError(f"webgpu kernel 'delta': Dv={self.DV} loop trips > {self.limit}")
         if out16 and self.elem != "f16":
             raise ValueError(f"webgpu kernel 'delta': an f16 out needs f16 inputs, got {self.elem}")
         # the subgroups variant: RL lanes per row (a subgroup butterfly), RL x the invocations
@@ -399,6 +426,8 @@ class Call:
             consts["OUT16"] = 1
         pipe = self.run.pipeline("delta", "delta", consts, self.elem)
         vals = dict(self._operands(), **out_op.fields("o"), flags=self.flags)
+        if self.DV != self.D:     # delta's rows (dout, out, vmean) have DV elements
+            vals["D"] = self.DV
         ubuf = self.uniform_buffer(vals)
         self.launches.append(Launch("delta", pipe, "delta",
                                     [ubuf, self.g.buf, out_op.buf, stats,
@@ -407,9 +436,9 @@ class Call:
 
     def dkdv(self, stats, outb, want_dk: bool, want_dv: bool, out16: bool = False,
              dq_next: bool = False, ds_role: str = DSQ_ROLE) -> None:
-        """dK then dV [B, HKV, SK, D] into outb (f32; ``out16``: f16, converted in the
-        epilogue as ``dq``'s, both wanted, see ``out16_ok``).  ``dq_next``: a ``dq``
-        without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
+        """dK [B, HKV, SK, D] then dV [B, HKV, SK, DV] into outb (f32; ``out16``: f16,
+        converted in the epilogue as ``dq``'s, both wanted, see ``out16_ok``).
+        ``dq_next``: a ``dq`` without dbias follows; with a ``*-dsq`` variant (``dq_from_ds``) this pass also
         stores dS into the pooled scratch ``ds_role`` (one per Runner) and that ``dq``
         only reads it.  Past the scratch cap (``dsq_chunks``) the pass runs over chunks
         of (batch, KV head) rows, each chunk's dQ launches placed right after its dK/dV
@@ -466,16 +495,18 @@ class Call:
         return True
 
     def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
-        per = self.cfg.trips_per_unit(kernel, self.D, dk, dv)
+        per = self.cfg.trips_per_unit(kernel, self.sdp_dim(kernel), dk, dv)
         return split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
 
     def out16_ok(self, kernel: str) -> bool:
         """Whether the dQ (``bwd_dq``) or dK/dV (``bwd_dkdv``, both wanted) pass can write
         its f16 result itself (``out16=True``): f16 inputs, D a multiple of 4 (whole
         vec4<f16> stores; dV's offset B*HKV*SK*D then one too), one piece (a split
-        launch carries its partial sums in f32 between pieces), no debug trip buffer."""
+        launch carries its partial sums in f32 between pieces), no debug trip buffer; for
+        dK/dV DV a multiple of 4 too."""
         units = self.nkt if kernel == "bwd_dq" else self.HQ // self.HKV * self.nqt
-        return (self.elem == "f16" and self.D % 4 == 0 and not self.debug
+        dims_ok = self.D % 4 == 0 and (kernel == "bwd_dq" or self.DV % 4 == 0)
+        return (self.elem == "f16" and dims_ok and not self.debug
                 and len(self._pieces(kernel, units)) == 1)
 
     def dq(self, stats, outb, dsb=None, out16: bool = False) -> None:
@@ -525,13 +556,13 @@ class Call:
         return numel
 
     def vmean(self, outb) -> None:
-        numel = self.B * self.HKV * self.D
+        numel = self.B * self.HKV * self.DV
         pieces = split_range(self.SK, 1, self.limit, "webgpu kernel 'vmean'")
         pipe = self.run.pipeline("vmean", "vmean", {}, self.elem)
         for idx, (t0, t1) in enumerate(pieces):
             fl = (FLAGS["FIRST"] if idx == 0 else 0) | (FLAGS["LAST"] if idx == len(pieces) - 1 else 0)
             ubuf = self.uniform_buffer(dict(self.uni, **self.v.fields("v"), t0=t0, t1=t1, flags=fl,
-                                n_out=numel))
+                                n_out=numel, D=self.DV))
             self.launches.append(Launch("vmean", pipe, "vmean", [ubuf, self.v.buf, outb],
                                         self.run.flat_grid(numel)))
 

@@ -21,6 +21,13 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
   (an update's staged rows), ``st[i]`` / ``sp[i]`` (the backward's P^T, dS^T / dS) become
   ``stg[SOFF_U/T/P + i]`` too, over the S/dP staging tiles idle by then.  ``PREFETCH`` /
   ``SUBGROUPS``: the other variant defines (launch.VARIANTS).
+* ``VDIM`` (constant = 1 where v's head dim differs from q's and k's): the uniform
+  ``U.DV`` is v's head dim (the struct names it only here, uniforms.DEFINE_FIELDS);
+  ``$VD$`` is the value head dim (``U.DV``; ``U.D`` without VDIM), ``$VOUT$`` names the
+  output helpers of a value-dim result (``ld4_vout`` / ``st4_vout``, bounded by ``U.DV``;
+  ``ld4_out`` / ``st4_out`` without VDIM); ``lds_v`` / ``lds_g`` are bounded by ``U.DV``.
+  Without VDIM the kernels are the plain ones, text for text.
+* ``//@# text``: a comment of the source that the assembled kernel does not carry.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
 
@@ -37,7 +44,7 @@ from typing import Dict, Mapping
 from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
-           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES"]
+           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES", "VDIM_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -62,6 +69,8 @@ OUTB_DEFINES = ("OUTB16",)
 #: prefetching bases): the next key tile's dS rows loaded into registers before the
 #: current tile's update
 DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN", "DSQ_PF")
+#: v's head dim differs from q's / k's (the uniform U.DV; see the module doc)
+VDIM_DEFINES = ("VDIM",)
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -74,62 +83,67 @@ def _read(name: str) -> str:
     return (SHADER_DIR / f"{name}.wgsl").read_text()
 
 
-def _loaders(half: bool, outb16: bool = False) -> str:
+def _loaders(half: bool, outb16: bool = False, vdim: bool = False) -> str:
+    """The loaders (``//@loaders``); ``vdim``: v and dout (and the ``*_vout`` output
+    helpers) bounded by U.DV, q and k (and ``*_out``) by U.D."""
     out = []
     for name, buf in (("q", "qb"), ("k", "kb"), ("v", "vb"), ("g", "gb")):
+        lim = "U.DV" if vdim and name in ("v", "g") else "U.D"
         if half:    # buf: array<vec4<f16>>; element e is buf[e / 4][e % 4]
             out.append(f"""
 fn h1_{name}(e: u32) -> f16 {{ return {buf}[e >> 2u][e & 3u]; }}
 fn lds_{name}(base: u32, d: u32) -> vec4<f16> {{
   let e = base + d;
-  if (d + 3u < U.D) {{
+  if (d + 3u < {lim}) {{
     if ((e & 3u) == 0u) {{ return {buf}[e >> 2u]; }}
     return vec4<f16>(h1_{name}(e), h1_{name}(e + 1u), h1_{name}(e + 2u), h1_{name}(e + 3u));
   }}
   var r = vec4<f16>(0.0h);
-  if (d < U.D) {{ r.x = h1_{name}(e); }}
-  if (d + 1u < U.D) {{ r.y = h1_{name}(e + 1u); }}
-  if (d + 2u < U.D) {{ r.z = h1_{name}(e + 2u); }}
+  if (d < {lim}) {{ r.x = h1_{name}(e); }}
+  if (d + 1u < {lim}) {{ r.y = h1_{name}(e + 1u); }}
+  if (d + 2u < {lim}) {{ r.z = h1_{name}(e + 2u); }}
   return r;
 }}""")
             continue
         out.append(f"""
 fn lds_{name}(base: u32, d: u32) -> vec4<f32> {{
-  if (d + 3u < U.D) {{
+  if (d + 3u < {lim}) {{
     return vec4<f32>(f32({buf}[base + d]), f32({buf}[base + d + 1u]), f32({buf}[base + d + 2u]),
                      f32({buf}[base + d + 3u]));
   }}
   var r = vec4<f32>(0.0);
-  if (d < U.D) {{ r.x = f32({buf}[base + d]); }}
-  if (d + 1u < U.D) {{ r.y = f32({buf}[base + d + 1u]); }}
-  if (d + 2u < U.D) {{ r.z = f32({buf}[base + d + 2u]); }}
+  if (d < {lim}) {{ r.x = f32({buf}[base + d]); }}
+  if (d + 1u < {lim}) {{ r.y = f32({buf}[base + d + 1u]); }}
+  if (d + 2u < {lim}) {{ r.z = f32({buf}[base + d + 2u]); }}
   return r;
 }}""")
-    if outb16:     # outb: array<vec4<f16>>, base + d a multiple of 4 (D % 4 == 0)
-        out.append("""
-fn ld4_out(base: u32, d: u32) -> vec4<f32> {
-  if (d < U.D) { return vec4<f32>(outb[(base + d) >> 2u]); }
+    bounds = (("out", "U.D"), ("vout", "U.DV")) if vdim else (("out", "U.D"),)
+    for fn, lim in bounds:
+        if outb16:     # outb: array<vec4<f16>>, base + d a multiple of 4 (D % 4 == 0)
+            out.append(f"""
+fn ld4_{fn}(base: u32, d: u32) -> vec4<f32> {{
+  if (d < {lim}) {{ return vec4<f32>(outb[(base + d) >> 2u]); }}
   return vec4<f32>(0.0);
-}
-fn st4_out(base: u32, d: u32, x: vec4<f32>) {
-  if (d < U.D) { outb[(base + d) >> 2u] = vec4<f16>(x); }
-}""")
-        return "\n".join(out) + "\n"
-    out.append("""
-fn ld4_out(base: u32, d: u32) -> vec4<f32> {
+}}
+fn st4_{fn}(base: u32, d: u32, x: vec4<f32>) {{
+  if (d < {lim}) {{ outb[(base + d) >> 2u] = vec4<f16>(x); }}
+}}""")
+            continue
+        out.append(f"""
+fn ld4_{fn}(base: u32, d: u32) -> vec4<f32> {{
   var r = vec4<f32>(0.0);
-  if (d < U.D) { r.x = outb[base + d]; }
-  if (d + 1u < U.D) { r.y = outb[base + d + 1u]; }
-  if (d + 2u < U.D) { r.z = outb[base + d + 2u]; }
-  if (d + 3u < U.D) { r.w = outb[base + d + 3u]; }
+  if (d < {lim}) {{ r.x = outb[base + d]; }}
+  if (d + 1u < {lim}) {{ r.y = outb[base + d + 1u]; }}
+  if (d + 2u < {lim}) {{ r.z = outb[base + d + 2u]; }}
+  if (d + 3u < {lim}) {{ r.w = outb[base + d + 3u]; }}
   return r;
-}
-fn st4_out(base: u32, d: u32, x: vec4<f32>) {
-  if (d < U.D) { outb[base + d] = x.x; }
-  if (d + 1u < U.D) { outb[base + d + 1u] = x.y; }
-  if (d + 2u < U.D) { outb[base + d + 2u] = x.z; }
-  if (d + 3u < U.D) { outb[base + d + 3u] = x.w; }
-}""")
+}}
+fn st4_{fn}(base: u32, d: u32, x: vec4<f32>) {{
+  if (d < {lim}) {{ outb[base + d] = x.x; }}
+  if (d + 1u < {lim}) {{ outb[base + d + 1u] = x.y; }}
+  if (d + 2u < {lim}) {{ outb[base + d + 2u] = x.z; }}
+  if (d + 3u < {lim}) {{ outb[base + d + 3u] = x.w; }}
+}}""")
     return "\n".join(out) + "\n"
 
 
@@ -145,6 +159,8 @@ def _conditionals(text: str) -> str:
     out, skip = [], []
     for line in text.split("\n"):
         st = line.strip()
+        if st.startswith("//@#"):      # a source comment the kernel does not carry
+            continue
         m = re.match(r"//@(define|undef|ifn|if|endif) (\w+)(?: (\S+))?$", st)
         if m:
             kind, name, val = m.groups()
@@ -222,8 +238,13 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     text = _expand_includes(_read(kernel))
     if half:
         text = "//@define HALF\n" + text
+    vdim = bool(consts.get("VDIM", 0))      # v's head dim U.DV differs from U.D
+    if vdim:
+        text = "//@define VD U.DV\n//@define VOUT vout\n" + text
+    else:
+        text = "//@define VD U.D\n//@define VOUT out\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
-                 + OUTB_DEFINES + DSQ_DEFINES):                                    # only where used
+                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES):            # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     text = _conditionals(text)
@@ -232,7 +253,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
         tiles = _ALIASED_TILE if consts.get("ALIAS", 0) else _STAGED_TILE
         text = tiles.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
     text = _reinit_vars(text)
-    text = text.replace("//@loaders", _loaders(half, bool(consts.get("OUTB16", 0))))
+    text = text.replace("//@loaders", _loaders(half, bool(consts.get("OUTB16", 0)), vdim))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
     dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"
            if debug else "")
@@ -242,7 +263,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     head.append(f"alias TB = {'vec4<f16>' if half else elem};")   # q/k/v/dout binding element
     head.append(f"alias SV = {'vec4<f16>' if half else 'vec4<f32>'};")  # workgroup tile element
     head += [f"const {k}: u32 = {int(v)}u;" for k, v in sorted(consts.items())]
-    return "\n".join(head) + "\n" + wgsl_struct() + text
+    return "\n".join(head) + "\n" + wgsl_struct(("VDIM",) if vdim else ()) + text
 
 
 # binding kinds per layout: 'u' uniform, 'r' read-only storage, 'w' read-write storage

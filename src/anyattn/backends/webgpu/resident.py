@@ -1,6 +1,7 @@
 """Device-resident calls: anyattn.webgpu device arrays in, device arrays out.
 
-Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim, n = B*HQ*SQ.
+Shape legend: B batch, HQ/HKV heads, SQ/SK queries/keys, D head dim of q and k, DV
+head dim of v (and of out / dout), n = B*HQ*SQ.
 
 Nothing crosses to the host: q, k, v, dout, out and a float32 bias are bound where
 they lie (their buffer, element offset and b/h/s strides become the kernels'
@@ -112,7 +113,7 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
     modifiers and dropout; gathers appended to its launches."""
     call = be.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                     ELEMENT_TYPES[p.dtype], "dev_u", backward=backward,
-                    dropout=p.has_dropout)
+                    dropout=p.has_dropout, Dv=p.head_dim_v)
     call.aux_role = None          # the mask tables stay with this call's launch template
     run = call.run
     call.set_scale(p.scale)
@@ -317,7 +318,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
 
 # ------------------------------------------------------------------ forward
 def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
-    """-> (out [B, HQ, SQ, D] in q's dtype, RowStats of [B, HQ, SQ] float32 views).
+    """-> (out [B, HQ, SQ, DV] in q's dtype, RowStats of [B, HQ, SQ] float32 views).
 
     out and the statistics are written by the kernels into result buffers (pool.py);
     the row max and log-normaliser are rows 0 and 6 of one [7, n] buffer (the rows in
@@ -328,7 +329,7 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
         _check_chunks(be, p, False, bias)
         call = _prepare(be, p, q, k, v, None, bias, mods, backward=False)
         run = call.run
-        n, D = call.n, p.head_dim
+        n, D = call.n, p.head_dim_v          # out has v's head dim
         shape = (p.batch, p.heads_q, p.seq_q, D)
         rows = (p.batch, p.heads_q, p.seq_q)
         stats, ist = res.new(4 * STATS_ROWS * n, "anyattn.stats")
@@ -373,9 +374,10 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked).
 
     Results in the input dtype are written by the kernels straight into result
-    buffers (pool.py; dk and dv share one: [2, B, HKV, SK, D]); other dtypes go
-    through f32 scratch and a cast on the device."""
-    B, HQ, HKV, SQ, SK, D = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)
+    buffers (pool.py; dk and dv share one: dk [B, HKV, SK, D] then dv [B, HKV, SK, DV]);
+    other dtypes go through f32 scratch and a cast on the device."""
+    B, HQ, HKV, SQ, SK, D, DV = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+                                 p.head_dim, p.head_dim_v)
     want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
     want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
     dt = np.dtype(p.dtype)
@@ -417,28 +419,29 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                     ew(call, src, st, row * n)
         # an f16 out is read where it lies by the delta kernel (OUT16), widened exactly
         call.delta(st, _operand(call, out, "out"), out16=out.dtype == np.float16)
-        nkv = B * HKV * SK * D
-        kvshape = (B, HKV, SK, D)
+        nk, nv = B * HKV * SK * D, B * HKV * SK * DV      # dv from element nk on
+        kshape, vshape = (B, HKV, SK, D), (B, HKV, SK, DV)
         if want_k and want_v and dt == np.float16 and call.out16_ok("bwd_dkdv"):
             # f16 dk, dv written by the dK/dV pass itself into one result buffer
-            y, iy = res.new(buffer_bytes(2 * nkv, dt), "anyattn.dkdv")
+            y, iy = res.new(buffer_bytes(nk + nv, dt), "anyattn.dkdv")
             call.dkdv(st, y, True, True, out16=True, dq_next=want_q and not want_b)
-            res.add("dk", iy, kvshape, dt, 0)
-            res.add("dv", iy, kvshape, dt, nkv)
+            res.add("dk", iy, kshape, dt, 0)
+            res.add("dv", iy, vshape, dt, nk)
         elif want_k or want_v:
-            kv, ikv = dest("dkdv", 2 * nkv, dt, "dev_dkdv")
+            kv, ikv = dest("dkdv", nk + nv, dt, "dev_dkdv")
             call.dkdv(st, kv, want_k, want_v, dq_next=want_q and not want_b)
-            if ikv is None and want_k and want_v and nkv % 4 == 0:
+            if ikv is None and want_k and want_v and nk % 4 == 0:
                 # f16: one cast for both into one result buffer (dk, dv two views of it, as
                 # in f32; dv's offset a whole 8-byte group)
-                y, iy = res.new(buffer_bytes(2 * nkv, dt), "anyattn.dkdv")
-                ew(call, result_array(kv, (2 * nkv,), np.float32), y, 0, dst16=True)
-                res.add("dk", iy, kvshape, dt, 0)
-                res.add("dv", iy, kvshape, dt, nkv)
+                y, iy = res.new(buffer_bytes(nk + nv, dt), "anyattn.dkdv")
+                ew(call, result_array(kv, (nk + nv,), np.float32), y, 0, dst16=True)
+                res.add("dk", iy, kshape, dt, 0)
+                res.add("dv", iy, vshape, dt, nk)
             else:
-                for name, want, off in (("dk", want_k, 0), ("dv", want_v, nkv)):
+                for name, want, off, shape in (("dk", want_k, 0, kshape),
+                                               ("dv", want_v, nk, vshape)):
                     if want:
-                        emit(name, kv, ikv, kvshape, dt, off)
+                        emit(name, kv, ikv, shape, dt, off)
         dsb = ids = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
         bdt = np.dtype(p.bias_dtype) if want_b else None

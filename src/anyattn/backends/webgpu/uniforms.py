@@ -45,7 +45,13 @@ FIELDS = [
     # the 5-product backward's dS scratch (DSQ_OUT / DSQ_IN), chunked over (batch, KV
     # head) rows: the first query-head row b*HQ + h the scratch holds (row 0 of it)
     ("ds_bh0", "u32"),
+    # v's head dim where it differs from D (kernels compiled with VDIM); 0 otherwise
+    ("DV", "u32"),
 ]
+#: fields that only the kernels compiled with a define read, and the define: the struct
+#: of every other kernel names them ``_pad<index>`` (padding), so its text does not
+#: depend on them
+DEFINE_FIELDS = {"DV": "VDIM"}
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))
 NBYTES = 4 * len(FIELDS)
@@ -61,8 +67,12 @@ FLAGS = dict(HAS_LO=1, HAS_HI=2, HAS_DOCS=4, HAS_KEEP=8, HAS_BIAS=16, QUIRK=32,
 _FMT = {"u32": "I", "i32": "i", "f32": "f"}
 
 
-def wgsl_struct() -> str:
-    body = ",\n".join(f"  {n}: {t}" for n, t in FIELDS)
+def wgsl_struct(defines=()) -> str:
+    """The WGSL struct ``Uni``; a field of ``DEFINE_FIELDS`` is named only where its
+    define is among ``defines``."""
+    names = [n if n not in DEFINE_FIELDS or DEFINE_FIELDS[n] in defines else f"_pad{i}"
+             for i, (n, _) in enumerate(FIELDS)]
+    body = ",\n".join(f"  {n}: {t}" for n, (_, t) in zip(names, FIELDS))
     consts = "\n".join(f"const F_{k}: u32 = {v}u;" for k, v in FLAGS.items())
     return f"struct Uni {{\n{body},\n}};\n{consts}\n"
 

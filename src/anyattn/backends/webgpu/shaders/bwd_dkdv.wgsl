@@ -46,8 +46,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let j0 = kt * BK;
   let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  //@ifn VDIM
   let want_dk = (U.flags & F_WANT_DK) != 0u;
   let want_dv = (U.flags & F_WANT_DV) != 0u;
+  //@endif VDIM
+  //@if VDIM
+  // VDIM: dK has D columns, dV DV (stride DV from out2_off on); a column slice past one
+  // of them skips that update (the grid covers the larger)
+  let want_dk = (U.flags & F_WANT_DK) != 0u && dbase < U.D;
+  let want_dv = (U.flags & F_WANT_DV) != 0u && dbase < U.DV;
+  //@endif VDIM
   var adk: array<vec4<f32>, 4 * NV>;
   var adv: array<vec4<f32>, 4 * NV>;
   //@if DROPOUT
@@ -62,7 +70,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       if (j < U.SK) {
         let o = (bh * U.SK + j) * U.D;
         adk[{r#} * NV + {v#}] = ld4_out(o, d);
+        //@ifn VDIM
         adv[{r#} * NV + {v#}] = ld4_out(U.out2_off + o, d);
+        //@endif VDIM
+        //@if VDIM
+        adv[{r#} * NV + {v#}] = ld4_vout(U.out2_off + (bh * U.SK + j) * U.DV, d);
+        //@endif VDIM
       }
     }
     //@end v
@@ -150,12 +163,22 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       if (last) { k4 = k4 * U.scale; }
       if (want_dk) { st4_out(o, d, k4); }
       //@ifn DROPOUT
+      //@ifn VDIM
       if (want_dv) { st4_out(U.out2_off + o, d, adv[{r#} * NV + {v#}]); }
+      //@endif VDIM
+      //@if VDIM
+      if (want_dv) { st4_vout(U.out2_off + (bh * U.SK + j) * U.DV, d, adv[{r#} * NV + {v#}]); }
+      //@endif VDIM
       //@endif DROPOUT
       //@if DROPOUT
       var v4 = adv[{r#} * NV + {v#}];
       if (last) { v4 = v4 * U.drop_rs; }
+      //@ifn VDIM
       if (want_dv) { st4_out(U.out2_off + o, d, v4); }
+      //@endif VDIM
+      //@if VDIM
+      if (want_dv) { st4_vout(U.out2_off + (bh * U.SK + j) * U.DV, d, v4); }
+      //@endif VDIM
       //@endif DROPOUT
     }
   }

@@ -11,6 +11,9 @@
 // queries in drw, once; column words of each key tile in dcw), l stays undropped,
 // and the last piece multiplies out by 1 / (1 − p).
 //@include common
+//@if VDIM
+// VDIM: out and v have DV columns (the column slices are DV's), q and k have D.
+//@endif VDIM
 //@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk
 var<workgroup> sk: array<SV, BK * RSQ>;   // K chunk (then V slice rows)
@@ -81,7 +84,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@for v NV
     {
       let i = i0 + ty * 4u + {r};
-      if (i < U.SQ) { acc[{r#} * NV + {v#}] = ld4_out((bh * U.SQ + i) * U.D, dbase + 4u * (tx + {v} * TX)); }
+      if (i < U.SQ) { acc[{r#} * NV + {v#}] = ld4_$VOUT$((bh * U.SQ + i) * $VD$, dbase + 4u * (tx + {v} * TX)); }
     }
     //@end v
     //@end r
@@ -273,7 +276,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let i = i0 + il;
     if (i < U.SQ) {
       let l = rowl[il];
-      let o = (bh * U.SQ + i) * U.D;
+      let o = (bh * U.SQ + i) * $VD$;
       //@for v NV
       {
         var a = acc[{r#} * NV + {v#}];
@@ -288,7 +291,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           a = a * U.drop_rs;
           //@endif DROPOUT
         }
-        st4_out(o, dbase + 4u * (tx + {v} * TX), a);
+        st4_$VOUT$(o, dbase + 4u * (tx + {v} * TX), a);
       }
       //@end v
     }

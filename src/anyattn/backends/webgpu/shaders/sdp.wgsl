@@ -5,6 +5,14 @@
 // Workgroup tiles hold SV = 4 consecutive d values (vec4<f32>; vec4<f16> in HALF mode).
 // HALF: products in packed f16 (vec2<f16> FMA, lanes = even/odd d) over runs of HC
 // vec4 columns (2*HC products per lane), each run's partial added into f32 s / dp.
+//@define SDP_D U.D
+//@if VDIM
+// VDIM (v's head dim U.DV differs from D): with DP the loop runs over max(D, DV), the
+// loaders reading zeros past each operand's own dim (q, k past D; dO, v past DV).
+//@if DP
+//@define SDP_D max(U.D,U.DV)
+//@endif DP
+//@endif VDIM
 //@if PREFETCH
 // PREFETCH: the chunk at d0 + DC is read from global memory into registers (pq/pg,
 // pk/pv: NEQ / NEK elements per invocation) before the products of chunk d0, so the
@@ -19,7 +27,7 @@ let d00 = 0u;
 //@define PF_D0 d00
 //@include sdp_ld
 //@endif PREFETCH
-for (var d0 = 0u; d0 < U.D; d0 += DC) {
+for (var d0 = 0u; d0 < $SDP_D$; d0 += DC) {
   TRIP
 //@ifn PREFETCH
   for (var e = lid; e < BQ * DC4; e += NT) {
@@ -66,76 +74,34 @@ for (var d0 = 0u; d0 < U.D; d0 += DC) {
 //@if PREFETCH
   //@include sdp_st
   let d0n = d0 + DC;
-  if (d0n < U.D) {
+  if (d0n < $SDP_D$) {
     //@define PF_D0 d0n
     //@include sdp_ld
   }
 //@endif PREFETCH
   workgroupBarrier();
-  //@ifn HALF
-  //@for c DC4
-  {
-    //@for x 4
-    let k{x#} = sk[(tx + {x#}u * TX) * RSQ + {c}];
-    //@if DP
-    let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {c}];
-    //@endif DP
-    //@end x
-    //@for r RM
-    {
-      let a = sq[(ty * RM + {r}) * RSQ + {c}];
-      s[{r}] += vec4<f32>(dot(a, k0), dot(a, k1), dot(a, k2), dot(a, k3));
-      //@if DP
-      let g4 = sg[(ty * RM + {r}) * RSQ + {c}];
-      dp[{r}] += vec4<f32>(dot(g4, v0), dot(g4, v1), dot(g4, v2), dot(g4, v3));
-      //@endif DP
-    }
-    //@end r
+  //@ifn VDIM
+//@include sdp_mul
+  //@endif VDIM
+  //@if VDIM
+  //@ifn DP
+//@include sdp_mul
+  //@endif DP
+  //@if DP
+  // VDIM: a chunk both dims reach takes the S and dP products; past one of them only
+  // the other's (the loaders give zeros there: the same sums, without the zero terms)
+  if (d0 < min(U.D, U.DV)) {
+//@include sdp_mul
+  } else if (d0 < U.D) {
+  //@undef DP
+//@include sdp_mul
+  //@define DP
+  } else {
+  //@define SDP_NO_S
+//@include sdp_mul
+  //@undef SDP_NO_S
   }
-  //@end c
-  //@endif HALF
-  //@if HALF
-  //@for cr NHC
-  {
-    // hs[r*4 + x]: f16 partial of s[r][x] over the HC columns of this run (2 lanes)
-    var hs: array<vec2<f16>, 4 * RM>;
-    //@if DP
-    var hp: array<vec2<f16>, 4 * RM>;
-    //@endif DP
-    //@for ci HC
-    {
-      //@for x 4
-      let k{x#} = sk[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
-      //@if DP
-      let v{x#} = sv[(tx + {x#}u * TX) * RSQ + {cr} * HC + {ci}];
-      //@endif DP
-      //@end x
-      //@for r RM
-      {
-        let a = sq[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
-        //@if DP
-        let g4 = sg[(ty * RM + {r}) * RSQ + {cr} * HC + {ci}];
-        //@endif DP
-        //@for x 4
-        hs[{r#} * 4 + {x#}] = fma(a.zw, k{x#}.zw, fma(a.xy, k{x#}.xy, hs[{r#} * 4 + {x#}]));
-        //@if DP
-        hp[{r#} * 4 + {x#}] = fma(g4.zw, v{x#}.zw, fma(g4.xy, v{x#}.xy, hp[{r#} * 4 + {x#}]));
-        //@endif DP
-        //@end x
-      }
-      //@end r
-    }
-    //@end ci
-    //@for r RM
-    s[{r}] += vec4<f32>(hsum(hs[{r#} * 4]), hsum(hs[{r#} * 4 + 1]), hsum(hs[{r#} * 4 + 2]),
-                        hsum(hs[{r#} * 4 + 3]));
-    //@if DP
-    dp[{r}] += vec4<f32>(hsum(hp[{r#} * 4]), hsum(hp[{r#} * 4 + 1]), hsum(hp[{r#} * 4 + 2]),
-                         hsum(hp[{r#} * 4 + 3]));
-    //@endif DP
-    //@end r
-  }
-  //@end cr
-  //@endif HALF
+  //@endif DP
+  //@endif VDIM
   workgroupBarrier();
 }
