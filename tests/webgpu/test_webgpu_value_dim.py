@@ -82,6 +82,7 @@ def test_portable_is_the_zero_padded_problem(be, monkeypatch, dims):
         assert_close(x, getattr(rg, name), "float32", name)
 
 
+@pytest.mark.exhaustive          # each variant compiles its own kernels on lavapipe (~15 s)
 @pytest.mark.parametrize("variant", ["staged-dsq", "wide-dsq"])
 def test_gpu_variants_are_portable_bitwise(be, monkeypatch, variant):
     """The GPU routes' variants with Dv != D (register prefetch, the staging array, 8
@@ -99,6 +100,7 @@ def test_gpu_variants_are_portable_bitwise(be, monkeypatch, variant):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.exhaustive          # its own kernels on lavapipe (~20 s)
 def test_subgroups_variant(be, monkeypatch):
     """The subgroups variant (butterfly row reductions in the forward, several lanes per
     row in the delta pass over Dv) with Dv != D against float64."""
@@ -163,7 +165,8 @@ def test_f16(be, dims):
         assert_close(x, getattr(rg, name), "float16", name)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float16",
+                                                           marks=pytest.mark.exhaustive)])
 def test_device_arrays(be, dtype):
     """Device arrays with Dv != D: q, k, v, dout as [B, S, H, D] views of one arena (no
     copies), results as device arrays of the right shapes, bit for bit the host path's;
