@@ -597,7 +597,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
     the running row max in the tile's units (module doc): natural scores with a bias or
     a score modifier (s_scale the natural score scale), raw products q.k without
@@ -612,8 +612,18 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], keep, CAPS)
     s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw q.k
-    if SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
+    if SMOD is not None:   # a score function on the natural scores (after softcap)
+        s, _ = _mod_scores(s, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                           False, SOFTCAP, False, False)
+        s = SMOD(s, b, h, offs_m[:, None], offs_n[None, :],
+                 (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :], CAPS)
+        if HAS_BIAS:
+            s = s + bt
+        c = 1.4426950408889634
+    elif SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
         s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,  # backward's
                            HAS_BIAS, SOFTCAP, ALIBI, False)
         c = 1.4426950408889634
@@ -629,6 +639,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
     m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
     if MASKED or HAS_BIAS or ALIBI:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing kept yet
+    elif SMOD is not None:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     p = tl.math.exp2((s - m_use[:, None]) * c)     # [BM, BN]; exactly 1 at the row max
@@ -654,14 +666,17 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                HAS_SINKS: tl.constexpr, PREC: tl.constexpr):
+                HAS_SINKS: tl.constexpr, PREC: tl.constexpr,
+                CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
     the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
     registers across the loop).  Score modifiers (constexpr flags; off, the kernel is
     the plain one): SOFTCAP cap c, ALIBI slopes SLOPES [Ba, H] fp32 (batch stride sl_b)
     with adiag = alibi_diag, HAS_SINKS sinks SINKS [H] fp32 folded into the statistics
-    and out in the epilogue."""
+    and out in the epilogue.  Score and mask functions (programs.py; None: the built-in
+    kernel): SMOD applied to the natural scores, MMOD on the partial tiles of the tile
+    lists, both reading the captures CAPS (a tuple of pointers)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -705,19 +720,22 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
@@ -731,7 +749,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, DROPOUT, PREC)
+                                      ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
@@ -739,12 +758,15 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, DROPOUT, PREC)
+                                      ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
 
     # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
     if HAS_BIAS or SOFTCAP:
         row_max = m_i                      # natural units already
+    elif SMOD is not None:
+        row_max = m_i
     else:
         row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
     row_max = tl.where(empty, float("-inf"), row_max)
