@@ -1,0 +1,159 @@
+"""Score and mask functions on the portable Triton kernels (interpreter on CPU tensors):
+the gallery's forward against the float64 reference (fp32, bf16), GQA and Sq != Sk,
+mask-function tile skipping, no recompilation for new captured values, refusals.
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tr_util import DEV, T, needs_triton, torch
+
+import anyattn as aa
+
+from helpers import assert_close
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location(
+    "anyattn_gallery", os.path.join(_HERE, "..", "..", "examples", "gallery.py"))
+gallery = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("anyattn_gallery", gallery)
+_spec.loader.exec_module(gallery)
+
+pytestmark = needs_triton
+
+
+def _inputs(seed, B, Hq, Hkv, Sq, Sk, D):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    return q, k, v
+
+
+def _reference(q, k, v, **kw):
+    return aa.attention(*(x.astype(np.float64) for x in (q, k, v)), return_lse=True,
+                        backend="reference", **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(gallery.GALLERY))
+def test_gallery_forward_matches_the_float64_reference(name, dtype):
+    make, square = gallery.GALLERY[name]
+    sq, sk = (48, 48) if square else (40, 56)
+    q, k, v = _inputs(len(name), 2, 4, 2, sq, sk, 16)              # GQA 4 : 2
+    if dtype == "bfloat16":   # the reference sees the rounded inputs
+        q, k, v = (torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v))
+    e = make(2, 4, sq, sk, np.random.default_rng(7))
+    td = getattr(torch, dtype)
+    out, lse = aa.attention(T(q, td), T(k, td), T(v, td), return_lse=True, backend="triton",
+                            **e.kwargs)
+    ro, rl = _reference(q, k, v, **e.kwargs)
+    assert_close(out.float().cpu().numpy(), ro, dtype, f"{name} out")
+    lse = lse.cpu().numpy()
+    fin = np.isfinite(rl)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    assert_close(lse[fin], rl[fin], dtype, f"{name} lse")
+
+
+def _launched_tiles(monkeypatch):
+    """Counts the key tiles the forward's lists hold (partial, full) per call."""
+    from anyattn.backends.triton import tiles
+
+    seen = []
+    real = tiles._build_lists
+
+    def spy(p, ma, sb_q, sb_k, device):
+        tl_ = real(p, ma, sb_q, sb_k, device)
+        seen.append((int(tl_.row_cnt.sum()), int(tl_.row_fcnt.sum())))
+        return tl_
+
+    monkeypatch.setattr(tiles, "_build_lists", spy)
+    return seen
+
+
+def test_mask_function_skips_empty_tiles_and_matches_the_builtin(monkeypatch):
+    """A chunked mask as a function gives the tile lists of the built-in spelling and
+    the same output."""
+    seen = _launched_tiles(monkeypatch)
+    S, C = 256, 64
+    q, k, v = _inputs(3, 1, 2, 2, S, S, 16)
+    fn = aa.MaskMod(lambda b, h, q_idx, kv_idx: q_idx // C == kv_idx // C)
+    ids = torch.arange(S) // C
+    a = aa.attention(T(q), T(k), T(v), mask=fn, backend="triton")
+    bi = aa.attention(T(q), T(k), T(v), mask=aa.Documents(ids.to(DEV)), backend="triton")
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    part, full = seen[0]
+    blocks = (S // 64) ** 2                     # at most this many at any block size
+    assert 0 < part + full < blocks * 16
+    torch.testing.assert_close(a, bi, rtol=0, atol=0)
+    ro, _ = _reference(q, k, v, mask=fn)
+    assert_close(a.cpu().numpy(), ro, "float32", "chunked")
+
+
+def test_new_captured_values_do_not_recompile():
+    """The generated functions are keyed by the graph, not the captures' values: a
+    second call with another table reuses the compiled kernel (interpreter: the same
+    generated JITFunction objects)."""
+    from anyattn.backends.triton import programs
+
+    S = 32
+    q, k, v = _inputs(5, 1, 2, 2, S, S, 16)
+
+    def rel(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, q_idx - kv_idx + S - 1]
+
+    fns = []
+    real = programs.functions
+
+    def spy(*a, **kw):
+        f = real(*a, **kw)
+        fns.append(f)
+        return f
+
+    programs.functions = spy
+    try:
+        for seed in (0, 1):
+            t = np.random.default_rng(seed).standard_normal((2, 2 * S - 1)).astype(np.float32)
+            sm = aa.ScoreMod(rel, table=t)
+            out = aa.attention(T(q), T(k), T(v), score_mod=sm, backend="triton")
+            ro, _ = _reference(q, k, v, score_mod=sm)
+            assert_close(out.cpu().numpy(), ro, "float32", f"table {seed}")
+    finally:
+        programs.functions = real
+    assert fns[0].key == fns[1].key and fns[0].score is fns[1].score
+    assert not torch.equal(fns[0].caps[0], fns[1].caps[0])
+
+
+def test_builtin_launch_passes_no_function():
+    """Without functions the forward's constexprs are the built-in ones: no CAPS, SMOD or
+    MMOD keyword reaches the kernel (its compiled code is the built-in kernel's)."""
+    from anyattn.backends.triton import prepared
+
+    prepared.clear_prepared()
+    q, k, v = _inputs(1, 1, 2, 2, 32, 32, 16)
+    aa.attention(T(q), T(k), T(v), mask=aa.Causal(), backend="triton")
+    kws = [r[2] for pr in prepared.PREPARED._d.values() for r in pr.ready.values()]
+    assert kws and all(not {"CAPS", "SMOD", "MMOD"} & set(kw) for kw in kws)
+
+
+def test_too_many_captures_are_refused():
+    S = 16
+    q, k, v = _inputs(2, 1, 1, 1, S, S, 16)
+    ts = {f"t{i}": np.zeros(S, np.float32) for i in range(5)}
+
+    def fn(score, b, h, q_idx, kv_idx, t0, t1, t2, t3, t4):
+        return score + t0[q_idx] + t1[q_idx] + t2[kv_idx] + t3[kv_idx] + t4[q_idx]
+
+    with pytest.raises(NotImplementedError, match="at most 4"):
+        aa.attention(T(q), T(k), T(v), score_mod=aa.ScoreMod(fn, **ts), backend="triton")
+
+
+def test_backward_of_functions_is_refused():
+    q, k, v = _inputs(2, 1, 1, 1, 16, 16, 16)
+    with pytest.raises(NotImplementedError, match="forward of score / mask functions only"):
+        aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q",), backend="triton",
+                              score_mod=lambda s, b, h, i, j: s * 0.5)
