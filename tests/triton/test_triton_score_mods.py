@@ -157,3 +157,17 @@ def test_backward_of_functions_is_refused():
     with pytest.raises(NotImplementedError, match="forward of score / mask functions only"):
         aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q",), backend="triton",
                               score_mod=lambda s, b, h, i, j: s * 0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
+def test_torch_on_cuda_runs_the_forward_and_refuses_gradients():
+    import anyattn.torch as at
+
+    q, k, v = (T(x) for x in _inputs(4, 1, 2, 2, 32, 32, 16))
+    fn = lambda s, b, h, i, j: s * 0.5                                  # noqa: E731
+    with torch.no_grad():
+        out = at.attention(q, k, v, score_mod=fn)
+    ro, _ = _reference(*(x.cpu().numpy() for x in (q, k, v)), score_mod=fn)
+    assert_close(out.cpu().numpy(), ro, "float32", "torch cuda")
+    with pytest.raises(NotImplementedError, match="forward only"):
+        at.attention(q.requires_grad_(), k, v, score_mod=fn)

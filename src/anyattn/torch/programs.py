@@ -4,9 +4,10 @@ k, v, bias, sinks and the score function's float captures that require grad.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 
-Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo) and not
-on CUDA yet (the Triton lowering of functions is the next step): both raise
-NotImplementedError naming the remedy.
+Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo); on CUDA
+tensors the forward runs on the Triton kernels, and a call that would need gradients
+raises NotImplementedError naming the remedy (the Triton backward of functions is not
+lowered yet).
 """
 from __future__ import annotations
 
@@ -80,12 +81,15 @@ def attention(q, k, v, *, mask, bias, scale, backend, precision, layout, q_offse
             "anyattn.torch.attention: score_mod / MaskMod / | of mask terms are not "
             "supported under torch.compile yet; call it outside the compiled region "
             "(torch.compiler.disable) or use the built-in masks and modifiers")
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"anyattn.torch.attention: score_mod / MaskMod / | of mask terms run on CPU "
-            f"tensors only so far (q is on {q.device}); the CUDA lowering of score and mask "
-            "functions is not implemented yet")
     sm = None if score_mod is None else as_score_mod(score_mod)
+    if q.device.type != "cpu" and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (q, k, v, bias, sinks) + (tuple(sm.captures.values()) if sm else ())):
+        raise NotImplementedError(
+            f"anyattn.torch.attention: score_mod / MaskMod / | of mask terms on {q.device} "
+            "run the forward only so far (the Triton backward of score and mask functions "
+            "is not implemented); call it under torch.no_grad() / on tensors that do not "
+            "require grad, or on CPU tensors for gradients")
     names = () if sm is None else tuple(
         n for n, t in sm.captures.items()
         if isinstance(t, torch.Tensor) and t.requires_grad)
