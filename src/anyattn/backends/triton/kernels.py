@@ -856,7 +856,7 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
@@ -875,8 +875,17 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[None, :], offs_n[:, None], keep, CAPS)
     sT = _dotp(k0, k1, qT0, qT1, PREC)               # [BN, BM] raw
-    if SOFTCAP or (ALIBI and HAS_BIAS):
+    if SMOD is not None:   # a score function and its derivative (programs.score_grad)
+        sT, dtT = _mod_scores(sT, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                              False, SOFTCAP, False, True)
+        sT, dsmT = SMOD(sT, b, h, offs_m[None, :], offs_n[:, None],
+                        (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None], CAPS)
+        if HAS_BIAS:
+            sT = sT + bT
+    elif SOFTCAP or (ALIBI and HAS_BIAS):
         sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
                               HAS_BIAS, SOFTCAP, ALIBI, True)
     elif HAS_BIAS:
@@ -906,6 +915,8 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
         dpT = tl.where(dkeep, dpT * drs, 0.0)
     dsT = pT * (dpT - dlt[None, :])
+    if SMOD is not None:
+        dsT = dsT * dsmT                                      # through the score function
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
     ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
@@ -925,7 +936,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
     mvo = 1.0
@@ -974,19 +985,22 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -1001,7 +1015,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC)
+                                    ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
@@ -1010,7 +1025,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC)
+                                    ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
     if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
@@ -1039,7 +1055,8 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr,
+                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
@@ -1050,7 +1067,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                  SOFTCAP, ALIBI, DROPOUT, PREC)
+                  SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1062,7 +1079,8 @@ def _dq_tile(dq, q0, q1, do0, do1,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
              HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+             b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
@@ -1083,8 +1101,17 @@ def _dq_tile(dq, q0, q1, do0, do1,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], keep, CAPS)
     s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw
-    if SOFTCAP or (ALIBI and HAS_BIAS):
+    if SMOD is not None:   # a score function and its derivative (programs.score_grad)
+        s, dt = _mod_scores(s, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                            False, SOFTCAP, False, False)
+        s, dsm = SMOD(s, b, h, offs_m[:, None], offs_n[None, :],
+                      (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :], CAPS)
+        if HAS_BIAS:
+            s = s + bt
+    elif SOFTCAP or (ALIBI and HAS_BIAS):
         s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
                             HAS_BIAS, SOFTCAP, ALIBI, False)
     elif HAS_BIAS:
@@ -1110,6 +1137,8 @@ def _dq_tile(dq, q0, q1, do0, do1,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
+    if SMOD is not None:
+        ds = ds * dsm                                         # through the score function
     if SOFTCAP:
         ds = ds * dt                                          # through c tanh(x / c)
     ds0, ds1 = _op_parts(ds, gam, kT0, PREC)
@@ -1128,7 +1157,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """dq [BM, D] of query tile pid_m of head h in batch b (int64) over every key tile
     (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
@@ -1176,19 +1206,22 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         rw = i0 // SBQ
@@ -1202,7 +1235,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
@@ -1210,7 +1244,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
     dq = dq * dq_mul
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -1231,7 +1266,8 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+               CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
     bh = tl.program_id(1)
     _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
@@ -1241,7 +1277,8 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
                 H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM, BN, SBQ, SBK, MODE,
-                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC)
+                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC,
+                CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1255,7 +1292,8 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
                      HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                     CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """dq and the dbias of a bias broadcast over batch (RED_B) and/or heads (RED_H) but
     full over queries and keys, no atomics and no scratch.
 
@@ -1288,7 +1326,8 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
                         sl_b, cap, adiag, DW, dthr, drs,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
-                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC)
+                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC,
+                        CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1325,7 +1364,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
                       sl_b, cap, adiag, DW, dthr, drs,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                      SOFTCAP, ALIBI, DROPOUT, PREC)
+                      SOFTCAP, ALIBI, DROPOUT, PREC, None, None, None)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
@@ -1336,7 +1375,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
                     H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
-                    ALIBI, DROPOUT, PREC)
+                    ALIBI, DROPOUT, PREC, None, None, None)
 
 
 @triton.jit
