@@ -41,13 +41,17 @@ def _reference(q, k, v, **kw):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(gallery.GALLERY))
-def test_gallery_forward_matches_the_float64_reference(name, dtype):
+def test_gallery_matches_the_float64_reference(name, dtype):
+    """Forward (out, lse) and dq, dk, dv of every gallery entry, GQA 4 : 2, Sq != Sk
+    where the entry allows."""
     make, square = gallery.GALLERY[name]
-    sq, sk = (48, 48) if square else (40, 56)
-    q, k, v = _inputs(len(name), 2, 4, 2, sq, sk, 16)              # GQA 4 : 2
+    sq, sk = (32, 32) if square else (24, 40)
+    q, k, v = _inputs(len(name), 1, 4, 2, sq, sk, 16)
+    g = np.random.default_rng(len(name) + 1).standard_normal(q.shape).astype(np.float32)
     if dtype == "bfloat16":   # the reference sees the rounded inputs
-        q, k, v = (torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v))
-    e = make(2, 4, sq, sk, np.random.default_rng(7))
+        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+                      for x in (q, k, v, g))
+    e = make(1, 4, sq, sk, np.random.default_rng(7))
     td = getattr(torch, dtype)
     out, lse = aa.attention(T(q, td), T(k, td), T(v, td), return_lse=True, backend="triton",
                             **e.kwargs)
@@ -57,6 +61,31 @@ def test_gallery_forward_matches_the_float64_reference(name, dtype):
     fin = np.isfinite(rl)
     np.testing.assert_array_equal(np.isfinite(lse), fin)
     assert_close(lse[fin], rl[fin], dtype, f"{name} lse")
+    gr = aa.attention_backward(T(q, td), T(k, td), T(v, td), T(g, td), wrt=("q", "k", "v"),
+                               backend="triton", **e.kwargs)
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               wrt=("q", "k", "v"), backend="reference", **e.kwargs)
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n).float().cpu().numpy(), getattr(rg, n), dtype, f"{name} {n}")
+
+
+def test_score_function_with_a_full_bias_and_its_gradient():
+    """dbias is the gradient of the final score (after the function); dq / dk go
+    through d score_mod / d score."""
+    S = 24
+    q, k, v = _inputs(9, 1, 2, 2, S, S, 16)
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(q.shape).astype(np.float32)
+    bias = rng.standard_normal((1, 2, S, S)).astype(np.float32)
+    kw = dict(score_mod=lambda s, b, h, i, j: 3.0 * aa.math.tanh(s / 3.0) * (1.0 + 0.1 * h),
+              mask=aa.Causal())
+    wrt = ("q", "k", "v", "bias")
+    gr = aa.attention_backward(T(q), T(k), T(v), T(g), bias=T(bias), wrt=wrt,
+                               backend="triton", **kw)
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               bias=bias.astype(np.float64), wrt=wrt, backend="reference", **kw)
+    for n in ("dq", "dk", "dv", "dbias"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
 
 
 def _launched_tiles(monkeypatch):
@@ -152,22 +181,32 @@ def test_too_many_captures_are_refused():
         aa.attention(T(q), T(k), T(v), score_mod=aa.ScoreMod(fn, **ts), backend="triton")
 
 
-def test_backward_of_functions_is_refused():
-    q, k, v = _inputs(2, 1, 1, 1, 16, 16, 16)
-    with pytest.raises(NotImplementedError, match="forward of score / mask functions only"):
-        aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q",), backend="triton",
-                              score_mod=lambda s, b, h, i, j: s * 0.5)
+def test_capture_gradients_and_broadcast_dbias_are_refused():
+    """Deterministic capture gradients are not lowered to Triton: wrt naming a capture
+    raises before any work, as does a dbias broadcast over queries or keys."""
+    S = 16
+    q, k, v = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.zeros((2, 2 * S - 1), np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=t)
+    with pytest.raises(NotImplementedError,
+                       match="does not compute gradients of score_mod captures"):
+        aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q", "t"), backend="triton",
+                              score_mod=sm)
+    with pytest.raises(NotImplementedError, match="dbias with score / mask functions"):
+        aa.attention_backward(T(q), T(k), T(v), T(q), bias=T(np.zeros((1, 1, 1, S), np.float32)),
+                              wrt=("q", "bias"), backend="triton", score_mod=sm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
-def test_torch_on_cuda_runs_the_forward_and_refuses_gradients():
+def test_torch_on_cuda_runs_functions_and_refuses_capture_gradients():
     import anyattn.torch as at
 
     q, k, v = (T(x) for x in _inputs(4, 1, 2, 2, 32, 32, 16))
     fn = lambda s, b, h, i, j: s * 0.5                                  # noqa: E731
-    with torch.no_grad():
-        out = at.attention(q, k, v, score_mod=fn)
-    ro, _ = _reference(*(x.cpu().numpy() for x in (q, k, v)), score_mod=fn)
-    assert_close(out.cpu().numpy(), ro, "float32", "torch cuda")
-    with pytest.raises(NotImplementedError, match="forward only"):
-        at.attention(q.requires_grad_(), k, v, score_mod=fn)
+    out = at.attention(q.requires_grad_(), k, v, score_mod=fn)
+    out.sum().backward()
+    ro, _ = _reference(*(x.detach().cpu().numpy() for x in (q, k, v)), score_mod=fn)
+    assert_close(out.detach().cpu().numpy(), ro, "float32", "torch cuda")
+    t = torch.zeros(2, device=q.device, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="do not compute capture gradients"):
+        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=t))

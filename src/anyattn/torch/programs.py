@@ -5,9 +5,8 @@ k, v, bias, sinks and the score function's float captures that require grad.
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 
 Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo); on CUDA
-tensors the forward runs on the Triton kernels, and a call that would need gradients
-raises NotImplementedError naming the remedy (the Triton backward of functions is not
-lowered yet).
+tensors the Triton kernels run forward and backward, except the gradients of captures,
+which raise NotImplementedError naming the remedy (not lowered to Triton yet).
 """
 from __future__ import annotations
 
@@ -82,17 +81,14 @@ def attention(q, k, v, *, mask, bias, scale, backend, precision, layout, q_offse
             "supported under torch.compile yet; call it outside the compiled region "
             "(torch.compiler.disable) or use the built-in masks and modifiers")
     sm = None if score_mod is None else as_score_mod(score_mod)
-    if q.device.type != "cpu" and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for t in (q, k, v, bias, sinks) + (tuple(sm.captures.values()) if sm else ())):
-        raise NotImplementedError(
-            f"anyattn.torch.attention: score_mod / MaskMod / | of mask terms on {q.device} "
-            "run the forward only so far (the Triton backward of score and mask functions "
-            "is not implemented); call it under torch.no_grad() / on tensors that do not "
-            "require grad, or on CPU tensors for gradients")
     names = () if sm is None else tuple(
         n for n, t in sm.captures.items()
         if isinstance(t, torch.Tensor) and t.requires_grad)
+    if q.device.type != "cpu" and names and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"anyattn.torch.attention: score_mod captures {list(names)} require grad on "
+            f"{q.device}: the Triton kernels do not compute capture gradients yet; detach "
+            "them (or call under torch.no_grad()), or run on CPU tensors for their gradients")
     qb, kb, vb = ((x if layout == "bhsd" else x.transpose(1, 2)) for x in (q, k, v))
     kw = dict(mask=mask, scale=scale, backend=backend, precision=precision,
               q_offset=q_offset, k_offset=k_offset, softcap=softcap,
