@@ -123,6 +123,30 @@ def test_mask_function_skips_empty_tiles_and_matches_the_builtin(monkeypatch):
     assert_close(a.cpu().numpy(), ro, "float32", "chunked")
 
 
+@pytest.mark.parametrize("name", ["prefix_lm", "document_causal", "sliding_global",
+                                  "dilated", "neighbourhood_2d", "chunked"])
+def test_device_block_maps_match_the_core_classification(name):
+    """The device classification (mask_blocks_kernel with the generated mask function)
+    gives the NumPy core's any / all block maps."""
+    from anyattn.backends.triton import programs
+    from anyattn.masks import resolve
+    from anyattn.programs.bound import mask_tile_parts
+
+    make, square = gallery.GALLERY[name]
+    sq, sk = (48, 48) if square else (40, 56)
+    e = make(2, 4, sq, sk, np.random.default_rng(7))
+    rm = resolve(e.kwargs["mask"], 2, 4, sq, sk)
+    assert rm.mask_fns
+    a, l = programs.mask_blocks(rm.mask_fns, (2, 4, sq, sk), 16, 32, torch.device(DEV))
+    ra, rl = None, None
+    for bp in rm.mask_fns:
+        x, y = mask_tile_parts(bp, 16, 32)
+        ra = x if ra is None else ra & x
+        rl = y if rl is None else rl & y
+    np.testing.assert_array_equal(np.broadcast_to(a.cpu().numpy(), ra.shape), ra)
+    np.testing.assert_array_equal(np.broadcast_to(l.cpu().numpy(), rl.shape), rl)
+
+
 def test_new_captured_values_do_not_recompile():
     """The generated functions are keyed by the graph, not the captures' values: a
     second call with another table reuses the compiled kernel (interpreter: the same

@@ -1488,3 +1488,26 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
         ptrs = DBh + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
         tl.store(ptrs, acc.to(DB.dtype.element_ty),
                  mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
+
+
+# ----------------------------------------------------------------------------- mask functions
+@triton.jit
+def mask_blocks_kernel(ANY, ALL, CAPS, Sq, Sk, NQ, NK, HX, SBQ: tl.constexpr,
+                       SBK: tl.constexpr, MMOD: tl.constexpr):
+    """Grid (NQ, NK, BX * HX): whether mask block (iq, jk) of (b, h) keeps any / every
+    in-bounds pair under the generated mask function MMOD (programs.py), as int8 into
+    ANY / ALL [BX * HX, NQ, NK] (BX, HX: 1 where the functions do not read b / h)."""
+    iq = tl.program_id(0)
+    jk = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // HX).to(tl.int64)
+    h = (bh % HX).to(tl.int64)
+    offs_m = iq * SBQ + tl.arange(0, SBQ)
+    offs_n = jk * SBK + tl.arange(0, SBK)
+    valid = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+    keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], valid, CAPS)
+    n_keep = tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
+    n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
+    o = bh.to(tl.int64) * NQ * NK + iq * NK + jk
+    tl.store(ANY + o, (n_keep > 0).to(tl.int8))
+    tl.store(ALL + o, (n_keep == n_valid).to(tl.int8))

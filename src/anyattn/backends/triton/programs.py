@@ -28,6 +28,7 @@ nothing.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib.util
 import os
@@ -41,7 +42,8 @@ import numpy as np
 
 from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
 
-__all__ = ["MAX_CAPTURES", "Functions", "functions", "of_problem", "source_of", "cache_dir"]
+__all__ = ["MAX_CAPTURES", "Functions", "functions", "of_problem", "mask_blocks", "source_of",
+           "cache_dir"]
 
 #: capture pointer slots of the kernels (every score and mask function of a call together)
 MAX_CAPTURES = 4
@@ -406,3 +408,42 @@ def of_problem(p, dev) -> Optional[Functions]:
     if p.score_mod is None and not mask_fns:
         return None
     return functions(p.score_mod, mask_fns or (), dev)
+
+
+_BLOCK_CACHE_SIZE = 16
+_block_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def mask_blocks(mask_bps: Sequence, sizes, sb_q: int, sb_k: int, dev):
+    """A call's mask functions per mask block: (any kept, all kept), bool
+    [Bx, Hx, nQ, nK] on ``dev`` (Bx = B where a function reads b, else 1; Hx likewise),
+    evaluated on the device by kernels.mask_blocks_kernel with the generated mask
+    function (the function the kernels call on partial blocks).  Cached by the graphs'
+    keys, the captures' digests, the sizes and the block size."""
+    import torch
+
+    from . import kernels
+
+    B, H, Sq, Sk = sizes
+    key = (tuple(bp.program.key for bp in mask_bps), tuple(bp.digest() for bp in mask_bps),
+           tuple(sizes), sb_q, sb_k, str(dev))
+    with _lock:
+        hit = _block_cache.get(key)
+        if hit is not None:
+            _block_cache.move_to_end(key)
+            return hit
+    uses = frozenset().union(*(bp.program.uses for bp in mask_bps))
+    bx, hx = (B if "b" in uses else 1), (H if "h" in uses else 1)
+    nq, nk = -(-Sq // sb_q), -(-Sk // sb_k)
+    fns = functions(None, mask_bps, dev)
+    any_k = torch.empty((bx, hx, nq, nk), dtype=torch.int8, device=dev)
+    all_k = torch.empty((bx, hx, nq, nk), dtype=torch.int8, device=dev)
+    if any_k.numel():
+        kernels.mask_blocks_kernel[(nq, nk, bx * hx)](any_k, all_k, fns.caps, Sq, Sk, nq, nk,
+                                                      hx, SBQ=sb_q, SBK=sb_k, MMOD=fns.mask)
+    res = (any_k.bool(), all_k.bool())
+    with _lock:
+        _block_cache[key] = res
+        while len(_block_cache) > _BLOCK_CACHE_SIZE:
+            _block_cache.popitem(last=False)
+    return res

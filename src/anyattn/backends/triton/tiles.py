@@ -12,7 +12,6 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Dict
 
-import numpy as np
 import torch
 
 from . import mask_inputs
@@ -218,13 +217,14 @@ def _build_lists(p, ma: MaskArgs, sb_q, sb_k, device) -> TileLists:
         a, l = _block_reduce(keep.expand(bx, hx, Sq, Sk), sb_q, sb_k)
         any_k, all_k = any_k & a, all_k & l
     if rm.mask_fns:
-        # mask functions: classified by the core (every pair evaluated once, chunked,
-        # cached by the graphs' keys, the captures' digest and the sizes)
-        from ...masks import TERM_KINDS
+        # mask functions: classified on the device by the generated mask function
+        # (every pair evaluated once; cached by the graphs' keys, the captures' digest,
+        # the sizes and the block size)
+        from . import programs
 
-        a, l = TERM_KINDS["mask_mod"].tile_parts(rm, sb_q, sb_k)
-        any_k = any_k & torch.from_numpy(np.ascontiguousarray(a)).to(device)
-        all_k = all_k & torch.from_numpy(np.ascontiguousarray(l)).to(device)
+        a, l = programs.mask_blocks(rm.mask_fns, (p.batch, p.heads_q, Sq, Sk), sb_q, sb_k,
+                                    device)
+        any_k, all_k = any_k & a, all_k & l
     # blocks that cross the problem's edge keep the bounds checks of a partial block
     if Sq % sb_q:
         all_k[:, :, -1, :] = False
@@ -281,7 +281,7 @@ def tile_lists(p, ma: MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
     """The tile lists of p's mask at block size sb_q x sb_k, cached per mask contents
     (torch masks only; the cache holds the mask tensors so their memory stays theirs)."""
     rm = p.mask
-    if rm.mask_fns:      # the core caches the functions' tile maps by content
+    if rm.mask_fns:      # programs.mask_blocks caches the functions' block maps by content
         return _build_lists(p, ma, sb_q, sb_k, device)
     parts = [mask_inputs.tensor_key(rm.keep), mask_inputs.tensor_key(rm.q_ids),
              mask_inputs.tensor_key(rm.k_ids)]
