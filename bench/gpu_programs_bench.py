@@ -3,10 +3,11 @@
     python bench/gpu_programs_bench.py                 # B=4 H=16 S=4096 D=128 bf16 (GPU)
     TRITON_INTERPRET=1 python bench/gpu_programs_bench.py --tiny   # interpreter smoke run
 
-Forward only (the Triton backward of functions is not lowered yet).  Per pair: the
-median time of the function and of its built-in spelling (anyattn), FlexAttention's
-(torch.compile'd flex_attention with the same function, on CUDA only) and, apart, the
-mask-function tile classification and Flex's create_block_mask.
+Per pair, forward and fwd+bwd (attention_backward with wrt q, k, v, which runs the
+forward too): the median time of the function and of its built-in spelling (anyattn),
+FlexAttention's (torch.compile'd flex_attention with the same function, on CUDA only)
+and, apart, Flex's create_block_mask (anyattn's block maps are cached per content, so
+its timed calls exclude their build, as Flex's exclude create_block_mask).
 """
 from __future__ import annotations
 
@@ -79,19 +80,39 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         flex = torch.compile(flex_attention)
-    print(f"B={B} H={H} S={S} D={D} {dt} on {dev}; forward ms (median of {reps})")
+    print(f"B={B} H={H} S={S} D={D} {dt} on {dev}; ms (median of {reps})")
     for name, (fn_kw, bi_kw, smod, mmod) in pairs(S, H).items():
         fn_kw = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in fn_kw.items()}
         bi_kw = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in bi_kw.items()}
-        t_fn = _time(lambda: aa.attention(q, k, v, backend="triton", **fn_kw), reps, sync)
-        t_bi = _time(lambda: aa.attention(q, k, v, backend="triton", **bi_kw), reps, sync)
-        line = f"{name:8s} function {t_fn:9.3f}  built-in {t_bi:9.3f}  ratio {t_fn / t_bi:5.2f}"
+        do = torch.randn_like(q)
+
+        def ours(kw, bwd):
+            if bwd:
+                return lambda: aa.attention_backward(q, k, v, do, wrt=("q", "k", "v"),
+                                                     backend="triton", **kw)
+            return lambda: aa.attention(q, k, v, backend="triton", **kw)
+
+        line = f"{name:8s}"
+        for bwd in (False, True):
+            t_fn = _time(ours(fn_kw, bwd), reps, sync)
+            t_bi = _time(ours(bi_kw, bwd), reps, sync)
+            line += (f"  {'fwd+bwd' if bwd else 'fwd'}: function {t_fn:9.3f} built-in "
+                     f"{t_bi:9.3f} ({t_fn / t_bi:4.2f}x)")
+            if flex is not None:
+                bm = create_block_mask(mmod, None, None, S, S, device=dev)
+                qf, kf, vf = (x.detach().requires_grad_(bwd) for x in (q, k, v))
+
+                def fx():
+                    o = flex(qf, kf, vf, score_mod=smod, block_mask=bm)
+                    if bwd:
+                        o.backward(do)
+
+                t_fx = _time(fx, reps, sync)
+                line += f" flex {t_fx:9.3f} (function/flex {t_fn / t_fx:4.2f})"
         if flex is not None:
             t_bm = _time(lambda: create_block_mask(mmod, None, None, S, S, device=dev), reps,
                          sync)
-            bm = create_block_mask(mmod, None, None, S, S, device=dev)
-            t_fx = _time(lambda: flex(q, k, v, score_mod=smod, block_mask=bm), reps, sync)
-            line += f"  flex {t_fx:9.3f} (block mask {t_bm:7.3f})  function/flex {t_fn / t_fx:5.2f}"
+            line += f"  create_block_mask {t_bm:7.3f}"
         print(line)
 
 
