@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -262,7 +262,7 @@ _PROLOGUE = '''    bb = b.to({it})
 '''
 
 
-def _shape_fix(expr: str, node: Node, like: str) -> str:
+def _full_tile(expr: str, like: str) -> str:
     """expr as a full tile shaped like ``like`` (a constant or a broadcast value)."""
     return f"({expr}) + tl.zeros_like({like})"
 
@@ -270,8 +270,8 @@ def _shape_fix(expr: str, node: Node, like: str) -> str:
 @dataclass
 class Functions:
     """The generated functions of one call and its capture tensors: ``score``,
-    ``score_grad`` and ``mask`` (JITFunctions or None), ``caps`` (tuple of device
-    tensors, None when no function reads a capture... and no function is used), and
+    ``score_grad`` and ``mask`` (JITFunctions or None), ``caps`` (the tuple of capture
+    tensors in slot order; one fp32 placeholder where no function reads a capture) and
     ``key`` (the module's hash)."""
 
     score: object
@@ -295,14 +295,14 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
         out = g.ref(score_prog.out)
         lines += ["@triton.jit", "def score(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
         lines += g.lines
-        lines += [f"    return {_shape_fix(out, score_prog.out, 's')}", "", ""]
+        lines += [f"    return {_full_tile(out, 's')}", "", ""]
         dsc, _ = score_prog.grad_nodes(frozenset())
         g2 = _Gen(itype, sl, lay)
         g2.body([score_prog.out, dsc])
         lines += ["@triton.jit", "def score_grad(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
         lines += g2.lines
-        lines += [f"    return ({_shape_fix(g2.ref(score_prog.out), score_prog.out, 's')}, "
-                  f"{_shape_fix(g2.ref(dsc), dsc, 's')})", "", ""]
+        lines += [f"    return ({_full_tile(g2.ref(score_prog.out), 's')}, "
+                  f"{_full_tile(g2.ref(dsc), 's')})", "", ""]
     if mask_progs:
         lines += ["@triton.jit", "def mask(b, h, q_idx, kv_idx, valid, CAPS):", pro]
         keep = "valid"
@@ -337,7 +337,6 @@ def _load(key: str, src: str):
 
 def _storage(bp, name: str, torch, dev):
     """A capture as the kernels read it: contiguous, fp32 / int32|int64 / uint8."""
-    import torch as _t  # noqa: F401  (torch is the caller's)
     arr = bp.arrays[name]
     kind = bp.program.specs[name].dtype
     if kind == FLOAT:
