@@ -4,9 +4,9 @@ k, v, bias, sinks and the score function's float captures that require grad.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 
-Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo) and not
-on CUDA yet (the Triton lowering of functions is the next step): both raise
-NotImplementedError naming the remedy.
+Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo); on CUDA
+tensors the Triton kernels run forward and backward, except the gradients of captures,
+which raise NotImplementedError naming the remedy (not lowered to Triton yet).
 """
 from __future__ import annotations
 
@@ -80,15 +80,15 @@ def attention(q, k, v, *, mask, bias, scale, backend, precision, layout, q_offse
             "anyattn.torch.attention: score_mod / MaskMod / | of mask terms are not "
             "supported under torch.compile yet; call it outside the compiled region "
             "(torch.compiler.disable) or use the built-in masks and modifiers")
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"anyattn.torch.attention: score_mod / MaskMod / | of mask terms run on CPU "
-            f"tensors only so far (q is on {q.device}); the CUDA lowering of score and mask "
-            "functions is not implemented yet")
     sm = None if score_mod is None else as_score_mod(score_mod)
     names = () if sm is None else tuple(
         n for n, t in sm.captures.items()
         if isinstance(t, torch.Tensor) and t.requires_grad)
+    if q.device.type != "cpu" and names and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"anyattn.torch.attention: score_mod captures {list(names)} require grad on "
+            f"{q.device}: the Triton kernels do not compute capture gradients yet; detach "
+            "them (or call under torch.no_grad()), or run on CPU tensors for their gradients")
     qb, kb, vb = ((x if layout == "bhsd" else x.transpose(1, 2)) for x in (q, k, v))
     kw = dict(mask=mask, scale=scale, backend=backend, precision=precision,
               q_offset=q_offset, k_offset=k_offset, softcap=softcap,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ...features import BUILTIN_MODIFIERS
+from ...features import BUILTIN_MODIFIERS, FUNCTION_MODIFIERS, GRADIENTS
 from ... import settings
 from ..base import Backend, Capabilities
 
@@ -37,7 +37,10 @@ class TritonBackend(Backend):
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
-            mask_terms=frozenset({"band", "documents", "keep"}), modifiers=BUILTIN_MODIFIERS)
+            mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
+            modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
+            # capture gradients need a deterministic reduction not lowered yet
+            gradients=GRADIENTS - {"score_mod_grad"})
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Optional[str]:
@@ -80,6 +83,12 @@ class TritonBackend(Backend):
         why = []
         if p.bias_dtype is not None and p.bias_dtype not in ("float16", "bfloat16", "float32"):
             why.append(f"takes a float16/bfloat16/float32 bias, got {p.bias_dtype}")
+        if ("bias" in p.wrt and (p.score_mod is not None or p.mask.mask_fns)
+                and p.bias_shape is not None
+                and tuple(p.bias_shape[2:]) != (p.seq_q, p.seq_k)):
+            why.append("computes dbias with score / mask functions only for a bias full "
+                       "over queries and keys ([.., Sq, Sk]); expand the bias or use "
+                       "backend='numpy'")
         dev_type = p.device.split(":")[0]
         if dev_type == "cpu" and not _interpreting():
             why.append("needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); "

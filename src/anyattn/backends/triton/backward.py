@@ -14,7 +14,7 @@ import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, tiles
+from . import configs, kernels, operands, prepared, programs, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
@@ -51,6 +51,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     want_ds, want_kv, want_q = pr.want_ds, pr.want_kv, pr.want_q
     full_bias, owner_db = pr.full_bias, pr.owner_db
     tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
+    fns = programs.of_problem(p, dev)
+    fkw = {} if fns is None else dict(CAPS=fns.caps, SMOD=fns.score_grad, MMOD=fns.mask)
     if not isinstance(stats, RowStats):
         stats = RowStats.from_lse(stats)
     mx, ln = stat_plane(stats.max, dev), stat_plane(stats.log_norm, dev)
@@ -94,10 +96,10 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         if owner_db:
             if want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
-                             sc, scalars)
+                             sc, scalars, fkw)
             res["dbias"] = _launch_dq_dbias(pr, p, plan, qo, ko, vo, doo, l2, delta, dq, bias,
-                                            ma, md, tlists, sc, scalars)
-        elif want_kv and want_q and plan.fused_bwd and not pr.hop:
+                                            ma, md, tlists, sc, scalars, fkw)
+        elif want_kv and want_q and plan.fused_bwd and not pr.hop and fns is None:
             _launch_fused_bwd(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
                               ma, md, tlists, sc, scalars, full_bias)
         else:
@@ -115,7 +117,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                     hopper_launch.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites)
             elif want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
-                             sc, scalars)
+                             sc, scalars, fkw)
             if want_q:
                 args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
@@ -125,7 +127,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
 
                 def first():
                     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
-                              WRITE_DB=full_bias, **pr.common)
+                              WRITE_DB=full_bias, **pr.common, **fkw)
                     return (lambda c: (cdiv(Sq, c.bm), B * H), plan.dq, kw,
                             prepared.tuning_key("dq", p), str(qo.dtype))
 
@@ -141,7 +143,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     return res
 
 
-def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars):
+def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
+                 fkw):
     """dk, dv through kernels.dkdv_kernel (one program per key tile and kv head)."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
@@ -149,7 +152,8 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
 
     def first():
-        kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common)
+        kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common,
+                  **fkw)
         B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
         return (lambda c: (cdiv(Sk, c.bn), B * Hkv), plan.dkdv, kw,
                 prepared.tuning_key("dkdv", p), str(q.dtype))
@@ -158,7 +162,7 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
 
 
 def _launch_dq_dbias(pr, p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists, sc,
-                     scalars):
+                     scalars, fkw):
     """dq (kept when asked for) and dbias for a bias [Bb, Hb, Sq, Sk] broadcast over batch
     and/or heads, through kernels.dq_dbias_kernel: the programs of one (bias batch, bias head)
     run the dq of every (b, h) mapped onto it in turn and sum dS in place; the dbias
@@ -178,7 +182,7 @@ def _launch_dq_dbias(pr, p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tl
 
     def first():
         kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, RED_B=red_b, RED_H=red_h,
-                  **pr.common)
+                  **pr.common, **fkw)
         return (lambda c: (cdiv(Sq, c.bm), bb * hb), plan.dq, kw,
                 prepared.tuning_key("dq", p),
                 str(q.dtype))

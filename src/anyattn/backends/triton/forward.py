@@ -19,7 +19,7 @@ import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, tiles
+from . import configs, kernels, operands, prepared, programs, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
@@ -45,6 +45,7 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, bias)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
     tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
+    fns = programs.of_problem(p, dev)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec = pr.prec
@@ -67,6 +68,8 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
             kw = dict(D=D, DP=configs.padded_dim(D), SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
                       HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
                       HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
+            if fns is not None:
+                kw.update(CAPS=fns.caps, SMOD=fns.score, MMOD=fns.mask)
             return (lambda c: (cdiv(Sq, c.bm), B * H), plan.fwd, kw,
                     prepared.tuning_key("fwd", p), str(args[0].dtype))
 

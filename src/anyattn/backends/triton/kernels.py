@@ -597,7 +597,7 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
     the running row max in the tile's units (module doc): natural scores with a bias or
     a score modifier (s_scale the natural score scale), raw products q.k without
@@ -612,8 +612,18 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], keep, CAPS)
     s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw q.k
-    if SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
+    if SMOD is not None:   # a score function on the natural scores (after softcap)
+        s, _ = _mod_scores(s, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                           False, SOFTCAP, False, False)
+        s = SMOD(s, b, h, offs_m[:, None], offs_n[None, :],
+                 (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :], CAPS)
+        if HAS_BIAS:
+            s = s + bt
+        c = 1.4426950408889634
+    elif SOFTCAP or (ALIBI and HAS_BIAS):   # natural scores with the modifiers, as the
         s, _ = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,  # backward's
                            HAS_BIAS, SOFTCAP, ALIBI, False)
         c = 1.4426950408889634
@@ -629,6 +639,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
     m_new = tl.maximum(m_i, tl.max(s, 1))                                     # [BM]
     if MASKED or HAS_BIAS or ALIBI:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing kept yet
+    elif SMOD is not None:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     p = tl.math.exp2((s - m_use[:, None]) * c)     # [BM, BN]; exactly 1 at the row max
@@ -654,14 +666,17 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                HAS_SINKS: tl.constexpr, PREC: tl.constexpr):
+                HAS_SINKS: tl.constexpr, PREC: tl.constexpr,
+                CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
     the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
     registers across the loop).  Score modifiers (constexpr flags; off, the kernel is
     the plain one): SOFTCAP cap c, ALIBI slopes SLOPES [Ba, H] fp32 (batch stride sl_b)
     with adiag = alibi_diag, HAS_SINKS sinks SINKS [H] fp32 folded into the statistics
-    and out in the epilogue."""
+    and out in the epilogue.  Score and mask functions (programs.py; None: the built-in
+    kernel): SMOD applied to the natural scores, MMOD on the partial tiles of the tile
+    lists, both reading the captures CAPS (a tuple of pointers)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -705,19 +720,22 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
                                       offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
                                       skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
-                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                      HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         row = i0 // SBQ
@@ -731,7 +749,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, DROPOUT, PREC)
+                                      ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
@@ -739,12 +758,15 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                       KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                      ALIBI, DROPOUT, PREC)
+                                      ALIBI, DROPOUT, PREC,
+                                      b, h, CAPS, SMOD, MMOD)
 
     # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
     empty = l_i == 0.0
     if HAS_BIAS or SOFTCAP:
         row_max = m_i                      # natural units already
+    elif SMOD is not None:
+        row_max = m_i
     else:
         row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
     row_max = tl.where(empty, float("-inf"), row_max)
@@ -834,7 +856,7 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
@@ -853,8 +875,17 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if MASKED:     # (its id / keep-mask loads too)
         keep = _keep_t(offs_n, offs_m, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                        HAS_BAND, HAS_DOCS, HAS_KEEP)                              # [BN, BM]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[None, :], offs_n[:, None], keep, CAPS)
     sT = _dotp(k0, k1, qT0, qT1, PREC)               # [BN, BM] raw
-    if SOFTCAP or (ALIBI and HAS_BIAS):
+    if SMOD is not None:   # a score function and its derivative (programs.score_grad)
+        sT, dtT = _mod_scores(sT, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                              False, SOFTCAP, False, True)
+        sT, dsmT = SMOD(sT, b, h, offs_m[None, :], offs_n[:, None],
+                        (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None], CAPS)
+        if HAS_BIAS:
+            sT = sT + bT
+    elif SOFTCAP or (ALIBI and HAS_BIAS):
         sT, dtT = _mod_scores(sT, s_scale, bT, cap, slope, offs_m, offs_n, adiag,
                               HAS_BIAS, SOFTCAP, ALIBI, True)
     elif HAS_BIAS:
@@ -884,6 +915,8 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
         dpT = tl.where(dkeep, dpT * drs, 0.0)
     dsT = pT * (dpT - dlt[None, :])
+    if SMOD is not None:
+        dsT = dsT * dsmT                                      # through the score function
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
     ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
@@ -903,7 +936,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
     mvo = 1.0
@@ -952,19 +985,22 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC)
+                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -979,7 +1015,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC)
+                                    ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
@@ -988,7 +1025,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC)
+                                    ALIBI, DROPOUT, PREC,
+                                    b, h, CAPS, SMOD, MMOD)
     if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
@@ -1017,7 +1055,8 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr,
+                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
@@ -1028,7 +1067,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                  SOFTCAP, ALIBI, DROPOUT, PREC)
+                  SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1040,7 +1079,8 @@ def _dq_tile(dq, q0, q1, do0, do1,
              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
              HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+             b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """One key tile's contribution to dq [BM, DP]; with WRITE_DB also dS to the dbias
     tile (DB_ACC: added to what is there when db_add != 0, a broadcast bias's sum)."""
     offs_n = start_n + offs_nb
@@ -1061,8 +1101,17 @@ def _dq_tile(dq, q0, q1, do0, do1,
     if MASKED:
         keep = _keep(offs_m, offs_n, Sq, Sk, lo, hi, QID, KID, KM, skm_m, skm_n,
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
+        if MMOD is not None:   # a mask function (partial tiles only; programs.py)
+            keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], keep, CAPS)
     s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw
-    if SOFTCAP or (ALIBI and HAS_BIAS):
+    if SMOD is not None:   # a score function and its derivative (programs.score_grad)
+        s, dt = _mod_scores(s, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
+                            False, SOFTCAP, False, False)
+        s, dsm = SMOD(s, b, h, offs_m[:, None], offs_n[None, :],
+                      (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :], CAPS)
+        if HAS_BIAS:
+            s = s + bt
+    elif SOFTCAP or (ALIBI and HAS_BIAS):
         s, dt = _mod_scores(s, s_scale, bt, cap, slope, offs_m, offs_n, adiag,
                             HAS_BIAS, SOFTCAP, ALIBI, False)
     elif HAS_BIAS:
@@ -1088,6 +1137,8 @@ def _dq_tile(dq, q0, q1, do0, do1,
             tl.store(db_ptrs, db.to(DB.dtype.element_ty), mask=inb)
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
+    if SMOD is not None:
+        ds = ds * dsm                                         # through the score function
     if SOFTCAP:
         ds = ds * dt                                          # through c tanh(x / c)
     ds0, ds1 = _op_parts(ds, gam, kT0, PREC)
@@ -1106,7 +1157,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
     """dq [BM, D] of query tile pid_m of head h in batch b (int64) over every key tile
     (and its dS rows into DB, see _dq_tile)."""
     hk = h // G
@@ -1154,19 +1206,22 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
                           DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
     else:
         # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
         rw = i0 // SBQ
@@ -1180,7 +1235,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
         n_full = tl.load(FCNT + cb)
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
@@ -1188,7 +1244,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
                           offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
                           sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
-                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC)
+                          HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
+                          b, h, CAPS, SMOD, MMOD)
     dq = dq * dq_mul
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + i0.to(tl.int64) * sdq_s + offs_mb[:, None] * sdq_s + offs_d[None, :]
     inb = offs_m < Sq
@@ -1209,7 +1266,8 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+               CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """Grid (cdiv(Sq, BM), B * H): dq of one query tile."""
     bh = tl.program_id(1)
     _dq_program(tl.program_id(0), (bh // H).to(tl.int64), (bh % H).to(tl.int64),
@@ -1219,7 +1277,8 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
                 H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM, BN, SBQ, SBK, MODE,
-                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC)
+                HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC,
+                CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1233,7 +1292,8 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
                      HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                     CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
     """dq and the dbias of a bias broadcast over batch (RED_B) and/or heads (RED_H) but
     full over queries and keys, no atomics and no scratch.
 
@@ -1266,7 +1326,8 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
                         sl_b, cap, adiag, DW, dthr, drs,
                         bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
-                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC)
+                        HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC,
+                        CAPS, SMOD, MMOD)
 
 
 @triton.jit
@@ -1303,7 +1364,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
                       sl_b, cap, adiag, DW, dthr, drs,
                       D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                      SOFTCAP, ALIBI, DROPOUT, PREC)
+                      SOFTCAP, ALIBI, DROPOUT, PREC, None, None, None)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
@@ -1314,7 +1375,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
                     H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
-                    ALIBI, DROPOUT, PREC)
+                    ALIBI, DROPOUT, PREC, None, None, None)
 
 
 @triton.jit
@@ -1427,3 +1488,26 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
         ptrs = DBh + offs_m.to(tl.int64)[:, None] * sdb_m + offs_n.to(tl.int64)[None, :] * sdb_n
         tl.store(ptrs, acc.to(DB.dtype.element_ty),
                  mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
+
+
+# ----------------------------------------------------------------------------- mask functions
+@triton.jit
+def mask_blocks_kernel(ANY, ALL, CAPS, Sq, Sk, NQ, NK, HX, SBQ: tl.constexpr,
+                       SBK: tl.constexpr, MMOD: tl.constexpr):
+    """Grid (NQ, NK, BX * HX): whether mask block (iq, jk) of (b, h) keeps any / every
+    in-bounds pair under the generated mask function MMOD (programs.py), as int8 into
+    ANY / ALL [BX * HX, NQ, NK] (BX, HX: 1 where the functions do not read b / h)."""
+    iq = tl.program_id(0)
+    jk = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // HX).to(tl.int64)
+    h = (bh % HX).to(tl.int64)
+    offs_m = iq * SBQ + tl.arange(0, SBQ)
+    offs_n = jk * SBK + tl.arange(0, SBK)
+    valid = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+    keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], valid, CAPS)
+    n_keep = tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
+    n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
+    o = bh.to(tl.int64) * NQ * NK + iq * NK + jk
+    tl.store(ANY + o, (n_keep > 0).to(tl.int8))
+    tl.store(ALL + o, (n_keep == n_valid).to(tl.int8))

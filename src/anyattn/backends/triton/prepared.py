@@ -66,7 +66,7 @@ def _problem_fields() -> tuple:
 def _mask_key(m) -> tuple:
     """The band and which tensor terms are present (their contents are per call)."""
     return (m.band_lo, m.band_hi, m.q_ids is not None, m.k_ids is not None,
-            m.keep is not None)
+            m.keep is not None, m.mask_fns)
 
 
 def problem_key(p) -> tuple:
@@ -288,7 +288,9 @@ def run(pr: Prepared, name: str, kernel, args, first) -> None:
         replay(pr, name, ready, kernel, args)
         return
     grid_of, cfg, kw, tune_key, dt = first()
-    c = resolve_launch(kernel, grid_of, cfg, args, kw, signature(dt=dt, **kw), tune_key)
+    # score / mask functions' captures: tensors, keyed by dtype only
+    sig_kw = {n: (tuple(t.dtype for t in x) if n == "CAPS" else x) for n, x in kw.items()}
+    c = resolve_launch(kernel, grid_of, cfg, args, kw, signature(dt=dt, **sig_kw), tune_key)
     pr.ready[name] = [grid_of(c), (), dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
                                            num_stages=c.num_stages)]
 

@@ -78,7 +78,9 @@ class ProblemFacts:
         feats = frozenset(n for n, on in (("bias", p.has_bias),
                                           ("softcap", p.softcap is not None),
                                           ("alibi", p.has_alibi), ("sinks", p.has_sinks),
-                                          ("dropout", p.has_dropout)) if on)
+                                          ("dropout", p.has_dropout),
+                                          ("score_mod", p.score_mod is not None),
+                                          ("mask_mod", bool(p.mask.mask_fns))) if on)
         return cls(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seq_q=p.seq_q,
                    seq_k=p.seq_k, head_dim=p.head_dim, dtype=p.dtype,
                    mask_class=p.mask_class, features=feats, precision=p.precision,

@@ -98,7 +98,7 @@ def mask_args(p, q, bias) -> MaskArgs:
     return MaskArgs(lo=lo, hi=hi, has_band=rm.has_band, qid=qid, kid=kid, sqid_b=sqid_b,
                      skid_b=skid_b, km=km, skm=skm, has_docs=has_docs, has_keep=has_keep,
                      bias=bx, sb=sb, has_bias=bias is not None, ids_sorted=ids_sorted,
-                     mode=1 if (has_docs or has_keep) else 0)
+                     mode=1 if (has_docs or has_keep or rm.mask_fns) else 0)
 
 
 def clear() -> None:
@@ -216,6 +216,15 @@ def _build_lists(p, ma: MaskArgs, sb_q, sb_k, device) -> TileLists:
         bx, hx = keep.shape[0], keep.shape[1]
         a, l = _block_reduce(keep.expand(bx, hx, Sq, Sk), sb_q, sb_k)
         any_k, all_k = any_k & a, all_k & l
+    if rm.mask_fns:
+        # mask functions: classified on the device by the generated mask function
+        # (every pair evaluated once; cached by the graphs' keys, the captures' digest,
+        # the sizes and the block size)
+        from . import programs
+
+        a, l = programs.mask_blocks(rm.mask_fns, (p.batch, p.heads_q, Sq, Sk), sb_q, sb_k,
+                                    device)
+        any_k, all_k = any_k & a, all_k & l
     # blocks that cross the problem's edge keep the bounds checks of a partial block
     if Sq % sb_q:
         all_k[:, :, -1, :] = False
@@ -272,6 +281,8 @@ def tile_lists(p, ma: MaskArgs, sb_q: int, sb_k: int, device) -> TileLists:
     """The tile lists of p's mask at block size sb_q x sb_k, cached per mask contents
     (torch masks only; the cache holds the mask tensors so their memory stays theirs)."""
     rm = p.mask
+    if rm.mask_fns:      # programs.mask_blocks caches the functions' block maps by content
+        return _build_lists(p, ma, sb_q, sb_k, device)
     parts = [mask_inputs.tensor_key(rm.keep), mask_inputs.tensor_key(rm.q_ids),
              mask_inputs.tensor_key(rm.k_ids)]
     if any(k is None for k in parts):

@@ -17,7 +17,7 @@ __all__ = ["Coverage", "COVERAGE", "FEATURES", "uncovered", "routed_by_default",
 
 #: the score features a problem may have (route.ProblemFacts.features); the Hopper
 #: path has none of them
-FEATURES = ("bias", "softcap", "alibi", "sinks", "dropout")
+FEATURES = ("bias", "softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,448 @@
+"""Score and mask functions on the portable kernels: Triton source generated from the
+traced expression graph (anyattn.programs), loaded as ``@triton.jit`` device functions
+and passed to the kernels as constexpr arguments.
+
+Shape legend: B batch, H query heads, Sq / Sk queries / keys; a tile is [BM, BN]
+(queries as rows) or, transposed, [BN, BM]: the generated functions take the index
+vectors already shaped (``q_idx`` [BM, 1] or [1, BM], ``kv_idx`` [1, BN] or [BN, 1]),
+so one source serves both orientations.
+
+One generated module per call's set of functions (:func:`functions`), keyed by the
+graphs' structural keys, the index dtype and the captures' storage layouts (never
+their values): it defines
+
+* ``score(s, b, h, q_idx, kv_idx, valid, CAPS) -> s'`` (the score function on natural
+  scores, fp32),
+* ``score_grad(...) -> (s', d s' / d s)``,
+* ``mask(b, h, q_idx, kv_idx, valid, CAPS) -> keep`` (bool tile, False outside
+  ``valid``: every mask function of the call and-ed),
+
+where ``CAPS`` is a tuple of at most :data:`MAX_CAPTURES` capture pointers (contiguous
+device copies: float captures fp32, integer ones int32 or int64 as the index analysis
+allows, bool ones uint8).  Gathers read ``CAPS[slot] + flat index`` with the graph's
+index expressions (proven in range by the core's interval analysis for every in-bounds
+pair) under the tile's ``valid`` mask.  Modules are written into a cache directory
+keyed by their hash and imported (Triton's JIT reads the functions' source with
+inspect), so a second call with the same functions and new captured values compiles
+nothing.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
+
+__all__ = ["MAX_CAPTURES", "Functions", "functions", "of_problem", "mask_blocks", "source_of",
+           "cache_dir"]
+
+#: capture pointer slots of the kernels (every score and mask function of a call together)
+MAX_CAPTURES = 4
+
+_lock = threading.Lock()
+_modules: Dict[str, object] = {}
+
+
+def cache_dir() -> str:
+    """Where the generated modules are written (per user; ANYATTN_TRITON_FN_CACHE
+    overrides)."""
+    d = os.environ.get("ANYATTN_TRITON_FN_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"anyattn-triton-fns-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+# ----------------------------------------------------------------------------- codegen
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_ARITH = {"add": "+", "sub": "-", "mul": "*"}
+_LOGIC = {"and": "&", "or": "|", "xor": "^", "bitand": "&", "bitor": "|", "bitxor": "^"}
+_UNARY_CALL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2",
+               "sin": "tl.sin", "cos": "tl.cos", "floor": "tl.floor", "ceil": "tl.ceil",
+               "sqrt": "tl.sqrt_rn"}
+
+
+def _float_lit(v: float) -> str:
+    if v != v:
+        return 'float("nan")'
+    if v in (float("inf"), float("-inf")):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(float(v))
+
+
+class _Gen:
+    """Lines of one generated function body; node values in locals ``v<uid>``."""
+
+    def __init__(self, itype: str, slots: Dict[str, int], layouts: Dict[str, tuple],
+                 prefix: str = ""):
+        self.itype, self.slots, self.layouts, self.prefix = itype, slots, layouts, prefix
+        self.lines: List[str] = []
+        self.names: Dict[int, str] = {}
+
+    def ref(self, n: Node) -> str:
+        return self.names[n.uid]
+
+    def emit(self, n: Node, expr: str) -> None:
+        name = f"{self.prefix}v{n.uid}"
+        self.lines.append(f"    {name} = {expr}")
+        self.names[n.uid] = name
+
+    def node(self, n: Node) -> None:
+        op, a = n.op, [self.ref(x) for x in n.args] if n.op not in ("const", "input") else []
+        it = self.itype
+        if op == "input":
+            self.names[n.uid] = {"score": "s", "b": "bb", "h": "hh", "q_idx": "qi",
+                                 "kv_idx": "kj"}[n.attr]
+            return
+        if op == "const":
+            if n.dtype == FLOAT:
+                self.names[n.uid] = _float_lit(n.attr)
+            elif n.dtype == INT:
+                self.names[n.uid] = f"({int(n.attr)})"
+            else:
+                self.names[n.uid] = "True" if n.attr else "False"
+            return
+        if op == "gather":
+            shape = self.layouts[n.attr]
+            strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+            parts = [f"({x}).to({it}) * {st}" if st != 1 else f"({x}).to({it})"
+                     for x, st in zip(a, strides)]
+            off = " + ".join(parts) if parts else "0"
+            ptr = f"CAPS[{self.slots[n.attr]}]"
+            tile = any(self._varies(x) for x in n.args)
+            if tile:
+                ld = f"tl.load({ptr} + ({off}), mask=valid, other=0)"
+            else:
+                ld = f"tl.load({ptr} + ({off}))"
+            if n.dtype == BOOL:
+                ld = f"({ld} != 0)"
+            elif n.dtype == INT:
+                ld = f"{ld}.to({it})"
+            self.emit(n, ld)
+            return
+        if op == "tofloat":
+            self.emit(n, f"({a[0]}).to(tl.float32)")
+        elif op == "toint":
+            self.emit(n, f"({a[0]}).to({it})")
+        elif op == "trunc_int":
+            self.emit(n, f"({a[0]}).to({it})")
+        elif op in _ARITH:
+            self.emit(n, f"{a[0]} {_ARITH[op]} {a[1]}")
+        elif op == "div":
+            self.emit(n, f"tl.math.div_rn({a[0]}, {a[1]})")
+        elif op == "floordiv":
+            if n.dtype == FLOAT:
+                self.emit(n, f"tl.floor(tl.math.div_rn({a[0]}, {a[1]}))")
+            else:   # Python's floor: C's truncation moved down where the signs differ
+                self.emit(n, f"_ifloordiv({a[0]}, {a[1]})")
+        elif op == "mod":
+            if n.dtype == FLOAT:
+                self.emit(n, f"_fmod_py({a[0]}, {a[1]})")
+            else:
+                self.emit(n, f"_imod_py({a[0]}, {a[1]})")
+        elif op == "pow":
+            e = n.args[1]
+            if e.op == "const" and float(e.attr) == int(e.attr) and 0 <= int(e.attr) <= 8:
+                k = int(e.attr)
+                one = "1.0" if n.dtype == FLOAT else "1"
+                expr = " * ".join([f"({a[0]})"] * k) if k else f"({a[0]}) * 0 + {one}"
+                self.emit(n, expr)
+            elif n.dtype == FLOAT:
+                self.emit(n, f"_fpow({a[0]}, {a[1]})")
+            else:
+                raise NotImplementedError(
+                    "integer ** with an exponent other than a constant 0..8 on Triton")
+        elif op in _CMP:
+            self.emit(n, f"{a[0]} {_CMP[op]} {a[1]}")
+        elif op in _LOGIC:
+            self.emit(n, f"({a[0]}) {_LOGIC[op]} ({a[1]})")
+        elif op in ("minimum", "maximum"):
+            fn = "tl.minimum" if op == "minimum" else "tl.maximum"
+            if n.dtype == FLOAT:
+                self.emit(n, f"{fn}({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL)")
+            else:
+                self.emit(n, f"{fn}({a[0]}, {a[1]})")
+        elif op == "where":
+            self.emit(n, f"tl.where({a[0]}, {a[1]}, {a[2]})")
+        elif op == "neg":
+            self.emit(n, f"-({a[0]})")
+        elif op == "abs":
+            self.emit(n, f"tl.abs({a[0]})")
+        elif op == "not":
+            self.emit(n, f"({a[0]}) == 0")
+        elif op == "invert":
+            self.emit(n, f"~({a[0]})")
+        elif op == "square":
+            self.emit(n, f"({a[0]}) * ({a[0]})")
+        elif op == "tanh":
+            self.emit(n, f"_tanh({a[0]})")
+        elif op == "log1p":
+            self.emit(n, f"_log1p({a[0]})")
+        elif op == "expm1":
+            self.emit(n, f"_expm1({a[0]})")
+        elif op == "sign":
+            if n.dtype == FLOAT:
+                self.emit(n, f"tl.where({a[0]} > 0, 1.0, tl.where({a[0]} < 0, -1.0, {a[0]}))")
+            else:
+                self.emit(n, f"({a[0]} > 0).to({it}) - ({a[0]} < 0).to({it})")
+        elif op in _UNARY_CALL:
+            self.emit(n, f"{_UNARY_CALL[op]}({a[0]})")
+        else:  # pragma: no cover - every graph op is handled above
+            raise NotImplementedError(f"graph operation {op!r} on Triton")
+
+    def _varies(self, n: Node) -> bool:
+        return any(x.op == "input" and x.attr in ("q_idx", "kv_idx", "score")
+                   for x in ordered([n]))
+
+    def body(self, outputs: Sequence[Node]) -> None:
+        for n in ordered(outputs):
+            self.node(n)
+
+
+_HELPERS = '''
+@triton.jit
+def _ifloordiv(a, b):
+    q = a // b
+    r = a - q * b
+    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def _imod_py(a, b):
+    r = a % b
+    return r + tl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+
+
+@triton.jit
+def _fmod_py(a, b):
+    r = a - b * tl.floor(tl.math.div_rn(a, b))
+    return r
+
+
+@triton.jit
+def _fpow(a, b):
+    return tl.exp2(b * tl.log2(a))
+
+
+@triton.jit
+def _tanh(x):
+    t, _ = _tanh_d(x)
+    return t
+
+
+@triton.jit
+def _log1p(x):
+    u = 1.0 + x
+    d = u - 1.0
+    return tl.where(d == 0.0, x, tl.log(u) * tl.math.div_rn(x, tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _expm1(x):
+    u = tl.exp(x)
+    d = u - 1.0
+    lu = tl.log(u)
+    small = (u == 1.0) | (lu == 0.0)
+    r = tl.where(small, x, d * tl.math.div_rn(x, tl.where(small, 1.0, lu)))
+    return tl.where(d == -1.0, -1.0, tl.where(u == float("inf"), u, r))
+'''
+
+_PROLOGUE = '''    bb = b.to({it})
+    hh = h.to({it})
+    qi = q_idx.to({it})
+    kj = kv_idx.to({it})
+'''
+
+
+def _full_tile(expr: str, like: str) -> str:
+    """expr as a full tile shaped like ``like`` (a constant or a broadcast value)."""
+    return f"({expr}) + tl.zeros_like({like})"
+
+
+@dataclass
+class Functions:
+    """The generated functions of one call and its capture tensors: ``score``,
+    ``score_grad`` and ``mask`` (JITFunctions or None), ``caps`` (the tuple of capture
+    tensors in slot order; one fp32 placeholder where no function reads a capture) and
+    ``key`` (the module's hash)."""
+
+    score: object
+    score_grad: object
+    mask: object
+    caps: Optional[tuple]
+    key: str
+
+
+def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, tuple],
+              slots: Dict[str, Dict[str, int]]) -> str:
+    """The module source of a score program (or None) and mask programs."""
+    lines = ["import triton", "import triton.language as tl",
+             "from anyattn.backends.triton.kernels import _tanh_d", "", _HELPERS]
+    pro = _PROLOGUE.format(it=itype)
+    if score_prog is not None:
+        sl = slots["score"]
+        lay = layouts["score"]
+        g = _Gen(itype, sl, lay)
+        g.body([score_prog.out])
+        out = g.ref(score_prog.out)
+        lines += ["@triton.jit", "def score(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
+        lines += g.lines
+        lines += [f"    return {_full_tile(out, 's')}", "", ""]
+        dsc, _ = score_prog.grad_nodes(frozenset())
+        g2 = _Gen(itype, sl, lay)
+        g2.body([score_prog.out, dsc])
+        lines += ["@triton.jit", "def score_grad(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
+        lines += g2.lines
+        lines += [f"    return ({_full_tile(g2.ref(score_prog.out), 's')}, "
+                  f"{_full_tile(g2.ref(dsc), 's')})", "", ""]
+    if mask_progs:
+        lines += ["@triton.jit", "def mask(b, h, q_idx, kv_idx, valid, CAPS):", pro]
+        keep = "valid"
+        for i, mp in enumerate(mask_progs):
+            g = _Gen(itype, slots[f"mask{i}"], layouts[f"mask{i}"], prefix=f"m{i}_")
+            g.body([mp.out])
+            lines += g.lines
+            keep = f"({keep}) & ({g.ref(mp.out)})"
+        lines += [f"    return {keep}", "", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _load(key: str, src: str):
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        path = os.path.join(cache_dir(), f"anyattn_fn_{key}.py")
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(src)
+            os.replace(tmp, path)
+        name = f"anyattn_fn_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _modules[key] = mod
+        return mod
+
+
+def _storage(bp, name: str, torch, dev):
+    """A capture as the kernels read it: contiguous, fp32 / int32|int64 / uint8."""
+    arr = bp.arrays[name]
+    kind = bp.program.specs[name].dtype
+    if kind == FLOAT:
+        dt = torch.float32
+    elif kind == BOOL:
+        dt = torch.uint8
+    else:
+        dt = torch.int32 if bp.idt == np.dtype(np.int32) else torch.int64
+    a = np.ascontiguousarray(arr)
+    if kind == BOOL:
+        a = a.astype(np.uint8)
+    t = torch.from_numpy(np.array(a, copy=True)).to(device=dev, dtype=dt)
+    return t.reshape(-1).contiguous()
+
+
+def functions(score_bp, mask_bps: Sequence, dev) -> Functions:
+    """The generated functions of a call's score function (BoundProgram or None) and
+    mask functions (BoundPrograms) with their capture tensors on ``dev``.  Raises
+    NotImplementedError where the functions read more than MAX_CAPTURES captures."""
+    import torch
+
+    mask_bps = tuple(mask_bps or ())
+    progs = ([("score", score_bp)] if score_bp is not None else []) + \
+        [(f"mask{i}", bp) for i, bp in enumerate(mask_bps)]
+    wide = any(bp.idt != np.dtype(np.int32) for _, bp in progs)
+    itype = "tl.int64" if wide else "tl.int32"
+    slots: Dict[str, Dict[str, int]] = {}
+    layouts: Dict[str, Dict[str, tuple]] = {}
+    caps = []
+    for tag, bp in progs:
+        slots[tag], layouts[tag] = {}, {}
+        for name in sorted(bp.program.specs):
+            if name not in {n.attr for n in ordered([bp.program.out]) if n.op == "gather"}:
+                continue
+            slots[tag][name] = len(caps)
+            layouts[tag][name] = tuple(bp.program.specs[name].shape)
+            caps.append((bp, name))
+    if len(caps) > MAX_CAPTURES:
+        names = [n for _, n in caps]
+        raise NotImplementedError(
+            f"score / mask functions reading {len(caps)} captures {names}: the Triton "
+            f"kernels take at most {MAX_CAPTURES}; combine captures into one array (stack "
+            "tables along a new axis) or use backend='numpy'")
+    ident = repr((score_bp.program.key if score_bp is not None else None,
+                  tuple(bp.program.key for bp in mask_bps), itype,
+                  sorted((t, sorted(s.items())) for t, s in slots.items()),
+                  sorted((t, sorted(s.items())) for t, s in layouts.items())))
+    key = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
+    with _lock:
+        mod = _modules.get(key)
+    if mod is None:
+        src = source_of(score_bp.program if score_bp is not None else None,
+                        [bp.program for bp in mask_bps], itype, layouts, slots)
+        mod = _load(key, src)
+    # variable state flows in through the capture tensors only
+    tensors = tuple(_storage(bp, name, torch, dev) for bp, name in caps)
+    if not tensors:
+        tensors = (torch.zeros(1, dtype=torch.float32, device=dev),)
+    return Functions(score=getattr(mod, "score", None),
+                     score_grad=getattr(mod, "score_grad", None),
+                     mask=getattr(mod, "mask", None), caps=tensors, key=key)
+
+
+def of_problem(p, dev) -> Optional[Functions]:
+    """The generated functions of problem ``p`` (its score function and mask
+    functions), None where it uses neither (the built-in kernels)."""
+    mask_fns = p.mask.mask_fns
+    if p.score_mod is None and not mask_fns:
+        return None
+    return functions(p.score_mod, mask_fns or (), dev)
+
+
+_BLOCK_CACHE_SIZE = 16
+_block_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def mask_blocks(mask_bps: Sequence, sizes, sb_q: int, sb_k: int, dev):
+    """A call's mask functions per mask block: (any kept, all kept), bool
+    [Bx, Hx, nQ, nK] on ``dev`` (Bx = B where a function reads b, else 1; Hx likewise),
+    evaluated on the device by kernels.mask_blocks_kernel with the generated mask
+    function (the function the kernels call on partial blocks).  Cached by the graphs'
+    keys, the captures' digests, the sizes and the block size."""
+    import torch
+
+    from . import kernels
+
+    B, H, Sq, Sk = sizes
+    key = (tuple(bp.program.key for bp in mask_bps), tuple(bp.digest() for bp in mask_bps),
+           tuple(sizes), sb_q, sb_k, str(dev))
+    with _lock:
+        hit = _block_cache.get(key)
+        if hit is not None:
+            _block_cache.move_to_end(key)
+            return hit
+    uses = frozenset().union(*(bp.program.uses for bp in mask_bps))
+    bx, hx = (B if "b" in uses else 1), (H if "h" in uses else 1)
+    nq, nk = -(-Sq // sb_q), -(-Sk // sb_k)
+    fns = functions(None, mask_bps, dev)
+    any_k = torch.empty((bx, hx, nq, nk), dtype=torch.int8, device=dev)
+    all_k = torch.empty((bx, hx, nq, nk), dtype=torch.int8, device=dev)
+    if any_k.numel():
+        kernels.mask_blocks_kernel[(nq, nk, bx * hx)](any_k, all_k, fns.caps, Sq, Sk, nq, nk,
+                                                      hx, SBQ=sb_q, SBK=sb_k, MMOD=fns.mask)
+    res = (any_k.bool(), all_k.bool())
+    with _lock:
+        _block_cache[key] = res
+        while len(_block_cache) > _BLOCK_CACHE_SIZE:
+            _block_cache.popitem(last=False)
+    return res

@@ -1,0 +1,257 @@
+"""Score and mask functions on the portable Triton kernels (interpreter on CPU tensors):
+the gallery's forward against the float64 reference (fp32, bf16), GQA and Sq != Sk,
+mask-function tile skipping, no recompilation for new captured values, refusals.
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tr_util import DEV, T, needs_triton, torch
+
+import anyattn as aa
+
+from helpers import assert_close
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location(
+    "anyattn_gallery", os.path.join(_HERE, "..", "..", "examples", "gallery.py"))
+gallery = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("anyattn_gallery", gallery)
+_spec.loader.exec_module(gallery)
+
+pytestmark = needs_triton
+
+
+def _inputs(seed, B, Hq, Hkv, Sq, Sk, D):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    return q, k, v
+
+
+def _reference(q, k, v, **kw):
+    return aa.attention(*(x.astype(np.float64) for x in (q, k, v)), return_lse=True,
+                        backend="reference", **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(gallery.GALLERY))
+def test_gallery_matches_the_float64_reference(name, dtype):
+    """Forward (out, lse) and dq, dk, dv of every gallery entry, GQA 4 : 2, Sq != Sk
+    where the entry allows."""
+    make, square = gallery.GALLERY[name]
+    sq, sk = (32, 32) if square else (24, 40)
+    q, k, v = _inputs(len(name), 1, 4, 2, sq, sk, 16)
+    g = np.random.default_rng(len(name) + 1).standard_normal(q.shape).astype(np.float32)
+    if dtype == "bfloat16":   # the reference sees the rounded inputs
+        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+                      for x in (q, k, v, g))
+    e = make(1, 4, sq, sk, np.random.default_rng(7))
+    td = getattr(torch, dtype)
+    out, lse = aa.attention(T(q, td), T(k, td), T(v, td), return_lse=True, backend="triton",
+                            **e.kwargs)
+    ro, rl = _reference(q, k, v, **e.kwargs)
+    assert_close(out.float().cpu().numpy(), ro, dtype, f"{name} out")
+    lse = lse.cpu().numpy()
+    fin = np.isfinite(rl)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    assert_close(lse[fin], rl[fin], dtype, f"{name} lse")
+    gr = aa.attention_backward(T(q, td), T(k, td), T(v, td), T(g, td), wrt=("q", "k", "v"),
+                               backend="triton", **e.kwargs)
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               wrt=("q", "k", "v"), backend="reference", **e.kwargs)
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n).float().cpu().numpy(), getattr(rg, n), dtype, f"{name} {n}")
+
+
+def test_score_function_with_a_full_bias_and_its_gradient():
+    """dbias is the gradient of the final score (after the function); dq / dk go
+    through d score_mod / d score."""
+    S = 24
+    q, k, v = _inputs(9, 1, 2, 2, S, S, 16)
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(q.shape).astype(np.float32)
+    bias = rng.standard_normal((1, 2, S, S)).astype(np.float32)
+    kw = dict(score_mod=lambda s, b, h, i, j: 3.0 * aa.math.tanh(s / 3.0) * (1.0 + 0.1 * h),
+              mask=aa.Causal())
+    wrt = ("q", "k", "v", "bias")
+    gr = aa.attention_backward(T(q), T(k), T(v), T(g), bias=T(bias), wrt=wrt,
+                               backend="triton", **kw)
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               bias=bias.astype(np.float64), wrt=wrt, backend="reference", **kw)
+    for n in ("dq", "dk", "dv", "dbias"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
+def test_functions_with_softcap_sinks_and_a_union_mask():
+    """softcap -> score function -> mask union (Causal | MaskMod) with sinks: out and
+    dq, dk, dv, dsinks against the reference."""
+    S = 24
+    rng = np.random.default_rng(11)
+    q, k, v, g = (rng.standard_normal((1, 2, S, 16)).astype(np.float32) for _ in range(4))
+    sinks = rng.standard_normal(2).astype(np.float32)
+    kw = dict(score_mod=lambda s, b, h, i, j: s * (1.0 + 0.5 * h) - 0.1 * abs(i - j),
+              softcap=4.0, mask=aa.Causal() | aa.MaskMod(lambda b, h, i, j: j < 3))
+    wrt = ("q", "k", "v", "sinks")
+    out = aa.attention(T(q), T(k), T(v), sinks=T(sinks), backend="triton", **kw)
+    gr = aa.attention_backward(T(q), T(k), T(v), T(g), sinks=T(sinks), wrt=wrt,
+                               backend="triton", **kw)
+    f64 = [x.astype(np.float64) for x in (q, k, v, g, sinks)]
+    ro = aa.attention(*f64[:3], sinks=f64[4], backend="reference", **kw)
+    rg = aa.attention_backward(*f64[:4], sinks=f64[4], wrt=wrt, backend="reference", **kw)
+    assert_close(out.cpu().numpy(), ro, "float32", "out")
+    for n in ("dq", "dk", "dv", "dsinks"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
+def _launched_tiles(monkeypatch):
+    """Counts the key tiles the forward's lists hold (partial, full) per call."""
+    from anyattn.backends.triton import tiles
+
+    seen = []
+    real = tiles._build_lists
+
+    def spy(p, ma, sb_q, sb_k, device):
+        tl_ = real(p, ma, sb_q, sb_k, device)
+        seen.append((int(tl_.row_cnt.sum()), int(tl_.row_fcnt.sum())))
+        return tl_
+
+    monkeypatch.setattr(tiles, "_build_lists", spy)
+    return seen
+
+
+def test_mask_function_skips_empty_tiles_and_matches_the_builtin(monkeypatch):
+    """A chunked mask as a function gives the tile lists of the built-in spelling and
+    the same output."""
+    seen = _launched_tiles(monkeypatch)
+    S, C = 256, 64
+    q, k, v = _inputs(3, 1, 2, 2, S, S, 16)
+    fn = aa.MaskMod(lambda b, h, q_idx, kv_idx: q_idx // C == kv_idx // C)
+    ids = torch.arange(S) // C
+    a = aa.attention(T(q), T(k), T(v), mask=fn, backend="triton")
+    bi = aa.attention(T(q), T(k), T(v), mask=aa.Documents(ids.to(DEV)), backend="triton")
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    part, full = seen[0]
+    blocks = (S // 64) ** 2                     # at most this many at any block size
+    assert 0 < part + full < blocks * 16
+    torch.testing.assert_close(a, bi, rtol=0, atol=0)
+    ro, _ = _reference(q, k, v, mask=fn)
+    assert_close(a.cpu().numpy(), ro, "float32", "chunked")
+
+
+@pytest.mark.parametrize("name", ["prefix_lm", "document_causal", "sliding_global",
+                                  "dilated", "neighbourhood_2d", "chunked"])
+def test_device_block_maps_match_the_core_classification(name):
+    """The device classification (mask_blocks_kernel with the generated mask function)
+    gives the NumPy core's any / all block maps."""
+    from anyattn.backends.triton import programs
+    from anyattn.masks import resolve
+    from anyattn.programs.bound import mask_tile_parts
+
+    make, square = gallery.GALLERY[name]
+    sq, sk = (48, 48) if square else (40, 56)
+    e = make(2, 4, sq, sk, np.random.default_rng(7))
+    rm = resolve(e.kwargs["mask"], 2, 4, sq, sk)
+    assert rm.mask_fns
+    a, l = programs.mask_blocks(rm.mask_fns, (2, 4, sq, sk), 16, 32, torch.device(DEV))
+    ra, rl = None, None
+    for bp in rm.mask_fns:
+        x, y = mask_tile_parts(bp, 16, 32)
+        ra = x if ra is None else ra & x
+        rl = y if rl is None else rl & y
+    np.testing.assert_array_equal(np.broadcast_to(a.cpu().numpy(), ra.shape), ra)
+    np.testing.assert_array_equal(np.broadcast_to(l.cpu().numpy(), rl.shape), rl)
+
+
+def test_new_captured_values_do_not_recompile():
+    """The generated functions are keyed by the graph, not the captures' values: a
+    second call with another table reuses the compiled kernel (interpreter: the same
+    generated JITFunction objects)."""
+    from anyattn.backends.triton import programs
+
+    S = 32
+    q, k, v = _inputs(5, 1, 2, 2, S, S, 16)
+
+    def rel(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, q_idx - kv_idx + S - 1]
+
+    fns = []
+    real = programs.functions
+
+    def spy(*a, **kw):
+        f = real(*a, **kw)
+        fns.append(f)
+        return f
+
+    programs.functions = spy
+    try:
+        for seed in (0, 1):
+            t = np.random.default_rng(seed).standard_normal((2, 2 * S - 1)).astype(np.float32)
+            sm = aa.ScoreMod(rel, table=t)
+            out = aa.attention(T(q), T(k), T(v), score_mod=sm, backend="triton")
+            ro, _ = _reference(q, k, v, score_mod=sm)
+            assert_close(out.cpu().numpy(), ro, "float32", f"table {seed}")
+    finally:
+        programs.functions = real
+    assert fns[0].key == fns[1].key and fns[0].score is fns[1].score
+    assert not torch.equal(fns[0].caps[0], fns[1].caps[0])
+
+
+def test_builtin_launch_passes_no_function():
+    """Without functions the forward's constexprs are the built-in ones: no CAPS, SMOD or
+    MMOD keyword reaches the kernel (its compiled code is the built-in kernel's)."""
+    from anyattn.backends.triton import prepared
+
+    prepared.clear_prepared()
+    q, k, v = _inputs(1, 1, 2, 2, 32, 32, 16)
+    aa.attention(T(q), T(k), T(v), mask=aa.Causal(), backend="triton")
+    kws = [r[2] for pr in prepared.PREPARED._d.values() for r in pr.ready.values()]
+    assert kws and all(not {"CAPS", "SMOD", "MMOD"} & set(kw) for kw in kws)
+
+
+def test_too_many_captures_are_refused():
+    S = 16
+    q, k, v = _inputs(2, 1, 1, 1, S, S, 16)
+    ts = {f"t{i}": np.zeros(S, np.float32) for i in range(5)}
+
+    def fn(score, b, h, q_idx, kv_idx, t0, t1, t2, t3, t4):
+        return score + t0[q_idx] + t1[q_idx] + t2[kv_idx] + t3[kv_idx] + t4[q_idx]
+
+    with pytest.raises(NotImplementedError, match="at most 4"):
+        aa.attention(T(q), T(k), T(v), score_mod=aa.ScoreMod(fn, **ts), backend="triton")
+
+
+def test_capture_gradients_and_broadcast_dbias_are_refused():
+    """Deterministic capture gradients are not lowered to Triton: wrt naming a capture
+    raises before any work, as does a dbias broadcast over queries or keys."""
+    S = 16
+    q, k, v = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.zeros((2, 2 * S - 1), np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=t)
+    with pytest.raises(NotImplementedError,
+                       match="does not compute gradients of score_mod captures"):
+        aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q", "t"), backend="triton",
+                              score_mod=sm)
+    with pytest.raises(NotImplementedError, match="dbias with score / mask functions"):
+        aa.attention_backward(T(q), T(k), T(v), T(q), bias=T(np.zeros((1, 1, 1, S), np.float32)),
+                              wrt=("q", "bias"), backend="triton", score_mod=sm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
+def test_torch_on_cuda_runs_functions_and_refuses_capture_gradients():
+    import anyattn.torch as at
+
+    q, k, v = (T(x) for x in _inputs(4, 1, 2, 2, 32, 32, 16))
+    fn = lambda s, b, h, i, j: s * 0.5                                  # noqa: E731
+    out = at.attention(q.requires_grad_(), k, v, score_mod=fn)
+    out.sum().backward()
+    ro, _ = _reference(*(x.detach().cpu().numpy() for x in (q, k, v)), score_mod=fn)
+    assert_close(out.detach().cpu().numpy(), ro, "float32", "torch cuda")
+    t = torch.zeros(2, device=q.device, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="do not compute capture gradients"):
+        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=t))
