@@ -88,6 +88,43 @@ def test_score_function_with_a_full_bias_and_its_gradient():
         assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
 
 
+def test_power_with_a_computed_exponent_follows_numpy():
+    """``score ** (h + 1)``: a negative base with a whole exponent keeps its sign (as
+    np.power does), forward and gradients; a fractional exponent of a positive base."""
+    S = 20
+    q, k, v = _inputs(11, 1, 3, 3, S, S, 16)
+    g = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+    for fn in (lambda s, b, h, i, j: 0.3 * s ** (h + 1),
+               lambda s, b, h, i, j: (s * 0.0 + 2.0) ** (s * 0.5)):
+        out = aa.attention(T(q), T(k), T(v), score_mod=fn, backend="triton")
+        assert_close(out.cpu().numpy(), _reference(q, k, v, score_mod=fn)[0], "float32", "out")
+        gr = aa.attention_backward(T(q), T(k), T(v), T(g), score_mod=fn, backend="triton")
+        rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                                   score_mod=fn, backend="reference")
+        for n in ("dq", "dk", "dv"):
+            assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
+def test_generated_modules_are_named_after_their_text(tmp_path, monkeypatch):
+    """A module file left by another generator version for the same graph is never
+    read: every file's name is the hash of its own text."""
+    import hashlib
+
+    from anyattn.backends.triton import programs as tp
+
+    monkeypatch.setattr(tp, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(tp, "_modules", {})
+    q, k, v = _inputs(12, 1, 2, 2, 16, 16, 16)
+    aa.attention(T(q), T(k), T(v), score_mod=lambda s, b, h, i, j: s * 0.5 + h,
+                 backend="triton")
+    files = [f for f in os.listdir(tp.cache_dir()) if f.endswith(".py")]
+    assert files
+    for f in files:
+        with open(os.path.join(tp.cache_dir(), f)) as fh:
+            text = fh.read()
+        assert f == f"anyattn_fn_{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}.py"
+
+
 def test_functions_with_softcap_sinks_and_a_union_mask():
     """softcap -> score function -> mask union (Causal | MaskMod) with sinks: out and
     dq, dk, dv, dsinks against the reference."""

@@ -229,7 +229,14 @@ def _fmod_py(a, b):
 
 @triton.jit
 def _fpow(a, b):
-    return tl.exp2(b * tl.log2(a))
+    """a ** b as np.power computes it: a negative base takes an integer exponent's sign
+    (NaN for another exponent), and b == 0 gives 1 whatever a is."""
+    mag = tl.exp2(b * tl.log2(tl.abs(a)))
+    whole = tl.floor(b) == b
+    odd = whole & (tl.floor(b * 0.5) * 2.0 != b)
+    signed = tl.where(odd, -mag, mag)
+    r = tl.where(a < 0, tl.where(whole, signed, mag * float("nan")), mag)
+    return tl.where(b == 0, 1.0, r)
 
 
 @triton.jit
@@ -316,17 +323,21 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
 
 
 def _load(key: str, src: str):
+    """The module of ``src``, kept under ``key`` in this process.  Its file is named
+    after the text itself, so a file left by another version of the generator (other
+    helpers, other code for the same graph) is never read for this text."""
     with _lock:
         mod = _modules.get(key)
         if mod is not None:
             return mod
-        path = os.path.join(cache_dir(), f"anyattn_fn_{key}.py")
+        digest = hashlib.blake2b(src.encode(), digest_size=12).hexdigest()
+        path = os.path.join(cache_dir(), f"anyattn_fn_{digest}.py")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "w") as f:
                 f.write(src)
             os.replace(tmp, path)
-        name = f"anyattn_fn_{key}"
+        name = f"anyattn_fn_{digest}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
