@@ -28,6 +28,7 @@ from . import common
 from .varlen import check_cu_seqlens, layout
 
 __all__ = [
+    "USE_TRITON_ROCM",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -36,6 +37,9 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+#: FlashAttention's switch for its AMD Triton path; anyattn has no such path
+USE_TRITON_ROCM = False
 
 _BSHD = "(batch_size, seqlen, nheads, headdim)"
 _THD = "(total_tokens, nheads, headdim)"
@@ -254,6 +258,27 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, cu_names=("cu_seqlens", "cu_seqlens"),
                    max_names=("max_seqlen", "max_seqlen"))
+
+
+# ------------------------------------------------------------------- test-file helper
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key block width of FlashAttention 2's forward kernel on an A100-class GPU for
+    this head dim (FlashAttention's tests split scores by it to read its ``S_dmask``):
+    128 up to head dim 64 (64 with dropout), 64 above 64 (32 with dropout from 97 to
+    128).  ``device`` and ``is_causal`` are accepted for its signature.  anyattn's own
+    ``S_dmask`` is the normalised probabilities in natural order (docs/flash_attn.md), so
+    the width plays no part in anyattn."""
+    hd = common.int_value("head_dim", head_dim)
+    if not 0 < hd <= 256:
+        raise ValueError(f"head_dim: is {hd}; FlashAttention's kernels take 1 to 256")
+    common.flag("is_dropout", is_dropout)
+    common.flag("is_causal", is_causal)
+    if hd <= 64:
+        return 64 if is_dropout else 128
+    if 96 < hd <= 128 and is_dropout:
+        return 32
+    return 64
 
 
 # ----------------------------------------------------------------------------- KV cache
