@@ -474,6 +474,34 @@ def test_kvcache_paged_bad_arguments():
     close(out[1], ref_seq(q[1], kp[3], kp[3])[0])
 
 
+def test_varlen_paged_keys_equal_packed_keys():
+    kp, vp = rand(6, 16, 2, 8, grad=True), rand(6, 16, 2, 8, grad=True)
+    table = torch.tensor([[4, 1], [0, 5], [2, -3]], dtype=torch.int32)   # -3: never used
+    lk, lq = [20, 7, 0], [3, 2, 1]
+    q = rand(6, 4, 8)
+    cuq = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    cuk = torch.tensor([0, 20, 27, 27], dtype=torch.int32)
+    kw = dict(causal=True, window_size=(9, -1), alibi_slopes=torch.rand(4))
+    out = fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20, block_table=table, **kw)
+    k = torch.cat([torch.cat([kp[int(b)] for b in table[d].clamp(min=0)])[:lk[d]]
+                   for d in range(3)])
+    v = torch.cat([torch.cat([vp[int(b)] for b in table[d].clamp(min=0)])[:lk[d]]
+                   for d in range(3)])
+    want = fa.flash_attn_varlen_func(q, k, v, cuq, cuk, 3, 20, **kw)
+    assert torch.equal(out, want)
+    (gk,) = torch.autograd.grad(out.sum(), kp)                       # into the pages
+    assert torch.equal(gk[3], torch.zeros_like(gk[3])) and gk[4].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"block_table: entry \[1, 0\] is 6, outside"):
+        fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20,
+                                  block_table=torch.tensor([[4, 1], [6, 5], [2, 2]],
+                                                           dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table: sequence 0 has 20 keys but its 1 "
+                                         "pages of 16 positions hold 16"):
+        fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20, block_table=table[:, :1])
+    with pytest.raises(ValueError, match="k: its page size [(]dim 1[)] is 8"):
+        fa.flash_attn_varlen_func(q, kp[:, :8], vp[:, :8], cuq, cuk, 3, 20, block_table=table)
+
+
 # ------------------------------------------------------------------------- bert_padding
 
 def test_bert_padding_round_trips():
@@ -593,7 +621,7 @@ def test_bad_varlen_arguments():
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, -1)
     with pytest.raises(ValueError, match="q: expected 3 dims"):
         fa.flash_attn_varlen_func(q[None], k, v, cu, cu, 3, 3)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="k: expected 4 dims .*; block_table needs paged"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, block_table=cu)
     with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(2,\) or \(2, 2\)"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, alibi_slopes=torch.ones(3, 2))

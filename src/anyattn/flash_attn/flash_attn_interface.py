@@ -158,11 +158,11 @@ def _varlen(names, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             cu_names=("cu_seqlens_q", "cu_seqlens_k"),
             max_names=("max_seqlen_q", "max_seqlen_k")):
     """flash_attn_varlen_func on packed [T, H, D] tensors (see the module docstring)."""
-    _check_qkv(names, q, k, v, False)
     if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged key/value caches are not implemented yet; pass k and v "
-            "packed (total_k, nheads_k, headdim)")
+        k, v = _varlen_pages(names, q, k, v, block_table, cu_names[1], cu_seqlens_k,
+                             max_names[1], max_seqlen_k)
+        names = (names[0], f"{names[1]} (its used pages)", f"{names[2]} (its used pages)")
+    _check_qkv(names, q, k, v, False)
     left, right, cap, probs = _options(causal, window_size, softcap, deterministic,
                                        return_attn_probs)
     scale = common.scale_value(softmax_scale, q.shape[-1])
@@ -212,6 +212,47 @@ def _varlen(names, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out, lse, s_dmask
 
 
+def _varlen_pages(names, q, k, v, block_table, cu_name, cu_seqlens_k, max_name,
+                  max_seqlen_k):
+    """Paged keys of the varlen functions: k / v [num_blocks, page, Hk, D], sequence d's
+    keys at positions [0, lk_d) of the pages ``block_table[d]`` -> packed [Tk, Hk, D]
+    copies (one gather of the used pages; differentiable into the pages)."""
+    common.check_tensor("q", q, 3, _THD)
+    what = "(num_blocks, page_block_size, nheads_k, headdim)"
+    for name, x in zip(names[1:], (k, v)):
+        common.check_tensor(name, x, 4, what, "block_table needs paged keys and values")
+        if x.device != q.device:
+            raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; they must be "
+                             "on one device")
+    common.same(names[1], tuple(k.shape[:3]), names[2], tuple(v.shape[:3]),
+                "(num_blocks, page_block_size, nheads_k)")
+    page = k.shape[1]
+    if page == 0 or page % 16:
+        raise ValueError(f"{names[1]}: its page size (dim 1) is {page}; with block_table the "
+                         "pages hold a multiple of 16 positions")
+    if not isinstance(cu_seqlens_k, torch.Tensor):
+        raise TypeError(f"{cu_name}: expected an int32 torch.Tensor (batch_size + 1,), got "
+                        f"{type(cu_seqlens_k).__name__}")
+    if cu_seqlens_k.ndim != 1 or cu_seqlens_k.numel() < 1:
+        raise ValueError(f"{cu_name}: expected shape (batch_size + 1,), got "
+                         f"{tuple(cu_seqlens_k.shape)}")
+    end = int(cu_seqlens_k[-1])
+    lk = check_cu_seqlens(cu_name, cu_seqlens_k, end, f"the keys' {end}", max_name,
+                          max_seqlen_k, q.device)
+    table = _block_table(block_table, lk.size, q.device)
+    if (lk > table.shape[1] * page).any():
+        d = int(np.argmax(lk > table.shape[1] * page))
+        raise ValueError(f"block_table: sequence {d} has {lk[d]} keys but its "
+                         f"{table.shape[1]} pages of {page} positions hold "
+                         f"{table.shape[1] * page}; give block_table more pages")
+    _check_pages(table, lk, page, k.shape[0])
+    rows = [table[d, pos // page] * page + pos % page
+            for d, pos in enumerate(np.arange(n) for n in lk)]
+    flat = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64))
+    flat = flat.to(k.device)
+    return tuple(x.reshape((-1,) + tuple(x.shape[2:])).index_select(0, flat) for x in (k, v))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -227,7 +268,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     tensor is read once; CPU tensors are accepted and cost no synchronisation).  Causal
     masks, windows and ALiBi are aligned at the bottom right of each sequence (its own
     lq and lk).  Other arguments as :func:`flash_attn_func`; ``alibi_slopes`` [Hq] or
-    [N, Hq].  ``block_table`` (paged keys) raises NotImplementedError.
+    [N, Hq].  ``block_table`` [N, P] int32: k / v are then paged caches [num_blocks,
+    page, Hk, D] (page a multiple of 16) and sequence d's keys are positions
+    [0, lk_d) of the pages ``block_table[d]``; the used pages are gathered into one
+    packed copy per call.
     """
     return _varlen(("q", "k", "v"), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
