@@ -477,7 +477,7 @@ def test_kvcache_paged_bad_arguments():
 def test_varlen_paged_keys_equal_packed_keys():
     kp, vp = rand(6, 16, 2, 8, grad=True), rand(6, 16, 2, 8, grad=True)
     table = torch.tensor([[4, 1], [0, 5], [2, -3]], dtype=torch.int32)   # -3: never used
-    lk, lq = [20, 7, 0], [3, 2, 1]
+    lk = [20, 7, 0]
     q = rand(6, 4, 8)
     cuq = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
     cuk = torch.tensor([0, 20, 27, 27], dtype=torch.int32)

@@ -10,7 +10,7 @@ import torch
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 
-def _check_indices(indices, rows: int) -> torch.Tensor:
+def _check_indices(indices) -> torch.Tensor:
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices: expected a 1-d integer torch.Tensor, got "
                         f"{type(indices).__name__}")
@@ -24,7 +24,7 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
     """``input[indices]`` along the first axis: input [N, ...], indices [T] -> [T, ...]."""
     if not isinstance(input, torch.Tensor) or input.ndim < 1:
         raise TypeError("input: expected a torch.Tensor with at least one dim")
-    return input[_check_indices(indices, input.shape[0])]
+    return input[_check_indices(indices)]
 
 
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor,
@@ -33,7 +33,7 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor,
     ``values`` [T, ...] written at rows ``indices`` [T]."""
     if not isinstance(values, torch.Tensor) or values.ndim < 1:
         raise TypeError("values: expected a torch.Tensor with at least one dim")
-    idx = _check_indices(indices, first_axis_dim)
+    idx = _check_indices(indices)
     if idx.shape[0] != values.shape[0]:
         raise ValueError(f"indices: holds {idx.shape[0]} rows but values has "
                          f"{values.shape[0]}; they must match")
@@ -59,9 +59,9 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
         if m is None:
             continue
         if not isinstance(m, torch.Tensor) or tuple(m.shape) != (b, s):
+            got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
             raise ValueError(f"{name}: expected a tensor of shape (batch, seqlen) = "
-                             f"({b}, {s}), got "
-                             f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+                             f"({b}, {s}), got {got}")
     used = attention_mask != 0
     every = used | (unused_mask != 0) if unused_mask is not None else used
     lengths = every.sum(dim=-1, dtype=torch.int32)

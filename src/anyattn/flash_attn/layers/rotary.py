@@ -78,8 +78,9 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False,
         raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
     varlen = cu_seqlens is not None
     if x.ndim != (3 if varlen else 4):
-        raise ValueError(f"x: expected shape {'(total_seqlen, nheads, headdim)' if varlen else '(batch_size, seqlen, nheads, headdim)'}, "
-                         f"got {tuple(x.shape)}")
+        want = ("(total_seqlen, nheads, headdim) with cu_seqlens" if varlen
+                else "(batch_size, seqlen, nheads, headdim)")
+        raise ValueError(f"x: expected shape {want}, got {tuple(x.shape)}")
     check_tables(cos, sin, x.shape[-1])
     for name, flag in (("interleaved", interleaved), ("inplace", inplace)):
         if not isinstance(flag, bool):
