@@ -72,8 +72,10 @@ def main():
     ap.add_argument("--max-d", type=int, default=64)
     ap.add_argument("--sample", type=int, default=400, help="0 keeps every small case")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("pytest_args", nargs="*")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]
     with open(args.test_file) as f:
         text = f.read()
     text = re.sub(r"""(['"])cuda\1""", '"cpu"', text)
