@@ -317,6 +317,222 @@ def test_kvcache_batch_idx_leftpad_int_seqlens_and_whole_cache():
         close(out[i], ref_seq(q2[i], k_cache[i], v_cache[i])[0])
 
 
+# ------------------------------------------------------------------------ rotary, pages
+
+def ref_rotary(x, cos, sin, pos, interleaved):
+    """float64 rotary from the formula: the pair (x_a, x_b) of channel pair j becomes
+    (x_a cos - x_b sin, x_a sin + x_b cos) at angle row pos; a = 2j, b = 2j + 1
+    (interleaved) or a = j, b = j + r/2.  x [..., H, D], pos [...] ints."""
+    x = x.detach().double().clone()
+    half = cos.shape[1]
+    c = cos.double()[pos][..., None, :]
+    s = sin.double()[pos][..., None, :]
+    a = torch.arange(half) * 2 if interleaved else torch.arange(half)
+    b = a + 1 if interleaved else a + half
+    xa, xb = x[..., a].clone(), x[..., b].clone()
+    x[..., a] = xa * c - xb * s
+    x[..., b] = xa * s + xb * c
+    return x
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rotary_emb_matches_formula(interleaved):
+    from anyattn.flash_attn.layers.rotary import apply_rotary_emb
+
+    b, s, h, d, half = 3, 5, 2, 12, 4                                # rotary_dim 8 < d
+    ang = torch.rand(20, half) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    x = rand(b, s, h, d, grad=True)
+    offsets = torch.tensor([0, 7, 15], dtype=torch.int32)
+    pos = offsets[:, None].long() + torch.arange(s)[None, :]
+    got = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
+    close(got, ref_rotary(x, cos, sin, pos, interleaved))
+    assert torch.equal(got[..., 2 * half:], x[..., 2 * half:])      # the rest passes through
+    close(apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=3),
+          ref_rotary(x, cos, sin, torch.arange(s)[None, :].expand(b, s) + 3, interleaved))
+    # the rotation is orthogonal: the gradient is the inverse rotation of the upstream one
+    g = torch.randn_like(got)
+    (dx,) = torch.autograd.grad(got, x, g)
+    close(dx, ref_rotary(g, cos, -sin, pos, interleaved))
+    # packed sequences: the same tokens give the same rotation
+    lengths = [2, 0, 5]
+    packed = torch.cat([x[i, :n] for i, n in enumerate(lengths)]).detach()
+    cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    out = apply_rotary_emb(packed, cos, sin, interleaved=interleaved, seqlen_offsets=offsets,
+                           cu_seqlens=cu, max_seqlen=5)
+    close(out, torch.cat([got[i, :n] for i, n in enumerate(lengths)]))
+    y = x.detach().clone()
+    assert apply_rotary_emb(y, cos, sin, interleaved=interleaved, inplace=True,
+                            seqlen_offsets=offsets) is y
+    close(y, got)
+    with pytest.raises(ValueError, match="seqlen_offsets: position 19 needs row 19"):
+        apply_rotary_emb(x, cos[:19], sin[:19], seqlen_offsets=offsets)
+    with pytest.raises(ValueError, match="cos: rotary_dim = 2 [*] 8 = 16 exceeds"):
+        apply_rotary_emb(x, torch.ones(20, 8), torch.ones(20, 8))
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
+                                           (False, (4, 3))])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kvcache_rotary_matches_oracle(causal, window, interleaved):
+    b, s_cache, hq, hk, d, sq, half = 2, 24, 4, 2, 16, 3, 6
+    k_cache, v_cache = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
+    before = k_cache.clone()
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    ang = torch.rand(s_cache, half) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    lengths = torch.tensor([5, 13], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=lengths, causal=causal,
+                                     window_size=window, rotary_interleaved=interleaved)
+    local = causal or window != (-1, -1)
+    for i in range(b):
+        n = int(lengths[i])
+        kpos = n + torch.arange(sq)
+        qpos = kpos if local else torch.full((sq,), n)             # FlashAttention's rule
+        k_ro = ref_rotary(k_new[i], cos, sin, kpos, interleaved)
+        close(k_cache[i, n:n + sq], k_ro)                            # rotated keys are stored
+        assert torch.equal(k_cache[i, :n], before[i, :n])
+        keys = torch.cat([before[i, :n].double(), k_ro])
+        o, _, _ = ref_seq(ref_rotary(q[i], cos, sin, qpos, interleaved), keys,
+                          v_cache[i, :n + sq], causal=causal, window=window)
+        close(out[i], o)
+
+
+def paged_copy(cache, table, length):
+    """The contiguous [B, length, ...] view of a paged cache (the test's own gather)."""
+    rows = []
+    for r in table.long():
+        rows.append(torch.cat([cache[int(blk)] for blk in r])[:length])
+    return torch.stack(rows)
+
+
+def test_kvcache_paged_equals_contiguous():
+    b, page, hq, hk, d, sq = 3, 16, 4, 2, 8, 2
+    num_blocks, per_seq = 12, 3
+    kp, vp = rand(num_blocks, page, hk, d), rand(num_blocks, page, hk, d)
+    table = torch.randperm(num_blocks, dtype=torch.int32)[:b * per_seq].reshape(b, per_seq)
+    table[0, 2] = -1                     # an unused page (entry 0 ends in its second page)
+    lengths = torch.tensor([17, 30, 2], dtype=torch.int32)
+    ends = lengths + sq
+    kc, vc = (paged_copy(x, table.clamp(min=0), per_seq * page) for x in (kp, vp))
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    ang = torch.rand(64, 4) * 6.3
+    pad = torch.tensor([3, 0, 1], dtype=torch.int32)
+    kw = dict(cache_seqlens=lengths, causal=True, window_size=(20, -1),
+              alibi_slopes=torch.rand(b, hq), rotary_cos=ang.cos(), rotary_sin=ang.sin(),
+              cache_leftpad=pad, return_softmax_lse=True)
+    want, want_lse = fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, **kw)
+    got, got_lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, block_table=table, **kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    for i in range(b):                                   # the pages were appended in place
+        e = int(ends[i])
+        assert torch.equal(paged_copy(kp, table[i:i + 1].clamp(min=0), e)[0], kc[i, :e])
+        assert torch.equal(paged_copy(vp, table[i:i + 1].clamp(min=0), e)[0], vc[i, :e])
+    # without new keys and without cache_seqlens: every mapped position
+    q1 = rand(b, 1, hq, d)
+    full = fa.flash_attn_with_kvcache(q1, kp, vp, block_table=table.clamp(min=0))
+    close(full, fa.flash_attn_with_kvcache(q1, *(paged_copy(x, table.clamp(min=0),
+                                                            per_seq * page) for x in (kp, vp))))
+
+
+def test_kvcache_paged_bad_arguments():
+    kp = rand(4, 16, 1, 8)
+    q, knew = rand(2, 1, 2, 8), rand(2, 1, 1, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    snapshot = kp.clone()
+    with pytest.raises(ValueError, match="k_cache: its page size [(]dim 1[)] is 20; with "
+                                         "block_table the pages hold a multiple of 16"):
+        fa.flash_attn_with_kvcache(q, rand(4, 20, 1, 8), rand(4, 20, 1, 8), block_table=table)
+    with pytest.raises(ValueError, match=r"block_table: entry \[1, 1\] is 4, outside the "
+                                         r"cache's 4 blocks"):
+        fa.flash_attn_with_kvcache(q, kp, kp.clone(), knew, knew, cache_seqlens=torch.tensor(
+            [3, 16], dtype=torch.int32), block_table=torch.tensor([[0, 1], [2, 4]],
+                                                                  dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table: entry \[0, 0\] is -1"):
+        fa.flash_attn_with_kvcache(q, kp, kp, cache_seqlens=1,
+                                   block_table=torch.tensor([[-1, 1], [2, 3]],
+                                                            dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_seqlens: entry 0 holds 32 keys, and 1 new "
+                                         "ones would end at 33, beyond the 2 pages of 16 "
+                                         "positions that block_table maps"):
+        fa.flash_attn_with_kvcache(q, kp, kp.clone(), knew, knew, cache_seqlens=32,
+                                   block_table=table)
+    with pytest.raises(NotImplementedError, match="cache_batch_idx: is not supported with "
+                                                  "block_table"):
+        fa.flash_attn_with_kvcache(q, kp, kp, cache_seqlens=1, block_table=table,
+                                   cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(TypeError, match="block_table: expected dtype torch.int32"):
+        fa.flash_attn_with_kvcache(q, kp, kp, block_table=table.float())
+    with pytest.raises(ValueError, match="block_table: expected shape .* batch_size 2, got "
+                                         r"\(3, 2\)"):
+        fa.flash_attn_with_kvcache(q, kp, kp, block_table=torch.zeros(3, 2, dtype=torch.int32))
+    assert torch.equal(kp, snapshot)                                 # nothing written
+    # the unused entries of a row may hold anything
+    out = fa.flash_attn_with_kvcache(q, kp, kp, cache_seqlens=16, block_table=torch.tensor(
+        [[0, -7], [3, 1000]], dtype=torch.int32))
+    close(out[1], ref_seq(q[1], kp[3], kp[3])[0])
+
+
+def test_varlen_paged_keys_equal_packed_keys():
+    kp, vp = rand(6, 16, 2, 8, grad=True), rand(6, 16, 2, 8, grad=True)
+    table = torch.tensor([[4, 1], [0, 5], [2, -3]], dtype=torch.int32)   # -3: never used
+    lk = [20, 7, 0]
+    q = rand(6, 4, 8)
+    cuq = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    cuk = torch.tensor([0, 20, 27, 27], dtype=torch.int32)
+    kw = dict(causal=True, window_size=(9, -1), alibi_slopes=torch.rand(4))
+    out = fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20, block_table=table, **kw)
+    k = torch.cat([torch.cat([kp[int(b)] for b in table[d].clamp(min=0)])[:lk[d]]
+                   for d in range(3)])
+    v = torch.cat([torch.cat([vp[int(b)] for b in table[d].clamp(min=0)])[:lk[d]]
+                   for d in range(3)])
+    want = fa.flash_attn_varlen_func(q, k, v, cuq, cuk, 3, 20, **kw)
+    assert torch.equal(out, want)
+    (gk,) = torch.autograd.grad(out.sum(), kp)                       # into the pages
+    assert torch.equal(gk[3], torch.zeros_like(gk[3])) and gk[4].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"block_table: entry \[1, 0\] is 6, outside"):
+        fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20,
+                                  block_table=torch.tensor([[4, 1], [6, 5], [2, 2]],
+                                                           dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table: sequence 0 has 20 keys but its 1 "
+                                         "pages of 16 positions hold 16"):
+        fa.flash_attn_varlen_func(q, kp, vp, cuq, cuk, 3, 20, block_table=table[:, :1])
+    with pytest.raises(ValueError, match="k: its page size [(]dim 1[)] is 8"):
+        fa.flash_attn_varlen_func(q, kp[:, :8], vp[:, :8], cuq, cuk, 3, 20, block_table=table)
+
+
+# ------------------------------------------------------------------------- bert_padding
+
+def test_bert_padding_round_trips():
+    from anyattn.flash_attn.bert_padding import (index_first_axis, index_put_first_axis,
+                                                 pad_input, unpad_input)
+
+    b, s = 3, 5
+    x = rand(b, s, 2, 4, grad=True)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    tokens, indices, cu, mx, used = unpad_input(x, mask)
+    assert tokens.shape == (7, 2, 4) and mx == 5
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 2, 7]
+    assert used.tolist() == [2, 0, 5] and indices.tolist() == [0, 1, 10, 11, 12, 13, 14]
+    assert torch.equal(tokens, torch.cat([x[0, :2], x[2]]))
+    back = pad_input(tokens, indices, b, s)
+    assert torch.equal(back, x * mask[:, :, None, None])             # zeros where padded
+    (g,) = torch.autograd.grad(back.sum(), x)
+    assert torch.equal(g, mask[:, :, None, None].expand_as(g).float())
+    assert torch.equal(index_first_axis(x.reshape(b * s, 2, 4), indices), tokens)
+    assert torch.equal(index_put_first_axis(tokens, indices, b * s).reshape(b, s, 2, 4), back)
+    unused = torch.zeros(b, s, dtype=torch.int32)
+    unused[0, 2] = 1                                                  # allocated, unused
+    tokens, indices, cu, mx, used = unpad_input(x, mask.int(), unused)
+    assert cu.tolist() == [0, 3, 3, 8] and used.tolist() == [2, 0, 5]
+    assert torch.equal(tokens[2], x[0, 2])
+    with pytest.raises(ValueError, match="attention_mask: expected a tensor of shape"):
+        unpad_input(x, mask[:, :4])
+    with pytest.raises(ValueError, match="indices: holds 7 rows but values has 6"):
+        index_put_first_axis(tokens[:6], indices[:7], b * s)
+
+
 # ------------------------------------------------------------------ a tiny GPT on the CPU
 
 class TinyGPT(torch.nn.Module):
@@ -405,7 +621,7 @@ def test_bad_varlen_arguments():
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, -1)
     with pytest.raises(ValueError, match="q: expected 3 dims"):
         fa.flash_attn_varlen_func(q[None], k, v, cu, cu, 3, 3)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="k: expected 4 dims .*; block_table needs paged"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, block_table=cu)
     with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(2,\) or \(2, 2\)"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, alibi_slopes=torch.ones(3, 2))
@@ -460,11 +676,14 @@ def test_bad_kvcache_arguments():
         fa.flash_attn_with_kvcache(rand(3, 1, 2, 8), kc, kc, cache_seqlens=2)
     with pytest.raises(ValueError, match="k, v: pass both"):
         fa.flash_attn_with_kvcache(q, kc, kc, knew, cache_seqlens=0)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_with_kvcache(q, kc, kc, block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="rotary_cos"):
+    with pytest.raises(ValueError, match="rotary_cos: has 2 rows but position 2"):
+        fa.flash_attn_with_kvcache(q, kc, kc.clone(), knew, knew, cache_seqlens=0,
+                                   rotary_cos=torch.ones(2, 4), rotary_sin=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="rotary_cos: rotary_dim = 2 [*] 5 = 10 exceeds"):
         fa.flash_attn_with_kvcache(q, kc, kc, knew, knew, cache_seqlens=0,
-                                   rotary_cos=torch.ones(8, 4), rotary_sin=torch.ones(8, 4))
+                                   rotary_cos=torch.ones(8, 5), rotary_sin=torch.ones(8, 5))
+    with pytest.raises(ValueError, match="rotary_cos, rotary_sin: pass both"):
+        fa.flash_attn_with_kvcache(q, kc, kc, rotary_cos=torch.ones(8, 4))
     with pytest.raises(NotImplementedError, match="num_splits: 4"):
         fa.flash_attn_with_kvcache(q, kc, kc, num_splits=4)
     for kw, err, match in ((dict(softmax_scale=float("nan")), ValueError, "scale: nan"),
@@ -480,15 +699,28 @@ def test_bad_kvcache_arguments():
 def test_install_alias():
     import sys
 
-    saved = {n: sys.modules.pop(n, None) for n in ("flash_attn", "flash_attn.flash_attn_interface")}
+    names = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding",
+             "flash_attn.layers", "flash_attn.layers.rotary")
+    saved = {n: sys.modules.pop(n, None) for n in names}
     try:
         fa.install()
         fa.install()                                                 # again: a no-op
         from flash_attn import flash_attn_func
-        from flash_attn.flash_attn_interface import flash_attn_varlen_func
+        from flash_attn.bert_padding import index_first_axis, pad_input, unpad_input
+        from flash_attn.flash_attn_interface import (USE_TRITON_ROCM, _get_block_size_n,
+                                                     flash_attn_varlen_func)
+        from flash_attn.layers.rotary import apply_rotary_emb
 
         assert flash_attn_func is fa.flash_attn_func
         assert flash_attn_varlen_func is fa.flash_attn_varlen_func
+        assert apply_rotary_emb is fa.rotary.apply_rotary_emb
+        assert (pad_input, unpad_input, index_first_axis) == (
+            fa.bert_padding.pad_input, fa.bert_padding.unpad_input,
+            fa.bert_padding.index_first_axis)
+        assert USE_TRITON_ROCM is False
+        assert [_get_block_size_n("cpu", d, drop, False)
+                for d, drop in ((64, False), (64, True), (128, True), (128, False))] == [
+            128, 64, 32, 64]
         sys.modules["flash_attn"] = type(sys)("flash_attn")          # another flash_attn
         with pytest.raises(ValueError, match="install: a module 'flash_attn' is already"):
             fa.install()

@@ -25,9 +25,11 @@ from ..masks import Documents
 from ..problem import describe
 from ..torch.functional import attention
 from . import common
+from .layers import rotary as rotary_mod
 from .varlen import check_cu_seqlens, layout
 
 __all__ = [
+    "USE_TRITON_ROCM",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -36,6 +38,9 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+#: FlashAttention's switch for its AMD Triton path; anyattn has no such path
+USE_TRITON_ROCM = False
 
 _BSHD = "(batch_size, seqlen, nheads, headdim)"
 _THD = "(total_tokens, nheads, headdim)"
@@ -153,11 +158,11 @@ def _varlen(names, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             cu_names=("cu_seqlens_q", "cu_seqlens_k"),
             max_names=("max_seqlen_q", "max_seqlen_k")):
     """flash_attn_varlen_func on packed [T, H, D] tensors (see the module docstring)."""
-    _check_qkv(names, q, k, v, False)
     if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged key/value caches are not implemented yet; pass k and v "
-            "packed (total_k, nheads_k, headdim)")
+        k, v = _varlen_pages(names, q, k, v, block_table, cu_names[1], cu_seqlens_k,
+                             max_names[1], max_seqlen_k)
+        names = (names[0], f"{names[1]} (its used pages)", f"{names[2]} (its used pages)")
+    _check_qkv(names, q, k, v, False)
     left, right, cap, probs = _options(causal, window_size, softcap, deterministic,
                                        return_attn_probs)
     scale = common.scale_value(softmax_scale, q.shape[-1])
@@ -207,6 +212,47 @@ def _varlen(names, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out, lse, s_dmask
 
 
+def _varlen_pages(names, q, k, v, block_table, cu_name, cu_seqlens_k, max_name,
+                  max_seqlen_k):
+    """Paged keys of the varlen functions: k / v [num_blocks, page, Hk, D], sequence d's
+    keys at positions [0, lk_d) of the pages ``block_table[d]`` -> packed [Tk, Hk, D]
+    copies (one gather of the used pages; differentiable into the pages)."""
+    common.check_tensor("q", q, 3, _THD)
+    what = "(num_blocks, page_block_size, nheads_k, headdim)"
+    for name, x in zip(names[1:], (k, v)):
+        common.check_tensor(name, x, 4, what, "block_table needs paged keys and values")
+        if x.device != q.device:
+            raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; they must be "
+                             "on one device")
+    common.same(names[1], tuple(k.shape[:3]), names[2], tuple(v.shape[:3]),
+                "(num_blocks, page_block_size, nheads_k)")
+    page = k.shape[1]
+    if page == 0 or page % 16:
+        raise ValueError(f"{names[1]}: its page size (dim 1) is {page}; with block_table the "
+                         "pages hold a multiple of 16 positions")
+    if not isinstance(cu_seqlens_k, torch.Tensor):
+        raise TypeError(f"{cu_name}: expected an int32 torch.Tensor (batch_size + 1,), got "
+                        f"{type(cu_seqlens_k).__name__}")
+    if cu_seqlens_k.ndim != 1 or cu_seqlens_k.numel() < 1:
+        raise ValueError(f"{cu_name}: expected shape (batch_size + 1,), got "
+                         f"{tuple(cu_seqlens_k.shape)}")
+    end = int(cu_seqlens_k[-1])
+    lk = check_cu_seqlens(cu_name, cu_seqlens_k, end, f"the keys' {end}", max_name,
+                          max_seqlen_k, q.device)
+    table = _block_table(block_table, lk.size, q.device)
+    if (lk > table.shape[1] * page).any():
+        d = int(np.argmax(lk > table.shape[1] * page))
+        raise ValueError(f"block_table: sequence {d} has {lk[d]} keys but its "
+                         f"{table.shape[1]} pages of {page} positions hold "
+                         f"{table.shape[1] * page}; give block_table more pages")
+    _check_pages(table, lk, page, k.shape[0])
+    rows = [table[d, pos // page] * page + pos % page
+            for d, pos in enumerate(np.arange(n) for n in lk)]
+    flat = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64))
+    flat = flat.to(k.device)
+    return tuple(x.reshape((-1,) + tuple(x.shape[2:])).index_select(0, flat) for x in (k, v))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -222,7 +268,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     tensor is read once; CPU tensors are accepted and cost no synchronisation).  Causal
     masks, windows and ALiBi are aligned at the bottom right of each sequence (its own
     lq and lk).  Other arguments as :func:`flash_attn_func`; ``alibi_slopes`` [Hq] or
-    [N, Hq].  ``block_table`` (paged keys) raises NotImplementedError.
+    [N, Hq].  ``block_table`` [N, P] int32: k / v are then paged caches [num_blocks,
+    page, Hk, D] (page a multiple of 16) and sequence d's keys are positions
+    [0, lk_d) of the pages ``block_table[d]``; the used pages are gathered into one
+    packed copy per call.
     """
     return _varlen(("q", "k", "v"), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -256,6 +305,27 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                    max_names=("max_seqlen", "max_seqlen"))
 
 
+# ------------------------------------------------------------------- test-file helper
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key block width of FlashAttention 2's forward kernel on an A100-class GPU for
+    this head dim (FlashAttention's tests split scores by it to read its ``S_dmask``):
+    128 up to head dim 64 (64 with dropout), 64 above 64 (32 with dropout from 97 to
+    128).  ``device`` and ``is_causal`` are accepted for its signature.  anyattn's own
+    ``S_dmask`` is the normalised probabilities in natural order (docs/flash_attn.md), so
+    the width plays no part in anyattn."""
+    hd = common.int_value("head_dim", head_dim)
+    if not 0 < hd <= 256:
+        raise ValueError(f"head_dim: is {hd}; FlashAttention's kernels take 1 to 256")
+    common.flag("is_dropout", is_dropout)
+    common.flag("is_causal", is_causal)
+    if hd <= 64:
+        return 64 if is_dropout else 128
+    if 96 < hd <= 128 and is_dropout:
+        return 32
+    return 64
+
+
 # ----------------------------------------------------------------------------- KV cache
 
 def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
@@ -276,38 +346,74 @@ def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
     return x.detach().cpu().numpy().astype(np.int64)
 
 
+def _block_table(block_table, bsz: int, device) -> np.ndarray:
+    """block_table [B, max_pages] int32 (or int64) on the CPU or q's device -> int64 NumPy."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table: expected a torch.Tensor of shape (batch_size, "
+                        f"max_num_blocks_per_seq), dtype torch.int32, got "
+                        f"{type(block_table).__name__}")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table: expected dtype torch.int32 (or int64), got "
+                        f"{block_table.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != bsz:
+        raise ValueError(f"block_table: expected shape (batch_size, max_num_blocks_per_seq) "
+                         f"with batch_size {bsz}, got {tuple(block_table.shape)}")
+    if block_table.device.type != "cpu" and block_table.device != device:
+        raise ValueError(f"block_table: is on {block_table.device} but q is on {device}; "
+                         "move it with .to(q.device)")
+    return block_table.detach().cpu().numpy().astype(np.int64)
+
+
+def _check_pages(table: np.ndarray, ends: np.ndarray, page: int, num_blocks: int) -> None:
+    """The pages that hold positions [0, ends[b]) of entry b name blocks of the cache."""
+    for b in range(table.shape[0]):
+        used = table[b, :-(-int(ends[b]) // page)]
+        bad = np.flatnonzero((used < 0) | (used >= num_blocks))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"block_table: entry [{b}, {j}] is {int(used[j])}, outside the "
+                             f"cache's {num_blocks} blocks [0, {num_blocks}) (k_cache.shape[0])")
+
+
+def _rotary_positions(offsets: np.ndarray, count: int, same: bool) -> np.ndarray:
+    """Rotary positions [B, count]: offsets[b] + i, or offsets[b] for every row (``same``)."""
+    steps = np.zeros(count, dtype=np.int64) if same else np.arange(count, dtype=np.int64)
+    return offsets[:, None] + steps[None, :]
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    """Attention of q [B, Sq, Hq, D] over a contiguous cache k_cache [Bc, Sc, Hk, D],
-    v_cache [Bc, Sc, Hk, Dv] -> out [B, Sq, Hq, Dv] (and softmax_lse [B, Hq, Sq] float32
-    with ``return_softmax_lse``).  Not differentiable (as FlashAttention's).
+    """Attention of q [B, Sq, Hq, D] over a cache -> out [B, Sq, Hq, Dv] (and softmax_lse
+    [B, Hq, Sq] float32 with ``return_softmax_lse``).  Not differentiable (as
+    FlashAttention's).
 
-    Batch entry b reads cache row ``cache_batch_idx[b]`` (default b; then Bc == B).
-    ``k``, ``v`` [B, Snew, Hk, D/Dv]: written into the cache *in place* at positions
-    [cache_seqlens[b], cache_seqlens[b] + Snew) before the attention (needs
-    ``cache_seqlens``).  The keys of entry b are the cache positions
+    The cache is contiguous, k_cache [Bc, Sc, Hk, D] / v_cache [Bc, Sc, Hk, Dv], batch
+    entry b reading row ``cache_batch_idx[b]`` (default b; then Bc == B); or paged with
+    ``block_table`` [B, P] int32: k_cache / v_cache [num_blocks, page, Hk, D/Dv], page a
+    multiple of 16, position t of entry b at block ``block_table[b, t // page]``, row
+    ``t % page`` (capacity P · page).  ``k``, ``v`` [B, Snew, Hk, D/Dv]: written into the
+    cache *in place* at positions [cache_seqlens[b], cache_seqlens[b] + Snew) before the
+    attention (needs ``cache_seqlens``).  The keys of entry b are the cache positions
     [cache_leftpad[b], cache_seqlens[b] + Snew) (the whole cache without
     ``cache_seqlens``); causal masks, windows and ALiBi are aligned at their bottom
-    right.  ``cache_seqlens``: an int or an int tensor [B]; bounds are checked before any
-    work (a GPU tensor is read once).  ``block_table`` (paged caches) and
-    ``rotary_cos`` / ``rotary_sin`` raise NotImplementedError; ``num_splits`` may be 0
-    (choose) or 1 (no split): the keys are never split here.
+    right.  ``cache_seqlens``: an int or an int tensor [B].
+
+    ``rotary_cos`` / ``rotary_sin`` [seqlen_ro, rotary_dim / 2] rotate the first
+    rotary_dim channels of the new keys at their positions cache_seqlens[b] + i (the
+    rotated keys are what the cache stores) and of q: query i at cache_seqlens[b] + i
+    when ``causal`` or a window is set, every query at cache_seqlens[b] otherwise;
+    ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
+
+    Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
+    GPU tensor is read once).  A paged cache is gathered into one contiguous copy of the
+    used pages per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
+    never split here.
     """
     common.check_tensor("q", q, 4, _BSHD)
-    if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged KV caches are not implemented yet; pass a contiguous cache "
-            "k_cache / v_cache of shape (batch_size_cache, seqlen_cache, nheads_k, headdim)")
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if x is not None:
-            raise NotImplementedError(
-                f"{name}: rotary embedding inside flash_attn_with_kvcache is not implemented "
-                "yet; rotate q and k before the call and pass rotary_cos=rotary_sin=None")
-    common.flag("rotary_interleaved", rotary_interleaved)
     splits = common.int_value("num_splits", num_splits)
     if splits < 0:
         raise ValueError(f"num_splits: is {splits}; expected 0 (choose) or a positive int")
@@ -315,21 +421,42 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError(
             f"num_splits: {splits} splits of the keys (split-KV decoding) are not implemented "
             "yet; pass num_splits=0 or 1")
+    interleaved = common.flag("rotary_interleaved", rotary_interleaved)
     if not q.is_floating_point():
         raise TypeError(f"q: expected a floating-point tensor, got dtype {q.dtype}")
+    paged = block_table is not None
+    what = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+            else "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        common.check_tensor(name, x, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+        common.check_tensor(name, x, 4, what)
         if x.device != q.device:
             raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; they must be "
                              "on one device")
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: has dtype {x.dtype} but q has {q.dtype}; they must match")
     common.same("k_cache", tuple(k_cache.shape[:3]), "v_cache", tuple(v_cache.shape[:3]),
-                "(batch_size_cache, seqlen_cache, nheads_k)")
+                what[:what.index(", headdim")] + ")")
     common.same("q", q.shape[-1], "k_cache", k_cache.shape[-1], "head dim (dim -1)")
     _check_heads("q", q.shape[2], "k_cache", k_cache.shape[2])
     bsz, sq, hq, _ = q.shape
-    b_cache, s_cache, hk, _ = k_cache.shape
+    hk = k_cache.shape[2]
+    if paged:
+        page = k_cache.shape[1]
+        if page == 0 or page % 16:
+            raise ValueError(f"k_cache: its page size (dim 1) is {page}; with block_table the "
+                             "pages hold a multiple of 16 positions")
+        if cache_batch_idx is not None:
+            raise NotImplementedError(
+                "cache_batch_idx: is not supported with block_table (as in FlashAttention); "
+                "order the rows of block_table instead")
+        table = _block_table(block_table, bsz, q.device)
+        b_cache, s_cache = bsz, table.shape[1] * page
+        capacity = (f"the {table.shape[1]} pages of {page} positions that block_table maps; "
+                    "give block_table more pages")
+    else:
+        b_cache, s_cache = k_cache.shape[:2]
+        capacity = (f"the cache's {s_cache} positions (k_cache.shape[1]); allocate a longer "
+                    "cache")
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and new values, or neither")
     s_new = 0
@@ -371,8 +498,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (lengths + s_new > s_cache).any():
         b = int(np.argmax(lengths + s_new > s_cache))
         raise ValueError(f"cache_seqlens: entry {b} holds {lengths[b]} keys, and {s_new} new "
-                         f"ones would end at {lengths[b] + s_new}, beyond the cache's "
-                         f"{s_cache} positions (k_cache.shape[1]); allocate a longer cache")
+                         f"ones would end at {lengths[b] + s_new}, beyond {capacity}")
     leftpad = _host_ints("cache_leftpad", cache_leftpad, bsz, q.device)
     if leftpad is None:
         leftpad = np.zeros(bsz, dtype=np.int64)
@@ -392,27 +518,70 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     slopes = common.alibi(alibi_slopes, hq, bsz)
     mask = common.band_mask(left, right)
     ends = lengths + s_new
-    if bsz:
-        # the core's checks and a backend for these inputs before the cache is written, so
-        # that a refusal leaves it as it was (key ranges differ only in length)
-        kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (k_cache, v_cache))
-        choose(describe(q[:1].transpose(1, 2), kk, vv, mask=mask, scale=scale, softcap=cap,
-                        alibi_slopes=None if slopes is None else
-                        (slopes if slopes.ndim == 1 else slopes[:1])))
+    if paged:
+        _check_pages(table, ends, page, k_cache.shape[0])
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos, rotary_sin: pass both rotary tables, or neither")
+        rotary_mod.check_tables(rotary_cos, rotary_sin, q.shape[-1],
+                                ("rotary_cos", "rotary_sin"))
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if x.device != q.device:
+                raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; move it "
+                                 "with .to(q.device)")
+        q_pos = _rotary_positions(lengths, sq, same=mask is None)
+        k_pos = _rotary_positions(lengths, s_new, same=False)
+        top = max(int(q_pos.max()) if q_pos.size else -1, int(k_pos.max()) if k_pos.size else -1)
+        if top >= rotary_cos.shape[0]:
+            raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
+                             "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
+                             "pass longer rotary tables")
     with torch.no_grad():
+        if paged:
+            # one contiguous copy of the pages in use; unused table entries read block 0
+            n_pages = -(-int(ends.max()) // page) if bsz else 0
+            cols = np.arange(n_pages)[None, :]
+            ids = np.where(cols < -(-ends[:, None] // page), table[:, :n_pages], 0)
+            sel = torch.from_numpy(ids.reshape(-1)).to(k_cache.device)
+            kc, vc = (x.index_select(0, sel).reshape(bsz, n_pages * page, *x.shape[2:])
+                      for x in (k_cache, v_cache))
+        else:
+            kc, vc = k_cache, v_cache
+        if bsz:
+            # the core's checks and a backend for these inputs before the cache is written,
+            # so that a refusal leaves it as it was (key ranges differ only in length)
+            kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (kc, vc))
+            choose(describe(q[:1].transpose(1, 2), kk, vv, mask=mask, scale=scale,
+                            softcap=cap, alibi_slopes=None if slopes is None else
+                            (slopes if slopes.ndim == 1 else slopes[:1])))
+        if rotary:
+            def turn(x, pos):
+                where = torch.from_numpy(pos).to(x.device)
+                return rotary_mod.rotate(x, rotary_cos[where], rotary_sin[where], interleaved)
+            q = turn(q, q_pos)
+            if s_new:
+                k = turn(k, k_pos)
         if s_new:
             rows = torch.from_numpy(idx).to(k_cache.device)[:, None]              # [B, 1]
-            pos = torch.from_numpy(lengths[:, None] + np.arange(s_new)).to(k_cache.device)
-            k_cache.index_put_((rows, pos), k)
-            v_cache.index_put_((rows, pos), v)
+            new_pos = lengths[:, None] + np.arange(s_new)
+            pos = torch.from_numpy(new_pos).to(k_cache.device)
+            kc.index_put_((rows, pos), k)
+            vc.index_put_((rows, pos), v)
+            if paged:
+                blocks = np.take_along_axis(table, new_pos // page, axis=1)
+                at = (torch.from_numpy(blocks).to(k_cache.device),
+                      torch.from_numpy(new_pos % page).to(k_cache.device))
+                k_cache.index_put_(at, k)
+                v_cache.index_put_(at, v)
         one = (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True
         if one:
             lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
-            if np.array_equal(idx, np.arange(b_cache)):
-                kk, vv = k_cache, v_cache
+            if np.array_equal(idx, np.arange(kc.shape[0])):
+                kk, vv = kc, vc
             else:
-                sel = torch.from_numpy(idx).to(k_cache.device)
-                kk, vv = k_cache.index_select(0, sel), v_cache.index_select(0, sel)
+                sel = torch.from_numpy(idx).to(kc.device)
+                kk, vv = kc.index_select(0, sel), vc.index_select(0, sel)
             out, lse = attention(q, kk[:, lo:hi], vv[:, lo:hi], layout="bshd", mask=mask,
                                  scale=scale, softcap=cap, alibi_slopes=slopes,
                                  return_lse=True)
@@ -422,7 +591,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 i, lo, hi = int(idx[b]), int(leftpad[b]), int(ends[b])
                 row = None if slopes is None else (slopes if slopes.ndim == 1
                                                    else slopes[b:b + 1])
-                o, s = attention(q[b:b + 1], k_cache[i:i + 1, lo:hi], v_cache[i:i + 1, lo:hi],
+                o, s = attention(q[b:b + 1], kc[i:i + 1, lo:hi], vc[i:i + 1, lo:hi],
                                  layout="bshd", mask=mask, scale=scale, softcap=cap,
                                  alibi_slopes=row, return_lse=True)
                 outs.append(o)
