@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...arrays import array_kind
-from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS
+from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, GRADIENTS
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -45,7 +45,8 @@ _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
     max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
-    modifiers=BUILTIN_MODIFIERS | {"score_mod"}, inputs=DEFAULT_INPUTS | {"value_dim"})
+    modifiers=BUILTIN_MODIFIERS | {"score_mod"}, inputs=DEFAULT_INPUTS | {"value_dim"},
+    gradients=GRADIENTS - {"score_mod_grad"})
 
 
 def _has_programs(p: Problem) -> bool:
