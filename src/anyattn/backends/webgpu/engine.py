@@ -22,6 +22,7 @@ per-pair finaliser in WGSL).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -313,8 +314,6 @@ class Call:
             words += mask_words(mask_fns)
             self.mod_consts["MASKFN"] = 1
         text = "".join(parts)
-        import hashlib
-
         data = np.concatenate(words + [np.zeros(1, np.uint32)])
         self.run.check_size("score / mask function captures", 4 * data.size)
         self.progs = (hashlib.sha1(text.encode()).hexdigest(), text)

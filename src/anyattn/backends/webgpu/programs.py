@@ -28,7 +28,7 @@ import numpy as np
 
 from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
 
-__all__ = ["Layout", "capture_layout", "score_source", "mask_source", "pack_captures",
+__all__ = ["Layout", "score_source", "mask_source", "mask_words", "pack_captures",
            "TANH_HELPER"]
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
@@ -83,10 +83,6 @@ class Layout:
             self.parts[name] = (off, shape, tuple(reversed(strides)), s.dtype)
             off += max(acc, 1)
         self.words = off
-
-
-def capture_layout(specs) -> Layout:
-    return Layout(specs)
 
 
 def pack_captures(layout: Layout, arrays: Dict[str, np.ndarray], where: str) -> np.ndarray:
@@ -242,8 +238,8 @@ def score_source(bound) -> Tuple[str, str]:
 
 def mask_source(bounds: Sequence, layouts_from: int = 0) -> Tuple[str, str]:
     """(key, WGSL of ``mfn_all(b, h, i, j) -> bool``: the conjunction of the mask
-    functions) of bound mask programs whose captures share one layout of their own
-    (names made unique by a ``m<k>_`` prefix: :func:`mask_captures`)."""
+    functions) of bound mask programs; their captures follow one another from word
+    ``layouts_from`` on (names made unique by a ``m<k>_`` prefix, :func:`mask_words`)."""
     parts, calls = [], []
     for k, bp in enumerate(bounds):
         _check_idt(bp)
