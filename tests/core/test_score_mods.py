@@ -218,11 +218,17 @@ def test_backends_without_a_lowering_refuse_with_the_feature_words():
                       (dict(mask=aa.Causal() | aa.Window(left=2)),
                        "does not support mask functions")):
         p = describe(q, k, v, **kw)
-        assert any(words in r for r in get_backend("webgpu").unsupported_reasons(p))
         # Triton lowers both (its reasons here are only about the NumPy arrays)
         assert not any(words in r for r in get_backend("triton").unsupported_reasons(p))
         for name in ("numpy", "reference"):
             assert get_backend(name).unsupported_reasons(p) == []
+        # webgpu lowers the functions (generated WGSL), not the capture gradients
+        assert not any("score_mod" in r or "mask functions" in r
+                       for r in get_backend("webgpu").unsupported_reasons(p))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=np.ones(q.shape[1], np.float32))
+    p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
+    assert any("does not compute gradients of score_mod captures" in r
+               for r in get_backend("webgpu").unsupported_reasons(p))
 
 
 # ----------------------------------------------------------- derivatives

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...arrays import array_kind
-from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS
+from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, GRADIENTS
 from ..base import Backend, Capabilities
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
@@ -44,8 +44,14 @@ _NP = {"float32": np.float32, "float16": np.float16}
 _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
-    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep"}),
-    modifiers=BUILTIN_MODIFIERS, inputs=DEFAULT_INPUTS | {"value_dim"})
+    max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
+    modifiers=BUILTIN_MODIFIERS | {"score_mod"}, inputs=DEFAULT_INPUTS | {"value_dim"},
+    gradients=GRADIENTS - {"score_mod_grad"})
+
+
+def _has_programs(p: Problem) -> bool:
+    """Whether ``p`` has a score function or mask functions (generated WGSL)."""
+    return p.score_mod is not None or bool(p.mask.mask_fns)
 
 
 class WebGPUBackend(Backend):
@@ -109,6 +115,10 @@ class WebGPUBackend(Backend):
                            f"{self.context.name} lacks; pass float32")
             if p.bias_dtype not in (None, "float32", "float16"):
                 why.append(f"bias dtype {p.bias_dtype} is not supported")
+            if p.array_kind == "webgpu" and _has_programs(p):
+                why.append("score_mod and mask functions (MaskMod, | of mask terms) run on "
+                           "host arrays only, not on anyattn.webgpu device arrays; pass "
+                           "NumPy arrays")
         return why
 
     def runner(self):
@@ -173,6 +183,7 @@ class WebGPUBackend(Backend):
         if bias is not None:
             call.set_bias(bias)
         call.set_mods(p.softcap, mods.alibi_slopes, alibi_diag(p), mods.sinks)
+        call.set_programs(p.score_mod, p.mask.mask_fns or ())
         if p.has_dropout:
             call.set_dropout(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, b0)
         return call
@@ -276,6 +287,12 @@ class WebGPUBackend(Backend):
                              f"this adapter's max storage binding of {lim} bytes "
                              f"({run.ctx.name}); shorten the sequence or use another backend")
         nb = max(1, lim // worst)
+        if nb < p.batch and _has_programs(p):
+            raise NotImplementedError(
+                f"webgpu: score_mod / mask functions with a batch split into chunks (one "
+                f"batch of the {role} buffer needs {worst} bytes, {nb} fit this adapter's "
+                f"max storage binding of {lim} bytes); shorten the problem or use "
+                "backend='numpy'")
         return [(b0, min(p.batch, b0 + nb)) for b0 in range(0, p.batch, nb)]
 
     @staticmethod

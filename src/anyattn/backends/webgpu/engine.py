@@ -22,6 +22,7 @@ per-pair finaliser in WGSL).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -167,6 +168,10 @@ class Call:
         #: score-modifier constants (anyattn.modifiers): SOFTCAP, ALIBI, DROPOUT for
         #: every tiled kernel, SINKS for the forward only; empty = the plain kernels
         self.mod_consts: Dict[str, int] = {}
+        #: generated score / mask functions of the tiled kernels: (key, WGSL) and the
+        #: buffer of their captures (``set_programs``); None: the plain kernels
+        self.progs: Optional[Tuple[str, str]] = None
+        self.cap_buf = None
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
         self.clears: List[object] = []
@@ -285,6 +290,35 @@ class Call:
         if alibi_slopes is not None or sinks is not None:
             self.aux_upload()
 
+    def set_programs(self, score=None, mask_fns=()) -> None:
+        """A score function (a BoundProgram: SCOREMOD) and mask functions (MASKFN, applied
+        in partial tiles) -> generated WGSL and one buffer of their captures (u32 words,
+        score captures first).  The pipelines are keyed by the generated text, so new
+        captured values only rewrite the buffer."""
+        from .programs import TANH_HELPER, Layout, mask_source, mask_words, pack_captures, \
+            score_source
+
+        if score is None and not mask_fns:
+            return
+        parts, words, start = [TANH_HELPER], [], 0
+        if score is not None:
+            _, src = score_source(score)
+            parts.append(src)
+            lay = Layout(score.program.specs)
+            words.append(pack_captures(lay, score.arrays, score.program.where)[:lay.words])
+            start = lay.words
+            self.mod_consts["SCOREMOD"] = 1
+        if mask_fns:
+            _, src = mask_source(mask_fns, start)
+            parts.append(src)
+            words += mask_words(mask_fns)
+            self.mod_consts["MASKFN"] = 1
+        text = "".join(parts)
+        data = np.concatenate(words + [np.zeros(1, np.uint32)])
+        self.run.check_size("score / mask function captures", 4 * data.size)
+        self.progs = (hashlib.sha1(text.encode()).hexdigest(), text)
+        self.cap_buf = self.run.upload("captures", data)
+
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:
         """anyattn.dropout's mask in the tiled kernels (DROPOUT): keep[b, h, i, j] at the
@@ -366,7 +400,8 @@ class Call:
         slices = cfg.slices(self.out_dim(kernel))
         consts.update({k: v for k, v in self.mod_consts.items()
                        if k != "SINKS" or kernel == "forward"})   # the sink: forward only
-        pipe = self.run.pipeline(kernel, "tile", consts, self.elem, self.debug)
+        layout = "tile" if self.progs is None else "tile_prog"
+        pipe = self.run.pipeline(kernel, layout, consts, self.elem, self.debug, self.progs)
         if self.debug and dsb is None:   # debug builds write each invocation's loop trips here
             n_inv = grid_x * n_bh * slices * cfg.NT
             dsb = self.trip_buf = self.run.buffer(f"trips_{kernel}", 4 * n_inv)
@@ -388,8 +423,10 @@ class Call:
                 ubuf = self.uniform_buffer(vals)
                 if "DROPOUT" in self.mod_consts:
                     self.seeded[id(ubuf)] = dict(self.uni, **vals)
-                self.launches.append(Launch(kernel, pipe, "tile",
-                                            self._tile_buffers(ubuf, stats, outb, dsb),
+                bufs = self._tile_buffers(ubuf, stats, outb, dsb)
+                if self.progs is not None:
+                    bufs.append(self.cap_buf)
+                self.launches.append(Launch(kernel, pipe, layout, bufs,
                                             (grid_x, b_ - a, slices)))
 
     def out_dim(self, kernel: str) -> int:

@@ -668,8 +668,8 @@ class Runner:
 
     # ---- dispatch -------------------------------------------------------------
     def pipeline(self, kernel: str, layout: str, consts: Dict[str, int], elem: str = "f32",
-                 debug: bool = False):
-        return self.pipes.get(kernel, layout, consts, elem, debug)
+                 debug: bool = False, progs=None):
+        return self.pipes.get(kernel, layout, consts, elem, debug, progs)
 
     def encode(self, launches: Sequence[Launch]) -> List[tuple]:
         """Launches -> [(pipeline, bind group, grid, kernel)] ready to submit (and re-submit)."""

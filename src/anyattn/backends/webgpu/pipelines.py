@@ -44,7 +44,8 @@ from typing import Dict, Mapping
 from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
-           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES", "VDIM_DEFINES"]
+           "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES", "VDIM_DEFINES",
+           "PROG_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -71,6 +72,11 @@ OUTB_DEFINES = ("OUTB16",)
 DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN", "DSQ_PF")
 #: v's head dim differs from q's / k's (the uniform U.DV; see the module doc)
 VDIM_DEFINES = ("VDIM",)
+#: a generated score function (SCOREMOD: smod_v / smod_vd after softcap) or mask
+#: function (MASKFN: mfn_all in keep_ij); either defines PROGS (the captures' binding
+#: 10 and the generated text at ``//@progfns``), SOFTCAP or SCOREMOD defines DSCHAIN
+#: (dS times the chain factor, the plain dS kept for dbias)
+PROG_DEFINES = ("SCOREMOD", "MASKFN")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -222,9 +228,10 @@ def _reinit_vars(text: str) -> str:
 
 
 def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
-                 debug: bool = False) -> str:
+                 debug: bool = False, progs: str = "") -> str:
     """The complete WGSL of ``shaders/<kernel>.wgsl`` for these constants
-    (``consts["HALF"]`` = 1 with elem f16: the f16-math variant)."""
+    (``consts["HALF"]`` = 1 with elem f16: the f16-math variant); ``progs``: the
+    generated functions of SCOREMOD / MASKFN kernels (programs.py)."""
     half = bool(consts.get("HALF", 0))
     if kernel == "forward" and consts.get("RM", 4) != 4:
         raise KernelError(f"webgpu kernel 'forward': RM={consts['RM']} query rows per "
@@ -244,9 +251,17 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     else:
         text = "//@define VD U.D\n//@define VOUT out\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
-                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES):            # only where used
+                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES + PROG_DEFINES):  # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
+    has_prog = any(consts.get(n, 0) for n in PROG_DEFINES)
+    if has_prog != bool(progs):
+        raise KernelError(f"webgpu kernel {kernel!r}: generated functions go with the "
+                          f"{PROG_DEFINES} defines, and only with them")
+    if has_prog:
+        text = "//@define PROGS\n" + text
+    if consts.get("SOFTCAP", 0) or consts.get("SCOREMOD", 0):
+        text = "//@define DSCHAIN\n" + text
     text = _conditionals(text)
     text = _unroll(text, consts)
     if consts.get("STAGE", 0):
@@ -254,6 +269,8 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
         text = tiles.sub(lambda m: f"stg[SOFF_{m.group(1).upper()} + ", text)
     text = _reinit_vars(text)
     text = text.replace("//@loaders", _loaders(half, bool(consts.get("OUTB16", 0)), vdim))
+    if has_prog:
+        text = text.replace("//@progfns", progs.rstrip("\n"))
     text = re.sub(r"\bTRIP\b", "trips += 1u;" if debug else "", text)
     dbg = ("dsb[((wid.z * nwg.y + wid.y) * nwg.x + wid.x) * NT + lid] = f32(trips);"
            if debug else "")
@@ -269,6 +286,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
 # binding kinds per layout: 'u' uniform, 'r' read-only storage, 'w' read-write storage
 LAYOUTS = {
     "tile": "urrrrrrwww",     # U q k v dout bias aux | stats out ds
+    "tile_prog": "urrrrrrwwwr",   # the same | captures of score / mask functions
     "delta": "urrwr",         # U dout out stats vmean
     "reduce": "urw",          # U ds out
     "vmean": "urw",           # U v out
@@ -304,12 +322,15 @@ class PipelineCache:
         return len(self._pipes)
 
     def get(self, kernel: str, layout: str, consts: Mapping[str, int], elem: str = "f32",
-            debug: bool = False):
-        fast = (kernel, layout, tuple(sorted(consts.items())), elem, debug)
+            debug: bool = False, progs=None):
+        """``progs``: (key, WGSL) of generated score / mask functions (programs.py),
+        the key a digest of the text (a new graph compiles, new captured values do not)."""
+        fast = (kernel, layout, tuple(sorted(consts.items())), elem, debug,
+                progs[0] if progs else None)
         pipe = self._by_args.get(fast)
         if pipe is not None:       # skip re-assembling the source on every launch
             return pipe
-        src = build_source(kernel, consts, elem, debug)
+        src = build_source(kernel, consts, elem, debug, progs[1] if progs else "")
         key = hashlib.sha1((layout + "\0" + src).encode()).hexdigest()
         pipe = self._pipes.get(key)
         if pipe is None:

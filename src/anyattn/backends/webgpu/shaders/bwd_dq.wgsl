@@ -128,12 +128,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         //@for c 4
         {
           let j = j0 + tx + {c} * TX;
-          //@ifn SOFTCAP
+          //@ifn DSCHAIN
           if (i < U.SQ && j < U.SK) { dsb[(bh * U.SQ + i) * U.SK + j] = ds[{r}][{c#}]; }
-          //@endif SOFTCAP
-          //@if SOFTCAP
+          //@endif DSCHAIN
+          //@if DSCHAIN
           if (i < U.SQ && j < U.SK) { dsb[(bh * U.SQ + i) * U.SK + j] = dsr[{r}][{c#}]; }
-          //@endif SOFTCAP
+          //@endif DSCHAIN
         }
         //@end c
       }

@@ -32,6 +32,12 @@
 //@if DSQ_IN
 @group(0) @binding(9) var<storage, read_write> dsb: array<vec4<f32>>;
 //@endif DSQ_IN
+//@if PROGS
+// score / mask functions (SCOREMOD, MASKFN): their captures as 32-bit words, and the
+// generated functions smod_v / smod_vd / mfn_all (backends/webgpu/programs.py)
+@group(0) @binding(10) var<storage, read> capb: array<u32>;
+//@progfns
+//@endif PROGS
 
 var<private> trips: u32;
 //@if STAGE
@@ -63,6 +69,9 @@ fn keep_ij(b: u32, h: u32, i: u32, j: u32) -> bool {
     let m = bitcast<f32>(aux[U.kp_off + b * U.kp_sb + h * U.kp_sh + i * U.kp_si + j * U.kp_sj]);
     ok = ok && !(m < 0.5);
   }
+  //@if MASKFN
+  ok = ok && mfn_all(b, h, i, j);
+  //@endif MASKFN
   return ok;
 }
 

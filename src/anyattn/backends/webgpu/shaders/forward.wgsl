@@ -114,12 +114,22 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           var kept = true;
           if (code == 1u) { kept = keep_ij(b, h, i, j); }
           if (kept) {
+            //@ifn SCOREMOD
             //@ifn SOFTCAP
             x = score_ij(s[{r}][{c#}] * U.scale, b, h, i, j);
             //@endif SOFTCAP
             //@if SOFTCAP
             x = score_ij(softcap_t(s[{r}][{c#}] * U.scale).x, b, h, i, j);
             //@endif SOFTCAP
+            //@endif SCOREMOD
+            //@if SCOREMOD
+            //@ifn SOFTCAP
+            x = score_ij(smod_v(s[{r}][{c#}] * U.scale, b, h, i, j), b, h, i, j);
+            //@endif SOFTCAP
+            //@if SOFTCAP
+            x = score_ij(smod_v(softcap_t(s[{r}][{c#}] * U.scale).x, b, h, i, j), b, h, i, j);
+            //@endif SOFTCAP
+            //@endif SCOREMOD
           }
         }
         s[{r}][{c#}] = x;

@@ -6,14 +6,15 @@
 // Needs: b, h, i0, j0, code, s, dp; defines p[r], ds[r] (r < RM query rows, vec4 over c).
 // SOFTCAP: ds is dS·(1 − tanh²) (what the dQ/dK products take) and dsr the plain dS
 // (dbias).
+//@# SCOREMOD: ds also times d score_mod / d score (DSCHAIN: SOFTCAP or SCOREMOD).
 // DROPOUT (needs drw/dcw: the row words of this query tile, the column words of this
 // key tile): p is P ∘ keep (the dK/dV pass scales dV by 1 / (1 − p) at the end) and
 // dS = P ∘ (dP ∘ keep / (1 − p) − delta).
 var p: array<vec4<f32>, RM>;
 var ds: array<vec4<f32>, RM>;
-//@if SOFTCAP
+//@if DSCHAIN
 var dsr: array<vec4<f32>, RM>;
-//@endif SOFTCAP
+//@endif DSCHAIN
 //@if DROPOUT
 let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX]);
 //@endif DROPOUT
@@ -37,13 +38,14 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
   {
     let j = j0 + tx + {c} * TX;
     var pv = 0.0;
-    //@if SOFTCAP
+    //@if DSCHAIN
     var dth = 1.0;
-    //@endif SOFTCAP
+    //@endif DSCHAIN
     if (i < U.SQ && j < U.SK) {
       if (empty) {
         if ((U.flags & F_QUIRK) != 0u) { pv = U.inv_sk; }
       } else {
+        //@ifn SCOREMOD
         //@ifn SOFTCAP
         let x = score_ij(s[{r}][{c#}] * U.scale, b, h, i, j);
         //@endif SOFTCAP
@@ -52,6 +54,19 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
         dth = tc.y;
         let x = score_ij(tc.x, b, h, i, j);
         //@endif SOFTCAP
+        //@endif SCOREMOD
+        //@if SCOREMOD
+        //@ifn SOFTCAP
+        let sm = smod_vd(s[{r}][{c#}] * U.scale, b, h, i, j);
+        //@endif SOFTCAP
+        //@if SOFTCAP
+        let tc = softcap_t(s[{r}][{c#}] * U.scale);
+        let sm = smod_vd(tc.x, b, h, i, j);
+        dth = tc.y;
+        //@endif SOFTCAP
+        dth *= sm.y;
+        let x = score_ij(sm.x, b, h, i, j);
+        //@endif SCOREMOD
         var kept = !is_ninf(x);
         if (kept && code == 1u) { kept = keep_ij(b, h, i, j); }
         if (kept) { pv = exp((x - mx) - ln); }
@@ -66,10 +81,14 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
     p[{r}][{c#}] = select(0.0, pv, kp);
     ds[{r}][{c#}] = pv * (select(0.0, dp[{r}][{c#}] * U.drop_rs, kp) - dl);
     //@endif DROPOUT
-    //@if SOFTCAP
+    //@if DSCHAIN
     dsr[{r}][{c#}] = ds[{r}][{c#}];
+    //@if SCOREMOD
+    //@# a dropped pair gives 0, whatever d score_mod / d score is there
+    if (pv == 0.0) { dth = 1.0; }
+    //@endif SCOREMOD
     ds[{r}][{c#}] *= dth;
-    //@endif SOFTCAP
+    //@endif DSCHAIN
   }
   //@end c
 }
