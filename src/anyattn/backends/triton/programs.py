@@ -210,15 +210,21 @@ class _Gen:
 _HELPERS = '''
 @triton.jit
 def _ifloordiv(a, b):
-    q = a // b
-    r = a - q * b
-    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+    """Python's a // b of integers; 0 where b == 0 (NumPy's integer result)."""
+    d = tl.where(b == 0, 1, b)
+    q = a // d
+    r = a - q * d
+    q = q - ((r != 0) & ((r < 0) != (d < 0))).to(q.dtype)
+    return tl.where(b == 0, 0, q)
 
 
 @triton.jit
 def _imod_py(a, b):
-    r = a % b
-    return r + tl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+    """Python's a % b of integers; 0 where b == 0 (NumPy's integer result)."""
+    d = tl.where(b == 0, 1, b)
+    r = a % d
+    r = r + tl.where((r != 0) & ((r < 0) != (d < 0)), d, 0)
+    return tl.where(b == 0, 0, r)
 
 
 @triton.jit

@@ -54,11 +54,13 @@ TANH_HELPER = """fn am_tanh(y: f32) -> f32 {
   return select(-u, u, y >= 0.0);
 }
 fn am_floordiv(a: i32, b: i32) -> i32 {
+  if (b == 0) { return 0; }
   let q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) { return q - 1; }
   return q;
 }
 fn am_mod(a: i32, b: i32) -> i32 {
+  if (b == 0) { return 0; }
   let r = a % b;
   if ((r != 0) && ((r < 0) != (b < 0))) { return r + b; }
   return r;
