@@ -111,6 +111,9 @@ SWITCHES: Tuple[Switch, ...] = (
     Switch("ANYATTN_TRITON_AUTOTUNE", "triton_autotune", "0", "0 or 1",
            "time the candidate tiles once per problem class and keep the fastest",
            _flag(False)),
+    Switch("ANYATTN_TRITON_FN_CACHE", "triton_fn_cache", "a per-user folder in the temp dir",
+           "a directory path", "where the Triton modules generated for score and mask "
+           "functions are written", _text),
     # --- WebGPU backend
     Switch("ANYATTN_WGPU_ADAPTER", "wgpu_adapter", "the high-performance adapter",
            "words of the adapter's description, e.g. 'vulkan', 'lavapipe', 'opengl'",
@@ -140,6 +143,7 @@ class Settings:
     triton_path: str
     triton_config: str
     triton_autotune: bool
+    triton_fn_cache: str
     wgpu_adapter: str
     webgpu_variant: str
 

@@ -55,7 +55,9 @@ _modules: Dict[str, object] = {}
 def cache_dir() -> str:
     """Where the generated modules are written (per user; ANYATTN_TRITON_FN_CACHE
     overrides)."""
-    d = os.environ.get("ANYATTN_TRITON_FN_CACHE") or os.path.join(
+    from ...settings import current
+
+    d = current().triton_fn_cache or os.path.join(
         tempfile.gettempdir(), f"anyattn-triton-fns-{os.getuid() if hasattr(os, 'getuid') else 0}")
     os.makedirs(d, exist_ok=True)
     return d
