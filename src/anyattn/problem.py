@@ -61,6 +61,7 @@ class Problem:
     dropout_p: float = 0.0                          # keep = anyattn.dropout_mask(...)
     dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
     score_mod: Any = None                           # a BoundProgram (anyattn.programs)
+    pages: Any = None                               # a PagedKV (anyattn.paged): k/v are pages
 
     @property
     def capture_wrt(self) -> FrozenSet[str]:
