@@ -35,6 +35,11 @@ __all__ = ["forward_paged", "TILE_KEYS"]
 TILE_KEYS = 512
 
 
+def _alloc(shape, dt: np.dtype) -> np.ndarray:
+    """An uninitialised result array (every element is written by a unit)."""
+    return np.empty(shape, dtype=dt)
+
+
 def _reader(x, dt: np.dtype) -> Callable[[np.ndarray, int], np.ndarray]:
     """pages [N, Hkv, P, Dx] (NumPy or CPU torch, any strides) -> ``read(ids, h)``: the
     rows of head h in pages ``ids`` as [len(ids)·P, Dx] in ``dt`` (a copy of those rows
@@ -68,9 +73,9 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
     Dv, P, R = p.head_dim_v, pk.page_size, p.group * p.seq_q
     T = max(P, (TILE_KEYS // P) * P)
     read_k, read_v = _reader(k_pages, dt), _reader(v_pages, dt)
-    out = np.empty((B, Hq, Sq, Dv), dtype=dt)
-    rmax = np.empty((B, Hq, Sq), dtype=dt)
-    rlog = np.empty((B, Hq, Sq), dtype=dt)
+    out = _alloc((B, Hq, Sq, Dv), dt)
+    rmax = _alloc((B, Hq, Sq), dt)
+    rlog = _alloc((B, Hq, Sq), dt)
     cap = p.softcap
     slopes = None
     if mods.alibi_slopes is not None:
