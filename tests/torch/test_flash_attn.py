@@ -436,6 +436,44 @@ def test_kvcache_paged_equals_contiguous():
                                                             per_seq * page) for x in (kp, vp))))
 
 
+@pytest.mark.parametrize("sq", [1, 4])
+def test_kvcache_paged_on_the_cpu_reads_the_pages_in_place(sq, monkeypatch):
+    """Without cache_leftpad a CPU paged cache goes to the core's paged form (pages=),
+    no gathered copy: the result matches the float64 oracle over the test's own gather,
+    and the new keys land in their pages."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    calls = []
+    real = fai.core_attention
+    monkeypatch.setattr(fai, "core_attention",
+                        lambda *a, **kw: calls.append(kw["pages"]) or real(*a, **kw))
+    b, page, hq, hk, d = 3, 16, 4, 2, 8
+    num_blocks, per_seq = 12, 4
+    kp, vp = rand(num_blocks, page, hk, d), rand(num_blocks, page, hk, d)
+    table = torch.randperm(num_blocks, dtype=torch.int32)[:b * per_seq].reshape(b, per_seq)
+    table[2, 0] = table[0, 0]                             # a shared (full) first page
+    table[2, 2:] = -1                                     # never read
+    lengths = torch.tensor([17, 40, 16], dtype=torch.int32)
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    before = kp.clone()
+    slopes = torch.rand(hq)
+    out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=lengths,
+                                          block_table=table, causal=True,
+                                          window_size=(20, -1), alibi_slopes=slopes,
+                                          softcap=3.0, return_softmax_lse=True)
+    assert len(calls) == 1 and calls[0].lengths.tolist() == (lengths + sq).tolist()
+    for i in range(b):
+        e = int(lengths[i]) + sq
+        kc, vc = (paged_copy(x, table[i:i + 1].clamp(min=0), e)[0] for x in (kp, vp))
+        assert torch.equal(kc[e - sq:], k_new[i]) and torch.equal(vc[e - sq:], v_new[i])
+        assert torch.equal(kc[:e - sq], paged_copy(before, table[i:i + 1].clamp(min=0),
+                                                   e - sq)[0])
+        o, s, _ = ref_seq(q[i], kc, vc, causal=True, window=(20, -1), softcap=3.0,
+                          slopes=slopes)
+        close(out[i], o)
+        close(lse[i], s)
+
+
 def test_kvcache_paged_bad_arguments():
     kp = rand(4, 16, 1, 8)
     q, knew = rand(2, 1, 2, 8), rand(2, 1, 1, 8)

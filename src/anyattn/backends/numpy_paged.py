@@ -32,7 +32,7 @@ from .numpy_tiles import TileCounts
 __all__ = ["forward_paged", "TILE_KEYS"]
 
 #: keys per tile (rounded down to whole pages, at least one page)
-TILE_KEYS = 512
+TILE_KEYS = 256
 
 
 def _alloc(shape, dt: np.dtype) -> np.ndarray:

@@ -20,8 +20,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..api import attention as core_attention
 from ..backends.registry import choose
 from ..masks import Documents
+from ..paged import Pages, describe_paged
 from ..problem import describe
 from ..torch.functional import attention
 from . import common
@@ -537,8 +539,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
                              "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
                              "pass longer rotary tables")
+    # a paged cache on the CPU is read in place through the core's paged form (pages=);
+    # cache_leftpad and other devices take one gathered contiguous copy of the pages
+    in_place = paged and q.device.type == "cpu" and not leftpad.any()
     with torch.no_grad():
-        if paged:
+        if in_place:
+            kc = vc = None          # the pages are read where they are
+        elif paged:
             # one contiguous copy of the pages in use; unused table entries read block 0
             n_pages = -(-int(ends.max()) // page) if bsz else 0
             cols = np.arange(n_pages)[None, :]
@@ -548,7 +555,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                       for x in (k_cache, v_cache))
         else:
             kc, vc = k_cache, v_cache
-        if bsz:
+        if in_place:
+            # the core's checks and a backend before the cache is written, so that a
+            # refusal leaves it as it was
+            pages = Pages(table, ends)
+            choose(describe_paged(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                  v_cache.transpose(1, 2), pages, mask=mask, scale=scale,
+                                  softcap=cap, alibi_slopes=slopes))
+        elif bsz:
             # the core's checks and a backend for these inputs before the cache is written,
             # so that a refusal leaves it as it was (key ranges differ only in length)
             kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (kc, vc))
@@ -563,19 +577,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if s_new:
                 k = turn(k, k_pos)
         if s_new:
-            rows = torch.from_numpy(idx).to(k_cache.device)[:, None]              # [B, 1]
             new_pos = lengths[:, None] + np.arange(s_new)
-            pos = torch.from_numpy(new_pos).to(k_cache.device)
-            kc.index_put_((rows, pos), k)
-            vc.index_put_((rows, pos), v)
+            if not in_place:
+                rows = torch.from_numpy(idx).to(k_cache.device)[:, None]          # [B, 1]
+                pos = torch.from_numpy(new_pos).to(k_cache.device)
+                kc.index_put_((rows, pos), k)
+                vc.index_put_((rows, pos), v)
             if paged:
                 blocks = np.take_along_axis(table, new_pos // page, axis=1)
                 at = (torch.from_numpy(blocks).to(k_cache.device),
                       torch.from_numpy(new_pos % page).to(k_cache.device))
                 k_cache.index_put_(at, k)
                 v_cache.index_put_(at, v)
-        one = (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True
-        if one:
+        if in_place:
+            out, lse = core_attention(q, k_cache, v_cache, layout="bshd", pages=pages,
+                                      mask=mask, scale=scale, softcap=cap,
+                                      alibi_slopes=slopes, return_lse=True)
+        elif (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True:
             lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
             if np.array_equal(idx, np.arange(kc.shape[0])):
                 kk, vv = kc, vc
