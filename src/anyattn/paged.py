@@ -151,7 +151,7 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
                    score_mod=None):
     """Validate a paged call (q [B, Hq, Sq, D], pages [N, Hkv, P, D/Dv]) -> Problem with
     ``pages`` set and ``seq_k`` = max(seqlens).  Every check runs before any work."""
-    from .problem import _check_tensor, _same, describe
+    from .problem import check_array, check_like_q, describe
 
     if not isinstance(pages, Pages):
         raise TypeError(f"pages: expected anyattn.Pages(block_table, seqlens), got "
@@ -163,12 +163,12 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
             raise NotImplementedError(f"{name}: {why} is not supported with a paged cache "
                                       "(pages=); gather the pages into k/v [B, Hkv, Sk, D] "
                                       "and call attention without pages")
-    kind = _check_tensor("q", q, None)
-    _check_tensor("k_pages", k_pages, kind)
-    _check_tensor("v_pages", v_pages, kind)
+    kind = check_array("q", q, None)
+    check_array("k_pages", k_pages, kind)
+    check_array("v_pages", v_pages, kind)
     dt, dev = dtype_name(q), device_name(q)
-    _same("k_pages", k_pages, dt, dev)
-    _same("v_pages", v_pages, dt, dev)
+    check_like_q("k_pages", k_pages, dt, dev)
+    check_like_q("v_pages", v_pages, dt, dev)
     N, Hkv, P, D = (int(s) for s in k_pages.shape)
     if tuple(int(s) for s in v_pages.shape[:3]) != (N, Hkv, P):
         raise ValueError(f"v_pages: shape {tuple(v_pages.shape)} does not match k_pages' "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import paged, reference
+from ..arrays import to_numpy
 from ..rowstats import RowStats
 from ..features import INPUTS, MODIFIERS
 from ..masks import TERM_KINDS, resolve
@@ -46,7 +47,7 @@ class ReferenceBackend(Backend):
         ln = np.zeros((B, Hq, Sq))
         sinks = mods.sinks
         if sinks is not None:
-            mx[...] = reference._f64(sinks).reshape(1, Hq, 1)
+            mx[...] = to_numpy(sinks).astype(np.float64).reshape(1, Hq, 1)
         for b in range(B):
             if pk.lengths[b] == 0:
                 continue
