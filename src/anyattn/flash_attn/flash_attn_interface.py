@@ -411,8 +411,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
 
     Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
-    GPU tensor is read once).  A paged cache is gathered into one contiguous copy of the
-    used pages per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
+    GPU tensor is read once).  A paged cache on CPU tensors is read in place
+    (``anyattn.attention(..., pages=)``); with ``cache_leftpad`` or on a GPU its used
+    pages are gathered into one contiguous copy per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
     never split here.
     """
     common.check_tensor("q", q, 4, _BSHD)
