@@ -28,8 +28,9 @@ Checked before any work: ``block_table`` and ``seqlens`` shapes and integer dtyp
 ``seqlens[b]`` keys) in ``[0, N)`` (entries past them are never read and may hold
 anything, e.g. -1), and a page size of at least 1.  Not supported with pages
 (``NotImplementedError``): mask terms other than Causal / Window, ``bias``,
-``dropout_p > 0``, ``score_mod``, and the backward.  The tables are read on the host
-(a GPU tensor is copied to the host once per call).
+``dropout_p > 0``, ``score_mod``, and the backward.  The tables are read to the host
+once, when the :class:`Pages` is made (a GPU tensor is copied then): one ``Pages`` serves
+every layer of a decoding step.
 """
 from __future__ import annotations
 
@@ -166,6 +167,12 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
     kind = check_array("q", q, None)
     check_array("k_pages", k_pages, kind)
     check_array("v_pages", v_pages, kind)
+    if kind not in ("numpy", "torch"):
+        raise NotImplementedError(f"pages: the caches are {kind} arrays; no backend reads "
+                                  f"paged key/value caches of {kind} arrays yet (only the "
+                                  "numpy and reference backends read pages: NumPy arrays, "
+                                  "torch CPU tensors); gather the pages into k/v "
+                                  "[B, Hkv, Sk, D] and call attention without pages")
     dt, dev = dtype_name(q), device_name(q)
     check_like_q("k_pages", k_pages, dt, dev)
     check_like_q("v_pages", v_pages, dt, dev)

@@ -241,6 +241,21 @@ def test_triton_refuses_pages_through_its_capabilities():
         aa.attention(q, k, k, pages=pages, backend="triton")
 
 
+def test_webgpu_device_arrays_as_pages_are_refused():
+    pytest.importorskip("wgpu")
+    import anyattn.webgpu as webgpu
+
+    try:
+        k = webgpu.asarray(np.zeros((3, 2, 4, 8), np.float32))
+        q = webgpu.asarray(np.zeros((2, 2, 1, 8), np.float32))
+    except aa.BackendUnavailable as e:          # no adapter here
+        pytest.skip(str(e))
+    pages = aa.Pages(np.array([[0, 1], [2, 0]], np.int32), np.array([7, 4], np.int32))
+    with pytest.raises(NotImplementedError, match="pages: the caches are webgpu arrays; no "
+                                                  "backend reads paged"):
+        aa.attention(q, k, k, pages=pages)
+
+
 def test_pages_is_checked_to_be_pages():
     q = np.zeros((1, 1, 1, 2), np.float32)
     with pytest.raises(TypeError, match=r"pages: expected anyattn.Pages"):
