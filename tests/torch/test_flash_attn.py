@@ -296,6 +296,30 @@ def test_kvcache_append_in_place_causal_and_lse():
         close(lse[i], l)
 
 
+def test_kvcache_contiguous_lengths_that_differ_run_as_one_paged_call(monkeypatch):
+    """On the CPU a contiguous cache whose entries hold different numbers of keys is one
+    core call over pages of s_cache positions (page = cache row, cache_batch_idx the
+    table), not one call per entry."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    calls = []
+    real = fai.core_attention
+    monkeypatch.setattr(fai, "core_attention",
+                        lambda *a, **kw: calls.append(kw["pages"]) or real(*a, **kw))
+    k_cache, v_cache = rand(5, 12, 2, 8), rand(5, 12, 2, 8)
+    q, k_new, v_new = rand(3, 2, 4, 8), rand(3, 2, 2, 8), rand(3, 2, 2, 8)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    lengths = torch.tensor([9, 0, 3], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                     cache_batch_idx=idx, causal=True)
+    assert len(calls) == 1
+    assert calls[0].table.tolist() == [[4], [0], [2]] and calls[0].lengths.tolist() == [11, 2, 5]
+    for i, r in enumerate((4, 0, 2)):
+        n = int(lengths[i]) + 2
+        assert torch.equal(k_cache[r, n - 2:n], k_new[i])
+        close(out[i], ref_seq(q[i], k_cache[r, :n], v_cache[r, :n], causal=True)[0])
+
+
 def test_kvcache_batch_idx_leftpad_int_seqlens_and_whole_cache():
     hq, d = 2, 8
     k_cache, v_cache = rand(4, 10, 1, d), rand(4, 10, 1, d)

@@ -540,11 +540,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
                              "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
                              "pass longer rotary tables")
-    # a paged cache on the CPU is read in place through the core's paged form (pages=);
-    # cache_leftpad and other devices take one gathered contiguous copy of the pages
-    in_place = paged and q.device.type == "cpu" and not leftpad.any()
+    # On the CPU without cache_leftpad the cache is read in place through the core's paged
+    # form (pages=): a paged cache as it is, a contiguous one whose entries hold different
+    # numbers of keys as pages of s_cache positions (page b = cache row b), one call for
+    # the batch.  With cache_leftpad or on a GPU a paged cache is gathered into one
+    # contiguous copy, and entries of different key ranges run one call each.
+    in_place = q.device.type == "cpu" and not leftpad.any() and bsz > 0 and \
+        (paged or not (ends == ends[0]).all())
+    if in_place and not paged:
+        table, page = idx[:, None], s_cache
     with torch.no_grad():
-        if in_place:
+        if in_place and paged:
             kc = vc = None          # the pages are read where they are
         elif paged:
             # one contiguous copy of the pages in use; unused table entries read block 0
@@ -579,7 +585,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 k = turn(k, k_pos)
         if s_new:
             new_pos = lengths[:, None] + np.arange(s_new)
-            if not in_place:
+            if kc is not None:
                 rows = torch.from_numpy(idx).to(k_cache.device)[:, None]          # [B, 1]
                 pos = torch.from_numpy(new_pos).to(k_cache.device)
                 kc.index_put_((rows, pos), k)
