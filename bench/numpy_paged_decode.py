@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=8192)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                    help="the pages' layout: [N, Hkv, P, D] or FlashAttention's [N, P, Hkv, D]")
     ap.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     a = ap.parse_args()
     B, Hq, Hkv, Sq, D, Sk, P = (a.batch, a.heads_q, a.heads_kv, a.seq_q, a.head_dim,
@@ -52,9 +54,15 @@ def main() -> None:
     q = rng.standard_normal((B, Hq, Sq, D), dtype=np.float32)
     mask = aa.Causal(align="bottom_right")
     pages = aa.Pages(table, lengths)
+    if a.layout == "bshd":
+        qp, kp, vp = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k_pages, v_pages))
+    else:
+        qp, kp, vp = q, k_pages, v_pages
 
     def paged():
-        return aa.attention(q, k_pages, v_pages, pages=pages, mask=mask, backend="numpy")
+        out = aa.attention(qp, kp, vp, pages=pages, mask=mask, backend="numpy",
+                           layout=a.layout)
+        return out if a.layout == "bhsd" else out.swapaxes(1, 2)
 
     def contiguous():
         return aa.attention(q, k, v, mask=mask, backend="numpy")
@@ -67,7 +75,8 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     ratio = statistics.median(p / c for p, c in zip(times["paged"], times["contiguous"]))
-    res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, D=D, Sk=Sk, page=P, dtype="float32"),
+    res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, D=D, Sk=Sk, page=P, dtype="float32",
+                         pages_layout=a.layout),
            "max_abs_diff": diff,
            **{f"{k}_median_ms": 1e3 * statistics.median(t) for k, t in times.items()},
            **{f"{k}_min_ms": 1e3 * min(t) for k, t in times.items()},
