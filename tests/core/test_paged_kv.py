@@ -318,3 +318,18 @@ def test_paged_error_at_large_logits_is_within_3x_torch_math_sdpa(magnitude):
                 torch.from_numpy(q[b]), kd, vd, attn_mask=keep).numpy()
         sdpa_err = np.abs(t - ref[b]).max()
         assert np.abs(out[b] - ref[b]).max() <= 3 * sdpa_err + 1e-7
+
+
+def test_paged_problems_are_not_kept_by_the_dispatch_memo():
+    """A paged Problem holds the caller's tables: choose must not keep it (each call
+    makes a new one; a kept one would pin up to 256 tables)."""
+    from anyattn.backends import registry
+
+    registry.clear_choices()
+    rng = np.random.default_rng(9)
+    k, v, table, sl = make_cache(rng, [9, 4], 5)
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    for _ in range(3):
+        aa.attention(q, k, v, pages=aa.Pages(table, sl))
+    assert not any(key[0].pages is not None for key in registry._choices)
+
