@@ -42,6 +42,7 @@ import numpy as np
 
 from .arrays import array_kind, device_name, dtype_name
 from .masks import resolve
+from .problem import check_array, check_like_q, describe
 
 __all__ = ["Pages", "PagedKV", "describe_paged", "sequence_mask", "gather_sequence"]
 
@@ -152,7 +153,6 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
                    score_mod=None):
     """Validate a paged call (q [B, Hq, Sq, D], pages [N, Hkv, P, D/Dv]) -> Problem with
     ``pages`` set and ``seq_k`` = max(seqlens).  Every check runs before any work."""
-    from .problem import check_array, check_like_q, describe
 
     if not isinstance(pages, Pages):
         raise TypeError(f"pages: expected anyattn.Pages(block_table, seqlens), got "
