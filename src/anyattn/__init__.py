@@ -9,6 +9,7 @@ from .backends.base import BackendUnavailable
 from .backends.registry import available_backends, describe_backends
 from .dropout import dropout_mask
 from .masks import Causal, Documents, KeepMask, Mask, Window
+from .paged import Pages
 from .programs.mods import MaskMod, ScoreMod
 from . import math
 
@@ -25,6 +26,7 @@ __all__ = [
     "Window",
     "KeepMask",
     "Documents",
+    "Pages",
     "MaskMod",
     "ScoreMod",
     "math",

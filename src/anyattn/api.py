@@ -15,6 +15,7 @@ from .arguments import bias_4d, check_flag, check_layout, score_mods
 from .arrays import array_kind, dtype_name
 from .backends.registry import choose
 from .masks import Mask
+from .paged import Pages, describe_paged
 from .problem import Problem, describe
 from .reference import Gradients
 from .rowstats import RowStats
@@ -76,12 +77,31 @@ def _forward(q, k, v, mask, bias, scale, backend, precision, q_offset, k_offset,
     return out, stats, p
 
 
+def _forward_paged(q, k_pages, v_pages, pages, mask, bias, scale, backend, precision,
+                   q_offset, k_offset, softcap, alibi_slopes, sinks, dropout_p,
+                   dropout_seed, score_mod):
+    """The forward over a paged cache (anyattn.paged) -> (out, RowStats, Problem); q in
+    [B, H, S, D], pages in [N, Hkv, P, D]."""
+    p = describe_paged(q, k_pages, v_pages, pages, mask=mask, bias=bias, scale=scale,
+                       precision=precision, q_offset=q_offset, k_offset=k_offset,
+                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                       dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=score_mod)
+    be = choose(p, backend)
+    mods = score_mods(p, alibi_slopes, sinks)
+    if p.is_empty:
+        out = be.zeros_like(q, (p.batch, p.heads_q, p.seq_q, p.head_dim_v))
+        return out, be.empty_stats(p, q, mods), p
+    out, stats = be.forward_paged(p, q, k_pages, v_pages, mods)
+    return out, stats, p
+
+
 def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optional[float] = None,
               return_lse: bool = False, backend: Optional[str] = None,
               precision: Optional[str] = None, layout: str = "bhsd",
               q_offset: int = 0, k_offset: int = 0, softcap: Optional[float] = None,
               alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-              dropout_seed: Optional[int] = None, score_mod=None):
+              dropout_seed: Optional[int] = None, score_mod=None,
+              pages: Optional[Pages] = None):
     """Scaled dot-product attention.
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] -> out [B, Hq, Sq, Dv] (and lse
@@ -106,13 +126,26 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     kv_idx) -> score`` or an ``anyattn.ScoreMod`` with captures, applied to every scaled
     score after softcap, before bias and masks.  ``mask`` may hold ``MaskMod`` terms
     (mask functions) and ``|`` compositions.
+
+    ``pages`` (:doc:`semantics`, :mod:`anyattn.paged`): an ``anyattn.Pages(block_table,
+    seqlens)``; ``k`` and ``v`` are then a paged cache, [N, Hkv, P, D] / [N, Hkv, P, Dv]
+    (``layout="bshd"``: [N, P, Hkv, D] / [N, P, Hkv, Dv]), sequence b's keys the first
+    ``seqlens[b]`` positions of its pages ``block_table[b]``, each sequence attended as
+    the dense call over its own keys (``Causal(align="bottom_right")`` puts the queries
+    at the end).  Causal / Window masks, softcap, ALiBi, sinks and GQA compose; bias,
+    dropout, score_mod and other mask terms raise NotImplementedError; no backward.
     """
     check_layout(layout)
     check_flag("return_lse", return_lse)
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
-    out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
-                             k_offset, softcap, alibi_slopes, sinks, dropout_p, dropout_seed,
-                             score_mod)
+    if pages is not None:
+        out, stats, p = _forward_paged(qb, kb, vb, pages, mask, bias, scale, backend,
+                                       precision, q_offset, k_offset, softcap, alibi_slopes,
+                                       sinks, dropout_p, dropout_seed, score_mod)
+    else:
+        out, stats, p = _forward(qb, kb, vb, mask, bias, scale, backend, precision, q_offset,
+                                 k_offset, softcap, alibi_slopes, sinks, dropout_p,
+                                 dropout_seed, score_mod)
     out = _to_bhsd(out, layout)
     return (out, _lse_out(stats, p)) if return_lse else out
 

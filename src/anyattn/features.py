@@ -64,6 +64,9 @@ FEATURES: Tuple[Feature, ...] = tuple(_term(n) for n in TERM_KINDS) + (
     Feature("value_dim", "input", "does not support a value head dim different from the "
             "query/key head dim (v [B, Hkv, Sk, Dv] with Dv != D)",
             lambda p: p.head_dim_v != p.head_dim, opt_in=True),
+    Feature("paged_kv", "input", "does not read paged key/value caches (pages=); gather the "
+            "pages into k/v [B, Hkv, Sk, D] or use backend='numpy'",
+            lambda p: p.pages is not None, opt_in=True),
     Feature("softcap", "modifier", "does not support softcap (logit soft-capping)",
             lambda p: p.softcap is not None),
     Feature("alibi", "modifier", "does not support alibi_slopes", lambda p: p.has_alibi),

@@ -61,6 +61,7 @@ class Problem:
     dropout_p: float = 0.0                          # keep = anyattn.dropout_mask(...)
     dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
     score_mod: Any = None                           # a BoundProgram (anyattn.programs)
+    pages: Any = None                               # a PagedKV (anyattn.paged): k/v are pages
 
     @property
     def capture_wrt(self) -> FrozenSet[str]:
@@ -531,3 +532,10 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
                    wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                    alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype,
                    dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=smod)
+
+
+#: the per-array checks of :func:`describe` (library, plain array, 4 dims, float dtype;
+#: q's dtype and device), for the other input forms that validate arrays of their own
+#: (:mod:`anyattn.paged`)
+check_array = _check_tensor
+check_like_q = _same

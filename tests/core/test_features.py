@@ -8,6 +8,7 @@ import pytest
 import anyattn as aa
 from anyattn import features
 from anyattn.backends.base import Backend, Capabilities
+from anyattn.paged import describe_paged
 from anyattn.problem import describe
 
 q = np.zeros((2, 4, 6, 8), np.float32)
@@ -28,6 +29,7 @@ USES = {
     "sinks_grad": dict(sinks=np.zeros(4, np.float32), dout=q, wrt=("sinks",)),
     "dropout": dict(dropout_p=0.5, dropout_seed=1),
     "value_dim": dict(),
+    "paged_kv": dict(),
     "mask_mod": dict(mask=aa.MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)),
     "score_mod": dict(score_mod=lambda s, b, h, i, j: s - (i - j) ** 2),
     "score_mod_grad": dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h],
@@ -52,6 +54,10 @@ class _Stub(Backend):
 
 
 def _problem(name):
+    if name == "paged_kv":          # 3 pages of 4 positions, Hkv = Hq: no GQA
+        pages = np.zeros((3, 4, 4, 8), np.float32)
+        return describe_paged(q, pages, pages, aa.Pages(np.array([[0, 1], [2, 0]]),
+                                                        np.array([6, 5])))
     k = q if name != "gqa" else kv
     v = np.zeros((2, 4, 6, 5), np.float32) if name == "value_dim" else k
     return describe(q, k, v, **USES[name])
@@ -111,7 +117,8 @@ def test_value_dim_is_opt_in():
     refuses v [B, Hkv, Sk, Dv] with Dv != D in the table's words."""
     caps = Capabilities(array_kinds=frozenset({"numpy"}), device_types=frozenset({"cpu"}),
                         dtypes=frozenset({"float32"}))
-    assert caps.inputs == features.INPUTS - {"value_dim"} == features.DEFAULT_INPUTS
+    assert caps.inputs == features.INPUTS - {"value_dim", "paged_kv"} == \
+        features.DEFAULT_INPUTS
     assert not caps.supports("value_dim")
     assert _Stub(caps).unsupported_reasons(_problem("value_dim")) == \
         [features.get("value_dim").refusal]

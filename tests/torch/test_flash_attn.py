@@ -296,6 +296,30 @@ def test_kvcache_append_in_place_causal_and_lse():
         close(lse[i], l)
 
 
+def test_kvcache_contiguous_lengths_that_differ_run_as_one_paged_call(monkeypatch):
+    """On the CPU a contiguous cache whose entries hold different numbers of keys is one
+    core call over pages of s_cache positions (page = cache row, cache_batch_idx the
+    table), not one call per entry."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    calls = []
+    real = fai.core_attention
+    monkeypatch.setattr(fai, "core_attention",
+                        lambda *a, **kw: calls.append(kw["pages"]) or real(*a, **kw))
+    k_cache, v_cache = rand(5, 12, 2, 8), rand(5, 12, 2, 8)
+    q, k_new, v_new = rand(3, 2, 4, 8), rand(3, 2, 2, 8), rand(3, 2, 2, 8)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    lengths = torch.tensor([9, 0, 3], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                     cache_batch_idx=idx, causal=True)
+    assert len(calls) == 1
+    assert calls[0].table.tolist() == [[4], [0], [2]] and calls[0].lengths.tolist() == [11, 2, 5]
+    for i, r in enumerate((4, 0, 2)):
+        n = int(lengths[i]) + 2
+        assert torch.equal(k_cache[r, n - 2:n], k_new[i])
+        close(out[i], ref_seq(q[i], k_cache[r, :n], v_cache[r, :n], causal=True)[0])
+
+
 def test_kvcache_batch_idx_leftpad_int_seqlens_and_whole_cache():
     hq, d = 2, 8
     k_cache, v_cache = rand(4, 10, 1, d), rand(4, 10, 1, d)
@@ -434,6 +458,44 @@ def test_kvcache_paged_equals_contiguous():
     full = fa.flash_attn_with_kvcache(q1, kp, vp, block_table=table.clamp(min=0))
     close(full, fa.flash_attn_with_kvcache(q1, *(paged_copy(x, table.clamp(min=0),
                                                             per_seq * page) for x in (kp, vp))))
+
+
+@pytest.mark.parametrize("sq", [1, 4])
+def test_kvcache_paged_on_the_cpu_reads_the_pages_in_place(sq, monkeypatch):
+    """Without cache_leftpad a CPU paged cache goes to the core's paged form (pages=),
+    no gathered copy: the result matches the float64 oracle over the test's own gather,
+    and the new keys land in their pages."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    calls = []
+    real = fai.core_attention
+    monkeypatch.setattr(fai, "core_attention",
+                        lambda *a, **kw: calls.append(kw["pages"]) or real(*a, **kw))
+    b, page, hq, hk, d = 3, 16, 4, 2, 8
+    num_blocks, per_seq = 12, 4
+    kp, vp = rand(num_blocks, page, hk, d), rand(num_blocks, page, hk, d)
+    table = torch.randperm(num_blocks, dtype=torch.int32)[:b * per_seq].reshape(b, per_seq)
+    table[2, 0] = table[0, 0]                             # a shared (full) first page
+    table[2, 2:] = -1                                     # never read
+    lengths = torch.tensor([17, 40, 16], dtype=torch.int32)
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    before = kp.clone()
+    slopes = torch.rand(hq)
+    out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=lengths,
+                                          block_table=table, causal=True,
+                                          window_size=(20, -1), alibi_slopes=slopes,
+                                          softcap=3.0, return_softmax_lse=True)
+    assert len(calls) == 1 and calls[0].lengths.tolist() == (lengths + sq).tolist()
+    for i in range(b):
+        e = int(lengths[i]) + sq
+        kc, vc = (paged_copy(x, table[i:i + 1].clamp(min=0), e)[0] for x in (kp, vp))
+        assert torch.equal(kc[e - sq:], k_new[i]) and torch.equal(vc[e - sq:], v_new[i])
+        assert torch.equal(kc[:e - sq], paged_copy(before, table[i:i + 1].clamp(min=0),
+                                                   e - sq)[0])
+        o, s, _ = ref_seq(q[i], kc, vc, causal=True, window=(20, -1), softcap=3.0,
+                          slopes=slopes)
+        close(out[i], o)
+        close(lse[i], s)
 
 
 def test_kvcache_paged_bad_arguments():

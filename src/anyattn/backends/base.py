@@ -165,6 +165,15 @@ class Backend(ABC):
         [Hq] in the sinks' dtype.  With sinks, ``stats`` include the sink.
         """
 
+    def forward_paged(self, p: Problem, q, k_pages, v_pages,
+                      mods: ScoreMods) -> Tuple[Any, RowStats]:
+        """The forward over a paged cache (``p.pages``, :mod:`anyattn.paged`): k_pages
+        [N, Hkv, P, D], v_pages [N, Hkv, P, Dv] (any strides), results as
+        :meth:`forward`'s.  Only backends whose capabilities name the ``paged_kv`` input
+        are asked."""
+        raise NotImplementedError(f"backend {self.name!r}: declares paged_kv but has no "
+                                  "forward_paged")
+
     # -- results without kernels: empty problems, a given lse ----------------------
     # The public API (anyattn.api) asks the chosen backend for these instead of building
     # arrays itself: only the backend knows its array kinds.  The defaults serve NumPy

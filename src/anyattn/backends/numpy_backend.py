@@ -57,7 +57,7 @@ from ..features import INPUTS
 from ..modifiers import NO_MODS, alibi_diag, fold_sinks
 from ..rowstats import RowStats
 from .. import settings
-from . import blas_threads
+from . import blas_threads, numpy_paged
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
@@ -762,6 +762,20 @@ class NumpyBackend(Backend):
         for m in used:
             out, rmax, rlog = m.forward_finish(c, out, rmax, rlog)
         return out, rmax, rlog
+
+    def forward_paged(self, p, q, k_pages, v_pages, mods=NO_MODS) -> Tuple[Any, RowStats]:
+        """The forward over a paged cache: key tiles read through the block table
+        (:mod:`anyattn.backends.numpy_paged`)."""
+        dt = _compute_dtype(p.dtype)
+        with np.errstate(all="ignore"):
+            out, rmax, rlog, counts = numpy_paged.forward_paged(
+                p, _as_np(q, dt), k_pages, v_pages, mods, dt, _run_units,
+                self.config.n_threads())
+        self.last_counts = {"forward": counts}
+        sdt = "float64" if p.dtype == "float64" else "float32"
+        kind = p.array_kind
+        return _to_caller(out, p.dtype, kind), RowStats(_to_caller(rmax, sdt, kind),
+                                                        _to_caller(rlog, sdt, kind))
 
     # ----------------------------------------------------------------- backward
     def backward(self, p, q, k, v, dout, out, stats: RowStats, bias,

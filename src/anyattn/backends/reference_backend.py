@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference
+from .. import paged, reference
+from ..arrays import to_numpy
 from ..rowstats import RowStats
 from ..features import INPUTS, MODIFIERS
-from ..masks import TERM_KINDS
+from ..masks import TERM_KINDS, resolve
 from .base import Backend, Capabilities
 
 __all__ = ["ReferenceBackend"]
@@ -32,6 +33,36 @@ class ReferenceBackend(Backend):
     def backward(self, p, q, k, v, dout, out, stats, bias, mods):
         with np.errstate(all="ignore"):
             return self._backward(p, q, k, v, dout, out, stats, bias, mods)
+
+    def forward_paged(self, p, q, k_pages, v_pages, mods):
+        """Each sequence's pages gathered into a dense copy, then the dense reference."""
+        with np.errstate(all="ignore"):
+            return self._forward_paged(p, q, k_pages, v_pages, mods)
+
+    def _forward_paged(self, p, q, k_pages, v_pages, mods):
+        pk = p.pages
+        B, Hq, Sq = p.batch, p.heads_q, p.seq_q
+        out = np.zeros((B, Hq, Sq, p.head_dim_v))
+        mx = np.full((B, Hq, Sq), -np.inf)
+        ln = np.zeros((B, Hq, Sq))
+        sinks = mods.sinks
+        if sinks is not None:
+            mx[...] = to_numpy(sinks).astype(np.float64).reshape(1, Hq, 1)
+        for b in range(B):
+            if pk.lengths[b] == 0:
+                continue
+            kb, vb = (paged.gather_sequence(x, pk, b) for x in (k_pages, v_pages))
+            slopes = mods.alibi_slopes
+            if slopes is not None and slopes.shape[0] > 1:
+                slopes = slopes[b:b + 1]
+            mask = resolve(pk.mask, 1, Hq, Sq, int(pk.lengths[b]), p.q_offset, p.k_offset)
+            o, st = reference.forward_stats(q[b:b + 1], kb, vb, mask=mask, scale=p.scale,
+                                            softcap=p.softcap, alibi_slopes=slopes,
+                                            sinks=sinks, q_offset=p.q_offset,
+                                            k_offset=p.k_offset)
+            out[b], mx[b], ln[b] = o[0], st.max[0], st.log_norm[0]
+        return _cast(out, p.dtype, p), RowStats(_cast(mx, "float64", p),
+                                                _cast(ln, "float64", p))
 
     def _forward(self, p, q, k, v, bias, mods):
         out, st = reference.forward_stats(q, k, v, mask=p.mask, bias=bias,

@@ -261,7 +261,8 @@ def available_backends(verify: bool = False) -> List[str]:
 
 
 #: (Problem, backend argument, TRITON_INTERPRET) -> the backend ``choose`` gave.  Only
-#: Problems that hold no array (describe's memo hands the same one back per signature);
+#: Problems that hold no array (describe's memo hands the same one back per signature;
+#: not those with Documents / KeepMask terms or a paged cache's tables);
 #: a refusal is never kept.  What a choice reads besides the Problem: the name, that
 #: variable (the Triton backend's CPU devices) and the backends' availability, taken as
 #: fixed once a backend has computed a call (clear_choices() forgets).
@@ -277,7 +278,7 @@ def clear_choices() -> None:
 def choose(p: Problem, backend: Optional[str] = None) -> Backend:
     """The backend that computes ``p``: the named one (or an exception), else the first able."""
     key = None
-    if p.mask.q_ids is None and p.mask.keep is None:
+    if p.mask.q_ids is None and p.mask.keep is None and p.pages is None:
         key = (p, backend, settings.current().triton_interpret)
         try:
             be = _choices.get(key)

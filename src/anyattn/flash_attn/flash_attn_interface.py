@@ -20,8 +20,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..api import attention as core_attention
 from ..backends.registry import choose
 from ..masks import Documents
+from ..paged import Pages, describe_paged
 from ..problem import describe
 from ..torch.functional import attention
 from . import common
@@ -409,8 +411,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
 
     Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
-    GPU tensor is read once).  A paged cache is gathered into one contiguous copy of the
-    used pages per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
+    GPU tensor is read once).  A paged cache on CPU tensors is read in place
+    (``anyattn.attention(..., pages=)``); with ``cache_leftpad`` or on a GPU its used
+    pages are gathered into one contiguous copy per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
     never split here.
     """
     common.check_tensor("q", q, 4, _BSHD)
@@ -537,8 +540,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
                              "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
                              "pass longer rotary tables")
+    # On the CPU without cache_leftpad the cache is read in place through the core's paged
+    # form (pages=): a paged cache as it is, a contiguous one whose entries hold different
+    # numbers of keys as pages of s_cache positions (page b = cache row b), one call for
+    # the batch.  With cache_leftpad or on a GPU a paged cache is gathered into one
+    # contiguous copy, and entries of different key ranges run one call each.
+    in_place = q.device.type == "cpu" and not leftpad.any() and bsz > 0 and \
+        (paged or not (ends == ends[0]).all())
+    if in_place and not paged:
+        table, page = idx[:, None], s_cache
     with torch.no_grad():
-        if paged:
+        if in_place and paged:
+            kc = vc = None          # the pages are read where they are
+        elif paged:
             # one contiguous copy of the pages in use; unused table entries read block 0
             n_pages = -(-int(ends.max()) // page) if bsz else 0
             cols = np.arange(n_pages)[None, :]
@@ -548,7 +562,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                       for x in (k_cache, v_cache))
         else:
             kc, vc = k_cache, v_cache
-        if bsz:
+        if in_place:
+            # the core's checks and a backend before the cache is written, so that a
+            # refusal leaves it as it was
+            pages = Pages(table, ends)
+            choose(describe_paged(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                  v_cache.transpose(1, 2), pages, mask=mask, scale=scale,
+                                  softcap=cap, alibi_slopes=slopes))
+        elif bsz:
             # the core's checks and a backend for these inputs before the cache is written,
             # so that a refusal leaves it as it was (key ranges differ only in length)
             kk, vv = (x[:1, :int(ends.max())].transpose(1, 2) for x in (kc, vc))
@@ -563,19 +584,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if s_new:
                 k = turn(k, k_pos)
         if s_new:
-            rows = torch.from_numpy(idx).to(k_cache.device)[:, None]              # [B, 1]
             new_pos = lengths[:, None] + np.arange(s_new)
-            pos = torch.from_numpy(new_pos).to(k_cache.device)
-            kc.index_put_((rows, pos), k)
-            vc.index_put_((rows, pos), v)
+            if kc is not None:
+                rows = torch.from_numpy(idx).to(k_cache.device)[:, None]          # [B, 1]
+                pos = torch.from_numpy(new_pos).to(k_cache.device)
+                kc.index_put_((rows, pos), k)
+                vc.index_put_((rows, pos), v)
             if paged:
                 blocks = np.take_along_axis(table, new_pos // page, axis=1)
                 at = (torch.from_numpy(blocks).to(k_cache.device),
                       torch.from_numpy(new_pos % page).to(k_cache.device))
                 k_cache.index_put_(at, k)
                 v_cache.index_put_(at, v)
-        one = (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True
-        if one:
+        if in_place:
+            out, lse = core_attention(q, k_cache, v_cache, layout="bshd", pages=pages,
+                                      mask=mask, scale=scale, softcap=cap,
+                                      alibi_slopes=slopes, return_lse=True)
+        elif (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True:
             lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
             if np.array_equal(idx, np.arange(kc.shape[0])):
                 kk, vv = kc, vc

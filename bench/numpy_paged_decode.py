@@ -1,0 +1,91 @@
+"""Decoding on the NumPy backend: a paged cache (attention(..., pages=)) vs the same keys
+in a contiguous cache [B, Hkv, Sk, D], in one process.
+
+Shape legend: B batch, Hq/Hkv heads, Sq queries per sequence, D head dim, Sk keys per
+sequence (the cache), P positions per page.
+
+Both calls see the same keys: sequence b's pages are a shuffled set of
+``Sk / P`` pages of one pool; the contiguous cache holds them in order.  The two
+variants run interleaved, round after round, so load from other processes hits them
+alike; it reports the median and min over the rounds and the median per-round ratio.
+The outputs are compared (fp32, every element) before timing.
+
+    PYTHONPATH=src python3 bench/numpy_paged_decode.py --reps 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import anyattn as aa  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads-q", type=int, default=32)
+    ap.add_argument("--heads-kv", type=int, default=8)
+    ap.add_argument("--seq-q", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--cache", type=int, default=8192)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                    help="the pages' layout: [N, Hkv, P, D] or FlashAttention's [N, P, Hkv, D]")
+    ap.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+    B, Hq, Hkv, Sq, D, Sk, P = (a.batch, a.heads_q, a.heads_kv, a.seq_q, a.head_dim,
+                                a.cache, a.page)
+    rng = np.random.default_rng(0)
+    n = Sk // P
+    k_pages = rng.standard_normal((B * n, Hkv, P, D), dtype=np.float32)
+    v_pages = rng.standard_normal((B * n, Hkv, P, D), dtype=np.float32)
+    table = rng.permutation(B * n).reshape(B, n).astype(np.int32)
+    lengths = np.full(B, Sk, np.int32)
+    k = k_pages[table].transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Sk, D).copy()
+    v = v_pages[table].transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Sk, D).copy()
+    q = rng.standard_normal((B, Hq, Sq, D), dtype=np.float32)
+    mask = aa.Causal(align="bottom_right")
+    pages = aa.Pages(table, lengths)
+    if a.layout == "bshd":
+        qp, kp, vp = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k_pages, v_pages))
+    else:
+        qp, kp, vp = q, k_pages, v_pages
+
+    def paged():
+        out = aa.attention(qp, kp, vp, pages=pages, mask=mask, backend="numpy",
+                           layout=a.layout)
+        return out if a.layout == "bhsd" else out.swapaxes(1, 2)
+
+    def contiguous():
+        return aa.attention(q, k, v, mask=mask, backend="numpy")
+
+    diff = float(np.max(np.abs(paged() - contiguous())))
+    times = {"paged": [], "contiguous": []}
+    for _ in range(a.reps):
+        for name, fn in (("paged", paged), ("contiguous", contiguous)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ratio = statistics.median(p / c for p, c in zip(times["paged"], times["contiguous"]))
+    res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, D=D, Sk=Sk, page=P, dtype="float32",
+                         pages_layout=a.layout),
+           "max_abs_diff": diff,
+           **{f"{k}_median_ms": 1e3 * statistics.median(t) for k, t in times.items()},
+           **{f"{k}_min_ms": 1e3 * min(t) for k, t in times.items()},
+           "paged_over_contiguous_median_ratio": ratio,
+           "cache_bytes": int(k.nbytes + v.nbytes)}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Paged key/value caches (anyattn.Pages, attention(..., pages=)) against the float64
+dense reference over each sequence's keys, gathered here position by position."""
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn import features
+from anyattn.backends import numpy_paged
+from anyattn.backends.registry import get_backend
+
+from helpers import assert_close, rel_err
+
+MASKS = {
+    "none": lambda: None,
+    "causal_br": lambda: aa.Causal(align="bottom_right"),
+    "window_br": lambda: aa.Causal(align="bottom_right") & aa.Window(left=7, align="bottom_right"),
+    "causal_offset": lambda: aa.Causal(),        # placed by q_offset below
+}
+
+
+def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
+    """Shuffled pages, sequence 2 sharing sequence 0's first page (a common prefix),
+    table entries past the pages in use set to -1, and every position no sequence
+    uses (spare pages, tails of last pages) set to NaN: a kernel that reads them
+    returns NaN."""
+    B = len(lengths)
+    need = [-(-L // P) for L in lengths]
+    N = sum(need) + spare
+    perm = rng.permutation(N)
+    table = np.full((B, max(need) + 1), -1, np.int32)
+    used = np.zeros((N, P), bool)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    if B > 2 and need[0] and need[2]:
+        shared = table[0, 0]
+        if lengths[2] >= P or lengths[0] >= P:      # the shared page's rows: both in use
+            table[2, 0] = shared
+    for b, L in enumerate(lengths):
+        for t in range(L):
+            used[table[b, t // P], t % P] = True
+    k = rng.standard_normal((N, Hkv, P, D)).astype(dtype)
+    v = rng.standard_normal((N, Hkv, P, Dv)).astype(dtype)
+    k[~used.reshape(N, 1, P).repeat(Hkv, 1)] = np.nan
+    v[~used.reshape(N, 1, P).repeat(Hkv, 1)] = np.nan
+    return k, v, table, np.asarray(lengths, np.int32)
+
+
+def dense_keys(pages, table, b, L):
+    """Sequence b's keys [1, Hkv, L, Dx], one position at a time."""
+    P = pages.shape[2]
+    rows = [pages[table[b, t // P], :, t % P] for t in range(L)]
+    out = np.stack(rows, axis=1) if rows else np.zeros(pages.shape[1:2] + (0,) + pages.shape[3:])
+    return out[None].astype(np.float64)
+
+
+def oracle(q, k, v, table, lengths, alibi_slopes=None, **kw):
+    """Per sequence: the float64 dense reference over its gathered keys."""
+    outs, lses = [], []
+    for b, L in enumerate(lengths):
+        sl = alibi_slopes
+        if sl is not None and sl.ndim == 2:
+            sl = sl[b:b + 1]
+        o, s = aa.attention(q[b:b + 1].astype(np.float64), dense_keys(k, table, b, L),
+                            dense_keys(v, table, b, L), backend="reference",
+                            return_lse=True, alibi_slopes=sl, **kw)
+        outs.append(o)
+        lses.append(s)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def check(got, want, dtype):
+    (o, s), (ro, rs) = got, want
+    assert_close(o, ro, dtype, "out")
+    fin = np.isfinite(rs)
+    assert np.array_equal(np.isfinite(np.asarray(s)), fin)
+    assert np.array_equal(np.asarray(s)[~fin], rs[~fin])
+    assert rel_err(np.asarray(s)[fin], rs[fin]) <= 10 * {"float32": 1e-6, "float64": 1e-13}.get(
+        dtype, 1e-2)
+
+
+@pytest.fixture(params=[512, 20], ids=["tiles512", "tiles20"])
+def tile_keys(request, monkeypatch):
+    monkeypatch.setattr(numpy_paged, "TILE_KEYS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("backend, tiles", [("numpy", 512), ("numpy", 20),
+                                            ("reference", None)])
+@pytest.mark.parametrize("P", [16, 5])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_paged_matches_the_dense_reference(backend, tiles, P, sq, mask, monkeypatch):
+    if tiles is not None:
+        monkeypatch.setattr(numpy_paged, "TILE_KEYS", tiles)
+    rng = np.random.default_rng([P, sq, len(mask)])
+    lengths = [37, 0, 16, 80, 3]
+    k, v, table, sl = make_cache(rng, lengths, P)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)       # GQA: 4 heads over 2
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl), backend=backend,
+                       return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "sinks", "all"])
+def test_paged_modifiers_value_dim_float64(mods, tile_keys):
+    rng = np.random.default_rng(len(mods))
+    lengths = [21, 50, 9, 0]
+    k, v, table, sl = make_cache(rng, lengths, 5, Hkv=1, D=6, Dv=3, dtype=np.float64)
+    q = rng.standard_normal((4, 3, 2, 6))                            # MQA, Sq = 2
+    kw = dict(mask=aa.Causal(align="bottom_right"))
+    if mods in ("softcap", "all"):
+        kw["softcap"] = 1.5
+    if mods in ("alibi", "all"):
+        kw["alibi_slopes"] = rng.uniform(0.1, 1.0, (4, 3))
+    if mods in ("sinks", "all"):
+        kw["sinks"] = rng.standard_normal(3)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl), backend="numpy",
+                       return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, **kw), "float64")
+
+
+def test_paged_bshd_layout_is_flash_attentions_pages():
+    rng = np.random.default_rng(3)
+    lengths = [40, 17]
+    k, v, table, sl = make_cache(rng, lengths, 16)
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    want = aa.attention(q, k, v, pages=aa.Pages(table, sl), return_lse=True)
+    got = aa.attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3).copy(),
+                       v.transpose(0, 2, 1, 3).copy(), pages=aa.Pages(table, sl),
+                       layout="bshd", return_lse=True)
+    assert np.array_equal(got[0].transpose(0, 2, 1, 3), want[0])
+    assert np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_torch_cpu_tensors(dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    lengths = [33, 5, 18]
+    k, v, table, sl = make_cache(rng, lengths, 16)
+    q = rng.standard_normal((3, 4, 4, 8)).astype(np.float32)
+    tdt = getattr(torch, dtype)
+    tq, tk, tv = (torch.from_numpy(x).to(tdt) for x in (q, k, v))
+    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(torch.from_numpy(table),
+                                                       torch.from_numpy(sl)),
+                            mask=aa.Causal(align="bottom_right"), return_lse=True)
+    assert out.dtype == tdt and lse.dtype == torch.float32
+    back = [x.to(torch.float64).numpy() for x in (tq, tk, tv)]
+    ro, rs = oracle(*back, table, lengths, mask=aa.Causal(align="bottom_right"))
+    assert_close(out.to(torch.float64).numpy(), ro, dtype, "out")
+
+
+def test_every_output_element_is_written(monkeypatch):
+    monkeypatch.setattr(numpy_paged, "_alloc", lambda shape, dt: np.full(shape, np.nan, dt))
+    rng = np.random.default_rng(5)
+    lengths = [20, 0, 7]
+    k, v, table, sl = make_cache(rng, lengths, 5)
+    q = rng.standard_normal((3, 4, 4, 8)).astype(np.float32)
+    mask = aa.Window(left=2, right=0, align="bottom_right")         # rows with no key too
+    out, lse = aa.attention(q, k, v, pages=aa.Pages(table, sl), mask=mask, return_lse=True)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+    check((out, lse), oracle(q, k, v, table, lengths, mask=mask), "float32")
+
+
+def test_a_window_reads_only_the_pages_it_reaches():
+    rng = np.random.default_rng(6)
+    lengths = [1000]
+    k, v, table, sl = make_cache(rng, lengths, 16, D=4, Dv=4)
+    # pages outside the window hold NaN: a read of any of them would show in the output
+    keep = {int(x) for x in table[0, (1000 - 30) // 16:63]}
+    clean_k, clean_v = k.copy(), v.copy()
+    for j in set(range(k.shape[0])) - keep:
+        k[j] = v[j] = np.nan              # masked scores hide a NaN key, not a NaN value
+    q = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+    mask = aa.Causal(align="bottom_right") & aa.Window(left=20, align="bottom_right")
+    out, lse = aa.attention(q, k, v, pages=aa.Pages(table, sl), mask=mask, return_lse=True,
+                            backend="numpy")
+    assert get_backend("numpy").last_counts["forward"].computed == 2     # (B, Hkv) x 1 tile
+    check((out, lse), oracle(q, clean_k, clean_v, table, lengths, mask=mask), "float32")
+
+
+def test_all_sequences_empty():
+    k = np.zeros((2, 1, 4, 3), np.float32)
+    q = np.ones((2, 2, 1, 3), np.float32)
+    out, lse = aa.attention(q, k, k, pages=aa.Pages(np.zeros((2, 1), np.int32),
+                                                    np.zeros(2, np.int32)), return_lse=True)
+    assert np.all(out == 0) and np.all(lse == -np.inf) and out.shape == (2, 2, 1, 3)
+
+
+# ------------------------------------------------------------------- bad input
+def _call(table=((0, 1), (2, -1)), lengths=(7, 4), pages_shape=(3, 2, 4, 8), v_shape=None,
+          **kw):
+    k = np.zeros(pages_shape, np.float32)
+    v = np.zeros(v_shape or pages_shape, np.float32)
+    q = np.zeros((2, 2, 1, 8), np.float32)
+    t = table if not isinstance(table, tuple) else np.array(table, np.int32)
+    s = lengths if not isinstance(lengths, tuple) else np.array(lengths, np.int32)
+    return aa.attention(q, k, v, pages=aa.Pages(t, s), **kw)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(table=((0, 3), (2, -1))), ValueError,
+     r"block_table\[0, 1\] = 3 is outside the cache's 3 pages \[0, 3\)"),
+    (dict(table=((0, 1), (-2, 0))), ValueError, r"block_table\[1, 0\] = -2"),
+    (dict(lengths=(9, 4)), ValueError, r"seqlens\[0\] = 9 exceeds the 2 pages x 4"),
+    (dict(lengths=(3, -1)), ValueError, r"seqlens: entry 1 is -1"),
+    (dict(lengths=(3,)), ValueError, r"seqlens: shape \(1,\) does not match"),
+    (dict(table=np.zeros((2, 2), np.float32)), TypeError, "block_table: dtype float32"),
+    (dict(table=np.zeros(2, np.int32)), ValueError, r"block_table: expected 2 dims"),
+    (dict(table=[[0, 1], [2, 0]]), TypeError, "block_table: expected an integer NumPy array"),
+    (dict(table=np.zeros((3, 2), np.int32), lengths=(1, 1, 1)), ValueError,
+     "block_table has 3 rows but q has batch 2"),
+    (dict(pages_shape=(3, 2, 0, 8), lengths=(0, 0)), ValueError,
+     "page_size is 0"),
+    (dict(v_shape=(3, 2, 5, 8)), ValueError, "v_pages: shape"),
+    (dict(pages_shape=(3, 2, 4, 8, 1)), ValueError, "k_pages: expected 4 dims"),
+    (dict(bias=np.zeros((1, 1, 1, 7), np.float32)), NotImplementedError, "bias:"),
+    (dict(dropout_p=0.1, dropout_seed=1), NotImplementedError, "dropout_p:"),
+    (dict(score_mod=lambda s, b, h, i, j: s), NotImplementedError, "score_mod:"),
+    (dict(mask=aa.Documents(np.zeros(1, np.int64), np.zeros(7, np.int64))),
+     NotImplementedError, r"mask: terms \['documents'\]"),
+])
+def test_bad_pages_raise_before_work(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(**kw)
+
+
+def test_triton_refuses_pages_through_its_capabilities():
+    torch = pytest.importorskip("torch")
+    k = torch.zeros(3, 2, 4, 8)
+    q = torch.zeros(2, 2, 1, 8)
+    pages = aa.Pages(np.array([[0, 1], [2, 0]], np.int32), np.array([7, 4], np.int32))
+    with pytest.raises(NotImplementedError, match=r"backend='triton'.*does not read paged key/value "
+                                         r"caches \(pages=\)"):
+        aa.attention(q, k, k, pages=pages, backend="triton")
+
+
+def test_webgpu_device_arrays_as_pages_are_refused():
+    pytest.importorskip("wgpu")
+    import anyattn.webgpu as webgpu
+
+    try:
+        k = webgpu.asarray(np.zeros((3, 2, 4, 8), np.float32))
+        q = webgpu.asarray(np.zeros((2, 2, 1, 8), np.float32))
+    except aa.BackendUnavailable as e:          # no adapter here
+        pytest.skip(str(e))
+    pages = aa.Pages(np.array([[0, 1], [2, 0]], np.int32), np.array([7, 4], np.int32))
+    with pytest.raises(NotImplementedError, match="pages: the caches are webgpu arrays; no "
+                                                  "backend reads paged"):
+        aa.attention(q, k, k, pages=pages)
+
+
+def test_pages_is_checked_to_be_pages():
+    q = np.zeros((1, 1, 1, 2), np.float32)
+    with pytest.raises(TypeError, match=r"pages: expected anyattn.Pages"):
+        aa.attention(q, q, q, pages=(np.zeros((1, 1)), np.zeros(1)))
+
+
+def test_unused_table_entries_are_never_read():
+    out = _call(table=((0, 1), (2, 99)), lengths=(7, 4))            # 99: past sequence 1
+    assert out.shape == (2, 2, 1, 8)
+
+
+def test_only_numpy_and_reference_declare_paged_kv():
+    from anyattn.backends.reference_backend import ReferenceBackend
+    from anyattn.backends.webgpu.backend import _CAPS as webgpu_caps
+
+    assert get_backend("numpy").capabilities.supports("paged_kv")
+    assert ReferenceBackend.capabilities.supports("paged_kv")
+    assert not webgpu_caps.supports("paged_kv")
+    assert "paged_kv" not in features.DEFAULT_INPUTS
+
+
+def test_paged_results_do_not_depend_on_the_thread_count():
+    from anyattn.arguments import score_mods
+    from anyattn.backends.numpy_backend import NumpyBackend, NumpyConfig
+    from anyattn.paged import describe_paged
+
+    rng = np.random.default_rng(7)
+    lengths = [70, 33, 0, 51]
+    k, v, table, sl = make_cache(rng, lengths, 5)
+    q = rng.standard_normal((4, 4, 4, 8)).astype(np.float32)
+    p = describe_paged(q, k, v, aa.Pages(table, sl), mask=aa.Causal(align="bottom_right"))
+    mods = score_mods(p, None, None)
+    runs = [NumpyBackend(NumpyConfig(threads=n)).forward_paged(p, q, k, v, mods)
+            for n in (1, 2, 3)]
+    for out, st in runs[1:]:
+        assert np.array_equal(out, runs[0][0])
+        assert np.array_equal(st.max, runs[0][1].max)
+        assert np.array_equal(st.log_norm, runs[0][1].log_norm)
+
+
+@pytest.mark.parametrize("magnitude", [30.0, 1000.0])
+def test_paged_error_at_large_logits_is_within_3x_torch_math_sdpa(magnitude):
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rng = np.random.default_rng(8)
+    lengths = [90, 57]
+    k, v, table, sl = make_cache(rng, lengths, 16, D=16, Dv=16)
+    k *= np.float32(magnitude)
+    q = rng.standard_normal((2, 4, 4, 16)).astype(np.float32)
+    mask = aa.Causal(align="bottom_right")
+    out = aa.attention(q, k, v, pages=aa.Pages(table, sl), mask=mask)
+    ref, _ = oracle(q, k, v, table, lengths, mask=mask)
+    for b, L in enumerate(lengths):
+        kd, vd = (torch.from_numpy(dense_keys(x, table, b, L)[0].astype(np.float32))
+                  .repeat_interleave(2, 0) for x in (k, v))
+        keep = torch.ones(4, L, dtype=torch.bool).tril(L - 4)
+        with sdpa_kernel(SDPBackend.MATH):
+            t = torch.nn.functional.scaled_dot_product_attention(
+                torch.from_numpy(q[b]), kd, vd, attn_mask=keep).numpy()
+        sdpa_err = np.abs(t - ref[b]).max()
+        assert np.abs(out[b] - ref[b]).max() <= 3 * sdpa_err + 1e-7
+
+
+def test_paged_problems_are_not_kept_by_the_dispatch_memo():
+    """A paged Problem holds the caller's tables: choose must not keep it (each call
+    makes a new one; a kept one would pin up to 256 tables)."""
+    from anyattn.backends import registry
+
+    registry.clear_choices()
+    rng = np.random.default_rng(9)
+    k, v, table, sl = make_cache(rng, [9, 4], 5)
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    for _ in range(3):
+        aa.attention(q, k, v, pages=aa.Pages(table, sl))
+    assert not any(key[0].pages is not None for key in registry._choices)
+
