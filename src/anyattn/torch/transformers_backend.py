@@ -26,11 +26,20 @@ mask terms, with no dense [B, 1, Sq, Sk] tensor:
   ``Window(left=w, right=w)``; all placed by the cache positions (anyattn's
   ``q_offset``/``k_offset``), so decoding with a (sliding-window) cache needs nothing
   dense either;
+- ``and_masks`` / ``or_masks`` compositions (``and_mask_function``,
+  ``or_mask_function``, ``block_sequence_ids``): ``&`` / ``|`` of their parts' terms;
+- packed sequences (found by transformers from ``position_ids``), with or without
+  padding or a cache: ``Documents``;
+- any other mask function (chunked attention's ``chunked_overlay``, image tokens'
+  ``blockwise_overlay``, a model's own): traced into a ``MaskMod`` (the tensors it
+  closes over become captures), called with transformers' positions
+  ``q_idx + q_offset``, ``kv_idx + kv_offset`` and head index 0, as ``sdpa_mask`` does;
 - padding: a key-padding ``KeepMask`` [B, 1, 1, Sk] (left out when nothing is padded);
-  packed sequences (found by transformers from ``position_ids``): ``Documents``;
-- rows that keep no key -- the pad queries of a left-padded batch, and in a sliding
-  layer the pad queries ``w`` or more past the end of a right-padded sequence -- are
-  found by the builder from prefix sums of the padding ([B, Sq + Sk] work) and given
+- rows that keep no key -- the pad queries of a left-padded batch, in a sliding layer
+  the pad queries ``w`` or more past the end of a right-padded sequence -- are found by
+  the builder (band masks: from prefix sums of the padding, [B, Sq + Sk] work; masks
+  with functions or documents: from the mask's tile map, evaluating only the partial
+  tiles of query tiles that have no full key tile, one tile at a time) and given
   eager's result: eager adds ``finfo.min`` to every masked score, so such a row attends
   to *every* key uniformly (``sdpa`` returns 0 there instead).  The attention function
   computes just those query rows again, over every key with a ``finfo.min`` bias, and
@@ -42,15 +51,16 @@ The builder returns transformers' dense bool mask (its ``sdpa_mask``; a ``KeepMa
 here, its empty rows given eager's result per call) only where structure is
 impossible:
 
-- a mask function it does not know: any ``or_mask_function`` (Gemma 3's bidirectional
-  image tokens, ``block_sequence_ids``), chunked attention (Llama 4), packed-sequence ids
-  together with padding or a cache;
-- a caller that asks for the tensor itself: both ``allow_is_causal_skip`` and
-  ``allow_is_bidirectional_skip`` False, transformers' convention for a mask that the
-  model then edits (Falcon adds ALiBi onto it, T5Gemma 2 concatenates two, Longformer
-  slices it); ``create_causal_mask`` also turns the skip off for an
-  ``and_mask_function`` and for decoding with a static (compileable) cache, which are
-  dense for that reason;
+- a mask function the tracer refuses (data-dependent Python such as ``.item()``, a
+  call it does not know such as ``torch.isin``, a ``*args`` signature such as
+  EmbeddingGemma's ``lambda *args: torch.tensor(True)``), or one whose capture indices
+  the bounds analysis cannot prove in range;
+- one of transformers' plain layer masks (causal, sliding, chunked, bidirectional, with
+  nothing composed onto it) with both ``allow_is_causal_skip`` and
+  ``allow_is_bidirectional_skip`` False: transformers' convention for a caller that
+  asks for the tensor itself because it edits it (Falcon adds ALiBi onto it, T5Gemma 2
+  concatenates two, Longformer slices it), and what ``create_causal_mask`` passes when
+  decoding with a static (compileable) cache;
 - while tracing (``torch.compile``, ``torch.export``): dynamo cannot read a mask
   function's closure, and which rows are empty is data (transformers' own ``sdpa``
   mask is dense under tracing too);
@@ -202,7 +212,7 @@ class StructuredMask:
     """One layer type's mask as anyattn terms; what :func:`anyattn_mask` returns.
 
     ``mask``: the terms (Causal, Window, a key-padding KeepMask [B, 1, 1, Sk],
-    Documents; None keeps every key); ``q_offset`` / ``k_offset``: the positions of
+    Documents, traced MaskMods and ``|`` of terms; None keeps every key); ``q_offset`` / ``k_offset``: the positions of
     query 0 and key 0, which place the Causal and Window terms (passed on as
     ``anyattn.torch.attention``'s arguments of those names); ``shape``: (B, 1, Sq, Sk),
     the shape of the dense mask it stands for; ``empty_rows``: None, or
