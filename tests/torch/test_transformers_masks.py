@@ -41,17 +41,30 @@ def _functions(mask):
 
 @pytest.fixture
 def masks_seen(monkeypatch):
-    """Every mask the transformers backend hands to anyattn.torch.attention."""
+    """Every mask the transformers backend hands to anyattn.torch.attention, and (in
+    ``masks_seen.built``) everything the registered mask builder returned."""
+    from transformers.masking_utils import AttentionMaskInterface
+
     from anyattn.torch import transformers_backend as tb
 
-    seen, inner = [], tb.attention
+    class Seen(list):
+        built: list
+
+    seen, inner = Seen(), tb.attention
+    seen.built = []
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("mask"))
         return inner(*args, **kwargs)
 
+    def builder(*args, **kwargs):
+        seen.built.append(tb.anyattn_mask(*args, **kwargs))
+        return seen.built[-1]
+
     monkeypatch.setattr(tb, "attention", spy)
-    return seen
+    AttentionMaskInterface.register(tb.NAME, builder)
+    yield seen
+    AttentionMaskInterface.register(tb.NAME, tb.anyattn_mask)
 
 
 def _pair(cfg, cls):
@@ -90,11 +103,17 @@ def _check_step(eager, ours, batch):
 
 
 def _check_structured(masks, want_functions):
-    """Every text-attention mask is structure with no dense term; ``want_functions``:
-    some hold a traced mask function."""
+    """The builder returned structure every time (never transformers' dense mask) and
+    every text-attention mask has no dense term; ``want_functions``: some hold a mask
+    function (a traced MaskMod or a | of terms)."""
+    from anyattn.torch.transformers_backend import StructuredMask
+
+    assert masks.built and all(isinstance(m, StructuredMask) for m in masks.built)
     text = [m for m in masks if m is not None]
     assert text and not any(_dense_masks(m) for m in text)
     assert any(_functions(m) for m in text) == want_functions
+    masks.clear()
+    masks.built.clear()
 
 
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -119,7 +138,6 @@ def test_llama4_chunked_attention_trains_and_generates_like_eager(masks_seen):
     _check_step(eager, ours, dict(input_ids=ids, attention_mask=am,
                                   labels=ids.masked_fill(am == 0, -100)))
     _check_structured(masks_seen, True)
-    masks_seen.clear()
     kw = dict(attention_mask=am[:2, :7], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(eager.generate(ids[:2, :7], **kw), ours.generate(ids[:2, :7], **kw))
     _check_structured(masks_seen, True)
@@ -153,7 +171,6 @@ def test_gemma3_image_tokens_train_and_generate_like_eager(masks_seen):
                         mask_function=mu.or_masks(mu.causal_mask_function,
                                                   mu.blockwise_overlay(blocks)))
     assert bool(full[0, 0, 2, 5]) and not bool(full[0, 0, 1, 5])
-    masks_seen.clear()
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(eager.generate(**inputs, **kw), ours.generate(**inputs, **kw))
     _check_structured(masks_seen, True)
@@ -178,7 +195,6 @@ def test_paligemma_prefix_lm_trains_and_generates_like_eager(masks_seen):
     inputs = dict(input_ids=ids, attention_mask=am, pixel_values=pixels, token_type_ids=tt)
     _check_step(eager, ours, dict(inputs, labels=ids.masked_fill(am == 0, -100)))
     _check_structured(masks_seen, True)
-    masks_seen.clear()
     inputs = dict(input_ids=ids[:, :20], attention_mask=am[:, :20], pixel_values=pixels,
                   token_type_ids=tt[:, :20])
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
