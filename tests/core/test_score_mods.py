@@ -109,6 +109,18 @@ def test_arrays_of_functions_a_function_calls_become_captures():
 GLOBAL_SAME = _doc_factory(np.array([[0, 1, 1, 2]]))
 
 
+def test_a_0d_array_returned_is_a_constant():
+    """``lambda *args: torch.tensor(True)`` (a transformers or-mask keeping everything)
+    and a 0-d NumPy float from a score function are constants of the right dtype."""
+    torch = pytest.importorskip("torch")
+    keep_all = (lambda f: lambda b, h, i, j: f(b, h, i, j))(lambda *a: torch.tensor(True))
+    assert render(trace(keep_all, "mask_mod").out) == "True"
+    assert resolve(aa.Causal() | aa.MaskMod(keep_all), 1, 1, 3, 3).dense_keep(1, 1).all()
+    with pytest.raises(TypeError, match="returned a bool expression; a score_mod"):
+        trace(lambda s, b, h, i, j: np.array(True), "score_mod")
+    assert render(trace(lambda s, b, h, i, j: np.array(2.5), "score_mod").out) == "2.5"
+
+
 def test_a_tensor_that_is_not_a_capture_indexed_by_a_symbol_is_refused_by_name():
     torch = pytest.importorskip("torch")
     holder = {"t": torch.arange(4)}

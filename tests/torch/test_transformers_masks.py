@@ -4,7 +4,8 @@ Tiny random-weight models against "eager" (CPU, fp32; one training step's loss a
 gradients, greedy generate): Llama 4 (chunked attention, ``chunked_causal_mask_function``
 with left padding), Gemma 3 with image tokens (``token_type_ids``: ``or_masks(causal,
 blockwise_overlay)``, and ``and`` a sliding window on the sliding layers) and PaliGemma
-(prefix-LM through ``block_sequence_ids``).  The mask builder is checked against
+(prefix-LM through ``block_sequence_ids``); Gemma 3 text with bidirectional attention
+(EmbeddingGemma: ``or_masks(causal, lambda *args: torch.tensor(True))``).  The mask builder is checked against
 transformers' own ``sdpa_mask`` for or/and compositions, chunked, blockwise and packed
 masks with padding and cache offsets, including the rows that keep no key.
 """
@@ -172,6 +173,43 @@ def test_gemma3_image_tokens_train_and_generate_like_eager(masks_seen):
     _check_structured(masks_seen, True)
 
 
+def test_embedding_gemma_bidirectional_masks_train_like_eager(masks_seen):
+    """Gemma 3 text with use_bidirectional_attention (EmbeddingGemma): the full layers
+    or ``lambda *args: torch.tensor(True)`` onto causal (every key: only the key padding
+    is left), the sliding layers a bidirectional window; padded both ways."""
+    text = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=64, sliding_window=6, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"],
+                use_bidirectional_attention=True)
+    eager, ours = _pair(transformers.Gemma3TextConfig(**text), transformers.Gemma3TextModel)
+    ids = torch.randint(1, 97, (3, 12), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, 9:] = 0
+    am[2, :4] = 0
+    # a random projection of the real tokens' embeddings (a sum of squares would see
+    # nothing but the final RMSNorm's weight)
+    proj = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    outs, grads = [], []
+    for model in (eager, ours):
+        model.zero_grad()
+        hidden = model(input_ids=ids, attention_mask=am).last_hidden_state
+        ((hidden @ proj) * am).sum().backward()
+        outs.append(hidden)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert _rel(outs[1], outs[0]) <= 1e-5
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    for name, g in grads[0].items():
+        if name.endswith("k_proj.bias"):
+            assert float((grads[1][name] - g).abs().max()) <= 1e-6 * scale, name
+        else:
+            assert _rel(grads[1][name], g) <= 1e-4, name
+    # the full layer keeps every key but the padding: nothing but the KeepMask is left
+    assert any(_terms(m) and all(isinstance(t, KeepMask) for t in _terms(m))
+               for m in masks_seen if m is not None)
+    _check_structured(masks_seen, True)
+
+
 def test_paligemma_prefix_lm_trains_and_generates_like_eager(masks_seen):
     """PaliGemmaForConditionalGeneration: image and prompt (token_type_ids 0) are one
     bidirectional prefix, the suffix is causal (``block_sequence_ids``); right padding."""
@@ -237,6 +275,7 @@ def _mask_functions(n, am):
         "chunked": mu.chunked_causal_mask_function(4, left),
         "packed": mu.and_masks(causal, mu.packed_sequence_mask_function(packed)),
         "or_bidirectional": mu.or_masks(causal, mu.bidirectional_mask_function),
+        "or_constant_true": mu.or_masks(causal, lambda *args: torch.tensor(True)),
         "or_bidirectional_window": mu.or_masks(mu.sliding_window_causal_mask_function(3),
                                                mu.sliding_window_bidirectional_overlay(2)),
     }
@@ -281,18 +320,20 @@ def test_composed_masks_are_structure_equal_to_sdpa_mask(fn, padding, size):
 
 
 def test_untraceable_function_and_a_request_for_the_tensor_get_the_dense_mask():
-    """A function the tracer refuses (EmbeddingGemma's ``lambda *args: torch.tensor(True)``
-    or-ed onto causal) and a plain layer mask with both skips off (the caller edits the
-    tensor) get sdpa_mask's dense mask; the same layer mask with an or-function on top
-    (transformers turned the skip off for it) stays structure."""
+    """A function the tracer refuses (``torch.isin``) or-ed onto causal and a plain layer
+    mask with both skips off (the caller edits the tensor) get sdpa_mask's dense mask;
+    the same layer mask with an or-function on top (transformers turned the skip off for
+    it) stays structure."""
     from transformers import masking_utils as mu
 
     from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
 
-    fn = mu.or_masks(mu.causal_mask_function, lambda *args: torch.tensor(True))
+    globals_ = torch.tensor([1, 4])
+    fn = mu.or_masks(mu.causal_mask_function,
+                     lambda b, h, q_idx, kv_idx: torch.isin(kv_idx, globals_))
     got = anyattn_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False)
     want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
-                        allow_is_causal_skip=False, use_vmap=True)
+                        allow_is_causal_skip=False)
     assert isinstance(got, torch.Tensor) and torch.equal(got, want)
     chunked = mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))
     got = anyattn_mask(1, 6, 6, mask_function=chunked, allow_is_causal_skip=False)

@@ -619,6 +619,10 @@ def check_result(res, ctx: _Context, want: str) -> Node:
     kind, what = ctx.kind, ("a float" if want == FLOAT else "a bool")
     if isinstance(res, CaptureProxy):
         res._as_value()
+    if array_kind(res) is not None and getattr(res, "ndim", None) == 0:
+        # a 0-d array computed without the indices (``torch.tensor(True)``): a constant
+        # (a capture of rank 0 is a traced value, not an array, here)
+        res = res.item()
     if array_kind(res) is not None or isinstance(res, (tuple, list, dict)):
         shape = getattr(res, "shape", None)
         ctx.fail(TypeError, f"returned a {type(res).__name__}"

@@ -34,6 +34,8 @@ mask terms, with no dense [B, 1, Sq, Sk] tensor:
   ``blockwise_overlay``, a model's own): traced into a ``MaskMod`` (the tensors it
   closes over become captures), called with transformers' positions
   ``q_idx + q_offset``, ``kv_idx + kv_offset`` and head index 0, as ``sdpa_mask`` does;
+  one that traces to the constant True (EmbeddingGemma's
+  ``lambda *args: torch.tensor(True)``) keeps every key;
 - padding: a key-padding ``KeepMask`` [B, 1, 1, Sk] (left out when nothing is padded);
 - rows that keep no key -- the pad queries of a left-padded batch, in a sliding layer
   the pad queries ``w`` or more past the end of a right-padded sequence -- are found by
@@ -52,9 +54,8 @@ here, its empty rows given eager's result per call) only where structure is
 impossible:
 
 - a mask function the tracer refuses (data-dependent Python such as ``.item()``, a
-  call it does not know such as ``torch.isin``, a ``*args`` signature such as
-  EmbeddingGemma's ``lambda *args: torch.tensor(True)``), or one whose capture indices
-  the bounds analysis cannot prove in range;
+  call it does not know such as ``torch.isin``), or one whose capture indices the
+  bounds analysis cannot prove in range;
 - one of transformers' plain layer masks (causal, sliding, chunked, bidirectional, with
   nothing composed onto it) with both ``allow_is_causal_skip`` and
   ``allow_is_bidirectional_skip`` False: transformers' convention for a caller that
@@ -302,9 +303,11 @@ def _is_base(fn) -> bool:
                 known["sliding"], known["chunked"], known["sliding_bidirectional"]))
 
 
-def _traced(fn, q_offset: int, k_offset: int) -> Optional[MaskMod]:
+def _traced(fn, q_offset: int, k_offset: int):
     """``fn`` (transformers' convention: global positions, head index 0) traced into a
-    MaskMod of local indices, or None where it cannot be traced."""
+    MaskMod of local indices; _ALL for a function that is the constant True
+    (EmbeddingGemma's ``lambda *args: torch.tensor(True)``); None where it cannot be
+    traced."""
 
     def placed(batch_idx, head_idx, q_idx, kv_idx):
         # transformers evaluates its masks for one head (index 0) and broadcasts them
@@ -312,9 +315,11 @@ def _traced(fn, q_offset: int, k_offset: int) -> Optional[MaskMod]:
 
     placed.__qualname__ = placed.__name__ = fn_name(fn)
     try:
-        return MaskMod(placed)
+        mod = MaskMod(placed)
     except TypeError:             # the tracer's refusals (TraceError is a TypeError)
         return None
+    out = mod.program.out
+    return _ALL if out.op == "const" and out.attr is True else mod
 
 
 def _term(fn, q_offset: int, k_offset: int, Sq: int, Sk: int):
