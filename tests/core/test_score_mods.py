@@ -109,6 +109,24 @@ def test_arrays_of_functions_a_function_calls_become_captures():
 GLOBAL_SAME = _doc_factory(np.array([[0, 1, 1, 2]]))
 
 
+@pytest.mark.parametrize("mode", [None, "floor", "trunc"])
+def test_torch_div_with_a_rounding_mode_traces_as_torch_computes_it(mode):
+    torch = pytest.importorskip("torch")
+    fn = (lambda s, b, h, i, j: s + torch.div(i - j, 3, rounding_mode=mode)
+          + torch.div(s - 7.5, 2.0, rounding_mode=mode))
+    t = trace(fn, "score_mod")
+    i, j = np.arange(-2, 9)[:, None], np.arange(0, 9)[None, :]
+    s = np.linspace(-20, 20, 99).reshape(11, 9)
+    got, = evaluate([t.out], {"score": s, "b": 0, "h": 0, "q_idx": i, "kv_idx": j}, {},
+                    np.dtype(np.float64))
+    ti, ts = torch.tensor(i) - torch.tensor(j), torch.tensor(s)
+    want = (ts + torch.div(ti.double(), 3, rounding_mode=mode)
+            + torch.div(ts - 7.5, 2.0, rounding_mode=mode))
+    np.testing.assert_array_equal(got, want.numpy())
+    with pytest.raises(TypeError, match=r"rounding_mode='round'\): expected None"):
+        trace(lambda s, b, h, i, j: s + torch.div(i, 2, rounding_mode="round"), "score_mod")
+
+
 def test_a_0d_array_returned_is_a_constant():
     """``lambda *args: torch.tensor(True)`` (a transformers or-mask keeping everything)
     and a 0-d NumPy float from a score function are constants of the right dtype."""

@@ -267,7 +267,10 @@ def _mask_functions(n, am):
     left = ((am.cumsum(-1) == 0).sum(-1) if am is not None
             else torch.zeros(B, dtype=torch.long))
     causal = mu.causal_mask_function
+    from transformers.models.nemotron_asr_streaming import modeling_nemotron_asr_streaming
+    limited = modeling_nemotron_asr_streaming.chunked_limited_mask_function(5, 2)  # torch.div
     return {
+        "chunked_limited": mu.and_masks(mu.bidirectional_mask_function, limited),
         "image_blocks": mu.or_masks(causal, mu.blockwise_overlay(blocks)),
         "sliding_image_blocks": mu.and_masks(mu.or_masks(causal, mu.blockwise_overlay(blocks)),
                                              mu.sliding_window_overlay(3)),

@@ -355,6 +355,8 @@ def torch_function(ctx: _Context, func, args, kwargs):
     try:
         if name == "where" and len(args) == 3 and not kwargs:
             return Sym(_where(ctx, *args), ctx)
+        if name in ("div", "divide") and len(args) == 2 and set(kwargs) == {"rounding_mode"}:
+            return _div_rounded(ctx, args[0], args[1], kwargs["rounding_mode"])
         if name in ("clamp", "clip") and len(args) >= 1:
             rest = list(args[1:]) + [None] * (3 - len(args))
             lo = kwargs.pop("min", rest[0])
@@ -373,6 +375,25 @@ def torch_function(ctx: _Context, func, args, kwargs):
              + " is not supported in a traced function; use torch.where(c, x, y), "
              "torch.clamp(x, min, max), elementwise torch functions, NumPy ufuncs or "
              "anyattn.math")
+
+
+def _div_rounded(ctx: _Context, x, y, mode) -> "Sym":
+    """torch.div(x, y, rounding_mode=mode): None divides, 'floor' is ``//``, 'trunc'
+    rounds toward zero (``//`` plus one where the quotient is negative and inexact)."""
+    a, b = lift(x, ctx), lift(y, ctx)
+    if mode is None:
+        return Sym(ops.binary(ctx.bld, "div", a, b), ctx)
+    if mode not in ("floor", "trunc"):
+        ctx.fail(TypeError, f"torch.div(rounding_mode={mode!r}): expected None, 'floor' "
+                            "or 'trunc'")
+    q = ops.binary(ctx.bld, "floordiv", a, b)
+    if mode == "floor":
+        return Sym(q, ctx)
+    bld = ctx.bld
+    inexact = ops.binary(bld, "ne", ops.binary(bld, "mul", q, b), a)
+    negative = ops.binary(bld, "lt", q, bld.const(0, INT))
+    up = ops.binary(bld, "add", q, bld.const(1, INT))
+    return Sym(ops.where(bld, ops.binary(bld, "and", negative, inexact), up, q), ctx)
 
 
 def _where(ctx: _Context, c, x, y) -> Node:
