@@ -75,6 +75,78 @@ def test_closure_and_global_arrays_become_named_captures():
 GLOBAL_TABLE = np.ones(4)
 
 
+def _doc_factory(ids):
+    def same_doc(b, h, i, j):
+        return ids[b, i] == ids[b, j]
+    return same_doc
+
+
+def test_arrays_of_functions_a_function_calls_become_captures():
+    """A mask function calling helpers built by a factory (closures over arrays, one
+    level or two deep, or read as a global) traces them with their arrays as captures;
+    one array reached twice is one capture, two arrays of one name get unique names."""
+    ids = np.array([[0, 0, 1, 1, 2]])
+    other = np.array([[0, 1, 1, 1, 1]])
+    same, same_other = _doc_factory(ids), _doc_factory(other)
+
+    def shifted(b, h, i, j):                 # placed by offsets, as a cache does
+        return same(b, h, i + 1, j + 1) & same(b, h, i, j)
+
+    m = aa.MaskMod(shifted)
+    assert list(m.captures) == ["ids"] and m.captures["ids"] is ids
+    want = ids[0, 1:, None] == ids[0, None, 1:]
+    want &= ids[0, :4, None] == ids[0, None, :4]
+    np.testing.assert_array_equal(resolve(m, 1, 1, 4, 4).dense_keep(1, 1)[0, 0], want)
+    outer = (lambda f: lambda b, h, i, j: f(b, h, i, j) | same_other(b, h, i, j))(shifted)
+    m2 = aa.MaskMod(outer)
+    assert sorted(m2.captures) == ["ids", "ids_1"]
+    want2 = want | (other[0, :4, None] == other[0, None, :4])
+    np.testing.assert_array_equal(resolve(m2, 1, 1, 4, 4).dense_keep(1, 1)[0, 0], want2)
+    g = aa.MaskMod(lambda b, h, i, j: GLOBAL_SAME(b, h, i, j))
+    assert list(g.captures) == ["ids"]
+
+
+GLOBAL_SAME = _doc_factory(np.array([[0, 1, 1, 2]]))
+
+
+@pytest.mark.parametrize("mode", [None, "floor", "trunc"])
+def test_torch_div_with_a_rounding_mode_traces_as_torch_computes_it(mode):
+    torch = pytest.importorskip("torch")
+    fn = (lambda s, b, h, i, j: s + torch.div(i - j, 3, rounding_mode=mode)
+          + torch.div(s - 7.5, 2.0, rounding_mode=mode))
+    t = trace(fn, "score_mod")
+    i, j = np.arange(-2, 9)[:, None], np.arange(0, 9)[None, :]
+    s = np.linspace(-20, 20, 99).reshape(11, 9)
+    got, = evaluate([t.out], {"score": s, "b": 0, "h": 0, "q_idx": i, "kv_idx": j}, {},
+                    np.dtype(np.float64))
+    ti, ts = torch.tensor(i) - torch.tensor(j), torch.tensor(s)
+    want = (ts + torch.div(ti.double(), 3, rounding_mode=mode)
+            + torch.div(ts - 7.5, 2.0, rounding_mode=mode))
+    np.testing.assert_array_equal(got, want.numpy())
+    with pytest.raises(TypeError, match=r"rounding_mode='round'\): expected None"):
+        trace(lambda s, b, h, i, j: s + torch.div(i, 2, rounding_mode="round"), "score_mod")
+
+
+def test_a_0d_array_returned_is_a_constant():
+    """``lambda *args: torch.tensor(True)`` (a transformers or-mask keeping everything)
+    and a 0-d NumPy float from a score function are constants of the right dtype."""
+    torch = pytest.importorskip("torch")
+    keep_all = (lambda f: lambda b, h, i, j: f(b, h, i, j))(lambda *a: torch.tensor(True))
+    assert render(trace(keep_all, "mask_mod").out) == "True"
+    assert resolve(aa.Causal() | aa.MaskMod(keep_all), 1, 1, 3, 3).dense_keep(1, 1).all()
+    with pytest.raises(TypeError, match="returned a bool expression; a score_mod"):
+        trace(lambda s, b, h, i, j: np.array(True), "score_mod")
+    assert render(trace(lambda s, b, h, i, j: np.array(2.5), "score_mod").out) == "2.5"
+
+
+def test_a_tensor_that_is_not_a_capture_indexed_by_a_symbol_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+    holder = {"t": torch.arange(4)}
+    with pytest.raises(TypeError, match="torch tensor that is not a capture indexed by a "
+                                        "traced value"):
+        aa.MaskMod(lambda b, h, i, j: holder["t"][i] > 0)
+
+
 def test_captures_bind_by_parameter_name_and_array_defaults():
     t = np.ones(3)
     sm = aa.ScoreMod(lambda s, b, h, i, j, tab, other=t: s + tab[h] + other[h], tab=t * 2)

@@ -478,19 +478,23 @@ def test_mask_builder_gives_structure_equal_to_sdpa_mask(fn, padding, size):
 
 
 def test_mask_builder_falls_back_to_the_dense_mask_only_where_it_must():
-    """A mask function the builder cannot read (an OR: blockwise image tokens) and a
-    caller that asks for the tensor get transformers' dense bool mask, unchanged; packed
-    sequences become Documents."""
+    """A mask function the tracer refuses and a caller that asks for the tensor get
+    transformers' dense bool mask, unchanged; packed sequences become Documents."""
     from transformers import masking_utils as mu
 
     from anyattn.masks import Documents
     from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
 
-    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1]])
-    fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks))
+    globals_ = torch.tensor([1, 4])
+
+    def untraceable(batch_idx, head_idx, q_idx, kv_idx):
+        return torch.isin(kv_idx, globals_)          # not an elementwise function
+
+    fn = mu.or_masks(mu.causal_mask_function, untraceable)
     got = anyattn_mask(1, 6, 6, mask_function=fn)
     want = mu.sdpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=fn,
                         allow_is_causal_skip=False)
+    assert bool(want[0, 0, 0, 4])
     assert isinstance(got, torch.Tensor) and torch.equal(got, want)
     # the caller asks for the tensor (both skips off: Falcon then adds ALiBi onto it)
     am = torch.tensor([[True] * 6, [False] * 2 + [True] * 4])

@@ -12,7 +12,11 @@ conversion to a Python number, an unknown call, a float index, a wrong return va
 Captures are arrays the function reads: parameters after the indices (bound by name,
 ``ScoreMod(fn, table=t)``), parameters whose default is an array, and arrays the
 function closes over or reads as a global (the function is rebuilt with those replaced
-by :class:`CaptureProxy` objects, each named after its variable).
+by :class:`CaptureProxy` objects, each named after its variable).  Python functions it
+closes over (helpers built by a factory, e.g. ``and_masks(f, g)``-style wrappers calling
+``f``) are rebuilt the same way, recursively: their arrays become captures too, named
+after their variable (``_1``, ``_2``, ... appended where a name is taken; one array
+reached twice is one capture).
 """
 from __future__ import annotations
 
@@ -182,8 +186,13 @@ class Sym:
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        ctx = next(a.ctx for a in list(args) + list((kwargs or {}).values())
-                   if isinstance(a, Sym))
+        def syms(xs):
+            for a in xs:
+                if isinstance(a, Sym):
+                    yield a
+                elif isinstance(a, (tuple, list)):
+                    yield from syms(a)
+        ctx = next(syms(list(args) + list((kwargs or {}).values()))).ctx
         return torch_function(ctx, func, args, kwargs or {})
 
     def __array__(self, *a, **k):
@@ -339,9 +348,15 @@ def torch_function(ctx: _Context, func, args, kwargs):
     """torch.where / torch.tanh / torch.clamp / ... on traced values (torch hands them to
     ``Sym.__torch_function__``)."""
     name = getattr(func, "__name__", str(func))
+    if name == "__getitem__":
+        ctx.fail(TypeError, "a torch tensor that is not a capture indexed by a traced "
+                            "value; pass it as a capture (a parameter or a variable the "
+                            "function or a function it calls closes over) and index it")
     try:
         if name == "where" and len(args) == 3 and not kwargs:
             return Sym(_where(ctx, *args), ctx)
+        if name in ("div", "divide") and len(args) == 2 and set(kwargs) == {"rounding_mode"}:
+            return _div_rounded(ctx, args[0], args[1], kwargs["rounding_mode"])
         if name in ("clamp", "clip") and len(args) >= 1:
             rest = list(args[1:]) + [None] * (3 - len(args))
             lo = kwargs.pop("min", rest[0])
@@ -360,6 +375,25 @@ def torch_function(ctx: _Context, func, args, kwargs):
              + " is not supported in a traced function; use torch.where(c, x, y), "
              "torch.clamp(x, min, max), elementwise torch functions, NumPy ufuncs or "
              "anyattn.math")
+
+
+def _div_rounded(ctx: _Context, x, y, mode) -> "Sym":
+    """torch.div(x, y, rounding_mode=mode): None divides, 'floor' is ``//``, 'trunc'
+    rounds toward zero (``//`` plus one where the quotient is negative and inexact)."""
+    a, b = lift(x, ctx), lift(y, ctx)
+    if mode is None:
+        return Sym(ops.binary(ctx.bld, "div", a, b), ctx)
+    if mode not in ("floor", "trunc"):
+        ctx.fail(TypeError, f"torch.div(rounding_mode={mode!r}): expected None, 'floor' "
+                            "or 'trunc'")
+    q = ops.binary(ctx.bld, "floordiv", a, b)
+    if mode == "floor":
+        return Sym(q, ctx)
+    bld = ctx.bld
+    inexact = ops.binary(bld, "ne", ops.binary(bld, "mul", q, b), a)
+    negative = ops.binary(bld, "lt", q, bld.const(0, INT))
+    up = ops.binary(bld, "add", q, bld.const(1, INT))
+    return Sym(ops.where(bld, ops.binary(bld, "and", negative, inexact), up, q), ctx)
 
 
 def _where(ctx: _Context, c, x, y) -> Node:
@@ -493,26 +527,25 @@ def call_traced(fn, kind: str, captures: Optional[Dict[str, Any]], ctx: _Context
     fn, arrays, cap_params, closure_arrays = _rebuilt(fn, index_names, dict(captures or {}),
                                                       where_)
     proxies: Dict[str, Any] = {}
+    by_id: Dict[int, Any] = {}
     for name, arr in list(arrays.items()) + list(closure_arrays.items()):
         if array_kind(arr) is None:
             raise TypeError(f"{where_}: capture {name!r} is a {type(arr).__name__}; "
                             "expected a NumPy array or torch tensor")
         proxies[name] = register(name, arr)
-    if closure_arrays and getattr(fn, "__code__", None) is not None:
-        code = fn.__code__
-        cells = []
-        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-            cells.append(types.CellType(proxies[name]) if name in closure_arrays else cell)
-        glob = fn.__globals__
-        if any(n in closure_arrays and n not in code.co_freevars for n in code.co_names):
-            glob = dict(glob)
-            for n in code.co_names:
-                if n in closure_arrays and n not in code.co_freevars:
-                    glob[n] = proxies[n]
-        kwd = fn.__kwdefaults__
-        fn = types.FunctionType(code, glob, fn.__name__, fn.__defaults__,
-                                tuple(cells) if fn.__closure__ else None)
-        fn.__kwdefaults__ = kwd
+        by_id.setdefault(id(arr), proxies[name])
+
+    def nested_proxy(name: str, arr):
+        """The proxy of an array a nested function reads (one per array object)."""
+        if id(arr) not in by_id:
+            unique, n = name, 1
+            while unique in proxies:
+                unique, n = f"{name}_{n}", n + 1
+            proxies[unique] = by_id[id(arr)] = register(unique, arr)
+        return by_id[id(arr)]
+
+    if getattr(fn, "__code__", None) is not None:
+        fn = _with_proxies(fn, {n: proxies[n] for n in closure_arrays}, nested_proxy, 0)
     kw = {n: proxies[n] for n in cap_params}
     try:
         res = fn(*args, **kw)
@@ -521,6 +554,58 @@ def call_traced(fn, kind: str, captures: Optional[Dict[str, Any]], ctx: _Context
     except Exception as e:        # anything else the function did with a symbol
         raise TypeError(f"{where_}: could not be traced: {type(e).__name__}: {e}") from e
     return check_result(res, ctx, want)
+
+
+#: how deep closures of closures are rebuilt (deeper functions are called as they are)
+_NESTING = 8
+
+
+def _with_proxies(fn, own: Dict[str, Any], nested_proxy, depth: int):
+    """``fn`` rebuilt to read proxies: ``own`` maps its closure / global array names to
+    theirs; arrays in the closures of Python functions it closes over (recursively, up
+    to :data:`_NESTING` levels) get theirs from ``nested_proxy(name, array)``.  ``fn``
+    itself where nothing changes."""
+    code = fn.__code__
+    cells, changed = [], False
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        new = None
+        if name in own:
+            new = own[name]
+        else:
+            try:
+                val = cell.cell_contents
+            except ValueError:           # a cell not filled yet
+                val = None
+            if depth > 0 and val is not None and array_kind(val) is not None:
+                new = nested_proxy(name, val)
+            elif (isinstance(val, types.FunctionType) and val is not fn
+                  and depth < _NESTING):
+                inner = _with_proxies(val, {}, nested_proxy, depth + 1)
+                new = inner if inner is not val else None
+        changed = changed or new is not None
+        cells.append(cell if new is None else types.CellType(new))
+    glob = fn.__globals__
+    globs = {n: own[n] for n in code.co_names if n in own and n not in code.co_freevars}
+    for n in code.co_names:
+        if n in globs or n in code.co_freevars:
+            continue
+        val = glob.get(n)
+        if depth > 0 and val is not None and array_kind(val) is not None:
+            globs[n] = nested_proxy(n, val)
+        elif (isinstance(val, types.FunctionType) and val.__closure__ and val is not fn
+              and depth < _NESTING):
+            inner = _with_proxies(val, {}, nested_proxy, depth + 1)
+            if inner is not val:
+                globs[n] = inner
+    if not changed and not globs:
+        return fn
+    if globs:
+        glob = dict(glob)
+        glob.update(globs)
+    out = types.FunctionType(code, glob, fn.__name__, fn.__defaults__,
+                             tuple(cells) if fn.__closure__ else None)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
 
 
 def trace(fn, kind: str, captures: Optional[Dict[str, Any]] = None) -> Traced:
@@ -555,6 +640,10 @@ def check_result(res, ctx: _Context, want: str) -> Node:
     kind, what = ctx.kind, ("a float" if want == FLOAT else "a bool")
     if isinstance(res, CaptureProxy):
         res._as_value()
+    if array_kind(res) is not None and getattr(res, "ndim", None) == 0:
+        # a 0-d array computed without the indices (``torch.tensor(True)``): a constant
+        # (a capture of rank 0 is a traced value, not an array, here)
+        res = res.item()
     if array_kind(res) is not None or isinstance(res, (tuple, list, dict)):
         shape = getattr(res, "shape", None)
         ctx.fail(TypeError, f"returned a {type(res).__name__}"

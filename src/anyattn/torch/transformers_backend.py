@@ -26,11 +26,22 @@ mask terms, with no dense [B, 1, Sq, Sk] tensor:
   ``Window(left=w, right=w)``; all placed by the cache positions (anyattn's
   ``q_offset``/``k_offset``), so decoding with a (sliding-window) cache needs nothing
   dense either;
+- ``and_masks`` / ``or_masks`` compositions (``and_mask_function``,
+  ``or_mask_function``, ``block_sequence_ids``): ``&`` / ``|`` of their parts' terms;
+- packed sequences (found by transformers from ``position_ids``), with or without
+  padding or a cache: ``Documents``;
+- any other mask function (chunked attention's ``chunked_overlay``, image tokens'
+  ``blockwise_overlay``, a model's own): traced into a ``MaskMod`` (the tensors it
+  closes over become captures), called with transformers' positions
+  ``q_idx + q_offset``, ``kv_idx + kv_offset`` and head index 0, as ``sdpa_mask`` does;
+  one that traces to the constant True (EmbeddingGemma's
+  ``lambda *args: torch.tensor(True)``) keeps every key;
 - padding: a key-padding ``KeepMask`` [B, 1, 1, Sk] (left out when nothing is padded);
-  packed sequences (found by transformers from ``position_ids``): ``Documents``;
-- rows that keep no key -- the pad queries of a left-padded batch, and in a sliding
-  layer the pad queries ``w`` or more past the end of a right-padded sequence -- are
-  found by the builder from prefix sums of the padding ([B, Sq + Sk] work) and given
+- rows that keep no key -- the pad queries of a left-padded batch, in a sliding layer
+  the pad queries ``w`` or more past the end of a right-padded sequence -- are found by
+  the builder (band masks: from prefix sums of the padding, [B, Sq + Sk] work; masks
+  with functions or documents: from the mask's tile map, evaluating only the partial
+  tiles of query tiles that have no full key tile, one tile at a time) and given
   eager's result: eager adds ``finfo.min`` to every masked score, so such a row attends
   to *every* key uniformly (``sdpa`` returns 0 there instead).  The attention function
   computes just those query rows again, over every key with a ``finfo.min`` bias, and
@@ -42,15 +53,15 @@ The builder returns transformers' dense bool mask (its ``sdpa_mask``; a ``KeepMa
 here, its empty rows given eager's result per call) only where structure is
 impossible:
 
-- a mask function it does not know: any ``or_mask_function`` (Gemma 3's bidirectional
-  image tokens, ``block_sequence_ids``), chunked attention (Llama 4), packed-sequence ids
-  together with padding or a cache;
-- a caller that asks for the tensor itself: both ``allow_is_causal_skip`` and
-  ``allow_is_bidirectional_skip`` False, transformers' convention for a mask that the
-  model then edits (Falcon adds ALiBi onto it, T5Gemma 2 concatenates two, Longformer
-  slices it); ``create_causal_mask`` also turns the skip off for an
-  ``and_mask_function`` and for decoding with a static (compileable) cache, which are
-  dense for that reason;
+- a mask function the tracer refuses (data-dependent Python such as ``.item()``, a
+  call it does not know such as ``torch.isin``), or one whose capture indices the
+  bounds analysis cannot prove in range;
+- one of transformers' plain layer masks (causal, sliding, chunked, bidirectional, with
+  nothing composed onto it) with both ``allow_is_causal_skip`` and
+  ``allow_is_bidirectional_skip`` False: transformers' convention for a caller that
+  asks for the tensor itself because it edits it (Falcon adds ALiBi onto it, T5Gemma 2
+  concatenates two, Longformer slices it), and what ``create_causal_mask`` passes when
+  decoding with a static (compileable) cache;
 - while tracing (``torch.compile``, ``torch.export``): dynamo cannot read a mask
   function's closure, and which rows are empty is data (transformers' own ``sdpa``
   mask is dense under tracing too);
@@ -96,9 +107,13 @@ import operator
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
-from ..masks import Causal, Documents, KeepMask, Mask, Window, resolve
+from ..masks import (TERM_KINDS, TILE_FULL, TILE_PARTIAL, AndMask, Causal, Documents,
+                     KeepMask, Mask, Window, resolve)
+from ..programs.mods import MaskMod
+from ..programs.trace import fn_name
 from .functional import attention
 
 __all__ = ["anyattn_attention_forward", "anyattn_mask", "StructuredMask", "register", "NAME",
@@ -198,7 +213,7 @@ class StructuredMask:
     """One layer type's mask as anyattn terms; what :func:`anyattn_mask` returns.
 
     ``mask``: the terms (Causal, Window, a key-padding KeepMask [B, 1, 1, Sk],
-    Documents; None keeps every key); ``q_offset`` / ``k_offset``: the positions of
+    Documents, traced MaskMods and ``|`` of terms; None keeps every key); ``q_offset`` / ``k_offset``: the positions of
     query 0 and key 0, which place the Causal and Window terms (passed on as
     ``anyattn.torch.attention``'s arguments of those names); ``shape``: (B, 1, Sq, Sk),
     the shape of the dense mask it stands for; ``empty_rows``: None, or
@@ -237,19 +252,22 @@ def _known_codes():
     one = torch.ones(1, 1, dtype=torch.bool)
     return {
         "and": mu.and_masks(mu.causal_mask_function).__code__,
+        "or": mu.or_masks(mu.causal_mask_function).__code__,
         "sliding": mu.sliding_window_overlay(1).__code__,
         "sliding_bidirectional": mu.sliding_window_bidirectional_overlay(1).__code__,
+        "chunked": mu.chunked_overlay(1, one).__code__,
         "packed": mu.packed_sequence_mask_function(one).__code__,
     }
 
 
 _MISSING = object()
+#: a mask function that keeps every pair (``bidirectional_mask_function``)
+_ALL = object()
 
 
 def _cell(fn, name: str):
     """The value ``fn`` closes over under ``name`` (_MISSING if none: a transformers
-    version whose factory closes over other names is then not read, and the builder
-    returns the dense mask)."""
+    version whose factory closes over other names is then traced instead)."""
     names = fn.__code__.co_freevars
     if name not in names or fn.__closure__ is None:
         return _MISSING
@@ -260,40 +278,98 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _read_mask_function(fn, terms: list, docs: list) -> bool:
-    """Append the AND-terms of a transformers mask function (index terms to ``terms``,
-    packed-sequence ids [B, S] to ``docs``); False where any part is unknown."""
+def _parts(fn, kind: str):
+    """The mask functions of an ``and_masks`` / ``or_masks`` composition, or None."""
+    if getattr(fn, "__code__", None) is not _known_codes()[kind]:
+        return None
+    parts = _cell(fn, "mask_functions")
+    return parts if isinstance(parts, tuple) and parts else None
+
+
+def _is_base(fn) -> bool:
+    """Is ``fn`` one of the layer masks transformers starts from (causal, sliding,
+    chunked, bidirectional, bidirectional sliding), with no ``or_mask_function`` /
+    ``and_mask_function`` / packed sequences / ``block_sequence_ids`` on top?"""
+    from transformers import masking_utils as mu
+
+    if fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
+        return True
+    parts, known = _parts(fn, "and"), _known_codes()
+    if parts is None or len(parts) != 2:
+        return False
+    overlay, base = parts
+    return (base in (mu.causal_mask_function, mu.bidirectional_mask_function)
+            and getattr(overlay, "__code__", None) in (
+                known["sliding"], known["chunked"], known["sliding_bidirectional"]))
+
+
+def _traced(fn, q_offset: int, k_offset: int):
+    """``fn`` (transformers' convention: global positions, head index 0) traced into a
+    MaskMod of local indices; _ALL for a function that is the constant True
+    (EmbeddingGemma's ``lambda *args: torch.tensor(True)``); None where it cannot be
+    traced."""
+
+    def placed(batch_idx, head_idx, q_idx, kv_idx):
+        # transformers evaluates its masks for one head (index 0) and broadcasts them
+        return fn(batch_idx, 0, q_idx + q_offset, kv_idx + k_offset)
+
+    placed.__qualname__ = placed.__name__ = fn_name(fn)
+    try:
+        mod = MaskMod(placed)
+    except TypeError:             # the tracer's refusals (TraceError is a TypeError)
+        return None
+    out = mod.program.out
+    return _ALL if out.op == "const" and out.attr is True else mod
+
+
+def _term(fn, q_offset: int, k_offset: int, Sq: int, Sk: int):
+    """The anyattn mask term of a transformers mask function: a Mask, _ALL (keeps
+    everything) or None (neither read nor traceable: the dense fallback)."""
     from transformers import masking_utils as mu
 
     if fn is mu.causal_mask_function:              # kv_idx <= q_idx
-        terms.append(Causal())
-        return True
+        return Causal()
     if fn is mu.bidirectional_mask_function:       # every key
-        return True
-    code, known = getattr(fn, "__code__", None), _known_codes()
-    if code is known["and"]:
-        parts = _cell(fn, "mask_functions")
-        return isinstance(parts, tuple) and all(_read_mask_function(f, terms, docs)
-                                                for f in parts)
+        return _ALL
+    known = _known_codes()
+    for kind in ("and", "or"):
+        parts = _parts(fn, kind)
+        if parts is None:
+            continue
+        terms = [_term(f, q_offset, k_offset, Sq, Sk) for f in parts]
+        if any(t is None for t in terms):
+            return None
+        if kind == "and":
+            terms = [t for t in terms if t is not _ALL]
+            return functools.reduce(operator.and_, terms) if terms else _ALL
+        if any(t is _ALL for t in terms):
+            return _ALL
+        return functools.reduce(operator.or_, terms)
+    code = getattr(fn, "__code__", None)
     if code is known["sliding"]:                   # kv_idx > q_idx - w
         w = _cell(fn, "sliding_window")
-        if not _is_int(w) or w < 1:
-            return False
-        terms.append(Window(left=int(w) - 1))
-        return True
-    if code is known["sliding_bidirectional"]:     # |q_idx - kv_idx| <= w
+        if _is_int(w) and w >= 1:
+            return Window(left=int(w) - 1)
+    elif code is known["sliding_bidirectional"]:   # |q_idx - kv_idx| <= w
         w = _cell(fn, "sliding_window")
-        if not _is_int(w) or w < 0:
-            return False
-        terms.append(Window(left=int(w), right=int(w)))
-        return True
-    if code is known["packed"]:                    # ids[b, q_idx] == ids[b, kv_idx]
+        if _is_int(w) and w >= 0:
+            return Window(left=int(w), right=int(w))
+    elif code is known["packed"]:                  # ids[b, q_idx] == ids[b, kv_idx]
         ids = _cell(fn, "packed_sequence_mask")
-        if not isinstance(ids, torch.Tensor):
-            return False
-        docs.append(ids)
-        return True
-    return False
+        if (isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point()
+                and ids.shape[1] >= max(q_offset + Sq, k_offset + Sk)):
+            return Documents(ids[:, q_offset:q_offset + Sq], ids[:, k_offset:k_offset + Sk])
+    # chunked overlays, blockwise image tokens, a model's own functions: traced
+    return _traced(fn, q_offset, k_offset)
+
+
+def _listed(empty: torch.Tensor):
+    """empty [B, Sq] bool -> (rows [B, n], valid [B, n]), or None where no row is empty."""
+    if not bool(empty.any()):
+        return None
+    n = int(empty.sum(1).max())
+    rows = torch.argsort((~empty).to(torch.int8), dim=1, stable=True)[:, :n]  # empty first
+    return rows, empty.gather(1, rows)
 
 
 def _empty_rows(band_lo, band_hi, keys: Optional[torch.Tensor], B: int, Sq: int, Sk: int,
@@ -309,11 +385,44 @@ def _empty_rows(band_lo, band_hi, keys: Optional[torch.Tensor], B: int, Sq: int,
     else:
         kept = torch.nn.functional.pad(keys.to(torch.int32).cumsum(1), (1, 0))  # [B, Sk + 1]
         empty = kept[:, stop] == kept[:, first]                     # [B, Sq]
-    if not bool(empty.any()):
-        return None
-    n = int(empty.sum(1).max())
-    rows = torch.argsort((~empty).to(torch.int8), dim=1, stable=True)[:, :n]  # empty first
-    return rows, empty.gather(1, rows)
+    return _listed(empty)
+
+
+#: tile edge of the empty-row search of a mask with functions or documents
+EMPTY_ROW_TILE = 128
+
+
+def _empty_rows_by_tiles(mask: Mask, B: int, Sq: int, Sk: int, q_offset: int,
+                         k_offset: int, device):
+    """(rows [B, n], valid [B, n]) of the queries that keep no key under any mask, or
+    None: from the mask's tile map (a query tile with a full key tile has no empty
+    row; one with only empty key tiles has nothing but empty rows), then evaluating
+    only the partial tiles of the remaining query tiles, one tile at a time."""
+    rm = resolve(mask, B, 1, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
+    bq, bk = min(EMPTY_ROW_TILE, Sq), min(EMPTY_ROW_TILE, Sk)
+    nq, nk = -(-Sq // bq), -(-Sk // bk)
+    codes = np.broadcast_to(rm.tile_map(bq, bk)[:, 0], (B, nq, nk))  # [B, nQ, nK]
+    has_full = (codes == TILE_FULL).any(-1)                            # [B, nQ]
+    partial = codes == TILE_PARTIAL
+    empty = np.zeros((B, Sq), dtype=bool)
+    for t in range(nq):
+        if has_full[:, t].all():
+            continue
+        i0, i1 = t * bq, min(Sq, (t + 1) * bq)
+        kept = np.broadcast_to(has_full[:, t, None], (B, i1 - i0)).copy()
+        for u in np.nonzero(partial[:, t].any(0))[0]:
+            j0, j1 = u * bk, min(Sk, (u + 1) * bk)
+            keep = np.ones((1, 1, i1 - i0, j1 - j0), dtype=bool)
+            for name in rm.terms:
+                keep = keep & TERM_KINDS[name].keep_block(rm, i0, i1, j0, j1)
+            kept |= np.broadcast_to(keep, (B, keep.shape[1], i1 - i0, j1 - j0))[:, 0].any(-1)
+        empty[:, i0:i1] = ~kept
+    return _listed(torch.from_numpy(empty).to(device))
+
+
+def _is_band(mask: Optional[Mask]) -> bool:
+    terms = mask.terms if isinstance(mask, AndMask) else (mask,)
+    return all(t is None or isinstance(t, (Causal, Window)) for t in terms)
 
 
 def _structure(B: int, Sq: int, Sk: int, q_offset: int, k_offset: int, mask_function,
@@ -321,9 +430,10 @@ def _structure(B: int, Sq: int, Sk: int, q_offset: int, k_offset: int, mask_func
     """The StructuredMask for transformers' description, or None where it cannot be one."""
     from transformers import masking_utils as mu
 
-    terms, docs = [], []
-    if not _read_mask_function(mask_function, terms, docs):
+    term = _term(mask_function, q_offset, k_offset, Sq, Sk)
+    if term is None:
         return None
+    term = None if term is _ALL else term
     keys = None
     if attention_mask is not None:
         # as sdpa_mask: padding_mask[b, kv_offset + j], zero-padded to the cache's length
@@ -335,27 +445,21 @@ def _structure(B: int, Sq: int, Sk: int, q_offset: int, k_offset: int, mask_func
             return None
         if bool(keys.all()):
             keys = None
-    band = resolve(functools.reduce(operator.and_, terms) if terms else None, B, 1, Sq, Sk,
-                   q_offset=q_offset, k_offset=k_offset)
-    for ids in docs:
-        # transformers finds packed sequences only without padding and without a cache;
-        # there every query keeps its own key, so no row is empty
-        if (keys is not None or q_offset != k_offset or Sq != Sk or ids.ndim != 2
-                or ids.shape[1] < k_offset + Sk or ids.shape[0] not in (1, B)
-                or (band.band_lo is not None and band.band_lo > 0)
-                or (band.band_hi is not None and band.band_hi < 0)):
-            return None
-        ids = ids.to(device)
-        terms.append(Documents(ids[:, q_offset:q_offset + Sq], ids[:, k_offset:k_offset + Sk]))
+    terms = [] if term is None else [term]
     if keys is not None:
         terms.append(KeepMask(keys[:, None, None, :]))
     mask = functools.reduce(operator.and_, terms) if terms else None
-    return StructuredMask(mask, q_offset, k_offset, (B, 1, Sq, Sk),
-                          _empty_rows(band.band_lo, band.band_hi, keys, B, Sq, Sk, device))
-
-
-def _has_documents(mask: Optional[Mask]) -> bool:
-    return any(isinstance(t, Documents) for t in getattr(mask, "terms", (mask,)))
+    if _is_band(term):
+        band = resolve(term, B, 1, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
+        empty = _empty_rows(band.band_lo, band.band_hi, keys, B, Sq, Sk, device)
+    else:
+        try:
+            empty = _empty_rows_by_tiles(mask, B, Sq, Sk, q_offset, k_offset, device)
+        except ValueError:
+            # a traced function's capture index that the bounds analysis cannot prove
+            # in range (it ignores correlations): transformers' mask decides
+            return None
+    return StructuredMask(mask, q_offset, k_offset, (B, 1, Sq, Sk), empty)
 
 
 def _as_int(x) -> Optional[int]:
@@ -377,10 +481,12 @@ def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     [B, 1, Sq, Sk] (True = attend), never None.
 
     The structure is never skipped (never None); ``allow_is_causal_skip`` and
-    ``allow_is_bidirectional_skip`` both False is read as a request for the tensor
-    itself (transformers' convention for callers that edit the mask), answered with
-    the dense mask unless the mask has packed-sequence Documents (transformers turns
-    the skip off for those too).  ``local_size`` only reaches the dense fallback.
+    ``allow_is_bidirectional_skip`` both False for one of transformers' layer masks as
+    it is (causal, sliding, chunked, bidirectional) is read as a request for the tensor
+    itself (transformers' convention for callers that edit the mask), answered with the
+    dense mask; with an or/and mask function, packed sequences or ``block_sequence_ids``
+    on top (transformers turns the skip off for those) the mask stays structure.
+    ``local_size`` only reaches the dense fallback.
     """
     from transformers import masking_utils as mu
     from transformers.utils.import_utils import is_tracing
@@ -389,16 +495,19 @@ def anyattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         return attention_mask           # prepared before (generate), as a 4-D mask would be
     if mask_function is None:
         mask_function = mu.causal_mask_function
-    # Both skips off: the caller wants the tensor itself (Falcon adds ALiBi onto it,
-    # T5Gemma 2 concatenates two, Longformer slices it), or transformers turned the skip
-    # off for a packed batch (structure: Documents) or for decoding with a static cache.
-    materialize = not allow_is_causal_skip and not allow_is_bidirectional_skip
-    if not is_tracing(attention_mask):
+    # Both skips off for one of transformers' layer masks as it is: the caller wants the
+    # tensor itself (Falcon adds ALiBi onto it, T5Gemma 2 concatenates two, Longformer
+    # slices it), or transformers turned the skip off for decoding with a static cache.
+    # Where an or/and mask function, packed sequences or block_sequence_ids were added,
+    # transformers turned the skip off for those: the mask stays structure.
+    materialize = (not allow_is_causal_skip and not allow_is_bidirectional_skip
+                   and _is_base(mask_function))
+    if not is_tracing(attention_mask) and not materialize:
         qo, ko = _as_int(q_offset), _as_int(kv_offset)
         if qo is not None and ko is not None:
             built = _structure(batch_size, q_length, kv_length, qo, ko, mask_function,
                                attention_mask, device)
-            if built is not None and (not materialize or _has_documents(built.mask)):
+            if built is not None:
                 return built
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
