@@ -60,6 +60,7 @@ from .. import settings
 from . import blas_threads
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
+from ..programs.builtin_forms import Alibi, Softcap, match_builtin
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -557,6 +558,28 @@ def _modifiers_of(p) -> List[_Modifier]:
     return [m for name, m in MODIFIER_STEPS.items() if name in used]
 
 
+def _as_builtin(p, mods):
+    """(p, mods) with a score function that spells softcap or ALiBi exactly
+    (:func:`anyattn.programs.builtin_forms.match_builtin`) turned into that built-in, so
+    that it runs the built-in's tile code (base 2, bounded forward); otherwise as given.
+    Not where a softcap is already set (the function would apply after it) or where
+    the backward wants the slopes' gradient (the built-in's slopes have none)."""
+    sm = p.score_mod
+    if sm is None:
+        return p, mods
+    form = match_builtin(sm.program, sm.sizes)
+    if isinstance(form, Softcap) and p.softcap is None:
+        return replace(p, score_mod=None, softcap=form.cap), mods
+    if (isinstance(form, Alibi) and not p.has_alibi and form.fits(alibi_diag(p))
+            and form.capture not in p.capture_wrt):
+        slopes = sm.arrays[form.capture]
+        shape = (p.batch, p.heads_q) if form.per_batch else (1, p.heads_q)
+        return (replace(p, score_mod=None, wrt=p.wrt - {form.capture}, alibi_shape=shape,
+                        alibi_dtype=str(slopes.dtype)),
+                replace(mods, alibi_slopes=slopes.reshape(shape)))
+    return p, mods
+
+
 def _draw(p) -> DropoutDraw:
     """The call's dropout: column words and threshold."""
     return DropoutDraw(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, p.seq_q, p.seq_k)
@@ -700,6 +723,7 @@ class NumpyBackend(Backend):
         Dropout (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`): column words once
         per call, row words once per unit, keep tiles drawn per tile in the kernels;
         the statistics stay those of the undropped softmax."""
+        p, mods = _as_builtin(p, mods)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
@@ -780,6 +804,7 @@ class NumpyBackend(Backend):
         that the units compute anyway, reduced in float64.  Dropout: the kernels redraw
         each tile's keep mask (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`), the
         dout weights carry 1/(1 - p), δ = <dout, out> of the dropped out as given."""
+        p, mods = _as_builtin(p, mods)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))

@@ -1,0 +1,134 @@
+"""Score functions that spell a built-in modifier exactly, recognised on their graph.
+
+A backend may run such a function as the built-in (its tile code, units and bounds)
+instead of evaluating the graph per tile.  The match is structural and exact: only the
+forms below, with nothing around them, are recognised; anything else (another
+constant, an extra term, a different index expression) stays a function.
+
+* **softcap** ``c * tanh(score / c)`` (either factor order of ``*``; ``np.tanh``,
+  ``torch.tanh`` or ``anyattn.math.tanh``) with one float constant ``c``, finite and
+  > 0: the built-in ``softcap=c``.
+* **ALiBi** ``score - slopes[h] * abs(d)`` (either factor order) where ``slopes`` is a
+  float capture of shape [Hq] read at ``h``, or [B, Hq] read at ``(b, h)``, and ``d``
+  is ``q_idx - kv_idx + K`` or its negation, spelled with integer ``+``, ``-`` and
+  constants in any grouping (``K`` an integer, 0 included): the built-in
+  ``alibi_slopes=slopes``, whose distance is ``|i - j + diag|`` with
+  ``diag = Sk - Sq + q_offset - k_offset``.  The function's indices are local, so the
+  match holds only where ``K`` equals that ``diag`` (:meth:`Alibi.fits`).
+
+The built-in computes the same values up to the rounding of its own operation order
+(softcap: ``scale / c`` on the queries; ALiBi: the product in float64, rebased per row),
+well inside the float64-oracle tolerance of the compute dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+from .graph import FLOAT, INT, Node
+
+__all__ = ["Softcap", "Alibi", "match_builtin"]
+
+
+@dataclass(frozen=True)
+class Softcap:
+    """The function is ``c * tanh(score / c)``."""
+
+    cap: float
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """The function is ``score - slopes[(b,) h] * |q_idx - kv_idx + offset|``;
+    ``capture``: the slopes' name, ``per_batch``: indexed by (b, h) (shape [B, Hq])."""
+
+    capture: str
+    offset: int
+    per_batch: bool
+
+    def fits(self, diag: int) -> bool:
+        """The built-in's distance ``|i - j + diag|`` is this function's."""
+        return self.offset == diag
+
+
+def _is_input(n: Node, name: str) -> bool:
+    return n.op == "input" and n.attr == name
+
+
+def _softcap(out: Node) -> Optional[Softcap]:
+    if out.op != "mul":
+        return None
+    for c, t in (out.args, out.args[::-1]):
+        if (c.op == "const" and c.dtype == FLOAT and t.op == "tanh"
+                and t.args[0].op == "div" and _is_input(t.args[0].args[0], "score")
+                and t.args[0].args[1] is c):
+            cap = c.attr
+            if math.isfinite(cap) and cap > 0:
+                return Softcap(cap)
+    return None
+
+
+def _linear(n: Node, depth: int = 0) -> Optional[Dict[str, int]]:
+    """An integer expression of q_idx, kv_idx and constants built with +, - and unary
+    minus -> its coefficients {'q_idx': a, 'kv_idx': c, '1': k}; None otherwise."""
+    if depth > 16 or n.dtype != INT:
+        return None
+    if n.op == "const":
+        return {"1": int(n.attr)}
+    if n.op == "input" and n.attr in ("q_idx", "kv_idx"):
+        return {n.attr: 1}
+    if n.op == "neg":
+        a = _linear(n.args[0], depth + 1)
+        return None if a is None else {k: -v for k, v in a.items()}
+    if n.op in ("add", "sub"):
+        a, b = (_linear(x, depth + 1) for x in n.args)
+        if a is None or b is None:
+            return None
+        sign = 1 if n.op == "add" else -1
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + sign * v
+        return out
+    return None
+
+
+def _alibi(out: Node, specs, sizes: Tuple[int, int, int, int]) -> Optional[Alibi]:
+    if out.op != "sub" or not _is_input(out.args[0], "score") or out.args[1].op != "mul":
+        return None
+    B, Hq = sizes[0], sizes[1]
+    for g, f in (out.args[1].args, out.args[1].args[::-1]):
+        if g.op != "gather" or g.dtype != FLOAT or f.op != "tofloat":
+            continue
+        spec = specs.get(g.attr)
+        if spec is None:
+            continue
+        if len(g.args) == 1 and _is_input(g.args[0], "h") and tuple(spec.shape) == (Hq,):
+            per_batch = False
+        elif (len(g.args) == 2 and _is_input(g.args[0], "b") and _is_input(g.args[1], "h")
+              and tuple(spec.shape) == (B, Hq)):
+            per_batch = True
+        else:
+            continue
+        a = f.args[0]
+        if a.op != "abs":
+            continue
+        lin = _linear(a.args[0])
+        if lin is None:
+            continue
+        qc, kc, k = lin.get("q_idx", 0), lin.get("kv_idx", 0), lin.get("1", 0)
+        if (qc, kc) == (1, -1):
+            return Alibi(g.attr, k, per_batch)
+        if (qc, kc) == (-1, 1):                        # |-(q - kv - k)| = |q - kv - k|
+            return Alibi(g.attr, -k, per_batch)
+    return None
+
+
+def match_builtin(program, sizes: Tuple[int, int, int, int]
+                  ) -> Union[Softcap, Alibi, None]:
+    """The built-in modifier ``program`` (a score function's
+    :class:`~anyattn.programs.bound.Program`) spells exactly for a problem of sizes
+    (B, Hq, Sq, Sk), or None."""
+    if program.kind != "score_mod":
+        return None
+    return _softcap(program.out) or _alibi(program.out, program.specs, sizes)
