@@ -1,0 +1,175 @@
+"""Score functions that spell softcap or ALiBi exactly (anyattn.programs.builtin_forms):
+recognised on their graph, run by the NumPy backend as the built-in (bitwise its
+result), near misses left as functions (and still right against the float64 reference).
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
+import math
+
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn import math as am
+from anyattn.programs.builtin_forms import Alibi, Softcap, match_builtin
+
+from helpers import assert_close
+from np_util import qkv
+
+TILES = dict(fwd_bq=32, fwd_bk=16, bwd_bq=16, bwd_bk=32)
+H = 4
+SLOPES = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
+SLOPES_B = np.stack([SLOPES, 0.5 * SLOPES])          # [B=2, Hq]
+
+
+def _form(fn, sizes=(2, H, 40, 56), **caps):
+    sm = aa.ScoreMod(fn, **caps)
+    return match_builtin(sm.program, sizes)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0), Softcap(30.0)),
+    (lambda s, b, h, i, j: np.tanh(s / 5.0) * 5.0, Softcap(5.0)),
+    (lambda s, b, h, i, j: 7.0 * am.tanh(s / 7.0), Softcap(7.0)),
+])
+def test_softcap_spellings_are_recognised(fn, want):
+    assert _form(fn) == want
+
+
+def test_softcap_with_torch_tanh_is_recognised():
+    torch = pytest.importorskip("torch")
+    assert _form(lambda s, b, h, i, j: 2.5 * torch.tanh(s / 2.5)) == Softcap(2.5)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i - j), Alibi("slopes", 0, False)),
+    (lambda s, b, h, i, j, slopes: s - abs(j - i) * slopes[h], Alibi("slopes", 0, False)),
+    (lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i - j + 16),
+     Alibi("slopes", 16, False)),
+    (lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i + 16 - j),
+     Alibi("slopes", 16, False)),
+    (lambda s, b, h, i, j, slopes: s - slopes[h] * abs(j - (i + 16)),
+     Alibi("slopes", 16, False)),
+    (lambda s, b, h, i, j, slopes: s - slopes[h] * abs(-(j - i) - 3),
+     Alibi("slopes", -3, False)),
+])
+def test_alibi_spellings_are_recognised(fn, want):
+    assert _form(fn, slopes=SLOPES) == want
+
+
+def test_alibi_per_batch_slopes_are_recognised():
+    fn = lambda s, b, h, i, j, sl: s - sl[b, h] * abs(i - j)      # noqa: E731
+    assert _form(fn, sl=SLOPES_B) == Alibi("sl", 0, True)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, i, j: 30.0 * np.tanh(s / 20.0),               # two constants
+    lambda s, b, h, i, j: -3.0 * np.tanh(s / -3.0),               # c <= 0
+    lambda s, b, h, i, j: 30.0 * np.tanh(s * (1 / 30.0)),          # not s / c
+    lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0) + 1.0,          # an extra term
+    lambda s, b, h, i, j: math.inf * np.tanh(s / math.inf),       # not finite
+    lambda s, b, h, i, j: 2.0 * np.tanh((s + 0.0) / 2.0),         # not the score itself
+])
+def test_softcap_near_misses_stay_functions(fn):
+    assert _form(fn) is None
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, i, j, slopes: s + slopes[h] * abs(i - j),      # sign
+    lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i + j),      # not a difference
+    lambda s, b, h, i, j, slopes: s - slopes[h] * abs(2 * i - j),  # a coefficient
+    lambda s, b, h, i, j, slopes: s - slopes[h] * (i - j),         # no abs
+    lambda s, b, h, i, j, slopes: s - slopes[b] * abs(i - j),      # not the head
+    lambda s, b, h, i, j, slopes: 2.0 * s - slopes[h] * abs(i - j),
+    lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i - j) * 1.0,
+    lambda s, b, h, i, j, slopes: s - slopes[h] * am.abs(1.0 * i - j),  # a float distance
+])
+def test_alibi_near_misses_stay_functions(fn):
+    assert _form(fn, slopes=SLOPES) is None
+
+
+def test_alibi_with_slopes_of_another_shape_stays_a_function():
+    fn = lambda s, b, h, i, j, sl: s - sl[h] * abs(i - j)          # noqa: E731
+    assert _form(fn, sl=np.ones(H + 1, np.float32)) is None         # [Hq + 1]
+    fn2 = lambda s, b, h, i, j, sl: s - sl[b, h] * abs(i - j)      # noqa: E731
+    assert _form(fn2, sizes=(3, H, 40, 56), sl=SLOPES_B) is None     # [2, Hq] with B = 3
+
+
+def _f64(*xs):
+    return [x.astype(np.float64) for x in xs]
+
+
+def _run(kw, q, k, v, g, wrt=("q", "k", "v"), **extra):
+    out, lse = aa.attention(q, k, v, return_lse=True, backend="numpy", **kw, **extra)
+    gr = aa.attention_backward(q, k, v, g, wrt=wrt, backend="numpy", **kw, **extra)
+    return out, lse, gr
+
+
+def _cases():
+    br = aa.Causal("bottom_right")
+    return {
+        "softcap": (dict(score_mod=lambda s, b, h, i, j: 5.0 * np.tanh(s / 5.0)),
+                    dict(softcap=5.0)),
+        "softcap_causal": (dict(score_mod=lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0),
+                                mask=br), dict(softcap=30.0, mask=br)),
+        "alibi": (dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, sl:
+                                             s - sl[h] * abs(i - j + 16), sl=SLOPES),
+                       mask=br), dict(alibi_slopes=SLOPES, mask=br)),
+        "alibi_per_batch": (dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, sl:
+                                                       s - sl[b, h] * abs(j - i - 16),
+                                                       sl=SLOPES_B)),
+                            dict(alibi_slopes=SLOPES_B)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_spelled_builtins_give_the_builtins_bits(name, dtype, np_config):
+    """The function runs as the built-in: forward, lse and gradients bitwise equal, and
+    within tolerance of the function's own float64 reference."""
+    np_config(threads=2, **TILES)
+    fn_kw, bi_kw = _cases()[name]
+    q, k, v, g = qkv(11, 2, H, 2, 40, 56, 16, dtype)
+    fo, fl, fg = _run(fn_kw, q, k, v, g)
+    bo, bl, bg = _run(bi_kw, q, k, v, g)
+    np.testing.assert_array_equal(fo, bo)
+    np.testing.assert_array_equal(fl, bl)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(fg, n), getattr(bg, n), err_msg=n)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", **fn_kw)
+    rg = aa.attention_backward(*_f64(q, k, v, g), backend="reference", **fn_kw)
+    assert_close(fo, ro, dtype, f"{name} out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(fg, n), getattr(rg, n), dtype, f"{name} {n}")
+
+
+def test_alibi_function_with_the_slopes_gradient_and_offsets(np_config):
+    """The slopes' gradient keeps the function's backward; q_offset moves the built-in's
+    diagonal, not the function's local indices (no match there): both right."""
+    np_config(threads=2, **TILES)
+    q, k, v, g = qkv(12, 1, H, 2, 40, 56, 16, "float32")
+    sm = aa.ScoreMod(lambda s, b, h, i, j, sl: s - sl[h] * abs(i - j + 16), sl=SLOPES)
+    for extra, wrt in (({}, ("q", "k", "v", "sl")),
+                       (dict(q_offset=5), ("q", "k", "v")),
+                       (dict(q_offset=5), ("q", "k", "v", "sl"))):
+        fo, _, fg = _run(dict(score_mod=sm), q, k, v, g, wrt, **extra)
+        ro = aa.attention(*_f64(q, k, v), backend="reference", score_mod=sm, **extra)
+        rg = aa.attention_backward(*_f64(q, k, v, g), wrt=wrt, backend="reference",
+                                   score_mod=sm, **extra)
+        assert_close(fo, ro, "float32", f"out {extra}")
+        for n in ("dq", "dk", "dv"):
+            assert_close(getattr(fg, n), getattr(rg, n), "float32", f"{n} {extra}")
+        if "sl" in wrt:
+            assert_close(fg.dcaptures["sl"], rg.dcaptures["sl"], "float32", f"dsl {extra}")
+
+
+def test_a_softcap_function_on_top_of_softcap_stays_a_function(np_config):
+    """softcap= then the function (two caps): not folded into one built-in."""
+    np_config(**TILES)
+    q, k, v, g = qkv(13, 1, H, H, 40, 40, 16, "float32")
+    kw = dict(softcap=3.0, score_mod=lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0))
+    fo, _, fg = _run(kw, q, k, v, g)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", **kw)
+    rg = aa.attention_backward(*_f64(q, k, v, g), backend="reference", **kw)
+    assert_close(fo, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(fg, n), getattr(rg, n), "float32", n)
