@@ -10,7 +10,7 @@ import pytest
 
 import anyattn as aa
 from anyattn import math as am
-from anyattn.programs.builtin_forms import Alibi, Softcap, match_builtin
+from anyattn.programs.builtin_forms import Alibi, Softcap, band_where, match_builtin
 
 from helpers import assert_close
 from np_util import qkv
@@ -173,3 +173,58 @@ def test_a_softcap_function_on_top_of_softcap_stays_a_function(np_config):
     assert_close(fo, ro, "float32", "out")
     for n in ("dq", "dk", "dv"):
         assert_close(getattr(fg, n), getattr(rg, n), "float32", n)
+
+
+def _split(fn, **caps):
+    return band_where(aa.ScoreMod(fn, **caps).program)
+
+
+def test_where_band_minus_inf_splits_into_the_band_and_the_function():
+    fn = lambda s, b, h, i, j, t: am.where(j <= i + 16, s * t[h], -math.inf)   # noqa: E731
+    bands, rest = _split(fn, t=SLOPES)
+    assert bands == [(None, 16)]
+    assert rest.out.op == "mul"
+    fn2 = lambda s, b, h, i, j: am.where((j <= i) & (abs(i - j) <= 8), s, -math.inf)  # noqa
+    bands, rest = _split(fn2)
+    assert sorted(bands, key=str) == sorted([(None, 0), (-8, 8)], key=str)
+    assert rest.out.op == "input"
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, i, j: am.where(j <= i, s, 0.0),                     # not -inf
+    lambda s, b, h, i, j: am.where(j <= i, -math.inf, s),                # branches swapped
+    lambda s, b, h, i, j: am.where(j % 2 == 0, s, -math.inf),            # not a band
+    lambda s, b, h, i, j: am.where((j <= i) & (j % 2 == 0), s, -math.inf),  # partly
+    lambda s, b, h, i, j: am.where(s > 0, s, -math.inf),                 # reads the score
+])
+def test_where_near_misses_stay_functions(fn):
+    assert _split(fn) is None
+
+
+def test_a_where_band_function_skips_the_bands_empty_tiles(np_config):
+    """where(kv <= q + (Sk - Sq), s·t[h], -inf) runs as Causal('bottom_right') with the
+    function s·t[h]: the same bits, and the tiles above the diagonal are skipped."""
+    be = np_config(threads=2, **TILES)
+    q, k, v, g = qkv(14, 2, H, 2, 40, 56, 16, "float32")
+    t = (1.0 + 0.2 * np.random.default_rng(3).standard_normal(H)).astype(np.float32)
+    fn = aa.ScoreMod(lambda s, b, h, i, j, t: am.where(j <= i + 16, s * t[h], -math.inf), t=t)
+    spelled = dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s * t[h], t=t),
+                   mask=aa.Causal("bottom_right"))
+    wrt = ("q", "k", "v", "t")
+    fo, fl, fg = _run(dict(score_mod=fn), q, k, v, g, wrt)
+    so, sl, sg = _run(spelled, q, k, v, g, wrt)
+    np.testing.assert_array_equal(fo, so)
+    np.testing.assert_array_equal(fl, sl)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(fg, n), getattr(sg, n), err_msg=n)
+    np.testing.assert_array_equal(fg.dcaptures["t"], sg.dcaptures["t"])
+    aa.attention(q, k, v, backend="numpy", score_mod=fn)
+    assert be.last_counts["forward"].skipped > 0
+    aa.attention_backward(q, k, v, g, wrt=wrt, backend="numpy", score_mod=fn)
+    assert be.last_counts["backward"].skipped > 0
+    ro = aa.attention(*_f64(q, k, v), backend="reference", score_mod=fn)
+    rg = aa.attention_backward(*_f64(q, k, v, g), wrt=wrt, backend="reference", score_mod=fn)
+    assert_close(fo, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(fg, n), getattr(rg, n), "float32", n)
+    assert_close(fg.dcaptures["t"], rg.dcaptures["t"], "float32", "dt")

@@ -60,7 +60,7 @@ from .. import settings
 from . import blas_threads
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
-from ..programs.builtin_forms import Alibi, Softcap, match_builtin
+from ..programs.builtin_forms import Alibi, Softcap, band_where, match_builtin
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -559,14 +559,26 @@ def _modifiers_of(p) -> List[_Modifier]:
 
 
 def _as_builtin(p, mods):
-    """(p, mods) with a score function that spells softcap or ALiBi exactly
-    (:func:`anyattn.programs.builtin_forms.match_builtin`) turned into that built-in, so
-    that it runs the built-in's tile code (base 2, bounded forward); otherwise as given.
-    Not where a softcap is already set (the function would apply after it) or where
-    the backward wants the slopes' gradient (the built-in's slopes have none)."""
+    """(p, mods) with the built-in parts of a score function taken out of it
+    (:mod:`anyattn.programs.builtin_forms`): ``where(band, x, -inf)`` becomes the band
+    mask term (its empty tiles skipped) and the function ``x``; a function that spells
+    softcap or ALiBi exactly becomes that built-in, so that it runs the built-in's tile
+    code (base 2, bounded forward).  Not where a softcap is already set (the function
+    would apply after it) or where the backward wants the slopes' gradient (the
+    built-in's slopes have none).  Otherwise (p, mods) as given."""
     sm = p.score_mod
     if sm is None:
         return p, mods
+    split = band_where(sm.program)
+    if split is not None:
+        bands, rest = split
+        lo, hi = p.mask.band_lo, p.mask.band_hi
+        for blo, bhi in bands:
+            lo = blo if lo is None else (lo if blo is None else max(lo, blo))
+            hi = bhi if hi is None else (hi if bhi is None else min(hi, bhi))
+        sm = rest.bind(sm.arrays, sm.sizes)
+        p = replace(p, score_mod=sm,
+                    mask=replace(p.mask, band_lo=lo, band_hi=hi, _tile_maps={}))
     form = match_builtin(sm.program, sm.sizes)
     if isinstance(form, Softcap) and p.softcap is None:
         return replace(p, score_mod=None, softcap=form.cap), mods

@@ -19,16 +19,29 @@ constant, an extra term, a different index expression) stays a function.
 The built-in computes the same values up to the rounding of its own operation order
 (softcap: ``scale / c`` on the queries; ALiBi: the product in float64, rebased per row),
 well inside the float64-oracle tolerance of the compute dtype.
+
+A score function ``where(c, x, -inf)`` whose condition ``c`` is a band or a conjunction
+of bands (``kv_idx <= q_idx + K``, ``abs(q_idx - kv_idx) <= w``, ...; see
+:mod:`.bands`) is the band mask term and the score function ``x``
+(:func:`band_where`): a score of -inf and an excluded pair both give P = 0 (a row with
+none left is an empty row either way), and the derivatives of ``where`` are 0 on the
+excluded pairs, where dS is 0 anyway.  As a mask term the band's empty tiles are
+skipped; inside the function every tile is computed.
 """
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
+from .bands import split_bands
+from .bound import Program
 from .graph import FLOAT, INT, Node
+from .trace import Traced
 
-__all__ = ["Softcap", "Alibi", "match_builtin"]
+__all__ = ["Softcap", "Alibi", "match_builtin", "band_where"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +145,31 @@ def match_builtin(program, sizes: Tuple[int, int, int, int]
     if program.kind != "score_mod":
         return None
     return _softcap(program.out) or _alibi(program.out, program.specs, sizes)
+
+
+Band = Tuple[Optional[int], Optional[int]]
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SPLITS_LOCK = threading.Lock()
+
+
+def band_where(program) -> Optional[Tuple[List[Band], object]]:
+    """A score function ``where(c, x, -inf)`` with ``c`` a conjunction of bands ->
+    (the bands ``lo <= kv_idx - q_idx <= hi`` on local indices, the
+    :class:`~anyattn.programs.bound.Program` of ``x``); None for any other function.
+    Made once per program."""
+    if program.kind != "score_mod":
+        return None
+    with _SPLITS_LOCK:
+        if program in _SPLITS:
+            return _SPLITS[program]
+    out, hit = program.out, None
+    if (out.op == "where" and out.args[2].op == "const"
+            and out.args[2].attr == -math.inf):
+        bands, rest = split_bands(out.args[0])
+        if bands and not rest:
+            x = Program(Traced(program.kind, program.name, out.args[1], program.bld,
+                               program.specs, {}))
+            hit = (bands, x)
+    with _SPLITS_LOCK:
+        _SPLITS[program] = hit
+    return hit
