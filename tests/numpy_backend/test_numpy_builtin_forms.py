@@ -228,3 +228,17 @@ def test_a_where_band_function_skips_the_bands_empty_tiles(np_config):
     for n in ("dq", "dk", "dv"):
         assert_close(getattr(fg, n), getattr(rg, n), "float32", n)
     assert_close(fg.dcaptures["t"], rg.dcaptures["t"], "float32", "dt")
+
+
+def test_scatter_add_at_scalar_indices_sums_in_float64():
+    """A capture read at (b, h) only: the tile's contributions go to one element."""
+    from anyattn.programs.bound import scatter_add
+    rng = np.random.default_rng(5)
+    vals = rng.standard_normal((33, 17)).astype(np.float32)
+    dst = np.zeros((2, H))
+    scatter_add(dst, [np.int64(1), np.int32(3)], vals)
+    want = np.zeros((2, H))
+    want[1, 3] = vals.astype(np.float64).sum()
+    np.testing.assert_allclose(dst, want, rtol=1e-12)
+    scatter_add(dst, [np.int64(0), np.int64(2)], vals[:, :1])      # broadcast [33, 1]
+    assert dst[0, 2] == pytest.approx(vals[:, 0].astype(np.float64).sum(), rel=1e-12)

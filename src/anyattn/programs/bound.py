@@ -165,7 +165,8 @@ def dense_grids(sizes, uses, i0, i1, j0, j1) -> Dict[str, np.ndarray]:
 def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) -> None:
     """dst (float64, a capture's shape) += vals summed at the indices ``idx`` (one
     array per axis, broadcast with vals): np.bincount over the span of flat indices the
-    tile reaches, a fixed sequential order."""
+    tile reaches, a fixed sequential order; where every index is a scalar, one float64
+    sum of vals (NumPy's pairwise order, fixed by the tile's shape)."""
     vals = np.asarray(vals)
     if dst.ndim == 0:
         dst[()] += float(np.sum(vals, dtype=np.float64))
@@ -174,6 +175,10 @@ def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) ->
     if 0 in shape:
         return
     arrays = [ax for ax, i in enumerate(idx) if np.ndim(i) > 0]
+    if not arrays:                    # one element of dst (a capture read at b, h)
+        dst[tuple(int(i) for i in idx)] += float(np.sum(np.broadcast_to(vals, shape),
+                                                        dtype=np.float64))
+        return
     if len(arrays) == 1:              # the other axes fixed: a 1-D view of dst
         ax = arrays[0]
         out = dst[tuple(slice(None) if a == ax else int(i) for a, i in enumerate(idx))]
