@@ -242,3 +242,58 @@ def test_scatter_add_at_scalar_indices_sums_in_float64():
     np.testing.assert_allclose(dst, want, rtol=1e-12)
     scatter_add(dst, [np.int64(0), np.int64(2)], vals[:, :1])      # broadcast [33, 1]
     assert dst[0, 2] == pytest.approx(vals[:, 0].astype(np.float64).sum(), rel=1e-12)
+
+
+@pytest.mark.parametrize("fn, diagonal", [
+    (lambda s, b, h, i, j, t: s - t[h, 0] * abs(i - j), True),
+    (lambda s, b, h, i, j, t: s + t[h, i - j + 55], True),
+    (lambda s, b, h, i, j, t: am.where((i - j) % 3 == 0, s, s * t[h, (j - i) // 2 + 40]),
+     True),
+    (lambda s, b, h, i, j, t: am.where(j <= i + 3, s, 0.0), True),
+    (lambda s, b, h, i, j, t: s + t[h, i // 2 - j // 2 + 40], False),   # not of i - j
+    (lambda s, b, h, i, j, t: s * t[h, i % 7], False),
+])
+def test_diagonal_subexpressions_give_the_per_pair_values(fn, diagonal, np_config):
+    """The score function with its diagonal nodes as Toeplitz views equals the per-pair
+    evaluation bit for bit (value and derivatives), on tiles of every position (Sq != Sk)."""
+    from anyattn.programs.bound import ScoreTiles
+    from anyattn.programs.evaluate import evaluate
+    from anyattn.programs.graph import ordered
+    rng = np.random.default_rng(4)
+    sm = aa.ScoreMod(fn, t=rng.standard_normal((H, 96)).astype(np.float32))
+    bound = sm.bind((2, H, 40, 56))
+    tiles = ScoreTiles(bound, np.dtype(np.float32), wrt=frozenset({"t"}))
+    assert bool(tiles.grad_diag) == diagonal
+    for (i0, i1, j0, j1) in ((0, 40, 0, 56), (5, 17, 30, 56), (32, 40, 0, 9)):
+        st = rng.standard_normal((j1 - j0, i1 - i0)).astype(np.float32)
+        env = {"score": st.copy(), "b": 1, "h": 2,
+               "q_idx": np.arange(i0, i1)[None, :], "kv_idx": np.arange(j0, j1)[:, None]}
+        memo = {}
+        want = evaluate(tiles.outs, env, tiles.caps, np.dtype(np.float32), memo)
+        got_st = st.copy()
+        dsc, gath = tiles.apply_grad_t(got_st, 1, 2, i0, i1, j0, j1)
+        np.testing.assert_array_equal(got_st, np.broadcast_to(want[0], st.shape))
+        if dsc is not None:
+            np.testing.assert_array_equal(np.broadcast_to(dsc, st.shape),
+                                          np.broadcast_to(want[1], st.shape))
+        for (name, idx, dg), (g, _), w in zip(gath, tiles.dgathers, want[2:]):
+            np.testing.assert_array_equal(np.broadcast_to(dg, st.shape),
+                                          np.broadcast_to(w, st.shape))
+            for a, x in zip(g.args, idx):
+                np.testing.assert_array_equal(np.broadcast_to(x, st.shape),
+                                              np.broadcast_to(memo[a.uid], st.shape))
+        got = st.copy()
+        tiles.apply_t(got, 1, 2, i0, i1, j0, j1)
+        np.testing.assert_array_equal(got, np.broadcast_to(want[0], st.shape))
+
+
+def test_diagonal_mask_functions_give_the_per_pair_keep():
+    from anyattn.programs.evaluate import evaluate
+    mm = aa.MaskMod(lambda b, h, i, j: ((i - j) % 3 == 0) & ((i - j) // 3 <= 6))
+    bound = mm._bound_function(1, H, 40, 56, 0, 0)
+    assert bound._diagonal
+    for (i0, i1, j0, j1) in ((0, 40, 0, 56), (5, 17, 30, 56), (32, 40, 0, 9)):
+        env = {"b": 0, "h": 0, "q_idx": np.arange(i0, i1)[None, :],
+               "kv_idx": np.arange(j0, j1)[:, None]}
+        want, = evaluate([bound.program.out], env, {}, np.dtype(np.float64))
+        np.testing.assert_array_equal(bound.keep_t(0, 0, i0, i1, j0, j1), want)

@@ -22,6 +22,7 @@ import numpy as np
 from ..arrays import to_numpy
 from .bounds import check_gathers, index_dtype
 from .derive import derivatives
+from .diagonal import diagonal_nodes, diagonal_values
 from .evaluate import cast_captures, evaluate, use_counts
 from .graph import FLOAT, Node, ordered, structural_key
 from .trace import CaptureSpec, Traced
@@ -89,6 +90,9 @@ class BoundProgram:
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
         self._order = ordered([program.out])
+        #: the output depends on the indices through q_idx - kv_idx only: tiles are
+        #: evaluated once per diagonal (:mod:`.diagonal`)
+        self._diagonal = program.out.uid in diagonal_nodes(self._order)
 
     def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
         dt = np.dtype(dt)
@@ -111,6 +115,10 @@ class BoundProgram:
     def keep_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """A mask function on a transposed tile: bool [nj, ni] (evaluated in float64,
         as the reference does)."""
+        if self._diagonal:
+            out = self.program.out
+            return diagonal_values([out], b, h, self.caps(np.float64), np.dtype(np.float64),
+                                   i0, i1, j0, j1)[out.uid]
         it = self.idt.type
         env = {"b": it(b), "h": it(h), "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
                "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
@@ -208,14 +216,42 @@ class ScoreTiles:
         self.idt = bound.idt
         self.out = self.prog.out
         self.wrt = wrt
-        self.order = ordered([self.out])
+        self.diag, self.order = self._split([self.out], ())
         self.uses = use_counts(self.order)
         if wrt is not None:
             self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
             self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
             self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
-            self.grad_order = ordered(self.outs)
+            self.grad_diag, self.grad_order = self._split(
+                self.outs, [a for g, _ in self.dgathers for a in g.args])
             self.grad_uses = use_counts(self.grad_order)
+
+    @staticmethod
+    def _split(outs, read_back) -> Tuple[List[Node], List[Node]]:
+        """(the diagonal nodes (:mod:`.diagonal`) the tile evaluation takes as Toeplitz
+        views: those a non-diagonal node, an output or a read-back gather index reads;
+        the nodes left to evaluate per pair, arguments first)."""
+        order = ordered(outs)
+        diag = diagonal_nodes(order)
+        views = {u for n in order if n.uid not in diag for a in n.args
+                 if (u := a.uid) in diag}
+        views |= {n.uid for n in list(outs) + list(read_back) if n.uid in diag}
+        need, stack = set(), list(outs) + list(read_back)
+        while stack:                          # what the pairs need, views as leaves
+            n = stack.pop()
+            if n.uid in need:
+                continue
+            need.add(n.uid)
+            if n.uid not in views:
+                stack.extend(n.args)
+        return ([n for n in order if n.uid in views],
+                [n for n in order if n.uid in need])
+
+    def _memo(self, nodes, b, h, i0, i1, j0, j1) -> Dict[int, Any]:
+        """Toeplitz views of the diagonal ``nodes`` on this tile (:mod:`.diagonal`)."""
+        if not nodes:
+            return {}
+        return diagonal_values(nodes, b, h, self.caps, self.dt, i0, i1, j0, j1)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
         it = self.idt.type
@@ -227,7 +263,8 @@ class ScoreTiles:
                 j1: int) -> None:
         """st = score_mod(st) in place."""
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                      order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
+                      self._memo(self.diag, b, h, i0, i1, j0, j1), order=self.order,
+                      uses=self.uses, reuse=("score",), idt=self.idt)
         if r is not st:
             np.copyto(st, r)
 
@@ -235,7 +272,7 @@ class ScoreTiles:
                      j1: int):
         """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
-        memo: Dict[int, Any] = {}
+        memo = self._memo(self.grad_diag, b, h, i0, i1, j0, j1)
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
                         memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
                         idt=self.idt)
