@@ -118,7 +118,7 @@ class BoundProgram:
         if self._diagonal:
             out = self.program.out
             return diagonal_values([out], b, h, self.caps(np.float64), np.dtype(np.float64),
-                                   i0, i1, j0, j1)[out.uid]
+                                   i0, i1, j0, j1, self._order)[out.uid]
         it = self.idt.type
         env = {"b": it(b), "h": it(h), "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
                "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
@@ -217,6 +217,7 @@ class ScoreTiles:
         self.out = self.prog.out
         self.wrt = wrt
         self.diag, self.order = self._split([self.out], ())
+        self.diag_order = ordered(self.diag)
         self.uses = use_counts(self.order)
         if wrt is not None:
             self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
@@ -224,6 +225,7 @@ class ScoreTiles:
             self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
             self.grad_diag, self.grad_order = self._split(
                 self.outs, [a for g, _ in self.dgathers for a in g.args])
+            self.grad_diag_order = ordered(self.grad_diag)
             self.grad_uses = use_counts(self.grad_order)
 
     @staticmethod
@@ -247,11 +249,11 @@ class ScoreTiles:
         return ([n for n in order if n.uid in views],
                 [n for n in order if n.uid in need])
 
-    def _memo(self, nodes, b, h, i0, i1, j0, j1) -> Dict[int, Any]:
+    def _memo(self, nodes, order, b, h, i0, i1, j0, j1) -> Dict[int, Any]:
         """Toeplitz views of the diagonal ``nodes`` on this tile (:mod:`.diagonal`)."""
         if not nodes:
             return {}
-        return diagonal_values(nodes, b, h, self.caps, self.dt, i0, i1, j0, j1)
+        return diagonal_values(nodes, b, h, self.caps, self.dt, i0, i1, j0, j1, order)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
         it = self.idt.type
@@ -262,9 +264,9 @@ class ScoreTiles:
     def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                 j1: int) -> None:
         """st = score_mod(st) in place."""
+        memo = self._memo(self.diag, self.diag_order, b, h, i0, i1, j0, j1)
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                      self._memo(self.diag, b, h, i0, i1, j0, j1), order=self.order,
-                      uses=self.uses, reuse=("score",), idt=self.idt)
+                      memo, order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
         if r is not st:
             np.copyto(st, r)
 
@@ -272,7 +274,7 @@ class ScoreTiles:
                      j1: int):
         """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
         [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
-        memo = self._memo(self.grad_diag, b, h, i0, i1, j0, j1)
+        memo = self._memo(self.grad_diag, self.grad_diag_order, b, h, i0, i1, j0, j1)
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
                         memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
                         idt=self.idt)

@@ -101,20 +101,24 @@ def diagonal_nodes(order: Sequence[Node]) -> Set[int]:
 
 
 def diagonal_values(nodes: Sequence[Node], b, h, caps: Dict[str, np.ndarray],
-                    dt: np.dtype, i0: int, i1: int, j0: int, j1: int
-                    ) -> Dict[int, np.ndarray]:
-    """{uid: [nj, ni] read-only Toeplitz view} of the diagonal ``nodes`` (in graph
-    order) on the transposed tile of queries i0..i1-1 and keys j0..j1-1: one
-    evaluation on ``u = q_idx - kv_idx`` from ``i0 - (j1 - 1)`` to ``i1 - 1 - j0``."""
+                    dt: np.dtype, i0: int, i1: int, j0: int, j1: int,
+                    order: Optional[Sequence[Node]] = None) -> Dict[int, np.ndarray]:
+    """{uid: [nj, ni] read-only Toeplitz view} of the diagonal ``nodes`` on the
+    transposed tile of queries i0..i1-1 and keys j0..j1-1: one evaluation on
+    ``u = q_idx - kv_idx`` from ``i0 - (j1 - 1)`` to ``i1 - 1 - j0``.  ``order``:
+    ``ordered(nodes)`` if the caller keeps it."""
     from .evaluate import evaluate                      # evaluate imports this module
 
-    ni = i1 - i0
+    ni, nj = i1 - i0, j1 - j0
     env = {"b": np.int64(b), "h": np.int64(h), "kv_idx": np.int64(0),
            "q_idx": np.arange(i0 - j1 + 1, i1 - j0, dtype=np.int64)}
-    vals = evaluate(list(nodes), env, caps, dt, idt=np.dtype(np.int64))
+    vals = evaluate(list(nodes), env, caps, dt, order=order, idt=np.dtype(np.int64))
     out = {}
     for n, f in zip(nodes, vals):
-        f = np.asarray(f)
-        # row r of the window view is f[r : r + ni]; key j0 + jj needs row nj - 1 - jj
-        out[n.uid] = np.lib.stride_tricks.sliding_window_view(f, ni)[::-1]
+        f = np.ascontiguousarray(f)                     # [ni + nj - 1]
+        s = f.strides[0]
+        # [jj, ii] = f[ii + nj - 1 - jj]: u = (i0 + ii) - (j0 + jj)
+        v = np.ndarray((nj, ni), f.dtype, buffer=f, offset=(nj - 1) * s, strides=(-s, s))
+        v.flags.writeable = False
+        out[n.uid] = v
     return out
