@@ -10,6 +10,11 @@ evaluates densely and the NumPy backend per tile:
   in the backward, returns its derivatives and scatters capture gradients;
 * :meth:`BoundProgram.keep_t` evaluates a mask function on a tile; :func:`mask_tile_parts`
   classifies every tile (any / all kept), chunked and cached by content.
+
+On tiles, the subexpressions that read the indices through ``q_idx - kv_idx`` only
+(a relative position, ALiBi's distance, a dilated mask) are evaluated once per tile
+diagonal and read as Toeplitz views (:mod:`.diagonal`): the same values, computed on
+``ni + nj - 1`` points instead of ``ni·nj``.
 """
 from __future__ import annotations
 
