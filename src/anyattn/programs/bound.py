@@ -277,20 +277,28 @@ class ScoreTiles:
 
     def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                      j1: int):
-        """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
-        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
+        """s' = score_mod(st) -> (s', d s'/d s or None where it is 1,
+        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st.  s' is st
+        itself, overwritten, unless a derivative is the score (d(s·t)/dt = s): then st
+        keeps the score and s' is a new array of st's shape, dtype and layout."""
         memo = self._memo(self.grad_diag, self.grad_diag_order, b, h, i0, i1, j0, j1)
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
                         memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
                         idt=self.idt)
-        # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
-        # s' into st below
-        vals = [v.copy() if v is st else v for v in vals]
+        out = vals[0]
+        if (any(v is st for v in vals[1:]) and isinstance(out, np.ndarray)
+                and out is not st and out.shape == st.shape and out.dtype == st.dtype
+                and out.flags.c_contiguous and out.flags.writeable
+                and not any(v is out for v in vals[1:])):
+            new = out                                   # st stays the score
+        else:
+            vals = [v.copy() if v is st else v for v in vals]
+            np.copyto(st, out)
+            new = st
         gath = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
                 for i, (g, _) in enumerate(self.dgathers)]
         dsc = None if self.unit_dscore else vals[1]
-        np.copyto(st, vals[0])
-        return dsc, gath
+        return new, dsc, gath
 
 
 def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
