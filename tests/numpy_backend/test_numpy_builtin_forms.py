@@ -10,7 +10,7 @@ import pytest
 
 import anyattn as aa
 from anyattn import math as am
-from anyattn.programs.builtin_forms import Alibi, Softcap, band_where, match_builtin
+from anyattn.programs.builtin_forms import Alibi, Scale, Softcap, band_where, match_builtin
 
 from helpers import assert_close
 from np_util import qkv
@@ -297,3 +297,58 @@ def test_diagonal_mask_functions_give_the_per_pair_keep():
                "kv_idx": np.arange(j0, j1)[:, None]}
         want, = evaluate([bound.program.out], env, {}, np.dtype(np.float64))
         np.testing.assert_array_equal(bound.keep_t(0, 0, i0, i1, j0, j1), want)
+
+
+@pytest.mark.parametrize("fn, caps, want", [
+    (lambda s, b, h, i, j, t: s * t[h], dict(t=SLOPES), Scale("t", False)),
+    (lambda s, b, h, i, j, t: t[h] * s, dict(t=SLOPES), Scale("t", False)),
+    (lambda s, b, h, i, j, t: s * t[b, h], dict(t=SLOPES_B), Scale("t", True)),
+    (lambda s, b, h, i, j: s * 0.5, {}, Scale(None, False, 0.5)),
+    (lambda s, b, h, i, j, t: s * t[b], dict(t=SLOPES), None),        # not the head
+    (lambda s, b, h, i, j, t: s * t[h] + 0.0, dict(t=SLOPES), None),
+    (lambda s, b, h, i, j: s * s, {}, None),
+])
+def test_per_head_factors_are_recognised(fn, caps, want):
+    assert _form(fn, **caps) == want
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_a_per_head_factor_folds_into_the_queries_of_the_forward(per_batch, np_config):
+    """score * t[h]: the forward is the plain problem on q·t[h] (its bits), the backward
+    stays the function's; both within tolerance of the float64 reference."""
+    np_config(threads=2, **TILES)
+    q, k, v, g = qkv(15, 2, H, 2, 40, 56, 16, "float32")
+    t = SLOPES_B * 3.0 if per_batch else SLOPES * 3.0
+    fn = (lambda s, b, h, i, j, t: s * t[b, h]) if per_batch else \
+        (lambda s, b, h, i, j, t: s * t[h])
+    kw = dict(score_mod=aa.ScoreMod(fn, t=t), mask=aa.Causal("bottom_right"))
+    fo, fl = aa.attention(q, k, v, return_lse=True, backend="numpy", **kw)
+    tq = (t if per_batch else t[None])[:, :, None, None]
+    qt = q * tq.astype(np.float32)
+    bo, bl = aa.attention(qt, k, v, return_lse=True, backend="numpy",
+                          mask=aa.Causal("bottom_right"))
+    np.testing.assert_array_equal(fo, bo)
+    np.testing.assert_array_equal(fl, bl)
+    wrt = ("q", "k", "v", "t")
+    fg = aa.attention_backward(q, k, v, g, wrt=wrt, backend="numpy", **kw)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", **kw)
+    rg = aa.attention_backward(*_f64(q, k, v, g), wrt=wrt, backend="reference", **kw)
+    assert_close(fo, ro, "float32", "out")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(fg, n), getattr(rg, n), "float32", n)
+    assert_close(fg.dcaptures["t"], rg.dcaptures["t"], "float32", "dt")
+
+
+def test_a_non_finite_factor_is_not_folded():
+    from anyattn.backends.numpy_backend import _as_builtin, _fold_scale
+    from anyattn.modifiers import NO_MODS
+    from anyattn.problem import describe
+    q, k, v, _ = qkv(16, 1, H, H, 8, 8, 4, "float32")
+    for t, folded in ((SLOPES, True), (np.array([1, np.inf, 1, 1], np.float32), False),
+                      (np.array([1, np.nan, 1, 1], np.float32), False)):
+        p = describe(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s * t[h], t=t))
+        p2, _, scale = _as_builtin(p, NO_MODS)
+        assert scale == Scale("t", False)
+        p3, q3 = _fold_scale(p2, q, scale)
+        assert (p3.score_mod is None) == folded
+        assert (q3 is q) != folded

@@ -8,6 +8,10 @@ constant, an extra term, a different index expression) stays a function.
 * **softcap** ``c * tanh(score / c)`` (either factor order of ``*``; ``np.tanh``,
   ``torch.tanh`` or ``anyattn.math.tanh``) with one float constant ``c``, finite and
   > 0: the built-in ``softcap=c``.
+* **a per-head factor** ``score * t[h]`` (either order), ``t`` a float capture of shape
+  [Hq] read at ``h`` or [B, Hq] read at ``(b, h)``, or ``score * c`` with a float
+  constant ``c`` (:class:`Scale`): a forward may fold it into the queries, when every
+  factor is finite (``scale·(q·t)·k`` for ``(scale·q·k)·t``; no built-in has it).
 * **ALiBi** ``score - slopes[h] * abs(d)`` (either factor order) where ``slopes`` is a
   float capture of shape [Hq] read at ``h``, or [B, Hq] read at ``(b, h)``, and ``d``
   is ``q_idx - kv_idx + K`` or its negation, spelled with integer ``+``, ``-`` and
@@ -36,12 +40,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
+import numpy as np
+
 from .bands import split_bands
 from .bound import Program
 from .graph import FLOAT, INT, Node
 from .trace import Traced
 
-__all__ = ["Softcap", "Alibi", "match_builtin", "band_where"]
+__all__ = ["Softcap", "Alibi", "Scale", "match_builtin", "band_where"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,24 @@ class Alibi:
     def fits(self, diag: int) -> bool:
         """The built-in's distance ``|i - j + diag|`` is this function's."""
         return self.offset == diag
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The function is ``score * t[(b,) h]`` (``capture`` t, ``per_batch``: read at
+    (b, h)) or ``score * const`` (``capture`` None, ``const`` the factor)."""
+
+    capture: Optional[str]
+    per_batch: bool = False
+    const: float = 1.0
+
+    def factors(self, arrays, sizes: Tuple[int, int, int, int]):
+        """The factor of every (b, h): float64 [B or 1, Hq] (NumPy)."""
+        B, Hq = sizes[0], sizes[1]
+        if self.capture is None:
+            return np.full((1, Hq), self.const)
+        t = np.asarray(arrays[self.capture], dtype=np.float64)
+        return t.reshape((B, Hq) if self.per_batch else (1, Hq))
 
 
 def _is_input(n: Node, name: str) -> bool:
@@ -111,17 +135,8 @@ def _alibi(out: Node, specs, sizes: Tuple[int, int, int, int]) -> Optional[Alibi
         return None
     B, Hq = sizes[0], sizes[1]
     for g, f in (out.args[1].args, out.args[1].args[::-1]):
-        if g.op != "gather" or g.dtype != FLOAT or f.op != "tofloat":
-            continue
-        spec = specs.get(g.attr)
-        if spec is None:
-            continue
-        if len(g.args) == 1 and _is_input(g.args[0], "h") and tuple(spec.shape) == (Hq,):
-            per_batch = False
-        elif (len(g.args) == 2 and _is_input(g.args[0], "b") and _is_input(g.args[1], "h")
-              and tuple(spec.shape) == (B, Hq)):
-            per_batch = True
-        else:
+        per_batch = _head_gather(g, specs, B, Hq)
+        if per_batch is None or f.op != "tofloat":
             continue
         a = f.args[0]
         if a.op != "abs":
@@ -137,14 +152,43 @@ def _alibi(out: Node, specs, sizes: Tuple[int, int, int, int]) -> Optional[Alibi
     return None
 
 
+def _head_gather(g: Node, specs, B: int, Hq: int) -> Optional[bool]:
+    """``g`` reads a float capture of shape [Hq] at h (False) or [B, Hq] at (b, h)
+    (True); None otherwise."""
+    if g.op != "gather" or g.dtype != FLOAT or g.attr not in specs:
+        return None
+    shape = tuple(specs[g.attr].shape)
+    if len(g.args) == 1 and _is_input(g.args[0], "h") and shape == (Hq,):
+        return False
+    if (len(g.args) == 2 and _is_input(g.args[0], "b") and _is_input(g.args[1], "h")
+            and shape == (B, Hq)):
+        return True
+    return None
+
+
+def _scale(out: Node, specs, sizes) -> Optional[Scale]:
+    if out.op != "mul":
+        return None
+    for s, t in (out.args, out.args[::-1]):
+        if not _is_input(s, "score"):
+            continue
+        if t.op == "const" and t.dtype == FLOAT:
+            return Scale(None, False, t.attr)
+        per_batch = _head_gather(t, specs, sizes[0], sizes[1])
+        if per_batch is not None:
+            return Scale(t.attr, per_batch)
+    return None
+
+
 def match_builtin(program, sizes: Tuple[int, int, int, int]
-                  ) -> Union[Softcap, Alibi, None]:
+                  ) -> Union[Softcap, Alibi, Scale, None]:
     """The built-in modifier ``program`` (a score function's
     :class:`~anyattn.programs.bound.Program`) spells exactly for a problem of sizes
     (B, Hq, Sq, Sk), or None."""
     if program.kind != "score_mod":
         return None
-    return _softcap(program.out) or _alibi(program.out, program.specs, sizes)
+    return (_softcap(program.out) or _alibi(program.out, program.specs, sizes)
+            or _scale(program.out, program.specs, sizes))
 
 
 Band = Tuple[Optional[int], Optional[int]]
