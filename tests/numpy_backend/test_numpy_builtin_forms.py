@@ -352,3 +352,14 @@ def test_a_non_finite_factor_is_not_folded():
         p3, q3 = _fold_scale(p2, q, scale)
         assert (p3.score_mod is None) == folded
         assert (q3 is q) != folded
+
+
+def test_a_per_head_factor_after_softcap_is_not_folded(np_config):
+    """softcap= then score * t[h]: the factor applies after the cap, not inside tanh."""
+    np_config(**TILES)
+    q, k, v, g = qkv(17, 1, H, H, 40, 40, 16, "float32")
+    kw = dict(softcap=2.0, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s * t[h],
+                                                 t=SLOPES * 4.0))
+    fo = aa.attention(q, k, v, backend="numpy", **kw)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", **kw)
+    assert_close(fo, ro, "float32", "out")

@@ -566,8 +566,8 @@ def _as_builtin(p, mods):
     code (base 2, bounded forward).  Not where a softcap is already set (the function
     would apply after it) or where the backward wants the slopes' gradient (the
     built-in's slopes have none).  ``scale``: the function is ``score * t[h]`` (a
-    :class:`~anyattn.programs.builtin_forms.Scale`, p still holding it), which a forward
-    may fold into the queries (:func:`_fold_scale`); else None."""
+    :class:`~anyattn.programs.builtin_forms.Scale`, p still holding it) and there is no
+    softcap, so a forward may fold it into the queries (:func:`_fold_scale`); else None."""
     sm = p.score_mod
     if sm is None:
         return p, mods, None
@@ -591,7 +591,8 @@ def _as_builtin(p, mods):
         return (replace(p, score_mod=None, wrt=p.wrt - {form.capture}, alibi_shape=shape,
                         alibi_dtype=str(slopes.dtype)),
                 replace(mods, alibi_slopes=slopes.reshape(shape)), None)
-    return p, mods, form if isinstance(form, Scale) else None
+    # a factor after a softcap would move inside tanh if it went into the queries
+    return p, mods, form if isinstance(form, Scale) and p.softcap is None else None
 
 
 def _fold_scale(p, q: np.ndarray, scale: Optional[Scale]):
