@@ -363,3 +363,20 @@ def test_a_per_head_factor_after_softcap_is_not_folded(np_config):
     fo = aa.attention(q, k, v, backend="numpy", **kw)
     ro = aa.attention(*_f64(q, k, v), backend="reference", **kw)
     assert_close(fo, ro, "float32", "out")
+
+
+def test_a_where_band_function_with_offsets_and_a_window(np_config):
+    """The band of where(...) is on local indices (as the function's); q_offset moves
+    only the built-in Window it meets."""
+    np_config(**TILES)
+    q, k, v, g = qkv(18, 1, H, H, 40, 56, 16, "float32")
+    fn = aa.ScoreMod(lambda s, b, h, i, j: am.where(abs(i - j) <= 20, 0.5 * s, -math.inf))
+    for extra in (dict(q_offset=7), dict(q_offset=7, mask=aa.Window(left=9, right=30))):
+        fo = aa.attention(q, k, v, backend="numpy", score_mod=fn, **extra)
+        fg = aa.attention_backward(q, k, v, g, backend="numpy", score_mod=fn, **extra)
+        ro = aa.attention(*_f64(q, k, v), backend="reference", score_mod=fn, **extra)
+        rg = aa.attention_backward(*_f64(q, k, v, g), backend="reference", score_mod=fn,
+                                   **extra)
+        assert_close(fo, ro, "float32", f"out {extra}")
+        for n in ("dq", "dk", "dv"):
+            assert_close(getattr(fg, n), getattr(rg, n), "float32", f"{n} {extra}")
