@@ -258,7 +258,6 @@ def test_diagonal_subexpressions_give_the_per_pair_values(fn, diagonal, np_confi
     evaluation bit for bit (value and derivatives), on tiles of every position (Sq != Sk)."""
     from anyattn.programs.bound import ScoreTiles
     from anyattn.programs.evaluate import evaluate
-    from anyattn.programs.graph import ordered
     rng = np.random.default_rng(4)
     sm = aa.ScoreMod(fn, t=rng.standard_normal((H, 96)).astype(np.float32))
     bound = sm.bind((2, H, 40, 56))
