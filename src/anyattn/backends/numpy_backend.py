@@ -60,6 +60,7 @@ from .. import settings
 from . import blas_threads, numpy_paged
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
+from ..programs.builtin_forms import Alibi, Scale, Softcap, band_where, match_builtin
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -557,6 +558,57 @@ def _modifiers_of(p) -> List[_Modifier]:
     return [m for name, m in MODIFIER_STEPS.items() if name in used]
 
 
+def _as_builtin(p, mods):
+    """(p, mods, scale) with the built-in parts of a score function taken out of it
+    (:mod:`anyattn.programs.builtin_forms`): ``where(band, x, -inf)`` becomes the band
+    mask term (its empty tiles skipped) and the function ``x``; a function that spells
+    softcap or ALiBi exactly becomes that built-in, so that it runs the built-in's tile
+    code (base 2, bounded forward).  Not where a softcap is already set (the function
+    would apply after it) or where the backward wants the slopes' gradient (the
+    built-in's slopes have none).  ``scale``: the function is ``score * t[h]`` (a
+    :class:`~anyattn.programs.builtin_forms.Scale`, p still holding it) and there is no
+    softcap, so a forward may fold it into the queries (:func:`_fold_scale`); else None."""
+    sm = p.score_mod
+    if sm is None:
+        return p, mods, None
+    split = band_where(sm.program)
+    if split is not None:
+        bands, rest = split
+        lo, hi = p.mask.band_lo, p.mask.band_hi
+        for blo, bhi in bands:
+            lo = blo if lo is None else (lo if blo is None else max(lo, blo))
+            hi = bhi if hi is None else (hi if bhi is None else min(hi, bhi))
+        sm = rest.bind(sm.arrays, sm.sizes)
+        p = replace(p, score_mod=sm,
+                    mask=replace(p.mask, band_lo=lo, band_hi=hi, _tile_maps={}))
+    form = match_builtin(sm.program, sm.sizes)
+    if isinstance(form, Softcap) and p.softcap is None:
+        return replace(p, score_mod=None, softcap=form.cap), mods, None
+    if (isinstance(form, Alibi) and not p.has_alibi and form.fits(alibi_diag(p))
+            and form.capture not in p.capture_wrt):
+        slopes = sm.arrays[form.capture]
+        shape = (p.batch, p.heads_q) if form.per_batch else (1, p.heads_q)
+        return (replace(p, score_mod=None, wrt=p.wrt - {form.capture}, alibi_shape=shape,
+                        alibi_dtype=str(slopes.dtype)),
+                replace(mods, alibi_slopes=slopes.reshape(shape)), None)
+    # a factor after a softcap would move inside tanh if it went into the queries
+    return p, mods, form if isinstance(form, Scale) and p.softcap is None else None
+
+
+def _fold_scale(p, q: np.ndarray, scale: Optional[Scale]):
+    """A forward's (p, q) with a score function ``score * t[h]`` folded into the
+    queries, ``q·t[h]`` in the compute dtype (the scores ``scale·(q·t)·k`` then need no
+    function: base 2, bounded forward), where every factor is finite (an infinite one
+    would meet a zero score as inf·0 in the function, inside the GEMM here)."""
+    if scale is None:
+        return p, q
+    sm = p.score_mod
+    f = scale.factors(sm.arrays, sm.sizes)                        # [B or 1, Hq]
+    if not np.isfinite(f).all():
+        return p, q
+    return replace(p, score_mod=None), q * f[:, :, None, None].astype(q.dtype)
+
+
 def _draw(p) -> DropoutDraw:
     """The call's dropout: column words and threshold."""
     return DropoutDraw(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, p.seq_q, p.seq_k)
@@ -700,9 +752,11 @@ class NumpyBackend(Backend):
         Dropout (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`): column words once
         per call, row words once per unit, keep tiles drawn per tile in the kernels;
         the statistics stay those of the undropped softmax."""
+        p, mods, scale = _as_builtin(p, mods)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
+        p, q = _fold_scale(p, q, scale)
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, *cfg.tiles("fwd", p.mask), bias)
         B, Hq, Sq, Dv, G = p.batch, p.heads_q, p.seq_q, p.head_dim_v, p.group
@@ -794,6 +848,7 @@ class NumpyBackend(Backend):
         that the units compute anyway, reduced in float64.  Dropout: the kernels redraw
         each tile's keep mask (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`), the
         dout weights carry 1/(1 - p), δ = <dout, out> of the dropped out as given."""
+        p, mods, _ = _as_builtin(p, mods)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))

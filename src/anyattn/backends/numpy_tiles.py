@@ -1153,7 +1153,7 @@ def backward_keys(plan: TilePlan, b: int, hs: BackwardHeads, ka: np.ndarray, va:
                     elif smod is not None:
                         np.matmul(kt[ks], qa[:, :D].T, out=st)      # s, [nc, ni]
                     if smod is not None:                            # s' = score_mod(s)
-                        dsc, gath = smod.apply_grad_t(st, b, h, i0, i1, c0, c1)
+                        st, dsc, gath = smod.apply_grad_t(st, b, h, i0, i1, c0, c1)
                     if cap or smod is not None:
                         if not fold:
                             st += hs.cols[gi][i0:i1]                # s' - max [nc, ni]

@@ -10,6 +10,11 @@ evaluates densely and the NumPy backend per tile:
   in the backward, returns its derivatives and scatters capture gradients;
 * :meth:`BoundProgram.keep_t` evaluates a mask function on a tile; :func:`mask_tile_parts`
   classifies every tile (any / all kept), chunked and cached by content.
+
+On tiles, the subexpressions that read the indices through ``q_idx - kv_idx`` only
+(a relative position, ALiBi's distance, a dilated mask) are evaluated once per tile
+diagonal and read as Toeplitz views (:mod:`.diagonal`): the same values, computed on
+``ni + nj - 1`` points instead of ``ni·nj``.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import numpy as np
 from ..arrays import to_numpy
 from .bounds import check_gathers, index_dtype
 from .derive import derivatives
+from .diagonal import diagonal_nodes, diagonal_values
 from .evaluate import cast_captures, evaluate, use_counts
 from .graph import FLOAT, Node, ordered, structural_key
 from .trace import CaptureSpec, Traced
@@ -89,6 +95,9 @@ class BoundProgram:
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
         self._order = ordered([program.out])
+        #: the output depends on the indices through q_idx - kv_idx only: tiles are
+        #: evaluated once per diagonal (:mod:`.diagonal`)
+        self._diagonal = program.out.uid in diagonal_nodes(self._order)
 
     def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
         dt = np.dtype(dt)
@@ -111,6 +120,10 @@ class BoundProgram:
     def keep_t(self, b: int, h: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """A mask function on a transposed tile: bool [nj, ni] (evaluated in float64,
         as the reference does)."""
+        if self._diagonal:
+            out = self.program.out
+            return diagonal_values([out], b, h, self.caps(np.float64), np.dtype(np.float64),
+                                   i0, i1, j0, j1, self._order)[out.uid]
         it = self.idt.type
         env = {"b": it(b), "h": it(h), "q_idx": np.arange(i0, i1, dtype=self.idt)[None, :],
                "kv_idx": np.arange(j0, j1, dtype=self.idt)[:, None]}
@@ -165,7 +178,8 @@ def dense_grids(sizes, uses, i0, i1, j0, j1) -> Dict[str, np.ndarray]:
 def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) -> None:
     """dst (float64, a capture's shape) += vals summed at the indices ``idx`` (one
     array per axis, broadcast with vals): np.bincount over the span of flat indices the
-    tile reaches, a fixed sequential order."""
+    tile reaches, a fixed sequential order; where every index is a scalar, one float64
+    sum of vals (NumPy's pairwise order, fixed by the tile's shape)."""
     vals = np.asarray(vals)
     if dst.ndim == 0:
         dst[()] += float(np.sum(vals, dtype=np.float64))
@@ -174,6 +188,10 @@ def scatter_add(dst: np.ndarray, idx: Sequence[np.ndarray], vals: np.ndarray) ->
     if 0 in shape:
         return
     arrays = [ax for ax, i in enumerate(idx) if np.ndim(i) > 0]
+    if not arrays:                    # one element of dst (a capture read at b, h)
+        dst[tuple(int(i) for i in idx)] += float(np.sum(np.broadcast_to(vals, shape),
+                                                        dtype=np.float64))
+        return
     if len(arrays) == 1:              # the other axes fixed: a 1-D view of dst
         ax = arrays[0]
         out = dst[tuple(slice(None) if a == ax else int(i) for a, i in enumerate(idx))]
@@ -203,14 +221,44 @@ class ScoreTiles:
         self.idt = bound.idt
         self.out = self.prog.out
         self.wrt = wrt
-        self.order = ordered([self.out])
+        self.diag, self.order = self._split([self.out], ())
+        self.diag_order = ordered(self.diag)
         self.uses = use_counts(self.order)
         if wrt is not None:
             self.dscore, self.dgathers = self.prog.grad_nodes(frozenset(wrt))
             self.unit_dscore = self.dscore.op == "const" and self.dscore.attr == 1.0
             self.outs = [self.out, self.dscore] + [d for _, d in self.dgathers]
-            self.grad_order = ordered(self.outs)
+            self.grad_diag, self.grad_order = self._split(
+                self.outs, [a for g, _ in self.dgathers for a in g.args])
+            self.grad_diag_order = ordered(self.grad_diag)
             self.grad_uses = use_counts(self.grad_order)
+
+    @staticmethod
+    def _split(outs, read_back) -> Tuple[List[Node], List[Node]]:
+        """(the diagonal nodes (:mod:`.diagonal`) the tile evaluation takes as Toeplitz
+        views: those a non-diagonal node, an output or a read-back gather index reads;
+        the nodes left to evaluate per pair, arguments first)."""
+        order = ordered(outs)
+        diag = diagonal_nodes(order)
+        views = {u for n in order if n.uid not in diag for a in n.args
+                 if (u := a.uid) in diag}
+        views |= {n.uid for n in list(outs) + list(read_back) if n.uid in diag}
+        need, stack = set(), list(outs) + list(read_back)
+        while stack:                          # what the pairs need, views as leaves
+            n = stack.pop()
+            if n.uid in need:
+                continue
+            need.add(n.uid)
+            if n.uid not in views:
+                stack.extend(n.args)
+        return ([n for n in order if n.uid in views],
+                [n for n in order if n.uid in need])
+
+    def _memo(self, nodes, order, b, h, i0, i1, j0, j1) -> Dict[int, Any]:
+        """Toeplitz views of the diagonal ``nodes`` on this tile (:mod:`.diagonal`)."""
+        if not nodes:
+            return {}
+        return diagonal_values(nodes, b, h, self.caps, self.dt, i0, i1, j0, j1, order)
 
     def _env(self, st, b, h, i0, i1, j0, j1):
         it = self.idt.type
@@ -221,27 +269,36 @@ class ScoreTiles:
     def apply_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                 j1: int) -> None:
         """st = score_mod(st) in place."""
+        memo = self._memo(self.diag, self.diag_order, b, h, i0, i1, j0, j1)
         r, = evaluate([self.out], self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
-                      order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
+                      memo, order=self.order, uses=self.uses, reuse=("score",), idt=self.idt)
         if r is not st:
             np.copyto(st, r)
 
     def apply_grad_t(self, st: np.ndarray, b: int, h: int, i0: int, i1: int, j0: int,
                      j1: int):
-        """st = score_mod(st) in place -> (d s'/d s or None where it is 1,
-        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st."""
-        memo: Dict[int, Any] = {}
+        """s' = score_mod(st) -> (s', d s'/d s or None where it is 1,
+        [(capture, index arrays, d s'/d gather)]), arrays broadcastable to st.  s' is st
+        itself, overwritten, unless a derivative is the score (d(s·t)/dt = s): then st
+        keeps the score and s' is a new array of st's shape, dtype and layout."""
+        memo = self._memo(self.grad_diag, self.grad_diag_order, b, h, i0, i1, j0, j1)
         vals = evaluate(self.outs, self._env(st, b, h, i0, i1, j0, j1), self.caps, self.dt,
                         memo, order=self.grad_order, uses=self.grad_uses, reuse=("score",),
                         idt=self.idt)
-        # a derivative that is the score itself (d(s·t)/dt = s) must survive the copy of
-        # s' into st below
-        vals = [v.copy() if v is st else v for v in vals]
+        out = vals[0]
+        if (any(v is st for v in vals[1:]) and isinstance(out, np.ndarray)
+                and out is not st and out.shape == st.shape and out.dtype == st.dtype
+                and out.flags.c_contiguous and out.flags.writeable
+                and not any(v is out for v in vals[1:])):
+            new = out                                   # st stays the score
+        else:
+            vals = [v.copy() if v is st else v for v in vals]
+            np.copyto(st, out)
+            new = st
         gath = [(g.attr, [memo[a.uid] for a in g.args], vals[2 + i])
                 for i, (g, _) in enumerate(self.dgathers)]
         dsc = None if self.unit_dscore else vals[1]
-        np.copyto(st, vals[0])
-        return dsc, gath
+        return new, dsc, gath
 
 
 def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
