@@ -522,6 +522,10 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
                                   "dropout counts global positions as 32-bit unsigned ints")
 
     rmask = resolve(mask, B, Hq, Sq, Sk, q_offset=q_offset, k_offset=k_offset)
+    if smod is not None:        # a function spelling a band mask or softcap runs as those
+        from .programs.builtin_forms import lower_to_builtins
+
+        smod, rmask, softcap = lower_to_builtins(smod, rmask, softcap)
     if rmask.keep is not None and array_kind(rmask.keep) == "torch" and kind == "torch":
         if str(rmask.keep.device) != dev:
             _fail(ValueError, f"mask: KeepMask is on {rmask.keep.device} but q is on {dev}")

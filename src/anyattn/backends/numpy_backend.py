@@ -60,7 +60,7 @@ from .. import settings
 from . import blas_threads, numpy_paged
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
-from ..programs.builtin_forms import Alibi, Scale, Softcap, band_where, match_builtin
+from ..programs.builtin_forms import Alibi, Scale, match_builtin
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -559,31 +559,18 @@ def _modifiers_of(p) -> List[_Modifier]:
 
 
 def _as_builtin(p, mods):
-    """(p, mods, scale) with the built-in parts of a score function taken out of it
-    (:mod:`anyattn.programs.builtin_forms`): ``where(band, x, -inf)`` becomes the band
-    mask term (its empty tiles skipped) and the function ``x``; a function that spells
-    softcap or ALiBi exactly becomes that built-in, so that it runs the built-in's tile
-    code (base 2, bounded forward).  Not where a softcap is already set (the function
-    would apply after it) or where the backward wants the slopes' gradient (the
-    built-in's slopes have none).  ``scale``: the function is ``score * t[h]`` (a
-    :class:`~anyattn.programs.builtin_forms.Scale`, p still holding it) and there is no
-    softcap, so a forward may fold it into the queries (:func:`_fold_scale`); else None."""
+    """(p, mods, scale) with a score function that spells ALiBi exactly
+    (:mod:`anyattn.programs.builtin_forms`; band and softcap forms were taken out by
+    ``describe`` for every backend) turned into the built-in, so that it runs the
+    built-in's tile code (base 2, bounded forward); not where the backward wants the
+    slopes' gradient (the built-in's slopes have none).  ``scale``: the function is
+    ``score * t[h]`` (a :class:`~anyattn.programs.builtin_forms.Scale`, p still holding
+    it) and there is no softcap, so a forward may fold it into the queries
+    (:func:`_fold_scale`); else None."""
     sm = p.score_mod
     if sm is None:
         return p, mods, None
-    split = band_where(sm.program)
-    if split is not None:
-        bands, rest = split
-        lo, hi = p.mask.band_lo, p.mask.band_hi
-        for blo, bhi in bands:
-            lo = blo if lo is None else (lo if blo is None else max(lo, blo))
-            hi = bhi if hi is None else (hi if bhi is None else min(hi, bhi))
-        sm = rest.bind(sm.arrays, sm.sizes)
-        p = replace(p, score_mod=sm,
-                    mask=replace(p.mask, band_lo=lo, band_hi=hi, _tile_maps={}))
     form = match_builtin(sm.program, sm.sizes)
-    if isinstance(form, Softcap) and p.softcap is None:
-        return replace(p, score_mod=None, softcap=form.cap), mods, None
     if (isinstance(form, Alibi) and not p.has_alibi and form.fits(alibi_diag(p))
             and form.capture not in p.capture_wrt):
         slopes = sm.arrays[form.capture]

@@ -47,7 +47,7 @@ from .bound import Program
 from .graph import FLOAT, INT, Node
 from .trace import Traced
 
-__all__ = ["Softcap", "Alibi", "Scale", "match_builtin", "band_where"]
+__all__ = ["Softcap", "Alibi", "Scale", "match_builtin", "band_where", "lower_to_builtins"]
 
 
 @dataclass(frozen=True)
@@ -217,3 +217,32 @@ def band_where(program) -> Optional[Tuple[List[Band], object]]:
     with _SPLITS_LOCK:
         _SPLITS[program] = hit
     return hit
+
+
+def lower_to_builtins(smod, rmask, softcap: Optional[float]):
+    """The problem-level part of the matches, for every backend: ``(smod, rmask,
+    softcap)`` of a call (its bound score function or None, its
+    :class:`~anyattn.masks.ResolvedMask`, its softcap) with a ``where(band, x, -inf)``
+    function's bands moved into the mask's band term (the function becomes ``x``, or
+    none where ``x`` is the score itself) and a function that spells softcap exactly
+    turned into ``softcap=c`` where no softcap is set (the function would apply after
+    it).  ALiBi and per-head factors need the backend's modifier arrays or inputs and
+    stay with the backend (the NumPy backend matches them)."""
+    if smod is None:
+        return smod, rmask, softcap
+    split = band_where(smod.program)
+    if split is not None:
+        from dataclasses import replace
+
+        bands, rest = split
+        lo, hi = rmask.band_lo, rmask.band_hi
+        for blo, bhi in bands:
+            lo = blo if lo is None else (lo if blo is None else max(lo, blo))
+            hi = bhi if hi is None else (hi if bhi is None else min(hi, bhi))
+        rmask = replace(rmask, band_lo=lo, band_hi=hi, _tile_maps={})
+        smod = None if _is_input(rest.out, "score") else rest.bind(smod.arrays, smod.sizes)
+    if smod is not None and softcap is None:
+        form = match_builtin(smod.program, smod.sizes)
+        if isinstance(form, Softcap):
+            smod, softcap = None, form.cap
+    return smod, rmask, softcap
