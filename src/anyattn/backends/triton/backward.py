@@ -4,7 +4,7 @@ and dbias (full, owned by the dQ programs where broadcast over batch / heads, or
 separate reduction).
 
 Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
-queries / keys, D head dim.  Layouts and the per-signature preparation as in forward.py.
+queries / keys, D head dim of q and k, Dv of v, out and dout.  Layouts and the per-signature preparation as in forward.py.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def stat_plane(x, dev):
 
 def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[configs.Plan] = None,
              mods: Optional[ScoreMods] = None) -> Dict[str, Any]:
-    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D]
-    summed over each kv head's query group, dbias in p.bias_shape summed over broadcast
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk [B, Hkv, Sk, D] and
+    dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in p.bias_shape summed over broadcast
     dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
     ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
     tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse).  With
@@ -45,6 +45,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     plan = pr.plan
     q, k, v, dout, out = (operands.unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    Dv = p.head_dim_v
     dev = q.device
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, bias)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
@@ -68,7 +69,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         prepared.site(pr, "pre", kernels.bwd_pre_kernel)(
             (cdiv(Sq, plan.pre_bm), B * H),
             (out, dout, mx, ln, delta, l2, md.sink_t, dsr, *s3(out), *s3(dout), H, Sq),
-            dict(D=D, DP=pr.common["DP"], BM=plan.pre_bm, HAS_SINKS=want_ds))
+            dict(D=Dv, DP=pr.common["VDP"], BM=plan.pre_bm, HAS_SINKS=want_ds))
         if want_ds:   # torch's reduction: a fixed order, the same bits every run
             res["dsinks"] = dsr.sum(dim=(0, 2)).to(mods.sinks.dtype)
         if full_bias:
@@ -79,7 +80,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         dk = dv = dq = None
         if want_kv:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
-            dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+            dv = torch.empty((B, Hkv, Sk, Dv), dtype=q.dtype, device=dev)
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
         scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars)
@@ -285,7 +286,8 @@ def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
                 *s3(q), *s3(k), *s3(v), *s3(dout), *ma.sb, *sdb,
                 ma.sqid_b, ma.skid_b, *ma.skm,
                 B, H, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars, nj_o, hb,
-                D=p.head_dim, DP=configs.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
+                D=p.head_dim, DP=configs.padded_dim(p.head_dim), VD=p.head_dim_v,
+                VDP=configs.padded_dim(p.head_dim_v), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
                 PREC=operands.register_prec(p), num_warps=cc.num_warps,
