@@ -144,3 +144,30 @@ def test_info_route_prints_the_value_dim_reason(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--route", "1,16,16,4096,4096,192,0", "--cc", "9.0"])
     assert "six or seven integers" in capsys.readouterr().err
+
+
+def test_autotune_candidates_follow_the_wider_head_dim(monkeypatch):
+    """ANYATTN_TRITON_AUTOTUNE's candidates are those of the wider padded head dim of D
+    and Dv (a D = 64, Dv = 256 launch gets the D = 256 tiles)."""
+    from anyattn.backends.triton import configs, prepared
+
+    seen = []
+
+    def tune(key, cands, run):
+        seen.append(list(cands))
+        return cands[0]
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    monkeypatch.setattr(configs, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(configs, "tune", tune)
+    cfg = configs.KernelConfig(32, 32, 4, 1)
+    for dp, vdp in ((64, 256), (256, 64), (64, 64)):
+        prepared.resolve_launch(Kernel(), lambda c: (1, 1), cfg, (),
+                                dict(DP=dp, VDP=vdp, SBQ=128, SBK=128), ("sig", dp, vdp),
+                                ("fwd", None, "bfloat16"))
+        want = [c for c in configs.candidates("fwd", max(dp, vdp), "bfloat16") if c != cfg]
+        assert seen[-1] == [cfg] + want
+    assert seen[0] != seen[2]

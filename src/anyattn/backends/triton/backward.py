@@ -244,7 +244,8 @@ def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
     c2 = configs.KernelConfig(plan.dq.bm, plan.dq.bn, c1.num_warps, c1.num_stages)
     sig = prepared.signature(dt=str(q.dtype), **kw)
     if configs.autotune_enabled():
-        cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(kw["DP"], p.dtype)
+        dp = max(kw["DP"], kw["VDP"])        # the wider of q/k's and v's tiles
+        cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(dp, p.dtype)
                               if plan.sbq % pair[0].bm == 0 and plan.sbk % pair[0].bn == 0
                               and plan.sbq % pair[1].bm == 0 and plan.sbk % pair[1].bn == 0]
         c1, c2 = configs.tune(prepared.tuning_key("bwd", p) + (sig,), cands,

@@ -154,7 +154,8 @@ def resolve_launch(kernel, grid_of, cfg: configs.KernelConfig, args, kw, sig, tu
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
     if tune_key is not None and configs.autotune_enabled():
         sbq, sbk = kw.get("SBQ", 128), kw.get("SBK", 128)
-        cands = [cfg] + [c for c in configs.candidates(tune_key[0], kw["DP"], tune_key[2])
+        dp = max(kw["DP"], kw.get("VDP", kw["DP"]))      # the wider of q/k's and v's tiles
+        cands = [cfg] + [c for c in configs.candidates(tune_key[0], dp, tune_key[2])
                          if sbq % c.bm == 0 and sbk % c.bn == 0 and c != cfg]
 
         def run(c):
