@@ -672,7 +672,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 HAS_SINKS: tl.constexpr, PREC: tl.constexpr,
                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
-    """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
+    """Grid (cdiv(Sq, BM), B * H): out [BM, VD] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
     the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
     registers across the loop).  Score modifiers (constexpr flags; off, the kernel is
@@ -819,7 +819,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
 def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
                     H, Sq, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     HAS_SINKS: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq]; the row
+    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq] (D, DP:
+    out's and dout's head dim, v's, and its padding); the row
     statistics max MX and log_norm LN [B * H * Sq] to L2 [B * H, 2, Sq]: max (+inf where
     it is -inf, an empty row: p = 0 there) and log2(e) * log_norm, all fp32.  HAS_SINKS:
     each row's term of dsinks, -exp((sink - max) - log_norm) * delta (0 where max or the
