@@ -4,7 +4,8 @@ and dbias (full, owned by the dQ programs where broadcast over batch / heads, or
 separate reduction).
 
 Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
-queries / keys, D head dim of q and k, Dv of v, out and dout.  Layouts and the per-signature preparation as in forward.py.
+queries / keys, D head dim of q and k, Dv of v, out and dout.  Layouts and the
+per-signature preparation as in forward.py.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def stat_plane(x, dev):
 def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[configs.Plan] = None,
              mods: Optional[ScoreMods] = None) -> Dict[str, Any]:
     """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk [B, Hkv, Sk, D] and
-    dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in p.bias_shape summed over broadcast
-    dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
+    dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in p.bias_shape
+    summed over broadcast dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
     ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
     tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse).  With
     sinks the statistics include the sink (as the forward returns them): the score
