@@ -4,8 +4,8 @@ Shape legend: B batch, H = Hq query heads, Hkv key/value heads, G = H / Hkv,
 Sq queries, Sk keys, D head dim of q and k, DP = D padded to a power of two (>= 16),
 VD head dim of v, out and dout (constexpr; VD = D unless v's head dim differs), VDP =
 VD padded likewise (q.k contracts over DP, P.v and dout.v^T over VDP; dq and dk are
-[.., DP] tiles, out and dv [.., VDP]), BM / BN the query / key tile of a kernel, SBQ / SBK the mask-block size of
-the tile lists (a multiple of every BM / BN).
+[.., DP] tiles, out and dv [.., VDP]), BM / BN the query / key tile of a kernel,
+SBQ / SBK the mask-block size of the tile lists (a multiple of every BM / BN).
 
 Row statistics, kept apart (anyattn.rowstats): the forward stores per row the largest
 kept score ``max`` and ``log_norm = log sum_kept exp(s - max)`` (natural log, two fp32
