@@ -2,8 +2,8 @@
 
 info   which backends can run here and, for each that cannot, why; which arrays
        automatic dispatch gives each; --settings: every environment switch with its
-       value in effect (docs/settings.md); --route B,Hq,Hkv,Sq,Sk,D --cc 9.0: the Triton
-       route (Hopper or portable, which config, why) of forward and backward
+       value in effect (docs/settings.md); --route B,Hq,Hkv,Sq,Sk,D[,Dv] --cc 9.0: the
+       Triton route (Hopper or portable, which config, why) of forward and backward
 check  forward + backward of one problem on one backend vs the float64 reference;
        exit status 1 on a mismatch
 bench  time backends on a set of shapes (see anyattn.bench)
@@ -40,9 +40,10 @@ def _route_shape(text: str) -> Tuple[int, ...]:
         dims = tuple(int(x) for x in text.split(","))
     except ValueError:
         dims = ()
-    if len(dims) != 6 or min(dims) < 0 or min(dims[:3] + dims[5:]) < 1:
+    if len(dims) not in (6, 7) or min(dims) < 0 or min(dims[:3] + dims[5:]) < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected B,Hq,Hkv,Sq,Sk,D (six integers, B, Hq, Hkv, D >= 1)")
+            f"{text!r}: expected B,Hq,Hkv,Sq,Sk,D or B,Hq,Hkv,Sq,Sk,D,Dv (six or seven "
+            "integers, B, Hq, Hkv, D, Dv >= 1; Dv: v's head dim, D unless given)")
     return dims
 
 
@@ -59,13 +60,14 @@ def _print_route(args) -> int:
     """``info --route``: the Triton route of forward and backward from the flags' facts."""
     from .backends.triton import route as triton_route
 
-    b, hq, hkv, sq, sk, d = args.route
+    b, hq, hkv, sq, sk, d = args.route[:6]
+    dv = args.route[6] if len(args.route) == 7 and args.route[6] != d else None
     mask = _ROUTE_MASKS.get(args.mask.split(":")[0], args.mask)
     feats = frozenset(f for f in args.features.split(",") if f)
     problem = triton_route.ProblemFacts(batch=b, heads_q=hq, heads_kv=hkv, seq_q=sq,
                                         seq_k=sk, head_dim=d, dtype=_ROUTE_DTYPES[args.dtype],
                                         mask_class=mask, features=feats,
-                                        precision=args.precision)
+                                        precision=args.precision, head_dim_v=dv)
     sms = args.sms if args.sms is not None else 132
     device = triton_route.DeviceFacts("cuda", args.cc, sms)
     print(f"problem: {problem}")
@@ -440,10 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     inf.set_defaults(_error=inf.error)
     inf.add_argument("--settings", action="store_true",
                      help="print every environment switch with its value in effect")
-    inf.add_argument("--route", type=_route_shape, default=None, metavar="B,Hq,Hkv,Sq,Sk,D",
+    inf.add_argument("--route", type=_route_shape, default=None,
+                     metavar="B,Hq,Hkv,Sq,Sk,D[,Dv]",
                      help="print the Triton route (path, config, reasons) of forward and "
-                          "backward for this shape on the device the flags describe (no "
-                          "GPU needed)")
+                          "backward for this shape (Dv: v's head dim, D unless given) on "
+                          "the device the flags describe (no GPU needed)")
     inf.add_argument("--dtype", default="bf16", choices=sorted(_ROUTE_DTYPES),
                      help="--route: the inputs' dtype (default bf16)")
     inf.add_argument("--mask", default="none",

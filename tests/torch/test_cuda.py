@@ -86,16 +86,25 @@ def test_documents_ids_on_the_host_give_the_device_ids_results(ids_kind):
         assert torch.equal(a, b)
 
 
-def test_value_head_dim_is_refused_on_cuda():
-    """The triton backend lacks the value_dim feature: CUDA tensors with Dv != D raise
-    before any work, in the feature table's words (the SDPA drop-in too)."""
-    from anyattn import features
-
-    q = torch.randn(1, 4, 64, 192, device="cuda", requires_grad=True)
-    v = torch.randn(1, 4, 64, 128, device="cuda", requires_grad=True)
-    words = features.get("value_dim").refusal
-    with pytest.raises(NotImplementedError, match="value head dim") as ei:
-        at.attention(q, q, v, mask=Causal())
-    assert words in str(ei.value)
-    with pytest.raises(NotImplementedError, match="value head dim"):
-        at.scaled_dot_product_attention(q, q, v, is_causal=True)
+@pytest.mark.parametrize("dims", [(192, 128), (40, 24)], ids=["192-128", "40-24"])
+def test_value_head_dim_on_cuda(dims):
+    """Dv != D on CUDA tensors runs on the portable Triton kernels (the Hopper path does
+    not take it): out and every gradient against float64 SDPA, bf16 and fp32, and the
+    SDPA drop-in."""
+    D, Dv = dims
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(2, 8, 200, D, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(2, 2, 200, D, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(2, 2, 200, Dv, device="cuda", dtype=dtype, requires_grad=True)
+        out = at.attention(q, k, v, mask=Causal())
+        assert tuple(out.shape) == (2, 8, 200, Dv)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True)
+        want = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+        for a, b in zip((out, *got), (ref, *want)):
+            assert a.shape == b.shape
+            assert float((a.double() - b).abs().max() / b.abs().max()) < tol
+        drop_in = at.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert float((drop_in.double() - ref).abs().max() / ref.abs().max()) < tol

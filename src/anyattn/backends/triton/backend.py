@@ -1,13 +1,14 @@
 """TritonBackend: the contract on torch CUDA tensors through Triton kernels.
 
-Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim (1..256).
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim of q and k, Dv of v
+(each 1..256; Dv != D is the opt-in input ``value_dim``, on the portable kernels only).
 torch and triton are imported lazily, so ``import anyattn`` never needs them.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
-from ...features import BUILTIN_MODIFIERS, FUNCTION_MODIFIERS, GRADIENTS
+from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, FUNCTION_MODIFIERS, GRADIENTS
 from ... import settings
 from ..base import Backend, Capabilities
 
@@ -39,6 +40,7 @@ class TritonBackend(Backend):
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
             mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
             modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
+            inputs=DEFAULT_INPUTS | {"value_dim"},
             # capture gradients need a deterministic reduction not lowered yet
             gradients=GRADIENTS - {"score_mod_grad"})
 

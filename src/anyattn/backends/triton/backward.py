@@ -4,7 +4,8 @@ and dbias (full, owned by the dQ programs where broadcast over batch / heads, or
 separate reduction).
 
 Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
-queries / keys, D head dim.  Layouts and the per-signature preparation as in forward.py.
+queries / keys, D head dim of q and k, Dv of v, out and dout.  Layouts and the
+per-signature preparation as in forward.py.
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def stat_plane(x, dev):
 
 def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[configs.Plan] = None,
              mods: Optional[ScoreMods] = None) -> Dict[str, Any]:
-    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk / dv [B, Hkv, Sk, D]
-    summed over each kv head's query group, dbias in p.bias_shape summed over broadcast
-    dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk [B, Hkv, Sk, D] and
+    dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in p.bias_shape
+    summed over broadcast dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
     ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
     tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse).  With
     sinks the statistics include the sink (as the forward returns them): the score
@@ -45,6 +46,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     plan = pr.plan
     q, k, v, dout, out = (operands.unit_last(x) for x in (q, k, v, dout, out))
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
+    Dv = p.head_dim_v
     dev = q.device
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, bias)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
@@ -68,7 +70,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         prepared.site(pr, "pre", kernels.bwd_pre_kernel)(
             (cdiv(Sq, plan.pre_bm), B * H),
             (out, dout, mx, ln, delta, l2, md.sink_t, dsr, *s3(out), *s3(dout), H, Sq),
-            dict(D=D, DP=pr.common["DP"], BM=plan.pre_bm, HAS_SINKS=want_ds))
+            dict(D=Dv, DP=pr.common["VDP"], BM=plan.pre_bm, HAS_SINKS=want_ds))
         if want_ds:   # torch's reduction: a fixed order, the same bits every run
             res["dsinks"] = dsr.sum(dim=(0, 2)).to(mods.sinks.dtype)
         if full_bias:
@@ -79,7 +81,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         dk = dv = dq = None
         if want_kv:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
-            dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
+            dv = torch.empty((B, Hkv, Sk, Dv), dtype=q.dtype, device=dev)
         if want_q:
             dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
         scalars = (H, Hkv, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars)
@@ -243,7 +245,8 @@ def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
     c2 = configs.KernelConfig(plan.dq.bm, plan.dq.bn, c1.num_warps, c1.num_stages)
     sig = prepared.signature(dt=str(q.dtype), **kw)
     if configs.autotune_enabled():
-        cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(kw["DP"], p.dtype)
+        dp = max(kw["DP"], kw["VDP"])        # the wider of q/k's and v's tiles
+        cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(dp, p.dtype)
                               if plan.sbq % pair[0].bm == 0 and plan.sbk % pair[0].bn == 0
                               and plan.sbq % pair[1].bm == 0 and plan.sbk % pair[1].bn == 0]
         c1, c2 = configs.tune(prepared.tuning_key("bwd", p) + (sig,), cands,
@@ -285,7 +288,8 @@ def _dbias_broadcast(p, q, k, v, dout, l2, delta, bias, ma, md, plan):
                 *s3(q), *s3(k), *s3(v), *s3(dout), *ma.sb, *sdb,
                 ma.sqid_b, ma.skid_b, *ma.skm,
                 B, H, p.group, Sq, Sk, p.scale, ma.lo, ma.hi, *md.scalars, nj_o, hb,
-                D=p.head_dim, DP=configs.padded_dim(p.head_dim), BM=cc.bm, BN=cc.bn,
+                D=p.head_dim, DP=configs.padded_dim(p.head_dim), VD=p.head_dim_v,
+                VDP=configs.padded_dim(p.head_dim_v), BM=cc.bm, BN=cc.bn,
                 RED_B=red_b, RED_H=red_h, RED_M=red_m, RED_N=red_n,
                 HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
                 PREC=operands.register_prec(p), num_warps=cc.num_warps,

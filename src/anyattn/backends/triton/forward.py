@@ -2,7 +2,7 @@
 so: route.py, hopper/launch.py).
 
 Shape legend: B batch, H = Hq query heads, Hkv kv heads, G = H / Hkv, Sq / Sk
-queries / keys, D head dim.
+queries / keys, D head dim of q and k, Dv of v and out.
 
 Inputs may have any strides; a tensor whose last dim is not contiguous is copied once
 (the kernels assume unit stride along D), every other layout (including strided float32
@@ -29,7 +29,7 @@ __all__ = ["forward"]
 
 def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
             mods: Optional[ScoreMods] = None):
-    """-> out [B, H, Sq, D] (q's dtype), RowStats(max, log_norm) of [B, H, Sq] fp32
+    """-> out [B, H, Sq, Dv] (q's dtype), RowStats(max, log_norm) of [B, H, Sq] fp32
     (natural log; the kernel writes both planes of one [2, B, H, Sq] buffer).  ``mods``:
     the score modifiers (p.softcap, mods.alibi_slopes, mods.sinks), applied in the
     kernel; with sinks the statistics include the sink."""
@@ -40,13 +40,13 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
         return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd)
     plan = pr.plan
     q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
-    B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
+    B, H, Sq, Sk, D, Dv = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.head_dim_v
     dev = q.device
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, bias)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
     tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
     fns = programs.of_problem(p, dev)
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=dev)
+    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec = pr.prec
     with on_device(dev):
@@ -65,7 +65,8 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
                 H, p.group, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi, *md.scalars)
 
         def first():
-            kw = dict(D=D, DP=configs.padded_dim(D), SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
+            kw = dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=configs.padded_dim(Dv),
+                      SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode,
                       HAS_BAND=ma.has_band, HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep,
                       HAS_BIAS=ma.has_bias, HAS_SINKS=md.sinks, PREC=prec, **md.flags)
             if fns is not None:

@@ -1,9 +1,11 @@
 """Triton kernels (``@triton.jit`` only) for attention forward and backward.
 
 Shape legend: B batch, H = Hq query heads, Hkv key/value heads, G = H / Hkv,
-Sq queries, Sk keys, D head dim, DP = D padded to a power of two (>= 16),
-BM / BN the query / key tile of a kernel, SBQ / SBK the mask-block size of
-the tile lists (a multiple of every BM / BN).
+Sq queries, Sk keys, D head dim of q and k, DP = D padded to a power of two (>= 16),
+VD head dim of v, out and dout (constexpr; VD = D unless v's head dim differs), VDP =
+VD padded likewise (q.k contracts over DP, P.v and dout.v^T over VDP; dq and dk are
+[.., DP] tiles, out and dv [.., VDP]), BM / BN the query / key tile of a kernel,
+SBQ / SBK the mask-block size of the tile lists (a multiple of every BM / BN).
 
 Row statistics, kept apart (anyattn.rowstats): the forward stores per row the largest
 kept score ``max`` and ``log_norm = log sum_kept exp(s - max)`` (natural log, two fp32
@@ -592,13 +594,14 @@ def row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
-              Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
-              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
-              D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+              offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr,
+              drs, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
+              D: tl.constexpr, DP: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+              MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
-    """One key tile of the online softmax: acc [BM, DP], l_i/m_i [BM] updated.  m_i is
+    """One key tile of the online softmax: acc [BM, VDP], l_i/m_i [BM] updated.  m_i is
     the running row max in the tile's units (module doc): natural scores with a bias or
     a score modifier (s_scale the natural score scale), raw products q.k without
     (qk_scale = s_scale * log2(e) takes them to base 2)."""
@@ -648,8 +651,8 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:    # out = (P o keep).v / (1 - p) (scaled in the epilogue); l undropped
         p = tl.where(_drop_keep(dw, _load_words(DW, offs_n, Sk), dthr, False), p, 0.0)
-    v0, v1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
-                          MASKED, PREC, False)  # [BN, DP]
+    v0, v1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_dv, VD, VDP,
+                          MASKED, PREC, False)  # [BN, VDP]
     acc = acc * alpha[:, None]              # (rescaled before p is cast: the order
     p0, p1 = _op_parts(p, PS_FWD, v0, PREC)   #  the 16-bit kernel was tuned with)
     acc = acc + _dotp(p0, p1, v0, v1, PREC)
@@ -663,12 +666,13 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                 sc_b, sc_h, si_b, si_h, si_r,
                 H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                VD: tl.constexpr, VDP: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 HAS_SINKS: tl.constexpr, PREC: tl.constexpr,
                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
-    """Grid (cdiv(Sq, BM), B * H): out [BM, D] and the row statistics of one query tile:
+    """Grid (cdiv(Sq, BM), B * H): out [BM, VD] and the row statistics of one query tile:
     max [BM] to LSE[row], log_norm [BM] to LSE[B * H * Sq + row] (natural log).  scale:
     the score scale, qk_scale = scale * log2(e) (both passed: kernel arguments cost no
     registers across the loop).  Score modifiers (constexpr flags; off, the kernel is
@@ -693,6 +697,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     offs_m = i0 + offs_mb
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
     Qh = Q + b * sq_b + h * sq_h
     Kh = K + b * sk_b + hk * sk_h
     Vh = V + b * sv_b + hk * sv_h
@@ -709,7 +714,7 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         dw = 0
 
     q0, q1 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
-    acc = tl.zeros([BM, DP], dtype=tl.float32)
+    acc = tl.zeros([BM, VDP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
 
@@ -718,22 +723,22 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         for t in range(t0, f0):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND, HAS_DOCS,
+                                      offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1,
                                       Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb,
-                                      offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
-                                      skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND, HAS_DOCS,
+                                      offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m,
+                                      skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND, HAS_DOCS,
                                       HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
     else:
@@ -746,8 +751,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         for t in range(0, n_part * NSUB):
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
+                                      offs_m, offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                       ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
@@ -755,8 +760,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
         for t in range(0, n_full * NSUB):
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n,
-                                      offs_m, offs_nb, offs_d, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
+                                      offs_m, offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                      KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
                                       HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                       ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
@@ -798,12 +803,12 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     row_max = tl.where(l_i == l_i, row_max, l_i)
     log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
     Oh = O + b * so_b + h * so_h
-    o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_d[None, :]
+    o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_dv[None, :]
     inb = offs_m < Sq
-    if D == DP:
+    if VD == VDP:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
     else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_d[None, :] < D))
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
     row = bh.to(tl.int64) * Sq + offs_m
     tl.store(LSE + row, row_max, mask=inb)
     tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
@@ -814,7 +819,8 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
 def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
                     H, Sq, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     HAS_SINKS: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq]; the row
+    """Grid (cdiv(Sq, BM), B * H): delta = <dout, out> [BM] to DELTA [B * H * Sq] (D, DP:
+    out's and dout's head dim, v's, and its padding); the row
     statistics max MX and log_norm LN [B * H * Sq] to L2 [B * H, 2, Sq]: max (+inf where
     it is -inf, an empty row: p = 0 there) and log2(e) * log_norm, all fp32.  HAS_SINKS:
     each row's term of dsinks, -exp((sink - max) - log_norm) * delta (0 where max or the
@@ -850,14 +856,15 @@ def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b
 
 @triton.jit
 def _dkdv_tile(dk, dv, k0, k1, v0, v1,
-               Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d,
+               Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d, offs_dv,
                Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
-               D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+               D: tl.constexpr, DP: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+               MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
-    """One query tile's contribution to dk, dv [BN, DP] of one key tile (L2h: this head's
+    """One query tile's contribution to dk [BN, DP], dv [BN, VDP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc)."""
     offs_m = start_m + offs_mb
     qT0, qT1 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
@@ -897,14 +904,14 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     pT = tl.math.exp2((sT - mx[None, :]) * 1.4426950408889634 - ln2[None, :])  # [BN, BM]
     if MASKED:
         pT = tl.where(keep, pT, 0.0)
-    do0, do1 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_d, D, DP,
-                             MASKED, PREC, False)  # [BM, DP]
+    do0, do1 = _load_op(DOh, start_m, sdo_s, Sq, offs_mb, offs_dv, VD, VDP,
+                             MASKED, PREC, False)  # [BM, VDP]
     if DROPOUT:    # dv = (P o keep)^T.dout / (1 - p) (scaled at the end)
         dkeep = _drop_keep(_load_words(DWr, offs_m, Sq), dw, dthr, True)
         pT0, pT1 = _op_parts(tl.where(dkeep, pT, 0.0), PS_BWD, do0, PREC)
     else:
         pT0, pT1 = _op_parts(pT, PS_BWD, do0, PREC)
-    dv += _dotp(pT0, pT1, do0, do1, PREC)          # [BN, DP]
+    dv += _dotp(pT0, pT1, do0, do1, PREC)          # [BN, VDP]
     if MASKED:
         dlt = tl.load(DLh + offs_m, mask=offs_m < Sq, other=0.0)
     else:
@@ -932,12 +939,13 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r,
                   H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
-                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr,
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
-    """dk, dv [BN, D] of key tile pid_n of kv head hk in batch b (int64), summed over
+    """dk [BN, D], dv [BN, VD] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile."""
     mvo = 1.0
     gam = 1.0
@@ -952,16 +960,17 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     offs_n = j0 + offs_nb
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
     if DROPOUT:    # dropout's column words (precomputed): once per key tile
         dw = _load_words(DW, offs_n, Sk)
     else:
         dw = 0
     k0, k1 = _load_op(K + b * sk_b + hk * sk_h, j0, sk_s, Sk, offs_nb, offs_d, D, DP,
                           True, PREC, False)                                          # [BN, DP]
-    v0, v1 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_d, D, DP,
-                          True, PREC, False)                                          # [BN, DP]
+    v0, v1 = _load_op(V + b * sv_b + hk * sv_h, j0, sv_s, Sk, offs_nb, offs_dv, VD, VDP,
+                          True, PREC, False)                                          # [BN, VDP]
     dk = tl.zeros([BN, DP], dtype=tl.float32)
-    dv = tl.zeros([BN, DP], dtype=tl.float32)
+    dv = tl.zeros([BN, VDP], dtype=tl.float32)
     QIDb = QID + b * sqid_b
     KIDb = KID + b * skid_b
     for g in range(0, G):
@@ -983,22 +992,22 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             for t in range(s0, g0):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                     b, h, CAPS, SMOD, MMOD)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, False, HAS_BAND,
+                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                     b, h, CAPS, SMOD, MMOD)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, True, HAS_BAND,
+                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
                                     b, h, CAPS, SMOD, MMOD)
         else:
@@ -1012,8 +1021,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, True,
+                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC,
                                     b, h, CAPS, SMOD, MMOD)
@@ -1022,8 +1031,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, False,
+                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC,
                                     b, h, CAPS, SMOD, MMOD)
@@ -1034,13 +1043,17 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
     dk = dk * dk_mul
     inb = offs_n < Sk
     dk_ptrs = DK + b * sdk_b + hk * sdk_h + j0.to(tl.int64) * sdk_s + offs_nb[:, None] * sdk_s + offs_d[None, :]
-    dv_ptrs = DV + b * sdv_b + hk * sdv_h + j0.to(tl.int64) * sdv_s + offs_nb[:, None] * sdv_s + offs_d[None, :]
+    dv_ptrs = DV + b * sdv_b + hk * sdv_h + j0.to(tl.int64) * sdv_s + offs_nb[:, None] * sdv_s + offs_dv[None, :]
     if D == DP:
         msk = inb[:, None]
     else:
         msk = inb[:, None] & (offs_d[None, :] < D)
+    if VD == VDP:
+        msk_v = inb[:, None]
+    else:
+        msk_v = inb[:, None] & (offs_dv[None, :] < VD)
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=msk)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=msk)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=msk_v)
 
 
 @triton.jit
@@ -1052,6 +1065,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  sc_b, sc_h, si_b, si_h, si_r,
                  H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                  D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 VD: tl.constexpr, VDP: tl.constexpr,
                  SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -1066,17 +1080,18 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
-                  D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                  SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
+                  D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                  HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
 
 
 @triton.jit
 def _dq_tile(dq, q0, q1, do0, do1,
-             mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
+             mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d, offs_dv,
              Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
              QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n, DB, sdb_m, sdb_n,
              db_add,
-             D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr,
+             D: tl.constexpr, DP: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+             MASKED: tl.constexpr,
              HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
              HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
@@ -1086,8 +1101,8 @@ def _dq_tile(dq, q0, q1, do0, do1,
     offs_n = start_n + offs_nb
     kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BN]
-    vT0, vT1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_d, D, DP,
-                             MASKED, PREC, True)  # [DP, BN]
+    vT0, vT1 = _load_op(Vh, start_n, sv_s, Sk, offs_nb, offs_dv, VD, VDP,
+                             MASKED, PREC, True)  # [VDP, BN]
     # loads that feed no product are issued first, so that they overlap the products
     if HAS_BIAS:
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
@@ -1153,7 +1168,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
                 H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, db_add,
-                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, DB_ACC: tl.constexpr,
@@ -1175,10 +1191,11 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
     offs_m = i0 + offs_mb
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
     q0, q1 = _load_op(Q + b * sq_b + h * sq_h, i0, sq_s, Sq, offs_mb, offs_d, D, DP,
                           True, PREC, False)                                          # [BM, DP]
-    do0, do1 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_d, D,
-                             DP, True, PREC, False)                                   # [BM, DP]
+    do0, do1 = _load_op(DO + b * sdo_b + h * sdo_h, i0, sdo_s, Sq, offs_mb, offs_dv, VD,
+                             VDP, True, PREC, False)                                  # [BM, VDP]
     row = bh * Sq + offs_m
     l2p = L2 + bh * (2 * Sq) + offs_m
     mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))                  # [BM]
@@ -1203,23 +1220,23 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
         t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
         for t in range(t0, f0):
             dq = _dq_tile(dq, q0, q1, do0, do1,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d, offs_dv,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, VD, VDP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
                           b, h, CAPS, SMOD, MMOD)
         for t in range(f0, f1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d, offs_dv,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, VD, VDP, False, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
                           b, h, CAPS, SMOD, MMOD)
         for t in range(f1, t1):
             dq = _dq_tile(dq, q0, q1, do0, do1,
-                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d,
+                          mx, ln2, dlt, Kh, Vh, sk_s, sv_s, t * BN, offs_m, offs_nb, offs_d, offs_dv,
                           Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n,
-                          DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                          DBh, sdb_m, sdb_n, db_add, D, DP, VD, VDP, True, HAS_BAND, HAS_DOCS, HAS_KEEP,
                           HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
                           b, h, CAPS, SMOD, MMOD)
     else:
@@ -1233,8 +1250,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(IDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
-                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, True, HAS_BAND, HAS_DOCS,
+                          offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, VD, VDP, True, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
                           b, h, CAPS, SMOD, MMOD)
         n_full = tl.load(FCNT + cb)
@@ -1242,8 +1259,8 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM,
             start_n = tl.load(FIDX + ib + t // NSUB) * SBK + (t % NSUB) * BN
             dq = _dq_tile(dq, q0, q1, do0, do1,
                           mx, ln2, dlt, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb,
-                          offs_d, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
-                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, False, HAS_BAND, HAS_DOCS,
+                          offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb, skm_m, skm_n, BI,
+                          sb_m, sb_n, DBh, sdb_m, sdb_n, db_add, D, DP, VD, VDP, False, HAS_BAND, HAS_DOCS,
                           HAS_KEEP, HAS_BIAS, WRITE_DB, DB_ACC, SOFTCAP, ALIBI, DROPOUT, PREC,
                           b, h, CAPS, SMOD, MMOD)
     dq = dq * dq_mul
@@ -1263,6 +1280,7 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               VD: tl.constexpr, VDP: tl.constexpr,
                SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -1276,7 +1294,8 @@ def dq_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX, FCNT
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                 sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                 sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
-                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM, BN, SBQ, SBK, MODE,
+                H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, VD, VDP, BM, BN,
+                SBQ, SBK, MODE,
                 HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP, ALIBI, DROPOUT, PREC,
                 CAPS, SMOD, MMOD)
 
@@ -1289,6 +1308,7 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                      sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, sc_b, sc_h, si_b, si_h, si_r,
                      B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, HB,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     VD: tl.constexpr, VDP: tl.constexpr,
                      SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                      RED_B: tl.constexpr, RED_H: tl.constexpr,
                      HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1325,7 +1345,7 @@ def dq_dbias_kernel(Q, K, V, DO, L2, DELTA, DQ, BIAS, DB, QID, KID, KM, CNT, IDX
                         sdb_m, sdb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                         sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi,
                         sl_b, cap, adiag, DW, dthr, drs,
-                        bi + hi_, D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
+                        bi + hi_, D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS,
                         HAS_KEEP, True, True, True, SOFTCAP, ALIBI, DROPOUT, PREC,
                         CAPS, SMOD, MMOD)
 
@@ -1340,6 +1360,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 cc_b, cc_h, ci_b, ci_h, ci_r, rc_b, rc_h, ri_b, ri_h, ri_r,
                 H, HKV, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, NKV_TILES, NQ_TILES,
                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                VD: tl.constexpr, VDP: tl.constexpr,
                 BM2: tl.constexpr, BN2: tl.constexpr,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1363,8 +1384,8 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
                       sl_b, cap, adiag, DW, dthr, drs,
-                      D, DP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS,
-                      SOFTCAP, ALIBI, DROPOUT, PREC, None, None, None)
+                      D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
+                      HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, None, None, None)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
@@ -1373,7 +1394,8 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
                     sdq_b, sdq_h, sdq_s, sb_b, sb_h, sb_m, sb_n, sdb_b, sdb_h, sdb_m, sdb_n,
                     sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n, rc_b, rc_h, ri_b, ri_h, ri_r,
-                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, BM2, BN2, SBQ, SBK,
+                    H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, VD, VDP,
+                    BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
                     ALIBI, DROPOUT, PREC, None, None, None)
 
@@ -1385,6 +1407,7 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                   sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   B, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, NJ_OUT, HB,
                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  VD: tl.constexpr, VDP: tl.constexpr,
                   RED_B: tl.constexpr, RED_H: tl.constexpr, RED_M: tl.constexpr,
                   RED_N: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -1405,6 +1428,7 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
     offs_mb = tl.arange(0, BM)
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
     nb_ = B if RED_B else 1
     nh_ = H if RED_H else 1
     ni_ = (Sq + BM - 1) // BM if RED_M else 1
@@ -1438,7 +1462,7 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                     i0 = ti * BM
                 offs_m = i0 + offs_mb
                 q = _load_rows(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True)     # [BM, DP]
-                do = _load_rows(DOh, i0, sdo_s, Sq, offs_mb, offs_d, D, DP, True)  # [BM, DP]
+                do = _load_rows(DOh, i0, sdo_s, Sq, offs_mb, offs_dv, VD, VDP, True)  # [BM, VDP]
                 l2p = L2 + bh * (2 * Sq) + offs_m
                 mx = tl.load(l2p, mask=offs_m < Sq, other=float("inf"))           # [BM]
                 ln2 = tl.load(l2p + Sq, mask=offs_m < Sq, other=0.0)               # [BM]
@@ -1454,7 +1478,7 @@ def dbias_kernel(Q, K, V, DO, L2, DELTA, BIAS, DB, QID, KID, KM, SLOPES,
                         j0 = tj * BN
                     offs_n = j0 + offs_nb
                     kT = _load_rows_t(Kh, j0, sk_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
-                    vT = _load_rows_t(Vh, j0, sv_s, Sk, offs_nb, offs_d, D, DP, True)  # [DP, BN]
+                    vT = _load_rows_t(Vh, j0, sv_s, Sk, offs_nb, offs_dv, VD, VDP, True)  # [VDP, BN]
                     bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, True)
                     if SOFTCAP or ALIBI:
                         s, _ = _mod_scores(_dot(q, kT, PREC), scale, bt, cap, slope, offs_m,

@@ -154,7 +154,8 @@ def resolve_launch(kernel, grid_of, cfg: configs.KernelConfig, args, kw, sig, tu
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
     if tune_key is not None and configs.autotune_enabled():
         sbq, sbk = kw.get("SBQ", 128), kw.get("SBK", 128)
-        cands = [cfg] + [c for c in configs.candidates(tune_key[0], kw["DP"], tune_key[2])
+        dp = max(kw["DP"], kw.get("VDP", kw["DP"]))      # the wider of q/k's and v's tiles
+        cands = [cfg] + [c for c in configs.candidates(tune_key[0], dp, tune_key[2])
                          if sbq % c.bm == 0 and sbk % c.bn == 0 and c != cfg]
 
         def run(c):
@@ -178,7 +179,10 @@ def resolve_launch(kernel, grid_of, cfg: configs.KernelConfig, args, kw, sig, tu
 
 
 def tuning_key(kernel: str, p) -> tuple:
-    return (kernel, configs.padded_dim(p.head_dim), p.dtype, p.mask_class, p.has_bias,
+    dims = configs.padded_dim(p.head_dim)
+    if p.head_dim_v != p.head_dim:
+        dims = (dims, configs.padded_dim(p.head_dim_v))
+    return (kernel, dims, p.dtype, p.mask_class, p.has_bias,
             configs.length_bucket(max(p.seq_q, p.seq_k)))
 
 
@@ -266,7 +270,9 @@ def build(direction: str, p, plan, mods, named, bias) -> Prepared:
                   sc=tiles.dummy(dev, torch.float32), direct=direct_on)
     if direction == "backward":
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
-        pr.common = dict(D=D, DP=configs.padded_dim(D), HAS_BAND=ma.has_band,
+        Dv = p.head_dim_v
+        pr.common = dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=configs.padded_dim(Dv),
+                         HAS_BAND=ma.has_band,
                          HAS_DOCS=ma.has_docs, HAS_KEEP=ma.has_keep, PREC=prec, **md.flags)
         pr.want_ds = "sinks" in p.wrt and md.sinks
         pr.want_db = "bias" in p.wrt and bias is not None

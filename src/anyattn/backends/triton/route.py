@@ -1,10 +1,11 @@
 """The Triton route: which kernels a call runs (the Hopper path or the portable one) and
 with which config, decided by one function over plain data.
 
-Shape legend: B batch, Hq / Hkv query / kv heads, Sq / Sk queries / keys, D head dim.
+Shape legend: B batch, Hq / Hkv query / kv heads, Sq / Sk queries / keys, D head dim of
+q and k, Dv of v (and out).
 
 ``route(problem, direction, device, env, plan)`` takes a :class:`ProblemFacts` (dtype,
-head dim, mask class, score features, lengths, the tensors' TMA verdict), a
+head dims, mask class, score features, lengths, the tensors' TMA verdict), a
 :class:`DeviceFacts` (device kind, compute capability, SM count, interpreter, Gluon)
 and the settings (``anyattn.settings``), and returns a :class:`Route`: the path, the
 config's name and object, and one line of reason per decision.  Nothing in it asks a
@@ -14,7 +15,8 @@ GPU, so it is tested as a table on the CPU (tests/triton/test_route.py) and prin
 The decisions, in order:
 
 1. path: ANYATTN_TRITON_PATH=portable keeps the portable kernels; otherwise the Hopper
-   path where hopper/coverage.py's table covers the call (its reason where not) and,
+   path where hopper/coverage.py's table covers the call (its reason where not: e.g. a
+   value head dim Dv != D, which only the portable kernels take) and,
    under 'auto', routes it by default; 'hopper' raises NotImplementedError where the
    table does not cover the call.  An explicit portable ``plan`` keeps the portable path.
 2. config: Hopper forward: hopper/configs.fwd_config(D, mask class).  Hopper backward:
@@ -23,8 +25,9 @@ The decisions, in order:
    dQ: the dQ-inside kernel's programs wait for each other's add turns and need all key
    tiles of a (batch, kv head) resident, and half the SMs keeps that true while other
    streams' kernels (collectives) hold SMs too.  Portable (and the Hopper backward's
-   portable preprocess / dQ): the explicit plan, else configs.plan_for (the fixed test
-   plan under TRITON_INTERPRET=1 or ANYATTN_TRITON_CONFIG=fixed).
+   portable preprocess / dQ): the explicit plan, else configs.plan_for of the larger
+   padded head dim of D and Dv (the fixed test plan under TRITON_INTERPRET=1 or
+   ANYATTN_TRITON_CONFIG=fixed).
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ DIRECTIONS = ("forward", "backward")
 class ProblemFacts:
     """What the route reads of a call.  ``features``: the score features present (names
     of hopper/coverage.FEATURES); ``layout``: why the tensors cannot be read through TMA
-    (hopper/coverage.layout_reason), None where they can."""
+    (hopper/coverage.layout_reason), None where they can; ``head_dim_v``: v's head dim
+    Dv (None: D, the same as q's and k's)."""
 
     batch: int
     heads_q: int
@@ -60,12 +64,18 @@ class ProblemFacts:
     features: FrozenSet[str] = frozenset()
     precision: str = "highest"
     layout: Optional[str] = None
+    head_dim_v: Optional[int] = None
 
     def __post_init__(self):
         unknown = set(self.features) - set(coverage.FEATURES)
         if unknown:
             raise ValueError(f"ProblemFacts.features: unknown {sorted(unknown)}; expected "
                              f"names of {coverage.FEATURES}")
+
+    @property
+    def value_dim(self) -> int:
+        """Dv: v's head dim (D where head_dim_v is None)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def empty(self) -> bool:
@@ -84,7 +94,8 @@ class ProblemFacts:
         return cls(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seq_q=p.seq_q,
                    seq_k=p.seq_k, head_dim=p.head_dim, dtype=p.dtype,
                    mask_class=p.mask_class, features=feats, precision=p.precision,
-                   layout=coverage.layout_reason(tensors))
+                   layout=coverage.layout_reason(tensors),
+                   head_dim_v=None if p.head_dim_v == p.head_dim else p.head_dim_v)
 
 
 @dataclass(frozen=True)
@@ -146,13 +157,17 @@ def plan_name(plan: configs.Plan, direction: str) -> str:
 def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple[configs.Plan, str]:
     if plan is not None:
         return plan, "the explicit plan passed by the caller"
-    got = configs.plan_for(configs.padded_dim(problem.head_dim), problem.dtype, problem.precision,
+    dp = configs.padded_dim(max(problem.head_dim, problem.value_dim))
+    got = configs.plan_for(dp, problem.dtype, problem.precision,
                      problem.mask_class, "bias" in problem.features,
                      max(problem.seq_q, problem.seq_k))
     if configs.use_fixed():
         why = "the fixed test plan (TRITON_INTERPRET=1 or ANYATTN_TRITON_CONFIG=fixed)"
+    elif problem.value_dim != problem.head_dim:
+        why = (f"configs.plan_for: padded max(D, Dv) {dp}, {problem.dtype}, mask class "
+               f"{problem.mask_class}")
     else:
-        why = (f"configs.plan_for: padded D {configs.padded_dim(problem.head_dim)}, "
+        why = (f"configs.plan_for: padded D {dp}, "
                f"{problem.dtype}, mask class {problem.mask_class}")
     if problem.dtype == "float32":
         why += "; fp32 as three products of scaled fp16 parts ('f16x3')"

@@ -139,6 +139,9 @@ def uncovered(problem, direction: str, device) -> Optional[str]:
         return f"compute capability {cc[0]}.{cc[1]} (covers {sorted(cov.capabilities)})"
     if problem.dtype not in cov.dtypes:
         return f"dtype {problem.dtype} (covers {sorted(cov.dtypes)})"
+    if problem.value_dim != problem.head_dim:
+        return (f"value head_dim {problem.value_dim} != head_dim {problem.head_dim} (the "
+                "Hopper kernels take one head dim for q, k and v)")
     if problem.head_dim not in cov.head_dims:
         return f"head_dim {problem.head_dim} (covers {sorted(cov.head_dims)})"
     classes = cov.covered_mask_classes(problem.head_dim)
