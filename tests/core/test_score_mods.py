@@ -553,3 +553,41 @@ def test_a_mask_function_spelling_causal_is_causal():
     np.testing.assert_array_equal(
         aa.attention(q, k, v, mask=aa.MaskMod(lambda b, h, i, j: j <= i)),
         aa.attention(q, k, v, mask=aa.Causal()))
+
+
+def _qkv(Sq=16, Sk=16):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, Sq, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, Sk, 8)).astype(np.float32)
+    return q, k, k.copy()
+
+
+def test_describe_runs_a_spelled_softcap_as_the_builtin_on_every_backend():
+    q, k, v = _qkv()
+    p = describe(q, k, v, score_mod=lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0))
+    assert p.score_mod is None and p.softcap == 30.0
+    assert "score_mod" not in p.features and "softcap" in p.features
+    # not where a softcap is set: the function applies after it
+    p = describe(q, k, v, softcap=5.0,
+                 score_mod=lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0))
+    assert p.score_mod is not None and p.softcap == 5.0
+    # a near miss stays a function
+    p = describe(q, k, v, score_mod=lambda s, b, h, i, j: 30.0 * np.tanh(s / 20.0))
+    assert p.score_mod is not None and p.softcap is None
+
+
+def test_describe_moves_a_where_band_into_the_mask_band_term():
+    q, k, v = _qkv(12, 20)
+    p = describe(q, k, v, score_mod=lambda s, b, h, i, j: np.where(j <= i, s * 2.0, -np.inf))
+    assert (p.mask.band_lo, p.mask.band_hi) == (None, 0)
+    assert p.score_mod is not None and "band" in p.features
+    ref = aa.attention(q, k, v, mask=aa.Causal(), score_mod=lambda s, b, h, i, j: s * 2.0,
+                       backend="numpy")
+    got = aa.attention(q, k, v, score_mod=lambda s, b, h, i, j: np.where(j <= i, s * 2.0,
+                                                                      -np.inf),
+                       backend="numpy")
+    np.testing.assert_array_equal(got, ref)
+    # the band meets the mask's own band (a window inside a causal mask): both hold
+    p = describe(q, k, v, mask=aa.Causal(),
+                 score_mod=lambda s, b, h, i, j: np.where(j >= i - 3, s, -np.inf))
+    assert (p.mask.band_lo, p.mask.band_hi) == (-3, 0) and p.score_mod is None
