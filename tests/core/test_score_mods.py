@@ -555,7 +555,7 @@ def test_a_mask_function_spelling_causal_is_causal():
         aa.attention(q, k, v, mask=aa.Causal()))
 
 
-def _qkv(Sq=16, Sk=16):
+def _float32_qkv(Sq=16, Sk=16):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, Sq, 8)).astype(np.float32)
     k = rng.standard_normal((1, 2, Sk, 8)).astype(np.float32)
@@ -563,7 +563,7 @@ def _qkv(Sq=16, Sk=16):
 
 
 def test_describe_runs_a_spelled_softcap_as_the_builtin_on_every_backend():
-    q, k, v = _qkv()
+    q, k, v = _float32_qkv()
     p = describe(q, k, v, score_mod=lambda s, b, h, i, j: 30.0 * np.tanh(s / 30.0))
     assert p.score_mod is None and p.softcap == 30.0
     assert "score_mod" not in p.features and "softcap" in p.features
@@ -577,7 +577,7 @@ def test_describe_runs_a_spelled_softcap_as_the_builtin_on_every_backend():
 
 
 def test_describe_moves_a_where_band_into_the_mask_band_term():
-    q, k, v = _qkv(12, 20)
+    q, k, v = _float32_qkv(12, 20)
     p = describe(q, k, v, score_mod=lambda s, b, h, i, j: np.where(j <= i, s * 2.0, -np.inf))
     assert (p.mask.band_lo, p.mask.band_hi) == (None, 0)
     assert p.score_mod is not None and "band" in p.features
