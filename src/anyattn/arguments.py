@@ -34,7 +34,10 @@ def bias_4d(bias, p: Problem):
 
 
 def score_mods(p: Problem, alibi_slopes, sinks) -> ScoreMods:
-    """The validated modifier arrays; slopes as a [Ba, Hq] view."""
+    """The validated modifier arrays; slopes as a [Ba, Hq] view (those of a score
+    function that spelled ALiBi where the call gave none: ``Problem.matched_alibi``)."""
+    if alibi_slopes is None:
+        alibi_slopes = p.matched_alibi
     if alibi_slopes is not None and alibi_slopes.ndim == 1:
         alibi_slopes = alibi_slopes.reshape(p.alibi_shape)
     return ScoreMods(alibi_slopes=alibi_slopes, sinks=sinks)

@@ -62,6 +62,9 @@ class Problem:
     dropout_seed: Optional[int] = None              # an int in [0, 2**64) when p > 0
     score_mod: Any = None                           # a BoundProgram (anyattn.programs)
     pages: Any = None                               # a PagedKV (anyattn.paged): k/v are pages
+    #: the slopes of a score function that spelled ALiBi (anyattn.programs.builtin_forms),
+    #: in q's library and device: ``arguments.score_mods`` passes them as alibi_slopes
+    matched_alibi: Any = None
 
     @property
     def capture_wrt(self) -> FrozenSet[str]:
@@ -526,6 +529,11 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
         from .programs.builtin_forms import lower_to_builtins
 
         smod, rmask, softcap = lower_to_builtins(smod, rmask, softcap)
+    matched_alibi = None
+    if smod is not None:
+        smod, matched_alibi, alibi_shape, alibi_dtype = _match_alibi(
+            smod, Sk - Sq + q_offset - k_offset, wrt_set, kind, dt, dev, alibi_shape,
+            alibi_dtype)
     if rmask.keep is not None and array_kind(rmask.keep) == "torch" and kind == "torch":
         if str(rmask.keep.device) != dev:
             _fail(ValueError, f"mask: KeepMask is on {rmask.keep.device} but q is on {dev}")
@@ -535,7 +543,29 @@ def _describe(q, k, v, dout, out, lse, mask, bias, scale, precision, wrt, q_offs
                    bias_shape=bias_shape, bias_dtype=bias_dtype, precision=precision,
                    wrt=wrt_set, q_offset=q_offset, k_offset=k_offset, softcap=softcap,
                    alibi_shape=alibi_shape, alibi_dtype=alibi_dtype, sinks_dtype=sinks_dtype,
-                   dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=smod)
+                   dropout_p=dropout_p, dropout_seed=dropout_seed, score_mod=smod,
+                   matched_alibi=matched_alibi)
+
+
+def _match_alibi(smod, diag, wrt, kind, dt, dev, alibi_shape, alibi_dtype):
+    """A score function that spells ALiBi exactly runs as ``alibi_slopes=`` on every
+    backend: -> (score function or None, slopes in q's library / device / dtype rule
+    or None, alibi_shape, alibi_dtype)."""
+    from .programs.builtin_forms import alibi_slopes_of
+
+    hit = alibi_slopes_of(smod, diag, wrt)
+    if hit is None:
+        return smod, None, alibi_shape, alibi_dtype
+    slopes, per_batch = hit
+    slopes = slopes.astype(np.float64 if dt == "float64" else np.float32)
+    B, Hq = smod.sizes[0], smod.sizes[1]
+    shape = (B, Hq) if per_batch else (1, Hq)
+    slopes = np.ascontiguousarray(slopes.reshape(shape))
+    if kind == "torch":
+        import torch
+
+        slopes = torch.from_numpy(slopes).to(dev)
+    return None, slopes, shape, dtype_name(slopes)
 
 
 #: the per-array checks of :func:`describe` (library, plain array, 4 dims, float dtype;

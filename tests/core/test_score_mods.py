@@ -591,3 +591,43 @@ def test_describe_moves_a_where_band_into_the_mask_band_term():
     p = describe(q, k, v, mask=aa.Causal(),
                  score_mod=lambda s, b, h, i, j: np.where(j >= i - 3, s, -np.inf))
     assert (p.mask.band_lo, p.mask.band_hi) == (-3, 0) and p.score_mod is None
+
+
+def test_describe_runs_a_spelled_alibi_as_the_builtin_unless_its_slopes_want_a_gradient():
+    q, k, v = _float32_qkv()
+    slopes = np.array([0.5, 0.25], np.float64)
+
+    def alibi(s, b, h, i, j, slopes):
+        return s - slopes[h] * abs(i - j)
+
+    p = describe(q, k, v, mask=aa.Causal(), score_mod=aa.ScoreMod(alibi, slopes=slopes))
+    assert p.score_mod is None and p.alibi_shape == (1, 2) and "alibi" in p.features
+    assert p.matched_alibi.dtype == np.float32
+    np.testing.assert_array_equal(p.matched_alibi, slopes[None].astype(np.float32))
+    got = aa.attention(q, k, v, mask=aa.Causal(), score_mod=aa.ScoreMod(alibi, slopes=slopes),
+                       backend="numpy")
+    want = aa.attention(q, k, v, mask=aa.Causal(), alibi_slopes=slopes.astype(np.float32),
+                        backend="numpy")
+    np.testing.assert_array_equal(got, want)
+    # the slopes' gradient: the built-in has none, the function stays
+    g = np.ones_like(q)
+    p = describe(q, k, v, dout=g, wrt=("q", "slopes"),
+                 score_mod=aa.ScoreMod(alibi, slopes=slopes))
+    assert p.score_mod is not None and p.matched_alibi is None
+    # another diagonal (Sq != Sk: the built-in is bottom-right aligned) stays a function
+    q2 = q[:, :, :10]
+    p = describe(q2, k, v, score_mod=aa.ScoreMod(alibi, slopes=slopes))
+    assert p.score_mod is not None and p.matched_alibi is None
+
+
+def test_a_spelled_alibi_on_torch_tensors_gets_its_slopes_as_a_tensor():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in _float32_qkv())
+    slopes = torch.tensor([0.5, 0.25])
+    p = describe(q, k, v, score_mod=aa.ScoreMod(
+        lambda s, b, h, i, j, sl: s - sl[h] * abs(i - j), sl=slopes))
+    assert isinstance(p.matched_alibi, torch.Tensor) and p.matched_alibi.shape == (1, 2)
+    got = aa.attention(q, k, v, score_mod=aa.ScoreMod(
+        lambda s, b, h, i, j, sl: s - sl[h] * abs(i - j), sl=slopes), backend="numpy")
+    want = aa.attention(q, k, v, alibi_slopes=slopes, backend="numpy")
+    assert torch.equal(got, want)

@@ -339,16 +339,15 @@ def test_a_per_head_factor_folds_into_the_queries_of_the_forward(per_batch, np_c
 
 
 def test_a_non_finite_factor_is_not_folded():
-    from anyattn.backends.numpy_backend import _as_builtin, _fold_scale
-    from anyattn.modifiers import NO_MODS
+    from anyattn.backends.numpy_backend import _fold_scale, _fold_scale_form
     from anyattn.problem import describe
     q, k, v, _ = qkv(16, 1, H, H, 8, 8, 4, "float32")
     for t, folded in ((SLOPES, True), (np.array([1, np.inf, 1, 1], np.float32), False),
                       (np.array([1, np.nan, 1, 1], np.float32), False)):
         p = describe(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s * t[h], t=t))
-        p2, _, scale = _as_builtin(p, NO_MODS)
+        scale = _fold_scale_form(p)
         assert scale == Scale("t", False)
-        p3, q3 = _fold_scale(p2, q, scale)
+        p3, q3 = _fold_scale(p, q, scale)
         assert (p3.score_mod is None) == folded
         assert (q3 is q) != folded
 

@@ -60,7 +60,7 @@ from .. import settings
 from . import blas_threads, numpy_paged
 from .base import Backend, Capabilities
 from ..programs.bound import ScoreTiles
-from ..programs.builtin_forms import Alibi, Scale, match_builtin
+from ..programs.builtin_forms import Scale, match_builtin
 from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, AlibiRows,
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
@@ -558,28 +558,17 @@ def _modifiers_of(p) -> List[_Modifier]:
     return [m for name, m in MODIFIER_STEPS.items() if name in used]
 
 
-def _as_builtin(p, mods):
-    """(p, mods, scale) with a score function that spells ALiBi exactly
-    (:mod:`anyattn.programs.builtin_forms`; band and softcap forms were taken out by
-    ``describe`` for every backend) turned into the built-in, so that it runs the
-    built-in's tile code (base 2, bounded forward); not where the backward wants the
-    slopes' gradient (the built-in's slopes have none).  ``scale``: the function is
-    ``score * t[h]`` (a :class:`~anyattn.programs.builtin_forms.Scale`, p still holding
-    it) and there is no softcap, so a forward may fold it into the queries
-    (:func:`_fold_scale`); else None."""
+def _fold_scale_form(p) -> Optional[Scale]:
+    """The score function is ``score * t[h]`` (a
+    :class:`~anyattn.programs.builtin_forms.Scale`) and there is no softcap (a factor
+    after a softcap would move inside tanh), so a forward may fold it into the queries
+    (:func:`_fold_scale`); else None.  (The band, softcap and ALiBi forms were taken out
+    by ``describe`` for every backend.)"""
     sm = p.score_mod
-    if sm is None:
-        return p, mods, None
+    if sm is None or p.softcap is not None:
+        return None
     form = match_builtin(sm.program, sm.sizes)
-    if (isinstance(form, Alibi) and not p.has_alibi and form.fits(alibi_diag(p))
-            and form.capture not in p.capture_wrt):
-        slopes = sm.arrays[form.capture]
-        shape = (p.batch, p.heads_q) if form.per_batch else (1, p.heads_q)
-        return (replace(p, score_mod=None, wrt=p.wrt - {form.capture}, alibi_shape=shape,
-                        alibi_dtype=str(slopes.dtype)),
-                replace(mods, alibi_slopes=slopes.reshape(shape)), None)
-    # a factor after a softcap would move inside tanh if it went into the queries
-    return p, mods, form if isinstance(form, Scale) and p.softcap is None else None
+    return form if isinstance(form, Scale) else None
 
 
 def _fold_scale(p, q: np.ndarray, scale: Optional[Scale]):
@@ -739,7 +728,7 @@ class NumpyBackend(Backend):
         Dropout (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`): column words once
         per call, row words once per unit, keep tiles drawn per tile in the kernels;
         the statistics stay those of the undropped softmax."""
-        p, mods, scale = _as_builtin(p, mods)
+        scale = _fold_scale_form(p)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v = _as_np(q, dt), _as_np(k, dt), _as_np(v, dt)
@@ -835,7 +824,6 @@ class NumpyBackend(Backend):
         that the units compute anyway, reduced in float64.  Dropout: the kernels redraw
         each tile's keep mask (:class:`~anyattn.backends.numpy_tiles.DropoutDraw`), the
         dout weights carry 1/(1 - p), δ = <dout, out> of the dropped out as given."""
-        p, mods, _ = _as_builtin(p, mods)
         cfg = self.config
         dt = _compute_dtype(p.dtype)
         q, k, v, g = (_as_np(x, dt) for x in (q, k, v, dout))

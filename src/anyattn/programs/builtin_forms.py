@@ -47,7 +47,8 @@ from .bound import Program
 from .graph import FLOAT, INT, Node
 from .trace import Traced
 
-__all__ = ["Softcap", "Alibi", "Scale", "match_builtin", "band_where", "lower_to_builtins"]
+__all__ = ["Softcap", "Alibi", "Scale", "match_builtin", "band_where", "lower_to_builtins",
+           "alibi_slopes_of"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +247,14 @@ def lower_to_builtins(smod, rmask, softcap: Optional[float]):
         if isinstance(form, Softcap):
             smod, softcap = None, form.cap
     return smod, rmask, softcap
+
+
+def alibi_slopes_of(smod, diag: int, wrt) -> Optional[Tuple[np.ndarray, bool]]:
+    """(slopes, per_batch) where the bound score function ``smod`` spells ALiBi exactly
+    for the built-in's diagonal ``diag`` (``Sk - Sq + q_offset - k_offset``) and ``wrt``
+    does not name the slopes (the built-in's slopes have no gradient); else None.
+    ``slopes``: the capture as given (NumPy), [Hq] or [B, Hq]."""
+    form = match_builtin(smod.program, smod.sizes)
+    if not isinstance(form, Alibi) or not form.fits(diag) or form.capture in wrt:
+        return None
+    return np.asarray(smod.arrays[form.capture]), form.per_batch
