@@ -51,8 +51,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let dbase = wid.z * DS;
   let i0 = qt * BQ;
   let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
+  //@ifn PAGED
   let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  //@endif PAGED
+  //@if PAGED
+  // PAGED: the head's base in page 0; each key row through the block table (pg_row)
+  let kbase = U.k_off + kvh * U.k_sh;
+  let vbase = U.v_off + kvh * U.v_sh;
+  let skb = pg_len(b);
+  //@endif PAGED
   let first = (U.flags & F_FIRST) != 0u;
   //@if SUBGROUPS
   // SUBGROUPS: the TX lanes of a thread row are one aligned run of consecutive subgroup
@@ -110,7 +118,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       {
         let j = j0 + tx + {c} * TX;
         var x = U.neg_inf;
-        if (i < U.SQ && j < U.SK) {
+        if (i < U.SQ && j < $SKB$) {
           var kept = true;
           if (code == 1u) { kept = keep_ij(b, h, i, j); }
           if (kept) {
