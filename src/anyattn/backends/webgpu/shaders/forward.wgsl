@@ -30,6 +30,12 @@ var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / su
 var<workgroup> rowm: array<f32, BQ>;
 var<workgroup> rowl: array<f32, BQ>;
 var<workgroup> rowa: array<f32, BQ>;
+//@if PAGED
+// PAGED: element offsets (pg_row) of the key tile's rows j0 + [0, BK) in k and v, from
+// the block table once per tile (0 past the sequence's keys: never read)
+var<workgroup> pgk: array<u32, BK>;
+var<workgroup> pgv: array<u32, BK>;
+//@endif PAGED
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
 var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
@@ -99,6 +105,20 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   }
   for (var kt = U.t0; kt < U.t1; kt++) {
     TRIP
+    //@if PAGED
+    // (the previous tile's readers passed its last barrier; workgroupUniformLoad orders these)
+    if (lid < BK) {
+      let j = kt * BK + lid;
+      var ok = 0u;
+      var ov = 0u;
+      if (j < skb) {
+        ok = pg_row(b, j, U.k_sb, U.k_ss);
+        ov = pg_row(b, j, U.v_sb, U.v_ss);
+      }
+      pgk[lid] = ok;
+      pgv[lid] = ov;
+    }
+    //@endif PAGED
     if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }

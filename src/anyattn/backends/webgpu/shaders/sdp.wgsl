@@ -64,7 +64,7 @@ for (var d0 = 0u; d0 < $SDP_D$; d0 += DC) {
       a = lds_k(kbase + j * U.k_ss, d0 + 4u * c);
       //@endif PAGED
       //@if PAGED
-      a = lds_k(kbase + pg_row(b, j, U.k_sb, U.k_ss), d0 + 4u * c);
+      a = lds_k(kbase + pgk[r], d0 + 4u * c);
       //@endif PAGED
       //@if DP
       v4 = lds_v(vbase + j * U.v_ss, d0 + 4u * c);

@@ -29,7 +29,7 @@
     pk[{n#}] = lds_k(kbase + j * U.k_ss, $PF_D0$ + 4u * (e % DC4));
     //@endif PAGED
     //@if PAGED
-    pk[{n#}] = lds_k(kbase + pg_row(b, j, U.k_sb, U.k_ss), $PF_D0$ + 4u * (e % DC4));
+    pk[{n#}] = lds_k(kbase + pgk[r], $PF_D0$ + 4u * (e % DC4));
     //@endif PAGED
     //@if DP
     pv[{n#}] = lds_v(vbase + j * U.v_ss, $PF_D0$ + 4u * (e % DC4));

@@ -30,7 +30,7 @@ for (var jc = 0u; jc < BK; jc += IC) {
     if (j < U.SK) { a = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * c); }
     //@endif PAGED
     //@if PAGED
-    if (j < $SKB$) { a = lds_$UPD_SRC$($UPD_SRC$base + pg_row(b, j, U.$UPD_SRC$_sb, U.$UPD_SRC$_ss), dbase + 4u * c); }
+    if (j < $SKB$) { a = lds_$UPD_SRC$($UPD_SRC$base + pg$UPD_SRC$[j - j0], dbase + 4u * c); }
     //@endif PAGED
     $UPD_BUF$[e] = a;
   }

@@ -12,7 +12,7 @@
   if (e < IC * DS4 && j < U.SK) { pu[{n#}] = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * (e % DS4)); }
   //@endif PAGED
   //@if PAGED
-  if (e < IC * DS4 && j < $SKB$) { pu[{n#}] = lds_$UPD_SRC$($UPD_SRC$base + pg_row(b, j, U.$UPD_SRC$_sb, U.$UPD_SRC$_ss), dbase + 4u * (e % DS4)); }
+  if (e < IC * DS4 && j < $SKB$) { pu[{n#}] = lds_$UPD_SRC$($UPD_SRC$base + pg$UPD_SRC$[j - j0], dbase + 4u * (e % DS4)); }
   //@endif PAGED
 }
 //@end n
