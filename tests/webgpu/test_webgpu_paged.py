@@ -157,14 +157,20 @@ def test_paged_float16(be):
 
 
 # ------------------------------------------------------------------ device arrays
-def _no_reads(monkeypatch, be):
-    """Count the queue's read-backs and buffer maps from here on -> the list."""
+def _transfers(monkeypatch, be):
+    """Record the queue's read-backs and writes from here on -> (reads, writes as
+    (label, usage, bytes))."""
     queue = type(be.device.queue)
-    seen = []
-    r0 = queue.read_buffer
+    reads, writes = [], []
+    r0, w0 = queue.read_buffer, queue.write_buffer
+
+    def wb(self, buffer, offset, data, *a, **k):
+        writes.append((buffer.label, int(buffer.usage), memoryview(data).nbytes))
+        return w0(self, buffer, offset, data, *a, **k)
     monkeypatch.setattr(queue, "read_buffer",
-                        lambda self, *a, **k: (seen.append(a), r0(self, *a, **k))[1])
-    return seen
+                        lambda self, *a, **k: (reads.append(a), r0(self, *a, **k))[1])
+    monkeypatch.setattr(queue, "write_buffer", wb)
+    return reads, writes
 
 
 def test_paged_device_arrays_in_place(be, monkeypatch):
@@ -188,10 +194,15 @@ def test_paged_device_arrays_in_place(be, monkeypatch):
     pages = aa.Pages(table, sl)
     dkw = dict(kw, alibi_slopes=dsl, sinks=dsk)
     aa.attention(dq, dk, dv, pages=pages, **dkw)
-    reads = _no_reads(monkeypatch, be)
+    reads, writes = _transfers(monkeypatch, be)
     out, lse = aa.attention(dq, dk, dv, pages=pages, return_lse=True, **dkw)
-    assert not reads
     monkeypatch.undo()
+    assert not reads
+    # written: uniforms and the aux table (block table, records, tile map; zeros where
+    # the device fills in slopes / sinks), nothing the size of the cache
+    other = [w for w in writes if not w[1] & int(wgpu.BufferUsage.UNIFORM)]
+    assert all(label == "aux" for label, _, _ in other), other
+    assert sum(n for _, _, n in other) < k.nbytes // 2, (other, k.nbytes)
     assert isinstance(out, wg.DeviceArray) and isinstance(lse, wg.DeviceArray)
     check((out.numpy(), lse.numpy()), oracle(q, k, v, table, lengths, **kw), "float32")
 
