@@ -62,7 +62,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
   //@endif PAGED
   //@if PAGED
-  // PAGED: the head's base in page 0; each key row through the block table (pg_row)
+  // PAGED: the head's base in page 0; key rows at the offsets pgk / pgv of each key tile
   let kbase = U.k_off + kvh * U.k_sh;
   let vbase = U.v_off + kvh * U.v_sh;
   let skb = pg_len(b);
