@@ -1,5 +1,7 @@
 """Decoding on the NumPy backend: a paged cache (attention(..., pages=)) vs the same keys
-in a contiguous cache [B, Hkv, Sk, D], in one process.
+in a contiguous cache [B, Hkv, Sk, D], in one process (``--backend webgpu``: the webgpu
+backend, NumPy arrays or, with ``--device-arrays``, anyattn.webgpu device arrays that
+stay on the device; out read back on the host in both variants).
 
 Shape legend: B batch, Hq/Hkv heads, Sq queries per sequence, D head dim, Sk keys per
 sequence (the cache), P positions per page.
@@ -11,6 +13,8 @@ alike; it reports the median and min over the rounds and the median per-round ra
 The outputs are compared (fp32, every element) before timing.
 
     PYTHONPATH=src python3 bench/numpy_paged_decode.py --reps 5
+    PYTHONPATH=src python3 bench/numpy_paged_decode.py --backend webgpu --device-arrays \
+        --batch 2 --heads-q 8 --heads-kv 2 --head-dim 64 --cache 1024 --reps 3
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
                     help="the pages' layout: [N, Hkv, P, D] or FlashAttention's [N, P, Hkv, D]")
+    ap.add_argument("--backend", choices=("numpy", "webgpu"), default="numpy")
+    ap.add_argument("--device-arrays", action="store_true",
+                    help="webgpu: q and both caches as anyattn.webgpu device arrays")
     ap.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     a = ap.parse_args()
     B, Hq, Hkv, Sq, D, Sk, P = (a.batch, a.heads_q, a.heads_kv, a.seq_q, a.head_dim,
@@ -58,14 +65,24 @@ def main() -> None:
         qp, kp, vp = (np.ascontiguousarray(x.swapaxes(1, 2)) for x in (q, k_pages, v_pages))
     else:
         qp, kp, vp = q, k_pages, v_pages
+    qc, kc, vc = q, k, v
+    if a.device_arrays:
+        if a.backend != "webgpu":
+            ap.error("--device-arrays needs --backend webgpu")
+        import anyattn.webgpu as webgpu
+
+        qp, kp, vp, qc, kc, vc = (webgpu.asarray(x) for x in (qp, kp, vp, qc, kc, vc))
+
+    def host(x):
+        return x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else x
 
     def paged():
-        out = aa.attention(qp, kp, vp, pages=pages, mask=mask, backend="numpy",
-                           layout=a.layout)
+        out = host(aa.attention(qp, kp, vp, pages=pages, mask=mask, backend=a.backend,
+                                layout=a.layout))
         return out if a.layout == "bhsd" else out.swapaxes(1, 2)
 
     def contiguous():
-        return aa.attention(q, k, v, mask=mask, backend="numpy")
+        return host(aa.attention(qc, kc, vc, mask=mask, backend=a.backend))
 
     diff = float(np.max(np.abs(paged() - contiguous())))
     times = {"paged": [], "contiguous": []}
@@ -77,6 +94,7 @@ def main() -> None:
     ratio = statistics.median(p / c for p, c in zip(times["paged"], times["contiguous"]))
     res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, D=D, Sk=Sk, page=P, dtype="float32",
                          pages_layout=a.layout),
+           "backend": a.backend, "device_arrays": a.device_arrays,
            "max_abs_diff": diff,
            **{f"{k}_median_ms": 1e3 * statistics.median(t) for k, t in times.items()},
            **{f"{k}_min_ms": 1e3 * min(t) for k, t in times.items()},

@@ -140,10 +140,14 @@ def gather_sequence(x, pk: PagedKV, b: int):
 def _stand_in(x, shape: Tuple[int, ...]):
     """A broadcast (zero-stride) array of ``shape`` with x's library, dtype and device:
     what the dense validation reads of the logical k / v (no data)."""
-    if array_kind(x) == "torch":
+    kind = array_kind(x)
+    if kind == "torch":
         import torch
 
         return torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
+    if kind == "webgpu":            # a zero-stride view of the pages' buffer
+        return type(x).root(x.buffer, tuple(shape), x.dtype, (0,) * len(shape), x.offset,
+                            x.device)
     return np.broadcast_to(np.zeros((), dtype=x.dtype), shape)
 
 
@@ -167,12 +171,12 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
     kind = check_array("q", q, None)
     check_array("k_pages", k_pages, kind)
     check_array("v_pages", v_pages, kind)
-    if kind not in ("numpy", "torch"):
+    if kind not in ("numpy", "torch", "webgpu"):
         raise NotImplementedError(f"pages: the caches are {kind} arrays; no backend reads "
-                                  f"paged key/value caches of {kind} arrays yet (only the "
-                                  "numpy and reference backends read pages: NumPy arrays, "
-                                  "torch CPU tensors); gather the pages into k/v "
-                                  "[B, Hkv, Sk, D] and call attention without pages")
+                                  f"paged key/value caches of {kind} arrays yet (NumPy "
+                                  "arrays, torch tensors and anyattn.webgpu device arrays "
+                                  "are read); gather the pages into k/v [B, Hkv, Sk, D] and "
+                                  "call attention without pages")
     dt, dev = dtype_name(q), device_name(q)
     check_like_q("k_pages", k_pages, dt, dev)
     check_like_q("v_pages", v_pages, dt, dev)

@@ -6,7 +6,7 @@ import pytest
 import anyattn as aa
 from anyattn import features
 from anyattn.backends import numpy_paged
-from anyattn.backends.registry import get_backend
+from anyattn.backends.registry import get_backend, unavailable_reason
 
 from helpers import assert_close, rel_err
 
@@ -87,11 +87,16 @@ def tile_keys(request, monkeypatch):
 
 
 @pytest.mark.parametrize("backend, tiles", [("numpy", 512), ("numpy", 20),
-                                            ("reference", None)])
+                                            ("reference", None), ("webgpu", None)])
 @pytest.mark.parametrize("P", [16, 5])
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_paged_matches_the_dense_reference(backend, tiles, P, sq, mask, monkeypatch):
+    if backend == "webgpu":
+        pytest.importorskip("wgpu")
+        why = unavailable_reason("webgpu")
+        if why:
+            pytest.skip(f"webgpu unavailable: {why}")
     if tiles is not None:
         monkeypatch.setattr(numpy_paged, "TILE_KEYS", tiles)
     rng = np.random.default_rng([P, sq, len(mask)])
@@ -241,21 +246,6 @@ def test_triton_refuses_pages_through_its_capabilities():
         aa.attention(q, k, k, pages=pages, backend="triton")
 
 
-def test_webgpu_device_arrays_as_pages_are_refused():
-    pytest.importorskip("wgpu")
-    import anyattn.webgpu as webgpu
-
-    try:
-        k = webgpu.asarray(np.zeros((3, 2, 4, 8), np.float32))
-        q = webgpu.asarray(np.zeros((2, 2, 1, 8), np.float32))
-    except aa.BackendUnavailable as e:          # no adapter here
-        pytest.skip(str(e))
-    pages = aa.Pages(np.array([[0, 1], [2, 0]], np.int32), np.array([7, 4], np.int32))
-    with pytest.raises(NotImplementedError, match="pages: the caches are webgpu arrays; no "
-                                                  "backend reads paged"):
-        aa.attention(q, k, k, pages=pages)
-
-
 def test_pages_is_checked_to_be_pages():
     q = np.zeros((1, 1, 1, 2), np.float32)
     with pytest.raises(TypeError, match=r"pages: expected anyattn.Pages"):
@@ -267,13 +257,13 @@ def test_unused_table_entries_are_never_read():
     assert out.shape == (2, 2, 1, 8)
 
 
-def test_only_numpy_and_reference_declare_paged_kv():
+def test_numpy_reference_and_webgpu_declare_paged_kv():
     from anyattn.backends.reference_backend import ReferenceBackend
     from anyattn.backends.webgpu.backend import _CAPS as webgpu_caps
 
     assert get_backend("numpy").capabilities.supports("paged_kv")
     assert ReferenceBackend.capabilities.supports("paged_kv")
-    assert not webgpu_caps.supports("paged_kv")
+    assert webgpu_caps.supports("paged_kv")
     assert "paged_kv" not in features.DEFAULT_INPUTS
 
 

@@ -20,6 +20,9 @@ batch, so the draw never depends on the split.
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
+Paged key/value caches (anyattn.paged, ``forward_paged``): the forward compiled with
+PAGED reads each key row through the block table, with per-sequence key counts and
+bands (engine.Call.set_pages); NumPy or device-array pages.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ _CAPS = Capabilities(
     array_kinds=frozenset({"numpy", "webgpu"}), device_types=frozenset({"cpu", "webgpu"}),
     dtypes=frozenset({"float32", "float16"}), precisions=frozenset({"highest"}),
     max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
-    modifiers=BUILTIN_MODIFIERS | {"score_mod"}, inputs=DEFAULT_INPUTS | {"value_dim"},
+    modifiers=BUILTIN_MODIFIERS | {"score_mod"},
+    inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
     gradients=GRADIENTS - {"score_mod_grad"})
 
 
@@ -179,7 +183,10 @@ class WebGPUBackend(Backend):
         call.v = upload_view(run, "v", v, npdt)
         if dout is not None:
             call.g = upload_view(run, "dout", dout, npdt)
-        call.set_mask(p.mask)
+        if p.pages is not None:
+            call.set_pages(p)
+        else:
+            call.set_mask(p.mask)
         if bias is not None:
             call.set_bias(bias)
         call.set_mods(p.softcap, mods.alibi_slopes, alibi_diag(p), mods.sinks)
@@ -265,6 +272,14 @@ class WebGPUBackend(Backend):
                                  p.head_dim_v)
         per_b = {"q": Hq * Sq * max(D, Dv) * it, "k/v": Hk * Sk * max(D, Dv) * it,
                  "out": 4 * Hq * Sq * max(D, Dv), "stats": 4 * STATS_ROWS * Hq * Sq}
+        pk = p.pages
+        if pk is not None:              # the whole cache is bound, once for every batch
+            del per_b["k/v"]
+            cache = pk.num_blocks * Hk * pk.page_size * max(D, Dv) * it
+            if cache > lim:
+                raise ValueError(f"webgpu: the paged cache k_pages/v_pages needs {cache} bytes, "
+                                 f"past this adapter's max storage binding of {lim} bytes "
+                                 f"({run.ctx.name}); use a smaller cache or backend='numpy'")
         if bias is not None:
             b4 = np.asarray(bias)
             b4 = compact_broadcast(b4.reshape((1,) * (4 - b4.ndim) + b4.shape))
@@ -287,6 +302,11 @@ class WebGPUBackend(Backend):
                              f"this adapter's max storage binding of {lim} bytes "
                              f"({run.ctx.name}); shorten the sequence or use another backend")
         nb = max(1, lim // worst)
+        if nb < p.batch and pk is not None:
+            raise ValueError(f"webgpu: a paged call runs in one piece, but one batch of the "
+                             f"{role} buffer needs {worst} bytes and only {nb} of {p.batch} fit "
+                             f"this adapter's max storage binding of {lim} bytes; split the "
+                             "batch")
         if nb < p.batch and _has_programs(p):
             raise NotImplementedError(
                 f"webgpu: score_mod / mask functions with a batch split into chunks (one "
@@ -341,6 +361,17 @@ class WebGPUBackend(Backend):
                           np.concatenate([s.log_norm for _, s in parts]))
             return np.concatenate([o for o, _ in parts]), st
         return self._forward_one(p, q, k, v, bias, mods)
+
+    def forward_paged(self, p: Problem, q, k_pages, v_pages, mods=NO_MODS):
+        """The forward over a paged cache (``p.pages``, anyattn.paged): the PAGED kernel
+        reads every key row through the block table where the pages lie (device arrays:
+        bound in place; NumPy pages: uploaded as they are), never a gathered copy."""
+        if p.array_kind == "webgpu":
+            from . import resident
+
+            return resident.forward(self, p, q, k_pages, v_pages, None, mods)
+        self.batch_chunks(p, backward=False)
+        return self._forward_one(p, q, k_pages, v_pages, None, mods)
 
     def _forward_one(self, p: Problem, q, k, v, bias, mods=NO_MODS, b0=0):
         with self.lock:

@@ -240,6 +240,58 @@ class Call:
         if len(self._aux_parts) > n_parts:
             self.aux_upload()
 
+    def set_pages(self, p) -> None:
+        """A paged key/value cache (``p.pages``, anyattn.paged) -> the PAGED forward.
+
+        aux gets the block table (u32 words; entries past a sequence's pages are never
+        read) and one record per sequence b: its key count ``seqlens[b]``, its band (lo,
+        hi) (``paged.sequence_mask``: its mask resolved for that count, clipped like
+        ``set_mask``'s; an open side as the clip value) and the aux index of its table
+        row; a tile map per sequence: tiles at or past its key count are empty (never
+        read), the others coded by its band.  The k / v operands' batch stride must
+        be their page stride (the kernel adds no batch term)."""
+        from ...paged import sequence_mask
+
+        pk = p.pages
+        B, BQ, BK = self.B, self.cfg.BQ, self.cfg.BK
+        lo_clip, hi_clip = -(self.SQ + 2), self.SK + 2
+        lens = pk.lengths.astype(np.int64)
+        band = np.empty((B, 2), np.int64)
+        has_lo = has_hi = False
+        for b in range(B):
+            lo, hi = sequence_mask(p, b)
+            has_lo |= lo is not None
+            has_hi |= hi is not None
+            band[b, 0] = lo_clip if lo is None else min(max(lo, lo_clip), hi_clip)
+            band[b, 1] = hi_clip if hi is None else min(max(hi, lo_clip), hi_clip)
+        M = pk.table.shape[1]
+        tab_off = self.aux_put(pk.table.astype(np.uint32))
+        rec = np.empty((B, 4), np.int64)
+        rec[:, 0] = lens
+        rec[:, 1:3] = band
+        rec[:, 3] = tab_off + M * np.arange(B)
+        self.uni["pg_off"] = self.aux_put(rec.astype(np.int32))
+        self.uni["pg_p"] = pk.page_size
+        if has_lo:
+            self.flags |= FLAGS["HAS_LO"]
+        if has_hi:
+            self.flags |= FLAGS["HAS_HI"]
+        # tile codes [B, nqt, nkt]: keys j - i of a tile span [dmin, dmax] (every value)
+        i0 = np.arange(self.nqt) * BQ
+        i1 = np.minimum(i0 + BQ, self.SQ)
+        j0 = np.arange(self.nkt) * BK
+        j1 = np.minimum(j0[None, :] + BK, lens[:, None])                     # [B, nkt]
+        dmin = j0[None, None, :] - (i1[None, :, None] - 1)                  # [1, nqt, nkt]
+        dmax = (j1[:, None, :] - 1) - i0[None, :, None]                     # [B, nqt, nkt]
+        lo, hi = band[:, 0, None, None], band[:, 1, None, None]
+        any_kept = (dmax >= lo) & (dmin <= hi) & (j0[None, None, :] < lens[:, None, None])
+        all_kept = any_kept & (dmin >= lo) & (dmax <= hi)
+        codes = np.where(all_kept, 2, np.where(any_kept, 1, 0)).astype(np.uint32)
+        self.flags |= FLAGS["TILEMAP"]
+        self.uni.update(tm_off=self.aux_put(codes), tm_sb=self.nqt * self.nkt, tm_sh=0)
+        self.mod_consts["PAGED"] = 1
+        self.aux_upload()
+
     def aux_put(self, a: np.ndarray) -> int:
         """Append 4-byte words to the aux buffer's contents -> their u32 offset."""
         a = np.ascontiguousarray(a).reshape(-1).view(np.uint32)

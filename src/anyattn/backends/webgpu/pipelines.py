@@ -27,6 +27,9 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
   output helpers of a value-dim result (``ld4_vout`` / ``st4_vout``, bounded by ``U.DV``;
   ``ld4_out`` / ``st4_out`` without VDIM); ``lds_v`` / ``lds_g`` are bounded by ``U.DV``.
   Without VDIM the kernels are the plain ones, text for text.
+* ``PAGED`` (the forward over a paged key/value cache): key rows through the block
+  table (``pg_row``), per-sequence key counts (``$SKB$``: ``skb``; ``U.SK`` without
+  PAGED) and bands.  Without PAGED the kernels are the plain ones, text for text.
 * ``//@# text``: a comment of the source that the assembled kernel does not carry.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
@@ -45,7 +48,7 @@ from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
            "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES", "VDIM_DEFINES",
-           "PROG_DEFINES"]
+           "PROG_DEFINES", "PAGED_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -72,6 +75,10 @@ OUTB_DEFINES = ("OUTB16",)
 DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN", "DSQ_PF")
 #: v's head dim differs from q's / k's (the uniform U.DV; see the module doc)
 VDIM_DEFINES = ("VDIM",)
+#: the forward over a paged key/value cache (anyattn.paged): key rows through the block
+#: table in ``aux``, per-sequence key counts and bands (common.wgsl); the uniforms
+#: ``U.pg_off`` / ``U.pg_p`` are named only here (uniforms.DEFINE_FIELDS)
+PAGED_DEFINES = ("PAGED",)
 #: a generated score function (SCOREMOD: smod_v / smod_vd after softcap) or mask
 #: function (MASKFN: mfn_all in keep_ij); either defines PROGS (the captures' binding
 #: 10 and the generated text at ``//@progfns``), SOFTCAP or SCOREMOD defines DSCHAIN
@@ -251,7 +258,8 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     else:
         text = "//@define VD U.D\n//@define VOUT out\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
-                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES + PROG_DEFINES):  # only where used
+                 + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES + PROG_DEFINES
+                 + PAGED_DEFINES):  # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     has_prog = any(consts.get(n, 0) for n in PROG_DEFINES)
@@ -280,7 +288,8 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
     head.append(f"alias TB = {'vec4<f16>' if half else elem};")   # q/k/v/dout binding element
     head.append(f"alias SV = {'vec4<f16>' if half else 'vec4<f32>'};")  # workgroup tile element
     head += [f"const {k}: u32 = {int(v)}u;" for k, v in sorted(consts.items())]
-    return "\n".join(head) + "\n" + wgsl_struct(("VDIM",) if vdim else ()) + text
+    named = tuple(n for n in ("VDIM", "PAGED") if consts.get(n, 0))
+    return "\n".join(head) + "\n" + wgsl_struct(named) + text
 
 
 # binding kinds per layout: 'u' uniform, 'r' read-only storage, 'w' read-write storage

@@ -122,7 +122,10 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
     call.v = _operand(call, v, "v")
     if dout is not None:
         call.g = _operand(call, dout, "dout")
-    call.set_mask(p.mask)
+    if p.pages is not None:
+        call.set_pages(p)
+    else:
+        call.set_mask(p.mask)
     if bias is not None:
         if bias.dtype != np.float32:
             bias = gather_contig(call, bias, "dev_bias", np.float32)
@@ -255,9 +258,12 @@ def _fields_part(p: Problem):
 
 def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     """The signature of a device-array call: everything its launch list depends on but
-    the buffers (None: not cached, e.g. a large KeepMask or an unhashable field);
+    the buffers (None: not cached, e.g. a large KeepMask, an unhashable field or a
+    paged cache, whose tables are new every call);
     ``extra``: a hashable choice of the build that depends on the inputs (the
     backward's statistics bound in place, ``_stats_in_place``)."""
+    if p.pages is not None:     # a paged call: its tables change every decoding step
+        return None
     fields, mk = _fields_part(p)
     if mk is None:
         mk = _mask_key(p.mask)

@@ -47,11 +47,15 @@ FIELDS = [
     ("ds_bh0", "u32"),
     # v's head dim where it differs from D (kernels compiled with VDIM); 0 otherwise
     ("DV", "u32"),
+    # a paged key/value cache (kernels compiled with PAGED; anyattn.paged): the aux
+    # index of the per-sequence records (key count, band, block-table row) and the
+    # page size P
+    ("pg_off", "u32"), ("pg_p", "u32"),
 ]
 #: fields that only the kernels compiled with a define read, and the define: the struct
 #: of every other kernel names them ``_pad<index>`` (padding), so its text does not
 #: depend on them
-DEFINE_FIELDS = {"DV": "VDIM"}
+DEFINE_FIELDS = {"DV": "VDIM", "pg_off": "PAGED", "pg_p": "PAGED"}
 while len(FIELDS) % 4:
     FIELDS.append((f"_pad{len(FIELDS)}", "u32"))
 NBYTES = 4 * len(FIELDS)

@@ -54,14 +54,39 @@ const SOFF_T: u32 = IC * DS4;
 const SOFF_P: u32 = SOFF_T;
 //@endif ALIAS
 var<workgroup> wg_code: u32;
+//@ifn PAGED
+//@define SKB U.SK
+//@endif PAGED
+//@if PAGED
+// PAGED (the forward over a paged key/value cache, anyattn.paged): sequence b's record
+// is aux[U.pg_off + 4b ..]: its key count, its band (lo, hi) as i32 bits (its mask
+// resolved for that count; an open side as the clip value), the aux index of its
+// block-table row.  Key j of sequence b is row j % U.pg_p of page
+// aux[row + j / U.pg_p]; the k / v operands' batch stride is their page stride.
+// Keys at or past the sequence's count (skb, the forward's) are never read.
+//@define SKB skb
+fn pg_len(b: u32) -> u32 { return aux[U.pg_off + 4u * b]; }
+fn pg_band(b: u32, side: u32) -> i32 { return bitcast<i32>(aux[U.pg_off + 4u * b + side]); }
+// element offset of key j of sequence b from its head's base (page stride sp, row stride ss)
+fn pg_row(b: u32, j: u32, sp: u32, ss: u32) -> u32 {
+  let pg = aux[aux[U.pg_off + 4u * b + 3u] + j / U.pg_p];
+  return pg * sp + (j % U.pg_p) * ss;
+}
+//@endif PAGED
 
 // Keep rule of pair (i, j) of head h: band, documents, keep mask (NaN keeps).
 fn keep_ij(b: u32, h: u32, i: u32, j: u32) -> bool {
   let f = U.flags;
   let dl = i32(j) - i32(i);
   var ok = true;
+  //@ifn PAGED
   if ((f & F_HAS_LO) != 0u) { ok = ok && (dl >= U.band_lo); }
   if ((f & F_HAS_HI) != 0u) { ok = ok && (dl <= U.band_hi); }
+  //@endif PAGED
+  //@if PAGED
+  if ((f & F_HAS_LO) != 0u) { ok = ok && (dl >= pg_band(b, 1u)); }
+  if ((f & F_HAS_HI) != 0u) { ok = ok && (dl <= pg_band(b, 2u)); }
+  //@endif PAGED
   if ((f & F_HAS_DOCS) != 0u) {
     ok = ok && (aux[U.qid_off + b * U.qid_sb + i] == aux[U.kid_off + b * U.kid_sb + j]);
   }
@@ -146,7 +171,13 @@ fn score_ij(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
   var y = biased(x, b, h, i, j);
   //@if ALIBI
   if (!is_ninf(y)) {
+    //@ifn PAGED
     let dist = f32(abs(i32(i) - i32(j) + U.alibi_diag));
+    //@endif PAGED
+    //@if PAGED
+    // PAGED: U.alibi_diag is that of U.SK keys; sequence b's is shifted by its count
+    let dist = f32(abs(i32(i) - i32(j) + U.alibi_diag + (i32(pg_len(b)) - i32(U.SK))));
+    //@endif PAGED
     let slope = bitcast<f32>(aux[U.al_off + b * U.al_sb + h]);
     y = fma(-slope, dist, y);
     if (is_ninf(y)) { y = NEG_FLT_MAX; }

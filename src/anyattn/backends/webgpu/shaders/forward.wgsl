@@ -30,6 +30,12 @@ var<workgroup> red: array<f32, BQ * TX>;         // per-row partials of max / su
 var<workgroup> rowm: array<f32, BQ>;
 var<workgroup> rowl: array<f32, BQ>;
 var<workgroup> rowa: array<f32, BQ>;
+//@if PAGED
+// PAGED: element offsets (pg_row) of the key tile's rows j0 + [0, BK) in k and v, from
+// the block table once per tile (0 past the sequence's keys: never read)
+var<workgroup> pgk: array<u32, BK>;
+var<workgroup> pgv: array<u32, BK>;
+//@endif PAGED
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
 var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
@@ -51,8 +57,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   let dbase = wid.z * DS;
   let i0 = qt * BQ;
   let qbase = U.q_off + b * U.q_sb + h * U.q_sh;
+  //@ifn PAGED
   let kbase = U.k_off + b * U.k_sb + kvh * U.k_sh;
   let vbase = U.v_off + b * U.v_sb + kvh * U.v_sh;
+  //@endif PAGED
+  //@if PAGED
+  // PAGED: the head's base in page 0; key rows at the offsets pgk / pgv of each key tile
+  let kbase = U.k_off + kvh * U.k_sh;
+  let vbase = U.v_off + kvh * U.v_sh;
+  let skb = pg_len(b);
+  //@endif PAGED
   let first = (U.flags & F_FIRST) != 0u;
   //@if SUBGROUPS
   // SUBGROUPS: the TX lanes of a thread row are one aligned run of consecutive subgroup
@@ -91,6 +105,20 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
   }
   for (var kt = U.t0; kt < U.t1; kt++) {
     TRIP
+    //@if PAGED
+    // (the previous tile's readers passed its last barrier; workgroupUniformLoad orders these)
+    if (lid < BK) {
+      let j = kt * BK + lid;
+      var ok = 0u;
+      var ov = 0u;
+      if (j < skb) {
+        ok = pg_row(b, j, U.k_sb, U.k_ss);
+        ov = pg_row(b, j, U.v_sb, U.v_ss);
+      }
+      pgk[lid] = ok;
+      pgv[lid] = ov;
+    }
+    //@endif PAGED
     if (lid == 0u) { wg_code = tile_code(b, h, qt, kt); }
     let code = workgroupUniformLoad(&wg_code);
     if (code == 0u) { continue; }
@@ -110,7 +138,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       {
         let j = j0 + tx + {c} * TX;
         var x = U.neg_inf;
-        if (i < U.SQ && j < U.SK) {
+        if (i < U.SQ && j < $SKB$) {
           var kept = true;
           if (code == 1u) { kept = keep_ij(b, h, i, j); }
           if (kept) {

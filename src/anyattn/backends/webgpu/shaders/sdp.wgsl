@@ -59,8 +59,13 @@ for (var d0 = 0u; d0 < $SDP_D$; d0 += DC) {
     //@if DP
     var v4 = SV();
     //@endif DP
-    if (j < U.SK) {
+    if (j < $SKB$) {
+      //@ifn PAGED
       a = lds_k(kbase + j * U.k_ss, d0 + 4u * c);
+      //@endif PAGED
+      //@if PAGED
+      a = lds_k(kbase + pgk[r], d0 + 4u * c);
+      //@endif PAGED
       //@if DP
       v4 = lds_v(vbase + j * U.v_ss, d0 + 4u * c);
       //@endif DP

@@ -24,8 +24,13 @@
   let e = lid + {n} * NT;
   let r = e / DC4;
   let j = j0 + r;
-  if (e < BK * DC4 && j < U.SK) {
+  if (e < BK * DC4 && j < $SKB$) {
+    //@ifn PAGED
     pk[{n#}] = lds_k(kbase + j * U.k_ss, $PF_D0$ + 4u * (e % DC4));
+    //@endif PAGED
+    //@if PAGED
+    pk[{n#}] = lds_k(kbase + pgk[r], $PF_D0$ + 4u * (e % DC4));
+    //@endif PAGED
     //@if DP
     pv[{n#}] = lds_v(vbase + j * U.v_ss, $PF_D0$ + 4u * (e % DC4));
     //@endif DP

@@ -26,7 +26,12 @@ for (var jc = 0u; jc < BK; jc += IC) {
     let c = e % DS4;
     let j = j0 + jc / 4u + r / 4u + (r % 4u) * TX;
     var a = SV();
+    //@ifn PAGED
     if (j < U.SK) { a = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * c); }
+    //@endif PAGED
+    //@if PAGED
+    if (j < $SKB$) { a = lds_$UPD_SRC$($UPD_SRC$base + pg$UPD_SRC$[j - j0], dbase + 4u * c); }
+    //@endif PAGED
     $UPD_BUF$[e] = a;
   }
   //@endif PREFETCH

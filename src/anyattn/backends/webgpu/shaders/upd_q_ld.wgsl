@@ -8,6 +8,11 @@
   let r = e / DS4;
   let j = j0 + $PF_R0$ / 4u + r / 4u + (r % 4u) * TX;
   pu[{n#}] = SV();
+  //@ifn PAGED
   if (e < IC * DS4 && j < U.SK) { pu[{n#}] = lds_$UPD_SRC$($UPD_SRC$base + j * U.$UPD_SRC$_ss, dbase + 4u * (e % DS4)); }
+  //@endif PAGED
+  //@if PAGED
+  if (e < IC * DS4 && j < $SKB$) { pu[{n#}] = lds_$UPD_SRC$($UPD_SRC$base + pg$UPD_SRC$[j - j0], dbase + 4u * (e % DS4)); }
+  //@endif PAGED
 }
 //@end n
