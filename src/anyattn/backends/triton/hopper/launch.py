@@ -233,7 +233,7 @@ class FwdLaunch:
                     f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
                     "KeepMask key ranges are per call); use the per-tile config")
             # without a band every tile's loop is as long: the greedy schedule is the
-            # kernel's own head-major round robin, so SCHED is off there (same walk)
+            # kernel's own head-major round robin (same walk): no schedule there
             if rm_.has_band:
                 self.sched = (Sq, Sk, lo, hi, cfg.bm, cfg.bn, B * H, self.grid[0])
                 # under CUDA graph capture a schedule not built yet cannot be copied to
@@ -241,9 +241,7 @@ class FwdLaunch:
                 # same loop instead, whose results are bitwise the same
                 self.per_tile = FwdLaunch(p, cfg.per_tile(), direct)
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, num_warps=4, ARRAY=False,
-                           HAS_KEEP=False,
-                           SCHED=self.sched is not None, NC=cfg.consumers)
+                           CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
         else:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
@@ -325,7 +323,7 @@ def schedule_ready(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1) -> 
 
 
 def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
-    """The persistent forward's walk (fwd_persist_kernel, SCHED) for a band lo <= j - i
+    """The persistent forward's walk (fwd_persist_kernel, HAS_BAND) for a band lo <= j - i
     <= hi: the per-tile grid's launch order (head by head, each head's query tiles
     longest first) dealt out greedily, each tile to the program that is free first
     (ties: the lowest), a tile costing its key tiles + ``tile_cost`` (Q load, epilogue)
