@@ -36,19 +36,12 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                       DELTA, SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER,
                       HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                      num_warps: gl.constexpr,
-                      CT=None, ct_b=None, ct_h=None, RK=None, rk_b=None, rk_h=None, IV=None,
-                      KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
-                      skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
-                      DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False,
-                      LATE: gl.constexpr = False):
+                      num_warps: gl.constexpr, LATE: gl.constexpr = False):
     """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv), without
-    array masks (ARRAY: CT ... HAS_KEEP fail to compile).  The producer stages the
+    array masks (Documents / KeepMask run on dkdvq_ws_kernel).  The producer stages the
     queries' statistics (bwd_ws_t_parts.consumer_t reads them there).  LATE: the
     writer's late counter release (HopperBwdConfig.late_release)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
-    gl.static_assert(not ARRAY, "array masks (Documents / KeepMask) are not implemented "
-                     "in the transposed consumers")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     RN: gl.constexpr = k_desc.block_type.shape[2]

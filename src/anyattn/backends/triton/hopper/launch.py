@@ -631,7 +631,8 @@ def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
 
 def _ws_dq_kernel(cfg):
     """The dQ-inside kernel of config cfg: bwd_ws_t_kernel's transposed consumers
-    (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments."""
+    (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments but the array
+    masks' (bwd_ws_dq_kernel only)."""
     if cfg.trans:
         from .bwd_ws_t_kernel import dkdvq_ws_t_kernel
 
