@@ -104,32 +104,21 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
         IVb = IV + b * siv_b
         KIDb = KID + b * skid_b
         KMb = KM + b.to(gl.int64) * skm_b
-        gl.warp_specialize(   # bwd_ws_parts' partitions without dq, with the array masks
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, IVb,
-                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, IVb,
-                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                         n_div, 0, n_tot, STAGES, BM))],
-            [4, 1], [CONSUMER_REGS, 24])
     else:
         s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
                                                         HAS_BAND)
-        gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                         n_div, 0, n_tot, STAGES, BM))],
-            [4, 1], [CONSUMER_REGS, 24])
+        IVb, KIDb, KMb, skm_h, skm_q, skm_k = 0, 0, 0, 0, 0, 0    # (not read)
+    gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
+        [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
+                     L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
+                     lo, hi, HAS_BAND, STAGES, 0, False, IVb, KIDb, KMb, skm_h, skm_q,
+                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+         (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
+                     L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
+                     lo, hi, HAS_BAND, STAGES, 1, False, IVb, KIDb, KMb, skm_h, skm_q,
+                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+         (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
+                     n_div, 0, n_tot, STAGES, BM))],
+        [4, 1], [CONSUMER_REGS, 24])
