@@ -29,9 +29,9 @@ functions; no array masks (Documents / KeepMask run on fwd_ws_kernel).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, tile_keys
+from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, ring, tile_keys
 
 __all__ = ["fwd_persist_kernel"]
 
@@ -196,23 +196,8 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
 
     q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
     o_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NC):
-        mbarrier.init(q_bar.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(st), count=1)
-        mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
-        mbarrier.init(v_empty.index(st), count=NC)
-    fence_async_shared()
+    k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty = ring(k_desc, v_desc, NC,
+                                                                       STAGES)
 
     gl.warp_specialize(
         [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,

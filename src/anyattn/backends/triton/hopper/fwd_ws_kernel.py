@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .tile_ranges import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
-__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue"]
+__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue", "ring"]
 
 
 @gluon.jit
@@ -259,6 +259,35 @@ def tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND: gl.constexp
 
 
 @gluon.jit
+def ring(k_desc, v_desc, NC: gl.constexpr, STAGES: gl.constexpr):
+    """The forward's K / V ring [STAGES, 1, 1, BN, D] and its barriers, initialised (after
+    the caller's Q buffers): per consumer Q ready and its ping-pong turn, per stage K / V
+    ready and empty (one arrive per consumer) -> k_smem, v_smem, q_bar, turn, k_bar,
+    v_bar, k_empty, v_empty."""
+    dt: gl.constexpr = k_desc.dtype
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NC):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(st), count=1)
+        mbarrier.init(v_bar.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
+        mbarrier.init(v_empty.index(st), count=NC)
+    fence_async_shared()
+    return k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty
+
+
+@gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -298,23 +327,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     i0 = pid_m * BM
 
     q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NC):
-        mbarrier.init(q_bar.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(st), count=1)
-        mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
-        mbarrier.init(v_empty.index(st), count=NC)
-    fence_async_shared()
+    k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty = ring(k_desc, v_desc, NC,
+                                                                       STAGES)
 
     t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND, ARRAY,
                               BM, BN)
