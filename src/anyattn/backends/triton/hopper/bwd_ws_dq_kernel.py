@@ -43,9 +43,9 @@ the portable backward's (kernels.py).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .bwd_ws_parts import consumer, producer, tile_of
+from .bwd_ws_parts import consumer, dq_barriers, producer, tile_of
 from .dq_turns import (RELEASE_WARP, add_partial, bulk_wait_all, dq_rank, release,
                        spin_acquire, visit_offset)
 from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
@@ -161,23 +161,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     st_smem = gl.allocate_shared_memory(
         gl.float32, [4 * STAGES, BM],
         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))   # (rank 1: rows indexed to [BM])
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
-        mbarrier.init(kv_bar.index(w), count=1)
-        mbarrier.init(dq_full.index(w), count=1)
-        mbarrier.init(dq_empty.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(st), count=1)
-        mbarrier.init(do_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
-    mbarrier.init(ds_bar, count=2)                       # one arrive per consumer
-    fence_async_shared()
+    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = dq_barriers(STAGES)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on
