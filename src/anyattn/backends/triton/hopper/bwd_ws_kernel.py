@@ -81,9 +81,9 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
     ds_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # two barriers no partition waits on: without them ptxas schedules the kernel
-    # differently (bench/lab/sass_hashes.py), so they stay until a GPU run shows that
-    # schedule no slower
+    # two barriers no partition waits on: they keep the shared-memory layout, and with
+    # it ptxas's schedule of the kernel, the routed one (without them: another, untimed
+    # schedule)
     idle = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -7,11 +7,11 @@ backends/triton/route.py, decides first); the checks below are the descriptors' 
 Host cost: a TMA descriptor is a small host object (the tensor, its shape and strides,
 the block and the shared-memory layout); Triton's launcher encodes the CUDA tensor map
 from it at every launch (``fill_tma_descriptor`` of ``base.data_ptr()``), so nothing
-about an address outlives a launch.  Building one through ``TensorDescriptor`` costs
-~34 us on a 2-core CPU (the layout's constexpr functions and the validation), four per
-forward; ``make_desc`` keeps what a descriptor holds besides its tensor per (shape,
-strides, dtype, block rows, 16-byte alignment) -- every input of that validation and
-layout -- and attaches the call's tensor to it (~2 us).  ``prepare_forward`` keeps the
+about an address outlives a launch.  Building one through ``TensorDescriptor`` is slow
+on the host (the layout's constexpr functions and the validation), four per forward;
+``make_desc`` keeps what a descriptor holds besides its tensor per (shape, strides,
+dtype, block rows, 16-byte alignment) -- every input of that validation and layout --
+and attaches the call's tensor to it.  ``prepare_forward`` keeps the
 rest of a forward launch (config, grid, scalars, constexprs) for prepared.py's prepared
 launches (one per call signature).
 """
@@ -40,8 +40,8 @@ LOG2E = 1.4426950408889634
 
 
 def _cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (host code: triton.cdiv is a constexpr function, ~2 us a call
-    on a 2-core CPU against ~0.1 us; the launch code called it 6-8 times a step)."""
+    """ceil(a / b) for ints (host code: triton.cdiv is a constexpr function, many times
+    slower per call)."""
     return -(-a // b)
 
 
@@ -267,8 +267,8 @@ class FwdLaunch:
 
     def mask_args(self, q, p=None):
         """-> (the kernel's mask-array arguments after the scalars, its keywords) for
-        this call: mask_arrays() of p's Documents / KeepMask, else placeholders (the
-        placeholders."""
+        this call: mask_arrays() of p's Documents / KeepMask, else placeholders (not
+        read), then the persistent kernel's (B * H, SCH)."""
         if self.array:
             if p is None:
                 raise ValueError("a Documents / KeepMask forward needs the call's Problem "
@@ -368,7 +368,8 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
     """-> out [B, H, Sq, D] (q's dtype, contiguous), RowStats(max, log_norm) [B, H, Sq]
     fp32, as launch.forward returns them.  ``out`` / ``stats`` ([2, B, H, Sq] fp32):
     preallocated buffers to write (tests poison them); fresh ones when None.  ``cfg``: a
-    HopperConfig other than configs.fwd_config(D) (the bench's variants).
+    HopperConfig other than configs.fwd_config(D) (a test / bench hook: the route never
+    passes one).
     ``prepared``: ``prepare_forward(p, cfg)`` kept by the caller for p's call signature
     (prepared.py's prepared launches), else built here."""
     if prepared is not None:
@@ -655,7 +656,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     accumulator (bitwise repeatable), then dq = its rows * scale in q's dtype
     (bwd_dq_convert, one elementwise pass).  ``dq`` / ``dk`` / ``dv``: preallocated
     buffers to write (tests poison them); ``order``: the dQ add order, default
-    dq_order(); ``sites``: the prepared signature's launch sites (direct.Site by name),
+    dq_order() (a test hook: the GPU tests check both orders; the route passes None);
+    ``sites``: the prepared signature's launch sites (direct.Site by name),
     None for Triton's path."""
     from .bwd_dq_convert import dq_convert_kernel
 
