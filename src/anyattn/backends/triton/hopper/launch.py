@@ -115,8 +115,8 @@ def _cached_desc(key, x, rows: int, build):
     return d
 
 
-#: (tensor keys of q_ids / k_ids, Sq, Sk, device) -> (interval table or None, ids) of
-#: Documents masks (mask_arrays); the ids are held so that their memory stays theirs
+#: (tensor keys of q_ids / k_ids, Sq, Sk, device) -> (interval table or None, mask
+#: tensors) of Documents masks (mask_arrays, _by_mask)
 _doc_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _DOC_CACHE = 16
 _dummies: dict = {}
@@ -156,19 +156,34 @@ def mask_arrays(p, q, cfg) -> tuple:
     [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents.  Cached per
     mask tensors (identity and version counter: an in-place write is a new mask) where
     every mask array is a torch tensor."""
+    return _by_mask(_marr_cache, _mask_key(p, q, cfg.bm, cfg.bn), p.mask,
+                    lambda: _mask_arrays(p, q, cfg))
+
+
+def _mask_key(p, q, *extra):
+    """The cache key of p's mask arrays: their tensor keys (identity and version counter:
+    an in-place write is a new mask), the band, the shape, the device and ``extra``; None
+    where some mask array is not a torch tensor (not cached)."""
     rm = p.mask
     parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
-    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
-                                      p.seq_q, p.seq_k, str(q.device), cfg.bm, cfg.bn)
-    hit = _marr_cache.get(key) if key is not None else None
-    if hit is not None:
-        return hit[0]
-    out = _mask_arrays(p, q, cfg)
-    if key is not None:       # the mask tensors held: their memory stays theirs
-        _marr_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
-        while len(_marr_cache) > _DOC_CACHE:
-            _marr_cache.popitem(last=False)
-    return out
+    if None in parts:
+        return None
+    return (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+            str(q.device)) + extra
+
+
+def _by_mask(cache, key, rm, build):
+    """build() once per key while it is among the newest _DOC_CACHE of ``cache`` (key
+    None: every call), the mask tensors of rm held beside the result so that the memory
+    the key names stays theirs."""
+    hit = cache.get(key) if key is not None else None
+    if hit is None:
+        hit = (build(), (rm.keep, rm.q_ids, rm.k_ids))
+        if key is not None:
+            cache[key] = hit
+            while len(cache) > _DOC_CACHE:
+                cache.popitem(last=False)
+    return hit[0]
 
 
 #: mask_arrays' results per (mask tensors' identity and version, band, shape, device,
@@ -188,14 +203,8 @@ def _mask_arrays(p, q, cfg) -> tuple:
         rm = p.mask
         parts = (MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
         key = None if None in parts else (parts, p.seq_q, p.seq_k, str(dev))
-        hit = _doc_cache.get(key) if key is not None else None
-        if hit is None:
-            hit = (_doc_intervals(ma.qid, ma.kid, ma.ids_sorted[1]), (rm.q_ids, rm.k_ids))
-            if key is not None:
-                _doc_cache[key] = hit
-                while len(_doc_cache) > _DOC_CACHE:
-                    _doc_cache.popitem(last=False)
-        iv = hit[0]
+        iv = _by_mask(_doc_cache, key, rm,
+                      lambda: _doc_intervals(ma.qid, ma.kid, ma.ids_sorted[1]))
         if iv is not None:
             docs, qid, sqid_b = 2, iv, (2 * p.seq_q if iv.shape[0] > 1 else 0)
         else:
@@ -424,19 +433,8 @@ def bwd_mask_tables(p, q, bm: int = 64, bn: int = 128) -> BwdMaskTables:
     kernels' and the forward's tables come from (triton/tiles.py tile_lists at bm x bn,
     range mode: its column table), reduced over each kv head's query-head group; cached
     per mask tensors as mask_arrays is."""
-    rm = p.mask
-    parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
-    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
-                                      p.heads_kv, p.seq_q, p.seq_k, str(q.device), bm, bn)
-    hit = _bwd_tab_cache.get(key) if key is not None else None
-    if hit is not None:
-        return hit[0]
-    out = _bwd_mask_tables(p, q, bm, bn)
-    if key is not None:       # the mask tensors held: their memory stays theirs
-        _bwd_tab_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
-        while len(_bwd_tab_cache) > _DOC_CACHE:
-            _bwd_tab_cache.popitem(last=False)
-    return out
+    return _by_mask(_bwd_tab_cache, _mask_key(p, q, bm, bn), p.mask,
+                    lambda: _bwd_mask_tables(p, q, bm, bn))
 
 
 def _group_columns(cr, G: int):
