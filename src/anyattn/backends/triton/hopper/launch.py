@@ -45,6 +45,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _band(rm) -> tuple:
+    """The band of mask rm as the kernels' (lo, hi): clipped to +-2^30, open sides
+    +-2^30."""
+    return (-_BIG if rm.band_lo is None else max(int(rm.band_lo), -_BIG),
+            _BIG if rm.band_hi is None else min(int(rm.band_hi), _BIG))
+
+
 def _gl_dtype(dt):
     from triton.experimental.gluon import language as gl
 
@@ -223,11 +230,10 @@ class FwdLaunch:
 
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
         rm_ = p.mask
-        lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-        hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+        lo, hi = _band(rm_)
         self.cfg = cfg
         #: Documents / KeepMask: their arrays per call (mask_arrays)
-        self.array = rm_.q_ids is not None or rm_.keep is not None
+        self.array = _is_array(p)
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
@@ -507,9 +513,7 @@ def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tupl
     dq [B, H, Sq, D] (else dq comes back as given) in q's dtype, allocated where None,
     else checked (shape, dtype, contiguous); l2 [B, H, 2, Sq] and delta [B, H, Sq]
     checked (fp32, contiguous).  ValueError on a mismatch."""
-    rm_ = p.mask
-    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+    lo, hi = _band(p.mask)
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     dev, dt = q.device, q.dtype
     kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
