@@ -149,17 +149,19 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-              turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
-              QIDb, KIDb, KMb, skm_q, skm_k,
-              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+def _consumer(ca, HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
               DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
-    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ARRAY:
+    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ``ca``:
+    the arguments but the constexprs, as a tuple (unpacked below; one tuple for every
+    consumer of fwd_ws_kernel's warp_specialize, where a tuple holds no constexpr).  ARRAY:
     the edge tiles' Documents (DOCS 1: q ids QIDb [Sq], k ids KIDb [Sk] of batch row b;
     DOCS 2: QIDb [2, Sq] the key interval of each row's document) and / or KeepMask (KMb
     bytes of (b, h), strides skm_q / skm_k) masks (fwd_masks)."""
+    (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, LSE,
+     b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale, QIDb, KIDb, KMb, skm_q,
+     skm_k) = ca
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     dt: gl.constexpr = q_desc.dtype
@@ -336,33 +338,22 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     KIDb = KID + b * skid_b
     KMb = KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h
 
+    # the consumers' arguments but their constexprs (_consumer's ``ca``)
+    ca = (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn,
+          LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale, QIDb, KIDb, KMb,
+          skm_q, skm_k)
     if NC == 2:
         gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 2, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 2, NC, ARRAY, DOCS, HAS_KEEP)),
              (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                           hk, t0, n, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
