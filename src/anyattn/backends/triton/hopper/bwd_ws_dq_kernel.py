@@ -45,7 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .bwd_ws_parts import consumer, dq_barriers, producer, tile_of
+from .bwd_ws_parts import consumer, ws_barriers, producer, tile_of
 from .dq_turns import (RELEASE_WARP, add_partial, bulk_wait_all, dq_rank, release,
                        spin_acquire, visit_offset)
 from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
@@ -161,7 +161,7 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     st_smem = gl.allocate_shared_memory(
         gl.float32, [4 * STAGES, BM],
         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))   # (rank 1: rows indexed to [BM])
-    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = dq_barriers(STAGES)
+    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = ws_barriers(STAGES, True)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on

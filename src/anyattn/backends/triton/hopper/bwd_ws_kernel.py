@@ -35,10 +35,9 @@ atomics.  dQ stays with the portable kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
-from .bwd_ws_parts import consumer, producer
+from .bwd_ws_parts import consumer, producer, ws_barriers
 
 __all__ = ["dkdv_ws_kernel"]
 
@@ -80,22 +79,9 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
     ds_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # two barriers no partition waits on: they keep the shared-memory layout, and with
-    # it ptxas's schedule of the kernel, the routed one (without them: another, untimed
-    # schedule)
-    idle = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
-        mbarrier.init(kv_bar.index(w), count=1)
-        mbarrier.init(idle.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(st), count=1)
-        mbarrier.init(do_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
-    fence_async_shared()
+    # (and two barriers no partition waits on: they keep the shared-memory layout, and
+    # with it ptxas's schedule of the kernel, the routed one)
+    kv_bar, _, _, _, q_bar, do_bar, empty = ws_barriers(STAGES, False)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened

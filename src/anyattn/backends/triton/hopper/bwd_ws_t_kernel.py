@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .bwd_ws_dq_kernel import _writer
-from .bwd_ws_parts import dq_barriers, producer
+from .bwd_ws_parts import ws_barriers, producer
 from .bwd_ws_t_parts import consumer_t
 from .dq_turns import visit_offset
 from .tile_ranges import key_tile_program, key_tile_queries
@@ -66,7 +66,7 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     # * log_norm, 2 delta), [BM] each
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
-    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = dq_barriers(STAGES)
+    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = ws_barriers(STAGES, True)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on
