@@ -31,7 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, ring, tile_keys
+from .fwd_ws_kernel import (_loop_overlap, consumer_layouts, epilogue, produce, ring,
+                            tile_keys)
 
 __all__ = ["fwd_persist_kernel"]
 
@@ -88,20 +89,8 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H,
         pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, HAS_BAND)
         t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, None, None, None, HAS_BAND,
                                   False, BM, BN)
-        hk = h // G
-        for it in range(0, n):
-            g = c + it
-            st = g % STAGES
-            ph = ((g // STAGES) & 1) ^ 1
-            row = (t0 + it) * BN
-            mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_bar.index(st),
-                                            k_smem.index(st))
-            mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_bar.index(st),
-                                            v_smem.index(st))
+        produce(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, h // G, t0,
+                n, c, STAGES, BN)
         c += n
 
 

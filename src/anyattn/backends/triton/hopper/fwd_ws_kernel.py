@@ -40,18 +40,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .tile_ranges import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
-__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue", "ring"]
+__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue", "ring", "produce"]
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk, t0, n,
-              STAGES: gl.constexpr, BN: gl.constexpr):
+def produce(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk, t0, n,
+            c0, STAGES: gl.constexpr, BN: gl.constexpr):
     """Key tiles t0 .. t0 + n - 1 into the ring: K (then V) of tile it into stage
-    it % STAGES once both consumers released that buffer's previous tile (the first pass
-    waits on the phase before init: free)."""
+    g % STAGES, g = c0 + it (c0: ring slots used before, 0 but in a persistent program),
+    once both consumers released that buffer's previous tile (the first pass waits on
+    the phase before init: free)."""
     for it in range(0, n):
-        st = it % STAGES
-        ph = ((it // STAGES) & 1) ^ 1
+        g = c0 + it
+        st = g % STAGES
+        ph = ((g // STAGES) & 1) ^ 1
         row = (t0 + it) * BN
         mbarrier.wait(k_empty.index(st), ph)
         mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
@@ -346,14 +348,14 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
         gl.warp_specialize(
             [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
-                          hk, t0, n, STAGES, BN))],
+             (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                        hk, t0, n, 0, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
             [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
              (_consumer, (ca, HAS_BAND, STAGES, BN, 2, NC, ARRAY, DOCS, HAS_KEEP)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
-                          hk, t0, n, STAGES, BN))],
+             (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                        hk, t0, n, 0, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
