@@ -170,7 +170,8 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
     workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers, no array masks:
-    RT ... skm_k are placeholders, not read), plus BH = B * H and SCH: int32 [P + 1 + T]
+    RT ... skm_k are placeholders, not read, kept where they sit in the parameter
+    block), plus BH = B * H and SCH: int32 [P + 1 + T]
     the schedule (HAS_BAND: offsets of each program's walk, then the tiles; not read
     without a band)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
