@@ -225,8 +225,9 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
         n_tiles = 1 * 2 * 4                        # cdiv(40, 128) query tiles x B x H
         if route == "routed":
             assert grid == (min(SMS, n_tiles),) == (SMS,)
-            assert kw["SCHED"] is (mask is not None) and kw["NC"] == 2 and "XOVER" not in kw
-            assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
+            assert kw["HAS_BAND"] is (mask is not None) and "XOVER" not in kw
+            # the persistent kernel takes no array masks and always 2 consumers
+            assert not {"ARRAY", "DOCS", "HAS_KEEP", "SCHED", "NC"} & set(kw)
             assert args[-2] == 2 * 4                # B * H
             if mask is not None:                   # the cached schedule for SMS programs
                 assert pr.hfwd.sched[-1] == SMS
@@ -236,7 +237,7 @@ def test_prepared_forward_passes_the_uncached_arguments(recorded, monkeypatch, m
             else:
                 assert pr.hfwd.sched is None and args[-1].numel() == 1
         else:
-            assert grid == (1, n_tiles) and "SCHED" not in kw
+            assert grid == (1, n_tiles) and "NC" in kw
             assert not kw["ARRAY"] and kw["HAS_BAND"] is (mask is not None)
     assert len(L.prepared.PREPARED) == 1
 
@@ -273,16 +274,16 @@ def test_scheduled_forward_under_capture_launches_its_per_tile_twin(recorded, mo
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     HL.forward(p, q, k, v, prepared=pr)
     grid, args, kw = recorded.calls.pop()
-    assert grid == (3, 4) and "SCHED" not in kw          # the per-tile kernel
+    assert grid == (3, 4) and "NC" in kw         # the per-tile kernel
     assert not HL.schedule_ready(*pr.sched, device=q.device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     HL.forward(p, q, k, v, prepared=pr)
     grid, args, kw = recorded.calls.pop()
-    assert grid == (SMS,) and kw["SCHED"] and HL.schedule_ready(*pr.sched, device=q.device)
+    assert grid == (SMS,) and kw["HAS_BAND"] and HL.schedule_ready(*pr.sched, device=q.device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     HL.forward(p, q, k, v, prepared=pr)                 # built: the persistent kernel
     grid, args, kw = recorded.calls.pop()
-    assert grid == (SMS,) and kw["SCHED"] and args[-1] is HL.persist_schedule(
+    assert grid == (SMS,) and kw["HAS_BAND"] and args[-1] is HL.persist_schedule(
         *pr.sched, device=q.device)
 
 
@@ -316,7 +317,7 @@ def test_d128_forward_launch_is_persistent_without_a_mask_and_with_a_band(sm_cou
             pr = HL.prepare_forward(describe(q, q, q, mask=mask))
             assert pr.cfg == HCF.fwd_config(128, "band"), (mask, pr.cfg.name)
             assert pr.kernel is fwd_persist_kernel and pr.grid == (SMS,)
-            assert (pr.sched is not None) is sched and pr.kw["SCHED"] is sched
+            assert (pr.sched is not None) is sched and pr.kw["HAS_BAND"] is sched
         for mask in (aa.Documents(ids), aa.Causal() & aa.Documents(ids), aa.KeepMask(keep)):
             pr = HL.prepare_forward(describe(q, q, q, mask=mask))
             assert pr.cfg == HCF.fwd_config(128, "band").per_tile() and not pr.cfg.persist

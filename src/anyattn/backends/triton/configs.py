@@ -1,5 +1,5 @@
-"""Tile configurations for the Triton kernels: frozen dataclasses, a heuristic table,
-an optional autotuner (cached per key), and a fixed small plan for tests.
+"""Tile configurations for the Triton kernels: frozen dataclasses, a heuristic table
+(_PLANS), an optional autotuner (cached per key), and a fixed small plan for tests.
 
 Key of a plan: (padded head dim DP, dtype, mask class, bias?, length bucket).
 ``ANYATTN_TRITON_CONFIG=fixed`` (or ``TRITON_INTERPRET=1``) selects the fixed test
@@ -123,55 +123,51 @@ def plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: boo
     return plan
 
 
+_K = KernelConfig
+#: (padded head dim, fp32 inputs?) -> the heuristic plan: the tiles (BM x BN, warps,
+#: stages of fwd, dK/dV, dQ, dBias) that ran fastest on Hopper GPUs.  fp32 inputs multiply
+#: as three products of scaled fp16 parts (operands.py): 8-warp tiles, two backward
+#: launches; 16-bit inputs fuse the backward into one launch above D=64.
+_PLANS: Dict[Tuple[int, bool], Plan] = {
+    # padded D 16 / 32
+    (32, False): Plan(_K(64, 64, 4, 3), _K(64, 128, 8, 3), _K(128, 64, 4, 3), _K(64, 64, 4, 2),
+                      fused_bwd=False),
+    # D=64 exactly: a 128-row forward tile and a 64x64 dK/dV tile beat the wider ones
+    (64, False): Plan(_K(128, 64, 8, 3), _K(64, 64, 4, 3), _K(128, 64, 4, 3), _K(64, 64, 4, 2),
+                      fused_bwd=False),
+    (128, False): Plan(_K(128, 128, 8, 3), _K(64, 128, 8, 3), _K(128, 64, 8, 3),
+                       _K(128, 64, 8, 2)),
+    (256, False): Plan(_K(64, 64, 8, 2), _K(32, 64, 8, 2), _K(64, 32, 8, 2), _K(32, 32, 4, 2)),
+    (64, True): Plan(_K(128, 64, 8, 2), _K(64, 128, 8, 2), _K(64, 64, 4, 2), _K(64, 64, 4, 2),
+                     fused_bwd=False),
+    (128, True): Plan(_K(128, 64, 8, 2), _K(64, 128, 8, 1), _K(128, 64, 8, 1),
+                      _K(64, 64, 4, 2), fused_bwd=False),
+    (256, True): Plan(_K(32, 32, 4, 1), _K(16, 32, 4, 1), _K(32, 16, 4, 1), _K(32, 32, 4, 1),
+                      fused_bwd=False),
+}
+
+
 def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bool,
               seq: int) -> Plan:
     if use_fixed():
         return fixed_plan()
-    # the tiles (BM x BN, warps, stages) that ran fastest per padded head dim: 16-bit
-    # operands; fp32 inputs, multiplied as three products of scaled fp16 parts
-    # (operands.py): 8-warp tiles, two backward launches
     wide = dtype == "float32"
-    if dp <= 64:
-        if wide:
-            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 2),
-                     dq=KernelConfig(64, 64, 4, 2), dbias=KernelConfig(64, 64, 4, 2))
-        else:
-            p = Plan(fwd=KernelConfig(64, 64, 4, 3), dkdv=KernelConfig(64, 128, 8, 3),
-                     dq=KernelConfig(128, 64, 4, 3), dbias=KernelConfig(64, 64, 4, 2))
-            if dp == 64:
-                # D=64 exactly: a 128-row forward tile and a 64x64 dK/dV tile (with
-                # the row statistics kept apart) beat the wider D<=64 tiles
-                p = replace(p, fwd=KernelConfig(128, 64, 8, 3), dkdv=KernelConfig(64, 64, 4, 3))
-    elif dp <= 128:
-        if wide:
-            p = Plan(fwd=KernelConfig(128, 64, 8, 2), dkdv=KernelConfig(64, 128, 8, 1),
-                     dq=KernelConfig(128, 64, 8, 1), dbias=KernelConfig(64, 64, 4, 2))
-        else:
-            p = Plan(fwd=KernelConfig(128, 128, 8, 3), dkdv=KernelConfig(64, 128, 8, 3),
-                     dq=KernelConfig(128, 64, 8, 3), dbias=KernelConfig(128, 64, 8, 2))
-    else:  # 256
-        if wide:
-            p = Plan(fwd=KernelConfig(32, 32, 4, 1), dkdv=KernelConfig(16, 32, 4, 1),
-                     dq=KernelConfig(32, 16, 4, 1), dbias=KernelConfig(32, 32, 4, 1))
-        else:
-            p = Plan(fwd=KernelConfig(64, 64, 8, 2), dkdv=KernelConfig(32, 64, 8, 2),
-                     dq=KernelConfig(64, 32, 8, 2), dbias=KernelConfig(32, 32, 4, 2))
-    # one-launch backward where it is faster: D > 64 and 16-bit inputs (at D <= 64 and
-    # for fp32 the dQ wants other warps than the dK/dV)
-    p = replace(p, fused_bwd=dp > 64 and not wide)
+    p = _PLANS[(32 if dp < 64 and not wide else max(dp, 64), wide)]   # fp32 D<64: D=64's
     override = _overrides.get((dp, dtype, precision))
     if override is not None:
         p = replace(p, **override)
     return p.check()
 
 
-#: (dp, dtype, precision) -> dict of Plan fields; set by set_override (bench / tuning).
+#: (dp, dtype, precision) -> dict of Plan fields; set by set_override
 _overrides: Dict[Tuple[int, str, str], dict] = {}
 _overrides_version = 0
 
 
 def set_override(dp: int, dtype: str, precision: str, **fields) -> None:
-    """Replace plan fields for a class (used by the GPU bench to try configs)."""
+    """Replace plan fields for a class; no fields: drop its override.  A bench / test
+    hook, not API: the GPU benches time other tiles through it; overrides_version is part
+    of a prepared launch's key, so an override reaches the next call."""
     global _overrides_version
     if fields:
         _overrides[(dp, dtype, precision)] = fields

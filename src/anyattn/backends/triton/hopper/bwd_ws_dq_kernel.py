@@ -43,9 +43,9 @@ the portable backward's (kernels.py).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .bwd_ws_parts import consumer, producer, tile_of
+from .bwd_ws_parts import consumer, ws_barriers, producer, tile_of
 from .dq_turns import (RELEASE_WARP, add_partial, bulk_wait_all, dq_rank, release,
                        spin_acquire, visit_offset)
 from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
@@ -161,75 +161,40 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     st_smem = gl.allocate_shared_memory(
         gl.float32, [4 * STAGES, BM],
         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))   # (rank 1: rows indexed to [BM])
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
-        mbarrier.init(kv_bar.index(w), count=1)
-        mbarrier.init(dq_full.index(w), count=1)
-        mbarrier.init(dq_empty.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(st), count=1)
-        mbarrier.init(do_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
-    mbarrier.init(ds_bar, count=2)                       # one arrive per consumer
-    fence_async_shared()
+    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = ws_barriers(STAGES, True)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on
-    if ARRAY:
+    if ARRAY:     # the table's ranges and order
         s0, g0, g1, s1, n_tot, n_div, off = key_tile_table(CT, b, hk, pid_n, ct_b, ct_h, G)
-        nq = (Sq + BM - 1) // BM
-        nkv = (Sk + BN - 1) // BN
+    else:
+        s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
+                                                        HAS_BAND)
+    nq = (Sq + BM - 1) // BM
+    nkv = (Sk + BN - 1) // BN
+    if ARRAY:     # the rank table, the array masks
         RKc = RK + b * rk_b + hk * rk_h + pid_n       # this key tile's column of ranks
         IVb = IV + b * siv_b
         KIDb = KID + b * skid_b
         KMb = KM + b.to(gl.int64) * skm_b
-        gl.warp_specialize(   # as below, with the array masks, the table's order
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
-                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True,
-                         IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP,
-                         st_smem)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
-                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True,
-                         IVb, KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP,
-                         st_smem)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
-                         s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
-                         True)),
-             (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
-                        s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, RKc, nkv,
-                        True, LATE))],
-            [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
+        nkv_rk = nkv
     else:
-        s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
-                                                        HAS_BAND)
-        nq = (Sq + BM - 1) // BM
-        nkv = (Sk + BN - 1) // BN
         off = visit_offset(pid_n, nq, nkv, HAS_BAND, ORDER)
-        gl.warp_specialize(   # bwd_ws_parts' partitions with dq, the writer
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
-                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True,
-                         None, None, None, 0, 0, 0, False, 0, False, st_smem)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full,
-                         dq_empty, ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1,
-                         n_div, off, n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True,
-                         None, None, None, 0, 0, 0, False, 0, False, st_smem)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G,
-                         s0, n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq,
-                         True)),
-             (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n,
-                        s0, n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, None, 0,
-                        False, LATE))],
-            [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
+        RKc, IVb, KIDb, KMb, skm_h, skm_q, skm_k, nkv_rk = 0, 0, 0, 0, 0, 0, 0, 0  # (not read)
+    gl.warp_specialize(   # bwd_ws_parts' partitions with dq, the writer
+        [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                     ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
+                     n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True, IVb, KIDb, KMb, skm_h,
+                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem)),
+         (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
+                     ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
+                     n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True, IVb, KIDb, KMb, skm_h,
+                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem)),
+         (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
+                     n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, True)),
+         (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,
+                    n_div, off, n_tot, nq, lo, hi, ORDER, HAS_BAND, BM, BN, RKc, nkv_rk,
+                    ARRAY, LATE))],
+        [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])

@@ -35,10 +35,9 @@ atomics.  dQ stays with the portable kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .tile_ranges import key_tile_program, key_tile_queries, key_tile_table
-from .bwd_ws_parts import consumer, producer
+from .bwd_ws_parts import consumer, producer, ws_barriers
 
 __all__ = ["dkdv_ws_kernel"]
 
@@ -80,22 +79,9 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     do_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BM, D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
     ds_smem = gl.allocate_shared_memory(dt, [2, BM, RN], pds_l)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # two barriers no partition waits on: without them ptxas schedules the kernel
-    # differently (bench/lab/sass_hashes.py), so they stay until a GPU run shows that
-    # schedule no slower
-    idle = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
-        mbarrier.init(kv_bar.index(w), count=1)
-        mbarrier.init(idle.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(st), count=1)
-        mbarrier.init(do_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
-    fence_async_shared()
+    # (and two barriers no partition waits on: they keep the shared-memory layout, and
+    # with it ptxas's schedule of the kernel, the routed one)
+    kv_bar, _, _, _, q_bar, do_bar, empty = ws_barriers(STAGES, False)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened
@@ -104,32 +90,21 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
         IVb = IV + b * siv_b
         KIDb = KID + b * skid_b
         KMb = KM + b.to(gl.int64) * skm_b
-        gl.warp_specialize(   # bwd_ws_parts' partitions without dq, with the array masks
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False, IVb,
-                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False, IVb,
-                         KIDb, KMb, skm_h, skm_q, skm_k, True, DOCS, HAS_KEEP)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                         n_div, 0, n_tot, STAGES, BM))],
-            [4, 1], [CONSUMER_REGS, 24])
     else:
         s0, g0, g1, s1, n_tot, n_div = key_tile_queries(j0, G, Sq, Sk, lo, hi, BM, BN,
                                                         HAS_BAND)
-        gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
-            [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, False)),
-             (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
-                         p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None,
-                         None, None, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0,
-                         n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, False)),
-             (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
-                         n_div, 0, n_tot, STAGES, BM))],
-            [4, 1], [CONSUMER_REGS, 24])
+        IVb, KIDb, KMb, skm_h, skm_q, skm_k = 0, 0, 0, 0, 0, 0    # (not read)
+    gl.warp_specialize(   # bwd_ws_parts' partitions without dq (off 0: tiles in order)
+        [(consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
+                     L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
+                     lo, hi, HAS_BAND, STAGES, 0, False, IVb, KIDb, KMb, skm_h, skm_q,
+                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+         (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
+                     p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
+                     L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
+                     lo, hi, HAS_BAND, STAGES, 1, False, IVb, KIDb, KMb, skm_h, skm_q,
+                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+         (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
+                     n_div, 0, n_tot, STAGES, BM))],
+        [4, 1], [CONSUMER_REGS, 24])

@@ -18,7 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .fwd_masks import pair_keep
 
-__all__ = ["tile_of", "row_stats", "producer", "consumer"]
+__all__ = ["tile_of", "row_stats", "producer", "consumer", "ws_barriers"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -265,3 +265,37 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     tma.async_copy_shared_to_global(dk_desc, [b, hk, r0, 0], k_own)
     tma.async_copy_shared_to_global(dv_desc, [b, hk, r0, 0], v_own)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def ws_barriers(STAGES: gl.constexpr, WITH_DQ: gl.constexpr):
+    """The backward kernels' barriers, initialised (after their buffers): per consumer its
+    K / V ready and (WITH_DQ) its dQ staged ("dq full") and read ("dq empty"); WITH_DQ
+    "ds ready" (one arrive per consumer); per ring stage Q ready, dO ready and empty (one
+    arrive per consumer) -> kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty.
+    Without WITH_DQ, dq_full is two barriers no partition waits on (bwd_ws_kernel) and
+    dq_empty / ds_bar are placeholders (0)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if WITH_DQ:
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    else:
+        dq_empty = 0
+        ds_bar = 0
+    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(kv_bar.index(w), count=1)
+        mbarrier.init(dq_full.index(w), count=1)
+        if WITH_DQ:
+            mbarrier.init(dq_empty.index(w), count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(q_bar.index(st), count=1)
+        mbarrier.init(do_bar.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
+    if WITH_DQ:
+        mbarrier.init(ds_bar, count=2)                   # one arrive per consumer
+    fence_async_shared()
+    return kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty

@@ -20,10 +20,9 @@ fp32 [2, BM, DH] (no P buffers).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .bwd_ws_dq_kernel import _writer
-from .bwd_ws_parts import producer
+from .bwd_ws_parts import ws_barriers, producer
 from .bwd_ws_t_parts import consumer_t
 from .dq_turns import visit_offset
 from .tile_ranges import key_tile_program, key_tile_queries
@@ -36,19 +35,12 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
                       DELTA, SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER,
                       HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                      num_warps: gl.constexpr,
-                      CT=None, ct_b=None, ct_h=None, RK=None, rk_b=None, rk_h=None, IV=None,
-                      KID=None, siv_b=None, skid_b=None, KM=None, skm_b=None, skm_h=None,
-                      skm_q=None, skm_k=None, ARRAY: gl.constexpr = False,
-                      DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False,
-                      LATE: gl.constexpr = False):
+                      num_warps: gl.constexpr, LATE: gl.constexpr = False):
     """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv), without
-    array masks (ARRAY: CT ... HAS_KEEP fail to compile).  The producer stages the
+    array masks (Documents / KeepMask run on dkdvq_ws_kernel).  The producer stages the
     queries' statistics (bwd_ws_t_parts.consumer_t reads them there).  LATE: the
     writer's late counter release (HopperBwdConfig.late_release)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
-    gl.static_assert(not ARRAY, "array masks (Documents / KeepMask) are not implemented "
-                     "in the transposed consumers")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     RN: gl.constexpr = k_desc.block_type.shape[2]
@@ -74,23 +66,7 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     # * log_norm, 2 delta), [BM] each
     st_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     st_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BM], st_sl)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
-        mbarrier.init(kv_bar.index(w), count=1)
-        mbarrier.init(dq_full.index(w), count=1)
-        mbarrier.init(dq_empty.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(st), count=1)
-        mbarrier.init(do_bar.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)          # one arrive per consumer
-    mbarrier.init(ds_bar, count=2)                       # one arrive per consumer
-    fence_async_shared()
+    kv_bar, dq_full, dq_empty, ds_bar, q_bar, do_bar, empty = ws_barriers(STAGES, True)
 
     # query tiles [s0, s1), unmasked in [g0, g1); n_tot (head of the group, query tile)
     # pairs, flattened; the query tiles of each head visited from index off on

@@ -29,15 +29,9 @@ class Coverage:
     dtypes: FrozenSet[str]
     head_dims: FrozenSet[int]
     mask_classes: FrozenSet[str]
-    #: whether ANYATTN_TRITON_PATH=auto routes covered calls here (False: the kernel is
-    #: correct on what it covers but slower than the portable path; only
-    #: ANYATTN_TRITON_PATH=hopper runs it)
-    auto: bool = True
-    #: the mask classes 'auto' routes here (None: every covered one); the others are
-    #: covered but no faster than the portable path
+    #: the mask classes ANYATTN_TRITON_PATH=auto routes here (None: every covered one);
+    #: the others are covered but only ANYATTN_TRITON_PATH=hopper runs them
     auto_mask_classes: Optional[FrozenSet[str]] = None
-    #: the head dims 'auto' routes here (None: every covered one); the others likewise
-    auto_head_dims: Optional[FrozenSet[int]] = None
     #: (head dim, mask classes) pairs: the mask classes covered at that head dim where
     #: fewer than ``mask_classes`` (head dims not listed: ``mask_classes``)
     mask_classes_by_head_dim: Tuple[Tuple[int, FrozenSet[str]], ...] = ()
@@ -54,7 +48,7 @@ class Coverage:
         return dict(self.auto_mask_classes_by_head_dim).get(head_dim, self.auto_mask_classes)
 
 
-#: direction -> coverage (None: no Hopper kernel for that direction yet)
+#: direction -> coverage
 COVERAGE = {
     # D=64: no mask and bands only (the array masks were never checked at D=64).  'auto'
     # routes every covered class but KeepMask (covered, never timed against the portable
@@ -84,17 +78,13 @@ COVERAGE = {
                          auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),)),
 }
 
+
 def routed_by_default(direction: str, mask_class: Optional[str] = None,
                       head_dim: Optional[int] = None) -> bool:
     """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` (with a mask
     of ``mask_class`` and head dim ``head_dim``; None: any) to Hopper."""
-    cov = COVERAGE.get(direction)
-    if cov is None or not cov.auto:
-        return False
-    auto_classes = cov.auto_classes(head_dim)
-    return ((mask_class is None or auto_classes is None or mask_class in auto_classes)
-            and (head_dim is None or cov.auto_head_dims is None
-                 or head_dim in cov.auto_head_dims))
+    auto_classes = COVERAGE[direction].auto_classes(head_dim)
+    return mask_class is None or auto_classes is None or mask_class in auto_classes
 
 
 def tensor_reason(name: str, x) -> Optional[str]:
@@ -125,9 +115,7 @@ def uncovered(problem, direction: str, device) -> Optional[str]:
     """None if the Hopper path computes this call, else the reason it does not, in one
     line.  ``problem``: route.ProblemFacts; ``device``: route.DeviceFacts (plain data:
     no GPU is asked)."""
-    cov = COVERAGE.get(direction)
-    if cov is None:
-        return f"no Hopper {direction} kernel yet"
+    cov = COVERAGE[direction]
     if device.interpreter:
         return "the Triton interpreter runs the portable kernels only"
     if device.kind != "cuda":

@@ -8,9 +8,9 @@ the key tile, BH = B * H, n_m = cdiv(Sq, BM), T = n_m * BH query tiles.
 
 Without a band every tile's key loop is as long: program p takes tiles p, p + P,
 p + 2P, .. (P programs, at most one per SM) in head-major order (idx -> head idx // n_m,
-query tile idx % n_m: neighbouring programs share K / V in L2).  With a band (SCHED, a
-host-built schedule, launch.persist_schedule): program p walks the tiles SCH[P + 1 + k], k in [SCH[p],
-SCH[p + 1]), each idx = bh * n_m + pid_m: the per-tile grid's launch order dealt out
+query tile idx % n_m: neighbouring programs share K / V in L2).  With a band (HAS_BAND:
+a host-built schedule, launch.persist_schedule): program p walks the tiles
+SCH[P + 1 + k], k in [SCH[p], SCH[p + 1]), each idx = bh * n_m + pid_m: the per-tile grid's launch order dealt out
 greedily by key-loop length, so that the live programs share heads (L2) as the per-tile
 kernel's do while the work stays balanced (walking across heads would keep more K / V
 live than L2 holds).
@@ -24,16 +24,20 @@ turns are counted across tiles (fwd_ws_kernel._loop_overlap's c0); Q arrives on 
 barrier per consumer, phase = tiles done & 1.  _loop_overlap releases every V stage but
 its tile's last (a one-tile program never refills it); here the consumer releases that
 one after the loop, else the producer waits forever for it from the next tile's second
-key tile on.  Numerics, masks, range
-tables: those of fwd_ws_kernel (its module doc), the same functions.
+key tile on.  Numerics and the band: those of fwd_ws_kernel (its module doc), the same
+functions; no array masks (Documents / KeepMask run on fwd_ws_kernel).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .fwd_ws_kernel import _loop_overlap, consumer_layouts, epilogue, tile_keys
+from .fwd_ws_kernel import (_loop_overlap, consumer_layouts, epilogue, produce, ring,
+                            tile_keys)
 
 __all__ = ["fwd_persist_kernel"]
+
+#: consumer warpgroups of 64 query rows (BM = 128)
+NC = gl.constexpr(2)
 
 
 @gluon.jit
@@ -45,9 +49,9 @@ def _tile_of(idx, n_m, H):
 
 
 @gluon.jit
-def _walk(SCH, total, SCHED: gl.constexpr):
+def _walk(SCH, total, HAS_BAND: gl.constexpr):
     """This program's walk positions: range(start, end, step) (module doc)."""
-    if SCHED:
+    if HAS_BAND:
         start = gl.load(SCH + gl.program_id(0))
         end = gl.load(SCH + gl.program_id(0) + 1)
         step = 1
@@ -59,10 +63,10 @@ def _walk(SCH, total, SCHED: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(k, SCH, n_m, H, SCHED: gl.constexpr):
-    """Walk position k -> (query tile, b * H + h, b, h): the schedule's entry (SCHED,
+def _tile_at(k, SCH, n_m, H, HAS_BAND: gl.constexpr):
+    """Walk position k -> (query tile, b * H + h, b, h): the schedule's entry (a band,
     idx = bh * n_m + pid_m) or _tile_of's order."""
-    if SCHED:
+    if HAS_BAND:
         idx = gl.load(SCH + gl.num_programs(0) + 1 + k)
         bh = idx // n_m
         pid_m = idx % n_m
@@ -74,52 +78,37 @@ def _tile_at(k, SCH, n_m, H, SCHED: gl.constexpr):
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G, Sq, Sk,
-              lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND: gl.constexpr, ARRAY: gl.constexpr,
-              STAGES: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-              SCHED: gl.constexpr):
+              lo, hi, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
+              BN: gl.constexpr, BM: gl.constexpr):
     """Every key tile of this program's query tiles, in walk order, into the ring (slot c
     of the whole walk into stage c % STAGES once both consumers released it)."""
     n_m = (Sq + BM - 1) // BM
-    start, end, step = _walk(SCH, n_m * BH, SCHED)
+    start, end, step = _walk(SCH, n_m * BH, HAS_BAND)
     c = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
-        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
-                                  ARRAY, BM, BN)
-        hk = h // G
-        for it in range(0, n):
-            g = c + it
-            st = g % STAGES
-            ph = ((g // STAGES) & 1) ^ 1
-            row = (t0 + it) * BN
-            mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_bar.index(st),
-                                            k_smem.index(st))
-            mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_bar.index(st),
-                                            v_smem.index(st))
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, HAS_BAND)
+        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, None, None, None, HAS_BAND,
+                                  False, BM, BN)
+        produce(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, h // G, t0,
+                n, c, STAGES, BN)
         c += n
 
 
 @gluon.jit
-def _load_q(q_desc, q_own, qb, k, SCH, n_m, BH, H, WG: gl.constexpr, HAS_BAND: gl.constexpr,
-            BM: gl.constexpr, RM: gl.constexpr, SCHED: gl.constexpr):
+def _load_q(q_desc, q_own, qb, k, SCH, n_m, H, WG: gl.constexpr, HAS_BAND: gl.constexpr,
+            BM: gl.constexpr, RM: gl.constexpr):
     """TMA of this consumer's RM rows of Q of the tile at walk position k into q_own,
     completing on qb."""
-    pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
+    pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, HAS_BAND)
     mbarrier.expect(qb, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, pid_m * BM + WG * RM, 0], qb, q_own)
 
 
 @gluon.jit
 def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-              v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT, rt_b, rt_h, QID,
-              KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k, BH, SCH,
+              v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, BH, SCH,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr, DOCS: gl.constexpr,
-              HAS_KEEP: gl.constexpr, SCHED: gl.constexpr):
+              WG: gl.constexpr):
     """Rows [WG * RM, (WG + 1) * RM) of each of this program's query tiles: Q (the next
     tile's loaded when this one's key loop is done), the overlapped key loop, the
     epilogue through o_smem[WG]."""
@@ -142,43 +131,30 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
     offs_nb = gl.arange(0, BN, layout=col_s)
     zero_s = gl.zeros([RM, BN], gl.float32, layout=s_l)
     n_m = (Sq + BM - 1) // BM
-    start, end, step = _walk(SCH, n_m * BH, SCHED)
+    start, end, step = _walk(SCH, n_m * BH, HAS_BAND)
     if start < end:
-        _load_q(q_desc, q_own, qb, start, SCH, n_m, BH, H, WG, HAS_BAND, BM, RM, SCHED)
+        _load_q(q_desc, q_own, qb, start, SCH, n_m, H, WG, HAS_BAND, BM, RM)
     c = 0
     j = 0
     for k in range(start, end, step):
-        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, SCHED)
-        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND,
-                                  ARRAY, BM, BN)
+        pid_m, bh, b, h = _tile_at(k, SCH, n_m, H, HAS_BAND)
+        t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, None, None, None, HAS_BAND,
+                                  False, BM, BN)
         r0 = pid_m * BM + WG * RM
-        offs_q = r0 + offs_mb
-        if DOCS == 1:                    # the q ids of this consumer's rows [RM]
-            qa = gl.load(QID + b * sqid_b + offs_q, mask=offs_q < Sq, other=-1)
-            qe = qa
-        elif DOCS == 2:                  # their documents as key intervals [qa, qe) [RM]
-            qa = gl.load(QID + b * sqid_b + offs_q, mask=offs_q < Sq, other=0)
-            qe = gl.load(QID + b * sqid_b + Sq + offs_q, mask=offs_q < Sq, other=0)
-        else:
-            qa = 0
-            qe = 0
-        am = (qa, qe, KID + b * skid_b, KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h,
-              skm_q, skm_k)
         m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([RM], gl.float32, layout=row_s)
         acc = gl.zeros([RM, D], gl.float32, layout=o_l)
         mbarrier.wait(qb, j & 1)
         acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
-                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, c,
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, None, c,
                                       HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                      ARRAY, DOCS, HAS_KEEP)
+                                      False, 0, False)
         if n > 0:     # the tile's last V (its P.V waited for in the loop): free its stage
             mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
         # every wgmma reading Q is done: the next tile's Q flies during the epilogue
         if k + step < end:
-            _load_q(q_desc, q_own, qb, k + step, SCH, n_m, BH, H, WG, HAS_BAND, BM, RM,
-                    SCHED)
+            _load_q(q_desc, q_own, qb, k + step, SCH, n_m, H, WG, HAS_BAND, BM, RM)
         tma.store_wait(pendings=0)       # the previous tile's out left o_own
         epilogue(acc, l_i, m_i, o_own, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
                  row_o)
@@ -191,22 +167,17 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
                        skm_q, skm_k, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                       ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                       HAS_KEEP: gl.constexpr = False, SCHED: gl.constexpr = False,
-                       NC: gl.constexpr = 2):
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
-    workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers), plus BH = B * H
-    and SCH: int32 [P + 1 + T] the schedule (SCHED: offsets of each program's walk, then
-    the tiles; not read otherwise)."""
+    workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers, no array masks:
+    RT ... skm_k are placeholders, not read, kept where they sit in the parameter
+    block), plus BH = B * H and SCH: int32 [P + 1 + T]
+    the schedule (HAS_BAND: offsets of each program's walk, then the tiles; not read
+    without a band)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
-    gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
-    gl.static_assert(SCHED == HAS_BAND, "a band walks the host-built schedule, no band "
-                     "the kernel's own head-major order")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
-    gl.static_assert(NC == 2, "2 consumer warpgroups")
     BM: gl.constexpr = NC * RM
     dt: gl.constexpr = q_desc.dtype
     # the producer walks tiles too (index arithmetic): 32 registers, not fwd_ws_kernel's
@@ -215,36 +186,16 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
 
     q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
     o_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NC):
-        mbarrier.init(q_bar.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(st), count=1)
-        mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
-        mbarrier.init(v_empty.index(st), count=NC)
-    fence_async_shared()
+    k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty = ring(k_desc, v_desc, NC,
+                                                                       STAGES)
 
     gl.warp_specialize(
         [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS,
-                      HAS_KEEP, SCHED)),
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale,
+                      BH, SCH, HAS_BAND, STAGES, BN, 0)),
          (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, RT,
-                      rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
-                      BH, SCH, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS,
-                      HAS_KEEP, SCHED)),
+                      k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale,
+                      BH, SCH, HAS_BAND, STAGES, BN, 1)),
          (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
-                      Sq, Sk, lo, hi, RT, rt_b, rt_h, BH, SCH, HAS_BAND, ARRAY, STAGES, BN, BM,
-                      SCHED))],
+                      Sq, Sk, lo, hi, BH, SCH, HAS_BAND, STAGES, BN, BM))],
         [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

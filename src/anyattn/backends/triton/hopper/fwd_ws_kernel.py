@@ -40,18 +40,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .tile_ranges import key_tile_range
 from .fwd_masks import softmax_tile_masked
 
-__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue"]
+__all__ = ["fwd_ws_kernel", "tile_keys", "epilogue", "ring", "produce"]
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk, t0, n,
-              STAGES: gl.constexpr, BN: gl.constexpr):
+def produce(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b, hk, t0, n,
+            c0, STAGES: gl.constexpr, BN: gl.constexpr):
     """Key tiles t0 .. t0 + n - 1 into the ring: K (then V) of tile it into stage
-    it % STAGES once both consumers released that buffer's previous tile (the first pass
-    waits on the phase before init: free)."""
+    g % STAGES, g = c0 + it (c0: ring slots used before, 0 but in a persistent program),
+    once both consumers released that buffer's previous tile (the first pass waits on
+    the phase before init: free)."""
     for it in range(0, n):
-        st = it % STAGES
-        ph = ((it // STAGES) & 1) ^ 1
+        g = c0 + it
+        st = g % STAGES
+        ph = ((g // STAGES) & 1) ^ 1
         row = (t0 + it) * BN
         mbarrier.wait(k_empty.index(st), ph)
         mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes)
@@ -149,17 +151,19 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
-              turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale,
-              QIDb, KIDb, KMb, skm_q, skm_k,
-              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+def _consumer(ca, HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
               DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
-    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ARRAY:
+    loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ``ca``:
+    the arguments but the constexprs, as a tuple (unpacked below; one tuple for every
+    consumer of fwd_ws_kernel's warp_specialize, where a tuple holds no constexpr).  ARRAY:
     the edge tiles' Documents (DOCS 1: q ids QIDb [Sq], k ids KIDb [Sk] of batch row b;
     DOCS 2: QIDb [2, Sq] the key interval of each row's document) and / or KeepMask (KMb
     bytes of (b, h), strides skm_q / skm_k) masks (fwd_masks)."""
+    (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, LSE,
+     b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale, QIDb, KIDb, KMb, skm_q,
+     skm_k) = ca
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     dt: gl.constexpr = q_desc.dtype
@@ -259,6 +263,35 @@ def tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND: gl.constexp
 
 
 @gluon.jit
+def ring(k_desc, v_desc, NC: gl.constexpr, STAGES: gl.constexpr):
+    """The forward's K / V ring [STAGES, 1, 1, BN, D] and its barriers, initialised (after
+    the caller's Q buffers): per consumer Q ready and its ping-pong turn, per stage K / V
+    ready and empty (one arrive per consumer) -> k_smem, v_smem, q_bar, turn, k_bar,
+    v_bar, k_empty, v_empty."""
+    dt: gl.constexpr = k_desc.dtype
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NC):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(st), count=1)
+        mbarrier.init(v_bar.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
+        mbarrier.init(v_empty.index(st), count=NC)
+    fence_async_shared()
+    return k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty
+
+
+@gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale, lo, hi,
                   RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h, skm_q, skm_k,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -298,23 +331,8 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     i0 = pid_m * BM
 
     q_smem = gl.allocate_shared_memory(dt, [NC, 1, 1, RM, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dt, [STAGES, 1, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NC):
-        mbarrier.init(q_bar.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(st), count=1)
-        mbarrier.init(v_bar.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NC)       # one arrive per consumer
-        mbarrier.init(v_empty.index(st), count=NC)
-    fence_async_shared()
+    k_smem, v_smem, q_bar, turn, k_bar, v_bar, k_empty, v_empty = ring(k_desc, v_desc, NC,
+                                                                       STAGES)
 
     t0, f0, f1, n = tile_keys(pid_m, b, h, Sq, Sk, lo, hi, RT, rt_b, rt_h, HAS_BAND, ARRAY,
                               BM, BN)
@@ -322,33 +340,22 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     KIDb = KID + b * skid_b
     KMb = KM + b.to(gl.int64) * skm_b + h.to(gl.int64) * skm_h
 
+    # the consumers' arguments but their constexprs (_consumer's ``ca``)
+    ca = (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn,
+          LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale, QIDb, KIDb, KMb,
+          skm_q, skm_k)
     if NC == 2:
         gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
-                          hk, t0, n, STAGES, BN))],
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
+             (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                        hk, t0, n, 0, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
-            [(_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 0, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 1, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
-                          v_empty, turn, LSE, b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi,
-                          qk_scale, scale, QIDb, KIDb, KMb, skm_q, skm_k, HAS_BAND, STAGES, BN, 2, NC,
-                          ARRAY, DOCS, HAS_KEEP)),
-             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
-                          hk, t0, n, STAGES, BN))],
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 2, NC, ARRAY, DOCS, HAS_KEEP)),
+             (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
+                        hk, t0, n, 0, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -7,11 +7,11 @@ backends/triton/route.py, decides first); the checks below are the descriptors' 
 Host cost: a TMA descriptor is a small host object (the tensor, its shape and strides,
 the block and the shared-memory layout); Triton's launcher encodes the CUDA tensor map
 from it at every launch (``fill_tma_descriptor`` of ``base.data_ptr()``), so nothing
-about an address outlives a launch.  Building one through ``TensorDescriptor`` costs
-~34 us on a 2-core CPU (the layout's constexpr functions and the validation), four per
-forward; ``make_desc`` keeps what a descriptor holds besides its tensor per (shape,
-strides, dtype, block rows, 16-byte alignment) -- every input of that validation and
-layout -- and attaches the call's tensor to it (~2 us).  ``prepare_forward`` keeps the
+about an address outlives a launch.  Building one through ``TensorDescriptor`` is slow
+on the host (the layout's constexpr functions and the validation), four per forward;
+``make_desc`` keeps what a descriptor holds besides its tensor per (shape, strides,
+dtype, block rows, 16-byte alignment) -- every input of that validation and layout --
+and attaches the call's tensor to it.  ``prepare_forward`` keeps the
 rest of a forward launch (config, grid, scalars, constexprs) for prepared.py's prepared
 launches (one per call signature).
 """
@@ -40,9 +40,16 @@ LOG2E = 1.4426950408889634
 
 
 def _cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (host code: triton.cdiv is a constexpr function, ~2 us a call
-    on a 2-core CPU against ~0.1 us; the launch code called it 6-8 times a step)."""
+    """ceil(a / b) for ints (host code: triton.cdiv is a constexpr function, many times
+    slower per call)."""
     return -(-a // b)
+
+
+def _band(rm) -> tuple:
+    """The band of mask rm as the kernels' (lo, hi): clipped to +-2^30, open sides
+    +-2^30."""
+    return (-_BIG if rm.band_lo is None else max(int(rm.band_lo), -_BIG),
+            _BIG if rm.band_hi is None else min(int(rm.band_hi), _BIG))
 
 
 def _gl_dtype(dt):
@@ -115,8 +122,8 @@ def _cached_desc(key, x, rows: int, build):
     return d
 
 
-#: (tensor keys of q_ids / k_ids, Sq, Sk, device) -> (interval table or None, ids) of
-#: Documents masks (mask_arrays); the ids are held so that their memory stays theirs
+#: (tensor keys of q_ids / k_ids, Sq, Sk, device) -> (interval table or None, mask
+#: tensors) of Documents masks (mask_arrays, _by_mask)
 _doc_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _DOC_CACHE = 16
 _dummies: dict = {}
@@ -156,19 +163,34 @@ def mask_arrays(p, q, cfg) -> tuple:
     [Bd, 2, Sq]) or 1 (ids compared per edge tile), 0 without documents.  Cached per
     mask tensors (identity and version counter: an in-place write is a new mask) where
     every mask array is a torch tensor."""
+    return _by_mask(_marr_cache, _mask_key(p, q, cfg.bm, cfg.bn), p.mask,
+                    lambda: _mask_arrays(p, q, cfg))
+
+
+def _mask_key(p, q, *extra):
+    """The cache key of p's mask arrays: their tensor keys (identity and version counter:
+    an in-place write is a new mask), the band, the shape, the device and ``extra``; None
+    where some mask array is not a torch tensor (not cached)."""
     rm = p.mask
     parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
-    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
-                                      p.seq_q, p.seq_k, str(q.device), cfg.bm, cfg.bn)
-    hit = _marr_cache.get(key) if key is not None else None
-    if hit is not None:
-        return hit[0]
-    out = _mask_arrays(p, q, cfg)
-    if key is not None:       # the mask tensors held: their memory stays theirs
-        _marr_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
-        while len(_marr_cache) > _DOC_CACHE:
-            _marr_cache.popitem(last=False)
-    return out
+    if None in parts:
+        return None
+    return (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
+            str(q.device)) + extra
+
+
+def _by_mask(cache, key, rm, build):
+    """build() once per key while it is among the newest _DOC_CACHE of ``cache`` (key
+    None: every call), the mask tensors of rm held beside the result so that the memory
+    the key names stays theirs."""
+    hit = cache.get(key) if key is not None else None
+    if hit is None:
+        hit = (build(), (rm.keep, rm.q_ids, rm.k_ids))
+        if key is not None:
+            cache[key] = hit
+            while len(cache) > _DOC_CACHE:
+                cache.popitem(last=False)
+    return hit[0]
 
 
 #: mask_arrays' results per (mask tensors' identity and version, band, shape, device,
@@ -188,14 +210,8 @@ def _mask_arrays(p, q, cfg) -> tuple:
         rm = p.mask
         parts = (MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
         key = None if None in parts else (parts, p.seq_q, p.seq_k, str(dev))
-        hit = _doc_cache.get(key) if key is not None else None
-        if hit is None:
-            hit = (_doc_intervals(ma.qid, ma.kid, ma.ids_sorted[1]), (rm.q_ids, rm.k_ids))
-            if key is not None:
-                _doc_cache[key] = hit
-                while len(_doc_cache) > _DOC_CACHE:
-                    _doc_cache.popitem(last=False)
-        iv = hit[0]
+        iv = _by_mask(_doc_cache, key, rm,
+                      lambda: _doc_intervals(ma.qid, ma.kid, ma.ids_sorted[1]))
         if iv is not None:
             docs, qid, sqid_b = 2, iv, (2 * p.seq_q if iv.shape[0] > 1 else 0)
         else:
@@ -214,11 +230,10 @@ class FwdLaunch:
 
         B, H, Sq, Sk, D = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim
         rm_ = p.mask
-        lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-        hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+        lo, hi = _band(rm_)
         self.cfg = cfg
         #: Documents / KeepMask: their arrays per call (mask_arrays)
-        self.array = rm_.q_ids is not None or rm_.keep is not None
+        self.array = _is_array(p)
         self.out_shape, self.stats_shape = (B, H, Sq, D), (2, B, H, Sq)
         self.grid = (-(-Sq // cfg.bm), B * H)
         self.args = (H, p.group, Sq, Sk, p.scale * LOG2E, p.scale, lo, hi)
@@ -233,7 +248,7 @@ class FwdLaunch:
                     f"{cfg.name}: the host-built schedule takes band masks only (Documents / "
                     "KeepMask key ranges are per call); use the per-tile config")
             # without a band every tile's loop is as long: the greedy schedule is the
-            # kernel's own head-major round robin, so SCHED is off there (same walk)
+            # kernel's own head-major round robin (same walk): no schedule there
             if rm_.has_band:
                 self.sched = (Sq, Sk, lo, hi, cfg.bm, cfg.bn, B * H, self.grid[0])
                 # under CUDA graph capture a schedule not built yet cannot be copied to
@@ -241,9 +256,7 @@ class FwdLaunch:
                 # same loop instead, whose results are bitwise the same
                 self.per_tile = FwdLaunch(p, cfg.per_tile(), direct)
             self.kw = dict(HAS_BAND=bool(rm_.has_band), STAGES=cfg.stages,
-                           CONSUMER_REGS=cfg.consumer_regs, num_warps=4, ARRAY=False,
-                           HAS_KEEP=False,
-                           SCHED=self.sched is not None, NC=cfg.consumers)
+                           CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
         else:    # 2 or 3 consumer warpgroups of 64 rows each, one producer warp
             from .fwd_ws_kernel import fwd_ws_kernel
 
@@ -269,8 +282,8 @@ class FwdLaunch:
 
     def mask_args(self, q, p=None):
         """-> (the kernel's mask-array arguments after the scalars, its keywords) for
-        this call: mask_arrays() of p's Documents / KeepMask, else placeholders (the
-        placeholders."""
+        this call: mask_arrays() of p's Documents / KeepMask, else placeholders (not
+        read), then the persistent kernel's (B * H, SCH)."""
         if self.array:
             if p is None:
                 raise ValueError("a Documents / KeepMask forward needs the call's Problem "
@@ -325,7 +338,7 @@ def schedule_ready(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1) -> 
 
 
 def persist_schedule(Sq, Sk, lo, hi, bm, bn, BH, P, device="cpu", tile_cost=1):
-    """The persistent forward's walk (fwd_persist_kernel, SCHED) for a band lo <= j - i
+    """The persistent forward's walk (fwd_persist_kernel, HAS_BAND) for a band lo <= j - i
     <= hi: the per-tile grid's launch order (head by head, each head's query tiles
     longest first) dealt out greedily, each tile to the program that is free first
     (ties: the lowest), a tile costing its key tiles + ``tile_cost`` (Q load, epilogue)
@@ -370,7 +383,8 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
     """-> out [B, H, Sq, D] (q's dtype, contiguous), RowStats(max, log_norm) [B, H, Sq]
     fp32, as launch.forward returns them.  ``out`` / ``stats`` ([2, B, H, Sq] fp32):
     preallocated buffers to write (tests poison them); fresh ones when None.  ``cfg``: a
-    HopperConfig other than configs.fwd_config(D) (the bench's variants).
+    HopperConfig other than configs.fwd_config(D) (a test / bench hook: the route never
+    passes one).
     ``prepared``: ``prepare_forward(p, cfg)`` kept by the caller for p's call signature
     (prepared.py's prepared launches), else built here."""
     if prepared is not None:
@@ -425,19 +439,8 @@ def bwd_mask_tables(p, q, bm: int = 64, bn: int = 128) -> BwdMaskTables:
     kernels' and the forward's tables come from (triton/tiles.py tile_lists at bm x bn,
     range mode: its column table), reduced over each kv head's query-head group; cached
     per mask tensors as mask_arrays is."""
-    rm = p.mask
-    parts = (MI.tensor_key(rm.keep), MI.tensor_key(rm.q_ids), MI.tensor_key(rm.k_ids))
-    key = None if None in parts else (parts, rm.band_lo, rm.band_hi, p.batch, p.heads_q,
-                                      p.heads_kv, p.seq_q, p.seq_k, str(q.device), bm, bn)
-    hit = _bwd_tab_cache.get(key) if key is not None else None
-    if hit is not None:
-        return hit[0]
-    out = _bwd_mask_tables(p, q, bm, bn)
-    if key is not None:       # the mask tensors held: their memory stays theirs
-        _bwd_tab_cache[key] = (out, (rm.keep, rm.q_ids, rm.k_ids))
-        while len(_bwd_tab_cache) > _DOC_CACHE:
-            _bwd_tab_cache.popitem(last=False)
-    return out
+    return _by_mask(_bwd_tab_cache, _mask_key(p, q, bm, bn), p.mask,
+                    lambda: _bwd_mask_tables(p, q, bm, bn))
 
 
 def _group_columns(cr, G: int):
@@ -510,9 +513,7 @@ def _bwd_checks(p, q, l2, delta, dk, dv, dq=None, with_dq: bool = False) -> tupl
     dq [B, H, Sq, D] (else dq comes back as given) in q's dtype, allocated where None,
     else checked (shape, dtype, contiguous); l2 [B, H, 2, Sq] and delta [B, H, Sq]
     checked (fp32, contiguous).  ValueError on a mismatch."""
-    rm_ = p.mask
-    lo = -_BIG if rm_.band_lo is None else max(int(rm_.band_lo), -_BIG)
-    hi = _BIG if rm_.band_hi is None else min(int(rm_.band_hi), _BIG)
+    lo, hi = _band(p.mask)
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
     dev, dt = q.device, q.dtype
     kshape, qshape = (B, Hkv, Sk, D), (B, H, Sq, D)
@@ -633,7 +634,8 @@ def _dq_tiles_all_visited(Sq, Sk, lo, hi, bm, bn) -> bool:
 
 def _ws_dq_kernel(cfg):
     """The dQ-inside kernel of config cfg: bwd_ws_t_kernel's transposed consumers
-    (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments."""
+    (cfg.trans) or bwd_ws_dq_kernel's; both take the same arguments but the array
+    masks' (bwd_ws_dq_kernel only)."""
     if cfg.trans:
         from .bwd_ws_t_kernel import dkdvq_ws_t_kernel
 
@@ -656,7 +658,8 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     accumulator (bitwise repeatable), then dq = its rows * scale in q's dtype
     (bwd_dq_convert, one elementwise pass).  ``dq`` / ``dk`` / ``dv``: preallocated
     buffers to write (tests poison them); ``order``: the dQ add order, default
-    dq_order(); ``sites``: the prepared signature's launch sites (direct.Site by name),
+    dq_order() (a test hook: the GPU tests check both orders; the route passes None);
+    ``sites``: the prepared signature's launch sites (direct.Site by name),
     None for Triton's path."""
     from .bwd_dq_convert import dq_convert_kernel
 
