@@ -814,6 +814,147 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
 
 
+# ----------------------------------------------------------------------------- split-key forward
+@triton.jit
+def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
+                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                     H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag,
+                     D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H, NS): the partial forward of one query tile over split
+    ``s`` of its key tiles.  The key tiles the tile sees, [t0, t1) (band or none, as
+    fwd_kernel's mode 0), are cut into NS runs of cdiv(t1 - t0, NS) tiles (the last one
+    shorter or empty); program s runs the online softmax over run s with fwd_kernel's
+    _fwd_tile and writes, unnormalised, acc [BM, VDP] fp32 (the scaled schemes' out
+    factor applied) to PACC [B * H, NS, Sq, VDP] and the run's largest kept natural
+    score (-inf where it keeps none) and its sum of exp(s - max) to the two planes of
+    PST [2, B * H * NS * Sq].  fwd_combine_kernel merges the runs."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    sp = tl.program_id(2)
+    NS = tl.num_programs(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    out_mul = 1.0
+    s_scale = scale
+    if PREC == "hsplit3":
+        s_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, scale)
+        qk_scale = s_scale * 1.4426950408889634
+    i0 = pid_m * BM
+    offs_mb = tl.arange(0, BM)
+    offs_m = i0 + offs_mb
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
+    Qh = Q + b * sq_b + h * sq_h
+    Kh = K + b * sk_b + hk * sk_h
+    Vh = V + b * sv_b + hk * sv_h
+    slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not SOFTCAP)
+    q0, q1 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
+    acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+    per = (t1 - t0 + NS - 1) // NS
+    u0 = tl.minimum(t0 + sp * per, t1)
+    u1 = tl.minimum(u0 + per, t1)
+    # the run [u0, u1) in fwd_kernel's three parts: masked edge, unmasked middle, edge
+    for t in range(u0, tl.minimum(f0, u1)):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, True, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+    for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, False, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+    for t in range(tl.maximum(f1, u0), u1):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, True, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+    if SOFTCAP:
+        run_max = m_i                      # natural units already
+    else:
+        run_max = m_i * s_scale            # = the largest fl(q.k * scale) of the run
+    run_max = tl.where(l_i == 0.0, float("-inf"), run_max)
+    if PREC == "hsplit3":
+        acc = acc * out_mul
+    inb = offs_m < Sq
+    prow = (bh.to(tl.int64) * NS + sp) * Sq + offs_m                          # [BM]
+    a_ptrs = PACC + prow[:, None] * VDP + offs_dv[None, :]
+    tl.store(a_ptrs, acc, mask=inb[:, None])
+    tl.store(PST + prow, run_max, mask=inb)
+    tl.store(PST + tl.num_programs(1).to(tl.int64) * NS * Sq + prow, l_i, mask=inb)
+
+
+@triton.jit
+def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
+                       BM: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+                       HAS_SINKS: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): merges the NS partials of fwd_split_kernel, in the
+    order s = 0, 1, .., NS - 1 (the same bits for any schedule of the split programs),
+    into out [BM, VD] and the row statistics, as fwd_kernel's epilogue writes them (max,
+    log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0, max
+    -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
+    sum_s acc_s e^(m_s - M) / l."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_dv = tl.arange(0, VDP)
+    inb = offs_m < Sq
+    base = bh.to(tl.int64) * NS * Sq + offs_m                                 # [BM]
+    lplane = tl.num_programs(1).to(tl.int64) * NS * Sq
+    mx = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for s in range(0, NS):
+        mx = tl.maximum(mx, tl.load(PST + base + s * Sq, mask=inb, other=float("-inf")))
+    m_use = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    for s in range(0, NS):
+        prow = base + s * Sq
+        w = tl.math.exp2((tl.load(PST + prow, mask=inb, other=float("-inf")) - m_use)
+                         * 1.4426950408889634)                    # 0 for an empty run
+        l_i = l_i + tl.load(PST + lplane + prow, mask=inb, other=0.0) * w
+        a = tl.load(PACC + prow[:, None] * VDP + offs_dv[None, :], mask=inb[:, None],
+                    other=0.0)
+        acc = acc + a * w[:, None]
+    empty = l_i == 0.0
+    row_max = tl.where(empty, float("-inf"), mx)
+    if HAS_SINKS:
+        # one more term of the normaliser, as in fwd_kernel's epilogue
+        snk = tl.load(SINKS + h)
+        mx2 = tl.maximum(row_max, snk)
+        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
+        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
+        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
+        row_max = mx2
+    else:
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    row_max = tl.where(l_i == l_i, row_max, l_i)
+    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
+    o_ptrs = O + (bh // H).to(tl.int64) * so_b + h * so_h + offs_m.to(tl.int64)[:, None] * so_s \
+        + offs_dv[None, :]
+    if VD == VDP:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
+    row = bh.to(tl.int64) * Sq + offs_m
+    tl.store(LSE + row, row_max, mask=inb)
+    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
+
+
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
