@@ -28,10 +28,11 @@ The decisions, in order:
    portable preprocess / dQ): the explicit plan, else configs.plan_for of the larger
    padded head dim of D and Dv (the fixed test plan under TRITON_INTERPRET=1 or
    ANYATTN_TRITON_CONFIG=fixed).
-0. before both, for the forward: split-key decoding (``decode_splits``: few queries over
-   many keys and too few programs for the SMs) takes the portable split kernels
-   (kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or
-   an explicit plan asks otherwise.
+Checked before both, for a forward: split-key decoding (``decode_splits``: few queries
+over many keys and too few programs for the SMs) takes the portable split kernels
+(kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or an
+explicit plan asks otherwise; a decoding-sized forward (Sq <= DECODE_MAX_SQ) that stays
+unsplit says why in its last reason line.
 """
 from __future__ import annotations
 
