@@ -32,10 +32,15 @@ def _rounded(x, dtype):
     return torch.from_numpy(x).to(getattr(torch, dtype)).double().numpy()
 
 
+def _forward_routes():
+    """The routes of the forward launches prepared since the last clear."""
+    return [pr.route for pr in prepared.PREPARED._d.values()
+            if pr.route.direction == "forward"]
+
+
 def _forward_splits():
     """The key-split counts of the forward launches prepared since the last clear."""
-    return [pr.route.splits for pr in prepared.PREPARED._d.values()
-            if pr.route.direction == "forward"]
+    return [r.splits for r in _forward_routes()]
 
 
 def _mods(Hq, rng, alibi, sinks):
@@ -50,7 +55,8 @@ CASES = [
      dict(mask=aa.Causal(align="bottom_right")), False, False, True),
     ("bf16-sq4-offsets-dv", "bfloat16", 1, 4, 1, 4, 150, 24, 40,
      dict(mask=aa.Causal(), q_offset=280, k_offset=150), False, False, True),
-    ("fp16-sq16-window-softcap", "float16", 1, 2, 2, 16, 260, 32, 32,
+    # 8 query heads of one kv head: two programs of 4 heads x 16 queries (64 rows)
+    ("fp16-sq16-window-softcap", "float16", 1, 8, 1, 16, 260, 32, 32,
      dict(mask=aa.Window(left=90, right=0, align="bottom_right"), softcap=4.0), False,
      False, False),
     ("bf16-sq1-alibi-sinks", "bfloat16", 1, 4, 2, 1, 181, 16, 16,
@@ -82,6 +88,8 @@ def test_split_forward_matches_float64(case):
                             backend="triton", **extra)
     splits = _forward_splits()
     assert splits and min(splits) > 1, splits
+    # GQA packing: every query head of a kv head in one program (two programs of 4 at G 8)
+    assert [r.pack for r in _forward_routes()] == [min(Hq // Hkv, 64 // Sq)]
     ro, rl = aa.attention(*ref[:3], return_lse=True, backend="reference", **rextra)
     assert out.dtype == td and tuple(out.shape) == ro.shape
     assert_close(out.float().cpu().numpy(), ro, dtype, "out")
@@ -161,15 +169,19 @@ DECODE = dict(batch=1, heads_q=32, heads_kv=8, seq_q=1, seq_k=32768, head_dim=12
 
 #: (id, facts over DECODE, ANYATTN_TRITON_PATH, forward's splits, a phrase of its reason)
 ROUTES = [
-    ("B1 32k", {}, "auto", 9, "32 programs < 132 SMs"),
-    ("B4 Sq16 causal", dict(batch=4, seq_q=16, mask_class="band"), "auto", 3,
-     "128 programs < 132 SMs"),
+    ("B1 32k", {}, "auto", 33, "8 programs (4 query heads x Sq 1 rows each) < 132 SMs"),
+    ("B8 32k", dict(batch=8), "auto", 5, "64 programs (4 query heads x Sq 1 rows each)"),
+    ("B4 Sq16 causal", dict(batch=4, seq_q=16, mask_class="band"), "auto", 9,
+     "32 programs (4 query heads x Sq 16 rows each) < 132 SMs"),
+    ("G32 Sq4", dict(heads_kv=1, seq_q=4), "auto", 128,
+     "2 programs (16 query heads x Sq 4 rows each) < 132 SMs"),
     ("B4 4k softcap alibi sinks", dict(batch=4, seq_k=4096,
                                        features=frozenset({"softcap", "alibi", "sinks"})),
-     "portable", 3, "128 programs < 132 SMs"),
+     "portable", 9, "32 programs (4 query heads"),
     ("long cache, many splits", dict(seq_k=131072, heads_q=1, heads_kv=1), "auto", 128,
-     "1 programs < 132 SMs"),
-    ("B8 fills the SMs", dict(batch=8), "auto", 1, "256 programs fill 132 SMs"),
+     "1 programs (1 query heads x Sq 1 rows each) < 132 SMs"),
+    ("B32 fills the SMs", dict(batch=32), "auto", 1, "256 programs (4 query heads x Sq 1 "
+     "rows each) fill 132 SMs"),
     ("Sq 17", dict(seq_q=17), "auto", 1, None),
     ("short cache", dict(seq_k=256), "auto", 1, "fewer than 2 splits"),
     ("dropout", dict(features=frozenset({"dropout"})), "auto", 1, "lacks dropout"),
@@ -187,8 +199,11 @@ def test_decode_split_route_table(case, heuristic, monkeypatch):
     fwd = ROUTE.route(problem, "forward", H100)
     assert fwd.splits == want, fwd.describe()
     if want > 1:
-        assert fwd.path == "portable" and fwd.split == configs.decode_config(128, "bfloat16")
-        assert fwd.config == f"split16x64w4s3x{want}"
+        rows = fwd.pack * problem.seq_q
+        assert fwd.path == "portable" and fwd.split == configs.decode_config(128, "bfloat16",
+                                                                             rows)
+        assert fwd.config == f"split{fwd.split.bm}x64w4s3x{want}"
+        assert rows <= fwd.split.bm <= max(16, 2 * rows)
     if phrase is None:
         assert not any(r.startswith("split") for r in fwd.reasons)
     else:
@@ -199,13 +214,16 @@ def test_decode_split_route_table(case, heuristic, monkeypatch):
 
 def test_decode_split_count_fills_about_two_waves(heuristic):
     """NS = cdiv(DECODE_WAVES * SMs, programs), capped so each split keeps
-    >= DECODE_MIN_TILES key tiles; an explicit plan keeps the unsplit kernel."""
-    for batch, sk, want in ((1, 32768, 9), (2, 32768, 5), (1, 1024, 4), (1, 512, 2)):
+    >= DECODE_MIN_TILES key tiles; an explicit plan keeps the unsplit kernel; HP the
+    largest divisor of the group with HP * Sq <= DECODE_MAX_ROWS."""
+    for batch, sk, want in ((1, 32768, 33), (2, 32768, 17), (1, 1024, 4), (1, 512, 2)):
         problem = ROUTE.ProblemFacts(**dict(DECODE, batch=batch, seq_k=sk))
         assert ROUTE.decode_splits(problem, H100)[0] == want, (batch, sk)
     problem = ROUTE.ProblemFacts(**DECODE)
     explicit = ROUTE.route(problem, "forward", H100, plan=configs.fixed_plan())
     assert explicit.splits == 1 and "explicit plan" in explicit.reasons[-1]
+    assert [ROUTE.decode_pack(g, sq) for g, sq in ((4, 1), (8, 16), (6, 16), (32, 4),
+                                                     (1, 16), (7, 16))] == [4, 4, 3, 16, 1, 1]
 
 
 def test_info_route_prints_the_split(capsys, heuristic):
@@ -214,5 +232,6 @@ def test_info_route_prints_the_split(capsys, heuristic):
 
     assert main(["info", "--route", "1,32,8,1,32768,128", "--cc", "9.0"]) == 0
     text = capsys.readouterr().out
-    assert "forward: portable split16x64w4s3x9" in text
-    assert "split: 9 key splits (32 programs < 132 SMs" in text
+    assert "forward: portable split16x64w4s3x33" in text
+    assert "split: 33 key splits (B*Hkv*G/HP = 8 programs (4 query heads x Sq 1 rows each)" \
+        " < 132 SMs" in text

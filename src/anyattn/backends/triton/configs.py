@@ -165,16 +165,20 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
     return p.check()
 
 
-def decode_config(dp: int, dtype: str) -> KernelConfig:
+def decode_config(dp: int, dtype: str, rows: int) -> KernelConfig:
     """The split-key forward's tile (kernels.fwd_split_kernel; route.decode_splits picks
-    the number of splits): 16 query rows (tl.dot's least, and Sq <= 16 there), a key
-    tile of 16 under the fixed test plan (several splits at tiny Sk) and of 64 on a GPU.
-    Chosen from the kernel's shape, not yet timed on a GPU."""
+    the number of splits and the query heads packed per program): ``rows`` = packed
+    heads * Sq query rows padded to a power of two >= 16 (tl.dot's least), a key tile of
+    16 under the fixed test plan (several splits at tiny Sk) and of 64 on a GPU (32 for
+    fp32 and D > 128).  Chosen from the kernel's shape, not yet timed on a GPU."""
+    bm = 16
+    while bm < rows:
+        bm *= 2
     if use_fixed():
-        return KernelConfig(16, 16, 4, 1)
+        return KernelConfig(bm, 16, 4, 1)
     if dp > 128 or dtype == "float32":
-        return KernelConfig(16, 32, 4, 2)
-    return KernelConfig(16, 64, 4, 3)
+        return KernelConfig(bm, 32, 4, 2)
+    return KernelConfig(bm, 64, 4, 3)
 
 
 #: rows per program of the split forward's combine (kernels.fwd_combine_kernel)

@@ -81,14 +81,15 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
 
 
 def _forward_split(p, q, k, v, pr, mods):
-    """The split-key forward (route.decode_splits): kernels.fwd_split_kernel writes each
-    of the route's NS key splits' partial out and statistics to a workspace (fp32
+    """The split-key forward (route.decode_splits): kernels.fwd_split_kernel, HP = the
+    route's pack query heads of a kv head per program, writes each of the route's NS
+    key splits' partial out and statistics to a workspace (fp32
     [B * H, NS, Sq, VDP] and [2, B * H * NS * Sq]), kernels.fwd_combine_kernel merges
     them in a fixed order into out and the RowStats fwd_kernel would write (the
     backward reads them unchanged).  Band / no mask, softcap, ALiBi, sinks only."""
     q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
     B, H, Sq, Sk, D, Dv = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.head_dim_v
-    ns, cfg = pr.route.splits, pr.route.split
+    ns, cfg, hp = pr.route.splits, pr.route.split, pr.route.pack
     dev = q.device
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, None)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
@@ -96,7 +97,8 @@ def _forward_split(p, q, k, v, pr, mods):
     out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     pacc = torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev)
-    pst = torch.empty((2, B * H * ns * Sq), dtype=torch.float32, device=dev)
+    lplane = B * H * ns * Sq
+    pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
     prec = pr.prec
     with on_device(dev):
         if prec == operands.SCALED:
@@ -106,17 +108,15 @@ def _forward_split(p, q, k, v, pr, mods):
         else:
             sc = pr.sc
         args = (q, k, v, pacc, pst, sc, md.slopes, *s3(q), *s3(k), *s3(v),
-                H, p.group, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi,
-                md.sl_b, md.cap, md.adiag)
+                H, p.group, hp, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi,
+                md.sl_b, md.cap, md.adiag, lplane)
 
-        def first():
-            kw = dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp,
-                      HAS_BAND=ma.has_band, PREC=prec, SOFTCAP=md.flags["SOFTCAP"],
-                      ALIBI=md.alibi)
-            return (lambda c: (cdiv(Sq, c.bm), B * H, ns), cfg, kw, None,
-                    str(args[0].dtype))
-
-        prepared.run(pr, "fwd_split", kernels.fwd_split_kernel, args, first)
+        # launched as routed (no fallback to smaller tiles: the packed rows need BM)
+        prepared.site(pr, "fwd_split", kernels.fwd_split_kernel)(
+            (B * p.heads_kv * (p.group // hp), ns), args,
+            dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
+                 PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
+                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         bm = configs.COMBINE_BM
         prepared.site(pr, "fwd_combine", kernels.fwd_combine_kernel)(
             (cdiv(Sq, bm), B * H),

@@ -816,69 +816,109 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
 
 # ----------------------------------------------------------------------------- split-key forward
 @triton.jit
+def _key_tile_range_all(Sq, Sk, lo, hi, BN: tl.constexpr):
+    """Key tiles of size BN seen by queries [0, Sq): all in [t0, t1), unmasked (fully
+    kept and in bounds for every one of those queries) in [f0, f1)."""
+    nk = (Sk + BN - 1) // BN
+    t0 = _div_pos(lo, BN)
+    t1 = tl.maximum(t0, tl.minimum(nk, _cdiv_pos(Sq + hi, BN)))
+    f0 = _cdiv_pos(lo + Sq - 1, BN)            # j - i >= lo for the last query
+    f1 = tl.minimum(_div_pos(hi + 1, BN), Sk // BN)   # j - i <= hi for query 0; in bounds
+    f0 = tl.minimum(tl.maximum(f0, t0), t1)
+    f1 = tl.minimum(tl.maximum(f1, f0), t1)
+    return t0, f0, f1, t1
+
+
+@triton.jit
+def _load_packed(ptr, rows_off, valid, offs_d, D: tl.constexpr, DP: tl.constexpr):
+    """Rows at element offsets rows_off [BM] of a unit-stride-last tensor -> [BM, DP]
+    (0 where not valid and in the padding of D)."""
+    p = ptr + rows_off[:, None] + offs_d[None, :]
+    if D == DP:
+        return tl.load(p, mask=valid[:, None], other=0.0)
+    else:
+        return tl.load(p, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                     H, G, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag,
+                     H, G, HP, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, lplane,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
-    """Grid (cdiv(Sq, BM), B * H, NS): the partial forward of one query tile over split
-    ``s`` of its key tiles.  The key tiles the tile sees, [t0, t1) (band or none, as
-    fwd_kernel's mode 0), are cut into NS runs of cdiv(t1 - t0, NS) tiles (the last one
-    shorter or empty); program s runs the online softmax over run s with fwd_kernel's
-    _fwd_tile and writes, unnormalised, acc [BM, VDP] fp32 (the scaled schemes' out
-    factor applied) to PACC [B * H, NS, Sq, VDP] and the run's largest kept natural
-    score (-inf where it keeps none) and its sum of exp(s - max) to the two planes of
-    PST [2, B * H * NS * Sq].  fwd_combine_kernel merges the runs."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    sp = tl.program_id(2)
-    NS = tl.num_programs(2)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // G
+    """Grid (B * Hkv * G / HP, NS): the partial forward of HP query heads of one kv head
+    (GQA packing: row r of the BM-row tile is query r % Sq of head hk * G + g0 + r // Sq,
+    HP * Sq <= BM; the kv head's keys are loaded once for all of them) over split ``s``
+    of the key tiles.  The key tiles the queries [0, Sq) see, [t0, t1) (band or none),
+    are cut into NS runs of cdiv(t1 - t0, NS) tiles (the last one shorter or empty);
+    program s runs the online softmax over run s with fwd_kernel's _fwd_tile (each row's
+    own query position for the band and ALiBi, its own head's ALiBi slope) and writes,
+    unnormalised, acc [BM, VDP] fp32 (the scaled schemes' out factor applied) to PACC
+    [B * H, NS, Sq, VDP] and the run's largest kept natural score (-inf where it keeps
+    none) and its sum of exp(s - max) to the two planes of PST [2, lplane = B * H * NS *
+    Sq].  fwd_combine_kernel merges the runs."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    NS = tl.num_programs(1)
+    NG = G // HP                                # programs per kv head
+    Hkv = H // G
+    b = (pid // (Hkv * NG)).to(tl.int64)
+    hk = ((pid // NG) % Hkv).to(tl.int64)
+    g0 = (pid % NG) * HP
     out_mul = 1.0
     s_scale = scale
     if PREC == "hsplit3":
         s_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, scale)
         qk_scale = s_scale * 1.4426950408889634
-    i0 = pid_m * BM
-    offs_mb = tl.arange(0, BM)
-    offs_m = i0 + offs_mb
+    rows = tl.arange(0, BM)
+    valid = rows < HP * Sq
+    hrow = hk * G + g0 + tl.where(valid, rows // Sq, 0)                   # [BM] heads
+    offs_m = tl.where(valid, rows % Sq, Sq)     # query positions; Sq (none) on padding rows
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_dv = tl.arange(0, VDP)
-    Qh = Q + b * sq_b + h * sq_h
     Kh = K + b * sk_b + hk * sk_h
     Vh = V + b * sv_b + hk * sv_h
-    slope = _load_slope(SLOPES, b, h, sl_b, s_scale, ALIBI, not SOFTCAP)
-    q0, q1 = _load_op(Qh, i0, sq_s, Sq, offs_mb, offs_d, D, DP, True, PREC, False)  # [BM, DP]
+    if ALIBI:      # per row: its head's slope (divided as _load_slope does)
+        slope = tl.load(SLOPES + b * sl_b + hrow, mask=valid, other=0.0)
+        if not SOFTCAP:
+            slope = slope / s_scale
+        slope = slope[:, None]
+    else:
+        slope = 0.0
+    q_off = b * sq_b + hrow * sq_h + offs_m.to(tl.int64) * sq_s
+    q0 = _load_packed(Q, q_off, valid, offs_d, D, DP)                          # [BM, DP]
+    q1 = q0
+    if PREC == "hsplit3":
+        q1 = _load_packed(Q + D, q_off, valid, offs_d, D, DP)
     acc = tl.zeros([BM, VDP], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-    t0, f0, f1, t1 = _key_tile_range(i0, Sq, Sk, lo, hi, BM, BN)
+    t0, f0, f1, t1 = _key_tile_range_all(Sq, Sk, lo, hi, BN)
     per = (t1 - t0 + NS - 1) // NS
     u0 = tl.minimum(t0 + sp * per, t1)
     u1 = tl.minimum(u0 + per, t1)
     # the run [u0, u1) in fwd_kernel's three parts: masked edge, unmasked middle, edge
+    # (padding rows: q = 0, masked out of every masked tile, never stored)
     for t in range(u0, tl.minimum(f0, u1)):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, False, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f1, u0), u1):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, h, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     if SOFTCAP:
         run_max = m_i                      # natural units already
     else:
@@ -886,12 +926,10 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     run_max = tl.where(l_i == 0.0, float("-inf"), run_max)
     if PREC == "hsplit3":
         acc = acc * out_mul
-    inb = offs_m < Sq
-    prow = (bh.to(tl.int64) * NS + sp) * Sq + offs_m                          # [BM]
-    a_ptrs = PACC + prow[:, None] * VDP + offs_dv[None, :]
-    tl.store(a_ptrs, acc, mask=inb[:, None])
-    tl.store(PST + prow, run_max, mask=inb)
-    tl.store(PST + tl.num_programs(1).to(tl.int64) * NS * Sq + prow, l_i, mask=inb)
+    prow = ((b * H + hrow) * NS + sp) * Sq + offs_m                          # [BM]
+    tl.store(PACC + prow[:, None] * VDP + offs_dv[None, :], acc, mask=valid[:, None])
+    tl.store(PST + prow, run_max, mask=valid)
+    tl.store(PST + lplane + prow, l_i, mask=valid)
 
 
 @triton.jit

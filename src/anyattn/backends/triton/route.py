@@ -47,8 +47,8 @@ from .hopper import coverage
 
 __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
-           "DECODE_MAX_SQ", "DECODE_MIN_TILES", "DECODE_WAVES", "DECODE_MAX_SPLITS",
-           "NO_GPU_SMS", "SPLIT_FEATURES"]
+           "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES", "DECODE_WAVES", "DECODE_MAX_SPLITS",
+           "NO_GPU_SMS", "SPLIT_FEATURES", "decode_pack"]
 
 DIRECTIONS = ("forward", "backward")
 
@@ -134,6 +134,8 @@ class Route:
     #: the split-key forward (portable): its number of key splits (1: unsplit) and tile
     splits: int = 1
     split: Optional[configs.KernelConfig] = None
+    #: query heads of a kv head packed into one split program (GQA packing)
+    pack: int = 1
 
     @property
     def hop(self) -> bool:
@@ -195,6 +197,8 @@ DECODE_MIN_TILES = 4
 DECODE_WAVES = 2
 #: splits at most (the combine reads every split's partial rows)
 DECODE_MAX_SPLITS = 128
+#: query rows (packed heads * Sq) of one split program at most
+DECODE_MAX_ROWS = 64
 #: the SM count assumed where no GPU is asked (the interpreter, a CPU device)
 NO_GPU_SMS = 8
 #: the score features the split kernel takes (others keep fwd_kernel)
@@ -203,41 +207,52 @@ SPLIT_FEATURES = frozenset({"softcap", "alibi", "sinks"})
 SPLIT_MASKS = frozenset({"none", "band"})
 
 
+def decode_pack(group: int, seq_q: int) -> int:
+    """The query heads of a kv head one split program takes (GQA packing): the largest
+    divisor HP of the group G with HP * Sq <= DECODE_MAX_ROWS."""
+    return max(hp for hp in range(1, group + 1)
+               if group % hp == 0 and hp * seq_q <= max(DECODE_MAX_ROWS, seq_q))
+
+
 def decode_splits(problem: ProblemFacts, device: DeviceFacts
-                  ) -> Tuple[int, Optional[configs.KernelConfig], str]:
-    """(number of key splits NS, the split kernel's tile, one line of reason) of a
-    forward: NS = 1 (unsplit, fwd_kernel) unless the call is decoding-shaped, in the
-    manner of FlashAttention's num_splits heuristic: Sq <= DECODE_MAX_SQ, the unsplit
-    grid B * Hq * cdiv(Sq, BM) has fewer programs than the device has SMs, and Sk holds
-    at least 2 * DECODE_MIN_TILES key tiles; then NS fills about DECODE_WAVES waves of
-    SMs with every split keeping >= DECODE_MIN_TILES tiles (at most DECODE_MAX_SPLITS)."""
+                  ) -> Tuple[int, Optional[configs.KernelConfig], int, str]:
+    """(number of key splits NS, the split kernel's tile, the query heads packed per
+    program HP, one line of reason) of a forward: NS = 1 (unsplit, fwd_kernel) unless
+    the call is decoding-shaped, in the manner of FlashAttention's num_splits heuristic
+    (with its GQA packing): Sq <= DECODE_MAX_SQ, the split kernel's grid without splits,
+    B * Hkv * G / HP programs (HP query heads of a kv head share one program's key
+    loads), is smaller than the device's SM count, and Sk holds at least 2 *
+    DECODE_MIN_TILES key tiles; then NS fills about DECODE_WAVES waves of SMs with every
+    split keeping >= DECODE_MIN_TILES tiles (at most DECODE_MAX_SPLITS)."""
     extra = sorted(set(problem.features) - SPLIT_FEATURES)
     if extra:
-        return 1, None, f"split: no (the split kernel lacks {', '.join(extra)})"
+        return 1, None, 1, f"split: no (the split kernel lacks {', '.join(extra)})"
     if problem.mask_class not in SPLIT_MASKS:
-        return 1, None, (f"split: no (mask class {problem.mask_class}: tile lists, which "
-                         "only the unsplit kernel reads)")
+        return 1, None, 1, (f"split: no (mask class {problem.mask_class}: tile lists, "
+                            "which only the unsplit kernel reads)")
     if problem.seq_q > DECODE_MAX_SQ:
-        return 1, None, f"split: no (Sq {problem.seq_q} > {DECODE_MAX_SQ} queries)"
+        return 1, None, 1, f"split: no (Sq {problem.seq_q} > {DECODE_MAX_SQ} queries)"
+    group = problem.heads_q // problem.heads_kv
+    hp = decode_pack(group, problem.seq_q)
     cfg = configs.decode_config(configs.padded_dim(max(problem.head_dim, problem.value_dim)),
-                                problem.dtype)
+                                problem.dtype, hp * problem.seq_q)
     if device.sm_count is not None:
         sms, where = device.sm_count, "SMs"
     else:
         sms, where = NO_GPU_SMS, "SMs (NO_GPU_SMS: no GPU asked)"
-    programs = problem.batch * problem.heads_q * _cdiv(problem.seq_q, cfg.bm)
+    programs = problem.batch * problem.heads_kv * (group // hp)
+    grid = f"B*Hkv*G/HP = {programs} programs ({hp} query heads x Sq {problem.seq_q} rows each)"
     if programs >= sms:
-        return 1, None, (f"split: no (B*Hq*cdiv(Sq, {cfg.bm}) = {programs} programs fill "
-                         f"{sms} {where})")
+        return 1, None, hp, f"split: no ({grid} fill {sms} {where})"
     tiles = _cdiv(problem.seq_k, cfg.bn)
     most = min(tiles // DECODE_MIN_TILES, DECODE_MAX_SPLITS)
     if most < 2:
-        return 1, None, (f"split: no (Sk {problem.seq_k}: {tiles} key tiles of {cfg.bn}, "
-                         f"fewer than 2 splits of >= {DECODE_MIN_TILES})")
+        return 1, None, hp, (f"split: no (Sk {problem.seq_k}: {tiles} key tiles of {cfg.bn}, "
+                             f"fewer than 2 splits of >= {DECODE_MIN_TILES})")
     ns = min(_cdiv(DECODE_WAVES * sms, programs), most)
-    return ns, cfg, (f"split: {ns} key splits ({programs} programs < {sms} {where}; "
-                     f"~{DECODE_WAVES} waves, >= {DECODE_MIN_TILES} key tiles of {cfg.bn} "
-                     f"per split; {tiles} tiles)")
+    return ns, cfg, hp, (f"split: {ns} key splits ({grid} < {sms} {where}; "
+                         f"~{DECODE_WAVES} waves, >= {DECODE_MIN_TILES} key tiles of "
+                         f"{cfg.bn} per split; {tiles} tiles)")
 
 
 def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
@@ -257,13 +272,13 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         elif plan is not None:
             no_split = "split: no (an explicit plan names the unsplit kernel's tiles)"
         else:
-            ns, cfg, no_split = decode_splits(problem, device)
+            ns, cfg, hp, no_split = decode_splits(problem, device)
             if ns > 1:
                 portable, _ = _portable_plan(problem, None)
                 return Route(direction, "portable", f"split{_kernel(cfg)}x{ns}",
                              (f"path: portable split-key forward (ANYATTN_TRITON_PATH="
                               f"{setting}; decoding-shaped)", no_split), plan=portable,
-                             splits=ns, split=cfg)
+                             splits=ns, split=cfg, pack=hp)
     reasons = []
     hop = False
     if setting == "portable":
