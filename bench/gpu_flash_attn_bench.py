@@ -82,9 +82,9 @@ def decode_grid(args) -> dict:
             moved = (2 * B * Hkv * L * D + 2 * B * Hq * D) * 2          # bytes: K, V, q, out
             problem = triton_route.ProblemFacts(batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=1,
                                                 seq_k=L, head_dim=D, dtype="bfloat16")
-            ns, _, why = triton_route.decode_splits(problem, facts)
+            ns, _, hp, why = triton_route.decode_splits(problem, facts)
             ms = timed(lambda: at.attention(q, k, v), args.reps)
-            row = {"B": B, "L": L, "splits": ns, "route": why, "anyattn_ms": ms,
+            row = {"B": B, "L": L, "splits": ns, "pack": hp, "route": why, "anyattn_ms": ms,
                    "anyattn_GBps": moved / ms / 1e6, "anyattn_peak": moved / ms / 1e6 / peak}
             for name, be in backends.items():
                 try:

@@ -183,6 +183,7 @@ ROUTES = [
     ("B32 fills the SMs", dict(batch=32), "auto", 1, "256 programs (4 query heads x Sq 1 "
      "rows each) fill 132 SMs"),
     ("Sq 17", dict(seq_q=17), "auto", 1, None),
+    ("Sq 0", dict(seq_q=0), "auto", 1, "an empty problem"),
     ("short cache", dict(seq_k=256), "auto", 1, "fewer than 2 splits"),
     ("dropout", dict(features=frozenset({"dropout"})), "auto", 1, "lacks dropout"),
     ("bias", dict(features=frozenset({"bias"})), "auto", 1, "lacks bias"),

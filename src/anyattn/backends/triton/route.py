@@ -224,6 +224,8 @@ def decode_splits(problem: ProblemFacts, device: DeviceFacts
     loads), is smaller than the device's SM count, and Sk holds at least 2 *
     DECODE_MIN_TILES key tiles; then NS fills about DECODE_WAVES waves of SMs with every
     split keeping >= DECODE_MIN_TILES tiles (at most DECODE_MAX_SPLITS)."""
+    if problem.empty:
+        return 1, None, 1, "split: no (an empty problem)"
     extra = sorted(set(problem.features) - SPLIT_FEATURES)
     if extra:
         return 1, None, 1, f"split: no (the split kernel lacks {', '.join(extra)})"
