@@ -83,8 +83,14 @@ def decode_grid(args) -> dict:
             problem = triton_route.ProblemFacts(batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=1,
                                                 seq_k=L, head_dim=D, dtype="bfloat16")
             ns, _, hp, why = triton_route.decode_splits(problem, facts)
-            ms = timed(lambda: at.attention(q, k, v), args.reps)
-            row = {"B": B, "L": L, "splits": ns, "pack": hp, "route": why, "anyattn_ms": ms,
+            routed = triton_route.route(problem, "forward", facts)
+            ours = at.attention(q, k, v, backend="triton")
+            theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            ms = timed(lambda: at.attention(q, k, v, backend="triton"), args.reps)
+            row = {"B": B, "L": L, "route": f"{routed.path} {routed.config}", "splits": ns,
+                   "pack": hp, "why": why,
+                   "max_abs_diff_vs_sdpa": float((ours.float() - theirs.float()).abs().max()),
+                   "anyattn_ms": ms,
                    "anyattn_GBps": moved / ms / 1e6, "anyattn_peak": moved / ms / 1e6 / peak}
             for name, be in backends.items():
                 try:
@@ -103,7 +109,7 @@ def decode_grid(args) -> dict:
                 row["anyattn_vs_sdpa_best"] = times[best] / ms     # >= 1: anyattn faster
             print(json.dumps(row), flush=True)
             res["cases"].append(row)
-            del k, v, q
+            k = v = q = None                      # freed before the next shape
             torch.cuda.empty_cache()
     return res
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tr_util import DEV, T, needs_triton, torch
+from tr_util import T, needs_triton, torch
 
 import anyattn as aa
 from anyattn import settings
