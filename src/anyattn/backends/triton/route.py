@@ -47,8 +47,8 @@ from .hopper import coverage
 
 __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
-           "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES", "DECODE_WAVES", "DECODE_MAX_SPLITS",
-           "NO_GPU_SMS", "SPLIT_FEATURES", "decode_pack"]
+           "decode_pack", "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES",
+           "DECODE_WAVES", "DECODE_MAX_SPLITS", "NO_GPU_SMS", "SPLIT_FEATURES", "SPLIT_MASKS"]
 
 DIRECTIONS = ("forward", "backward")
 
