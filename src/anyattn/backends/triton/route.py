@@ -277,10 +277,13 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
             ns, cfg, hp, no_split = decode_splits(problem, device)
             if ns > 1:
                 portable, _ = _portable_plan(problem, None)
-                return Route(direction, "portable", f"split{_kernel(cfg)}x{ns}",
+                name = f"split{_kernel(cfg)}x{ns}"
+                return Route(direction, "portable", name,
                              (f"path: portable split-key forward (ANYATTN_TRITON_PATH="
-                              f"{setting}; decoding-shaped)", no_split), plan=portable,
-                             splits=ns, split=cfg, pack=hp)
+                              f"{setting}; decoding-shaped)",
+                              f"config: {name} = configs.decode_config (rows {hp} x Sq "
+                              f"{problem.seq_q}) x {ns} splits", no_split),
+                             plan=portable, splits=ns, split=cfg, pack=hp)
     reasons = []
     hop = False
     if setting == "portable":
