@@ -52,14 +52,21 @@ FEATURES = {
     "dropout": (None, None, None, False, False, 0.2),
     "all": ("causal", "1HQK", 3.0, True, True, 0.1),
     "docs_all": ("docs", "BHQK", 3.0, True, True, 0.1),
+    # decoding shapes (DECODE_SHAPE): the split-key forward, then the usual backward
+    "decode": (None, None, None, False, False, 0.0),
+    "decode_all": ("causal_br", None, 3.0, True, True, 0.0),
 }
+#: (B, H, Hkv, Sq, Sk) of the "decode*" cases: 4 programs, fewer than the SMs the route
+#: assumes without a GPU (route.NO_GPU_SMS), so the forward splits the keys
+DECODE_SHAPE = (1, 4, 2, 1, 4096)
 DTYPES = (("float16", "highest"), ("bfloat16", "highest"), ("float32", "highest"),
           ("float32", "tf32"))
 HEAD_DIMS = (64, 128)
 #: the kernels' names in kernels.py (every @triton.jit there that a launch may call)
 KERNEL_NAMES = ("fwd_kernel", "bwd_pre_kernel", "dkdv_kernel", "dq_kernel", "bwd_kernel",
                 "dq_dbias_kernel", "dbias_kernel", "split_kernel", "split_f16_kernel",
-                "row_stats_kernel", "drop_words_kernel")
+                "row_stats_kernel", "drop_words_kernel", "fwd_split_kernel",
+                "fwd_combine_kernel")
 
 
 def _mask(name, B, Sq, Sk, torch):
@@ -70,6 +77,8 @@ def _mask(name, B, Sq, Sk, torch):
         return None
     if name == "causal":
         return aa.Causal()
+    if name == "causal_br":
+        return aa.Causal(align="bottom_right")
     if name == "window":
         return aa.Window(left=100)
     ids = torch.sort(torch.randint(0, 4, (B, Sq), generator=g), dim=1).values.to(torch.int32)
@@ -108,7 +117,7 @@ def record(case):
 
     dtype, precision, d, feat = case
     mask_name, bshape, softcap, alibi, sinks, drop = FEATURES[feat]
-    B, H, Hkv, Sq, Sk = 2, 4, 2, 1024, 1024
+    B, H, Hkv, Sq, Sk = DECODE_SHAPE if feat.startswith("decode") else (2, 4, 2, 1024, 1024)
     tdt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, Sq, d, generator=g).to(tdt)
@@ -266,12 +275,16 @@ def main():
             ref = json.load(f)["cases"]
         sass = lambda rows: [(r[0], r[1]) for r in rows]   # noqa: E731
         same = [k for k in res if k in ref and sass(res[k]) == sass(ref[k])]
-        bad = [k for k in res if k not in same]
+        new = [k for k in res if k not in ref]
+        bad = [k for k in res if k not in same and k not in new]
         missing = [k for k in ref if k not in res]
         ptx = [k for k in same if [r[2] for r in res[k]] != [r[2] for r in ref[k]]]
         print(f"compared {len(res)} cases: {len(same)} identical (every launch's SASS), "
+              f"{len(new)} new, "
               f"{len(bad)} differ, {len(missing)} missing; PTX differs in {len(ptx)} of the "
               "identical ones")
+        for k in new:
+            print("  NEW (not in the reference run):", k)
         for k in bad:
             mine = sass(res[k])
             theirs = sass(ref.get(k, []))

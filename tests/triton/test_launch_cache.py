@@ -35,11 +35,11 @@ def _qkv(seed=0, dtype=torch.float32, S_=S):
 
 
 # ----------------------------------------------------------------------------- the key
-def test_key_holds_every_problem_field_but_mask_and_seed():
+def test_key_holds_every_problem_field_but_mask_seed_and_matched_slopes():
     names = {f.name for f in dataclasses.fields(Problem)}
     q, k, v, _ = _qkv()
     P.problem_key(describe(q, k, v))
-    assert set(P.PROBLEM_FIELDS) == names - {"mask", "dropout_seed"}
+    assert set(P.PROBLEM_FIELDS) == names - {"mask", "dropout_seed", "matched_alibi"}
 
 
 def test_key_changes_with_each_problem_field():
@@ -51,12 +51,14 @@ def test_key_changes_with_each_problem_field():
                    bias_shape=(1, 1, S, S), bias_dtype="float32", precision="tf32",
                    wrt=frozenset({"q"}), q_offset=3, k_offset=1, softcap=5.0,
                    alibi_shape=(1, H), alibi_dtype="float32", sinks_dtype="float32",
-                   dropout_p=0.1, head_dim_v=24,
+                   dropout_p=0.1, head_dim_v=24, pages=object(),
                    score_mod=describe(q, k, v, score_mod=lambda s, b, h, i, j: s * 2).score_mod)
     assert set(changes) == set(P.PROBLEM_FIELDS)   # a new field needs a case here
     for name, val in changes.items():
         p2 = dataclasses.replace(p, **{name: val})
         assert P.problem_key(p2) != base, name
+    # the slopes of a spelled ALiBi are per-call data (the modifier's): not in the key
+    assert P.problem_key(dataclasses.replace(p, matched_alibi=torch.ones(1, H))) == base
     # the dropout seed is a runtime argument: not in the key
     assert P.problem_key(dataclasses.replace(p, dropout_p=0.1, dropout_seed=1)) == \
         P.problem_key(dataclasses.replace(p, dropout_p=0.1, dropout_seed=2))

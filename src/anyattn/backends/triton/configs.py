@@ -15,7 +15,7 @@ from ... import settings
 
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
            "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket",
-           "overrides_version", "use_fixed", "softcap_mode"]
+           "overrides_version", "use_fixed", "softcap_mode", "decode_config", "COMBINE_BM"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,26 @@ def _plan_for(dp: int, dtype: str, precision: str, mask_class: str, has_bias: bo
     if override is not None:
         p = replace(p, **override)
     return p.check()
+
+
+def decode_config(dp: int, dtype: str, rows: int) -> KernelConfig:
+    """The split-key forward's tile (kernels.fwd_split_kernel; route.decode_splits picks
+    the number of splits and the query heads packed per program): ``rows`` = packed
+    heads * Sq query rows padded to a power of two >= 16 (tl.dot's least), a key tile of
+    16 under the fixed test plan (several splits at tiny Sk) and of 64 on a GPU (32 for
+    fp32 and D > 128).  Chosen from the kernel's shape, not yet timed on a GPU."""
+    bm = 16
+    while bm < rows:
+        bm *= 2
+    if use_fixed():
+        return KernelConfig(bm, 16, 4, 1)
+    if dp > 128 or dtype == "float32":
+        return KernelConfig(bm, 32, 4, 2)
+    return KernelConfig(bm, 64, 4, 3)
+
+
+#: rows per program of the split forward's combine (kernels.fwd_combine_kernel)
+COMBINE_BM = 16
 
 
 #: (dp, dtype, precision) -> dict of Plan fields; set by set_override

@@ -38,6 +38,8 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
         from .hopper import launch as hopper_launch
 
         return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd)
+    if pr.route.splits > 1:
+        return _forward_split(p, q, k, v, pr, mods)
     plan = pr.plan
     q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
     B, H, Sq, Sk, D, Dv = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.head_dim_v
@@ -75,4 +77,49 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
                     prepared.tuning_key("fwd", p), str(args[0].dtype))
 
         prepared.run(pr, "fwd", kernels.fwd_kernel, args, first)
+    return out, RowStats(stats[0], stats[1])
+
+
+def _forward_split(p, q, k, v, pr, mods):
+    """The split-key forward (route.decode_splits): kernels.fwd_split_kernel, HP = the
+    route's pack query heads of a kv head per program, writes each of the route's NS
+    key splits' partial out and statistics to a workspace (fp32
+    [B * H, NS, Sq, VDP] and [2, B * H * NS * Sq]), kernels.fwd_combine_kernel merges
+    them in a fixed order into out and the RowStats fwd_kernel would write (the
+    backward reads them unchanged).  Band / no mask, softcap, ALiBi, sinks only."""
+    q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
+    B, H, Sq, Sk, D, Dv = p.batch, p.heads_q, p.seq_q, p.seq_k, p.head_dim, p.head_dim_v
+    ns, cfg, hp = pr.route.splits, pr.route.split, pr.route.pack
+    dev = q.device
+    ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, None)
+    md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
+    vdp = configs.padded_dim(Dv)
+    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
+    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
+    pacc = torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev)
+    lplane = B * H * ns * Sq
+    pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
+    prec = pr.prec
+    with on_device(dev):
+        if prec == operands.SCALED:
+            sc, sig = operands.f16_scales(p, q, k, v)
+            q, k, v = (operands.split_half(x, sig[n], g)
+                       for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
+        else:
+            sc = pr.sc
+        args = (q, k, v, pacc, pst, sc, md.slopes, *s3(q), *s3(k), *s3(v),
+                H, p.group, hp, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi,
+                md.sl_b, md.cap, md.adiag, lplane)
+
+        # launched as routed (no fallback to smaller tiles: the packed rows need BM)
+        prepared.site(pr, "fwd_split", kernels.fwd_split_kernel)(
+            (B * p.heads_kv * (p.group // hp), ns), args,
+            dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
+                 PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
+                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        bm = configs.COMBINE_BM
+        prepared.site(pr, "fwd_combine", kernels.fwd_combine_kernel)(
+            (cdiv(Sq, bm), B * H),
+            (pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns),
+            dict(BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks))
     return out, RowStats(stats[0], stats[1])

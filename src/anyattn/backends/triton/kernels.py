@@ -814,6 +814,185 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
     tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
 
 
+# ----------------------------------------------------------------------------- split-key forward
+@triton.jit
+def _key_tile_range_all(Sq, Sk, lo, hi, BN: tl.constexpr):
+    """Key tiles of size BN seen by queries [0, Sq): all in [t0, t1), unmasked (fully
+    kept and in bounds for every one of those queries) in [f0, f1)."""
+    nk = (Sk + BN - 1) // BN
+    t0 = _div_pos(lo, BN)
+    t1 = tl.maximum(t0, tl.minimum(nk, _cdiv_pos(Sq + hi, BN)))
+    f0 = _cdiv_pos(lo + Sq - 1, BN)            # j - i >= lo for the last query
+    f1 = tl.minimum(_div_pos(hi + 1, BN), Sk // BN)   # j - i <= hi for query 0; in bounds
+    f0 = tl.minimum(tl.maximum(f0, t0), t1)
+    f1 = tl.minimum(tl.maximum(f1, f0), t1)
+    return t0, f0, f1, t1
+
+
+@triton.jit
+def _load_packed(ptr, rows_off, valid, offs_d, D: tl.constexpr, DP: tl.constexpr):
+    """Rows at element offsets rows_off [BM] of a unit-stride-last tensor -> [BM, DP]
+    (0 where not valid and in the padding of D)."""
+    p = ptr + rows_off[:, None] + offs_d[None, :]
+    if D == DP:
+        return tl.load(p, mask=valid[:, None], other=0.0)
+    else:
+        return tl.load(p, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
+                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                     H, G, HP, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, lplane,
+                     D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+    """Grid (B * Hkv * G / HP, NS): the partial forward of HP query heads of one kv head
+    (GQA packing: row r of the BM-row tile is query r % Sq of head hk * G + g0 + r // Sq,
+    HP * Sq <= BM; the kv head's keys are loaded once for all of them) over split ``s``
+    of the key tiles.  The key tiles the queries [0, Sq) see, [t0, t1) (band or none),
+    are cut into NS runs of cdiv(t1 - t0, NS) tiles (the last one shorter or empty);
+    program s runs the online softmax over run s with fwd_kernel's _fwd_tile (each row's
+    own query position for the band and ALiBi, its own head's ALiBi slope) and writes,
+    unnormalised, acc [BM, VDP] fp32 (the scaled schemes' out factor applied) to PACC
+    [B * H, NS, Sq, VDP] and the run's largest kept natural score (-inf where it keeps
+    none) and its sum of exp(s - max) to the two planes of PST [2, lplane = B * H * NS *
+    Sq].  fwd_combine_kernel merges the runs."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    NS = tl.num_programs(1)
+    NG = G // HP                                # programs per kv head
+    Hkv = H // G
+    b = (pid // (Hkv * NG)).to(tl.int64)
+    hk = ((pid // NG) % Hkv).to(tl.int64)
+    g0 = (pid % NG) * HP
+    out_mul = 1.0
+    s_scale = scale
+    if PREC == "hsplit3":
+        s_scale, _, _, out_mul, _, _, _ = _scale_factors(SC, b, hk, H, G, scale)
+        qk_scale = s_scale * 1.4426950408889634
+    rows = tl.arange(0, BM)
+    valid = rows < HP * Sq
+    hrow = hk * G + g0 + tl.where(valid, rows // Sq, 0)                   # [BM] heads
+    offs_m = tl.where(valid, rows % Sq, Sq)     # query positions; Sq (none) on padding rows
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, VDP)
+    Kh = K + b * sk_b + hk * sk_h
+    Vh = V + b * sv_b + hk * sv_h
+    if ALIBI:      # per row: its head's slope (divided as _load_slope does)
+        slope = tl.load(SLOPES + b * sl_b + hrow, mask=valid, other=0.0)
+        if not SOFTCAP:
+            slope = slope / s_scale
+        slope = slope[:, None]
+    else:
+        slope = 0.0
+    q_off = b * sq_b + hrow * sq_h + offs_m.to(tl.int64) * sq_s
+    q0 = _load_packed(Q, q_off, valid, offs_d, D, DP)                          # [BM, DP]
+    q1 = q0
+    if PREC == "hsplit3":
+        q1 = _load_packed(Q + D, q_off, valid, offs_d, D, DP)
+    acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    t0, f0, f1, t1 = _key_tile_range_all(Sq, Sk, lo, hi, BN)
+    per = (t1 - t0 + NS - 1) // NS
+    u0 = tl.minimum(t0 + sp * per, t1)
+    u1 = tl.minimum(u0 + per, t1)
+    # the run [u0, u1) in fwd_kernel's three parts: masked edge, unmasked middle, edge
+    # (padding rows: q = 0, masked out of every masked tile, never stored)
+    for t in range(u0, tl.minimum(f0, u1)):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, True, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+    for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, False, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+    for t in range(tl.maximum(f1, u0), u1):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+                                  offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
+                                  cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
+                                  D, DP, VD, VDP, True, HAS_BAND, False, False, False,
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+    if SOFTCAP:
+        run_max = m_i                      # natural units already
+    else:
+        run_max = m_i * s_scale            # = the largest fl(q.k * scale) of the run
+    run_max = tl.where(l_i == 0.0, float("-inf"), run_max)
+    if PREC == "hsplit3":
+        acc = acc * out_mul
+    prow = ((b * H + hrow) * NS + sp) * Sq + offs_m                          # [BM]
+    tl.store(PACC + prow[:, None] * VDP + offs_dv[None, :], acc, mask=valid[:, None])
+    tl.store(PST + prow, run_max, mask=valid)
+    tl.store(PST + lplane + prow, l_i, mask=valid)
+
+
+@triton.jit
+def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
+                       BM: tl.constexpr, VD: tl.constexpr, VDP: tl.constexpr,
+                       HAS_SINKS: tl.constexpr):
+    """Grid (cdiv(Sq, BM), B * H): merges the NS partials of fwd_split_kernel, in the
+    order s = 0, 1, .., NS - 1 (the same bits for any schedule of the split programs),
+    into out [BM, VD] and the row statistics, as fwd_kernel's epilogue writes them (max,
+    log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0, max
+    -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
+    sum_s acc_s e^(m_s - M) / l."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_dv = tl.arange(0, VDP)
+    inb = offs_m < Sq
+    base = bh.to(tl.int64) * NS * Sq + offs_m                                 # [BM]
+    lplane = tl.num_programs(1).to(tl.int64) * NS * Sq
+    mx = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for s in range(0, NS):
+        mx = tl.maximum(mx, tl.load(PST + base + s * Sq, mask=inb, other=float("-inf")))
+    m_use = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    for s in range(0, NS):
+        prow = base + s * Sq
+        w = tl.math.exp2((tl.load(PST + prow, mask=inb, other=float("-inf")) - m_use)
+                         * 1.4426950408889634)                    # 0 for an empty run
+        l_i = l_i + tl.load(PST + lplane + prow, mask=inb, other=0.0) * w
+        a = tl.load(PACC + prow[:, None] * VDP + offs_dv[None, :], mask=inb[:, None],
+                    other=0.0)
+        acc = acc + a * w[:, None]
+    empty = l_i == 0.0
+    row_max = tl.where(empty, float("-inf"), mx)
+    if HAS_SINKS:
+        # one more term of the normaliser, as in fwd_kernel's epilogue
+        snk = tl.load(SINKS + h)
+        mx2 = tl.maximum(row_max, snk)
+        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
+        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
+        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
+        row_max = mx2
+    else:
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    row_max = tl.where(l_i == l_i, row_max, l_i)
+    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
+    o_ptrs = O + (bh // H).to(tl.int64) * so_b + h * so_h + offs_m.to(tl.int64)[:, None] * so_s \
+        + offs_dv[None, :]
+    if VD == VDP:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
+    row = bh.to(tl.int64) * Sq + offs_m
+    tl.store(LSE + row, row_max, mask=inb)
+    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
+
+
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,

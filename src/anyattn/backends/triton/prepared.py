@@ -49,9 +49,11 @@ __all__ = ["PROBLEM_FIELDS", "problem_key", "layout_key", "call_key", "LRU", "Pr
            "PREPARED", "prepare", "build", "run", "replay", "site", "resolve_launch",
            "fallbacks", "FALLBACK_CACHE", "tuning_key", "signature", "clear_prepared"]
 
-#: the Problem fields of a key: all but the mask (keyed by ``_mask_key``) and the
-#: dropout seed (a per-call scalar); derived from the dataclass, so a field added to
-#: Problem joins the key without an edit here
+#: the Problem fields of a key: all but the mask (keyed by ``_mask_key``), the
+#: dropout seed (a per-call scalar) and the slopes of a score function that spelled
+#: ALiBi (per-call data, passed as the ALiBi modifier; alibi_shape / alibi_dtype key
+#: it); derived from the dataclass, so a field added to Problem joins the key without
+#: an edit here
 PROBLEM_FIELDS: tuple = ()
 _fields_of = None      # operator.attrgetter(*PROBLEM_FIELDS): one C call per key
 
@@ -60,7 +62,7 @@ def _problem_fields() -> tuple:
     from ...problem import Problem
 
     return tuple(f.name for f in dataclasses.fields(Problem)
-                 if f.name not in ("mask", "dropout_seed"))
+                 if f.name not in ("mask", "dropout_seed", "matched_alibi"))
 
 
 def _mask_key(m) -> tuple:

@@ -28,6 +28,11 @@ The decisions, in order:
    portable preprocess / dQ): the explicit plan, else configs.plan_for of the larger
    padded head dim of D and Dv (the fixed test plan under TRITON_INTERPRET=1 or
    ANYATTN_TRITON_CONFIG=fixed).
+Checked before both, for a forward: split-key decoding (``decode_splits``: few queries
+over many keys and too few programs for the SMs) takes the portable split kernels
+(kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or an
+explicit plan asks otherwise; a decoding-sized forward (Sq <= DECODE_MAX_SQ) that stays
+unsplit says why in its last reason line.
 """
 from __future__ import annotations
 
@@ -41,7 +46,9 @@ from .hopper import configs as hopper_configs
 from .hopper import coverage
 
 __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
-           "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name"]
+           "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
+           "decode_pack", "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES",
+           "DECODE_WAVES", "DECODE_MAX_SPLITS", "NO_GPU_SMS", "SPLIT_FEATURES", "SPLIT_MASKS"]
 
 DIRECTIONS = ("forward", "backward")
 
@@ -124,6 +131,11 @@ class Route:
     reasons: Tuple[str, ...]
     hopper: Any = None
     plan: Optional[configs.Plan] = None
+    #: the split-key forward (portable): its number of key splits (1: unsplit) and tile
+    splits: int = 1
+    split: Optional[configs.KernelConfig] = None
+    #: query heads of a kv head packed into one split program (GQA packing)
+    pack: int = 1
 
     @property
     def hop(self) -> bool:
@@ -174,6 +186,77 @@ def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple
     return got, why
 
 
+# ----------------------------------------------------------------------------- split-key decoding
+#: The split-key decoding rule's constants (decode_splits), in one place to retune: not
+#: yet timed on a GPU.
+#: queries per (batch, head) at most (decoding: one token, or a few speculative ones)
+DECODE_MAX_SQ = 16
+#: key tiles (of configs.decode_config's BN) each split keeps at least
+DECODE_MIN_TILES = 4
+#: the split grid aims at this many waves of the SMs
+DECODE_WAVES = 2
+#: splits at most (the combine reads every split's partial rows)
+DECODE_MAX_SPLITS = 128
+#: query rows (packed heads * Sq) of one split program at most
+DECODE_MAX_ROWS = 64
+#: the SM count assumed where no GPU is asked (the interpreter, a CPU device)
+NO_GPU_SMS = 8
+#: the score features the split kernel takes (others keep fwd_kernel)
+SPLIT_FEATURES = frozenset({"softcap", "alibi", "sinks"})
+#: the mask classes it takes (in-kernel band ranges; the tile lists keep fwd_kernel)
+SPLIT_MASKS = frozenset({"none", "band"})
+
+
+def decode_pack(group: int, seq_q: int) -> int:
+    """The query heads of a kv head one split program takes (GQA packing): the largest
+    divisor HP of the group G with HP * Sq <= DECODE_MAX_ROWS."""
+    return max(hp for hp in range(1, group + 1)
+               if group % hp == 0 and hp * seq_q <= max(DECODE_MAX_ROWS, seq_q))
+
+
+def decode_splits(problem: ProblemFacts, device: DeviceFacts
+                  ) -> Tuple[int, Optional[configs.KernelConfig], int, str]:
+    """(number of key splits NS, the split kernel's tile, the query heads packed per
+    program HP, one line of reason) of a forward: NS = 1 (unsplit, fwd_kernel) unless
+    the call is decoding-shaped, in the manner of FlashAttention's num_splits heuristic
+    (with its GQA packing): Sq <= DECODE_MAX_SQ, the split kernel's grid without splits,
+    B * Hkv * G / HP programs (HP query heads of a kv head share one program's key
+    loads), is smaller than the device's SM count, and Sk holds at least 2 *
+    DECODE_MIN_TILES key tiles; then NS fills about DECODE_WAVES waves of SMs with every
+    split keeping >= DECODE_MIN_TILES tiles (at most DECODE_MAX_SPLITS)."""
+    if problem.empty:
+        return 1, None, 1, "split: no (an empty problem)"
+    extra = sorted(set(problem.features) - SPLIT_FEATURES)
+    if extra:
+        return 1, None, 1, f"split: no (the split kernel lacks {', '.join(extra)})"
+    if problem.mask_class not in SPLIT_MASKS:
+        return 1, None, 1, (f"split: no (mask class {problem.mask_class}: tile lists, "
+                            "which only the unsplit kernel reads)")
+    if problem.seq_q > DECODE_MAX_SQ:
+        return 1, None, 1, f"split: no (Sq {problem.seq_q} > {DECODE_MAX_SQ} queries)"
+    group = problem.heads_q // problem.heads_kv
+    hp = decode_pack(group, problem.seq_q)
+    cfg = configs.decode_config(configs.padded_dim(max(problem.head_dim, problem.value_dim)),
+                                problem.dtype, hp * problem.seq_q)
+    if device.sm_count is not None:
+        sms, where = device.sm_count, "SMs"
+    else:
+        sms, where = NO_GPU_SMS, "SMs (NO_GPU_SMS: no GPU asked)"
+    programs = problem.batch * problem.heads_kv * (group // hp)
+    grid = f"B*Hkv*G/HP = {programs} programs ({hp} query heads x Sq {problem.seq_q} rows each)"
+    if programs >= sms:
+        return 1, None, hp, f"split: no ({grid} fill {sms} {where})"
+    tiles = _cdiv(problem.seq_k, cfg.bn)
+    most = min(tiles // DECODE_MIN_TILES, DECODE_MAX_SPLITS)
+    if most < 2:
+        return 1, None, hp, (f"split: no (Sk {problem.seq_k}: {tiles} key tiles of {cfg.bn}, "
+                             f"fewer than 2 splits of >= {DECODE_MIN_TILES})")
+    ns = min(_cdiv(DECODE_WAVES * sms, programs), most)
+    return ns, cfg, hp, (f"split: {ns} key splits ({grid} < {sms} {where}; "
+                         f"~{DECODE_WAVES} waves, >= {DECODE_MIN_TILES} key tiles of "
+                         f"{cfg.bn} per split; {tiles} tiles)")
+
+
 def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
           env: Optional[settings.Settings] = None, plan: Optional[configs.Plan] = None) -> Route:
     """The route of one direction of a call (module doc).  ``env``: the settings
@@ -184,6 +267,23 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         raise ValueError(f"direction {direction!r}: expected one of {DIRECTIONS}")
     env = settings.current() if env is None else env
     setting = env.triton_path
+    no_split = None    # why a decoding-sized forward (Sq <= DECODE_MAX_SQ) is unsplit
+    if direction == "forward" and problem.seq_q <= DECODE_MAX_SQ:
+        if setting == "hopper":
+            no_split = "split: no (ANYATTN_TRITON_PATH=hopper)"
+        elif plan is not None:
+            no_split = "split: no (an explicit plan names the unsplit kernel's tiles)"
+        else:
+            ns, cfg, hp, no_split = decode_splits(problem, device)
+            if ns > 1:
+                portable, _ = _portable_plan(problem, None)
+                name = f"split{_kernel(cfg)}x{ns}"
+                return Route(direction, "portable", name,
+                             (f"path: portable split-key forward (ANYATTN_TRITON_PATH="
+                              f"{setting}; decoding-shaped)",
+                              f"config: {name} = configs.decode_config (rows {hp} x Sq "
+                              f"{problem.seq_q}) x {ns} splits", no_split),
+                             plan=portable, splits=ns, split=cfg, pack=hp)
     reasons = []
     hop = False
     if setting == "portable":
@@ -216,11 +316,13 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         cfg = hopper_configs.fwd_config(problem.head_dim, problem.mask_class)
         reasons.append(f"config: {cfg.name} = hopper/configs.fwd_config({problem.head_dim}, "
                        f"{problem.mask_class!r})")
+        reasons += [no_split] if no_split else []
         return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg)
     portable, why_plan = _portable_plan(problem, plan)
     if not hop:
         name = plan_name(portable, direction)
         reasons.append(f"config: {name} = {why_plan}")
+        reasons += [no_split] if no_split else []
         return Route(direction, "portable", name, tuple(reasons), plan=portable)
     cfg = hopper_configs.bwd_config(problem.head_dim, problem.mask_class)
     tiles = _cdiv(problem.seq_k, cfg.bn)
@@ -278,7 +380,7 @@ def device_facts(device, env: Optional[settings.Settings] = None) -> DeviceFacts
         return DeviceFacts(kind=kind, interpreter=env.triton_interpret)
     name = str(device)
     if not _has_gluon():
-        return DeviceFacts(kind=kind, gluon=False)
+        return DeviceFacts(kind=kind, sm_count=sm_count(name), gluon=False)
     return DeviceFacts(kind=kind, capability=_capability(name), sm_count=sm_count(name))
 
 
@@ -286,8 +388,13 @@ def route_call(p, direction: str, plan: Optional[configs.Plan] = None, tensors=(
     """The route of one call of Problem p (the launch code's entry): its facts, its
     device's facts and the settings in effect, through route()."""
     env = settings.current()
-    if env.triton_path == "portable":   # nothing of the device or the tensors is read
-        facts = ProblemFacts.of(p)
-        return route(facts, direction, DeviceFacts(kind="unasked"), env, plan)
+    if env.triton_path == "portable":   # nothing of the tensors is read; of the device
+        facts = ProblemFacts.of(p)      # only the SM count of a decoding-sized forward
+        kind = getattr(p.device, "type", str(p.device).split(":")[0])
+        sms = None
+        if (direction == "forward" and p.seq_q <= DECODE_MAX_SQ and kind == "cuda"
+                and not env.triton_interpret):
+            sms = sm_count(str(p.device))
+        return route(facts, direction, DeviceFacts(kind="unasked", sm_count=sms), env, plan)
     return route(ProblemFacts.of(p, tensors), direction, device_facts(p.device, env), env,
                  plan)
