@@ -9,7 +9,10 @@ the row statistics' units and a small thread schedule.  The tile math lives in
 
 Work is split into units: (batch, query head, query tiles) for the forward and
 (batch, kv head, key tiles) for the backward (NumPy releases the GIL inside its
-loops and BLAS calls).  Results are bitwise the same whatever the thread count,
+loops and BLAS calls).  A forward with few queries (:func:`_stack_reason`) runs one
+unit per (batch, kv head) instead, the group's query heads stacked as G·Sq rows, so
+each key tile is multiplied once per group (:func:`~.numpy_tiles.forward_group`; the
+choice never depends on the thread count).  Results are bitwise the same whatever the thread count,
 BLAS's thread split or which worker ran which unit: every forward unit writes its
 own rows, computed tile by tile in a fixed order; the backward's units and their
 reduction order depend on the problem only, never on the thread count (a kv
