@@ -12,8 +12,8 @@ Work is split into units: (batch, query head, query tiles) for the forward and
 loops and BLAS calls).  A forward with few queries (:func:`_stack_reason`) runs one
 unit per (batch, kv head) instead, the group's query heads stacked as G·Sq rows, so
 each key tile is multiplied once per group (:func:`~.numpy_tiles.forward_group`; the
-choice never depends on the thread count).  Results are bitwise the same whatever the thread count,
-BLAS's thread split or which worker ran which unit: every forward unit writes its
+choice never depends on the thread count).  Results are bitwise the same whatever the
+thread count, BLAS's thread split or which worker ran which unit: every forward unit writes its
 own rows, computed tile by tile in a fixed order; the backward's units and their
 reduction order depend on the problem only, never on the thread count (a kv
 head's key tiles go to :data:`BWD_UNITS`-based chunks whose dq partials are added
@@ -386,7 +386,7 @@ def _stack_reason(p, plan: TilePlan, cfg: "NumpyConfig") -> Optional[str]:
     if p.group == 1:
         return "one query head per key/value head: no key tile to share"
     if p.seq_q > STACK_MAX_SQ:
-        return "many queries: the per-head bounded forward is faster and each key tile is reused anyway"
+        return "many queries: each key tile serves many rows per head already"
     if plan.nq > 1:
         return "more than one query tile (fwd_bq below Sq)"
     if p.group * p.seq_q > STACK_MAX_ROWS:

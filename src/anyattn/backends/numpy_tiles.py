@@ -48,8 +48,9 @@ Four choices run through the kernels here:
   goes on the [ni, D] side: the forward's accumulator, the backward's dout weights.
 
 Every function works on one (batch, head) slice of 2-D arrays (``forward_group``: the
-G query heads of one key/value head), writes only its own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
-so results are bitwise repeatable.
+G query heads of one key/value head), writes only its own output rows and uses
+O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed, so results are bitwise
+repeatable.
 """
 from __future__ import annotations
 
