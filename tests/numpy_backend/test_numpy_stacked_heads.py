@@ -193,3 +193,20 @@ def test_rule(np_config, Hq, Hkv, Sq, cfg, stacked):
     be = np_config(**cfg)
     aa.attention(q, k, v, backend="numpy")
     assert be.last_stacked is stacked
+
+
+def test_float64_with_offsets(np_config):
+    """float64 at its tolerance, offsets moving the band, ALiBi's diagonal and dropout."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((B, 8, 3, D))
+    k = rng.standard_normal((B, 2, SK, D))
+    v = rng.standard_normal((B, 2, SK, 20))
+    kw = dict(q_offset=7, k_offset=3, mask=aa.Causal("bottom_right"), softcap=2.0,
+              alibi_slopes=rng.uniform(0.1, 1.0, 8), sinks=rng.standard_normal(8),
+              dropout_p=0.2, dropout_seed=5, bias=rng.standard_normal((1, 8, 1, SK)))
+    be = np_config(fwd_bk=48, threads=2)
+    out, lse = aa.attention(q, k, v, return_lse=True, backend="numpy", **kw)
+    assert be.last_stacked
+    ro, rl = R.forward(q, k, v, **kw)
+    assert rel_err(out, ro) <= TOL["float64"]
+    assert np.max(np.abs(to_np(lse) - rl)) <= TOL["float64"] * max(1.0, np.abs(rl).max())
