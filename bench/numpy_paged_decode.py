@@ -1,7 +1,10 @@
 """Decoding on the NumPy backend: a paged cache (attention(..., pages=)) vs the same keys
 in a contiguous cache [B, Hkv, Sk, D], in one process (``--backend webgpu``: the webgpu
 backend, NumPy arrays or, with ``--device-arrays``, anyattn.webgpu device arrays that
-stay on the device; out read back on the host in both variants).
+stay on the device; out read back on the host in both variants).  On the numpy backend
+a third variant, ``contiguous_per_head``, runs the contiguous call with one unit per
+query head (``NumpyConfig(stack_heads=False)``, the dense forward before it stacked a
+group's query heads) for a paired before/after.
 
 Shape legend: B batch, Hq/Hkv heads, Sq queries per sequence, D head dim, Sk keys per
 sequence (the cache), P positions per page.
@@ -19,6 +22,7 @@ The outputs are compared (fp32, every element) before timing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -84,21 +88,40 @@ def main() -> None:
     def contiguous():
         return host(aa.attention(qc, kc, vc, mask=mask, backend=a.backend))
 
+    variants = [("paged", paged), ("contiguous", contiguous)]
+    if a.backend == "numpy":
+        from anyattn.backends.registry import get_backend
+
+        be = get_backend("numpy")
+
+        def contiguous_per_head():
+            cfg = be.config
+            be.config = dataclasses.replace(cfg, stack_heads=False)
+            try:
+                return aa.attention(qc, kc, vc, mask=mask, backend="numpy")
+            finally:
+                be.config = cfg
+
+        variants.append(("contiguous_per_head", contiguous_per_head))
     diff = float(np.max(np.abs(paged() - contiguous())))
-    times = {"paged": [], "contiguous": []}
+    diffs = {name: float(np.max(np.abs(fn() - contiguous()))) for name, fn in variants[2:]}
+    times = {name: [] for name, _ in variants}
     for _ in range(a.reps):
-        for name, fn in (("paged", paged), ("contiguous", contiguous)):
+        for name, fn in variants:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     ratio = statistics.median(p / c for p, c in zip(times["paged"], times["contiguous"]))
+    extra = {f"contiguous_over_{n}_median_ratio": statistics.median(
+        c / x for c, x in zip(times["contiguous"], times[n])) for n, _ in variants[2:]}
     res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, D=D, Sk=Sk, page=P, dtype="float32",
                          pages_layout=a.layout),
            "backend": a.backend, "device_arrays": a.device_arrays,
            "max_abs_diff": diff,
            **{f"{k}_median_ms": 1e3 * statistics.median(t) for k, t in times.items()},
            **{f"{k}_min_ms": 1e3 * min(t) for k, t in times.items()},
-           "paged_over_contiguous_median_ratio": ratio,
+           "paged_over_contiguous_median_ratio": ratio, **extra,
+           **{f"max_abs_diff_{n}": d for n, d in diffs.items()},
            "cache_bytes": int(k.nbytes + v.nbytes)}
     print(json.dumps(res, indent=1))
     if a.out:

@@ -255,6 +255,7 @@ def test_worker_exception_propagates(np_config, monkeypatch):
 
     monkeypatch.setattr(nb, "forward_rows", boom)
     monkeypatch.setattr(nb, "forward_rows_bounded", boom)
+    monkeypatch.setattr(nb, "forward_group", boom)
     q, k, v, _ = qkv(33, 1, 2, 1, 8, 8, 4)
     with pytest.raises(RuntimeError, match="tile failure"):
         aa.attention(q, k, v, backend="numpy")

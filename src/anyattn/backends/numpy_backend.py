@@ -9,8 +9,11 @@ the row statistics' units and a small thread schedule.  The tile math lives in
 
 Work is split into units: (batch, query head, query tiles) for the forward and
 (batch, kv head, key tiles) for the backward (NumPy releases the GIL inside its
-loops and BLAS calls).  Results are bitwise the same whatever the thread count,
-BLAS's thread split or which worker ran which unit: every forward unit writes its
+loops and BLAS calls).  A forward with few queries (:func:`_stack_reason`) runs one
+unit per (batch, kv head) instead, the group's query heads stacked as G·Sq rows, so
+each key tile is multiplied once per group (:func:`~.numpy_tiles.forward_group`; the
+choice never depends on the thread count).  Results are bitwise the same whatever the
+thread count, BLAS's thread split or which worker ran which unit: every forward unit writes its
 own rows, computed tile by tile in a fixed order; the backward's units and their
 reduction order depend on the problem only, never on the thread count (a kv
 head's key tiles go to :data:`BWD_UNITS`-based chunks whose dq partials are added
@@ -65,7 +68,8 @@ from .numpy_tiles import (BASE2_LIMIT, EXP_FLOOR2, LN2, LOG2E, TILE_TERMS, Alibi
                           BackwardHeads,
                           DropoutDraw, TileCounts, TileMods, TilePlan, alibi_anchors,
                           backward_columns,
-                          backward_keys, forward_rows, forward_rows_bounded, key_tile_norms,
+                          backward_keys, forward_group, forward_rows, forward_rows_bounded,
+                          key_tile_norms,
                           saturating_cast, shift_stats, snap_plan, tile_blocks, two_sum,
                           with_ones_column)
 
@@ -100,6 +104,10 @@ class NumpyConfig:
     ``None`` is chosen per call from :data:`AUTO_TILES` by the mask.
     ``bounded``: use :func:`~anyattn.backends.numpy_tiles.forward_rows_bounded`
     (no running max where the logits are small) for bias-free forwards.
+    ``stack_heads``: the forward of a problem with few queries runs one unit per
+    (batch, key/value head) with the group's query heads stacked
+    (:func:`~anyattn.backends.numpy_tiles.forward_group`) where :func:`_stack_reason`
+    allows it; False keeps one unit per query head always.
     """
 
     fwd_bq: Optional[int] = None
@@ -109,6 +117,8 @@ class NumpyConfig:
     threads: Optional[int] = None
     #: forward without a running max (a Cauchy-Schwarz bound per row) when there is no bias
     bounded: bool = True
+    #: stack a group's query heads into one forward unit where few queries allow it
+    stack_heads: bool = True
 
     def tiles(self, kind: str, mask) -> Tuple[int, int]:
         """(bq, bk) of the 'fwd' or 'bwd' pass for a ResolvedMask."""
@@ -152,6 +162,11 @@ def _as_np(x, dt: Optional[np.dtype] = None) -> Optional[np.ndarray]:
     if dt is not None and x.dtype != dt:
         x = x.astype(dt)
     return x
+
+
+def _alloc(shape, dt: np.dtype) -> np.ndarray:
+    """An uninitialised result array (every element is written by a unit)."""
+    return np.empty(shape, dtype=dt)
 
 
 def _blasable(x: np.ndarray) -> np.ndarray:
@@ -353,6 +368,30 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> Til
     for f in futures:                  # re-raises a worker's exception
         total.add(f.result())
     return total
+
+
+#: the forward stacks a group's query heads for at most this many queries per head ...
+STACK_MAX_SQ = 16
+#: ... and at most this many stacked rows (G·Sq) per unit
+STACK_MAX_ROWS = 256
+
+
+def _stack_reason(p, plan: TilePlan, cfg: "NumpyConfig") -> Optional[str]:
+    """Why the forward of ``p`` keeps one unit per query head, or None: one unit per
+    (batch, key/value head) with its G query heads stacked (every feature is applied
+    per head inside the unit, so none needs a rule).  Never depends on the thread
+    count (the two ways round differently)."""
+    if not cfg.stack_heads:
+        return "NumpyConfig.stack_heads is off"
+    if p.group == 1:
+        return "one query head per key/value head: no key tile to share"
+    if p.seq_q > STACK_MAX_SQ:
+        return "many queries: each key tile serves many rows per head already"
+    if plan.nq > 1:
+        return "more than one query tile (fwd_bq below Sq)"
+    if p.group * p.seq_q > STACK_MAX_ROWS:
+        return "the stacked rows would not fit one score tile well"
+    return None
 
 
 def _n_chunks(n_tiles: int, n_heads: int, n_units: int) -> int:
@@ -658,6 +697,8 @@ class NumpyBackend(Backend):
         self.config = config if config is not None else NumpyConfig.from_env()
         #: tile counts of the last forward/backward call on this instance (debug aid).
         self.last_counts: Dict[str, TileCounts] = {}
+        #: whether the last dense forward stacked each group's query heads (debug aid).
+        self.last_stacked = False
 
     def describe_device(self) -> str:
         """One line for ``python -m anyattn info``: the BLAS (as threadpoolctl reports
@@ -736,9 +777,9 @@ class NumpyBackend(Backend):
         bias = None if bias is None else saturating_cast(_as_np(bias), dt)
         plan = self._plan(p, *cfg.tiles("fwd", p.mask), bias)
         B, Hq, Sq, Dv, G = p.batch, p.heads_q, p.seq_q, p.head_dim_v, p.group
-        out = np.empty((B, Hq, Sq, Dv), dtype=dt)
-        rmax = np.empty((B, Hq, Sq), dtype=dt)
-        rlog = np.empty((B, Hq, Sq), dtype=dt)
+        out = _alloc((B, Hq, Sq, Dv), dt)
+        rmax = _alloc((B, Hq, Sq), dt)
+        rlog = _alloc((B, Hq, Sq), dt)
         used = _modifiers_of(p)
         c = _Call(p, mods, plan, dt)
         c.q2mul = dt.type(p.scale * LOG2E)         # base 2
@@ -787,7 +828,26 @@ class NumpyBackend(Backend):
                                             **dkw)
             return run
 
-        units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
+        def group_unit(b: int, hk: int) -> Callable[[], TileCounts]:
+            def run() -> TileCounts:
+                hsl = slice(hk * G, (hk + 1) * G)
+                heads = list(range(hk * G, (hk + 1) * G))
+                qs = np.multiply(q[b, hsl], qsmul).reshape(G * Sq, -1)  # [G·Sq, D]
+                tms = [_tile_mods(p, slopes, anchor, b, h, dt, c.score)(False)
+                       for h in heads]
+                dkw = {} if draw is None else dict(
+                    drop=draw.tiles(plan.bk * G * Sq, dt),
+                    drop_rows=np.concatenate([draw.rows(b, h) for h in heads]))
+                return forward_group(plan, b, heads, qs, _blasable(k[b, hk]),
+                                     _blasable(v[b, hk]), out[b, hsl], rmax[b, hsl],
+                                     rlog[b, hsl], None if tms[0] is None else tms, **dkw)
+            return run
+
+        self.last_stacked = _stack_reason(p, plan, cfg) is None
+        if self.last_stacked:
+            units = [group_unit(b, hk) for b in range(B) for hk in range(p.heads_kv)]
+        else:
+            units = [unit(b, h, t) for b in range(B) for h in range(Hq) for t in chunks]
         self.last_counts = {"forward": _run_units(units, nt)}
         for m in used:
             out, rmax, rlog = m.forward_finish(c, out, rmax, rlog)

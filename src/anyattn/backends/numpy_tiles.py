@@ -47,9 +47,10 @@ Four choices run through the kernels here:
   the 0/1 tile after its row sum (the statistics stay undropped) and ``1/(1 - p)``
   goes on the [ni, D] side: the forward's accumulator, the backward's dout weights.
 
-Every function works on one (batch, head) slice of 2-D arrays, writes only its
-own output rows and uses O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed,
-so results are bitwise repeatable.
+Every function works on one (batch, head) slice of 2-D arrays (``forward_group``: the
+G query heads of one key/value head), writes only its own output rows and uses
+O(bq*bk + (Sq+Sk)*D) scratch.  Loop orders are fixed, so results are bitwise
+repeatable.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ from ..arrays import to_numpy
 from ..masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, ResolvedMask
 from ..programs.bound import ScoreTiles, scatter_add
 
-__all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "backward_keys",
+__all__ = ["TilePlan", "TileCounts", "forward_rows", "forward_rows_bounded", "forward_group",
+           "backward_keys",
            "BackwardHeads", "with_ones_column", "key_tile_norms", "export_base2",
            "backward_columns", "snap_plan", "saturating_cast", "tile_blocks",
            "AlibiRows", "TileMods", "alibi_anchors", "shift_stats", "two_sum",
@@ -832,6 +834,125 @@ def forward_rows(plan: TilePlan, b: int, h: int, qop: np.ndarray, k: np.ndarray,
                 ln = np.where(empty, dt.type(0), np.where(l == 1, dt.type(ONE_KEY), np.log(l)))
         rmax[i0:i1] = mx
         rlog[i0:i1] = ln
+    return counts
+
+
+def forward_group(plan: TilePlan, b: int, heads: Sequence[int], qop: np.ndarray,
+                  k: np.ndarray, v: np.ndarray, out: np.ndarray, rmax: np.ndarray,
+                  rlog: np.ndarray, mods: Optional[Sequence[Optional[TileMods]]] = None,
+                  drop: Optional[DropoutTiles] = None,
+                  drop_rows: Optional[np.ndarray] = None) -> TileCounts:
+    """Running-max forward (natural units) of the G query heads ``heads`` of one
+    key/value head, stacked: every key tile is multiplied once for all of them.
+
+    The plan has one query tile (``plan.nq == 1``).  qop [G·Sq, D]: row ``g·Sq + i`` is
+    query i of ``heads[g]`` times ``scale`` (``scale / c`` with a softcap); k [Sk, D],
+    v [Sk, Dv] (unit column stride).  Per key tile: one score GEMM [nj, G·Sq], then per
+    head (a column block of Sq) what :func:`forward_rows` applies to its tile in
+    natural units: softcap, score function, bias, ALiBi (``mods[g]``, natural units),
+    the mask (each head's tile code; a mask that does not vary over heads is evaluated
+    once), then one row max, exp, row-sum GEMV and P·V GEMM for all rows.  Dropout:
+    ``drop_rows`` [G·Sq] are the heads' row words in the same order.  Writes out
+    [G, Sq, Dv] and the natural statistics rmax, rlog [G, Sq] as :func:`forward_rows`
+    does with ``base2=False`` (``log_norm`` :data:`ONE_KEY` where l is exactly 1).
+    """
+    dt = plan.dtype
+    G, Sq = len(heads), plan.sq
+    R, Dv = G * Sq, v.shape[1]
+    counts = TileCounts()
+    codes = [plan.codes_bh(b, h) for h in heads]                    # [1, nK] or None
+    shared_mask = plan.codes is None or plan.codes.shape[1] == 1
+    shared_bias = plan.bias is not None and plan.bias.shape[1] == 1
+    sbuf = np.empty(plan.bk * R, dtype=dt)
+    ones = np.ones(plan.bk, dtype=dt)
+    neg_inf = dt.type(-np.inf)
+    first = None if mods is None else mods[0]
+    cap = first is not None and first.cap is not None                # one cap for all heads
+    score = first is not None and first.score is not None
+    alibi = first is not None and first.alibi is not None
+    floor = None if first is None or first.floor is None else first.floor
+    if floor is not None:
+        floor_row = np.full(R, floor, dtype=dt)        # [R] (maximum with a scalar is slow)
+        far_at = FAR_FRACTION * -floor
+    m = np.full(R, neg_inf, dtype=dt)                  # running max
+    l = np.zeros(R, dtype=dt)                          # running sum of exp(s - m)
+    acc = np.zeros((R, Dv), dtype=dt)                  # running P·V
+    for jt in range(plan.nk):
+        cj = [TILE_FULL if c is None else int(c[0, jt]) for c in codes]
+        n_empty = cj.count(TILE_EMPTY)
+        counts.skipped += n_empty
+        if n_empty == G:
+            continue
+        counts.partial += cj.count(TILE_PARTIAL)
+        counts.full += cj.count(TILE_FULL)
+        j0, j1 = plan.k_range(jt)
+        nj = j1 - j0
+        st = sbuf[:nj * R].reshape(nj, R)
+        np.matmul(k[j0:j1], qop.T, out=st)                          # sT [nj, R] (x/c: cap)
+        st3 = st.reshape(nj, G, Sq)                                 # head g: st3[:, g]
+        if cap:
+            first.cap_t(st)                                         # c·tanh(x/c)
+        if score:                                                   # per head, in place
+            for g in range(G):
+                sg = np.ascontiguousarray(st3[:, g])
+                mods[g].score_t(sg, 0, Sq, j0, j1)
+                st3[:, g] = sg
+        if plan.bias is not None:
+            if shared_bias:
+                st3 += plan.bias_t(b, heads[0], 0, Sq, j0, j1)[:, None, :]
+            else:
+                for g, h in enumerate(heads):
+                    st3[:, g] += plan.bias_t(b, h, 0, Sq, j0, j1)
+        far = False
+        if alibi:                                                   # - slope·|anchor_i - j|
+            for g in range(G):
+                far |= mods[g].alibi.add_t(st3[:, g], 0, Sq, j0, j1) > far_at
+        ex = None
+        if n_empty or TILE_PARTIAL in cj:
+            ex = np.zeros((nj, G, Sq), dtype=bool)
+            if shared_mask:                                         # one code for all heads
+                ex[:] = plan.excluded_t(b, heads[0], 0, Sq, j0, j1)[:, None, :]
+            else:
+                for g, h in enumerate(heads):
+                    if cj[g] == TILE_EMPTY:
+                        ex[:, g] = True
+                    elif cj[g] == TILE_PARTIAL:
+                        ex[:, g] = plan.excluded_t(b, h, 0, Sq, j0, j1)
+            np.copyto(st3, neg_inf, where=ex)
+        m_new = np.maximum(m, st.max(axis=0))                       # [R]
+        # rows that have kept nothing yet: subtract 0, not -inf (no -inf - -inf)
+        m_use = np.where(m_new == neg_inf, dt.type(0), m_new)
+        st -= m_use                                                 # [nj, R], exact at the max
+        if far:                                                     # no subnormal P (slow)
+            np.maximum(st, floor_row, out=st)                       # -inf too: re-zeroed below
+        np.exp(st, out=st)                                          # P~ [nj, R]
+        if far:
+            if ex is not None:
+                np.copyto(st3, dt.type(0), where=ex)
+            if plan.bias_neginf:
+                for g, h in enumerate(heads):
+                    np.copyto(st3[:, g], dt.type(0),
+                              where=np.isneginf(plan.bias_t(b, h, 0, Sq, j0, j1)))
+        corr = np.exp(m - m_use)                                    # [R] rescale old terms
+        l *= corr
+        l += np.matmul(ones[:nj], st)                               # [R] (undropped)
+        if drop is not None:
+            kf = drop.keep_t(drop_rows, j0, j1)                     # [nj, R] 0/1 or None
+            if kf is not None:
+                st *= kf                                            # P~ ∘ keep
+        acc *= corr[:, None]
+        acc += np.matmul(st.T, v[j0:j1])                            # [R, Dv]
+        m = m_new
+    empty = l == 0                                                  # no kept key (NaN stays)
+    np.divide(acc, l[:, None], out=acc, where=~empty[:, None])
+    acc[empty] = 0
+    if drop is not None:
+        acc *= dt.type(drop.scale)                                  # keep / (1 - p)
+    out[...] = acc.reshape(G, Sq, Dv)
+    with np.errstate(divide="ignore"):
+        ln = np.where(empty, dt.type(0), np.where(l == 1, dt.type(ONE_KEY), np.log(l)))
+    rmax[...] = np.where(empty, neg_inf, m).reshape(G, Sq)
+    rlog[...] = ln.reshape(G, Sq)
     return counts
 
 
