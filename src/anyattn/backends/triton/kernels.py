@@ -842,18 +842,27 @@ def _load_packed(ptr, rows_off, valid, offs_d, D: tl.constexpr, DP: tl.constexpr
 
 @triton.jit
 def _tile_rows(Kh, Vh, sk_p, sk_s, sv_p, sv_s, PG, tab, start_n, offs_nb, Sk,
-               PAGE: tl.constexpr):
-    """The key / value rows of the key tile at start_n as _fwd_tile reads them: (Kh, Vh,
-    sk_s, sv_s) unchanged without pages (PAGE 0); with pages of PAGE positions, key j of
-    the tile is row j % PAGE of page PG[tab + j // PAGE] (the sequence's block table row;
-    sk_p / sv_p the page strides), returned as row pointers ([1, BN] for the transposed
-    key load, [BN, 1] for the values) with row strides 0.  Keys j >= Sk (past the
-    sequence) look up no table entry: they point at page 0 and their loads are masked."""
+               BN: tl.constexpr, PAGE: tl.constexpr):
+    """The key / value rows of the key tile at start_n (a multiple of BN below Sk) as
+    _fwd_tile reads them: (Kh, Vh, sk_s, sv_s) unchanged without pages (PAGE 0).  With
+    pages of PAGE positions key j is row j % PAGE of page PG[tab + j // PAGE] (the
+    sequence's block table row; sk_p / sv_p the page strides): where PAGE is a multiple
+    of BN the tile lies in one page, whose entry is loaded once (the row bases of the
+    tile's first key, strides as they are); otherwise every key row looks up its page,
+    returned as row pointers ([1, BN] for the transposed key load, [BN, 1] for the
+    values) with row strides 0, keys j >= Sk (past the sequence) pointing at page 0
+    (their table entries are not read; their loads are masked)."""
     if PAGE > 0:
-        j = start_n + offs_nb
-        pg = tl.load(PG + tab + j // PAGE, mask=j < Sk, other=0).to(tl.int64)
-        r = (j % PAGE).to(tl.int64)
-        return (Kh + pg * sk_p + r * sk_s)[None, :], (Vh + pg * sv_p + r * sv_s)[:, None], 0, 0
+        if PAGE % BN == 0:
+            pg = tl.load(PG + tab + start_n // PAGE).to(tl.int64)
+            r = tl.cast(start_n % PAGE - start_n, tl.int64)     # _fwd_tile adds start_n rows
+            return Kh + pg * sk_p + r * sk_s, Vh + pg * sv_p + r * sv_s, sk_s, sv_s
+        else:
+            j = start_n + offs_nb
+            pg = tl.load(PG + tab + j // PAGE, mask=j < Sk, other=0).to(tl.int64)
+            r = (j % PAGE).to(tl.int64)
+            return (Kh + pg * sk_p + r * sk_s)[None, :], (Vh + pg * sv_p + r * sv_s)[:, None], \
+                0, 0
     else:
         return Kh, Vh, sk_s, sv_s
 
@@ -939,7 +948,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     # (padding rows: q = 0, masked out of every masked tile, never stored)
     for t in range(u0, tl.minimum(f0, u1)):
         Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, PAGE)
+                                      offs_nb, Sk, BN, PAGE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
@@ -947,7 +956,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
         Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, PAGE)
+                                      offs_nb, Sk, BN, PAGE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
@@ -955,7 +964,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f1, u0), u1):
         Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, PAGE)
+                                      offs_nb, Sk, BN, PAGE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
