@@ -236,14 +236,121 @@ def test_bad_pages_raise_before_work(kw, exc, match):
         _call(**kw)
 
 
-def test_triton_refuses_pages_through_its_capabilities():
+# ------------------------------------------------------------------- the Triton backend
+# (TRITON_INTERPRET=1 on CPU tensors: kernels.fwd_split_kernel with PAGE = page size; a
+# reduced set of the cases above, for the interpreter's time)
+def _triton():
     torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    why = unavailable_reason("triton")
+    if why:
+        pytest.skip(f"triton unavailable: {why}")
+    return torch
+
+
+def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", **kw):
+    """The Triton paged forward on ``dtype`` tensors -> (out, lse) float64 NumPy, and the
+    inputs as rounded to ``dtype`` (float64 NumPy, bhsd: the oracle's)."""
+    tdt = getattr(torch, dtype)
+    tq, tk, tv = (torch.from_numpy(x).to(tdt) for x in (q, k, v))
+    if layout == "bshd":
+        tq, tk, tv = (x.transpose(1, 2) for x in (tq, tk, tv))     # strided views
+    tkw = {n: (torch.from_numpy(np.asarray(x, np.float32))
+               if n in ("alibi_slopes", "sinks") else x) for n, x in kw.items()}
+    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(table, sl), backend="triton",
+                            return_lse=True, layout=layout, **tkw)
+    assert out.dtype == tdt and lse.dtype == torch.float32
+    if layout == "bshd":
+        out, tq, tk, tv = (x.transpose(1, 2) for x in (out, tq, tk, tv))
+    back = [x.to(torch.float64).numpy() for x in (tq, tk, tv)]
+    return (out.to(torch.float64).numpy(), lse.numpy().astype(np.float64)), back
+
+
+@pytest.mark.parametrize("P, sq, mask", [(16, 1, "causal_br"), (16, 4, "window_br"),
+                                         (5, 1, "none"), (5, 4, "causal_offset")])
+def test_triton_paged_matches_the_dense_reference(P, sq, mask):
+    """Shuffled and shared pages, partly filled last pages, an empty sequence, NaN in
+    every unread position, GQA (4 heads over 2), fp32."""
+    torch = _triton()
+    rng = np.random.default_rng([P, sq, len(mask)])
+    lengths = [37, 0, 16, 80, 3]
+    k, v, table, sl = make_cache(rng, lengths, P)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    got, _ = _triton_paged(torch, "float32", q, k, v, table, sl, **kw)
+    check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+@pytest.mark.parametrize("dtype, layout", [("float16", "bhsd"), ("bfloat16", "bshd"),
+                                           ("float32", "bhsd")])
+def test_triton_paged_modifiers_value_dim(dtype, layout):
+    """Softcap, per-batch ALiBi slopes, sinks, Dv != D, MQA, Sq = 2 (bshd: the strided
+    transposes of FlashAttention's page layout), against float64 of the rounded inputs."""
+    torch = _triton()
+    rng = np.random.default_rng(len(dtype))
+    lengths = [21, 50, 9, 0]
+    k, v, table, sl = make_cache(rng, lengths, 16, Hkv=1, D=6, Dv=3)
+    q = rng.standard_normal((4, 3, 2, 6)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right"), softcap=1.5,
+              alibi_slopes=rng.uniform(0.1, 1.0, (4, 3)), sinks=rng.standard_normal(3))
+    got, back = _triton_paged(torch, dtype, q, k, v, table, sl, layout=layout, **kw)
+    check(got, oracle(*back, table, lengths, **kw), dtype)
+
+
+@pytest.mark.parametrize("P", [16, 7])
+def test_triton_paged_split_keys(P):
+    """Few programs over long sequences: the keys of each sequence split across programs
+    (route.paged_route; its own key count per sequence), a window and ALiBi per sequence."""
+    torch = _triton()
+    from anyattn.backends.triton import route
+    from anyattn.paged import describe_paged
+
+    rng = np.random.default_rng(P)
+    lengths = [150, 0, 61]
+    k, v, table, sl = make_cache(rng, lengths, P, Hkv=1)
+    q = rng.standard_normal((3, 2, 3, 8)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=90, align="bottom_right"),
+              alibi_slopes=rng.uniform(0.1, 0.5, 2))
+    p = describe_paged(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                       aa.Pages(table, sl), mask=kw["mask"],
+                       alibi_slopes=torch.from_numpy(kw["alibi_slopes"]).float())
+    rt = route.paged_route(route.ProblemFacts.of(p), route.device_facts(p.device))
+    assert rt.splits > 1, rt.describe()
+    got, _ = _triton_paged(torch, "float32", q, k, v, table, sl, **kw)
+    check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+def test_triton_paged_refusals():
+    torch = _triton()
     k = torch.zeros(3, 2, 4, 8)
-    q = torch.zeros(2, 2, 1, 8)
     pages = aa.Pages(np.array([[0, 1], [2, 0]], np.int32), np.array([7, 4], np.int32))
-    with pytest.raises(NotImplementedError, match=r"backend='triton'.*does not read paged key/value "
-                                         r"caches \(pages=\)"):
+    q = torch.zeros(2, 2, 17, 8)
+    with pytest.raises(NotImplementedError, match=r"backend='triton'.*paged cache \(pages=\) "
+                                                  r"with at most 16 queries .* Sq = 17"):
         aa.attention(q, k, k, pages=pages, backend="triton")
+    with pytest.raises(NotImplementedError, match=r"bias:"):
+        aa.attention(q[:, :, :1], k, k, pages=pages, backend="triton",
+                     bias=torch.zeros(1, 1, 1, 7))
+    bad = aa.Pages(np.array([[0, 3], [2, 0]], np.int32), np.array([7, 4], np.int32))
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 3 is outside"):
+        aa.attention(q[:, :, :1], k, k, pages=bad, backend="triton")
+
+
+def test_triton_paged_route_refuses_what_the_split_kernel_lacks():
+    from anyattn.backends.triton import route
+
+    dev = route.DeviceFacts("cuda", (9, 0), 132)
+    with pytest.raises(NotImplementedError, match=r"at most 16 queries .* Sq = 17"):
+        route.paged_route(route.ProblemFacts(1, 4, 4, 17, 100, 64, "bfloat16"), dev)
+    with pytest.raises(NotImplementedError, match=r"lacks bias"):
+        route.paged_route(route.ProblemFacts(1, 4, 4, 1, 100, 64, "bfloat16",
+                                             features=frozenset({"bias"})), dev)
+    rt = route.paged_route(route.ProblemFacts(64, 32, 8, 1, 4096, 128, "bfloat16"), dev)
+    assert rt.splits == 1 and rt.pack == 4            # 512 programs fill 132 SMs
+    rt = route.paged_route(route.ProblemFacts(1, 32, 8, 1, 65536, 128, "bfloat16"), dev)
+    assert rt.splits > 1
 
 
 def test_pages_is_checked_to_be_pages():
@@ -257,13 +364,15 @@ def test_unused_table_entries_are_never_read():
     assert out.shape == (2, 2, 1, 8)
 
 
-def test_numpy_reference_and_webgpu_declare_paged_kv():
+def test_numpy_reference_webgpu_and_triton_declare_paged_kv():
     from anyattn.backends.reference_backend import ReferenceBackend
     from anyattn.backends.webgpu.backend import _CAPS as webgpu_caps
 
     assert get_backend("numpy").capabilities.supports("paged_kv")
     assert ReferenceBackend.capabilities.supports("paged_kv")
     assert webgpu_caps.supports("paged_kv")
+    from anyattn.backends.triton.backend import TritonBackend
+    assert TritonBackend().capabilities.supports("paged_kv")
     assert "paged_kv" not in features.DEFAULT_INPUTS
 
 

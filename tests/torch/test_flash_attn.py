@@ -498,6 +498,68 @@ def test_kvcache_paged_on_the_cpu_reads_the_pages_in_place(sq, monkeypatch):
         close(lse[i], s)
 
 
+def test_kvcache_reads_in_place_where_the_core_paged_form_serves():
+    """In place (one core call with pages=) on the CPU and, with at most 16 queries per
+    entry (the Triton paged kernel's), on a GPU; never with cache_leftpad or for a
+    contiguous cache whose entries all end alike."""
+    from anyattn.flash_attn.flash_attn_interface import _reads_in_place
+
+    no_pad, ragged, even = np.zeros(3, np.int64), np.array([5, 9, 2]), np.array([7, 7, 7])
+    assert _reads_in_place("cuda", 16, True, no_pad, even)
+    assert _reads_in_place("cuda", 1, False, no_pad, ragged)
+    assert not _reads_in_place("cuda", 17, True, no_pad, ragged)
+    assert _reads_in_place("cpu", 17, True, no_pad, ragged)
+    assert not _reads_in_place("cuda", 1, False, no_pad, even)
+    assert not _reads_in_place("cpu", 1, True, np.array([0, 1, 0]), ragged)
+    assert not _reads_in_place("cuda", 1, True, no_pad[:0], ragged[:0])
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_kvcache_in_place_on_the_triton_paged_kernel(paged, monkeypatch):
+    """The core call flash_attn_with_kvcache makes for a paged cache (and for a contiguous
+    one of ragged lengths: its rows as pages) computed by the Triton backend's paged
+    kernel (TRITON_INTERPRET=1, CPU tensors; on a GPU the call routes there by itself):
+    FlashAttention's bshd pages read in place, against the float64 oracle."""
+    from anyattn.backends.registry import unavailable_reason
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    pytest.importorskip("triton")
+    if unavailable_reason("triton"):
+        pytest.skip(f"triton unavailable: {unavailable_reason('triton')}")
+    calls = []
+    real = fai.core_attention
+    monkeypatch.setattr(fai, "core_attention", lambda *a, **kw: calls.append(
+        kw["pages"]) or real(*a, backend="triton", **kw))
+    b, page, hq, hk, d, sq = 3, 16, 4, 2, 8, 2
+    num_blocks, per_seq = 12, 4
+    lengths = torch.tensor([17, 40, 5], dtype=torch.int32)
+    slopes = torch.rand(hq)
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    if paged:
+        kp, vp = rand(num_blocks, page, hk, d), rand(num_blocks, page, hk, d)
+        table = torch.randperm(num_blocks, dtype=torch.int32)[:b * per_seq].reshape(b, per_seq)
+        table[2, 1:] = -1                                 # never read
+        extra = dict(block_table=table)
+    else:
+        kp, vp = rand(b, per_seq * page, hk, d), rand(b, per_seq * page, hk, d)
+        extra = {}
+    out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=lengths,
+                                          causal=True, window_size=(20, -1),
+                                          alibi_slopes=slopes, softcap=3.0,
+                                          return_softmax_lse=True, **extra)
+    assert len(calls) == 1
+    for i in range(b):
+        e = int(lengths[i]) + sq
+        if paged:
+            kc, vc = (paged_copy(x, table[i:i + 1].clamp(min=0), e)[0] for x in (kp, vp))
+        else:
+            kc, vc = kp[i, :e], vp[i, :e]
+        o, s, _ = ref_seq(q[i], kc, vc, causal=True, window=(20, -1), softcap=3.0,
+                          slopes=slopes)
+        close(out[i], o)
+        close(lse[i], s)
+
+
 def test_kvcache_paged_bad_arguments():
     kp = rand(4, 16, 1, 8)
     q, knew = rand(2, 1, 2, 8), rand(2, 1, 1, 8)

@@ -22,6 +22,7 @@ import torch
 
 from ..api import attention as core_attention
 from ..backends.registry import choose
+from ..backends.triton.backend import PAGED_MAX_SQ
 from ..masks import Documents
 from ..paged import Pages, describe_paged
 from ..problem import describe
@@ -383,6 +384,18 @@ def _rotary_positions(offsets: np.ndarray, count: int, same: bool) -> np.ndarray
     return offsets[:, None] + steps[None, :]
 
 
+def _reads_in_place(device_type: str, sq: int, paged: bool, leftpad: np.ndarray,
+                    ends: np.ndarray) -> bool:
+    """Whether flash_attn_with_kvcache reads the cache in place through the core's paged
+    form: no cache_leftpad, a paged cache or entries of different key counts, on the CPU
+    or with at most PAGED_MAX_SQ queries per entry (the Triton backend's paged kernel)."""
+    if leftpad.any() or ends.size == 0:
+        return False
+    if not paged and (ends == ends[0]).all():
+        return False
+    return device_type == "cpu" or sq <= PAGED_MAX_SQ
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -412,9 +425,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
     GPU tensor is read once).  A paged cache on CPU tensors is read in place
-    (``anyattn.attention(..., pages=)``); with ``cache_leftpad`` or on a GPU its used
-    pages are gathered into one contiguous copy per call.  ``num_splits`` may be 0 (choose) or 1 (no split): the keys are
-    never split here.
+    (``anyattn.attention(..., pages=)``), and on a GPU with at most 16 queries per entry
+    (the Triton backend's paged kernel); with ``cache_leftpad`` or more queries on a GPU
+    its used pages are gathered into one contiguous copy per call.  ``num_splits`` may be
+    0 (choose) or 1: the backend's route decides whether the keys are split (the Triton
+    paged and decode kernels split them for few programs over long caches, with a
+    deterministic combine).
     """
     common.check_tensor("q", q, 4, _BSHD)
     splits = common.int_value("num_splits", num_splits)
@@ -540,13 +556,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
                              "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
                              "pass longer rotary tables")
-    # On the CPU without cache_leftpad the cache is read in place through the core's paged
-    # form (pages=): a paged cache as it is, a contiguous one whose entries hold different
+    # Without cache_leftpad the cache is read in place through the core's paged form
+    # (pages=): a paged cache as it is, a contiguous one whose entries hold different
     # numbers of keys as pages of s_cache positions (page b = cache row b), one call for
-    # the batch.  With cache_leftpad or on a GPU a paged cache is gathered into one
-    # contiguous copy, and entries of different key ranges run one call each.
-    in_place = q.device.type == "cpu" and not leftpad.any() and bsz > 0 and \
-        (paged or not (ends == ends[0]).all())
+    # the batch; on a GPU while the queries per entry fit the Triton backend's paged
+    # kernel (PAGED_MAX_SQ).  Otherwise (cache_leftpad, more queries on a GPU) a paged
+    # cache is gathered into one contiguous copy, and entries of different key ranges
+    # run one call each.
+    in_place = _reads_in_place(q.device.type, sq, paged, leftpad, ends)
     if in_place and not paged:
         table, page = idx[:, None], s_cache
     with torch.no_grad():

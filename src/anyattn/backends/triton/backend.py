@@ -15,6 +15,9 @@ from ..base import Backend, Capabilities
 __all__ = ["TritonBackend"]
 
 MAX_HEAD_DIM = 256
+#: the most queries per sequence of a paged forward (route.DECODE_MAX_SQ, the split
+#: kernel's; not imported here, so that the capability check imports no Triton)
+PAGED_MAX_SQ = 16
 
 
 def _interpreting() -> bool:
@@ -40,7 +43,7 @@ class TritonBackend(Backend):
             precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
             mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
             modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
-            inputs=DEFAULT_INPUTS | {"value_dim"},
+            inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
             # capture gradients need a deterministic reduction not lowered yet
             gradients=GRADIENTS - {"score_mod_grad"})
 
@@ -91,6 +94,11 @@ class TritonBackend(Backend):
             why.append("computes dbias with score / mask functions only for a bias full "
                        "over queries and keys ([.., Sq, Sk]); expand the bias or use "
                        "backend='numpy'")
+        if p.pages is not None and p.seq_q > PAGED_MAX_SQ:
+            why.append(f"reads a paged cache (pages=) with at most {PAGED_MAX_SQ} queries "
+                       f"per sequence (the split-key decode kernel), got Sq = {p.seq_q}; "
+                       f"split the queries into chunks of <= {PAGED_MAX_SQ} or use "
+                       "backend='numpy'")
         dev_type = p.device.split(":")[0]
         if dev_type == "cpu" and not _interpreting():
             why.append("needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); "
@@ -102,6 +110,13 @@ class TritonBackend(Backend):
         from . import launch
 
         return launch.forward(p, q, k, v, bias, mods=mods)
+
+    def forward_paged(self, p, q, k_pages, v_pages, mods):
+        """The forward over a paged cache (anyattn.paged): the split-key kernel reading
+        every key row through the block table (forward.forward_paged)."""
+        from .forward import forward_paged
+
+        return forward_paged(p, q, k_pages, v_pages, mods)
 
     def backward(self, p, q, k, v, dout, out, stats, bias, mods):
         from . import launch

@@ -19,12 +19,12 @@ import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, programs, tiles
+from . import configs, kernels, operands, prepared, programs, route, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
 
-__all__ = ["forward"]
+__all__ = ["forward", "forward_paged"]
 
 
 def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
@@ -122,4 +122,91 @@ def _forward_split(p, q, k, v, pr, mods):
             (cdiv(Sq, bm), B * H),
             (pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns),
             dict(BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks))
+    return out, RowStats(stats[0], stats[1])
+
+
+#: (id of the block table, id of seqlens, bands, device) -> (the host tables, the int32
+#: record buffer on the device): a Pages serves every layer of a decoding step, so its
+#: buffer is uploaded once per step, not once per layer
+_page_buffers: dict = {}
+_PAGE_BUFFERS_MAX = 8
+
+
+def _page_buffer(p, dev):
+    """PG int32 [B * 4 + B * M] on ``dev``: per sequence b (seqlens[b], band lo, band hi,
+    offset of its table row in PG), then the block table (kernels.fwd_split_kernel,
+    PAGE > 0).  The band is sequence b's mask resolved for its key count
+    (paged.sequence_mask), an open side as tiles.BIG."""
+    import numpy as np
+
+    from ...paged import sequence_mask
+
+    pk = p.pages
+    B, M = pk.table.shape
+    bands = tuple(sequence_mask(p, b) for b in range(B))
+    key = (id(pk.table), id(pk.lengths), bands, str(dev))
+    hit = _page_buffers.get(key)
+    if hit is not None and hit[0] is pk.table and hit[1] is pk.lengths:
+        return hit[2]
+    big = tiles.BIG
+    rec = np.empty((B, 4), np.int64)
+    rec[:, 0] = pk.lengths
+    rec[:, 1] = [-big if lo is None else max(lo, -big) for lo, _ in bands]
+    rec[:, 2] = [big if hi is None else min(hi, big) for _, hi in bands]
+    rec[:, 3] = B * 4 + M * np.arange(B)
+    # entries past a sequence's pages are never read (-1 and the like may stay)
+    buf = np.concatenate([rec.reshape(-1), pk.table.reshape(-1)]).astype(np.int32)
+    t = torch.from_numpy(buf).to(dev)
+    if len(_page_buffers) >= _PAGE_BUFFERS_MAX:
+        _page_buffers.clear()
+    _page_buffers[key] = (pk.table, pk.lengths, t)
+    return t
+
+
+def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
+    """The forward over a paged cache (``p.pages``, anyattn.paged): q [B, H, Sq, D],
+    k_pages [N, Hkv, P, D], v_pages [N, Hkv, P, Dv] (any strides, unit stride along D
+    or copied) -> as forward().  kernels.fwd_split_kernel with PAGE = P reads every key
+    row through the block table (route.paged_splits: its splits, tile and head
+    packing; one split is the unsplit forward), fwd_combine_kernel merges the splits.
+    fp32: the scaled fp16 parts of the whole cache, one scale per kv head over every
+    page (operands.f16_scales_paged)."""
+    q = operands.unit_last(q)
+    k_pages, v_pages = operands.unit_last(k_pages), operands.unit_last(v_pages)
+    B, H, Sq, D, Dv = p.batch, p.heads_q, p.seq_q, p.head_dim, p.head_dim_v
+    Hkv, G = p.heads_kv, p.group
+    dev = q.device
+    rt = route.paged_route(route.ProblemFacts.of(p), route.device_facts(dev))
+    ns, cfg, hp = rt.splits, rt.split, rt.pack
+    prec = operands.kernel_prec(p)
+    ma = tiles.mask_args(p, q, None)
+    md = operands.mod_args(p, mods, dev)
+    pg = _page_buffer(p, dev)
+    vdp = configs.padded_dim(Dv)
+    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
+    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
+    pacc = torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev)
+    lplane = B * H * ns * Sq
+    pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
+    with on_device(dev):
+        if prec == operands.SCALED:
+            sc, (sq_sig, skv_sig) = operands.f16_scales_paged(p, q, k_pages, v_pages)
+            q = operands.split_half(q, sq_sig, G)
+            k_pages, v_pages = (operands.split_half(x, skv_sig[n], 1)
+                                for x, n in ((k_pages, "k"), (v_pages, "v")))
+        else:
+            sc = tiles.dummy(dev, torch.float32)
+        adiag = (md.adiag - p.seq_k) if md.alibi else 0    # a sequence of no keys
+        kernels.fwd_split_kernel[(B * Hkv * (G // hp), ns)](
+            q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
+            *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
+            ma.hi, md.sl_b, md.cap, adiag, lplane,
+            D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band, PREC=prec,
+            SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm, BN=cfg.bn,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
+            PAGE=p.pages.page_size)
+        bm = configs.COMBINE_BM
+        kernels.fwd_combine_kernel[(cdiv(Sq, bm), B * H)](
+            pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns,
+            BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks)
     return out, RowStats(stats[0], stats[1])

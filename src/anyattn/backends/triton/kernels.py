@@ -841,12 +841,40 @@ def _load_packed(ptr, rows_off, valid, offs_d, D: tl.constexpr, DP: tl.constexpr
 
 
 @triton.jit
+def _tile_rows(Kh, Vh, sk_p, sk_s, sv_p, sv_s, PG, tab, start_n, offs_nb, Sk,
+               BN: tl.constexpr, PAGE: tl.constexpr):
+    """The key / value rows of the key tile at start_n (a multiple of BN below Sk) as
+    _fwd_tile reads them: (Kh, Vh, sk_s, sv_s) unchanged without pages (PAGE 0).  With
+    pages of PAGE positions key j is row j % PAGE of page PG[tab + j // PAGE] (the
+    sequence's block table row; sk_p / sv_p the page strides): where PAGE is a multiple
+    of BN the tile lies in one page, whose entry is loaded once (the row bases of the
+    tile's first key, strides as they are); otherwise every key row looks up its page,
+    returned as row pointers ([1, BN] for the transposed key load, [BN, 1] for the
+    values) with row strides 0, keys j >= Sk (past the sequence) pointing at page 0
+    (their table entries are not read; their loads are masked)."""
+    if PAGE > 0:
+        if PAGE % BN == 0:
+            pg = tl.load(PG + tab + start_n // PAGE).to(tl.int64)
+            r = tl.cast(start_n % PAGE - start_n, tl.int64)     # _fwd_tile adds start_n rows
+            return Kh + pg * sk_p + r * sk_s, Vh + pg * sv_p + r * sv_s, sk_s, sv_s
+        else:
+            j = start_n + offs_nb
+            pg = tl.load(PG + tab + j // PAGE, mask=j < Sk, other=0).to(tl.int64)
+            r = (j % PAGE).to(tl.int64)
+            return (Kh + pg * sk_p + r * sk_s)[None, :], (Vh + pg * sv_p + r * sv_s)[:, None], \
+                0, 0
+    else:
+        return Kh, Vh, sk_s, sv_s
+
+
+@triton.jit
 def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
                      H, G, HP, Sq, Sk, qk_scale, scale, lo, hi, sl_b, cap, adiag, lplane,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr,
+                     PG=None, PAGE: tl.constexpr = 0):
     """Grid (B * Hkv * G / HP, NS): the partial forward of HP query heads of one kv head
     (GQA packing: row r of the BM-row tile is query r % Sq of head hk * G + g0 + r // Sq,
     HP * Sq <= BM; the kv head's keys are loaded once for all of them) over split ``s``
@@ -857,7 +885,13 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     unnormalised, acc [BM, VDP] fp32 (the scaled schemes' out factor applied) to PACC
     [B * H, NS, Sq, VDP] and the run's largest kept natural score (-inf where it keeps
     none) and its sum of exp(s - max) to the two planes of PST [2, lplane = B * H * NS *
-    Sq].  fwd_combine_kernel merges the runs."""
+    Sq].  fwd_combine_kernel merges the runs.
+
+    PAGE > 0: K / V are a paged cache (anyattn.paged) of pages of PAGE positions, sk_b /
+    sv_b their page strides; PG int32 holds a record per sequence b, (seqlens[b], band
+    lo, band hi, offset in PG of its block table row), then the block table rows.  Sk,
+    lo and hi are then sequence b's (its record), adiag is that of a sequence of no keys
+    (sequence b adds seqlens[b]), and key j of b is read through _tile_rows."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     NS = tl.num_programs(1)
@@ -878,8 +912,19 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_dv = tl.arange(0, VDP)
-    Kh = K + b * sk_b + hk * sk_h
-    Vh = V + b * sv_b + hk * sv_h
+    if PAGE > 0:
+        rec = PG + b * 4
+        Sk = tl.load(rec)
+        lo = tl.load(rec + 1)
+        hi = tl.load(rec + 2)
+        tab = tl.load(rec + 3)
+        adiag = adiag + Sk
+        Kh = K + hk * sk_h
+        Vh = V + hk * sv_h
+    else:
+        tab = 0
+        Kh = K + b * sk_b + hk * sk_h
+        Vh = V + b * sv_b + hk * sv_h
     if ALIBI:      # per row: its head's slope (divided as _load_slope does)
         slope = tl.load(SLOPES + b * sl_b + hrow, mask=valid, other=0.0)
         if not SOFTCAP:
@@ -902,19 +947,25 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     # the run [u0, u1) in fwd_kernel's three parts: masked edge, unmasked middle, edge
     # (padding rows: q = 0, masked out of every masked tile, never stored)
     for t in range(u0, tl.minimum(f0, u1)):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
+                                      offs_nb, Sk, BN, PAGE)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
+                                      offs_nb, Sk, BN, PAGE)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, False, HAS_BAND, False, False, False,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f1, u0), u1):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, t * BN, offs_m,
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
+                                      offs_nb, Sk, BN, PAGE)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,

@@ -20,7 +20,7 @@ from .device_ctx import on_device
 from .tiles import cdiv
 
 __all__ = ["unit_last", "s3", "SCALED", "kernel_prec", "register_prec", "f16_scales",
-           "split_half", "SIGMA_EXP", "GAMMA_EXP", "ModArgs", "mod_args",
+           "f16_scales_paged", "split_half", "SIGMA_EXP", "GAMMA_EXP", "ModArgs", "mod_args",
            "interpreter_compat"]
 
 
@@ -135,6 +135,25 @@ def f16_scales(p, q, k, v, dout=None, delta=None):
         sc[:, 5] = 1.0 / (gam * sig["q"])
         sc[:, 6] = 1.0 / (gam * sig["k"])
     return sc.float(), {n: s.float() for n, s in sig.items()}
+
+
+def f16_scales_paged(p, q, k_pages, v_pages):
+    """f16_scales of a forward over a paged cache (anyattn.paged): q's sigma per (batch,
+    kv head) as there; k's and v's per kv head, from the finite max |x| over every page
+    of the cache (positions no sequence reads included).  Returns (SC [B * Hkv, 8] fp32,
+    (sigma of q [B * Hkv], {'k', 'v': sigma [N * Hkv] of the pages, for split_half}))."""
+    B, Hkv = p.batch, p.heads_kv
+    N = k_pages.shape[0]
+    sig_q = _pow2_scale(_group_max(_row_stats(q)[0], B, Hkv), SIGMA_EXP)
+    per_head = {}
+    for n, x in (("k", k_pages), ("v", v_pages)):
+        amax = _row_stats(x)[0]                                       # [N, Hkv, P]
+        per_head[n] = _pow2_scale(amax.permute(1, 0, 2).reshape(Hkv, -1).amax(dim=1),
+                                  SIGMA_EXP)                          # [Hkv]
+    sc = torch.zeros((B * Hkv, 8), dtype=torch.float64, device=q.device)
+    sc[:, 0] = 1.0 / (sig_q * per_head["k"].repeat(B))
+    sc[:, 3] = 1.0 / (per_head["v"].repeat(B) * float(kernels.PS_FWD.value))
+    return sc.float(), (sig_q.float(), {n: s.repeat(N).float() for n, s in per_head.items()})
 
 
 def split_half(x, sig, group: int):

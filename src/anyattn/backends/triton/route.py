@@ -45,7 +45,7 @@ from . import configs
 from .hopper import configs as hopper_configs
 from .hopper import coverage
 
-__all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "device_facts",
+__all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "paged_route", "device_facts",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
            "decode_pack", "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES",
            "DECODE_WAVES", "DECODE_MAX_SPLITS", "NO_GPU_SMS", "SPLIT_FEATURES", "SPLIT_MASKS"]
@@ -255,6 +255,37 @@ def decode_splits(problem: ProblemFacts, device: DeviceFacts
     return ns, cfg, hp, (f"split: {ns} key splits ({grid} < {sms} {where}; "
                          f"~{DECODE_WAVES} waves, >= {DECODE_MIN_TILES} key tiles of "
                          f"{cfg.bn} per split; {tiles} tiles)")
+
+
+def paged_route(problem: ProblemFacts, device: DeviceFacts) -> Route:
+    """The route of a forward over a paged cache (anyattn.paged; seq_k the longest
+    sequence's key count): always the portable split kernel (the one kernel that reads
+    pages), with decode_splits' splits where it splits and one split (the unsplit
+    forward, no combine of partials beyond the epilogue) where it does not; its tile and
+    head packing as decode_splits'.  NotImplementedError for what the split kernel
+    does not take: Sq > DECODE_MAX_SQ, score features beyond SPLIT_FEATURES."""
+    if problem.seq_q > DECODE_MAX_SQ:
+        raise NotImplementedError(
+            f"pages: the Triton backend reads a paged cache with at most {DECODE_MAX_SQ} "
+            f"queries per sequence (the split-key decode kernel), got Sq = "
+            f"{problem.seq_q}; split the queries into chunks of <= {DECODE_MAX_SQ} or use "
+            "backend='numpy'")
+    extra = sorted(set(problem.features) - SPLIT_FEATURES)
+    if extra:
+        raise NotImplementedError(f"pages: the Triton backend's paged forward lacks "
+                                  f"{', '.join(extra)}; use backend='numpy'")
+    ns, cfg, hp, why = decode_splits(problem, device)
+    if ns == 1:
+        hp = decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q)
+        cfg = configs.decode_config(configs.padded_dim(max(problem.head_dim,
+                                                           problem.value_dim)),
+                                    problem.dtype, hp * problem.seq_q)
+    name = f"paged-split{_kernel(cfg)}x{ns}"
+    return Route("forward", "portable", name,
+                 ("path: portable split-key forward over pages (the kernel that reads a "
+                  "paged cache)", f"config: {name} = configs.decode_config (rows {hp} x "
+                  f"Sq {problem.seq_q}) x {ns} splits", why),
+                 splits=ns, split=cfg, pack=hp)
 
 
 def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
