@@ -24,7 +24,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..arrays import to_numpy
+from ..arrays import array_kind, to_numpy
 from .bounds import check_gathers, index_dtype
 from .derive import derivatives
 from .diagonal import diagonal_nodes, diagonal_values
@@ -76,6 +76,12 @@ class Program:
 
     def bind(self, arrays: Dict[str, Any], sizes: Tuple[int, int, int, int]
              ) -> "BoundProgram":
+        for name, a in arrays.items():
+            if array_kind(a) == "webgpu":
+                raise NotImplementedError(
+                    f"{self.where}: capture {name!r} is an anyattn.webgpu device array; "
+                    "captures are read on the host (index checks, tile classification): "
+                    "pass a NumPy array (the webgpu backend uploads it per call)")
         return BoundProgram(self, {n: to_numpy(a) for n, a in arrays.items()}, sizes)
 
 

@@ -1,7 +1,8 @@
 """WGSL of traced score and mask functions (anyattn.programs graphs).
 
 A score function's graph becomes two WGSL functions of the scalars (score, b, h, i, j)
-(local indices, u32 in the kernels): ``smod_v`` (the modified score) and ``smod_vd``
+(local indices, u32 in the kernels; the generated code reads the batch index as
+``U.drop_b0 + b``, the global one where the batch is split into chunks): ``smod_v`` (the modified score) and ``smod_vd``
 (the modified score and d score_mod / d score, as ``vec2<f32>``, sharing their common
 subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
 before the bias and the mask terms.  A mask function's graph becomes ``mfn_<k>(b, h,
@@ -134,7 +135,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=",
 _FUN = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "sqrt": "sqrt",
         "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil", "abs": "abs",
         "sign": "sign", "tanh": "am_tanh"}
-_IDX = {"b": "i32(b)", "h": "i32(h)", "q_idx": "i32(i)", "kv_idx": "i32(j)"}
+_IDX = {"b": "i32(U.drop_b0 + b)", "h": "i32(h)", "q_idx": "i32(i)", "kv_idx": "i32(j)"}
 
 
 def _ipow(x: str, n: int, ty: str) -> str:
