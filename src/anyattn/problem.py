@@ -555,6 +555,8 @@ def _match_alibi(smod, diag, wrt, kind, dt, dev, alibi_shape, alibi_dtype):
     or None, alibi_shape, alibi_dtype)."""
     from .programs.builtin_forms import alibi_slopes_of
 
+    if kind == "webgpu":      # device arrays take device slopes only: the function runs
+        return smod, None, alibi_shape, alibi_dtype
     hit = alibi_slopes_of(smod, diag, wrt)
     if hit is None:
         return smod, None, alibi_shape, alibi_dtype

@@ -95,13 +95,80 @@ def test_batch_chunks_pass_the_global_batch_to_functions(be):
         run.max_binding = saved
 
 
-def test_device_array_captures_are_refused(be):
+def test_device_array_captures_are_read_in_place(be):
+    """Float captures of a score function given as device arrays (f32 and f16, one a
+    strided view) are read on the device, never by the host: forward and backward match
+    float64, and values written into the capture's buffer afterwards are what the next
+    call (a cached template) reads."""
     from anyattn import webgpu as wg
 
     rng = np.random.default_rng(5)
+    B = 2
+    q, k, v, g = make_qkv(rng, B, HQ, HKV, SQ, SK, D)
+    sm, mask, _ = _functions(rng, B)
+    host = dict(sm.captures)
+    gain_t = np.ascontiguousarray(host["gain"].T)                      # [HQ, B]
+    table16 = host["table"].astype(np.float16)
+    gain_dev = wg.asarray(gain_t)
+    caps = dict(bucket=host["bucket"], table=wg.asarray(table16), gain=gain_dev.transpose())
+    dev_sm = aa.ScoreMod(sm.fn, **caps)
+    ref_sm = aa.ScoreMod(sm.fn, bucket=host["bucket"], table=table16.astype(np.float32),
+                         gain=gain_t.T)
+    inputs = tuple(wg.asarray(x) for x in (q, k, v, g))
+
+    def check(what):
+        out, lse = aa.attention(*inputs[:3], return_lse=True, backend="webgpu",
+                                score_mod=dev_sm, mask=mask)
+        ro, rl = aa.attention(*_f64(q, k, v), return_lse=True, backend="reference",
+                              score_mod=ref_sm, mask=mask)
+        assert_close(out.numpy(), ro, "float32", f"{what} out")
+        assert_close(lse.numpy(), rl, "float32", f"{what} lse")
+        gr = aa.attention_backward(*inputs, wrt=WRT, backend="webgpu", score_mod=dev_sm,
+                                   mask=mask)
+        rg = aa.attention_backward(*_f64(q, k, v, g), wrt=WRT, backend="reference",
+                                   score_mod=ref_sm, mask=mask)
+        for n in ("d" + w for w in WRT):
+            assert_close(getattr(gr, n).numpy(), getattr(rg, n), "float32", f"{what} {n}")
+
+    check("device captures")
+    gain_t[...] = -2.0 * gain_t                    # the reference's view follows
+    wg.device().queue.write_buffer(gain_dev.buffer, 4 * gain_dev.offset, gain_t)
+    check("device captures written in place")
+    gain_dev = wg.asarray(-gain_t)                 # another buffer, one signature
+    caps["gain"] = gain_dev.transpose()
+    gain_t[...] = -gain_t
+    dev_sm = aa.ScoreMod(sm.fn, **caps)
+    check("another device capture buffer")
+
+
+def test_device_arrays_run_a_function_spelling_alibi_with_host_slopes(be):
+    """A function that spells ALiBi runs as the built-in on host arrays (host slopes);
+    on device arrays its NumPy slopes run through the generated function."""
+    from anyattn import webgpu as wg
+
+    rng = np.random.default_rng(7)
     q, k, v, _ = make_qkv(rng, 1, HQ, HKV, SQ, SK, D)
-    dq, dk, dv = (wg.asarray(x) for x in (q, k, v))
+    slopes = np.array([0.5, 0.125], np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, q_idx, kv_idx, sl: s - sl[h] * abs(q_idx - kv_idx),
+                     sl=slopes)
+    out = aa.attention(*(wg.asarray(x) for x in (q, k, v)), backend="webgpu", score_mod=sm)
+    ro = aa.attention(*_f64(q, k, v), backend="reference", score_mod=sm)
+    assert_close(out.numpy(), ro, "float32", "ALiBi-spelling function on device arrays")
+
+
+def test_device_array_captures_refusals(be):
+    from anyattn import webgpu as wg
+
+    rng = np.random.default_rng(6)
+    q, k, v, g = make_qkv(rng, 1, HQ, HKV, SQ, SK, D)
+    dq, dk, dv, dg = (wg.asarray(x) for x in (q, k, v, g))
     gain = wg.asarray(np.ones(HQ, np.float32))
+    mm = aa.MaskMod(lambda b, h, q_idx, kv_idx, gain: kv_idx * gain[h] < 9.0, gain=gain)
+    with pytest.raises(NotImplementedError, match="capture 'gain'.*device array.*host"):
+        aa.attention(dq, dk, dv, backend="webgpu", mask=mm)
     sm = aa.ScoreMod(lambda score, b, h, q_idx, kv_idx, gain: score * gain[h], gain=gain)
-    with pytest.raises(NotImplementedError, match="capture 'gain'.*device array"):
-        aa.attention(dq, dk, dv, backend="webgpu", score_mod=sm)
+    with pytest.raises(NotImplementedError, match="score_mod captures"):
+        aa.attention_backward(dq, dk, dv, dg, wrt=("q", "gain"), backend="webgpu",
+                              score_mod=sm)
+    with pytest.raises(ValueError, match="capture 'gain' is on webgpu:0 but q is on cpu"):
+        aa.attention(q, k, v, backend="webgpu", score_mod=sm)

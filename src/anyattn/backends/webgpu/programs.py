@@ -97,9 +97,12 @@ class Layout:
 
 
 def pack_captures(layout: Layout, arrays: Dict[str, np.ndarray], where: str) -> np.ndarray:
-    """The captures as u32 words in ``layout``'s order (at least one word)."""
+    """The captures as u32 words in ``layout``'s order (at least one word); a capture
+    missing from ``arrays`` (a device array, copied in on the device) stays zero."""
     out = np.zeros(max(layout.words, 1), dtype=np.uint32)
     for name, (off, shape, _, dt) in layout.parts.items():
+        if name not in arrays:
+            continue
         a = np.asarray(arrays[name])
         n = int(np.prod(shape)) if shape else 1
         if dt == FLOAT:

@@ -17,7 +17,8 @@ writes only uniforms and ``aux``'s mask tables (band, tile map, document ids, a
 KeepMask: masks are host descriptions), the words of score / mask function captures
 (NumPy arrays, host descriptions too: uploaded into a buffer of the call's template,
 which is keyed by their content digest, ``_programs_key``), plus zeros where the device
-fills in slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
+fills in slopes/sinks and a score function's device-array captures (float arrays, never
+read by the host: copied into the captures buffer by the ``ew`` kernel on every call).  dsinks is reduced on the device (``dsinks`` kernel).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
@@ -226,6 +227,16 @@ _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem)
                         if f.name not in ("mask", "dropout_seed", "score_mod"))
 
 
+def _device_captures(p: Problem) -> Dict[str, object]:
+    """The score function's device-array captures as call inputs (``capture:<name>``):
+    the template copies them into its captures buffer on every call, from the buffers
+    this call passes, so a capture updated in place on the device is read as it is."""
+    sm = p.score_mod
+    if sm is None:
+        return {}
+    return {f"capture:{n}": x for n, x in sorted(sm.device.items())}
+
+
 def _programs_key(p: Problem):
     """The score and mask functions of a call as a key part: each bound program's
     structural key, sizes and capture digest (content: a template owns a buffer of its
@@ -342,7 +353,8 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
     out and the statistics are written by the kernels into result buffers (pool.py);
     the row max and log-normaliser are rows 0 and 6 of one [7, n] buffer (the rows in
     between are the kernels' scratch)."""
-    inputs = dict(q=q, k=k, v=v, bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+    inputs = dict(q=q, k=k, v=v, bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks,
+                  **_device_captures(p))
 
     def build(res):
         _check_chunks(be, p, False, bias)
@@ -401,7 +413,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
     dt = np.dtype(p.dtype)
     inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
-                  bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+                  bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks,
+                  **_device_captures(p))
     in_place = _stats_in_place(be.runner(), p, inputs)
 
     def build(res):
