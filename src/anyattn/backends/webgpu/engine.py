@@ -395,7 +395,8 @@ class Call:
             self.run.device.queue.write_buffer(self.cap_buf, 0, data)
         for name, x, off in fills:      # as f32 words, by the ``ew`` kernel, every call
             if x.buffer.size > self.run.max_binding:
-                raise ValueError(f"{name}: its buffer has {x.buffer.size} bytes, past this "
+                raise ValueError(f"score_mod capture {name!r}: its buffer has "
+                                 f"{x.buffer.size} bytes, past this "
                                  f"adapter's max storage binding of {self.run.max_binding} "
                                  "bytes; the webgpu kernels bind whole buffers: use a "
                                  "smaller buffer")

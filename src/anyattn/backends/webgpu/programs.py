@@ -2,9 +2,9 @@
 
 A score function's graph becomes two WGSL functions of the scalars (score, b, h, i, j)
 (local indices, u32 in the kernels; the generated code reads the batch index as
-``U.drop_b0 + b``, the global one where the batch is split into chunks): ``smod_v`` (the modified score) and ``smod_vd``
-(the modified score and d score_mod / d score, as ``vec2<f32>``, sharing their common
-subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
+``U.drop_b0 + b``, the global one where the batch is split into chunks): ``smod_v``
+(the modified score) and ``smod_vd`` (the modified score and d score_mod / d score, as
+``vec2<f32>``, sharing their common subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
 before the bias and the mask terms.  A mask function's graph becomes ``mfn_<k>(b, h,
 i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).
 

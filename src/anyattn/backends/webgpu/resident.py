@@ -18,7 +18,8 @@ KeepMask: masks are host descriptions), the words of score / mask function captu
 (NumPy arrays, host descriptions too: uploaded into a buffer of the call's template,
 which is keyed by their content digest, ``_programs_key``), plus zeros where the device
 fills in slopes/sinks and a score function's device-array captures (float arrays, never
-read by the host: copied into the captures buffer by the ``ew`` kernel on every call).  dsinks is reduced on the device (``dsinks`` kernel).
+read by the host: copied into the captures buffer by the ``ew`` kernel on every call).
+dsinks is reduced on the device (``dsinks`` kernel).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
