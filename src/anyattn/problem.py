@@ -250,7 +250,9 @@ def _check_score_mod(score_mod, sizes, dev: str, alibi_slopes):
 
     sm = as_score_mod(score_mod)
     for name, arr in sm.captures.items():
-        if device_name(arr) != dev:
+        # WebGPU device arrays take host (NumPy) captures: uploaded per call, as masks are
+        if device_name(arr) != dev and not (dev.startswith("webgpu:")
+                                            and device_name(arr) == "cpu"):
             _fail(ValueError, f"score_mod {sm.name!r}: capture {name!r} is on "
                               f"{device_name(arr)} but q is on {dev}; move it to q's device")
     if alibi_slopes is not None:
@@ -553,6 +555,8 @@ def _match_alibi(smod, diag, wrt, kind, dt, dev, alibi_shape, alibi_dtype):
     or None, alibi_shape, alibi_dtype)."""
     from .programs.builtin_forms import alibi_slopes_of
 
+    if kind == "webgpu":      # device arrays take device slopes only: the function runs
+        return smod, None, alibi_shape, alibi_dtype
     hit = alibi_slopes_of(smod, diag, wrt)
     if hit is None:
         return smod, None, alibi_shape, alibi_dtype

@@ -88,19 +88,18 @@ def test_functions_match_the_float64_reference_and_new_captures_compile_nothing(
     assert len(be.runner().pipes) == pipes
 
 
-def test_capture_gradients_and_device_arrays_are_refused(be):
+def test_capture_gradients_are_refused(be):
+    """(Device arrays and batch chunks: test_webgpu_fn_device.py.)"""
     q, k, v, g = make_qkv(np.random.default_rng(0), 1, 2, 2, 8, 8, 4)
     e = gallery.GALLERY["tanh_gate"][0](1, 2, 8, 8, np.random.default_rng(0))
     with pytest.raises(NotImplementedError, match="gradients of score_mod captures"):
         aa.attention_backward(q, k, v, g, wrt=("q", "temp"), backend="webgpu", **e.kwargs)
     from anyattn import webgpu as wg
 
-    dq, dk, dv = (wg.asarray(x) for x in (q, k, v))
-    with pytest.raises(NotImplementedError, match="host arrays only"):
-        aa.attention(dq, dk, dv, backend="webgpu", score_mod=lambda s, b, h, i, j: s * 0.5)
-    mm = aa.MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)
-    with pytest.raises(NotImplementedError, match="host arrays only"):
-        aa.attention(dq, dk, dv, backend="webgpu", mask=mm)
+    dq, dk, dv, dg = (wg.asarray(x) for x in (q, k, v, g))
+    with pytest.raises(NotImplementedError, match="gradients of score_mod captures"):
+        aa.attention_backward(dq, dk, dv, dg, wrt=("q", "temp"), backend="webgpu",
+                              **e.kwargs)
 
 
 def test_kernels_without_functions_carry_no_generated_text():

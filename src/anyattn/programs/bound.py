@@ -24,7 +24,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..arrays import to_numpy
+from ..arrays import array_kind, to_numpy
 from .bounds import check_gathers, index_dtype
 from .derive import derivatives
 from .diagonal import diagonal_nodes, diagonal_values
@@ -76,20 +76,39 @@ class Program:
 
     def bind(self, arrays: Dict[str, Any], sizes: Tuple[int, int, int, int]
              ) -> "BoundProgram":
-        return BoundProgram(self, {n: to_numpy(a) for n, a in arrays.items()}, sizes)
+        device = {n: a for n, a in arrays.items() if array_kind(a) == "webgpu"}
+        for name in device:
+            if self.kind != "score_mod":
+                raise NotImplementedError(
+                    f"{self.where}: capture {name!r} is an anyattn.webgpu device array; a "
+                    "mask function's captures are read on the host (its tiles are "
+                    "classified there): pass a NumPy array (uploaded per call)")
+        return BoundProgram(self, {n: to_numpy(a) for n, a in arrays.items()
+                                   if n not in device}, sizes, device)
 
 
 class BoundProgram:
     """A program with one call's captures (NumPy arrays) and sizes (B, Hq, Sq, Sk);
-    every capture index was checked to lie in range."""
+    every capture index was checked to lie in range.
+
+    ``device``: float captures of a score function given as anyattn.webgpu device
+    arrays (name -> array), read where they lie by the webgpu kernels and never by the
+    host: the index analysis needs no float values, and a float capture that becomes an
+    index (``trunc_int``) is unbounded there, so it is refused unless clamped.  A bound
+    program with device captures has no host values: :meth:`caps` refuses it."""
 
     def __init__(self, program: Program, arrays: Dict[str, np.ndarray],
-                 sizes: Tuple[int, int, int, int]):
+                 sizes: Tuple[int, int, int, int], device: Optional[Dict[str, Any]] = None):
         self.program, self.arrays, self.sizes = program, arrays, tuple(sizes)
+        self.device: Dict[str, Any] = dict(device or {})
+        every = dict(arrays, **self.device)
         for name, spec in program.specs.items():
-            if tuple(arrays[name].shape) != spec.shape:  # pragma: no cover - internal
+            if tuple(every[name].shape) != spec.shape:  # pragma: no cover - internal
                 raise ValueError(f"{program.where}: capture {name!r} changed shape")
-        iv = check_gathers([program.out], self.sizes, arrays, program.specs, program.where)
+            if name in self.device and spec.dtype != FLOAT:
+                raise TypeError(f"{program.where}: device-array capture {name!r} must be a "
+                                "float array; pass integer and bool captures as NumPy arrays")
+        iv = check_gathers([program.out], self.sizes, every, program.specs, program.where)
         #: the integer dtype of index arithmetic (int32 where no integer node leaves it)
         self.idt = index_dtype(iv)
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
@@ -100,15 +119,21 @@ class BoundProgram:
         self._diagonal = program.out.uid in diagonal_nodes(self._order)
 
     def caps(self, dt: np.dtype) -> Dict[str, np.ndarray]:
+        if self.device:
+            raise NotImplementedError(
+                f"{self.program.where}: captures {sorted(self.device)} are anyattn.webgpu "
+                "device arrays, which only the webgpu backend reads; pass NumPy arrays")
         dt = np.dtype(dt)
         if dt not in self._caps:
             self._caps[dt] = cast_captures(self.arrays, self.program.specs, dt, self.idt)
         return self._caps[dt]
 
     def digest(self) -> str:
-        """Content key of the captures (shapes, dtypes, bytes)."""
+        """Content key of the host captures (shapes, dtypes, bytes); device-array
+        captures count by name only (their buffers are the call's inputs)."""
         if self._digest is None:
             h = hashlib.blake2b(digest_size=16)
+            h.update(repr(sorted(self.device)).encode())
             for name in sorted(self.arrays):
                 a = np.ascontiguousarray(self.arrays[name])
                 h.update(f"{name}:{a.shape}:{a.dtype.str};".encode())

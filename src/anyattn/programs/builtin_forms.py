@@ -241,7 +241,8 @@ def lower_to_builtins(smod, rmask, softcap: Optional[float]):
             lo = blo if lo is None else (lo if blo is None else max(lo, blo))
             hi = bhi if hi is None else (hi if bhi is None else min(hi, bhi))
         rmask = replace(rmask, band_lo=lo, band_hi=hi, _tile_maps={})
-        smod = None if _is_input(rest.out, "score") else rest.bind(smod.arrays, smod.sizes)
+        caps = dict(smod.arrays, **smod.device)
+        smod = None if _is_input(rest.out, "score") else rest.bind(caps, smod.sizes)
     if smod is not None and softcap is None:
         form = match_builtin(smod.program, smod.sizes)
         if isinstance(form, Softcap):
@@ -255,6 +256,7 @@ def alibi_slopes_of(smod, diag: int, wrt) -> Optional[Tuple[np.ndarray, bool]]:
     does not name the slopes (the built-in's slopes have no gradient); else None.
     ``slopes``: the capture as given (NumPy), [Hq] or [B, Hq]."""
     form = match_builtin(smod.program, smod.sizes)
-    if not isinstance(form, Alibi) or not form.fits(diag) or form.capture in wrt:
+    if not isinstance(form, Alibi) or not form.fits(diag) or form.capture in wrt \
+            or form.capture in smod.device:       # device-array slopes: the function runs
         return None
     return np.asarray(smod.arrays[form.capture]), form.per_batch

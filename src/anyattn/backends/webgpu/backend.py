@@ -35,6 +35,7 @@ import numpy as np
 from ...arrays import array_kind
 from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, GRADIENTS
 from ..base import Backend, Capabilities
+from ...masks import ResolvedMask
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
 from ...rowstats import RowStats
@@ -53,9 +54,19 @@ _CAPS = Capabilities(
     gradients=GRADIENTS - {"score_mod_grad"})
 
 
-def _has_programs(p: Problem) -> bool:
-    """Whether ``p`` has a score function or mask functions (generated WGSL)."""
-    return p.score_mod is not None or bool(p.mask.mask_fns)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkMask(ResolvedMask):
+    """The mask of batches [b0, b1) of ``whole``: its array terms sliced, its mask
+    functions those of the whole problem (read at the global batch index), its tile map
+    the whole one's rows b0..b1-1 (one map for every chunk, built once)."""
+
+    whole: Optional[ResolvedMask] = None
+    b0: int = 0
+    b1: int = 0
+
+    def tile_map(self, bq: int, bk: int) -> np.ndarray:
+        tm = self.whole.tile_map(bq, bk)
+        return tm if tm.shape[0] == 1 else tm[self.b0:self.b1]
 
 
 class WebGPUBackend(Backend):
@@ -119,10 +130,6 @@ class WebGPUBackend(Backend):
                            f"{self.context.name} lacks; pass float32")
             if p.bias_dtype not in (None, "float32", "float16"):
                 why.append(f"bias dtype {p.bias_dtype} is not supported")
-            if p.array_kind == "webgpu" and _has_programs(p):
-                why.append("score_mod and mask functions (MaskMod, | of mask terms) run on "
-                           "host arrays only, not on anyattn.webgpu device arrays; pass "
-                           "NumPy arrays")
         return why
 
     def runner(self):
@@ -190,7 +197,7 @@ class WebGPUBackend(Backend):
         if bias is not None:
             call.set_bias(bias)
         call.set_mods(p.softcap, mods.alibi_slopes, alibi_diag(p), mods.sinks)
-        call.set_programs(p.score_mod, p.mask.mask_fns or ())
+        call.set_programs(p.score_mod, p.mask.mask_fns or (), b0)
         if p.has_dropout:
             call.set_dropout(p.dropout_p, p.dropout_seed, p.q_offset, p.k_offset, b0)
         return call
@@ -307,12 +314,6 @@ class WebGPUBackend(Backend):
                              f"{role} buffer needs {worst} bytes and only {nb} of {p.batch} fit "
                              f"this adapter's max storage binding of {lim} bytes; split the "
                              "batch")
-        if nb < p.batch and _has_programs(p):
-            raise NotImplementedError(
-                f"webgpu: score_mod / mask functions with a batch split into chunks (one "
-                f"batch of the {role} buffer needs {worst} bytes, {nb} fit this adapter's "
-                f"max storage binding of {lim} bytes); shorten the problem or use "
-                "backend='numpy'")
         return [(b0, min(p.batch, b0 + nb)) for b0 in range(0, p.batch, nb)]
 
     @staticmethod
@@ -325,16 +326,16 @@ class WebGPUBackend(Backend):
 
     @staticmethod
     def _sub(p: Problem, b0: int, b1: int):
-        """The problem restricted to batches [b0, b1) (mask and bias sliced where they vary)."""
-        import dataclasses
-
-        from ...masks import ResolvedMask
-
+        """The problem restricted to batches [b0, b1) (mask and bias sliced where they
+        vary).  Score and mask functions stay bound to the whole problem (the kernels
+        add the chunk's first batch to ``b``: ``set_programs``), and the mask's tile map
+        is the whole problem's, sliced (:class:`_ChunkMask`)."""
         def sl(x):
             return None if x is None else (x if x.shape[0] == 1 else x[b0:b1])
         m = p.mask
-        sm = ResolvedMask(sq=m.sq, sk=m.sk, band_lo=m.band_lo, band_hi=m.band_hi,
-                          q_ids=sl(m.q_ids), k_ids=sl(m.k_ids), keep=sl(m.keep))
+        sm = _ChunkMask(sq=m.sq, sk=m.sk, band_lo=m.band_lo, band_hi=m.band_hi,
+                        q_ids=sl(m.q_ids), k_ids=sl(m.k_ids), keep=sl(m.keep),
+                        mask_fns=m.mask_fns, whole=m, b0=b0, b1=b1)
         bs = p.bias_shape
         if bs is not None and bs[0] > 1:
             bs = (b1 - b0,) + tuple(bs[1:])

@@ -342,21 +342,34 @@ class Call:
         if alibi_slopes is not None or sinks is not None:
             self.aux_upload()
 
-    def set_programs(self, score=None, mask_fns=()) -> None:
+    def set_programs(self, score=None, mask_fns=(), b0: int = 0) -> None:
         """A score function (a BoundProgram: SCOREMOD) and mask functions (MASKFN, applied
         in partial tiles) -> generated WGSL and one buffer of their captures (u32 words,
         score captures first).  The pipelines are keyed by the generated text, so new
-        captured values only rewrite the buffer."""
+        captured values only rewrite the buffer.  ``b0``: the global index of local batch
+        0 (a batch chunk), the uniform ``drop_b0`` the generated code adds to ``b`` (the
+        programs were bound to the whole problem, so captures indexed by ``b`` stay
+        whole).  With ``aux_role`` None (a cached launch template) the captures get a
+        buffer of this call's own, as the aux table does."""
+        from .elementwise import ew
         from .programs import TANH_HELPER, Layout, mask_source, mask_words, pack_captures, \
             score_source
 
         if score is None and not mask_fns:
             return
         parts, words, start = [TANH_HELPER], [], 0
+        fills = []                  # device-array captures: (array, word offset)
         if score is not None:
             _, src = score_source(score)
             parts.append(src)
             lay = Layout(score.program.specs)
+            for name, x in sorted(score.device.items()):
+                if x.ndim > 4:
+                    raise NotImplementedError(
+                        f"webgpu: {score.program.where}: device-array capture {name!r} has "
+                        f"{x.ndim} dims; the device copy takes at most 4: pass it reshaped "
+                        "or as a NumPy array")
+                fills.append((name, x, lay.parts[name][0]))
             words.append(pack_captures(lay, score.arrays, score.program.where)[:lay.words])
             start = lay.words
             self.mod_consts["SCOREMOD"] = 1
@@ -368,8 +381,26 @@ class Call:
         text = "".join(parts)
         data = np.concatenate(words + [np.zeros(1, np.uint32)])
         self.run.check_size("score / mask function captures", 4 * data.size)
+        if b0 < 0 or b0 + self.B > 1 << 31:
+            raise ValueError(f"webgpu: batch offset {b0} of a chunk of {self.B} leaves the "
+                             "int32 batch index of the generated functions")
+        self.uni["drop_b0"] = int(b0)
         self.progs = (hashlib.sha1(text.encode()).hexdigest(), text)
-        self.cap_buf = self.run.upload("captures", data)
+        if self.aux_role is not None:
+            self.cap_buf = self.run.upload("captures", data)
+        else:
+            self.cap_buf = self.run.device.create_buffer(
+                label="captures", size=max(16, -(-data.nbytes // 16) * 16),
+                usage=self.run.usage)
+            self.run.device.queue.write_buffer(self.cap_buf, 0, data)
+        for name, x, off in fills:      # as f32 words, by the ``ew`` kernel, every call
+            if x.buffer.size > self.run.max_binding:
+                raise ValueError(f"score_mod capture {name!r}: its buffer has "
+                                 f"{x.buffer.size} bytes, past this "
+                                 f"adapter's max storage binding of {self.run.max_binding} "
+                                 "bytes; the webgpu kernels bind whole buffers: use a "
+                                 "smaller buffer")
+            ew(self, x, self.cap_buf, off)
 
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:

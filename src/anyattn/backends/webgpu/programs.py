@@ -1,9 +1,10 @@
 """WGSL of traced score and mask functions (anyattn.programs graphs).
 
 A score function's graph becomes two WGSL functions of the scalars (score, b, h, i, j)
-(local indices, u32 in the kernels): ``smod_v`` (the modified score) and ``smod_vd``
-(the modified score and d score_mod / d score, as ``vec2<f32>``, sharing their common
-subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
+(local indices, u32 in the kernels; the generated code reads the batch index as
+``U.drop_b0 + b``, the global one where the batch is split into chunks): ``smod_v``
+(the modified score) and ``smod_vd`` (the modified score and d score_mod / d score, as
+``vec2<f32>``, sharing their common subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
 before the bias and the mask terms.  A mask function's graph becomes ``mfn_<k>(b, h,
 i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).
 
@@ -96,9 +97,12 @@ class Layout:
 
 
 def pack_captures(layout: Layout, arrays: Dict[str, np.ndarray], where: str) -> np.ndarray:
-    """The captures as u32 words in ``layout``'s order (at least one word)."""
+    """The captures as u32 words in ``layout``'s order (at least one word); a capture
+    missing from ``arrays`` (a device array, copied in on the device) stays zero."""
     out = np.zeros(max(layout.words, 1), dtype=np.uint32)
     for name, (off, shape, _, dt) in layout.parts.items():
+        if name not in arrays:
+            continue
         a = np.asarray(arrays[name])
         n = int(np.prod(shape)) if shape else 1
         if dt == FLOAT:
@@ -134,7 +138,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=",
 _FUN = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "sqrt": "sqrt",
         "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil", "abs": "abs",
         "sign": "sign", "tanh": "am_tanh"}
-_IDX = {"b": "i32(b)", "h": "i32(h)", "q_idx": "i32(i)", "kv_idx": "i32(j)"}
+_IDX = {"b": "i32(U.drop_b0 + b)", "h": "i32(h)", "q_idx": "i32(i)", "kv_idx": "i32(j)"}
 
 
 def _ipow(x: str, n: int, ty: str) -> str:

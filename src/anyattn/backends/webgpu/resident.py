@@ -14,8 +14,12 @@ are cast on the device from f32 scratch).  A call's launch list is cached per
 signature (templates.py, ``_key``): a repeat binds its buffers through cached bind
 groups and submits, with no uniform write and no Python launch building.  The host
 writes only uniforms and ``aux``'s mask tables (band, tile map, document ids, a
-KeepMask: masks are host descriptions), plus zeros where the device fills in
-slopes/sinks.  dsinks is reduced on the device (``dsinks`` kernel).
+KeepMask: masks are host descriptions), the words of score / mask function captures
+(NumPy arrays, host descriptions too: uploaded into a buffer of the call's template,
+which is keyed by their content digest, ``_programs_key``), plus zeros where the device
+fills in slopes/sinks and a score function's device-array captures (float arrays, never
+read by the host: copied into the captures buffer by the ``ew`` kernel on every call).
+dsinks is reduced on the device (``dsinks`` kernel).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
@@ -134,6 +138,7 @@ def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: boo
         call.flags |= FLAGS["HAS_BIAS"]
         call.uni.update(bi_off=bias.offset, bi_sb=st[0], bi_sh=st[1], bi_si=st[2], bi_sj=st[3])
     call.set_mods(p.softcap, None, 0, None)
+    call.set_programs(p.score_mod, p.mask.mask_fns or ())
     fills = []
     if mods.alibi_slopes is not None:
         sl = mods.alibi_slopes                           # [Ba, HQ]
@@ -215,11 +220,31 @@ def _mask_key(m):
     return tuple(parts)
 
 
-#: the Problem fields in a key: every one but the mask (``_mask_key``) and the dropout
-#: seed (written per call into the template's own uniform blocks: templates.py), taken
-#: from the dataclass so that a field added later joins the key by itself
+#: the Problem fields in a key: every one but the mask (``_mask_key``), the score
+#: function (``_programs_key``) and the dropout seed (written per call into the
+#: template's own uniform blocks: templates.py), taken from the dataclass so that a
+#: field added later joins the key by itself
 _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem)
-                        if f.name not in ("mask", "dropout_seed"))
+                        if f.name not in ("mask", "dropout_seed", "score_mod"))
+
+
+def _device_captures(p: Problem) -> Dict[str, object]:
+    """The score function's device-array captures as call inputs (``capture:<name>``):
+    the template copies them into its captures buffer on every call, from the buffers
+    this call passes, so a capture updated in place on the device is read as it is."""
+    sm = p.score_mod
+    if sm is None:
+        return {}
+    return {f"capture:{n}": x for n, x in sorted(sm.device.items())}
+
+
+def _programs_key(p: Problem):
+    """The score and mask functions of a call as a key part: each bound program's
+    structural key, sizes and capture digest (content: a template owns a buffer of its
+    captures' words, written when it is recorded, so new captured values make a new
+    template over the same pipelines)."""
+    progs = ((p.score_mod,) if p.score_mod is not None else ()) + tuple(p.mask.mask_fns or ())
+    return tuple((bp.program.key, bp.sizes, bp.digest()) for bp in progs)
 
 
 def _field_key(v):
@@ -271,7 +296,7 @@ def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
             return None
     ids = [id(x.buffer) for x in inputs.values() if x is not None]
     alias = tuple(ids.index(i) for i in ids)          # which inputs share a buffer
-    key = (what, fields, mk,
+    key = (what, fields, mk, _programs_key(p),
            tuple((n, _sig(x)) for n, x in inputs.items()), alias, be.config_override,
            be.loop_limit_override, be.debug_trips, settings.current().webgpu_variant, extra)
     try:
@@ -329,7 +354,8 @@ def forward(be, p: Problem, q, k, v, bias, mods: ScoreMods):
     out and the statistics are written by the kernels into result buffers (pool.py);
     the row max and log-normaliser are rows 0 and 6 of one [7, n] buffer (the rows in
     between are the kernels' scratch)."""
-    inputs = dict(q=q, k=k, v=v, bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+    inputs = dict(q=q, k=k, v=v, bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks,
+                  **_device_captures(p))
 
     def build(res):
         _check_chunks(be, p, False, bias)
@@ -388,7 +414,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     want_b, want_s = "bias" in p.wrt, "sinks" in p.wrt
     dt = np.dtype(p.dtype)
     inputs = dict(q=q, k=k, v=v, dout=dout, out=out, max=stats.max, log_norm=stats.log_norm,
-                  bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks)
+                  bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks,
+                  **_device_captures(p))
     in_place = _stats_in_place(be.runner(), p, inputs)
 
     def build(res):

@@ -39,7 +39,8 @@ FIELDS = [
     # dropout (anyattn.dropout; read only by kernels compiled with DROPOUT): the
     # Philox key (seed mod 2**32, seed >> 32), the keep threshold t (keep iff
     # mix32(row ^ col) >= t), 1 / (1 - p) in f32, and the global position of local
-    # query 0, key 0 and batch 0 (q_offset, k_offset, the first batch of a chunk)
+    # query 0, key 0 and batch 0 (q_offset, k_offset, the first batch of a chunk);
+    # drop_b0 is also the batch offset the generated score / mask functions add to b
     ("drop_k0", "u32"), ("drop_k1", "u32"), ("drop_t", "u32"), ("drop_rs", "f32"),
     ("drop_qo", "u32"), ("drop_ko", "u32"), ("drop_b0", "u32"),
     # the 5-product backward's dS scratch (DSQ_OUT / DSQ_IN), chunked over (batch, KV
