@@ -52,12 +52,7 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
     stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
     prec = pr.prec
     with on_device(dev):
-        if prec == operands.SCALED:
-            sc, sig = operands.f16_scales(p, q, k, v)
-            q, k, v = (operands.split_half(x, sig[n], g)
-                       for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
-        else:
-            sc = pr.sc
+        q, k, v, sc = operands.forward_operands(p, q, k, v, prec, pr.sc)
         args = (q, k, v, out, stats, ma.bias, ma.qid, ma.kid, ma.km,
                 tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
                 md.slopes, md.sink_t,
@@ -101,12 +96,7 @@ def _forward_split(p, q, k, v, pr, mods):
     pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
     prec = pr.prec
     with on_device(dev):
-        if prec == operands.SCALED:
-            sc, sig = operands.f16_scales(p, q, k, v)
-            q, k, v = (operands.split_half(x, sig[n], g)
-                       for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
-        else:
-            sc = pr.sc
+        q, k, v, sc = operands.forward_operands(p, q, k, v, prec, pr.sc)
         args = (q, k, v, pacc, pst, sc, md.slopes, *s3(q), *s3(k), *s3(v),
                 H, p.group, hp, Sq, Sk, p.scale * kernels.LOG2E, p.scale, ma.lo, ma.hi,
                 md.sl_b, md.cap, md.adiag, lplane)

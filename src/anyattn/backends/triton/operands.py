@@ -20,8 +20,8 @@ from .device_ctx import on_device
 from .tiles import cdiv
 
 __all__ = ["unit_last", "s3", "SCALED", "kernel_prec", "register_prec", "f16_scales",
-           "f16_scales_paged", "split_half", "SIGMA_EXP", "GAMMA_EXP", "ModArgs", "mod_args",
-           "interpreter_compat"]
+           "forward_operands", "f16_scales_paged", "split_half", "SIGMA_EXP", "GAMMA_EXP",
+           "ModArgs", "mod_args", "interpreter_compat"]
 
 
 def interpreter_compat() -> None:
@@ -108,6 +108,18 @@ def _pow2_scale(m, target_exp: int):
     _, e = torch.frexp(m)
     e = torch.where(m > 0, e, torch.zeros_like(e)).clamp(target_exp - 126, target_exp + 126)
     return torch.ldexp(torch.ones_like(m), (target_exp - e).to(m.dtype))
+
+
+def forward_operands(p, q, k, v, prec, sc):
+    """A forward's (q, k, v, SC): under the scaled-fp16 scheme (``prec`` SCALED) the
+    split fp16 parts of q, k, v and their scale table (:func:`f16_scales`); else the
+    inputs and the prepared ``sc``."""
+    if prec != SCALED:
+        return q, k, v, sc
+    sc, sig = f16_scales(p, q, k, v)
+    q, k, v = (split_half(x, sig[n], g)
+               for x, n, g in ((q, "q", p.group), (k, "k", 1), (v, "v", 1)))
+    return q, k, v, sc
 
 
 def f16_scales(p, q, k, v, dout=None, delta=None):
