@@ -347,3 +347,20 @@ def rel_to_terms(got, ref, magnitude: float = 0.0) -> float:
         return float("inf")
     scale = max(float(np.max(np.abs(ref[fin]))), magnitude)
     return float(d / scale) if scale > 0 else float(d)
+
+
+def load_gallery():
+    """examples/gallery.py as a module (loaded once per process, kept in sys.modules
+    as ``anyattn_gallery``): the score / mask function gallery every backend's tests run."""
+    import importlib.util
+    import sys
+
+    mod = sys.modules.get("anyattn_gallery")
+    if mod is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                            "gallery.py")
+        spec = importlib.util.spec_from_file_location("anyattn_gallery", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["anyattn_gallery"] = mod
+        spec.loader.exec_module(mod)
+    return mod

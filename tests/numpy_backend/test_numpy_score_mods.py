@@ -4,25 +4,16 @@ functions that spell a built-in against the built-in, tile skipping, composition
 the other modifiers.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
-import importlib.util
-import os
-import sys
 
 import numpy as np
 import pytest
 
 import anyattn as aa
-from anyattn.backends.registry import get_backend
 
-from helpers import TOL, assert_close
+from helpers import assert_close, load_gallery
 from np_util import qkv
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "anyattn_gallery", os.path.join(_HERE, "..", "..", "examples", "gallery.py"))
-gallery = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("anyattn_gallery", gallery)
-_spec.loader.exec_module(gallery)
+gallery = load_gallery()
 
 TILES = dict(fwd_bq=32, fwd_bk=16, bwd_bq=16, bwd_bk=32)
 

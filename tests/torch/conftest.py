@@ -25,3 +25,32 @@ def _test_backend(request):
     name = None if request.node.get_closest_marker("gpu") is not None else CPU_BACKEND
     with at.use_backend(name):
         yield
+
+
+@pytest.fixture
+def masks_seen(monkeypatch):
+    """transformers-backend tests: every mask the transformers backend hands to
+    anyattn.torch.attention, and (in ``masks_seen.built``) everything the registered
+    mask builder returned."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from anyattn.torch import transformers_backend as tb
+
+    class Seen(list):
+        built: list
+
+    seen, inner = Seen(), tb.attention
+    seen.built = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("mask"))
+        return inner(*args, **kwargs)
+
+    def builder(*args, **kwargs):
+        seen.built.append(tb.anyattn_mask(*args, **kwargs))
+        return seen.built[-1]
+
+    monkeypatch.setattr(tb, "attention", spy)
+    AttentionMaskInterface.register(tb.NAME, builder)
+    yield seen
+    AttentionMaskInterface.register(tb.NAME, tb.anyattn_mask)

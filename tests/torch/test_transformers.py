@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 import anyattn.torch.transformers_backend  # noqa: E402,F401  (registers "anyattn")
 import anyattn.torch as at  # noqa: E402
 
+from hf_util import assert_structure_equals, dense_masks, rel  # noqa: E402
+
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              attention_dropout=0.0)
@@ -337,34 +339,6 @@ def _padded_batch(padding):
     return dict(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
 
 
-def _rel(got, want):
-    got, want = got.detach(), want.detach()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-
-
-def _dense_masks(mask):
-    """The KeepMask terms of ``mask`` that vary over queries (a dense [.., Sq, Sk] mask)."""
-    from anyattn.masks import AndMask, KeepMask
-
-    terms = mask.terms if isinstance(mask, AndMask) else (mask,)
-    return [t for t in terms if isinstance(t, KeepMask) and t.mask.shape[-2] != 1]
-
-
-@pytest.fixture
-def masks_seen(monkeypatch):
-    """Every mask the transformers backend hands to anyattn.torch.attention."""
-    from anyattn.torch import transformers_backend as tb
-
-    seen, inner = [], tb.attention
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("mask"))
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(tb, "attention", spy)
-    return seen
-
-
 def _without(model, arch):
     """A copy of ``model`` without its score modifier (soft-cap off, sinks at -inf)."""
     model = copy.deepcopy(model)
@@ -391,16 +365,16 @@ def test_modifier_models_train_like_eager(arch, padding, masks_seen):
     ours.zero_grad()
     out_o = ours(**batch)
     out_o.loss.backward()
-    assert _rel(out_o.loss, out_e.loss) <= 1e-5, (out_o.loss.item(), out_e.loss.item())
-    assert _rel(out_o.logits, out_e.logits) <= 1e-5
+    assert rel(out_o.loss, out_e.loss) <= 1e-5, (out_o.loss.item(), out_e.loss.item())
+    assert rel(out_o.logits, out_e.logits) <= 1e-5
     grads_e = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
     grads_o = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     assert grads_o.keys() == grads_e.keys()
     assert arch != "gpt_oss" or any(n.endswith("sinks") for n in grads_e)
     for name in grads_e:
-        err = _rel(grads_o[name], grads_e[name])
+        err = rel(grads_o[name], grads_e[name])
         assert err <= 1e-4, f"{name}: relative gradient error {err:.2g}"
-    assert len(masks_seen) >= 2 and not any(m is not None and _dense_masks(m)
+    assert len(masks_seen) >= 2 and not any(m is not None and dense_masks(m)
                                             for m in masks_seen)
     if arch != "gemma3":
         # the modifier is not negligible here: without it eager's logits move.  Except in
@@ -408,7 +382,7 @@ def test_modifier_models_train_like_eager(arch, padding, masks_seen):
         # passes no softcap to the attention function, eager's or ours.
         with torch.no_grad():
             plain = _without(eager, arch)(**batch).logits
-        assert (_rel(plain, out_e.logits) > 1e-2) == (arch != "gemma3_softcap")
+        assert (rel(plain, out_e.logits) > 1e-2) == (arch != "gemma3_softcap")
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_softcap", "gpt_oss"])
@@ -443,7 +417,7 @@ def test_mask_builder_gives_structure_equal_to_sdpa_mask(fn, padding, size):
     from transformers import masking_utils as mu
 
     from anyattn.masks import KeepMask
-    from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
+    from anyattn.torch.transformers_backend import anyattn_mask
 
     Sq, Sk, qo, ko = size
     B = 3
@@ -463,15 +437,7 @@ def test_mask_builder_gives_structure_equal_to_sdpa_mask(fn, padding, size):
     want = mu.sdpa_mask(batch_size=B, q_length=Sq, kv_length=Sk, q_offset=qo, kv_offset=ko,
                         mask_function=mask_function, attention_mask=am,
                         allow_is_causal_skip=False).expand(B, 1, Sq, Sk)
-    assert isinstance(got, StructuredMask) and got.shape == (B, 1, Sq, Sk)
-    assert got.mask is None or not _dense_masks(got.mask)
-    assert torch.equal(got.to_dense(), want)
-    empty = ~want[:, 0].any(-1)                                       # [B, Sq]
-    listed = torch.zeros_like(empty)
-    if got.empty_rows is not None:
-        rows, valid = got.empty_rows
-        listed[torch.arange(B)[:, None].expand_as(rows)[valid], rows[valid]] = True
-    assert torch.equal(listed, empty)
+    assert_structure_equals(got, want)
     terms = getattr(got.mask, "terms", (got.mask,))
     padded = am is not None and not bool(am[:, ko:ko + Sk].all())
     assert any(isinstance(t, KeepMask) for t in terms) == padded   # key padding [B,1,1,Sk]
@@ -555,9 +521,9 @@ def test_packed_position_ids_become_documents(masks_seen):
     batch = dict(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)  # no cache: packed
     le, ge = _loss_and_grads(eager, batch)
     lo, go = _loss_and_grads(ours, batch)
-    assert _rel(lo, le) <= 1e-5
+    assert rel(lo, le) <= 1e-5
     for name in ge:
-        assert _rel(go[name], ge[name]) <= 1e-4, name
+        assert rel(go[name], ge[name]) <= 1e-4, name
     assert masks_seen and all(any(isinstance(t, Documents) for t in m.terms)
                               for m in masks_seen)
 

@@ -17,55 +17,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 import anyattn.torch.transformers_backend  # noqa: E402,F401  (registers "anyattn")
 
-from anyattn.masks import AndMask, KeepMask, OrMask  # noqa: E402
+from anyattn.masks import KeepMask, OrMask  # noqa: E402
 from anyattn.programs.mods import MaskMod  # noqa: E402
 
-
-def _rel(got, want):
-    got, want = got.detach(), want.detach()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-
-
-def _terms(mask):
-    return mask.terms if isinstance(mask, AndMask) else (mask,)
-
-
-def _dense_masks(mask):
-    """The KeepMask terms of ``mask`` that vary over queries (a dense [.., Sq, Sk] mask)."""
-    return [t for t in _terms(mask) if isinstance(t, KeepMask) and t.mask.shape[-2] != 1]
+from hf_util import assert_structure_equals, dense_masks, rel, terms  # noqa: E402
 
 
 def _functions(mask):
     """The mask-function terms (MaskMod, | of terms) of ``mask``."""
-    return [t for t in _terms(mask) if isinstance(t, (MaskMod, OrMask))]
-
-
-@pytest.fixture
-def masks_seen(monkeypatch):
-    """Every mask the transformers backend hands to anyattn.torch.attention, and (in
-    ``masks_seen.built``) everything the registered mask builder returned."""
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from anyattn.torch import transformers_backend as tb
-
-    class Seen(list):
-        built: list
-
-    seen, inner = Seen(), tb.attention
-    seen.built = []
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("mask"))
-        return inner(*args, **kwargs)
-
-    def builder(*args, **kwargs):
-        seen.built.append(tb.anyattn_mask(*args, **kwargs))
-        return seen.built[-1]
-
-    monkeypatch.setattr(tb, "attention", spy)
-    AttentionMaskInterface.register(tb.NAME, builder)
-    yield seen
-    AttentionMaskInterface.register(tb.NAME, tb.anyattn_mask)
+    return [t for t in terms(mask) if isinstance(t, (MaskMod, OrMask))]
 
 
 def _pair(cfg, cls):
@@ -91,15 +51,15 @@ def _check_step(eager, ours, batch):
     1e-6 of the largest gradient instead."""
     out_e, ge = _step(eager, batch)
     out_o, go = _step(ours, batch)
-    assert _rel(out_o.loss, out_e.loss) <= 1e-5, (out_o.loss.item(), out_e.loss.item())
-    assert _rel(out_o.logits, out_e.logits) <= 1e-5
+    assert rel(out_o.loss, out_e.loss) <= 1e-5, (out_o.loss.item(), out_e.loss.item())
+    assert rel(out_o.logits, out_e.logits) <= 1e-5
     assert ge.keys() == go.keys()
     scale = max(float(g.abs().max()) for g in ge.values())
     for name in ge:
         if name.endswith("k_proj.bias"):
             assert float((go[name] - ge[name]).abs().max()) <= 1e-6 * scale, name
             continue
-        err = _rel(go[name], ge[name])
+        err = rel(go[name], ge[name])
         assert err <= 1e-4, f"{name}: relative gradient error {err:.2g}"
 
 
@@ -111,7 +71,7 @@ def _check_structured(masks, want_functions):
 
     assert masks.built and all(isinstance(m, StructuredMask) for m in masks.built)
     text = [m for m in masks if m is not None]
-    assert text and not any(_dense_masks(m) for m in text)
+    assert text and not any(dense_masks(m) for m in text)
     assert any(_functions(m) for m in text) == want_functions
     masks.clear()
     masks.built.clear()
@@ -197,15 +157,15 @@ def test_embedding_gemma_bidirectional_masks_train_like_eager(masks_seen):
         ((hidden @ proj) * am).sum().backward()
         outs.append(hidden)
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert _rel(outs[1], outs[0]) <= 1e-5
+    assert rel(outs[1], outs[0]) <= 1e-5
     scale = max(float(g.abs().max()) for g in grads[0].values())
     for name, g in grads[0].items():
         if name.endswith("k_proj.bias"):
             assert float((grads[1][name] - g).abs().max()) <= 1e-6 * scale, name
         else:
-            assert _rel(grads[1][name], g) <= 1e-4, name
+            assert rel(grads[1][name], g) <= 1e-4, name
     # the full layer keeps every key but the padding: nothing but the KeepMask is left
-    assert any(_terms(m) and all(isinstance(t, KeepMask) for t in _terms(m))
+    assert any(terms(m) and all(isinstance(t, KeepMask) for t in terms(m))
                for m in masks_seen if m is not None)
     _check_structured(masks_seen, True)
 
@@ -299,7 +259,7 @@ def test_composed_masks_are_structure_equal_to_sdpa_mask(fn, padding, size):
     keeps, and the rows that keep no key are listed exactly."""
     from transformers import masking_utils as mu
 
-    from anyattn.torch.transformers_backend import StructuredMask, anyattn_mask
+    from anyattn.torch.transformers_backend import anyattn_mask
 
     Sq, Sk, qo, ko = size
     am = _padding(padding, max(qo + Sq, ko + Sk))
@@ -311,15 +271,7 @@ def test_composed_masks_are_structure_equal_to_sdpa_mask(fn, padding, size):
     want = mu.sdpa_mask(batch_size=B, q_length=Sq, kv_length=Sk, q_offset=qo, kv_offset=ko,
                         mask_function=mask_function, attention_mask=am,
                         allow_is_causal_skip=False).expand(B, 1, Sq, Sk)
-    assert isinstance(got, StructuredMask) and got.shape == (B, 1, Sq, Sk)
-    assert got.mask is None or not _dense_masks(got.mask)
-    assert torch.equal(got.to_dense(), want)
-    empty = ~want[:, 0].any(-1)                                       # [B, Sq]
-    listed = torch.zeros_like(empty)
-    if got.empty_rows is not None:
-        rows, valid = got.empty_rows
-        listed[torch.arange(B)[:, None].expand_as(rows)[valid], rows[valid]] = True
-    assert torch.equal(listed, empty)
+    assert_structure_equals(got, want)
 
 
 def test_untraceable_function_and_a_request_for_the_tensor_get_the_dense_mask():

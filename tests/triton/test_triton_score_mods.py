@@ -3,9 +3,7 @@ the gallery's forward against the float64 reference (fp32, bf16), GQA and Sq != 
 mask-function tile skipping, no recompilation for new captured values, refusals.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,14 +12,9 @@ from tr_util import DEV, T, needs_triton, torch
 
 import anyattn as aa
 
-from helpers import assert_close
+from helpers import assert_close, load_gallery
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "anyattn_gallery", os.path.join(_HERE, "..", "..", "examples", "gallery.py"))
-gallery = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("anyattn_gallery", gallery)
-_spec.loader.exec_module(gallery)
+gallery = load_gallery()
 
 pytestmark = needs_triton
 

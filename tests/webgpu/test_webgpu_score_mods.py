@@ -5,10 +5,7 @@ values compile nothing; refusals.  Every function compiles its own kernels on la
 a score function and mask functions in one compile); the gallery runs with --exhaustive.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
-import importlib.util
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,14 +14,9 @@ import anyattn as aa
 from anyattn import math as am
 from anyattn.backends.webgpu.pipelines import KernelError, build_source
 
-from helpers import assert_close, make_qkv
+from helpers import assert_close, load_gallery, make_qkv
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "anyattn_gallery", os.path.join(_HERE, "..", "..", "examples", "gallery.py"))
-gallery = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("anyattn_gallery", gallery)
-_spec.loader.exec_module(gallery)
+gallery = load_gallery()
 
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 40, 56, 16
 
