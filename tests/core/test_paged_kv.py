@@ -18,11 +18,14 @@ MASKS = {
 }
 
 
-def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
+def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3, starts=None):
     """Shuffled pages, sequence 2 sharing sequence 0's first page (a common prefix),
     table entries past the pages in use set to -1, and every position no sequence
     uses (spare pages, tails of last pages) set to NaN: a kernel that reads them
-    returns NaN."""
+    returns NaN.  ``starts``: sequence b's keys are positions [starts[b], lengths[b]);
+    the positions before them hold NaN and table entries of pages wholly before them
+    are -1."""
+    starts = [0] * len(lengths) if starts is None else list(starts)
     B = len(lengths)
     need = [-(-L // P) for L in lengths]
     N = sum(need) + spare
@@ -38,8 +41,9 @@ def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
         if lengths[2] >= P or lengths[0] >= P:      # the shared page's rows: both in use
             table[2, 0] = shared
     for b, L in enumerate(lengths):
-        for t in range(L):
+        for t in range(starts[b], L):
             used[table[b, t // P], t % P] = True
+        table[b, :starts[b] // P] = -1
     k = rng.standard_normal((N, Hkv, P, D)).astype(dtype)
     v = rng.standard_normal((N, Hkv, P, Dv)).astype(dtype)
     k[~used.reshape(N, 1, P).repeat(Hkv, 1)] = np.nan
@@ -47,23 +51,26 @@ def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
     return k, v, table, np.asarray(lengths, np.int32)
 
 
-def dense_keys(pages, table, b, L):
-    """Sequence b's keys [1, Hkv, L, Dx], one position at a time."""
+def dense_keys(pages, table, b, L, start=0):
+    """Sequence b's keys [1, Hkv, L - start, Dx] (positions [start, L)), one position at
+    a time."""
     P = pages.shape[2]
-    rows = [pages[table[b, t // P], :, t % P] for t in range(L)]
+    rows = [pages[table[b, t // P], :, t % P] for t in range(start, L)]
     out = np.stack(rows, axis=1) if rows else np.zeros(pages.shape[1:2] + (0,) + pages.shape[3:])
     return out[None].astype(np.float64)
 
 
-def oracle(q, k, v, table, lengths, alibi_slopes=None, **kw):
+def oracle(q, k, v, table, lengths, alibi_slopes=None, starts=None, **kw):
     """Per sequence: the float64 dense reference over its gathered keys."""
     outs, lses = [], []
+    starts = [0] * len(lengths) if starts is None else starts
     for b, L in enumerate(lengths):
         sl = alibi_slopes
         if sl is not None and sl.ndim == 2:
             sl = sl[b:b + 1]
-        o, s = aa.attention(q[b:b + 1].astype(np.float64), dense_keys(k, table, b, L),
-                            dense_keys(v, table, b, L), backend="reference",
+        o, s = aa.attention(q[b:b + 1].astype(np.float64),
+                            dense_keys(k, table, b, L, starts[b]),
+                            dense_keys(v, table, b, L, starts[b]), backend="reference",
                             return_lse=True, alibi_slopes=sl, **kw)
         outs.append(o)
         lses.append(s)
@@ -109,6 +116,72 @@ def test_paged_matches_the_dense_reference(backend, tiles, P, sq, mask, monkeypa
     got = aa.attention(q, k, v, pages=aa.Pages(table, sl), backend=backend,
                        return_lse=True, **kw)
     check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+#: lengths and starts of the starts tests: a start on a page boundary (P = 5), within
+#: a page, a sequence emptied by its start, one of no positions, one starting at 1
+LEFT_LENGTHS = [37, 0, 16, 80, 3]
+LEFT_STARTS = [5, 0, 16, 33, 1]
+
+
+def _webgpu_or_skip():
+    pytest.importorskip("wgpu")
+    why = unavailable_reason("webgpu")
+    if why:
+        pytest.skip(f"webgpu unavailable: {why}")
+
+
+@pytest.mark.parametrize("backend, tiles", [("numpy", 512), ("numpy", 20),
+                                            ("reference", None), ("webgpu", None)])
+@pytest.mark.parametrize("P", [16, 5])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_paged_starts_match_the_dense_reference(backend, tiles, P, sq, mask, monkeypatch):
+    """Pages(starts=): sequence b is the dense problem over its positions [starts[b],
+    seqlens[b]) (FlashAttention's cache_leftpad), the positions before them NaN and
+    their pages' table entries -1 (never read)."""
+    if backend == "webgpu":
+        _webgpu_or_skip()
+    if tiles is not None:
+        monkeypatch.setattr(numpy_paged, "TILE_KEYS", tiles)
+    rng = np.random.default_rng([P, sq, len(mask), 1])
+    k, v, table, sl = make_cache(rng, LEFT_LENGTHS, P, starts=LEFT_STARTS)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)       # GQA: 4 heads over 2
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    st = np.asarray(LEFT_STARTS, np.int32)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, st), backend=backend,
+                       return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, LEFT_LENGTHS, starts=LEFT_STARTS, **kw), "float32")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "reference"])
+def test_paged_starts_modifiers_float64(backend, tile_keys):
+    """Starts with softcap, per-batch ALiBi (distances of the key indices from the
+    start), sinks, a window, Dv != D and MQA, float64."""
+    rng = np.random.default_rng(11)
+    lengths, starts = [21, 50, 9, 0], [4, 13, 9, 0]
+    k, v, table, sl = make_cache(rng, lengths, 5, Hkv=1, D=6, Dv=3, dtype=np.float64,
+                                 starts=starts)
+    q = rng.standard_normal((4, 3, 2, 6))
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=20, align="bottom_right"),
+              softcap=1.5, alibi_slopes=rng.uniform(0.1, 1.0, (4, 3)),
+              sinks=rng.standard_normal(3))
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.asarray(starts)),
+                       backend=backend, return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, starts=starts, **kw), "float64")
+
+
+def test_zero_starts_are_no_starts():
+    rng = np.random.default_rng(12)
+    k, v, table, sl = make_cache(rng, [30, 7], 16)
+    q = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    mask = aa.Causal(align="bottom_right")
+    want = aa.attention(q, k, v, pages=aa.Pages(table, sl), mask=mask, return_lse=True)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.zeros(2, np.int64)), mask=mask,
+                       return_lse=True)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("mods", ["softcap", "alibi", "sinks", "all"])
@@ -200,13 +273,14 @@ def test_all_sequences_empty():
 
 # ------------------------------------------------------------------- bad input
 def _call(table=((0, 1), (2, -1)), lengths=(7, 4), pages_shape=(3, 2, 4, 8), v_shape=None,
-          **kw):
+          starts=None, **kw):
     k = np.zeros(pages_shape, np.float32)
     v = np.zeros(v_shape or pages_shape, np.float32)
     q = np.zeros((2, 2, 1, 8), np.float32)
     t = table if not isinstance(table, tuple) else np.array(table, np.int32)
     s = lengths if not isinstance(lengths, tuple) else np.array(lengths, np.int32)
-    return aa.attention(q, k, v, pages=aa.Pages(t, s), **kw)
+    st = starts if not isinstance(starts, tuple) else np.array(starts, np.int32)
+    return aa.attention(q, k, v, pages=aa.Pages(t, s, st), **kw)
 
 
 @pytest.mark.parametrize("kw, exc, match", [
@@ -230,6 +304,16 @@ def _call(table=((0, 1), (2, -1)), lengths=(7, 4), pages_shape=(3, 2, 4, 8), v_s
     (dict(score_mod=lambda s, b, h, i, j: s), NotImplementedError, "score_mod:"),
     (dict(mask=aa.Documents(np.zeros(1, np.int64), np.zeros(7, np.int64))),
      NotImplementedError, r"mask: terms \['documents'\]"),
+    (dict(starts=(8, 0)), ValueError, r"starts: entry 0 is 8, outside \[0, seqlens\[0\] = 7\]"),
+    (dict(starts=(0, -1)), ValueError, r"starts: entry 1 is -1, outside \[0, seqlens\[1\] = 4\]"),
+    (dict(starts=(1,)), ValueError, r"starts: shape \(1,\) does not match seqlens' \(2,\)"),
+    (dict(starts=np.zeros((2, 1), np.int32)), ValueError, r"starts: expected 1 dim"),
+    (dict(starts=np.zeros(2, np.float32)), TypeError, r"starts: dtype float32 is not an "
+                                                      r"integer type"),
+    (dict(starts=[0, 0]), TypeError, r"starts: expected an integer NumPy array"),
+    # the pages before a sequence's start are not read, those after it are checked
+    (dict(table=((0, 1), (-1, 7)), starts=(0, 4), lengths=(7, 8)), ValueError,
+     r"block_table\[1, 1\] = 7 is outside .* positions 4..7"),
 ])
 def test_bad_pages_raise_before_work(kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -361,6 +445,9 @@ def test_pages_is_checked_to_be_pages():
 
 def test_unused_table_entries_are_never_read():
     out = _call(table=((0, 1), (2, 99)), lengths=(7, 4))            # 99: past sequence 1
+    assert out.shape == (2, 2, 1, 8)
+    # before a sequence's start; a sequence that its start empties reads none
+    out = _call(table=((-5, 1), (99, 99)), lengths=(7, 4), starts=(4, 4))
     assert out.shape == (2, 2, 1, 8)
 
 

@@ -7,13 +7,15 @@ of pages), R = G·Sq rows of one unit (the G query heads of a key/value head, st
 One unit of work is (sequence b, key/value head): its G query heads share every key
 tile, so a tile is read once for all of them.  A tile is ``T // P`` consecutive pages of
 the sequence's block table: the unit gathers exactly those pages' rows of its head
-(``k_pages[ids, h]``), never the whole cache, and keys past ``seqlens[b]`` in the last
-page are cut off.  Key tiles the band (Causal / Window) cannot reach are not read.
+(``k_pages[ids, h]``), never the whole cache, and positions before ``starts[b]`` in the
+first page and past ``seqlens[b]`` in the last are cut off.  Key j of sequence b is
+position ``starts[b] + j``; masks and ALiBi see j.  Key tiles the band (Causal /
+Window) cannot reach are not read.
 
 Softmax: an online softmax in natural units with a running row maximum, float32 for
 16/32-bit inputs (float64 for float64), the statistics returned apart
-(:mod:`anyattn.rowstats`).  Softcap, ALiBi (distance ``|i − j + diag|`` with
-``diag = seqlens[b] − Sq + q_offset − k_offset``) and the band apply per tile; sinks
+(:mod:`anyattn.rowstats`).  Softcap, ALiBi (distance ``|i − j + diag|`` with ``diag =
+seqlens[b] − starts[b] − Sq + q_offset − k_offset``) and the band apply per tile; sinks
 are folded in at the end (:func:`anyattn.modifiers.fold_sinks`).  Units write disjoint
 rows in a fixed tile order: the result does not depend on the thread count.
 """
@@ -88,7 +90,7 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
     def unit(b: int, h: int) -> Callable[[], TileCounts]:
         def run() -> TileCounts:
             counts = TileCounts()
-            L = int(pk.lengths[b])
+            L, st = int(pk.counts[b]), int(pk.firsts[b])     # keys at positions st + [0, L)
             lo, hi = sequence_mask(p, b)
             # keys some row can keep: lo <= j - i <= hi for some i in [0, Sq)
             j_lo = 0 if lo is None else max(0, lo)
@@ -103,12 +105,15 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
                 slope = np.repeat(srow, Sq).astype(dt)[:, None]             # [R, 1]
                 diag = L - Sq + p.q_offset - p.k_offset
             table = pk.table[b]
-            for a0 in range((j_lo // P) * P, j_hi if j_lo < j_hi else 0, T):
-                a1 = min(a0 + T, -(-j_hi // P) * P)                          # page-aligned
+            # tiles of whole pages over the positions st + [j_lo, j_hi) of those keys
+            g_lo, g_hi = st + j_lo, st + j_hi
+            for a0 in range((g_lo // P) * P, g_hi if j_lo < j_hi else 0, T):
+                a1 = min(a0 + T, -(-g_hi // P) * P)                          # page-aligned
                 ids = table[a0 // P:a1 // P]
-                j0, j1 = max(a0, j_lo), min(a1, j_hi)                        # keys used
-                kt = read_k(ids, h)[j0 - a0:j1 - a0]                         # [t, D]
-                vt = read_v(ids, h)[j0 - a0:j1 - a0]                         # [t, Dv]
+                g0, g1 = max(a0, g_lo), min(a1, g_hi)                        # positions used
+                kt = read_k(ids, h)[g0 - a0:g1 - a0]                         # [t, D]
+                vt = read_v(ids, h)[g0 - a0:g1 - a0]                         # [t, Dv]
+                j0, j1 = g0 - st, g1 - st                                    # their key indices
                 s = qg @ kt.T                                                # [R, t]
                 if cap is not None:
                     s = dt.type(cap) * np.tanh(s / dt.type(cap))
