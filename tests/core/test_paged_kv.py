@@ -332,7 +332,7 @@ def _triton():
     return torch
 
 
-def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", **kw):
+def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", starts=None, **kw):
     """The Triton paged forward on ``dtype`` tensors -> (out, lse) float64 NumPy, and the
     inputs as rounded to ``dtype`` (float64 NumPy, bhsd: the oracle's)."""
     tdt = getattr(torch, dtype)
@@ -341,7 +341,8 @@ def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", **kw):
         tq, tk, tv = (x.transpose(1, 2) for x in (tq, tk, tv))     # strided views
     tkw = {n: (torch.from_numpy(np.asarray(x, np.float32))
                if n in ("alibi_slopes", "sinks") else x) for n, x in kw.items()}
-    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(table, sl), backend="triton",
+    st = None if starts is None else np.asarray(starts, np.int32)
+    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(table, sl, st), backend="triton",
                             return_lse=True, layout=layout, **tkw)
     assert out.dtype == tdt and lse.dtype == torch.float32
     if layout == "bshd":
@@ -404,6 +405,76 @@ def test_triton_paged_split_keys(P):
     assert rt.splits > 1, rt.describe()
     got, _ = _triton_paged(torch, "float32", q, k, v, table, sl, **kw)
     check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+@pytest.mark.parametrize("P, sq, mask", [(16, 1, "causal_br"), (16, 4, "window_br"),
+                                         (5, 4, "none"), (5, 1, "causal_offset")])
+def test_triton_paged_starts_match_the_dense_reference(P, sq, mask):
+    """Pages(starts=) on the Triton paged kernel (STARTS): starts within and on page
+    boundaries, a sequence emptied by its start, NaN before every start, GQA, fp32."""
+    torch = _triton()
+    rng = np.random.default_rng([P, sq, len(mask), 2])
+    k, v, table, sl = make_cache(rng, LEFT_LENGTHS, P, starts=LEFT_STARTS)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    got, _ = _triton_paged(torch, "float32", q, k, v, table, sl, starts=LEFT_STARTS, **kw)
+    check(got, oracle(q, k, v, table, LEFT_LENGTHS, starts=LEFT_STARTS, **kw), "float32")
+
+
+def test_triton_paged_starts_split_keys_modifiers():
+    """Starts with the keys split across programs, a window, ALiBi, softcap, sinks,
+    bf16 in FlashAttention's page layout (bshd)."""
+    torch = _triton()
+    from anyattn.backends.triton import route
+    from anyattn.paged import describe_paged
+
+    rng = np.random.default_rng(21)
+    lengths, starts = [150, 0, 61], [37, 0, 60]
+    k, v, table, sl = make_cache(rng, lengths, 16, Hkv=1, starts=starts)
+    q = rng.standard_normal((3, 2, 3, 8)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=90, align="bottom_right"),
+              alibi_slopes=rng.uniform(0.1, 0.5, 2), softcap=2.0, sinks=rng.standard_normal(2))
+    p = describe_paged(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                       aa.Pages(table, sl, np.asarray(starts)), mask=kw["mask"])
+    rt = route.paged_route(route.ProblemFacts.of(p), route.device_facts(p.device))
+    assert rt.splits > 1, rt.describe()
+    got, back = _triton_paged(torch, "bfloat16", q, k, v, table, sl, layout="bshd",
+                              starts=starts, **kw)
+    check(got, oracle(*back, table, lengths, starts=starts, **kw), "bfloat16")
+
+
+def test_triton_page_buffer_is_uploaded_once_per_pages():
+    """A repeated call with one Pages object reuses its device buffer of tables; a new
+    Pages (or new starts) uploads its own."""
+    torch = _triton()
+    from anyattn.backends.triton import forward
+
+    rng = np.random.default_rng(22)
+    k, v, table, sl = make_cache(rng, [20, 9], 16, starts=[3, 0])
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32))
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+    pages = aa.Pages(table, sl, np.array([3, 0], np.int32))
+    forward._page_buffers.clear()
+    made = []
+    real = torch.from_numpy
+
+    def spy(x):
+        if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.ndim == 1:
+            made.append(x.shape)                # a PG buffer of tables (_page_buffer)
+        return real(x)
+    mask = aa.Causal(align="bottom_right")
+    try:
+        torch.from_numpy = spy
+        for _ in range(3):
+            aa.attention(q, tk, tv, pages=pages, mask=mask, backend="triton")
+        n_once = len(made)
+        aa.attention(q, tk, tv, pages=aa.Pages(table, sl, np.array([4, 0], np.int32)),
+                     mask=mask, backend="triton")
+    finally:
+        torch.from_numpy = real
+    assert n_once == 1 and len(made) == 2 and len(forward._page_buffers) == 2
 
 
 def test_triton_paged_refusals():

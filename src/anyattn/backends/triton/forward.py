@@ -115,18 +115,19 @@ def _forward_split(p, q, k, v, pr, mods):
     return out, RowStats(stats[0], stats[1])
 
 
-#: (id of the block table, id of seqlens, bands, device) -> (the host tables, the int32
-#: record buffer on the device): a Pages serves every layer of a decoding step, so its
-#: buffer is uploaded once per step, not once per layer
+#: (id of the block table, id of seqlens, id of starts, bands, device) -> (the host
+#: tables, the int32 record buffer on the device): a Pages serves every layer of a
+#: decoding step, so its buffer is uploaded once per step, not once per layer
 _page_buffers: dict = {}
 _PAGE_BUFFERS_MAX = 8
 
 
 def _page_buffer(p, dev):
-    """PG int32 [B * 4 + B * M] on ``dev``: per sequence b (seqlens[b], band lo, band hi,
-    offset of its table row in PG), then the block table (kernels.fwd_split_kernel,
-    PAGE > 0).  The band is sequence b's mask resolved for its key count
-    (paged.sequence_mask), an open side as tiles.BIG."""
+    """PG int32 [B * 4 + B * M] on ``dev``: per sequence b (its key count seqlens[b] -
+    starts[b], band lo, band hi, offset of its table row in PG), then the block table
+    (kernels.fwd_split_kernel, PAGE > 0); with starts (STARTS) each table row is
+    preceded by its sequence's start ([B * 4 + B * (M + 1)]).  The band is sequence b's
+    mask resolved for its key count (paged.sequence_mask), an open side as tiles.BIG."""
     import numpy as np
 
     from ...paged import sequence_mask
@@ -134,22 +135,26 @@ def _page_buffer(p, dev):
     pk = p.pages
     B, M = pk.table.shape
     bands = tuple(sequence_mask(p, b) for b in range(B))
-    key = (id(pk.table), id(pk.lengths), bands, str(dev))
+    key = (id(pk.table), id(pk.lengths), id(pk.firsts), bands, str(dev))
     hit = _page_buffers.get(key)
-    if hit is not None and hit[0] is pk.table and hit[1] is pk.lengths:
-        return hit[2]
+    if hit is not None and hit[0] is pk.table and hit[1] is pk.lengths and \
+            hit[2] is pk.firsts:
+        return hit[3]
     big = tiles.BIG
     rec = np.empty((B, 4), np.int64)
-    rec[:, 0] = pk.lengths
+    rec[:, 0] = pk.counts
     rec[:, 1] = [-big if lo is None else max(lo, -big) for lo, _ in bands]
     rec[:, 2] = [big if hi is None else min(hi, big) for _, hi in bands]
-    rec[:, 3] = B * 4 + M * np.arange(B)
-    # entries past a sequence's pages are never read (-1 and the like may stay)
-    buf = np.concatenate([rec.reshape(-1), pk.table.reshape(-1)]).astype(np.int32)
+    rows = pk.table
+    if pk.has_starts:
+        rows = np.concatenate([pk.firsts[:, None], pk.table], axis=1)       # [B, 1 + M]
+    rec[:, 3] = B * 4 + rows.shape[1] * np.arange(B) + (rows.shape[1] - M)
+    # entries outside a sequence's pages are never read (-1 and the like may stay)
+    buf = np.concatenate([rec.reshape(-1), rows.reshape(-1)]).astype(np.int32)
     t = torch.from_numpy(buf).to(dev)
     if len(_page_buffers) >= _PAGE_BUFFERS_MAX:
         _page_buffers.clear()
-    _page_buffers[key] = (pk.table, pk.lengths, t)
+    _page_buffers[key] = (pk.table, pk.lengths, pk.firsts, t)
     return t
 
 
@@ -194,7 +199,7 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
             D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band, PREC=prec,
             SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm, BN=cfg.bn,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
-            PAGE=p.pages.page_size)
+            PAGE=p.pages.page_size, STARTS=p.pages.has_starts)
         bm = configs.COMBINE_BM
         kernels.fwd_combine_kernel[(cdiv(Sq, bm), B * H)](
             pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns,
