@@ -92,6 +92,9 @@ class Pages:
     lengths: np.ndarray = dataclasses.field(init=False, repr=False)
     firsts: np.ndarray = dataclasses.field(init=False, repr=False)
     counts: np.ndarray = dataclasses.field(init=False, repr=False)
+    #: what a backend derives from these tables once and keeps as long as this Pages
+    #: lives (the Triton backend: its device buffer of records and table per band set)
+    device_cache: dict = dataclasses.field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         table = _host_ints("block_table", self.block_table, 2, "[B, max_blocks]")
@@ -137,6 +140,8 @@ class PagedKV:
     page_size: int           # P
     num_blocks: int          # N
     mask: Any                # the caller's Mask (Causal / Window terms) or None
+    device_cache: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: ^ the Pages' own (Pages.device_cache): per-Pages buffers of the backends
 
     @property
     def has_starts(self) -> bool:
@@ -262,5 +267,5 @@ def describe_paged(q, k_pages, v_pages, pages, *, mask=None, bias=None, scale=No
         raise NotImplementedError(f"mask: terms {other} are not supported with a paged cache "
                                   "(pages=); only Causal and Window terms (composed with &)")
     pk = PagedKV(table=table, lengths=lengths, firsts=firsts, counts=counts, page_size=P,
-                 num_blocks=N, mask=mask)
+                 num_blocks=N, mask=mask, device_cache=pages.device_cache)
     return dataclasses.replace(p, pages=pk)

@@ -446,17 +446,15 @@ def test_triton_paged_starts_split_keys_modifiers():
 
 
 def test_triton_page_buffer_is_uploaded_once_per_pages():
-    """A repeated call with one Pages object reuses its device buffer of tables; a new
-    Pages (or new starts) uploads its own."""
+    """A repeated call with one Pages object reuses its device buffer of tables (kept in
+    the Pages); a new Pages (here: new starts) uploads its own."""
     torch = _triton()
-    from anyattn.backends.triton import forward
 
     rng = np.random.default_rng(22)
     k, v, table, sl = make_cache(rng, [20, 9], 16, starts=[3, 0])
     q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32))
     tk, tv = torch.from_numpy(k), torch.from_numpy(v)
     pages = aa.Pages(table, sl, np.array([3, 0], np.int32))
-    forward._page_buffers.clear()
     made = []
     real = torch.from_numpy
 
@@ -470,11 +468,12 @@ def test_triton_page_buffer_is_uploaded_once_per_pages():
         for _ in range(3):
             aa.attention(q, tk, tv, pages=pages, mask=mask, backend="triton")
         n_once = len(made)
-        aa.attention(q, tk, tv, pages=aa.Pages(table, sl, np.array([4, 0], np.int32)),
-                     mask=mask, backend="triton")
+        other = aa.Pages(table, sl, np.array([4, 0], np.int32))
+        aa.attention(q, tk, tv, pages=other, mask=mask, backend="triton")
     finally:
         torch.from_numpy = real
-    assert n_once == 1 and len(made) == 2 and len(forward._page_buffers) == 2
+    assert n_once == 1 and len(made) == 2
+    assert len(pages.device_cache) == 1 and len(other.device_cache) == 1
 
 
 def test_triton_paged_refusals():
@@ -590,3 +589,44 @@ def test_paged_problems_are_not_kept_by_the_dispatch_memo():
         aa.attention(q, k, v, pages=aa.Pages(table, sl))
     assert not any(key[0].pages is not None for key in registry._choices)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_triton_paged_call_is_captured_by_a_cuda_graph(dtype):
+    """GPU machines only: after a warm-up call with the same Pages (its device buffer of
+    tables uploaded then), the paged forward makes no host synchronisation and no host
+    copy, so a CUDA graph captures it; a replay over new cache contents copied into the
+    static pages gives the eager bits (the tables are the Pages', baked into the graph)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = np.random.default_rng(30)
+    lengths, starts = [300, 0, 77], [40, 0, 3]
+    k, v, table, sl = make_cache(rng, lengths, 16, starts=starts)
+    tdt = getattr(torch, dtype)
+    k, v = (np.nan_to_num(x) for x in (k, v))
+    q = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", tdt) for x in (q, k, v))
+    pages = aa.Pages(table, sl, np.asarray(starts, np.int32))
+    kw = dict(pages=pages, mask=aa.Causal(align="bottom_right"), backend="triton",
+              return_lse=True, alibi_slopes=torch.rand(4, device="cuda"))
+
+    def step():
+        return aa.attention(tq, tk, tv, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for x in (tq, tk, tv):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(tdt))
+        graph.replay()
+        want, want_lse = step()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -115,10 +115,8 @@ def _forward_split(p, q, k, v, pr, mods):
     return out, RowStats(stats[0], stats[1])
 
 
-#: (id of the block table, id of seqlens, id of starts, bands, device) -> (the host
-#: tables, the int32 record buffer on the device): a Pages serves every layer of a
-#: decoding step, so its buffer is uploaded once per step, not once per layer
-_page_buffers: dict = {}
+#: the most device buffers one Pages keeps (one per band set and device: layers of
+#: one step with different windows)
 _PAGE_BUFFERS_MAX = 8
 
 
@@ -127,7 +125,11 @@ def _page_buffer(p, dev):
     starts[b], band lo, band hi, offset of its table row in PG), then the block table
     (kernels.fwd_split_kernel, PAGE > 0); with starts (STARTS) each table row is
     preceded by its sequence's start ([B * 4 + B * (M + 1)]).  The band is sequence b's
-    mask resolved for its key count (paged.sequence_mask), an open side as tiles.BIG."""
+    mask resolved for its key count (paged.sequence_mask), an open side as tiles.BIG.
+
+    Uploaded once per Pages, band set and device and kept in the Pages
+    (``Pages.device_cache``) as long as it lives: the layers of a decoding step share
+    one upload, and a repeated call makes no host-to-device copy."""
     import numpy as np
 
     from ...paged import sequence_mask
@@ -135,11 +137,11 @@ def _page_buffer(p, dev):
     pk = p.pages
     B, M = pk.table.shape
     bands = tuple(sequence_mask(p, b) for b in range(B))
-    key = (id(pk.table), id(pk.lengths), id(pk.firsts), bands, str(dev))
-    hit = _page_buffers.get(key)
-    if hit is not None and hit[0] is pk.table and hit[1] is pk.lengths and \
-            hit[2] is pk.firsts:
-        return hit[3]
+    cache = pk.device_cache
+    key = ("triton_pg", bands, str(dev))
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
     big = tiles.BIG
     rec = np.empty((B, 4), np.int64)
     rec[:, 0] = pk.counts
@@ -152,9 +154,9 @@ def _page_buffer(p, dev):
     # entries outside a sequence's pages are never read (-1 and the like may stay)
     buf = np.concatenate([rec.reshape(-1), rows.reshape(-1)]).astype(np.int32)
     t = torch.from_numpy(buf).to(dev)
-    if len(_page_buffers) >= _PAGE_BUFFERS_MAX:
-        _page_buffers.clear()
-    _page_buffers[key] = (pk.table, pk.lengths, pk.firsts, t)
+    if len(cache) >= _PAGE_BUFFERS_MAX:
+        cache.clear()
+    cache[key] = t
     return t
 
 
