@@ -476,6 +476,49 @@ def test_triton_page_buffer_is_uploaded_once_per_pages():
     assert len(pages.device_cache) == 1 and len(other.device_cache) == 1
 
 
+def test_triton_paged_launches_reuse_their_site_per_signature():
+    """The paged launches go through one direct.Site per signature: the layers of a step
+    (the same shapes, Pages and scalars) share it; on a CUDA device its repeats skip
+    Triton's binder (GPU: hits > 0), in the interpreter it is Triton's path (off)."""
+    torch = _triton()
+    from anyattn.backends.triton import forward
+
+    rng = np.random.default_rng(23)
+    k, v, table, sl = make_cache(rng, [20, 9], 16)
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32))
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+    pages = aa.Pages(table, sl)
+    forward._paged_sites.clear()
+    outs = [aa.attention(q, tk, tv, pages=pages, backend="triton") for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    sites = list(forward._paged_sites.values())
+    assert len(sites) == 2 and all(not s.on for s in sites)       # fwd_split, combine
+    aa.attention(q[:, :, :1] * 2, tk, tv, pages=aa.Pages(table, sl - 1), backend="triton")
+    assert len(forward._paged_sites) == 2 + 1       # new lengths: a new split signature
+
+
+@pytest.mark.gpu
+def test_triton_paged_launches_skip_the_binder_on_a_gpu():
+    """GPU machines only: from the second call of one signature the paged launches run
+    the resolved kernel directly (direct.Site hits), with the bits of the first call."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from anyattn.backends.triton import forward
+
+    rng = np.random.default_rng(24)
+    k, v, table, sl = make_cache(rng, [200, 33], 16, starts=[5, 0])
+    k, v = (np.nan_to_num(x) for x in (k, v))
+    tq = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32)).cuda().half()
+    tk, tv = (torch.from_numpy(x).cuda().half() for x in (k, v))
+    pages = aa.Pages(table, sl, np.array([5, 0], np.int32))
+    forward._paged_sites.clear()
+    outs = [aa.attention(tq, tk, tv, pages=pages, backend="triton") for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert all(s.hits >= 2 for s in forward._paged_sites.values()), \
+        [(s.hits, s.d) for s in forward._paged_sites.values()]
+
+
 def test_triton_paged_refusals():
     torch = _triton()
     k = torch.zeros(3, 2, 4, 8)

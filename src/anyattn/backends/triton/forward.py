@@ -13,13 +13,14 @@ argument tuple and launches.
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, programs, route, tiles
+from . import configs, direct, kernels, operands, prepared, programs, route, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
@@ -160,6 +161,29 @@ def _page_buffer(p, dev):
     return t
 
 
+#: direct.Site per paged launch signature (launch name, grid, every non-tensor argument
+#: and keyword, device), least recently used first: the layers of a decoding step repeat
+#: one signature, so from its second launch on they skip Triton's binder (direct.py);
+#: a site checks every fact of a call and takes Triton's path where one differs
+_paged_sites: "collections.OrderedDict" = collections.OrderedDict()
+_PAGED_SITES_MAX = 32
+
+
+def _paged_launch(name: str, kernel, grid: tuple, args: tuple, kw: dict, dev) -> None:
+    """``kernel[grid](*args, **kw)`` through the direct.Site of its signature."""
+    key = (name, grid, tuple([a for a in args if not isinstance(a, torch.Tensor)]),
+           tuple([(n, x) for n, x in kw.items() if not isinstance(x, torch.Tensor)]),
+           str(dev))
+    found = _paged_sites.get(key)
+    if found is None:
+        found = _paged_sites[key] = direct.Site(kernel, direct.enabled(dev))
+        if len(_paged_sites) > _PAGED_SITES_MAX:
+            _paged_sites.popitem(last=False)
+    else:
+        _paged_sites.move_to_end(key)
+    found(grid, args, kw)
+
+
 def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
     """The forward over a paged cache (``p.pages``, anyattn.paged): q [B, H, Sq, D],
     k_pages [N, Hkv, P, D], v_pages [N, Hkv, P, Dv] (any strides, unit stride along D
@@ -167,7 +191,9 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
     row through the block table (route.paged_splits: its splits, tile and head
     packing; one split is the unsplit forward), fwd_combine_kernel merges the splits.
     fp32: the scaled fp16 parts of the whole cache, one scale per kv head over every
-    page (operands.f16_scales_paged)."""
+    page (operands.f16_scales_paged).  Both launches go through direct.Site
+    (``_paged_launch``): a repeat of a launch's signature on a CUDA device skips
+    Triton's binder."""
     q = operands.unit_last(q)
     k_pages, v_pages = operands.unit_last(k_pages), operands.unit_last(v_pages)
     B, H, Sq, D, Dv = p.batch, p.heads_q, p.seq_q, p.head_dim, p.head_dim_v
@@ -194,16 +220,18 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
         else:
             sc = tiles.dummy(dev, torch.float32)
         adiag = (md.adiag - p.seq_k) if md.alibi else 0    # a sequence of no keys
-        kernels.fwd_split_kernel[(B * Hkv * (G // hp), ns)](
-            q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
-            *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
-            ma.hi, md.sl_b, md.cap, adiag, lplane,
-            D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band, PREC=prec,
-            SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm, BN=cfg.bn,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
-            PAGE=p.pages.page_size, STARTS=p.pages.has_starts)
+        _paged_launch(
+            "fwd_split", kernels.fwd_split_kernel, (B * Hkv * (G // hp), ns),
+            (q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
+             *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
+             ma.hi, md.sl_b, md.cap, adiag, lplane),
+            dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
+                 PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
+                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
+                 PAGE=p.pages.page_size, STARTS=p.pages.has_starts), dev)
         bm = configs.COMBINE_BM
-        kernels.fwd_combine_kernel[(cdiv(Sq, bm), B * H)](
-            pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns,
-            BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks)
+        _paged_launch(
+            "fwd_combine", kernels.fwd_combine_kernel, (cdiv(Sq, bm), B * H),
+            (pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns),
+            dict(BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks), dev)
     return out, RowStats(stats[0], stats[1])
