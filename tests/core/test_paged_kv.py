@@ -173,6 +173,24 @@ def test_paged_starts_modifiers_float64(backend, tile_keys):
     check(got, oracle(q, k, v, table, lengths, starts=starts, **kw), "float64")
 
 
+@pytest.mark.parametrize("P", [40, 23])
+def test_numpy_pages_longer_than_a_tile(P, monkeypatch):
+    """Pages longer than TILE_KEYS (a contiguous cache row taken as one page) are read in
+    parts of TILE_KEYS keys within a page; with starts, a window and ALiBi."""
+    monkeypatch.setattr(numpy_paged, "TILE_KEYS", 16)
+    rng = np.random.default_rng(P)
+    lengths, starts = [100, 37, 0, 60], [33, 0, 0, 59]
+    k, v, table, sl = make_cache(rng, lengths, P, starts=starts)
+    q = rng.standard_normal((4, 4, 3, 8)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=30, align="bottom_right"),
+              alibi_slopes=rng.uniform(0.1, 0.5, 4).astype(np.float32))
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.asarray(starts)),
+                       backend="numpy", return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, starts=starts, **kw), "float32")
+    # whole pages as tiles would be at most 5 per kv head (2 + 2 + 1 pages in use)
+    assert get_backend("numpy").last_counts["forward"].computed > 2 * 5
+
+
 def test_zero_starts_are_no_starts():
     rng = np.random.default_rng(12)
     k, v, table, sl = make_cache(rng, [30, 7], 16)
