@@ -471,9 +471,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     paged kernel): a paged cache, and a contiguous one whose entries have a
     ``cache_leftpad`` or hold different numbers of keys (its rows as pages).  With more
     queries on a GPU a paged cache's used pages are gathered into one contiguous copy
-    per call, and a contiguous cache runs one dense call per key range.  ``num_splits`` may be
-    0 (choose) or 1: the backend's route decides whether the keys are split (the Triton
-    paged and decode kernels split them for few programs over long caches, with a
+    per call, and a contiguous cache runs one dense call per key range.  ``num_splits``
+    may be 0 (choose) or 1: the backend's route decides whether the keys are split (the
+    Triton paged and decode kernels split them for few programs over long caches, with a
     deterministic combine).
     """
     common.check_tensor("q", q, 4, _BSHD)
