@@ -128,9 +128,10 @@ def attention(q, k, v, *, mask: Optional[Mask] = None, bias=None, scale: Optiona
     (mask functions) and ``|`` compositions.
 
     ``pages`` (:doc:`semantics`, :mod:`anyattn.paged`): an ``anyattn.Pages(block_table,
-    seqlens)``; ``k`` and ``v`` are then a paged cache, [N, Hkv, P, D] / [N, Hkv, P, Dv]
-    (``layout="bshd"``: [N, P, Hkv, D] / [N, P, Hkv, Dv]), sequence b's keys the first
-    ``seqlens[b]`` positions of its pages ``block_table[b]``, each sequence attended as
+    seqlens, starts=None)``; ``k`` and ``v`` are then a paged cache, [N, Hkv, P, D] /
+    [N, Hkv, P, Dv] (``layout="bshd"``: [N, P, Hkv, D] / [N, P, Hkv, Dv]), sequence b's
+    keys the positions [starts[b], seqlens[b]) of its pages ``block_table[b]`` (starts
+    0 by default; FlashAttention's ``cache_leftpad``), each sequence attended as
     the dense call over its own keys (``Causal(align="bottom_right")`` puts the queries
     at the end).  Causal / Window masks, softcap, ALiBi, sinks and GQA compose; bias,
     dropout, score_mod and other mask terms raise NotImplementedError; no backward.

@@ -18,11 +18,14 @@ MASKS = {
 }
 
 
-def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
+def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3, starts=None):
     """Shuffled pages, sequence 2 sharing sequence 0's first page (a common prefix),
     table entries past the pages in use set to -1, and every position no sequence
     uses (spare pages, tails of last pages) set to NaN: a kernel that reads them
-    returns NaN."""
+    returns NaN.  ``starts``: sequence b's keys are positions [starts[b], lengths[b]);
+    the positions before them hold NaN and table entries of pages wholly before them
+    are -1."""
+    starts = [0] * len(lengths) if starts is None else list(starts)
     B = len(lengths)
     need = [-(-L // P) for L in lengths]
     N = sum(need) + spare
@@ -38,8 +41,9 @@ def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
         if lengths[2] >= P or lengths[0] >= P:      # the shared page's rows: both in use
             table[2, 0] = shared
     for b, L in enumerate(lengths):
-        for t in range(L):
+        for t in range(starts[b], L):
             used[table[b, t // P], t % P] = True
+        table[b, :starts[b] // P] = -1
     k = rng.standard_normal((N, Hkv, P, D)).astype(dtype)
     v = rng.standard_normal((N, Hkv, P, Dv)).astype(dtype)
     k[~used.reshape(N, 1, P).repeat(Hkv, 1)] = np.nan
@@ -47,23 +51,26 @@ def make_cache(rng, lengths, P, Hkv=2, D=8, Dv=8, dtype=np.float32, spare=3):
     return k, v, table, np.asarray(lengths, np.int32)
 
 
-def dense_keys(pages, table, b, L):
-    """Sequence b's keys [1, Hkv, L, Dx], one position at a time."""
+def dense_keys(pages, table, b, L, start=0):
+    """Sequence b's keys [1, Hkv, L - start, Dx] (positions [start, L)), one position at
+    a time."""
     P = pages.shape[2]
-    rows = [pages[table[b, t // P], :, t % P] for t in range(L)]
+    rows = [pages[table[b, t // P], :, t % P] for t in range(start, L)]
     out = np.stack(rows, axis=1) if rows else np.zeros(pages.shape[1:2] + (0,) + pages.shape[3:])
     return out[None].astype(np.float64)
 
 
-def oracle(q, k, v, table, lengths, alibi_slopes=None, **kw):
+def oracle(q, k, v, table, lengths, alibi_slopes=None, starts=None, **kw):
     """Per sequence: the float64 dense reference over its gathered keys."""
     outs, lses = [], []
+    starts = [0] * len(lengths) if starts is None else starts
     for b, L in enumerate(lengths):
         sl = alibi_slopes
         if sl is not None and sl.ndim == 2:
             sl = sl[b:b + 1]
-        o, s = aa.attention(q[b:b + 1].astype(np.float64), dense_keys(k, table, b, L),
-                            dense_keys(v, table, b, L), backend="reference",
+        o, s = aa.attention(q[b:b + 1].astype(np.float64),
+                            dense_keys(k, table, b, L, starts[b]),
+                            dense_keys(v, table, b, L, starts[b]), backend="reference",
                             return_lse=True, alibi_slopes=sl, **kw)
         outs.append(o)
         lses.append(s)
@@ -109,6 +116,90 @@ def test_paged_matches_the_dense_reference(backend, tiles, P, sq, mask, monkeypa
     got = aa.attention(q, k, v, pages=aa.Pages(table, sl), backend=backend,
                        return_lse=True, **kw)
     check(got, oracle(q, k, v, table, lengths, **kw), "float32")
+
+
+#: lengths and starts of the starts tests: a start on a page boundary (P = 5), within
+#: a page, a sequence emptied by its start, one of no positions, one starting at 1
+LEFT_LENGTHS = [37, 0, 16, 80, 3]
+LEFT_STARTS = [5, 0, 16, 33, 1]
+
+
+def _webgpu_or_skip():
+    pytest.importorskip("wgpu")
+    why = unavailable_reason("webgpu")
+    if why:
+        pytest.skip(f"webgpu unavailable: {why}")
+
+
+@pytest.mark.parametrize("backend, tiles", [("numpy", 512), ("numpy", 20),
+                                            ("reference", None), ("webgpu", None)])
+@pytest.mark.parametrize("P", [16, 5])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_paged_starts_match_the_dense_reference(backend, tiles, P, sq, mask, monkeypatch):
+    """Pages(starts=): sequence b is the dense problem over its positions [starts[b],
+    seqlens[b]) (FlashAttention's cache_leftpad), the positions before them NaN and
+    their pages' table entries -1 (never read)."""
+    if backend == "webgpu":
+        _webgpu_or_skip()
+    if tiles is not None:
+        monkeypatch.setattr(numpy_paged, "TILE_KEYS", tiles)
+    rng = np.random.default_rng([P, sq, len(mask), 1])
+    k, v, table, sl = make_cache(rng, LEFT_LENGTHS, P, starts=LEFT_STARTS)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)       # GQA: 4 heads over 2
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    st = np.asarray(LEFT_STARTS, np.int32)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, st), backend=backend,
+                       return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, LEFT_LENGTHS, starts=LEFT_STARTS, **kw), "float32")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "reference"])
+def test_paged_starts_modifiers_float64(backend, tile_keys):
+    """Starts with softcap, per-batch ALiBi (distances of the key indices from the
+    start), sinks, a window, Dv != D and MQA, float64."""
+    rng = np.random.default_rng(11)
+    lengths, starts = [21, 50, 9, 0], [4, 13, 9, 0]
+    k, v, table, sl = make_cache(rng, lengths, 5, Hkv=1, D=6, Dv=3, dtype=np.float64,
+                                 starts=starts)
+    q = rng.standard_normal((4, 3, 2, 6))
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=20, align="bottom_right"),
+              softcap=1.5, alibi_slopes=rng.uniform(0.1, 1.0, (4, 3)),
+              sinks=rng.standard_normal(3))
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.asarray(starts)),
+                       backend=backend, return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, starts=starts, **kw), "float64")
+
+
+@pytest.mark.parametrize("P", [40, 23])
+def test_numpy_pages_longer_than_a_tile(P, monkeypatch):
+    """Pages longer than TILE_KEYS (a contiguous cache row taken as one page) are read in
+    parts of TILE_KEYS keys within a page; with starts, a window and ALiBi."""
+    monkeypatch.setattr(numpy_paged, "TILE_KEYS", 16)
+    rng = np.random.default_rng(P)
+    lengths, starts = [100, 37, 0, 60], [33, 0, 0, 59]
+    k, v, table, sl = make_cache(rng, lengths, P, starts=starts)
+    q = rng.standard_normal((4, 4, 3, 8)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=30, align="bottom_right"),
+              alibi_slopes=rng.uniform(0.1, 0.5, 4).astype(np.float32))
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.asarray(starts)),
+                       backend="numpy", return_lse=True, **kw)
+    check(got, oracle(q, k, v, table, lengths, starts=starts, **kw), "float32")
+    # whole pages as tiles would be at most 5 per kv head (2 + 2 + 1 pages in use)
+    assert get_backend("numpy").last_counts["forward"].computed > 2 * 5
+
+
+def test_zero_starts_are_no_starts():
+    rng = np.random.default_rng(12)
+    k, v, table, sl = make_cache(rng, [30, 7], 16)
+    q = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    mask = aa.Causal(align="bottom_right")
+    want = aa.attention(q, k, v, pages=aa.Pages(table, sl), mask=mask, return_lse=True)
+    got = aa.attention(q, k, v, pages=aa.Pages(table, sl, np.zeros(2, np.int64)), mask=mask,
+                       return_lse=True)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("mods", ["softcap", "alibi", "sinks", "all"])
@@ -200,13 +291,14 @@ def test_all_sequences_empty():
 
 # ------------------------------------------------------------------- bad input
 def _call(table=((0, 1), (2, -1)), lengths=(7, 4), pages_shape=(3, 2, 4, 8), v_shape=None,
-          **kw):
+          starts=None, **kw):
     k = np.zeros(pages_shape, np.float32)
     v = np.zeros(v_shape or pages_shape, np.float32)
     q = np.zeros((2, 2, 1, 8), np.float32)
     t = table if not isinstance(table, tuple) else np.array(table, np.int32)
     s = lengths if not isinstance(lengths, tuple) else np.array(lengths, np.int32)
-    return aa.attention(q, k, v, pages=aa.Pages(t, s), **kw)
+    st = starts if not isinstance(starts, tuple) else np.array(starts, np.int32)
+    return aa.attention(q, k, v, pages=aa.Pages(t, s, st), **kw)
 
 
 @pytest.mark.parametrize("kw, exc, match", [
@@ -230,6 +322,16 @@ def _call(table=((0, 1), (2, -1)), lengths=(7, 4), pages_shape=(3, 2, 4, 8), v_s
     (dict(score_mod=lambda s, b, h, i, j: s), NotImplementedError, "score_mod:"),
     (dict(mask=aa.Documents(np.zeros(1, np.int64), np.zeros(7, np.int64))),
      NotImplementedError, r"mask: terms \['documents'\]"),
+    (dict(starts=(8, 0)), ValueError, r"starts: entry 0 is 8, outside \[0, seqlens\[0\] = 7\]"),
+    (dict(starts=(0, -1)), ValueError, r"starts: entry 1 is -1, outside \[0, seqlens\[1\] = 4\]"),
+    (dict(starts=(1,)), ValueError, r"starts: shape \(1,\) does not match seqlens' \(2,\)"),
+    (dict(starts=np.zeros((2, 1), np.int32)), ValueError, r"starts: expected 1 dim"),
+    (dict(starts=np.zeros(2, np.float32)), TypeError, r"starts: dtype float32 is not an "
+                                                      r"integer type"),
+    (dict(starts=[0, 0]), TypeError, r"starts: expected an integer NumPy array"),
+    # the pages before a sequence's start are not read, those after it are checked
+    (dict(table=((0, 1), (-1, 7)), starts=(0, 4), lengths=(7, 8)), ValueError,
+     r"block_table\[1, 1\] = 7 is outside .* positions 4..7"),
 ])
 def test_bad_pages_raise_before_work(kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -248,7 +350,7 @@ def _triton():
     return torch
 
 
-def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", **kw):
+def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", starts=None, **kw):
     """The Triton paged forward on ``dtype`` tensors -> (out, lse) float64 NumPy, and the
     inputs as rounded to ``dtype`` (float64 NumPy, bhsd: the oracle's)."""
     tdt = getattr(torch, dtype)
@@ -257,7 +359,8 @@ def _triton_paged(torch, dtype, q, k, v, table, sl, layout="bhsd", **kw):
         tq, tk, tv = (x.transpose(1, 2) for x in (tq, tk, tv))     # strided views
     tkw = {n: (torch.from_numpy(np.asarray(x, np.float32))
                if n in ("alibi_slopes", "sinks") else x) for n, x in kw.items()}
-    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(table, sl), backend="triton",
+    st = None if starts is None else np.asarray(starts, np.int32)
+    out, lse = aa.attention(tq, tk, tv, pages=aa.Pages(table, sl, st), backend="triton",
                             return_lse=True, layout=layout, **tkw)
     assert out.dtype == tdt and lse.dtype == torch.float32
     if layout == "bshd":
@@ -322,6 +425,118 @@ def test_triton_paged_split_keys(P):
     check(got, oracle(q, k, v, table, lengths, **kw), "float32")
 
 
+@pytest.mark.parametrize("P, sq, mask", [(16, 1, "causal_br"), (16, 4, "window_br"),
+                                         (5, 4, "none"), (5, 1, "causal_offset")])
+def test_triton_paged_starts_match_the_dense_reference(P, sq, mask):
+    """Pages(starts=) on the Triton paged kernel (STARTS): starts within and on page
+    boundaries, a sequence emptied by its start, NaN before every start, GQA, fp32."""
+    torch = _triton()
+    rng = np.random.default_rng([P, sq, len(mask), 2])
+    k, v, table, sl = make_cache(rng, LEFT_LENGTHS, P, starts=LEFT_STARTS)
+    q = rng.standard_normal((5, 4, sq, 8)).astype(np.float32)
+    kw = dict(mask=MASKS[mask]())
+    if mask == "causal_offset":
+        kw.update(q_offset=9, k_offset=2)
+    got, _ = _triton_paged(torch, "float32", q, k, v, table, sl, starts=LEFT_STARTS, **kw)
+    check(got, oracle(q, k, v, table, LEFT_LENGTHS, starts=LEFT_STARTS, **kw), "float32")
+
+
+def test_triton_paged_starts_split_keys_modifiers():
+    """Starts with the keys split across programs, a window, ALiBi, softcap, sinks,
+    bf16 in FlashAttention's page layout (bshd)."""
+    torch = _triton()
+    from anyattn.backends.triton import route
+    from anyattn.paged import describe_paged
+
+    rng = np.random.default_rng(21)
+    lengths, starts = [150, 0, 61], [37, 0, 60]
+    k, v, table, sl = make_cache(rng, lengths, 16, Hkv=1, starts=starts)
+    q = rng.standard_normal((3, 2, 3, 8)).astype(np.float32)
+    kw = dict(mask=aa.Causal(align="bottom_right") & aa.Window(left=90, align="bottom_right"),
+              alibi_slopes=rng.uniform(0.1, 0.5, 2), softcap=2.0, sinks=rng.standard_normal(2))
+    p = describe_paged(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                       aa.Pages(table, sl, np.asarray(starts)), mask=kw["mask"])
+    rt = route.paged_route(route.ProblemFacts.of(p), route.device_facts(p.device))
+    assert rt.splits > 1, rt.describe()
+    got, back = _triton_paged(torch, "bfloat16", q, k, v, table, sl, layout="bshd",
+                              starts=starts, **kw)
+    check(got, oracle(*back, table, lengths, starts=starts, **kw), "bfloat16")
+
+
+def test_triton_page_buffer_is_uploaded_once_per_pages():
+    """A repeated call with one Pages object reuses its device buffer of tables (kept in
+    the Pages); a new Pages (here: new starts) uploads its own."""
+    torch = _triton()
+
+    rng = np.random.default_rng(22)
+    k, v, table, sl = make_cache(rng, [20, 9], 16, starts=[3, 0])
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32))
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+    pages = aa.Pages(table, sl, np.array([3, 0], np.int32))
+    made = []
+    real = torch.from_numpy
+
+    def spy(x):
+        if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.ndim == 1:
+            made.append(x.shape)                # a PG buffer of tables (_page_buffer)
+        return real(x)
+    mask = aa.Causal(align="bottom_right")
+    try:
+        torch.from_numpy = spy
+        for _ in range(3):
+            aa.attention(q, tk, tv, pages=pages, mask=mask, backend="triton")
+        n_once = len(made)
+        other = aa.Pages(table, sl, np.array([4, 0], np.int32))
+        aa.attention(q, tk, tv, pages=other, mask=mask, backend="triton")
+    finally:
+        torch.from_numpy = real
+    assert n_once == 1 and len(made) == 2
+    assert len(pages.device_cache) == 1 and len(other.device_cache) == 1
+
+
+def test_triton_paged_launches_reuse_their_site_per_signature():
+    """The paged launches go through one direct.Site per signature: the layers of a step
+    (the same shapes, Pages and scalars) share it; on a CUDA device its repeats skip
+    Triton's binder (GPU: hits > 0), in the interpreter it is Triton's path (off)."""
+    torch = _triton()
+    from anyattn.backends.triton import forward
+
+    rng = np.random.default_rng(23)
+    k, v, table, sl = make_cache(rng, [20, 9], 16)
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32))
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+    pages = aa.Pages(table, sl)
+    forward._paged_sites.clear()
+    outs = [aa.attention(q, tk, tv, pages=pages, backend="triton") for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    sites = list(forward._paged_sites.values())
+    assert len(sites) == 2 and all(not s.on for s in sites)       # fwd_split, combine
+    aa.attention(q[:, :, :1] * 2, tk, tv, pages=aa.Pages(table, sl - 1), backend="triton")
+    assert len(forward._paged_sites) == 2 + 1       # new lengths: a new split signature
+
+
+@pytest.mark.gpu
+def test_triton_paged_launches_skip_the_binder_on_a_gpu():
+    """GPU machines only: from the second call of one signature the paged launches run
+    the resolved kernel directly (direct.Site hits), with the bits of the first call."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from anyattn.backends.triton import forward
+
+    rng = np.random.default_rng(24)
+    k, v, table, sl = make_cache(rng, [200, 33], 16, starts=[5, 0])
+    k, v = (np.nan_to_num(x) for x in (k, v))
+    tq = torch.from_numpy(rng.standard_normal((2, 4, 1, 8)).astype(np.float32)).cuda().half()
+    tk, tv = (torch.from_numpy(x).cuda().half() for x in (k, v))
+    pages = aa.Pages(table, sl, np.array([5, 0], np.int32))
+    forward._paged_sites.clear()
+    outs = [aa.attention(tq, tk, tv, pages=pages, backend="triton") for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert all(s.hits >= 2 for s in forward._paged_sites.values()), \
+        [(s.hits, s.d) for s in forward._paged_sites.values()]
+
+
 def test_triton_paged_refusals():
     torch = _triton()
     k = torch.zeros(3, 2, 4, 8)
@@ -361,6 +576,9 @@ def test_pages_is_checked_to_be_pages():
 
 def test_unused_table_entries_are_never_read():
     out = _call(table=((0, 1), (2, 99)), lengths=(7, 4))            # 99: past sequence 1
+    assert out.shape == (2, 2, 1, 8)
+    # before a sequence's start; a sequence that its start empties reads none
+    out = _call(table=((-5, 1), (99, 99)), lengths=(7, 4), starts=(4, 4))
     assert out.shape == (2, 2, 1, 8)
 
 
@@ -432,3 +650,44 @@ def test_paged_problems_are_not_kept_by_the_dispatch_memo():
         aa.attention(q, k, v, pages=aa.Pages(table, sl))
     assert not any(key[0].pages is not None for key in registry._choices)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_triton_paged_call_is_captured_by_a_cuda_graph(dtype):
+    """GPU machines only: after a warm-up call with the same Pages (its device buffer of
+    tables uploaded then), the paged forward makes no host synchronisation and no host
+    copy, so a CUDA graph captures it; a replay over new cache contents copied into the
+    static pages gives the eager bits (the tables are the Pages', baked into the graph)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = np.random.default_rng(30)
+    lengths, starts = [300, 0, 77], [40, 0, 3]
+    k, v, table, sl = make_cache(rng, lengths, 16, starts=starts)
+    tdt = getattr(torch, dtype)
+    k, v = (np.nan_to_num(x) for x in (k, v))
+    q = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", tdt) for x in (q, k, v))
+    pages = aa.Pages(table, sl, np.asarray(starts, np.int32))
+    kw = dict(pages=pages, mask=aa.Causal(align="bottom_right"), backend="triton",
+              return_lse=True, alibi_slopes=torch.rand(4, device="cuda"))
+
+    def step():
+        return aa.attention(tq, tk, tv, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for x in (tq, tk, tv):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(tdt))
+        graph.replay()
+        want, want_lse = step()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -500,18 +500,130 @@ def test_kvcache_paged_on_the_cpu_reads_the_pages_in_place(sq, monkeypatch):
 
 def test_kvcache_reads_in_place_where_the_core_paged_form_serves():
     """In place (one core call with pages=) on the CPU and, with at most 16 queries per
-    entry (the Triton paged kernel's), on a GPU; never with cache_leftpad or for a
-    contiguous cache whose entries all end alike."""
+    entry (the Triton paged kernel's), on a GPU, cache_leftpad included (the starts of
+    the core's Pages); not for a contiguous cache whose entries all hold keys [0, end)
+    with one end (a dense call over a slice of it)."""
     from anyattn.flash_attn.flash_attn_interface import _reads_in_place
 
     no_pad, ragged, even = np.zeros(3, np.int64), np.array([5, 9, 2]), np.array([7, 7, 7])
+    pad = np.array([0, 1, 0])
     assert _reads_in_place("cuda", 16, True, no_pad, even)
     assert _reads_in_place("cuda", 1, False, no_pad, ragged)
     assert not _reads_in_place("cuda", 17, True, no_pad, ragged)
     assert _reads_in_place("cpu", 17, True, no_pad, ragged)
     assert not _reads_in_place("cuda", 1, False, no_pad, even)
-    assert not _reads_in_place("cpu", 1, True, np.array([0, 1, 0]), ragged)
+    assert _reads_in_place("cpu", 1, True, pad, ragged)
+    assert _reads_in_place("cpu", 17, False, pad, even)
+    assert _reads_in_place("cuda", 16, False, pad, even)
+    assert not _reads_in_place("cuda", 17, False, pad, even)
     assert not _reads_in_place("cuda", 1, True, no_pad[:0], ragged[:0])
+
+
+def _no_gathers(monkeypatch, backend=None):
+    """flash_attn_with_kvcache's fallbacks (the gathered copy of a paged cache, dense
+    calls over slices) raise; the core calls with pages= are recorded (-> the list)."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    def refuse(name):
+        def fail(*a, **kw):
+            raise AssertionError(f"{name} was called: the cache was not read in place")
+        return fail
+    monkeypatch.setattr(fai, "_gather_pages", refuse("_gather_pages"))
+    monkeypatch.setattr(fai, "_dense_over_ranges", refuse("_dense_over_ranges"))
+    monkeypatch.setattr(fai, "attention", refuse("the dense attention"))
+    calls = []
+    real = fai.core_attention
+    extra = {} if backend is None else dict(backend=backend)
+    monkeypatch.setattr(fai, "core_attention", lambda *a, **kw: calls.append(
+        kw["pages"]) or real(*a, **extra, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_kvcache_leftpad_reads_the_cache_in_place(paged, sq, monkeypatch):
+    """cache_leftpad: one core call with pages= whose starts are the left padding (no
+    gathered copy, no call per entry), ragged and even ends, cache_batch_idx, GQA, a
+    causal window, ALiBi, softcap and new keys appended in place; FlashAttention's
+    semantic: entry b attends its keys [leftpad[b], seqlens[b] + Snew) as a dense
+    problem of those keys, causal and window aligned at their bottom right."""
+    calls = _no_gathers(monkeypatch)
+    b, page, hq, hk, d = 3, 16, 4, 2, 8
+    lengths = torch.tensor([17, 40, 5], dtype=torch.int32)
+    pad = torch.tensor([3, 21, 5], dtype=torch.int32)          # entry 2: only the new keys
+    slopes = torch.rand(b, hq)
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    extra = {}
+    if paged:
+        kp, vp = rand(12, page, hk, d), rand(12, page, hk, d)
+        table = torch.randperm(12, dtype=torch.int32)[:b * 4].reshape(b, 4)
+        extra = dict(block_table=table)
+    else:
+        kp, vp = rand(4, 4 * page, hk, d), rand(4, 4 * page, hk, d)
+        idx = torch.tensor([2, 0, 3], dtype=torch.int32)
+        extra = dict(cache_batch_idx=idx)
+    out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=lengths,
+                                          cache_leftpad=pad, causal=True,
+                                          window_size=(20, -1), alibi_slopes=slopes,
+                                          softcap=3.0, return_softmax_lse=True, **extra)
+    assert len(calls) == 1 and calls[0].firsts.tolist() == pad.tolist()
+    assert calls[0].lengths.tolist() == (lengths + sq).tolist()
+    for i in range(b):
+        lo, e = int(pad[i]), int(lengths[i]) + sq
+        if paged:
+            kc, vc = (paged_copy(x, table[i:i + 1].clamp(min=0), e)[0] for x in (kp, vp))
+        else:
+            kc, vc = kp[int(idx[i]), :e], vp[int(idx[i]), :e]
+        assert torch.equal(kc[e - sq:], k_new[i]) and torch.equal(vc[e - sq:], v_new[i])
+        o, s, _ = ref_seq(q[i], kc[lo:], vc[lo:], causal=True, window=(20, -1), softcap=3.0,
+                          slopes=slopes[i])
+        close(out[i], o)
+        close(lse[i], s)
+    # even ends and one padding for every entry: in place too
+    calls.clear()
+    kc2, vc2 = rand(b, 24, hk, d), rand(b, 24, hk, d)
+    pad2 = torch.full((b,), 4, dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=20, cache_leftpad=pad2,
+                                     causal=True)
+    assert len(calls) == 1
+    for i in range(b):
+        close(out[i], ref_seq(q[i], kc2[i, 4:20], vc2[i, 4:20], causal=True)[0])
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_kvcache_leftpad_on_the_triton_paged_kernel(paged, monkeypatch):
+    """cache_leftpad on the Triton paged kernel (STARTS; TRITON_INTERPRET=1 on CPU
+    tensors, the route a GPU takes with <= 16 queries), in place, against float64."""
+    from anyattn.backends.registry import unavailable_reason
+
+    pytest.importorskip("triton")
+    if unavailable_reason("triton"):
+        pytest.skip(f"triton unavailable: {unavailable_reason('triton')}")
+    calls = _no_gathers(monkeypatch, backend="triton")
+    b, page, hq, hk, d, sq = 3, 16, 4, 2, 8, 2
+    lengths = torch.tensor([17, 40, 5], dtype=torch.int32)
+    pad = torch.tensor([3, 21, 0], dtype=torch.int32)
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    if paged:
+        kp, vp = rand(12, page, hk, d), rand(12, page, hk, d)
+        table = torch.randperm(12, dtype=torch.int32)[:b * 4].reshape(b, 4)
+        extra = dict(block_table=table)
+    else:
+        kp, vp = rand(b, 4 * page, hk, d), rand(b, 4 * page, hk, d)
+        extra = {}
+    out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=lengths,
+                                          cache_leftpad=pad, causal=True,
+                                          return_softmax_lse=True, **extra)
+    assert len(calls) == 1
+    for i in range(b):
+        lo, e = int(pad[i]), int(lengths[i]) + sq
+        if paged:
+            kc, vc = (paged_copy(x, table[i:i + 1], e)[0] for x in (kp, vp))
+        else:
+            kc, vc = kp[i, :e], vp[i, :e]
+        o, s, _ = ref_seq(q[i], kc[lo:], vc[lo:], causal=True)
+        close(out[i], o)
+        close(lse[i], s)
 
 
 @pytest.mark.parametrize("paged", [True, False])

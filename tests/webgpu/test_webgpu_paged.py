@@ -252,3 +252,25 @@ def test_plain_kernels_carry_no_paging_code(be):
     paged = pipelines.build_source("forward", dict(consts, PAGED=1))
     assert "pg_row(b, j, U.k_sb, U.k_ss)" in paged and "pg_row(b, j, U.v_sb" in paged
     assert "pg_off: u32" in paged
+    # PGSTART only with starts: the PAGED text without it reads no start
+    assert "aux[row - 1u]" not in paged
+    started = pipelines.build_source("forward", dict(consts, PAGED=1, PGSTART=1))
+    assert "aux[row - 1u]" in started
+
+
+def test_paged_starts_device_arrays_modifiers(be):
+    """Pages(starts=) on device-array pages: softcap, per-batch ALiBi and sinks, Dv != D,
+    MQA, starts within and on page boundaries and one equal to its sequence's end."""
+    lengths, starts = [21, 50, 9, 0], [3, 15, 9, 0]
+    rng = np.random.default_rng(12)
+    k, v, table, sl = make_cache(rng, lengths, 5, Hkv=1, D=6, Dv=3, starts=starts)
+    q = rng.standard_normal((4, 3, 2, 6)).astype(np.float32)
+    kw = dict(mask=CAUSAL & aa.Window(left=12, align="bottom_right"), softcap=1.5,
+              alibi_slopes=rng.uniform(0.1, 1.0, (4, 3)).astype(np.float32),
+              sinks=rng.standard_normal(3).astype(np.float32))
+    pages = aa.Pages(table, sl, np.asarray(starts, np.int32))
+    dkw = dict(kw, **{n: wg.asarray(kw[n]) for n in ("alibi_slopes", "sinks")})
+    out, lse = aa.attention(wg.asarray(q), wg.asarray(k), wg.asarray(v), pages=pages,
+                            return_lse=True, backend="webgpu", **dkw)
+    check((out.numpy(), lse.numpy()), oracle(q, k, v, table, lengths, starts=starts, **kw),
+          "float32")

@@ -2,18 +2,23 @@
 
 Shape legend: B batch, Hq/Hkv query/key-value heads (G = Hq/Hkv), Sq queries, D head dim
 of q and k, Dv of v, N pages, P positions per page, T keys of one tile (a whole number
-of pages), R = G·Sq rows of one unit (the G query heads of a key/value head, stacked).
+of pages, or a part of one page), R = G·Sq rows of one unit (the G query heads of a
+key/value head, stacked).
 
 One unit of work is (sequence b, key/value head): its G query heads share every key
 tile, so a tile is read once for all of them.  A tile is ``T // P`` consecutive pages of
-the sequence's block table: the unit gathers exactly those pages' rows of its head
-(``k_pages[ids, h]``), never the whole cache, and keys past ``seqlens[b]`` in the last
-page are cut off.  Key tiles the band (Causal / Window) cannot reach are not read.
+the sequence's block table (P <= TILE_KEYS; a longer page, e.g. a contiguous cache row
+taken as one page, is read in parts of TILE_KEYS keys, views of its rows): the unit
+gathers exactly those pages' rows of its head (``k_pages[ids, h]``), never the whole
+cache, and positions before ``starts[b]`` in the first page and past ``seqlens[b]`` in
+the last are cut off.  Key j of sequence b is
+position ``starts[b] + j``; masks and ALiBi see j.  Key tiles the band (Causal /
+Window) cannot reach are not read.
 
 Softmax: an online softmax in natural units with a running row maximum, float32 for
 16/32-bit inputs (float64 for float64), the statistics returned apart
-(:mod:`anyattn.rowstats`).  Softcap, ALiBi (distance ``|i − j + diag|`` with
-``diag = seqlens[b] − Sq + q_offset − k_offset``) and the band apply per tile; sinks
+(:mod:`anyattn.rowstats`).  Softcap, ALiBi (distance ``|i − j + diag|`` with ``diag =
+seqlens[b] − starts[b] − Sq + q_offset − k_offset``) and the band apply per tile; sinks
 are folded in at the end (:func:`anyattn.modifiers.fold_sinks`).  Units write disjoint
 rows in a fixed tile order: the result does not depend on the thread count.
 """
@@ -40,24 +45,30 @@ def _alloc(shape, dt: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dt)
 
 
-def _reader(x, dt: np.dtype) -> Callable[[np.ndarray, int], np.ndarray]:
-    """pages [N, Hkv, P, Dx] (NumPy or CPU torch, any strides) -> ``read(ids, h)``: the
-    rows of head h in pages ``ids`` as [len(ids)·P, Dx] in ``dt`` (a copy of those rows
-    only)."""
+def _reader(x, dt: np.dtype) -> Callable[[np.ndarray, int, int, int], np.ndarray]:
+    """pages [N, Hkv, P, Dx] (NumPy or CPU torch, any strides) -> ``read(ids, h, r0,
+    r1)``: rows [r0, r1) of head h in the pages ``ids`` laid end to end, as [r1 - r0, Dx]
+    in ``dt`` (one page: a view of its rows where the dtype is ``dt``; several: a copy
+    of those pages' rows of head h only)."""
+    Dx = x.shape[3]
     if array_kind(x) == "torch":
         import torch
 
         x = x.detach()
         if x.dtype == torch.bfloat16:           # NumPy has no bfloat16: gather in torch
-            def read_torch(ids: np.ndarray, h: int) -> np.ndarray:
-                t = x[torch.from_numpy(ids), h]                         # [n, P, Dx]
-                return t.to(torch.float32).numpy().reshape(-1, x.shape[3]).astype(
-                    dt, copy=False)
+            def read_torch(ids: np.ndarray, h: int, r0: int, r1: int) -> np.ndarray:
+                if len(ids) == 1:
+                    t = x[int(ids[0]), h, r0:r1]                        # [r1 - r0, Dx]
+                else:
+                    t = x[torch.from_numpy(ids), h].reshape(-1, Dx)[r0:r1]
+                return t.to(torch.float32).numpy().astype(dt, copy=False)
             return read_torch
         x = x.numpy()
 
-    def read(ids: np.ndarray, h: int) -> np.ndarray:
-        return x[ids, h].reshape(-1, x.shape[3]).astype(dt, copy=False)   # [n·P, Dx]
+    def read(ids: np.ndarray, h: int, r0: int, r1: int) -> np.ndarray:
+        if len(ids) == 1:
+            return x[int(ids[0]), h, r0:r1].astype(dt, copy=False)     # [r1 - r0, Dx]
+        return x[ids, h].reshape(-1, Dx)[r0:r1].astype(dt, copy=False)
     return read
 
 
@@ -71,7 +82,9 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
     pk = p.pages
     B, Hq, Hkv, Sq, G = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.group
     Dv, P, R = p.head_dim_v, pk.page_size, p.group * p.seq_q
-    T = max(P, (TILE_KEYS // P) * P)
+    # keys per tile: whole pages up to TILE_KEYS; a longer page in TILE_KEYS-key parts
+    whole = P <= TILE_KEYS
+    T = (TILE_KEYS // P) * P if whole else TILE_KEYS
     read_k, read_v = _reader(k_pages, dt), _reader(v_pages, dt)
     out = _alloc((B, Hq, Sq, Dv), dt)
     rmax = _alloc((B, Hq, Sq), dt)
@@ -88,7 +101,7 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
     def unit(b: int, h: int) -> Callable[[], TileCounts]:
         def run() -> TileCounts:
             counts = TileCounts()
-            L = int(pk.lengths[b])
+            L, st = int(pk.counts[b]), int(pk.firsts[b])     # keys at positions st + [0, L)
             lo, hi = sequence_mask(p, b)
             # keys some row can keep: lo <= j - i <= hi for some i in [0, Sq)
             j_lo = 0 if lo is None else max(0, lo)
@@ -103,12 +116,22 @@ def forward_paged(p, q: np.ndarray, k_pages, v_pages, mods, dt: np.dtype,
                 slope = np.repeat(srow, Sq).astype(dt)[:, None]             # [R, 1]
                 diag = L - Sq + p.q_offset - p.k_offset
             table = pk.table[b]
-            for a0 in range((j_lo // P) * P, j_hi if j_lo < j_hi else 0, T):
-                a1 = min(a0 + T, -(-j_hi // P) * P)                          # page-aligned
-                ids = table[a0 // P:a1 // P]
-                j0, j1 = max(a0, j_lo), min(a1, j_hi)                        # keys used
-                kt = read_k(ids, h)[j0 - a0:j1 - a0]                         # [t, D]
-                vt = read_v(ids, h)[j0 - a0:j1 - a0]                         # [t, Dv]
+            # tiles over the positions st + [j_lo, j_hi) of those keys: whole pages
+            # (P <= TILE_KEYS), else parts of one page
+            g_lo, g_hi = st + j_lo, st + j_hi
+            a0 = (g_lo // P) * P if whole else g_lo
+            while j_lo < j_hi and a0 < g_hi:
+                if whole:
+                    a1 = min(a0 + T, -(-g_hi // P) * P)                      # page-aligned
+                else:
+                    a1 = min(a0 + T, (a0 // P + 1) * P, g_hi)                # in one page
+                p0 = a0 // P
+                ids = table[p0:-(-a1 // P)]
+                g0, g1 = max(a0, g_lo), min(a1, g_hi)                        # positions used
+                kt = read_k(ids, h, g0 - p0 * P, g1 - p0 * P)                # [t, D]
+                vt = read_v(ids, h, g0 - p0 * P, g1 - p0 * P)                # [t, Dv]
+                j0, j1 = g0 - st, g1 - st                                    # their key indices
+                a0 = a1
                 s = qg @ kt.T                                                # [R, t]
                 if cap is not None:
                     s = dt.type(cap) * np.tanh(s / dt.type(cap))

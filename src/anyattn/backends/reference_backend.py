@@ -35,7 +35,8 @@ class ReferenceBackend(Backend):
             return self._backward(p, q, k, v, dout, out, stats, bias, mods)
 
     def forward_paged(self, p, q, k_pages, v_pages, mods):
-        """Each sequence's pages gathered into a dense copy, then the dense reference."""
+        """Each sequence's keys (positions [starts[b], seqlens[b]) of its pages) gathered
+        into a dense copy, then the dense reference."""
         with np.errstate(all="ignore"):
             return self._forward_paged(p, q, k_pages, v_pages, mods)
 
@@ -49,13 +50,13 @@ class ReferenceBackend(Backend):
         if sinks is not None:
             mx[...] = to_numpy(sinks).astype(np.float64).reshape(1, Hq, 1)
         for b in range(B):
-            if pk.lengths[b] == 0:
+            if pk.counts[b] == 0:
                 continue
             kb, vb = (paged.gather_sequence(x, pk, b) for x in (k_pages, v_pages))
             slopes = mods.alibi_slopes
             if slopes is not None and slopes.shape[0] > 1:
                 slopes = slopes[b:b + 1]
-            mask = resolve(pk.mask, 1, Hq, Sq, int(pk.lengths[b]), p.q_offset, p.k_offset)
+            mask = resolve(pk.mask, 1, Hq, Sq, int(pk.counts[b]), p.q_offset, p.k_offset)
             o, st = reference.forward_stats(q[b:b + 1], kb, vb, mask=mask, scale=p.scale,
                                             softcap=p.softcap, alibi_slopes=slopes,
                                             sinks=sinks, q_offset=p.q_offset,

@@ -387,13 +387,54 @@ def _rotary_positions(offsets: np.ndarray, count: int, same: bool) -> np.ndarray
 def _reads_in_place(device_type: str, sq: int, paged: bool, leftpad: np.ndarray,
                     ends: np.ndarray) -> bool:
     """Whether flash_attn_with_kvcache reads the cache in place through the core's paged
-    form: no cache_leftpad, a paged cache or entries of different key counts, on the CPU
-    or with at most PAGED_MAX_SQ queries per entry (the Triton backend's paged kernel)."""
-    if leftpad.any() or ends.size == 0:
+    form (``Pages(table, ends, starts=leftpad)``): a paged cache, entries of different
+    key counts or a cache_leftpad, on the CPU or with at most PAGED_MAX_SQ queries per
+    entry (the Triton backend's paged kernel).  A contiguous cache whose entries all
+    hold keys [0, end) with one end is one dense call over a slice of it instead."""
+    if ends.size == 0:
         return False
-    if not paged and (ends == ends[0]).all():
+    if not paged and not leftpad.any() and (ends == ends[0]).all():
         return False
     return device_type == "cpu" or sq <= PAGED_MAX_SQ
+
+
+def _gather_pages(k_cache, v_cache, table: np.ndarray, ends: np.ndarray, page: int):
+    """A paged cache's pages in use -> contiguous copies [B, n_pages * page, Hk, D/Dv]
+    (the fallback where the core's paged form does not serve; unused table entries read
+    block 0)."""
+    bsz = table.shape[0]
+    n_pages = -(-int(ends.max()) // page) if bsz else 0
+    cols = np.arange(n_pages)[None, :]
+    ids = np.where(cols < -(-ends[:, None] // page), table[:, :n_pages], 0)
+    sel = torch.from_numpy(ids.reshape(-1)).to(k_cache.device)
+    return tuple(x.index_select(0, sel).reshape(bsz, n_pages * page, *x.shape[2:])
+                 for x in (k_cache, v_cache))
+
+
+def _dense_over_ranges(q, kc, vc, idx, leftpad, ends, mask, scale, cap, slopes):
+    """The fallback where the core's paged form does not serve: one dense call over the
+    rows ``idx`` of a contiguous cache, keys [leftpad[b], ends[b]) of row idx[b]; one
+    call for the batch where every entry reads the same range, else one per entry."""
+    bsz = q.shape[0]
+    if (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True:
+        lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
+        if np.array_equal(idx, np.arange(kc.shape[0])):
+            kk, vv = kc, vc
+        else:
+            sel = torch.from_numpy(idx).to(kc.device)
+            kk, vv = kc.index_select(0, sel), vc.index_select(0, sel)
+        return attention(q, kk[:, lo:hi], vv[:, lo:hi], layout="bshd", mask=mask,
+                         scale=scale, softcap=cap, alibi_slopes=slopes, return_lse=True)
+    outs, lses = [], []
+    for b in range(bsz):
+        i, lo, hi = int(idx[b]), int(leftpad[b]), int(ends[b])
+        row = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b:b + 1])
+        o, s = attention(q[b:b + 1], kc[i:i + 1, lo:hi], vc[i:i + 1, lo:hi], layout="bshd",
+                         mask=mask, scale=scale, softcap=cap, alibi_slopes=row,
+                         return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -424,12 +465,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
 
     Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
-    GPU tensor is read once).  A paged cache on CPU tensors is read in place
-    (``anyattn.attention(..., pages=)``), and on a GPU with at most 16 queries per entry
-    (the Triton backend's paged kernel); with ``cache_leftpad`` or more queries on a GPU
-    its used pages are gathered into one contiguous copy per call.  ``num_splits`` may be
-    0 (choose) or 1: the backend's route decides whether the keys are split (the Triton
-    paged and decode kernels split them for few programs over long caches, with a
+    GPU tensor is read once).  The cache is read in place as one core call
+    (``anyattn.attention(..., pages=anyattn.Pages(table, ends, starts=cache_leftpad))``)
+    on CPU tensors, and on a GPU with at most 16 queries per entry (the Triton backend's
+    paged kernel): a paged cache, and a contiguous one whose entries have a
+    ``cache_leftpad`` or hold different numbers of keys (its rows as pages).  With more
+    queries on a GPU a paged cache's used pages are gathered into one contiguous copy
+    per call, and a contiguous cache runs one dense call per key range.  ``num_splits``
+    may be 0 (choose) or 1: the backend's route decides whether the keys are split (the
+    Triton paged and decode kernels split them for few programs over long caches, with a
     deterministic combine).
     """
     common.check_tensor("q", q, 4, _BSHD)
@@ -556,13 +600,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
                              "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
                              "pass longer rotary tables")
-    # Without cache_leftpad the cache is read in place through the core's paged form
-    # (pages=): a paged cache as it is, a contiguous one whose entries hold different
-    # numbers of keys as pages of s_cache positions (page b = cache row b), one call for
-    # the batch; on a GPU while the queries per entry fit the Triton backend's paged
-    # kernel (PAGED_MAX_SQ).  Otherwise (cache_leftpad, more queries on a GPU) a paged
-    # cache is gathered into one contiguous copy, and entries of different key ranges
-    # run one call each.
+    # The cache is read in place through the core's paged form (pages=, keys of entry b
+    # the positions [cache_leftpad[b], ends[b]) of its pages): a paged cache as it is, a
+    # contiguous one (entries of different key counts or a cache_leftpad) as pages of
+    # s_cache positions (page b = cache row idx[b]), one call for the batch; on a GPU
+    # while the queries per entry fit the Triton backend's paged kernel (PAGED_MAX_SQ).
+    # Otherwise (more queries on a GPU; a contiguous cache whose entries all end alike)
+    # a paged cache is gathered into one contiguous copy, and entries of different key
+    # ranges run one dense call each.
     in_place = _reads_in_place(q.device.type, sq, paged, leftpad, ends)
     if in_place and not paged:
         table, page = idx[:, None], s_cache
@@ -570,19 +615,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if in_place and paged:
             kc = vc = None          # the pages are read where they are
         elif paged:
-            # one contiguous copy of the pages in use; unused table entries read block 0
-            n_pages = -(-int(ends.max()) // page) if bsz else 0
-            cols = np.arange(n_pages)[None, :]
-            ids = np.where(cols < -(-ends[:, None] // page), table[:, :n_pages], 0)
-            sel = torch.from_numpy(ids.reshape(-1)).to(k_cache.device)
-            kc, vc = (x.index_select(0, sel).reshape(bsz, n_pages * page, *x.shape[2:])
-                      for x in (k_cache, v_cache))
+            kc, vc = _gather_pages(k_cache, v_cache, table, ends, page)
         else:
             kc, vc = k_cache, v_cache
         if in_place:
             # the core's checks and a backend before the cache is written, so that a
             # refusal leaves it as it was
-            pages = Pages(table, ends)
+            pages = Pages(table, ends, leftpad if leftpad.any() else None)
             choose(describe_paged(q.transpose(1, 2), k_cache.transpose(1, 2),
                                   v_cache.transpose(1, 2), pages, mask=mask, scale=scale,
                                   softcap=cap, alibi_slopes=slopes))
@@ -617,26 +656,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = core_attention(q, k_cache, v_cache, layout="bshd", pages=pages,
                                       mask=mask, scale=scale, softcap=cap,
                                       alibi_slopes=slopes, return_lse=True)
-        elif (leftpad == leftpad[0]).all() and (ends == ends[0]).all() if bsz else True:
-            lo, hi = (int(leftpad[0]), int(ends[0])) if bsz else (0, 0)
-            if np.array_equal(idx, np.arange(kc.shape[0])):
-                kk, vv = kc, vc
-            else:
-                sel = torch.from_numpy(idx).to(kc.device)
-                kk, vv = kc.index_select(0, sel), vc.index_select(0, sel)
-            out, lse = attention(q, kk[:, lo:hi], vv[:, lo:hi], layout="bshd", mask=mask,
-                                 scale=scale, softcap=cap, alibi_slopes=slopes,
-                                 return_lse=True)
         else:
-            outs, lses = [], []
-            for b in range(bsz):
-                i, lo, hi = int(idx[b]), int(leftpad[b]), int(ends[b])
-                row = None if slopes is None else (slopes if slopes.ndim == 1
-                                                   else slopes[b:b + 1])
-                o, s = attention(q[b:b + 1], kc[i:i + 1, lo:hi], vc[i:i + 1, lo:hi],
-                                 layout="bshd", mask=mask, scale=scale, softcap=cap,
-                                 alibi_slopes=row, return_lse=True)
-                outs.append(o)
-                lses.append(s)
-            out, lse = torch.cat(outs), torch.cat(lses)
+            out, lse = _dense_over_ranges(q, kc, vc, idx, leftpad, ends, mask, scale, cap,
+                                          slopes)
     return (out, lse) if lse_flag else out

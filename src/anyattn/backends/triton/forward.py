@@ -13,13 +13,14 @@ argument tuple and launches.
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, programs, route, tiles
+from . import configs, direct, kernels, operands, prepared, programs, route, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
@@ -115,18 +116,21 @@ def _forward_split(p, q, k, v, pr, mods):
     return out, RowStats(stats[0], stats[1])
 
 
-#: (id of the block table, id of seqlens, bands, device) -> (the host tables, the int32
-#: record buffer on the device): a Pages serves every layer of a decoding step, so its
-#: buffer is uploaded once per step, not once per layer
-_page_buffers: dict = {}
+#: the most device buffers one Pages keeps (one per band set and device: layers of
+#: one step with different windows)
 _PAGE_BUFFERS_MAX = 8
 
 
 def _page_buffer(p, dev):
-    """PG int32 [B * 4 + B * M] on ``dev``: per sequence b (seqlens[b], band lo, band hi,
-    offset of its table row in PG), then the block table (kernels.fwd_split_kernel,
-    PAGE > 0).  The band is sequence b's mask resolved for its key count
-    (paged.sequence_mask), an open side as tiles.BIG."""
+    """PG int32 [B * 4 + B * M] on ``dev``: per sequence b (its key count seqlens[b] -
+    starts[b], band lo, band hi, offset of its table row in PG), then the block table
+    (kernels.fwd_split_kernel, PAGE > 0); with starts (STARTS) each table row is
+    preceded by its sequence's start ([B * 4 + B * (M + 1)]).  The band is sequence b's
+    mask resolved for its key count (paged.sequence_mask), an open side as tiles.BIG.
+
+    Uploaded once per Pages, band set and device and kept in the Pages
+    (``Pages.device_cache``) as long as it lives: the layers of a decoding step share
+    one upload, and a repeated call makes no host-to-device copy."""
     import numpy as np
 
     from ...paged import sequence_mask
@@ -134,23 +138,50 @@ def _page_buffer(p, dev):
     pk = p.pages
     B, M = pk.table.shape
     bands = tuple(sequence_mask(p, b) for b in range(B))
-    key = (id(pk.table), id(pk.lengths), bands, str(dev))
-    hit = _page_buffers.get(key)
-    if hit is not None and hit[0] is pk.table and hit[1] is pk.lengths:
-        return hit[2]
+    cache = pk.device_cache
+    key = ("triton_pg", bands, str(dev))
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
     big = tiles.BIG
     rec = np.empty((B, 4), np.int64)
-    rec[:, 0] = pk.lengths
+    rec[:, 0] = pk.counts
     rec[:, 1] = [-big if lo is None else max(lo, -big) for lo, _ in bands]
     rec[:, 2] = [big if hi is None else min(hi, big) for _, hi in bands]
-    rec[:, 3] = B * 4 + M * np.arange(B)
-    # entries past a sequence's pages are never read (-1 and the like may stay)
-    buf = np.concatenate([rec.reshape(-1), pk.table.reshape(-1)]).astype(np.int32)
+    rows = pk.table
+    if pk.has_starts:
+        rows = np.concatenate([pk.firsts[:, None], pk.table], axis=1)       # [B, 1 + M]
+    rec[:, 3] = B * 4 + rows.shape[1] * np.arange(B) + (rows.shape[1] - M)
+    # entries outside a sequence's pages are never read (-1 and the like may stay)
+    buf = np.concatenate([rec.reshape(-1), rows.reshape(-1)]).astype(np.int32)
     t = torch.from_numpy(buf).to(dev)
-    if len(_page_buffers) >= _PAGE_BUFFERS_MAX:
-        _page_buffers.clear()
-    _page_buffers[key] = (pk.table, pk.lengths, t)
+    if len(cache) >= _PAGE_BUFFERS_MAX:
+        cache.clear()
+    cache[key] = t
     return t
+
+
+#: direct.Site per paged launch signature (launch name, grid, every non-tensor argument
+#: and keyword, device), least recently used first: the layers of a decoding step repeat
+#: one signature, so from its second launch on they skip Triton's binder (direct.py);
+#: a site checks every fact of a call and takes Triton's path where one differs
+_paged_sites: "collections.OrderedDict" = collections.OrderedDict()
+_PAGED_SITES_MAX = 32
+
+
+def _paged_launch(name: str, kernel, grid: tuple, args: tuple, kw: dict, dev) -> None:
+    """``kernel[grid](*args, **kw)`` through the direct.Site of its signature."""
+    key = (name, grid, tuple([a for a in args if not isinstance(a, torch.Tensor)]),
+           tuple([(n, x) for n, x in kw.items() if not isinstance(x, torch.Tensor)]),
+           str(dev))
+    found = _paged_sites.get(key)
+    if found is None:
+        found = _paged_sites[key] = direct.Site(kernel, direct.enabled(dev))
+        if len(_paged_sites) > _PAGED_SITES_MAX:
+            _paged_sites.popitem(last=False)
+    else:
+        _paged_sites.move_to_end(key)
+    found(grid, args, kw)
 
 
 def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
@@ -160,7 +191,9 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
     row through the block table (route.paged_splits: its splits, tile and head
     packing; one split is the unsplit forward), fwd_combine_kernel merges the splits.
     fp32: the scaled fp16 parts of the whole cache, one scale per kv head over every
-    page (operands.f16_scales_paged)."""
+    page (operands.f16_scales_paged).  Both launches go through direct.Site
+    (``_paged_launch``): a repeat of a launch's signature on a CUDA device skips
+    Triton's binder."""
     q = operands.unit_last(q)
     k_pages, v_pages = operands.unit_last(k_pages), operands.unit_last(v_pages)
     B, H, Sq, D, Dv = p.batch, p.heads_q, p.seq_q, p.head_dim, p.head_dim_v
@@ -187,16 +220,18 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
         else:
             sc = tiles.dummy(dev, torch.float32)
         adiag = (md.adiag - p.seq_k) if md.alibi else 0    # a sequence of no keys
-        kernels.fwd_split_kernel[(B * Hkv * (G // hp), ns)](
-            q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
-            *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
-            ma.hi, md.sl_b, md.cap, adiag, lplane,
-            D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band, PREC=prec,
-            SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm, BN=cfg.bn,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
-            PAGE=p.pages.page_size)
+        _paged_launch(
+            "fwd_split", kernels.fwd_split_kernel, (B * Hkv * (G // hp), ns),
+            (q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
+             *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
+             ma.hi, md.sl_b, md.cap, adiag, lplane),
+            dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
+                 PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
+                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
+                 PAGE=p.pages.page_size, STARTS=p.pages.has_starts), dev)
         bm = configs.COMBINE_BM
-        kernels.fwd_combine_kernel[(cdiv(Sq, bm), B * H)](
-            pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns,
-            BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks)
+        _paged_launch(
+            "fwd_combine", kernels.fwd_combine_kernel, (cdiv(Sq, bm), B * H),
+            (pacc, pst, out, stats, md.sink_t, *s3(out), H, Sq, ns),
+            dict(BM=bm, VD=Dv, VDP=vdp, HAS_SINKS=md.sinks), dev)
     return out, RowStats(stats[0], stats[1])

@@ -841,8 +841,8 @@ def _load_packed(ptr, rows_off, valid, offs_d, D: tl.constexpr, DP: tl.constexpr
 
 
 @triton.jit
-def _tile_rows(Kh, Vh, sk_p, sk_s, sv_p, sv_s, PG, tab, start_n, offs_nb, Sk,
-               BN: tl.constexpr, PAGE: tl.constexpr):
+def _tile_rows(Kh, Vh, sk_p, sk_s, sv_p, sv_s, PG, tab, kst, start_n, offs_nb, Sk,
+               BN: tl.constexpr, PAGE: tl.constexpr, STARTS: tl.constexpr = False):
     """The key / value rows of the key tile at start_n (a multiple of BN below Sk) as
     _fwd_tile reads them: (Kh, Vh, sk_s, sv_s) unchanged without pages (PAGE 0).  With
     pages of PAGE positions key j is row j % PAGE of page PG[tab + j // PAGE] (the
@@ -851,9 +851,18 @@ def _tile_rows(Kh, Vh, sk_p, sk_s, sv_p, sv_s, PG, tab, start_n, offs_nb, Sk,
     tile's first key, strides as they are); otherwise every key row looks up its page,
     returned as row pointers ([1, BN] for the transposed key load, [BN, 1] for the
     values) with row strides 0, keys j >= Sk (past the sequence) pointing at page 0
-    (their table entries are not read; their loads are masked)."""
+    (their table entries are not read; their loads are masked).  STARTS: key j is
+    position t = kst + j of the sequence (row t % PAGE of page PG[tab + t // PAGE]),
+    every key row looking up its page (a tile may straddle two pages)."""
     if PAGE > 0:
-        if PAGE % BN == 0:
+        if STARTS:
+            jr = start_n + offs_nb
+            t = kst + jr
+            pg = tl.load(PG + tab + t // PAGE, mask=jr < Sk, other=0).to(tl.int64)
+            r = (t % PAGE).to(tl.int64)
+            return (Kh + pg * sk_p + r * sk_s)[None, :], (Vh + pg * sv_p + r * sv_s)[:, None], \
+                0, 0
+        elif PAGE % BN == 0:
             pg = tl.load(PG + tab + start_n // PAGE).to(tl.int64)
             r = tl.cast(start_n % PAGE - start_n, tl.int64)     # _fwd_tile adds start_n rows
             return Kh + pg * sk_p + r * sk_s, Vh + pg * sv_p + r * sv_s, sk_s, sv_s
@@ -874,7 +883,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr,
-                     PG=None, PAGE: tl.constexpr = 0):
+                     PG=None, PAGE: tl.constexpr = 0, STARTS: tl.constexpr = False):
     """Grid (B * Hkv * G / HP, NS): the partial forward of HP query heads of one kv head
     (GQA packing: row r of the BM-row tile is query r % Sq of head hk * G + g0 + r // Sq,
     HP * Sq <= BM; the kv head's keys are loaded once for all of them) over split ``s``
@@ -888,10 +897,12 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     Sq].  fwd_combine_kernel merges the runs.
 
     PAGE > 0: K / V are a paged cache (anyattn.paged) of pages of PAGE positions, sk_b /
-    sv_b their page strides; PG int32 holds a record per sequence b, (seqlens[b], band
-    lo, band hi, offset in PG of its block table row), then the block table rows.  Sk,
-    lo and hi are then sequence b's (its record), adiag is that of a sequence of no keys
-    (sequence b adds seqlens[b]), and key j of b is read through _tile_rows."""
+    sv_b their page strides; PG int32 holds a record per sequence b, (key count
+    seqlens[b] - starts[b], band lo, band hi, offset in PG of its block table row),
+    then the block table rows.  Sk, lo and hi are then sequence b's (its record), adiag
+    is that of a sequence of no keys (sequence b adds its key count), and key j of b is
+    read through _tile_rows.  STARTS (Pages(starts=)): the word before each table row
+    holds the sequence's start, key j being its position start + j."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     NS = tl.num_programs(1)
@@ -925,6 +936,9 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
         tab = 0
         Kh = K + b * sk_b + hk * sk_h
         Vh = V + b * sv_b + hk * sv_h
+    kst = 0
+    if STARTS:
+        kst = tl.load(PG + tab - 1)             # the position of key 0
     if ALIBI:      # per row: its head's slope (divided as _load_slope does)
         slope = tl.load(SLOPES + b * sl_b + hrow, mask=valid, other=0.0)
         if not SOFTCAP:
@@ -947,24 +961,24 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     # the run [u0, u1) in fwd_kernel's three parts: masked edge, unmasked middle, edge
     # (padding rows: q = 0, masked out of every masked tile, never stored)
     for t in range(u0, tl.minimum(f0, u1)):
-        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, BN, PAGE)
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, kst, t * BN,
+                                      offs_nb, Sk, BN, PAGE, STARTS)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
-        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, BN, PAGE)
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, kst, t * BN,
+                                      offs_nb, Sk, BN, PAGE, STARTS)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, False, HAS_BAND, False, False, False,
                                   SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
     for t in range(tl.maximum(f1, u0), u1):
-        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, t * BN,
-                                      offs_nb, Sk, BN, PAGE)
+        Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, kst, t * BN,
+                                      offs_nb, Sk, BN, PAGE, STARTS)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q0, q1, Kt, Vt, skt, svt, t * BN, offs_m,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,

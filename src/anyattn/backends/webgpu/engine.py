@@ -243,19 +243,22 @@ class Call:
     def set_pages(self, p) -> None:
         """A paged key/value cache (``p.pages``, anyattn.paged) -> the PAGED forward.
 
-        aux gets the block table (u32 words; entries past a sequence's pages are never
-        read) and one record per sequence b: its key count ``seqlens[b]``, its band (lo,
-        hi) (``paged.sequence_mask``: its mask resolved for that count, clipped like
-        ``set_mask``'s; an open side as the clip value) and the aux index of its table
-        row; a tile map per sequence: tiles at or past its key count are empty (never
-        read), the others coded by its band.  The k / v operands' batch stride must
-        be their page stride (the kernel adds no batch term)."""
+        aux gets the block table (u32 words; entries outside a sequence's pages are
+        never read) and one record per sequence b: its key count ``seqlens[b] -
+        starts[b]``, its band (lo, hi) (``paged.sequence_mask``: its mask resolved for
+        that count, clipped like ``set_mask``'s; an open side as the clip value) and the
+        aux index of its table row; a tile map per sequence: tiles at or past its key
+        count are empty (never read), the others coded by its band.  With starts
+        (``Pages(starts=)``, some nonzero) the kernels are compiled with PGSTART and each
+        table row is preceded by its sequence's start (key j is position start + j).
+        The k / v operands' batch stride must be their page stride (the kernel adds no
+        batch term)."""
         from ...paged import sequence_mask
 
         pk = p.pages
         B, BQ, BK = self.B, self.cfg.BQ, self.cfg.BK
         lo_clip, hi_clip = -(self.SQ + 2), self.SK + 2
-        lens = pk.lengths.astype(np.int64)
+        lens = pk.counts.astype(np.int64)
         band = np.empty((B, 2), np.int64)
         has_lo = has_hi = False
         for b in range(B):
@@ -265,11 +268,16 @@ class Call:
             band[b, 0] = lo_clip if lo is None else min(max(lo, lo_clip), hi_clip)
             band[b, 1] = hi_clip if hi is None else min(max(hi, lo_clip), hi_clip)
         M = pk.table.shape[1]
-        tab_off = self.aux_put(pk.table.astype(np.uint32))
         rec = np.empty((B, 4), np.int64)
         rec[:, 0] = lens
         rec[:, 1:3] = band
-        rec[:, 3] = tab_off + M * np.arange(B)
+        if pk.has_starts:           # rows [start, table row] (PGSTART)
+            rows = np.concatenate([pk.firsts[:, None], pk.table], axis=1)
+            rec[:, 3] = self.aux_put(rows.astype(np.uint32)) + (M + 1) * np.arange(B) + 1
+            self.mod_consts["PGSTART"] = 1
+        else:
+            tab_off = self.aux_put(pk.table.astype(np.uint32))
+            rec[:, 3] = tab_off + M * np.arange(B)
         self.uni["pg_off"] = self.aux_put(rec.astype(np.int32))
         self.uni["pg_p"] = pk.page_size
         if has_lo:

@@ -30,6 +30,9 @@ Kernels live in ``shaders/*.wgsl`` with a few preprocessor lines of our own:
 * ``PAGED`` (the forward over a paged key/value cache): key rows through the block
   table (``pg_row``), per-sequence key counts (``$SKB$``: ``skb``; ``U.SK`` without
   PAGED) and bands.  Without PAGED the kernels are the plain ones, text for text.
+  ``PGSTART`` (with PAGED): key j of a sequence is its position start + j (``pg_row``
+  reads the start from the word before the sequence's table row); without it the
+  PAGED kernels are as they were, text for text.
 * ``//@# text``: a comment of the source that the assembled kernel does not carry.
 * ``TRIP`` -> ``trips += 1u;`` in debug builds (the per-invocation loop count,
   written by ``DEBUG_TRIPS`` to dsb) and nothing otherwise.
@@ -77,8 +80,9 @@ DSQ_DEFINES = ("DSQ_OUT", "DSQ_IN", "DSQ_PF")
 VDIM_DEFINES = ("VDIM",)
 #: the forward over a paged key/value cache (anyattn.paged): key rows through the block
 #: table in ``aux``, per-sequence key counts and bands (common.wgsl); the uniforms
-#: ``U.pg_off`` / ``U.pg_p`` are named only here (uniforms.DEFINE_FIELDS)
-PAGED_DEFINES = ("PAGED",)
+#: ``U.pg_off`` / ``U.pg_p`` are named only here (uniforms.DEFINE_FIELDS); PGSTART (with
+#: PAGED): sequences whose keys start past position 0 (``Pages(starts=)``)
+PAGED_DEFINES = ("PAGED", "PGSTART")
 #: a generated score function (SCOREMOD: smod_v / smod_vd after softcap) or mask
 #: function (MASKFN: mfn_all in keep_ij); either defines PROGS (the captures' binding
 #: 10 and the generated text at ``//@progfns``), SOFTCAP or SCOREMOD defines DSCHAIN

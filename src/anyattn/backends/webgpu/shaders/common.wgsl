@@ -67,11 +67,25 @@ var<workgroup> wg_code: u32;
 //@define SKB skb
 fn pg_len(b: u32) -> u32 { return aux[U.pg_off + 4u * b]; }
 fn pg_band(b: u32, side: u32) -> i32 { return bitcast<i32>(aux[U.pg_off + 4u * b + side]); }
+//@ifn PGSTART
 // element offset of key j of sequence b from its head's base (page stride sp, row stride ss)
 fn pg_row(b: u32, j: u32, sp: u32, ss: u32) -> u32 {
   let pg = aux[aux[U.pg_off + 4u * b + 3u] + j / U.pg_p];
   return pg * sp + (j % U.pg_p) * ss;
 }
+//@endif PGSTART
+//@if PGSTART
+//@# PGSTART (with PAGED: anyattn.Pages(starts=)): key j of sequence b is its position
+//@# t = start + j, the start held in the aux word before its block-table row; its key
+//@# count, band and ALiBi are those of its keys (key indices j), as without a start.
+// element offset of key j (position aux[row - 1] + j) of sequence b from its head's base
+fn pg_row(b: u32, j: u32, sp: u32, ss: u32) -> u32 {
+  let row = aux[U.pg_off + 4u * b + 3u];
+  let t = aux[row - 1u] + j;
+  let pg = aux[row + t / U.pg_p];
+  return pg * sp + (t % U.pg_p) * ss;
+}
+//@endif PGSTART
 //@endif PAGED
 
 // Keep rule of pair (i, j) of head h: band, documents, keep mask (NaN keeps).
