@@ -16,6 +16,12 @@ must not change any routed kernel compares two runs:
 Each kernel's signature is built by parameter name: constexprs a kernel no longer takes
 (options whose only routed value became the code) are skipped, so the same case
 compiles before and after such an edit.
+
+The score-modifier variants (keys ending in /mods-softcap, /mods-alibi, /mods-sinks,
+/mods-softcap+alibi+sinks; bf16, every routed no-mask / band config) are compiled too
+(``--no-mods``: not); their records add the SASS's local-memory stores / loads (STL /
+LDL: spills) and the registers it names.  A key the compared run lacks is reported as
+new, not as a difference.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,18 +62,26 @@ def _fwd_config(HC, d, dtype, cls):
     return HC.fwd_config(d, cls)
 
 
-def cases():
-    """[(key, kind, cfg, dtype, D, band, docs, keep)] without repeats."""
+#: the score-modifier variants compiled (bf16; every routed no-mask / band config): the
+#: modifiers one at a time and all together (sinks change the forward only)
+MOD_CASES = (("softcap",), ("alibi",), ("sinks",), ("softcap", "alibi", "sinks"))
+
+
+def cases(mods: bool = True):
+    """[(key, kind, cfg, dtype, D, band, docs, keep, modifiers)] without repeats; ``mods``:
+    with the score-modifier variants (keys ending in /mods-<names>)."""
     from anyattn.backends.triton.hopper import configs as HC
 
     out, seen = [], set()
 
-    def add(kind, cfg, dtype, d, band, docs=0, keep=False):
+    def add(kind, cfg, dtype, d, band, docs=0, keep=False, mod=()):
         key = (f"{kind}/{cfg.name}/D{d}/{dtype}/{'band' if band else 'noband'}"
                f"/docs{docs}/{'keep' if keep else 'nokeep'}")
+        if mod:
+            key += "/mods-" + "+".join(mod)
         if key not in seen:
             seen.add(key)
-            out.append((key, kind, cfg, dtype, d, band, docs, keep))
+            out.append((key, kind, cfg, dtype, d, band, docs, keep, tuple(mod)))
 
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128):
@@ -79,6 +94,15 @@ def cases():
                 bcfg = HC.bwd_config(d, cls)
                 add("bwd", bcfg, dtype, d, band)
                 add("bwd", HC.bwd_config_dkdv_only(d), dtype, d, band)
+                for mod in MOD_CASES if mods and dtype == "bfloat16" else ():
+                    if mod != ("sinks",):        # the backward kernels take no sinks
+                        bmod = tuple(m for m in mod if m != "sinks")
+                        add("bwd", HC.bwd_config(d, cls, frozenset(bmod)), dtype, d, band,
+                            mod=bmod)
+                        add("bwd", HC.bwd_config_dkdv_only(d), dtype, d, band, mod=bmod)
+                    add("fwd", cfg, dtype, d, band, mod=mod)
+                    if cfg.persist and band:
+                        add("fwd", cfg.per_tile(), dtype, d, band, mod=mod)
             for band, docs, keep in _ARRAY_CASES if d == 128 else ():
                 cls = _mask_class(band, docs, keep)
                 add("fwd", _fwd_config(HC, d, dtype, cls), dtype, d, band, docs, keep)
@@ -115,7 +139,15 @@ def _compile(fn, types, consts, num_warps, gluon=True):
     return triton.compile(src, target=GPUTarget(*SM90A), options=dict(num_warps=num_warps))
 
 
-def _compile_fwd(cfg, dtype, d, band, docs, keep):
+_MOD_TYPES = dict(SLOPES="*fp32", sl_b="i32", cap="fp32", adiag="i32")
+
+
+def _mod_consts(mods) -> dict:
+    return dict(SOFTCAP="softcap" in mods, ALIBI="alibi" in mods,
+                HAS_SINKS="sinks" in mods)
+
+
+def _compile_fwd(cfg, dtype, d, band, docs, keep, mods=()):
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -127,11 +159,15 @@ def _compile_fwd(cfg, dtype, d, band, docs, keep):
     types = dict(q_desc=qd, k_desc=kd, v_desc=kd, o_desc=qd, LSE="*fp32", H="i32",
                  G="i32", Sq="i32", Sk="i32", qk_scale="fp32", scale="fp32", lo="i32",
                  hi="i32", **_FWD_ARRAY_TYPES)
+    if mods:
+        types.update(_MOD_TYPES, SINKS="*fp32")
     array = bool(docs or keep)
     consts = dict(HAS_BAND=band, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                   PINGPONG=getattr(cfg, "pingpong", True), EXP_FMA=getattr(cfg, "exp_fma", True),
                   NC=cfg.consumers,
                   ARRAY=array, DOCS=int(docs), HAS_KEEP=keep)
+    if mods:
+        consts.update(_mod_consts(mods))
     if getattr(cfg, "persist", False):
         from anyattn.backends.triton.hopper.fwd_persist_kernel import fwd_persist_kernel as fn
 
@@ -146,7 +182,7 @@ def _compile_fwd(cfg, dtype, d, band, docs, keep):
     return _compile(fn, types, consts, 4)
 
 
-def _compile_bwd(cfg, dtype, d, band, docs, keep):
+def _compile_bwd(cfg, dtype, d, band, docs, keep, mods=()):
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -163,6 +199,9 @@ def _compile_bwd(cfg, dtype, d, band, docs, keep):
         types.update(_BWD_ARRAY_TYPES)
     consts = dict(HAS_BAND=band, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                   ARRAY=array, DOCS=int(docs), HAS_KEEP=keep)
+    if mods:
+        types.update(_MOD_TYPES)
+        consts.update(SOFTCAP="softcap" in mods, ALIBI="alibi" in mods)
     if not getattr(cfg, "dq", False):
         from anyattn.backends.triton.hopper.bwd_ws_kernel import dkdv_ws_kernel as fn
 
@@ -233,17 +272,17 @@ def _ptx_code(ptx: str) -> str:
 
 def convert_cases():
     return [(f"convert/{dt}/{'padded' if p else 'dense'}/{'visits' if v else 'novisits'}",
-             "convert", None, dt, 0, p, 0, v)
+             "convert", None, dt, 0, p, 0, v, ())
             for dt in ("bfloat16", "float16") for p in (False, True) for v in (False, True)]
 
 
 def _one(case):
-    key, kind, cfg, dtype, d, band, docs, keep = case
+    key, kind, cfg, dtype, d, band, docs, keep, mods = case
     t = time.time()
     if kind == "fwd":
-        ck = _compile_fwd(cfg, dtype, d, band, docs, keep)
+        ck = _compile_fwd(cfg, dtype, d, band, docs, keep, mods)
     elif kind == "bwd":
-        ck = _compile_bwd(cfg, dtype, d, band, docs, keep)
+        ck = _compile_bwd(cfg, dtype, d, band, docs, keep, mods)
     else:
         ck = _compile_convert(dtype, band, keep)
     sass = sass_of(ck.asm["cubin"])
@@ -252,7 +291,15 @@ def _one(case):
     ptx = _ptx_code(ck.asm["ptx"])
     return (key, hashlib.sha256(sass.encode()).hexdigest(),
             hashlib.sha256(ptx.encode()).hexdigest(), len(sass.splitlines()),
-            time.time() - t)
+            time.time() - t, len(re.findall(r"\bSTL\b", sass)),
+            len(re.findall(r"\bLDL\b", sass)), _registers(sass))
+
+
+def _registers(sass: str) -> int:
+    """The registers the SASS names (highest R number + 1: the warp-specialised
+    consumers' real use after setmaxnreg, where the metadata counts the entry's)."""
+    regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
+    return max(regs) + 1 if regs else 0
 
 
 def main():
@@ -262,8 +309,10 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", default="", help="substring filter on the keys")
     ap.add_argument("--list", action="store_true", help="print the cases and stop")
+    ap.add_argument("--no-mods", action="store_true",
+                    help="without the score-modifier variants (/mods-...)")
     a = ap.parse_args()
-    todo = [c for c in cases() + convert_cases() if a.only in c[0]]
+    todo = [c for c in cases(not a.no_mods) + convert_cases() if a.only in c[0]]
     if a.list:
         for c in todo:
             print(c[0])
@@ -271,20 +320,26 @@ def main():
         return 0
     res = {}
     with ProcessPoolExecutor(min(a.jobs, 2)) as ex:
-        for key, h, hp, n, dt in ex.map(_one, todo):
+        for key, h, hp, n, dt, stl, ldl, regs in ex.map(_one, todo):
             res[key] = {"sass_sha256": h, "ptx_sha256": hp, "sass_lines": n}
-            print(f"{key:70s} {h[:12]} {n:6d} lines {dt:6.1f} s", flush=True)
+            if "/mods-" in key:       # the new variants: spills and registers too
+                res[key].update(STL=stl, LDL=ldl, registers=regs)
+            print(f"{key:70s} {h[:12]} {n:6d} lines {dt:6.1f} s  STL {stl} LDL {ldl} "
+                  f"regs {regs}", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     print(f"{len(res)} cases -> {a.out}")
     if a.compare:
         with open(a.compare) as f:
             ref = json.load(f)
-        bad = [k for k in res if k not in ref or ref[k]["sass_sha256"] != res[k]["sass_sha256"]]
-        missing = [k for k in ref if k not in res]
+        new = [k for k in res if k not in ref]
+        bad = [k for k in res if k in ref and ref[k]["sass_sha256"] != res[k]["sass_sha256"]]
+        missing = [k for k in ref if k not in res and a.only in k
+                   and not (a.no_mods and "/mods-" in k)]
         ptx = [k for k in res if k in ref and ref[k]["ptx_sha256"] != res[k]["ptx_sha256"]]
-        print(f"compared {len(res)}: {len(res) - len(bad)} SASS identical, {len(bad)} differ, "
-              f"{len(missing)} missing; PTX differs in {len(ptx)}")
+        print(f"compared {len(res) - len(new)}: {len(res) - len(new) - len(bad)} SASS "
+              f"identical, {len(bad)} differ, {len(missing)} missing, {len(new)} new; PTX "
+              f"differs in {len(ptx)}")
         for k in bad:
             print("  DIFFERS:", k)
         for k in missing:

@@ -57,9 +57,14 @@ def test_coverage_reasons_name_what_is_missing():
                      (dict(D=64, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))),
                       "mask class documents at head_dim 64"),
                      (dict(bias=torch.zeros(1, 1, 8, 8)), "bias"),
-                     (dict(softcap=30.0), "softcap")):
+                     (dict(softcap=30.0, mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4))),
+                      "score features with mask class documents")):
         p = _problem(**kw)
         assert word in _why(p, "forward"), (kw, _why(p, "forward"))
+    # the score modifiers: covered (with no mask or a band), not routed by 'auto'
+    for kw in (dict(softcap=30.0), dict(softcap=30.0, mask=aa.Causal())):
+        p = _problem(**kw)
+        assert _why(p, "forward") is None and _why(p, "backward") is None, kw
     # Documents: covered by the forward and, at D=128, the backward
     p = _problem(mask=aa.Documents(torch.tensor([0] * 4 + [1] * 4)))
     assert _why(p, "forward") is None

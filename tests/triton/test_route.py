@@ -11,6 +11,7 @@ import pytest
 from anyattn import settings
 from anyattn.backends.triton import route as ROUTE
 from anyattn.backends.triton.hopper import configs as HCF
+from anyattn.backends.triton.hopper import coverage as HCOV
 
 H100 = ROUTE.DeviceFacts("cuda", (9, 0), 132)
 A100 = ROUTE.DeviceFacts("cuda", (8, 0), 108)
@@ -63,6 +64,36 @@ CASES = [
      ("hopper", "ws128x128s2opfPg"), ("hopper", "wdkdvq128x64s2nhrie")),
     ("Sk 8449 (67 tiles)", dict(head_dim=128, seq_k=8449), "auto", H100,
      ("hopper", "ws128x128s2opfPg"), ("hopper", "wdkdv128x64s2")),
+    # the score modifiers the Hopper kernels compute: covered, taken under 'hopper' only
+    ("PATH=hopper softcap D128", dict(head_dim=128, features=frozenset({"softcap"})),
+     "hopper", H100, ("hopper", "ws128x128s2opfPg"), ("hopper", "wdkdvq128x64s2nhrie")),
+    ("PATH=hopper softcap D64 causal", dict(head_dim=64, mask_class="band",
+                                            features=frozenset({"softcap"})),
+     "hopper", H100, ("hopper", "ws128x128s3opfPg"), ("hopper", "wdkdvq128x128s2nhtri")),
+    ("PATH=hopper softcap D64", dict(head_dim=64, features=frozenset({"softcap"})),
+     "hopper", H100, ("hopper", "ws192x128s3opf"), ("hopper", "wdkdvq128x128s2nhtrie")),
+    ("PATH=hopper softcap Sk 8449", dict(head_dim=128, seq_k=8449,
+                                         features=frozenset({"softcap"})),
+     "hopper", H100, ("hopper", "ws128x128s2opfPg"), ("hopper", "wdkdv128x64s2")),
+    # D=64 with ALiBi: the untransposed dQ-inside consumers (no spills; configs.py)
+    ("PATH=hopper alibi D64", dict(head_dim=64, features=frozenset({"alibi", "sinks"})),
+     "hopper", H100, ("hopper", "ws192x128s3opf"), ("hopper", "wdkdvq128x64s2nhri")),
+    ("PATH=hopper alibi D64 causal", dict(head_dim=64, mask_class="band",
+                                          features=frozenset({"alibi", "softcap"})),
+     "hopper", H100, ("hopper", "ws128x128s3opfPg"), ("hopper", "wdkdvq128x64s2nhri")),
+    ("PATH=hopper alibi D128", dict(head_dim=128, features=frozenset({"alibi"})),
+     "hopper", H100, ("hopper", "ws128x128s2opfPg"), ("hopper", "wdkdvq128x64s2nhrie")),
+    # ... with no array mask, and no other score feature
+    ("PATH=hopper softcap documents", dict(head_dim=128, mask_class="documents",
+                                           features=frozenset({"softcap"})),
+     "hopper", H100, RAISES, RAISES),
+    ("PATH=hopper bias", dict(head_dim=128, features=frozenset({"bias"})), "hopper", H100,
+     RAISES, RAISES),
+    ("PATH=hopper softcap+dropout", dict(head_dim=128,
+                                         features=frozenset({"softcap", "dropout"})),
+     "hopper", H100, RAISES, RAISES),
+    ("softcap causal", dict(head_dim=128, mask_class="band", features=frozenset({"softcap"})),
+     "auto", H100, ("portable", "fwd128x128w8s3"), ("portable", "fused(dkdv64x128w8s3+dq128x64)")),
 ]
 
 
@@ -111,6 +142,50 @@ def test_route_reasons_name_the_cause(heuristic):
                        "backward", H100)
     assert "67 key tiles per (batch, kv head) > 132 SMs // 2" in long.reasons[1]
     assert long.hopper == HCF.bwd_config_dkdv_only(128) and long.plan is not None
+
+
+@pytest.mark.parametrize("feature", sorted(HCOV.MOD_FEATURES))
+def test_route_holds_the_modifiers_back_from_auto(feature, heuristic, monkeypatch):
+    """A modifier the Hopper kernels compute but no GPU run has checked: 'auto' keeps the
+    portable kernels and says why; 'hopper' takes it; a feature outside the coverage
+    raises under 'hopper' with the covered ones named."""
+    facts = dict(batch=1, heads_q=4, heads_kv=4, seq_q=1024, seq_k=1024, head_dim=128,
+                 dtype="bfloat16")
+    problem = ROUTE.ProblemFacts(features=frozenset({feature}), **facts)
+    for direction in ROUTE.DIRECTIONS:
+        got = ROUTE.route(problem, direction, H100)
+        assert not got.hop
+        assert (f"'auto' does not route score features {feature} (covered, never checked"
+                in got.reasons[0]), got.describe()
+        assert "ANYATTN_TRITON_PATH=hopper takes it" in got.reasons[0]
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    for direction in ROUTE.DIRECTIONS:
+        got = ROUTE.route(problem, direction, H100)
+        assert got.hop and "ANYATTN_TRITON_PATH=hopper; covered" in got.reasons[0]
+        with pytest.raises(NotImplementedError, match="score features bias \\(the Hopper "
+                           f"{direction} covers [a-z, ]*{feature}"):
+            ROUTE.route(ROUTE.ProblemFacts(features=frozenset({feature, "bias"}), **facts),
+                        direction, H100)
+        with pytest.raises(NotImplementedError,
+                           match="score features with mask class documents"):
+            ROUTE.route(ROUTE.ProblemFacts(features=frozenset({feature}),
+                                           mask_class="documents", **facts), direction, H100)
+
+
+def test_coverage_features_are_data():
+    """Every direction covers the Hopper modifiers, routes none of them by default, and
+    names only known features."""
+    for direction, cov in HCOV.COVERAGE.items():
+        assert cov.features == HCOV.MOD_FEATURES, direction
+        assert cov.auto_features <= cov.features and not cov.auto_features
+        assert set(cov.features) <= set(HCOV.FEATURES)
+        assert cov.feature_mask_classes == {"none", "band"}
+    for mc in ("none", "band"):       # D=64 ALiBi's backward: a listed config that fits
+        cfg = HCF.bwd_config(64, mc, frozenset({"alibi"}))
+        assert cfg in HCF.BWD_CONFIGS and not cfg.trans and cfg.smem_bytes(64) <= 227 * 1024
+        assert HCOV.routed_by_default(direction, "none", 128)
+        for f in HCOV.MOD_FEATURES:
+            assert not HCOV.routed_by_default(direction, "none", 128, frozenset({f}))
 
 
 def test_route_follows_the_settings(heuristic, monkeypatch):

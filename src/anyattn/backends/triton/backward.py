@@ -112,11 +112,11 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                 sites = pr.sites if pr.direct else None
                 if hcfg.dq and want_q:   # dk, dv and dq in one kernel
                     hopper_launch.backward_fused(p, qo, ko, vo, doo, l2, delta, dq, dk, dv,
-                                                 cfg=hcfg,
-                                      sites=sites)
+                                                 cfg=hcfg, sites=sites, mods=mods)
                     want_q = False
                 else:                    # dk, dv; dq (if wanted) portable below
-                    hopper_launch.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites)
+                    hopper_launch.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites,
+                                       mods=mods)
             elif want_kv:
                 _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
                              sc, scalars, fkw)

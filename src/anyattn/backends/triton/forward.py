@@ -38,7 +38,7 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
     if pr.hop:
         from .hopper import launch as hopper_launch
 
-        return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd)
+        return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd, mods=mods)
     if pr.route.splits > 1:
         return _forward_split(p, q, k, v, pr, mods)
     plan = pr.plan

@@ -335,10 +335,10 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
             reasons.append(f"path: portable (not covered by the Hopper path: {why})")
         elif plan is not None:
             reasons.append("path: portable (an explicit portable plan was passed)")
-        elif not coverage.routed_by_default(direction, problem.mask_class, problem.head_dim):
-            reasons.append(f"path: portable (covered, but 'auto' does not route mask class "
-                           f"{problem.mask_class} at head_dim {problem.head_dim}: "
-                           "hopper/coverage.py)")
+        elif (held := coverage.auto_reason(direction, problem.mask_class, problem.head_dim,
+                                           problem.features)) is not None:
+            reasons.append(f"path: portable (covered, but 'auto' does not route {held}: "
+                           "hopper/coverage.py; ANYATTN_TRITON_PATH=hopper takes it)")
         else:
             hop = True
             reasons.append("path: hopper (ANYATTN_TRITON_PATH=auto; covered and routed "
@@ -355,7 +355,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         reasons.append(f"config: {name} = {why_plan}")
         reasons += [no_split] if no_split else []
         return Route(direction, "portable", name, tuple(reasons), plan=portable)
-    cfg = hopper_configs.bwd_config(problem.head_dim, problem.mask_class)
+    cfg = hopper_configs.bwd_config(problem.head_dim, problem.mask_class, problem.features)
     tiles = _cdiv(problem.seq_k, cfg.bn)
     if device.sm_count is None:
         raise ValueError("DeviceFacts.sm_count: the Hopper backward's config needs the "
@@ -366,8 +366,9 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
                        f"): {tiles} key tiles per (batch, kv head) > {device.sm_count} SMs "
                        "// 2")
     else:
+        feats = f", {sorted(problem.features)}" if problem.features else ""
         reasons.append(f"config: {cfg.name} = hopper/configs.bwd_config({problem.head_dim}, "
-                       f"{problem.mask_class!r}), dQ inside: {tiles} key tiles per "
+                       f"{problem.mask_class!r}{feats}), dQ inside: {tiles} key tiles per "
                        f"(batch, kv head) <= {device.sm_count} SMs // 2")
     return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg, plan=portable)
 

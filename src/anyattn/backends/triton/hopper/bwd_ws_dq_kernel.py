@@ -109,7 +109,7 @@ def _writer(dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, 
 
 @gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER", "ct_b",
                                "ct_h", "rk_b", "rk_h", "siv_b", "skid_b", "skm_b", "skm_h",
-                               "skm_q", "skm_k"])  # one compile per config
+                               "skm_q", "skm_k", "sl_b", "adiag"])  # one compile per config
 def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2, DELTA,
                     SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER, HAS_BAND: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -117,7 +117,9 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                     rk_b=None, rk_h=None, IV=None, KID=None, siv_b=None, skid_b=None,
                     KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
                     ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                    HAS_KEEP: gl.constexpr = False, LATE: gl.constexpr = False):
+                    HAS_KEEP: gl.constexpr = False, LATE: gl.constexpr = False,
+                    SLOPES=None, sl_b=None, cap=None, adiag=None, SOFTCAP: gl.constexpr = 0,
+                    ALIBI: gl.constexpr = False):
     """Grid (nkv, B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; dqa_desc: launch.dqa_desc's interleaved 5-D view of the fp32
@@ -133,7 +135,9 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
     RK int32 [Bm, Hm, nq, nkv] ((b, kv head) strides rk_b / rk_h; launch.bwd_mask_tables:
     ordered by (visiting step, j), ORDER unused), the edge tiles masked as in
     bwd_ws_kernel (IV ... skm_k: its arguments; None without ARRAY).  LATE: the writer
-    waits for a tile's adds and releases its counter a tile later (_writer)."""
+    waits for a tile's adds and releases its counter a tile later (_writer).  SLOPES ...
+    ALIBI: the score modifiers, as bwd_ws_kernel's."""
+    gl.static_assert(not (ARRAY and (SOFTCAP or ALIBI)), "score modifiers without array masks")
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -186,12 +190,14 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc,
                      p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                      ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, True, IVb, KIDb, KMb, skm_h,
-                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem)),
+                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem, SLOPES, sl_b, cap, adiag,
+                     SOFTCAP, ALIBI)),
          (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                      p_smem, ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                      ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
                      n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, True, IVb, KIDb, KMb, skm_h,
-                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem)),
+                     skm_q, skm_k, ARRAY, DOCS, HAS_KEEP, st_smem, SLOPES, sl_b, cap, adiag,
+                     SOFTCAP, ALIBI)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                      n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, True)),
          (_writer, (dqa_desc, dqs, dq_full, dq_empty, SEM, NBH, b, hk, H, G, Sk, pid_n, s0,

@@ -43,14 +43,17 @@ __all__ = ["dkdv_ws_kernel"]
 
 
 @gluon.jit(do_not_specialize=["H", "G", "Sq", "Sk", "lo", "hi", "ct_b", "ct_h", "siv_b",
-                               "skid_b", "skm_b", "skm_h", "skm_q", "skm_k"])
+                               "skid_b", "skm_b", "skm_h", "skm_q", "skm_k", "sl_b",
+                               "adiag"])
 def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA, H, G, Sq,
                    Sk, scale, lo, hi, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, CT=None,
                    ct_b=None, ct_h=None, IV=None, KID=None, siv_b=None, skid_b=None,
                    KM=None, skm_b=None, skm_h=None, skm_q=None, skm_k=None,
                    ARRAY: gl.constexpr = False,
-                   DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False):
+                   DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, SLOPES=None,
+                   sl_b=None, cap=None, adiag=None, SOFTCAP: gl.constexpr = 0,
+                   ALIBI: gl.constexpr = False):
     """Grid (cdiv(Sk, 2 * RN), B * Hkv), num_warps = 4 (consumer 0; the workers add 4 + 1).
     q/do_desc: [B, H, Sq, D] blocks [1, 1, BM, D]; k/v/dk/dv_desc: [B, Hkv, Sk, D] blocks
     [1, 1, RN, D]; L2 fp32 [B * H, 2, Sq]; DELTA fp32 [B * H * Sq].  Band masks through
@@ -61,7 +64,12 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
     strides siv_b / skid_b, 0: one row), DOCS 2 IV [Bd, 2, Sq] the key interval of each
     query's document; HAS_KEEP the keep bytes KM at element strides skm_b, skm_h,
     skm_q, skm_k (0 where broadcast).  Without ARRAY those stay None (the dense
-    configs compile as before)."""
+    configs compile as before).  Score modifiers (no array mask; off, their arguments
+    stay None): SOFTCAP the cap ``cap``, ALIBI the slopes SLOPES fp32 [Ba, H] (batch
+    stride sl_b) at distance |i - j + adiag| (bwd_ws_parts.consumer); where one is on,
+    all four arguments are passed.  Sinks need nothing here: the row statistics include
+    them and the portable preprocess writes dsinks."""
+    gl.static_assert(not (ARRAY and (SOFTCAP or ALIBI)), "score modifiers without array masks")
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -99,12 +107,14 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L2, DELTA,
                      p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
                      L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
                      lo, hi, HAS_BAND, STAGES, 0, False, IVb, KIDb, KMb, skm_h, skm_q,
-                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+                     skm_k, ARRAY, DOCS, HAS_KEEP, None, SLOPES, sl_b, cap, adiag, SOFTCAP,
+                     ALIBI)),
          (consumer, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                      p_smem, ds_smem, None, kv_bar, q_bar, do_bar, empty, None, None, None,
                      L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, 0, n_tot, scale,
                      lo, hi, HAS_BAND, STAGES, 1, False, IVb, KIDb, KMb, skm_h, skm_q,
-                     skm_k, ARRAY, DOCS, HAS_KEEP)),
+                     skm_k, ARRAY, DOCS, HAS_KEEP, None, SLOPES, sl_b, cap, adiag, SOFTCAP,
+                     ALIBI)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                      n_div, 0, n_tot, STAGES, BM))],
         [4, 1], [CONSUMER_REGS, 24])

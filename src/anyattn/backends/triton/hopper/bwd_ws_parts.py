@@ -16,7 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .fwd_masks import pair_keep
+from .fwd_masks import mod_scores, pair_keep
 
 __all__ = ["tile_of", "row_stats", "producer", "consumer", "ws_barriers"]
 
@@ -114,7 +114,9 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
              HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
              WITH_DQ: gl.constexpr, IVb=None, KIDb=None, KMb=None,
              skm_h=0, skm_q=0, skm_k=0, ARRAY: gl.constexpr = False,
-             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None):
+             DOCS: gl.constexpr = 0, HAS_KEEP: gl.constexpr = False, st_smem=None,
+             SLOPES=None, sl_b=0, cap=1.0, adiag=0, SOFTCAP: gl.constexpr = 0,
+             ALIBI: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop, with WITH_DQ
     the staged column half WG of the key tile's dQ partial, and the dK / dV epilogue
     (bwd_ws_kernel / bwd_ws_dq_kernel module docs).  Without WITH_DQ dqs / dq_full /
@@ -123,7 +125,11 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     rows 4 * stage + 0, 1, 2 of st_smem [4 * STAGES, BM], stored there by the producer
     (no global load on the tile's path), and dqs is [2, 1, BM / 8, 4, 2, DH], its rows
     interleaved within each group of 8 (launch.dqa_desc).  ARRAY: the edge tiles' Documents / KeepMask pairs too (array_keep's
-    IVb ... HAS_KEEP)."""
+    IVb ... HAS_KEEP).  SOFTCAP / ALIBI: the score modifiers as the forward applies them
+    (fwd_masks.mod_scores: the cap ``cap``, the slopes SLOPES fp32 [Ba, H] of batch
+    stride sl_b at distance |i - j + adiag|, each tile's head's slope); with SOFTCAP
+    P (1 - tanh^2) is formed as soon as P is, P kept in 16 bits for dV from there, and
+    dS = (P (1 - tanh^2)) (dP - delta) feeds dK and dQ."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -167,6 +173,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
     h, t = tile_of(0, hk, G, s0, n_div, off)
     if not WITH_DQ:
         mx, ln2, dlt = row_stats(L2, DELTA, b * H + h, t, Sq, offs_mb, BM)
+    if SOFTCAP or ALIBI:
+        inv_cap = 1.0 / cap
+        if ALIBI:        # the keys' positions [RN]
+            kj = r0 + gl.arange(0, RN, layout=col_s)
     mbarrier.wait(kb, 0)
     if WITH_DQ:
         mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
@@ -176,6 +186,10 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         offs_m = t * BM + offs_mb
         q2 = q_smem.index(stg).reshape([BM, D])
         do2 = do_smem.index(stg).reshape([BM, D])
+        if ALIBI:         # this tile's head's slope (raw units without softcap)
+            slope = gl.load(SLOPES + b * sl_b + h)
+            if not SOFTCAP:
+                slope = slope / scale
         mbarrier.wait(q_bar.index(stg), ph)
         s = warpgroup_mma(q2, kT, zero_s, use_acc=False, is_async=True)        # [BM, RN]
         mbarrier.wait(do_bar.index(stg), ph)
@@ -188,8 +202,20 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         if WITH_DQ:        # this tile's row statistics, staged by the producer
             mx = st_smem.index(4 * stg).load(row_s)                              # [BM]
             ln2 = st_smem.index(4 * stg + 1).load(row_s)
-        s = gl.fma(s, scale, 0.0)         # (an fma: never contracted into the next line)
+        if SOFTCAP:       # natural scores c tanh(..) (- ALiBi), and 1 - tanh^2
+            if not ALIBI:
+                kj = 0
+                slope = 0.0
+            s, dth = mod_scores(s, scale, inv_cap, cap, slope, offs_m + adiag, kj, SOFTCAP,
+                                ALIBI)
+        else:
+            if ALIBI:     # on the raw products (kernels._raw_alibi), then scaled
+                s, _ = mod_scores(s, scale, 0.0, 0.0, slope, offs_m + adiag, kj, 0, ALIBI)
+            s = gl.fma(s, scale, 0.0)     # (an fma: never contracted into the next line)
         p = gl.exp2((s - mx[:, None]) * LOG2E - ln2[:, None])                   # [BM, RN]
+        if SOFTCAP:       # through c tanh(x / c): dS = (P (1 - tanh^2)) (dP - delta); P
+            pd = p * dth  # for dV in 16 bits from here (1 - tanh^2 dies now, and no
+            p = p.to(dt)  # second fp32 tile lives across the edge tiles' branch)
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
             offs_n = r0 + gl.arange(0, RN, layout=col_s)                       # [RN]
             # with a band, per query the kept keys [j_lo, j_hi] (bounds, band): two compares an
@@ -205,8 +231,14 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
             if ARRAY:
                 keep = keep & array_keep(offs_m, offs_n, h, Sq, Sk, IVb, KIDb, KMb, skm_h,
                                          skm_q, skm_k, DOCS, HAS_KEEP)
-            p = gl.where(keep, p, 0.0)
+            if SOFTCAP:
+                p = gl.where(keep, p, gl.zeros_like(p))
+                pd = gl.where(keep, pd, 0.0)
+            else:
+                p = gl.where(keep, p, 0.0)
         p_own.store(p.to(dt))
+        if SOFTCAP:
+            p = pd
         fence_async_shared()
         gl.thread_barrier()               # the partition's 4 warps stored P
         dv = warpgroup_mma(p_own.permute((1, 0)), do2, dv, is_async=True)      # [RN, D]
@@ -248,7 +280,7 @@ def consumer(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, 
         if not WITH_DQ:
             mx, ln2, dlt = mx_n, ln2_n, dlt_n
             t = t_n
-            if ARRAY:     # the keep mask's head
+            if ARRAY or ALIBI:     # the keep mask's / the slope's head
                 h = h_n
         else:
             h, t = tile_of(it + 1, hk, G, s0, n_div, off)

@@ -30,16 +30,20 @@ from .tile_ranges import key_tile_program, key_tile_queries
 __all__ = ["dkdvq_ws_t_kernel"]
 
 
-@gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER"])  # one compile per config
+@gluon.jit(do_not_specialize=["NBH", "H", "G", "Sq", "Sk", "lo", "hi", "ORDER", "sl_b",
+                               "adiag"])  # one compile per config
 def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L2,
                       DELTA, SEM, NBH, H, G, Sq, Sk, scale, lo, hi, ORDER,
                       HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                      num_warps: gl.constexpr, LATE: gl.constexpr = False):
+                      num_warps: gl.constexpr, LATE: gl.constexpr = False, SLOPES=None,
+                      sl_b=None, cap=None, adiag=None, SOFTCAP: gl.constexpr = 0,
+                      ALIBI: gl.constexpr = False):
     """bwd_ws_dq_kernel.dkdvq_ws_kernel's arguments and grid (nkv, B * Hkv), without
     array masks (Documents / KeepMask run on dkdvq_ws_kernel).  The producer stages the
     queries' statistics (bwd_ws_t_parts.consumer_t reads them there).  LATE: the
-    writer's late counter release (HopperBwdConfig.late_release)."""
+    writer's late counter release (HopperBwdConfig.late_release).  SLOPES ... ALIBI: the
+    score modifiers, as bwd_ws_kernel's."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -79,11 +83,13 @@ def dkdvq_ws_t_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
         [(consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, st_smem)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 0, st_smem, SLOPES, sl_b,
+                       cap, adiag, SOFTCAP, ALIBI)),
          (consumer_t, (k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem,
                        ds_smem, dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty,
                        ds_bar, L2, DELTA, b, hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off,
-                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, st_smem)),
+                       n_tot, scale, lo, hi, HAS_BAND, STAGES, 1, st_smem, SLOPES, sl_b,
+                       cap, adiag, SOFTCAP, ALIBI)),
          (producer, (q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, empty, b, hk, G, s0,
                      n_div, off, n_tot, STAGES, BM, st_smem, L2, DELTA, H, Sq, True,
                      BM > 64)),

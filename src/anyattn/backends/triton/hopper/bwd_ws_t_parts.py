@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .bwd_ws_parts import LOG2E, tile_of
+from .fwd_masks import mod_scores
 
 __all__ = ["consumer_t"]
 
@@ -46,7 +47,9 @@ __all__ = ["consumer_t"]
 def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
                dqs, kv_bar, q_bar, do_bar, empty, dq_full, dq_empty, ds_bar, L2, DELTA, b,
                hk, H, G, Sq, Sk, j0, s0, g0, g1, n_div, off, n_tot, scale, lo, hi,
-               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, st_smem):
+               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, st_smem,
+               SLOPES=None, sl_b=0, cap=1.0, adiag=0, SOFTCAP: gl.constexpr = 0,
+               ALIBI: gl.constexpr = False):
     """Key rows [j0 + WG * RN, j0 + (WG + 1) * RN): the whole query loop (module doc),
     the staged column half WG of each key tile's dQ partial, and the dK / dV epilogue
     through this consumer's own K / V buffers.  ds_smem [4, RN, BM] (dS^T, slot
@@ -55,7 +58,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     here (each thread holds 16 of the BM columns): the producer stages them, one copy
     for both consumers, in rows 4 * stage + (0, 1, 2) of st_smem [4 * STAGES, BM]
     (bwd_ws_parts.producer with FOLD = BM > 64), read where used (max / log_norm before
-    the exponentials, delta before dS^T), so that no global load is on a tile's path."""
+    the exponentials, delta before dS^T), so that no global load is on a tile's path.
+    SOFTCAP / ALIBI: the score modifiers (bwd_ws_parts.consumer's: the keys are the rows
+    of |i - j + adiag| here); with SOFTCAP P^T (1 - tanh^2) is formed as soon as P^T
+    is, P^T kept in 16 bits for dV from there, and dS^T = (P^T (1 - tanh^2))
+    (dP^T - delta)."""
     BM: gl.constexpr = q_smem.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     RN: gl.constexpr = k_smem.shape[3]
@@ -96,6 +103,10 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
     dk = gl.zeros([RN, D], gl.float32, layout=a_l)
     dv = gl.zeros([RN, D], gl.float32, layout=a_l)
     h, t = tile_of(0, hk, G, s0, n_div, off)
+    if SOFTCAP or ALIBI:
+        inv_cap = 1.0 / cap
+        if ALIBI:        # the keys' positions [RN]
+            kj = r0 + gl.arange(0, RN, layout=key_s)
     mbarrier.wait(kb, 0)
     mbarrier.wait(kv_bar.index(1 - WG), 0)     # the other half's K (its dQ columns)
     for it in range(0, n_tot):
@@ -103,7 +114,11 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         ph = (it // STAGES) & 1
         offs_m = t * BM + offs_mb                                                # [BM]
         sl = it & 1
-        _, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+        h_n, t_n = tile_of(gl.minimum(it + 1, n_tot - 1), hk, G, s0, n_div, off)
+        if ALIBI:         # this tile's head's slope (raw units without softcap)
+            slope = gl.load(SLOPES + b * sl_b + h)
+            if not SOFTCAP:
+                slope = slope / scale
         smx = st_smem.index(4 * stg)      # this tile's rows of the producer's copy
         sln = st_smem.index(4 * stg + 1)
         sdl = st_smem.index(4 * stg + 2)
@@ -121,23 +136,42 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
             dpt = warpgroup_mma(v2, do2.permute((1, 0)), zero_s, use_acc=False,
                                 is_async=True)                                   # [RN, BM]
         st = warpgroup_mma_wait(1, deps=(st,))                                   # [RN, BM]
+        if SOFTCAP:       # natural scores c tanh(..) (- ALiBi), and 1 - tanh^2
+            if not ALIBI:
+                kj = 0
+                slope = 0.0
+            st, dth = mod_scores(st, scale, inv_cap, cap, slope, kj, offs_m + adiag,
+                                 SOFTCAP, ALIBI)
+        elif ALIBI:       # on the raw products (kernels._raw_alibi), scaled below
+            st, _ = mod_scores(st, scale, 0.0, 0.0, slope, kj, offs_m + adiag, 0, ALIBI)
         if FOLD:           # this tile's exponent offsets from shared memory
             cq = smx.load(qry_s)                                                 # [BM]
-            st = gl.fma(st, scale, 0.0)   # S^T * scale, as below (then one fma)
+            if not SOFTCAP:
+                st = gl.fma(st, scale, 0.0)   # S^T * scale, as below (then one fma)
             pt = gl.exp2(st * LOG2E - cq[None, :])                               # [RN, BM]
         else:
             mx = smx.load(qry_s)          # this tile's max and log_norm      [BM]
             ln2 = sln.load(qry_s)
-            st = gl.fma(st, scale, 0.0)   # (an fma: never contracted into the next line)
+            if not SOFTCAP:
+                st = gl.fma(st, scale, 0.0)   # (an fma: never contracted into the next line)
             pt = gl.exp2((st - mx[None, :]) * LOG2E - ln2[None, :])              # [RN, BM]
+        if SOFTCAP:       # through c tanh(x / c): dS^T = (P^T (1 - tanh^2)) (dP^T - delta);
+            ptd = pt * dth    # P^T for dV in 16 bits from here (1 - tanh^2 dies now, and
+            pt = pt.to(dt)    # no second fp32 tile lives across the edge tiles' branch)
         if (t < g0) | (t >= g1):          # edge tiles: bounds and the band
             offs_n = r0 + gl.arange(0, RN, layout=key_s)                         # [RN]
             keep = (offs_n < Sk)[:, None] & (offs_m < Sq)[None, :]
             if HAS_BAND:
                 dd = offs_n[:, None] - offs_m[None, :]
                 keep = keep & (dd >= lo) & (dd <= hi)
-            pt = gl.where(keep, pt, 0.0)
+            if SOFTCAP:
+                pt = gl.where(keep, pt, gl.zeros_like(pt))
+                ptd = gl.where(keep, ptd, 0.0)
+            else:
+                pt = gl.where(keep, pt, 0.0)
         pt16 = gl.convert_layout(pt.to(dt), op_l)                                # [RN, BM]
+        if SOFTCAP:
+            pt = ptd
         dv = warpgroup_mma(pt16, do2, dv, is_async=True)                         # [RN, D]
         if not FOLD:      # ... and delta, once the max and log_norm are dead
             dlt = sdl.load(qry_s)                                                # [BM]
@@ -170,6 +204,8 @@ def consumer_t(k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem
         gl.thread_barrier()               # the partition's 4 warps staged dQ[:, cols_w]
         mbarrier.arrive(dq_full.index(WG), count=1)
         t = t_n
+        if ALIBI:
+            h = h_n
 
     # the other consumer's last dQ products (they read K_w) are done
     mbarrier.arrive(ds_bar, count=1)

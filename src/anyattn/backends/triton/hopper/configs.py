@@ -129,6 +129,10 @@ _BWD: Dict[Tuple[int, str], HopperBwdConfig] = {
 }
 #: D=128 Documents / KeepMask: the band config's kernel over the mask's tables
 _BWD_ARRAYS = _BWD[(128, "band")]
+#: D=64 with ALiBi: the transposed consumers' 128-row tiles spill with ALiBi's
+#: per-element distances (their sm_90a SASS: 70-400 local stores a kernel against 17
+#: without); the untransposed 64-row consumers hold them in registers (none)
+_BWD_ALIBI_64 = HopperBwdConfig(64, dq=True)
 #: dQ portable: the dQ-inside kernels' waits need every key-tile program of a (batch,
 #: kv head) resident (route.py decides), and a call without dq needs none
 _BWD_DKDV_ONLY = HopperBwdConfig(64)
@@ -143,11 +147,15 @@ def fwd_config(d: int, mask_class: str) -> HopperConfig:
     return _FWD[(d, mask_class)]
 
 
-def bwd_config(d: int, mask_class: str) -> HopperBwdConfig:
-    """The backward's config for head dim d and the call's mask class."""
+def bwd_config(d: int, mask_class: str, features=frozenset()) -> HopperBwdConfig:
+    """The backward's config for head dim d, the call's mask class and score features
+    (coverage.FEATURES names)."""
     if d == 128 and ("documents" in mask_class or "keep" in mask_class):
         return _BWD_ARRAYS
-    return _BWD[(d, mask_class)]
+    cfg = _BWD[(d, mask_class)]
+    if d == 64 and "alibi" in features:
+        return _BWD_ALIBI_64
+    return cfg
 
 
 def bwd_config_dkdv_only(d: int) -> HopperBwdConfig:

@@ -1,5 +1,8 @@
 """What the Hopper path covers, as data, and the predicate that says why a call is not
-covered.
+covered.  Score features: Coverage.features (covered) and Coverage.auto_features (of
+those, what ANYATTN_TRITON_PATH=auto routes); the modifiers the kernels compute
+(MOD_FEATURES) are covered with no mask or a band, and 'auto' keeps them on the
+portable kernels until a GPU run has checked and timed them.
 
 Shape legend: B batch, H query heads, Sq / Sk queries / keys, D head dim.  A call the
 table does not cover goes to the portable kernels (backends/triton/route.py, which
@@ -12,18 +15,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Tuple
 
-__all__ = ["Coverage", "COVERAGE", "FEATURES", "uncovered", "routed_by_default",
-           "tensor_reason", "layout_reason"]
+__all__ = ["Coverage", "COVERAGE", "FEATURES", "MOD_FEATURES", "uncovered",
+           "routed_by_default", "auto_reason", "tensor_reason", "layout_reason"]
 
-#: the score features a problem may have (route.ProblemFacts.features); the Hopper
-#: path has none of them
+#: the score features a problem may have (route.ProblemFacts.features); a direction
+#: covers those of its Coverage.features
 FEATURES = ("bias", "softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
+#: the score modifiers the Hopper kernels compute (constexpr switches of the routed
+#: no-mask / band kernels; the portable kernels' math): covered, not routed by 'auto'
+#: until a GPU run has checked and timed them
+MOD_FEATURES = frozenset({"softcap", "alibi", "sinks"})
 
 
 @dataclass(frozen=True)
 class Coverage:
-    """One direction's coverage: compute capabilities, dtypes, head dims, mask classes;
-    every score feature not listed (bias, softcap, ALiBi, sinks, dropout) is outside."""
+    """One direction's coverage: compute capabilities, dtypes, head dims, mask classes,
+    score features; every score feature not in ``features`` is outside."""
 
     capabilities: FrozenSet[Tuple[int, int]]
     dtypes: FrozenSet[str]
@@ -38,6 +45,13 @@ class Coverage:
     #: (head dim, mask classes) pairs: the mask classes 'auto' routes at that head dim
     #: (in place of ``auto_mask_classes`` there)
     auto_mask_classes_by_head_dim: Tuple[Tuple[int, FrozenSet[str]], ...] = ()
+    #: the score features (FEATURES names) covered, with a mask of a class in
+    #: ``feature_mask_classes`` only
+    features: FrozenSet[str] = frozenset()
+    #: the covered features 'auto' routes here; the others only ANYATTN_TRITON_PATH=hopper
+    auto_features: FrozenSet[str] = frozenset()
+    #: the mask classes a call with score features may have
+    feature_mask_classes: FrozenSet[str] = frozenset({"none", "band"})
 
     def covered_mask_classes(self, head_dim: Optional[int]) -> FrozenSet[str]:
         """The mask classes covered at ``head_dim`` (None: at every covered head dim)."""
@@ -62,7 +76,8 @@ COVERAGE = {
                                                 "band+documents", "band+keep",
                                                 "documents+keep", "band+documents+keep"}),
                         auto_mask_classes=frozenset({"none", "band", "documents",
-                                                     "band+documents"})),
+                                                     "band+documents"}),
+                        features=MOD_FEATURES),
     # Documents / KeepMask at D=128 only.  Not routed by 'auto': on the device faster
     # than the portable backward, but this route costs more host time per eager step and
     # an array-mask step cannot be graph-captured, so the user's eager step is slower at
@@ -75,16 +90,32 @@ COVERAGE = {
                                                  "documents+keep", "band+documents+keep"}),
                          mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
                          auto_mask_classes=frozenset({"none", "band"}),
-                         auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),)),
+                         auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
+                         features=MOD_FEATURES),
 }
 
 
 def routed_by_default(direction: str, mask_class: Optional[str] = None,
-                      head_dim: Optional[int] = None) -> bool:
+                      head_dim: Optional[int] = None, features=()) -> bool:
     """Whether ANYATTN_TRITON_PATH=auto sends covered calls of ``direction`` (with a mask
-    of ``mask_class`` and head dim ``head_dim``; None: any) to Hopper."""
-    auto_classes = COVERAGE[direction].auto_classes(head_dim)
-    return mask_class is None or auto_classes is None or mask_class in auto_classes
+    of ``mask_class`` and head dim ``head_dim``; None: any; with the score features
+    ``features``) to Hopper."""
+    return auto_reason(direction, mask_class, head_dim, features) is None
+
+
+def auto_reason(direction: str, mask_class: Optional[str] = None,
+                head_dim: Optional[int] = None, features=()) -> Optional[str]:
+    """None where ANYATTN_TRITON_PATH=auto routes a covered call of ``direction`` to
+    Hopper (routed_by_default's arguments), else why not, in one line."""
+    cov = COVERAGE[direction]
+    auto_classes = cov.auto_classes(head_dim)
+    if not (mask_class is None or auto_classes is None or mask_class in auto_classes):
+        return f"mask class {mask_class} at head_dim {head_dim}"
+    held = [f for f in FEATURES if f in features and f not in cov.auto_features]
+    if held:
+        return (f"score features {', '.join(held)} (covered, never checked and timed on a "
+                "GPU)")
+    return None
 
 
 def tensor_reason(name: str, x) -> Optional[str]:
@@ -136,9 +167,13 @@ def uncovered(problem, direction: str, device) -> Optional[str]:
     if problem.mask_class not in classes:
         return (f"mask class {problem.mask_class} at head_dim {problem.head_dim} (covers "
                 f"{sorted(classes)})")
-    feats = [f for f in FEATURES if f in problem.features]
+    feats = [f for f in FEATURES if f in problem.features and f not in cov.features]
     if feats:
-        return f"score features {', '.join(feats)} (the Hopper path has none)"
+        return (f"score features {', '.join(feats)} (the Hopper {direction} covers "
+                f"{', '.join(f for f in FEATURES if f in cov.features) or 'none'})")
+    if problem.features and problem.mask_class not in cov.feature_mask_classes:
+        return (f"score features with mask class {problem.mask_class} (covered with "
+                f"{', '.join(sorted(cov.feature_mask_classes))} only)")
     if problem.empty:
         return "an empty problem"
     if problem.precision not in ("highest", "tf32"):

@@ -1,5 +1,7 @@
 """The Hopper forward's online softmax of one score tile (softmax_tile: bounds and band on
-the edge tiles) and the array masks (Documents / KeepMask) applied before it.
+the edge tiles), the array masks (Documents / KeepMask) applied before it and the score
+modifiers before those (mod_scores: softcap, ALiBi; the portable kernels' math,
+kernels._mod_scores).
 
 Shape legend: RM query rows of a consumer warpgroup, BN the key tile, Sq / Sk queries /
 keys.  The warp-specialised forward (fwd_ws_kernel) walks a block-range table at its own
@@ -15,7 +17,74 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
-__all__ = ["softmax_tile_masked", "pair_keep"]
+__all__ = ["softmax_tile_masked", "pair_keep", "mod_scores", "alibi_dist", "tanh_fast",
+           "fwd_mods", "LOG2E"]
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def tanh_fast(y):
+    """-> (tanh y, 1 - tanh^2 y) through the one-instruction tanh.approx.f32 (max relative
+    error ~2^-11; saturates to +-1, NaN stays NaN): the portable kernels' softcap of
+    16-bit inputs on CUDA (kernels._tanh_fast), so both paths form the same scores."""
+    t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    return t, 1.0 - t * t
+
+
+@gluon.jit
+def alibi_dist(ri, cj):
+    """|ri - cj| [M, N] as fp32, exact for |ri - cj| < 2^22, from integer positions ri [M]
+    / cj [N]: the int32 difference biased by 2^23 + 2^22 has the bits of that float
+    (exponent 2^23: integers exact), so the conversion is one integer add (the column's
+    part folds into an immediate: no per-column vector lives in registers) and one
+    float subtraction, no int-to-float instruction.  The same value as the portable
+    kernels' |fl(i) - fl(j)| (kernels._alibi_dist) wherever both are exact."""
+    d = (ri[:, None] + 0x4B400000) - cj[None, :]                               # int32
+    return gl.abs(d.to(gl.float32, bitcast=True) - 12582912.0)
+
+
+@gluon.jit
+def mod_scores(s, scale, inv_cap, cap, slope, ri, cj, SOFTCAP: gl.constexpr,
+               ALIBI: gl.constexpr):
+    """Raw products q.k s [M, N] -> the scores with the modifiers, in kernels._mod_scores'
+    order and roundings: SOFTCAP the natural scores c * tanh(fma(s, scale, 0) * (1 / c))
+    (inv_cap = 1 / c), then ALIBI - slope * |ri - cj| (ri [M] / cj [N] the rows' /
+    columns' int32 positions, the bottom-right offset added to the query side, either of
+    them; alibi_dist); ALIBI alone on the raw products with slope = slope / scale
+    (kernels._raw_alibi: the scores stay in raw units).  -> (scores, 1 - tanh^2: the
+    scores again without SOFTCAP, unused)."""
+    if SOFTCAP:
+        th, dth = tanh_fast(gl.fma(s, scale, 0.0) * inv_cap)
+        s = gl.fma(th, cap, 0.0)
+    else:
+        dth = s
+    if ALIBI:
+        s = gl.fma(alibi_dist(ri, cj), -slope, s)
+    return s, dth
+
+
+@gluon.jit
+def fwd_mods(MODS, b, h, scale, qk_scale, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """A forward consumer's modifier values for (batch b, query head h) from MODS =
+    (SLOPES fp32 [Ba, H], its batch stride sl_b, the cap c, the ALiBi offset adiag, SINKS
+    fp32 [H]; placeholders where a modifier is off) -> (mods = (scale, c, slope, adiag)
+    for softmax_tile_masked, the exponent's factor: log2(e) on the natural scores of
+    SOFTCAP, else qk_scale on raw products).  The sink is the epilogue's to load (no
+    register of it lives across the key loop)."""
+    SLOPES, sl_b, cap, adiag, SINKS = MODS
+    if ALIBI:
+        slope = gl.load(SLOPES + b * sl_b + h)
+        if not SOFTCAP:
+            slope = slope / scale
+    else:
+        slope = 0.0
+    if SOFTCAP:
+        c_exp = LOG2E
+    else:
+        c_exp = qk_scale
+    return (scale, cap, slope, adiag), c_exp
 
 
 @gluon.jit
@@ -95,9 +164,18 @@ def _exclude(s, t, r0, offs_mb, offs_nb, Sq, Sk, am, BN: gl.constexpr,
 @gluon.jit
 def softmax_tile_masked(s, m_i, l_i, t, f0, f1, r0, offs_mb, offs_nb, Sq, Sk, lo, hi,
                         qk_scale, am, HAS_BAND: gl.constexpr, BN: gl.constexpr,
-                        ARRAY: gl.constexpr, DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """softmax_tile with the array mask applied first on masked tiles (t outside
-    [f0, f1)).  -> p [RM, BN], alpha, l_i, m_i [RM]."""
+                        ARRAY: gl.constexpr, DOCS: gl.constexpr, HAS_KEEP: gl.constexpr,
+                        mods=None, SOFTCAP: gl.constexpr = 0, ALIBI: gl.constexpr = False):
+    """softmax_tile with the score modifiers (SOFTCAP / ALIBI: mod_scores with mods =
+    fwd_mods' tuple; qk_scale then fwd_mods' exponent factor) and the array mask applied
+    first on masked tiles (t outside [f0, f1)).  -> p [RM, BN], alpha, l_i, m_i [RM]."""
+    if SOFTCAP or ALIBI:
+        scale, cap, slope, adiag = mods
+        inv_cap = 1.0 / cap
+        # ALiBi: the rows' positions + adiag - the tile's first key [RM], the columns'
+        # within the tile [BN] (alibi_dist)
+        s, _ = mod_scores(s, scale, inv_cap, cap, slope, r0 + offs_mb + adiag - t * BN,
+                          offs_nb, SOFTCAP, ALIBI)
     if ARRAY:
         masked = (t < f0) | (t >= f1)
         if masked:

@@ -31,6 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from .fwd_masks import fwd_mods
 from .fwd_ws_kernel import (_loop_overlap, consumer_layouts, epilogue, produce, ring,
                             tile_keys)
 
@@ -108,10 +109,14 @@ def _load_q(q_desc, q_own, qb, k, SCH, n_m, H, WG: gl.constexpr, HAS_BAND: gl.co
 def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty,
               v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale, BH, SCH,
               HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-              WG: gl.constexpr):
+              WG: gl.constexpr, SLOPES=None, sl_b=None, cap=None, adiag=None,
+              SINKS=None, SOFTCAP: gl.constexpr = 0,
+              ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False):
     """Rows [WG * RM, (WG + 1) * RM) of each of this program's query tiles: Q (the next
     tile's loaded when this one's key loop is done), the overlapped key loop, the
-    epilogue through o_smem[WG]."""
+    epilogue through o_smem[WG].  SOFTCAP / ALIBI / HAS_SINKS: the score modifiers,
+    SLOPES ... SINKS their arguments (fwd_masks.fwd_mods, per tile: its head's slope; the
+    epilogue loads the sink)."""
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BM: gl.constexpr = NC * RM
@@ -144,12 +149,18 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
         m_i = gl.full([RM], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([RM], gl.float32, layout=row_s)
         acc = gl.zeros([RM, D], gl.float32, layout=o_l)
+        if SOFTCAP or ALIBI or HAS_SINKS:
+            mods, c_exp = fwd_mods((SLOPES, sl_b, cap, adiag, SINKS), b, h, scale,
+                                   qk_scale, SOFTCAP, ALIBI)
+        else:
+            mods = None
+            c_exp = qk_scale
         mbarrier.wait(qb, j & 1)
         acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                       turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
-                                      offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, None, c,
+                                      offs_mb, offs_nb, Sq, Sk, lo, hi, c_exp, None, c,
                                       HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                      False, 0, False)
+                                      False, 0, False, mods, SOFTCAP, ALIBI)
         if n > 0:     # the tile's last V (its P.V waited for in the loop): free its stage
             mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
         # every wgmma reading Q is done: the next tile's Q flies during the epilogue
@@ -157,7 +168,7 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
             _load_q(q_desc, q_own, qb, k + step, SCH, n_m, H, WG, HAS_BAND, BM, RM)
         tma.store_wait(pendings=0)       # the previous tile's out left o_own
         epilogue(acc, l_i, m_i, o_own, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
-                 row_o)
+                 row_o, SOFTCAP, SINKS, HAS_SINKS)
         c += n
         j += 1
     tma.store_wait(pendings=0)
@@ -167,13 +178,16 @@ def _consumer(q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_ba
 def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, scale,
                        lo, hi, RT, rt_b, rt_h, QID, KID, sqid_b, skid_b, KM, skm_b, skm_h,
                        skm_q, skm_k, BH, SCH, HAS_BAND: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, SLOPES=None,
+                       sl_b=None, cap=None, adiag=None, SINKS=None,
+                       SOFTCAP: gl.constexpr = 0, ALIBI: gl.constexpr = False,
+                       HAS_SINKS: gl.constexpr = False):
     """Grid (P,) with P <= the SM count (module doc); num_warps = 4 (consumer 0; the
     workers add 4 + 1).  Arguments as fwd_ws_kernel's (NC = 2 consumers, no array masks:
     RT ... skm_k are placeholders, not read, kept where they sit in the parameter
     block), plus BH = B * H and SCH: int32 [P + 1 + T]
     the schedule (HAS_BAND: offsets of each program's walk, then the tiles; not read
-    without a band)."""
+    without a band).  SLOPES ... HAS_SINKS: the score modifiers, as fwd_ws_kernel's."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -192,10 +206,12 @@ def fwd_persist_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_sca
     gl.warp_specialize(
         [(_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale,
-                      BH, SCH, HAS_BAND, STAGES, BN, 0)),
+                      BH, SCH, HAS_BAND, STAGES, BN, 0, SLOPES, sl_b, cap, adiag, SINKS,
+                      SOFTCAP, ALIBI, HAS_SINKS)),
          (_consumer, (q_desc, o_desc, q_smem, o_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                       k_empty, v_empty, turn, LSE, H, Sq, Sk, lo, hi, qk_scale, scale,
-                      BH, SCH, HAS_BAND, STAGES, BN, 1)),
+                      BH, SCH, HAS_BAND, STAGES, BN, 1, SLOPES, sl_b, cap, adiag, SINKS,
+                      SOFTCAP, ALIBI, HAS_SINKS)),
          (_producer, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, H, G,
                       Sq, Sk, lo, hi, BH, SCH, HAS_BAND, STAGES, BN, BM))],
         [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -30,7 +30,11 @@ log2 e)``, the statistics ``max = m * scale`` and ``log_norm = ln(l)`` go to two
 planes [2, B * H * Sq]; empty rows: out 0, max -inf, log_norm 0.  Documents / KeepMask (ARRAY): the key range of a
 program is read from a block-range table at its BM x BN tile instead of computed from the
 band (the producer walks it by tile index as before); the consumers apply the id compare
-/ keep bytes on the edge tiles only (fwd_masks), composed with the band there.
+/ keep bytes on the edge tiles only (fwd_masks), composed with the band there.  Score
+modifiers (constexprs SOFTCAP / ALIBI / HAS_SINKS, no array mask): softcap and ALiBi on
+every score tile before the masks (fwd_masks.mod_scores, the portable kernels' math;
+softcap keeps the row max in natural units, max = m, and the exponent's factor is
+log2 e), the sink folded into the statistics in the epilogue.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .tile_ranges import key_tile_range
-from .fwd_masks import softmax_tile_masked
+from .fwd_masks import fwd_mods, softmax_tile_masked
 
 __all__ = ["fwd_ws_kernel", "tile_keys", "epilogue", "ring", "produce"]
 
@@ -100,12 +104,14 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, dt: gl.constexpr, p_l: gl.constexpr, row_o: gl.constexpr,
                   WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
-                  DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
+                  DOCS: gl.constexpr, HAS_KEEP: gl.constexpr, mods=None,
+                  SOFTCAP: gl.constexpr = 0, ALIBI: gl.constexpr = False):
     """Per tile j: issue S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} (one turn under
     ping-pong), wait for S_j, softmax of j while P.V runs, wait for P.V, rescale O.
     Tile 0's S before the loop, the last P.V after it.  c0: ring slots (and ping-pong
     turns) this consumer used before this key loop (0 but in a persistent program: its
-    earlier query tiles').  -> acc [RM, D] (done), l_i, m_i."""
+    earlier query tiles').  SOFTCAP / ALIBI: the score modifiers (fwd_masks.mod_scores;
+    mods and qk_scale from fwd_masks.fwd_mods).  -> acc [RM, D] (done), l_i, m_i."""
     RM: gl.constexpr = q2.shape[0]
     p16 = gl.zeros([RM, BN], dt, layout=p_l)
     if n > 0:
@@ -119,7 +125,8 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         mbarrier.arrive(k_empty.index(st0), count=1)
         p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0, f0, f1, r0, offs_mb,
                                                  offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP)
+                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP, mods,
+                                                 SOFTCAP, ALIBI)
         p16 = gl.convert_layout(p.to(dt), p_l)           # acc is 0: no rescale needed
     for it in range(1, n):
         g = c0 + it                                   # this consumer's ring slot count
@@ -137,7 +144,8 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
         mbarrier.arrive(k_empty.index(stg), count=1)
         p, alpha, l_i, m_i = softmax_tile_masked(s, m_i, l_i, t0 + it, f0, f1, r0, offs_mb,
                                                  offs_nb, Sq, Sk, lo, hi, qk_scale, am,
-                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP)
+                                                 HAS_BAND, BN, ARRAY, DOCS, HAS_KEEP, mods,
+                                                 SOFTCAP, ALIBI)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))  # P.V(it - 1) done: V, p16 free
         mbarrier.arrive(v_empty.index(pst), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -153,14 +161,18 @@ def _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, acc,
 @gluon.jit
 def _consumer(ca, HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr, ARRAY: gl.constexpr,
-              DOCS: gl.constexpr, HAS_KEEP: gl.constexpr):
+              DOCS: gl.constexpr, HAS_KEEP: gl.constexpr, SLOPES=None,
+              sl_b=None, cap=None, adiag=None, SINKS=None, SOFTCAP: gl.constexpr = 0, ALIBI: gl.constexpr = False,
+              HAS_SINKS: gl.constexpr = False):
     """Rows [i0 + WG * RM, i0 + (WG + 1) * RM) of the program's query tile: the whole key
     loop and the epilogue (out by TMA, max / log_norm to LSE [2, B * H * Sq]).  ``ca``:
     the arguments but the constexprs, as a tuple (unpacked below; one tuple for every
     consumer of fwd_ws_kernel's warp_specialize, where a tuple holds no constexpr).  ARRAY:
     the edge tiles' Documents (DOCS 1: q ids QIDb [Sq], k ids KIDb [Sk] of batch row b;
     DOCS 2: QIDb [2, Sq] the key interval of each row's document) and / or KeepMask (KMb
-    bytes of (b, h), strides skm_q / skm_k) masks (fwd_masks)."""
+    bytes of (b, h), strides skm_q / skm_k) masks (fwd_masks).  SOFTCAP / ALIBI /
+    HAS_SINKS: the score modifiers, SLOPES ... SINKS their arguments
+    (fwd_masks.fwd_mods)."""
     (q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn, LSE,
      b, h, bh, i0, Sq, Sk, t0, f0, f1, n, lo, hi, qk_scale, scale, QIDb, KIDb, KMb, skm_q,
      skm_k) = ca
@@ -198,36 +210,68 @@ def _consumer(ca, HAS_BAND: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr
         qa = 0
         qe = 0
     am = (qa, qe, KIDb, KMb, skm_q, skm_k)
+    if SOFTCAP or ALIBI or HAS_SINKS:
+        mods, qk_scale = fwd_mods((SLOPES, sl_b, cap, adiag, SINKS), b, h, scale,
+                                  qk_scale, SOFTCAP, ALIBI)
+    else:
+        mods = None
     mbarrier.wait(qb, 0)
     acc, l_i, m_i = _loop_overlap(q2, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty,
                                   turn, acc, m_i, l_i, zero_s, n, t0, f0, f1, r0,
                                   offs_mb, offs_nb, Sq, Sk, lo, hi, qk_scale, am, 0,
                                   HAS_BAND, STAGES, BN, D, dt, p_l, row_o, WG, NC,
-                                  ARRAY, DOCS, HAS_KEEP)
+                                  ARRAY, DOCS, HAS_KEEP, mods, SOFTCAP, ALIBI)
 
     # this consumer's own Q buffer takes out: only its wgmmas read it
     epilogue(acc, l_i, m_i, q_own, o_desc, LSE, b, h, bh, r0, Sq, gl.num_programs(1),
-             scale, offs_mb, row_o)
+             scale, offs_mb, row_o, SOFTCAP, SINKS, HAS_SINKS)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def epilogue(acc, l_i, m_i, o_buf, o_desc, LSE, b, h, bh, r0, Sq, BH, scale, offs_mb,
-             row_o: gl.constexpr):
+             row_o: gl.constexpr, NAT: gl.constexpr = False, SINKS=None,
+             HAS_SINKS: gl.constexpr = False):
     """The epilogue for rows [r0, r0 + RM) of (b, h): out = acc / l (0 on empty
     rows) through o_buf [1, 1, RM, D] (shared, free) by TMA (not waited for); max -inf and
-    log_norm 0 on empty rows, to LSE [2, BH * Sq] (bh = b * H + h)."""
+    log_norm 0 on empty rows, to LSE [2, BH * Sq] (bh = b * H + h).  NAT: m_i holds
+    natural scores (softcap), else raw products (max = m_i * scale).  HAS_SINKS: the sink
+    SINKS[h] (fp32 [H]) is one more term of the normaliser, as the portable forward folds it in
+    (kernels.fwd_kernel): max2 = max(max, sink), l2 = l e^(max - max2) + e^(sink - max2),
+    out = acc e^(max - max2) / l2; a row keeping no key: out 0, max = sink, l2 = 1."""
     dt: gl.constexpr = o_desc.dtype
     RM: gl.constexpr = o_desc.block_type.shape[2]
     D: gl.constexpr = o_desc.block_type.shape[3]
     empty_r = l_i == 0.0
-    l_safe = gl.where(empty_r, 1.0, l_i)
-    row_max = gl.where(empty_r, float("-inf"), m_i * scale)
-    row_max = gl.where(l_i == l_i, row_max, l_i)
-    log_norm = gl.log2(l_safe) * 0.6931471805599453
-    emp_o = gl.convert_layout(empty_r, row_o)
-    l_o = gl.convert_layout(l_safe, row_o)
-    out = gl.where(emp_o[:, None], 0.0, acc / l_o[:, None])                    # [RM, D]
+    if HAS_SINKS:
+        snk = gl.load(SINKS + h)
+        if NAT:
+            row_max = gl.where(empty_r, float("-inf"), m_i)
+        else:
+            row_max = gl.where(empty_r, float("-inf"), m_i * scale)
+        mx2 = gl.maximum(row_max, snk)
+        mx2s = gl.where(mx2 == float("-inf"), 0.0, mx2)
+        alpha = gl.exp2((row_max - mx2s) * 1.4426950408889634)     # 0 on empty rows
+        l_i = l_i * alpha + gl.exp2((snk - mx2s) * 1.4426950408889634)
+        empty_r = l_i == 0.0
+        l_safe = gl.where(empty_r, 1.0, l_i)
+        row_max = gl.where(l_i == l_i, mx2, l_i)
+        log_norm = gl.log2(l_safe) * 0.6931471805599453
+        emp_o = gl.convert_layout(empty_r, row_o)
+        l_o = gl.convert_layout(l_safe, row_o)
+        a_o = gl.convert_layout(alpha, row_o)
+        out = gl.where(emp_o[:, None], 0.0, (acc * a_o[:, None]) / l_o[:, None])  # [RM, D]
+    else:
+        l_safe = gl.where(empty_r, 1.0, l_i)
+        if NAT:
+            row_max = gl.where(empty_r, float("-inf"), m_i)
+        else:
+            row_max = gl.where(empty_r, float("-inf"), m_i * scale)
+        row_max = gl.where(l_i == l_i, row_max, l_i)
+        log_norm = gl.log2(l_safe) * 0.6931471805599453
+        emp_o = gl.convert_layout(empty_r, row_o)
+        l_o = gl.convert_layout(l_safe, row_o)
+        out = gl.where(emp_o[:, None], 0.0, acc / l_o[:, None])                # [RM, D]
     o_buf.reshape([RM, D]).store(out.to(dt))
     fence_async_shared()
     gl.thread_barrier()           # the partition's 4 warps stored before the TMA reads
@@ -297,7 +341,9 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
                   HAS_BAND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   num_warps: gl.constexpr,
                   NC: gl.constexpr = 2, ARRAY: gl.constexpr = False, DOCS: gl.constexpr = 0,
-                  HAS_KEEP: gl.constexpr = False):
+                  HAS_KEEP: gl.constexpr = False, SLOPES=None, sl_b=None, cap=None,
+                  adiag=None, SINKS=None, SOFTCAP: gl.constexpr = 0,
+                  ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False):
     """Grid (cdiv(Sq, NC * RM), B * H), num_warps = 4 (consumer 0; the workers add
     4 * (NC - 1) + 1).  q/o_desc: [B, H, Sq, D] blocks [1, 1, RM, D]; k/v_desc:
     [B, Hkv, Sk, D] blocks [1, 1, BN, D]; LSE fp32 [2, B * H * Sq] (max, log_norm).
@@ -310,10 +356,17 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
     ids with batch strides sqid_b / skid_b (0: one row); DOCS 2 (k ids sorted): QID int32
     [Bd, 2, Sq], per query the first and one past the last key of its document (an
     empty interval where none), KID unused; KeepMask: uint8 KM with element strides
-    skm_b, skm_h, skm_q, skm_k (0 where broadcast)."""
+    skm_b, skm_h, skm_q, skm_k (0 where broadcast).  Score modifiers (no array mask;
+    off, the arguments stay None and the kernel is the plain one): SOFTCAP the cap
+    ``cap`` (c tanh(s / c), fwd_masks.mod_scores), ALIBI the slopes SLOPES fp32 [Ba, H]
+    (batch stride sl_b, 0: one row) at distance |i - j + adiag|, HAS_SINKS the sinks
+    SINKS fp32 [H] folded into the statistics (epilogue); where one is on, all five
+    arguments are passed (placeholders for the others)."""
     gl.static_assert(num_warps == 4, "consumer 0 is one warpgroup")
     gl.static_assert((NC == 2) or (NC == 3), "two or three consumer warpgroups")
     gl.static_assert(ARRAY or not (DOCS or HAS_KEEP), "array masks come with ARRAY")
+    gl.static_assert(not (ARRAY and (SOFTCAP or ALIBI or HAS_SINKS)),
+                     "score modifiers without array masks")
     RM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -346,16 +399,21 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, G, Sq, Sk, qk_scale, s
           skm_q, skm_k)
     if NC == 2:
         gl.warp_specialize(
-            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP, SLOPES,
+                          sl_b, cap, adiag, SINKS, SOFTCAP, ALIBI, HAS_SINKS)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP, SLOPES,
+                          sl_b, cap, adiag, SINKS, SOFTCAP, ALIBI, HAS_SINKS)),
              (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                         hk, t0, n, 0, STAGES, BN))],
             [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize(
-            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP)),
-             (_consumer, (ca, HAS_BAND, STAGES, BN, 2, NC, ARRAY, DOCS, HAS_KEEP)),
+            [(_consumer, (ca, HAS_BAND, STAGES, BN, 0, NC, ARRAY, DOCS, HAS_KEEP, SLOPES,
+                          sl_b, cap, adiag, SINKS, SOFTCAP, ALIBI, HAS_SINKS)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 1, NC, ARRAY, DOCS, HAS_KEEP, SLOPES,
+                          sl_b, cap, adiag, SINKS, SOFTCAP, ALIBI, HAS_SINKS)),
+             (_consumer, (ca, HAS_BAND, STAGES, BN, 2, NC, ARRAY, DOCS, HAS_KEEP, SLOPES,
+                          sl_b, cap, adiag, SINKS, SOFTCAP, ALIBI, HAS_SINKS)),
              (produce, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, b,
                         hk, t0, n, 0, STAGES, BN))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

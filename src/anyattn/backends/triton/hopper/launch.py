@@ -31,7 +31,7 @@ from .. import tiles
 from ..route import sm_count
 from . import configs as HC
 
-__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays",
+__all__ = ["make_desc", "forward", "prepare_forward", "FwdLaunch", "mask_arrays", "mod_kw",
            "persist_schedule", "dkdv", "bwd_mask_tables", "BwdMaskTables",
            "backward_fused", "dqa_desc", "dq_order"]
 
@@ -219,11 +219,59 @@ def _mask_arrays(p, q, cfg) -> tuple:
     return (tl.row_cnt, rt_b, rt_h, qid, kid, sqid_b, skid_b, ma.km, *ma.skm, docs)
 
 
+#: ALiBi distances |i - j + adiag| the kernels compute exactly (fwd_masks.alibi_dist), the
+#: tiles' padding rows / keys included (the 256 of mod_kw's check)
+ALIBI_MAX_DIST = 1 << 22
+
+
+def _mod_flags(p) -> dict:
+    """The score modifiers' constexprs of Problem p for the Hopper kernels (forward:
+    SOFTCAP, ALIBI, HAS_SINKS; empty where p has none)."""
+    on = dict(SOFTCAP=p.softcap is not None, ALIBI=bool(p.has_alibi),
+              HAS_SINKS=bool(p.has_sinks))
+    return on if any(on.values()) else {}
+
+
+def mod_kw(p, mods, dev, sinks: bool = True) -> dict:
+    """The keyword arguments of p's score modifiers for a Hopper kernel: the constexprs
+    and SLOPES fp32 [Ba, H], sl_b, cap, adiag (``sinks``: SINKS fp32 [H] and HAS_SINKS,
+    the forward's) from the call's ScoreMods ``mods`` (operands.mod_args: placeholders
+    for the ones off); {} where p has none.  NotImplementedError for an array mask
+    (Documents / KeepMask: the modifiers run on the no-mask / band kernels only)."""
+    flags = _mod_flags(p)
+    if not sinks:
+        flags.pop("HAS_SINKS", None)
+    if not any(flags.values()):
+        return {}
+    if _is_array(p):
+        raise NotImplementedError("the Hopper kernels take score modifiers with no mask or "
+                                  f"a band only, got mask class {p.mask_class}")
+    from .. import operands
+
+    for on, name, field in ((flags.get("ALIBI"), "ALiBi slopes", "alibi_slopes"),
+                            (flags.get("HAS_SINKS"), "sinks", "sinks")):
+        if on and getattr(mods, field, None) is None:
+            raise ValueError(f"mods: the problem has {name} but the ScoreMods passed carry "
+                             f"no {field}; pass the call's ScoreMods")
+    md = operands.mod_args(p, mods, dev, draw=False)
+    if flags.get("ALIBI") and max(p.seq_q, p.seq_k) + abs(md.adiag) + 256 > ALIBI_MAX_DIST:
+        raise NotImplementedError(
+            f"the Hopper kernels' ALiBi distances are exact below 2^22 "
+            f"(fwd_masks.alibi_dist), got Sq {p.seq_q}, Sk {p.seq_k}, offset {md.adiag}; "
+            "use ANYATTN_TRITON_PATH=portable")
+    kw = dict(flags, SLOPES=md.slopes, sl_b=md.sl_b, cap=md.cap, adiag=md.adiag)
+    if sinks:
+        kw["SINKS"] = md.sink_t
+    return kw
+
+
 class FwdLaunch:
     """One forward launch of a call signature (prepare_forward): config, grid, scalars,
     constexprs and output shapes; called with the call's q, k, v [B, H(kv), S, D] it
     allocates out [B, H, Sq, D] and stats [2, B, H, Sq] and launches.  Holds no
-    tensor.  ``direct``: repeats replay the compiled kernel (direct.Site)."""
+    tensor.  ``direct``: repeats replay the compiled kernel (direct.Site).  Score
+    modifiers (p.softcap, ALiBi slopes, sinks): their arguments come with each call
+    (``mods``; mod_kw)."""
 
     def __init__(self, p, cfg, direct: bool = False):
         from .. import direct as DL
@@ -265,6 +313,11 @@ class FwdLaunch:
                            CONSUMER_REGS=cfg.consumer_regs, NC=cfg.consumers, num_warps=4,
                            ARRAY=self.array,
                            HAS_KEEP=rm_.keep is not None)
+        #: the score modifiers (the call's ScoreMods carry their tensors): any on
+        self.mods = bool(_mod_flags(p))
+        if self.mods and self.array:
+            raise NotImplementedError("the Hopper forward takes score modifiers with no "
+                                      f"mask or a band only, got mask class {p.mask_class}")
         #: the launch (Triton's path, or with ``direct`` the resolved kernel's replays)
         self.site = DL.Site(self.kernel, direct)
 
@@ -293,19 +346,25 @@ class FwdLaunch:
         i32, u8 = _dummy(q.device, torch.int32), _dummy(q.device, torch.uint8)
         return (i32, 0, 0, i32, i32, 0, 0, u8, 0, 0, 0, 0) + self._tail(q.device), self.kw
 
-    def __call__(self, q, k, v, out=None, stats=None, p=None):
+    def __call__(self, q, k, v, out=None, stats=None, p=None, mods=None):
         """-> out, RowStats(max, log_norm) (see forward).  ``p``: the call's Problem,
-        needed where its mask is Documents / KeepMask (their contents are per call)."""
+        needed where its mask is Documents / KeepMask (their contents are per call) or it
+        has score modifiers, whose tensors come in ``mods`` (ScoreMods)."""
         dev = q.device
         if self.sched is not None and not schedule_ready(*self.sched, device=dev) \
                 and torch.cuda.is_current_stream_capturing():
-            return self.per_tile(q, k, v, out, stats, p)
+            return self.per_tile(q, k, v, out, stats, p, mods)
         if out is None:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         if stats is None:
             stats = torch.empty(self.stats_shape, dtype=torch.float32, device=dev)
         rq, rk = self.q_rows, self.cfg.bn
         marr, kw = self.mask_args(q, p)
+        if self.mods:
+            if p is None:
+                raise ValueError("a forward with score modifiers needs the call's Problem "
+                                 "(p=) and ScoreMods (mods=)")
+            kw = dict(kw, **mod_kw(p, mods, dev))
         with on_device(dev):
             self.site(self.grid, (make_desc(q, rq), make_desc(k, rk), make_desc(v, rk),
                                   make_desc(out, rq), stats, *self.args, *marr), kw)
@@ -379,20 +438,22 @@ def prepare_forward(p, cfg=None, direct: bool = False) -> FwdLaunch:
                      direct)
 
 
-def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLaunch] = None):
+def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLaunch] = None,
+            mods=None):
     """-> out [B, H, Sq, D] (q's dtype, contiguous), RowStats(max, log_norm) [B, H, Sq]
     fp32, as launch.forward returns them.  ``out`` / ``stats`` ([2, B, H, Sq] fp32):
     preallocated buffers to write (tests poison them); fresh ones when None.  ``cfg``: a
     HopperConfig other than configs.fwd_config(D) (a test / bench hook: the route never
     passes one).
     ``prepared``: ``prepare_forward(p, cfg)`` kept by the caller for p's call signature
-    (prepared.py's prepared launches), else built here."""
+    (prepared.py's prepared launches), else built here.  ``mods``: the call's ScoreMods
+    (ALiBi slopes, sinks; p.softcap is the cap)."""
     if prepared is not None:
         if cfg is not None and cfg != prepared.cfg:
             raise ValueError(f"cfg {cfg.name} differs from the prepared launch's "
                              f"{prepared.cfg.name}")
         if out is None and stats is None:
-            return prepared(q, k, v, p=p)
+            return prepared(q, k, v, p=p, mods=mods)
     B, H, Sq, D = p.batch, p.heads_q, p.seq_q, p.head_dim
     for x, name, shape, dt in ((out, "out", (B, H, Sq, D), q.dtype),
                                (stats, "stats", (2, B, H, Sq), torch.float32)):
@@ -400,7 +461,7 @@ def forward(p, q, k, v, out=None, stats=None, cfg=None, prepared: Optional[FwdLa
                               or x.dtype != dt):
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype}: expected contiguous "
                              f"{list(shape)} {dt}")
-    return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats, p=p)
+    return (prepared or prepare_forward(p, cfg))(q, k, v, out, stats, p=p, mods=mods)
 
 
 class BwdMaskTables:
@@ -548,12 +609,14 @@ def _launcher(sites, name: str, kernel):
     return site
 
 
-def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, sites=None):
+def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, sites=None, mods=None):
     """dk, dv [B, Hkv, Sk, D] (q's dtype, contiguous) through bwd_ws_kernel.dkdv_ws_kernel
     (configs.bwd_config_dkdv_only) from the backward preprocess's l2 [B, H, 2, Sq] and
     delta [B, H, Sq] (fp32, contiguous; kernels.py module doc).  ``dk`` / ``dv``:
     preallocated buffers to write (tests poison them); ``sites``: the prepared
-    signature's launch sites (direct.Site by name), None for Triton's path."""
+    signature's launch sites (direct.Site by name), None for Triton's path; ``mods``: the
+    call's ScoreMods (softcap and ALiBi enter the kernel, mod_kw; sinks only the
+    statistics and the preprocess)."""
     from .bwd_ws_kernel import dkdv_ws_kernel
 
     B, Hkv, Sk, D = p.batch, p.heads_kv, p.seq_k, p.head_dim
@@ -565,6 +628,7 @@ def dkdv(p, q, k, v, dout, l2, delta, dk=None, dv=None, sites=None):
     # Documents / KeepMask: the column range table and the mask arrays (keywords;
     # absent, the kernel's defaults None compile the dense code)
     akw = bwd_mask_tables(p, q, cfg.bm, cfg.bn).kw if _is_array(p) else {}
+    akw = dict(akw, **mod_kw(p, mods, q.device, sinks=False))
     with on_device(q.device):
         _launcher(sites, "dkdv", dkdv_ws_kernel)(
             grid, (make_desc(q, cfg.bm), make_desc(k, rn), make_desc(v, rn),
@@ -650,7 +714,7 @@ WS_DQ_WRITER_REGS = 24
 
 
 def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=None,
-                   order=None, sites=None):
+                   order=None, sites=None, mods=None):
     """-> (dq [B, H, Sq, D], dk, dv [B, Hkv, Sk, D]) in q's dtype, contiguous, from the
     backward preprocess's l2 [B, H, 2, Sq] and delta [B, H, Sq] (fp32, contiguous),
     through the dQ-inside kernel of ``cfg`` (default configs.bwd_config(D, mask class);
@@ -660,7 +724,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
     buffers to write (tests poison them); ``order``: the dQ add order, default
     dq_order() (a test hook: the GPU tests check both orders; the route passes None);
     ``sites``: the prepared signature's launch sites (direct.Site by name),
-    None for Triton's path."""
+    None for Triton's path; ``mods``: the call's ScoreMods (as dkdv's)."""
     from .bwd_dq_convert import dq_convert_kernel
 
     B, H, Hkv, Sq, Sk, D = p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim
@@ -686,6 +750,7 @@ def backward_fused(p, q, k, v, dout, l2, delta, dq=None, dk=None, dv=None, cfg=N
         order = _order_of(p, cfg, order)
         unvisited = rm_.has_band and not _dq_tiles_all_visited(Sq, Sk, lo, hi, cfg.bm,
                                                                cfg.bn)
+    akw = dict(akw, **mod_kw(p, mods, dev, sinks=False))
     if cfg.bm != 64 and D != 64:
         raise NotImplementedError(f"{cfg.name}: query tiles of {cfg.bm} rows are built "
                                   f"for D=64 only (bwd_ws_t_kernel), got D={D}")
