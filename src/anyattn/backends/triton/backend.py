@@ -101,7 +101,7 @@ class TritonBackend(Backend):
 
             bad = unsupported(p.score_mod.program, p.capture_wrt)
             if bad:
-                why.append(bad)
+                why.append(f"{bad}; index it through q_idx - kv_idx, or use backend='numpy'")
         if p.pages is not None and p.seq_q > PAGED_MAX_SQ:
             why.append(f"reads a paged cache (pages=) with at most {PAGED_MAX_SQ} queries "
                        f"per sequence (the split-key decode kernel), got Sq = {p.seq_q}; "

@@ -83,14 +83,14 @@ def reads(program, wrt) -> List[Read]:
 
 def unsupported(program, wrt) -> Optional[str]:
     """Why the portable Triton backward cannot compute the gradients of the captures
-    ``wrt`` of a score program (None: it can)."""
+    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
+    (the callers add theirs)."""
     for r in reads(program, wrt):
         if r.bad is not None:
             return (f"computes the gradient of a score_mod capture only where every read of "
                     f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
                     f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
-                    "kv_idx otherwise; use backend='numpy', or index it through "
-                    "q_idx - kv_idx")
+                    "kv_idx otherwise")
     return None
 
 
@@ -165,20 +165,23 @@ class CaptureGrads:
             if not got:                       # never read: a zero gradient
                 out[name] = torch.zeros(arr.shape, dtype=want, device=self.dev)
                 continue
-            perm, offs = self._order(name, [(r, tuple(x.shape)) for r, x in got])
+            perm, offs, longest = self._order(name, [(r, tuple(x.shape)) for r, x in got])
             vals = torch.cat([x.reshape(-1) for _, x in got])
-            res = torch.empty(int(np.prod(arr.shape, dtype=np.int64)), dtype=torch.float64,
-                              device=self.dev)
-            if res.numel():
-                kernels.dcap_segment_kernel[(res.numel(),)](vals, perm, offs, res, BLOCK=128)
+            n = int(np.prod(arr.shape, dtype=np.int64))
+            res = torch.empty(n, dtype=torch.float64, device=self.dev)
+            if n:
+                eb = 32
+                kernels.dcap_segment_kernel[(-(-n // eb),)](vals, perm, offs, res, n, longest,
+                                                            EB=eb, KB=32)
             out[name] = res.reshape(arr.shape).to(want)
         return out
 
     def _order(self, name: str, shaped) -> tuple:
-        """(perm, offs) on the device: the terms of capture ``name`` (the reads' sums
-        concatenated, each of its shape [Bx, Hx, Ux]) sorted by capture element, and
-        where each element's terms start (offs [n + 1]).  Cached by the graph, the
-        reads, their shapes, the sizes and the captures the indices read."""
+        """(perm, offs, longest): the terms of capture ``name`` (the reads' sums
+        concatenated, each of its shape [Bx, Hx, Ux]) sorted by capture element, where
+        each element's terms start (offs [n + 1]; both on the device) and the most terms
+        of one element.  Cached by the graph, the reads, their shapes, the sizes and the
+        captures the indices read."""
         import torch
 
         read_caps = sorted({n.attr for r, _ in shaped for a in r.node.args
@@ -199,9 +202,10 @@ class CaptureGrads:
         flat = np.concatenate([self._flat_index(r, s, shape) for r, s in shaped])
         perm = np.argsort(flat, kind="stable")
         offs = np.zeros(int(np.prod(shape, dtype=np.int64)) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(flat, minlength=offs.size - 1), out=offs[1:])
+        counts = np.bincount(flat, minlength=offs.size - 1)
+        np.cumsum(counts, out=offs[1:])
         res = (torch.from_numpy(perm.astype(np.int64)).to(self.dev),
-               torch.from_numpy(offs).to(self.dev))
+               torch.from_numpy(offs).to(self.dev), int(counts.max(initial=0)))
         with _lock:
             _map_cache[key] = res
             while len(_map_cache) > _MAP_CACHE_SIZE:

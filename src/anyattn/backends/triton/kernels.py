@@ -1853,17 +1853,19 @@ def dcap_diag_kernel(DCS, DD, Sq, Sk, NK, NQ, BM: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
-def dcap_segment_kernel(V, PERM, OFFS, OUT, BLOCK: tl.constexpr):
-    """Grid (n,): OUT[e] = sum of V[PERM[k]] (fp64) for k in [OFFS[e], OFFS[e + 1]) (a
-    capture element's terms, sorted by element once on the host), in blocks of BLOCK
-    in order, then one tree sum: no atomics, bitwise repeatable."""
-    e = tl.program_id(0)
-    start = tl.load(OFFS + e)
-    end = tl.load(OFFS + e + 1)
-    acc = tl.zeros([BLOCK], dtype=tl.float64)
-    for k0 in range(start, end, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        live = k < end
-        src = tl.load(PERM + k, mask=live, other=0)
-        acc += tl.load(V + src, mask=live, other=0.0)
-    tl.store(OUT + e, tl.sum(acc, 0))
+def dcap_segment_kernel(V, PERM, OFFS, OUT, N, MAXLEN, EB: tl.constexpr, KB: tl.constexpr):
+    """Grid (cdiv(N, EB),): OUT[e] = the sum of V[PERM[k]] (fp64) over k in [OFFS[e],
+    OFFS[e + 1]) for EB elements e of a capture (its terms, sorted by element once on
+    the host; MAXLEN the longest run): KB terms at a time in order, then one tree sum
+    per element.  No atomics: bitwise repeatable."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    live = e < N
+    start = tl.load(OFFS + e, mask=live, other=0)
+    end = tl.load(OFFS + e + 1, mask=live, other=0)
+    acc = tl.zeros([EB, KB], dtype=tl.float64)
+    for k0 in range(0, MAXLEN, KB):
+        k = start[:, None] + k0 + tl.arange(0, KB)[None, :]                        # [EB, KB]
+        ok = k < end[:, None]
+        src = tl.load(PERM + k, mask=ok, other=0)
+        acc += tl.load(V + src, mask=ok, other=0.0)
+    tl.store(OUT + e, tl.sum(acc, 1), mask=live)
