@@ -1797,28 +1797,20 @@ def mask_blocks_kernel(ANY, ALL, CAPS, Sq, Sk, NQ, NK, HX, SBQ: tl.constexpr,
 
 # ----------------------------------------------------------------------------- capture gradients
 @triton.jit
-def _dcap_diag(OUT, e, BN: tl.constexpr, BM: tl.constexpr, WP: tl.constexpr):
-    """e [BN, BM] summed along its diagonals (_dcap_store); WP: a power of two >=
-    BM + BN - 1."""
-    jj = tl.arange(0, BN)
-    tt = tl.arange(0, WP)
-    src = tt[None, :] + jj[:, None] - (BN - 1)                                      # [BN, WP]
-    ok = (src >= 0) & (src < BM)
-    skew = tl.gather(e, tl.where(ok, src, 0), 1)              # [BN, WP]: e[jj, t + jj - BN + 1]
-    part = tl.sum(tl.where(ok, skew, 0.0), 0)                                       # [WP]
-    tl.store(OUT + tt, part, mask=tt < BM + BN - 1)
-
-
-@triton.jit
 def _dcap_store(OUT, e, BN: tl.constexpr, BM: tl.constexpr, DIAG: tl.constexpr):
     """A transposed tile e [BN, BM] (keys as rows) summed along its diagonals: the sum
     over t = ii - jj + BN - 1 to OUT[t] (t < BM + BN - 1); without DIAG its total to
-    OUT[0].  A skew gather, then a sum over the keys: no atomics, one fixed order."""
-    if DIAG:   # BM, BN powers of two: 2 max(BM, BN) is the power of two above BM + BN - 1
-        if BM >= BN:
-            _dcap_diag(OUT, e, BN, BM, 2 * BM)
-        else:
-            _dcap_diag(OUT, e, BN, BM, 2 * BN)
+    OUT[0].  Per chunk of BM diagonals a skew gather of e (an index tile of e's shape),
+    then a sum over the keys: no atomics, one fixed order."""
+    if DIAG:
+        jj = tl.arange(0, BN)
+        ii = tl.arange(0, BM)
+        for c in tl.static_range((2 * BM + BN - 2) // BM):      # cdiv(BM + BN - 1, BM)
+            src = c * BM + ii[None, :] + jj[:, None] - (BN - 1)                     # [BN, BM]
+            ok = (src >= 0) & (src < BM)
+            skew = tl.gather(e, tl.where(ok, src, 0), 1)        # [jj, t] = e[jj, t + jj - BN + 1]
+            part = tl.sum(tl.where(ok, skew, 0.0), 0)                                # [BM]
+            tl.store(OUT + c * BM + ii, part, mask=c * BM + ii < BM + BN - 1)
     else:
         tl.store(OUT, tl.sum(tl.sum(e, 1), 0))
 
