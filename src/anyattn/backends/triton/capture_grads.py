@@ -216,7 +216,9 @@ class CaptureGrads:
         """The flat capture index of read ``r`` at every (b, h, d) of its sums' shape
         [Bx, Hx, Ux] (an axis of 1 where the index does not read it): the index
         expressions evaluated once, q_idx = d and kv_idx = 0 (exact for expressions of
-        q_idx - kv_idx, diagonal.py)."""
+        q_idx - kv_idx, diagonal.py), integers in int64 and floats in fp32 as the
+        kernels compute them (NumPy's fp32 functions may round an index computed
+        through float arithmetic differently from the device's at a boundary)."""
         from ...programs.evaluate import evaluate
 
         B, H, Sq, Sk = self.sizes
@@ -227,7 +229,8 @@ class CaptureGrads:
                "kv_idx": np.int64(0)}
         if not r.node.args:                                   # a capture of rank 0
             return np.zeros(int(np.prod(shape3)), dtype=np.int64)
-        idx = evaluate(list(r.node.args), env, self.bound.caps(np.dtype(np.float64)),
-                       np.dtype(np.float64), idt=np.dtype(np.int64))
+        f32 = np.dtype(np.float32)          # float captures as the kernels store them
+        idx = evaluate(list(r.node.args), env, self.bound.caps(f32), f32,
+                       idt=np.dtype(np.int64))
         idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
         return np.ravel_multi_index(idx, cap_shape).reshape(-1)
