@@ -182,7 +182,7 @@ def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
     B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common,
               **fkw)
-    sig = prepared.signature(dt=str(q.dtype), dcap=fns.key, **{
+    sig = prepared.signature(dt=str(q.dtype), dcap=(fns.key, tuple(sorted(cg.wrt))), **{
         n: (tuple(t.dtype for t in x) if n == "CAPS" else x) for n, x in kw.items()})
     key = ("dkdv_kernel/captures", plan.dkdv, sig)
     first = prepared.FALLBACK_CACHE.get(key)

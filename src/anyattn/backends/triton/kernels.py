@@ -1097,7 +1097,7 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                DCS=None, dslot=None, dcs_g=None, DCAP: tl.constexpr = None,
                BM: tl.constexpr = None, BN: tl.constexpr = None):
     """One query tile's contribution to dk [BN, DP], dv [BN, VDP] of one key tile (L2h: this head's
-    [2, Sq] row statistics, module doc).  DCAP (programs.capture_grad_function): the
+    [2, Sq] row statistics, module doc).  DCAP (generated: programs.dcap_source): the
     tile's terms dS' * d score_mod / d capture, summed along its diagonals into slot
     dslot + start_m // BM of DCS (one slot per (b, h, key tile, query tile): no slot
     is written twice)."""
