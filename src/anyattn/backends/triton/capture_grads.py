@@ -154,8 +154,8 @@ class CaptureGrads:
         parts: Dict[str, List[Tuple[Read, object]]] = {n: [] for n in sorted(self.wrt)}
         for i, r in enumerate(self.reads):
             x = sums[i]
-            for axis, name in ((0, "b"), (1, "h"), (2, "d")):
-                if name not in r.uses and x.shape[axis] > 1:
+            for axis, use in ((0, "b"), (1, "h"), (2, "d")):
+                if use not in r.uses and x.shape[axis] > 1:
                     x = x.sum(dim=axis, keepdim=True)
             parts[r.name].append((r, x))
         out = {}
