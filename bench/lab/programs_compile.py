@@ -1,7 +1,8 @@
 """Compile, offline for sm_90a (no GPU needed), every launch of one call with a score
 function and a mask function (forward, the device block classification, the backward's
-delta, dK/dV and dQ kernels) and print each kernel's SASS size: the generated device
-functions go through Triton's real compiler, not only its interpreter.
+delta, dK/dV with the gradient of the score function's table, dQ, and the two
+reductions of the capture gradient) and print each kernel's SASS size: the generated
+device functions go through Triton's real compiler, not only its interpreter.
 
     PYTHONPATH=src python3 bench/lab/programs_compile.py
 
@@ -44,15 +45,15 @@ def record():
               mask=aa.Causal() | aa.MaskMod(lambda b, h, i, j, n: (j < n[b]) & ~(i % 7 == 3),
                                             n=prefix))
     log = []
-    saved = {n: getattr(K, n) for n in ph.KERNEL_NAMES + ("mask_blocks_kernel",)
-             if hasattr(K, n)}
+    saved = {n: getattr(K, n) for n in ph.KERNEL_NAMES + (
+        "mask_blocks_kernel", "dcap_diag_kernel", "dcap_segment_kernel") if hasattr(K, n)}
     try:
         for n in saved:
             setattr(K, n, ph._Recorder(n, log))
         L.clear_caches()
         L.forward(describe(q, k, v, **kw), q, k, v, None, mods=ScoreMods())
         out, st = torch.zeros_like(q), torch.zeros(B, H, S)
-        pb = describe(q, k, v, dout=dout, out=out, lse=st, wrt=("q", "k", "v"), **kw)
+        pb = describe(q, k, v, dout=dout, out=out, lse=st, wrt=("q", "k", "v", "table"), **kw)
         L.backward(pb, q, k, v, dout, out, RowStats(st, st), None, mods=ScoreMods())
     finally:
         for n, fn in saved.items():

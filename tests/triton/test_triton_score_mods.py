@@ -256,15 +256,16 @@ def test_too_many_captures_are_refused():
         aa.attention(T(q), T(k), T(v), score_mod=aa.ScoreMod(fn, **ts), backend="triton")
 
 
-def test_capture_gradients_and_broadcast_dbias_are_refused():
-    """Deterministic capture gradients are not lowered to Triton: wrt naming a capture
-    raises before any work, as does a dbias broadcast over queries or keys."""
+def test_capture_gradients_off_the_diagonal_and_broadcast_dbias_are_refused():
+    """wrt naming a capture read at an index of kv_idx alone (not through q_idx - kv_idx:
+    test_triton_capture_grads.py has the supported reads) raises before any work, as
+    does a dbias broadcast over queries or keys."""
     S = 16
     q, k, v = _inputs(2, 1, 2, 2, S, S, 16)
     t = np.zeros((2, 2 * S - 1), np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=t)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, j], t=t)
     with pytest.raises(NotImplementedError,
-                       match="does not compute gradients of score_mod captures"):
+                       match="computes the gradient of a score_mod capture only where"):
         aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q", "t"), backend="triton",
                               score_mod=sm)
     with pytest.raises(NotImplementedError, match="dbias with score / mask functions"):
@@ -273,7 +274,9 @@ def test_capture_gradients_and_broadcast_dbias_are_refused():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
-def test_torch_on_cuda_runs_functions_and_refuses_capture_gradients():
+def test_torch_on_cuda_runs_functions_and_capture_gradients():
+    """Score functions on CUDA tensors, a per-head capture's gradient by autograd (the
+    CPU path's), and a capture read at kv_idx refused in the forward."""
     import anyattn.torch as at
 
     q, k, v = (T(x) for x in _inputs(4, 1, 2, 2, 32, 32, 16))
@@ -282,6 +285,13 @@ def test_torch_on_cuda_runs_functions_and_refuses_capture_gradients():
     out.sum().backward()
     ro, _ = _reference(*(x.detach().cpu().numpy() for x in (q, k, v)), score_mod=fn)
     assert_close(out.detach().cpu().numpy(), ro, "float32", "torch cuda")
-    t = torch.zeros(2, device=q.device, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="do not compute capture gradients"):
-        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=t))
+    grads = []
+    for x in (q, k, v), tuple(x.detach().cpu() for x in (q, k, v)):
+        t = torch.tensor([0.5, -0.25], device=x[0].device, requires_grad=True)
+        o = at.attention(*x, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=t))
+        (o * o).sum().backward()
+        grads.append(t.grad.cpu().double().numpy())
+    assert_close(grads[0], grads[1], "float32", "dt")
+    t = torch.zeros(32, device=q.device, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[kv_idx\]"):
+        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[j], t=t))

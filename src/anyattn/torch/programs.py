@@ -5,8 +5,10 @@ k, v, bias, sinks and the score function's float captures that require grad.
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 
 Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo); on CUDA
-tensors the Triton kernels run forward and backward, except the gradients of captures,
-which raise NotImplementedError naming the remedy (not lowered to Triton yet).
+tensors the Triton kernels run forward and backward, the gradients of captures included
+where the Triton backward computes them (captures read at indices of b, h and
+q_idx - kv_idx: anyattn.backends.triton.capture_grads); a captured tensor that requires
+grad and is read otherwise raises NotImplementedError in the forward, before any work.
 """
 from __future__ import annotations
 
@@ -84,11 +86,15 @@ def attention(q, k, v, *, mask, bias, scale, backend, precision, layout, q_offse
     names = () if sm is None else tuple(
         n for n, t in sm.captures.items()
         if isinstance(t, torch.Tensor) and t.requires_grad)
-    if q.device.type != "cpu" and names and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"anyattn.torch.attention: score_mod captures {list(names)} require grad on "
-            f"{q.device}: the Triton kernels do not compute capture gradients yet; detach "
-            "them (or call under torch.no_grad()), or run on CPU tensors for their gradients")
+    if names and torch.is_grad_enabled() and (q.device.type != "cpu" or backend == "triton"):
+        from ..backends.triton.capture_grads import unsupported
+
+        why = unsupported(sm.program, names)
+        if why:
+            raise NotImplementedError(
+                f"anyattn.torch.attention: score_mod captures {list(names)} require grad on "
+                f"{q.device}, and the Triton backward {why}; detach them (or call under "
+                "torch.no_grad()), or compute on CPU tensors with the NumPy backend")
     qb, kb, vb = ((x if layout == "bhsd" else x.transpose(1, 2)) for x in (q, k, v))
     kw = dict(mask=mask, scale=scale, backend=backend, precision=precision,
               q_offset=q_offset, k_offset=k_offset, softcap=softcap,

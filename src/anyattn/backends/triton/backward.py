@@ -15,7 +15,7 @@ import torch
 
 from ...modifiers import ScoreMods
 from ...rowstats import RowStats
-from . import configs, kernels, operands, prepared, programs, tiles
+from . import capture_grads, configs, kernels, operands, prepared, programs, tiles
 from .device_ctx import on_device
 from .operands import s3
 from .tiles import cdiv
@@ -31,9 +31,12 @@ def stat_plane(x, dev):
 
 def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[configs.Plan] = None,
              mods: Optional[ScoreMods] = None) -> Dict[str, Any]:
-    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: dq [B, H, Sq, D], dk [B, Hkv, Sk, D] and
-    dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in p.bias_shape
-    summed over broadcast dims, dsinks [H] in the sinks' dtype (when p.wrt names 'sinks').
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks', 'dcaptures'}: dq [B, H, Sq, D], dk [B, Hkv,
+    Sk, D] and dv [B, Hkv, Sk, Dv] summed over each kv head's query group, dbias in
+    p.bias_shape summed over broadcast dims, dsinks [H] in the sinks' dtype (when p.wrt
+    names 'sinks'), dcaptures {name: gradient} of the score function's float captures
+    that p.wrt names (capture_grads.py: slots written by the dK/dV launch, which runs for
+    them even where dk and dv are not wanted).
     ``stats`` (RowStats of [B, H, Sq]) define P = exp((s - max) - log_norm); a plain lse
     tensor is taken as RowStats.from_lse(lse), its literal meaning P = exp(s - lse).  With
     sinks the statistics include the sink (as the forward returns them): the score
@@ -55,6 +58,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
     tlists = pr.tlists if pr.tlists is not None else tiles.lists_for(p, ma, plan, dev)
     fns = programs.of_problem(p, dev)
     fkw = {} if fns is None else dict(CAPS=fns.caps, SMOD=fns.score_grad, MMOD=fns.mask)
+    cg = capture_grads.CaptureGrads(p, dev) if p.capture_wrt else None
+    run_kv = want_kv or cg is not None          # capture gradients ride on dK/dV
     if not isinstance(stats, RowStats):
         stats = RowStats.from_lse(stats)
     mx, ln = stat_plane(stats.max, dev), stat_plane(stats.log_norm, dev)
@@ -78,8 +83,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
             sdb = tuple(dbias.stride())
         else:
             dbias, sdb = pr.sc, (0, 0, 0, 0)
-        dk = dv = dq = None
-        if want_kv:
+        dk = dv = dq = dcs = None
+        if run_kv:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
             dv = torch.empty((B, Hkv, Sk, Dv), dtype=q.dtype, device=dev)
         if want_q:
@@ -96,9 +101,9 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
             sc = pr.sc
             qo, ko, vo, doo = q, k, v, dout
         if owner_db:
-            if want_kv:
-                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
-                             sc, scalars, fkw)
+            if run_kv:
+                dcs = _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
+                                   tlists, sc, scalars, fkw, cg, fns)
             res["dbias"] = _launch_dq_dbias(pr, p, plan, qo, ko, vo, doo, l2, delta, dq, bias,
                                             ma, md, tlists, sc, scalars, fkw)
         elif want_kv and want_q and plan.fused_bwd and not pr.hop and fns is None:
@@ -117,9 +122,9 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                 else:                    # dk, dv; dq (if wanted) portable below
                     hopper_launch.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites,
                                        mods=mods)
-            elif want_kv:
-                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md, tlists,
-                             sc, scalars, fkw)
+            elif run_kv:
+                dcs = _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
+                                   tlists, sc, scalars, fkw, cg, fns)
             if want_q:
                 args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
@@ -136,6 +141,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                 prepared.run(pr, "dq", kernels.dq_kernel, args, first)
         if want_kv:
             res["dk"], res["dv"] = dk, dv
+        if cg is not None:
+            res["dcaptures"] = cg.finish(dcs)
         if "q" in p.wrt:
             res["dq"] = dq
         if full_bias:
@@ -146,12 +153,15 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
 
 
 def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
-                 fkw):
-    """dk, dv through kernels.dkdv_kernel (one program per key tile and kv head)."""
+                 fkw, cg=None, fns=None):
+    """dk, dv through kernels.dkdv_kernel (one program per key tile and kv head); with
+    ``cg`` (capture_grads.CaptureGrads) also the capture gradient slots, returned."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
             *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dk), *s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
+    if cg is not None:
+        return _launch_dkdv_captures(p, plan, q, args, ma, pr.common, fkw, cg, fns)
 
     def first():
         kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common,
@@ -161,6 +171,33 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
                 prepared.tuning_key("dkdv", p), str(q.dtype))
 
     prepared.run(pr, "dkdv", kernels.dkdv_kernel, args, first)
+
+
+def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
+    """dkdv_kernel with the capture gradient function (fns.dcap) -> the slots it wrote
+    (DCS, shaped by the tile: allocated per config, so no prepared.resolve_launch; the
+    config that fits is remembered per signature, as resolve_launch does)."""
+    from triton.runtime.errors import OutOfResources
+
+    B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
+    kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **common,
+              **fkw)
+    sig = prepared.signature(dt=str(q.dtype), dcap=(fns.key, tuple(sorted(cg.wrt))), **{
+        n: (tuple(t.dtype for t in x) if n == "CAPS" else x) for n, x in kw.items()})
+    key = ("dkdv_kernel/captures", plan.dkdv, sig)
+    first = prepared.FALLBACK_CACHE.get(key)
+    err = None
+    for c in ([first] if first is not None else list(prepared.fallbacks(plan.dkdv))):
+        dcs, dcs_g = cg.scratch(c.bm, c.bn)
+        try:
+            kernels.dkdv_kernel[(cdiv(Sk, c.bn), B * Hkv)](
+                *args, BM=c.bm, BN=c.bn, num_warps=c.num_warps, num_stages=c.num_stages,
+                DCS=dcs, dcs_g=dcs_g, DCAP=fns.dcap, **kw)
+            prepared.FALLBACK_CACHE[key] = c
+            return dcs
+        except OutOfResources as e:
+            err = e
+    raise err
 
 
 def _launch_dq_dbias(pr, p, plan, q, k, v, dout, l2, delta, dq, bias, ma, md, tlists, sc,

@@ -1107,9 +1107,14 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                MASKED: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
+               PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
+               DCS=None, dslot=None, dcs_g=None, DCAP: tl.constexpr = None,
+               BM: tl.constexpr = None, BN: tl.constexpr = None):
     """One query tile's contribution to dk [BN, DP], dv [BN, VDP] of one key tile (L2h: this head's
-    [2, Sq] row statistics, module doc)."""
+    [2, Sq] row statistics, module doc).  DCAP (generated: programs.dcap_source): the
+    tile's terms dS' * d score_mod / d capture, summed along its diagonals into slot
+    dslot + start_m // BM of DCS (one slot per (b, h, key tile, query tile): no slot
+    is written twice)."""
     offs_m = start_m + offs_mb
     qT0, qT1 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BM]
@@ -1132,6 +1137,7 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if SMOD is not None:   # a score function and its derivative (programs.score_grad)
         sT, dtT = _mod_scores(sT, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
                               False, SOFTCAP, False, True)
+        s_in = sT                                             # the function's input
         sT, dsmT = SMOD(sT, b, h, offs_m[None, :], offs_n[:, None],
                         (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None], CAPS)
         if HAS_BIAS:
@@ -1166,6 +1172,14 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
     if DROPOUT:    # dS = P o (dP o keep / (1 - p) - delta)
         dpT = tl.where(dkeep, dpT * drs, 0.0)
     dsT = pT * (dpT - dlt[None, :])
+    if DCAP is not None:   # dsT: the gradient of the function's output (kept pairs only)
+        if MASKED:
+            dkept = keep
+        else:
+            dkept = (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None]
+        if start_m < Sq:   # (a mask block's last sub-tiles may lie past Sq: no slot)
+            DCAP(dsT, s_in, b, h, offs_m[None, :], offs_n[:, None], dkept, CAPS, DCS,
+                 dslot + start_m // BM, dcs_g, BN, BM)
     if SMOD is not None:
         dsT = dsT * dsmT                                      # through the score function
     if SOFTCAP:
@@ -1188,9 +1202,12 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                  PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
+                  PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
+                  DCS=None, dcs_g=None, DCAP: tl.constexpr = None):
     """dk [BN, D], dv [BN, VD] of key tile pid_n of kv head hk in batch b (int64), summed over
-    the G query heads of the group and over every query tile."""
+    the G query heads of the group and over every query tile.  DCAP: capture gradient
+    slots into DCS [NG, B * H, cdiv(Sk, BN), cdiv(Sq, BM), W] (_dkdv_tile; dcs_g the
+    stride of NG)."""
     mvo = 1.0
     gam = 1.0
     s_scale = scale
@@ -1231,6 +1248,10 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             DWr = DW + Sk + bh * Sq                # this head's row words
         else:
             DWr = DW
+        if DCAP is not None:                       # this (b, h, key tile)'s first slot
+            dslot = (bh * ((Sk + BN - 1) // BN) + pid_n) * ((Sq + BM - 1) // BM)
+        else:
+            dslot = None
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
@@ -1239,21 +1260,24 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD)
+                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                    BM, BN)
             for t in range(g0, g1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD)
+                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                    BM, BN)
             for t in range(g1, s1):
                 dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
                                     Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
                                     offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
                                     skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
                                     HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD)
+                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                    BM, BN)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -1269,7 +1293,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD)
+                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                    BM, BN)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
@@ -1279,7 +1304,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                     KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
                                     HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
                                     ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD)
+                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                    BM, BN)
     if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
@@ -1314,8 +1340,10 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                  PREC: tl.constexpr,
-                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
-    """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics)."""
+                 CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None,
+                 DCS=None, dcs_g=None, DCAP: tl.constexpr = None):
+    """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics); with DCAP also
+    the capture gradient slots of its tiles (_dkdv_program)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
                   Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
@@ -1325,7 +1353,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                  HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
+                  HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD, DCS, dcs_g, DCAP)
 
 
 @triton.jit
@@ -1779,3 +1807,71 @@ def mask_blocks_kernel(ANY, ALL, CAPS, Sq, Sk, NQ, NK, HX, SBQ: tl.constexpr,
     o = bh.to(tl.int64) * NQ * NK + iq * NK + jk
     tl.store(ANY + o, (n_keep > 0).to(tl.int8))
     tl.store(ALL + o, (n_keep == n_valid).to(tl.int8))
+
+
+# ----------------------------------------------------------------------------- capture gradients
+@triton.jit
+def _dcap_store(OUT, e, BN: tl.constexpr, BM: tl.constexpr, DIAG: tl.constexpr):
+    """A transposed tile e [BN, BM] (keys as rows) summed along its diagonals: the sum
+    over t = ii - jj + BN - 1 to OUT[t] (t < BM + BN - 1); without DIAG its total to
+    OUT[0].  Per chunk of BM diagonals a skew gather of e (an index tile of e's shape),
+    then a sum over the keys: no atomics, one fixed order."""
+    if DIAG:
+        jj = tl.arange(0, BN)
+        ii = tl.arange(0, BM)
+        for c in tl.static_range((2 * BM + BN - 2) // BM):      # cdiv(BM + BN - 1, BM)
+            src = c * BM + ii[None, :] + jj[:, None] - (BN - 1)                     # [BN, BM]
+            ok = (src >= 0) & (src < BM)
+            skew = tl.gather(e, tl.where(ok, src, 0), 1)        # [jj, t] = e[jj, t + jj - BN + 1]
+            part = tl.sum(tl.where(ok, skew, 0.0), 0)                                # [BM]
+            tl.store(OUT + c * BM + ii, part, mask=c * BM + ii < BM + BN - 1)
+    else:
+        tl.store(OUT, tl.sum(tl.sum(e, 1), 0))
+
+
+@triton.jit
+def dcap_diag_kernel(DCS, DD, Sq, Sk, NK, NQ, BM: tl.constexpr, BN: tl.constexpr,
+                     NM: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(Sq + Sk - 1, BLOCK), NG * B * H): the diagonal sums of the slots of
+    dkdv_kernel's DCS [NG * B * H, NK, NQ, BM + BN - 1] (fp32) per diagonal d = u - (Sk - 1)
+    to DD [NG * B * H, Sq + Sk - 1] (fp64): key tile n (in order) holds d in slot
+    (n, m) at t = d + n * BN + BN - 1 - m * BM for the NM = cdiv(BM + BN - 1, BM) query
+    tiles m whose diagonals reach d (in order).  A fixed order: bitwise repeatable."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    U = Sq + Sk - 1
+    WD: tl.constexpr = BM + BN - 1
+    u = pid * BLOCK + tl.arange(0, BLOCK)
+    d = u - (Sk - 1)
+    live = u < U
+    base = DCS + row * NK * NQ * WD
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for n in range(0, NK):
+        r = d + n * BN + (BN - 1)                  # start_m + t: >= 0 where n reaches d
+        top = tl.where(r >= 0, r, 0) // BM
+        for k in tl.static_range(NM):
+            m = top - k
+            t = r - m * BM
+            ok = live & (r >= 0) & (m >= 0) & (m < NQ) & (t < WD)
+            x = tl.load(base + (n * NQ + m).to(tl.int64) * WD + t, mask=ok, other=0.0)
+            acc += x.to(tl.float64)
+    tl.store(DD + row * U + u, acc, mask=live)
+
+
+@triton.jit
+def dcap_segment_kernel(V, PERM, OFFS, OUT, N, MAXLEN, EB: tl.constexpr, KB: tl.constexpr):
+    """Grid (cdiv(N, EB),): OUT[e] = the sum of V[PERM[k]] (fp64) over k in [OFFS[e],
+    OFFS[e + 1]) for EB elements e of a capture (its terms, sorted by element once on
+    the host; MAXLEN the longest run): KB terms at a time in order, then one tree sum
+    per element.  No atomics: bitwise repeatable."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    live = e < N
+    start = tl.load(OFFS + e, mask=live, other=0)
+    end = tl.load(OFFS + e + 1, mask=live, other=0)
+    acc = tl.zeros([EB, KB], dtype=tl.float64)
+    for k0 in range(0, MAXLEN, KB):
+        k = start[:, None] + k0 + tl.arange(0, KB)[None, :]                        # [EB, KB]
+        ok = k < end[:, None]
+        src = tl.load(PERM + k, mask=ok, other=0)
+        acc += tl.load(V + src, mask=ok, other=0.0)
+    tl.store(OUT + e, tl.sum(acc, 1), mask=live)

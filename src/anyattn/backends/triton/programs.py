@@ -17,6 +17,15 @@ their values): it defines
 * ``mask(b, h, q_idx, kv_idx, valid, CAPS) -> keep`` (bool tile, False outside
   ``valid``: every mask function of the call and-ed),
 
+and, for a backward that wants the gradients of float captures (:mod:`.capture_grads`),
+a second module with
+
+* ``dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, BN, BM)``: on a
+  transposed tile, ``ds`` (the gradient of the function's output) times d s' / d g for
+  every read g of those captures (graph order), zero outside ``valid``, summed along
+  the tile's diagonals into slot ``slot`` of ``DCS`` (kernels._dcap_store; one block of
+  ``dcs_g`` elements per read),
+
 where ``CAPS`` is a tuple of at most :data:`MAX_CAPTURES` capture pointers (contiguous
 device copies: float captures fp32, integer ones int32 or int64 as the index analysis
 allows, bool ones uint8).  Gathers read ``CAPS[slot] + flat index`` with the graph's
@@ -43,7 +52,7 @@ import numpy as np
 from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
 
 __all__ = ["MAX_CAPTURES", "Functions", "functions", "of_problem", "mask_blocks", "source_of",
-           "cache_dir"]
+           "dcap_source", "cache_dir"]
 
 #: capture pointer slots of the kernels (every score and mask function of a call together)
 MAX_CAPTURES = 4
@@ -286,14 +295,16 @@ def _full_tile(expr: str, like: str) -> str:
 class Functions:
     """The generated functions of one call and its capture tensors: ``score``,
     ``score_grad`` and ``mask`` (JITFunctions or None), ``caps`` (the tuple of capture
-    tensors in slot order; one fp32 placeholder where no function reads a capture) and
-    ``key`` (the module's hash)."""
+    tensors in slot order; one fp32 placeholder where no function reads a capture),
+    ``key`` (the module's hash) and ``dcap`` (the capture gradient function, None unless
+    asked for)."""
 
     score: object
     score_grad: object
     mask: object
     caps: Optional[tuple]
     key: str
+    dcap: object = None
 
 
 def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, tuple],
@@ -327,6 +338,27 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
             lines += g.lines
             keep = f"({keep}) & ({g.ref(mp.out)})"
         lines += [f"    return {keep}", "", ""]
+    return "\n".join(lines) + "\n"
+
+
+def dcap_source(score_prog, wrt, diag: bool, itype: str, layouts: Dict[str, tuple],
+                slots: Dict[str, int]) -> str:
+    """The module source of ``dcap`` (module doc) for the reads of the captures ``wrt``
+    of a score program; ``diag``: slots of BM + BN - 1 diagonal sums (else one total)."""
+    _, grads = score_prog.grad_nodes(frozenset(wrt))
+    g = _Gen(itype, slots, layouts)
+    g.body([d for _, d in grads])
+    width = "(BM + BN - 1)" if diag else "1"
+    lines = ["import triton", "import triton.language as tl",
+             "from anyattn.backends.triton.kernels import _tanh_d, _dcap_store", "", _HELPERS,
+             "@triton.jit",
+             "def dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g,",
+             "         BN: tl.constexpr, BM: tl.constexpr):",
+             _PROLOGUE.format(it=itype)]
+    lines += g.lines
+    for i, (_, d) in enumerate(grads):
+        lines.append(f"    _dcap_store(DCS + {i} * dcs_g + slot * {width}, "
+                     f"tl.where(valid, ds * ({g.ref(d)}), 0.0), BN, BM, {bool(diag)})")
     return "\n".join(lines) + "\n"
 
 
@@ -371,10 +403,11 @@ def _storage(bp, name: str, torch, dev):
     return t.reshape(-1).contiguous()
 
 
-def functions(score_bp, mask_bps: Sequence, dev) -> Functions:
+def functions(score_bp, mask_bps: Sequence, dev, wrt=frozenset()) -> Functions:
     """The generated functions of a call's score function (BoundProgram or None) and
-    mask functions (BoundPrograms) with their capture tensors on ``dev``.  Raises
-    NotImplementedError where the functions read more than MAX_CAPTURES captures."""
+    mask functions (BoundPrograms) with their capture tensors on ``dev``; ``wrt``: the
+    score function's float captures whose gradients the backward wants (``dcap``).
+    Raises NotImplementedError where the functions read more than MAX_CAPTURES captures."""
     import torch
 
     mask_bps = tuple(mask_bps or ())
@@ -410,22 +443,36 @@ def functions(score_bp, mask_bps: Sequence, dev) -> Functions:
         src = source_of(score_bp.program if score_bp is not None else None,
                         [bp.program for bp in mask_bps], itype, layouts, slots)
         mod = _load(key, src)
+    dcap = None
+    if wrt and score_bp is not None:
+        from .capture_grads import reads_diagonal
+
+        diag = reads_diagonal(score_bp.program, wrt)
+        dkey = hashlib.blake2b(repr((key, sorted(wrt), diag)).encode(),
+                               digest_size=12).hexdigest()
+        with _lock:
+            dmod = _modules.get(dkey)
+        if dmod is None:
+            dmod = _load(dkey, dcap_source(score_bp.program, wrt, diag, itype,
+                                           layouts["score"], slots["score"]))
+        dcap = dmod.dcap
     # variable state flows in through the capture tensors only
     tensors = tuple(_storage(bp, name, torch, dev) for bp, name in caps)
     if not tensors:
         tensors = (torch.zeros(1, dtype=torch.float32, device=dev),)
     return Functions(score=getattr(mod, "score", None),
                      score_grad=getattr(mod, "score_grad", None),
-                     mask=getattr(mod, "mask", None), caps=tensors, key=key)
+                     mask=getattr(mod, "mask", None), caps=tensors, key=key, dcap=dcap)
 
 
 def of_problem(p, dev) -> Optional[Functions]:
     """The generated functions of problem ``p`` (its score function and mask
-    functions), None where it uses neither (the built-in kernels)."""
+    functions, and the capture gradient function where ``p.wrt`` names captures), None
+    where it uses neither (the built-in kernels)."""
     mask_fns = p.mask.mask_fns
     if p.score_mod is None and not mask_fns:
         return None
-    return functions(p.score_mod, mask_fns or (), dev)
+    return functions(p.score_mod, mask_fns or (), dev, p.capture_wrt)
 
 
 _BLOCK_CACHE_SIZE = 16

@@ -1,0 +1,236 @@
+"""Gradients of a score function's float captures on the portable Triton backward:
+deterministic (no atomics, bitwise repeatable), memory bounded by tiles.
+
+Shape legend: B batch, H query heads, Sq / Sk queries / keys, BM / BN the dK/dV
+kernel's query / key tile, nQ = cdiv(Sq, BM), nK = cdiv(Sk, BN), U = Sq + Sk - 1 the
+diagonals ``d = q_idx - kv_idx`` (``u = d + Sk - 1``), NG the reads (``gather``
+nodes) of the captures asked for.
+
+A capture ``c`` gets ``dc[idx] = sum over (b, h, i, j) of dS'[b, h, i, j] * d s' / d g``
+for each read ``g = c[idx]`` (DESIGN section 1).  Supported: captures every read of
+which has indices that depend on ``b``, ``h`` and ``q_idx - kv_idx`` only
+(:func:`anyattn.programs.diagonal.diagonal_nodes`: a relative position table
+``table[h, q_idx - kv_idx + c]``, T5's ``table[h, bucket[kv_idx - q_idx + c]]``,
+learnable ALiBi slopes ``slopes[h]``, a per-head temperature ``temp[h]``).  Then the
+index takes one value per (b, h, d), and the gradient is a sum of the terms along
+each diagonal, scattered once per (b, h, d):
+
+1. ``kernels.dkdv_kernel`` with the generated ``dcap`` function (programs.py) writes,
+   per (read, b, h, key tile, query tile), the tile's terms summed along its
+   BM + BN - 1 diagonals into its own fp32 slot of DCS [NG, B * H, nK, nQ, W]
+   (W = BM + BN - 1, or W = 1, the tile's total, where no index reads the diagonal):
+   NG·B·H·Sq·Sk·(1/BM + 1/BN) floats at most, never a [B, H, Sq, Sk] buffer;
+2. ``kernels.dcap_diag_kernel`` sums the slots of each diagonal over the key tiles in
+   order (fp64) -> [NG, B, H, U] (a torch sum of each slot where W = 1);
+3. each read's sums are summed over the axes its index does not read (b, h, d; torch
+   sums: a fixed order);
+4. the index of every (b, h, d) left is evaluated once on the host (NumPy), the terms
+   are sorted by capture element (stable), and ``kernels.dcap_segment_kernel`` sums
+   each element's terms in that order (fp64), cast to the capture's dtype at the end.
+   The sort is cached by what the indices read (sizes, integer captures).
+
+Other reads (an index of ``q_idx`` or ``kv_idx`` alone, of the score) are refused
+before any work (:func:`unsupported`).  Nothing here imports torch or Triton at
+module level: the capability check runs it.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+
+from ...programs.diagonal import diagonal_nodes
+from ...programs.graph import Node, ordered, render
+
+__all__ = ["Read", "reads", "unsupported", "reads_diagonal", "CaptureGrads"]
+
+_INDEX = frozenset({"q_idx", "kv_idx", "score"})
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read (gather node) of a capture asked for: ``uses`` the axes its indices
+    read, a subset of ('b', 'h', 'd') (``d``: q_idx - kv_idx); ``bad``: the first index
+    that depends on q_idx / kv_idx otherwise (or on the score), None if supported."""
+
+    node: Node
+    name: str
+    uses: FrozenSet[str]
+    bad: Optional[Node]
+
+
+def reads(program, wrt) -> List[Read]:
+    """The reads of the captures ``wrt`` of a score program, in graph order."""
+    order = ordered([program.out])
+    diag = diagonal_nodes(order)
+    out = []
+    for g in program.gathers(frozenset(wrt)):
+        uses, bad = set(), None
+        for a in g.args:
+            inputs = {n.attr for n in ordered([a]) if n.op == "input"}
+            uses |= inputs & {"b", "h"}
+            if a.uid in diag:
+                uses.add("d")
+            elif inputs & _INDEX and bad is None:
+                bad = a
+        out.append(Read(g, g.attr, frozenset(uses), bad))
+    return out
+
+
+def unsupported(program, wrt) -> Optional[str]:
+    """Why the portable Triton backward cannot compute the gradients of the captures
+    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
+    (the callers add theirs)."""
+    for r in reads(program, wrt):
+        if r.bad is not None:
+            return (f"computes the gradient of a score_mod capture only where every read of "
+                    f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
+                    f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
+                    "kv_idx otherwise")
+    return None
+
+
+def reads_diagonal(program, wrt) -> bool:
+    """Does an index of the captures ``wrt`` read q_idx - kv_idx (slots of diagonal
+    sums), or only b and h (one total per slot)?"""
+    return any("d" in r.uses for r in reads(program, wrt))
+
+
+_MAP_CACHE_SIZE = 16
+_map_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+class CaptureGrads:
+    """The capture gradients of one backward call (module doc): ``scratch`` for the
+    dK/dV launch, ``finish`` after it."""
+
+    def __init__(self, p, dev):
+        self.bound = p.score_mod
+        self.prog = self.bound.program
+        self.wrt = frozenset(p.capture_wrt)
+        self.reads = reads(self.prog, self.wrt)
+        self.diag = any("d" in r.uses for r in self.reads)
+        self.sizes = (p.batch, p.heads_q, p.seq_q, p.seq_k)
+        self.dev = dev
+        self.tile: Optional[Tuple[int, int]] = None
+
+    def scratch(self, bm: int, bn: int):
+        """(DCS zeros [NG, B * H, nK, nQ, W] fp32, the stride of NG) for tiles bm x bn."""
+        import torch
+
+        B, H, Sq, Sk = self.sizes
+        nq, nk = -(-Sq // bm), -(-Sk // bn)
+        w = bm + bn - 1 if self.diag else 1
+        ng = max(1, len(self.reads))
+        dcs = torch.zeros((ng, B * H, nk, nq, w), dtype=torch.float32, device=self.dev)
+        self.tile = (bm, bn)
+        return dcs, B * H * nk * nq * w
+
+    def finish(self, dcs) -> Dict[str, object]:
+        """{capture: gradient} (torch, the capture's shape and dtype, on the device) from
+        the slots the dK/dV launch wrote."""
+        import torch
+
+        from . import kernels
+
+        B, H, Sq, Sk = self.sizes
+        bm, bn = self.tile
+        ng, bh, nk, nq, w = dcs.shape
+        if self.diag:
+            U = Sq + Sk - 1
+            sums = torch.empty((ng, bh, U), dtype=torch.float64, device=self.dev)
+            block = 128
+            kernels.dcap_diag_kernel[(-(-U // block), ng * bh)](
+                dcs, sums, Sq, Sk, nk, nq, BM=bm, BN=bn, NM=-(-(bm + bn - 1) // bm),
+                BLOCK=block)
+        else:
+            sums = dcs.to(torch.float64).sum(dim=(2, 3, 4)).unsqueeze(-1)
+        sums = sums.reshape(ng, B, H, -1)                      # [NG, B, H, U or 1]
+        parts: Dict[str, List[Tuple[Read, object]]] = {n: [] for n in sorted(self.wrt)}
+        for i, r in enumerate(self.reads):
+            x = sums[i]
+            for axis, use in ((0, "b"), (1, "h"), (2, "d")):
+                if use not in r.uses and x.shape[axis] > 1:
+                    x = x.sum(dim=axis, keepdim=True)
+            parts[r.name].append((r, x))
+        out = {}
+        for name, got in parts.items():
+            arr = self.bound.arrays[name]
+            want = getattr(torch, str(arr.dtype))
+            if not got:                       # never read: a zero gradient
+                out[name] = torch.zeros(arr.shape, dtype=want, device=self.dev)
+                continue
+            perm, offs, longest = self._order(name, [(r, tuple(x.shape)) for r, x in got])
+            vals = torch.cat([x.reshape(-1) for _, x in got])
+            n = int(np.prod(arr.shape, dtype=np.int64))
+            res = torch.empty(n, dtype=torch.float64, device=self.dev)
+            if n:
+                eb = 32
+                kernels.dcap_segment_kernel[(-(-n // eb),)](vals, perm, offs, res, n, longest,
+                                                            EB=eb, KB=32)
+            out[name] = res.reshape(arr.shape).to(want)
+        return out
+
+    def _order(self, name: str, shaped) -> tuple:
+        """(perm, offs, longest): the terms of capture ``name`` (the reads' sums
+        concatenated, each of its shape [Bx, Hx, Ux]) sorted by capture element, where
+        each element's terms start (offs [n + 1]; both on the device) and the most terms
+        of one element.  Cached by the graph, the reads, their shapes, the sizes and the
+        captures the indices read."""
+        import torch
+
+        read_caps = sorted({n.attr for r, _ in shaped for a in r.node.args
+                            for n in ordered([a]) if n.op == "gather"})
+        h = hashlib.blake2b(digest_size=16)
+        for c in read_caps:
+            a = np.ascontiguousarray(self.bound.arrays[c])
+            h.update(f"{c}:{a.shape}:{a.dtype.str};".encode())
+            h.update(memoryview(a).cast("B") if a.size else b"")
+        key = (self.prog.key, name, tuple((tuple(sorted(r.uses)), s) for r, s in shaped),
+               self.sizes, h.hexdigest(), str(self.dev))
+        with _lock:
+            hit = _map_cache.get(key)
+            if hit is not None:
+                _map_cache.move_to_end(key)
+                return hit
+        shape = tuple(self.bound.arrays[name].shape)
+        flat = np.concatenate([self._flat_index(r, s, shape) for r, s in shaped])
+        perm = np.argsort(flat, kind="stable")
+        offs = np.zeros(int(np.prod(shape, dtype=np.int64)) + 1, dtype=np.int64)
+        counts = np.bincount(flat, minlength=offs.size - 1)
+        np.cumsum(counts, out=offs[1:])
+        res = (torch.from_numpy(perm.astype(np.int64)).to(self.dev),
+               torch.from_numpy(offs).to(self.dev), int(counts.max(initial=0)))
+        with _lock:
+            _map_cache[key] = res
+            while len(_map_cache) > _MAP_CACHE_SIZE:
+                _map_cache.popitem(last=False)
+        return res
+
+    def _flat_index(self, r: Read, shape3, cap_shape) -> np.ndarray:
+        """The flat capture index of read ``r`` at every (b, h, d) of its sums' shape
+        [Bx, Hx, Ux] (an axis of 1 where the index does not read it): the index
+        expressions evaluated once, q_idx = d and kv_idx = 0 (exact for expressions of
+        q_idx - kv_idx, diagonal.py), integers in int64 and floats in fp32 as the
+        kernels compute them (NumPy's fp32 functions may round an index computed
+        through float arithmetic differently from the device's at a boundary)."""
+        from ...programs.evaluate import evaluate
+
+        B, H, Sq, Sk = self.sizes
+        env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
+               "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
+               "q_idx": (np.arange(-(Sk - 1), Sq, dtype=np.int64)[None, None, :]
+                         if shape3[2] > 1 else np.int64(0)),
+               "kv_idx": np.int64(0)}
+        if not r.node.args:                                   # a capture of rank 0
+            return np.zeros(int(np.prod(shape3)), dtype=np.int64)
+        f32 = np.dtype(np.float32)          # float captures as the kernels store them
+        idx = evaluate(list(r.node.args), env, self.bound.caps(f32), f32,
+                       idt=np.dtype(np.int64))
+        idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
+        return np.ravel_multi_index(idx, cap_shape).reshape(-1)

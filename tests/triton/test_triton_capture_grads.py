@@ -1,0 +1,210 @@
+"""Gradients of score-function captures on the portable Triton backward (interpreter on
+CPU tensors): the diagonal sums of a tile, the gallery's learnable tables against the
+float64 reference (fp32, bf16; GQA, Sq != Sk, causal), reads indexed by b, h and
+q_idx - kv_idx, a capture of rank 0, tile lists with softcap, dropout and sinks,
+repeated runs bitwise equal, anyattn.torch's autograd, and the refusal of a capture read
+otherwise.  The backward gets out and the row statistics from the NumPy backend (the
+Triton forward is tested elsewhere) and asks for dk, dv and the captures: the dK/dV
+launch computes all three, so no test pays for the dQ kernel.
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
+import numpy as np
+import pytest
+
+from tr_util import T, needs_triton, torch
+
+import triton  # noqa: E402  (tr_util skips this module without it)
+import triton.language as tl
+
+import anyattn as aa
+from anyattn.backends.triton.kernels import _dcap_store
+from anyattn.rowstats import RowStats
+
+from helpers import assert_close, load_gallery
+
+gallery = load_gallery()
+
+pytestmark = needs_triton
+
+#: the gallery entries with learnable captures
+LEARNABLE = sorted(n for n, (m, _) in gallery.GALLERY.items()
+                   if m(1, 2, 8, 8, np.random.default_rng(0)).wrt)
+
+
+def _inputs(seed, B, Hq, Hkv, Sq, Sk, D, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    q, g = (rng.standard_normal((B, Hq, Sq, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
+    if dtype == "bfloat16":   # the reference sees the rounded inputs
+        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+                      for x in (q, k, v, g))
+    return q, k, v, g
+
+
+def _f64(*xs):
+    return [x.astype(np.float64) for x in xs]
+
+
+def test_the_gallery_has_learnable_tables():
+    assert {"relative_position_bias", "t5_buckets", "alibi", "tanh_gate"} <= set(LEARNABLE)
+
+
+@triton.jit
+def _probe(E, OUT, TOT, BN: tl.constexpr, BM: tl.constexpr):
+    jj = tl.arange(0, BN)
+    ii = tl.arange(0, BM)
+    e = tl.load(E + jj[:, None] * BM + ii[None, :])                                 # [BN, BM]
+    _dcap_store(OUT, e, BN, BM, True)
+    _dcap_store(TOT, e, BN, BM, False)
+
+
+def _backward(q, k, v, g, wrt, dtype="float32", **kw):
+    """attention_backward on Triton with out / statistics from the NumPy backend's fp32
+    forward (on the same rounded inputs)."""
+    td = getattr(torch, dtype)
+    fw = {n: x for n, x in kw.items() if n not in ("score_mod",)}
+    out, st = aa.forward_with_stats(q, k, v, backend="numpy", score_mod=kw.get("score_mod"),
+                                    **fw)
+    tkw = {n: (T(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    return aa.attention_backward(*(T(x, td) for x in (q, k, v, g)), out=T(out, td),
+                                 lse=RowStats(T(st.max), T(st.log_norm)), wrt=wrt,
+                                 backend="triton", **tkw)
+
+
+def _reference(q, k, v, g, wrt, **kw):
+    kw = {n: (x.astype(np.float64) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    return aa.attention_backward(*_f64(q, k, v, g), wrt=wrt, backend="reference", **kw)
+
+
+@pytest.mark.parametrize("bm, bn", [(16, 32), (32, 16), (16, 16)])
+def test_a_tiles_diagonal_sums(bm, bn):
+    """kernels._dcap_store: a transposed tile [BN, BM] summed along each diagonal
+    t = ii - jj + BN - 1 (both orders of the tile sides), and its total."""
+    e = np.random.default_rng(bm + bn).standard_normal((bn, bm)).astype(np.float32)
+    out = torch.full((bm + bn,), 7.0)                 # the last entry stays untouched
+    tot = torch.zeros(1)
+    _probe[(1,)](T(e), out, tot, BN=bn, BM=bm)
+    want = np.zeros(bm + bn - 1)
+    for jj in range(bn):
+        for ii in range(bm):
+            want[ii - jj + bn - 1] += e[jj, ii]
+    np.testing.assert_allclose(out[:-1].numpy(), want, rtol=1e-5, atol=1e-5)
+    assert out[-1] == 7.0
+    np.testing.assert_allclose(tot.numpy(), [e.astype(np.float64).sum()], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, dtype", [(n, "float32") for n in LEARNABLE]
+                         + [("relative_position_bias", "bfloat16"), ("t5_buckets", "bfloat16")])
+def test_gallery_capture_gradients_match_the_float64_reference(name, dtype):
+    """dk, dv and the capture gradients (in the capture's shape and dtype), GQA 4 : 2,
+    Sq != Sk; causal where the entry is."""
+    make, _ = gallery.GALLERY[name]
+    sq, sk = 24, 40
+    q, k, v, g = _inputs(len(name), 1, 4, 2, sq, sk, 16, dtype)
+    e = make(1, 4, sq, sk, np.random.default_rng(7))
+    wrt = ("k", "v") + e.wrt
+    gr = _backward(q, k, v, g, wrt, dtype, **e.kwargs)
+    rg = _reference(q, k, v, g, wrt, **e.kwargs)
+    for n in ("dk", "dv"):
+        assert_close(getattr(gr, n).float().cpu().numpy(), getattr(rg, n), dtype, f"{name} {n}")
+    for n in e.wrt:
+        got = gr.dcaptures[n]
+        cap = e.kwargs["score_mod"].captures[n]
+        assert isinstance(got, torch.Tensor) and tuple(got.shape) == cap.shape
+        assert got.dtype == getattr(torch, str(cap.dtype))
+        assert_close(got.cpu().numpy(), rg.dcaptures[n], dtype, f"{name} d{n}")
+
+
+def test_reads_of_batch_head_and_diagonal_and_a_scalar_capture():
+    """Two reads of one table (per batch, at +d and -d), a table read at [b, h] and a
+    capture of rank 0 (the score's factor), wrt naming the captures only."""
+    B, Sq, Sk = 2, 20, 12
+    q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
+    rng = np.random.default_rng(4)
+    t = rng.standard_normal((B, Sq + Sk - 1)).astype(np.float32)
+    w = rng.standard_normal((B, 2)).astype(np.float32)
+    c = np.array(0.7, np.float32)
+
+    def fn(s, b, h, i, j, t, w, c):
+        return s * c + t[b, i - j + Sk - 1] - 0.5 * t[b, j - i + Sq - 1] * w[b, h]
+
+    sm = aa.ScoreMod(fn, t=t, w=w, c=c)
+    wrt = ("t", "w", "c")
+    gr = _backward(q, k, v, g, wrt, score_mod=sm)
+    rg = _reference(q, k, v, g, wrt, score_mod=sm)
+    assert gr.dq is None and gr.dk is None and gr.dv is None
+    for n in wrt:
+        assert tuple(gr.dcaptures[n].shape) == sm.captures[n].shape
+        assert_close(gr.dcaptures[n].cpu().numpy(), rg.dcaptures[n], "float32", f"d{n}")
+
+
+def test_tile_lists_with_softcap_dropout_sinks_and_repeated_runs_bitwise_equal():
+    """A mask union (tile lists; mask blocks whose last sub-tiles lie past Sq) with
+    softcap, dropout and sinks: dk, dv, dsinks and the table's gradient against the
+    reference, and a second run gives the same bits."""
+    Sq, Sk = 40, 24
+    q, k, v, g = _inputs(6, 1, 4, 2, Sq, Sk, 16)
+    rng = np.random.default_rng(8)
+    tab = rng.standard_normal((4, Sq + Sk - 1)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, tab: s * 0.5 + tab[h, i - j + Sk - 1], tab=tab)
+    kw = dict(score_mod=sm, softcap=2.0, dropout_p=0.2, dropout_seed=11,
+              sinks=rng.standard_normal(4).astype(np.float32),
+              mask=aa.Causal("bottom_right") | aa.MaskMod(lambda b, h, i, j: j < 3))
+    wrt = ("k", "v", "tab", "sinks")
+    runs = [_backward(q, k, v, g, wrt, **kw) for _ in range(2)]
+    rg = _reference(q, k, v, g, wrt, **kw)
+    for n in ("dk", "dv", "dsinks"):
+        assert_close(getattr(runs[0], n).cpu().numpy(), getattr(rg, n), "float32", n)
+    assert_close(runs[0].dcaptures["tab"].cpu().numpy(), rg.dcaptures["tab"], "float32",
+                 "dtab")
+    assert torch.equal(runs[0].dcaptures["tab"], runs[1].dcaptures["tab"])
+    assert torch.equal(runs[0].dk, runs[1].dk)
+
+
+def test_a_capture_read_at_q_idx_is_refused_before_any_work(monkeypatch):
+    """An index of q_idx (not through q_idx - kv_idx) is refused by the backend choice,
+    naming the capture and its read; the kernels are never reached."""
+    from anyattn.backends.triton import launch
+
+    def no_kernels(*a, **kw):
+        raise AssertionError("a kernel launched")
+
+    monkeypatch.setattr(launch, "backward", no_kernels)
+    monkeypatch.setattr(launch, "forward", no_kernels)
+    S = 16
+    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.zeros((2, 2 * S - 1), np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, i - j + S - 1], t=t)
+    with pytest.raises(NotImplementedError,
+                       match=r"capture 't' is read at t\[h, q_idx\], whose index q_idx "
+                             r"depends on q_idx / kv_idx otherwise"):
+        aa.attention_backward(*(T(x) for x in (q, k, v, g)), wrt=("q", "t"),
+                              backend="triton", score_mod=sm)
+
+
+def test_torch_autograd_reaches_the_triton_capture_gradients():
+    """anyattn.torch.attention with backend='triton' (the path of CUDA tensors): a
+    captured table that requires grad gets the Triton backward's gradient (the NumPy
+    backend's within fp32's tolerance); one read at kv_idx raises in the forward."""
+    import anyattn.torch as at
+
+    S = 16
+    q, k, v, _ = (T(x) for x in _inputs(5, 1, 2, 2, S, S, 16))
+    t0 = torch.from_numpy(np.random.default_rng(6).standard_normal((2, 2 * S - 1))
+                          .astype(np.float32))
+
+    def rel(s, b, h, i, j, t):
+        return s + t[h, i - j + S - 1]
+
+    grads = {}
+    for be in ("triton", "numpy"):
+        t = t0.clone().requires_grad_()
+        out = at.attention(q, k, v, backend=be, mask=aa.Causal(),
+                           score_mod=aa.ScoreMod(rel, t=t))
+        (out * out).sum().backward()
+        grads[be] = t.grad
+    assert_close(grads["triton"].numpy(), grads["numpy"].double().numpy(), "float32", "dt")
+    t = t0[0, :S].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[kv_idx\]"):
+        at.attention(q, k, v, backend="triton",
+                     score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[j], t=t))
