@@ -14,7 +14,8 @@ import anyattn as aa
 from anyattn import reference as R
 from anyattn.backends.registry import unavailable_reason
 
-from helpers import assert_close, examples, harness_for, make_qkv, np_mask, term_magnitudes, to_np, TOL
+from helpers import (assert_close, examples, exhaustive, harness_for, make_qkv, np_mask,
+                     term_magnitudes, to_np, TOL)
 
 import os
 
@@ -490,6 +491,13 @@ VALUE_DIM_MASKS = {
 }
 
 
+#: what an interpreted or emulated backend runs by default: every (D, Dv) pair once and
+#: every mask kind once (the kernels' value head dim and their mask are independent
+#: parts); every pair with every mask on the other backends and with --exhaustive
+VALUE_DIM_COVER = {(dims, list(VALUE_DIM_MASKS)[i % len(VALUE_DIM_MASKS)])
+                   for i, dims in enumerate(VALUE_DIMS)}
+
+
 def _value_dim_supported(hx) -> bool:
     from anyattn.backends.registry import get_backend
 
@@ -523,6 +531,9 @@ def test_value_head_dim(hx, dims, mname):
             _value_dim_refused(hx)
             return
         pytest.skip(f"{hx.name} refuses value_dim (checked once)")
+    if hx.small and not exhaustive() and (dims, mname) not in VALUE_DIM_COVER:
+        pytest.skip(f"exhaustive: {hx.name} runs each (D, Dv) pair and mask kind once "
+                    "by default (VALUE_DIM_COVER); pytest --exhaustive runs every pair")
     D, Dv = dims
     B, Hq, Hkv, Sq, Sk = (1, 4, 2, 7, 11) if hx.small else (2, 4, 2, 29, 37)
     rng = np.random.default_rng(D + Dv)

@@ -74,7 +74,7 @@ def test_head_dims_not_power_of_two(D):
 @needs_triton
 def test_gqa_group3_window_sq_gt_sk():
     rng = np.random.default_rng(1)
-    q, k, v, g = make_qkv(rng, 2, 6, 2, 40, 23, 16)
+    q, k, v, g = make_qkv(rng, 1, 6, 2, 40, 23, 16)
     check(q, k, v, g, mask=aa.Window(left=9, right=2, align="bottom_right"))
 
 
@@ -199,9 +199,12 @@ def test_tf32_opt_in_accepted():
 @needs_triton
 def test_bitwise_repeatable_gqa_bias_mask():
     rng = np.random.default_rng(9)
-    q, k, v, g = (T(x) for x in make_qkv(rng, 1, 4, 2, 33, 41, 16))
-    bias = T(rng.standard_normal((1, 4, 33, 41)).astype(np.float32))
-    keep = aa.KeepMask(T(rng.random((33, 41)) < 0.6))
+    # the interpreter runs the programs one after another: there the repeat checks the
+    # host side (two query and key tiles suffice); on a GPU, the kernels' reductions
+    Sq, Sk = (21, 35) if INTERP else (33, 41)
+    q, k, v, g = (T(x) for x in make_qkv(rng, 1, 4, 2, Sq, Sk, 16))
+    bias = T(rng.standard_normal((1, 4, Sq, Sk)).astype(np.float32))
+    keep = aa.KeepMask(T(rng.random((Sq, Sk)) < 0.6))
     runs = [aa.attention_backward(q, k, v, g, bias=bias, mask=keep, backend="triton",
                                   wrt=("q", "k", "v", "bias")) for _ in range(2)]
     for n in ("dq", "dk", "dv", "dbias"):
@@ -214,7 +217,7 @@ def test_fused_backward_equals_two_launches(case, monkeypatch):
     """The one-launch backward (dK/dV and dQ programs in one grid) gives the same bits
     as the separate dK/dV and dQ kernels, in both iteration modes and with dbias."""
     rng = np.random.default_rng(11)
-    Sq, Sk = 45, 70
+    Sq, Sk = 37, 50                  # several query and key tiles of either launch
     q, k, v, g = (T(x) for x in make_qkv(rng, 2, 2, 1, Sq, Sk, 24))
     mask, bias, wrt = None, None, ("q", "k", "v")
     if case == "band_gqa":
@@ -278,7 +281,11 @@ def test_scaled_fp16_parts_and_scales():
 
 
 @needs_triton
-@pytest.mark.parametrize("precision", ["highest", "tf32"])
+@pytest.mark.parametrize("precision", [
+    "highest",
+    # fp32 takes the same scaled-fp16 kernels under both precisions
+    # (test_configs_plans_and_tuner): the second run repeats the first's launches
+    pytest.param("tf32", marks=pytest.mark.exhaustive)])
 def test_scaled_fp16_far_from_unit_inputs(precision):
     """fp32 through the default scaled-fp16 products with every (batch, head) of q, k, v,
     dout at its own power of ten (1e-6 .. 1e6, differing inside a GQA group), a huge and
