@@ -182,7 +182,8 @@ def test_every_output_element_is_written(np_config, monkeypatch):
     (8, 2, 1, {}, True),
     (8, 2, 16, {}, True),
     (32, 8, 4, {}, True),
-    (8, 2, 17, {}, False),                      # many queries: per-head bounded forward
+    (8, 2, 64, {}, True),
+    (8, 2, 65, {}, False),                      # many queries: per-head bounded forward
     (8, 8, 1, {}, False),                       # no group: nothing to share
     (8, 2, 4, dict(fwd_bq=2), False),           # more than one query tile
     (64, 1, 8, {}, False),                      # 512 stacked rows: too many for one tile

@@ -371,7 +371,7 @@ def _run_units(units: Sequence[Callable[[], TileCounts]], n_threads: int) -> Til
 
 
 #: the forward stacks a group's query heads for at most this many queries per head ...
-STACK_MAX_SQ = 16
+STACK_MAX_SQ = 64
 #: ... and at most this many stacked rows (G·Sq) per unit
 STACK_MAX_ROWS = 256
 
