@@ -64,10 +64,10 @@ def _run(path, variant, causal, batch, dev="cuda", seed=0):
     import torch
 
     import anyattn as aa
-    from anyattn.backends.triton import launch as L
+    from anyattn.backends.triton import launch as triton_launch
 
     os.environ["ANYATTN_TRITON_PATH"] = path
-    L.clear_prepared()
+    triton_launch.clear_prepared()
     _, heads, s, d = SHAPE
     gen = torch.Generator(device=dev).manual_seed(seed)
     q, k, v, g = (torch.randn(batch, heads, s, d, generator=gen, device=dev)

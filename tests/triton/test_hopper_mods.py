@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import anyattn as aa  # noqa: E402
-from anyattn import reference as R  # noqa: E402
-from anyattn.backends.triton import launch as L  # noqa: E402
-from anyattn.backends.triton import route as ROUTE  # noqa: E402
-from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
+from anyattn import reference  # noqa: E402
+from anyattn.backends.triton import launch as triton_launch  # noqa: E402
+from anyattn.backends.triton import route  # noqa: E402
+from anyattn.backends.triton.hopper import launch as hopper_launch  # noqa: E402
 
 from helpers import TOL, assert_close, make_qkv, np_mask, stable_seed, to_np  # noqa: E402
 from tr_util import GRAD, needs_sm90  # noqa: E402
@@ -63,16 +63,16 @@ def hopper_spy(monkeypatch):
     launchers counted -> the dict of counts (forward, backward_fused, dkdv)."""
     counts = {"forward": 0, "backward_fused": 0, "dkdv": 0}
     for name in counts:
-        real = getattr(HL, name)
+        real = getattr(hopper_launch, name)
 
         def spy(*a, _real=real, _name=name, **kw):
             counts[_name] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(HL, name, spy)
+        monkeypatch.setattr(hopper_launch, name, spy)
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
-    L.clear_prepared()
+    triton_launch.clear_prepared()
     yield counts
-    L.clear_prepared()
+    triton_launch.clear_prepared()
 
 
 def _check(q, k, v, g, mods, mask, dtype, counts):
@@ -91,8 +91,8 @@ def _check(q, k, v, g, mods, mask, dtype, counts):
     gr2 = aa.attention_backward(qt, kt, vt, gt, out=out, lse=lse, wrt=wrt, **common)
     assert counts["backward_fused"] + counts["dkdv"] == 2, counts
     qr, kr, vr, grr = (to_np(x).astype(np.float64) for x in (qt, kt, vt, gt))
-    ro, rl = R.forward(qr, kr, vr, mask=np_mask(mask), **mods)
-    rg = R.backward(qr, kr, vr, grr, mask=np_mask(mask), wrt=wrt, **mods)
+    ro, rl = reference.forward(qr, kr, vr, mask=np_mask(mask), **mods)
+    rg = reference.backward(qr, kr, vr, grr, mask=np_mask(mask), wrt=wrt, **mods)
     assert_close(out, ro, dtype, "out")
     lt = to_np(lse).astype(np.float64)
     assert np.array_equal(np.isfinite(lt), np.isfinite(rl)), "lse finite where float64's is"
@@ -123,8 +123,8 @@ def test_modifiers_match_float64(hopper_spy, dtype, D, kind, shape, which):
 def test_modifiers_dkdv_route_with_portable_dq(hopper_spy, monkeypatch, D):
     """Past half the SMs' worth of key tiles the backward runs the dK / dV kernel with
     the modifiers and the portable dQ kernel with them (here forced: an SM count of 2)."""
-    monkeypatch.setitem(ROUTE.SM_COUNTS, "cuda:0", 2)
-    monkeypatch.setitem(ROUTE.SM_COUNTS, "cuda", 2)
+    monkeypatch.setitem(route.SM_COUNTS, "cuda:0", 2)
+    monkeypatch.setitem(route.SM_COUNTS, "cuda", 2)
     rng = np.random.default_rng(stable_seed("dkdv", D))
     B, H, Hkv, Sq, Sk = 1, 4, 2, 300, 520
     q, k, v, g = make_qkv(rng, B, H, Hkv, Sq, Sk, D)

@@ -26,10 +26,10 @@ except ImportError:                                      # pragma: no cover
     pytest.skip("needs triton.experimental.gluon", allow_module_level=True)
 
 import anyattn as aa  # noqa: E402
-from anyattn.backends.triton import launch as L  # noqa: E402
-from anyattn.backends.triton import route as ROUTE  # noqa: E402
-from anyattn.backends.triton.hopper import coverage as HCOV  # noqa: E402
-from anyattn.backends.triton.hopper import launch as HL  # noqa: E402
+from anyattn.backends.triton import launch as triton_launch  # noqa: E402
+from anyattn.backends.triton import route  # noqa: E402
+from anyattn.backends.triton.hopper import coverage as hopper_coverage  # noqa: E402
+from anyattn.backends.triton.hopper import launch as hopper_launch  # noqa: E402
 from anyattn.modifiers import ScoreMods  # noqa: E402
 from anyattn.problem import describe  # noqa: E402
 
@@ -64,7 +64,7 @@ def recorded(monkeypatch):
     problem.clear_cache()
     calls = []
     monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
-    monkeypatch.setitem(ROUTE.SM_COUNTS, "cpu", 132)
+    monkeypatch.setitem(route.SM_COUNTS, "cpu", 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     for mod, name in ((fwd_ws_kernel, "fwd_ws_kernel"), (fwd_persist_kernel,
                                                          "fwd_persist_kernel"),
@@ -73,11 +73,11 @@ def recorded(monkeypatch):
                       (bwd_ws_kernel, "dkdv_ws_kernel"), (bwd_dq_convert,
                                                           "dq_convert_kernel")):
         monkeypatch.setattr(mod, name, _Recorder(calls, name))
-    monkeypatch.setattr(ROUTE, "device_facts", lambda dev, env=None: ROUTE.DeviceFacts(
-        "cuda", (9, 0), ROUTE.SM_COUNTS[str(dev)]))
-    L.clear_prepared()
+    monkeypatch.setattr(route, "device_facts", lambda dev, env=None: route.DeviceFacts(
+        "cuda", (9, 0), route.SM_COUNTS[str(dev)]))
+    triton_launch.clear_prepared()
     yield calls
-    L.clear_prepared()
+    triton_launch.clear_prepared()
 
 
 def _inputs(B=2, H=4, Hkv=2, Sq=40, Sk=72, D=128, seed=0):
@@ -114,7 +114,7 @@ def test_forward_passes_the_modifiers(recorded, case, D, mask):
         q, k, v = _inputs(D=D, seed=i)
         p = describe(q, k, v, mask=mask, **kw_p)
         recorded.clear()
-        L.forward(p, q, k, v, None, mods=mods)
+        triton_launch.forward(p, q, k, v, None, mods=mods)
         ((name, grid, args, kw),) = recorded
         assert name in ("fwd_ws_kernel", "fwd_persist_kernel")
         assert kw["SOFTCAP"] is ("softcap" in kw_p)
@@ -137,7 +137,7 @@ def test_forward_without_modifiers_passes_none(recorded):
     q, k, v = _inputs()
     for mask in (None, aa.Causal()):
         recorded.clear()
-        L.forward(describe(q, k, v, mask=mask), q, k, v, None)
+        triton_launch.forward(describe(q, k, v, mask=mask), q, k, v, None)
         ((_, _, _, kw),) = recorded
         assert not FWD_MOD_KEYS & set(kw)
 
@@ -159,7 +159,7 @@ def test_backward_passes_the_modifiers(recorded, case, D, seq_k):
     # past 66 key tiles dK / dV only (dQ would be the portable kernel's, interpreted)
     p = describe(q, k, v, dout=do, wrt=("k", "v") if seq_k > 72 else ("q", "k", "v"),
                  **kw_p)
-    L.backward(p, q, k, v, do, torch.randn_like(q), _stats(), None, mods=mods)
+    triton_launch.backward(p, q, k, v, do, torch.randn_like(q), _stats(), None, mods=mods)
     kernels = [c for c in recorded if c[0] != "dq_convert_kernel"]
     ((name, _, _, kw),) = kernels
     assert [c[0] for c in recorded][1:] == ([] if seq_k > 72 else ["dq_convert_kernel"])
@@ -187,7 +187,7 @@ def test_backward_sinks_gradient_from_the_preprocess(recorded):
     out = torch.randn(q.shape, generator=g).to(torch.bfloat16)
     st = aa.RowStats(torch.randn(2, 4, 40, generator=g), torch.rand(2, 4, 40, generator=g))
     p = describe(q, k, v, dout=do, wrt=("q", "k", "v", "sinks"), sinks=sinks)
-    res = L.backward(p, q, k, v, do, out, st, None, mods=ScoreMods(sinks=sinks))
+    res = triton_launch.backward(p, q, k, v, do, out, st, None, mods=ScoreMods(sinks=sinks))
     lse = (st.max + st.log_norm).double().numpy()
     delta = (out.double() * do.double()).sum(-1).numpy()
     want = -(np.exp(sinks.double().numpy()[None, :, None] - lse) * delta).sum((0, 2))
@@ -204,19 +204,19 @@ def test_modifiers_refused_with_array_masks_and_without_their_tensors(recorded):
                                             torch.tensor([0] * 36 + [1] * 36)),
                  softcap=20.0)
     with pytest.raises(NotImplementedError, match="no mask or a band only"):
-        HL.mod_kw(p, ScoreMods(), q.device)
+        hopper_launch.mod_kw(p, ScoreMods(), q.device)
     with pytest.raises(NotImplementedError, match="score features with mask class"):
-        L.forward(p, q, k, v, None)
+        triton_launch.forward(p, q, k, v, None)
     assert not recorded
     slopes = torch.ones(4)
     p = describe(q, k, v, alibi_slopes=slopes)
     with pytest.raises(ValueError, match="carry no alibi_slopes"):
-        HL.mod_kw(p, ScoreMods(), q.device)
+        hopper_launch.mod_kw(p, ScoreMods(), q.device)
     p = describe(q, k, v, sinks=slopes)
     with pytest.raises(ValueError, match="carry no sinks"):
-        HL.mod_kw(p, None, q.device)
-    assert HL.mod_kw(p, ScoreMods(sinks=slopes), q.device, sinks=False) == {}
-    assert HCOV.MOD_FEATURES <= HCOV.COVERAGE["forward"].features
+        hopper_launch.mod_kw(p, None, q.device)
+    assert hopper_launch.mod_kw(p, ScoreMods(sinks=slopes), q.device, sinks=False) == {}
+    assert hopper_coverage.MOD_FEATURES <= hopper_coverage.COVERAGE["forward"].features
 
 
 def test_alibi_refused_past_its_exact_distances(recorded):
@@ -224,10 +224,10 @@ def test_alibi_refused_past_its_exact_distances(recorded):
     whose offsets reach past that raises before any launch, naming the remedy."""
     q, k, v = _inputs()
     slopes = torch.ones(4)
-    ok = describe(q, k, v, alibi_slopes=slopes, q_offset=HL.ALIBI_MAX_DIST - 1024)
-    assert HL.mod_kw(ok, ScoreMods(alibi_slopes=slopes[None]), q.device)["ALIBI"]
-    far = describe(q, k, v, alibi_slopes=slopes, q_offset=HL.ALIBI_MAX_DIST)
+    ok = describe(q, k, v, alibi_slopes=slopes, q_offset=hopper_launch.ALIBI_MAX_DIST - 1024)
+    assert hopper_launch.mod_kw(ok, ScoreMods(alibi_slopes=slopes[None]), q.device)["ALIBI"]
+    far = describe(q, k, v, alibi_slopes=slopes, q_offset=hopper_launch.ALIBI_MAX_DIST)
     with pytest.raises(NotImplementedError, match="exact below 2\\^22.*portable"):
-        L.forward(far, q, k, v, None, mods=ScoreMods(alibi_slopes=slopes[None]))
+        triton_launch.forward(far, q, k, v, None, mods=ScoreMods(alibi_slopes=slopes[None]))
     assert not recorded
 
