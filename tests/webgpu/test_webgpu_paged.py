@@ -256,6 +256,23 @@ def test_paged_repeat_with_same_pages_uploads_no_table(be, monkeypatch):
     assert n7 >= 1
 
 
+def test_paged_table_changed_in_place_is_not_read(be):
+    """Pages copies its tables when made: a block table changed in place afterwards
+    changes neither the first call with that Pages nor a repeat (the kept template)."""
+    lengths = [40, 17]
+    _, q, k, v, table, sl = _case(15, lengths, 8, sq=1)
+    dq, dk, dv = wg.asarray(q), wg.asarray(k), wg.asarray(v)
+    mine = table.copy()
+    pages = aa.Pages(mine, sl)
+    want = oracle(q, k, v, table, lengths, mask=CAUSAL)
+    mine[:] = mine[::-1].copy()         # another (valid) table, after the Pages was made
+    for _ in range(2):
+        out, lse = aa.attention(dq, dk, dv, pages=pages, mask=CAUSAL, return_lse=True,
+                                backend="webgpu")
+        check((out.numpy(), lse.numpy()), want, "float32")
+        mine[:, 0] = mine[:, -1]
+
+
 def test_paged_device_arrays_bshd(be):
     lengths = [40, 17]
     _, q, k, v, table, sl = _case(10, lengths, 16, sq=1)
