@@ -206,28 +206,26 @@ def test_paged_device_arrays_in_place(be, monkeypatch):
     check((out.numpy(), lse.numpy()), oracle(q, k, v, table, lengths, **kw), "float32")
 
 
-def test_paged_repeat_with_same_pages_uploads_no_table(be, monkeypatch):
-    """Device-array pages: the launch template with its aux table (block table, records,
-    tile map) is kept per Pages, so a repeat with the same Pages uploads no table and is
-    bitwise equal; a new Pages (new lengths, or rows of the table swapped) and
-    the same Pages under another mask each upload their own and match the oracle."""
-    from anyattn.backends.webgpu import engine
-
+@pytest.mark.parametrize("arrays", ["device", "numpy"])
+def test_paged_repeat_with_same_pages_uploads_no_table(be, monkeypatch, arrays):
+    """The aux table of a paged call (block table, records, tile map) is uploaded once per
+    Pages (device arrays: with the launch template, kept in the Pages too), so a repeat
+    with the same Pages writes no aux and is bitwise equal; a new Pages (new lengths, or
+    rows of the table swapped) and the same Pages under another mask each upload their
+    own and match the oracle; ``clear_caches`` drops what the Pages keeps."""
     lengths = [40, 17, 33]
     _, q, k, v, table, sl = _case(14, lengths, 8, sq=1)
-    dq, dk, dv = wg.asarray(q), wg.asarray(k), wg.asarray(v)
-    uploads = []
-    real = engine.Call.aux_upload
-    monkeypatch.setattr(engine.Call, "aux_upload",
-                        lambda self: (uploads.append(1), real(self))[1])
+    args = tuple(wg.asarray(x) for x in (q, k, v)) if arrays == "device" else (q, k, v)
+    _, writes = _transfers(monkeypatch, be)
 
     def run(pages, lens, tab, mask=CAUSAL):
-        del uploads[:]
-        out, lse = aa.attention(dq, dk, dv, pages=pages, mask=mask, return_lse=True,
+        del writes[:]
+        out, lse = aa.attention(*args, pages=pages, mask=mask, return_lse=True,
                                 backend="webgpu")
-        got = (out.numpy(), lse.numpy())
+        n = sum(1 for label, _, _ in writes if label == "aux")
+        got = tuple(np.asarray(x.numpy() if arrays == "device" else x) for x in (out, lse))
         check(got, oracle(q, k, v, tab, lens, mask=mask), "float32")
-        return got, len(uploads)
+        return got, n
 
     pages = aa.Pages(table, sl)
     first, n1 = run(pages, lengths, table)
@@ -245,13 +243,13 @@ def test_paged_repeat_with_same_pages_uploads_no_table(be, monkeypatch):
     alt = np.ascontiguousarray(table[[1, 0, 2]])
     _, n4 = run(aa.Pages(alt, np.asarray(alt_lengths, np.int32)), alt_lengths, alt)
     assert n4 >= 1
-    # the same Pages under another mask: another template, its own bands
+    # the same Pages under another mask: another table (its own bands)
     win = CAUSAL & aa.Window(left=5, align="bottom_right")
     _, n5 = run(pages, lengths, table, win)
     assert n5 >= 1
     _, n6 = run(pages, lengths, table, win)
     assert n6 == 0
-    be.runner().clear_caches()          # drops the templates kept in Pages too
+    be.runner().clear_caches()          # drops what the Pages keeps too
     _, n7 = run(pages, lengths, table, win)
     assert n7 >= 1
 
