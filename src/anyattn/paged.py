@@ -93,7 +93,8 @@ class Pages:
     firsts: np.ndarray = dataclasses.field(init=False, repr=False)
     counts: np.ndarray = dataclasses.field(init=False, repr=False)
     #: what a backend derives from these tables once and keeps as long as this Pages
-    #: lives (the Triton backend: its device buffer of records and table per band set)
+    #: lives (the Triton backend: its device buffer of records and table per band set;
+    #: the webgpu backend: the launch templates of device-array calls, with their tables)
     device_cache: dict = dataclasses.field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):

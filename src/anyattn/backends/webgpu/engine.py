@@ -252,17 +252,56 @@ class Call:
         (``Pages(starts=)``, some nonzero) the kernels are compiled with PGSTART and each
         table row is preceded by its sequence's start (key j is position start + j).
         The k / v operands' batch stride must be their page stride (the kernel adds no
-        batch term)."""
+        batch term).
+
+        These words are uploaded once per Pages, runner and launch shape (page size,
+        batch, Sq, Sk, tile sizes, the bands) into a buffer of their own, kept in the Pages
+        (``Pages.device_cache``, at most ``PAGE_TABLES_MAX`` entries): a repeated call
+        with the same Pages neither builds nor uploads them (score modifiers added to
+        aux afterwards, ``set_mods``, upload the whole table again, with them)."""
         from ...paged import sequence_mask
 
         pk = p.pages
+        bands = tuple(sequence_mask(p, b) for b in range(self.B))
+        run = self.run
+        key = ("webgpu_pages", id(run), pk.page_size, self.B, self.SQ, self.SK, self.cfg.BQ,
+               self.cfg.BK, bands)
+        cache = pk.device_cache
+        hit = cache.get(key)
+        if self._aux_pos:                    # the words' offsets count from aux word 0
+            raise RuntimeError("set_pages: the page table must be the first aux data")
+        if hit is None or hit[0] is not run or hit[1] != run.cache_epoch:
+            words, uni, flags, consts = self._page_words(pk, bands)
+            buf = run.device.create_buffer(label="aux",
+                                           size=max(16, -(-words.nbytes // 16) * 16),
+                                           usage=run.usage)
+            run.device.queue.write_buffer(buf, 0, words)
+            stale = [k for k in cache if k[0] == "webgpu_pages"]
+            if len(stale) >= self.PAGE_TABLES_MAX:
+                for k in stale:
+                    del cache[k]
+            hit = cache[key] = (run, run.cache_epoch, words, uni, flags, consts, buf)
+        words, uni, flags, consts, buf = hit[2:]
+        self._aux_parts.append(words)
+        self._aux_pos = words.size
+        self.uni.update(uni)
+        self.flags |= flags
+        self.mod_consts.update(consts)
+        self.aux_buf = buf
+
+    #: the most page-table buffers one Pages keeps (``set_pages``: layers of a step with
+    #: different windows or query counts)
+    PAGE_TABLES_MAX = 8
+
+    def _page_words(self, pk, bands):
+        """``set_pages``' aux words from word 0 -> (u32 words, uniforms, flags, kernel
+        defines)."""
         B, BQ, BK = self.B, self.cfg.BQ, self.cfg.BK
         lo_clip, hi_clip = -(self.SQ + 2), self.SK + 2
         lens = pk.counts.astype(np.int64)
         band = np.empty((B, 2), np.int64)
         has_lo = has_hi = False
-        for b in range(B):
-            lo, hi = sequence_mask(p, b)
+        for b, (lo, hi) in enumerate(bands):
             has_lo |= lo is not None
             has_hi |= hi is not None
             band[b, 0] = lo_clip if lo is None else min(max(lo, lo_clip), hi_clip)
@@ -271,19 +310,21 @@ class Call:
         rec = np.empty((B, 4), np.int64)
         rec[:, 0] = lens
         rec[:, 1:3] = band
+        parts, consts, flags = [], {"PAGED": 1}, FLAGS["TILEMAP"]
         if pk.has_starts:           # rows [start, table row] (PGSTART)
             rows = np.concatenate([pk.firsts[:, None], pk.table], axis=1)
-            rec[:, 3] = self.aux_put(rows.astype(np.uint32)) + (M + 1) * np.arange(B) + 1
-            self.mod_consts["PGSTART"] = 1
+            parts.append(rows.astype(np.uint32).reshape(-1))
+            rec[:, 3] = (M + 1) * np.arange(B) + 1
+            consts["PGSTART"] = 1
         else:
-            tab_off = self.aux_put(pk.table.astype(np.uint32))
-            rec[:, 3] = tab_off + M * np.arange(B)
-        self.uni["pg_off"] = self.aux_put(rec.astype(np.int32))
-        self.uni["pg_p"] = pk.page_size
+            parts.append(pk.table.astype(np.uint32).reshape(-1))
+            rec[:, 3] = M * np.arange(B)
+        pg_off = parts[0].size
+        parts.append(rec.astype(np.int32).reshape(-1).view(np.uint32))
         if has_lo:
-            self.flags |= FLAGS["HAS_LO"]
+            flags |= FLAGS["HAS_LO"]
         if has_hi:
-            self.flags |= FLAGS["HAS_HI"]
+            flags |= FLAGS["HAS_HI"]
         # tile codes [B, nqt, nkt]: keys j - i of a tile span [dmin, dmax] (every value)
         i0 = np.arange(self.nqt) * BQ
         i1 = np.minimum(i0 + BQ, self.SQ)
@@ -295,10 +336,13 @@ class Call:
         any_kept = (dmax >= lo) & (dmin <= hi) & (j0[None, None, :] < lens[:, None, None])
         all_kept = any_kept & (dmin >= lo) & (dmax <= hi)
         codes = np.where(all_kept, 2, np.where(any_kept, 1, 0)).astype(np.uint32)
-        self.flags |= FLAGS["TILEMAP"]
-        self.uni.update(tm_off=self.aux_put(codes), tm_sb=self.nqt * self.nkt, tm_sh=0)
-        self.mod_consts["PAGED"] = 1
-        self.aux_upload()
+        tm_off = pg_off + parts[1].size
+        parts.append(codes.reshape(-1))
+        words = np.concatenate(parts)
+        words.setflags(write=False)
+        uni = dict(pg_off=pg_off, pg_p=pk.page_size, tm_off=tm_off,
+                   tm_sb=self.nqt * self.nkt, tm_sh=0)
+        return words, uni, flags, consts
 
     def aux_put(self, a: np.ndarray) -> int:
         """Append 4-byte words to the aux buffer's contents -> their u32 offset."""

@@ -546,6 +546,9 @@ class Runner:
 
         self.results = ResultPool(ctx.device, self.usage)
         self.templates = TemplateCache()
+        #: counts ``clear_caches`` calls: the launch templates kept elsewhere (a paged
+        #: call's, in its Pages: resident._template_store) are dropped when it moved
+        self.cache_epoch = 0
 
     # ---- buffers -------------------------------------------------------------
     def check_size(self, role: str, nbytes: int) -> None:
@@ -648,12 +651,13 @@ class Runner:
         return bg
 
     def clear_caches(self) -> None:
-        """Drop the cached uniform blocks, bind groups and launch templates (they are
-        rebuilt on demand)."""
+        """Drop the cached uniform blocks, bind groups and launch templates, those kept in
+        Pages objects included (they are rebuilt on demand)."""
         self._packed.clear()
         self._uniforms.clear()
         self._groups.clear()
         self.templates.clear()
+        self.cache_epoch += 1
 
     def read(self, buf, count: int, offset_elems: int = 0, dtype=np.float32) -> np.ndarray:
         nbytes = int(count) * np.dtype(dtype).itemsize

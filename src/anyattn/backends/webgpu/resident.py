@@ -283,13 +283,15 @@ def _fields_part(p: Problem):
 
 def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     """The signature of a device-array call: everything its launch list depends on but
-    the buffers (None: not cached, e.g. a large KeepMask, an unhashable field or a
-    paged cache, whose tables are new every call);
+    the buffers (None: not cached, e.g. a large KeepMask or an unhashable field; a
+    paged call's key holds its page geometry and per-sequence bands, not its tables:
+    its templates are kept in its Pages, ``_template_store``);
     ``extra``: a hashable choice of the build that depends on the inputs (the
     backward's statistics bound in place, ``_stats_in_place``)."""
-    if p.pages is not None:     # a paged call: its tables change every decoding step
-        return None
-    fields, mk = _fields_part(p)
+    if p.pages is not None:     # kept per Pages (``_template_store``): its tables aside
+        fields, mk = _paged_fields_part(p), _mask_key(p.mask)
+    else:
+        fields, mk = _fields_part(p)
     if mk is None:
         mk = _mask_key(p.mask)
         if mk is None:
@@ -306,6 +308,47 @@ def _key(what: str, be, p: Problem, inputs: Dict[str, object], extra=None):
     return key
 
 
+def _paged_fields_part(p: Problem) -> tuple:
+    """The Problem fields' key part of a paged call: its ``pages`` (a PagedKV made anew
+    per call) as the page geometry and each sequence's band (``paged.sequence_mask``,
+    which depends on the caller's mask, not only on the resolved ``p.mask``).  The
+    tables, counts and starts are those of the Pages that keeps the template."""
+    from ...paged import sequence_mask
+
+    pk = p.pages
+    bands = tuple(sequence_mask(p, b) for b in range(p.batch))
+    return tuple(("pages", pk.page_size, pk.num_blocks, bands) if n == "pages"
+                 else _field_key(getattr(p, n)) for n in _PROBLEM_FIELDS)
+
+
+#: the most launch templates one Pages keeps per runner (layers of a decoding step with
+#: different windows, modifiers or head sizes)
+_PAGED_TEMPLATES_MAX = 8
+
+
+def _template_store(run, p: Problem):
+    """Where the call's launch template is kept: the runner's cache, or for a paged call
+    a small cache in its Pages (``Pages.device_cache``, per runner), so the template and
+    its ``aux`` table (block table, per-sequence records, tile map) live as long as the
+    Pages: a repeated call with the same Pages uploads no table and builds no launch,
+    and a new Pages (new lengths or table) records its own.  The tables are those the
+    Pages read when it was made (``Pages`` copies them to the host then), so a table
+    changed in place after that is not seen by any backend.  ``Runner.clear_caches``
+    drops these stores too (``Runner.cache_epoch``)."""
+    if p.pages is None:
+        return run.templates
+    from .templates import TemplateCache
+
+    cache = p.pages.device_cache
+    slot = ("webgpu_templates", id(run))
+    hit = cache.get(slot)
+    if hit is None or hit[0] is not run or hit[1] != run.cache_epoch:
+        store = TemplateCache()
+        store.MAX = _PAGED_TEMPLATES_MAX
+        cache[slot] = hit = (run, run.cache_epoch, store)
+    return hit[2]
+
+
 def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, extra=None):
     """Look the call's launch template up by signature (``build(results)`` records one on
     a miss), bind this call's buffers, submit -> {name: result DeviceArray}."""
@@ -314,7 +357,8 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
     key = _key(what, be, p, inputs, extra)
     run = be.runner()
     bufs = {n: x.buffer for n, x in inputs.items() if x is not None}
-    tpl = run.templates.get(key)
+    store = _template_store(run, p)
+    tpl = store.get(key)
     if tpl is None:
         res = _Results(run)
         try:
@@ -324,7 +368,7 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
             for b in res.bufs:
                 run.results.release_unheld(b)
             raise
-        run.templates.put(key, tpl)
+        store.put(key, tpl)
         rbufs = res.bufs
     else:
         lim = run.max_binding
