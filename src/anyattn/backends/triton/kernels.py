@@ -1026,9 +1026,9 @@ def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
                        HAS_SINKS: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): merges the NS partials of fwd_split_kernel, in the
     order s = 0, 1, .., NS - 1 (the same bits for any schedule of the split programs),
-    into out [BM, VD] and the row statistics, as fwd_kernel's epilogue writes them (max,
-    log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0, max
-    -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
+    into out [BM, VD] and the row statistics with fwd_kernel's epilogue, _fwd_epilogue
+    (max, log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0,
+    max -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
     sum_s acc_s e^(m_s - M) / l."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
