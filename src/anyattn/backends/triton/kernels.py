@@ -660,6 +660,70 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
 
 
 @triton.jit
+def _fwd_epilogue(acc, l_i, m_i, m_scale, out_mul, drs, O, LSE, SINKS, so_b, so_h, so_s, r0,
+                  rows, offs_dv, offs_m, bh, H, Sq, VD: tl.constexpr, VDP: tl.constexpr,
+                  MAX_SCALED: tl.constexpr, HAS_SINKS: tl.constexpr, DROPOUT: tl.constexpr,
+                  SCALED: tl.constexpr):
+    """The forward's output and row-statistics stores, shared by fwd_kernel and
+    fwd_combine_kernel: acc [BM, VDP] fp32 (out unnormalised), l_i [BM] (the sums of
+    exp(s - max)) and m_i [BM] (the row maxima: natural, or times m_scale where
+    MAX_SCALED, the plain kernel's scores in units of the scale) of the rows offs_m [BM]
+    of head h = bh % H of batch b = bh // H (grid axis 1: B * H).  Writes out = acc / l
+    [BM, VD] (times out_mul where SCALED, the scaled fp16 schemes; times drs = 1 / (1 - p)
+    under DROPOUT) to O + b * so_b + h * so_h + (r0 + rows) * so_s (r0 a scalar, rows
+    [BM]: offs_m = r0 + rows, split as the caller's index arithmetic wants it), max [BM]
+    to LSE[bh * Sq + offs_m] and log_norm [BM] (natural log) to LSE[B * H * Sq + bh * Sq
+    + offs_m], rows offs_m >= Sq not stored.  Empty rows (l == 0): out 0, max -inf,
+    log_norm 0; NaN rows stay NaN (both statistics).  HAS_SINKS: the sink SINKS[h] is
+    one more term of the normaliser."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    empty = l_i == 0.0
+    if MAX_SCALED:
+        row_max = m_i * m_scale            # = the largest fl(q.k * scale) of the row
+    else:
+        row_max = m_i
+    row_max = tl.where(empty, float("-inf"), row_max)
+    if HAS_SINKS:
+        # the sink is one more term of the normaliser (anyattn.modifiers.sink_terms):
+        # max2 = max(max, sink), l2 = l e^(max - max2) + e^(sink - max2), out scaled by
+        # e^(max - max2) / l2 in fp32; a row keeping no key: out 0, max = sink, l2 = 1;
+        # a -inf sink changes nothing
+        snk = tl.load(SINKS + h)
+        mx2 = tl.maximum(row_max, snk)
+        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
+        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
+        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        if SCALED:
+            out = tl.where(empty[:, None], 0.0, (acc * (out_mul * alpha)[:, None]) / l_safe[:, None])
+        else:
+            out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
+        row_max = mx2
+    else:
+        l_safe = tl.where(empty, 1.0, l_i)
+        if SCALED:
+            out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
+        else:
+            out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    if DROPOUT:
+        out = out * drs                    # 1 / (1 - p)
+    row_max = tl.where(l_i == l_i, row_max, l_i)
+    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
+    o_ptrs = O + b * so_b + h * so_h + tl.cast(r0, tl.int64) * so_s + rows[:, None] * so_s \
+        + offs_dv[None, :]
+    inb = offs_m < Sq
+    if VD == VDP:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
+    row = bh.to(tl.int64) * Sq + offs_m
+    tl.store(LSE + row, row_max, mask=inb)
+    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
+
+
+@triton.jit
 def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SLOPES, SINKS,
                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                 sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
@@ -766,52 +830,11 @@ def fwd_kernel(Q, K, V, O, LSE, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC, SL
                                       ALIBI, DROPOUT, PREC,
                                       b, h, CAPS, SMOD, MMOD)
 
-    # empty rows (l == 0): out 0, max -inf, log_norm 0; NaN rows stay NaN (both stats)
-    empty = l_i == 0.0
-    if HAS_BIAS or SOFTCAP:
-        row_max = m_i                      # natural units already
-    elif SMOD is not None:
-        row_max = m_i
-    else:
-        row_max = m_i * s_scale            # = the largest fl(q.k * scale) of the row
-    row_max = tl.where(empty, float("-inf"), row_max)
-    if HAS_SINKS:
-        # the sink is one more term of the normaliser (anyattn.modifiers.sink_terms):
-        # max2 = max(max, sink), l2 = l e^(max - max2) + e^(sink - max2), out scaled by
-        # e^(max - max2) / l2 in fp32; a row keeping no key: out 0, max = sink, l2 = 1;
-        # a -inf sink changes nothing
-        snk = tl.load(SINKS + h)
-        mx2 = tl.maximum(row_max, snk)
-        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
-        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
-        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        if PREC == "hsplit3":
-            out = tl.where(empty[:, None], 0.0, (acc * (out_mul * alpha)[:, None]) / l_safe[:, None])
-        else:
-            out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
-        row_max = mx2
-    else:
-        l_safe = tl.where(empty, 1.0, l_i)
-        if PREC == "hsplit3":
-            out = tl.where(empty[:, None], 0.0, (acc * out_mul) / l_safe[:, None])
-        else:
-            out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    if DROPOUT:
-        out = out * drs                    # 1 / (1 - p)
-    row_max = tl.where(l_i == l_i, row_max, l_i)
-    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
-    Oh = O + b * so_b + h * so_h
-    o_ptrs = Oh + i0.to(tl.int64) * so_s + offs_mb[:, None] * so_s + offs_dv[None, :]
-    inb = offs_m < Sq
-    if VD == VDP:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
-    else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
-    row = bh.to(tl.int64) * Sq + offs_m
-    tl.store(LSE + row, row_max, mask=inb)
-    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
+    # m_i is in natural units where a bias, a softcap or a score function made the scores
+    _fwd_epilogue(acc, l_i, m_i, s_scale, out_mul, drs, O, LSE, SINKS, so_b, so_h, so_s, i0,
+                  offs_mb, offs_dv, offs_m, bh, H, Sq, VD, VDP,
+                  not (HAS_BIAS or SOFTCAP or SMOD is not None), HAS_SINKS, DROPOUT,
+                  PREC == "hsplit3")
 
 
 # ----------------------------------------------------------------------------- split-key forward
@@ -1003,13 +1026,12 @@ def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
                        HAS_SINKS: tl.constexpr):
     """Grid (cdiv(Sq, BM), B * H): merges the NS partials of fwd_split_kernel, in the
     order s = 0, 1, .., NS - 1 (the same bits for any schedule of the split programs),
-    into out [BM, VD] and the row statistics, as fwd_kernel's epilogue writes them (max,
-    log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0, max
-    -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
+    into out [BM, VD] and the row statistics with fwd_kernel's epilogue, _fwd_epilogue
+    (max, log_norm natural, to LSE [2, B * H * Sq]; sinks folded in; empty rows out 0,
+    max -inf, log_norm 0; NaN rows NaN): M = max_s m_s, l = sum_s l_s e^(m_s - M), out =
     sum_s acc_s e^(m_s - M) / l."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    h = (bh % H).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, VDP)
     inb = offs_m < Sq
@@ -1029,33 +1051,9 @@ def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
         a = tl.load(PACC + prow[:, None] * VDP + offs_dv[None, :], mask=inb[:, None],
                     other=0.0)
         acc = acc + a * w[:, None]
-    empty = l_i == 0.0
-    row_max = tl.where(empty, float("-inf"), mx)
-    if HAS_SINKS:
-        # one more term of the normaliser, as in fwd_kernel's epilogue
-        snk = tl.load(SINKS + h)
-        mx2 = tl.maximum(row_max, snk)
-        mx2s = tl.where(mx2 == float("-inf"), 0.0, mx2)
-        alpha = tl.math.exp2((row_max - mx2s) * 1.4426950408889634)       # 0 on empty rows
-        l_i = l_i * alpha + tl.math.exp2((snk - mx2s) * 1.4426950408889634)
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        out = tl.where(empty[:, None], 0.0, (acc * alpha[:, None]) / l_safe[:, None])
-        row_max = mx2
-    else:
-        l_safe = tl.where(empty, 1.0, l_i)
-        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    row_max = tl.where(l_i == l_i, row_max, l_i)
-    log_norm = tl.math.log2(l_safe) * 0.6931471805599453      # 0 exactly when l == 1
-    o_ptrs = O + (bh // H).to(tl.int64) * so_b + h * so_h + offs_m.to(tl.int64)[:, None] * so_s \
-        + offs_dv[None, :]
-    if VD == VDP:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None])
-    else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=inb[:, None] & (offs_dv[None, :] < VD))
-    row = bh.to(tl.int64) * Sq + offs_m
-    tl.store(LSE + row, row_max, mask=inb)
-    tl.store(LSE + tl.num_programs(1).to(tl.int64) * Sq + row, log_norm, mask=inb)
+    _fwd_epilogue(acc, l_i, mx, 1.0, 1.0, 1.0, O, LSE, SINKS, so_b, so_h, so_s, 0,
+                  offs_m.to(tl.int64), offs_dv, offs_m, bh, H, Sq, VD, VDP, False, HAS_SINKS,
+                  False, False)
 
 
 # ----------------------------------------------------------------------------- backward
