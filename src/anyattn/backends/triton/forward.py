@@ -76,6 +76,17 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
     return out, RowStats(stats[0], stats[1])
 
 
+def _split_buffers(B, H, Sq, vdp, Dv, ns, dtype, dev):
+    """The split-key forward's buffers: out [B, H, Sq, Dv], stats [2, B, H, Sq], the
+    runs' fp32 partial outputs pacc [B*H, ns, Sq, vdp] and statistics pst [2, L], and
+    that plane's length L = B*H*ns*Sq."""
+    lplane = B * H * ns * Sq
+    return (torch.empty((B, H, Sq, Dv), dtype=dtype, device=dev),
+            torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev),
+            torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev),
+            torch.empty((2, lplane), dtype=torch.float32, device=dev), lplane)
+
+
 def _forward_split(p, q, k, v, pr, mods):
     """The split-key forward (route.decode_splits): kernels.fwd_split_kernel, HP = the
     route's pack query heads of a kv head per program, writes each of the route's NS
@@ -90,11 +101,7 @@ def _forward_split(p, q, k, v, pr, mods):
     ma = pr.ma if pr.ma is not None else tiles.mask_args(p, q, None)
     md = pr.md if pr.md is not None else operands.mod_args(p, mods, dev)
     vdp = configs.padded_dim(Dv)
-    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
-    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
-    pacc = torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev)
-    lplane = B * H * ns * Sq
-    pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
+    out, stats, pacc, pst, lplane = _split_buffers(B, H, Sq, vdp, Dv, ns, q.dtype, dev)
     prec = pr.prec
     with on_device(dev):
         q, k, v, sc = operands.forward_operands(p, q, k, v, prec, pr.sc)
@@ -206,11 +213,7 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
     md = operands.mod_args(p, mods, dev)
     pg = _page_buffer(p, dev)
     vdp = configs.padded_dim(Dv)
-    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=dev)
-    stats = torch.empty((2, B, H, Sq), dtype=torch.float32, device=dev)
-    pacc = torch.empty((B * H, ns, Sq, vdp), dtype=torch.float32, device=dev)
-    lplane = B * H * ns * Sq
-    pst = torch.empty((2, lplane), dtype=torch.float32, device=dev)
+    out, stats, pacc, pst, lplane = _split_buffers(B, H, Sq, vdp, Dv, ns, q.dtype, dev)
     with on_device(dev):
         if prec == operands.SCALED:
             sc, (sq_sig, skv_sig) = operands.f16_scales_paged(p, q, k_pages, v_pages)
