@@ -172,8 +172,8 @@ def test_d128_forward_routes_the_scheduled_persistent_kernel_without_a_mask_and_
 
 def test_routed_configs_are_the_compiled_lists():
     """FWD_CONFIGS / BWD_CONFIGS are exactly what the routes can launch (every covered
-    class's config, the persistent ones' per-tile twins, the dK/dV-only fallback), ten
-    in all, each within the shared memory of an H100 / H200; uncovered cases raise."""
+    class's config, the persistent ones' per-tile twins, the dK/dV-only fallback, the
+    D=256 forward), eleven in all, each within the shared memory of an H100 / H200; uncovered cases raise."""
     from anyattn.backends.triton.hopper import configs as HCF
 
     classes = {64: ("none", "band"),
@@ -188,15 +188,20 @@ def test_routed_configs_are_the_compiled_lists():
             at |= {(c, d), (c.per_tile(), d), (HCF.bwd_config(d, mc), d)}
         bwd.add(HCF.bwd_config_dkdv_only(d))
         at.add((HCF.bwd_config_dkdv_only(d), d))
+    for mc in ("none", "band"):       # D=256: a forward only
+        c = HCF.fwd_config(256, mc)
+        fwd.add(c)
+        at.add((c, 256))
     assert fwd == set(HCF.FWD_CONFIGS) and bwd == set(HCF.BWD_CONFIGS)
-    assert len(HCF.FWD_CONFIGS) + len(HCF.BWD_CONFIGS) == 10
+    assert len(HCF.FWD_CONFIGS) + len(HCF.BWD_CONFIGS) == 11
     assert sorted(c.name for c in HCF.BWD_CONFIGS) == [
         "wdkdv128x64s2", "wdkdvq128x128s2nhtri", "wdkdvq128x128s2nhtrie",
         "wdkdvq128x64s2nhri", "wdkdvq128x64s2nhrie"]
     for c, d in at:   # each at the head dim it is routed at
         assert c.smem_bytes(d) <= 227 * 1024, (c.name, d)
     for bad in (lambda: HCF.fwd_config(64, "documents"), lambda: HCF.fwd_config(96, "none"),
-                lambda: HCF.bwd_config(64, "keep"), lambda: HCF.bwd_config_dkdv_only(96)):
+                lambda: HCF.bwd_config(64, "keep"), lambda: HCF.bwd_config_dkdv_only(96),
+                lambda: HCF.bwd_config(256, "none"), lambda: HCF.fwd_config(256, "keep")):
         with pytest.raises(KeyError):
             bad()
 
@@ -330,10 +335,10 @@ GPU_SHAPES = [((2, 4, 2, 257, 383), "bhsd"), ((1, 2, 1, 300, 200), "bhsd"),
               ((2, 4, 4, 256, 256), "bshd")]
 
 
-def gpu_grid(kinds=tuple(MASKS)):
+def gpu_grid(kinds=tuple(MASKS), dims=(64, 128)):
     """The GPU checks' grid: dtype x D x mask kind x (shape, layout), on sm_90 only."""
     marks = [pytest.mark.parametrize("dtype", ["bfloat16", "float16"]),
-             pytest.mark.parametrize("D", [64, 128]),
+             pytest.mark.parametrize("D", list(dims)),
              pytest.mark.parametrize("kind", list(kinds)),
              pytest.mark.parametrize("shape,layout", GPU_SHAPES),
              pytest.mark.gpu, needs_sm90]
@@ -345,7 +350,7 @@ def gpu_grid(kinds=tuple(MASKS)):
     return apply
 
 
-@gpu_grid()
+@gpu_grid(dims=(64, 128, 256))
 def test_forward_matches_float64(dtype, D, kind, shape, layout):
     """out within the dtype's tolerance of float64 (rounded inputs), lse -inf exactly on
     the empty rows, every element written (poisoned buffers), two runs bitwise equal."""
@@ -393,7 +398,7 @@ def test_auto_routes_covered_calls_to_hopper(monkeypatch):
     assert (a.float() - b.float()).abs().max().item() < 2e-2
 
 
-@gpu_grid(["none", "causal", "causal_br", "window2"])
+@gpu_grid(["none", "causal", "causal_br", "window2"], dims=(64, 128, 256))
 def test_forward_ws_matches_float64(dtype, D, kind, shape, layout):
     """The routed forward config of the mask's class and its per-tile twin: out within
     tolerance of float64, every element written, bitwise equal to itself."""

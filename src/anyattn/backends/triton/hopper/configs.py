@@ -111,6 +111,11 @@ _FWD: Dict[Tuple[int, str], HopperConfig] = {
     (128, "none"): HopperConfig(128, 128, 2, persist=True),
     # persistent on the host-built schedule: uneven band loops dealt out greedily
     (128, "band"): HopperConfig(128, 128, 2, persist=True),
+    # Q (64 KB) and a 2-stage ring of 64-key K/V tiles (128 KB) fill shared memory: no
+    # room for the persistent kernel's O staging; 168 registers, no spills
+    (256, "none"): HopperConfig(128, 64, 2),
+    # as (256, 'none'): a band only shortens the key loop
+    (256, "band"): HopperConfig(128, 64, 2),
 }
 #: D=128 Documents / KeepMask (every class with 'documents' or 'keep'): the per-tile
 #: kernel, since their key ranges are per call and the host schedule needs them up front

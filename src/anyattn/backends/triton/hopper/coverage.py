@@ -66,12 +66,15 @@ class Coverage:
 COVERAGE = {
     # D=64: no mask and bands only (the array masks were never checked at D=64).  'auto'
     # routes every covered class but KeepMask (covered, never timed against the portable
-    # forward)
+    # forward).  D=256: no mask and bands, covered; 'auto' routes none of them until a GPU
+    # run has checked and timed them
     "forward": Coverage(capabilities=frozenset({(9, 0)}),
                         dtypes=frozenset({"float16", "bfloat16"}),
-                        head_dims=frozenset({64, 128}),
-                        mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
-                        auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),),
+                        head_dims=frozenset({64, 128, 256}),
+                        mask_classes_by_head_dim=((64, frozenset({"none", "band"})),
+                                                  (256, frozenset({"none", "band"}))),
+                        auto_mask_classes_by_head_dim=((64, frozenset({"none", "band"})),
+                                                       (256, frozenset())),
                         mask_classes=frozenset({"none", "band", "documents", "keep",
                                                 "band+documents", "band+keep",
                                                 "documents+keep", "band+documents+keep"}),
