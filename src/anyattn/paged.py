@@ -46,7 +46,7 @@ CUDA graph can capture it, replaying with whatever the tensors hold then.  The p
 then sized from the shapes alone: ``seq_k`` is the capacity M·P, and the Triton backend
 sizes its grid from it, each sequence's programs covering only its own keys.  Shapes,
 dtypes and devices are checked as always; the value checks above run only with
-``ANYATTN_CHECK_DEVICE_INPUTS=1`` (a read to the host per call, docs/settings.md), and an
+``ANYATTN_CHECK_DEVICE_INPUTS=1`` (a read to the host per call, anyattn.settings), and an
 unchecked out-of-range value is undefined behaviour.  The band of every sequence must
 follow its key count with slope 0 or 1 on each side (Causal / Window terms of one
 alignment, or of top-left alignment on one side and bottom-right on the other; a side

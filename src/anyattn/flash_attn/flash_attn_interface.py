@@ -479,17 +479,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     when ``causal`` or a window is set, every query at cache_seqlens[b] otherwise;
     ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
 
-    Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
-    GPU tensor is read once).  The cache is read in place as one core call
-    (``anyattn.attention(..., pages=anyattn.Pages(table, ends, starts=cache_leftpad))``)
-    on CPU tensors, and on a GPU with at most 16 queries per entry (the Triton backend's
-    paged kernel): a paged cache, and a contiguous one whose entries have a
-    ``cache_leftpad`` or hold different numbers of keys (its rows as pages).  With more
-    queries on a GPU a paged cache's used pages are gathered into one contiguous copy
-    per call, and a contiguous cache runs one dense call per key range.  ``num_splits``
-    may be 0 (choose) or 1: the backend's route decides whether the keys are split (the
-    Triton paged and decode kernels split them for few programs over long caches, with a
-    deterministic combine).
+    Lengths, indices and the page table on q's CUDA device are not read to the host (no
+    synchronisation; a CUDA graph captures the call) with at most 16 queries per entry:
+    the new keys are written with device indices, rotary positions gathered on the
+    device, and the cache read in place as one core call
+    (``anyattn.attention(..., pages=anyattn.Pages(table, cache_seqlens + Snew,
+    starts=cache_leftpad, on_device=True))``; a contiguous cache: its rows
+    ``cache_batch_idx`` as pages of seqlen_cache positions) on the Triton backend's
+    paged kernel, whose grid and launch signature follow the shapes (the cache's
+    capacity), never the lengths.  Their values (cache lengths, used pages, leftpad,
+    cache_batch_idx, rotary table rows) are then checked only with
+    ``ANYATTN_CHECK_DEVICE_INPUTS=1`` (a read to the host per call; anyattn.settings);
+    unchecked, a value out of range is undefined behaviour (a device-side assert or
+    a wrong result).  Shapes, dtypes and devices are always checked, and an int
+    ``cache_seqlens`` too.
+
+    Otherwise (CPU tensors; every length, index and table given on the CPU or as an int;
+    more than 16 queries per entry on a GPU) they are read to the host (a GPU tensor
+    once: a synchronisation) and every bound is checked before any work.  The cache is then
+    read in place as one core call (``Pages`` with host tables) on CPU tensors, and on
+    a GPU with at most 16 queries per entry: a paged cache, and a contiguous one whose
+    entries have a ``cache_leftpad`` or hold different numbers of keys (its rows as
+    pages).  With more queries on a GPU a paged cache's used pages are gathered into
+    one contiguous copy per call, and a contiguous cache runs one dense call per key
+    range.  ``num_splits`` may be 0 (choose) or 1: the backend's route decides whether
+    the keys are split (the Triton paged and decode kernels split them for few
+    programs over long caches, with a deterministic combine).
     """
     common.check_tensor("q", q, 4, _BSHD)
     splits = common.int_value("num_splits", num_splits)
