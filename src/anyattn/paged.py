@@ -96,19 +96,14 @@ def _device_ints(name: str, x: Any, ndim: int, legend: str):
         raise TypeError(f"{name}: Pages(on_device=True) takes torch tensors {legend} on q's "
                         f"device, got {type(x).__name__}; pass on_device=False for NumPy "
                         "arrays")
-    if x.is_floating_point() or x.is_complex() or x.dtype == _torch().bool:
-        raise TypeError(f"{name}: dtype {dtype_name(x)} is not an integer type; expected "
-                        f"int32 (or int64) {legend}")
+    dt = dtype_name(x)
+    if not (dt.startswith("int") or dt.startswith("uint")):
+        raise TypeError(f"{name}: dtype {dt} is not an integer type; expected int32 (or "
+                        f"int64) {legend}")
     if x.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dim{'s' if ndim > 1 else ''} {legend}, got "
                          f"shape {tuple(x.shape)}")
     return x
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 @dataclass(frozen=True, eq=False)

@@ -352,12 +352,6 @@ def _index_tensor(name: str, x, b: int, device) -> Optional[torch.Tensor]:
     return x
 
 
-def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
-    """An int tensor [B] (on the CPU or q's device) as int64 NumPy, or None."""
-    x = _index_tensor(name, x, b, device)
-    return None if x is None else x.detach().cpu().numpy().astype(np.int64)
-
-
 def _table_tensor(block_table, bsz: int, device) -> torch.Tensor:
     """block_table [B, max_pages] int32 (or int64) on the CPU or q's device (its values
     not read)."""
