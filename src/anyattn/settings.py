@@ -120,6 +120,12 @@ SWITCHES: Tuple[Switch, ...] = (
            "which wgpu adapter the WebGPU backend opens", _text),
     Switch("ANYATTN_WEBGPU_VARIANT", "webgpu_variant", "per adapter",
            "a name of backends/webgpu VARIANTS", "force one WGSL kernel variant", _text),
+    # --- paged caches and flash_attn_with_kvcache
+    Switch("ANYATTN_CHECK_DEVICE_INPUTS", "check_device_inputs", "0", "0 or 1",
+           "1: read the length, index and page-table tensors that stay on the device "
+           "(flash_attn_with_kvcache on CUDA, Pages(on_device=True)) to the host on every "
+           "call and check their values (one synchronisation per call, which rules out "
+           "CUDA graph capture); 0: their values are trusted", _flag(False)),
 )
 
 
@@ -146,6 +152,7 @@ class Settings:
     triton_fn_cache: str
     wgpu_adapter: str
     webgpu_variant: str
+    check_device_inputs: bool
 
 
 assert [s.field for s in SWITCHES] == [f.name for f in fields(Settings)]

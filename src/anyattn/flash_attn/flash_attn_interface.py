@@ -14,12 +14,14 @@ every difference.
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Optional
 
 import numpy as np
 import torch
 
+from .. import settings
 from ..api import attention as core_attention
 from ..backends.registry import choose
 from ..backends.triton.backend import PAGED_MAX_SQ
@@ -331,8 +333,9 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
 
 # ----------------------------------------------------------------------------- KV cache
 
-def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
-    """An int tensor [B] (on the CPU or q's device) as int64 NumPy, or None."""
+def _index_tensor(name: str, x, b: int, device) -> Optional[torch.Tensor]:
+    """An int tensor [B] on the CPU or q's device (type, dtype, shape and device
+    checked; its values not read), or None."""
     if x is None:
         return None
     if not isinstance(x, torch.Tensor):
@@ -346,11 +349,12 @@ def _host_ints(name: str, x, b: int, device) -> Optional[np.ndarray]:
     if x.device.type != "cpu" and x.device != device:
         raise ValueError(f"{name}: is on {x.device} but q is on {device}; move it with "
                          ".to(q.device)")
-    return x.detach().cpu().numpy().astype(np.int64)
+    return x
 
 
-def _block_table(block_table, bsz: int, device) -> np.ndarray:
-    """block_table [B, max_pages] int32 (or int64) on the CPU or q's device -> int64 NumPy."""
+def _table_tensor(block_table, bsz: int, device) -> torch.Tensor:
+    """block_table [B, max_pages] int32 (or int64) on the CPU or q's device (its values
+    not read)."""
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table: expected a torch.Tensor of shape (batch_size, "
                         f"max_num_blocks_per_seq), dtype torch.int32, got "
@@ -364,7 +368,12 @@ def _block_table(block_table, bsz: int, device) -> np.ndarray:
     if block_table.device.type != "cpu" and block_table.device != device:
         raise ValueError(f"block_table: is on {block_table.device} but q is on {device}; "
                          "move it with .to(q.device)")
-    return block_table.detach().cpu().numpy().astype(np.int64)
+    return block_table
+
+
+def _block_table(block_table, bsz: int, device) -> np.ndarray:
+    """block_table [B, max_pages] int32 (or int64) on the CPU or q's device -> int64 NumPy."""
+    return _table_tensor(block_table, bsz, device).detach().cpu().numpy().astype(np.int64)
 
 
 def _check_pages(table: np.ndarray, ends: np.ndarray, page: int, num_blocks: int) -> None:
@@ -464,17 +473,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     when ``causal`` or a window is set, every query at cache_seqlens[b] otherwise;
     ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
 
-    Bounds (cache lengths, used pages, rotary table rows) are checked before any work (a
-    GPU tensor is read once).  The cache is read in place as one core call
-    (``anyattn.attention(..., pages=anyattn.Pages(table, ends, starts=cache_leftpad))``)
-    on CPU tensors, and on a GPU with at most 16 queries per entry (the Triton backend's
-    paged kernel): a paged cache, and a contiguous one whose entries have a
-    ``cache_leftpad`` or hold different numbers of keys (its rows as pages).  With more
-    queries on a GPU a paged cache's used pages are gathered into one contiguous copy
-    per call, and a contiguous cache runs one dense call per key range.  ``num_splits``
-    may be 0 (choose) or 1: the backend's route decides whether the keys are split (the
-    Triton paged and decode kernels split them for few programs over long caches, with a
-    deterministic combine).
+    Lengths, indices and the page table on q's CUDA device are not read to the host (no
+    synchronisation; a CUDA graph captures the call) with at most 16 queries per entry:
+    the new keys are written with device indices, rotary positions gathered on the
+    device, and the cache read in place as one core call
+    (``anyattn.attention(..., pages=anyattn.Pages(table, cache_seqlens + Snew,
+    starts=cache_leftpad, on_device=True))``; a contiguous cache: its rows
+    ``cache_batch_idx`` as pages of seqlen_cache positions) on the Triton backend's
+    paged kernel, whose grid and launch signature follow the shapes (the cache's
+    capacity), never the lengths.  Their values (cache lengths, used pages, leftpad,
+    cache_batch_idx, rotary table rows) are then checked only with
+    ``ANYATTN_CHECK_DEVICE_INPUTS=1`` (a read to the host per call; anyattn.settings);
+    unchecked, a value out of range is undefined behaviour (a device-side assert or
+    a wrong result).  Shapes, dtypes and devices are always checked, and an int
+    ``cache_seqlens`` too.
+
+    Otherwise (CPU tensors; every length, index and table given on the CPU or as an int;
+    more than 16 queries per entry on a GPU) they are read to the host (a GPU tensor
+    once: a synchronisation) and every bound is checked before any work.  The cache is then
+    read in place as one core call (``Pages`` with host tables) on CPU tensors, and on
+    a GPU with at most 16 queries per entry: a paged cache, and a contiguous one whose
+    entries have a ``cache_leftpad`` or hold different numbers of keys (its rows as
+    pages).  With more queries on a GPU a paged cache's used pages are gathered into
+    one contiguous copy per call, and a contiguous cache runs one dense call per key
+    range.  ``num_splits`` may be 0 (choose) or 1: the backend's route decides whether
+    the keys are split (the Triton paged and decode kernels split them for few
+    programs over long caches, with a deterministic combine).
     """
     common.check_tensor("q", q, 4, _BSHD)
     splits = common.int_value("num_splits", num_splits)
@@ -512,12 +536,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise NotImplementedError(
                 "cache_batch_idx: is not supported with block_table (as in FlashAttention); "
                 "order the rows of block_table instead")
-        table = _block_table(block_table, bsz, q.device)
-        b_cache, s_cache = bsz, table.shape[1] * page
-        capacity = (f"the {table.shape[1]} pages of {page} positions that block_table maps; "
-                    "give block_table more pages")
+        block_table = _table_tensor(block_table, bsz, q.device)
+        b_cache, s_cache = bsz, block_table.shape[1] * page
+        capacity = (f"the {block_table.shape[1]} pages of {page} positions that block_table "
+                    "maps; give block_table more pages")
     else:
         b_cache, s_cache = k_cache.shape[:2]
+        page = s_cache
         capacity = (f"the cache's {s_cache} positions (k_cache.shape[1]); allocate a longer "
                     "cache")
     if (k is None) != (v is None):
@@ -540,39 +565,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: is None but k and v are given; the new keys "
                              "are written at cache_seqlens[b], so pass it")
-    idx = _host_ints("cache_batch_idx", cache_batch_idx, bsz, q.device)
-    if idx is None:
-        if b_cache != bsz:
-            raise ValueError(f"k_cache: holds {b_cache} sequences but q has batch size {bsz}; "
-                             "pass cache_batch_idx to pick the cache rows")
-        idx = np.arange(bsz, dtype=np.int64)
-    elif idx.size and (idx.min() < 0 or idx.max() >= b_cache):
-        bad = int(idx[(idx < 0) | (idx >= b_cache)][0])
-        raise ValueError(f"cache_batch_idx: holds {bad}, outside the cache's "
-                         f"{b_cache} rows [0, {b_cache})")
-    if cache_seqlens is None:
-        lengths = np.full(bsz, s_cache, dtype=np.int64)
+    idx_t = _index_tensor("cache_batch_idx", cache_batch_idx, bsz, q.device)
+    if idx_t is None and b_cache != bsz:
+        raise ValueError(f"k_cache: holds {b_cache} sequences but q has batch size {bsz}; "
+                         "pass cache_batch_idx to pick the cache rows")
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        lengths_t = _index_tensor("cache_seqlens", cache_seqlens, bsz, q.device)
+        n_int = None if cache_seqlens is not None else s_cache
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        lengths = np.full(bsz, int(cache_seqlens), dtype=np.int64)
+        lengths_t, n_int = None, int(cache_seqlens)
     else:
-        lengths = _host_ints("cache_seqlens", cache_seqlens, bsz, q.device)
-    if (lengths < 0).any():
-        raise ValueError(f"cache_seqlens: holds {int(lengths.min())}; lengths are >= 0")
-    if (lengths + s_new > s_cache).any():
-        b = int(np.argmax(lengths + s_new > s_cache))
-        raise ValueError(f"cache_seqlens: entry {b} holds {lengths[b]} keys, and {s_new} new "
-                         f"ones would end at {lengths[b] + s_new}, beyond {capacity}")
-    leftpad = _host_ints("cache_leftpad", cache_leftpad, bsz, q.device)
-    if leftpad is None:
-        leftpad = np.zeros(bsz, dtype=np.int64)
-    else:
-        if cache_seqlens is None:
-            raise ValueError("cache_leftpad: needs cache_seqlens (the keys of entry b are "
-                             "[cache_leftpad[b], cache_seqlens[b]))")
-        if ((leftpad < 0) | (leftpad > lengths)).any():
-            b = int(np.argmax((leftpad < 0) | (leftpad > lengths)))
-            raise ValueError(f"cache_leftpad: entry {b} is {leftpad[b]}, outside [0, "
-                             f"cache_seqlens[{b}] = {lengths[b]}]")
+        raise TypeError(f"cache_seqlens: expected an int or a torch.Tensor of shape ({bsz},), "
+                        f"dtype torch.int32, got {type(cache_seqlens).__name__}")
+    if n_int is not None:                  # a host int: checked for free
+        _check_cache_values(None, b_cache, np.full(bsz, n_int, dtype=np.int64), s_new,
+                            s_cache, capacity, None)
+    leftpad_t = _index_tensor("cache_leftpad", cache_leftpad, bsz, q.device)
+    if leftpad_t is not None and cache_seqlens is None:
+        raise ValueError("cache_leftpad: needs cache_seqlens (the keys of entry b are "
+                         "[cache_leftpad[b], cache_seqlens[b]))")
     causal = common.flag("causal", causal)
     left, right = common.window(window_size, causal)
     cap = common.softcap_value(softcap)
@@ -580,9 +591,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = common.scale_value(softmax_scale, q.shape[-1])
     slopes = common.alibi(alibi_slopes, hq, bsz)
     mask = common.band_mask(left, right)
-    ends = lengths + s_new
-    if paged:
-        _check_pages(table, ends, page, k_cache.shape[0])
     rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
         if rotary_cos is None or rotary_sin is None:
@@ -593,13 +601,117 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if x.device != q.device:
                 raise ValueError(f"{name}: is on {x.device} but q is on {q.device}; move it "
                                  "with .to(q.device)")
-        q_pos = _rotary_positions(lengths, sq, same=mask is None)
-        k_pos = _rotary_positions(lengths, s_new, same=False)
-        top = max(int(q_pos.max()) if q_pos.size else -1, int(k_pos.max()) if k_pos.size else -1)
-        if top >= rotary_cos.shape[0]:
-            raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} rows but position {top} "
-                             "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
-                             "pass longer rotary tables")
+    tensors = (lengths_t, idx_t, leftpad_t, block_table if paged else None)
+    call = _KVCall(q, k_cache, v_cache, k, v, s_new, paged, page, b_cache, s_cache,
+                   capacity, mask, scale, cap, slopes, rotary_cos if rotary else None,
+                   rotary_sin if rotary else None, interleaved)
+    if _values_on_device(q, tensors):
+        out, lse = _kvcache_on_device(call, lengths_t, n_int, idx_t, leftpad_t,
+                                      block_table if paged else None)
+    else:
+        out, lse = _kvcache_on_host(call, lengths_t, n_int, idx_t, leftpad_t,
+                                    block_table if paged else None)
+    return (out, lse) if lse_flag else out
+
+
+#: the device types whose tensors flash_attn_with_kvcache reads on the host at no cost
+#: (the CPU's): lengths, indices and tables elsewhere stay on their device
+_HOST_DEVICE_TYPES = ("cpu",)
+
+
+def _values_on_device(q, tensors) -> bool:
+    """Whether flash_attn_with_kvcache keeps its length / index / table tensors on q's
+    device (no host read; ``_kvcache_on_device``): q on a device outside
+    _HOST_DEVICE_TYPES, one of them there, a batch, and at most PAGED_MAX_SQ queries
+    per entry (the Triton backend's paged kernel, which reads the tables itself)."""
+    bsz, sq = q.shape[0], q.shape[1]
+    if q.device.type in _HOST_DEVICE_TYPES or bsz == 0 or sq > PAGED_MAX_SQ:
+        return False
+    return any(t is not None and t.device.type not in _HOST_DEVICE_TYPES for t in tensors)
+
+
+@dataclasses.dataclass
+class _KVCall:
+    """The checked arguments of one flash_attn_with_kvcache call that both of its paths
+    read (``page``: the page size, or the cache's length for a contiguous cache)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    s_new: int
+    paged: bool
+    page: int
+    b_cache: int
+    s_cache: int
+    capacity: str
+    mask: object
+    scale: float
+    cap: Optional[float]
+    slopes: Optional[torch.Tensor]
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    interleaved: bool
+
+
+def _check_cache_values(idx: Optional[np.ndarray], b_cache: int, lengths: np.ndarray,
+                        s_new: int, s_cache: int, capacity: str,
+                        leftpad: Optional[np.ndarray]) -> None:
+    """The values of cache_batch_idx (rows of the cache), cache_seqlens (>= 0, the new
+    keys within the ``s_cache`` positions, ``capacity`` naming them) and cache_leftpad
+    (in [0, cache_seqlens])."""
+    if idx is not None and idx.size and (idx.min() < 0 or idx.max() >= b_cache):
+        bad = int(idx[(idx < 0) | (idx >= b_cache)][0])
+        raise ValueError(f"cache_batch_idx: holds {bad}, outside the cache's "
+                         f"{b_cache} rows [0, {b_cache})")
+    if (lengths < 0).any():
+        raise ValueError(f"cache_seqlens: holds {int(lengths.min())}; lengths are >= 0")
+    if (lengths + s_new > s_cache).any():
+        b = int(np.argmax(lengths + s_new > s_cache))
+        raise ValueError(f"cache_seqlens: entry {b} holds {lengths[b]} keys, and {s_new} new "
+                         f"ones would end at {lengths[b] + s_new}, beyond {capacity}")
+    if leftpad is not None and ((leftpad < 0) | (leftpad > lengths)).any():
+        b = int(np.argmax((leftpad < 0) | (leftpad > lengths)))
+        raise ValueError(f"cache_leftpad: entry {b} is {leftpad[b]}, outside [0, "
+                         f"cache_seqlens[{b}] = {lengths[b]}]")
+
+
+def _check_rotary_rows(c: _KVCall, lengths: np.ndarray) -> None:
+    """The rotary tables hold a row for every position rotated (queries and new keys)."""
+    q_pos = _rotary_positions(lengths, c.q.shape[1], same=c.mask is None)
+    k_pos = _rotary_positions(lengths, c.s_new, same=False)
+    top = max(int(q_pos.max()) if q_pos.size else -1, int(k_pos.max()) if k_pos.size else -1)
+    if top >= c.cos.shape[0]:
+        raise ValueError(f"rotary_cos: has {c.cos.shape[0]} rows but position {top} "
+                         "is rotated (queries and new keys sit at cache_seqlens[b] + i); "
+                         "pass longer rotary tables")
+
+
+def _kvcache_on_host(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t):
+    """flash_attn_with_kvcache with its lengths, indices and table read to the host (CPU
+    tensors, or where _values_on_device says no): every value checked, then the cache
+    read in place through the core's paged form where it serves, else a gathered copy or
+    dense calls over key ranges."""
+    q, k_cache, v_cache, k, v = c.q, c.k_cache, c.v_cache, c.k, c.v
+    bsz, sq = q.shape[0], q.shape[1]
+    mask, scale, cap, slopes, s_new = c.mask, c.scale, c.cap, c.slopes, c.s_new
+
+    def host(t):
+        return None if t is None else t.detach().cpu().numpy().astype(np.int64)
+    idx, leftpad = host(idx_t), host(leftpad_t)
+    lengths = np.full(bsz, n_int, dtype=np.int64) if n_int is not None else host(lengths_t)
+    _check_cache_values(idx, c.b_cache, lengths, s_new, c.s_cache, c.capacity, leftpad)
+    if idx is None:
+        idx = np.arange(bsz, dtype=np.int64)
+    if leftpad is None:
+        leftpad = np.zeros(bsz, dtype=np.int64)
+    ends = lengths + s_new
+    table, page = host(table_t), c.page
+    if c.paged:
+        _check_pages(table, ends, page, k_cache.shape[0])
+    if c.cos is not None:
+        _check_rotary_rows(c, lengths)
     # The cache is read in place through the core's paged form (pages=, keys of entry b
     # the positions [cache_leftpad[b], ends[b]) of its pages): a paged cache as it is, a
     # contiguous one (entries of different key counts or a cache_leftpad) as pages of
@@ -608,13 +720,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # Otherwise (more queries on a GPU; a contiguous cache whose entries all end alike)
     # a paged cache is gathered into one contiguous copy, and entries of different key
     # ranges run one dense call each.
-    in_place = _reads_in_place(q.device.type, sq, paged, leftpad, ends)
-    if in_place and not paged:
-        table, page = idx[:, None], s_cache
+    in_place = _reads_in_place(q.device.type, sq, c.paged, leftpad, ends)
+    if in_place and not c.paged:
+        table = idx[:, None]
     with torch.no_grad():
-        if in_place and paged:
+        if in_place and c.paged:
             kc = vc = None          # the pages are read where they are
-        elif paged:
+        elif c.paged:
             kc, vc = _gather_pages(k_cache, v_cache, table, ends, page)
         else:
             kc, vc = k_cache, v_cache
@@ -632,13 +744,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             choose(describe(q[:1].transpose(1, 2), kk, vv, mask=mask, scale=scale,
                             softcap=cap, alibi_slopes=None if slopes is None else
                             (slopes if slopes.ndim == 1 else slopes[:1])))
-        if rotary:
+        if c.cos is not None:
             def turn(x, pos):
                 where = torch.from_numpy(pos).to(x.device)
-                return rotary_mod.rotate(x, rotary_cos[where], rotary_sin[where], interleaved)
-            q = turn(q, q_pos)
+                return rotary_mod.rotate(x, c.cos[where], c.sin[where], c.interleaved)
+            q = turn(q, _rotary_positions(lengths, sq, same=mask is None))
             if s_new:
-                k = turn(k, k_pos)
+                k = turn(k, _rotary_positions(lengths, s_new, same=False))
         if s_new:
             new_pos = lengths[:, None] + np.arange(s_new)
             if kc is not None:
@@ -646,17 +758,98 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 pos = torch.from_numpy(new_pos).to(k_cache.device)
                 kc.index_put_((rows, pos), k)
                 vc.index_put_((rows, pos), v)
-            if paged:
+            if c.paged:
                 blocks = np.take_along_axis(table, new_pos // page, axis=1)
                 at = (torch.from_numpy(blocks).to(k_cache.device),
                       torch.from_numpy(new_pos % page).to(k_cache.device))
                 k_cache.index_put_(at, k)
                 v_cache.index_put_(at, v)
         if in_place:
-            out, lse = core_attention(q, k_cache, v_cache, layout="bshd", pages=pages,
-                                      mask=mask, scale=scale, softcap=cap,
-                                      alibi_slopes=slopes, return_lse=True)
-        else:
-            out, lse = _dense_over_ranges(q, kc, vc, idx, leftpad, ends, mask, scale, cap,
-                                          slopes)
-    return (out, lse) if lse_flag else out
+            return core_attention(q, k_cache, v_cache, layout="bshd", pages=pages, mask=mask,
+                                  scale=scale, softcap=cap, alibi_slopes=slopes,
+                                  return_lse=True)
+        return _dense_over_ranges(q, kc, vc, idx, leftpad, ends, mask, scale, cap, slopes)
+
+
+def _kvcache_on_device(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t):
+    """flash_attn_with_kvcache with its lengths, indices and table left on q's device
+    (CPU ones are copied there): no value is read to the host, so the call makes no
+    synchronisation and a CUDA graph can capture it.  The new keys are written with
+    device indices (positions cache_seqlens[b] + i), rotary positions are gathered on
+    the device, and the cache is read in place through
+    ``Pages(table, cache_seqlens + Snew, starts=cache_leftpad, on_device=True)`` (a
+    contiguous cache: its rows cache_batch_idx as pages of seqlen_cache positions), the
+    Triton backend's paged kernel sized from the table's width.  The values are checked
+    only under ANYATTN_CHECK_DEVICE_INPUTS=1 (_check_on_host)."""
+    q, k_cache, v_cache, k, v = c.q, c.k_cache, c.v_cache, c.k, c.v
+    dev = q.device
+    bsz = q.shape[0]
+    s_new = c.s_new
+    lengths_t, idx_t, leftpad_t, table_t = (None if t is None else t.to(dev)
+                                            for t in (lengths_t, idx_t, leftpad_t, table_t))
+    if settings.current().check_device_inputs:
+        _check_on_host(c, lengths_t, n_int, idx_t, leftpad_t, table_t)
+    if lengths_t is None:
+        lengths_t = torch.full((bsz,), n_int, dtype=torch.int32, device=dev)
+    ends_t = lengths_t + s_new if s_new else lengths_t
+    if c.paged:
+        table = table_t
+    else:
+        rows = idx_t if idx_t is not None else torch.arange(bsz, dtype=torch.int32, device=dev)
+        table = rows[:, None]                          # each entry one page: its cache row
+    with torch.no_grad():
+        pages = Pages(table, ends_t, leftpad_t, on_device=True)
+        # the core's checks and a backend before the cache is written, so that a refusal
+        # leaves it as it was
+        choose(describe_paged(q.transpose(1, 2), k_cache.transpose(1, 2),
+                              v_cache.transpose(1, 2), pages, mask=c.mask, scale=c.scale,
+                              softcap=c.cap, alibi_slopes=c.slopes))
+        if c.cos is not None:
+            q = _rotate_on_device(c, q, lengths_t, same=c.mask is None)
+            if s_new:
+                k = _rotate_on_device(c, k, lengths_t, same=False)
+        if s_new:
+            pos = lengths_t.long()[:, None] + torch.arange(s_new, device=dev)   # [B, Snew]
+            if c.paged:
+                at = (table.long().gather(1, pos // c.page), pos % c.page)
+            else:
+                at = (table.long(), pos)
+            k_cache.index_put_(at, k)
+            v_cache.index_put_(at, v)
+        return core_attention(q, k_cache, v_cache, layout="bshd", pages=pages, mask=c.mask,
+                              scale=c.scale, softcap=c.cap, alibi_slopes=c.slopes,
+                              return_lse=True)
+
+
+def _rotate_on_device(c: _KVCall, x, offsets_t, same: bool):
+    """x [B, S, H, D] rotated at positions offsets_t[b] + i (offsets_t[b] for every row
+    with ``same``), the table rows gathered on the device."""
+    bsz, count = x.shape[0], x.shape[1]
+    steps = (torch.zeros if same else torch.arange)(count, dtype=torch.int64, device=x.device)
+    pos = (offsets_t.long()[:, None] + steps[None, :]).reshape(-1)
+    cos = c.cos.index_select(0, pos).reshape(bsz, count, -1)
+    sin = c.sin.index_select(0, pos).reshape(bsz, count, -1)
+    return rotary_mod.rotate(x, cos, sin, c.interleaved)
+
+
+def _check_on_host(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t) -> None:
+    """ANYATTN_CHECK_DEVICE_INPUTS=1: the device tensors read to the host in one copy
+    (one synchronisation) and checked as _kvcache_on_host checks them."""
+    bsz = c.q.shape[0]
+    given = [t for t in (lengths_t, idx_t, leftpad_t, table_t) if t is not None]
+    flat = torch.cat([t.reshape(-1).long() for t in given]).cpu().numpy()
+    parts, at = [], 0
+    for t in (lengths_t, idx_t, leftpad_t, table_t):
+        if t is None:
+            parts.append(None)
+            continue
+        parts.append(flat[at:at + t.numel()].reshape(tuple(t.shape)))
+        at += t.numel()
+    lengths, idx, leftpad, table = parts
+    if lengths is None:
+        lengths = np.full(bsz, n_int, dtype=np.int64)
+    _check_cache_values(idx, c.b_cache, lengths, c.s_new, c.s_cache, c.capacity, leftpad)
+    if c.paged:
+        _check_pages(table, lengths + c.s_new, c.page, c.k_cache.shape[0])
+    if c.cos is not None:
+        _check_rotary_rows(c, lengths)

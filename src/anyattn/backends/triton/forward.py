@@ -137,12 +137,15 @@ def _page_buffer(p, dev):
 
     Uploaded once per Pages, band set and device and kept in the Pages
     (``Pages.device_cache``) as long as it lives: the layers of a decoding step share
-    one upload, and a repeated call makes no host-to-device copy."""
+    one upload, and a repeated call makes no host-to-device copy.  Tables that stay on
+    the device (``Pages(on_device=True)``): :func:`_page_buffer_on_device`."""
     import numpy as np
 
     from ...paged import sequence_mask
 
     pk = p.pages
+    if pk.on_device:
+        return _page_buffer_on_device(p, dev)
     B, M = pk.table.shape
     bands = tuple(sequence_mask(p, b) for b in range(B))
     cache = pk.device_cache
@@ -166,6 +169,35 @@ def _page_buffer(p, dev):
         cache.clear()
     cache[key] = t
     return t
+
+
+def _page_buffer_on_device(p, dev):
+    """PG of ``_page_buffer``'s layout built on the device from tables that stay there
+    (``Pages(on_device=True)``): one kernels.page_records_kernel launch per call, the
+    bands from paged.sequence_band (each side affine in the key count), so nothing is
+    read to the host, nothing is copied to the device, and the launch depends on the
+    shapes only (a CUDA graph replays it over the tables' values then).  Built per call,
+    not kept: a call reads the tensors as they are at that call."""
+    from ...paged import sequence_band
+
+    pk = p.pages
+    src = pk.source
+    table = src.block_table
+    B, M = (int(n) for n in table.shape)
+    starts = src.starts is not None
+    width = M + (1 if starts else 0)
+    pg = torch.empty(B * 4 + B * width, dtype=torch.int32, device=dev)
+    lo, hi = sequence_band(p)
+    lo0, lo_s = (0, 0) if lo is None else lo
+    hi0, hi_s = (0, 0) if hi is None else hi
+    with on_device(dev):
+        _paged_launch(
+            "page_records", kernels.page_records_kernel, (B,),
+            (pg, table, src.seqlens, src.starts if starts else src.seqlens, *table.stride(),
+             B, M, lo0, lo_s, hi0, hi_s),
+            dict(HAS_LO=lo is not None, HAS_HI=hi is not None, STARTS_ON=starts,
+                 BLOCK=min(max(16, 1 << max(M - 1, 0).bit_length()), 256)), dev)
+    return pg
 
 
 #: direct.Site per paged launch signature (launch name, grid, every non-tensor argument

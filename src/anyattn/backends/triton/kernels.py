@@ -1056,6 +1056,46 @@ def fwd_combine_kernel(PACC, PST, O, LSE, SINKS, so_b, so_h, so_s, H, Sq, NS,
                   False, False)
 
 
+@triton.jit
+def page_records_kernel(PG, TABLE, SEQLENS, STARTS, st_b, st_m, B, M, lo0, lo_s, hi0, hi_s,
+                        HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, STARTS_ON: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Grid (B,): fwd_split_kernel's PG buffer (PAGE > 0) from tables that stay on the
+    device (Pages(on_device=True)).  Program b reads seqlens SEQLENS[b], the start
+    STARTS[b] (STARTS_ON; else 0) and the table row TABLE[b, :M] (strides st_b, st_m; any
+    integer dtype) and writes sequence b's record at PG[4 b:4 b + 4]: its key count n =
+    seqlens - start, band lo = lo0 + lo_s * n (-BIG without HAS_LO), hi = hi0 + hi_s * n
+    (BIG without HAS_HI), each clamped to [-BIG, BIG], and the offset of its table row,
+    then that row (preceded by the start with STARTS_ON) at PG[4 B + b W + (W - M)], W =
+    M (+ 1 with STARTS_ON): the layout forward.forward_paged uploads for host tables."""
+    b = tl.program_id(0)
+    big = 1073741824                                 # tiles.BIG
+    extra = 1 if STARTS_ON else 0
+    W = M + extra
+    end = tl.load(SEQLENS + b).to(tl.int64)
+    start = tl.zeros([], dtype=tl.int64)
+    if STARTS_ON:
+        start = tl.load(STARTS + b).to(tl.int64)
+    n = end - start
+    lo = tl.full([], -big, tl.int64)
+    if HAS_LO:
+        lo = tl.minimum(tl.maximum(lo0 + lo_s * n, -big), big)
+    hi = tl.full([], big, tl.int64)
+    if HAS_HI:
+        hi = tl.minimum(tl.maximum(hi0 + hi_s * n, -big), big)
+    row = (B * 4 + b * W).to(tl.int64)
+    i4 = tl.arange(0, 4)
+    rec = tl.where(i4 == 0, n, tl.where(i4 == 1, lo, tl.where(i4 == 2, hi, row + extra)))
+    tl.store(PG + b * 4 + i4, rec.to(tl.int32))
+    if STARTS_ON:
+        tl.store(PG + row, start.to(tl.int32))
+    cols = tl.arange(0, BLOCK)
+    for m0 in range(0, M, BLOCK):
+        c = m0 + cols
+        t = tl.load(TABLE + b.to(tl.int64) * st_b + c.to(tl.int64) * st_m, mask=c < M, other=0)
+        tl.store(PG + row + extra + c, t.to(tl.int32), mask=c < M)
+
+
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s,
