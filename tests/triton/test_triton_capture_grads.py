@@ -245,14 +245,15 @@ def test_torch_autograd_reaches_the_triton_capture_gradients():
     """anyattn.torch.attention with backend='triton' (the path of CUDA tensors): a
     captured table read along the diagonals and a per-key bias that require grad get
     the Triton backward's gradients (the NumPy backend's within fp32's tolerance); a
-    read at [q_idx, kv_idx] raises in the forward."""
+    read at [q_idx, kv_idx] raises in the forward.  One batch, one head, one tile: a
+    region of one slot (dcs_g = 1, an integer a GPU launch takes as a constant)."""
     import anyattn.torch as at
 
     S = 16
-    q, k, v, _ = (T(x) for x in _inputs(5, 1, 2, 2, S, S, 16))
+    q, k, v, _ = (T(x) for x in _inputs(5, 1, 1, 1, S, S, 16))
     rng = np.random.default_rng(6)
-    t0 = torch.from_numpy(rng.standard_normal((2, 2 * S - 1)).astype(np.float32))
-    kb0 = torch.from_numpy(rng.standard_normal((2, S)).astype(np.float32))
+    t0 = torch.from_numpy(rng.standard_normal((1, 2 * S - 1)).astype(np.float32))
+    kb0 = torch.from_numpy(rng.standard_normal((1, S)).astype(np.float32))
 
     def rel(s, b, h, i, j, t, kb):
         return s + t[h, i - j + S - 1] + kb[h, j]

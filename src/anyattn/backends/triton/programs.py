@@ -363,7 +363,7 @@ def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
              "def dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, cacc,",
              "         BN: tl.constexpr, BM: tl.constexpr, NCP: tl.constexpr):",
              _PROLOGUE.format(it=itype),
-             "    unit = dcs_g.to(tl.int64)"]
+             "    unit = tl.cast(dcs_g, tl.int64)"]
     lines += g.lines
     for i, (_, d) in enumerate(grads):
         term = f"tl.where(valid, ds * ({g.ref(d)}), 0.0)"
