@@ -8,30 +8,56 @@ nodes) of the captures asked for.
 
 A capture ``c`` gets ``dc[idx] = sum over (b, h, i, j) of dS'[b, h, i, j] * d s' / d g``
 for each read ``g = c[idx]`` (DESIGN section 1).  Supported: captures every read of
-which has indices that depend on ``b``, ``h`` and ``q_idx - kv_idx`` only
-(:func:`anyattn.programs.diagonal.diagonal_nodes`: a relative position table
-``table[h, q_idx - kv_idx + c]``, T5's ``table[h, bucket[kv_idx - q_idx + c]]``,
-learnable ALiBi slopes ``slopes[h]``, a per-head temperature ``temp[h]``).  Then the
-index takes one value per (b, h, d), and the gradient is a sum of the terms along
-each diagonal, scattered once per (b, h, d):
+which is of one of four kinds (:func:`classify`), its indices depending on ``b``,
+``h`` and
 
-1. ``kernels.dkdv_kernel`` with the generated ``dcap`` function (programs.py) writes,
-   per (read, b, h, key tile, query tile), the tile's terms summed along its
-   BM + BN - 1 diagonals into its own fp32 slot of DCS [NG, B * H, nK, nQ, W]
-   (W = BM + BN - 1, or W = 1, the tile's total, where no index reads the diagonal):
-   NG·B·H·Sq·Sk·(1/BM + 1/BN) floats at most, never a [B, H, Sq, Sk] buffer;
-2. ``kernels.dcap_diag_kernel`` sums the slots of each diagonal over the key tiles in
-   order (fp64) -> [NG, B, H, U] (a torch sum of each slot where W = 1);
-3. each read's sums are summed over the axes its index does not read (b, h, d; torch
+* ``diag``: ``q_idx - kv_idx`` (:func:`anyattn.programs.diagonal.diagonal_nodes`: a
+  relative position table ``table[h, q_idx - kv_idx + c]``, T5's
+  ``table[h, bucket[kv_idx - q_idx + c]]``): one index per (b, h, d);
+* ``row``: ``q_idx`` alone (a per-query bias or temperature ``t[b, q_idx]``,
+  ``t[q_idx // 8]``): one index per (b, h, i);
+* ``col``: ``kv_idx`` alone (a per-key bias ``kb[h, kv_idx]``, a bucketed table
+  ``tab[h, kv_idx // 64]``): one index per (b, h, j);
+* ``total``: nothing else (learnable ALiBi slopes ``slopes[h]``, a per-head
+  temperature ``temp[h]``, a capture of rank 0): one index per (b, h).
+
+Reads of different kinds mix freely in one function, of one capture too.  The
+gradient is a sum of the terms over the pairs sharing a (b, h, position), scattered
+once per (b, h, position):
+
+1. ``kernels.dkdv_kernel`` (one program per key tile and kv head, looping over the
+   query heads of the group and over the query tiles) with the generated ``dcap``
+   function (programs.py) sums each tile's terms of every read:
+   - ``diag`` / ``row`` / ``total``: into the tile's own fp32 slot of the read's region
+     of DCS (:func:`layout`: the diagonal reads' regions, then the rows', then the
+     totals'; a region is [B * H, nK, nQ, W] with W = BM + BN - 1 sums along the
+     tile's diagonals, BM sums along its query rows, or 1, its total);
+   - ``col``: down the tile's key columns into the program's register accumulator
+     [BN, NCP] (fp64; a column per column read, NCP a power of two), stored once per
+     query head after the last query tile into DCOL [B * H, Sk, NCP]: each (b, h, j)
+     has one writer, and its query tiles are summed in the program's fixed order.
+   Scratch: DCS B·H·nK·nQ·(NG_diag·(BM + BN - 1) + NG_row·BM + NG_total) fp32 (about
+   B·H·Sq·Sk·(NG_diag·(1/BM + 1/BN) + NG_row/BN)) and DCOL B·H·Sk·NCP fp64, never a
+   [B, H, Sq, Sk] buffer.  A row read's slots hold its partial row sums per key tile
+   (the program owns a key tile, not a row; the sums over the key tiles are step 2's),
+   so that the capture gradients stay on the one dK/dV launch, which runs for them
+   even where dk and dv are not wanted, and no dQ program changes;
+2. per (b, h, position) in fp64: ``kernels.dcap_diag_kernel`` sums the diagonal slots
+   over the key tiles in order -> [B * H, U]; torch sums (a fixed order) fold a row
+   region over the key tiles -> [B * H, Sq] and a total region over all tiles ->
+   [B * H, 1]; DCOL's column is [B * H, Sk] already;
+3. each read's sums are summed over the axes b, h its index does not read (torch
    sums: a fixed order);
-4. the index of every (b, h, d) left is evaluated once on the host (NumPy), the terms
-   are sorted by capture element (stable), and ``kernels.dcap_segment_kernel`` sums
-   each element's terms in that order (fp64), cast to the capture's dtype at the end.
-   The sort is cached by what the indices read (sizes, integer captures).
+4. the index of every (b, h, position) left is evaluated once on the host (NumPy), the
+   terms are sorted by capture element (stable), and ``kernels.dcap_segment_kernel``
+   sums each element's terms in that order (fp64), cast to the capture's dtype at the
+   end.  The sort is cached by what the indices read (sizes, integer captures).
 
-Other reads (an index of ``q_idx`` or ``kv_idx`` alone, of the score) are refused
-before any work (:func:`unsupported`).  Nothing here imports torch or Triton at
-module level: the capability check runs it.
+Other reads (an index of q_idx and kv_idx other than through their difference, such
+as ``t[q_idx, kv_idx]`` or ``t[q_idx // 8 + kv_idx]``; indices of two kinds in one
+read, such as ``t[q_idx, q_idx - kv_idx]``; an index of the score) are refused before
+any work (:func:`refusal`).  Nothing here imports torch or Triton at module level: the
+capability check runs it.
 """
 from __future__ import annotations
 
@@ -82,9 +108,10 @@ def reads(program, wrt) -> List[Read]:
 
 
 def unsupported(program, wrt) -> Optional[str]:
-    """Why the portable Triton backward cannot compute the gradients of the captures
-    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
-    (the callers add theirs)."""
+    """Why some read of the captures ``wrt`` of a score program is not indexed by b, h
+    and q_idx - kv_idx only (None: every read is), after "the ... backward"; no remedy.
+    The check of a backward that sums along diagonals only; the portable Triton
+    backward takes row and column reads too (:func:`refusal`)."""
     for r in reads(program, wrt):
         if r.bad is not None:
             return (f"computes the gradient of a score_mod capture only where every read of "
