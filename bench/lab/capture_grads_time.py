@@ -8,8 +8,9 @@ Cases (causal, learnable tables from examples/gallery.py's spellings): ``rel`` a
 relative-position table ``table[h, q_idx - kv_idx + S - 1]``, ``t5`` T5 buckets
 ``table[h, bucket[kv_idx - q_idx + S - 1]]``, ``slopes`` learnable ALiBi slopes
 ``slopes[h]``, ``qtemp`` a per-query temperature ``temp[h, q_idx]`` (a row read),
-``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read).  Per case: the backward with wrt=(q, k, v) and with wrt=(q, k, v,
-<capture>) (out and the row statistics from one forward, given), the median of
+``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read).  Per case: the backward
+with wrt=(q, k, v) and with wrt=(q, k, v, <capture>) (out and the row statistics
+from one forward, given), the median of
 ``--repeat`` timed runs after two warm-ups (torch.cuda.Event), the ratio; then two
 runs' capture gradients compared bit for bit, and at B=1, H=2, S=256 the capture
 gradient's relative error against the float64 reference (on the CPU).  ``--device cpu``
