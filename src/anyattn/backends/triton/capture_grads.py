@@ -227,7 +227,7 @@ class CaptureGrads:
         units = sum(_width(self.kinds[i], bm, bn) for i in self.slotted)
         dcs = torch.zeros(max(1, nslots * units), dtype=torch.float32, device=self.dev)
         ncp = col_width(len(self.cols))
-        dcol = (torch.empty((B * H, Sk, ncp), dtype=torch.float64, device=self.dev)
+        dcol = (torch.zeros((B * H, Sk, ncp), dtype=torch.float64, device=self.dev)
                 if ncp else None)
         self.tile = (bm, bn)
         return dcs, nslots, dcol, ncp

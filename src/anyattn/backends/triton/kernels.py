@@ -1255,34 +1255,34 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             dslot = None
         if NCP > 0:                                # the column reads' sums of this head
             cacc = tl.zeros([BN, NCP], dtype=tl.float64)
-        else:
+        else:                                      # (passed through untouched)
             cacc = tl.zeros([1], dtype=tl.float32)
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
                 dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN, NCP)
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             for t in range(g0, g1):
                 dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN, NCP)
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             for t in range(g1, s1):
                 dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN, NCP)
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -1293,24 +1293,24 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN, NCP)
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                          offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                          ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
                 dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN, NCP)
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                          offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                          ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
         if NCP > 0:
             _dcap_cols_store(DCOL, cacc, bh, Sk, offs_n, NCP)
     if PREC == "hsplit3":
