@@ -169,6 +169,8 @@ def refusal(program, wrt) -> Optional[str]:
     return None
 
 
+#: the kinds with slots, in the order of their regions in DCS
+_SLOTTED = tuple(k for k in KINDS if k != "col")
 #: a slotted read's slot width (per (b, h, key tile, query tile)) as the generated code
 #: writes it (constexpr BM, BN) and as the host allocates it
 SLOT_WIDTH = {"diag": "(BM + BN - 1)", "row": "BM", "total": "1"}
@@ -182,8 +184,7 @@ def layout(kinds) -> Tuple[List[int], List[int]]:
     """(the reads with slots in DCS's region order: the diagonal reads, then the row
     reads, then the totals; the column reads in the accumulator's order), as indices
     into ``kinds`` (graph order)."""
-    slotted = [i for want in ("diag", "row", "total") for i, k in enumerate(kinds)
-               if k == want]
+    slotted = [i for want in _SLOTTED for i, k in enumerate(kinds) if k == want]
     return slotted, [i for i, k in enumerate(kinds) if k == "col"]
 
 
@@ -245,7 +246,7 @@ class CaptureGrads:
         nslots = bh * nk * nq
         out: list = [None] * len(self.kinds)
         start = 0
-        for kind in ("diag", "row", "total"):
+        for kind in _SLOTTED:
             idx = [i for i in self.slotted if self.kinds[i] == kind]
             if not idx:
                 continue
