@@ -7,8 +7,10 @@ captures, their error against the float64 reference at a small size, and repeata
 Cases (causal, learnable tables from examples/gallery.py's spellings): ``rel`` a
 relative-position table ``table[h, q_idx - kv_idx + S - 1]``, ``t5`` T5 buckets
 ``table[h, bucket[kv_idx - q_idx + S - 1]]``, ``slopes`` learnable ALiBi slopes
-``slopes[h]``.  Per case: the backward with wrt=(q, k, v) and with wrt=(q, k, v,
-<capture>) (out and the row statistics from one forward, given), the median of
+``slopes[h]``, ``qtemp`` a per-query temperature ``temp[h, q_idx]`` (a row read),
+``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read).  Per case: the backward
+with wrt=(q, k, v) and with wrt=(q, k, v, <capture>) (out and the row statistics
+from one forward, given), the median of
 ``--repeat`` timed runs after two warm-ups (torch.cuda.Event), the ratio; then two
 runs' capture gradients compared bit for bit, and at B=1, H=2, S=256 the capture
 gradient's relative error against the float64 reference (on the CPU).  ``--device cpu``
@@ -37,6 +39,8 @@ def _cases(H, S):
               + np.where(np.arange(-(S - 1), S) > 0, 16, 0)).astype(np.int32)
     t5 = torch.from_numpy((0.5 * rng.standard_normal((H, 32))).astype(np.float32))
     slopes = torch.from_numpy((2.0 ** -np.arange(1, H + 1)).astype(np.float32))
+    temp = torch.from_numpy((1 + 0.1 * rng.standard_normal((H, S))).astype(np.float32))
+    kb = torch.from_numpy((0.5 * rng.standard_normal((H, S))).astype(np.float32))
     return {
         "rel": (aa.ScoreMod(lambda s, b, h, i, j, table: s + table[h, i - j + S - 1],
                             table=rel), "table"),
@@ -45,6 +49,8 @@ def _cases(H, S):
                            bucket=torch.from_numpy(bucket), table=t5), "table"),
         "slopes": (aa.ScoreMod(lambda s, b, h, i, j, slopes: s - slopes[h] * abs(i - j),
                                slopes=slopes), "slopes"),
+        "qtemp": (aa.ScoreMod(lambda s, b, h, i, j, temp: s * temp[h, i], temp=temp), "temp"),
+        "kbias": (aa.ScoreMod(lambda s, b, h, i, j, kb: s + kb[h, j], kb=kb), "kb"),
     }
 
 

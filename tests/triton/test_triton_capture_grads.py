@@ -1,8 +1,9 @@
 """Gradients of score-function captures on the portable Triton backward (interpreter on
 CPU tensors): the diagonal sums of a tile, the gallery's learnable tables against the
 float64 reference (fp32, bf16; GQA, Sq != Sk, causal), reads indexed by b, h and
-q_idx - kv_idx, a capture of rank 0, tile lists with softcap, dropout and sinks,
-repeated runs bitwise equal, anyattn.torch's autograd, and the refusal of a capture read
+q_idx - kv_idx, row reads (q_idx alone) and column reads (kv_idx alone) alone and mixed
+with those, a capture of rank 0, tile lists with softcap, dropout and sinks, repeated
+runs bitwise equal, anyattn.torch's autograd, and the refusal of a capture read
 otherwise.  The backward gets out and the row statistics from the NumPy backend (the
 Triton forward is tested elsewhere) and asks for dk, dv and the captures: the dK/dV
 launch computes all three, so no test pays for the dQ kernel.
@@ -140,30 +141,88 @@ def test_reads_of_batch_head_and_diagonal_and_a_scalar_capture():
 
 def test_tile_lists_with_softcap_dropout_sinks_and_repeated_runs_bitwise_equal():
     """A mask union (tile lists; mask blocks whose last sub-tiles lie past Sq) with
-    softcap, dropout and sinks: dk, dv, dsinks and the table's gradient against the
-    reference, and a second run gives the same bits."""
+    softcap, dropout and sinks, a diagonal, a row and a column read: dk, dv, dsinks and
+    the captures' gradients against the reference, and a second run gives the same
+    bits."""
     Sq, Sk = 40, 24
     q, k, v, g = _inputs(6, 1, 4, 2, Sq, Sk, 16)
     rng = np.random.default_rng(8)
     tab = rng.standard_normal((4, Sq + Sk - 1)).astype(np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, tab: s * 0.5 + tab[h, i - j + Sk - 1], tab=tab)
+    qb = rng.standard_normal(Sq).astype(np.float32)
+    kb = rng.standard_normal((4, Sk)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, tab, qb, kb:
+                     s * 0.5 + tab[h, i - j + Sk - 1] + qb[i] * kb[h, j],
+                     tab=tab, qb=qb, kb=kb)
     kw = dict(score_mod=sm, softcap=2.0, dropout_p=0.2, dropout_seed=11,
               sinks=rng.standard_normal(4).astype(np.float32),
               mask=aa.Causal("bottom_right") | aa.MaskMod(lambda b, h, i, j: j < 3))
-    wrt = ("k", "v", "tab", "sinks")
+    wrt = ("k", "v", "tab", "qb", "kb", "sinks")
     runs = [_backward(q, k, v, g, wrt, **kw) for _ in range(2)]
     rg = _reference(q, k, v, g, wrt, **kw)
     for n in ("dk", "dv", "dsinks"):
         assert_close(getattr(runs[0], n).cpu().numpy(), getattr(rg, n), "float32", n)
-    assert_close(runs[0].dcaptures["tab"].cpu().numpy(), rg.dcaptures["tab"], "float32",
-                 "dtab")
-    assert torch.equal(runs[0].dcaptures["tab"], runs[1].dcaptures["tab"])
+    for n in ("tab", "qb", "kb"):
+        assert_close(runs[0].dcaptures[n].cpu().numpy(), rg.dcaptures[n], "float32", f"d{n}")
+        assert torch.equal(runs[0].dcaptures[n], runs[1].dcaptures[n])
     assert torch.equal(runs[0].dk, runs[1].dk)
 
 
-def test_a_capture_read_at_q_idx_is_refused_before_any_work(monkeypatch):
-    """An index of q_idx (not through q_idx - kv_idx) is refused by the backend choice,
-    naming the capture and its read; the kernels are never reached."""
+#: score functions with row reads (an index of q_idx alone), column reads (kv_idx
+#: alone) and mixes; name -> (function, {capture: shape} of Hq, Sq, Sk)
+ROWS_COLS = {
+    "key_bias": (lambda s, b, h, i, j, kb: s + kb[h, j],
+                 lambda H, Sq, Sk: {"kb": (H, Sk)}),
+    "query_temperature": (lambda s, b, h, i, j, t: s * t[b, i],
+                          lambda H, Sq, Sk: {"t": (2, Sq)}),
+    "bucketed_keys": (lambda s, b, h, i, j, tab: s + tab[h, j // 4],
+                      lambda H, Sq, Sk: {"tab": (H, -(-Sk // 4))}),
+    # a relative-position table, a per-query temperature, and one capture read down the
+    # key columns and along the diagonals
+    "mixed": (lambda s, b, h, i, j, rel, t, w:
+              s * t[b, i] + rel[h, i - j + 40 - 1] + w[h, j] * w[h, i - j + 40 - 1],
+              lambda H, Sq, Sk: {"rel": (H, Sq + Sk - 1), "t": (2, Sq),
+                                 "w": (H, Sq + Sk - 1)}),
+}
+
+
+@pytest.mark.parametrize("name, dtype", [(n, "float32") for n in ROWS_COLS]
+                         + [("mixed", "bfloat16"), ("query_temperature", "bfloat16")])
+def test_row_and_column_reads_match_the_float64_reference(name, dtype):
+    """Captures read at q_idx or kv_idx alone (with b, h; mixed with diagonal reads):
+    dk, dv and the capture gradients (the capture's shape and dtype) against the float64
+    reference; GQA 4 : 2, two batches, Sq != Sk (not multiples of the tiles), causal."""
+    fn, shapes = ROWS_COLS[name]
+    B, H, Sq, Sk = 2, 4, 24, 40
+    q, k, v, g = _inputs(len(name), B, H, 2, Sq, Sk, 16, dtype)
+    rng = np.random.default_rng(9)
+    caps = {n: (0.5 + rng.random(s) if n == "t" else rng.standard_normal(s)).astype(np.float32)
+            for n, s in shapes(H, Sq, Sk).items()}
+    sm = aa.ScoreMod(fn, **caps)
+    kw = dict(score_mod=sm, mask=aa.Causal("bottom_right"))
+    wrt = ("k", "v") + tuple(caps)
+    gr = _backward(q, k, v, g, wrt, dtype, **kw)
+    rg = _reference(q, k, v, g, wrt, **kw)
+    for n in ("dk", "dv"):
+        assert_close(getattr(gr, n).float().cpu().numpy(), getattr(rg, n), dtype, f"{name} {n}")
+    for n in caps:
+        got = gr.dcaptures[n]
+        assert tuple(got.shape) == caps[n].shape and got.dtype == torch.float32
+        assert_close(got.cpu().numpy(), rg.dcaptures[n], dtype, f"{name} d{n}")
+
+
+@pytest.mark.parametrize("fn, index", [
+    (lambda s, b, h, i, j, t: s + t[i, j], r"whose indices q_idx and kv_idx together"),
+    (lambda s, b, h, i, j, t: s + t[h, i // 8 + j],
+     r"whose index \(\(q_idx // 8\) \+ kv_idx\) depends on q_idx and kv_idx otherwise "
+     r"than through q_idx - kv_idx"),
+    (lambda s, b, h, i, j, t: s + t[h, i - j + 15] * t[i, i - j + 15],
+     r"whose indices q_idx and \(\(q_idx - kv_idx\) \+ 15\) together"),
+])
+def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(monkeypatch, fn,
+                                                                        index):
+    """An index of q_idx and kv_idx other than their difference, or indices of a row
+    and a diagonal together, are refused by the backend choice, naming the capture and
+    its read; the kernels are never reached."""
     from anyattn.backends.triton import launch
 
     def no_kernels(*a, **kw):
@@ -173,38 +232,42 @@ def test_a_capture_read_at_q_idx_is_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(launch, "forward", no_kernels)
     S = 16
     q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
-    t = np.zeros((2, 2 * S - 1), np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, i - j + S - 1], t=t)
+    t = np.zeros((2 * S - 1, 2 * S - 1), np.float32)
     with pytest.raises(NotImplementedError,
-                       match=r"capture 't' is read at t\[h, q_idx\], whose index q_idx "
-                             r"depends on q_idx / kv_idx otherwise"):
+                       match=r"only where each read of it is indexed by b, h and one of "
+                             r"q_idx - kv_idx, q_idx or kv_idx: capture 't' is read at "
+                             r"t\[.*\], " + index):
         aa.attention_backward(*(T(x) for x in (q, k, v, g)), wrt=("q", "t"),
-                              backend="triton", score_mod=sm)
+                              backend="triton", score_mod=aa.ScoreMod(fn, t=t))
 
 
 def test_torch_autograd_reaches_the_triton_capture_gradients():
     """anyattn.torch.attention with backend='triton' (the path of CUDA tensors): a
-    captured table that requires grad gets the Triton backward's gradient (the NumPy
-    backend's within fp32's tolerance); one read at kv_idx raises in the forward."""
+    captured table read along the diagonals and a per-key bias that require grad get
+    the Triton backward's gradients (the NumPy backend's within fp32's tolerance); a
+    read at [q_idx, kv_idx] raises in the forward.  One batch, one head, one tile: a
+    region of one slot (dcs_g = 1, an integer a GPU launch takes as a constant)."""
     import anyattn.torch as at
 
     S = 16
-    q, k, v, _ = (T(x) for x in _inputs(5, 1, 2, 2, S, S, 16))
-    t0 = torch.from_numpy(np.random.default_rng(6).standard_normal((2, 2 * S - 1))
-                          .astype(np.float32))
+    q, k, v, _ = (T(x) for x in _inputs(5, 1, 1, 1, S, S, 16))
+    rng = np.random.default_rng(6)
+    t0 = torch.from_numpy(rng.standard_normal((1, 2 * S - 1)).astype(np.float32))
+    kb0 = torch.from_numpy(rng.standard_normal((1, S)).astype(np.float32))
 
-    def rel(s, b, h, i, j, t):
-        return s + t[h, i - j + S - 1]
+    def rel(s, b, h, i, j, t, kb):
+        return s + t[h, i - j + S - 1] + kb[h, j]
 
     grads = {}
     for be in ("triton", "numpy"):
-        t = t0.clone().requires_grad_()
+        t, kb = t0.clone().requires_grad_(), kb0.clone().requires_grad_()
         out = at.attention(q, k, v, backend=be, mask=aa.Causal(),
-                           score_mod=aa.ScoreMod(rel, t=t))
+                           score_mod=aa.ScoreMod(rel, t=t, kb=kb))
         (out * out).sum().backward()
-        grads[be] = t.grad
-    assert_close(grads["triton"].numpy(), grads["numpy"].double().numpy(), "float32", "dt")
-    t = t0[0, :S].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[kv_idx\]"):
+        grads[be] = (t.grad, kb.grad)
+    for n, a, b in zip(("dt", "dkb"), grads["triton"], grads["numpy"]):
+        assert_close(a.numpy(), b.double().numpy(), "float32", n)
+    t = torch.zeros((S, S)).requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[q_idx, kv_idx\]"):
         at.attention(q, k, v, backend="triton",
-                     score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[j], t=t))
+                     score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i, j], t=t))

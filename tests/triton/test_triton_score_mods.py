@@ -257,13 +257,13 @@ def test_too_many_captures_are_refused():
 
 
 def test_capture_gradients_off_the_diagonal_and_broadcast_dbias_are_refused():
-    """wrt naming a capture read at an index of kv_idx alone (not through q_idx - kv_idx:
-    test_triton_capture_grads.py has the supported reads) raises before any work, as
-    does a dbias broadcast over queries or keys."""
+    """wrt naming a capture read at an index of q_idx and kv_idx other than their
+    difference (test_triton_capture_grads.py has the supported reads) raises before any
+    work, as does a dbias broadcast over queries or keys."""
     S = 16
     q, k, v = _inputs(2, 1, 2, 2, S, S, 16)
     t = np.zeros((2, 2 * S - 1), np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, j], t=t)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i + j], t=t)
     with pytest.raises(NotImplementedError,
                        match="computes the gradient of a score_mod capture only where"):
         aa.attention_backward(T(q), T(k), T(v), T(q), wrt=("q", "t"), backend="triton",
@@ -276,7 +276,7 @@ def test_capture_gradients_off_the_diagonal_and_broadcast_dbias_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
 def test_torch_on_cuda_runs_functions_and_capture_gradients():
     """Score functions on CUDA tensors, a per-head capture's gradient by autograd (the
-    CPU path's), and a capture read at kv_idx refused in the forward."""
+    CPU path's), and a capture read at [q_idx, kv_idx] refused in the forward."""
     import anyattn.torch as at
 
     q, k, v = (T(x) for x in _inputs(4, 1, 2, 2, 32, 32, 16))
@@ -292,6 +292,6 @@ def test_torch_on_cuda_runs_functions_and_capture_gradients():
         (o * o).sum().backward()
         grads.append(t.grad.cpu().double().numpy())
     assert_close(grads[0], grads[1], "float32", "dt")
-    t = torch.zeros(32, device=q.device, requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[kv_idx\]"):
-        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[j], t=t))
+    t = torch.zeros((32, 32), device=q.device, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[q_idx, kv_idx\]"):
+        at.attention(q, k, v, score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i, j], t=t))

@@ -6,9 +6,10 @@ Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim.
 
 Not under ``torch.compile`` (the function is traced by anyattn, not by Dynamo); on CUDA
 tensors the Triton kernels run forward and backward, the gradients of captures included
-where the Triton backward computes them (captures read at indices of b, h and
-q_idx - kv_idx: anyattn.backends.triton.capture_grads); a captured tensor that requires
-grad and is read otherwise raises NotImplementedError in the forward, before any work.
+where the Triton backward computes them (captures read at indices of b, h and one of
+q_idx - kv_idx, q_idx or kv_idx: anyattn.backends.triton.capture_grads); a captured
+tensor that requires grad and is read otherwise raises NotImplementedError in the
+forward, before any work.
 """
 from __future__ import annotations
 
@@ -87,9 +88,9 @@ def attention(q, k, v, *, mask, bias, scale, backend, precision, layout, q_offse
         n for n, t in sm.captures.items()
         if isinstance(t, torch.Tensor) and t.requires_grad)
     if names and torch.is_grad_enabled() and (q.device.type != "cpu" or backend == "triton"):
-        from ..backends.triton.capture_grads import unsupported
+        from ..backends.triton.capture_grads import refusal
 
-        why = unsupported(sm.program, names)
+        why = refusal(sm.program, names)
         if why:
             raise NotImplementedError(
                 f"anyattn.torch.attention: score_mod captures {list(names)} require grad on "

@@ -30,7 +30,7 @@ class TritonBackend(Backend):
     fp16/bf16/fp32 (+ tf32 opt-in), the score modifiers softcap / ALiBi / sinks (+ dsinks)
     and attention dropout (anyattn.dropout's mask, regenerated in every kernel) inside the
     kernels, score / mask functions, and the gradients of score-function captures read
-    at indices of b, h and q_idx - kv_idx (capture_grads.py)."""
+    at indices of b, h and one of q_idx - kv_idx, q_idx or kv_idx (capture_grads.py)."""
 
     name = "triton"
 
@@ -45,8 +45,8 @@ class TritonBackend(Backend):
             mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
             modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
             inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
-            # capture gradients: for captures indexed by b, h and q_idx - kv_idx
-            # (capture_grads.py; the others are refused by extra_reasons)
+            # capture gradients: for captures indexed by b, h and one of q_idx - kv_idx,
+            # q_idx or kv_idx (capture_grads.py; the others are refused by extra_reasons)
             gradients=GRADIENTS)
 
     # -- availability ---------------------------------------------------------------
@@ -97,11 +97,11 @@ class TritonBackend(Backend):
                        "over queries and keys ([.., Sq, Sk]); expand the bias or use "
                        "backend='numpy'")
         if p.capture_wrt and p.score_mod is not None:
-            from .capture_grads import unsupported
+            from .capture_grads import refusal
 
-            bad = unsupported(p.score_mod.program, p.capture_wrt)
+            bad = refusal(p.score_mod.program, p.capture_wrt)
             if bad:
-                why.append(f"{bad}; index it through q_idx - kv_idx, or use backend='numpy'")
+                why.append(f"{bad}; index each read by one of those, or use backend='numpy'")
         if p.pages is not None and p.seq_q > PAGED_MAX_SQ:
             why.append(f"reads a paged cache (pages=) with at most {PAGED_MAX_SQ} queries "
                        f"per sequence (the split-key decode kernel), got Sq = {p.seq_q}; "

@@ -142,7 +142,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         if want_kv:
             res["dk"], res["dv"] = dk, dv
         if cg is not None:
-            res["dcaptures"] = cg.finish(dcs)
+            res["dcaptures"] = cg.finish(*dcs)
         if "q" in p.wrt:
             res["dq"] = dq
         if full_bias:
@@ -155,7 +155,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
 def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
                  fkw, cg=None, fns=None):
     """dk, dv through kernels.dkdv_kernel (one program per key tile and kv head); with
-    ``cg`` (capture_grads.CaptureGrads) also the capture gradient slots, returned."""
+    ``cg`` (capture_grads.CaptureGrads) also the capture gradient slots and column
+    sums, returned."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
             *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dk), *s3(dv),
@@ -174,9 +175,10 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
 
 
 def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
-    """dkdv_kernel with the capture gradient function (fns.dcap) -> the slots it wrote
-    (DCS, shaped by the tile: allocated per config, so no prepared.resolve_launch; the
-    config that fits is remembered per signature, as resolve_launch does)."""
+    """dkdv_kernel with the capture gradient function (fns.dcap) -> (DCS, DCOL), the
+    slots and column sums it wrote (shaped by the tile: allocated per config, so no
+    prepared.resolve_launch; the config that fits is remembered per signature, as
+    resolve_launch does)."""
     from triton.runtime.errors import OutOfResources
 
     B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
@@ -188,13 +190,13 @@ def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
     first = prepared.FALLBACK_CACHE.get(key)
     err = None
     for c in ([first] if first is not None else list(prepared.fallbacks(plan.dkdv))):
-        dcs, dcs_g = cg.scratch(c.bm, c.bn)
+        dcs, dcs_g, dcol, ncp = cg.scratch(c.bm, c.bn)
         try:
             kernels.dkdv_kernel[(cdiv(Sk, c.bn), B * Hkv)](
                 *args, BM=c.bm, BN=c.bn, num_warps=c.num_warps, num_stages=c.num_stages,
-                DCS=dcs, dcs_g=dcs_g, DCAP=fns.dcap, **kw)
+                DCS=dcs, dcs_g=dcs_g, DCAP=fns.dcap, DCOL=dcol, NCP=ncp, **kw)
             prepared.FALLBACK_CACHE[key] = c
-            return dcs
+            return dcs, dcol
         except OutOfResources as e:
             err = e
     raise err

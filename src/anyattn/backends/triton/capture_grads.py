@@ -8,30 +8,56 @@ nodes) of the captures asked for.
 
 A capture ``c`` gets ``dc[idx] = sum over (b, h, i, j) of dS'[b, h, i, j] * d s' / d g``
 for each read ``g = c[idx]`` (DESIGN section 1).  Supported: captures every read of
-which has indices that depend on ``b``, ``h`` and ``q_idx - kv_idx`` only
-(:func:`anyattn.programs.diagonal.diagonal_nodes`: a relative position table
-``table[h, q_idx - kv_idx + c]``, T5's ``table[h, bucket[kv_idx - q_idx + c]]``,
-learnable ALiBi slopes ``slopes[h]``, a per-head temperature ``temp[h]``).  Then the
-index takes one value per (b, h, d), and the gradient is a sum of the terms along
-each diagonal, scattered once per (b, h, d):
+which is of one of four kinds (:func:`classify`), its indices depending on ``b``,
+``h`` and
 
-1. ``kernels.dkdv_kernel`` with the generated ``dcap`` function (programs.py) writes,
-   per (read, b, h, key tile, query tile), the tile's terms summed along its
-   BM + BN - 1 diagonals into its own fp32 slot of DCS [NG, B * H, nK, nQ, W]
-   (W = BM + BN - 1, or W = 1, the tile's total, where no index reads the diagonal):
-   NG·B·H·Sq·Sk·(1/BM + 1/BN) floats at most, never a [B, H, Sq, Sk] buffer;
-2. ``kernels.dcap_diag_kernel`` sums the slots of each diagonal over the key tiles in
-   order (fp64) -> [NG, B, H, U] (a torch sum of each slot where W = 1);
-3. each read's sums are summed over the axes its index does not read (b, h, d; torch
+* ``diag``: ``q_idx - kv_idx`` (:func:`anyattn.programs.diagonal.diagonal_nodes`: a
+  relative position table ``table[h, q_idx - kv_idx + c]``, T5's
+  ``table[h, bucket[kv_idx - q_idx + c]]``): one index per (b, h, d);
+* ``row``: ``q_idx`` alone (a per-query bias or temperature ``t[b, q_idx]``,
+  ``t[q_idx // 8]``): one index per (b, h, i);
+* ``col``: ``kv_idx`` alone (a per-key bias ``kb[h, kv_idx]``, a bucketed table
+  ``tab[h, kv_idx // 64]``): one index per (b, h, j);
+* ``total``: nothing else (learnable ALiBi slopes ``slopes[h]``, a per-head
+  temperature ``temp[h]``, a capture of rank 0): one index per (b, h).
+
+Reads of different kinds mix freely in one function, of one capture too.  The
+gradient is a sum of the terms over the pairs sharing a (b, h, position), scattered
+once per (b, h, position):
+
+1. ``kernels.dkdv_kernel`` (one program per key tile and kv head, looping over the
+   query heads of the group and over the query tiles) with the generated ``dcap``
+   function (programs.py) sums each tile's terms of every read:
+   - ``diag`` / ``row`` / ``total``: into the tile's own fp32 slot of the read's region
+     of DCS (:func:`layout`: the diagonal reads' regions, then the rows', then the
+     totals'; a region is [B * H, nK, nQ, W] with W = BM + BN - 1 sums along the
+     tile's diagonals, BM sums along its query rows, or 1, its total);
+   - ``col``: down the tile's key columns into the program's register accumulator
+     [BN, NCP] (fp64; a column per column read, NCP a power of two), stored once per
+     query head after the last query tile into DCOL [B * H, Sk, NCP]: each (b, h, j)
+     has one writer, and its query tiles are summed in the program's fixed order.
+   Scratch: DCS B·H·nK·nQ·(NG_diag·(BM + BN - 1) + NG_row·BM + NG_total) fp32 (about
+   B·H·Sq·Sk·(NG_diag·(1/BM + 1/BN) + NG_row/BN)) and DCOL B·H·Sk·NCP fp64, never a
+   [B, H, Sq, Sk] buffer.  A row read's slots hold its partial row sums per key tile
+   (the program owns a key tile, not a row; the sums over the key tiles are step 2's),
+   so that the capture gradients stay on the one dK/dV launch, which runs for them
+   even where dk and dv are not wanted, and no dQ program changes;
+2. per (b, h, position) in fp64: ``kernels.dcap_diag_kernel`` sums the diagonal slots
+   over the key tiles in order -> [B * H, U]; torch sums (a fixed order) fold a row
+   region over the key tiles -> [B * H, Sq] and a total region over all tiles ->
+   [B * H, 1]; DCOL's column is [B * H, Sk] already;
+3. each read's sums are summed over the axes b, h its index does not read (torch
    sums: a fixed order);
-4. the index of every (b, h, d) left is evaluated once on the host (NumPy), the terms
-   are sorted by capture element (stable), and ``kernels.dcap_segment_kernel`` sums
-   each element's terms in that order (fp64), cast to the capture's dtype at the end.
-   The sort is cached by what the indices read (sizes, integer captures).
+4. the index of every (b, h, position) left is evaluated once on the host (NumPy), the
+   terms are sorted by capture element (stable), and ``kernels.dcap_segment_kernel``
+   sums each element's terms in that order (fp64), cast to the capture's dtype at the
+   end.  The sort is cached by what the indices read (sizes, integer captures).
 
-Other reads (an index of ``q_idx`` or ``kv_idx`` alone, of the score) are refused
-before any work (:func:`unsupported`).  Nothing here imports torch or Triton at
-module level: the capability check runs it.
+Other reads (an index of q_idx and kv_idx other than through their difference, such
+as ``t[q_idx, kv_idx]`` or ``t[q_idx // 8 + kv_idx]``; indices of two kinds in one
+read, such as ``t[q_idx, q_idx - kv_idx]``; an index of the score) are refused before
+any work (:func:`refusal`).  Nothing here imports torch or Triton at module level: the
+capability check runs it.
 """
 from __future__ import annotations
 
@@ -46,7 +72,7 @@ import numpy as np
 from ...programs.diagonal import diagonal_nodes
 from ...programs.graph import Node, ordered, render
 
-__all__ = ["Read", "reads", "unsupported", "reads_diagonal", "CaptureGrads"]
+__all__ = ["Read", "reads", "unsupported", "KINDS", "classify", "refusal", "CaptureGrads"]
 
 _INDEX = frozenset({"q_idx", "kv_idx", "score"})
 
@@ -82,9 +108,10 @@ def reads(program, wrt) -> List[Read]:
 
 
 def unsupported(program, wrt) -> Optional[str]:
-    """Why the portable Triton backward cannot compute the gradients of the captures
-    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
-    (the callers add theirs)."""
+    """Why some read of the captures ``wrt`` of a score program is not indexed by b, h
+    and q_idx - kv_idx only (None: every read is), after "the ... backward"; no remedy.
+    The check of a backward that sums along diagonals only; the portable Triton
+    backward takes row and column reads too (:func:`refusal`)."""
     for r in reads(program, wrt):
         if r.bad is not None:
             return (f"computes the gradient of a score_mod capture only where every read of "
@@ -94,10 +121,76 @@ def unsupported(program, wrt) -> Optional[str]:
     return None
 
 
-def reads_diagonal(program, wrt) -> bool:
-    """Does an index of the captures ``wrt`` read q_idx - kv_idx (slots of diagonal
-    sums), or only b and h (one total per slot)?"""
-    return any("d" in r.uses for r in reads(program, wrt))
+# -- how the portable backward sums each read's terms (row and column reads included)
+
+#: the kinds of read the portable backward differentiates: an index of q_idx - kv_idx
+#: (sums along the tile diagonals), of q_idx alone (along each query row), of kv_idx
+#: alone (down each key column), of b and h only (one total per tile)
+KINDS = ("diag", "row", "col", "total")
+_OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
+
+
+def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
+    """(read, kind, why) for the reads of the captures ``wrt`` (:func:`reads`' order):
+    kind one of :data:`KINDS` (b and h may join any), or None with ``why`` the reason
+    the portable backward refuses the read (an index of both q_idx and kv_idx other than
+    their difference, indices of different kinds together, an index of the score)."""
+    diag = diagonal_nodes(ordered([program.out]))
+    out = []
+    for r in reads(program, wrt):
+        axes: Dict[str, Node] = {}
+        why = None
+        for a in r.node.args:
+            ins = {n.attr for n in ordered([a]) if n.op == "input"} & _INDEX
+            if a.uid in diag:
+                axes.setdefault("diag", a)
+            elif "score" in ins or ins == {"q_idx", "kv_idx"}:
+                dep = "the score" if "score" in ins else _OTHERWISE
+                why = f"whose index {render(a)} depends on {dep}"
+                break
+            elif ins:
+                axes.setdefault("row" if ins == {"q_idx"} else "col", a)
+        if why is None and len(axes) > 1:
+            a, b = list(axes.values())[:2]
+            why = f"whose indices {render(a)} and {render(b)} together depend on {_OTHERWISE}"
+        kind = None if why is not None else (next(iter(axes)) if axes else "total")
+        out.append((r, kind, why and f"capture {r.name!r} is read at {render(r.node)}, {why}"))
+    return out
+
+
+def refusal(program, wrt) -> Optional[str]:
+    """Why the portable Triton backward cannot compute the gradients of the captures
+    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
+    (the callers add theirs)."""
+    for _, kind, why in classify(program, wrt):
+        if kind is None:
+            return ("computes the gradient of a score_mod capture only where each read of it "
+                    "is indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx: " + why)
+    return None
+
+
+#: the kinds with slots, in the order of their regions in DCS
+_SLOTTED = tuple(k for k in KINDS if k != "col")
+#: a slotted read's slot width (per (b, h, key tile, query tile)) as the generated code
+#: writes it (constexpr BM, BN) and as the host allocates it
+SLOT_WIDTH = {"diag": "(BM + BN - 1)", "row": "BM", "total": "1"}
+
+
+def _width(kind: str, bm: int, bn: int) -> int:
+    return {"diag": bm + bn - 1, "row": bm, "total": 1}[kind]
+
+
+def layout(kinds) -> Tuple[List[int], List[int]]:
+    """(the reads with slots in DCS's region order: the diagonal reads, then the row
+    reads, then the totals; the column reads in the accumulator's order), as indices
+    into ``kinds`` (graph order)."""
+    slotted = [i for want in _SLOTTED for i, k in enumerate(kinds) if k == want]
+    return slotted, [i for i, k in enumerate(kinds) if k == "col"]
+
+
+def col_width(n: int) -> int:
+    """The accumulator's columns for n column reads (a power of two; 0 for none)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
 _MAP_CACHE_SIZE = 16
@@ -113,51 +206,87 @@ class CaptureGrads:
         self.bound = p.score_mod
         self.prog = self.bound.program
         self.wrt = frozenset(p.capture_wrt)
-        self.reads = reads(self.prog, self.wrt)
-        self.diag = any("d" in r.uses for r in self.reads)
+        cls = classify(self.prog, self.wrt)
+        self.reads = [r for r, _, _ in cls]
+        self.kinds = tuple(k for _, k, _ in cls)
+        if None in self.kinds:        # the capability check refuses these first
+            raise NotImplementedError(f"the Triton backward {refusal(self.prog, self.wrt)}")
+        self.slotted, self.cols = layout(self.kinds)
         self.sizes = (p.batch, p.heads_q, p.seq_q, p.seq_k)
         self.dev = dev
         self.tile: Optional[Tuple[int, int]] = None
 
     def scratch(self, bm: int, bn: int):
-        """(DCS zeros [NG, B * H, nK, nQ, W] fp32, the stride of NG) for tiles bm x bn."""
+        """(DCS, dcs_g, DCOL, NCP) for tiles bm x bn: DCS fp32 zeros, the slotted reads'
+        regions one after another (module doc; dcs_g = B * H * nK * nQ, the slots of one
+        width unit), DCOL fp64 [B * H, Sk, NCP] (None without column reads)."""
         import torch
 
         B, H, Sq, Sk = self.sizes
         nq, nk = -(-Sq // bm), -(-Sk // bn)
-        w = bm + bn - 1 if self.diag else 1
-        ng = max(1, len(self.reads))
-        dcs = torch.zeros((ng, B * H, nk, nq, w), dtype=torch.float32, device=self.dev)
+        nslots = B * H * nk * nq
+        units = sum(_width(self.kinds[i], bm, bn) for i in self.slotted)
+        dcs = torch.zeros(max(1, nslots * units), dtype=torch.float32, device=self.dev)
+        ncp = col_width(len(self.cols))
+        dcol = (torch.zeros((B * H, Sk, ncp), dtype=torch.float64, device=self.dev)
+                if ncp else None)
         self.tile = (bm, bn)
-        return dcs, B * H * nk * nq * w
+        return dcs, nslots, dcol, ncp
 
-    def finish(self, dcs) -> Dict[str, object]:
-        """{capture: gradient} (torch, the capture's shape and dtype, on the device) from
-        the slots the dK/dV launch wrote."""
+    def _sums(self, dcs, dcol) -> list:
+        """Each read's terms summed per (b, h, position): [B * H, X] fp64 with X = Sq + Sk
+        - 1 (diagonal reads), Sq (row), Sk (column) or 1 (total)."""
         import torch
 
         from . import kernels
 
         B, H, Sq, Sk = self.sizes
         bm, bn = self.tile
-        ng, bh, nk, nq, w = dcs.shape
-        if self.diag:
-            U = Sq + Sk - 1
-            sums = torch.empty((ng, bh, U), dtype=torch.float64, device=self.dev)
-            block = 128
-            kernels.dcap_diag_kernel[(-(-U // block), ng * bh)](
-                dcs, sums, Sq, Sk, nk, nq, BM=bm, BN=bn, NM=-(-(bm + bn - 1) // bm),
-                BLOCK=block)
-        else:
-            sums = dcs.to(torch.float64).sum(dim=(2, 3, 4)).unsqueeze(-1)
-        sums = sums.reshape(ng, B, H, -1)                      # [NG, B, H, U or 1]
-        parts: Dict[str, List[Tuple[Read, object]]] = {n: [] for n in sorted(self.wrt)}
-        for i, r in enumerate(self.reads):
-            x = sums[i]
-            for axis, use in ((0, "b"), (1, "h"), (2, "d")):
+        bh, nq, nk = B * H, -(-Sq // bm), -(-Sk // bn)
+        nslots = bh * nk * nq
+        out: list = [None] * len(self.kinds)
+        start = 0
+        for kind in _SLOTTED:
+            idx = [i for i in self.slotted if self.kinds[i] == kind]
+            if not idx:
+                continue
+            w = _width(kind, bm, bn)
+            region = dcs[start:start + len(idx) * nslots * w]
+            start += region.numel()
+            if kind == "diag":
+                U = Sq + Sk - 1
+                sums = torch.empty((len(idx) * bh, U), dtype=torch.float64, device=self.dev)
+                block = 128
+                kernels.dcap_diag_kernel[(-(-U // block), len(idx) * bh)](
+                    region, sums, Sq, Sk, nk, nq, BM=bm, BN=bn, NM=-(-w // bm), BLOCK=block)
+                sums = sums.reshape(len(idx), bh, U)
+            elif kind == "row":        # over the key tiles in order (torch: a fixed order)
+                sums = torch.sum(region.reshape(len(idx), bh, nk, nq * bm), dim=2,
+                                 dtype=torch.float64)[:, :, :Sq]
+            else:
+                sums = torch.sum(region.reshape(len(idx), bh, nk * nq), dim=2,
+                                 dtype=torch.float64, keepdim=True)
+            for n, i in enumerate(idx):
+                out[i] = sums[n]
+        for n, i in enumerate(self.cols):
+            out[i] = dcol[:, :, n]
+        return out
+
+    def finish(self, dcs, dcol) -> Dict[str, object]:
+        """{capture: gradient} (torch, the capture's shape and dtype, on the device) from
+        the slots and column sums the dK/dV launch wrote."""
+        import torch
+
+        from . import kernels
+
+        B, H, _, _ = self.sizes
+        parts: Dict[str, List[Tuple[Read, str, object]]] = {n: [] for n in sorted(self.wrt)}
+        for r, kind, x in zip(self.reads, self.kinds, self._sums(dcs, dcol)):
+            x = x.reshape(B, H, -1)                                  # [B, H, X]
+            for axis, use in ((0, "b"), (1, "h")):
                 if use not in r.uses and x.shape[axis] > 1:
                     x = x.sum(dim=axis, keepdim=True)
-            parts[r.name].append((r, x))
+            parts[r.name].append((r, kind, x))
         out = {}
         for name, got in parts.items():
             arr = self.bound.arrays[name]
@@ -165,8 +294,9 @@ class CaptureGrads:
             if not got:                       # never read: a zero gradient
                 out[name] = torch.zeros(arr.shape, dtype=want, device=self.dev)
                 continue
-            perm, offs, longest = self._order(name, [(r, tuple(x.shape)) for r, x in got])
-            vals = torch.cat([x.reshape(-1) for _, x in got])
+            perm, offs, longest = self._order(name, [(r, k, tuple(x.shape))
+                                                     for r, k, x in got])
+            vals = torch.cat([x.reshape(-1) for _, _, x in got])
             n = int(np.prod(arr.shape, dtype=np.int64))
             res = torch.empty(n, dtype=torch.float64, device=self.dev)
             if n:
@@ -178,20 +308,20 @@ class CaptureGrads:
 
     def _order(self, name: str, shaped) -> tuple:
         """(perm, offs, longest): the terms of capture ``name`` (the reads' sums
-        concatenated, each of its shape [Bx, Hx, Ux]) sorted by capture element, where
+        concatenated, each (read, kind, its shape [Bx, Hx, X])) sorted by capture element, where
         each element's terms start (offs [n + 1]; both on the device) and the most terms
         of one element.  Cached by the graph, the reads, their shapes, the sizes and the
         captures the indices read."""
         import torch
 
-        read_caps = sorted({n.attr for r, _ in shaped for a in r.node.args
+        read_caps = sorted({n.attr for r, _, _ in shaped for a in r.node.args
                             for n in ordered([a]) if n.op == "gather"})
         h = hashlib.blake2b(digest_size=16)
         for c in read_caps:
             a = np.ascontiguousarray(self.bound.arrays[c])
             h.update(f"{c}:{a.shape}:{a.dtype.str};".encode())
             h.update(memoryview(a).cast("B") if a.size else b"")
-        key = (self.prog.key, name, tuple((tuple(sorted(r.uses)), s) for r, s in shaped),
+        key = (self.prog.key, name, tuple((tuple(sorted(r.uses)), k, s) for r, k, s in shaped),
                self.sizes, h.hexdigest(), str(self.dev))
         with _lock:
             hit = _map_cache.get(key)
@@ -199,7 +329,7 @@ class CaptureGrads:
                 _map_cache.move_to_end(key)
                 return hit
         shape = tuple(self.bound.arrays[name].shape)
-        flat = np.concatenate([self._flat_index(r, s, shape) for r, s in shaped])
+        flat = np.concatenate([self._flat_index(r, k, s, shape) for r, k, s in shaped])
         perm = np.argsort(flat, kind="stable")
         offs = np.zeros(int(np.prod(shape, dtype=np.int64)) + 1, dtype=np.int64)
         counts = np.bincount(flat, minlength=offs.size - 1)
@@ -212,21 +342,26 @@ class CaptureGrads:
                 _map_cache.popitem(last=False)
         return res
 
-    def _flat_index(self, r: Read, shape3, cap_shape) -> np.ndarray:
-        """The flat capture index of read ``r`` at every (b, h, d) of its sums' shape
-        [Bx, Hx, Ux] (an axis of 1 where the index does not read it): the index
-        expressions evaluated once, q_idx = d and kv_idx = 0 (exact for expressions of
-        q_idx - kv_idx, diagonal.py), integers in int64 and floats in fp32 as the
-        kernels compute them (NumPy's fp32 functions may round an index computed
-        through float arithmetic differently from the device's at a boundary)."""
+    def _flat_index(self, r: Read, kind: str, shape3, cap_shape) -> np.ndarray:
+        """The flat capture index of read ``r`` at every (b, h, x) of its sums' shape
+        [Bx, Hx, X] (an axis of 1 where the index does not read it): the index
+        expressions evaluated once, with q_idx = d and kv_idx = 0 for a diagonal read
+        (exact for expressions of q_idx - kv_idx, diagonal.py), q_idx = x for a row
+        read, kv_idx = x for a column read (the other index 0: not read), integers in
+        int64 and floats in fp32 as the kernels compute them (NumPy's fp32 functions may
+        round an index computed through float arithmetic differently from the device's
+        at a boundary)."""
         from ...programs.evaluate import evaluate
 
         B, H, Sq, Sk = self.sizes
+        pos = {"diag": np.arange(-(Sk - 1), Sq, dtype=np.int64),
+               "row": np.arange(Sq, dtype=np.int64),
+               "col": np.arange(Sk, dtype=np.int64)}.get(kind)
+        pos = np.int64(0) if pos is None else pos[None, None, :]
         env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
                "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
-               "q_idx": (np.arange(-(Sk - 1), Sq, dtype=np.int64)[None, None, :]
-                         if shape3[2] > 1 else np.int64(0)),
-               "kv_idx": np.int64(0)}
+               "q_idx": pos if kind in ("diag", "row") else np.int64(0),
+               "kv_idx": pos if kind == "col" else np.int64(0)}
         if not r.node.args:                                   # a capture of rank 0
             return np.zeros(int(np.prod(shape3)), dtype=np.int64)
         f32 = np.dtype(np.float32)          # float captures as the kernels store them

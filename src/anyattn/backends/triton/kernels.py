@@ -1137,7 +1137,7 @@ def bwd_pre_kernel(O, DO, MX, LN, DELTA, L2, SINKS, DSR, so_b, so_h, so_s, sdo_b
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k0, k1, v0, v1,
+def _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
                Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m, offs_n, offs_mb, offs_d, offs_dv,
                Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs,
                QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
@@ -1147,12 +1147,13 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
                DCS=None, dslot=None, dcs_g=None, DCAP: tl.constexpr = None,
-               BM: tl.constexpr = None, BN: tl.constexpr = None):
+               BM: tl.constexpr = None, BN: tl.constexpr = None, NCP: tl.constexpr = 0):
     """One query tile's contribution to dk [BN, DP], dv [BN, VDP] of one key tile (L2h: this head's
     [2, Sq] row statistics, module doc).  DCAP (generated: programs.dcap_source): the
-    tile's terms dS' * d score_mod / d capture, summed along its diagonals into slot
-    dslot + start_m // BM of DCS (one slot per (b, h, key tile, query tile): no slot
-    is written twice)."""
+    tile's terms dS' * d score_mod / d capture, summed per read into slot
+    dslot + start_m // BM of the read's region of DCS (one slot per (b, h, key tile,
+    query tile): no slot is written twice), or, for a column read, into its column of
+    cacc [BN, NCP] (fp64; returned, unchanged without DCAP)."""
     offs_m = start_m + offs_mb
     qT0, qT1 = _load_op(Qh, start_m, sq_s, Sq, offs_mb, offs_d, D, DP,
                              MASKED, PREC, True)  # [DP, BM]
@@ -1216,15 +1217,15 @@ def _dkdv_tile(dk, dv, k0, k1, v0, v1,
         else:
             dkept = (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None]
         if start_m < Sq:   # (a mask block's last sub-tiles may lie past Sq: no slot)
-            DCAP(dsT, s_in, b, h, offs_m[None, :], offs_n[:, None], dkept, CAPS, DCS,
-                 dslot + start_m // BM, dcs_g, BN, BM)
+            cacc = DCAP(dsT, s_in, b, h, offs_m[None, :], offs_n[:, None], dkept, CAPS, DCS,
+                        dslot + start_m // BM, dcs_g, cacc, BN, BM, NCP)
     if SMOD is not None:
         dsT = dsT * dsmT                                      # through the score function
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
     ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
     dk += _dotp(ds0, ds1, tl.trans(qT0), tl.trans(qT1), PREC)  # [BN, DP]
-    return dk, dv
+    return dk, dv, cacc
 
 
 @triton.jit
@@ -1241,11 +1242,13 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
-                  DCS=None, dcs_g=None, DCAP: tl.constexpr = None):
+                  DCS=None, dcs_g=None, DCAP: tl.constexpr = None, DCOL=None,
+                  NCP: tl.constexpr = 0):
     """dk [BN, D], dv [BN, VD] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile.  DCAP: capture gradient
-    slots into DCS [NG, B * H, cdiv(Sk, BN), cdiv(Sq, BM), W] (_dkdv_tile; dcs_g the
-    stride of NG)."""
+    slots into DCS (regions of dcs_g = B * H * cdiv(Sk, BN) * cdiv(Sq, BM) slots times a
+    slot width, capture_grads.py; _dkdv_tile) and, with NCP > 0, per query head the
+    column reads' sums over every query tile into DCOL [B * H, Sk, NCP] (fp64)."""
     mvo = 1.0
     gam = 1.0
     s_scale = scale
@@ -1290,32 +1293,36 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             dslot = (bh * ((Sk + BN - 1) // BN) + pid_n) * ((Sq + BM - 1) // BM)
         else:
             dslot = None
+        if NCP > 0:                                # the column reads' sums of this head
+            cacc = tl.zeros([BN, NCP], dtype=tl.float64)
+        else:                                      # (passed through untouched)
+            cacc = tl.zeros([1], dtype=tl.float32)
         if MODE == 0:
             s0, g0, g1, s1 = _query_tile_range(j0, Sq, Sk, lo, hi, BM, BN)
             for t in range(s0, g0):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN)
+                dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             for t in range(g0, g1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN)
+                dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             for t in range(g1, s1):
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
-                                    offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
-                                    skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
-                                    HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN)
+                dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, t * BM, offs_n,
+                                          offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb, KIDb, KMb,
+                                          skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True, HAS_BAND,
+                                          HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
         else:
             # one flat loop per list over (block, sub-tile) pairs, so that it pipelines
             col = j0 // SBK
@@ -1325,25 +1332,27 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
             n_part = tl.load(CNT + cb)
             for t in range(0, n_part * NSUB):
                 start_m = tl.load(IDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN)
+                dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                          offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, True,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                          ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
             n_full = tl.load(FCNT + cb)
             for t in range(0, n_full * NSUB):
                 start_m = tl.load(FIDX + ib + t // NSUB) * SBQ + (t % NSUB) * BM
-                dk, dv = _dkdv_tile(dk, dv, k0, k1, v0, v1,
-                                    Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
-                                    offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
-                                    KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
-                                    HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
-                                    ALIBI, DROPOUT, PREC,
-                                    b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
-                                    BM, BN)
+                dk, dv, cacc = _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
+                                          Qh, DOh, sq_s, sdo_s, L2h, DLh, start_m,
+                                          offs_n, offs_mb, offs_d, offs_dv, Sq, Sk, s_scale, mvo, gam, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr, drs, QIDb,
+                                          KIDb, KMb, skm_m, skm_n, BI, sb_m, sb_n, D, DP, VD, VDP, False,
+                                          HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, SOFTCAP,
+                                          ALIBI, DROPOUT, PREC,
+                                          b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
+                                          BM, BN, NCP)
+        if NCP > 0:
+            _dcap_cols_store(DCOL, cacc, bh, Sk, offs_n, NCP)
     if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
@@ -1379,9 +1388,10 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                  PREC: tl.constexpr,
                  CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None,
-                 DCS=None, dcs_g=None, DCAP: tl.constexpr = None):
+                 DCS=None, dcs_g=None, DCAP: tl.constexpr = None, DCOL=None,
+                 NCP: tl.constexpr = 0):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics); with DCAP also
-    the capture gradient slots of its tiles (_dkdv_program)."""
+    the capture gradient slots of its tiles and its column sums (_dkdv_program)."""
     bhk = tl.program_id(1)
     _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
                   Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
@@ -1391,7 +1401,8 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sb_b, sb_h, sb_m, sb_n, sqid_b, skid_b, skm_b, skm_h, skm_m, skm_n,
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                  HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD, DCS, dcs_g, DCAP)
+                  HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD, DCS, dcs_g, DCAP,
+                  DCOL, NCP)
 
 
 @triton.jit
@@ -1865,6 +1876,28 @@ def _dcap_store(OUT, e, BN: tl.constexpr, BM: tl.constexpr, DIAG: tl.constexpr):
             tl.store(OUT + c * BM + ii, part, mask=c * BM + ii < BM + BN - 1)
     else:
         tl.store(OUT, tl.sum(tl.sum(e, 1), 0))
+
+
+@triton.jit
+def _dcap_rows(OUT, e, BM: tl.constexpr):
+    """A transposed tile e [BN, BM] summed over its keys: OUT[ii] for its BM queries."""
+    tl.store(OUT + tl.arange(0, BM), tl.sum(e, 0))
+
+
+@triton.jit
+def _dcap_cols(acc, e, k: tl.constexpr, NCP: tl.constexpr):
+    """acc [BN, NCP] (fp64) plus, in its column k, a transposed tile e [BN, BM] summed
+    over its queries (fp32 within the tile)."""
+    col = tl.sum(e, 1).to(tl.float64)                                               # [BN]
+    return acc + tl.where(tl.arange(0, NCP)[None, :] == k, col[:, None], 0.0)
+
+
+@triton.jit
+def _dcap_cols_store(DCOL, acc, bh, Sk, offs_n, NCP: tl.constexpr):
+    """acc [BN, NCP] (keys offs_n of head row bh) to DCOL [B * H, Sk, NCP]."""
+    kk = tl.arange(0, NCP)
+    ptr = DCOL + (bh * Sk + offs_n[:, None]) * NCP + kk[None, :]
+    tl.store(ptr, acc, mask=(offs_n < Sk)[:, None])
 
 
 @triton.jit

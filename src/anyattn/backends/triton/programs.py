@@ -20,11 +20,14 @@ their values): it defines
 and, for a backward that wants the gradients of float captures (:mod:`.capture_grads`),
 a second module with
 
-* ``dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, BN, BM)``: on a
-  transposed tile, ``ds`` (the gradient of the function's output) times d s' / d g for
-  every read g of those captures (graph order), zero outside ``valid``, summed along
-  the tile's diagonals into slot ``slot`` of ``DCS`` (kernels._dcap_store; one block of
-  ``dcs_g`` elements per read),
+* ``dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, cacc, BN, BM,
+  NCP) -> cacc``: on a transposed tile, ``ds`` (the gradient of the function's output)
+  times d s' / d g for every read g of those captures (graph order), zero outside
+  ``valid``, summed as the read's kind asks (capture_grads.py): along the tile's
+  diagonals, along its query rows or to its total into slot ``slot`` of the read's
+  region of ``DCS`` (regions of ``dcs_g`` slots times the slot width;
+  kernels._dcap_store / _dcap_rows), or down its key columns into the read's column
+  of the accumulator ``cacc`` [BN, NCP] (kernels._dcap_cols),
 
 where ``CAPS`` is a tuple of at most :data:`MAX_CAPTURES` capture pointers (contiguous
 device copies: float captures fp32, integer ones int32 or int64 as the index analysis
@@ -341,24 +344,41 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
     return "\n".join(lines) + "\n"
 
 
-def dcap_source(score_prog, wrt, diag: bool, itype: str, layouts: Dict[str, tuple],
-                slots: Dict[str, int]) -> str:
+def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
+                layouts: Dict[str, tuple], slots: Dict[str, int]) -> str:
     """The module source of ``dcap`` (module doc) for the reads of the captures ``wrt``
-    of a score program; ``diag``: slots of BM + BN - 1 diagonal sums (else one total)."""
+    of a score program, of the kinds ``kinds`` (capture_grads.classify, graph order):
+    slotted reads store into their region of DCS (capture_grads.layout), column reads
+    add to the accumulator ``cacc``, which the function returns."""
+    from .capture_grads import SLOT_WIDTH, layout
+
     _, grads = score_prog.grad_nodes(frozenset(wrt))
     g = _Gen(itype, slots, layouts)
     g.body([d for _, d in grads])
-    width = "(BM + BN - 1)" if diag else "1"
+    slotted, cols = layout(kinds)
     lines = ["import triton", "import triton.language as tl",
-             "from anyattn.backends.triton.kernels import _tanh_d, _dcap_store", "", _HELPERS,
+             "from anyattn.backends.triton.kernels import _tanh_d, _dcap_store, "
+             "_dcap_rows, _dcap_cols", "", _HELPERS,
              "@triton.jit",
-             "def dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g,",
-             "         BN: tl.constexpr, BM: tl.constexpr):",
-             _PROLOGUE.format(it=itype)]
+             "def dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, cacc,",
+             "         BN: tl.constexpr, BM: tl.constexpr, NCP: tl.constexpr):",
+             _PROLOGUE.format(it=itype),
+             "    unit = tl.cast(dcs_g, tl.int64)"]
     lines += g.lines
     for i, (_, d) in enumerate(grads):
-        lines.append(f"    _dcap_store(DCS + {i} * dcs_g + slot * {width}, "
-                     f"tl.where(valid, ds * ({g.ref(d)}), 0.0), BN, BM, {bool(diag)})")
+        term = f"tl.where(valid, ds * ({g.ref(d)}), 0.0)"
+        kind = kinds[i]
+        if kind == "col":
+            lines.append(f"    cacc = _dcap_cols(cacc, {term}, {cols.index(i)}, NCP)")
+            continue
+        at = slotted.index(i)
+        start = " + ".join(SLOT_WIDTH[kinds[k]] for k in slotted[:at]) or "0"
+        ptr = f"DCS + unit * ({start}) + slot * {SLOT_WIDTH[kind]}"
+        if kind == "row":
+            lines.append(f"    _dcap_rows({ptr}, {term}, BM)")
+        else:
+            lines.append(f"    _dcap_store({ptr}, {term}, BN, BM, {kind == 'diag'})")
+    lines.append("    return cacc")
     return "\n".join(lines) + "\n"
 
 
@@ -445,15 +465,15 @@ def functions(score_bp, mask_bps: Sequence, dev, wrt=frozenset()) -> Functions:
         mod = _load(key, src)
     dcap = None
     if wrt and score_bp is not None:
-        from .capture_grads import reads_diagonal
+        from .capture_grads import classify
 
-        diag = reads_diagonal(score_bp.program, wrt)
-        dkey = hashlib.blake2b(repr((key, sorted(wrt), diag)).encode(),
+        kinds = tuple(k for _, k, _ in classify(score_bp.program, wrt))
+        dkey = hashlib.blake2b(repr((key, sorted(wrt), kinds)).encode(),
                                digest_size=12).hexdigest()
         with _lock:
             dmod = _modules.get(dkey)
         if dmod is None:
-            dmod = _load(dkey, dcap_source(score_bp.program, wrt, diag, itype,
+            dmod = _load(dkey, dcap_source(score_bp.program, wrt, kinds, itype,
                                            layouts["score"], slots["score"]))
         dcap = dmod.dcap
     # variable state flows in through the capture tensors only
