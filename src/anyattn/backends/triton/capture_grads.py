@@ -30,74 +30,25 @@ each diagonal, scattered once per (b, h, d):
    The sort is cached by what the indices read (sizes, integer captures).
 
 Other reads (an index of ``q_idx`` or ``kv_idx`` alone, of the score) are refused
-before any work (:func:`unsupported`).  Nothing here imports torch or Triton at
-module level: the capability check runs it.
+before any work (:func:`unsupported`).  The read analysis (:class:`Read`,
+:func:`reads`, :func:`unsupported`, :func:`reads_diagonal`, the host's index
+evaluation) lives in :mod:`anyattn.programs.capture_reads`, shared with the WebGPU
+backward.  Nothing here imports torch or Triton at module level: the capability check
+runs it.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import threading
-from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...programs.diagonal import diagonal_nodes
-from ...programs.graph import Node, ordered, render
+from ...programs.capture_reads import Read, flat_index, reads, reads_diagonal, unsupported
+from ...programs.graph import ordered
 
 __all__ = ["Read", "reads", "unsupported", "reads_diagonal", "CaptureGrads"]
-
-_INDEX = frozenset({"q_idx", "kv_idx", "score"})
-
-
-@dataclass(frozen=True)
-class Read:
-    """One read (gather node) of a capture asked for: ``uses`` the axes its indices
-    read, a subset of ('b', 'h', 'd') (``d``: q_idx - kv_idx); ``bad``: the first index
-    that depends on q_idx / kv_idx otherwise (or on the score), None if supported."""
-
-    node: Node
-    name: str
-    uses: FrozenSet[str]
-    bad: Optional[Node]
-
-
-def reads(program, wrt) -> List[Read]:
-    """The reads of the captures ``wrt`` of a score program, in graph order."""
-    order = ordered([program.out])
-    diag = diagonal_nodes(order)
-    out = []
-    for g in program.gathers(frozenset(wrt)):
-        uses, bad = set(), None
-        for a in g.args:
-            inputs = {n.attr for n in ordered([a]) if n.op == "input"}
-            uses |= inputs & {"b", "h"}
-            if a.uid in diag:
-                uses.add("d")
-            elif inputs & _INDEX and bad is None:
-                bad = a
-        out.append(Read(g, g.attr, frozenset(uses), bad))
-    return out
-
-
-def unsupported(program, wrt) -> Optional[str]:
-    """Why the portable Triton backward cannot compute the gradients of the captures
-    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
-    (the callers add theirs)."""
-    for r in reads(program, wrt):
-        if r.bad is not None:
-            return (f"computes the gradient of a score_mod capture only where every read of "
-                    f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
-                    f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
-                    "kv_idx otherwise")
-    return None
-
-
-def reads_diagonal(program, wrt) -> bool:
-    """Does an index of the captures ``wrt`` read q_idx - kv_idx (slots of diagonal
-    sums), or only b and h (one total per slot)?"""
-    return any("d" in r.uses for r in reads(program, wrt))
 
 
 _MAP_CACHE_SIZE = 16
@@ -214,23 +165,5 @@ class CaptureGrads:
 
     def _flat_index(self, r: Read, shape3, cap_shape) -> np.ndarray:
         """The flat capture index of read ``r`` at every (b, h, d) of its sums' shape
-        [Bx, Hx, Ux] (an axis of 1 where the index does not read it): the index
-        expressions evaluated once, q_idx = d and kv_idx = 0 (exact for expressions of
-        q_idx - kv_idx, diagonal.py), integers in int64 and floats in fp32 as the
-        kernels compute them (NumPy's fp32 functions may round an index computed
-        through float arithmetic differently from the device's at a boundary)."""
-        from ...programs.evaluate import evaluate
-
-        B, H, Sq, Sk = self.sizes
-        env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
-               "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
-               "q_idx": (np.arange(-(Sk - 1), Sq, dtype=np.int64)[None, None, :]
-                         if shape3[2] > 1 else np.int64(0)),
-               "kv_idx": np.int64(0)}
-        if not r.node.args:                                   # a capture of rank 0
-            return np.zeros(int(np.prod(shape3)), dtype=np.int64)
-        f32 = np.dtype(np.float32)          # float captures as the kernels store them
-        idx = evaluate(list(r.node.args), env, self.bound.caps(f32), f32,
-                       idt=np.dtype(np.int64))
-        idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
-        return np.ravel_multi_index(idx, cap_shape).reshape(-1)
+        (:func:`anyattn.programs.capture_reads.flat_index`)."""
+        return flat_index(self.bound, self.sizes, r, shape3, cap_shape)
