@@ -322,6 +322,12 @@ class WebGPUBackend(Backend):
             per_b["dkdv"] = 4 * Hk * Sk * (D + Dv)
             if "bias" in p.wrt:
                 per_b["ds"] = 4 * Hq * Sq * Sk
+            if p.capture_wrt and p.score_mod is not None:
+                # the capture gradient slots (engine.Call.dcap_shape), bounded with the
+                # smallest tiles of the configs (32 x 32)
+                ng = len(capture_reads(p.score_mod.program, p.capture_wrt))
+                per_b["capture gradient slots"] = \
+                    4 * ng * Hq * (-(-Sq // 32)) * (-(-Sk // 32)) * 63
         role, worst = max(per_b.items(), key=lambda kv: kv[1])
         if worst > lim:
             raise ValueError(f"webgpu: one batch of the {role} buffer needs {worst} bytes, past "

@@ -139,6 +139,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
           {
             var acc = 0.0;
             for (var jj = jlo; jj < jhi; jj++) {
+              TRIP
               acc += sdc[({k} * BQ + jj + t + 1u - BK) * BK + jj];
             }
             dcs[(({k} * U.B * U.HQ * U.nkt * U.nqt) + slot) * (BQ + BK - 1u) + t] = acc;
