@@ -17,6 +17,10 @@ Dropout (anyattn.dropout) in the tiled kernels: they draw the shared keep mask
 themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-bit
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
+Gradients of score-function captures read at indices of b, h and q_idx - kv_idx
+(capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile diagonal sums,
+the host sums them per diagonal and scatters them per capture element (NumPy inputs;
+other reads and device arrays are refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).

@@ -6,7 +6,9 @@ A score function's graph becomes two WGSL functions of the scalars (score, b, h,
 (the modified score) and ``smod_vd`` (the modified score and d score_mod / d score, as
 ``vec2<f32>``, sharing their common subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
 before the bias and the mask terms.  A mask function's graph becomes ``mfn_<k>(b, h,
-i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).
+i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).  A backward
+with capture gradients adds ``dcap_d`` / ``dcap_put`` (:func:`dcap_source`) to the text
+of its dK/dV pass only (``DCAP``, capture_grads.py).
 
 Float nodes compute in f32, integer nodes in i32 (the index analysis proves that every
 integer expression fits, :func:`anyattn.programs.bounds.index_dtype`; a graph it does
