@@ -210,8 +210,8 @@ def test_device_array_inputs_are_refused_for_capture_gradients(be, monkeypatch):
     calls = []
     real = resident.backward
     monkeypatch.setattr(resident, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with pytest.raises(NotImplementedError, match=r"capture gradients from NumPy inputs and "
-                                                   r"NumPy captures only"):
+    with pytest.raises(NotImplementedError, match=r"gradients of score_mod captures from "
+                                                   r"NumPy inputs and NumPy captures only"):
         aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=sm)
     assert not calls
     dt = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=wg.asarray(t))

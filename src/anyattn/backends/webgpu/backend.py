@@ -138,9 +138,10 @@ class WebGPUBackend(Backend):
             if bad:
                 why.append(f"{bad}; index it through q_idx - kv_idx, or use backend='numpy'")
             elif p.array_kind == "webgpu" or p.score_mod.device:
-                why.append("computes score_mod capture gradients from NumPy inputs and "
-                           "NumPy captures only, not from anyattn.webgpu device arrays; "
-                           "pass NumPy arrays (DeviceArray.numpy()) for this backward")
+                why.append("computes gradients of score_mod captures from NumPy inputs "
+                           "and NumPy captures only, not from anyattn.webgpu device "
+                           "arrays; pass NumPy arrays (DeviceArray.numpy()) for this "
+                           "backward")
         if self.availability() is None:
             if p.dtype == "float16" and not self.context.has_f16:
                 why.append(f"float16 needs the adapter feature 'shader-f16', which "
