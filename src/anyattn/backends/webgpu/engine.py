@@ -463,7 +463,7 @@ class Call:
         BoundProgram ``set_programs`` was given) in the dK/dV pass (DCAP): generated
         ``dcap_d`` / ``dcap_put`` (programs.dcap_source) and a slot buffer
         ``dcs`` [NG, B*HQ, nkt, nqt, W] (f32, W = BQ + BK - 1, cleared before the
-        launches; ``dcap_slots``).  Returns NG, the capture reads (0: none is read,
+        launches; ``dcap_shape``).  Returns NG, the capture reads (0: none is read,
         nothing to compute)."""
         from .programs import dcap_source
 
