@@ -294,12 +294,17 @@ def test_backends_without_a_lowering_refuse_with_the_feature_words():
         assert not any(words in r for r in get_backend("triton").unsupported_reasons(p))
         for name in ("numpy", "reference"):
             assert get_backend(name).unsupported_reasons(p) == []
-        # webgpu lowers the functions (generated WGSL), not the capture gradients
+        # webgpu lowers the functions (generated WGSL) and the capture gradients of
+        # reads at b, h and q_idx - kv_idx; a read at q_idx alone it refuses
         assert not any("score_mod" in r or "mask functions" in r
                        for r in get_backend("webgpu").unsupported_reasons(p))
     sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=np.ones(q.shape[1], np.float32))
     p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
-    assert any("does not compute gradients of score_mod captures" in r
+    assert not any("score_mod" in r for r in get_backend("webgpu").unsupported_reasons(p))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i], t=np.ones(q.shape[2], np.float32))
+    p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
+    assert any("computes the gradient of a score_mod capture only where every read of it "
+               "is indexed by b, h and q_idx - kv_idx" in r
                for r in get_backend("webgpu").unsupported_reasons(p))
 
 

@@ -56,118 +56,24 @@ once per (b, h, position):
 Other reads (an index of q_idx and kv_idx other than through their difference, such
 as ``t[q_idx, kv_idx]`` or ``t[q_idx // 8 + kv_idx]``; indices of two kinds in one
 read, such as ``t[q_idx, q_idx - kv_idx]``; an index of the score) are refused before
-any work (:func:`refusal`).  Nothing here imports torch or Triton at module level: the
-capability check runs it.
+any work (:func:`anyattn.programs.capture_reads.refusal`).  The read analysis and the
+host's index evaluation live in :mod:`anyattn.programs.capture_reads`, shared with the
+WebGPU backward.  Nothing here imports torch or Triton at module level: the capability
+check runs it.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import threading
-from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...programs.diagonal import diagonal_nodes
-from ...programs.graph import Node, ordered, render
+from ...programs.capture_reads import KINDS, Read, classify, flat_index, reads, refusal
+from ...programs.graph import ordered
 
-__all__ = ["Read", "reads", "unsupported", "KINDS", "classify", "refusal", "CaptureGrads"]
-
-_INDEX = frozenset({"q_idx", "kv_idx", "score"})
-
-
-@dataclass(frozen=True)
-class Read:
-    """One read (gather node) of a capture asked for: ``uses`` the axes its indices
-    read, a subset of ('b', 'h', 'd') (``d``: q_idx - kv_idx); ``bad``: the first index
-    that depends on q_idx / kv_idx otherwise (or on the score), None if supported."""
-
-    node: Node
-    name: str
-    uses: FrozenSet[str]
-    bad: Optional[Node]
-
-
-def reads(program, wrt) -> List[Read]:
-    """The reads of the captures ``wrt`` of a score program, in graph order."""
-    order = ordered([program.out])
-    diag = diagonal_nodes(order)
-    out = []
-    for g in program.gathers(frozenset(wrt)):
-        uses, bad = set(), None
-        for a in g.args:
-            inputs = {n.attr for n in ordered([a]) if n.op == "input"}
-            uses |= inputs & {"b", "h"}
-            if a.uid in diag:
-                uses.add("d")
-            elif inputs & _INDEX and bad is None:
-                bad = a
-        out.append(Read(g, g.attr, frozenset(uses), bad))
-    return out
-
-
-def unsupported(program, wrt) -> Optional[str]:
-    """Why some read of the captures ``wrt`` of a score program is not indexed by b, h
-    and q_idx - kv_idx only (None: every read is), after "the ... backward"; no remedy.
-    The check of a backward that sums along diagonals only; the portable Triton
-    backward takes row and column reads too (:func:`refusal`)."""
-    for r in reads(program, wrt):
-        if r.bad is not None:
-            return (f"computes the gradient of a score_mod capture only where every read of "
-                    f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
-                    f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
-                    "kv_idx otherwise")
-    return None
-
-
-# -- how the portable backward sums each read's terms (row and column reads included)
-
-#: the kinds of read the portable backward differentiates: an index of q_idx - kv_idx
-#: (sums along the tile diagonals), of q_idx alone (along each query row), of kv_idx
-#: alone (down each key column), of b and h only (one total per tile)
-KINDS = ("diag", "row", "col", "total")
-_OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
-
-
-def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
-    """(read, kind, why) for the reads of the captures ``wrt`` (:func:`reads`' order):
-    kind one of :data:`KINDS` (b and h may join any), or None with ``why`` the reason
-    the portable backward refuses the read (an index of both q_idx and kv_idx other than
-    their difference, indices of different kinds together, an index of the score)."""
-    diag = diagonal_nodes(ordered([program.out]))
-    out = []
-    for r in reads(program, wrt):
-        axes: Dict[str, Node] = {}
-        why = None
-        for a in r.node.args:
-            ins = {n.attr for n in ordered([a]) if n.op == "input"} & _INDEX
-            if a.uid in diag:
-                axes.setdefault("diag", a)
-            elif "score" in ins or ins == {"q_idx", "kv_idx"}:
-                dep = "the score" if "score" in ins else _OTHERWISE
-                why = f"whose index {render(a)} depends on {dep}"
-                break
-            elif ins:
-                axes.setdefault("row" if ins == {"q_idx"} else "col", a)
-        if why is None and len(axes) > 1:
-            a, b = list(axes.values())[:2]
-            why = f"whose indices {render(a)} and {render(b)} together depend on {_OTHERWISE}"
-        kind = None if why is not None else (next(iter(axes)) if axes else "total")
-        out.append((r, kind, why and f"capture {r.name!r} is read at {render(r.node)}, {why}"))
-    return out
-
-
-def refusal(program, wrt) -> Optional[str]:
-    """Why the portable Triton backward cannot compute the gradients of the captures
-    ``wrt`` of a score program (None: it can), after "the Triton backward"; no remedy
-    (the callers add theirs)."""
-    for _, kind, why in classify(program, wrt):
-        if kind is None:
-            return ("computes the gradient of a score_mod capture only where each read of it "
-                    "is indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx: " + why)
-    return None
-
+__all__ = ["Read", "reads", "KINDS", "classify", "refusal", "CaptureGrads"]
 
 #: the kinds with slots, in the order of their regions in DCS
 _SLOTTED = tuple(k for k in KINDS if k != "col")
@@ -343,29 +249,6 @@ class CaptureGrads:
         return res
 
     def _flat_index(self, r: Read, kind: str, shape3, cap_shape) -> np.ndarray:
-        """The flat capture index of read ``r`` at every (b, h, x) of its sums' shape
-        [Bx, Hx, X] (an axis of 1 where the index does not read it): the index
-        expressions evaluated once, with q_idx = d and kv_idx = 0 for a diagonal read
-        (exact for expressions of q_idx - kv_idx, diagonal.py), q_idx = x for a row
-        read, kv_idx = x for a column read (the other index 0: not read), integers in
-        int64 and floats in fp32 as the kernels compute them (NumPy's fp32 functions may
-        round an index computed through float arithmetic differently from the device's
-        at a boundary)."""
-        from ...programs.evaluate import evaluate
-
-        B, H, Sq, Sk = self.sizes
-        pos = {"diag": np.arange(-(Sk - 1), Sq, dtype=np.int64),
-               "row": np.arange(Sq, dtype=np.int64),
-               "col": np.arange(Sk, dtype=np.int64)}.get(kind)
-        pos = np.int64(0) if pos is None else pos[None, None, :]
-        env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
-               "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
-               "q_idx": pos if kind in ("diag", "row") else np.int64(0),
-               "kv_idx": pos if kind == "col" else np.int64(0)}
-        if not r.node.args:                                   # a capture of rank 0
-            return np.zeros(int(np.prod(shape3)), dtype=np.int64)
-        f32 = np.dtype(np.float32)          # float captures as the kernels store them
-        idx = evaluate(list(r.node.args), env, self.bound.caps(f32), f32,
-                       idt=np.dtype(np.int64))
-        idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
-        return np.ravel_multi_index(idx, cap_shape).reshape(-1)
+        """The flat capture index of read ``r`` (of ``kind``) at every (b, h, x) of its
+        sums' shape (:func:`anyattn.programs.capture_reads.flat_index`)."""
+        return flat_index(self.bound, self.sizes, r, shape3, cap_shape, kind)

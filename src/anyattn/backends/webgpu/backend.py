@@ -17,6 +17,10 @@ Dropout (anyattn.dropout) in the tiled kernels: they draw the shared keep mask
 themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-bit
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
+Gradients of score-function captures read at indices of b, h and q_idx - kv_idx
+(capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile diagonal sums,
+the host sums them per diagonal and scatters them per capture element (NumPy inputs;
+other reads and device arrays are refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
@@ -38,6 +42,7 @@ from ..base import Backend, Capabilities
 from ...masks import ResolvedMask
 from ...modifiers import NO_MODS, ScoreMods, alibi_diag, sinks_grad
 from ...problem import Problem
+from ...programs.capture_reads import reads as capture_reads
 from ...rowstats import RowStats
 
 __all__ = ["WebGPUBackend"]
@@ -51,7 +56,9 @@ _CAPS = Capabilities(
     max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
     modifiers=BUILTIN_MODIFIERS | {"score_mod"},
     inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
-    gradients=GRADIENTS - {"score_mod_grad"})
+    # capture gradients: for captures indexed by b, h and q_idx - kv_idx
+    # (capture_grads.py; the others are refused by extra_reasons)
+    gradients=GRADIENTS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,6 +131,17 @@ class WebGPUBackend(Backend):
             from .resident import device_reasons
 
             why += device_reasons(p, self.context)
+        if p.capture_wrt and p.score_mod is not None:
+            from ...programs.capture_reads import unsupported
+
+            bad = unsupported(p.score_mod.program, p.capture_wrt)
+            if bad:
+                why.append(f"{bad}; index it through q_idx - kv_idx, or use backend='numpy'")
+            elif p.array_kind == "webgpu" or p.score_mod.device:
+                why.append("computes gradients of score_mod captures from NumPy inputs "
+                           "and NumPy captures only, not from anyattn.webgpu device "
+                           "arrays; pass NumPy arrays (DeviceArray.numpy()) for this "
+                           "backward")
         if self.availability() is None:
             if p.dtype == "float16" and not self.context.has_f16:
                 why.append(f"float16 needs the adapter feature 'shader-f16', which "
@@ -148,10 +166,13 @@ class WebGPUBackend(Backend):
         if self._runner is not None:
             self._runner.results.claim(buffer)
 
-    def new_call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False, Dv=None):
+    def new_call(self, p_sizes, D, elem, uprefix="u", backward=False, dropout=False, Dv=None,
+                 dcap: int = 0):
         """A fresh engine.Call for sizes (B, HQ, HKV, SQ, SK), head dim ``D`` (``Dv``: v's,
         None = D) and kernel element type ``elem``, with this adapter's tile config (or
-        ``config_override``; chosen for the larger of D and Dv)."""
+        ``config_override``; chosen for the larger of D and Dv; ``dcap``: the capture
+        reads of a backward with capture gradients, whose dK/dV pass's workgroup tile
+        the config must fit)."""
         from .engine import Call
         from .launch import choose_config
 
@@ -161,7 +182,8 @@ class WebGPUBackend(Backend):
         # and the *-dsq variants' dS scratch (only where one chunk of it fits)
         Dv = D if Dv is None else Dv
         cfg = self.config_override or choose_config(run.ctx, max(D, Dv), elem, backward, dropout,
-                                                    rows=(B * HQ, SQ, SK, HQ // max(HKV, 1)))
+                                                    rows=(B * HQ, SQ, SK, HQ // max(HKV, 1)),
+                                                    dcap=dcap)
         cfg.check()
         if cfg.half and elem != "f16":
             raise ValueError(f"webgpu: tile config {cfg} (f16 math) needs float16 inputs")
@@ -172,9 +194,11 @@ class WebGPUBackend(Backend):
         return call
 
     # ------------------------------------------------------------------ common
-    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS, b0=0):
+    def _setup(self, p: Problem, q, k, v, dout, bias, uprefix="u", mods=NO_MODS, b0=0,
+               dcap: int = 0):
         """Uploads, masks, score modifiers and dropout of one call; a backward config
-        when ``dout`` is given.  ``b0``: the global index of batch 0 (batch chunks)."""
+        when ``dout`` is given.  ``b0``: the global index of batch 0 (batch chunks);
+        ``dcap``: the capture reads of a backward with capture gradients (``new_call``)."""
         from .engine import ELEMENT_TYPES, upload_view
 
         if p.dtype not in _NP:
@@ -182,7 +206,7 @@ class WebGPUBackend(Backend):
         npdt = _NP[p.dtype]
         call = self.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                           ELEMENT_TYPES[p.dtype], uprefix, backward=dout is not None,
-                          dropout=p.has_dropout, Dv=p.head_dim_v)
+                          dropout=p.has_dropout, Dv=p.head_dim_v, dcap=dcap)
         run = call.run
         call.set_scale(p.scale)
         call.q = upload_view(run, "q", q, npdt)
@@ -303,6 +327,12 @@ class WebGPUBackend(Backend):
             per_b["dkdv"] = 4 * Hk * Sk * (D + Dv)
             if "bias" in p.wrt:
                 per_b["ds"] = 4 * Hq * Sq * Sk
+            if p.capture_wrt and p.score_mod is not None:
+                # the capture gradient slots (engine.Call.dcap_shape), bounded with the
+                # smallest tiles of the configs (32 x 32)
+                ng = len(capture_reads(p.score_mod.program, p.capture_wrt))
+                per_b["capture gradient slots"] = \
+                    4 * ng * Hq * (-(-Sq // 32)) * (-(-Sk // 32)) * 63
         role, worst = max(per_b.items(), key=lambda kv: kv[1])
         if worst > lim:
             raise ValueError(f"webgpu: one batch of the {role} buffer needs {worst} bytes, past "
@@ -396,8 +426,12 @@ class WebGPUBackend(Backend):
                                      p.head_dim, p.head_dim_v)
         want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
         want_b = "bias" in p.wrt
-        call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0)
+        wrt_c = p.capture_wrt if p.score_mod is not None else frozenset()
+        ng = len(capture_reads(p.score_mod.program, wrt_c)) if wrt_c else 0
+        call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0, dcap=ng)
         run = call.run
+        if ng:                          # capture gradients in the dK/dV pass (DCAP)
+            call.set_capture_grads(p.score_mod, wrt_c)
         if resident is None:
             st_in = stats
             stats = self._stats(call)
@@ -411,7 +445,7 @@ class WebGPUBackend(Backend):
         call.delta(stats, Operand(ob, 0, HQ * SQ * Dv, SQ * Dv, Dv), out16=out16)
         nk, nv = B * HKV * SK * D, B * HKV * SK * Dv      # dk, then dv from element nk on
         bufs = {}
-        if want_k or want_v:
+        if want_k or want_v or ng:
             bufs["kv"] = run.buffer("dkdv", 4 * (nk + nv))
             call.dkdv(stats, bufs["kv"], want_k, want_v, dq_next=want_q and not want_b)
         dsb = None
@@ -450,8 +484,25 @@ class WebGPUBackend(Backend):
                 db = run.read(dsb, n_b) if full else run.read(bufs["b"], n_b)
                 bdt = _NP.get(p.bias_dtype or "float32", np.float32)
                 res["dbias"] = db.reshape(p.bias_shape).astype(bdt, copy=False)
+            if wrt_c:                   # the diagonal sums [NG, B, HQ, U] (float64)
+                res["dcap_sums"] = self._dcap_sums(call)
             return res
         return call, read
+
+    @staticmethod
+    def _dcap_sums(call) -> np.ndarray:
+        """The capture gradient slots of a backward Call read back and summed per
+        diagonal (capture_grads.diagonal_sums) -> [NG, B, HQ, Sq + Sk - 1] float64
+        (NG = 0 where the captures asked for are never read)."""
+        from .capture_grads import diagonal_sums
+
+        U = call.SQ + call.SK - 1
+        if call.dcap is None:
+            return np.zeros((0, call.B, call.HQ, U))
+        shape = call.dcap_shape(call.dcap[2])
+        slots = call.run.read(call.dcs_buf, int(np.prod(shape))).reshape(shape)
+        sums = diagonal_sums(slots, call.cfg.BQ, call.cfg.BK, call.SQ, call.SK)
+        return sums.reshape(shape[0], call.B, call.HQ, U)
 
     def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods=NO_MODS):
         if p.array_kind == "webgpu":
@@ -459,6 +510,12 @@ class WebGPUBackend(Backend):
 
             return resident.backward(self, p, q, k, v, dout, out, stats, bias, mods)
         res = self._backward_device(p, q, k, v, dout, out, stats, bias, mods)
+        sums = res.pop("dcap_sums", None)
+        if p.capture_wrt and p.score_mod is not None:
+            from .capture_grads import finish
+
+            res["dcaptures"] = finish(p.score_mod, p.capture_wrt, sums,
+                                      (p.batch, p.heads_q, p.seq_q, p.seq_k))
         if "sinks" in p.wrt:
             res["dsinks"] = self._dsinks(p, dout, out, stats, mods.sinks)
         return res
@@ -475,8 +532,8 @@ class WebGPUBackend(Backend):
 
     def _backward_device(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                          mods: ScoreMods) -> Dict[str, object]:
-        if not ({"q", "k", "v", "bias"} & set(p.wrt)):      # dsinks alone: no kernel
-            return {"dq": None, "dk": None, "dv": None, "dbias": None}
+        if not ({"q", "k", "v", "bias"} & set(p.wrt)) and not p.capture_wrt:
+            return {"dq": None, "dk": None, "dv": None, "dbias": None}   # dsinks alone
         chunks = self.batch_chunks(p, backward=True, bias=bias)
         if len(chunks) == 1:
             return self._backward_one(p, q, k, v, dout, out, stats, bias, mods)
@@ -489,6 +546,8 @@ class WebGPUBackend(Backend):
         res = {}
         for n in ("dq", "dk", "dv"):
             res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
+        if "dcap_sums" in parts[0]:     # the chunks' diagonal sums along the batch
+            res["dcap_sums"] = np.concatenate([r["dcap_sums"] for r in parts], axis=1)
         res["dbias"] = None
         if parts[0]["dbias"] is not None:
             if p.bias_shape[0] > 1:

@@ -172,6 +172,10 @@ class Call:
         #: buffer of their captures (``set_programs``); None: the plain kernels
         self.progs: Optional[Tuple[str, str]] = None
         self.cap_buf = None
+        #: capture gradients (``set_capture_grads``): (key, WGSL, NG) of the DCAP dK/dV
+        #: pass's generated functions, and the buffer of its slots; None: none asked
+        self.dcap: Optional[Tuple[str, str, int]] = None
+        self.dcs_buf = None
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
         self.clears: List[object] = []
@@ -454,6 +458,44 @@ class Call:
                                  "smaller buffer")
             ew(self, x, self.cap_buf, off)
 
+    def set_capture_grads(self, score, wrt) -> int:
+        """The gradients of the score function's float captures ``wrt`` (``score``: the
+        BoundProgram ``set_programs`` was given) in the dK/dV pass (DCAP): generated
+        ``dcap_d`` / ``dcap_put`` (programs.dcap_source) and a slot buffer
+        ``dcs`` [NG, B*HQ, nkt, nqt, W] (f32, W = BQ + BK - 1, cleared before the
+        launches; ``dcap_shape``).  Returns NG, the capture reads (0: none is read,
+        nothing to compute)."""
+        from .programs import dcap_source
+
+        if self.progs is None or "SCOREMOD" not in self.mod_consts:
+            raise RuntimeError("set_capture_grads: set_programs(score) comes first")
+        key, text, ng = dcap_source(score, wrt)
+        if not ng:
+            return 0
+        if "tile_dcap" not in self.run.pipes.layouts:
+            most = self.run.ctx.limits.get("max-storage-buffers-per-shader-stage")
+            raise NotImplementedError(
+                f"webgpu: score_mod capture gradients bind 11 storage buffers in the dK/dV "
+                f"pass, past this adapter's {most} ({self.run.ctx.name}); use "
+                "backend='numpy'")
+        limit = self.run.ctx.limits.get("max-compute-workgroup-storage-size", 16384)
+        need = self.cfg.smem_bytes("bwd_dkdv", "DROPOUT" in self.mod_consts, ng)
+        if need > limit:
+            raise NotImplementedError(
+                f"webgpu: {self.cfg} with the gradients of {ng} score_mod capture reads "
+                f"needs {need} bytes of workgroup memory in 'bwd_dkdv', past this "
+                f"adapter's {limit}; pass another config_override (or none: the chosen "
+                "config counts them)")
+        nbytes = 4 * int(np.prod(self.dcap_shape(ng)))
+        self.dcs_buf = self.run.buffer("dcaps", nbytes)
+        self.clears.append(Clear(self.dcs_buf, nbytes))
+        self.dcap = (key, text, ng)
+        return ng
+
+    def dcap_shape(self, ng: int) -> Tuple[int, int, int, int, int]:
+        """The slots of the DCAP dK/dV pass: [NG, B*HQ, nkt, nqt, BQ + BK - 1]."""
+        return (ng, self.B * self.HQ, self.nkt, self.nqt, self.cfg.BQ + self.cfg.BK - 1)
+
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:
         """anyattn.dropout's mask in the tiled kernels (DROPOUT): keep[b, h, i, j] at the
@@ -536,7 +578,14 @@ class Call:
         consts.update({k: v for k, v in self.mod_consts.items()
                        if k != "SINKS" or kernel == "forward"})   # the sink: forward only
         layout = "tile" if self.progs is None else "tile_prog"
-        pipe = self.run.pipeline(kernel, layout, consts, self.elem, self.debug, self.progs)
+        progs = self.progs
+        dcap = kernel == "bwd_dkdv" and self.dcap is not None
+        if dcap:      # the capture gradients' functions and slots (DCAP)
+            dkey, dtext, ng = self.dcap
+            consts.update(DCAP=1, DCNG=ng, DCM=ceil_div(cfg.BQ + cfg.BK - 1, cfg.NT))
+            progs = (f"{progs[0]}+{dkey}", progs[1] + dtext)
+            layout = "tile_dcap"
+        pipe = self.run.pipeline(kernel, layout, consts, self.elem, self.debug, progs)
         if self.debug and dsb is None:   # debug builds write each invocation's loop trips here
             n_inv = grid_x * n_bh * slices * cfg.NT
             dsb = self.trip_buf = self.run.buffer(f"trips_{kernel}", 4 * n_inv)
@@ -561,6 +610,8 @@ class Call:
                 bufs = self._tile_buffers(ubuf, stats, outb, dsb)
                 if self.progs is not None:
                     bufs.append(self.cap_buf)
+                if dcap:
+                    bufs.append(self.dcs_buf)
                 self.launches.append(Launch(kernel, pipe, layout, bufs,
                                             (grid_x, b_ - a, slices)))
 
@@ -667,7 +718,8 @@ class Call:
         return True
 
     def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
-        per = self.cfg.trips_per_unit(kernel, self.sdp_dim(kernel), dk, dv)
+        ng = self.dcap[2] if self.dcap is not None and kernel == "bwd_dkdv" else 0
+        per = self.cfg.trips_per_unit(kernel, self.sdp_dim(kernel), dk, dv, ng)
         return split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
 
     def out16_ok(self, kernel: str) -> bool:

@@ -246,9 +246,12 @@ class TileConfig:
         """Subgroup row reductions (variant subgroups; needs the adapter's 'subgroup')."""
         return self.base == "subgroups"
 
-    def smem_bytes(self, kernel: str, dropout: bool = False) -> int:
+    def smem_bytes(self, kernel: str, dropout: bool = False, dcap: int = 0) -> int:
         """Workgroup bytes of a tiled kernel; ``dropout``: with the DROPOUT kernels'
-        row / column words (u32 [BQ] and [BK])."""
+        row / column words (u32 [BQ] and [BK]); ``dcap``: with the dK/dV pass's tile of
+        capture gradient terms of ``dcap`` reads (DCAP: f32 [dcap][BQ][BK])."""
+        if dcap and kernel == "bwd_dkdv":
+            return self.smem_bytes(kernel, dropout) + 4 * dcap * self.BQ * self.BK
         if dropout:
             return self.smem_bytes(kernel) + 4 * (self.BQ + self.BK)
         c = self.consts()
@@ -308,8 +311,11 @@ class TileConfig:
             return n + 1
         return n + 1 + n * self._loop(ceil_div(self.IC * self.DS // 4, self.NT))
 
-    def trips_per_unit(self, kernel: str, D: int, dk: bool = True, dv: bool = True) -> int:
-        """Loop tests per invocation for one unit of the kernel's outer loop."""
+    def trips_per_unit(self, kernel: str, D: int, dk: bool = True, dv: bool = True,
+                       dcap: int = 0) -> int:
+        """Loop tests per invocation for one unit of the kernel's outer loop; ``dcap``:
+        the capture reads of the dK/dV pass's diagonal sums (DCAP: per read and
+        diagonal an invocation owns, one loop over at most min(BQ, BK) pairs)."""
         if kernel == "forward":
             return 1 + self._sdp(D) + 2 * self._loop(self.TX) + self._upd(self.BK)
         if kernel == "bwd_dq":
@@ -317,7 +323,9 @@ class TileConfig:
         if kernel == "bwd_dq_ds":        # DSQ_IN: dS read back (unrolled), no S / dP
             return 1 + self._upd(self.BK)
         if kernel == "bwd_dkdv":
-            return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv))
+            diag = dcap * ceil_div(self.BQ + self.BK - 1, self.NT) * \
+                self._loop(min(self.BQ, self.BK))
+            return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv)) + diag
         raise KeyError(kernel)
 
     #: loop tests outside the units (the outer loop's exit test, a margin)
@@ -329,14 +337,15 @@ CPU_CONFIGS = (TileConfig(8, 8, 16, 8, 2),)
 
 
 def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
-                dropout: bool = False) -> TileConfig:
+                dropout: bool = False, dcap: int = 0) -> TileConfig:
     """The f16-math variant of an f32 config: S/dP in f16 runs of 4 products per lane
     (HC = 2), updates flushed every 16 rows as two f16 chains of 8 (errors at the level
     of a naive fp16 implementation).  Forward: D chunks of 32 (same workgroup bytes
     per row as f32), IC = 16.  Backward on a GPU (``smem_limit`` > 0): D chunks of 64
     and the longest staged row chunk IC in (64, 32) that fits (fewer barriers: faster
     than the forward's chunks).
-    ``dropout``: count the DROPOUT kernels' workgroup words."""
+    ``dropout``: count the DROPOUT kernels' workgroup words; ``dcap``: the DCAP
+    dK/dV pass's (``TileConfig.smem_bytes``)."""
     h = dataclasses.replace(cfg, DC=32, IC=16, UC=16, half=True, HC=2)
     if backward and smem_limit:
         # DC = 32 only where 64 fits nowhere (the wide variant's 128-row query tiles)
@@ -346,7 +355,8 @@ def half_config(cfg: TileConfig, backward: bool = False, smem_limit: int = 0,
                 c.check()
             except ValueError:
                 continue
-            if all(c.smem_bytes(k, dropout) <= smem_limit for k in ("bwd_dq", "bwd_dkdv")):
+            if all(c.smem_bytes(k, dropout, dcap) <= smem_limit
+                   for k in ("bwd_dq", "bwd_dkdv")):
                 return c
     return h
 
@@ -401,7 +411,7 @@ def dq_groups(cfg: TileConfig, D: int, rows: Tuple[int, int]) -> int:
 
 def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = False,
                   dropout: bool = False, variant: Optional[str] = None,
-                  rows: Optional[Tuple[int, int]] = None) -> TileConfig:
+                  rows: Optional[Tuple[int, int]] = None, dcap: int = 0) -> TileConfig:
     """The first config whose workgroup memory fits the adapter; NV = 1 for small D;
     the f16-math variant (``half_config``, its backward variant on GPUs) for f16.
     ``dropout``: the DROPOUT kernels' workgroup memory (without it the choice is the
@@ -412,18 +422,20 @@ def choose_config(ctx: Context, D: int, elem: str = "f32", backward: bool = Fals
     pass must have at least the entry's workgroups (rows None: the size is unknown,
     the fill is not checked).  ``rows`` may carry SK as a third element and G = HQ/HKV
     as a fourth: a ``*-dsq`` entry applies only where its dS scratch (with G, one
-    chunk's) is known to fit (``_dsq_fits``)."""
+    chunk's) is known to fit (``_dsq_fits``).  ``dcap``: the capture reads of a
+    backward with capture gradients (the DCAP dK/dV pass's workgroup tile counts)."""
     forced = _forced_variant(ctx, elem, variant)
     if forced:
-        return _config(ctx, D, elem, backward, dropout, forced)
+        return _config(ctx, D, elem, backward, dropout, forced, dcap)
     table = _table(ctx, elem) or [("portable", 0)]
     for i, (name, groups) in enumerate(table):
         if i + 1 < len(table) and name.endswith("-dsq") and not _dsq_fits(ctx, rows):
             continue
         if groups and rows is not None and i + 1 < len(table):
-            if dq_groups(_config(ctx, D, elem, True, dropout, name), D, rows[:2]) < groups:
+            if dq_groups(_config(ctx, D, elem, True, dropout, name, dcap), D,
+                         rows[:2]) < groups:
                 continue
-        return _config(ctx, D, elem, backward, dropout, name)
+        return _config(ctx, D, elem, backward, dropout, name, dcap)
     raise AssertionError("unreachable: the last entry has no grid-fill condition")
 
 
@@ -440,13 +452,14 @@ def _dsq_fits(ctx: Context, rows: Optional[Tuple[int, ...]]) -> bool:
 
 
 def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,
-            var: str) -> TileConfig:
-    """The first GPU / CPU config of variant ``var`` that fits the adapter."""
+            var: str, dcap: int = 0) -> TileConfig:
+    """The first GPU / CPU config of variant ``var`` that fits the adapter (``dcap``:
+    with the DCAP dK/dV pass's workgroup tile of that many capture reads)."""
     limit = ctx.limits.get("max-compute-workgroup-storage-size", 16384)
     inv = ctx.limits.get("max-compute-invocations-per-workgroup", 256)
 
     def fits(c: TileConfig) -> bool:
-        return c.NT <= inv and all(c.smem_bytes(k, dropout) <= limit
+        return c.NT <= inv and all(c.smem_bytes(k, dropout, dcap) <= limit
                                    for k in ("forward", "bwd_dq", "bwd_dkdv"))
     # the wide / rows8 variants: 8 query rows per invocation in the backward passes
     rm = 8 if (var in RM8_VARIANTS and backward) else 4
@@ -455,7 +468,7 @@ def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,
             cfg = TileConfig(cfg.TX, cfg.TY, cfg.DC, 2 * cfg.IC, 1)
         cfg = dataclasses.replace(cfg, variant=var, RM=rm)
         if elem == "f16":
-            cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout)
+            cfg = half_config(cfg, backward, 0 if ctx.is_cpu else limit, dropout, dcap)
         if cfg.stage:            # twice the staged rows per update chunk where they fit
             wide = dataclasses.replace(cfg, IC=2 * cfg.IC, UC=cfg.UC or cfg.IC)
             try:

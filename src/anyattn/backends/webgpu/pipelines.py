@@ -51,7 +51,7 @@ from .uniforms import wgsl_struct
 
 __all__ = ["build_source", "PipelineCache", "KernelError", "LAYOUTS", "MOD_DEFINES", "EW_DEFINES",
            "VARIANT_DEFINES", "DELTA_DEFINES", "OUTB_DEFINES", "DSQ_DEFINES", "VDIM_DEFINES",
-           "PROG_DEFINES", "PAGED_DEFINES"]
+           "PROG_DEFINES", "PAGED_DEFINES", "DCAP_DEFINES"]
 
 #: constants that, when 1, also become ``//@define`` names (score modifiers)
 MOD_DEFINES = ("SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
@@ -88,6 +88,12 @@ PAGED_DEFINES = ("PAGED", "PGSTART")
 #: 10 and the generated text at ``//@progfns``), SOFTCAP or SCOREMOD defines DSCHAIN
 #: (dS times the chain factor, the plain dS kept for dbias)
 PROG_DEFINES = ("SCOREMOD", "MASKFN")
+#: the dK/dV pass with capture gradients (with SCOREMOD): pds stores the terms of the
+#: DCNG capture reads into the workgroup tile ``sdc``, the kernel sums the tile's
+#: diagonals into its slot of ``dcs`` (binding 11, layout ``tile_dcap``); the generated
+#: text then also holds ``dcap_d`` / ``dcap_put`` (programs.dcap_source).  Without it
+#: the kernels are the plain ones, text for text
+DCAP_DEFINES = ("DCAP",)
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 
@@ -263,7 +269,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
         text = "//@define VD U.D\n//@define VOUT out\n" + text
     for name in (MOD_DEFINES + EW_DEFINES + VARIANT_DEFINES + DELTA_DEFINES
                  + OUTB_DEFINES + DSQ_DEFINES + VDIM_DEFINES + PROG_DEFINES
-                 + PAGED_DEFINES):  # only where used
+                 + PAGED_DEFINES + DCAP_DEFINES):  # only where used
         if consts.get(name, 0):
             text = f"//@define {name}\n" + text
     has_prog = any(consts.get(n, 0) for n in PROG_DEFINES)
@@ -300,6 +306,7 @@ def build_source(kernel: str, consts: Mapping[str, int], elem: str = "f32",
 LAYOUTS = {
     "tile": "urrrrrrwww",     # U q k v dout bias aux | stats out ds
     "tile_prog": "urrrrrrwwwr",   # the same | captures of score / mask functions
+    "tile_dcap": "urrrrrrwwwrw",  # the same | capture gradient slots (DCAP)
     "delta": "urrwr",         # U dout out stats vmean
     "reduce": "urw",          # U ds out
     "vmean": "urw",           # U v out
@@ -320,7 +327,10 @@ class PipelineCache:
         self._pipes: Dict[str, object] = {}      # sha1(layout, source) -> pipeline
         self._by_args: Dict[tuple, object] = {}  # (kernel, layout, consts, elem, debug) -> same
         self.layouts: Dict[str, object] = {}
+        most = int(dict(device.limits).get("max-storage-buffers-per-shader-stage", 8))
         for name, kinds in LAYOUTS.items():
+            if name == "tile_dcap" and len(kinds) - kinds.count("u") > most:
+                continue        # the adapter binds fewer storage buffers: no DCAP kernel
             entries = []
             for i, k in enumerate(kinds):
                 ty = {"u": wgpu.BufferBindingType.uniform,

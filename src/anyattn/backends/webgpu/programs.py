@@ -6,7 +6,9 @@ A score function's graph becomes two WGSL functions of the scalars (score, b, h,
 (the modified score) and ``smod_vd`` (the modified score and d score_mod / d score, as
 ``vec2<f32>``, sharing their common subexpressions); the tiled kernels compiled with ``SCOREMOD`` call them after softcap,
 before the bias and the mask terms.  A mask function's graph becomes ``mfn_<k>(b, h,
-i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).
+i, j) -> bool``, which ``keep_ij`` applies in partial tiles (``MASKFN``).  A backward
+with capture gradients adds ``dcap_d`` / ``dcap_put`` (:func:`dcap_source`) to the text
+of its dK/dV pass only (``DCAP``, capture_grads.py).
 
 Float nodes compute in f32, integer nodes in i32 (the index analysis proves that every
 integer expression fits, :func:`anyattn.programs.bounds.index_dtype`; a graph it does
@@ -29,8 +31,8 @@ import numpy as np
 
 from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
 
-__all__ = ["Layout", "score_source", "mask_source", "mask_words", "pack_captures",
-           "TANH_HELPER"]
+__all__ = ["Layout", "score_source", "dcap_source", "mask_source", "mask_words",
+           "pack_captures", "TANH_HELPER"]
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
@@ -248,6 +250,37 @@ def score_source(bound) -> Tuple[str, str]:
              lambda r: f"vec2<f32>({r[0]}, {r[1]})")
     src = v + "\n" + vd + "\n"
     return hashlib.sha1(src.encode()).hexdigest(), src
+
+
+def dcap_source(bound, wrt) -> Tuple[str, str, int]:
+    """(key, WGSL, NG) of the capture gradient functions of the dK/dV pass (DCAP) for
+    the NG reads (gather nodes, graph order: anyattn.programs.capture_reads.reads) of
+    the score function's float captures ``wrt``: ``dcap_d(x, b, h, i, j) ->
+    array<f32, NG>`` (d s' / d g of every read, sharing their common subexpressions)
+    and ``dcap_put(ii, jj, kept, ds, x, b, h, i, j)``, which stores ``ds * d s' / d g``
+    of a pair (0 where not ``kept``) at row ``ii``, column ``jj`` of read k's block of
+    the workgroup tile ``sdc`` [NG][BQ][BK] (bwd_dkdv.wgsl).  NG is 0 (no text) where
+    no read of those captures exists."""
+    _check_idt(bound)
+    prog = bound.program
+    _, grads = prog.grad_nodes(frozenset(wrt))
+    ng = len(grads)
+    if not ng:
+        return "", "", 0
+    layout = Layout(prog.specs)
+    sig = "(x: f32, b: u32, h: u32, i: u32, j: u32)"
+    arr = f"array<f32, {ng}>"
+    d = _fn("dcap_d" + sig, arr, [g for _, g in grads], layout, prog.where,
+            lambda r: f"{arr}({', '.join(r)})")
+    put = ["fn dcap_put(ii: u32, jj: u32, kept: bool, ds: f32, x: f32, b: u32, h: u32, "
+           "i: u32, j: u32) {", f"  var e = {arr}();", "  if (kept) {",
+           "    let d = dcap_d(x, b, h, i, j);"]
+    put += [f"    e[{k}] = ds * d[{k}];" for k in range(ng)]
+    put += ["  }"]
+    put += [f"  sdc[({k}u * BQ + ii) * BK + jj] = e[{k}];" for k in range(ng)]
+    put += ["}"]
+    src = d + "\n" + "\n".join(put) + "\n"
+    return hashlib.sha1(src.encode()).hexdigest(), src, ng
 
 
 def mask_source(bounds: Sequence, layouts_from: int = 0) -> Tuple[str, str]:

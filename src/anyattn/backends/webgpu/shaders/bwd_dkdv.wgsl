@@ -7,6 +7,12 @@
 // DROPOUT: P ∘ keep into dV (times 1 / (1 − p) at the end), dS = P ∘ (dP ∘ keep /
 // (1 − p) − delta) (pds), with this key tile's column words in dcw (once) and each
 // unit's row words in drw.
+//@# DCAP (capture gradients, with SCOREMOD; backends/webgpu/capture_grads.py): per unit,
+//@# pds stores each pair's terms dS · d s' / d g of the DCNG capture reads into sdc
+//@# [DCNG][BQ][BK]; the column slice 0 then sums each of the tile's W = BQ + BK - 1
+//@# diagonals t = ii - jj + BK - 1 (jj ascending: one fixed order) into this unit's
+//@# own slot of dcs [DCNG, B*HQ, nkt, nqt, W] (f32; cleared before the launch, so a
+//@# skipped tile's slot holds 0).  No atomics: bitwise repeatable.
 //@include common
 //@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
@@ -28,6 +34,10 @@ var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
 // ALIAS (variant wide): st (P^T / dS^T) is stg[SOFF_T ..], over the S/dP staging tiles
 // (written after sdp's last barrier), past the update's staged rows su = stg[0 .. IC*DS4)
 //@endif ALIAS
+//@if DCAP
+@group(0) @binding(11) var<storage, read_write> dcs: array<f32>;
+var<workgroup> sdc: array<f32, DCNG * BQ * BK>;   // capture gradient terms [DCNG][BQ][BK]
+//@endif DCAP
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
 var<workgroup> dcw: array<u32, BK>;   // dropout column words of keys j0 + [0, BK)
@@ -114,6 +124,33 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       //@end r
     }
     //@endif DSQ_OUT
+    //@if DCAP
+    workgroupBarrier();
+    if (wid.z == 0u) {
+      //@for m DCM
+      {
+        let t = lid + {m} * NT;
+        if (t < BQ + BK - 1u) {
+          // diagonal t: ii = jj + t - (BK - 1), both inside the tile
+          let jlo = select(0u, BK - 1u - t, t < BK - 1u);
+          let jhi = min(BK, BQ + BK - 1u - t);
+          let slot = ((b * U.HQ + h) * U.nkt + kt) * U.nqt + qt;
+          //@for k DCNG
+          {
+            var acc = 0.0;
+            for (var jj = jlo; jj < jhi; jj++) {
+              TRIP
+              acc += sdc[({k} * BQ + jj + t + 1u - BK) * BK + jj];
+            }
+            dcs[(({k} * U.B * U.HQ * U.nkt * U.nqt) + slot) * (BQ + BK - 1u) + t] = acc;
+          }
+          //@end k
+        }
+      }
+      //@end m
+    }
+    workgroupBarrier();
+    //@endif DCAP
     if (want_dv) {
       //@for c 4
       //@for q RM4

@@ -10,6 +10,9 @@
 // DROPOUT (needs drw/dcw: the row words of this query tile, the column words of this
 // key tile): p is P ∘ keep (the dK/dV pass scales dV by 1 / (1 − p) at the end) and
 // dS = P ∘ (dP ∘ keep / (1 − p) − delta).
+//@# DCAP (the dK/dV pass with capture gradients; SCOREMOD): every pair's terms
+//@# dS · d s' / d g of the capture reads into the workgroup tile sdc (dcap_put,
+//@# programs.dcap_source; 0 for a pair not kept or outside SQ x SK).
 var p: array<vec4<f32>, RM>;
 var ds: array<vec4<f32>, RM>;
 //@if DSCHAIN
@@ -41,6 +44,10 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
     //@if DSCHAIN
     var dth = 1.0;
     //@endif DSCHAIN
+    //@if DCAP
+    var dcx = 0.0;
+    var dck = false;
+    //@endif DCAP
     if (i < U.SQ && j < U.SK) {
       if (empty) {
         if ((U.flags & F_QUIRK) != 0u) { pv = U.inv_sk; }
@@ -58,11 +65,17 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
         //@if SCOREMOD
         //@ifn SOFTCAP
         let sm = smod_vd(s[{r}][{c#}] * U.scale, b, h, i, j);
+        //@if DCAP
+        dcx = s[{r}][{c#}] * U.scale;
+        //@endif DCAP
         //@endif SOFTCAP
         //@if SOFTCAP
         let tc = softcap_t(s[{r}][{c#}] * U.scale);
         let sm = smod_vd(tc.x, b, h, i, j);
         dth = tc.y;
+        //@if DCAP
+        dcx = tc.x;
+        //@endif DCAP
         //@endif SOFTCAP
         dth *= sm.y;
         let x = score_ij(sm.x, b, h, i, j);
@@ -70,6 +83,9 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
         var kept = !is_ninf(x);
         if (kept && code == 1u) { kept = keep_ij(b, h, i, j); }
         if (kept) { pv = exp((x - mx) - ln); }
+        //@if DCAP
+        dck = kept;
+        //@endif DCAP
       }
     }
     //@ifn DROPOUT
@@ -83,6 +99,9 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
     //@endif DROPOUT
     //@if DSCHAIN
     dsr[{r}][{c#}] = ds[{r}][{c#}];
+    //@if DCAP
+    dcap_put(ty * RM + {r}, tx + {c} * TX, dck, ds[{r}][{c#}], dcx, b, h, i, j);
+    //@endif DCAP
     //@if SCOREMOD
     //@# a dropped pair gives 0, whatever d score_mod / d score is there
     if (pv == 0.0) { dth = 1.0; }

@@ -1,0 +1,157 @@
+"""The reads of a score function's float captures, for the backends that compute capture
+gradients as sums of the score matrix's terms (the portable Triton backward, the WebGPU
+backward).
+
+A capture ``c`` gets ``dc[idx] = sum over (b, h, i, j) of dS'[b, h, i, j] * d s' / d g``
+for each read ``g = c[idx]`` (DESIGN section 1).  Where every index of a read depends on
+``b``, ``h`` and one position of the score matrix (:func:`classify`): ``q_idx - kv_idx``
+(:func:`anyattn.programs.diagonal.diagonal_nodes`: a relative position table
+``table[h, q_idx - kv_idx + c]``, T5's ``table[h, bucket[kv_idx - q_idx + c]]``), ``q_idx``
+alone, ``kv_idx`` alone, or none (learnable ALiBi slopes ``slopes[h]``), the index takes
+one value per (b, h, position): the gradient is a sum of the terms along each diagonal,
+row or column, scattered once per (b, h, position) at the flat capture indices
+:func:`flat_index` evaluates on the host.  A backward that sums along diagonals only
+refuses the other reads (:func:`unsupported`); one that sums along rows and columns too
+refuses reads of both q_idx and kv_idx otherwise than through their difference
+(:func:`refusal`).  Pure Python and NumPy: nothing here imports a device library.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+
+from .diagonal import diagonal_nodes
+from .graph import Node, ordered, render
+
+__all__ = ["Read", "reads", "unsupported", "KINDS", "classify", "refusal", "reads_diagonal",
+           "flat_index"]
+
+_INDEX = frozenset({"q_idx", "kv_idx", "score"})
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read (gather node) of a capture asked for: ``uses`` the axes its indices
+    read, a subset of ('b', 'h', 'd') (``d``: q_idx - kv_idx); ``bad``: the first index
+    that depends on q_idx / kv_idx otherwise (or on the score), None if supported."""
+
+    node: Node
+    name: str
+    uses: FrozenSet[str]
+    bad: Optional[Node]
+
+
+def reads(program, wrt) -> List[Read]:
+    """The reads of the captures ``wrt`` of a score program, in graph order (the order
+    of ``program.grad_nodes(wrt)``'s gathers)."""
+    order = ordered([program.out])
+    diag = diagonal_nodes(order)
+    out = []
+    for g in program.gathers(frozenset(wrt)):
+        uses, bad = set(), None
+        for a in g.args:
+            inputs = {n.attr for n in ordered([a]) if n.op == "input"}
+            uses |= inputs & {"b", "h"}
+            if a.uid in diag:
+                uses.add("d")
+            elif inputs & _INDEX and bad is None:
+                bad = a
+        out.append(Read(g, g.attr, frozenset(uses), bad))
+    return out
+
+
+def unsupported(program, wrt) -> Optional[str]:
+    """Why a diagonal-sum backward cannot compute the gradients of the captures ``wrt``
+    of a score program (None: it can), after the backward's name ("the Triton
+    backward"); no remedy (the callers add theirs)."""
+    for r in reads(program, wrt):
+        if r.bad is not None:
+            return (f"computes the gradient of a score_mod capture only where every read of "
+                    f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
+                    f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
+                    "kv_idx otherwise")
+    return None
+
+
+#: the kinds of read a backward may differentiate: an index of q_idx - kv_idx
+#: (sums along the tile diagonals), of q_idx alone (along each query row), of kv_idx
+#: alone (down each key column), of b and h only (one total per tile)
+KINDS = ("diag", "row", "col", "total")
+_OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
+
+
+def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
+    """(read, kind, why) for the reads of the captures ``wrt`` (:func:`reads`' order):
+    kind one of :data:`KINDS` (b and h may join any), or None with ``why`` the reason
+    the read is refused (an index of both q_idx and kv_idx other than
+    their difference, indices of different kinds together, an index of the score)."""
+    diag = diagonal_nodes(ordered([program.out]))
+    out = []
+    for r in reads(program, wrt):
+        axes: Dict[str, Node] = {}
+        why = None
+        for a in r.node.args:
+            ins = {n.attr for n in ordered([a]) if n.op == "input"} & _INDEX
+            if a.uid in diag:
+                axes.setdefault("diag", a)
+            elif "score" in ins or ins == {"q_idx", "kv_idx"}:
+                dep = "the score" if "score" in ins else _OTHERWISE
+                why = f"whose index {render(a)} depends on {dep}"
+                break
+            elif ins:
+                axes.setdefault("row" if ins == {"q_idx"} else "col", a)
+        if why is None and len(axes) > 1:
+            a, b = list(axes.values())[:2]
+            why = f"whose indices {render(a)} and {render(b)} together depend on {_OTHERWISE}"
+        kind = None if why is not None else (next(iter(axes)) if axes else "total")
+        out.append((r, kind, why and f"capture {r.name!r} is read at {render(r.node)}, {why}"))
+    return out
+
+
+def refusal(program, wrt) -> Optional[str]:
+    """Why a backward that sums along diagonals, rows and columns (the portable Triton
+    backward) cannot compute the gradients of the captures ``wrt`` of a score program
+    (None: it can), after the backward's name ("the Triton backward"); no remedy (the
+    callers add theirs)."""
+    for _, kind, why in classify(program, wrt):
+        if kind is None:
+            return ("computes the gradient of a score_mod capture only where each read of it "
+                    "is indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx: " + why)
+    return None
+
+
+def reads_diagonal(program, wrt) -> bool:
+    """Does an index of the captures ``wrt`` read q_idx - kv_idx (slots of diagonal
+    sums), or only b and h (one total per slot)?"""
+    return any("d" in r.uses for r in reads(program, wrt))
+
+
+def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_shape,
+               kind: str = "diag") -> np.ndarray:
+    """The flat capture index of read ``r`` of the bound score program ``bound`` at every
+    (b, h, x) of its sums' shape [Bx, Hx, X] (an axis of 1 where the index does not
+    read it; ``sizes`` = (B, H, Sq, Sk)): the index expressions evaluated once, with
+    q_idx = d and kv_idx = 0 for a diagonal read (x = d + Sk - 1; exact for expressions
+    of q_idx - kv_idx, diagonal.py), q_idx = x for a row read, kv_idx = x for a column
+    read (the other index 0: not read), integers in int64 and floats in fp32 as the
+    kernels compute them (NumPy's fp32 functions may round an index computed through
+    float arithmetic differently from a device's at a boundary)."""
+    from .evaluate import evaluate
+
+    _, _, Sq, Sk = sizes
+    pos = {"diag": np.arange(-(Sk - 1), Sq, dtype=np.int64),
+           "row": np.arange(Sq, dtype=np.int64),
+           "col": np.arange(Sk, dtype=np.int64)}.get(kind)
+    pos = np.int64(0) if pos is None or shape3[2] == 1 else pos[None, None, :]
+    env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
+           "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
+           "q_idx": pos if kind in ("diag", "row") else np.int64(0),
+           "kv_idx": pos if kind == "col" else np.int64(0)}
+    if not r.node.args:                                   # a capture of rank 0
+        return np.zeros(int(np.prod(shape3)), dtype=np.int64)
+    f32 = np.dtype(np.float32)          # float captures as the kernels store them
+    idx = evaluate(list(r.node.args), env, bound.caps(f32), f32, idt=np.dtype(np.int64))
+    idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
+    return np.ravel_multi_index(idx, cap_shape).reshape(-1)

@@ -1,0 +1,222 @@
+"""Gradients of score-function captures on the WebGPU backward (lavapipe): the
+gallery's learnable tables against the float64 reference (fp32 and one f16; GQA,
+Sq != Sk, causal where the entry is), reads indexed by b, h and q_idx - kv_idx with a
+capture of rank 0 and batch chunks, softcap / dropout / sinks / a mask union with
+repeated runs and a split launch bitwise equal, the loop-trip model of the DCAP pass,
+and the refusals (a capture read at q_idx; device arrays).  The backward gets out and
+the row statistics from the NumPy backend (the WebGPU forward is tested elsewhere)
+and asks for dk, dv and the captures: the dK/dV pass computes all three, so no test
+compiles the dQ kernel.
+
+Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
+import numpy as np
+import pytest
+
+import anyattn as aa
+from anyattn.backends.webgpu.launch import TileConfig
+from anyattn.problem import describe
+
+from helpers import assert_close, load_gallery
+
+gallery = load_gallery()
+
+#: the gallery entries with learnable captures
+LEARNABLE = sorted(n for n, (m, _) in gallery.GALLERY.items()
+                   if m(1, 2, 8, 8, np.random.default_rng(0)).wrt)
+
+
+def _inputs(seed, B, Hq, Hkv, Sq, Sk, D, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q, g = (rng.standard_normal((B, Hq, Sq, D)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(dtype) for _ in range(2))
+    return q, k, v, g
+
+
+def _backward(q, k, v, g, wrt, **kw):
+    """attention_backward on WebGPU with out / statistics from the NumPy backend."""
+    out, st = aa.forward_with_stats(q, k, v, backend="numpy", **kw)
+    return aa.attention_backward(q, k, v, g, out=out, lse=st, wrt=wrt, backend="webgpu", **kw)
+
+
+def _reference(q, k, v, g, wrt, **kw):
+    kw = {n: (x.astype(np.float64) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    return aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)), wrt=wrt,
+                                 backend="reference", **kw)
+
+
+def test_the_gallery_has_learnable_tables():
+    assert {"relative_position_bias", "t5_buckets", "alibi", "tanh_gate"} <= set(LEARNABLE)
+
+
+@pytest.mark.parametrize("name, dtype", [(n, "float32") for n in LEARNABLE]
+                         + [("relative_position_bias", "float16")])
+def test_gallery_capture_gradients_match_the_float64_reference(be, name, dtype):
+    """dk, dv and the capture gradients (in the capture's shape and dtype), GQA 4 : 2,
+    Sq != Sk; causal where the entry is."""
+    if dtype == "float16" and not be.context.has_f16:
+        pytest.skip("the adapter lacks shader-f16")
+    make, _ = gallery.GALLERY[name]
+    sq, sk = 24, 40
+    q, k, v, g = _inputs(len(name), 1, 4, 2, sq, sk, 16, np.dtype(dtype))
+    e = make(1, 4, sq, sk, np.random.default_rng(7))
+    wrt = ("k", "v") + e.wrt
+    gr = _backward(q, k, v, g, wrt, **e.kwargs)
+    rg = _reference(q, k, v, g, wrt, **e.kwargs)
+    for n in ("dk", "dv"):
+        assert_close(getattr(gr, n), getattr(rg, n), dtype, f"{name} {n}")
+    for n in e.wrt:
+        got = gr.dcaptures[n]
+        cap = e.kwargs["score_mod"].captures[n]
+        assert isinstance(got, np.ndarray) and got.shape == cap.shape
+        assert got.dtype == cap.dtype
+        assert_close(got, rg.dcaptures[n], dtype, f"{name} d{n}")
+
+
+def _bhd_function(B, Sq, Sk, seed):
+    rng = np.random.default_rng(seed)
+    t = rng.standard_normal((B, Sq + Sk - 1)).astype(np.float32)
+    w = rng.standard_normal((B, 2)).astype(np.float32)
+    c = np.array(0.7, np.float32)
+
+    def fn(s, b, h, i, j, t, w, c):
+        return s * c + t[b, i - j + Sk - 1] - 0.5 * t[b, j - i + Sq - 1] * w[b, h]
+
+    return aa.ScoreMod(fn, t=t, w=w, c=c)
+
+
+def test_reads_of_batch_head_and_diagonal_a_scalar_capture_and_batch_chunks(be):
+    """Two reads of one table (per batch, at +d and -d), a table read at [b, h] and a
+    capture of rank 0 (the score's factor), wrt naming the captures only; the same call
+    over two batch chunks (a smaller binding limit) gives the same bits."""
+    B, Sq, Sk = 2, 20, 12
+    q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
+    sm = _bhd_function(B, Sq, Sk, 4)
+    wrt = ("t", "w", "c")
+    gr = _backward(q, k, v, g, wrt, score_mod=sm)
+    rg = _reference(q, k, v, g, wrt, score_mod=sm)
+    assert gr.dq is None and gr.dk is None and gr.dv is None
+    for n in wrt:
+        assert gr.dcaptures[n].shape == sm.captures[n].shape
+        assert_close(gr.dcaptures[n], rg.dcaptures[n], "float32", f"d{n}")
+    run = be.runner()
+    saved = run.max_binding
+    run.max_binding = 4 * 2 * Sq * 16 + 64       # one batch of the out buffer
+    try:
+        gc = _backward(q, k, v, g, wrt, score_mod=sm)
+        assert be.last_pieces.get("batch_chunks") == 2
+    finally:
+        run.max_binding = saved
+    for n in wrt:
+        np.testing.assert_array_equal(gc.dcaptures[n], gr.dcaptures[n], err_msg=n)
+
+
+def _modified_call(rng, Sq, Sk):
+    tab = rng.standard_normal((4, Sq + Sk - 1)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, tab: s * 0.5 + tab[h, i - j + Sk - 1], tab=tab)
+    return dict(score_mod=sm, softcap=2.0, dropout_p=0.2, dropout_seed=11,
+                sinks=rng.standard_normal(4).astype(np.float32),
+                mask=aa.Causal("bottom_right") | aa.MaskMod(lambda b, h, i, j: j < 3))
+
+
+def test_softcap_dropout_sinks_mask_union_repeated_and_split_runs_bitwise_equal(be):
+    """A mask union (a mask function in partial tiles) with softcap, dropout and sinks:
+    dk, dv, dsinks and the table's gradient against the reference; a second run and a
+    run split into several launches (a smaller loop-trip budget) give the same bits."""
+    Sq, Sk = 40, 24
+    q, k, v, g = _inputs(6, 1, 4, 2, Sq, Sk, 16)
+    kw = _modified_call(np.random.default_rng(8), Sq, Sk)
+    wrt = ("k", "v", "tab", "sinks")
+    runs = [_backward(q, k, v, g, wrt, **kw) for _ in range(2)]
+    assert be.last_pieces["bwd_dkdv"] == 1
+    cfg = _capture_call(be, q, k, v, g, ("k", "v", "tab"), dict(score_mod=kw["score_mod"])).cfg
+    per = cfg.trips_per_unit("bwd_dkdv", 16, True, True, 1)
+    be.loop_limit_override = TileConfig.FIXED_TRIPS + 2 * per     # two units per launch
+    try:
+        runs.append(_backward(q, k, v, g, wrt, **kw))
+        assert be.last_pieces["bwd_dkdv"] > 1
+    finally:
+        be.loop_limit_override = None
+    rg = _reference(q, k, v, g, wrt, **kw)
+    for n in ("dk", "dv", "dsinks"):
+        assert_close(getattr(runs[0], n), getattr(rg, n), "float32", n)
+    assert_close(runs[0].dcaptures["tab"], rg.dcaptures["tab"], "float32", "dtab")
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r.dcaptures["tab"], runs[0].dcaptures["tab"])
+        np.testing.assert_array_equal(r.dk, runs[0].dk)
+
+
+def _capture_call(be, q, k, v, g, wrt, kw, debug_trips=False):
+    """The backward's engine Call (built, not submitted) for ``wrt`` with the score
+    function ``kw["score_mod"]`` (no other modifier)."""
+    out, st = aa.forward_with_stats(q, k, v, backend="numpy", **kw)
+    p = describe(q, k, v, dout=g, wrt=wrt, **kw)
+    be.debug_trips = debug_trips
+    try:
+        call, _ = be._build_backward(p, q, k, v, g, out, st, None)
+    finally:
+        be.debug_trips = False
+    return call
+
+
+def test_the_capture_pass_stays_within_its_loop_trip_model(be):
+    """A trip-counting build of the DCAP dK/dV pass (two capture reads): every
+    invocation's loop trips at most the model's (llvmpipe's loop limit is budgeted on
+    it), the busiest at least half of it."""
+    B, Sq, Sk = 2, 20, 12
+    q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
+    kw = dict(score_mod=_bhd_function(B, Sq, Sk, 4))
+    call = _capture_call(be, q, k, v, g, ("k", "v", "t"), kw, debug_trips=True)
+    assert call.dcap is not None and call.dcap[2] == 2
+    (lch,) = [x for x in call.launches if x.kernel == "bwd_dkdv"]
+    call.run.run([x for x in call.launches if x.kernel != "bwd_dkdv"], call.clears)
+    call.run.run([lch])
+    n = lch.grid[0] * lch.grid[1] * lch.grid[2] * call.cfg.NT
+    got = int(call.run.read(lch.buffers[9], n).max())
+    model = call.cfg.trips_per_unit("bwd_dkdv", 16, True, True, 2) * call.nqt * 2
+    assert 0.5 * model <= got <= model, (got, model)
+
+
+def test_a_capture_read_at_q_idx_is_refused_before_any_work(be, monkeypatch):
+    """An index of q_idx (not through q_idx - kv_idx) is refused by the backend choice,
+    naming the capture and its read; no backward starts."""
+    from anyattn.backends.webgpu.backend import WebGPUBackend
+
+    def no_work(*a, **kw):
+        raise AssertionError("a backward started")
+
+    monkeypatch.setattr(WebGPUBackend, "_backward_device", no_work)
+    S = 16
+    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.zeros((2, 2 * S - 1), np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, i - j + S - 1], t=t)
+    with pytest.raises(NotImplementedError,
+                       match=r"capture 't' is read at t\[h, q_idx\], whose index q_idx "
+                             r"depends on q_idx / kv_idx otherwise"):
+        aa.attention_backward(q, k, v, g, wrt=("q", "t"), backend="webgpu", score_mod=sm)
+
+
+def test_device_array_inputs_are_refused_for_capture_gradients(be, monkeypatch):
+    """Device-array inputs (with NumPy or device-array captures) with capture gradients
+    raise before any work, naming the remedy; the call without the capture's gradient
+    runs."""
+    from anyattn import webgpu as wg
+    from anyattn.backends.webgpu import resident
+
+    S = 16
+    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.random.default_rng(1).standard_normal((2, 2 * S - 1)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=t)
+    dev = tuple(wg.asarray(x) for x in (q, k, v, g))
+    calls = []
+    real = resident.backward
+    monkeypatch.setattr(resident, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with pytest.raises(NotImplementedError, match=r"gradients of score_mod captures from "
+                                                   r"NumPy inputs and NumPy captures only"):
+        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=sm)
+    assert not calls
+    dt = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=wg.asarray(t))
+    with pytest.raises(NotImplementedError, match=r"NumPy captures only"):
+        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=dt)
+    assert not calls
+    gr = aa.attention_backward(*dev, wrt=("k",), backend="webgpu", score_mod=dt)
+    assert calls and gr.dk is not None
