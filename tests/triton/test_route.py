@@ -35,6 +35,9 @@ CASES = [
      ("portable", "fwd128x64w8s2"), ("portable", "dkdv64x128w8s1+dq128x64w8s1")),
     ("bf16 D256", dict(head_dim=256), "auto", H100,
      ("portable", "fwd64x64w8s2"), ("portable", "fused(dkdv32x64w8s2+dq64x32)")),
+    # D=256: the Hopper forward is covered, not routed by 'auto'; no Hopper backward
+    ("PATH=hopper bf16 D256", dict(head_dim=256), "hopper", H100,
+     ("hopper", "ws128x64s2opf"), RAISES),
     ("bias", dict(head_dim=128, features=frozenset({"bias"})), "auto", H100,
      ("portable", "fwd128x128w8s3"), ("portable", "fused(dkdv64x128w8s3+dq128x64)")),
     ("softcap", dict(head_dim=128, features=frozenset({"softcap"})), "auto", H100,
@@ -136,6 +139,9 @@ def test_route_reasons_name_the_cause(heuristic):
     keep = ROUTE.route(ROUTE.ProblemFacts(dtype="bfloat16", mask_class="keep", **facts),
                        "forward", H100)
     assert "'auto' does not route mask class keep" in keep.reasons[0]
+    d256 = ROUTE.route(ROUTE.ProblemFacts(dtype="bfloat16", **dict(facts, head_dim=256)),
+                       "forward", H100)
+    assert "head_dim 256 (never checked and timed on a GPU)" in d256.reasons[0]
     old = ROUTE.route(ROUTE.ProblemFacts(dtype="bfloat16", **facts), "forward", A100)
     assert "compute capability 8.0" in old.reasons[0]
     long = ROUTE.route(ROUTE.ProblemFacts(dtype="bfloat16", **dict(facts, seq_k=8449)),

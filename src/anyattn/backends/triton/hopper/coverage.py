@@ -112,6 +112,8 @@ def auto_reason(direction: str, mask_class: Optional[str] = None,
     Hopper (routed_by_default's arguments), else why not, in one line."""
     cov = COVERAGE[direction]
     auto_classes = cov.auto_classes(head_dim)
+    if auto_classes is not None and not auto_classes and head_dim in cov.head_dims:
+        return f"head_dim {head_dim} (never checked and timed on a GPU)"
     if not (mask_class is None or auto_classes is None or mask_class in auto_classes):
         return f"mask class {mask_class} at head_dim {head_dim}"
     held = [f for f in FEATURES if f in features and f not in cov.auto_features]
