@@ -1,23 +1,66 @@
 """TritonBackend: the contract on torch CUDA tensors through Triton kernels.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim of q and k, Dv of v
-(each 1..256; Dv != D is the opt-in input ``value_dim``, on the portable kernels only).
-torch and triton are imported lazily, so ``import anyattn`` never needs them.
+(each 1..256 for every kernel, up to 1024 for the forward of decoding shapes: see
+``wide_refusal``; Dv != D is the opt-in input ``value_dim``, on the portable kernels
+only).  torch and triton are imported lazily, so ``import anyattn`` never needs them.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
-from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, FUNCTION_MODIFIERS, GRADIENTS
+from ...features import (BUILTIN_MODIFIERS, DEFAULT_INPUTS, FUNCTION_MODIFIERS, GRADIENTS,
+                         MASK_TERMS)
 from ... import settings
 from ..base import Backend, Capabilities
 
 __all__ = ["TritonBackend"]
 
+#: the largest head dim (D, and Dv) every kernel takes: forward and backward, every mask
+#: and modifier, the Hopper path
 MAX_HEAD_DIM = 256
+#: the largest head dim the forward of decoding shapes takes (the split-key kernel
+#: summing q.k over chunks of D and accumulating out in chunks of Dv: DeepSeek's
+#: absorbed MLA decoding, D = 576 / Dv = 512, and the like)
+WIDE_MAX_HEAD_DIM = 1024
 #: the most queries per sequence of a paged forward (route.DECODE_MAX_SQ, the split
-#: kernel's; not imported here, so that the capability check imports no Triton)
+#: kernel's; not imported here, so that the capability check imports no Triton), and of
+#: a forward above MAX_HEAD_DIM
 PAGED_MAX_SQ = 16
+#: the mask classes and score features (route.SPLIT_MASKS / SPLIT_FEATURES) the split
+#: kernel takes, so those of a forward above MAX_HEAD_DIM
+WIDE_MASK_CLASSES = frozenset({"none", "band"})
+WIDE_FEATURES = frozenset({"softcap", "alibi", "sinks"})
+
+
+def wide_refusal(head_dim: int, head_dim_v: int, seq_q: int, backward: bool,
+                 mask_class: str, features: FrozenSet[str]) -> Optional[str]:
+    """The one rule for head dims above MAX_HEAD_DIM (up to WIDE_MAX_HEAD_DIM, checked
+    by the capabilities): they run the forward of decoding shapes only, Sq <=
+    PAGED_MAX_SQ queries per sequence, no mask or a band (causal, window), the score
+    modifiers softcap / ALiBi / sinks, contiguous or paged caches, GQA / MQA.  None
+    where the call fits (or the head dims are <= MAX_HEAD_DIM), else the refusal
+    (a sentence after "backend 'triton' ...").  ``features``: the names of
+    anyattn.features (or of hopper/coverage.FEATURES) the call uses."""
+    if max(head_dim, head_dim_v) <= MAX_HEAD_DIM:
+        return None
+    lacks = []
+    if backward:
+        lacks.append("a backward")
+    if seq_q > PAGED_MAX_SQ:
+        lacks.append(f"Sq = {seq_q} queries")
+    if mask_class not in WIDE_MASK_CLASSES:
+        lacks.append(f"a {mask_class} mask")
+    extra = sorted(set(features) - WIDE_FEATURES - MASK_TERMS - GRADIENTS
+                   - {"gqa", "value_dim", "paged_kv"})
+    if extra:
+        lacks.append(", ".join(extra))
+    if not lacks:
+        return None
+    return (f"runs head dims above {MAX_HEAD_DIM} (here D = {head_dim}, Dv = "
+            f"{head_dim_v}) only in the forward of decoding shapes (Sq <= {PAGED_MAX_SQ}, "
+            "no mask or a causal / window band, softcap / ALiBi / sinks), not with "
+            f"{' and '.join(lacks)}; use backend='numpy' (or 'reference') for it")
 
 
 def _interpreting() -> bool:
@@ -41,7 +84,7 @@ class TritonBackend(Backend):
         self.capabilities = Capabilities(
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
-            precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
+            precisions=frozenset({"highest", "tf32"}), max_head_dim=WIDE_MAX_HEAD_DIM,
             mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
             modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
             inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
@@ -107,6 +150,10 @@ class TritonBackend(Backend):
                        f"per sequence (the split-key decode kernel), got Sq = {p.seq_q}; "
                        f"split the queries into chunks of <= {PAGED_MAX_SQ} or use "
                        "backend='numpy'")
+        wide = wide_refusal(p.head_dim, p.head_dim_v, p.seq_q, bool(p.wrt), p.mask_class,
+                            p.features)
+        if wide is not None:
+            why.append(wide)
         dev_type = p.device.split(":")[0]
         if dev_type == "cpu" and not _interpreting():
             why.append("needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); "
