@@ -33,6 +33,10 @@ over many keys and too few programs for the SMs) takes the portable split kernel
 (kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or an
 explicit plan asks otherwise; a decoding-sized forward (Sq <= DECODE_MAX_SQ) that stays
 unsplit says why in its last reason line.
+Checked before all of these: a head dim (D or Dv) above backend.MAX_HEAD_DIM runs only
+the split kernel with q.k and the value columns in chunks (``_wide_route``,
+configs.wide_decode_config; one split where decode_splits does not split), for what
+backend.wide_refusal accepts (the decoding forward), NotImplementedError otherwise.
 """
 from __future__ import annotations
 
