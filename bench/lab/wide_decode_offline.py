@@ -7,7 +7,7 @@ The launches are those of the tree's launch code (forward.py, route.py,
 configs.wide_decode_config), recorded as bench/lab/portable_hashes.py records them
 (CPU tensors, every kernel replaced by a recorder): B = 4, Hq = 16 over one kv head,
 a 4k cache, Sq 1 and 4, bf16 and fp32, contiguous and paged (64-position pages).
-``--sweep`` compiles the split kernel of the bf16 Sq 1 / Sq 4 launches over other
+``--sweep`` compiles the split kernel of the contiguous Sq 1 / Sq 4 launches over other
 tiles too (rows BM, key tile BN, value chunk DVC, warps, stages), the evidence behind
 wide_decode_config's choice.
 
@@ -30,12 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import portable_hashes as PH  # noqa: E402
 
 SHAPE = dict(B=4, Hq=16, Hkv=1, Sk=4096, D=576, Dv=512)
-#: (BM, BN, DVC, warps, stages) of the sweep, for 16 and 64 rows
-SWEEP = {16: [(16, 32, 64, 4, 2), (16, 32, 128, 4, 2), (16, 32, 256, 4, 2),
-              (16, 64, 128, 4, 2), (16, 32, 512, 4, 2), (16, 32, 512, 8, 2),
-              (16, 32, 128, 4, 3)],
-         64: [(64, 32, 64, 4, 2), (64, 32, 64, 8, 2), (64, 32, 128, 8, 2),
-              (64, 64, 64, 8, 2), (64, 32, 256, 8, 2)]}
+#: (BM, BN, DVC, warps, stages) of the sweep, per dtype and routed rows (BM)
+SWEEP = {("bfloat16", 16): [(16, 32, 64, 4, 2), (16, 32, 128, 4, 2), (16, 32, 256, 4, 2),
+                            (16, 64, 128, 4, 2), (16, 32, 512, 4, 2), (16, 32, 512, 8, 2),
+                            (16, 32, 128, 4, 3), (32, 32, 128, 4, 2), (32, 32, 128, 8, 2)],
+         ("bfloat16", 64): [(64, 32, 64, 4, 2), (64, 32, 64, 8, 2), (64, 32, 128, 8, 2),
+                            (64, 64, 64, 8, 2), (64, 32, 256, 8, 2)],
+         ("float32", 16): [(16, 32, 128, 4, 2), (16, 32, 64, 4, 2), (16, 32, 128, 4, 1),
+                           (16, 16, 128, 4, 2)],
+         ("float32", 32): [(64, 32, 128, 8, 2), (64, 32, 64, 8, 1), (64, 16, 64, 8, 2),
+                           (32, 32, 64, 4, 1), (32, 32, 64, 4, 2), (32, 32, 128, 8, 1),
+                           (32, 16, 64, 4, 2)]}
 
 
 def record(dtype: str, sq: int, paged: bool):
@@ -147,9 +152,8 @@ def main():
                     label = (f"{dtype} Sq{sq} {'paged' if paged else 'contiguous'} "
                              f"{name} {_cfg(kw) if 'BN' in kw else ''}(routed)")
                     todo.append((label, name, args, kw))
-                    if (a.sweep and name == "fwd_split_kernel" and dtype == "bfloat16"
-                            and not paged):
-                        for bm, bn, dvc, w, s in SWEEP[16 if sq == 1 else 64]:
+                    if a.sweep and name == "fwd_split_kernel" and not paged:
+                        for bm, bn, dvc, w, s in SWEEP[(dtype, kw["BM"])]:
                             kw2 = dict(kw, BM=bm, BN=bn, DVC=dvc, num_warps=w,
                                        num_stages=s)
                             if kw2 != kw:

@@ -68,8 +68,9 @@ CASES = [
     # an odd pair: the last value chunk partly padding (264 = 2 * 128 + 8)
     ("320-264-bf16-sq4-causal", 320, 264, "bfloat16", 1, 8, 1, 4, 140, 0,
      aa.Causal(align="bottom_right"), {}, 2),
-    # pages of 5 positions (every key row looks its page up), the score modifiers
-    ("320-264-fp32-sq1-paged5-mods", 320, 264, "float32", 2, 4, 2, 1, [33, 12], 5,
+    # pages of 5 positions (every key row looks its page up), the score modifiers, the
+    # last q / k chunk partly padding (300 = 4 * 64 + 44)
+    ("300-264-fp32-sq1-paged5-mods", 300, 264, "float32", 2, 4, 2, 1, [33, 12], 5,
      None, dict(softcap=5.0, alibi=True, sinks=True), None),
 ]
 
@@ -231,7 +232,9 @@ MLA = dict(batch=4, heads_q=16, heads_kv=1, seq_q=1, seq_k=4096, head_dim=576,
 WIDE_ROUTES = [
     ("B4 Hq16 4k", {}, 32, "wide-split16x32w4s2d64v128x32"),
     ("Sq4: 64 rows", dict(seq_q=4), 32, "wide-split64x32w8s2d64v64x32"),
-    ("fp32", dict(dtype="float32", seq_q=2), 32, "wide-split32x32w4s2d64v128x32"),
+    ("Sq2: 32 rows", dict(seq_q=2), 32, "wide-split32x32w8s2d64v128x32"),
+    # fp32: at most 32 rows (8 heads x Sq 4; route.WIDE_FP32_MAX_ROWS), 8 programs
+    ("fp32 Sq4", dict(dtype="float32", seq_q=4), 32, "wide-split32x32w8s1d64v64x32"),
     ("B256 fills the SMs: one split", dict(batch=256), 1, "wide-split16x32w4s2d64v128x1"),
     ("odd dims", dict(head_dim=320, head_dim_v=264, heads_kv=2, seq_k=300), 2,
      "wide-split16x32w4s2d64v128x2"),
@@ -245,6 +248,8 @@ def test_wide_route_table(case, heuristic):
     r = ROUTE.route(problem, "forward", H100)
     assert (r.path, r.splits, r.config) == ("portable", splits, config), r.describe()
     assert r.split.dc == configs.WIDE_DC and "above 256" in r.reasons[0]
+    most = ROUTE.WIDE_FP32_MAX_ROWS if problem.dtype == "float32" else ROUTE.DECODE_MAX_ROWS
+    assert r.pack * problem.seq_q <= min(most, r.split.bm)
     if splits == 1:
         assert "fill 132 SMs" in r.reasons[-1]
     pr = ROUTE.paged_route(problem, H100)

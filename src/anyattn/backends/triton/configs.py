@@ -188,23 +188,30 @@ WIDE_DC = 64
 
 def wide_decode_config(dv: int, dtype: str, rows: int) -> KernelConfig:
     """The split-key forward's tile for head dims above 256 (D or Dv; backend.py's
-    MAX_HEAD_DIM and wide_refusal decide which calls take it): the
-    decode_config tile of the rows, q.k summed over chunks of WIDE_DC columns of D,
-    and the value columns split over programs in chunks of dvc (grid axis 2), so that
-    a program holds a [BM, dvc] fp32 accumulator, a [BM, BN] score tile, a [BM, WIDE_DC]
-    query chunk and a [WIDE_DC, BN] key chunk, whatever D and Dv are.  dvc = 128 at
-    <= 32 rows and with fp32 inputs, 64 otherwise; a key tile of 32 (16 under the fixed
-    test plan), 4 warps (8 for 64 rows), 2 stages.  Each value chunk's program recomputes
-    the scores, so fewer, wider chunks trade registers for compute; chosen from sm_90a
-    offline compiles (no spills), not yet timed on a GPU."""
+    MAX_HEAD_DIM and wide_refusal decide which calls take it): ``rows`` = packed heads
+    * Sq padded to a power of two >= 16 (route.decode_pack: at most 64, 32 for fp32
+    inputs), q.k summed over chunks of WIDE_DC columns of D, and the value columns
+    split over programs in chunks of dvc (grid axis 2), so that a program holds a
+    [BM, dvc] fp32 accumulator, a [BM, BN] score tile, a [BM, WIDE_DC] query chunk and
+    a [WIDE_DC, BN] key chunk whatever D and Dv are.  Each value chunk's program
+    recomputes the scores, so fewer, wider chunks trade registers for compute.  A key
+    tile of 32 (16 under the fixed test plan), 4 warps at 16 rows and 8 above; 16-bit
+    inputs: dvc 128 up to 32 rows, 64 at 64 rows, 2 stages; fp32 (three products of
+    fp16 parts, twice the operands): dvc 64, 1 stage.  Chosen as the
+    widest chunks whose sm_90a compiles spill nothing and fit the shared memory
+    (bench/lab/wide_decode_offline.py --sweep); not yet timed on a GPU."""
     bm = 16
     while bm < rows:
         bm *= 2
-    dvc = 128 if (bm <= 32 or dtype == "float32") else 64
+    warps = 4 if bm <= 16 else 8
+    if dtype == "float32":
+        dvc, stages = 64, 1
+    else:
+        dvc, stages = (128 if bm <= 32 else 64), 2
     dvc = min(dvc, padded_dim(dv))
     if use_fixed():
-        return KernelConfig(bm, 16, 4, 1, dc=WIDE_DC, dvc=min(dvc, 64))
-    return KernelConfig(bm, 32, 8 if bm >= 64 else 4, 2, dc=WIDE_DC, dvc=dvc)
+        return KernelConfig(bm, 16, 4, 1, dc=WIDE_DC, dvc=dvc)
+    return KernelConfig(bm, 32, warps, stages, dc=WIDE_DC, dvc=dvc)
 
 
 def wide_grid(cfg: KernelConfig, dv: int) -> tuple:

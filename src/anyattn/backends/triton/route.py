@@ -54,7 +54,8 @@ __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "paged
            "wide", "split_config",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
            "decode_pack", "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES",
-           "DECODE_WAVES", "DECODE_MAX_SPLITS", "NO_GPU_SMS", "SPLIT_FEATURES", "SPLIT_MASKS"]
+           "DECODE_WAVES", "DECODE_MAX_SPLITS", "WIDE_FP32_MAX_ROWS", "NO_GPU_SMS",
+           "SPLIT_FEATURES", "SPLIT_MASKS"]
 
 DIRECTIONS = ("forward", "backward")
 
@@ -206,6 +207,9 @@ DECODE_WAVES = 2
 DECODE_MAX_SPLITS = 128
 #: query rows (packed heads * Sq) of one split program at most
 DECODE_MAX_ROWS = 64
+#: ... for fp32 inputs above backend.MAX_HEAD_DIM (configs.wide_decode_config: 64 rows
+#: of fp16 part pairs spill registers whatever the chunks)
+WIDE_FP32_MAX_ROWS = 32
 #: the SM count assumed where no GPU is asked (the interpreter, a CPU device)
 NO_GPU_SMS = 8
 #: the score features the split kernel takes (others keep fwd_kernel)
@@ -214,11 +218,20 @@ SPLIT_FEATURES = frozenset({"softcap", "alibi", "sinks"})
 SPLIT_MASKS = frozenset({"none", "band"})
 
 
-def decode_pack(group: int, seq_q: int) -> int:
+def decode_pack(group: int, seq_q: int, most: int = DECODE_MAX_ROWS) -> int:
     """The query heads of a kv head one split program takes (GQA packing): the largest
-    divisor HP of the group G with HP * Sq <= DECODE_MAX_ROWS."""
+    divisor HP of the group G with HP * Sq <= ``most`` rows (DECODE_MAX_ROWS; see
+    _pack)."""
     return max(hp for hp in range(1, group + 1)
-               if group % hp == 0 and hp * seq_q <= max(DECODE_MAX_ROWS, seq_q))
+               if group % hp == 0 and hp * seq_q <= max(most, seq_q))
+
+
+def _pack(problem: ProblemFacts) -> int:
+    """decode_pack of a problem: at most WIDE_FP32_MAX_ROWS rows for fp32 inputs above
+    MAX_HEAD_DIM, DECODE_MAX_ROWS otherwise."""
+    most = (WIDE_FP32_MAX_ROWS if wide(problem) and problem.dtype == "float32"
+            else DECODE_MAX_ROWS)
+    return decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q, most)
 
 
 def wide(problem: ProblemFacts) -> bool:
@@ -259,7 +272,7 @@ def decode_splits(problem: ProblemFacts, device: DeviceFacts
     if problem.seq_q > DECODE_MAX_SQ:
         return 1, None, 1, f"split: no (Sq {problem.seq_q} > {DECODE_MAX_SQ} queries)"
     group = problem.heads_q // problem.heads_kv
-    hp = decode_pack(group, problem.seq_q)
+    hp = _pack(problem)
     cfg = split_config(problem, hp)
     if device.sm_count is not None:
         sms, where = device.sm_count, "SMs"
@@ -299,7 +312,7 @@ def paged_route(problem: ProblemFacts, device: DeviceFacts) -> Route:
                                   f"{', '.join(extra)}; use backend='numpy'")
     ns, cfg, hp, why = decode_splits(problem, device)
     if ns == 1:
-        hp = decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q)
+        hp = _pack(problem)
         cfg = split_config(problem, hp)
     name = f"paged-split{_kernel(cfg)}x{ns}"
     return Route("forward", "portable", name,
@@ -419,7 +432,7 @@ def _wide_route(problem: ProblemFacts, direction: str, device: DeviceFacts, sett
             "plan=None for the split-key forward of wide head dims")
     ns, cfg, hp, why = decode_splits(problem, device)
     if ns == 1:
-        hp = decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q)
+        hp = _pack(problem)
         cfg = split_config(problem, hp)
     name = f"wide-split{_kernel(cfg)}x{ns}"
     return Route(direction, "portable", name,
