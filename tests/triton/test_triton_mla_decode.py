@@ -16,7 +16,7 @@ import pytest
 from tr_util import HAS_CUDA, T, needs_triton, torch
 
 import anyattn as aa
-from anyattn.backends.triton import backend as TB
+from anyattn.backends.triton import head_dims as TB
 from anyattn.backends.triton import configs
 from anyattn.backends.triton import launch as L
 from anyattn.backends.triton import prepared
@@ -174,7 +174,7 @@ REFUSALS = [
 @pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
 def test_wide_refusals_name_the_supported_case(case, monkeypatch):
     """Above 256 everything but the decoding forward is refused with NotImplementedError
-    by the capability check (backend.wide_refusal), before any kernel runs."""
+    by the capability check (head_dims.wide_refusal), before any kernel runs."""
     name, call, phrases = case
     monkeypatch.setattr(L, "forward", _no_work)
     monkeypatch.setattr(L, "backward", _no_work)
@@ -197,7 +197,7 @@ def test_head_dims_above_the_wide_bound_are_refused():
 
 
 def test_wide_refusal_is_the_one_rule():
-    """backend.wide_refusal: None at <= 256 or for a decoding forward, else every
+    """head_dims.wide_refusal: None at <= 256 or for a decoding forward, else every
     unsupported part named once."""
     ok = dict(head_dim=576, head_dim_v=512, seq_q=16, backward=False, mask_class="band",
               features=frozenset({"gqa", "value_dim", "band", "softcap", "alibi", "sinks",

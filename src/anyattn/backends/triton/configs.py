@@ -187,7 +187,7 @@ WIDE_DC = 64
 
 
 def wide_decode_config(dv: int, dtype: str, rows: int) -> KernelConfig:
-    """The split-key forward's tile for head dims above 256 (D or Dv; backend.py's
+    """The split-key forward's tile for head dims above 256 (D or Dv; head_dims.py's
     MAX_HEAD_DIM and wide_refusal decide which calls take it): ``rows`` = packed heads
     * Sq padded to a power of two >= 16 (route.decode_pack: at most 64, 32 for fp32
     inputs), q.k summed over chunks of WIDE_DC columns of D, and the value columns

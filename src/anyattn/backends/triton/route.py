@@ -33,10 +33,10 @@ over many keys and too few programs for the SMs) takes the portable split kernel
 (kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or an
 explicit plan asks otherwise; a decoding-sized forward (Sq <= DECODE_MAX_SQ) that stays
 unsplit says why in its last reason line.
-Checked before all of these: a head dim (D or Dv) above backend.MAX_HEAD_DIM runs only
+Checked before all of these: a head dim (D or Dv) above head_dims.MAX_HEAD_DIM runs only
 the split kernel with q.k and the value columns in chunks (``_wide_route``,
 configs.wide_decode_config; one split where decode_splits does not split), for what
-backend.wide_refusal accepts (the decoding forward), NotImplementedError otherwise.
+head_dims.wide_refusal accepts (the decoding forward), NotImplementedError otherwise.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from ... import settings
 from . import configs
-from .backend import MAX_HEAD_DIM, wide_refusal
+from .head_dims import MAX_HEAD_DIM, wide_refusal
 from .hopper import configs as hopper_configs
 from .hopper import coverage
 
@@ -207,7 +207,7 @@ DECODE_WAVES = 2
 DECODE_MAX_SPLITS = 128
 #: query rows (packed heads * Sq) of one split program at most
 DECODE_MAX_ROWS = 64
-#: ... for fp32 inputs above backend.MAX_HEAD_DIM (configs.wide_decode_config: 64 rows
+#: ... for fp32 inputs above head_dims.MAX_HEAD_DIM (configs.wide_decode_config: 64 rows
 #: of fp16 part pairs spill registers whatever the chunks)
 WIDE_FP32_MAX_ROWS = 32
 #: the SM count assumed where no GPU is asked (the interpreter, a CPU device)
@@ -235,8 +235,8 @@ def _pack(problem: ProblemFacts) -> int:
 
 
 def wide(problem: ProblemFacts) -> bool:
-    """Is a head dim (D or Dv) above backend.MAX_HEAD_DIM?  (Then only the split-key
-    forward of decoding shapes runs the call: backend.wide_refusal.)"""
+    """Is a head dim (D or Dv) above head_dims.MAX_HEAD_DIM?  (Then only the split-key
+    forward of decoding shapes runs the call: head_dims.wide_refusal.)"""
     return max(problem.head_dim, problem.value_dim) > MAX_HEAD_DIM
 
 
@@ -414,7 +414,7 @@ def _wide_route(problem: ProblemFacts, direction: str, device: DeviceFacts, sett
     """The route of a call with a head dim above MAX_HEAD_DIM: the split-key forward
     (decode_splits' splits, one where it does not split, as paged_route), its q.k and
     value columns in chunks (configs.wide_decode_config).  NotImplementedError for what
-    backend.wide_refusal refuses (the backend's capability check says it first), for
+    head_dims.wide_refusal refuses (the backend's capability check says it first), for
     ANYATTN_TRITON_PATH=hopper and for an explicit plan (the unsplit kernel's tiles)."""
     why = wide_refusal(problem.head_dim, problem.value_dim, problem.seq_q,
                        direction == "backward", problem.mask_class, problem.features)
