@@ -94,11 +94,12 @@ def test_value_dim_broadcast_dbias_and_two_launch_backward(monkeypatch, bshape):
 
 @needs_triton
 def test_value_dim_bad_shapes_raise_before_work():
-    """A v head dim above the kernels' 256, a dout or out of q's head dim: one clear error
-    each, before any launch."""
+    """A v head dim above the kernels' 1024 (above 256 only the decoding forward, see
+    test_triton_mla_decode.py), a dout or out of q's head dim: one clear error each,
+    before any launch."""
     q, k, v, g = (T(x) for x in make_qkv(np.random.default_rng(1), 1, 2, 2, 5, 7, 16, Dv=8))
-    big = T(np.zeros((1, 2, 7, 257), np.float32))
-    with pytest.raises(NotImplementedError, match="value head dim <= 256, got 257"):
+    big = T(np.zeros((1, 2, 7, 1025), np.float32))
+    with pytest.raises(NotImplementedError, match="value head dim <= 1024, got 1025"):
         aa.attention(q, k, big, backend="triton")
     with pytest.raises(ValueError, match=r"dout: shape \(1, 2, 5, 16\); expected \[B, Hq, Sq, Dv\]"):
         aa.attention_backward(q, k, v, q, backend="triton")

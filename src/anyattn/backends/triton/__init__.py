@@ -9,6 +9,7 @@ prepared.py  per-signature prepared launches, launch resolution (fallbacks, auto
 tiles.py     mask arguments, tile lists;  operands.py: layouts, fp32 schemes, modifiers
 configs.py   frozen tile configs, heuristics, autotuning, the fixed test plan
 backend.py   TritonBackend: capabilities, availability, refusals, dispatch
+head_dims.py the head-dim rule (<= 256 everywhere, above it the decoding forward)
 hopper/      the Hopper kernels (Gluon), their configs and coverage table
 
 Nothing here imports torch or triton at package import time; backend.py does so lazily.

@@ -1,8 +1,9 @@
 """TritonBackend: the contract on torch CUDA tensors through Triton kernels.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim of q and k, Dv of v
-(each 1..256; Dv != D is the opt-in input ``value_dim``, on the portable kernels only).
-torch and triton are imported lazily, so ``import anyattn`` never needs them.
+(each 1..256 for every kernel, up to 1024 for the forward of decoding shapes: see
+head_dims.py; Dv != D is the opt-in input ``value_dim``, on the portable kernels
+only).  torch and triton are imported lazily, so ``import anyattn`` never needs them.
 """
 from __future__ import annotations
 
@@ -11,13 +12,10 @@ from typing import List, Optional
 from ...features import BUILTIN_MODIFIERS, DEFAULT_INPUTS, FUNCTION_MODIFIERS, GRADIENTS
 from ... import settings
 from ..base import Backend, Capabilities
+# PAGED_MAX_SQ: read from here by anyattn.flash_attn
+from .head_dims import MAX_HEAD_DIM, PAGED_MAX_SQ, WIDE_MAX_HEAD_DIM, wide_refusal  # noqa: F401
 
 __all__ = ["TritonBackend"]
-
-MAX_HEAD_DIM = 256
-#: the most queries per sequence of a paged forward (route.DECODE_MAX_SQ, the split
-#: kernel's; not imported here, so that the capability check imports no Triton)
-PAGED_MAX_SQ = 16
 
 
 def _interpreting() -> bool:
@@ -41,7 +39,7 @@ class TritonBackend(Backend):
         self.capabilities = Capabilities(
             array_kinds=frozenset({"torch"}), device_types=frozenset(devices),
             dtypes=frozenset({"float16", "bfloat16", "float32"}),
-            precisions=frozenset({"highest", "tf32"}), max_head_dim=MAX_HEAD_DIM,
+            precisions=frozenset({"highest", "tf32"}), max_head_dim=WIDE_MAX_HEAD_DIM,
             mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
             modifiers=BUILTIN_MODIFIERS | FUNCTION_MODIFIERS,
             inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
@@ -107,6 +105,10 @@ class TritonBackend(Backend):
                        f"per sequence (the split-key decode kernel), got Sq = {p.seq_q}; "
                        f"split the queries into chunks of <= {PAGED_MAX_SQ} or use "
                        "backend='numpy'")
+        wide = wide_refusal(p.head_dim, p.head_dim_v, p.seq_q, bool(p.wrt), p.mask_class,
+                            p.features)
+        if wide is not None:
+            why.append(wide)
         dev_type = p.device.split(":")[0]
         if dev_type == "cpu" and not _interpreting():
             why.append("needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); "

@@ -15,17 +15,23 @@ from ... import settings
 
 __all__ = ["KernelConfig", "Plan", "plan_for", "fixed_plan", "autotune_enabled",
            "tune", "candidates", "fused_candidates", "padded_dim", "length_bucket",
-           "overrides_version", "use_fixed", "softcap_mode", "decode_config", "COMBINE_BM"]
+           "overrides_version", "use_fixed", "softcap_mode", "decode_config", "COMBINE_BM",
+           "wide_decode_config", "wide_grid", "wide_kw", "WIDE_DC"]
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One kernel's launch shape: query tile bm, key tile bn, warps, pipeline stages."""
+    """One kernel's launch shape: query tile bm, key tile bn, warps, pipeline stages;
+    for the split-key forward of head dims above 256 (wide_decode_config) also the
+    chunks dc of D that q.k sums over and dvc of Dv that one program accumulates (0:
+    whole head dims, the kernels of D <= 256)."""
 
     bm: int
     bn: int
     num_warps: int = 4
     num_stages: int = 2
+    dc: int = 0
+    dvc: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,51 @@ def decode_config(dp: int, dtype: str, rows: int) -> KernelConfig:
     if dp > 128 or dtype == "float32":
         return KernelConfig(bm, 32, 4, 2)
     return KernelConfig(bm, 64, 4, 3)
+
+
+#: the chunk of D that q.k of a wide head dim sums over (a multiple of the MMA's K; 64
+#: divides the common wide dims 320, 512 and 576, so no chunk is padding)
+WIDE_DC = 64
+
+
+def wide_decode_config(dv: int, dtype: str, rows: int) -> KernelConfig:
+    """The split-key forward's tile for head dims above 256 (D or Dv; head_dims.py's
+    MAX_HEAD_DIM and wide_refusal decide which calls take it): ``rows`` = packed heads
+    * Sq padded to a power of two >= 16 (route.decode_pack: at most 64, 32 for fp32
+    inputs), q.k summed over chunks of WIDE_DC columns of D, and the value columns
+    split over programs in chunks of dvc (grid axis 2), so that a program holds a
+    [BM, dvc] fp32 accumulator, a [BM, BN] score tile, a [BM, WIDE_DC] query chunk and
+    a [WIDE_DC, BN] key chunk whatever D and Dv are.  Each value chunk's program
+    recomputes the scores, so fewer, wider chunks trade registers for compute.  A key
+    tile of 32 (16 under the fixed test plan), 4 warps at 16 rows and 8 above; 16-bit
+    inputs: dvc 128 up to 32 rows, 64 at 64 rows, 2 stages; fp32 (three products of
+    fp16 parts, twice the operands): dvc 64, 1 stage.  Chosen as the
+    widest chunks whose sm_90a compiles spill nothing and fit the shared memory
+    (bench/lab/wide_decode_offline.py --sweep); not yet timed on a GPU."""
+    bm = 16
+    while bm < rows:
+        bm *= 2
+    warps = 4 if bm <= 16 else 8
+    if dtype == "float32":
+        dvc, stages = 64, 1
+    else:
+        dvc, stages = (128 if bm <= 32 else 64), 2
+    dvc = min(dvc, padded_dim(dv))
+    if use_fixed():
+        return KernelConfig(bm, 16, 4, 1, dc=WIDE_DC, dvc=dvc)
+    return KernelConfig(bm, 32, warps, stages, dc=WIDE_DC, dvc=dvc)
+
+
+def wide_grid(cfg: KernelConfig, dv: int) -> tuple:
+    """The split kernel's third grid axis under a wide_decode_config, the cdiv(Dv, dvc)
+    value chunks; () for the tiles of D <= 256 (a two-axis grid)."""
+    return (-(-dv // cfg.dvc),) if cfg.dc else ()
+
+
+def wide_kw(cfg: KernelConfig) -> dict:
+    """The split kernel's chunk constexprs DC / DVC under a wide_decode_config; none for
+    the tiles of D <= 256 (their launches and compiles stay as they were)."""
+    return dict(DC=cfg.dc, DVC=cfg.dvc) if cfg.dc else {}
 
 
 #: rows per program of the split forward's combine (kernels.fwd_combine_kernel)

@@ -39,7 +39,7 @@ def forward(p, q, k, v, bias, plan: Optional[configs.Plan] = None,
         from .hopper import launch as hopper_launch
 
         return hopper_launch.forward(p, q, k, v, prepared=pr.hfwd, mods=mods)
-    if pr.route.splits > 1:
+    if pr.route.split is not None:       # split-key decoding; head dims above 256
         return _forward_split(p, q, k, v, pr, mods)
     plan = pr.plan
     q, k, v = operands.unit_last(q), operands.unit_last(k), operands.unit_last(v)
@@ -111,10 +111,11 @@ def _forward_split(p, q, k, v, pr, mods):
 
         # launched as routed (no fallback to smaller tiles: the packed rows need BM)
         prepared.site(pr, "fwd_split", kernels.fwd_split_kernel)(
-            (B * p.heads_kv * (p.group // hp), ns), args,
+            (B * p.heads_kv * (p.group // hp), ns) + configs.wide_grid(cfg, Dv), args,
             dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
                  PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
-                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                 BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 **configs.wide_kw(cfg)))
         bm = configs.COMBINE_BM
         prepared.site(pr, "fwd_combine", kernels.fwd_combine_kernel)(
             (cdiv(Sq, bm), B * H),
@@ -256,14 +257,16 @@ def forward_paged(p, q, k_pages, v_pages, mods: Optional[ScoreMods] = None):
             sc = tiles.dummy(dev, torch.float32)
         adiag = (md.adiag - p.seq_k) if md.alibi else 0    # a sequence of no keys
         _paged_launch(
-            "fwd_split", kernels.fwd_split_kernel, (B * Hkv * (G // hp), ns),
+            "fwd_split", kernels.fwd_split_kernel,
+            (B * Hkv * (G // hp), ns) + configs.wide_grid(cfg, Dv),
             (q, k_pages, v_pages, pacc, pst, sc, md.slopes, *s3(q), *s3(k_pages),
              *s3(v_pages), H, G, hp, Sq, p.seq_k, p.scale * kernels.LOG2E, p.scale, ma.lo,
              ma.hi, md.sl_b, md.cap, adiag, lplane),
             dict(D=D, DP=configs.padded_dim(D), VD=Dv, VDP=vdp, HAS_BAND=ma.has_band,
                  PREC=prec, SOFTCAP=md.flags["SOFTCAP"], ALIBI=md.alibi, BM=cfg.bm,
                  BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages, PG=pg,
-                 PAGE=p.pages.page_size, STARTS=p.pages.has_starts), dev)
+                 PAGE=p.pages.page_size, STARTS=p.pages.has_starts,
+                 **configs.wide_kw(cfg)), dev)
         bm = configs.COMBINE_BM
         _paged_launch(
             "fwd_combine", kernels.fwd_combine_kernel, (cdiv(Sq, bm), B * H),

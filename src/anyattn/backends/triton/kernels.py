@@ -593,6 +593,34 @@ def row_stats_kernel(X, AMAX, RSQ, sx_b, sx_h, sx_s, H, S, D: tl.constexpr,
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
+def _qk_chunks(q_rows, q_ok, Kh, start_n, sk_s, Sk, offs_nb, D: tl.constexpr,
+               DC: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Raw products q.k [BM, BN] of the query rows at pointers q_rows [BM] (unit stride
+    along D; rows not q_ok read as 0) and the key tile at start_n, summed over the
+    cdiv(D, DC) chunks of DC columns (unrolled; the last chunk masked where DC does not
+    divide D), so that only a [BM, DC] query chunk and a [DC, BN] key chunk are live at
+    a time.  The query chunks are re-read per key tile (from L1 / L2: a program's
+    query rows are a few KB).  'hsplit3': the lo parts at column D, as _load_op's."""
+    DPC: tl.constexpr = (D + DC - 1) // DC * DC
+    s = tl.zeros([q_rows.shape[0], offs_nb.shape[0]], dtype=tl.float32)
+    for c in tl.static_range(0, DPC // DC):
+        offs_c = c * DC + tl.arange(0, DC)
+        if D == DPC:
+            qm = q_ok[:, None]
+        else:
+            qm = q_ok[:, None] & (offs_c[None, :] < D)
+        qp = q_rows[:, None] + offs_c[None, :]
+        q0 = tl.load(qp, mask=qm, other=0.0)                                 # [BM, DC]
+        q1 = q0
+        if PREC == "hsplit3":
+            q1 = tl.load(qp + D, mask=qm, other=0.0)
+        k0, k1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_c, D, DPC, MASKED, PREC,
+                          True)                                               # [DC, BN]
+        s = s + _dotp(q0, q1, k0, k1, PREC)
+    return s
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_nb, offs_d,
               offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi, cap, slope, adiag, dw, DWr, DW, dthr,
               drs, QID, KID, KM, skm_m, skm_n, BI, sb_m, sb_n,
@@ -600,14 +628,21 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
               MASKED: tl.constexpr,
               HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr):
+              PREC: tl.constexpr, b, h, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
+              DC: tl.constexpr = 0):
     """One key tile of the online softmax: acc [BM, VDP], l_i/m_i [BM] updated.  m_i is
     the running row max in the tile's units (module doc): natural scores with a bias or
     a score modifier (s_scale the natural score scale), raw products q.k without
-    (qk_scale = s_scale * log2(e) takes them to base 2)."""
+    (qk_scale = s_scale * log2(e) takes them to base 2).
+
+    DC > 0 (head dims above 256, fwd_split_kernel): q.k is summed over chunks of DC
+    columns of D (_qk_chunks; q0 the query rows' pointers [BM], q1 which rows are
+    valid [BM], offs_d unused), and offs_dv may be any VDP-bounded column range of v
+    (acc [BM, len(offs_dv)]): v's columns are read where offs_dv says."""
     offs_n = start_n + offs_nb
-    kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
-                             MASKED, PREC, True)  # [DP, BN]
+    if DC == 0:
+        kT0, kT1 = _load_op(Kh, start_n, sk_s, Sk, offs_nb, offs_d, D, DP,
+                                 MASKED, PREC, True)  # [DP, BN]
     if HAS_BIAS:   # issued before the product, to overlap it
         bt = _load_bias(BI, sb_m, sb_n, offs_m, offs_n, Sq, Sk, MASKED)           # [BM, BN]
     else:
@@ -617,7 +652,10 @@ def _fwd_tile(acc, l_i, m_i, q0, q1, Kh, Vh, sk_s, sv_s, start_n, offs_m, offs_n
                      HAS_BAND, HAS_DOCS, HAS_KEEP)                                # [BM, BN]
         if MMOD is not None:   # a mask function (partial tiles only; programs.py)
             keep = MMOD(b, h, offs_m[:, None], offs_n[None, :], keep, CAPS)
-    s = _dotp(q0, q1, kT0, kT1, PREC)               # [BM, BN] raw q.k
+    if DC == 0:
+        s = _dotp(q0, q1, kT0, kT1, PREC)           # [BM, BN] raw q.k
+    else:
+        s = _qk_chunks(q0, q1, Kh, start_n, sk_s, Sk, offs_nb, D, DC, MASKED, PREC)
     if SMOD is not None:   # a score function on the natural scores (after softcap)
         s, _ = _mod_scores(s, s_scale, 0.0, cap, slope, offs_m, offs_n, adiag,
                            False, SOFTCAP, False, False)
@@ -906,7 +944,8 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                      D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      VD: tl.constexpr, VDP: tl.constexpr, HAS_BAND: tl.constexpr,
                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PREC: tl.constexpr,
-                     PG=None, PAGE: tl.constexpr = 0, STARTS: tl.constexpr = False):
+                     PG=None, PAGE: tl.constexpr = 0, STARTS: tl.constexpr = False,
+                     DC: tl.constexpr = 0, DVC: tl.constexpr = 0):
     """Grid (B * Hkv * G / HP, NS): the partial forward of HP query heads of one kv head
     (GQA packing: row r of the BM-row tile is query r % Sq of head hk * G + g0 + r // Sq,
     HP * Sq <= BM; the kv head's keys are loaded once for all of them) over split ``s``
@@ -925,7 +964,13 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     then the block table rows.  Sk, lo and hi are then sequence b's (its record), adiag
     is that of a sequence of no keys (sequence b adds its key count), and key j of b is
     read through _tile_rows.  STARTS (Pages(starts=)): the word before each table row
-    holds the sequence's start, key j being its position start + j."""
+    holds the sequence's start, key j being its position start + j.
+
+    DC > 0 (head dims above 256): grid (B * Hkv * G / HP, NS, cdiv(VD, DVC)); q.k is
+    summed over chunks of DC columns of D (_fwd_tile's DC) and program (.., .., cv)
+    computes the value columns [cv * DVC, (cv + 1) * DVC) of acc (its [BM, DVC]
+    accumulator is what bounds the registers), writing those of PACC; every cv runs
+    the same scores, so the statistics are equal bit for bit and cv = 0 stores them."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     NS = tl.num_programs(1)
@@ -945,7 +990,10 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     offs_m = tl.where(valid, rows % Sq, Sq)     # query positions; Sq (none) on padding rows
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
-    offs_dv = tl.arange(0, VDP)
+    if DC == 0:
+        offs_dv = tl.arange(0, VDP)
+    else:
+        offs_dv = tl.program_id(2) * DVC + tl.arange(0, DVC)       # absolute v columns
     if PAGE > 0:
         rec = PG + b * 4
         Sk = tl.load(rec)
@@ -970,11 +1018,16 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
     else:
         slope = 0.0
     q_off = b * sq_b + hrow * sq_h + offs_m.to(tl.int64) * sq_s
-    q0 = _load_packed(Q, q_off, valid, offs_d, D, DP)                          # [BM, DP]
-    q1 = q0
-    if PREC == "hsplit3":
-        q1 = _load_packed(Q + D, q_off, valid, offs_d, D, DP)
-    acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    if DC == 0:
+        q0 = _load_packed(Q, q_off, valid, offs_d, D, DP)                      # [BM, DP]
+        q1 = q0
+        if PREC == "hsplit3":
+            q1 = _load_packed(Q + D, q_off, valid, offs_d, D, DP)
+        acc = tl.zeros([BM, VDP], dtype=tl.float32)
+    else:          # the rows' pointers and validity: _qk_chunks reads q chunk by chunk
+        q0 = Q + q_off
+        q1 = valid
+        acc = tl.zeros([BM, DVC], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     t0, f0, f1, t1 = _key_tile_range_all(Sq, Sk, lo, hi, BN)
@@ -990,7 +1043,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None, DC)
     for t in range(tl.maximum(f0, u0), tl.minimum(f1, u1)):
         Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, kst, t * BN,
                                       offs_nb, Sk, BN, PAGE, STARTS)
@@ -998,7 +1051,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, False, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None, DC)
     for t in range(tl.maximum(f1, u0), u1):
         Kt, Vt, skt, svt = _tile_rows(Kh, Vh, sk_b, sk_s, sv_b, sv_s, PG, tab, kst, t * BN,
                                       offs_nb, Sk, BN, PAGE, STARTS)
@@ -1006,7 +1059,7 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
                                   offs_nb, offs_d, offs_dv, Sq, Sk, s_scale, qk_scale, lo, hi,
                                   cap, slope, adiag, 0, Q, Q, 0, 1.0, Q, Q, Q, 0, 0, Q, 0, 0,
                                   D, DP, VD, VDP, True, HAS_BAND, False, False, False,
-                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None)
+                                  SOFTCAP, ALIBI, False, PREC, b, hk, None, None, None, DC)
     if SOFTCAP:
         run_max = m_i                      # natural units already
     else:
@@ -1016,8 +1069,13 @@ def fwd_split_kernel(Q, K, V, PACC, PST, SC, SLOPES,
         acc = acc * out_mul
     prow = ((b * H + hrow) * NS + sp) * Sq + offs_m                          # [BM]
     tl.store(PACC + prow[:, None] * VDP + offs_dv[None, :], acc, mask=valid[:, None])
-    tl.store(PST + prow, run_max, mask=valid)
-    tl.store(PST + lplane + prow, l_i, mask=valid)
+    if DC == 0:
+        tl.store(PST + prow, run_max, mask=valid)
+        tl.store(PST + lplane + prow, l_i, mask=valid)
+    else:
+        first = valid & (tl.program_id(2) == 0)
+        tl.store(PST + prow, run_max, mask=first)
+        tl.store(PST + lplane + prow, l_i, mask=first)
 
 
 @triton.jit

@@ -33,6 +33,10 @@ over many keys and too few programs for the SMs) takes the portable split kernel
 (kernels.fwd_split_kernel + fwd_combine_kernel) unless ANYATTN_TRITON_PATH=hopper or an
 explicit plan asks otherwise; a decoding-sized forward (Sq <= DECODE_MAX_SQ) that stays
 unsplit says why in its last reason line.
+Checked before all of these: a head dim (D or Dv) above head_dims.MAX_HEAD_DIM runs only
+the split kernel with q.k and the value columns in chunks (``_wide_route``,
+configs.wide_decode_config; one split where decode_splits does not split), for what
+head_dims.wide_refusal accepts (the decoding forward), NotImplementedError otherwise.
 """
 from __future__ import annotations
 
@@ -42,13 +46,16 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from ... import settings
 from . import configs
+from .head_dims import MAX_HEAD_DIM, wide_refusal
 from .hopper import configs as hopper_configs
 from .hopper import coverage
 
 __all__ = ["ProblemFacts", "DeviceFacts", "Route", "route", "route_call", "paged_route", "device_facts",
+           "wide", "split_config",
            "sm_count", "SM_COUNTS", "DIRECTIONS", "plan_name", "decode_splits",
            "decode_pack", "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "DECODE_MIN_TILES",
-           "DECODE_WAVES", "DECODE_MAX_SPLITS", "NO_GPU_SMS", "SPLIT_FEATURES", "SPLIT_MASKS"]
+           "DECODE_WAVES", "DECODE_MAX_SPLITS", "WIDE_FP32_MAX_ROWS", "NO_GPU_SMS",
+           "SPLIT_FEATURES", "SPLIT_MASKS"]
 
 DIRECTIONS = ("forward", "backward")
 
@@ -151,7 +158,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _kernel(c: configs.KernelConfig) -> str:
-    return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}"
+    chunks = f"d{c.dc}v{c.dvc}" if c.dc else ""
+    return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}{chunks}"
 
 
 def plan_name(plan: configs.Plan, direction: str) -> str:
@@ -199,6 +207,9 @@ DECODE_WAVES = 2
 DECODE_MAX_SPLITS = 128
 #: query rows (packed heads * Sq) of one split program at most
 DECODE_MAX_ROWS = 64
+#: ... for fp32 inputs above head_dims.MAX_HEAD_DIM (configs.wide_decode_config: 64 rows
+#: of fp16 part pairs spill registers whatever the chunks)
+WIDE_FP32_MAX_ROWS = 32
 #: the SM count assumed where no GPU is asked (the interpreter, a CPU device)
 NO_GPU_SMS = 8
 #: the score features the split kernel takes (others keep fwd_kernel)
@@ -207,11 +218,37 @@ SPLIT_FEATURES = frozenset({"softcap", "alibi", "sinks"})
 SPLIT_MASKS = frozenset({"none", "band"})
 
 
-def decode_pack(group: int, seq_q: int) -> int:
+def decode_pack(group: int, seq_q: int, most: int = DECODE_MAX_ROWS) -> int:
     """The query heads of a kv head one split program takes (GQA packing): the largest
-    divisor HP of the group G with HP * Sq <= DECODE_MAX_ROWS."""
+    divisor HP of the group G with HP * Sq <= ``most`` rows (DECODE_MAX_ROWS; see
+    _pack)."""
     return max(hp for hp in range(1, group + 1)
-               if group % hp == 0 and hp * seq_q <= max(DECODE_MAX_ROWS, seq_q))
+               if group % hp == 0 and hp * seq_q <= max(most, seq_q))
+
+
+def _pack(problem: ProblemFacts) -> int:
+    """decode_pack of a problem: at most WIDE_FP32_MAX_ROWS rows for fp32 inputs above
+    MAX_HEAD_DIM, DECODE_MAX_ROWS otherwise."""
+    most = (WIDE_FP32_MAX_ROWS if wide(problem) and problem.dtype == "float32"
+            else DECODE_MAX_ROWS)
+    return decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q, most)
+
+
+def wide(problem: ProblemFacts) -> bool:
+    """Is a head dim (D or Dv) above head_dims.MAX_HEAD_DIM?  (Then only the split-key
+    forward of decoding shapes runs the call: head_dims.wide_refusal.)"""
+    return max(problem.head_dim, problem.value_dim) > MAX_HEAD_DIM
+
+
+def split_config(problem: ProblemFacts, pack: int) -> configs.KernelConfig:
+    """The split kernel's tile for ``pack`` query heads x Sq rows: configs.decode_config
+    of the padded larger head dim, or above MAX_HEAD_DIM configs.wide_decode_config
+    (q.k and the value columns in chunks)."""
+    rows = pack * problem.seq_q
+    if wide(problem):
+        return configs.wide_decode_config(problem.value_dim, problem.dtype, rows)
+    return configs.decode_config(configs.padded_dim(max(problem.head_dim, problem.value_dim)),
+                                 problem.dtype, rows)
 
 
 def decode_splits(problem: ProblemFacts, device: DeviceFacts
@@ -235,9 +272,8 @@ def decode_splits(problem: ProblemFacts, device: DeviceFacts
     if problem.seq_q > DECODE_MAX_SQ:
         return 1, None, 1, f"split: no (Sq {problem.seq_q} > {DECODE_MAX_SQ} queries)"
     group = problem.heads_q // problem.heads_kv
-    hp = decode_pack(group, problem.seq_q)
-    cfg = configs.decode_config(configs.padded_dim(max(problem.head_dim, problem.value_dim)),
-                                problem.dtype, hp * problem.seq_q)
+    hp = _pack(problem)
+    cfg = split_config(problem, hp)
     if device.sm_count is not None:
         sms, where = device.sm_count, "SMs"
     else:
@@ -276,10 +312,8 @@ def paged_route(problem: ProblemFacts, device: DeviceFacts) -> Route:
                                   f"{', '.join(extra)}; use backend='numpy'")
     ns, cfg, hp, why = decode_splits(problem, device)
     if ns == 1:
-        hp = decode_pack(problem.heads_q // problem.heads_kv, problem.seq_q)
-        cfg = configs.decode_config(configs.padded_dim(max(problem.head_dim,
-                                                           problem.value_dim)),
-                                    problem.dtype, hp * problem.seq_q)
+        hp = _pack(problem)
+        cfg = split_config(problem, hp)
     name = f"paged-split{_kernel(cfg)}x{ns}"
     return Route("forward", "portable", name,
                  ("path: portable split-key forward over pages (the kernel that reads a "
@@ -298,6 +332,8 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         raise ValueError(f"direction {direction!r}: expected one of {DIRECTIONS}")
     env = settings.current() if env is None else env
     setting = env.triton_path
+    if wide(problem):
+        return _wide_route(problem, direction, device, setting, plan)
     no_split = None    # why a decoding-sized forward (Sq <= DECODE_MAX_SQ) is unsplit
     if direction == "forward" and problem.seq_q <= DECODE_MAX_SQ:
         if setting == "hopper":
@@ -371,6 +407,41 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
                        f"{problem.mask_class!r}{feats}), dQ inside: {tiles} key tiles per "
                        f"(batch, kv head) <= {device.sm_count} SMs // 2")
     return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg, plan=portable)
+
+
+def _wide_route(problem: ProblemFacts, direction: str, device: DeviceFacts, setting: str,
+                plan: Optional[configs.Plan]) -> Route:
+    """The route of a call with a head dim above MAX_HEAD_DIM: the split-key forward
+    (decode_splits' splits, one where it does not split, as paged_route), its q.k and
+    value columns in chunks (configs.wide_decode_config).  NotImplementedError for what
+    head_dims.wide_refusal refuses (the backend's capability check says it first), for
+    ANYATTN_TRITON_PATH=hopper and for an explicit plan (the unsplit kernel's tiles)."""
+    why = wide_refusal(problem.head_dim, problem.value_dim, problem.seq_q,
+                       direction == "backward", problem.mask_class, problem.features)
+    if why is not None:
+        raise NotImplementedError(f"the Triton backend {why}")
+    if setting == "hopper":
+        raise NotImplementedError(
+            f"ANYATTN_TRITON_PATH=hopper: the Hopper forward path does not cover head dims "
+            f"above {MAX_HEAD_DIM} (D = {problem.head_dim}, Dv = {problem.value_dim}); "
+            "unset it (or set 'auto' / 'portable') for the portable split-key forward")
+    if plan is not None:
+        raise NotImplementedError(
+            f"plan: an explicit plan names the unsplit kernel's tiles, which take head dims "
+            f"<= {MAX_HEAD_DIM} (D = {problem.head_dim}, Dv = {problem.value_dim}); pass "
+            "plan=None for the split-key forward of wide head dims")
+    ns, cfg, hp, why = decode_splits(problem, device)
+    if ns == 1:
+        hp = _pack(problem)
+        cfg = split_config(problem, hp)
+    name = f"wide-split{_kernel(cfg)}x{ns}"
+    return Route(direction, "portable", name,
+                 (f"path: portable split-key forward (head dims D = {problem.head_dim}, "
+                  f"Dv = {problem.value_dim} above {MAX_HEAD_DIM}: q.k in chunks of "
+                  f"{cfg.dc}, the value columns in chunks of {cfg.dvc} per program)",
+                  f"config: {name} = configs.wide_decode_config (rows {hp} x Sq "
+                  f"{problem.seq_q}) x {ns} splits", why),
+                 splits=ns, split=cfg, pack=hp)
 
 
 # ----------------------------------------------------------------------------- facts of a device
