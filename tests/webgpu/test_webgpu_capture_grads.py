@@ -257,6 +257,23 @@ def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(be, monke
                               score_mod=aa.ScoreMod(fn, t=t))
 
 
+def test_more_capture_reads_than_the_workgroup_tile_holds_are_refused_by_name(be):
+    """Five capture reads (lavapipe's 32 x 32 tile holds four) are refused by the config
+    choice before any work, naming the reads and the remedy."""
+    if not be.context.is_cpu or \
+            be.context.limits.get("max-compute-workgroup-storage-size") != 32768:
+        pytest.skip("the count is lavapipe's (32 KiB of workgroup memory)")
+    S = 16
+    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.random.default_rng(1).standard_normal((2, 2 * S - 1)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, j] + t[h, i - j + S - 1]
+                     + t[0, i] * t[1, j], t=t)
+    with pytest.raises(NotImplementedError, match=r"workgroup memory \(32768 bytes\) with "
+                                                  r"the gradients of 5 score_mod capture "
+                                                  r"reads.*fewer captures"):
+        _backward(q, k, v, g, ("t",), score_mod=sm)
+
+
 def test_device_array_inputs_are_refused_for_capture_gradients(be, monkeypatch):
     """Device-array inputs (with NumPy or device-array captures) with capture gradients
     raise before any work, naming the remedy; the call without the capture's gradient

@@ -499,6 +499,12 @@ def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,
         if fits(cfg):
             cfg.check()
             return cfg
+    if dcap:
+        raise NotImplementedError(
+            f"webgpu: no tile config fits this adapter's workgroup memory ({limit} bytes) "
+            f"with the gradients of {dcap} score_mod capture reads (the dK/dV pass holds "
+            "a tile of terms per read); ask for the gradients of fewer captures per call "
+            "or use backend='numpy'")
     raise NotImplementedError(f"no tile config fits this adapter's workgroup memory "
                               f"({limit} bytes) and {inv} invocations per workgroup")
 
