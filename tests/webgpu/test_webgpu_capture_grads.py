@@ -1,12 +1,15 @@
 """Gradients of score-function captures on the WebGPU backward (lavapipe): the
 gallery's learnable tables against the float64 reference (fp32 and one f16; GQA,
-Sq != Sk, causal where the entry is), reads indexed by b, h and q_idx - kv_idx with a
-capture of rank 0 and batch chunks, softcap / dropout / sinks / a mask union with
-repeated runs and a split launch bitwise equal, the loop-trip model of the DCAP pass,
-and the refusals (a capture read at q_idx; device arrays).  The backward gets out and
-the row statistics from the NumPy backend (the WebGPU forward is tested elsewhere)
-and asks for dk, dv and the captures: the dK/dV pass computes all three, so no test
-compiles the dQ kernel.
+Sq != Sk, causal where the entry is), captures read at q_idx alone (rows) or kv_idx
+alone (columns), mixed with a read of q_idx - kv_idx (fp32) and alone (rows, f16; GQA,
+Sq != Sk, causal; repeated runs bitwise equal), reads indexed by b, h and every kind
+with a capture of rank 0 and batch chunks, softcap / dropout / sinks / a mask union
+with repeated runs and a split launch bitwise equal, the loop-trip model of the DCAP
+pass, and the refusals (reads of q_idx and kv_idx otherwise than through their
+difference; more reads than the workgroup tile holds; device arrays).  The backward
+gets out and the row statistics from the NumPy backend (the WebGPU forward is tested
+elsewhere) and asks for dk, dv and the captures: the dK/dV pass computes all three, so
+no test compiles the dQ kernel.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
 import numpy as np
@@ -72,22 +75,67 @@ def test_gallery_capture_gradients_match_the_float64_reference(be, name, dtype):
         assert_close(got, rg.dcaptures[n], dtype, f"{name} d{n}")
 
 
+#: score functions with row reads (an index of q_idx alone), column reads (kv_idx
+#: alone) and a mix with a diagonal read (several reads of one capture, of two kinds:
+#: _bhd_function); name -> (function, {capture: shape} of Hq, Sq, Sk)
+ROWS_COLS = {
+    # a per-query temperature (row reads only)
+    "query_temperature": (lambda s, b, h, i, j, t: s * t[b, i],
+                          lambda H, Sq, Sk: {"t": (2, Sq)}),
+    # a per-query temperature, a relative-position table, a per-key bias and a bucketed
+    # key table: a row, a diagonal and two column reads (four: lavapipe's most)
+    "mixed": (lambda s, b, h, i, j, t, rel, kb, tab:
+              s * t[b, i] + rel[h, i - j + 40 - 1] + kb[h, j] + tab[h, j // 4],
+              lambda H, Sq, Sk: {"t": (2, Sq), "rel": (H, Sq + Sk - 1), "kb": (H, Sk),
+                                 "tab": (H, -(-Sk // 4))}),
+}
+
+
+@pytest.mark.parametrize("name, dtype", [("mixed", "float32"), ("query_temperature", "float16")])
+def test_row_and_column_reads_match_the_float64_reference(be, name, dtype):
+    """Captures read at q_idx or kv_idx alone (with b, h; alone and mixed with a
+    diagonal read): dk, dv and the capture gradients (the capture's shape and dtype)
+    against the float64 reference, a second run bitwise equal; GQA 4 : 2, two batches,
+    Sq != Sk (not multiples of the tiles), causal."""
+    if dtype == "float16" and not be.context.has_f16:
+        pytest.skip("the adapter lacks shader-f16")
+    fn, shapes = ROWS_COLS[name]
+    B, H, Sq, Sk = 2, 4, 24, 40
+    q, k, v, g = _inputs(len(name), B, H, 2, Sq, Sk, 16, np.dtype(dtype))
+    rng = np.random.default_rng(9)
+    caps = {n: (0.5 + rng.random(s) if n == "t" else rng.standard_normal(s)).astype(np.float32)
+            for n, s in shapes(H, Sq, Sk).items()}
+    kw = dict(score_mod=aa.ScoreMod(fn, **caps), mask=aa.Causal("bottom_right"))
+    wrt = ("k", "v") + tuple(caps)
+    runs = [_backward(q, k, v, g, wrt, **kw) for _ in range(2)]
+    rg = _reference(q, k, v, g, wrt, **kw)
+    for n in ("dk", "dv"):
+        assert_close(getattr(runs[0], n), getattr(rg, n), dtype, f"{name} {n}")
+    for n in caps:
+        got = runs[0].dcaptures[n]
+        assert isinstance(got, np.ndarray) and got.shape == caps[n].shape
+        assert got.dtype == caps[n].dtype
+        assert_close(got, rg.dcaptures[n], dtype, f"{name} d{n}")
+        np.testing.assert_array_equal(runs[1].dcaptures[n], got, err_msg=n)
+
+
 def _bhd_function(B, Sq, Sk, seed):
     rng = np.random.default_rng(seed)
     t = rng.standard_normal((B, Sq + Sk - 1)).astype(np.float32)
-    w = rng.standard_normal((B, 2)).astype(np.float32)
+    w = rng.standard_normal((B, 2, Sk)).astype(np.float32)
     c = np.array(0.7, np.float32)
 
     def fn(s, b, h, i, j, t, w, c):
-        return s * c + t[b, i - j + Sk - 1] - 0.5 * t[b, j - i + Sq - 1] * w[b, h]
+        return s * c + t[b, i - j + Sk - 1] - 0.5 * t[b, i] * w[b, h, j]
 
     return aa.ScoreMod(fn, t=t, w=w, c=c)
 
 
-def test_reads_of_batch_head_and_diagonal_a_scalar_capture_and_batch_chunks(be):
-    """Two reads of one table (per batch, at +d and -d), a table read at [b, h] and a
-    capture of rank 0 (the score's factor), wrt naming the captures only; the same call
-    over two batch chunks (a smaller binding limit) gives the same bits."""
+def test_reads_of_batch_head_diagonal_row_column_a_scalar_capture_and_batch_chunks(be):
+    """Two reads of one table (per batch, along the diagonals and the query rows), a
+    table read at [b, h] down the key columns and a capture of rank 0 (the score's
+    factor): four reads, the most the lavapipe tile holds; wrt naming the captures only;
+    the same call over two batch chunks (a smaller binding limit) gives the same bits."""
     B, Sq, Sk = 2, 20, 12
     q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
     sm = _bhd_function(B, Sq, Sk, 4)
@@ -159,26 +207,36 @@ def _capture_call(be, q, k, v, g, wrt, kw, debug_trips=False):
 
 
 def test_the_capture_pass_stays_within_its_loop_trip_model(be):
-    """A trip-counting build of the DCAP dK/dV pass (two capture reads): every
-    invocation's loop trips at most the model's (llvmpipe's loop limit is budgeted on
-    it), the busiest at least half of it."""
+    """A trip-counting build of the DCAP dK/dV pass (a diagonal read, a row read and a
+    column read): every invocation's loop trips at most the model's (llvmpipe's loop
+    limit is budgeted on it), the busiest at least half of it."""
     B, Sq, Sk = 2, 20, 12
     q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
     kw = dict(score_mod=_bhd_function(B, Sq, Sk, 4))
-    call = _capture_call(be, q, k, v, g, ("k", "v", "t"), kw, debug_trips=True)
-    assert call.dcap is not None and call.dcap[2] == 2
+    call = _capture_call(be, q, k, v, g, ("k", "v", "t", "w"), kw, debug_trips=True)
+    assert call.dcap is not None and call.dcap[2] == 3 and call.dcap[3].counts == (1, 1, 1)
     (lch,) = [x for x in call.launches if x.kernel == "bwd_dkdv"]
     call.run.run([x for x in call.launches if x.kernel != "bwd_dkdv"], call.clears)
     call.run.run([lch])
     n = lch.grid[0] * lch.grid[1] * lch.grid[2] * call.cfg.NT
     got = int(call.run.read(lch.buffers[9], n).max())
-    model = call.cfg.trips_per_unit("bwd_dkdv", 16, True, True, 2) * call.nqt * 2
+    model = call.cfg.trips_per_unit("bwd_dkdv", 16, True, True, 1, 1, 1) * call.nqt * 2
     assert 0.5 * model <= got <= model, (got, model)
 
 
-def test_a_capture_read_at_q_idx_is_refused_before_any_work(be, monkeypatch):
-    """An index of q_idx (not through q_idx - kv_idx) is refused by the backend choice,
-    naming the capture and its read; no backward starts."""
+@pytest.mark.parametrize("fn, index", [
+    (lambda s, b, h, i, j, t: s + t[i, j], r"whose indices q_idx and kv_idx together"),
+    (lambda s, b, h, i, j, t: s + t[h, i // 8 + j],
+     r"whose index \(\(q_idx // 8\) \+ kv_idx\) depends on q_idx and kv_idx otherwise "
+     r"than through q_idx - kv_idx"),
+    (lambda s, b, h, i, j, t: s + t[h, i - j + 15] * t[i, i - j + 15],
+     r"whose indices q_idx and \(\(q_idx - kv_idx\) \+ 15\) together"),
+])
+def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(be, monkeypatch, fn,
+                                                                        index):
+    """An index of q_idx and kv_idx other than their difference, or indices of a row
+    and a diagonal together, are refused by the backend choice with the Triton
+    backward's words, naming the capture and its read; no backward starts."""
     from anyattn.backends.webgpu.backend import WebGPUBackend
 
     def no_work(*a, **kw):
@@ -187,12 +245,30 @@ def test_a_capture_read_at_q_idx_is_refused_before_any_work(be, monkeypatch):
     monkeypatch.setattr(WebGPUBackend, "_backward_device", no_work)
     S = 16
     q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
-    t = np.zeros((2, 2 * S - 1), np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, i - j + S - 1], t=t)
+    t = np.zeros((2 * S - 1, 2 * S - 1), np.float32)
     with pytest.raises(NotImplementedError,
-                       match=r"capture 't' is read at t\[h, q_idx\], whose index q_idx "
-                             r"depends on q_idx / kv_idx otherwise"):
-        aa.attention_backward(q, k, v, g, wrt=("q", "t"), backend="webgpu", score_mod=sm)
+                       match=r"webgpu.*only where each read of it is indexed by b, h and "
+                             r"one of q_idx - kv_idx, q_idx or kv_idx: capture 't' is read "
+                             r"at t\[.*\], " + index):
+        aa.attention_backward(q, k, v, g, wrt=("q", "t"), backend="webgpu",
+                              score_mod=aa.ScoreMod(fn, t=t))
+
+
+def test_more_capture_reads_than_the_workgroup_tile_holds_are_refused_by_name(be):
+    """Five capture reads (lavapipe's 32 x 32 tile holds four) are refused by the config
+    choice before any work, naming the reads and the remedy."""
+    if not be.context.is_cpu or \
+            be.context.limits.get("max-compute-workgroup-storage-size") != 32768:
+        pytest.skip("the count is lavapipe's (32 KiB of workgroup memory)")
+    S = 16
+    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    t = np.random.default_rng(1).standard_normal((2, 2 * S - 1)).astype(np.float32)
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i] + t[h, j] + t[h, i - j + S - 1]
+                     + t[0, i] * t[1, j], t=t)
+    with pytest.raises(NotImplementedError, match=r"workgroup memory \(32768 bytes\) with "
+                                                  r"the gradients of 5 score_mod capture "
+                                                  r"reads.*fewer captures"):
+        _backward(q, k, v, g, ("t",), score_mod=sm)
 
 
 def test_device_array_inputs_are_refused_for_capture_gradients(be, monkeypatch):

@@ -17,10 +17,11 @@ Dropout (anyattn.dropout) in the tiled kernels: they draw the shared keep mask
 themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-bit
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
-Gradients of score-function captures read at indices of b, h and q_idx - kv_idx
-(capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile diagonal sums,
-the host sums them per diagonal and scatters them per capture element (NumPy inputs;
-other reads and device arrays are refused by ``extra_reasons``).
+Gradients of score-function captures read at indices of b, h and one of q_idx - kv_idx,
+q_idx, kv_idx (capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile
+diagonal, row and column sums, the host sums them per diagonal, row and column and
+scatters them per capture element (NumPy inputs; other reads and device arrays are
+refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
@@ -56,8 +57,8 @@ _CAPS = Capabilities(
     max_head_dim=None, mask_terms=frozenset({"band", "documents", "keep", "mask_mod"}),
     modifiers=BUILTIN_MODIFIERS | {"score_mod"},
     inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
-    # capture gradients: for captures indexed by b, h and q_idx - kv_idx
-    # (capture_grads.py; the others are refused by extra_reasons)
+    # capture gradients: for captures indexed by b, h and one of q_idx - kv_idx, q_idx,
+    # kv_idx (capture_grads.py; the others are refused by extra_reasons)
     gradients=GRADIENTS)
 
 
@@ -132,11 +133,11 @@ class WebGPUBackend(Backend):
 
             why += device_reasons(p, self.context)
         if p.capture_wrt and p.score_mod is not None:
-            from ...programs.capture_reads import unsupported
+            from ...programs.capture_reads import refusal
 
-            bad = unsupported(p.score_mod.program, p.capture_wrt)
+            bad = refusal(p.score_mod.program, p.capture_wrt)
             if bad:
-                why.append(f"{bad}; index it through q_idx - kv_idx, or use backend='numpy'")
+                why.append(f"{bad}; index each read by one of those, or use backend='numpy'")
             elif p.array_kind == "webgpu" or p.score_mod.device:
                 why.append("computes gradients of score_mod captures from NumPy inputs "
                            "and NumPy captures only, not from anyattn.webgpu device "
@@ -328,8 +329,9 @@ class WebGPUBackend(Backend):
             if "bias" in p.wrt:
                 per_b["ds"] = 4 * Hq * Sq * Sk
             if p.capture_wrt and p.score_mod is not None:
-                # the capture gradient slots (engine.Call.dcap_shape), bounded with the
-                # smallest tiles of the configs (32 x 32)
+                # the capture gradient slots (engine.Call.dcap_floats), bounded with the
+                # smallest tiles of the configs (32 x 32) and the widest slot (a diagonal
+                # read's BQ + BK - 1)
                 ng = len(capture_reads(p.score_mod.program, p.capture_wrt))
                 per_b["capture gradient slots"] = \
                     4 * ng * Hq * (-(-Sq // 32)) * (-(-Sk // 32)) * 63
@@ -484,25 +486,23 @@ class WebGPUBackend(Backend):
                 db = run.read(dsb, n_b) if full else run.read(bufs["b"], n_b)
                 bdt = _NP.get(p.bias_dtype or "float32", np.float32)
                 res["dbias"] = db.reshape(p.bias_shape).astype(bdt, copy=False)
-            if wrt_c:                   # the diagonal sums [NG, B, HQ, U] (float64)
+            if wrt_c:                   # each read's sums [B, HQ, X] (float64)
                 res["dcap_sums"] = self._dcap_sums(call)
             return res
         return call, read
 
     @staticmethod
-    def _dcap_sums(call) -> np.ndarray:
+    def _dcap_sums(call) -> List[np.ndarray]:
         """The capture gradient slots of a backward Call read back and summed per
-        diagonal (capture_grads.diagonal_sums) -> [NG, B, HQ, Sq + Sk - 1] float64
-        (NG = 0 where the captures asked for are never read)."""
-        from .capture_grads import diagonal_sums
+        diagonal, row or column (capture_grads.read_sums) -> each read's [B, HQ, X]
+        float64, graph order (none where the captures asked for are never read)."""
+        from .capture_grads import read_sums
 
-        U = call.SQ + call.SK - 1
         if call.dcap is None:
-            return np.zeros((0, call.B, call.HQ, U))
-        shape = call.dcap_shape(call.dcap[2])
-        slots = call.run.read(call.dcs_buf, int(np.prod(shape))).reshape(shape)
-        sums = diagonal_sums(slots, call.cfg.BQ, call.cfg.BK, call.SQ, call.SK)
-        return sums.reshape(shape[0], call.B, call.HQ, U)
+            return []
+        flat = call.run.read(call.dcs_buf, call.dcap_floats())
+        return read_sums(flat, call.dcap[3], call.B, call.HQ, call.SQ, call.SK,
+                         call.cfg.BQ, call.cfg.BK)
 
     def backward(self, p: Problem, q, k, v, dout, out, stats: RowStats, bias, mods=NO_MODS):
         if p.array_kind == "webgpu":
@@ -546,8 +546,9 @@ class WebGPUBackend(Backend):
         res = {}
         for n in ("dq", "dk", "dv"):
             res[n] = None if parts[0][n] is None else np.concatenate([r[n] for r in parts])
-        if "dcap_sums" in parts[0]:     # the chunks' diagonal sums along the batch
-            res["dcap_sums"] = np.concatenate([r["dcap_sums"] for r in parts], axis=1)
+        if "dcap_sums" in parts[0]:     # each read's sums: the chunks' along the batch
+            res["dcap_sums"] = [np.concatenate(xs) for xs in
+                                zip(*(r["dcap_sums"] for r in parts))]
         res["dbias"] = None
         if parts[0]["dbias"] is not None:
             if p.bias_shape[0] > 1:

@@ -4,44 +4,122 @@
 Shape legend: B batch, H query heads, Sq / Sk queries / keys, BQ / BK the dK/dV
 kernel's query / key tile, nQ = cdiv(Sq, BQ), nK = cdiv(Sk, BK), W = BQ + BK - 1 the
 diagonals of a tile, U = Sq + Sk - 1 the diagonals ``d = q_idx - kv_idx`` of the score
-matrix (``u = d + Sk - 1``), NG the reads (``gather`` nodes) of the captures asked for.
+matrix (``u = d + Sk - 1``), NG the reads (``gather`` nodes) of the captures asked for,
+ND / NR / NC those summed along the tile diagonals / query rows / key columns.
 
-Supported: captures every read of which is indexed by ``b``, ``h`` and
-``q_idx - kv_idx`` only (:mod:`anyattn.programs.capture_reads`, shared with the
-portable Triton backward; the others are refused by the backend's ``extra_reasons``
-before any work).  Then a read's index takes one value per (b, h, d) and its gradient
-is a sum of the terms ``dS' * d s' / d g`` along each diagonal:
+Supported: captures every read of which is indexed by ``b``, ``h`` and one of
+``q_idx - kv_idx``, ``q_idx`` alone, ``kv_idx`` alone, or none of them
+(:func:`anyattn.programs.capture_reads.classify`, shared with the portable Triton
+backward; the others are refused by the backend's ``extra_reasons`` before any work,
+with :func:`~anyattn.programs.capture_reads.refusal`'s reason).  Reads of different
+kinds mix in one function, of one capture too.  A read's index takes one value per
+(b, h, position) and its gradient is a sum of the terms ``dS' * d s' / d g`` along each
+diagonal (``diag``; and ``total``, summed over the diagonals on the host), query row
+(``row``) or key column (``col``):
 
 1. the dK/dV pass compiled with DCAP (shaders/bwd_dkdv.wgsl, pds.wgsl; the generated
    ``dcap_d`` / ``dcap_put``, programs.dcap_source) stores, per unit (query head, query
-   tile) of a workgroup (key tile, batch, KV head), the tile's terms in a workgroup
-   tile and sums each of its W diagonals (f32, one fixed order) into the unit's own
-   slot of ``dcs`` [NG, B*H, nK, nQ, W] (``engine.Call.set_capture_grads``: cleared
-   first, so a skipped tile's slot is 0): NG*B*H*Sq*Sk*(1/BQ + 1/BK) floats at most,
+   tile) of a workgroup (key tile, batch, KV head), the tile's terms of every read in a
+   workgroup tile (the reads in :func:`slot_layout`'s order: diagonal and total reads,
+   then row reads, then column reads) and sums them, f32, in one fixed order, into the
+   unit's own slot of each read's region of ``dcs`` (``engine.Call.set_capture_grads``:
+   cleared first, so a skipped tile's slot is 0): a diagonal read's region is
+   [B*H, nK, nQ, W] (the tile's W diagonals), a row read's [B*H, nK, nQ, BQ] (its
+   query rows), a column read's [B*H, nK, nQ, BK] (its key columns).  At most
+   B*H*Sq*Sk*(ND*(1/BQ + 1/BK) + NR/BK + NC/BQ) floats (plus the edge tiles' padding),
    never a [B, H, Sq, Sk] buffer, and no slot is written twice;
-2. the host reads the slots back and sums those of each diagonal over the tiles
-   (:func:`diagonal_sums`: one ``np.bincount`` per call, float64, the slots' order):
-   WGSL has no f64, and these sums are the longest of the computation (up to nK*nQ
-   slots per diagonal), so they run where f64 is; the slots are a small fraction of
-   the backward's inputs' bytes at the tile sizes the kernels use;
+2. the host reads the slots back and sums them per (b, h, position) over the tiles in
+   float64 in the slots' order (:func:`diagonal_sums`, :func:`row_sums`,
+   :func:`column_sums`): WGSL has no f64, and these sums are the longest of the
+   computation (up to nK*nQ slots per diagonal, nK per row, nQ per column), so they
+   run where f64 is; the slots are a small fraction of the backward's inputs' bytes at
+   the tile sizes the kernels use;
 3. :func:`finish`: each read's sums summed over the axes its index does not read
-   (b, h, d; NumPy float64 sums of fixed shapes), the index of every (b, h, d) left
-   evaluated once on the host (capture_reads.flat_index: floats in fp32, as the
-   kernels compute them), and one ``np.bincount`` per capture over the reads' terms in
-   order (a sequential, ordered segment sum in float64), cast to the capture's dtype.
+   (b, h; a total read's diagonals; NumPy float64 sums of fixed shapes), the index of
+   every (b, h, position) left evaluated once on the host (capture_reads.flat_index:
+   floats in fp32, as the kernels compute them), and one ``np.bincount`` per capture
+   over the reads' terms in order (a sequential, ordered segment sum in float64), cast
+   to the capture's dtype.
 
-Batch chunks (the adapter's binding limit) each return their batches' diagonal sums;
-the caller concatenates them along the batch before :func:`finish`.
+Batch chunks (the adapter's binding limit) each return their batches' sums; the
+caller concatenates them along the batch before :func:`finish`.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ...programs.capture_reads import flat_index, reads
+from ...programs.capture_reads import classify, flat_index, refusal
 
-__all__ = ["diagonal_sums", "finish"]
+__all__ = ["SLOT_KINDS", "SlotLayout", "slot_layout", "slot_floats", "split_slots",
+           "diagonal_sums", "row_sums", "column_sums", "read_sums", "finish"]
+
+#: the kinds of slot of the DCAP pass, in their order in the workgroup tile and in
+#: ``dcs``: sums along the tile's diagonals (classify's ``diag`` and ``total`` reads),
+#: along its query rows (``row``), down its key columns (``col``)
+SLOT_KINDS = ("diag", "row", "col")
+
+
+def _slot_kind(kind: str) -> str:
+    return "diag" if kind == "total" else kind
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """The reads of the captures asked for (graph order, capture_reads.reads):
+    ``kinds`` classify's kind of each; ``order`` the read at each position of the
+    workgroup tile and of ``dcs`` (the diagonal and total reads, then the row reads,
+    then the column reads, each in graph order); ``counts`` (ND, NR, NC)."""
+
+    kinds: Tuple[str, ...]
+    order: Tuple[int, ...]
+    counts: Tuple[int, int, int]
+
+    @property
+    def position(self) -> Tuple[int, ...]:
+        """The position of each read (graph order) in the tile and in ``dcs``."""
+        pos = [0] * len(self.order)
+        for n, i in enumerate(self.order):
+            pos[i] = n
+        return tuple(pos)
+
+
+def slot_layout(program, wrt) -> SlotLayout:
+    """The :class:`SlotLayout` of the reads of the captures ``wrt`` of a score program;
+    ``NotImplementedError`` for a read no slot kind sums (the backend refuses those
+    before any work)."""
+    cls = classify(program, frozenset(wrt))
+    kinds = tuple(k for _, k, _ in cls)
+    if None in kinds:
+        raise NotImplementedError(f"the WebGPU backward {refusal(program, frozenset(wrt))}")
+    order = tuple(i for want in SLOT_KINDS for i, k in enumerate(kinds)
+                  if _slot_kind(k) == want)
+    counts = tuple(sum(1 for k in kinds if _slot_kind(k) == want) for want in SLOT_KINDS)
+    return SlotLayout(kinds, order, counts)
+
+
+def _widths(BQ: int, BK: int) -> Tuple[int, int, int]:
+    return BQ + BK - 1, BQ, BK
+
+
+def slot_floats(counts: Sequence[int], rows: int, nK: int, nQ: int, BQ: int, BK: int) -> int:
+    """The f32 words of ``dcs`` for ``counts`` = (ND, NR, NC) reads and ``rows`` (batch,
+    head) rows of nK x nQ tiles."""
+    return rows * nK * nQ * sum(n * w for n, w in zip(counts, _widths(BQ, BK)))
+
+
+def split_slots(flat: np.ndarray, counts: Sequence[int], rows: int, nK: int, nQ: int,
+                BQ: int, BK: int) -> List[np.ndarray]:
+    """``dcs`` (flat f32) -> its regions [ND, rows, nK, nQ, W], [NR, .., BQ],
+    [NC, .., BK] (views)."""
+    out, start = [], 0
+    for n, w in zip(counts, _widths(BQ, BK)):
+        size = n * rows * nK * nQ * w
+        out.append(flat[start:start + size].reshape(n, rows, nK, nQ, w))
+        start += size
+    return out
 
 
 def diagonal_sums(slots: np.ndarray, BQ: int, BK: int, Sq: int, Sk: int) -> np.ndarray:
@@ -61,20 +139,59 @@ def diagonal_sums(slots: np.ndarray, BQ: int, BK: int, Sq: int, Sk: int) -> np.n
     return out.reshape(ng, rows, U)
 
 
-def finish(bound, wrt, sums: np.ndarray, sizes: Tuple[int, int, int, int]
+def row_sums(slots: np.ndarray, Sq: int) -> np.ndarray:
+    """The row slots [NR, R, nK, nQ, BQ] (f32; slot (n, m, t) holds query row
+    m*BQ + t of key tile n) summed over the key tiles in order -> [NR, R, Sq]
+    float64."""
+    nr, rows, nk, nq, bq = slots.shape
+    acc = np.zeros((nr, rows, nq * bq))
+    for n in range(nk):
+        acc += slots[:, :, n].reshape(nr, rows, nq * bq)
+    return acc[:, :, :Sq]
+
+
+def column_sums(slots: np.ndarray, Sk: int) -> np.ndarray:
+    """The column slots [NC, R, nK, nQ, BK] (f32; slot (n, m, t) holds key column
+    n*BK + t of query tile m) summed over the query tiles in order -> [NC, R, Sk]
+    float64."""
+    nc, rows, nk, nq, bk = slots.shape
+    acc = np.zeros((nc, rows, nk, bk))
+    for m in range(nq):
+        acc += slots[:, :, :, m]
+    return acc.reshape(nc, rows, nk * bk)[:, :, :Sk]
+
+
+def read_sums(flat: np.ndarray, lay: SlotLayout, B: int, H: int, Sq: int, Sk: int,
+              BQ: int, BK: int) -> List[np.ndarray]:
+    """``dcs`` (flat f32, read back) -> each read's sums per (b, h, position), graph
+    order: [B, H, X] float64, X = U (diagonal and total reads), Sq (row), Sk (column)."""
+    nK, nQ = -(-Sk // BK), -(-Sq // BQ)
+    diag, rows, cols = split_slots(flat, lay.counts, B * H, nK, nQ, BQ, BK)
+    by_pos: List[np.ndarray] = []
+    if lay.counts[0]:
+        by_pos += list(diagonal_sums(diag, BQ, BK, Sq, Sk))
+    by_pos += list(row_sums(rows, Sq)) + list(column_sums(cols, Sk))
+    out: List[np.ndarray] = [None] * len(lay.order)
+    for n, i in enumerate(lay.order):
+        out[i] = by_pos[n].reshape(B, H, -1)
+    return out
+
+
+def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, int]
            ) -> Dict[str, np.ndarray]:
     """{capture: gradient} (NumPy, the capture's shape and dtype) of the float captures
-    ``wrt`` of the bound score program ``bound`` from the diagonal sums ``sums``
-    [NG, B, H, U] (float64, reads in capture_reads.reads' order; NG may be 0 where no
-    read of ``wrt`` exists) of a problem of ``sizes`` = (B, H, Sq, Sk)."""
-    rds = reads(bound.program, wrt)
+    ``wrt`` of the bound score program ``bound`` from each read's sums ``sums``
+    (:func:`read_sums`, reads in graph order; empty where no read of ``wrt`` exists) of
+    a problem of ``sizes`` = (B, H, Sq, Sk)."""
+    cls = classify(bound.program, frozenset(wrt))
     parts = {name: [] for name in sorted(wrt)}
-    for i, r in enumerate(rds):
-        x = sums[i]
-        for axis, use in ((0, "b"), (1, "h"), (2, "d")):
+    for (r, kind, _), x in zip(cls, sums):
+        for axis, use in ((0, "b"), (1, "h")):
             if use not in r.uses and x.shape[axis] > 1:
                 x = x.sum(axis=axis, keepdims=True)
-        parts[r.name].append((r, x))
+        if kind == "total" and x.shape[2] > 1:     # its diagonals' sums: one total
+            x = x.sum(axis=2, keepdims=True)
+        parts[r.name].append((r, kind, x))
     out = {}
     for name, got in parts.items():
         arr = np.asarray(bound.arrays[name])
@@ -82,9 +199,9 @@ def finish(bound, wrt, sums: np.ndarray, sizes: Tuple[int, int, int, int]
         if not got:                          # never read: a zero gradient
             out[name] = np.zeros(arr.shape, dtype=arr.dtype)
             continue
-        flat = np.concatenate([flat_index(bound, sizes, r, x.shape, arr.shape)
-                               for r, x in got])
-        vals = np.concatenate([x.reshape(-1) for _, x in got])
+        flat = np.concatenate([flat_index(bound, sizes, r, x.shape, arr.shape, kind)
+                               for r, kind, x in got])
+        vals = np.concatenate([x.reshape(-1) for _, _, x in got])
         res = np.bincount(flat, weights=vals, minlength=n)
         out[name] = res.reshape(arr.shape).astype(arr.dtype)
     return out

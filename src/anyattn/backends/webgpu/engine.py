@@ -172,9 +172,10 @@ class Call:
         #: buffer of their captures (``set_programs``); None: the plain kernels
         self.progs: Optional[Tuple[str, str]] = None
         self.cap_buf = None
-        #: capture gradients (``set_capture_grads``): (key, WGSL, NG) of the DCAP dK/dV
-        #: pass's generated functions, and the buffer of its slots; None: none asked
-        self.dcap: Optional[Tuple[str, str, int]] = None
+        #: capture gradients (``set_capture_grads``): (key, WGSL, NG, slot layout) of the
+        #: DCAP dK/dV pass's generated functions, and the buffer of its slots; None: none
+        #: asked
+        self.dcap: Optional[Tuple[str, str, int, object]] = None
         self.dcs_buf = None
         self.limit = self.run.ctx.loop_limit
         self.launches: List[Launch] = []
@@ -461,15 +462,17 @@ class Call:
     def set_capture_grads(self, score, wrt) -> int:
         """The gradients of the score function's float captures ``wrt`` (``score``: the
         BoundProgram ``set_programs`` was given) in the dK/dV pass (DCAP): generated
-        ``dcap_d`` / ``dcap_put`` (programs.dcap_source) and a slot buffer
-        ``dcs`` [NG, B*HQ, nkt, nqt, W] (f32, W = BQ + BK - 1, cleared before the
-        launches; ``dcap_shape``).  Returns NG, the capture reads (0: none is read,
-        nothing to compute)."""
+        ``dcap_d`` / ``dcap_put`` (programs.dcap_source) and a slot buffer ``dcs``
+        (f32, cleared before the launches; ``dcap_floats``): per read, in the slot
+        layout's order (capture_grads.slot_layout), a region [B*HQ, nkt, nqt, W] with
+        W = BQ + BK - 1 (diagonal and total reads), BQ (row reads) or BK (column
+        reads).  Returns NG, the capture reads (0: none is read, nothing to compute)."""
         from .programs import dcap_source
 
         if self.progs is None or "SCOREMOD" not in self.mod_consts:
             raise RuntimeError("set_capture_grads: set_programs(score) comes first")
-        key, text, ng = dcap_source(score, wrt)
+        key, text, lay = dcap_source(score, wrt)
+        ng = len(lay.order)
         if not ng:
             return 0
         if "tile_dcap" not in self.run.pipes.layouts:
@@ -486,15 +489,18 @@ class Call:
                 f"needs {need} bytes of workgroup memory in 'bwd_dkdv', past this "
                 f"adapter's {limit}; pass another config_override (or none: the chosen "
                 "config counts them)")
-        nbytes = 4 * int(np.prod(self.dcap_shape(ng)))
+        self.dcap = (key, text, ng, lay)
+        nbytes = 4 * self.dcap_floats()
         self.dcs_buf = self.run.buffer("dcaps", nbytes)
         self.clears.append(Clear(self.dcs_buf, nbytes))
-        self.dcap = (key, text, ng)
         return ng
 
-    def dcap_shape(self, ng: int) -> Tuple[int, int, int, int, int]:
-        """The slots of the DCAP dK/dV pass: [NG, B*HQ, nkt, nqt, BQ + BK - 1]."""
-        return (ng, self.B * self.HQ, self.nkt, self.nqt, self.cfg.BQ + self.cfg.BK - 1)
+    def dcap_floats(self) -> int:
+        """The f32 words of the DCAP dK/dV pass's slot buffer (capture_grads.slot_floats)."""
+        from .capture_grads import slot_floats
+
+        return slot_floats(self.dcap[3].counts, self.B * self.HQ, self.nkt, self.nqt,
+                           self.cfg.BQ, self.cfg.BK)
 
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:
@@ -581,8 +587,8 @@ class Call:
         progs = self.progs
         dcap = kernel == "bwd_dkdv" and self.dcap is not None
         if dcap:      # the capture gradients' functions and slots (DCAP)
-            dkey, dtext, ng = self.dcap
-            consts.update(DCAP=1, DCNG=ng, DCM=ceil_div(cfg.BQ + cfg.BK - 1, cfg.NT))
+            dkey, dtext, _, lay = self.dcap
+            consts.update(cfg.dcap_consts(lay.counts))
             progs = (f"{progs[0]}+{dkey}", progs[1] + dtext)
             layout = "tile_dcap"
         pipe = self.run.pipeline(kernel, layout, consts, self.elem, self.debug, progs)
@@ -718,8 +724,10 @@ class Call:
         return True
 
     def _pieces(self, kernel: str, n_units: int, dk=True, dv=True) -> List[Tuple[int, int]]:
-        ng = self.dcap[2] if self.dcap is not None and kernel == "bwd_dkdv" else 0
-        per = self.cfg.trips_per_unit(kernel, self.sdp_dim(kernel), dk, dv, ng)
+        counts = (0, 0, 0)
+        if self.dcap is not None and kernel == "bwd_dkdv":
+            counts = self.dcap[3].counts
+        per = self.cfg.trips_per_unit(kernel, self.sdp_dim(kernel), dk, dv, *counts)
         return split_range(n_units, per, self.limit, f"webgpu kernel {kernel!r}")
 
     def out16_ok(self, kernel: str) -> bool:

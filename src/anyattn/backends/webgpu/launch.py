@@ -312,10 +312,12 @@ class TileConfig:
         return n + 1 + n * self._loop(ceil_div(self.IC * self.DS // 4, self.NT))
 
     def trips_per_unit(self, kernel: str, D: int, dk: bool = True, dv: bool = True,
-                       dcap: int = 0) -> int:
-        """Loop tests per invocation for one unit of the kernel's outer loop; ``dcap``:
-        the capture reads of the dK/dV pass's diagonal sums (DCAP: per read and
-        diagonal an invocation owns, one loop over at most min(BQ, BK) pairs)."""
+                       dcap: int = 0, dcap_rows: int = 0, dcap_cols: int = 0) -> int:
+        """Loop tests per invocation for one unit of the kernel's outer loop; ``dcap``,
+        ``dcap_rows``, ``dcap_cols``: the capture reads of the dK/dV pass's diagonal,
+        row and column sums (DCAP, ``dcap_consts``: per read and diagonal / row /
+        column an invocation owns, one loop over at most min(BQ, BK) pairs / the BK
+        pairs of a row / the BQ pairs of a column)."""
         if kernel == "forward":
             return 1 + self._sdp(D) + 2 * self._loop(self.TX) + self._upd(self.BK)
         if kernel == "bwd_dq":
@@ -323,10 +325,27 @@ class TileConfig:
         if kernel == "bwd_dq_ds":        # DSQ_IN: dS read back (unrolled), no S / dP
             return 1 + self._upd(self.BK)
         if kernel == "bwd_dkdv":
-            diag = dcap * ceil_div(self.BQ + self.BK - 1, self.NT) * \
-                self._loop(min(self.BQ, self.BK))
-            return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv)) + diag
+            sums = (dcap * ceil_div(self.BQ + self.BK - 1, self.NT)
+                    * self._loop(min(self.BQ, self.BK))
+                    + dcap_rows * ceil_div(self.BQ, self.NT) * self._loop(self.BK)
+                    + dcap_cols * ceil_div(self.BK, self.NT) * self._loop(self.BQ))
+            return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv)) + sums
         raise KeyError(kernel)
+
+    def dcap_consts(self, counts: Tuple[int, int, int]) -> Dict[str, int]:
+        """The constants of the dK/dV pass with capture gradients (DCAP) for ``counts`` =
+        (ND, NR, NC) reads summed along the tile diagonals, query rows, key columns:
+        DCNG reads in all, DCM unrolled passes of the diagonal sums; with row or column
+        reads also DCRC and per kind the reads (DCND, DCNR, DCNC) and the unrolled
+        passes (DCM, DCMR, DCMC: 0 where the kind has no read)."""
+        nd, nr, nc = counts
+        diag = ceil_div(self.BQ + self.BK - 1, self.NT)
+        out = dict(DCAP=1, DCNG=nd + nr + nc, DCM=diag)
+        if nr or nc:
+            out.update(DCRC=1, DCND=nd, DCNR=nr, DCNC=nc, DCM=diag if nd else 0,
+                       DCMR=ceil_div(self.BQ, self.NT) if nr else 0,
+                       DCMC=ceil_div(self.BK, self.NT) if nc else 0)
+        return out
 
     #: loop tests outside the units (the outer loop's exit test, a margin)
     FIXED_TRIPS = 4
@@ -480,6 +499,12 @@ def _config(ctx: Context, D: int, elem: str, backward: bool, dropout: bool,
         if fits(cfg):
             cfg.check()
             return cfg
+    if dcap:
+        raise NotImplementedError(
+            f"webgpu: no tile config fits this adapter's workgroup memory ({limit} bytes) "
+            f"with the gradients of {dcap} score_mod capture reads (the dK/dV pass holds "
+            "a tile of terms per read); ask for the gradients of fewer captures per call "
+            "or use backend='numpy'")
     raise NotImplementedError(f"no tile config fits this adapter's workgroup memory "
                               f"({limit} bytes) and {inv} invocations per workgroup")
 

@@ -92,8 +92,10 @@ PROG_DEFINES = ("SCOREMOD", "MASKFN")
 #: DCNG capture reads into the workgroup tile ``sdc``, the kernel sums the tile's
 #: diagonals into its slot of ``dcs`` (binding 11, layout ``tile_dcap``); the generated
 #: text then also holds ``dcap_d`` / ``dcap_put`` (programs.dcap_source).  Without it
-#: the kernels are the plain ones, text for text
-DCAP_DEFINES = ("DCAP",)
+#: the kernels are the plain ones, text for text.  DCRC (with DCAP): some reads are
+#: summed along the tile's query rows or key columns (TileConfig.dcap_consts); without
+#: it the DCAP kernels are the diagonal-only ones, text for text
+DCAP_DEFINES = ("DCAP", "DCRC")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ...programs.graph import BOOL, FLOAT, INT, Node, ordered
+
+if TYPE_CHECKING:
+    from .capture_grads import SlotLayout
 
 __all__ = ["Layout", "score_source", "dcap_source", "mask_source", "mask_words",
            "pack_captures", "TANH_HELPER"]
@@ -252,21 +255,26 @@ def score_source(bound) -> Tuple[str, str]:
     return hashlib.sha1(src.encode()).hexdigest(), src
 
 
-def dcap_source(bound, wrt) -> Tuple[str, str, int]:
-    """(key, WGSL, NG) of the capture gradient functions of the dK/dV pass (DCAP) for
-    the NG reads (gather nodes, graph order: anyattn.programs.capture_reads.reads) of
-    the score function's float captures ``wrt``: ``dcap_d(x, b, h, i, j) ->
+def dcap_source(bound, wrt) -> Tuple[str, str, "SlotLayout"]:
+    """(key, WGSL, layout) of the capture gradient functions of the dK/dV pass (DCAP)
+    for the NG reads (gather nodes, graph order: anyattn.programs.capture_reads.reads)
+    of the score function's float captures ``wrt``: ``dcap_d(x, b, h, i, j) ->
     array<f32, NG>`` (d s' / d g of every read, sharing their common subexpressions)
     and ``dcap_put(ii, jj, kept, ds, x, b, h, i, j)``, which stores ``ds * d s' / d g``
-    of a pair (0 where not ``kept``) at row ``ii``, column ``jj`` of read k's block of
-    the workgroup tile ``sdc`` [NG][BQ][BK] (bwd_dkdv.wgsl).  NG is 0 (no text) where
-    no read of those captures exists."""
+    of a pair (0 where not ``kept``) at row ``ii``, column ``jj`` of its read's block of
+    the workgroup tile ``sdc`` [NG][BQ][BK] (bwd_dkdv.wgsl); the blocks follow
+    ``layout`` (capture_grads.slot_layout: the diagonal and total reads, then the row
+    reads, then the column reads).  No text (NG = 0) where no read of those captures
+    exists."""
+    from .capture_grads import slot_layout
+
     _check_idt(bound)
     prog = bound.program
+    lay = slot_layout(prog, wrt)
     _, grads = prog.grad_nodes(frozenset(wrt))
     ng = len(grads)
     if not ng:
-        return "", "", 0
+        return "", "", lay
     layout = Layout(prog.specs)
     sig = "(x: f32, b: u32, h: u32, i: u32, j: u32)"
     arr = f"array<f32, {ng}>"
@@ -277,10 +285,11 @@ def dcap_source(bound, wrt) -> Tuple[str, str, int]:
            "    let d = dcap_d(x, b, h, i, j);"]
     put += [f"    e[{k}] = ds * d[{k}];" for k in range(ng)]
     put += ["  }"]
-    put += [f"  sdc[({k}u * BQ + ii) * BK + jj] = e[{k}];" for k in range(ng)]
+    put += [f"  sdc[({pos}u * BQ + ii) * BK + jj] = e[{k}];"
+            for k, pos in enumerate(lay.position)]
     put += ["}"]
     src = d + "\n" + "\n".join(put) + "\n"
-    return hashlib.sha1(src.encode()).hexdigest(), src, ng
+    return hashlib.sha1(src.encode()).hexdigest(), src, lay
 
 
 def mask_source(bounds: Sequence, layouts_from: int = 0) -> Tuple[str, str]:

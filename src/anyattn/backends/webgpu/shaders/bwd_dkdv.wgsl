@@ -12,7 +12,9 @@
 //@# [DCNG][BQ][BK]; the column slice 0 then sums each of the tile's W = BQ + BK - 1
 //@# diagonals t = ii - jj + BK - 1 (jj ascending: one fixed order) into this unit's
 //@# own slot of dcs [DCNG, B*HQ, nkt, nqt, W] (f32; cleared before the launch, so a
-//@# skipped tile's slot holds 0).  No atomics: bitwise repeatable.
+//@# skipped tile's slot holds 0).  DCRC (reads of q_idx or kv_idx alone too): the
+//@# row reads' slots hold the tile's BQ row sums, the column reads' its BK column
+//@# sums, after the diagonal reads' regions.  No atomics: bitwise repeatable.
 //@include common
 //@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
@@ -127,6 +129,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     //@if DCAP
     workgroupBarrier();
     if (wid.z == 0u) {
+      //@ifn DCRC
       //@for m DCM
       {
         let t = lid + {m} * NT;
@@ -148,6 +151,70 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
       }
       //@end m
+      //@endif DCRC
+      //@if DCRC
+      //@# DCRC: sdc holds the DCND diagonal (and total) reads' blocks, then the DCNR row
+      //@# reads', then the DCNC column reads'; dcs their regions in that order, each
+      //@# [B*HQ, nkt, nqt, width]: W diagonals as above, BQ row sums (jj ascending), BK
+      //@# column sums (ii ascending).  DCM / DCMR / DCMC are 0 where a kind has no read.
+      let slot = ((b * U.HQ + h) * U.nkt + kt) * U.nqt + qt;
+      let nslot = U.B * U.HQ * U.nkt * U.nqt;
+      //@for m DCM
+      {
+        let t = lid + {m} * NT;
+        if (t < BQ + BK - 1u) {
+          let jlo = select(0u, BK - 1u - t, t < BK - 1u);
+          let jhi = min(BK, BQ + BK - 1u - t);
+          //@for k DCND
+          {
+            var acc = 0.0;
+            for (var jj = jlo; jj < jhi; jj++) {
+              TRIP
+              acc += sdc[({k} * BQ + jj + t + 1u - BK) * BK + jj];
+            }
+            dcs[({k} * nslot + slot) * (BQ + BK - 1u) + t] = acc;
+          }
+          //@end k
+        }
+      }
+      //@end m
+      //@for m DCMR
+      {
+        let t = lid + {m} * NT;
+        if (t < BQ) {
+          // query row t of the tile
+          //@for k DCNR
+          {
+            var acc = 0.0;
+            for (var jj = 0u; jj < BK; jj++) {
+              TRIP
+              acc += sdc[((DCND + {k}) * BQ + t) * BK + jj];
+            }
+            dcs[nslot * DCND * (BQ + BK - 1u) + ({k} * nslot + slot) * BQ + t] = acc;
+          }
+          //@end k
+        }
+      }
+      //@end m
+      //@for m DCMC
+      {
+        let t = lid + {m} * NT;
+        if (t < BK) {
+          // key column t of the tile
+          //@for k DCNC
+          {
+            var acc = 0.0;
+            for (var ii = 0u; ii < BQ; ii++) {
+              TRIP
+              acc += sdc[((DCND + DCNR + {k}) * BQ + ii) * BK + t];
+            }
+            dcs[nslot * (DCND * (BQ + BK - 1u) + DCNR * BQ) + ({k} * nslot + slot) * BK + t] = acc;
+          }
+          //@end k
+        }
+      }
+      //@end m
+      //@endif DCRC
     }
     workgroupBarrier();
     //@endif DCAP
