@@ -10,10 +10,8 @@ for each read ``g = c[idx]`` (DESIGN section 1).  Where every index of a read de
 alone, ``kv_idx`` alone, or none (learnable ALiBi slopes ``slopes[h]``), the index takes
 one value per (b, h, position): the gradient is a sum of the terms along each diagonal,
 row or column, scattered once per (b, h, position) at the flat capture indices
-:func:`flat_index` evaluates on the host.  A backward that sums along diagonals only
-refuses the other reads (:func:`unsupported`); one that sums along rows and columns too
-refuses reads of both q_idx and kv_idx otherwise than through their difference
-(:func:`refusal`).  Pure Python and NumPy: nothing here imports a device library.
+:func:`flat_index` evaluates on the host.  Reads of both q_idx and kv_idx otherwise than
+through their difference are refused (:func:`refusal`).  Pure Python and NumPy: nothing here imports a device library.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ import numpy as np
 from .diagonal import diagonal_nodes
 from .graph import Node, ordered, render
 
-__all__ = ["Read", "reads", "unsupported", "KINDS", "classify", "refusal", "reads_diagonal",
-           "flat_index"]
+__all__ = ["Read", "reads", "KINDS", "classify", "refusal", "flat_index"]
 
 _INDEX = frozenset({"q_idx", "kv_idx", "score"})
 
@@ -62,22 +59,9 @@ def reads(program, wrt) -> List[Read]:
     return out
 
 
-def unsupported(program, wrt) -> Optional[str]:
-    """Why a diagonal-sum backward cannot compute the gradients of the captures ``wrt``
-    of a score program (None: it can), after the backward's name ("the Triton
-    backward"); no remedy (the callers add theirs)."""
-    for r in reads(program, wrt):
-        if r.bad is not None:
-            return (f"computes the gradient of a score_mod capture only where every read of "
-                    f"it is indexed by b, h and q_idx - kv_idx: capture {r.name!r} is read "
-                    f"at {render(r.node)}, whose index {render(r.bad)} depends on q_idx / "
-                    "kv_idx otherwise")
-    return None
-
-
-#: the kinds of read a backward may differentiate: an index of q_idx - kv_idx
-#: (sums along the tile diagonals), of q_idx alone (along each query row), of kv_idx
-#: alone (down each key column), of b and h only (one total per tile)
+#: the kinds of read a backward may differentiate: an index of q_idx - kv_idx (sums
+#: along the tile diagonals), of q_idx alone (along each query row), of kv_idx alone
+#: (down each key column), of b and h only (one total per tile)
 KINDS = ("diag", "row", "col", "total")
 _OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
 
@@ -120,12 +104,6 @@ def refusal(program, wrt) -> Optional[str]:
             return ("computes the gradient of a score_mod capture only where each read of it "
                     "is indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx: " + why)
     return None
-
-
-def reads_diagonal(program, wrt) -> bool:
-    """Does an index of the captures ``wrt`` read q_idx - kv_idx (slots of diagonal
-    sums), or only b and h (one total per slot)?"""
-    return any("d" in r.uses for r in reads(program, wrt))
 
 
 def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_shape,
