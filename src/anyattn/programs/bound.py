@@ -115,6 +115,8 @@ class BoundProgram:
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
         self._order = ordered([program.out])
+        #: range tables of the captures (:mod:`.tile_bounds`), built when tiles are bounded
+        self._ranges: Dict[Any, Any] = {}
         #: the output depends on the indices through q_idx - kv_idx only: tiles are
         #: evaluated once per diagonal (:mod:`.diagonal`)
         self._diagonal = program.out.uid in diagonal_nodes(self._order)
@@ -372,7 +374,8 @@ def _box_bounds(bound: BoundProgram, caps, band, b, h, q, k):
     """(lo, hi) of the mask (and the band) over boxes: ``b``, ``h`` single values,
     ``q``, ``k`` (first, last) index arrays, all broadcastable."""
     lo, hi = tile_intervals(bound.program.out, bound._order, caps, bound.program.specs,
-                            {"b": (b, b), "h": (h, h), "q_idx": q, "kv_idx": k})
+                            {"b": (b, b), "h": (h, h), "q_idx": q, "kv_idx": k},
+                            bound._ranges)
     if band is not None:
         dmin, dmax = k[0] - q[1], k[1] - q[0]                   # kv_idx - q_idx on the box
         blo = -np.inf if band[0] is None else band[0]

@@ -61,24 +61,29 @@ class SparseRange:
     ``c[idx..., lo:hi + 1, ...]`` for arrays of single indices and bounds at once."""
 
     def __init__(self, c: np.ndarray, axis: int):
-        a = np.moveaxis(c.astype(np.float64), axis, -1)    # [..., n]
+        a = np.moveaxis(c, axis, -1)                        # [..., n]
         n = a.shape[-1]
         self.axis, self.n = axis, n
-        mins, maxs = [a], [a]
+        levels = self.levels(n)
+        self.mins = np.empty((levels,) + a.shape, np.float64)   # [L, ..., n]
+        self.maxs = np.empty((levels,) + a.shape, np.float64)
+        self.mins[0] = a
+        self.maxs[0] = a
         step = 1
-        while 2 * step <= n:
-            lo, hi = mins[-1], maxs[-1]
-            pad = [(0, 0)] * (a.ndim - 1) + [(0, step)]
-            mins.append(np.pad(np.minimum(lo[..., :-step], lo[..., step:]), pad, mode="edge"))
-            maxs.append(np.pad(np.maximum(hi[..., :-step], hi[..., step:]), pad, mode="edge"))
+        for lv in range(1, levels):
+            # level lv: over [i, i + 2**lv); entries past n - 2**lv are never read
+            np.minimum(self.mins[lv - 1, ..., :n - step], self.mins[lv - 1, ..., step:],
+                       out=self.mins[lv, ..., :n - step])
+            np.maximum(self.maxs[lv - 1, ..., :n - step], self.maxs[lv - 1, ..., step:],
+                       out=self.maxs[lv, ..., :n - step])
             step *= 2
-        self.mins, self.maxs = np.stack(mins), np.stack(maxs)   # [L, ..., n]
         #: floor(log2(w)) of every width w in [1, n]
         self.log2 = np.maximum(np.frexp(np.arange(n + 1, dtype=np.float64))[1] - 1,
                                0).astype(np.intp)
 
     @staticmethod
     def levels(n: int) -> int:
+        """Levels a table of n entries needs: 2**(L-1) <= n."""
         return max(1, int(n).bit_length())
 
     def query(self, others: Sequence[np.ndarray], lo, hi):
@@ -180,15 +185,17 @@ def _mod(a, b) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def tile_intervals(out: Node, order: Sequence[Node], caps: Dict[str, np.ndarray], specs,
-                   boxes: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> Interval:
+                   boxes: Dict[str, Tuple[np.ndarray, np.ndarray]],
+                   tables: Optional[dict] = None) -> Interval:
     """The interval of ``out`` (a bool or integer node) over every tile box.
 
     ``order``: ``ordered([out])``; ``caps``: the captures (NumPy, by name); ``boxes``:
     for each index input (``b``, ``h``, ``q_idx``, ``kv_idx``) the (lo, hi) arrays of its
     values on each tile, broadcastable to one another.  Returns (lo, hi) arrays (or
-    scalars) broadcastable to the tiles' shape, or None (a float output)."""
+    scalars) broadcastable to the tiles' shape, or None (a float output).  ``tables``:
+    a dict that keeps the captures' range tables from call to call (same ``caps``)."""
     iv: Dict[int, Interval] = {}
-    tables: dict = {}
+    tables = {} if tables is None else tables
     for n in order:
         op = n.op
         if n.dtype == FLOAT:
