@@ -343,7 +343,8 @@ def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
     Each undecided tile is cut into ``split`` x ``split`` boxes and bounded again: a tile
     with a box kept entirely and one dropped entirely is partial; in the others only the
     undecided boxes are evaluated pair by pair, about ``chunk`` pairs per vectorised
-    evaluation.  Work O(Bx·Hx·nQ·nK) plus the undecided boxes' pairs."""
+    evaluation.  Work O(Bx·Hx·nQ·nK) plus the undecided boxes' pairs; memory O(chunk)
+    beyond the maps (tiles are refined ``chunk / (16·split²)`` at a time)."""
     B, H, Sq, Sk = bound.sizes
     Bx, Hx = _bh(bound.sizes, bound.program.uses)
     nq, nk = -(-Sq // bq), -(-Sk // bk)
@@ -364,9 +365,10 @@ def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
     all_k = lo == 1
     any_k = hi == 1
     todo = np.nonzero(any_k & ~all_k)                           # undecided tiles
-    if todo[0].size:
-        a, l = _refine(bound, caps, band, todo, bq, bk, chunk, split)
-        any_k[todo], all_k[todo] = a, l
+    per = max(1, chunk // (split * split * 16))                 # tiles per refinement
+    for s0 in range(0, todo[0].size, per):
+        part = tuple(t[s0:s0 + per] for t in todo)
+        any_k[part], all_k[part] = _refine(bound, caps, band, part, bq, bk, chunk, split)
     return any_k, all_k
 
 
