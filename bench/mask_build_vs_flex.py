@@ -45,10 +45,15 @@ BLOCK = 128
 
 
 def _gallery():
-    spec = importlib.util.spec_from_file_location("gallery", ROOT / "examples" / "gallery.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gallery"] = mod
-    spec.loader.exec_module(mod)
+    """examples/gallery.py as a module (kept in sys.modules as ``anyattn_gallery``, the
+    name the tests load it under)."""
+    mod = sys.modules.get("anyattn_gallery")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("anyattn_gallery",
+                                                      ROOT / "examples" / "gallery.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["anyattn_gallery"] = mod
+        spec.loader.exec_module(mod)
     return mod
 
 
