@@ -166,12 +166,15 @@ def test_tile_map_of_split_mask_is_exact():
     """A band conjunct and the function's rest classify together: a tile where each is
     partial but no pair is kept by both is empty, not partial."""
     S = 64
-    m = aa.MaskMod(lambda b, h, q, kv: (kv <= q) & ((q - kv) % 16 >= 15))
+    m = aa.MaskMod(lambda b, h, q, kv: (kv <= q) & (q - kv <= 3)
+                   & (((q - kv) % 16 == 15) | (q == kv)))
+    assert len(m.bands) == 2 and m.residual is not None
     codes = resolve(m, 1, 1, S, S).tile_map(16, 16)
     d = np.arange(S)[:, None] - np.arange(S)[None, :]
-    dense = (d >= 0) & (d % 16 >= 15)
+    dense = (d >= 0) & (d <= 3) & ((d % 16 == 15) | (d == 0))
     want = resolve(aa.KeepMask(dense), 1, 1, S, S).tile_map(16, 16)
     np.testing.assert_array_equal(codes, want)
+    assert (np.diagonal(codes[0, 0], -1) == 0).all()     # band and function partial there
 
 
 def test_sparse_range_answers_every_range():
