@@ -679,9 +679,11 @@ class _FunctionTerm(TermKind):
         from .programs.bound import mask_tile_parts
 
         any_k = all_k = None
+        band = (rm.band_lo, rm.band_hi) if rm.has_band else None
         for bp in rm.mask_fns:
-            a, l = TILE_CACHE.get(("mask_mod", bp.program.key, bp.digest(), bp.sizes, bq, bk),
-                                  lambda bp=bp: mask_tile_parts(bp, bq, bk))
+            a, l = TILE_CACHE.get(("mask_mod", bp.program.key, bp.digest(), bp.sizes, band,
+                                   bq, bk),
+                                  lambda bp=bp: mask_tile_parts(bp, bq, bk, band))
             any_k = a if any_k is None else any_k & a
             all_k = l if all_k is None else all_k & l
         return any_k, all_k

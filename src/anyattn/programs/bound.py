@@ -30,6 +30,7 @@ from .derive import derivatives
 from .diagonal import diagonal_nodes, diagonal_values
 from .evaluate import cast_captures, evaluate, use_counts
 from .graph import FLOAT, Node, ordered, structural_key
+from .tile_bounds import tile_intervals
 from .trace import CaptureSpec, Traced
 
 __all__ = ["Program", "BoundProgram", "ScoreTiles", "mask_tile_parts", "dense_grids"]
@@ -114,6 +115,8 @@ class BoundProgram:
         self._caps: Dict[np.dtype, Dict[str, np.ndarray]] = {}
         self._digest: Optional[str] = None
         self._order = ordered([program.out])
+        #: range tables of the captures (:mod:`.tile_bounds`), built when tiles are bounded
+        self._ranges: Dict[Any, Any] = {}
         #: the output depends on the indices through q_idx - kv_idx only: tiles are
         #: evaluated once per diagonal (:mod:`.diagonal`)
         self._diagonal = program.out.uid in diagonal_nodes(self._order)
@@ -327,29 +330,135 @@ class ScoreTiles:
 
 
 def mask_tile_parts(bound: BoundProgram, bq: int, bk: int,
-                    chunk: int = 1 << 21) -> Tuple[np.ndarray, np.ndarray]:
-    """A mask function per tile: (any kept, all kept), bool [Bx, Hx, nQ, nK].
+                    band: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                    chunk: int = 1 << 20, split: int = 8) -> Tuple[np.ndarray, np.ndarray]:
+    """A mask function per tile: (any kept, all kept), bool [Bx, Hx, nQ, nK], exact.
 
-    Evaluated per (b, h) it reads, on row blocks of whole query tiles (about ``chunk``
-    pairs at a time), and reduced per key tile: O(Bx·Hx·Sq·Sk) evaluations, O(chunk)
-    memory."""
+    ``band``: ``(lo, hi)`` of the mask's band term (``lo <= kv_idx - q_idx <= hi``, None
+    = open) or None; the pairs classified are then those the function and the band both
+    keep (the band's empty tiles cost nothing, its partial ones count exactly).
+
+    First the interval of the function over each whole tile (:mod:`.tile_bounds`, every
+    tile of every (b, h) it reads at once) decides the tiles kept entirely or not at all.
+    Each undecided tile is cut into ``split`` x ``split`` boxes and bounded again: a tile
+    with a box kept entirely and one dropped entirely is partial; in the others only the
+    undecided boxes are evaluated pair by pair, about ``chunk`` pairs per vectorised
+    evaluation.  Work O(Bx·Hx·nQ·nK) plus the undecided boxes' pairs; memory O(chunk)
+    beyond the maps (tiles are refined ``chunk / (16·split²)`` at a time)."""
     B, H, Sq, Sk = bound.sizes
     Bx, Hx = _bh(bound.sizes, bound.program.uses)
     nq, nk = -(-Sq // bq), -(-Sk // bk)
-    any_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
-    all_k = np.zeros((Bx, Hx, nq, nk), dtype=bool)
-    tiles_per = max(1, chunk // max(1, bq * Sk))
-    pad = nk * bk - Sk
-    for b in range(Bx):
-        for h in range(Hx):
-            for t0 in range(0, nq, tiles_per):
-                t1 = min(nq, t0 + tiles_per)
-                i0, i1 = t0 * bq, min(Sq, t1 * bq)
-                keep = bound.keep_t(b, h, i0, i1, 0, Sk).T              # [ni, Sk]
-                rpad = (t1 - t0) * bq - (i1 - i0)
-                ka = np.pad(keep, ((0, rpad), (0, pad)), constant_values=False)
-                kl = np.pad(keep, ((0, rpad), (0, pad)), constant_values=True)
-                shape = (t1 - t0, bq, nk, bk)
-                any_k[b, h, t0:t1] = ka.reshape(shape).any(axis=(1, 3))
-                all_k[b, h, t0:t1] = kl.reshape(shape).all(axis=(1, 3))
+    shape = (Bx, Hx, nq, nk)
+    if 0 in shape:
+        return np.zeros(shape, bool), np.zeros(shape, bool)
+    caps = bound.caps(np.float64)
+    f = np.float64
+    q0 = np.arange(nq, dtype=f) * bq
+    k0 = np.arange(nk, dtype=f) * bk
+    lo, hi = _box_bounds(bound, caps, band, np.arange(Bx, dtype=f)[:, None, None, None],
+                         np.arange(Hx, dtype=f)[None, :, None, None],
+                         (q0[None, None, :, None],
+                          np.minimum(q0 + bq, Sq)[None, None, :, None] - 1),
+                         (k0[None, None, None, :],
+                          np.minimum(k0 + bk, Sk)[None, None, None, :] - 1))
+    lo, hi = np.broadcast_to(lo, shape), np.broadcast_to(hi, shape)
+    all_k = lo == 1
+    any_k = hi == 1
+    todo = np.nonzero(any_k & ~all_k)                           # undecided tiles
+    per = max(1, chunk // (split * split * 16))                 # tiles per refinement
+    for s0 in range(0, todo[0].size, per):
+        part = tuple(t[s0:s0 + per] for t in todo)
+        any_k[part], all_k[part] = _refine(bound, caps, band, part, bq, bk, chunk, split)
     return any_k, all_k
+
+
+def _box_bounds(bound: BoundProgram, caps, band, b, h, q, k):
+    """(lo, hi) of the mask (and the band) over boxes: ``b``, ``h`` single values,
+    ``q``, ``k`` (first, last) index arrays, all broadcastable."""
+    lo, hi = tile_intervals(bound.program.out, bound._order, caps, bound.program.specs,
+                            {"b": (b, b), "h": (h, h), "q_idx": q, "kv_idx": k},
+                            bound._ranges)
+    if band is not None:
+        dmin, dmax = k[0] - q[1], k[1] - q[0]                   # kv_idx - q_idx on the box
+        blo = -np.inf if band[0] is None else band[0]
+        bhi = np.inf if band[1] is None else band[1]
+        lo = np.minimum(lo, np.where((dmin >= blo) & (dmax <= bhi), 1.0, 0.0))
+        hi = np.minimum(hi, np.where((dmax < blo) | (dmin > bhi), 0.0, 1.0))
+    return lo, hi
+
+
+def _keep_at(bound: BoundProgram, caps, band, b, h, qi, ki) -> np.ndarray:
+    """The mask (and the band) at index arrays (broadcastable) -> bool array."""
+    keep, = evaluate([bound.program.out], {"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, caps,
+                     np.dtype(np.float64), order=bound._order, idt=bound.idt)
+    if band is not None:
+        d = ki - qi
+        if band[0] is not None:
+            keep = keep & (d >= band[0])
+        if band[1] is not None:
+            keep = keep & (d <= band[1])
+    return np.broadcast_to(keep, np.broadcast_shapes(np.shape(keep), qi.shape, ki.shape))
+
+
+def _refine(bound: BoundProgram, caps, band, todo, bq: int, bk: int, chunk: int,
+            split: int):
+    """(any kept, all kept) of the tiles ``todo`` (arrays b, h, query tile, key tile).
+
+    Each tile's boxes are bounded; a tile with a box kept entirely and one dropped
+    entirely is partial.  For the others, five pairs of every undecided box (its corners
+    and centre) are evaluated: a kept pair and a dropped one (from a box or a pair)
+    decide the tile partial too.  Only the undecided boxes of tiles still undecided are
+    evaluated pair by pair.  Boxes that would reach past a ragged tile's end repeat its
+    last row / key (the same pairs again: any and all unchanged)."""
+    _, _, Sq, Sk = bound.sizes
+    f = np.float64
+    n = todo[0].size
+    tb, th, tq, tk = (t.astype(f) for t in todo)
+    sq, sk = -(-bq // split), -(-bk // split)                  # box sizes
+    nsq, nsk = -(-bq // sq), -(-bk // sk)                      # boxes per tile side
+    qe = np.minimum((tq + 1) * bq, Sq)[:, None, None] - 1      # last row of the tile
+    ke = np.minimum((tk + 1) * bk, Sk)[:, None, None] - 1
+    qs = tq[:, None, None] * bq + np.arange(nsq, dtype=f)[None, :, None] * sq
+    ks = tk[:, None, None] * bk + np.arange(nsk, dtype=f)[None, None, :] * sk
+    q = (np.minimum(qs, qe), np.minimum(qs + sq - 1, qe))
+    k = (np.minimum(ks, ke), np.minimum(ks + sk - 1, ke))
+    lo, hi = _box_bounds(bound, caps, band, tb[:, None, None], th[:, None, None], q, k)
+    shape = (n, nsq, nsk)
+    lo, hi = np.broadcast_to(lo, shape), np.broadcast_to(hi, shape)
+    some = (lo == 1).any(axis=(1, 2))                           # a box kept entirely
+    not_all = (hi == 0).any(axis=(1, 2))                        # a box dropped entirely
+    t, a, c = np.nonzero((lo != hi) & ~(some & not_all)[:, None, None])
+    if not t.size:
+        return some, ~not_all
+    idt = bound.idt
+    bi, hb = tb[t].astype(idt)[:, None], th[t].astype(idt)[:, None]
+    q_lo, q_hi = (np.broadcast_to(x, shape)[t, a, c].astype(idt)[:, None] for x in q)
+    k_lo, k_hi = (np.broadcast_to(x, shape)[t, a, c].astype(idt)[:, None] for x in k)
+    # corners and centre of every undecided box: [N, 5]
+    qm, km = (q_lo + q_hi) // 2, (k_lo + k_hi) // 2
+    qi = np.concatenate([q_lo, q_lo, q_hi, q_hi, qm], axis=1)
+    ki = np.concatenate([k_lo, k_hi, k_lo, k_hi, km], axis=1)
+    keep = _keep_at(bound, caps, band, bi, hb, qi, ki)
+    some = some | (np.bincount(t, weights=keep.any(axis=1), minlength=n) > 0)
+    not_all = not_all | (np.bincount(t, weights=~keep.all(axis=1), minlength=n) > 0)
+    rest = np.nonzero(~(some & not_all)[t])[0]                  # boxes still to evaluate
+    if not rest.size:
+        return some, ~not_all
+    t = t[rest]
+    bi, hb, q_lo, q_hi, k_lo, k_hi = (x[rest, :, None] for x in (bi, hb, q_lo, q_hi,
+                                                                  k_lo, k_hi))
+    box_any = np.empty(t.size, bool)
+    box_all = np.empty(t.size, bool)
+    per = max(1, chunk // (sq * sk))
+    rq = np.arange(sq, dtype=idt)[None, :, None]
+    rk = np.arange(sk, dtype=idt)[None, None, :]
+    for s0 in range(0, t.size, per):
+        s1 = min(t.size, s0 + per)
+        keep = _keep_at(bound, caps, band, bi[s0:s1], hb[s0:s1],
+                        np.minimum(q_lo[s0:s1] + rq, q_hi[s0:s1]),
+                        np.minimum(k_lo[s0:s1] + rk, k_hi[s0:s1]))
+        box_any[s0:s1] = keep.any(axis=(1, 2))
+        box_all[s0:s1] = keep.all(axis=(1, 2))
+    some = some | (np.bincount(t, weights=box_any, minlength=n) > 0)
+    not_all = not_all | (np.bincount(t, weights=~box_all, minlength=n) > 0)
+    return some, ~not_all
