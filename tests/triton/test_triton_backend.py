@@ -411,7 +411,11 @@ def test_float64_refused_naming_dtype_and_alternative():
 
 @needs_triton
 def test_head_dim_too_large_refused():
-    x = _tq(1, 1, 4, 300, device=DEV)
+    """Above 256 only decoding forwards run (≤ 16 queries); above 1024 nothing does."""
+    x = _tq(1, 1, 17, 300, device=DEV)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        aa.attention(x, x, x, backend="triton")
+    x = _tq(1, 1, 4, 1100, device=DEV)
     with pytest.raises(NotImplementedError, match="head_dim"):
         aa.attention(x, x, x, backend="triton")
 
