@@ -362,5 +362,7 @@ def test_device_array_refusals_for_capture_gradients(be, monkeypatch):
                                                    r"NumPy arrays"):
         aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=by_dev)
     assert not calls
-    gr = aa.attention_backward(*dev, wrt=("k",), backend="webgpu", score_mod=prod)
+    out, st = _device_stats(q, k, v, dict(score_mod=aa.ScoreMod(prod.fn, t=t)))
+    gr = aa.attention_backward(*dev, out=out, lse=st, wrt=("k",), backend="webgpu",
+                               score_mod=prod)
     assert calls and gr.dk is not None and gr.dcaptures is None
