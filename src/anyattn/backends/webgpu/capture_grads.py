@@ -42,7 +42,11 @@ diagonal (``diag``; and ``total``, summed over the diagonals on the host), query
    to the capture's dtype.
 
 Batch chunks (the adapter's binding limit) each return their batches' sums; the
-caller concatenates them along the batch before :func:`finish`.
+caller concatenates them along the batch before :func:`finish`.  Device-array calls
+(resident.py) run the same launches from their cached launch template and read ``dcs``
+back once after its submission; a device-array capture's values never reach the host
+(:func:`finish` takes its shape and dtype; an index that reads one is refused,
+:func:`device_index_reads`).
 """
 from __future__ import annotations
 

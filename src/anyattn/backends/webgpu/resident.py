@@ -19,7 +19,9 @@ KeepMask: masks are host descriptions), the words of score / mask function captu
 which is keyed by their content digest, ``_programs_key``), plus zeros where the device
 fills in slopes/sinks and a score function's device-array captures (float arrays, never
 read by the host: copied into the captures buffer by the ``ew`` kernel on every call).
-dsinks is reduced on the device (``dsinks`` kernel).
+dsinks is reduced on the device (``dsinks`` kernel).  Capture gradients: the only
+read-back, the DCAP slot buffer once after the submission (``Template.dcap``), finished
+on the host as for NumPy inputs (capture_grads.py).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
