@@ -290,7 +290,7 @@ def test_device_array_inputs_give_the_numpy_path_capture_gradients_bitwise(be,
     bit (same kernels, same host sums) and within the fp32 tolerance of the float64
     reference; each comes back as its capture's kind (a DeviceArray in its dtype for a
     device-array capture, NumPy for a NumPy capture); a repeat call (its launch template
-    cached) gives the same bits.  The problem of the mixed row / column test (one set of
+    cached) gives the same bits, and so does a call asking for the captures alone.  The problem of the mixed row / column test (one set of
     shader variants)."""
     from anyattn import webgpu as wg
     from anyattn.backends.webgpu.device_array import DeviceArray
@@ -330,6 +330,14 @@ def test_device_array_inputs_give_the_numpy_path_capture_gradients_bitwise(be,
             assert got.shape == caps[n].shape
             np.testing.assert_array_equal(got, host.dcaptures[n], err_msg=n)
         assert_close(host.dcaptures[n], rg.dcaptures[n], "float32", f"d{n}")
+    if device_captures:             # the captures alone: the dK/dV pass runs for them
+        only = aa.attention_backward(dq, dk, dv, dg, out=out, lse=st, wrt=tuple(caps),
+                                     backend="webgpu", **kw)
+        assert only.dk is None and only.dv is None
+        for n in caps:
+            got = only.dcaptures[n]
+            got = got.numpy() if n in on_device else got
+            np.testing.assert_array_equal(got, host.dcaptures[n], err_msg=f"{n} alone")
 
 
 def test_device_array_refusals_for_capture_gradients(be, monkeypatch):
