@@ -374,3 +374,21 @@ def test_device_array_refusals_for_capture_gradients(be, monkeypatch):
     gr = aa.attention_backward(*dev, out=out, lse=st, wrt=("k",), backend="webgpu",
                                score_mod=prod)
     assert calls and gr.dk is not None and gr.dcaptures is None
+
+
+def test_an_empty_problem_gives_zero_capture_gradients_of_each_capture_kind(be):
+    """No queries: each capture's gradient is zero, of its capture's kind, shape and
+    dtype (a DeviceArray for a device-array capture, NumPy for a NumPy one)."""
+    from anyattn import webgpu as wg
+    from anyattn.backends.webgpu.device_array import DeviceArray
+
+    q = wg.asarray(np.zeros((1, 2, 0, 16), np.float32))
+    k = wg.asarray(np.zeros((1, 2, 8, 16), np.float32))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t, w: s * w[h] + t[h, j],
+                     t=wg.asarray(np.ones((2, 8), np.float16)), w=np.ones(2, np.float32))
+    gr = aa.attention_backward(q, k, k, q, wrt=("k", "t", "w"), backend="webgpu",
+                               score_mod=sm)
+    t, w = gr.dcaptures["t"], gr.dcaptures["w"]
+    assert isinstance(t, DeviceArray) and t.shape == (2, 8) and t.dtype == np.float16
+    assert isinstance(w, np.ndarray) and w.shape == (2,) and w.dtype == np.float32
+    assert not t.numpy().any() and not w.any()

@@ -529,7 +529,8 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         nk, nv = B * HKV * SK * D, B * HKV * SK * DV      # dv from element nk on
         kshape, vshape = (B, HKV, SK, D), (B, HKV, SK, DV)
         if want_k and want_v and dt == np.float16 and not ng and call.out16_ok("bwd_dkdv"):
-            # f16 dk, dv written by the dK/dV pass itself into one result buffer
+            # f16 dk, dv written by the dK/dV pass itself into one result buffer (not with
+            # DCAP: that pass keeps the f32 output of the NumPy-array path's variant)
             y, iy = res.new(buffer_bytes(nk + nv, dt), "anyattn.dkdv")
             call.dkdv(st, y, True, True, out16=True, dq_next=want_q and not want_b)
             res.add("dk", iy, kshape, dt, 0)
