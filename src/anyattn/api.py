@@ -207,8 +207,9 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
         res = {"dq": be.zeros_like(qb), "dk": be.zeros_like(kb), "dv": be.zeros_like(vb),
                "dbias": None if bias is None else be.zeros_like(bias),
                "dsinks": None if sinks is None else be.zeros_like(sinks),
-               "dcaptures": {n: np.zeros(p.score_mod.arrays[n].shape,
-                                         p.score_mod.arrays[n].dtype)
+               "dcaptures": {n: be.zeros_like(p.score_mod.device[n])
+                             if n in p.score_mod.device else
+                             np.zeros(p.score_mod.arrays[n].shape, p.score_mod.arrays[n].dtype)
                              for n in p.capture_wrt} or None}
     else:
         b4 = bias_4d(bias, p)

@@ -5,8 +5,10 @@ alone (columns), mixed with a read of q_idx - kv_idx (fp32) and alone (rows, f16
 Sq != Sk, causal; repeated runs bitwise equal), reads indexed by b, h and every kind
 with a capture of rank 0 and batch chunks, softcap / dropout / sinks / a mask union
 with repeated runs and a split launch bitwise equal, the loop-trip model of the DCAP
-pass, and the refusals (reads of q_idx and kv_idx otherwise than through their
-difference; more reads than the workgroup tile holds; device arrays).  The backward
+pass, device-array inputs with NumPy and device-array captures (bitwise those of the
+NumPy-array path; a cached repeat too), and the refusals (reads of q_idx and kv_idx
+otherwise than through their difference, with NumPy or device arrays; more reads than
+the workgroup tile holds; an index reading a device-array capture).  The backward
 gets out and the row statistics from the NumPy backend (the WebGPU forward is tested
 elsewhere) and asks for dk, dv and the captures: the dK/dV pass computes all three, so
 no test compiles the dQ kernel.
@@ -278,28 +280,122 @@ def test_more_capture_reads_than_the_workgroup_tile_holds_are_refused_by_name(be
         _backward(q, k, v, g, ("t",), score_mod=sm)
 
 
-def test_device_array_inputs_are_refused_for_capture_gradients(be, monkeypatch):
-    """Device-array inputs (with NumPy or device-array captures) with capture gradients
-    raise before any work, naming the remedy; the call without the capture's gradient
-    runs."""
+def _device_stats(q, k, v, kw):
+    """out and the row statistics from the NumPy backend, as device arrays."""
+    from anyattn import webgpu as wg
+
+    out, st = aa.forward_with_stats(q, k, v, backend="numpy", **kw)
+    return wg.asarray(out), aa.RowStats(wg.asarray(st.max), wg.asarray(st.log_norm))
+
+
+@pytest.mark.parametrize("device_captures", [False, True])
+def test_device_array_inputs_give_the_numpy_path_capture_gradients_bitwise(be,
+                                                                          device_captures):
+    """Device-array q, k, v, dout (out and statistics too) with a relative-position table
+    (diagonal reads), a per-key bias (column reads), a per-query temperature (row) and a
+    bucketed key table: the capture gradients are those of the NumPy-array path bit for
+    bit (same kernels, same host sums) and within the fp32 tolerance of the float64
+    reference; each comes back as its capture's kind (a DeviceArray in its dtype for a
+    device-array capture, NumPy for a NumPy capture); a repeat call (its launch template
+    cached) gives the same bits, and so does a call asking for the captures alone.  The problem of the mixed row / column test (one set of
+    shader variants)."""
+    from anyattn import webgpu as wg
+    from anyattn.backends.webgpu.device_array import DeviceArray
+
+    fn, shapes = ROWS_COLS["mixed"]
+    B, H, Sq, Sk = 2, 4, 24, 40
+    q, k, v, g = _inputs(5, B, H, 2, Sq, Sk, 16)
+    rng = np.random.default_rng(9)
+    caps = {n: (0.5 + rng.random(s) if n == "t" else rng.standard_normal(s)).astype(np.float32)
+            for n, s in shapes(H, Sq, Sk).items()}
+    on_device = ("rel", "kb") if device_captures else ()
+    dcaps = {n: wg.asarray(x) if n in on_device else x for n, x in caps.items()}
+    mask = aa.Causal("bottom_right")
+    wrt = ("k", "v") + tuple(caps)
+    host = _backward(q, k, v, g, wrt, score_mod=aa.ScoreMod(fn, **caps), mask=mask)
+    dq, dk, dv, dg = (wg.asarray(x) for x in (q, k, v, g))
+    kw = dict(score_mod=aa.ScoreMod(fn, **dcaps), mask=mask)
+    out, st = _device_stats(q, k, v, dict(score_mod=aa.ScoreMod(fn, **caps), mask=mask))
+    tpl = be.runner().templates
+    runs = []
+    for _ in range(2):
+        hits = tpl.stats["hits"]
+        runs.append(aa.attention_backward(dq, dk, dv, dg, out=out, lse=st, wrt=wrt,
+                                          backend="webgpu", **kw))
+    assert tpl.stats["hits"] == hits + 1          # the repeat ran the cached template
+    rg = _reference(q, k, v, g, wrt, score_mod=aa.ScoreMod(fn, **caps), mask=mask)
+    for n in ("dk", "dv"):
+        np.testing.assert_array_equal(getattr(runs[0], n).numpy(), getattr(host, n))
+    for n in caps:
+        for r in runs:
+            got = r.dcaptures[n]
+            if n in on_device:
+                assert isinstance(got, DeviceArray) and got.dtype == np.float32
+                got = got.numpy()
+            else:
+                assert isinstance(got, np.ndarray) and got.dtype == np.float32
+            assert got.shape == caps[n].shape
+            np.testing.assert_array_equal(got, host.dcaptures[n], err_msg=n)
+        assert_close(host.dcaptures[n], rg.dcaptures[n], "float32", f"d{n}")
+    if device_captures:             # the captures alone: the dK/dV pass runs for them
+        only = aa.attention_backward(dq, dk, dv, dg, out=out, lse=st, wrt=tuple(caps),
+                                     backend="webgpu", **kw)
+        assert only.dk is None and only.dv is None
+        for n in caps:
+            got = only.dcaptures[n]
+            got = got.numpy() if n in on_device else got
+            np.testing.assert_array_equal(got, host.dcaptures[n], err_msg=f"{n} alone")
+
+
+def test_device_array_refusals_for_capture_gradients(be, monkeypatch):
+    """Device-array inputs: a capture read at q_idx and kv_idx otherwise than through
+    their difference, and a read whose index reads a device-array capture (the host
+    evaluates the indices; that read alone would be supported), raise before any work;
+    the call without the capture's gradient runs."""
+    from anyattn import math as am
     from anyattn import webgpu as wg
     from anyattn.backends.webgpu import resident
 
     S = 16
     q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
-    t = np.random.default_rng(1).standard_normal((2, 2 * S - 1)).astype(np.float32)
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=t)
+    rng = np.random.default_rng(1)
+    t = rng.standard_normal((2, 2 * S - 1)).astype(np.float32)
+    u = np.float32([3.0, 5.0])
     dev = tuple(wg.asarray(x) for x in (q, k, v, g))
     calls = []
     real = resident.backward
     monkeypatch.setattr(resident, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with pytest.raises(NotImplementedError, match=r"gradients of score_mod captures from "
-                                                   r"NumPy inputs and NumPy captures only"):
-        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=sm)
+    prod = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, (i * j) % (2 * S - 1)],
+                       t=wg.asarray(t))
+    with pytest.raises(NotImplementedError, match=r"indexed by b, h and one of"):
+        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=prod)
+    by_dev = aa.ScoreMod(lambda s, b, h, i, j, t, u:
+                         s + t[h, am.clamp(am.to_int(u[h]), 0, 2 * S - 2)],
+                         t=t, u=wg.asarray(u))
+    with pytest.raises(NotImplementedError, match=r"an index reads the device-array "
+                                                   r"capture\(s\) \['u'\]; pass those as "
+                                                   r"NumPy arrays"):
+        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=by_dev)
     assert not calls
-    dt = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i - j + S - 1], t=wg.asarray(t))
-    with pytest.raises(NotImplementedError, match=r"NumPy captures only"):
-        aa.attention_backward(*dev, wrt=("k", "t"), backend="webgpu", score_mod=dt)
-    assert not calls
-    gr = aa.attention_backward(*dev, wrt=("k",), backend="webgpu", score_mod=dt)
-    assert calls and gr.dk is not None
+    out, st = _device_stats(q, k, v, dict(score_mod=aa.ScoreMod(prod.fn, t=t)))
+    gr = aa.attention_backward(*dev, out=out, lse=st, wrt=("k",), backend="webgpu",
+                               score_mod=prod)
+    assert calls and gr.dk is not None and gr.dcaptures is None
+
+
+def test_an_empty_problem_gives_zero_capture_gradients_of_each_capture_kind(be):
+    """No queries: each capture's gradient is zero, of its capture's kind, shape and
+    dtype (a DeviceArray for a device-array capture, NumPy for a NumPy one)."""
+    from anyattn import webgpu as wg
+    from anyattn.backends.webgpu.device_array import DeviceArray
+
+    q = wg.asarray(np.zeros((1, 2, 0, 16), np.float32))
+    k = wg.asarray(np.zeros((1, 2, 8, 16), np.float32))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t, w: s * w[h] + t[h, j],
+                     t=wg.asarray(np.ones((2, 8), np.float16)), w=np.ones(2, np.float32))
+    gr = aa.attention_backward(q, k, k, q, wrt=("k", "t", "w"), backend="webgpu",
+                               score_mod=sm)
+    t, w = gr.dcaptures["t"], gr.dcaptures["w"]
+    assert isinstance(t, DeviceArray) and t.shape == (2, 8) and t.dtype == np.float16
+    assert isinstance(w, np.ndarray) and w.shape == (2,) and w.dtype == np.float32
+    assert not t.numpy().any() and not w.any()

@@ -80,20 +80,6 @@ def test_functions_match_the_float64_reference_and_new_captures_compile_nothing(
     assert len(be.runner().pipes) == pipes
 
 
-def test_capture_gradients_of_device_arrays_are_refused(be):
-    """Capture gradients run on NumPy arrays (test_webgpu_capture_grads.py), not on
-    device arrays.  (Device arrays and batch chunks: test_webgpu_fn_device.py.)"""
-    q, k, v, g = make_qkv(np.random.default_rng(0), 1, 2, 2, 8, 8, 4)
-    e = gallery.GALLERY["tanh_gate"][0](1, 2, 8, 8, np.random.default_rng(0))
-    from anyattn import webgpu as wg
-
-    dq, dk, dv, dg = (wg.asarray(x) for x in (q, k, v, g))
-    with pytest.raises(NotImplementedError, match="gradients of score_mod captures from "
-                                                  "NumPy inputs and NumPy captures only"):
-        aa.attention_backward(dq, dk, dv, dg, wrt=("q", "temp"), backend="webgpu",
-                              **e.kwargs)
-
-
 def test_kernels_without_functions_carry_no_generated_text():
     from wg_util import GPU_TILE
 

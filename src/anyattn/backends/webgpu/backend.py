@@ -20,8 +20,8 @@ batch, so the draw never depends on the split.
 Gradients of score-function captures read at indices of b, h and one of q_idx - kv_idx,
 q_idx, kv_idx (capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile
 diagonal, row and column sums, the host sums them per diagonal, row and column and
-scatters them per capture element (NumPy inputs; other reads and device arrays are
-refused by ``extra_reasons``).
+scatters them per capture element (NumPy inputs here, device arrays in ``resident``;
+other reads are refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
@@ -135,14 +135,16 @@ class WebGPUBackend(Backend):
         if p.capture_wrt and p.score_mod is not None:
             from ...programs.capture_reads import refusal
 
+            from .capture_grads import device_index_reads
+
             bad = refusal(p.score_mod.program, p.capture_wrt)
             if bad:
                 why.append(f"{bad}; index each read by one of those, or use backend='numpy'")
-            elif p.array_kind == "webgpu" or p.score_mod.device:
-                why.append("computes gradients of score_mod captures from NumPy inputs "
-                           "and NumPy captures only, not from anyattn.webgpu device "
-                           "arrays; pass NumPy arrays (DeviceArray.numpy()) for this "
-                           "backward")
+            dev = device_index_reads(p.score_mod, p.capture_wrt)
+            if dev:
+                why.append(f"computes the gradients of score_mod captures on the host at "
+                           f"indices it evaluates there, but an index reads the device-array "
+                           f"capture(s) {dev}; pass those as NumPy arrays")
         if self.availability() is None:
             if p.dtype == "float16" and not self.context.has_f16:
                 why.append(f"float16 needs the adapter feature 'shader-f16', which "

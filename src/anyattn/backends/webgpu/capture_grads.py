@@ -42,7 +42,11 @@ diagonal (``diag``; and ``total``, summed over the diagonals on the host), query
    to the capture's dtype.
 
 Batch chunks (the adapter's binding limit) each return their batches' sums; the
-caller concatenates them along the batch before :func:`finish`.
+caller concatenates them along the batch before :func:`finish`.  Device-array calls
+(resident.py) run the same launches from their cached launch template and read ``dcs``
+back once after its submission; a device-array capture's values never reach the host
+(:func:`finish` takes its shape and dtype; an index that reads one is refused,
+:func:`device_index_reads`).
 """
 from __future__ import annotations
 
@@ -51,10 +55,13 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ...programs.capture_reads import classify, flat_index, refusal
+from ...programs.capture_reads import classify, flat_index, reads, refusal
+from ...programs.evaluate import cast_captures
+from ...programs.graph import ordered
 
 __all__ = ["SLOT_KINDS", "SlotLayout", "slot_layout", "slot_floats", "split_slots",
-           "diagonal_sums", "row_sums", "column_sums", "read_sums", "finish"]
+           "diagonal_sums", "row_sums", "column_sums", "read_sums", "finish",
+           "device_index_reads"]
 
 #: the kinds of slot of the DCAP pass, in their order in the workgroup tile and in
 #: ``dcs``: sums along the tile's diagonals (classify's ``diag`` and ``total`` reads),
@@ -177,9 +184,37 @@ def read_sums(flat: np.ndarray, lay: SlotLayout, B: int, H: int, Sq: int, Sk: in
     return out
 
 
+class _HostCaptures:
+    """The host captures of a bound score program that also has device-array captures,
+    as :func:`~anyattn.programs.capture_reads.flat_index` reads them (``caps``): the
+    indices of the reads differentiated read host captures only
+    (:func:`device_index_reads` refuses the others before any work)."""
+
+    def __init__(self, bound):
+        self._bound = bound
+
+    def caps(self, dt) -> Dict[str, np.ndarray]:
+        b = self._bound
+        return cast_captures(b.arrays, b.program.specs, np.dtype(dt), b.idt)
+
+
+def device_index_reads(bound, wrt) -> List[str]:
+    """The device-array captures of the bound score program ``bound`` that an index of a
+    read of the captures ``wrt`` reads (the host evaluates those indices, and a device
+    array's values never reach the host): sorted names, empty where there are none."""
+    if not bound.device:
+        return []
+    names = set()
+    for r in reads(bound.program, frozenset(wrt)):
+        for a in r.node.args:
+            names |= {n.attr for n in ordered([a]) if n.op == "gather"} & set(bound.device)
+    return sorted(names)
+
+
 def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, int]
            ) -> Dict[str, np.ndarray]:
-    """{capture: gradient} (NumPy, the capture's shape and dtype) of the float captures
+    """{capture: gradient} (NumPy, the capture's shape and dtype; a device-array
+    capture's too: the caller uploads it) of the float captures
     ``wrt`` of the bound score program ``bound`` from each read's sums ``sums``
     (:func:`read_sums`, reads in graph order; empty where no read of ``wrt`` exists) of
     a problem of ``sizes`` = (B, H, Sq, Sk)."""
@@ -192,14 +227,15 @@ def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, i
         if kind == "total" and x.shape[2] > 1:     # its diagonals' sums: one total
             x = x.sum(axis=2, keepdims=True)
         parts[r.name].append((r, kind, x))
+    host = _HostCaptures(bound) if bound.device else bound
     out = {}
     for name, got in parts.items():
-        arr = np.asarray(bound.arrays[name])
+        arr = bound.device[name] if name in bound.device else np.asarray(bound.arrays[name])
         n = int(np.prod(arr.shape, dtype=np.int64))
         if not got:                          # never read: a zero gradient
             out[name] = np.zeros(arr.shape, dtype=arr.dtype)
             continue
-        flat = np.concatenate([flat_index(bound, sizes, r, x.shape, arr.shape, kind)
+        flat = np.concatenate([flat_index(host, sizes, r, x.shape, arr.shape, kind)
                                for r, kind, x in got])
         vals = np.concatenate([x.reshape(-1) for _, _, x in got])
         res = np.bincount(flat, weights=vals, minlength=n)

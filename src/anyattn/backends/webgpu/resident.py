@@ -19,7 +19,9 @@ KeepMask: masks are host descriptions), the words of score / mask function captu
 which is keyed by their content digest, ``_programs_key``), plus zeros where the device
 fills in slopes/sinks and a score function's device-array captures (float arrays, never
 read by the host: copied into the captures buffer by the ``ew`` kernel on every call).
-dsinks is reduced on the device (``dsinks`` kernel).
+dsinks is reduced on the device (``dsinks`` kernel).  Capture gradients: the only
+read-back, the DCAP slot buffer once after the submission (``Template.dcap``), finished
+on the host as for NumPy inputs (capture_grads.py).
 
 A plain lse given as a device array cannot be inspected on the host, so it is always
 refined (anyattn.rowstats.refine, on the device, one extra forward pass); pass the
@@ -35,6 +37,7 @@ import numpy as np
 from ... import settings
 from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
+from ...programs.capture_reads import reads as capture_reads
 from ...rowstats import RowStats
 from .clears import Clear
 from .device_array import HOME, DeviceArray, contiguous_strides
@@ -112,12 +115,14 @@ def _check_chunks(be, p: Problem, backward: bool, bias) -> None:
                          "device arrays run in one piece: split the batch")
 
 
-def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: bool):
+def _prepare(be, p: Problem, q, k, v, dout, bias, mods: ScoreMods, backward: bool,
+             dcap: int = 0):
     """The Call of one device-resident forward/backward: operands, masks, bias,
-    modifiers and dropout; gathers appended to its launches."""
+    modifiers and dropout; gathers appended to its launches.  ``dcap``: the capture
+    reads of a backward with capture gradients (backend.new_call)."""
     call = be.new_call((p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k), p.head_dim,
                     ELEMENT_TYPES[p.dtype], "dev_u", backward=backward,
-                    dropout=p.has_dropout, Dv=p.head_dim_v)
+                    dropout=p.has_dropout, Dv=p.head_dim_v, dcap=dcap)
     call.aux_role = None          # the mask tables stay with this call's launch template
     run = call.run
     call.set_scale(p.scale)
@@ -388,7 +393,22 @@ def _run_cached(be, what: str, p: Problem, inputs: Dict[str, object], build, ext
         arr = DeviceArray.root(rbufs[i], shape, dt, strides, off, HOME)
         run.results.hold(rbufs[i], arr)
         out[name] = arr
+    if tpl.dcap is not None:
+        out["dcap_sums"] = _dcap_sums(run, p, tpl.dcap)
     return out
+
+
+def _dcap_sums(run, p: Problem, dcap) -> list:
+    """The capture gradient slots of a backward template (``Template.dcap``) read back
+    once after its submission (one mapped copy of ``dcs``) and summed per diagonal, row
+    or column in float64 (capture_grads.read_sums) -> each read's [B, HQ, X], graph
+    order."""
+    from .capture_grads import read_sums
+
+    slot, floats, lay, BQ, BK = dcap
+    buf = run.buffer(slot[1], slot[2]) if type(slot) is tuple else slot
+    flat = run.read(buf, floats)
+    return read_sums(flat, lay, p.batch, p.heads_q, p.seq_q, p.seq_k, BQ, BK)
 
 
 # ------------------------------------------------------------------ forward
@@ -447,11 +467,17 @@ def stats_from_lse(be, p: Problem, q, k, v, bias, mods: ScoreMods, lse) -> RowSt
 # ------------------------------------------------------------------ backward
 def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
              mods: ScoreMods) -> Dict[str, object]:
-    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked).
+    """-> {'dq', 'dk', 'dv', 'dbias', 'dsinks'}: device arrays (None where not asked),
+    and 'dcaptures' where ``wrt`` names score_mod captures.
 
     Results in the input dtype are written by the kernels straight into result
     buffers (pool.py; dk and dv share one: dk [B, HKV, SK, D] then dv [B, HKV, SK, DV]);
-    other dtypes go through f32 scratch and a cast on the device."""
+    other dtypes go through f32 scratch and a cast on the device.  Capture gradients:
+    the dK/dV pass compiled with DCAP writes its slots as for NumPy inputs; the slots
+    are read back once after the submission and finished on the host (float64,
+    capture_grads.finish); each gradient comes back as the kind its capture is: a
+    DeviceArray in the capture's dtype for a device-array capture (uploaded), a NumPy
+    array for a NumPy capture (a host description of the call, like its mask)."""
     B, HQ, HKV, SQ, SK, D, DV = (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                  p.head_dim, p.head_dim_v)
     want_q, want_k, want_v = "q" in p.wrt, "k" in p.wrt, "v" in p.wrt
@@ -461,12 +487,16 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                   bias=bias, slopes=mods.alibi_slopes, sinks=mods.sinks,
                   **_device_captures(p))
     in_place = _stats_in_place(be.runner(), p, inputs)
+    wrt_c = p.capture_wrt if p.score_mod is not None else frozenset()
+    ng = len(capture_reads(p.score_mod.program, wrt_c)) if wrt_c else 0
 
     def build(res):
         _check_chunks(be, p, True, bias)
-        call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True)
+        call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True, dcap=ng)
         run = call.run
         n = call.n
+        if ng:                       # capture gradients in the dK/dV pass (DCAP)
+            call.set_capture_grads(p.score_mod, wrt_c)
 
         def dest(name, count, want_dt, role):
             """Where a kernel writes an f32 result: a result buffer when it is returned
@@ -498,8 +528,9 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
         call.delta(st, _operand(call, out, "out"), out16=out.dtype == np.float16)
         nk, nv = B * HKV * SK * D, B * HKV * SK * DV      # dv from element nk on
         kshape, vshape = (B, HKV, SK, D), (B, HKV, SK, DV)
-        if want_k and want_v and dt == np.float16 and call.out16_ok("bwd_dkdv"):
-            # f16 dk, dv written by the dK/dV pass itself into one result buffer
+        if want_k and want_v and dt == np.float16 and not ng and call.out16_ok("bwd_dkdv"):
+            # f16 dk, dv written by the dK/dV pass itself into one result buffer (not with
+            # DCAP: that pass keeps the f32 output of the NumPy-array path's variant)
             y, iy = res.new(buffer_bytes(nk + nv, dt), "anyattn.dkdv")
             call.dkdv(st, y, True, True, out16=True, dq_next=want_q and not want_b)
             res.add("dk", iy, kshape, dt, 0)
@@ -519,6 +550,9 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
                                                ("dv", want_v, nk, vshape)):
                     if want:
                         emit(name, kv, ikv, shape, dt, off)
+        elif ng:                     # the pass for the capture gradients alone
+            call.dkdv(st, run.buffer("dev_dkdv", 4 * (nk + nv)), False, False,
+                      dq_next=want_q and not want_b)
         dsb = ids = None
         full = want_b and tuple(p.bias_shape) == (B, HQ, SQ, SK)
         bdt = np.dtype(p.bias_dtype) if want_b else None
@@ -558,7 +592,22 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
 
     with be.lock:
         r = _run_cached(be, "bwd", p, inputs, build, extra=in_place)
-    return {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
+    res = {name: r.get(name) for name in ("dq", "dk", "dv", "dbias", "dsinks")}
+    if wrt_c:
+        res["dcaptures"] = _dcaptures(p, r.get("dcap_sums"))
+    return res
+
+
+def _dcaptures(p: Problem, sums) -> Dict[str, object]:
+    """{capture: gradient} from each read's sums (capture_grads.finish): a device-array
+    capture's gradient uploaded as a DeviceArray in its dtype, a NumPy capture's NumPy."""
+    from .capture_grads import finish
+    from ...webgpu import asarray
+
+    grads = finish(p.score_mod, p.capture_wrt, sums or [],
+                   (p.batch, p.heads_q, p.seq_q, p.seq_k))
+    dev = p.score_mod.device
+    return {n: asarray(x) if n in dev else x for n, x in grads.items()}
 
 
 def _stats_in_place(run, p: Problem, inputs: Dict[str, object]) -> bool:

@@ -68,6 +68,10 @@ class Template:
         #: the template's own uniform blocks holding the dropout seed, and the seed in them
         self.seeded = list(seeded)
         self.seed = seed
+        #: a backward with capture gradients (DCAP): (the slot of its ``dcs`` buffer, its
+        #: f32 words, capture_grads.SlotLayout, BQ, BK), read back after each submit by
+        #: the caller (resident.py); None for every other call
+        self.dcap = None
         # the distinct slots of the launches, clears and copies, in a fixed order:
         # ("in", name) / ("res", i) / ("role", role, nbytes) (``_slots``), and the bound
         # sets: id-tuple of the resolved buffers -> (weak refs, resolved submit args)
@@ -126,6 +130,9 @@ class Template:
             seed = int(vals["drop_k0"]) | int(vals["drop_k1"]) << 32
         tpl = cls(launches, [clear_map(c, to_slot) for c in call.clears], copies, before, sizes,
                   results, dict(call.pieces), own.values(), seed)
+        if getattr(call, "dcap", None) is not None:
+            tpl.dcap = (to_slot(call.dcs_buf), call.dcap_floats(), call.dcap[3],
+                        call.cfg.BQ, call.cfg.BK)
         tpl._remember(result_bufs)
         call.launches, call.clears, call.copies, call.copies_before = [], [], [], []
         return tpl
