@@ -423,6 +423,47 @@ def test_kvcache_rotary_matches_oracle(causal, window, interleaved):
         close(out[i], o)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kvcache_rotary_leftpad_counts_from_the_cache_start(causal, interleaved):
+    """With cache_leftpad the rotary positions stay cache positions counted from 0
+    (FlashAttention: new key i and, causal, query i at cache_seqlens[b] + i), not from
+    the left pad; rotary_dim 8 < D 16 leaves the other channels as they are."""
+    b, s_cache, hq, hk, d, sq, half = 3, 32, 4, 2, 16, 2, 4
+    k_cache, v_cache = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
+    before = k_cache.clone()
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    ang = torch.rand(s_cache, half) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    lengths = torch.tensor([9, 20, 4], dtype=torch.int32)
+    pad = torch.tensor([5, 0, 4], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=lengths, cache_leftpad=pad,
+                                     causal=causal, rotary_interleaved=interleaved)
+    for i in range(b):
+        n, lo = int(lengths[i]), int(pad[i])
+        kpos = n + torch.arange(sq)
+        qpos = kpos if causal else torch.full((sq,), n)
+        k_ro = ref_rotary(k_new[i], cos, sin, kpos, interleaved)
+        assert torch.equal(k_cache[i, n:n + sq, :, 2 * half:], k_new[i, :, :, 2 * half:])
+        close(k_cache[i, n:n + sq], k_ro)
+        keys = torch.cat([before[i, lo:n].double(), k_ro])
+        o, _, _ = ref_seq(ref_rotary(q[i], cos, sin, qpos, interleaved), keys,
+                          v_cache[i, lo:n + sq], causal=causal)
+        close(out[i], o)
+
+
+def test_kvcache_rotary_needs_new_keys():
+    """FlashAttention rotates q only together with new keys (it refuses rotary tables
+    without k / v); so does this, instead of rotating q alone."""
+    q, kc = rand(2, 1, 2, 8), rand(2, 16, 2, 8)
+    ang = torch.rand(16, 4)
+    with pytest.raises(ValueError, match="rotary_cos, rotary_sin: rotate q together with "
+                                         "the new keys k"):
+        fa.flash_attn_with_kvcache(q, kc, kc, rotary_cos=ang.cos(), rotary_sin=ang.sin(),
+                                   cache_seqlens=3)
+
+
 def paged_copy(cache, table, length):
     """The contiguous [B, length, ...] view of a paged cache (the test's own gather)."""
     rows = []
@@ -496,6 +537,45 @@ def test_kvcache_paged_on_the_cpu_reads_the_pages_in_place(sq, monkeypatch):
                           slopes=slopes)
         close(out[i], o)
         close(lse[i], s)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_kvcache_block_table_reads_only_the_pages_in_use(monkeypatch, gathered):
+    """block_table entries outside the pages holding [cache_leftpad[b], cache_seqlens[b] +
+    Snew) are never read: -1 (or garbage) past the used pages and before the left pad
+    work, in place and through the gathered copy (``gathered``: the GPU route for many
+    queries); an entry in use out of range still raises."""
+    from anyattn.flash_attn import flash_attn_interface as fai
+
+    if gathered:
+        monkeypatch.setattr(fai, "_reads_in_place", lambda *a: False)
+    b, page, hq, hk, d, sq = 3, 16, 4, 2, 8, 2
+    num_blocks, per_seq = 12, 4
+    kp, vp = rand(num_blocks, page, hk, d), rand(num_blocks, page, hk, d)
+    table = torch.randperm(num_blocks, dtype=torch.int32).reshape(b, per_seq)
+    lengths = torch.tensor([17, 40, 2], dtype=torch.int32)
+    pad = torch.tensor([0, 35, 1], dtype=torch.int32)
+    full = table.clone()
+    table[0, 2:] = -1                    # entry 0 reads positions [0, 19): pages 0, 1
+    table[1, :2] = -1                    # entry 1 reads [35, 42): pages 2 and ...
+    table[1, 3] = num_blocks + 7         # ... not 3
+    table[2, 1:] = -1                    # entry 2 reads [1, 4): page 0
+    kc, vc = (paged_copy(x, full, per_seq * page) for x in (kp, vp))
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    kw = dict(cache_seqlens=lengths, cache_leftpad=pad, causal=True)
+    want = fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, **kw)
+    got = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, block_table=table, **kw)
+    assert torch.equal(got, want)
+    ends = lengths + sq
+    for i in range(b):
+        e = int(ends[i])
+        assert torch.equal(paged_copy(kp, full[i:i + 1], e)[0], kc[i, :e])
+    bad = table.clone()
+    bad[1, 2] = -1
+    with pytest.raises(ValueError, match=r"block_table: entry \[1, 2\] is -1, outside "
+                                         r"the cache's 12 blocks"):
+        fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, block_table=bad, **kw)
+
 
 
 def test_kvcache_reads_in_place_where_the_core_paged_form_serves():

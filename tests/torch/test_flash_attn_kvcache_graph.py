@@ -205,6 +205,51 @@ def test_device_path_leftpad_batch_idx_and_int_seqlens(device_path, paged):
         close(out[i], ref_seq(q[i], keys, vals)[0])
 
 
+@pytest.mark.parametrize("checked", [False, True])
+def test_device_path_rotary_leftpad_and_padded_table(device_path, monkeypatch, checked):
+    """The device path agrees with the host path and FlashAttention's definitions:
+    rotary positions cache_seqlens[b] + i counted from the cache start with a
+    cache_leftpad (interleaved, rotary_dim 8 < D 16), and block_table entries outside
+    the pages holding [cache_leftpad[b], cache_seqlens[b] + Snew) never read (-1 past the
+    used pages and before the left pad), with and without ANYATTN_CHECK_DEVICE_INPUTS."""
+    if checked:
+        monkeypatch.setenv("ANYATTN_CHECK_DEVICE_INPUTS", "1")
+    b, hq, hk, d, sq, page = 3, 4, 2, 16, 2, 16
+    kp, vp, extra = _case(True)                                 # 4 pages of 16 per entry
+    full = extra["block_table"]
+    table = full.clone()
+    lengths = torch.tensor([17, 40, 2], dtype=torch.int32)
+    pad = torch.tensor([0, 35, 1], dtype=torch.int32)
+    table[0, 2:] = -1                       # entry 0 reads [0, 19): pages 0, 1
+    table[1, :2] = -1                       # entry 1 reads [35, 42): page 2 only
+    table[1, 3] = -1
+    table[2, 1:] = -1                       # entry 2 reads [1, 4): page 0
+    before = kp.clone()
+    q, k_new, v_new = rand(b, sq, hq, d), rand(b, sq, hk, d), rand(b, sq, hk, d)
+    ang = torch.rand(64, 4) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    out = fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=lengths, cache_leftpad=pad, causal=True,
+                                     block_table=table, rotary_interleaved=True)
+    assert len(device_path) == 1 and device_path[0].on_device
+    for i in range(b):
+        n, lo = int(lengths[i]), int(pad[i])
+        kpos = n + torch.arange(sq)
+        keys, vals = _keys(kp, vp, dict(block_table=full), i, n + sq)
+        k_ro = ref_rotary(k_new[i], cos, sin, kpos, True)
+        close(keys[n:], k_ro)
+        assert torch.equal(keys[:n], _keys(before, vp, dict(block_table=full), i, n)[0])
+        o, _, _ = ref_seq(ref_rotary(q[i], cos, sin, kpos, True), keys[lo:], vals[lo:],
+                          causal=True)
+        close(out[i], o)
+    if checked:                             # an entry in use out of range still raises
+        table[1, 2] = -1
+        with pytest.raises(ValueError, match=r"block_table: entry \[1, 2\] is -1"):
+            fa.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, rotary_cos=cos,
+                                       rotary_sin=sin, cache_seqlens=lengths,
+                                       cache_leftpad=pad, causal=True, block_table=table)
+
+
 def test_host_path_where_nothing_is_on_the_device(monkeypatch):
     """Only host values (an int cache_seqlens, a contiguous cache) or more than 16 queries
     per entry: the host path, as before (more queries: the lengths are read to the

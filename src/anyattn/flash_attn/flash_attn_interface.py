@@ -250,7 +250,7 @@ def _varlen_pages(names, q, k, v, block_table, cu_name, cu_seqlens_k, max_name,
         raise ValueError(f"block_table: sequence {d} has {lk[d]} keys but its "
                          f"{table.shape[1]} pages of {page} positions hold "
                          f"{table.shape[1] * page}; give block_table more pages")
-    _check_pages(table, lk, page, k.shape[0])
+    _check_pages(table, None, lk, page, k.shape[0])
     rows = [table[d, pos // page] * page + pos % page
             for d, pos in enumerate(np.arange(n) for n in lk)]
     flat = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64))
@@ -376,15 +376,28 @@ def _block_table(block_table, bsz: int, device) -> np.ndarray:
     return _table_tensor(block_table, bsz, device).detach().cpu().numpy().astype(np.int64)
 
 
-def _check_pages(table: np.ndarray, ends: np.ndarray, page: int, num_blocks: int) -> None:
-    """The pages that hold positions [0, ends[b]) of entry b name blocks of the cache."""
+def _used_pages(starts: Optional[np.ndarray], ends: np.ndarray, page: int):
+    """[first, stop) of the table columns entry b reads (and writes): the pages holding
+    its positions [starts[b], ends[b]) (none where that range is empty)."""
+    firsts = np.zeros_like(ends) if starts is None else starts
+    stops = np.where(ends > firsts, -(-ends // page), 0)
+    return np.minimum(firsts // page, stops), stops
+
+
+def _check_pages(table: np.ndarray, starts: Optional[np.ndarray], ends: np.ndarray,
+                 page: int, num_blocks: int) -> None:
+    """The pages that hold positions [starts[b], ends[b]) of entry b (0 for no
+    ``starts``; the only pages the call reads or writes) name blocks of the cache; the
+    other entries of the table may hold anything."""
+    lo, hi = _used_pages(starts, ends, page)
     for b in range(table.shape[0]):
-        used = table[b, :-(-int(ends[b]) // page)]
+        used = table[b, int(lo[b]):int(hi[b])]
         bad = np.flatnonzero((used < 0) | (used >= num_blocks))
         if bad.size:
-            j = int(bad[0])
-            raise ValueError(f"block_table: entry [{b}, {j}] is {int(used[j])}, outside the "
-                             f"cache's {num_blocks} blocks [0, {num_blocks}) (k_cache.shape[0])")
+            j = int(lo[b]) + int(bad[0])
+            raise ValueError(f"block_table: entry [{b}, {j}] is {int(table[b, j])}, outside "
+                             f"the cache's {num_blocks} blocks [0, {num_blocks}) "
+                             "(k_cache.shape[0])")
 
 
 def _rotary_positions(offsets: np.ndarray, count: int, same: bool) -> np.ndarray:
@@ -407,14 +420,16 @@ def _reads_in_place(device_type: str, sq: int, paged: bool, leftpad: np.ndarray,
     return device_type == "cpu" or sq <= PAGED_MAX_SQ
 
 
-def _gather_pages(k_cache, v_cache, table: np.ndarray, ends: np.ndarray, page: int):
-    """A paged cache's pages in use -> contiguous copies [B, n_pages * page, Hk, D/Dv]
-    (the fallback where the core's paged form does not serve; unused table entries read
-    block 0)."""
+def _gather_pages(k_cache, v_cache, table: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                  page: int):
+    """A paged cache's pages in use (those holding positions [starts[b], ends[b])) ->
+    contiguous copies [B, n_pages * page, Hk, D/Dv] (the fallback where the core's paged
+    form does not serve; the other table entries are not read: block 0 stands there)."""
     bsz = table.shape[0]
     n_pages = -(-int(ends.max()) // page) if bsz else 0
     cols = np.arange(n_pages)[None, :]
-    ids = np.where(cols < -(-ends[:, None] // page), table[:, :n_pages], 0)
+    lo, hi = _used_pages(starts, ends, page)
+    ids = np.where((cols >= lo[:, None]) & (cols < hi[:, None]), table[:, :n_pages], 0)
     sel = torch.from_numpy(ids.reshape(-1)).to(k_cache.device)
     return tuple(x.index_select(0, sel).reshape(bsz, n_pages * page, *x.shape[2:])
                  for x in (k_cache, v_cache))
@@ -460,7 +475,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     entry b reading row ``cache_batch_idx[b]`` (default b; then Bc == B); or paged with
     ``block_table`` [B, P] int32: k_cache / v_cache [num_blocks, page, Hk, D/Dv], page a
     multiple of 16, position t of entry b at block ``block_table[b, t // page]``, row
-    ``t % page`` (capacity P · page).  ``k``, ``v`` [B, Snew, Hk, D/Dv]: written into the
+    ``t % page`` (capacity P · page); only the entries of the pages holding positions
+    [cache_leftpad[b], cache_seqlens[b] + Snew) are read (they must name blocks), the
+    others may hold anything (-1 padding).  ``k``, ``v`` [B, Snew, Hk, D/Dv]: written into the
     cache *in place* at positions [cache_seqlens[b], cache_seqlens[b] + Snew) before the
     attention (needs ``cache_seqlens``).  The keys of entry b are the cache positions
     [cache_leftpad[b], cache_seqlens[b] + Snew) (the whole cache without
@@ -471,7 +488,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary_dim channels of the new keys at their positions cache_seqlens[b] + i (the
     rotated keys are what the cache stores) and of q: query i at cache_seqlens[b] + i
     when ``causal`` or a window is set, every query at cache_seqlens[b] otherwise;
-    ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.
+    ``rotary_interleaved`` picks GPT-J pairs (2i, 2i + 1) over GPT-NeoX halves.  The
+    positions count cache positions from 0, a ``cache_leftpad`` included (as in
+    FlashAttention).  The tables need ``k`` and ``v`` (FlashAttention rotates q only
+    together with new keys).
 
     Lengths, indices and the page table on q's CUDA device are not read to the host (no
     synchronisation; a CUDA graph captures the call) with at most 16 queries per entry:
@@ -595,6 +615,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary:
         if rotary_cos is None or rotary_sin is None:
             raise ValueError("rotary_cos, rotary_sin: pass both rotary tables, or neither")
+        if k is None:
+            raise ValueError("rotary_cos, rotary_sin: rotate q together with the new keys k "
+                             "(as in FlashAttention); pass k and v too, or rotate q "
+                             "yourself (flash_attn.layers.rotary.apply_rotary_emb)")
         rotary_mod.check_tables(rotary_cos, rotary_sin, q.shape[-1],
                                 ("rotary_cos", "rotary_sin"))
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
@@ -709,7 +733,7 @@ def _kvcache_on_host(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t):
     ends = lengths + s_new
     table, page = host(table_t), c.page
     if c.paged:
-        _check_pages(table, ends, page, k_cache.shape[0])
+        _check_pages(table, leftpad, ends, page, k_cache.shape[0])
     if c.cos is not None:
         _check_rotary_rows(c, lengths)
     # The cache is read in place through the core's paged form (pages=, keys of entry b
@@ -727,7 +751,7 @@ def _kvcache_on_host(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t):
         if in_place and c.paged:
             kc = vc = None          # the pages are read where they are
         elif c.paged:
-            kc, vc = _gather_pages(k_cache, v_cache, table, ends, page)
+            kc, vc = _gather_pages(k_cache, v_cache, table, leftpad, ends, page)
         else:
             kc, vc = k_cache, v_cache
         if in_place:
@@ -850,6 +874,6 @@ def _check_on_host(c: _KVCall, lengths_t, n_int, idx_t, leftpad_t, table_t) -> N
         lengths = np.full(bsz, n_int, dtype=np.int64)
     _check_cache_values(idx, c.b_cache, lengths, c.s_new, c.s_cache, c.capacity, leftpad)
     if c.paged:
-        _check_pages(table, lengths + c.s_new, c.page, c.k_cache.shape[0])
+        _check_pages(table, leftpad, lengths + c.s_new, c.page, c.k_cache.shape[0])
     if c.cos is not None:
         _check_rotary_rows(c, lengths)
