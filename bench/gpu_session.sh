@@ -1,0 +1,51 @@
+#!/bin/bash
+# Every GPU check and benchmark of the open work, prioritised, in two parts that each fit
+# one 10-minute device call.  Results (a log and a tarball of the JSON/PNG files) go under
+# $OUT (default ./gpu-out).
+#
+#   bash bench/gpu_session.sh 1     # gpu tests, Hopper modifiers / D=256 / capture grads /
+#                                   # value dims / decoding benches (~550 s on an H100/H200)
+#   bash bench/gpu_session.sh 2     # standings vs cuDNN / flash, gallery vs Flex, varlen
+#
+# Wheels that the machine lacks (pytest, pytest-xdist, hypothesis, threadpoolctl, ...) are
+# installed from .whl/ when that folder exists.
+set -u
+PART=${1:-1}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:/tmp/site
+else
+    export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+R=/tmp/gpu-res$PART
+mkdir -p $R/hm
+L=$OUT/log$PART.txt
+step() { echo "=== $(date +%T) $*" >>"$L"; }
+run() { local t=$1; shift; timeout "$t" "$@" >>"$L" 2>&1; echo "rc=$?" >>"$L"; }
+
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >>"$L" 2>&1
+if [ "$PART" = 1 ]; then
+    step "gpu tests";        run 130 python3 -m pytest -q -n 15 -m gpu tests -p no:cacheprovider -rf \
+                                 --ignore=tests/triton/test_hopper_mods.py
+    step "hopper modifiers"; run 70 python3 -m pytest -q -n 15 -m gpu tests/triton/test_hopper_mods.py \
+                                 -p no:cacheprovider -rf
+    step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
+                                 tests/triton/test_triton_capture_grads.py \
+                                 tests/triton/test_triton_score_mods.py tests/triton/test_triton_value_dim.py
+    step "hopper modifiers bench"; run 100 python3 bench/gpu_hopper_mods_bench.py --out $R/hm
+    step "hopper D=256 forward";   run 60 python3 bench/lab/hopper_d256_fwd.py --json $R/d256.json
+    step "capture gradients";      run 35 python3 bench/lab/capture_grads_time.py --json $R/capture_grads.json
+    step "value dims";             run 45 python3 bench/gpu_value_dim_bench.py --seqs 4096 --out $R
+    step "decoding";               run 45 python3 bench/gpu_flash_attn_bench.py --decode \
+                                       --caches 4096 32768 131072 --batches 1 8 32 --out $R/decode.json
+else
+    step "standings";        run 240 python3 bench/gpu_standings.py --no-flex --out $R
+    step "gallery vs Flex";  run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --reps 5 --out $R
+    step "varlen";           run 90 python3 bench/gpu_flash_attn_bench.py --out $R/varlen.json
+fi
+step done
+tar czf "$OUT/res$PART.tgz" -C /tmp "gpu-res$PART"
