@@ -565,6 +565,46 @@ def test_a_mask_function_spelling_causal_is_causal():
         aa.attention(q, k, v, mask=aa.Causal()))
 
 
+_IDS = np.sort(np.random.default_rng(5).integers(0, 3, size=(B, max(SQ, SK) + 4)), axis=1)
+
+
+@pytest.mark.parametrize("fn, ids, terms", [
+    (lambda b, h, i, j, d: d[b, i] == d[b, j], _IDS, ("documents",)),
+    (lambda b, h, i, j, d: d[j] == d[i], _IDS[0], ("documents",)),      # either side first
+    (lambda b, h, i, j, d: (d[b, i] == d[b, j]) & (j <= i) & ((i + j) % 3 != 0), _IDS,
+     ("band", "documents", "mask_mod")),
+    # not the Documents term: ids too short for the problem (the function checks its
+    # reads), float ids, ids of different rows, a shifted read
+    (lambda b, h, i, j, d: d[b, i] == d[b, j], _IDS[:, :SQ - 1], None),
+    (lambda b, h, i, j, d: d[i] == d[j], _IDS[0].astype(np.float32), ("mask_mod",)),
+    (lambda b, h, i, j, d: d[0, i] == d[b, j], _IDS, ("mask_mod",)),
+    (lambda b, h, i, j, d: d[b, i] == d[b, j + 1], _IDS, ("mask_mod",)),
+])
+def test_a_mask_function_comparing_ids_lowers_to_documents(fn, ids, terms):
+    """``ids[q_idx] == ids[kv_idx]`` (or with ``b`` first) of one integer capture is the
+    Documents term of those ids, cut to the problem's lengths; the rest of the function
+    stays (bands to the band term); where the ids do not fit, the function runs and
+    reports its out-of-bounds read."""
+    m = aa.MaskMod(fn, d=ids)
+    if terms is None:
+        with pytest.raises(ValueError, match="capture 'd'"):
+            resolve(m, B, H, SQ, SK)
+        return
+    rm = resolve(m, B, H, SQ, SK, q_offset=5, k_offset=2)
+    assert rm.terms == terms
+    i, j = _grids()[2:]
+    b = np.arange(B)[:, None, None, None]
+    d = ids if ids.ndim == 2 else ids[None]
+    want = np.broadcast_to(fn(b, 0, i, j, d if ids.ndim == 2 else ids), (B, H, SQ, SK))
+    np.testing.assert_array_equal(np.broadcast_to(rm.dense_keep(B, H), want.shape), want)
+    if terms == ("documents",):
+        q, k, v, g = _qkv(13)
+        np.testing.assert_array_equal(
+            aa.attention(q, k, v, mask=m, backend="numpy"),
+            aa.attention(q, k, v, backend="numpy",
+                         mask=aa.Documents(d[:, :SQ], d[:, :SK])))
+
+
 def _float32_qkv(Sq=16, Sk=16):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, Sq, 8)).astype(np.float32)

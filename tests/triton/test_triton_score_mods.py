@@ -174,8 +174,9 @@ def test_mask_function_skips_empty_tiles_and_matches_the_builtin(monkeypatch):
     assert_close(a.cpu().numpy(), ro, "float32", "chunked")
 
 
-@pytest.mark.parametrize("name", ["prefix_lm", "document_causal", "sliding_global",
-                                  "dilated", "neighbourhood_2d", "chunked"])
+@pytest.mark.parametrize("name", ["prefix_lm", "sliding_global", "dilated",
+                                  "neighbourhood_2d", "chunked"])   # document_causal: the
+#                                   Documents term (tests/core/test_score_mods.py)
 def test_device_block_maps_match_the_core_classification(name):
     """The device classification (mask_blocks_kernel with the generated mask function)
     gives the NumPy core's any / all block maps."""

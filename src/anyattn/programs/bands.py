@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 from .graph import BOOL, INT, Node
 
-__all__ = ["split_bands", "conjuncts"]
+__all__ = ["split_bands", "conjuncts", "document_conjunct"]
 
 Affine = Tuple[int, int, int]          # a·q_idx + b·kv_idx + c
 
@@ -97,3 +97,28 @@ def split_bands(out: Node) -> Tuple[List[Tuple[Optional[int], Optional[int]]], L
         else:
             bands.append(band)
     return bands, rest
+
+
+def _ids_read(g: Node, pos: str) -> Optional[Tuple[str, bool]]:
+    """(capture, batched) if ``g`` reads a capture at ``[pos]`` or ``[b, pos]``."""
+    if g.op != "gather" or g.dtype != INT:
+        return None
+    names = [a.attr if a.op == "input" else None for a in g.args]
+    if names == [pos]:
+        return g.attr, False
+    if names == ["b", pos]:
+        return g.attr, True
+    return None
+
+
+def document_conjunct(n: Node) -> Optional[Tuple[str, bool]]:
+    """(capture, batched) if the conjunct ``n`` is ``ids[q_idx] == ids[kv_idx]`` (or
+    ``ids[b, q_idx] == ids[b, kv_idx]``; either side first) for one integer capture
+    ``ids``: the Documents term of those ids, else None."""
+    if n.op != "eq" or len(n.args) != 2:
+        return None
+    for a, b in (n.args, n.args[::-1]):
+        qa, kb = _ids_read(a, "q_idx"), _ids_read(b, "kv_idx")
+        if qa is not None and qa == kb:
+            return qa
+    return None

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from ..arrays import array_kind
 from ..masks import Mask
 from .bound import BoundProgram, Program
 from .compose import FunctionContext
-from .bands import split_bands
+from .bands import document_conjunct, split_bands
 from .graph import BOOL
 from .trace import Sym, Traced, call_traced, fn_name, trace
 
@@ -78,16 +79,49 @@ class MaskMod(Mask):
         self.program = Program(traced)
         self.captures: Dict[str, Any] = dict(traced.arrays)
         self._explicit = dict(captures)
-        # band-shaped conjuncts lower to the band term, the rest stays a function
+        # band-shaped conjuncts lower to the band term, ids[q_idx] == ids[kv_idx] to the
+        # Documents term (where the ids fit the problem: _documents), the rest stays a
+        # function
         self.bands, rest = split_bands(traced.out)
-        self.residual: Optional[Program] = None
-        if rest:
-            out = rest[0]
-            for c in rest[1:]:
-                out = traced.bld.node("and", BOOL, (out, c))
-            self.residual = self.program if not self.bands else Program(
-                Traced("mask_mod", traced.name, out, traced.bld, traced.specs,
-                       traced.arrays))
+        docs = [document_conjunct(c) for c in rest]
+        self.documents: Tuple[Tuple[str, bool], ...] = tuple(d for d in docs if d is not None)
+        self.residual = self._program(traced, rest, whole=not self.bands)
+        self._residual_without_documents = self._program(
+            traced, [c for c, d in zip(rest, docs) if d is None],
+            whole=not self.bands and not self.documents)
+
+    def _program(self, traced, conjuncts, whole: bool) -> Optional[Program]:
+        """The conjunction of ``conjuncts`` as a program (None for none; the traced
+        program itself where it is ``whole``: nothing was taken out)."""
+        if not conjuncts:
+            return None
+        if whole:
+            return self.program
+        out = conjuncts[0]
+        for c in conjuncts[1:]:
+            out = traced.bld.node("and", BOOL, (out, c))
+        return Program(Traced("mask_mod", traced.name, out, traced.bld, traced.specs,
+                              traced.arrays))
+
+    def _documents(self, b: int, sq: int, sk: int):
+        """The (q_ids, k_ids) pairs of the Documents conjuncts for a problem of batch
+        ``b`` and sizes ``sq`` / ``sk``, or None where some conjunct's ids do not fit it
+        (not an integer array, too short: the function then runs, and checks its reads)."""
+        if not self.documents:
+            return None
+        pairs = []
+        for name, batched in self.documents:
+            ids = self.captures.get(name)
+            kind = array_kind(ids)
+            dt = str(getattr(ids, "dtype", "")).replace("torch.", "")
+            if kind is None or not dt.startswith(("int", "uint")):
+                return None
+            if ids.ndim != (2 if batched else 1) or ids.shape[-1] < max(sq, sk) \
+                    or (batched and ids.shape[0] < b):
+                return None
+            rows = ids[:b] if batched else ids
+            pairs.append((rows[..., :sq], rows[..., :sk]))
+        return pairs
 
     @property
     def name(self) -> str:
@@ -96,11 +130,16 @@ class MaskMod(Mask):
     def _lower(self, acc) -> None:
         for lo, hi in self.bands:
             acc.add("band", (lo, hi, "local"))
-        if self.residual is not None:
+        docs = self._documents(acc.b, acc.sq, acc.sk)
+        for pair in docs or ():
+            acc.add("documents", pair)
+        if (self.residual if docs is None else self._residual_without_documents) is not None:
             acc.add("mask_mod", self)
 
     def _bound_function(self, b, hq, sq, sk, q_offset, k_offset) -> BoundProgram:
-        return self.residual.bind(self.captures, (b, hq, sq, sk))
+        prog = (self.residual if self._documents(b, sq, sk) is None
+                else self._residual_without_documents)
+        return prog.bind(self.captures, (b, hq, sq, sk))
 
     def _fn(self, fx: FunctionContext):
         node = call_traced(self.fn, "mask_mod", self._explicit, fx.ctx,
