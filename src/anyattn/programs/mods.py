@@ -106,7 +106,8 @@ class MaskMod(Mask):
     def _documents(self, b: int, sq: int, sk: int):
         """The (q_ids, k_ids) pairs of the Documents conjuncts for a problem of batch
         ``b`` and sizes ``sq`` / ``sk``, or None where some conjunct's ids do not fit it
-        (not an integer array, too short: the function then runs, and checks its reads)."""
+        (not an integer NumPy array or torch tensor, too short: the function then runs,
+        and checks its reads)."""
         if not self.documents:
             return None
         pairs = []
@@ -114,8 +115,8 @@ class MaskMod(Mask):
             ids = self.captures.get(name)
             kind = array_kind(ids)
             dt = str(getattr(ids, "dtype", "")).replace("torch.", "")
-            if kind is None or not dt.startswith(("int", "uint")):
-                return None
+            if kind not in ("numpy", "torch") or not dt.startswith(("int", "uint")):
+                return None             # (device arrays: the function reads them in place)
             if ids.ndim != (2 if batched else 1) or ids.shape[-1] < max(sq, sk) \
                     or (batched and ids.shape[0] < b):
                 return None
