@@ -31,31 +31,26 @@ _INDEX = frozenset({"q_idx", "kv_idx", "score"})
 @dataclass(frozen=True)
 class Read:
     """One read (gather node) of a capture asked for: ``uses`` the axes its indices
-    read, a subset of ('b', 'h', 'd') (``d``: q_idx - kv_idx); ``bad``: the first index
-    that depends on q_idx / kv_idx otherwise (or on the score), None if supported."""
+    read among ('b', 'h', 'd') (``d``: q_idx - kv_idx; :func:`classify` says which
+    position a read indexes)."""
 
     node: Node
     name: str
     uses: FrozenSet[str]
-    bad: Optional[Node]
 
 
 def reads(program, wrt) -> List[Read]:
     """The reads of the captures ``wrt`` of a score program, in graph order (the order
     of ``program.grad_nodes(wrt)``'s gathers)."""
-    order = ordered([program.out])
-    diag = diagonal_nodes(order)
+    diag = diagonal_nodes(ordered([program.out]))
     out = []
     for g in program.gathers(frozenset(wrt)):
-        uses, bad = set(), None
+        uses = set()
         for a in g.args:
-            inputs = {n.attr for n in ordered([a]) if n.op == "input"}
-            uses |= inputs & {"b", "h"}
+            uses |= {n.attr for n in ordered([a]) if n.op == "input"} & {"b", "h"}
             if a.uid in diag:
                 uses.add("d")
-            elif inputs & _INDEX and bad is None:
-                bad = a
-        out.append(Read(g, g.attr, frozenset(uses), bad))
+        out.append(Read(g, g.attr, frozenset(uses)))
     return out
 
 
