@@ -126,6 +126,8 @@ def run_default_timeout(rank, world, port, out_dir):
 
         x = torch.zeros(B, H, S_LOC, D)
         anyattn.attention(x, x, x, backend="numpy")     # the backend's imports, up front
+        with open(os.path.join(out_dir, "rank0.started"), "w") as f:
+            f.write(repr(time.time()))              # timing an abort, should gloo abort
         t = time.perf_counter()
         try:
             ring_attention(x, x, x, backend="numpy", group=group)
