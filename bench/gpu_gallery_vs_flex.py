@@ -2,7 +2,7 @@
 
     python bench/gpu_gallery_vs_flex.py --out OUT_DIR [--seqs 4096,8192] [--dtype bfloat16]
 
-Per gallery entry, at B*S = 16k tokens, H = 16, D = 128 (entry sizes scaled to S: a
+Per gallery entry, at B = 4 (``--batch``), H = 16, D = 128 (entry sizes scaled to S: a
 window of S/16, chunks of S/4, a grid of sqrt(S) columns), in one process:
   - anyattn: ``anyattn.attention`` (forward) and ``anyattn.attention_backward`` with
     wrt q, k, v (forward + backward) on the Triton backend with the entry's function;
@@ -13,7 +13,8 @@ window of S/16, chunks of S/4, a grid of sqrt(S) columns), in one process:
     ``create_block_mask`` is timed apart (anyattn's tile maps are cached per function
     and captured content, so its timed calls exclude their build, as Flex's exclude
     ``create_block_mask``).
-Times are CUDA-synchronised medians over ``--reps`` calls.  Writes gallery_vs_flex.json.
+Times are CUDA-synchronised medians over ``--reps`` calls; the forward outputs of both
+are compared (``fwd_max_abs_diff_vs_flex``).  Writes gallery_vs_flex.json.
 """
 from __future__ import annotations
 
@@ -156,24 +157,31 @@ def main():
     ap.add_argument("--seqs", default="4096,8192")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=4, help="B (0: 16k tokens, B = 16384 // S)")
     ap.add_argument("--only", default="", help="comma-separated entry names")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--device", default="cuda",
+                    help="cpu: a dry run of the script (TRITON_INTERPRET=1, small --seqs)")
     a = ap.parse_args()
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     gallery = load_gallery()
     flex = torch.compile(flex_attention)
-    dev, dt, H, D = "cuda", getattr(torch, a.dtype), 16, 128
+    dev, dt, H, D = a.device, getattr(torch, a.dtype), a.heads, a.dim
+    if dev == "cpu":
+        torch.cuda.synchronize = lambda: None
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "gallery_vs_flex.json")
-    res = {"meta": dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
+    path = os.path.join(a.out, f"gallery_vs_flex_{a.dtype}.json")
+    res = {"meta": dict(torch=torch.__version__, device=(torch.cuda.get_device_name() if dev == "cuda" else dev),
                         dtype=a.dtype, H=H, D=D, reps=a.reps,
                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         timing="CUDA-synchronised host medians, one process"),
            "rows": []}
     names = [n for n in gallery.GALLERY if not a.only or n in a.only.split(",")]
     for S in (int(s) for s in a.seqs.split(",")):
-        B = max(1, 16384 // S)
+        B = a.batch or max(1, 16384 // S)
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dev, dt) for _ in range(4))
         for name in names:
@@ -219,7 +227,11 @@ def main():
                 row["flex_first_s"] = round(first_call(fx_both), 3)
                 row["flex_fwd_ms"] = round(timed(fx_fwd, a.reps), 3)
                 row["flex_fwd_bwd_ms"] = round(timed(fx_both, a.reps), 3)
+                with torch.no_grad():
+                    o_flex = flex(qf, kf, vf, score_mod=smod, block_mask=bm).float()
                 if "fwd_ms" in row:
+                    o_ours = torch.as_tensor(fwd()).float()
+                    row["fwd_max_abs_diff_vs_flex"] = float((o_ours - o_flex).abs().max())
                     row["fwd_vs_flex"] = round(row["fwd_ms"] / row["flex_fwd_ms"], 3)
                     row["fwd_bwd_vs_flex"] = round(row["fwd_bwd_ms"] / row["flex_fwd_bwd_ms"], 3)
             except Exception as exc:
