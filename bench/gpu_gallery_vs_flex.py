@@ -10,11 +10,12 @@ window of S/16, chunks of S/4, a grid of sqrt(S) columns), in one process:
   - the entry's built-in spelling where it has one (``Entry.builtin``);
   - FlexAttention: ``torch.compile``d ``flex_attention`` with the same function written
     in torch (``FLEX`` below), q, k, v requiring grad for fwd + bwd; its
-    ``create_block_mask`` is timed apart (anyattn's tile maps are cached per function
-    and captured content, so its timed calls exclude their build, as Flex's exclude
-    ``create_block_mask``).
+    ``create_block_mask`` is timed apart, as is anyattn's tile-map build (``tile_map_ms``:
+    a forward with the tile-map cache cleared less a warm one).  anyattn's tile maps are
+    cached per function and captured content, so its timed calls exclude their build, as
+    Flex's exclude ``create_block_mask``.
 Times are CUDA-synchronised medians over ``--reps`` calls; the forward outputs of both
-are compared (``fwd_max_abs_diff_vs_flex``).  Writes gallery_vs_flex.json.
+are compared (``fwd_max_abs_diff_vs_flex``).  Writes gallery_vs_flex_DTYPE.json.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import anyattn as aa  # noqa: E402
+from anyattn.backends.triton import programs as tri_programs  # noqa: E402
 
 
 def load_gallery():
@@ -198,6 +200,13 @@ def main():
                 row["first_fwd_bwd_s"] = round(first_call(both), 3)
                 row["fwd_ms"] = round(timed(fwd, a.reps), 3)
                 row["fwd_bwd_ms"] = round(timed(both, a.reps), 3)
+                if entry.kwargs.get("mask") is not None:
+                    # the tile maps' build: a forward with the block cache cleared, less
+                    # the warm forward (the maps are what the cache holds)
+                    def cold():
+                        tri_programs._block_cache.clear()
+                        fwd()
+                    row["tile_map_ms"] = round(timed(cold, 3) - row["fwd_ms"], 3)
                 if entry.builtin is not None:
                     bkw = to_device(entry.builtin, dev)
                     row["builtin_fwd_ms"] = round(timed(
