@@ -26,9 +26,9 @@ apart show the noise of the machine's load); ``--json`` writes every run's media
         --S 1024 --D 64 --reps 5 --runs 2 --json out.json
 
 ``--backend webgpu`` times the same pairs on the WebGPU backend (host arrays through
-the public API, upload and read-back included).  On lavapipe (a CPU standing in for a
-GPU's shader cost) run it with ``LP_NUM_THREADS=1``: the clock is then process CPU time,
-which other processes' load moves far less than wall time.
+the public API, upload and read-back included; wall time on a GPU).  On lavapipe (a
+CPU standing in for a GPU's shader cost) run it with ``LP_NUM_THREADS=1``: the clock is
+then process CPU time, which other processes' load moves far less than wall time.
 
     LP_NUM_THREADS=1 PYTHONPATH=src python3 bench/numpy_programs_bench.py --gallery \
         --backend webgpu --B 1 --H 4 --S 512 --D 64 --reps 5 --runs 2
@@ -82,9 +82,9 @@ def pairs(H: int, S: int, rng):
     }
 
 
-#: the backend ``step`` runs on and the clock it reads (``--backend``): wall time for
-#: numpy, process CPU time for webgpu (lavapipe with LP_NUM_THREADS=1: the CPU time of
-#: its one shader thread plus the host work, unmoved by other processes' load)
+#: the backend ``step`` runs on and the clock it reads (``--backend``): wall time, but
+#: process CPU time for webgpu on lavapipe (LP_NUM_THREADS=1: the CPU time of its one
+#: shader thread plus the host work, which other processes' load moves far less)
 BACKEND = "numpy"
 CLOCK = time.perf_counter
 
@@ -165,11 +165,15 @@ def paired(q, k, v, g, bi, fn, reps: int):
 def gallery_main(a) -> None:
     global BACKEND, CLOCK
     BACKEND = a.backend
+    adapter = None
     if a.backend == "webgpu":
-        if os.environ.get("LP_NUM_THREADS") != "1":
-            raise SystemExit("--backend webgpu: run with LP_NUM_THREADS=1 (lavapipe's "
-                             "shader threads; the clock is process CPU time)")
-        CLOCK = time.process_time
+        from anyattn.backends.registry import get_backend
+        adapter = get_backend("webgpu").context.name
+        if "llvmpipe" in adapter.lower():
+            if os.environ.get("LP_NUM_THREADS") != "1":
+                raise SystemExit("--backend webgpu on lavapipe: run with LP_NUM_THREADS=1 "
+                                 "(one shader thread; the clock is process CPU time)")
+            CLOCK = time.process_time
     gal = _gallery()
     B, H, S, D = a.B, a.H, a.S, a.D
     rng = np.random.default_rng(0)
@@ -184,9 +188,8 @@ def gallery_main(a) -> None:
     res = dict(shape=dict(B=B, H=H, S=S, D=D), dtype="float32", reps=a.reps,
                backend=a.backend, clock=CLOCK.__name__,
                machine=f"{platform.node()} {os.cpu_count()} CPUs", runs=[])
-    if a.backend == "webgpu":
-        from anyattn.backends.registry import get_backend
-        res.update(adapter=get_backend("webgpu").context.name, LP_NUM_THREADS=1)
+    if adapter is not None:
+        res.update(adapter=adapter, LP_NUM_THREADS=os.environ.get("LP_NUM_THREADS"))
     for run in range(a.runs):
         rows = {}
         load0 = os.getloadavg()[0]
