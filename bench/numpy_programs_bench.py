@@ -24,6 +24,14 @@ apart show the noise of the machine's load); ``--json`` writes every run's media
 
     PYTHONPATH=src python3 bench/numpy_programs_bench.py --gallery --B 1 --H 4 \
         --S 1024 --D 64 --reps 5 --runs 2 --json out.json
+
+``--backend webgpu`` times the same pairs on the WebGPU backend (host arrays through
+the public API, upload and read-back included; wall time on a GPU).  On lavapipe (a
+CPU standing in for a GPU's shader cost) run it with ``LP_NUM_THREADS=1``: the clock is
+then process CPU time, which other processes' load moves far less than wall time.
+
+    LP_NUM_THREADS=1 PYTHONPATH=src python3 bench/numpy_programs_bench.py --gallery \
+        --backend webgpu --B 1 --H 4 --S 512 --D 64 --reps 5 --runs 2
 """
 from __future__ import annotations
 
@@ -74,13 +82,20 @@ def pairs(H: int, S: int, rng):
     }
 
 
+#: the backend ``step`` runs on and the clock it reads (``--backend``): wall time, but
+#: process CPU time for webgpu on lavapipe (LP_NUM_THREADS=1: the CPU time of its one
+#: shader thread plus the host work, which other processes' load moves far less)
+BACKEND = "numpy"
+CLOCK = time.perf_counter
+
+
 def step(q, k, v, g, kw, wrt, base=("q", "k", "v")):
-    t0 = time.perf_counter()
-    out, st = aa.forward_with_stats(q, k, v, backend="numpy", **kw)
-    t1 = time.perf_counter()
+    t0 = CLOCK()
+    out, st = aa.forward_with_stats(q, k, v, backend=BACKEND, **kw)
+    t1 = CLOCK()
     aa.attention_backward(q, k, v, g, out=out, lse=st, wrt=base + wrt,
-                          backend="numpy", **kw)
-    return t1 - t0, time.perf_counter() - t0
+                          backend=BACKEND, **kw)
+    return t1 - t0, CLOCK() - t0
 
 
 def check(H: int) -> None:
@@ -148,6 +163,17 @@ def paired(q, k, v, g, bi, fn, reps: int):
 
 
 def gallery_main(a) -> None:
+    global BACKEND, CLOCK
+    BACKEND = a.backend
+    adapter = None
+    if a.backend == "webgpu":
+        from anyattn.backends.registry import get_backend
+        adapter = get_backend("webgpu").context.name
+        if "llvmpipe" in adapter.lower():
+            if os.environ.get("LP_NUM_THREADS") != "1":
+                raise SystemExit("--backend webgpu on lavapipe: run with LP_NUM_THREADS=1 "
+                                 "(one shader thread; the clock is process CPU time)")
+            CLOCK = time.process_time
     gal = _gallery()
     B, H, S, D = a.B, a.H, a.S, a.D
     rng = np.random.default_rng(0)
@@ -160,7 +186,10 @@ def gallery_main(a) -> None:
         bkw, bwrt, bq, what = nearest(e, q, B, H, S)
         entries[key] = (e, (bkw, bwrt, bq), (e.kwargs, e.wrt), what)
     res = dict(shape=dict(B=B, H=H, S=S, D=D), dtype="float32", reps=a.reps,
+               backend=a.backend, clock=CLOCK.__name__,
                machine=f"{platform.node()} {os.cpu_count()} CPUs", runs=[])
+    if adapter is not None:
+        res.update(adapter=adapter, LP_NUM_THREADS=os.environ.get("LP_NUM_THREADS"))
     for run in range(a.runs):
         rows = {}
         load0 = os.getloadavg()[0]
@@ -190,7 +219,12 @@ def main() -> None:
     ap.add_argument("--gallery", action="store_true", help="every gallery entry instead")
     ap.add_argument("--runs", type=int, default=1, help="--gallery: whole measurements")
     ap.add_argument("--json", default="", help="--gallery: write the results here")
+    ap.add_argument("--backend", choices=("numpy", "webgpu"), default="numpy",
+                    help="--gallery: the backend of both spellings (webgpu: process CPU "
+                         "time, LP_NUM_THREADS=1)")
     a = ap.parse_args()
+    if a.backend != "numpy" and not a.gallery:
+        ap.error("--backend webgpu times the gallery only: add --gallery")
     if a.gallery:
         return gallery_main(a)
     t0 = time.perf_counter()
