@@ -128,8 +128,9 @@ class _Gen:
         if op == "gather":
             shape = self.layouts[n.attr]
             strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-            parts = [f"({x}).to({it}) * {st}" if st != 1 else f"({x}).to({it})"
-                     for x, st in zip(a, strides)]
+            # a constant index is a Python int in the generated code (no .to)
+            idx = [x if arg.op == "const" else f"({x}).to({it})" for x, arg in zip(a, n.args)]
+            parts = [f"{x} * {st}" if st != 1 else x for x, st in zip(idx, strides)]
             off = " + ".join(parts) if parts else "0"
             ptr = f"CAPS[{self.slots[n.attr]}]"
             tile = any(self._varies(x) for x in n.args)
