@@ -25,7 +25,7 @@ from helpers import assert_close
 
 pytestmark = needs_triton
 
-B, HQ, HKV, SQ, SK, D = 2, 4, 2, 40, 24, 16
+B, HQ, HKV, SQ, SK, D = 2, 4, 2, 56, 40, 16
 
 
 def _inputs(seed, dtype="float32", B=B, Hq=HQ, Hkv=HKV, Sq=SQ, Sk=SK):
@@ -127,8 +127,8 @@ CASES = {
                               lambda H, Sq, Sk: {"t": (H // 2, Sk + 2, Sq)}),
     # mixed with a diagonal read of another capture and of the same one
     "with_diagonal_reads": (lambda s, b, h, i, j, t, rel:
-                            s + t[h, i, j] * rel[h, i - j + 23]
-                            + 0.5 * t[h, 0, i - j + 23],
+                            s + t[h, i, j] * rel[h, i - j + SK - 1]
+                            + 0.5 * t[h, 0, i - j + SK - 1],
                             lambda H, Sq, Sk: {"t": (H, Sq, Sq + Sk - 1),
                                                "rel": (H, Sq + Sk - 1)}),
 }
@@ -147,8 +147,8 @@ def _case(name):
 def test_pair_read_gradients_match_the_float64_reference(name, dtype):
     """dk and the capture gradients (the capture's shape and dtype; elements no kept
     pair reads are exact zeros) against the float64 reference: GQA 4 : 2, two batches,
-    Sq = 40 > Sk = 24 (not multiples of the tiles) under a bottom-right causal mask (its
-    first 16 query rows are empty)."""
+    Sq = 56 > Sk = 40 (not multiples of the tiles, several of each) under a bottom-right
+    causal mask (its first 16 query rows are empty)."""
     sm, caps = _case(name)
     q, k, v, g = _inputs(len(name), dtype)
     kw = dict(score_mod=sm, mask=aa.Causal("bottom_right"))
