@@ -68,7 +68,8 @@ once per (b, h, position):
    are laid out as [Sq, Sk] and added in that order (fp64, elementwise torch adds:
    one fixed order), and the slice's sum is added to the capture's gradient at
    [.., q_idx + c, .., kv_idx + c', ..] (a strided view) after step 4's sums and the
-   pair reads before it (graph order).  Temporaries: two [Sq, Sk] fp64 per slice.
+   pair reads before it (graph order).  Temporaries: three [Sq, Sk] at a time (one
+   fp32 copy, two fp64).
    The gradient is cast to the capture's dtype at the end.
 
 Other reads (an index of q_idx and kv_idx other than through their difference or a
