@@ -8,7 +8,9 @@ Cases (causal, learnable tables from examples/gallery.py's spellings): ``rel`` a
 relative-position table ``table[h, q_idx - kv_idx + S - 1]``, ``t5`` T5 buckets
 ``table[h, bucket[kv_idx - q_idx + S - 1]]``, ``slopes`` learnable ALiBi slopes
 ``slopes[h]``, ``qtemp`` a per-query temperature ``temp[h, q_idx]`` (a row read),
-``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read).  Per case: the backward
+``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read), ``pair`` a per-pair table
+``pt[h, q_idx, kv_idx]`` (a pair read: H·S² floats, and as much fp32 scratch per
+batch).  Per case: the backward
 with wrt=(q, k, v) and with wrt=(q, k, v, <capture>) (out and the row statistics
 from one forward, given), the median of
 ``--repeat`` timed runs after two warm-ups (torch.cuda.Event), the ratio; then two
@@ -41,6 +43,7 @@ def _cases(H, S):
     slopes = torch.from_numpy((2.0 ** -np.arange(1, H + 1)).astype(np.float32))
     temp = torch.from_numpy((1 + 0.1 * rng.standard_normal((H, S))).astype(np.float32))
     kb = torch.from_numpy((0.5 * rng.standard_normal((H, S))).astype(np.float32))
+    pt = torch.from_numpy((0.5 * rng.standard_normal((H, S, S))).astype(np.float32))
     return {
         "rel": (aa.ScoreMod(lambda s, b, h, i, j, table: s + table[h, i - j + S - 1],
                             table=rel), "table"),
@@ -51,6 +54,7 @@ def _cases(H, S):
                                slopes=slopes), "slopes"),
         "qtemp": (aa.ScoreMod(lambda s, b, h, i, j, temp: s * temp[h, i], temp=temp), "temp"),
         "kbias": (aa.ScoreMod(lambda s, b, h, i, j, kb: s + kb[h, j], kb=kb), "kb"),
+        "pair": (aa.ScoreMod(lambda s, b, h, i, j, pt: s + pt[h, i, j], pt=pt), "pt"),
     }
 
 

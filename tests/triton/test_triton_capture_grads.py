@@ -4,9 +4,10 @@ float64 reference (fp32, bf16; GQA, Sq != Sk, causal), reads indexed by b, h and
 q_idx - kv_idx, row reads (q_idx alone) and column reads (kv_idx alone) alone and mixed
 with those, a capture of rank 0, tile lists with softcap, dropout and sinks, repeated
 runs bitwise equal, anyattn.torch's autograd, and the refusal of a capture read
-otherwise.  The backward gets out and the row statistics from the NumPy backend (the
-Triton forward is tested elsewhere) and asks for dk, dv and the captures: the dK/dV
-launch computes all three, so no test pays for the dQ kernel.
+otherwise (pair reads, t[h, q_idx, kv_idx]: test_triton_pair_reads.py).  The backward
+gets out and the row statistics from the NumPy backend (the Triton forward is tested
+elsewhere) and asks for dk, dv and the captures: the dK/dV launch computes all three,
+so no test pays for the dQ kernel.
 
 Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
 import numpy as np
@@ -211,7 +212,8 @@ def test_row_and_column_reads_match_the_float64_reference(name, dtype):
 
 
 @pytest.mark.parametrize("fn, index", [
-    (lambda s, b, h, i, j, t: s + t[i, j], r"whose indices q_idx and kv_idx together"),
+    (lambda s, b, h, i, j, t: s + t[i // 2, j],
+     r"whose indices \(q_idx // 2\) and kv_idx together"),
     (lambda s, b, h, i, j, t: s + t[h, i // 8 + j],
      r"whose index \(\(q_idx // 8\) \+ kv_idx\) depends on q_idx and kv_idx otherwise "
      r"than through q_idx - kv_idx"),
@@ -220,9 +222,10 @@ def test_row_and_column_reads_match_the_float64_reference(name, dtype):
 ])
 def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(monkeypatch, fn,
                                                                         index):
-    """An index of q_idx and kv_idx other than their difference, or indices of a row
-    and a diagonal together, are refused by the backend choice, naming the capture and
-    its read; the kernels are never reached."""
+    """An index of q_idx and kv_idx other than their difference or a pair read's
+    (test_triton_pair_reads.py), or indices of a row and a diagonal together, are
+    refused by the backend choice, naming the capture and its read; the kernels are
+    never reached."""
     from anyattn.backends.triton import launch
 
     def no_kernels(*a, **kw):
@@ -235,8 +238,10 @@ def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(monkeypat
     t = np.zeros((2 * S - 1, 2 * S - 1), np.float32)
     with pytest.raises(NotImplementedError,
                        match=r"only where each read of it is indexed by b, h and one of "
-                             r"q_idx - kv_idx, q_idx or kv_idx: capture 't' is read at "
-                             r"t\[.*\], " + index):
+                             r"q_idx - kv_idx, q_idx or kv_idx, or by b, h, q_idx and "
+                             r"kv_idx with q_idx and kv_idx each an index of its own plus an "
+                             r"integer constant \(t\[h, q_idx, kv_idx\]\): capture 't' is "
+                             r"read at t\[.*\], " + index):
         aa.attention_backward(*(T(x) for x in (q, k, v, g)), wrt=("q", "t"),
                               backend="triton", score_mod=aa.ScoreMod(fn, t=t))
 
@@ -245,7 +250,7 @@ def test_torch_autograd_reaches_the_triton_capture_gradients():
     """anyattn.torch.attention with backend='triton' (the path of CUDA tensors): a
     captured table read along the diagonals and a per-key bias that require grad get
     the Triton backward's gradients (the NumPy backend's within fp32's tolerance); a
-    read at [q_idx, kv_idx] raises in the forward.  One batch, one head, one tile: a
+    read at [q_idx // 2, kv_idx] raises in the forward.  One batch, one head, one tile: a
     region of one slot (dcs_g = 1, an integer a GPU launch takes as a constant)."""
     import anyattn.torch as at
 
@@ -267,7 +272,8 @@ def test_torch_autograd_reaches_the_triton_capture_gradients():
         grads[be] = (t.grad, kb.grad)
     for n, a, b in zip(("dt", "dkb"), grads["triton"], grads["numpy"]):
         assert_close(a.numpy(), b.double().numpy(), "float32", n)
-    t = torch.zeros((S, S)).requires_grad_()
-    with pytest.raises(NotImplementedError, match=r"capture 't' is read at t\[q_idx, kv_idx\]"):
+    t = torch.zeros((S // 2, S)).requires_grad_()
+    with pytest.raises(NotImplementedError,
+                       match=r"capture 't' is read at t\[\(q_idx // 2\), kv_idx\]"):
         at.attention(q, k, v, backend="triton",
-                     score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i, j], t=t))
+                     score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i // 2, j], t=t))

@@ -10,8 +10,19 @@ for each read ``g = c[idx]`` (DESIGN section 1).  Where every index of a read de
 alone, ``kv_idx`` alone, or none (learnable ALiBi slopes ``slopes[h]``), the index takes
 one value per (b, h, position): the gradient is a sum of the terms along each diagonal,
 row or column, scattered once per (b, h, position) at the flat capture indices
-:func:`flat_index` evaluates on the host.  Reads of both q_idx and kv_idx otherwise than
-through their difference are refused (:func:`refusal`).  Pure Python and NumPy: nothing here imports a device library.
+:func:`flat_index` evaluates on the host.
+
+A *pair* read (:data:`PAIR`) reads one element per score-matrix element: every index is
+of ``b`` and ``h`` only, or exactly ``q_idx`` plus an integer constant, or exactly
+``kv_idx`` plus one, q_idx and kv_idx each in one index (a learnable per-pair table
+``t[h, q_idx, kv_idx]``, ``t[b, h, q_idx, kv_idx]``, ``t[q_idx + 2, kv_idx]``).  Within
+one (b, h) the read is injective (each index lies in its axis for every q_idx < Sq,
+kv_idx < Sk: the core's bounds check), so its gradient element at (b, h, i, j) is that
+pair's term alone, and elements collide only across the (b, h) whose b / h indices
+(:func:`pair_slices`) agree.  Only the backwards that sum such reads accept them
+(:func:`refusal` with ``pair=True``).  Other reads of both q_idx and kv_idx otherwise
+than through their difference are refused (:func:`refusal`).  Pure Python and NumPy:
+nothing here imports a device library.
 """
 from __future__ import annotations
 
@@ -20,10 +31,11 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from .diagonal import diagonal_nodes
+from .diagonal import _affine, diagonal_nodes
 from .graph import Node, ordered, render
 
-__all__ = ["Read", "reads", "KINDS", "classify", "refusal", "flat_index"]
+__all__ = ["Read", "reads", "KINDS", "PAIR", "classify", "refusal", "flat_index", "PairIndex",
+           "pair_index", "pair_slices"]
 
 _INDEX = frozenset({"q_idx", "kv_idx", "score"})
 
@@ -58,14 +70,60 @@ def reads(program, wrt) -> List[Read]:
 #: along the tile diagonals), of q_idx alone (along each query row), of kv_idx alone
 #: (down each key column), of b and h only (one total per tile)
 KINDS = ("diag", "row", "col", "total")
+#: the kind of a read of one element per (b, h, q_idx, kv_idx) (module doc); a backward
+#: that does not sum these refuses them (:func:`refusal`)
+PAIR = "pair"
 _OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
+_PAIR_FORM = ("or by b, h, q_idx and kv_idx with q_idx and kv_idx each an index of its "
+              "own plus an integer constant (t[h, q_idx, kv_idx])")
+
+
+@dataclass(frozen=True)
+class PairIndex:
+    """How a pair read indexes its capture: ``q_axis`` / ``kv_axis`` the axes read at
+    ``q_idx + q_const`` / ``kv_idx + kv_const``, ``bh_axes`` the other axes (indices of b
+    and h only, in axis order)."""
+
+    q_axis: int
+    q_const: int
+    kv_axis: int
+    kv_const: int
+    bh_axes: Tuple[int, ...]
+
+
+def pair_index(node: Node) -> Optional[PairIndex]:
+    """The :class:`PairIndex` of a gather node whose indices read q_idx and kv_idx as a
+    pair read does (module doc), else None."""
+    memo: Dict[int, object] = {}
+    q = kv = None
+    bh = []
+    for ax, a in enumerate(node.args):
+        ins = {n.attr for n in ordered([a]) if n.op == "input"}
+        if not ins & _INDEX:
+            bh.append(ax)
+            continue
+        f = _affine(a, memo)
+        if f is None or f[:2] not in ((1, 0), (0, 1)):
+            return None
+        if f[:2] == (1, 0):
+            if q is not None:
+                return None
+            q = (ax, f[2])
+        else:
+            if kv is not None:
+                return None
+            kv = (ax, f[2])
+    if q is None or kv is None:
+        return None
+    return PairIndex(q[0], q[1], kv[0], kv[1], tuple(bh))
 
 
 def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
     """(read, kind, why) for the reads of the captures ``wrt`` (:func:`reads`' order):
-    kind one of :data:`KINDS` (b and h may join any), or None with ``why`` the reason
-    the read is refused (an index of both q_idx and kv_idx other than
-    their difference, indices of different kinds together, an index of the score)."""
+    kind one of :data:`KINDS` (b and h may join any) or :data:`PAIR`, or None with
+    ``why`` the reason the read is refused (an index of both q_idx and kv_idx other
+    than their difference, indices of different kinds together other than a pair
+    read's, an index of the score)."""
     diag = diagonal_nodes(ordered([program.out]))
     out = []
     for r in reads(program, wrt):
@@ -82,6 +140,9 @@ def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
             elif ins:
                 axes.setdefault("row" if ins == {"q_idx"} else "col", a)
         if why is None and len(axes) > 1:
+            if set(axes) == {"row", "col"} and pair_index(r.node) is not None:
+                out.append((r, PAIR, None))
+                continue
             a, b = list(axes.values())[:2]
             why = f"whose indices {render(a)} and {render(b)} together depend on {_OTHERWISE}"
         kind = None if why is not None else (next(iter(axes)) if axes else "total")
@@ -89,15 +150,25 @@ def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
     return out
 
 
-def refusal(program, wrt) -> Optional[str]:
-    """Why a backward that sums along diagonals, rows and columns (the portable Triton
-    backward) cannot compute the gradients of the captures ``wrt`` of a score program
-    (None: it can), after the backward's name ("the Triton backward"); no remedy (the
-    callers add theirs)."""
-    for _, kind, why in classify(program, wrt):
-        if kind is None:
-            return ("computes the gradient of a score_mod capture only where each read of it "
-                    "is indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx: " + why)
+def refusal(program, wrt, pair: bool = False) -> Optional[str]:
+    """Why a backward that sums along diagonals, rows and columns (the WebGPU backward;
+    with ``pair`` also pair reads: the portable Triton backward) cannot compute the
+    gradients of the captures ``wrt`` of a score program (None: it can), after the
+    backward's name ("the Triton backward"); no remedy (the callers add theirs)."""
+    head = ("computes the gradient of a score_mod capture only where each read of it is "
+            "indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx")
+    if pair:
+        head += ", " + _PAIR_FORM
+    for r, kind, why in classify(program, wrt):
+        if kind == PAIR and not pair:
+            p = pair_index(r.node)
+            why = (f"capture {r.name!r} is read at {render(r.node)}, whose indices "
+                   f"{render(r.node.args[p.q_axis])} and {render(r.node.args[p.kv_axis])} "
+                   "together read one element per (q_idx, kv_idx) pair, which this backward "
+                   "does not sum (backend='triton' and 'numpy' do)")
+        elif kind is not None:
+            continue
+        return f"{head}: {why}"
     return None
 
 
@@ -128,3 +199,25 @@ def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_sha
     idx = evaluate(list(r.node.args), env, bound.caps(f32), f32, idt=np.dtype(np.int64))
     idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
     return np.ravel_multi_index(idx, cap_shape).reshape(-1)
+
+
+def pair_slices(bound, r: Read, shape2) -> np.ndarray:
+    """The b / h indices of pair read ``r`` of the bound score program ``bound`` at every
+    (b, h) of ``shape2`` = (Bx, Hx) (an axis of 1 where the read does not read it):
+    int64 [Bx, Hx, len(bh_axes)] in :func:`pair_index`'s axis order, evaluated once as
+    :func:`flat_index` evaluates indices (float captures in fp32)."""
+    from .evaluate import evaluate
+
+    p = pair_index(r.node)
+    out = np.zeros(tuple(shape2) + (len(p.bh_axes),), dtype=np.int64)
+    if not p.bh_axes:
+        return out
+    env = {"b": np.arange(shape2[0], dtype=np.int64)[:, None],
+           "h": np.arange(shape2[1], dtype=np.int64)[None, :],
+           "q_idx": np.int64(0), "kv_idx": np.int64(0)}
+    f32 = np.dtype(np.float32)
+    idx = evaluate([r.node.args[ax] for ax in p.bh_axes], env, bound.caps(f32), f32,
+                   idt=np.dtype(np.int64))
+    for n, i in enumerate(idx):
+        out[..., n] = np.broadcast_to(np.asarray(i, dtype=np.int64), tuple(shape2))
+    return out

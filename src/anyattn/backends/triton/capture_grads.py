@@ -8,7 +8,7 @@ nodes) of the captures asked for.
 
 A capture ``c`` gets ``dc[idx] = sum over (b, h, i, j) of dS'[b, h, i, j] * d s' / d g``
 for each read ``g = c[idx]`` (DESIGN section 1).  Supported: captures every read of
-which is of one of four kinds (:func:`classify`), its indices depending on ``b``,
+which is of one of five kinds (:func:`classify`), its indices depending on ``b``,
 ``h`` and
 
 * ``diag``: ``q_idx - kv_idx`` (:func:`anyattn.programs.diagonal.diagonal_nodes`: a
@@ -19,7 +19,11 @@ which is of one of four kinds (:func:`classify`), its indices depending on ``b``
 * ``col``: ``kv_idx`` alone (a per-key bias ``kb[h, kv_idx]``, a bucketed table
   ``tab[h, kv_idx // 64]``): one index per (b, h, j);
 * ``total``: nothing else (learnable ALiBi slopes ``slopes[h]``, a per-head
-  temperature ``temp[h]``, a capture of rank 0): one index per (b, h).
+  temperature ``temp[h]``, a capture of rank 0): one index per (b, h);
+* ``pair``: q_idx and kv_idx each in an index of its own, plus an integer constant (a
+  learnable per-pair table ``t[h, q_idx, kv_idx]``, ``t[b, h, q_idx, kv_idx]``,
+  ``t[q_idx, kv_idx] * w[h]``): one element per (b, h, i, j), injective within a
+  (b, h) (:mod:`anyattn.programs.capture_reads`).
 
 Reads of different kinds mix freely in one function, of one capture too.  The
 gradient is a sum of the terms over the pairs sharing a (b, h, position), scattered
@@ -30,15 +34,21 @@ once per (b, h, position):
    function (programs.py) sums each tile's terms of every read:
    - ``diag`` / ``row`` / ``total``: into the tile's own fp32 slot of the read's region
      of DCS (:func:`layout`: the diagonal reads' regions, then the rows', then the
-     totals'; a region is [B * H, nK, nQ, W] with W = BM + BN - 1 sums along the
-     tile's diagonals, BM sums along its query rows, or 1, its total);
+     totals', then the pair reads'; a region is [B * H, nK, nQ, W] with W = BM + BN - 1
+     sums along the tile's diagonals, BM sums along its query rows, or 1, its total);
+   - ``pair``: the tile's terms themselves, W = BM * BN ([BN, BM], keys as rows:
+     ``kernels._dcap_tile``), nothing summed: a per-(b, h) scratch of the read's
+     terms, each written once;
    - ``col``: down the tile's key columns into the program's register accumulator
      [BN, NCP] (fp64; a column per column read, NCP a power of two), stored once per
      query head after the last query tile into DCOL [B * H, Sk, NCP]: each (b, h, j)
      has one writer, and its query tiles are summed in the program's fixed order.
-   Scratch: DCS B·H·nK·nQ·(NG_diag·(BM + BN - 1) + NG_row·BM + NG_total) fp32 (about
-   B·H·Sq·Sk·(NG_diag·(1/BM + 1/BN) + NG_row/BN)) and DCOL B·H·Sk·NCP fp64, never a
-   [B, H, Sq, Sk] buffer.  A row read's slots hold its partial row sums per key tile
+   Scratch: DCS B·H·nK·nQ·(NG_diag·(BM + BN - 1) + NG_row·BM + NG_total + NG_pair·BM·BN)
+   fp32 (about B·H·Sq·Sk·(NG_diag·(1/BM + 1/BN) + NG_row/BN + NG_pair)) and DCOL
+   B·H·Sk·NCP fp64: no [B, H, Sq, Sk] buffer without pair reads, and one
+   B·H·nQ·BM·nK·BN fp32 buffer (4·B·H·Sq·Sk bytes, rounded up to whole tiles) per pair
+   read, whose gradient is O(Sq·Sk) per capture slice by nature.  A row read's slots
+   hold its partial row sums per key tile
    (the program owns a key tile, not a row; the sums over the key tiles are step 2's),
    so that the capture gradients stay on the one dK/dV launch, which runs for them
    even where dk and dv are not wanted, and no dQ program changes;
@@ -50,13 +60,22 @@ once per (b, h, position):
    sums: a fixed order);
 4. the index of every (b, h, position) left is evaluated once on the host (NumPy), the
    terms are sorted by capture element (stable), and ``kernels.dcap_segment_kernel``
-   sums each element's terms in that order (fp64), cast to the capture's dtype at the
-   end.  The sort is cached by what the indices read (sizes, integer captures).
+   sums each element's terms in that order (fp64).  The sort is cached by what the
+   indices read (sizes, integer captures);
+5. a pair read (:meth:`CaptureGrads._add_pairs`): the b / h indices of every (b, h)
+   are evaluated once on the host (capture_reads.pair_slices); per capture slice (the
+   (b, h) whose b / h indices agree, in order of b, then h) the slots of each (b, h)
+   are laid out as [Sq, Sk] and added in that order (fp64, elementwise torch adds:
+   one fixed order), and the slice's sum is added to the capture's gradient at
+   [.., q_idx + c, .., kv_idx + c', ..] (a strided view) after step 4's sums and the
+   pair reads before it (graph order).  Temporaries: three [Sq, Sk] at a time (one
+   fp32 copy, two fp64).
+   The gradient is cast to the capture's dtype at the end.
 
-Other reads (an index of q_idx and kv_idx other than through their difference, such
-as ``t[q_idx, kv_idx]`` or ``t[q_idx // 8 + kv_idx]``; indices of two kinds in one
-read, such as ``t[q_idx, q_idx - kv_idx]``; an index of the score) are refused before
-any work (:func:`anyattn.programs.capture_reads.refusal`).  The read analysis and the
+Other reads (an index of q_idx and kv_idx other than through their difference or a
+pair read's, such as ``t[q_idx // 8 + kv_idx]`` or ``t[q_idx // 2, kv_idx]``; indices of
+two kinds in one read, such as ``t[q_idx, q_idx - kv_idx]``; an index of the score) are
+refused before any work (:func:`refusal`).  The read analysis and the
 host's index evaluation live in :mod:`anyattn.programs.capture_reads`, shared with the
 WebGPU backward.  Nothing here imports torch or Triton at module level: the capability
 check runs it.
@@ -70,26 +89,35 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...programs.capture_reads import KINDS, Read, classify, flat_index, reads, refusal
+from ...programs import capture_reads
+from ...programs.capture_reads import (KINDS, PAIR, Read, classify, flat_index, pair_index,
+                                       pair_slices, reads)
 from ...programs.graph import ordered
 
-__all__ = ["Read", "reads", "KINDS", "classify", "refusal", "CaptureGrads"]
+__all__ = ["Read", "reads", "KINDS", "PAIR", "classify", "refusal", "CaptureGrads"]
 
 #: the kinds with slots, in the order of their regions in DCS
-_SLOTTED = tuple(k for k in KINDS if k != "col")
+_SLOTTED = tuple(k for k in KINDS if k != "col") + (PAIR,)
 #: a slotted read's slot width (per (b, h, key tile, query tile)) as the generated code
 #: writes it (constexpr BM, BN) and as the host allocates it
-SLOT_WIDTH = {"diag": "(BM + BN - 1)", "row": "BM", "total": "1"}
+SLOT_WIDTH = {"diag": "(BM + BN - 1)", "row": "BM", "total": "1", PAIR: "(BM * BN)"}
+
+
+def refusal(program, wrt) -> Optional[str]:
+    """Why this backward cannot compute the gradients of the captures ``wrt`` of a score
+    program (None: it can): :func:`anyattn.programs.capture_reads.refusal` with pair
+    reads accepted."""
+    return capture_reads.refusal(program, wrt, pair=True)
 
 
 def _width(kind: str, bm: int, bn: int) -> int:
-    return {"diag": bm + bn - 1, "row": bm, "total": 1}[kind]
+    return {"diag": bm + bn - 1, "row": bm, "total": 1, PAIR: bm * bn}[kind]
 
 
 def layout(kinds) -> Tuple[List[int], List[int]]:
     """(the reads with slots in DCS's region order: the diagonal reads, then the row
-    reads, then the totals; the column reads in the accumulator's order), as indices
-    into ``kinds`` (graph order)."""
+    reads, then the totals, then the pair reads; the column reads in the accumulator's
+    order), as indices into ``kinds`` (graph order)."""
     slotted = [i for want in _SLOTTED for i, k in enumerate(kinds) if k == want]
     return slotted, [i for i, k in enumerate(kinds) if k == "col"]
 
@@ -141,7 +169,8 @@ class CaptureGrads:
 
     def _sums(self, dcs, dcol) -> list:
         """Each read's terms summed per (b, h, position): [B * H, X] fp64 with X = Sq + Sk
-        - 1 (diagonal reads), Sq (row), Sk (column) or 1 (total)."""
+        - 1 (diagonal reads), Sq (row), Sk (column) or 1 (total); a pair read's region as
+        the kernel wrote it, fp32 [B * H, nK, nQ, BN, BM] (:meth:`_add_pairs`)."""
         import torch
 
         from . import kernels
@@ -166,6 +195,8 @@ class CaptureGrads:
                 kernels.dcap_diag_kernel[(-(-U // block), len(idx) * bh)](
                     region, sums, Sq, Sk, nk, nq, BM=bm, BN=bn, NM=-(-w // bm), BLOCK=block)
                 sums = sums.reshape(len(idx), bh, U)
+            elif kind == PAIR:         # the terms themselves, summed in _add_pairs
+                sums = region.reshape(len(idx), bh, nk, nq, bn, bm)
             elif kind == "row":        # over the key tiles in order (torch: a fixed order)
                 sums = torch.sum(region.reshape(len(idx), bh, nk, nq * bm), dim=2,
                                  dtype=torch.float64)[:, :, :Sq]
@@ -187,7 +218,11 @@ class CaptureGrads:
 
         B, H, _, _ = self.sizes
         parts: Dict[str, List[Tuple[Read, str, object]]] = {n: [] for n in sorted(self.wrt)}
+        pairs: Dict[str, List[Tuple[Read, object]]] = {n: [] for n in sorted(self.wrt)}
         for r, kind, x in zip(self.reads, self.kinds, self._sums(dcs, dcol)):
+            if kind == PAIR:
+                pairs[r.name].append((r, x))
+                continue
             x = x.reshape(B, H, -1)                                  # [B, H, X]
             for axis, use in ((0, "b"), (1, "h")):
                 if use not in r.uses and x.shape[axis] > 1:
@@ -197,20 +232,52 @@ class CaptureGrads:
         for name, got in parts.items():
             arr = self.bound.arrays[name]
             want = getattr(torch, str(arr.dtype))
-            if not got:                       # never read: a zero gradient
-                out[name] = torch.zeros(arr.shape, dtype=want, device=self.dev)
-                continue
-            perm, offs, longest = self._order(name, [(r, k, tuple(x.shape))
-                                                     for r, k, x in got])
-            vals = torch.cat([x.reshape(-1) for _, _, x in got])
             n = int(np.prod(arr.shape, dtype=np.int64))
-            res = torch.empty(n, dtype=torch.float64, device=self.dev)
-            if n:
-                eb = 32
-                kernels.dcap_segment_kernel[(-(-n // eb),)](vals, perm, offs, res, n, longest,
-                                                            EB=eb, KB=32)
-            out[name] = res.reshape(arr.shape).to(want)
+            if not got:                       # no read summed per position: zeros
+                res = torch.zeros(n, dtype=torch.float64, device=self.dev)
+            else:
+                perm, offs, longest = self._order(name, [(r, k, tuple(x.shape))
+                                                         for r, k, x in got])
+                vals = torch.cat([x.reshape(-1) for _, _, x in got])
+                res = torch.empty(n, dtype=torch.float64, device=self.dev)
+                if n:
+                    eb = 32
+                    kernels.dcap_segment_kernel[(-(-n // eb),)](vals, perm, offs, res, n,
+                                                                longest, EB=eb, KB=32)
+            res = res.reshape(arr.shape)
+            for r, x in pairs[name]:
+                self._add_pairs(res, r, x)
+            out[name] = res.to(want)
         return out
+
+    def _add_pairs(self, res, r: Read, x) -> None:
+        """Add pair read ``r``'s terms (its DCS region, fp32 [B * H, nK, nQ, BN, BM]) to
+        ``res`` (fp64, the capture's shape) in place: per capture slice, the (b, h)
+        mapped onto it (equal b / h indices, capture_reads.pair_slices) laid out as
+        [Sq, Sk] and added in order of b, then h (fp64), then added to the slice's
+        strided view [.., q_idx + c, .., kv_idx + c', ..] of ``res``."""
+        import torch
+
+        B, H, Sq, Sk = self.sizes
+        p = pair_index(r.node)
+        slices = pair_slices(self.bound, r, (B, H)).reshape(B * H, -1)
+        order: Dict[tuple, List[int]] = {}
+        for bh, key in enumerate(map(tuple, slices.tolist())):
+            order.setdefault(key, []).append(bh)
+        nk, nq, bn, bm = x.shape[1:]
+        for key, rows in order.items():
+            acc = None
+            for bh in rows:                       # [nK, nQ, BN, BM] -> [Sq, Sk]
+                t = x[bh].permute(1, 3, 0, 2).reshape(nq * bm, nk * bn)[:Sq, :Sk]
+                t = t.to(torch.float64)
+                acc = t if acc is None else acc + t
+            at: List[object] = [None] * res.dim()
+            for ax, v in zip(p.bh_axes, key):
+                at[ax] = v
+            at[p.q_axis] = slice(p.q_const, p.q_const + Sq)
+            at[p.kv_axis] = slice(p.kv_const, p.kv_const + Sk)
+            view = res[tuple(at)]                 # [Sq, Sk], or [Sk, Sq] for kv first
+            view += acc if p.q_axis < p.kv_axis else acc.t()
 
     def _order(self, name: str, shaped) -> tuple:
         """(perm, offs, longest): the terms of capture ``name`` (the reads' sums

@@ -1943,6 +1943,13 @@ def _dcap_rows(OUT, e, BM: tl.constexpr):
 
 
 @triton.jit
+def _dcap_tile(OUT, e, BN: tl.constexpr, BM: tl.constexpr):
+    """A transposed tile e [BN, BM] as it is (a pair read's terms, nothing summed):
+    OUT[jj * BM + ii] = e[jj, ii]."""
+    tl.store(OUT + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :], e)
+
+
+@triton.jit
 def _dcap_cols(acc, e, k: tl.constexpr, NCP: tl.constexpr):
     """acc [BN, NCP] (fp64) plus, in its column k, a transposed tile e [BN, BM] summed
     over its queries (fp32 within the tile)."""

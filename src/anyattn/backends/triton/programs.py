@@ -26,8 +26,9 @@ a second module with
   ``valid``, summed as the read's kind asks (capture_grads.py): along the tile's
   diagonals, along its query rows or to its total into slot ``slot`` of the read's
   region of ``DCS`` (regions of ``dcs_g`` slots times the slot width;
-  kernels._dcap_store / _dcap_rows), or down its key columns into the read's column
-  of the accumulator ``cacc`` [BN, NCP] (kernels._dcap_cols),
+  kernels._dcap_store / _dcap_rows), the tile's terms themselves for a pair read
+  (kernels._dcap_tile), or down its key columns into the read's column of the
+  accumulator ``cacc`` [BN, NCP] (kernels._dcap_cols),
 
 where ``CAPS`` is a tuple of at most :data:`MAX_CAPTURES` capture pointers (contiguous
 device copies: float captures fp32, integer ones int32 or int64 as the index analysis
@@ -127,8 +128,9 @@ class _Gen:
         if op == "gather":
             shape = self.layouts[n.attr]
             strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-            parts = [f"({x}).to({it}) * {st}" if st != 1 else f"({x}).to({it})"
-                     for x, st in zip(a, strides)]
+            # a constant index is a Python int in the generated code (no .to)
+            idx = [x if arg.op == "const" else f"({x}).to({it})" for x, arg in zip(a, n.args)]
+            parts = [f"{x} * {st}" if st != 1 else x for x, st in zip(idx, strides)]
             off = " + ".join(parts) if parts else "0"
             ptr = f"CAPS[{self.slots[n.attr]}]"
             tile = any(self._varies(x) for x in n.args)
@@ -350,15 +352,16 @@ def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
     of a score program, of the kinds ``kinds`` (capture_grads.classify, graph order):
     slotted reads store into their region of DCS (capture_grads.layout), column reads
     add to the accumulator ``cacc``, which the function returns."""
-    from .capture_grads import SLOT_WIDTH, layout
+    from .capture_grads import PAIR, SLOT_WIDTH, layout
 
     _, grads = score_prog.grad_nodes(frozenset(wrt))
     g = _Gen(itype, slots, layouts)
     g.body([d for _, d in grads])
     slotted, cols = layout(kinds)
+    helpers = "_tanh_d, _dcap_store, _dcap_rows, _dcap_cols" + \
+        (", _dcap_tile" if PAIR in kinds else "")
     lines = ["import triton", "import triton.language as tl",
-             "from anyattn.backends.triton.kernels import _tanh_d, _dcap_store, "
-             "_dcap_rows, _dcap_cols", "", _HELPERS,
+             f"from anyattn.backends.triton.kernels import {helpers}", "", _HELPERS,
              "@triton.jit",
              "def dcap(ds, s, b, h, q_idx, kv_idx, valid, CAPS, DCS, slot, dcs_g, cacc,",
              "         BN: tl.constexpr, BM: tl.constexpr, NCP: tl.constexpr):",
@@ -376,6 +379,8 @@ def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
         ptr = f"DCS + unit * ({start}) + slot * {SLOT_WIDTH[kind]}"
         if kind == "row":
             lines.append(f"    _dcap_rows({ptr}, {term}, BM)")
+        elif kind == PAIR:
+            lines.append(f"    _dcap_tile({ptr}, {term}, BN, BM)")
         else:
             lines.append(f"    _dcap_store({ptr}, {term}, BN, BM, {kind == 'diag'})")
     lines.append("    return cacc")

@@ -99,7 +99,7 @@ def slot_layout(program, wrt) -> SlotLayout:
     before any work)."""
     cls = classify(program, frozenset(wrt))
     kinds = tuple(k for _, k, _ in cls)
-    if None in kinds:
+    if None in kinds or "pair" in kinds:     # pair reads: the Triton backward only
         raise NotImplementedError(f"the WebGPU backward {refusal(program, frozenset(wrt))}")
     order = tuple(i for want in SLOT_KINDS for i, k in enumerate(kinds)
                   if _slot_kind(k) == want)
