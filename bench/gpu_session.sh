@@ -37,7 +37,7 @@ if [ "$PART" = 1 ]; then
     step "hopper modifiers"; run 70 python3 -m pytest -q -n 15 -m gpu tests/triton/test_hopper_mods.py \
                                  -p no:cacheprovider -rf
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
-                                 tests/triton/test_triton_capture_grads.py \
+                                 tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py tests/triton/test_triton_value_dim.py
     step "hopper modifiers bench"; run 100 python3 bench/gpu_hopper_mods_bench.py --out $R/hm
     step "hopper D=256 forward";   run 60 python3 bench/lab/hopper_d256_fwd.py --json $R/d256.json
@@ -50,7 +50,7 @@ elif [ "$PART" = 3 ]; then
     step "gallery vs Flex bf16"; run 240 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
                                  --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
-                                 tests/triton/test_triton_capture_grads.py \
+                                 tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py tests/triton/test_triton_value_dim.py
     step "gallery vs Flex fp32"; run 110 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 \
                                  --dtype float32 --reps 3 --out $R
