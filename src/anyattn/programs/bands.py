@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from .diagonal import affine_form
 from .graph import BOOL, INT, Node
 
 __all__ = ["split_bands", "conjuncts", "document_conjunct"]
 
-Affine = Tuple[int, int, int]          # a·q_idx + b·kv_idx + c
 
 
 def conjuncts(n: Node) -> List[Node]:
@@ -25,43 +25,13 @@ def conjuncts(n: Node) -> List[Node]:
     return [n]
 
 
-def _affine(n: Node) -> Optional[Affine]:
-    """``n`` as a·q_idx + b·kv_idx + c with integer a, b, c, or None."""
-    if n.dtype != INT:
-        return None
-    if n.op == "input":
-        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(n.attr)
-    if n.op == "const":
-        return (0, 0, int(n.attr))
-    if n.op in ("add", "sub"):
-        x, y = _affine(n.args[0]), _affine(n.args[1])
-        if x is None or y is None:
-            return None
-        s = 1 if n.op == "add" else -1
-        return (x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2])
-    if n.op == "neg":
-        x = _affine(n.args[0])
-        return None if x is None else (-x[0], -x[1], -x[2])
-    if n.op == "mul":
-        x, y = _affine(n.args[0]), _affine(n.args[1])
-        if x is None or y is None:
-            return None
-        if x[:2] == (0, 0):
-            x, y = y, x
-        if y[:2] != (0, 0):
-            return None
-        k = y[2]
-        return (k * x[0], k * x[1], k * x[2])
-    return None
-
-
 def _band_of(n: Node) -> Optional[Tuple[Optional[int], Optional[int]]]:
     """The band ``lo <= kv_idx - q_idx <= hi`` that the comparison ``n`` is, or None."""
     if n.op not in ("lt", "le", "gt", "ge", "eq"):
         return None
     left, right = n.args
     if left.op == "abs" and n.op in ("lt", "le"):       # abs(x) <= c: -c <= x <= c
-        x, c = _affine(left.args[0]), _affine(right)
+        x, c = affine_form(left.args[0]), affine_form(right)
         if x is None or c is None or c[:2] != (0, 0) or x[0] != -x[1] or abs(x[1]) != 1:
             return None
         s, c0 = x[1], x[2]                              # x = s·d + c0, d = kv - q
@@ -69,7 +39,7 @@ def _band_of(n: Node) -> Optional[Tuple[Optional[int], Optional[int]]]:
         # -w <= s·d + c0 <= w  ->  d in [(-w - c0)/s, (w - c0)/s] (s = ±1)
         lo, hi = (-w - c0, w - c0) if s == 1 else (c0 - w, c0 + w)
         return lo, hi
-    x, y = _affine(left), _affine(right)
+    x, y = affine_form(left), affine_form(right)
     if x is None or y is None:
         return None
     a, b, c = x[0] - y[0], x[1] - y[1], x[2] - y[2]     # left - right = a·q + b·kv + c

@@ -31,7 +31,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from .diagonal import _affine, diagonal_nodes
+from .diagonal import affine_form, diagonal_nodes
 from .graph import Node, ordered, render
 
 __all__ = ["Read", "reads", "KINDS", "PAIR", "classify", "refusal", "flat_index", "PairIndex",
@@ -102,7 +102,7 @@ def pair_index(node: Node) -> Optional[PairIndex]:
         if not ins & _INDEX:
             bh.append(ax)
             continue
-        f = _affine(a, memo)
+        f = affine_form(a, memo)
         if f is None or f[:2] not in ((1, 0), (0, 1)):
             return None
         if f[:2] == (1, 0):

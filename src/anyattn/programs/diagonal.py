@@ -29,13 +29,18 @@ import numpy as np
 
 from .graph import INT, Node
 
-__all__ = ["diagonal_nodes", "diagonal_values"]
+__all__ = ["affine_form", "diagonal_nodes", "diagonal_values"]
 
 _CMP = ("lt", "le", "gt", "ge", "eq", "ne")
 Affine = Tuple[int, int, int]
 
 
-def _affine(n: Node, memo: Dict[int, Optional[Affine]]) -> Optional[Affine]:
+def affine_form(n: Node, memo: Optional[Dict[int, Optional[Affine]]] = None
+                ) -> Optional[Affine]:
+    """``n`` as a·q_idx + b·kv_idx + c with integer (a, b, c), or None (``memo``: results
+    by node uid, shared across calls over one graph)."""
+    if memo is None:
+        memo = {}
     if n.uid in memo:
         return memo[n.uid]
     r: Optional[Affine] = None
@@ -45,15 +50,15 @@ def _affine(n: Node, memo: Dict[int, Optional[Affine]]) -> Optional[Affine]:
         elif n.op == "const":
             r = (0, 0, int(n.attr))
         elif n.op in ("add", "sub"):
-            x, y = _affine(n.args[0], memo), _affine(n.args[1], memo)
+            x, y = affine_form(n.args[0], memo), affine_form(n.args[1], memo)
             if x is not None and y is not None:
                 s = 1 if n.op == "add" else -1
                 r = (x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2])
         elif n.op == "neg":
-            x = _affine(n.args[0], memo)
+            x = affine_form(n.args[0], memo)
             r = None if x is None else (-x[0], -x[1], -x[2])
         elif n.op == "mul":
-            x, y = _affine(n.args[0], memo), _affine(n.args[1], memo)
+            x, y = affine_form(n.args[0], memo), affine_form(n.args[1], memo)
             if x is not None and y is not None:
                 if x[:2] == (0, 0):
                     x, y = y, x
@@ -81,7 +86,7 @@ def diagonal_nodes(order: Sequence[Node]) -> Set[int]:
         if n.op == "const":
             const.add(n.uid)
             continue
-        f = _affine(n, aff)
+        f = affine_form(n, aff)
         if f is not None:
             if _diagonal_form(f):
                 diag.add(n.uid)
@@ -89,7 +94,7 @@ def diagonal_nodes(order: Sequence[Node]) -> Set[int]:
                 const.add(n.uid)
             continue
         if n.op in _CMP:
-            x, y = (_affine(a, aff) for a in n.args)
+            x, y = (affine_form(a, aff) for a in n.args)
             if x is not None and y is not None and _diagonal_form(
                     (x[0] - y[0], x[1] - y[1], x[2] - y[2])):
                 diag.add(n.uid)
