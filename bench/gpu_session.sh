@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh 3     # score / mask functions only: the gallery vs Flex
 #                                   # (bf16 at S 4096 and 8192, fp32 at 4096), their CUDA
 #                                   # tests, capture-gradient cost (~450 s; JSON under $OUT)
+#   bash bench/gpu_session.sh 3q    # part 3 cut to ~280 s
 #
 # Wheels that the machine lacks (pytest, pytest-xdist, hypothesis, threadpoolctl, ...) are
 # installed from .whl/ when that folder exists.
@@ -45,6 +46,13 @@ if [ "$PART" = 1 ]; then
     step "value dims";             run 45 python3 bench/gpu_value_dim_bench.py --seqs 4096 --out $R
     step "decoding";               run 45 python3 bench/gpu_flash_attn_bench.py --decode \
                                        --caches 4096 32768 131072 --batches 1 8 32 --out $R/decode.json
+elif [ "$PART" = 3q ]; then
+    R=$OUT                          # part 3 cut to ~280 s: the gallery at S=4096, the tests
+    step "gallery vs Flex bf16"; run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 \
+                                 --reps 5 --out $R
+    step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
+                                 tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
+                                 tests/triton/test_triton_score_mods.py
 elif [ "$PART" = 3 ]; then
     R=$OUT                          # results straight under $OUT: a run cut short keeps them
     step "gallery vs Flex bf16"; run 240 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
@@ -61,4 +69,4 @@ else
     step "varlen";           run 90 python3 bench/gpu_flash_attn_bench.py --out $R/varlen.json
 fi
 step done
-[ "$PART" = 3 ] || tar czf "$OUT/res$PART.tgz" -C /tmp "gpu-res$PART"
+[ "${PART:0:1}" = 3 ] || tar czf "$OUT/res$PART.tgz" -C /tmp "gpu-res$PART"
