@@ -18,10 +18,11 @@ themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
 Gradients of score-function captures read at indices of b, h and one of q_idx - kv_idx,
-q_idx, kv_idx (capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile
-diagonal, row and column sums, the host sums them per diagonal, row and column and
-scatters them per capture element (NumPy inputs here, device arrays in ``resident``;
-other reads are refused by ``extra_reasons``).
+q_idx, kv_idx, or at one element per pair (t[h, q_idx, kv_idx]; capture_grads.py): the
+dK/dV pass compiled with DCAP writes per-tile diagonal, row and column sums (a pair
+read's terms themselves), the host sums them per diagonal, row and column (per capture
+slice) and scatters them per capture element (NumPy inputs here, device arrays in
+``resident``; other reads are refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
@@ -58,7 +59,7 @@ _CAPS = Capabilities(
     modifiers=BUILTIN_MODIFIERS | {"score_mod"},
     inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
     # capture gradients: for captures indexed by b, h and one of q_idx - kv_idx, q_idx,
-    # kv_idx (capture_grads.py; the others are refused by extra_reasons)
+    # kv_idx, or pair reads (capture_grads.py; the others are refused by extra_reasons)
     gradients=GRADIENTS)
 
 

@@ -8,7 +8,8 @@ matrix (``u = d + Sk - 1``), NG the reads (``gather`` nodes) of the captures ask
 ND / NR / NC those summed along the tile diagonals / query rows / key columns.
 
 Supported: captures every read of which is indexed by ``b``, ``h`` and one of
-``q_idx - kv_idx``, ``q_idx`` alone, ``kv_idx`` alone, or none of them
+``q_idx - kv_idx``, ``q_idx`` alone, ``kv_idx`` alone, or none of them, or is a pair
+read (``t[h, q_idx, kv_idx]``: one element per (b, h, q_idx, kv_idx), see below)
 (:func:`anyattn.programs.capture_reads.classify`, shared with the portable Triton
 backward; the others are refused by the backend's ``extra_reasons`` before any work,
 with :func:`~anyattn.programs.capture_reads.refusal`'s reason).  Reads of different
@@ -40,6 +41,17 @@ diagonal (``diag``; and ``total``, summed over the diagonals on the host), query
    floats in fp32, as the kernels compute them), and one ``np.bincount`` per capture
    over the reads' terms in order (a sequential, ordered segment sum in float64), cast
    to the capture's dtype.
+
+A pair read has no block in the workgroup tile: the generated ``dcap_put`` (DCPR)
+stores each pair's term itself at (b, h, i, j) of the read's region [B*H, Sq, Sk] of
+``dcs``, after the tile slots (:func:`pair_floats`; the column slice 0 only, so each
+element of a tile that runs has one writer; skipped tiles and masked pairs leave the
+cleared 0); :func:`read_sums` hands the region on as it is, and :func:`finish` adds,
+per capture slice, the (b, h) whose b / h indices map onto it (capture_reads.pair_slices)
+in order of b, then h, in float64, into the slice's view of the gradient, after the
+other reads' sums (:func:`_add_pairs`).  A pair read's region is 4*B*H*Sq*Sk bytes by
+nature (its gradient is O(Sq*Sk) per slice); the backend refuses, before any work, pair
+reads whose regions pass the storage binding limit (:func:`pair_slot_bytes`).
 
 Batch chunks (the adapter's binding limit) each return their batches' sums; the
 caller concatenates them along the batch before :func:`finish`.  Device-array calls
