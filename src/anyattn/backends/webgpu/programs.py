@@ -267,8 +267,9 @@ def dcap_source(bound, wrt) -> Tuple[str, str, "SlotLayout"]:
     reads, then the column reads).  With pair reads (DCPR) ``dcap_put`` takes ``own``
     (the workgroup's column slice 0) and stores a pair read's term itself at (b, h, i,
     j) of the read's region [B*HQ, SQ, SK] of ``dcs``, after the tile slots
-    (``nslot_words``): one invocation writes each element of a tile it runs, skipped
-    tiles stay cleared.  No text (NG = 0) where no read of those captures exists."""
+    (``dcap_pairs_at``, the word where those regions start): one invocation writes each
+    element of a tile it runs, skipped tiles stay cleared.  No text (NG = 0) where no
+    read of those captures exists."""
     from .capture_grads import slot_layout
 
     _check_idt(bound)
@@ -295,11 +296,11 @@ def dcap_source(bound, wrt) -> Tuple[str, str, "SlotLayout"]:
     if lay.pairs:       # pair reads: the term itself, at (b, h, i, j) of the read's region
         put += ["  if (own && i < U.SQ && j < U.SK) {",
                 "    let n = U.B * U.HQ * U.SQ * U.SK;",
-                "    let at = nslot_words() + ((b * U.HQ + h) * U.SQ + i) * U.SK + j;"]
+                "    let at = dcap_pairs_at() + ((b * U.HQ + h) * U.SQ + i) * U.SK + j;"]
         put += [f"    dcs[at + {pos - tile}u * n] = e[{k}];"
                 for k, pos in enumerate(lay.position) if pos >= tile]
         put += ["  }"]
-        put += ["}", "fn nslot_words() -> u32 {",
+        put += ["}", "fn dcap_pairs_at() -> u32 {",
                 "  let nslot = U.B * U.HQ * U.nkt * U.nqt;",
                 "  return nslot * (DCND * (BQ + BK - 1u) + DCNR * BQ + DCNC * BK);"]
     put += ["}"]
