@@ -6,7 +6,7 @@
 Cases (causal, fp32): ``rel`` a relative-position table ``table[h, q_idx - kv_idx + S - 1]``
 (a diagonal read), ``qtemp`` a per-query temperature ``temp[h, q_idx]`` (a row read),
 ``kbias`` a per-key bias ``kb[h, kv_idx]`` (a column read), ``mix`` all three in one
-function.  Per case: out and the row statistics from one WebGPU forward, then the
+function, ``pair`` a per-head pair table ``pt[h, q_idx, kv_idx]`` (a pair read).  Per case: out and the row statistics from one WebGPU forward, then the
 backward with wrt=(q, k, v) and with the captures added (host arrays through the public
 API, read-back included), each warmed once (pipeline compiles, timed and printed), then
 ``--repeat`` rounds timing both in turn; the median of each and the ratio, and whether two
@@ -29,6 +29,7 @@ def _cases(H, S):
     rel = (0.5 * rng.standard_normal((H, 2 * S - 1))).astype(np.float32)
     temp = (1 + 0.1 * rng.standard_normal((H, S))).astype(np.float32)
     kb = (0.5 * rng.standard_normal((H, S))).astype(np.float32)
+    pt = (0.5 * rng.standard_normal((H, S, S))).astype(np.float32)
     return {
         "rel": aa.ScoreMod(lambda s, b, h, i, j, table: s + table[h, i - j + S - 1],
                            table=rel),
@@ -37,6 +38,7 @@ def _cases(H, S):
         "mix": aa.ScoreMod(lambda s, b, h, i, j, table, temp, kb:
                            s * temp[h, i] + table[h, i - j + S - 1] + kb[h, j],
                            table=rel, temp=temp, kb=kb),
+        "pair": aa.ScoreMod(lambda s, b, h, i, j, pt: s + pt[h, i, j], pt=pt),
     }
 
 

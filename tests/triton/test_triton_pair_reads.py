@@ -231,17 +231,3 @@ def test_torch_autograd_reaches_the_pair_read_gradient():
         (out * out).sum().backward()
         grads[be] = t.grad
     assert_close(grads["triton"].numpy(), grads["numpy"].double().numpy(), "float32", "dt")
-
-
-def test_the_webgpu_slot_layout_refuses_a_pair_read_naming_it():
-    """The WebGPU backward sums no pair reads: its slot layout (reached only past the
-    backend choice, which refuses first) raises with the WebGPU backward's words."""
-    from anyattn.backends.webgpu.capture_grads import slot_layout
-
-    prog = _program(lambda s, b, h, i, j, t: s * t[b, h, i, j],
-                    t=np.zeros((1, 2, 8, 8), np.float32))
-    with pytest.raises(NotImplementedError,
-                       match=r"^the WebGPU backward computes the gradient .*: capture 't' is "
-                             r"read at t\[b, h, q_idx, kv_idx\], whose indices q_idx and "
-                             r"kv_idx together read one element per \(q_idx, kv_idx\) pair"):
-        slot_layout(prog, {"t"})

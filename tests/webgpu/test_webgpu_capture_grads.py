@@ -7,7 +7,8 @@ with a capture of rank 0 and batch chunks, softcap / dropout / sinks / a mask un
 with repeated runs and a split launch bitwise equal, the loop-trip model of the DCAP
 pass, device-array inputs with NumPy and device-array captures (bitwise those of the
 NumPy-array path; a cached repeat too), and the refusals (reads of q_idx and kv_idx
-otherwise than through their difference, with NumPy or device arrays; more reads than
+otherwise than through their difference or a pair read's (test_webgpu_pair_reads.py),
+with NumPy or device arrays; more reads than
 the workgroup tile holds; an index reading a device-array capture).  The backward
 gets out and the row statistics from the NumPy backend (the WebGPU forward is tested
 elsewhere) and asks for dk, dv and the captures: the dK/dV pass computes all three, so
@@ -234,7 +235,8 @@ def test_the_capture_pass_stays_within_its_loop_trip_model(be):
 
 
 @pytest.mark.parametrize("fn, index", [
-    (lambda s, b, h, i, j, t: s + t[i, j], r"whose indices q_idx and kv_idx together"),
+    (lambda s, b, h, i, j, t: s + t[i // 2, j],
+     r"whose indices \(q_idx // 2\) and kv_idx together"),
     (lambda s, b, h, i, j, t: s + t[h, i // 8 + j],
      r"whose index \(\(q_idx // 8\) \+ kv_idx\) depends on q_idx and kv_idx otherwise "
      r"than through q_idx - kv_idx"),
@@ -243,9 +245,9 @@ def test_the_capture_pass_stays_within_its_loop_trip_model(be):
 ])
 def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(be, monkeypatch, fn,
                                                                         index):
-    """An index of q_idx and kv_idx other than their difference, or indices of a row
-    and a diagonal together, are refused by the backend choice with the Triton
-    backward's words, naming the capture and its read; no backward starts."""
+    """An index of q_idx and kv_idx other than their difference or a pair read's, or
+    indices of a row and a diagonal together, are refused by the backend choice with
+    the Triton backward's words, naming the capture and its read; no backward starts."""
     from anyattn.backends.webgpu.backend import WebGPUBackend
 
     def no_work(*a, **kw):
@@ -257,8 +259,10 @@ def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(be, monke
     t = np.zeros((2 * S - 1, 2 * S - 1), np.float32)
     with pytest.raises(NotImplementedError,
                        match=r"webgpu.*only where each read of it is indexed by b, h and "
-                             r"one of q_idx - kv_idx, q_idx or kv_idx: capture 't' is read "
-                             r"at t\[.*\], " + index):
+                             r"one of q_idx - kv_idx, q_idx or kv_idx, or by b, h, q_idx "
+                             r"and kv_idx with q_idx and kv_idx each an index of its own "
+                             r"plus an integer constant \(t\[h, q_idx, kv_idx\]\): "
+                             r"capture 't' is read at t\[.*\], " + index):
         aa.attention_backward(q, k, v, g, wrt=("q", "t"), backend="webgpu",
                               score_mod=aa.ScoreMod(fn, t=t))
 

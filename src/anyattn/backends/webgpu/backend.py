@@ -18,10 +18,11 @@ themselves (Philox4x32-10 row/column words from 16-bit partial products, the 32-
 finaliser per pair), so the backward regenerates it; batch chunks pass their first
 batch, so the draw never depends on the split.
 Gradients of score-function captures read at indices of b, h and one of q_idx - kv_idx,
-q_idx, kv_idx (capture_grads.py): the dK/dV pass compiled with DCAP writes per-tile
-diagonal, row and column sums, the host sums them per diagonal, row and column and
-scatters them per capture element (NumPy inputs here, device arrays in ``resident``;
-other reads are refused by ``extra_reasons``).
+q_idx, kv_idx, or at one element per pair (t[h, q_idx, kv_idx]; capture_grads.py): the
+dK/dV pass compiled with DCAP writes per-tile diagonal, row and column sums (a pair
+read's terms themselves), the host sums them per diagonal, row and column (per capture
+slice) and scatters them per capture element (NumPy inputs here, device arrays in
+``resident``; other reads are refused by ``extra_reasons``).
 ``backward_arena`` is the seed's ABI on a wgpu storage buffer.
 Device arrays (anyattn.webgpu: buffer, offset, strides) in and out without host
 transfers: ``resident`` (automatic dispatch picks this backend for them).
@@ -58,7 +59,7 @@ _CAPS = Capabilities(
     modifiers=BUILTIN_MODIFIERS | {"score_mod"},
     inputs=DEFAULT_INPUTS | {"value_dim", "paged_kv"},
     # capture gradients: for captures indexed by b, h and one of q_idx - kv_idx, q_idx,
-    # kv_idx (capture_grads.py; the others are refused by extra_reasons)
+    # kv_idx, or pair reads (capture_grads.py; the others are refused by extra_reasons)
     gradients=GRADIENTS)
 
 
@@ -137,9 +138,11 @@ class WebGPUBackend(Backend):
 
             from .capture_grads import device_index_reads
 
-            bad = refusal(p.score_mod.program, p.capture_wrt)
+            bad = refusal(p.score_mod.program, p.capture_wrt, pair=True)
             if bad:
                 why.append(f"{bad}; index each read by one of those, or use backend='numpy'")
+            elif self.availability() is None:
+                why += self._pair_slot_reasons(p)
             dev = device_index_reads(p.score_mod, p.capture_wrt)
             if dev:
                 why.append(f"computes the gradients of score_mod captures on the host at "
@@ -152,6 +155,29 @@ class WebGPUBackend(Backend):
             if p.bias_dtype not in (None, "float32", "float16"):
                 why.append(f"bias dtype {p.bias_dtype} is not supported")
         return why
+
+    def _pair_slot_reasons(self, p: Problem) -> List[str]:
+        """The refusal of pair reads whose slots (capture_grads.pair_slot_bytes: one f32
+        per (b, h, q_idx, kv_idx) each, in one binding with the other slots) outgrow the
+        adapter's storage binding: one batch's with NumPy arrays (the batch is split
+        into chunks beyond), the whole call's with device arrays (one piece)."""
+        from .capture_grads import pair_slot_bytes
+
+        one = p.array_kind == "webgpu"
+        rows = p.heads_q * (p.batch if one else 1)
+        got, nbytes = pair_slot_bytes(p.score_mod.program, p.capture_wrt, rows, p.seq_q,
+                                      p.seq_k)
+        run = self.runner()
+        lim = min(run.max_binding, run.max_buffer)
+        if not got or nbytes <= lim:
+            return []
+        what = ("4·B·Hq·Sq·Sk bytes per read: device arrays run in one piece" if one
+                else "4·Hq·Sq·Sk bytes per read for one batch")
+        return [f"computes the gradient of a pair read (one element per (b, h, q_idx, "
+                f"kv_idx)) through a slot per element, and the slots of the pair read(s) "
+                f"{', '.join(got)} need {nbytes} bytes ({what}), past this adapter's max "
+                f"storage binding of {lim} bytes ({run.ctx.name}); shorten the sequences "
+                "or use backend='numpy'"]
 
     def runner(self):
         """The backend's launch.Runner (buffers, uniforms, dispatch), made on first use.
@@ -333,10 +359,14 @@ class WebGPUBackend(Backend):
             if p.capture_wrt and p.score_mod is not None:
                 # the capture gradient slots (engine.Call.dcap_floats), bounded with the
                 # smallest tiles of the configs (32 x 32) and the widest slot (a diagonal
-                # read's BQ + BK - 1)
-                ng = len(capture_reads(p.score_mod.program, p.capture_wrt))
+                # read's BQ + BK - 1); a pair read's one f32 per (h, q_idx, kv_idx)
+                from .capture_grads import pair_slot_bytes, tile_reads
+
+                ng = tile_reads(p.score_mod.program, p.capture_wrt)
+                _, pair_bytes = pair_slot_bytes(p.score_mod.program, p.capture_wrt, Hq, Sq,
+                                                Sk)
                 per_b["capture gradient slots"] = \
-                    4 * ng * Hq * (-(-Sq // 32)) * (-(-Sk // 32)) * 63
+                    4 * ng * Hq * (-(-Sq // 32)) * (-(-Sk // 32)) * 63 + pair_bytes
         role, worst = max(per_b.items(), key=lambda kv: kv[1])
         if worst > lim:
             raise ValueError(f"webgpu: one batch of the {role} buffer needs {worst} bytes, past "
@@ -422,6 +452,7 @@ class WebGPUBackend(Backend):
         host's, see ``backward``); ``resident`` = (stats, out buffer) of a forward
         already on the device (benchmarks), else out and the RowStats ``stats`` are
         uploaded."""
+        from .capture_grads import tile_reads
         from .engine import Operand
         from .clears import Clear
         from .launch import DSQ_ROLE
@@ -432,7 +463,8 @@ class WebGPUBackend(Backend):
         want_b = "bias" in p.wrt
         wrt_c = p.capture_wrt if p.score_mod is not None else frozenset()
         ng = len(capture_reads(p.score_mod.program, wrt_c)) if wrt_c else 0
-        call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0, dcap=ng)
+        tile = tile_reads(p.score_mod.program, wrt_c) if ng else 0
+        call = self._setup(p, q, k, v, dout, bias, uprefix, mods, b0, dcap=tile)
         run = call.run
         if ng:                          # capture gradients in the dK/dV pass (DCAP)
             call.set_capture_grads(p.score_mod, wrt_c)

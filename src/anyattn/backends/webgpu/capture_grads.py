@@ -8,7 +8,8 @@ matrix (``u = d + Sk - 1``), NG the reads (``gather`` nodes) of the captures ask
 ND / NR / NC those summed along the tile diagonals / query rows / key columns.
 
 Supported: captures every read of which is indexed by ``b``, ``h`` and one of
-``q_idx - kv_idx``, ``q_idx`` alone, ``kv_idx`` alone, or none of them
+``q_idx - kv_idx``, ``q_idx`` alone, ``kv_idx`` alone, or none of them, or is a pair
+read (``t[h, q_idx, kv_idx]``: one element per (b, h, q_idx, kv_idx), see below)
 (:func:`anyattn.programs.capture_reads.classify`, shared with the portable Triton
 backward; the others are refused by the backend's ``extra_reasons`` before any work,
 with :func:`~anyattn.programs.capture_reads.refusal`'s reason).  Reads of different
@@ -41,6 +42,17 @@ diagonal (``diag``; and ``total``, summed over the diagonals on the host), query
    over the reads' terms in order (a sequential, ordered segment sum in float64), cast
    to the capture's dtype.
 
+A pair read has no block in the workgroup tile: the generated ``dcap_put`` (DCPR)
+stores each pair's term itself at (b, h, i, j) of the read's region [B*H, Sq, Sk] of
+``dcs``, after the tile slots (:func:`pair_floats`; the column slice 0 only, so each
+element of a tile that runs has one writer; skipped tiles and masked pairs leave the
+cleared 0); :func:`read_sums` hands the region on as it is, and :func:`finish` adds,
+per capture slice, the (b, h) whose b / h indices map onto it (capture_reads.pair_slices)
+in order of b, then h, in float64, into the slice's view of the gradient, after the
+other reads' sums (:func:`_add_pairs`).  A pair read's region is 4*B*H*Sq*Sk bytes by
+nature (its gradient is O(Sq*Sk) per slice); the backend refuses, before any work, pair
+reads whose regions pass the storage binding limit (:func:`pair_slot_bytes`).
+
 Batch chunks (the adapter's binding limit) each return their batches' sums; the
 caller concatenates them along the batch before :func:`finish`.  Device-array calls
 (resident.py) run the same launches from their cached launch template and read ``dcs``
@@ -55,13 +67,14 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ...programs.capture_reads import classify, flat_index, reads, refusal
+from ...programs.capture_reads import (PAIR, classify, flat_index, pair_index, pair_slices,
+                                       reads, refusal)
 from ...programs.evaluate import cast_captures
 from ...programs.graph import ordered
 
-__all__ = ["SLOT_KINDS", "SlotLayout", "slot_layout", "slot_floats", "split_slots",
-           "diagonal_sums", "row_sums", "column_sums", "read_sums", "finish",
-           "device_index_reads"]
+__all__ = ["SLOT_KINDS", "SlotLayout", "slot_layout", "slot_floats", "pair_floats",
+           "split_slots", "diagonal_sums", "row_sums", "column_sums", "read_sums", "finish",
+           "device_index_reads", "tile_reads", "pair_slot_bytes"]
 
 #: the kinds of slot of the DCAP pass, in their order in the workgroup tile and in
 #: ``dcs``: sums along the tile's diagonals (classify's ``diag`` and ``total`` reads),
@@ -78,11 +91,14 @@ class SlotLayout:
     """The reads of the captures asked for (graph order, capture_reads.reads):
     ``kinds`` classify's kind of each; ``order`` the read at each position of the
     workgroup tile and of ``dcs`` (the diagonal and total reads, then the row reads,
-    then the column reads, each in graph order); ``counts`` (ND, NR, NC)."""
+    then the column reads, each in graph order; then the pair reads, in graph order,
+    which have no block in the workgroup tile); ``counts`` (ND, NR, NC); ``pairs`` NP,
+    the pair reads."""
 
     kinds: Tuple[str, ...]
     order: Tuple[int, ...]
     counts: Tuple[int, int, int]
+    pairs: int = 0
 
     @property
     def position(self) -> Tuple[int, ...]:
@@ -99,12 +115,28 @@ def slot_layout(program, wrt) -> SlotLayout:
     before any work)."""
     cls = classify(program, frozenset(wrt))
     kinds = tuple(k for _, k, _ in cls)
-    if None in kinds or "pair" in kinds:     # pair reads: the Triton backward only
-        raise NotImplementedError(f"the WebGPU backward {refusal(program, frozenset(wrt))}")
-    order = tuple(i for want in SLOT_KINDS for i, k in enumerate(kinds)
+    if None in kinds:
+        raise NotImplementedError(
+            f"the WebGPU backward {refusal(program, frozenset(wrt), pair=True)}")
+    order = tuple(i for want in SLOT_KINDS + (PAIR,) for i, k in enumerate(kinds)
                   if _slot_kind(k) == want)
     counts = tuple(sum(1 for k in kinds if _slot_kind(k) == want) for want in SLOT_KINDS)
-    return SlotLayout(kinds, order, counts)
+    return SlotLayout(kinds, order, counts, kinds.count(PAIR))
+
+
+def tile_reads(program, wrt) -> int:
+    """The reads of the captures ``wrt`` with a block in the DCAP pass's workgroup tile
+    (all but the pair reads; the config choice counts them)."""
+    return sum(1 for _, k, _ in classify(program, frozenset(wrt)) if k != PAIR)
+
+
+def pair_slot_bytes(program, wrt, rows: int, Sq: int, Sk: int) -> Tuple[List[str], int]:
+    """(the pair reads of the captures ``wrt``, rendered, and the bytes of their slots in
+    ``dcs``: 4 * rows * Sq * Sk each, ``rows`` (batch, head) rows)."""
+    from ...programs.graph import render
+
+    got = [render(r.node) for r, k, _ in classify(program, frozenset(wrt)) if k == PAIR]
+    return got, 4 * len(got) * rows * Sq * Sk
 
 
 def _widths(BQ: int, BK: int) -> Tuple[int, int, int]:
@@ -115,6 +147,12 @@ def slot_floats(counts: Sequence[int], rows: int, nK: int, nQ: int, BQ: int, BK:
     """The f32 words of ``dcs`` for ``counts`` = (ND, NR, NC) reads and ``rows`` (batch,
     head) rows of nK x nQ tiles."""
     return rows * nK * nQ * sum(n * w for n, w in zip(counts, _widths(BQ, BK)))
+
+
+def pair_floats(pairs: int, rows: int, Sq: int, Sk: int) -> int:
+    """The f32 words of ``dcs`` after the tile slots: ``pairs`` regions [rows, Sq, Sk],
+    one word per (b, h, q_idx, kv_idx) of each pair read."""
+    return pairs * rows * Sq * Sk
 
 
 def split_slots(flat: np.ndarray, counts: Sequence[int], rows: int, nK: int, nQ: int,
@@ -171,16 +209,21 @@ def column_sums(slots: np.ndarray, Sk: int) -> np.ndarray:
 def read_sums(flat: np.ndarray, lay: SlotLayout, B: int, H: int, Sq: int, Sk: int,
               BQ: int, BK: int) -> List[np.ndarray]:
     """``dcs`` (flat f32, read back) -> each read's sums per (b, h, position), graph
-    order: [B, H, X] float64, X = U (diagonal and total reads), Sq (row), Sk (column)."""
+    order: [B, H, X] float64, X = U (diagonal and total reads), Sq (row), Sk (column);
+    a pair read's terms themselves, [B, H, Sq, Sk] f32 (a view of ``flat``)."""
     nK, nQ = -(-Sk // BK), -(-Sq // BQ)
     diag, rows, cols = split_slots(flat, lay.counts, B * H, nK, nQ, BQ, BK)
     by_pos: List[np.ndarray] = []
     if lay.counts[0]:
         by_pos += list(diagonal_sums(diag, BQ, BK, Sq, Sk))
     by_pos += list(row_sums(rows, Sq)) + list(column_sums(cols, Sk))
+    start = slot_floats(lay.counts, B * H, nK, nQ, BQ, BK)
+    n = B * H * Sq * Sk
+    for k in range(lay.pairs):
+        by_pos.append(flat[start + k * n:start + (k + 1) * n].reshape(B, H, Sq, Sk))
     out: List[np.ndarray] = [None] * len(lay.order)
     for n, i in enumerate(lay.order):
-        out[i] = by_pos[n].reshape(B, H, -1)
+        out[i] = by_pos[n] if lay.kinds[i] == PAIR else by_pos[n].reshape(B, H, -1)
     return out
 
 
@@ -217,10 +260,15 @@ def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, i
     capture's too: the caller uploads it) of the float captures
     ``wrt`` of the bound score program ``bound`` from each read's sums ``sums``
     (:func:`read_sums`, reads in graph order; empty where no read of ``wrt`` exists) of
-    a problem of ``sizes`` = (B, H, Sq, Sk)."""
+    a problem of ``sizes`` = (B, H, Sq, Sk).  The pair reads' terms are added after the
+    other reads' sums, in graph order (:func:`_add_pairs`)."""
     cls = classify(bound.program, frozenset(wrt))
     parts = {name: [] for name in sorted(wrt)}
+    pairs = {name: [] for name in sorted(wrt)}
     for (r, kind, _), x in zip(cls, sums):
+        if kind == PAIR:
+            pairs[r.name].append((r, x))
+            continue
         for axis, use in ((0, "b"), (1, "h")):
             if use not in r.uses and x.shape[axis] > 1:
                 x = x.sum(axis=axis, keepdims=True)
@@ -232,12 +280,43 @@ def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, i
     for name, got in parts.items():
         arr = bound.device[name] if name in bound.device else np.asarray(bound.arrays[name])
         n = int(np.prod(arr.shape, dtype=np.int64))
-        if not got:                          # never read: a zero gradient
+        if not got and not pairs[name]:      # never read: a zero gradient
             out[name] = np.zeros(arr.shape, dtype=arr.dtype)
             continue
-        flat = np.concatenate([flat_index(host, sizes, r, x.shape, arr.shape, kind)
-                               for r, kind, x in got])
-        vals = np.concatenate([x.reshape(-1) for _, _, x in got])
-        res = np.bincount(flat, weights=vals, minlength=n)
-        out[name] = res.reshape(arr.shape).astype(arr.dtype)
+        if got:
+            flat = np.concatenate([flat_index(host, sizes, r, x.shape, arr.shape, kind)
+                                   for r, kind, x in got])
+            vals = np.concatenate([x.reshape(-1) for _, _, x in got])
+            res = np.bincount(flat, weights=vals, minlength=n).reshape(arr.shape)
+        else:
+            res = np.zeros(arr.shape, dtype=np.float64)
+        for r, x in pairs[name]:
+            _add_pairs(host, res, r, x)
+        out[name] = res.astype(arr.dtype)
     return out
+
+
+def _add_pairs(host, res: np.ndarray, r, x: np.ndarray) -> None:
+    """Add pair read ``r``'s terms ``x`` ([B, H, Sq, Sk] f32, each (b, h, q_idx, kv_idx)
+    written by one invocation) to ``res`` (float64, the capture's shape) in place: per
+    capture slice, the (b, h) mapped onto it (equal b / h indices,
+    capture_reads.pair_slices, evaluated once on the host) summed in order of b, then h
+    in float64, then added to the slice's view [.., q_idx + c, .., kv_idx + c', ..]."""
+    B, H, Sq, Sk = x.shape
+    p = pair_index(r.node)
+    slices = pair_slices(host, r, (B, H)).reshape(B * H, -1)
+    order: Dict[tuple, List[int]] = {}
+    for bh, key in enumerate(map(tuple, slices.tolist())):
+        order.setdefault(key, []).append(bh)
+    terms = x.reshape(B * H, Sq, Sk)
+    for key, rows in order.items():
+        acc = terms[rows[0]].astype(np.float64)
+        for bh in rows[1:]:
+            acc += terms[bh]
+        at: List[object] = [None] * res.ndim
+        for ax, v in zip(p.bh_axes, key):
+            at[ax] = v
+        at[p.q_axis] = slice(p.q_const, p.q_const + Sq)
+        at[p.kv_axis] = slice(p.kv_const, p.kv_const + Sk)
+        view = res[tuple(at)]                # [Sq, Sk], or [Sk, Sq] for kv_idx first
+        view += acc if p.q_axis < p.kv_axis else acc.T

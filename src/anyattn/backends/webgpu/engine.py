@@ -466,7 +466,8 @@ class Call:
         (f32, cleared before the launches; ``dcap_floats``): per read, in the slot
         layout's order (capture_grads.slot_layout), a region [B*HQ, nkt, nqt, W] with
         W = BQ + BK - 1 (diagonal and total reads), BQ (row reads) or BK (column
-        reads).  Returns NG, the capture reads (0: none is read, nothing to compute)."""
+        reads), then per pair read a region [B*HQ, SQ, SK] (its terms themselves).
+        Returns NG, the capture reads (0: none is read, nothing to compute)."""
         from .programs import dcap_source
 
         if self.progs is None or "SCOREMOD" not in self.mod_consts:
@@ -482,10 +483,11 @@ class Call:
                 f"pass, past this adapter's {most} ({self.run.ctx.name}); use "
                 "backend='numpy'")
         limit = self.run.ctx.limits.get("max-compute-workgroup-storage-size", 16384)
-        need = self.cfg.smem_bytes("bwd_dkdv", "DROPOUT" in self.mod_consts, ng)
+        tile = sum(lay.counts)           # the pair reads have no block in the tile
+        need = self.cfg.smem_bytes("bwd_dkdv", "DROPOUT" in self.mod_consts, tile)
         if need > limit:
             raise NotImplementedError(
-                f"webgpu: {self.cfg} with the gradients of {ng} score_mod capture reads "
+                f"webgpu: {self.cfg} with the gradients of {tile} score_mod capture reads "
                 f"needs {need} bytes of workgroup memory in 'bwd_dkdv', past this "
                 f"adapter's {limit}; pass another config_override (or none: the chosen "
                 "config counts them)")
@@ -496,11 +498,14 @@ class Call:
         return ng
 
     def dcap_floats(self) -> int:
-        """The f32 words of the DCAP dK/dV pass's slot buffer (capture_grads.slot_floats)."""
-        from .capture_grads import slot_floats
+        """The f32 words of the DCAP dK/dV pass's slot buffer (capture_grads.slot_floats,
+        then the pair reads' regions: pair_floats)."""
+        from .capture_grads import pair_floats, slot_floats
 
-        return slot_floats(self.dcap[3].counts, self.B * self.HQ, self.nkt, self.nqt,
-                           self.cfg.BQ, self.cfg.BK)
+        lay = self.dcap[3]
+        return (slot_floats(lay.counts, self.B * self.HQ, self.nkt, self.nqt,
+                            self.cfg.BQ, self.cfg.BK)
+                + pair_floats(lay.pairs, self.B * self.HQ, self.SQ, self.SK))
 
     def set_dropout(self, p: float, seed: int, q_offset: int, k_offset: int,
                     b0: int = 0) -> None:
@@ -588,7 +593,7 @@ class Call:
         dcap = kernel == "bwd_dkdv" and self.dcap is not None
         if dcap:      # the capture gradients' functions and slots (DCAP)
             dkey, dtext, _, lay = self.dcap
-            consts.update(cfg.dcap_consts(lay.counts))
+            consts.update(cfg.dcap_consts(lay.counts, lay.pairs))
             progs = (f"{progs[0]}+{dkey}", progs[1] + dtext)
             layout = "tile_dcap"
         pipe = self.run.pipeline(kernel, layout, consts, self.elem, self.debug, progs)

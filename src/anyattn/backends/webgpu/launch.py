@@ -332,16 +332,22 @@ class TileConfig:
             return 1 + self._sdp(D) + self._upd(self.BQ) * (int(dk) + int(dv)) + sums
         raise KeyError(kernel)
 
-    def dcap_consts(self, counts: Tuple[int, int, int]) -> Dict[str, int]:
+    def dcap_consts(self, counts: Tuple[int, int, int], pairs: int = 0) -> Dict[str, int]:
         """The constants of the dK/dV pass with capture gradients (DCAP) for ``counts`` =
         (ND, NR, NC) reads summed along the tile diagonals, query rows, key columns:
         DCNG reads in all, DCM unrolled passes of the diagonal sums; with row or column
         reads also DCRC and per kind the reads (DCND, DCNR, DCNC) and the unrolled
-        passes (DCM, DCMR, DCMC: 0 where the kind has no read)."""
+        passes (DCM, DCMR, DCMC: 0 where the kind has no read).  ``pairs``: the pair
+        reads (stored by ``dcap_put`` itself, no block in the tile): DCPR and the DCRC
+        constants too; DCPO where they are the only reads (no tile, no sums)."""
         nd, nr, nc = counts
         diag = ceil_div(self.BQ + self.BK - 1, self.NT)
         out = dict(DCAP=1, DCNG=nd + nr + nc, DCM=diag)
-        if nr or nc:
+        if pairs:
+            out["DCPR"] = 1
+            if not nd + nr + nc:
+                out["DCPO"] = 1
+        if nr or nc or pairs:
             out.update(DCRC=1, DCND=nd, DCNR=nr, DCNC=nc, DCM=diag if nd else 0,
                        DCMR=ceil_div(self.BQ, self.NT) if nr else 0,
                        DCMC=ceil_div(self.BK, self.NT) if nc else 0)

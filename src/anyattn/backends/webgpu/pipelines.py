@@ -94,8 +94,11 @@ PROG_DEFINES = ("SCOREMOD", "MASKFN")
 #: text then also holds ``dcap_d`` / ``dcap_put`` (programs.dcap_source).  Without it
 #: the kernels are the plain ones, text for text.  DCRC (with DCAP): some reads are
 #: summed along the tile's query rows or key columns (TileConfig.dcap_consts); without
-#: it the DCAP kernels are the diagonal-only ones, text for text
-DCAP_DEFINES = ("DCAP", "DCRC")
+#: it the DCAP kernels are the diagonal-only ones, text for text.  DCPR (with DCAP and
+#: DCRC): pair reads, whose terms ``dcap_put`` stores itself into ``dcs`` (column slice
+#: 0 only); DCPO: pair reads only (no tile ``sdc``, no sums).  Without them the DCAP
+#: kernels are as they were, text for text
+DCAP_DEFINES = ("DCAP", "DCRC", "DCPR", "DCPO")
 
 SHADER_DIR = Path(__file__).resolve().parent / "shaders"
 

@@ -264,8 +264,12 @@ def dcap_source(bound, wrt) -> Tuple[str, str, "SlotLayout"]:
     of a pair (0 where not ``kept``) at row ``ii``, column ``jj`` of its read's block of
     the workgroup tile ``sdc`` [NG][BQ][BK] (bwd_dkdv.wgsl); the blocks follow
     ``layout`` (capture_grads.slot_layout: the diagonal and total reads, then the row
-    reads, then the column reads).  No text (NG = 0) where no read of those captures
-    exists."""
+    reads, then the column reads).  With pair reads (DCPR) ``dcap_put`` takes ``own``
+    (the workgroup's column slice 0) and stores a pair read's term itself at (b, h, i,
+    j) of the read's region [B*HQ, SQ, SK] of ``dcs``, after the tile slots
+    (``dcap_pairs_at``, the word where those regions start): one invocation writes each
+    element of a tile it runs, skipped tiles stay cleared.  No text (NG = 0) where no
+    read of those captures exists."""
     from .capture_grads import slot_layout
 
     _check_idt(bound)
@@ -280,13 +284,25 @@ def dcap_source(bound, wrt) -> Tuple[str, str, "SlotLayout"]:
     arr = f"array<f32, {ng}>"
     d = _fn("dcap_d" + sig, arr, [g for _, g in grads], layout, prog.where,
             lambda r: f"{arr}({', '.join(r)})")
+    tile = sum(lay.counts)
+    own = ", own: bool" if lay.pairs else ""
     put = ["fn dcap_put(ii: u32, jj: u32, kept: bool, ds: f32, x: f32, b: u32, h: u32, "
-           "i: u32, j: u32) {", f"  var e = {arr}();", "  if (kept) {",
+           f"i: u32, j: u32{own}) {{", f"  var e = {arr}();", "  if (kept) {",
            "    let d = dcap_d(x, b, h, i, j);"]
     put += [f"    e[{k}] = ds * d[{k}];" for k in range(ng)]
     put += ["  }"]
     put += [f"  sdc[({pos}u * BQ + ii) * BK + jj] = e[{k}];"
-            for k, pos in enumerate(lay.position)]
+            for k, pos in enumerate(lay.position) if pos < tile]
+    if lay.pairs:       # pair reads: the term itself, at (b, h, i, j) of the read's region
+        put += ["  if (own && i < U.SQ && j < U.SK) {",
+                "    let n = U.B * U.HQ * U.SQ * U.SK;",
+                "    let at = dcap_pairs_at() + ((b * U.HQ + h) * U.SQ + i) * U.SK + j;"]
+        put += [f"    dcs[at + {pos - tile}u * n] = e[{k}];"
+                for k, pos in enumerate(lay.position) if pos >= tile]
+        put += ["  }"]
+        put += ["}", "fn dcap_pairs_at() -> u32 {",
+                "  let nslot = U.B * U.HQ * U.nkt * U.nqt;",
+                "  return nslot * (DCND * (BQ + BK - 1u) + DCNR * BQ + DCNC * BK);"]
     put += ["}"]
     src = d + "\n" + "\n".join(put) + "\n"
     return hashlib.sha1(src.encode()).hexdigest(), src, lay

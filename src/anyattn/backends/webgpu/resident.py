@@ -39,6 +39,7 @@ from ...modifiers import ScoreMods, alibi_diag
 from ...problem import Problem
 from ...programs.capture_reads import reads as capture_reads
 from ...rowstats import RowStats
+from .capture_grads import tile_reads
 from .clears import Clear
 from .device_array import HOME, DeviceArray, contiguous_strides
 from .elementwise import (Seq, buffer_bytes, ew, fresh_buffer, gather_contig, result_array,
@@ -489,10 +490,11 @@ def backward(be, p: Problem, q, k, v, dout, out, stats: RowStats, bias,
     in_place = _stats_in_place(be.runner(), p, inputs)
     wrt_c = p.capture_wrt if p.score_mod is not None else frozenset()
     ng = len(capture_reads(p.score_mod.program, wrt_c)) if wrt_c else 0
+    tile = tile_reads(p.score_mod.program, wrt_c) if ng else 0   # pair reads: no tile
 
     def build(res):
         _check_chunks(be, p, True, bias)
-        call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True, dcap=ng)
+        call = _prepare(be, p, q, k, v, dout, bias, mods, backward=True, dcap=tile)
         run = call.run
         n = call.n
         if ng:                       # capture gradients in the dK/dV pass (DCAP)

@@ -14,7 +14,10 @@
 //@# own slot of dcs [DCNG, B*HQ, nkt, nqt, W] (f32; cleared before the launch, so a
 //@# skipped tile's slot holds 0).  DCRC (reads of q_idx or kv_idx alone too): the
 //@# row reads' slots hold the tile's BQ row sums, the column reads' its BK column
-//@# sums, after the diagonal reads' regions.  No atomics: bitwise repeatable.
+//@# sums, after the diagonal reads' regions.  DCPR (pair reads): dcap_put stores each
+//@# pair's term of a pair read itself into its region [B*HQ, SQ, SK] after the slots
+//@# (column slice 0; one writer per element); DCPO (pair reads only): no sdc, no sums.
+//@# No atomics: bitwise repeatable.
 //@include common
 //@ifn STAGE
 var<workgroup> sq: array<SV, BQ * RSQ>;   // Q chunk [BQ][DC] (then Q slice rows)
@@ -38,7 +41,9 @@ var<workgroup> st: array<SV, BK * RSP>;   // P^T or dS^T [BK][BQ], vec4 along i
 //@endif ALIAS
 //@if DCAP
 @group(0) @binding(11) var<storage, read_write> dcs: array<f32>;
+//@ifn DCPO
 var<workgroup> sdc: array<f32, DCNG * BQ * BK>;   // capture gradient terms [DCNG][BQ][BK]
+//@endif DCPO
 //@endif DCAP
 //@if DROPOUT
 var<workgroup> drw: array<u32, BQ>;   // dropout row words of queries i0 + [0, BQ)
@@ -127,6 +132,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
     //@endif DSQ_OUT
     //@if DCAP
+    //@ifn DCPO
     workgroupBarrier();
     if (wid.z == 0u) {
       //@ifn DCRC
@@ -217,6 +223,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
       //@endif DCRC
     }
     workgroupBarrier();
+    //@endif DCPO
     //@endif DCAP
     if (want_dv) {
       //@for c 4

@@ -12,7 +12,8 @@
 // dS = P ∘ (dP ∘ keep / (1 − p) − delta).
 //@# DCAP (the dK/dV pass with capture gradients; SCOREMOD): every pair's terms
 //@# dS · d s' / d g of the capture reads into the workgroup tile sdc (dcap_put,
-//@# programs.dcap_source; 0 for a pair not kept or outside SQ x SK).
+//@# programs.dcap_source; 0 for a pair not kept or outside SQ x SK); DCPR: the pair
+//@# reads' terms straight into dcs (column slice 0; each element of a tile run once).
 var p: array<vec4<f32>, RM>;
 var ds: array<vec4<f32>, RM>;
 //@if DSCHAIN
@@ -100,7 +101,13 @@ let cwd = vec4<u32>(dcw[tx], dcw[tx + TX], dcw[tx + 2u * TX], dcw[tx + 3u * TX])
     //@if DSCHAIN
     dsr[{r}][{c#}] = ds[{r}][{c#}];
     //@if DCAP
+    //@ifn DCPR
     dcap_put(ty * RM + {r}, tx + {c} * TX, dck, ds[{r}][{c#}], dcx, b, h, i, j);
+    //@endif DCPR
+    //@if DCPR
+    //@# pair reads: stored by dcap_put itself, by the column slice 0 only
+    dcap_put(ty * RM + {r}, tx + {c} * TX, dck, ds[{r}][{c#}], dcx, b, h, i, j, wid.z == 0u);
+    //@endif DCPR
     //@endif DCAP
     //@if SCOREMOD
     //@# a dropped pair gives 0, whatever d score_mod / d score is there
