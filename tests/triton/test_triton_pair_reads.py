@@ -90,8 +90,7 @@ def test_other_reads_of_q_idx_and_kv_idx_stay_refused_naming_the_read(fn, shape,
     prog = _program(fn, t=np.zeros(shape, np.float32))
     ((_, kind, _),) = classify(prog, {"t"})
     assert kind is None
-    for pair in (False, True):
-        assert re.search(r"capture 't' is read at " + index, refusal(prog, {"t"}, pair=pair))
+    assert re.search(r"capture 't' is read at " + index, refusal(prog, {"t"}))
 
 
 def test_a_backward_without_pair_reads_refuses_them_naming_the_read():
@@ -105,7 +104,7 @@ def test_a_backward_without_pair_reads_refuses_them_naming_the_read():
                           "or kv_idx: capture 't' is read at t[h, q_idx, kv_idx], whose "
                           "indices q_idx and kv_idx together read one element per "
                           "(q_idx, kv_idx) pair"), why
-    assert refusal(prog, {"t", "w"}, pair=True) is None
+    assert refusal(prog, {"t", "w"}) is None
     assert refusal(prog, {"w"}) is None
 
 

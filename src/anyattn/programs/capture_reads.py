@@ -19,8 +19,7 @@ of ``b`` and ``h`` only, or exactly ``q_idx`` plus an integer constant, or exact
 one (b, h) the read is injective (each index lies in its axis for every q_idx < Sq,
 kv_idx < Sk: the core's bounds check), so its gradient element at (b, h, i, j) is that
 pair's term alone, and elements collide only across the (b, h) whose b / h indices
-(:func:`pair_slices`) agree.  Only the backwards that sum such reads accept them
-(:func:`refusal` with ``pair=True``).  Other reads of both q_idx and kv_idx otherwise
+(:func:`pair_slices`) agree.  Other reads of both q_idx and kv_idx otherwise
 than through their difference are refused (:func:`refusal`).  Pure Python and NumPy:
 nothing here imports a device library.
 """
@@ -70,8 +69,7 @@ def reads(program, wrt) -> List[Read]:
 #: along the tile diagonals), of q_idx alone (along each query row), of kv_idx alone
 #: (down each key column), of b and h only (one total per tile)
 KINDS = ("diag", "row", "col", "total")
-#: the kind of a read of one element per (b, h, q_idx, kv_idx) (module doc); a backward
-#: that does not sum these refuses them (:func:`refusal`)
+#: the kind of a read of one element per (b, h, q_idx, kv_idx) (module doc)
 PAIR = "pair"
 _OTHERWISE = "q_idx and kv_idx otherwise than through q_idx - kv_idx"
 _PAIR_FORM = ("or by b, h, q_idx and kv_idx with q_idx and kv_idx each an index of its "
@@ -150,25 +148,16 @@ def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
     return out
 
 
-def refusal(program, wrt, pair: bool = False) -> Optional[str]:
-    """Why a backward that sums along diagonals, rows and columns (the WebGPU backward;
-    with ``pair`` also pair reads: the portable Triton backward) cannot compute the
-    gradients of the captures ``wrt`` of a score program (None: it can), after the
-    backward's name ("the Triton backward"); no remedy (the callers add theirs)."""
+def refusal(program, wrt) -> Optional[str]:
+    """Why a backward that sums along diagonals, rows and columns and sums pair reads (the
+    portable Triton backward, the WebGPU backward) cannot compute the gradients of the
+    captures ``wrt`` of a score program (None: it can), after the backward's name ("the
+    Triton backward"); no remedy (the callers add theirs)."""
     head = ("computes the gradient of a score_mod capture only where each read of it is "
-            "indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx")
-    if pair:
-        head += ", " + _PAIR_FORM
-    for r, kind, why in classify(program, wrt):
-        if kind == PAIR and not pair:
-            p = pair_index(r.node)
-            why = (f"capture {r.name!r} is read at {render(r.node)}, whose indices "
-                   f"{render(r.node.args[p.q_axis])} and {render(r.node.args[p.kv_axis])} "
-                   "together read one element per (q_idx, kv_idx) pair, which this backward "
-                   "does not sum (backend='triton' and 'numpy' do)")
-        elif kind is not None:
-            continue
-        return f"{head}: {why}"
+            "indexed by b, h and one of q_idx - kv_idx, q_idx or kv_idx, " + _PAIR_FORM)
+    for _, kind, why in classify(program, wrt):
+        if kind is None:
+            return f"{head}: {why}"
     return None
 
 

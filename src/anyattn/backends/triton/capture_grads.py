@@ -107,7 +107,7 @@ def refusal(program, wrt) -> Optional[str]:
     """Why this backward cannot compute the gradients of the captures ``wrt`` of a score
     program (None: it can): :func:`anyattn.programs.capture_reads.refusal` with pair
     reads accepted."""
-    return capture_reads.refusal(program, wrt, pair=True)
+    return capture_reads.refusal(program, wrt)
 
 
 def _width(kind: str, bm: int, bn: int) -> int:

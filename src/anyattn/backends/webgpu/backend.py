@@ -138,7 +138,7 @@ class WebGPUBackend(Backend):
 
             from .capture_grads import device_index_reads
 
-            bad = refusal(p.score_mod.program, p.capture_wrt, pair=True)
+            bad = refusal(p.score_mod.program, p.capture_wrt)
             if bad:
                 why.append(f"{bad}; index each read by one of those, or use backend='numpy'")
             elif self.availability() is None:

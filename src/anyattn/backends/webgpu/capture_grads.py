@@ -117,7 +117,7 @@ def slot_layout(program, wrt) -> SlotLayout:
     kinds = tuple(k for _, k, _ in cls)
     if None in kinds:
         raise NotImplementedError(
-            f"the WebGPU backward {refusal(program, frozenset(wrt), pair=True)}")
+            f"the WebGPU backward {refusal(program, frozenset(wrt))}")
     order = tuple(i for want in SLOT_KINDS + (PAIR,) for i, k in enumerate(kinds)
                   if _slot_kind(k) == want)
     counts = tuple(sum(1 for k in kinds if _slot_kind(k) == want) for want in SLOT_KINDS)
