@@ -178,6 +178,21 @@ def test_route_holds_the_modifiers_back_from_auto(feature, heuristic, monkeypatc
                                            mask_class="documents", **facts), direction, H100)
 
 
+@pytest.mark.parametrize("feature", sorted(HCOV.MOD_FEATURES))
+def test_d256_forward_covers_no_score_features(feature, heuristic, monkeypatch):
+    """The Hopper D=256 forward was never compiled or checked with a modifier: even under
+    ANYATTN_TRITON_PATH=hopper a call with one is refused, naming the head dim."""
+    monkeypatch.setenv("ANYATTN_TRITON_PATH", "hopper")
+    facts = dict(batch=1, heads_q=4, heads_kv=4, seq_q=1024, seq_k=1024, head_dim=256,
+                 dtype="bfloat16")
+    assert ROUTE.route(ROUTE.ProblemFacts(**facts), "forward", H100).hop
+    with pytest.raises(NotImplementedError, match=f"score features {feature} \\(the Hopper "
+                       "forward covers none at head_dim 256\\)"):
+        ROUTE.route(ROUTE.ProblemFacts(features=frozenset({feature}), **facts), "forward",
+                    H100)
+    assert HCOV.COVERAGE["forward"].covered_features(128) == HCOV.MOD_FEATURES
+
+
 def test_coverage_features_are_data():
     """Every direction covers the Hopper modifiers, routes none of them by default, and
     names only known features."""

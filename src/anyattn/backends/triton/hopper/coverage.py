@@ -52,6 +52,13 @@ class Coverage:
     auto_features: FrozenSet[str] = frozenset()
     #: the mask classes a call with score features may have
     feature_mask_classes: FrozenSet[str] = frozenset({"none", "band"})
+    #: (head dim, features) pairs: the score features covered at that head dim where
+    #: fewer than ``features`` (head dims not listed: ``features``)
+    features_by_head_dim: Tuple[Tuple[int, FrozenSet[str]], ...] = ()
+
+    def covered_features(self, head_dim: Optional[int]) -> FrozenSet[str]:
+        """The score features covered at ``head_dim`` (None: at every covered head dim)."""
+        return dict(self.features_by_head_dim).get(head_dim, self.features)
 
     def covered_mask_classes(self, head_dim: Optional[int]) -> FrozenSet[str]:
         """The mask classes covered at ``head_dim`` (None: at every covered head dim)."""
@@ -66,8 +73,8 @@ class Coverage:
 COVERAGE = {
     # D=64: no mask and bands only (the array masks were never checked at D=64).  'auto'
     # routes every covered class but KeepMask (covered, never timed against the portable
-    # forward).  D=256: no mask and bands, covered; 'auto' routes none of them until a GPU
-    # run has checked and timed them
+    # forward).  D=256: no mask and bands without score features, covered; 'auto' routes
+    # none of them until a GPU run has checked and timed them
     "forward": Coverage(capabilities=frozenset({(9, 0)}),
                         dtypes=frozenset({"float16", "bfloat16"}),
                         head_dims=frozenset({64, 128, 256}),
@@ -80,7 +87,8 @@ COVERAGE = {
                                                 "documents+keep", "band+documents+keep"}),
                         auto_mask_classes=frozenset({"none", "band", "documents",
                                                      "band+documents"}),
-                        features=MOD_FEATURES),
+                        features=MOD_FEATURES,
+                        features_by_head_dim=((256, frozenset()),)),
     # Documents / KeepMask at D=128 only.  Not routed by 'auto': on the device faster
     # than the portable backward, but this route costs more host time per eager step and
     # an array-mask step cannot be graph-captured, so the user's eager step is slower at
@@ -172,10 +180,12 @@ def uncovered(problem, direction: str, device) -> Optional[str]:
     if problem.mask_class not in classes:
         return (f"mask class {problem.mask_class} at head_dim {problem.head_dim} (covers "
                 f"{sorted(classes)})")
-    feats = [f for f in FEATURES if f in problem.features and f not in cov.features]
+    covered = cov.covered_features(problem.head_dim)
+    feats = [f for f in FEATURES if f in problem.features and f not in covered]
     if feats:
         return (f"score features {', '.join(feats)} (the Hopper {direction} covers "
-                f"{', '.join(f for f in FEATURES if f in cov.features) or 'none'})")
+                f"{', '.join(f for f in FEATURES if f in covered) or 'none'} at head_dim "
+                f"{problem.head_dim})")
     if problem.features and problem.mask_class not in cov.feature_mask_classes:
         return (f"score features with mask class {problem.mask_class} (covered with "
                 f"{', '.join(sorted(cov.feature_mask_classes))} only)")
