@@ -26,7 +26,7 @@ nothing here imports a device library.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -50,10 +50,12 @@ class Read:
     uses: FrozenSet[str]
 
 
-def reads(program, wrt) -> List[Read]:
+def reads(program, wrt, diag: Optional[Set[int]] = None) -> List[Read]:
     """The reads of the captures ``wrt`` of a score program, in graph order (the order
-    of ``program.grad_nodes(wrt)``'s gathers)."""
-    diag = diagonal_nodes(ordered([program.out]))
+    of ``program.grad_nodes(wrt)``'s gathers); ``diag``: the program's diagonal nodes
+    where the caller has them."""
+    if diag is None:
+        diag = diagonal_nodes(ordered([program.out]))
     out = []
     for g in program.gathers(frozenset(wrt)):
         uses = set()
@@ -124,7 +126,7 @@ def classify(program, wrt) -> List[Tuple[Read, Optional[str], Optional[str]]]:
     read's, an index of the score)."""
     diag = diagonal_nodes(ordered([program.out]))
     out = []
-    for r in reads(program, wrt):
+    for r in reads(program, wrt, diag):
         axes: Dict[str, Node] = {}
         why = None
         for a in r.node.args:
