@@ -295,17 +295,17 @@ def test_backends_without_a_lowering_refuse_with_the_feature_words():
         for name in ("numpy", "reference"):
             assert get_backend(name).unsupported_reasons(p) == []
         # webgpu lowers the functions (generated WGSL) and the capture gradients of
-        # reads at b, h and one of q_idx - kv_idx, q_idx, kv_idx; t[q_idx, kv_idx] it
-        # refuses
+        # reads at b, h and one of q_idx - kv_idx, q_idx, kv_idx, or of pair reads
+        # (t[q_idx, kv_idx]); other reads of both it refuses
         assert not any("score_mod" in r or "mask functions" in r
                        for r in get_backend("webgpu").unsupported_reasons(p))
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h], t=np.ones(q.shape[1], np.float32))
-    p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
-    assert not any("score_mod" in r for r in get_backend("webgpu").unsupported_reasons(p))
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i], t=np.ones(q.shape[2], np.float32))
-    p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
-    assert not any("score_mod" in r for r in get_backend("webgpu").unsupported_reasons(p))
-    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i, j],
+    for read in (lambda s, b, h, i, j, t: s + t[h, 0],
+                 lambda s, b, h, i, j, t: s + t[i, 0],
+                 lambda s, b, h, i, j, t: s + t[i, j]):
+        sm = aa.ScoreMod(read, t=np.ones((q.shape[2], k.shape[2]), np.float32))
+        p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
+        assert not any("score_mod" in r for r in get_backend("webgpu").unsupported_reasons(p))
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i // 2, j],
                      t=np.ones((q.shape[2], k.shape[2]), np.float32))
     p = describe(q, k, v, dout=q, wrt=("q", "t"), score_mod=sm)
     assert any("computes the gradient of a score_mod capture only where each read of it "
