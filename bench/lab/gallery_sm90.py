@@ -34,6 +34,10 @@ import portable_hashes as ph  # noqa: E402
 #: the recording's sizes (B, H, Hkv, S, D)
 SHAPE = (2, 4, 4, 256, 128)
 EXTRA_KERNELS = ("mask_blocks_kernel", "dcap_diag_kernel", "dcap_segment_kernel")
+#: the most shared memory one block of an sm_90 GPU may take (227 KiB); Triton's
+#: launcher raises OutOfResources above it and the launch code then tries
+#: prepared.fallbacks(config) in turn
+SM90_SMEM = 232448
 #: the constexprs / keywords that make a launch's config
 CONFIG_KEYS = ("BM", "BN", "BM2", "BN2", "num_warps", "num_stages")
 
@@ -58,7 +62,7 @@ def record(name, spelling):
 
     from anyattn.backends.triton import kernels as K
     from anyattn.backends.triton import launch as L
-    from anyattn.modifiers import ScoreMods
+    from anyattn.arguments import score_mods
     from anyattn.problem import describe
     from anyattn.rowstats import RowStats
 
@@ -77,15 +81,19 @@ def record(name, spelling):
     bias = kw.pop("bias", None)
     if bias is not None:
         bias = bias.to(torch.bfloat16)
-    mods = ScoreMods(alibi_slopes=kw.get("alibi_slopes"))
+    # the modifiers as the API passes them (a function that spells ALiBi runs as the
+    # built-in where its slopes are not differentiated: Problem.matched_alibi)
+    slopes = kw.get("alibi_slopes")
     log = []
     saved = {n: getattr(K, n) for n in ph.KERNEL_NAMES + EXTRA_KERNELS if hasattr(K, n)}
     try:
         for n in saved:
             setattr(K, n, ph._Recorder(n, log))
         L.clear_caches()
-        out, st = L.forward(describe(q, k, v, bias=bias, **kw), q, k, v, bias, mods=mods)
+        p = describe(q, k, v, bias=bias, **kw)
+        out, st = L.forward(p, q, k, v, bias, mods=score_mods(p, slopes, None))
         pb = describe(q, k, v, dout=dout, out=out, lse=st.max, bias=bias, wrt=wrt, **kw)
+        mods = score_mods(pb, slopes, None)
         L.backward(pb, q, k, v, dout, out, st, bias, mods=mods)
     finally:
         for n, fn in saved.items():
@@ -118,11 +126,29 @@ _TODO: list = []
 
 
 def facts(i):
-    """Index into _TODO (launch key, kernel, args, kw) -> the compiled launch's facts."""
+    """Index into _TODO (launch key, kernel, args, kw) -> the compiled launch's facts;
+    where the planned config needs more shared memory than sm_90 has, ``runs_as``: the
+    facts of the first of prepared.fallbacks that fits (what the GPU will run)."""
+    from anyattn.backends.triton import configs
+    from anyattn.backends.triton import prepared
+
+    lkey, name, args, kw = _TODO[i]
+    f = _facts(name, args, kw)
+    if f["shared"] > SM90_SMEM and "BM2" not in kw and "BM" in kw and "BN" in kw:
+        cfg = configs.KernelConfig(kw["BM"], kw["BN"], kw["num_warps"], kw["num_stages"])
+        for c in list(prepared.fallbacks(cfg))[1:]:
+            g = _facts(name, args, dict(kw, BM=c.bm, BN=c.bn, num_warps=c.num_warps,
+                                        num_stages=c.num_stages))
+            if g["shared"] <= SM90_SMEM:
+                f["runs_as"] = g
+                break
+    return lkey, f
+
+
+def _facts(name, args, kw):
     from anyattn.backends.triton import kernels as K
     from sass_hashes import sass_of
 
-    lkey, name, args, kw = _TODO[i]
     t = time.time()
     ck = ph._compile(getattr(K, name), args, kw)
     sass = sass_of(ck.asm["cubin"])
@@ -131,7 +157,7 @@ def facts(i):
     reg = re.search(r"\bREG:(\d+)", res)
     local = re.search(r"\bLOCAL:(\d+)", res)
     ptx = ck.asm.get("ptx", "")
-    return lkey, dict(
+    return dict(
         kernel=name,
         config={k: kw[k] for k in CONFIG_KEYS if k in kw},
         registers=int(reg.group(1)) if reg else None,
@@ -191,6 +217,13 @@ def main():
             print(f"{name:24s} {spelling:13s} {f['kernel']:18s} {cfg:24s} {f['registers']:4d} "
                   f"{f['stl']:4d} {f['ldl']:4d} {f['shared']:6d} {f['sass_instr']:6d} "
                   f"{f['mufu']:5d}")
+            r = f.get("runs_as")
+            if r is not None:
+                c = r["config"]
+                print(f"{'':24s} {'':13s} {'  over 227 KiB, runs as':18s} "
+                      f"{c['BM']}x{c['BN']} w{c['num_warps']} s{c['num_stages']}{'':10s} "
+                      f"{r['registers']:4d} {r['stl']:4d} {r['ldl']:4d} {r['shared']:6d} "
+                      f"{r['sass_instr']:6d} {r['mufu']:5d}")
             out.append(dict(entry=name, spelling=spelling, **f))
     if a.json:
         with open(a.json, "w") as fh:
