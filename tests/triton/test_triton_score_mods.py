@@ -118,6 +118,48 @@ def test_generated_modules_are_named_after_their_text(tmp_path, monkeypatch):
         assert f == f"anyattn_fn_{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}.py"
 
 
+def _returns(tmp_path, name):
+    """The return line of generated function ``name`` in the one module under tmp_path."""
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".py")]
+    assert len(files) == 1, files
+    with open(os.path.join(tmp_path, files[0])) as fh:
+        body = fh.read().split(f"def {name}(", 1)[1]
+    return next(ln.strip() for ln in body.splitlines() if ln.strip().startswith("return"))
+
+
+@pytest.mark.parametrize("fn, score_bare, grad_bare", [
+    # reads the score: a tile already; its derivative 0.5 is a constant (broadcast)
+    (lambda s, b, h, i, j: s * 0.5 + h, True, False),
+    # derivative reads both index vectors: a tile already
+    (lambda s, b, h, i, j: s * (0.01 * (i - j)), True, True),
+    # reads no score and one index vector only: broadcast
+    (lambda s, b, h, i, j: 0.25 * i, False, False),
+])
+def test_score_function_tiles_return_without_a_broadcast_add(tmp_path, monkeypatch, fn,
+                                                             score_bare, grad_bare):
+    """A generated score function whose value is already a full tile returns it as it
+    is (adding tl.zeros_like(s) costs an add per element the compiler must keep); one
+    that is not is broadcast; results as the reference either way."""
+    from anyattn.backends.triton import programs as tp
+
+    monkeypatch.setattr(tp, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(tp, "_modules", {})
+    q, k, v = _inputs(13, 1, 2, 2, 16, 16, 16)
+    g = np.random.default_rng(14).standard_normal(q.shape).astype(np.float32)
+    out = aa.attention(T(q), T(k), T(v), score_mod=fn, backend="triton")
+    gr = aa.attention_backward(T(q), T(k), T(v), T(g), score_mod=fn, backend="triton")
+    assert ("zeros_like" not in _returns(tmp_path, "score")) == score_bare
+    value, grad = _returns(tmp_path, "score_grad")[len("return ("):-1].split(", ")
+    assert ("zeros_like" not in value) == score_bare
+    assert ("zeros_like" not in grad) == grad_bare
+    ref = _reference(q, k, v, score_mod=fn)[0]
+    assert_close(out.cpu().numpy(), ref, "float32", "out")
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               score_mod=fn, backend="reference")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
 def test_functions_with_softcap_sinks_and_a_union_mask():
     """softcap -> score function -> mask union (Causal | MaskMod) with sinks: out and
     dq, dk, dv, dsinks against the reference."""

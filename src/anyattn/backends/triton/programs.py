@@ -296,6 +296,17 @@ def _full_tile(expr: str, like: str) -> str:
     return f"({expr}) + tl.zeros_like({like})"
 
 
+def _returned(n: Node, ref: str) -> str:
+    """The returned value of float node ``n`` (local ``ref``) as a full fp32 tile: as it is
+    where it already is one (it reads the score tile, or both index vectors: elementwise
+    ops broadcast them to the tile), else broadcast.  The broadcast adds +0.0, an add per
+    element that the compiler must keep (it turns -0.0 into +0.0)."""
+    inputs = {x.attr for x in ordered([n]) if x.op == "input"}
+    if n.dtype == FLOAT and ("score" in inputs or {"q_idx", "kv_idx"} <= inputs):
+        return ref
+    return _full_tile(ref, "s")
+
+
 @dataclass
 class Functions:
     """The generated functions of one call and its capture tensors: ``score``,
@@ -326,14 +337,14 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
         out = g.ref(score_prog.out)
         lines += ["@triton.jit", "def score(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
         lines += g.lines
-        lines += [f"    return {_full_tile(out, 's')}", "", ""]
+        lines += [f"    return {_returned(score_prog.out, out)}", "", ""]
         dsc, _ = score_prog.grad_nodes(frozenset())
         g2 = _Gen(itype, sl, lay)
         g2.body([score_prog.out, dsc])
         lines += ["@triton.jit", "def score_grad(s, b, h, q_idx, kv_idx, valid, CAPS):", pro]
         lines += g2.lines
-        lines += [f"    return ({_full_tile(g2.ref(score_prog.out), 's')}, "
-                  f"{_full_tile(g2.ref(dsc), 's')})", "", ""]
+        lines += [f"    return ({_returned(score_prog.out, g2.ref(score_prog.out))}, "
+                  f"{_returned(dsc, g2.ref(dsc))})", "", ""]
     if mask_progs:
         lines += ["@triton.jit", "def mask(b, h, q_idx, kv_idx, valid, CAPS):", pro]
         keep = "valid"
