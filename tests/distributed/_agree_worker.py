@@ -69,6 +69,15 @@ def _call(rank, world, change, timeout):
         out.sum().backward()
 
 
+def _stay_until_the_others_wrote(rank, world, out_dir, cap=TIMEOUT + 4):
+    """A rank that never calls stays in the group until the others have written their
+    results (they time out waiting for it), at most ``cap`` seconds."""
+    others = [os.path.join(out_dir, f"rank{r}.json") for r in range(world) if r != rank]
+    end = time.monotonic() + cap
+    while time.monotonic() < end and not all(os.path.exists(p) for p in others):
+        time.sleep(0.05)
+
+
 def run(rank, world, port, out_dir, which=None, pg_timeout=60.0):
     """mp.spawn entry: join a gloo group on loopback, run the scenarios, write JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -87,7 +96,7 @@ def run(rank, world, port, out_dir, which=None, pg_timeout=60.0):
             change = per_rank.get(rank, {})
             t = time.perf_counter()
             if change == "skip":      # this rank failed before: it never calls ring_attention
-                time.sleep(TIMEOUT + 4)
+                _stay_until_the_others_wrote(rank, world, out_dir)
                 results[name] = {"type": "skipped", "message": "", "seconds": 0.0}
                 break
             patient = not any(v == "skip" for v in per_rank.values())
@@ -135,6 +144,6 @@ def run_default_timeout(rank, world, port, out_dir):
             r = {"type": type(e).__name__, "message": str(e)}
         r["seconds"] = time.perf_counter() - t
     else:
-        time.sleep(TIMEOUT + 4)
+        _stay_until_the_others_wrote(rank, world, out_dir)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(r, f)
