@@ -34,7 +34,7 @@ from .diagonal import affine_form, diagonal_nodes
 from .graph import Node, ordered, render
 
 __all__ = ["Read", "reads", "KINDS", "PAIR", "classify", "refusal", "flat_index", "PairIndex",
-           "pair_index", "pair_slices"]
+           "pair_index", "pair_slices", "pair_targets"]
 
 _INDEX = frozenset({"q_idx", "kv_idx", "score"})
 
@@ -190,6 +190,29 @@ def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_sha
     idx = evaluate(list(r.node.args), env, bound.caps(f32), f32, idt=np.dtype(np.int64))
     idx = [np.broadcast_to(np.asarray(i, dtype=np.int64), shape3) for i in idx]
     return np.ravel_multi_index(idx, cap_shape).reshape(-1)
+
+
+def pair_targets(bound, r: Read, sizes) -> List[Tuple[List[int], tuple, bool]]:
+    """Where pair read ``r``'s terms go, per capture slice: (rows, index, transposed)
+    with ``rows`` the flat b·H + h whose b / h indices select that slice, in order of b,
+    then h (the order their terms are summed in), ``index`` the slice's [Sq, Sk] view of
+    the capture (``capture[index]``; [Sk, Sq] where ``transposed``: kv_idx's axis
+    first).  ``sizes`` = (B, H, Sq, Sk)."""
+    B, H, Sq, Sk = sizes
+    p = pair_index(r.node)
+    slices = pair_slices(bound, r, (B, H)).reshape(B * H, -1)
+    rows_of: Dict[tuple, List[int]] = {}
+    for bh, key in enumerate(map(tuple, slices.tolist())):
+        rows_of.setdefault(key, []).append(bh)
+    out = []
+    for key, rows in rows_of.items():
+        at: List[object] = [None] * len(r.node.args)
+        for ax, v in zip(p.bh_axes, key):
+            at[ax] = v
+        at[p.q_axis] = slice(p.q_const, p.q_const + Sq)
+        at[p.kv_axis] = slice(p.kv_const, p.kv_const + Sk)
+        out.append((rows, tuple(at), p.kv_axis < p.q_axis))
+    return out
 
 
 def pair_slices(bound, r: Read, shape2) -> np.ndarray:

@@ -63,7 +63,7 @@ once per (b, h, position):
    sums each element's terms in that order (fp64).  The sort is cached by what the
    indices read (sizes, integer captures);
 5. a pair read (:meth:`CaptureGrads._add_pairs`): the b / h indices of every (b, h)
-   are evaluated once on the host (capture_reads.pair_slices); per capture slice (the
+   are evaluated once on the host (capture_reads.pair_targets); per capture slice (the
    (b, h) whose b / h indices agree, in order of b, then h) the slots of each (b, h)
    are laid out as [Sq, Sk] and added in that order (fp64, elementwise torch adds:
    one fixed order), and the slice's sum is added to the capture's gradient at
@@ -90,8 +90,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ...programs import capture_reads
-from ...programs.capture_reads import (KINDS, PAIR, Read, classify, flat_index, pair_index,
-                                       pair_slices, reads)
+from ...programs.capture_reads import (KINDS, PAIR, Read, classify, flat_index,
+                                       pair_targets, reads)
 from ...programs.graph import ordered
 
 __all__ = ["Read", "reads", "KINDS", "PAIR", "classify", "refusal", "CaptureGrads"]
@@ -105,8 +105,7 @@ SLOT_WIDTH = {"diag": "(BM + BN - 1)", "row": "BM", "total": "1", PAIR: "(BM * B
 
 def refusal(program, wrt) -> Optional[str]:
     """Why this backward cannot compute the gradients of the captures ``wrt`` of a score
-    program (None: it can): :func:`anyattn.programs.capture_reads.refusal` with pair
-    reads accepted."""
+    program (None: it can): :func:`anyattn.programs.capture_reads.refusal`."""
     return capture_reads.refusal(program, wrt)
 
 
@@ -252,32 +251,20 @@ class CaptureGrads:
 
     def _add_pairs(self, res, r: Read, x) -> None:
         """Add pair read ``r``'s terms (its DCS region, fp32 [B * H, nK, nQ, BN, BM]) to
-        ``res`` (fp64, the capture's shape) in place: per capture slice, the (b, h)
-        mapped onto it (equal b / h indices, capture_reads.pair_slices) laid out as
-        [Sq, Sk] and added in order of b, then h (fp64), then added to the slice's
-        strided view [.., q_idx + c, .., kv_idx + c', ..] of ``res``."""
+        ``res`` (fp64, the capture's shape) in place: per capture slice
+        (capture_reads.pair_targets), the (b, h) mapped onto it laid out as [Sq, Sk] and
+        added in order of b, then h (fp64), then added to the slice's view of ``res``."""
         import torch
 
-        B, H, Sq, Sk = self.sizes
-        p = pair_index(r.node)
-        slices = pair_slices(self.bound, r, (B, H)).reshape(B * H, -1)
-        order: Dict[tuple, List[int]] = {}
-        for bh, key in enumerate(map(tuple, slices.tolist())):
-            order.setdefault(key, []).append(bh)
+        _, _, Sq, Sk = self.sizes
         nk, nq, bn, bm = x.shape[1:]
-        for key, rows in order.items():
+        for rows, at, transposed in pair_targets(self.bound, r, self.sizes):
             acc = None
             for bh in rows:                       # [nK, nQ, BN, BM] -> [Sq, Sk]
                 t = x[bh].permute(1, 3, 0, 2).reshape(nq * bm, nk * bn)[:Sq, :Sk]
                 t = t.to(torch.float64)
                 acc = t if acc is None else acc + t
-            at: List[object] = [None] * res.dim()
-            for ax, v in zip(p.bh_axes, key):
-                at[ax] = v
-            at[p.q_axis] = slice(p.q_const, p.q_const + Sq)
-            at[p.kv_axis] = slice(p.kv_const, p.kv_const + Sk)
-            view = res[tuple(at)]                 # [Sq, Sk], or [Sk, Sq] for kv first
-            view += acc if p.q_axis < p.kv_axis else acc.t()
+            res[at] += acc.t() if transposed else acc
 
     def _order(self, name: str, shaped) -> tuple:
         """(perm, offs, longest): the terms of capture ``name`` (the reads' sums

@@ -47,7 +47,7 @@ stores each pair's term itself at (b, h, i, j) of the read's region [B*H, Sq, Sk
 ``dcs``, after the tile slots (:func:`pair_floats`; the column slice 0 only, so each
 element of a tile that runs has one writer; skipped tiles and masked pairs leave the
 cleared 0); :func:`read_sums` hands the region on as it is, and :func:`finish` adds,
-per capture slice, the (b, h) whose b / h indices map onto it (capture_reads.pair_slices)
+per capture slice, the (b, h) whose b / h indices map onto it (capture_reads.pair_targets)
 in order of b, then h, in float64, into the slice's view of the gradient, after the
 other reads' sums (:func:`_add_pairs`).  A pair read's region is 4*B*H*Sq*Sk bytes by
 nature (its gradient is O(Sq*Sk) per slice); the backend refuses, before any work, pair
@@ -67,7 +67,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ...programs.capture_reads import (PAIR, classify, flat_index, pair_index, pair_slices,
+from ...programs.capture_reads import (PAIR, classify, flat_index, pair_targets,
                                        reads, refusal)
 from ...programs.evaluate import cast_captures
 from ...programs.graph import ordered
@@ -299,24 +299,12 @@ def finish(bound, wrt, sums: Sequence[np.ndarray], sizes: Tuple[int, int, int, i
 def _add_pairs(host, res: np.ndarray, r, x: np.ndarray) -> None:
     """Add pair read ``r``'s terms ``x`` ([B, H, Sq, Sk] f32, each (b, h, q_idx, kv_idx)
     written by one invocation) to ``res`` (float64, the capture's shape) in place: per
-    capture slice, the (b, h) mapped onto it (equal b / h indices,
-    capture_reads.pair_slices, evaluated once on the host) summed in order of b, then h
-    in float64, then added to the slice's view [.., q_idx + c, .., kv_idx + c', ..]."""
+    capture slice (capture_reads.pair_targets), the (b, h) mapped onto it summed in order
+    of b, then h in float64, then added to the slice's view."""
     B, H, Sq, Sk = x.shape
-    p = pair_index(r.node)
-    slices = pair_slices(host, r, (B, H)).reshape(B * H, -1)
-    order: Dict[tuple, List[int]] = {}
-    for bh, key in enumerate(map(tuple, slices.tolist())):
-        order.setdefault(key, []).append(bh)
     terms = x.reshape(B * H, Sq, Sk)
-    for key, rows in order.items():
+    for rows, at, transposed in pair_targets(host, r, (B, H, Sq, Sk)):
         acc = terms[rows[0]].astype(np.float64)
         for bh in rows[1:]:
             acc += terms[bh]
-        at: List[object] = [None] * res.ndim
-        for ax, v in zip(p.bh_axes, key):
-            at[ax] = v
-        at[p.q_axis] = slice(p.q_const, p.q_const + Sq)
-        at[p.kv_axis] = slice(p.kv_const, p.kv_const + Sk)
-        view = res[tuple(at)]                # [Sq, Sk], or [Sk, Sq] for kv_idx first
-        view += acc if p.q_axis < p.kv_axis else acc.T
+        res[at] += acc.T if transposed else acc
