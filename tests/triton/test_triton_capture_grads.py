@@ -13,7 +13,7 @@ Shape legend: B batch, Hq/Hkv heads, Sq/Sk queries/keys, D head dim."""
 import numpy as np
 import pytest
 
-from tr_util import T, needs_triton, torch
+from tr_util import T, grad_inputs, needs_triton, torch
 
 import triton  # noqa: E402  (tr_util skips this module without it)
 import triton.language as tl
@@ -33,14 +33,6 @@ LEARNABLE = sorted(n for n, (m, _) in gallery.GALLERY.items()
                    if m(1, 2, 8, 8, np.random.default_rng(0)).wrt)
 
 
-def _inputs(seed, B, Hq, Hkv, Sq, Sk, D, dtype="float32"):
-    rng = np.random.default_rng(seed)
-    q, g = (rng.standard_normal((B, Hq, Sq, D)).astype(np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
-    if dtype == "bfloat16":   # the reference sees the rounded inputs
-        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
-                      for x in (q, k, v, g))
-    return q, k, v, g
 
 
 def _f64(*xs):
@@ -102,7 +94,7 @@ def test_gallery_capture_gradients_match_the_float64_reference(name, dtype):
     Sq != Sk; causal where the entry is."""
     make, _ = gallery.GALLERY[name]
     sq, sk = 24, 40
-    q, k, v, g = _inputs(len(name), 1, 4, 2, sq, sk, 16, dtype)
+    q, k, v, g = grad_inputs(len(name), 1, 4, 2, sq, sk, 16, dtype)
     e = make(1, 4, sq, sk, np.random.default_rng(7))
     wrt = ("k", "v") + e.wrt
     gr = _backward(q, k, v, g, wrt, dtype, **e.kwargs)
@@ -121,7 +113,7 @@ def test_reads_of_batch_head_and_diagonal_and_a_scalar_capture():
     """Two reads of one table (per batch, at +d and -d), a table read at [b, h] and a
     capture of rank 0 (the score's factor), wrt naming the captures only."""
     B, Sq, Sk = 2, 20, 12
-    q, k, v, g = _inputs(3, B, 2, 1, Sq, Sk, 16)
+    q, k, v, g = grad_inputs(3, B, 2, 1, Sq, Sk, 16)
     rng = np.random.default_rng(4)
     t = rng.standard_normal((B, Sq + Sk - 1)).astype(np.float32)
     w = rng.standard_normal((B, 2)).astype(np.float32)
@@ -146,7 +138,7 @@ def test_tile_lists_with_softcap_dropout_sinks_and_repeated_runs_bitwise_equal()
     the captures' gradients against the reference, and a second run gives the same
     bits."""
     Sq, Sk = 40, 24
-    q, k, v, g = _inputs(6, 1, 4, 2, Sq, Sk, 16)
+    q, k, v, g = grad_inputs(6, 1, 4, 2, Sq, Sk, 16)
     rng = np.random.default_rng(8)
     tab = rng.standard_normal((4, Sq + Sk - 1)).astype(np.float32)
     qb = rng.standard_normal(Sq).astype(np.float32)
@@ -194,7 +186,7 @@ def test_row_and_column_reads_match_the_float64_reference(name, dtype):
     reference; GQA 4 : 2, two batches, Sq != Sk (not multiples of the tiles), causal."""
     fn, shapes = ROWS_COLS[name]
     B, H, Sq, Sk = 2, 4, 24, 40
-    q, k, v, g = _inputs(len(name), B, H, 2, Sq, Sk, 16, dtype)
+    q, k, v, g = grad_inputs(len(name), B, H, 2, Sq, Sk, 16, dtype)
     rng = np.random.default_rng(9)
     caps = {n: (0.5 + rng.random(s) if n == "t" else rng.standard_normal(s)).astype(np.float32)
             for n, s in shapes(H, Sq, Sk).items()}
@@ -234,7 +226,7 @@ def test_a_capture_read_at_q_idx_and_kv_idx_is_refused_before_any_work(monkeypat
     monkeypatch.setattr(launch, "backward", no_kernels)
     monkeypatch.setattr(launch, "forward", no_kernels)
     S = 16
-    q, k, v, g = _inputs(2, 1, 2, 2, S, S, 16)
+    q, k, v, g = grad_inputs(2, 1, 2, 2, S, S, 16)
     t = np.zeros((2 * S - 1, 2 * S - 1), np.float32)
     with pytest.raises(NotImplementedError,
                        match=r"only where each read of it is indexed by b, h and one of "
@@ -255,7 +247,7 @@ def test_torch_autograd_reaches_the_triton_capture_gradients():
     import anyattn.torch as at
 
     S = 16
-    q, k, v, _ = (T(x) for x in _inputs(5, 1, 1, 1, S, S, 16))
+    q, k, v, _ = (T(x) for x in grad_inputs(5, 1, 1, 1, S, S, 16))
     rng = np.random.default_rng(6)
     t0 = torch.from_numpy(rng.standard_normal((1, 2 * S - 1)).astype(np.float32))
     kb0 = torch.from_numpy(rng.standard_normal((1, S)).astype(np.float32))

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from tr_util import T, needs_triton, torch
+from tr_util import T, grad_inputs, needs_triton, torch
 
 import anyattn as aa
 from anyattn.programs.capture_reads import PAIR, classify, pair_index, refusal
@@ -29,13 +29,7 @@ B, HQ, HKV, SQ, SK, D = 2, 4, 2, 56, 40, 16
 
 
 def _inputs(seed, dtype="float32", B=B, Hq=HQ, Hkv=HKV, Sq=SQ, Sk=SK):
-    rng = np.random.default_rng(seed)
-    q, g = (rng.standard_normal((B, Hq, Sq, D)).astype(np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
-    if dtype == "bfloat16":   # the reference sees the rounded inputs
-        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
-                      for x in (q, k, v, g))
-    return q, k, v, g
+    return grad_inputs(seed, B, Hq, Hkv, Sq, Sk, D, dtype)
 
 
 def _backward(q, k, v, g, wrt, dtype="float32", **kw):

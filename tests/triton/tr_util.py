@@ -18,7 +18,8 @@ from helpers import torch_on  # noqa: E402
 
 __all__ = ["DEV", "GRAD", "HAS_CUDA", "HAS_GLUON", "RUNNABLE", "SM90", "T", "needs_gluon",
            "needs_sm90", "needs_triton", "sorted_ids", "array_mask_cases", "bwd_gpu_inputs",
-           "offline_facts", "hopper_facts", "route_to_hopper", "two_launch_backward"]
+           "offline_facts", "hopper_facts", "route_to_hopper", "two_launch_backward",
+           "grad_inputs"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -36,6 +37,20 @@ needs_sm90 = pytest.mark.skipif(not SM90,
                                 reason="needs an sm_90 GPU (H100 / H200) for the Hopper path")
 #: argument name -> the Grads field holding its gradient
 GRAD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks"}
+
+
+def grad_inputs(seed, B, Hq, Hkv, Sq, Sk, D, dtype="float32"):
+    """q, k, v and dout as float32 NumPy arrays from ``seed``; for bfloat16 rounded to
+    bfloat16 first, so that the float64 reference sees the inputs the kernels do."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q, g = (rng.standard_normal((B, Hq, Sq, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
+    if dtype == "bfloat16":
+        q, k, v, g = (torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+                      for x in (q, k, v, g))
+    return q, k, v, g
 
 
 def T(x, dtype=None):
