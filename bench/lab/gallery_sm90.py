@@ -64,7 +64,6 @@ def record(name, spelling):
     from anyattn.backends.triton import launch as L
     from anyattn.arguments import score_mods
     from anyattn.problem import describe
-    from anyattn.rowstats import RowStats
 
     gallery, sizes = _gallery()
     B, H, Hkv, S, D = SHAPE
@@ -103,21 +102,9 @@ def record(name, spelling):
 
 
 def _res_usage(cubin):
-    import subprocess
-    import tempfile
+    from sass_hashes import cuobjdump
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        return subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(path)
+    return cuobjdump(cubin, "-res-usage")
 
 
 #: the launches to compile, set before the worker processes fork (the generated device

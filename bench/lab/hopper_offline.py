@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from typing import Dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sass_hashes import SM90A, _compile_bwd, _compile_fwd, sass_of  # noqa: E402
+from sass_hashes import SM90A, _compile_bwd, _compile_fwd, cuobjdump, sass_of  # noqa: E402
 
 __all__ = ["SM90A", "compile_fwd", "compile_bwd", "instruction_counts", "sass_of",
            "ws_facts"]
@@ -61,21 +59,6 @@ def compile_bwd(dtype: str = "bfloat16", D: int = 128, has_band: bool = False, c
     return _compile_bwd(cfg, dtype, D, has_band, docs, keep)
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        return subprocess.run([tool, flag, path], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(path)
-
-
 def instruction_counts(compiled) -> Dict[str, int]:
     """Counts of the Hopper instructions in a compiled kernel's PTX and SASS, plus its
     registers / local / stack bytes and shared memory."""
@@ -84,7 +67,7 @@ def instruction_counts(compiled) -> Dict[str, int]:
     sass = sass_of(compiled.asm["cubin"])
     out.update({f"sass_{k}": len(re.findall(p, sass)) for k, p in _SASS_PATTERNS.items()})
     out["shared_bytes"] = int(getattr(compiled.metadata, "shared", 0))
-    res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+    res = cuobjdump(compiled.asm["cubin"], "-res-usage")
     for key, name in (("REG", "registers"), ("LOCAL", "local_bytes"), ("STACK", "stack_bytes")):
         m = re.search(rf"\b{key}:(\d+)", res)
         if m:

@@ -240,8 +240,8 @@ def _compile_convert(dtype, padded, visits):
                     gluon=False)
 
 
-def sass_of(cubin: bytes) -> str:
-    """SASS text of a cubin through the cuobjdump Triton ships."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """The output of the cuobjdump Triton ships, run with ``flag`` on a cubin."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -250,10 +250,15 @@ def sass_of(cubin: bytes) -> str:
         f.write(cubin)
         path = f.name
     try:
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+        return subprocess.run([tool, flag, path], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(path)
+
+
+def sass_of(cubin: bytes) -> str:
+    """SASS text of a cubin."""
+    return cuobjdump(cubin, "-sass")
 
 
 def _ptx_code(ptx: str) -> str:
