@@ -387,6 +387,34 @@ def _tanh_fast(y):
 
 
 @triton.jit
+def gather_tile(p, valid):
+    """The values at the pointer tile p where valid, else 0 (a score or mask function's
+    capture gather, any tile shape).  On CUDA a non-coherent load in the tile's own
+    iteration, written as inline PTX: Triton's software pipeliner stages every tt.load
+    of 32 or more bits that feeds a dot in shared memory beside K and V (an fp32
+    [128, 128] gather is 64 KiB per stage, over sm_90's 227 KiB at 3 stages), and
+    inline PTX is not a load to it.  Elements of 32 or 64 bits (narrower ones are below
+    the pipeliner's 32-bit minimum, so callers use tl.load).  The captures are
+    read-only while a kernel runs (capture gradients go elsewhere)."""
+    if _INTERPRETED:
+        return tl.load(p, mask=valid, other=0)
+    elif p.dtype.element_ty.primitive_bitwidth == 64:
+        bits = tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; mov.b64 $0, 0; "
+            "@%p ld.global.nc.b64 $0, [$1]; }",
+            "=l,l,r", [p.to(tl.int64, bitcast=True), valid.to(tl.int32)],
+            dtype=tl.int64, is_pure=True, pack=1)
+        return bits.to(p.dtype.element_ty, bitcast=True)
+    else:
+        bits = tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; mov.b32 $0, 0; "
+            "@%p ld.global.nc.b32 $0, [$1]; }",
+            "=r,l,r", [p.to(tl.int64, bitcast=True), valid.to(tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(p.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
 def _alibi_dist(offs_m, offs_n, adiag, TRANS: tl.constexpr):
     """|i - j + adiag| of a tile as fp32, [BM, BN] (queries as rows) or with TRANS [BN, BM]:
     one exact fp32 subtraction per element of positions converted once per row / column

@@ -134,7 +134,9 @@ class _Gen:
             off = " + ".join(parts) if parts else "0"
             ptr = f"CAPS[{self.slots[n.attr]}]"
             tile = any(self._varies(x) for x in n.args)
-            if tile:
+            if tile and n.dtype != BOOL:   # kept out of the software pipeliner
+                ld = f"gather_tile({ptr} + ({off}), valid)"
+            elif tile:
                 ld = f"tl.load({ptr} + ({off}), mask=valid, other=0)"
             else:
                 ld = f"tl.load({ptr} + ({off}))"
@@ -327,7 +329,7 @@ def source_of(score_prog, mask_progs: Sequence, itype: str, layouts: Dict[str, t
               slots: Dict[str, Dict[str, int]]) -> str:
     """The module source of a score program (or None) and mask programs."""
     lines = ["import triton", "import triton.language as tl",
-             "from anyattn.backends.triton.kernels import _tanh_d", "", _HELPERS]
+             "from anyattn.backends.triton.kernels import _tanh_d, gather_tile", "", _HELPERS]
     pro = _PROLOGUE.format(it=itype)
     if score_prog is not None:
         sl = slots["score"]
@@ -369,7 +371,7 @@ def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
     g = _Gen(itype, slots, layouts)
     g.body([d for _, d in grads])
     slotted, cols = layout(kinds)
-    helpers = "_tanh_d, _dcap_store, _dcap_rows, _dcap_cols" + \
+    helpers = "_tanh_d, gather_tile, _dcap_store, _dcap_rows, _dcap_cols" + \
         (", _dcap_tile" if PAIR in kinds else "")
     lines = ["import triton", "import triton.language as tl",
              f"from anyattn.backends.triton.kernels import {helpers}", "", _HELPERS,
