@@ -605,6 +605,30 @@ def test_a_mask_function_comparing_ids_lowers_to_documents(fn, ids, terms):
                          mask=aa.Documents(d[:, :SQ], d[:, :SK])))
 
 
+@pytest.mark.parametrize("fn, terms", [
+    (lambda b, h, i, j: (i // 4 == j // 4) & (j <= i), ("band", "documents")),  # Llama 4
+    (lambda b, h, i, j: j // 3 == i // 3, ("documents",)),                # either side first
+    # not the Documents term: different chunks, a shifted index, a zero or negative chunk
+    (lambda b, h, i, j: i // 4 == j // 2, ("mask_mod",)),
+    (lambda b, h, i, j: (i + 1) // 4 == j // 4, ("mask_mod",)),
+    (lambda b, h, i, j: i // -4 == j // -4, ("mask_mod",)),
+])
+def test_a_mask_function_comparing_chunks_lowers_to_documents(fn, terms):
+    """``q_idx // C == kv_idx // C`` (C a positive integer constant) is the Documents
+    term of the ids ``pos // C``, made for the problem's Sq and Sk (local indices)."""
+    m = aa.MaskMod(fn)
+    rm = resolve(m, B, H, SQ, SK, q_offset=5, k_offset=2)
+    assert rm.terms == terms
+    want = np.broadcast_to(fn(*_grids()), (B, H, SQ, SK))
+    np.testing.assert_array_equal(np.broadcast_to(rm.dense_keep(B, H), want.shape), want)
+    if "documents" in terms:
+        q, k, v, g = _qkv(17)
+        np.testing.assert_array_equal(
+            aa.attention(q, k, v, mask=m, backend="numpy"),
+            aa.attention(q, k, v, backend="numpy",
+                         mask=aa.MaskMod(lambda b, h, i, j: fn(b, h, i, j) | (i < 0))))
+
+
 def _float32_qkv(Sq=16, Sk=16):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, Sq, 8)).astype(np.float32)

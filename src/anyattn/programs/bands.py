@@ -9,13 +9,13 @@ is a band and nothing else (causal, a sliding window) then runs as the built-in 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .diagonal import affine_form
 from .graph import BOOL, INT, Node
 
-__all__ = ["split_bands", "conjuncts", "document_conjunct"]
-
+__all__ = ["split_bands", "conjuncts", "document_conjunct", "DocumentIds"]
 
 
 def conjuncts(n: Node) -> List[Node]:
@@ -81,14 +81,39 @@ def _ids_read(g: Node, pos: str) -> Optional[Tuple[str, bool]]:
     return None
 
 
-def document_conjunct(n: Node) -> Optional[Tuple[str, bool]]:
-    """(capture, batched) if the conjunct ``n`` is ``ids[q_idx] == ids[kv_idx]`` (or
-    ``ids[b, q_idx] == ids[b, kv_idx]``; either side first) for one integer capture
-    ``ids``: the Documents term of those ids, else None."""
+def _chunk_of(g: Node, pos: str) -> Optional[int]:
+    """C if ``g`` is ``pos // C`` for an integer constant C > 0."""
+    if g.op != "floordiv" or g.dtype != INT:
+        return None
+    x, c = g.args
+    if x.op != "input" or x.attr != pos or c.op != "const" or c.dtype != INT:
+        return None
+    return int(c.attr) if int(c.attr) > 0 else None
+
+
+@dataclass(frozen=True)
+class DocumentIds:
+    """The document ids of a Documents conjunct: an integer capture read at ``[pos]``
+    (``batched``: at ``[b, pos]``), or, with ``chunk`` > 0, ``pos // chunk`` (Llama 4's
+    chunks)."""
+
+    capture: Optional[str] = None
+    batched: bool = False
+    chunk: int = 0
+
+
+def document_conjunct(n: Node) -> Optional[DocumentIds]:
+    """The ids of the conjunct ``n`` if it is ``ids[q_idx] == ids[kv_idx]`` (or
+    ``ids[b, q_idx] == ids[b, kv_idx]``) for one integer capture ``ids``, or
+    ``q_idx // C == kv_idx // C`` for one integer constant C > 0 (either side first):
+    the Documents term of those ids, else None."""
     if n.op != "eq" or len(n.args) != 2:
         return None
     for a, b in (n.args, n.args[::-1]):
         qa, kb = _ids_read(a, "q_idx"), _ids_read(b, "kv_idx")
         if qa is not None and qa == kb:
-            return qa
+            return DocumentIds(capture=qa[0], batched=qa[1])
+        qc, kc = _chunk_of(a, "q_idx"), _chunk_of(b, "kv_idx")
+        if qc is not None and qc == kc:
+            return DocumentIds(chunk=qc)
     return None

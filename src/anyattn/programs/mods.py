@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
+
 from ..arrays import array_kind
 from ..masks import Mask
 from .bound import BoundProgram, Program
 from .compose import FunctionContext
-from .bands import document_conjunct, split_bands
+from .bands import DocumentIds, document_conjunct, split_bands
 from .graph import BOOL
 from .trace import Sym, Traced, call_traced, fn_name, trace
 
@@ -79,12 +81,12 @@ class MaskMod(Mask):
         self.program = Program(traced)
         self.captures: Dict[str, Any] = dict(traced.arrays)
         self._explicit = dict(captures)
-        # band-shaped conjuncts lower to the band term, ids[q_idx] == ids[kv_idx] to the
-        # Documents term (where the ids fit the problem: _documents), the rest stays a
-        # function
+        # band-shaped conjuncts lower to the band term, ids[q_idx] == ids[kv_idx] and
+        # q_idx // C == kv_idx // C to the Documents term (where the ids fit the problem:
+        # _documents), the rest stays a function
         self.bands, rest = split_bands(traced.out)
         docs = [document_conjunct(c) for c in rest]
-        self.documents: Tuple[Tuple[str, bool], ...] = tuple(d for d in docs if d is not None)
+        self.documents: Tuple[DocumentIds, ...] = tuple(d for d in docs if d is not None)
         self.residual = self._program(traced, rest, whole=not self.bands)
         self._residual_without_documents = self._program(
             traced, [c for c, d in zip(rest, docs) if d is None],
@@ -107,20 +109,24 @@ class MaskMod(Mask):
         """The (q_ids, k_ids) pairs of the Documents conjuncts for a problem of batch
         ``b`` and sizes ``sq`` / ``sk``, or None where some conjunct's ids do not fit it
         (not an integer NumPy array or torch tensor, too short: the function then runs,
-        and checks its reads)."""
+        and checks its reads).  Chunk ids ``pos // C`` are made here (O(Sq + Sk))."""
         if not self.documents:
             return None
         pairs = []
-        for name, batched in self.documents:
-            ids = self.captures.get(name)
+        for d in self.documents:
+            if d.chunk:
+                ids = np.arange(max(sq, sk), dtype=np.int64) // d.chunk
+                pairs.append((ids[:sq], ids[:sk]))
+                continue
+            ids = self.captures.get(d.capture)
             kind = array_kind(ids)
             dt = str(getattr(ids, "dtype", "")).replace("torch.", "")
             if kind not in ("numpy", "torch") or not dt.startswith(("int", "uint")):
                 return None             # (device arrays: the function reads them in place)
-            if ids.ndim != (2 if batched else 1) or ids.shape[-1] < max(sq, sk) \
-                    or (batched and ids.shape[0] < b):
+            if ids.ndim != (2 if d.batched else 1) or ids.shape[-1] < max(sq, sk) \
+                    or (d.batched and ids.shape[0] < b):
                 return None
-            rows = ids[:b] if batched else ids
+            rows = ids[:b] if d.batched else ids
             pairs.append((rows[..., :sq], rows[..., :sk]))
         return pairs
 
