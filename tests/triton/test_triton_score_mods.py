@@ -127,6 +127,76 @@ def _returns(tmp_path, name):
     return next(ln.strip() for ln in body.splitlines() if ln.strip().startswith("return"))
 
 
+def _loads(tmp_path, name):
+    """The capture reads of generated function ``name`` in the one module under tmp_path."""
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".py")]
+    assert len(files) == 1, files
+    with open(os.path.join(tmp_path, files[0])) as fh:
+        body = fh.read().split(f"def {name}(", 1)[1].split("@triton.jit", 1)[0]
+    return [ln.split("=", 1)[1].strip() for ln in body.splitlines()
+            if "tl.load(" in ln or "gather_tile(" in ln]
+
+
+def test_capture_reads_are_unmasked_vectors_or_tiles(tmp_path, monkeypatch):
+    """Every capture read lies in range (the functions see padding as the last real
+    position), so none is masked: a read of kv_idx (or q_idx) alone stays a vector, one
+    of both is a tile read through gather_tile (kept out of the software pipeliner),
+    a scalar read stays scalar."""
+    from anyattn.backends.triton import programs as tp
+
+    monkeypatch.setattr(tp, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(tp, "_modules", {})
+    Sq, Sk = 21, 27
+    q, k, v = _inputs(15, 1, 2, 2, Sq, Sk, 16)
+    rng = np.random.default_rng(16)
+    kb, qb = rng.standard_normal(Sk).astype(np.float32), rng.standard_normal(Sq).astype(np.float32)
+    table, w = rng.standard_normal((Sq, Sk)).astype(np.float32), np.float32([0.5, 2.0])
+    sm = aa.ScoreMod(lambda s, b, h, i, j, kb, qb, table, w: s * w[h] + kb[j] + qb[i] + table[i, j],
+                     kb=kb, qb=qb, table=table, w=w)
+    out = aa.attention(T(q), T(k), T(v), score_mod=sm, backend="triton")
+    loads = _loads(tmp_path, "score")
+    assert len(loads) == 4 and not any("mask" in ld for ld in loads), loads
+    assert sum(ld.startswith("gather_tile(") for ld in loads) == 1, loads
+    ref = _reference(q, k, v, score_mod=sm)[0]
+    assert_close(out.cpu().numpy(), ref, "float32", "out")
+
+
+@pytest.mark.parametrize("mask", [None, aa.Causal()])
+def test_functions_of_reads_stay_finite_at_the_padding(mask):
+    """Dividing by a capture read (s / t[kv_idx], s / (t[kv_idx] u[q_idx])) at sizes that
+    are no multiple of a tile: the padding's reads are real positions' values, and its
+    gradients 0, so dq and dk are finite and match the reference."""
+    Sq, Sk = 37, 45
+    q, k, v = _inputs(17, 1, 2, 2, Sq, Sk, 16)
+    g = np.random.default_rng(18).standard_normal(q.shape).astype(np.float32)
+    rng = np.random.default_rng(19)
+    t, u = (rng.random(Sk) + 0.5).astype(np.float32), (rng.random(Sq) + 0.5).astype(np.float32)
+    for sm in (aa.ScoreMod(lambda s, b, h, i, j, t: s / t[j], t=t),
+               aa.ScoreMod(lambda s, b, h, i, j, t, u: s / (t[j] * u[i]), t=t, u=u)):
+        gr = aa.attention_backward(T(q), T(k), T(v), T(g), score_mod=sm, mask=mask,
+                                   backend="triton")
+        rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                                   score_mod=sm, mask=mask, backend="reference")
+        for n in ("dq", "dk", "dv"):
+            assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+def test_a_slope_not_finite_at_masked_pairs_gives_no_nan():
+    """s * log1p((i - j + 8) / 4) under a causal mask: its slope is -inf or NaN at masked
+    pairs, where dS is 0; the gradients there are 0 (not 0 * inf), as on the reference."""
+    Sq, Sk = 37, 45
+    q, k, v = _inputs(20, 1, 2, 2, Sq, Sk, 16)
+    g = np.random.default_rng(21).standard_normal(q.shape).astype(np.float32)
+    fn = lambda s, b, h, i, j: s * np.log1p(0.25 * (i - j + 8))  # noqa: E731
+    gr = aa.attention_backward(T(q), T(k), T(v), T(g), score_mod=fn, mask=aa.Causal(),
+                               backend="triton")
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               score_mod=fn, mask=aa.Causal(), backend="reference")
+    for n in ("dq", "dk", "dv"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
 @pytest.mark.parametrize("fn, score_bare, grad_bare", [
     # reads the score: a tile already; its derivative 0.5 is a constant (broadcast)
     (lambda s, b, h, i, j: s * 0.5 + h, True, False),

@@ -387,30 +387,27 @@ def _tanh_fast(y):
 
 
 @triton.jit
-def gather_tile(p, valid):
-    """The values at the pointer tile p where valid, else 0 (a score or mask function's
-    capture gather, any tile shape).  On CUDA a non-coherent load in the tile's own
-    iteration, written as inline PTX: Triton's software pipeliner stages every tt.load
-    of 32 or more bits that feeds a dot in shared memory beside K and V (an fp32
-    [128, 128] gather is 64 KiB per stage, over sm_90's 227 KiB at 3 stages), and
-    inline PTX is not a load to it.  Elements of 32 or 64 bits (narrower ones are below
-    the pipeliner's 32-bit minimum, so callers use tl.load).  The captures are
-    read-only while a kernel runs (capture gradients go elsewhere)."""
+def gather_tile(p):
+    """The values at the pointer tile p (a score or mask function's capture gather, any
+    tile shape; every pointer in range: programs.py clamps the indices).  On CUDA a
+    non-coherent load in the tile's own iteration, written as inline PTX: Triton's
+    software pipeliner stages every
+    tt.load of 32 or more bits that feeds a dot in shared memory beside K and V (an fp32
+    [128, 128] gather is 64 KiB per stage, over sm_90's 227 KiB at 3 stages), and inline
+    PTX is not a load to it.  Elements of 32 or 64 bits (narrower ones are below the
+    pipeliner's 32-bit minimum, so callers use tl.load).  The captures are read-only
+    while a kernel runs (capture gradients go elsewhere)."""
     if _INTERPRETED:
-        return tl.load(p, mask=valid, other=0)
+        return tl.load(p)
     elif p.dtype.element_ty.primitive_bitwidth == 64:
-        bits = tl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; mov.b64 $0, 0; "
-            "@%p ld.global.nc.b64 $0, [$1]; }",
-            "=l,l,r", [p.to(tl.int64, bitcast=True), valid.to(tl.int32)],
-            dtype=tl.int64, is_pure=True, pack=1)
+        bits = tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l",
+                                         [p.to(tl.int64, bitcast=True)],
+                                         dtype=tl.int64, is_pure=True, pack=1)
         return bits.to(p.dtype.element_ty, bitcast=True)
     else:
-        bits = tl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; mov.b32 $0, 0; "
-            "@%p ld.global.nc.b32 $0, [$1]; }",
-            "=r,l,r", [p.to(tl.int64, bitcast=True), valid.to(tl.int32)],
-            dtype=tl.int32, is_pure=True, pack=1)
+        bits = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l",
+                                         [p.to(tl.int64, bitcast=True)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
         return bits.to(p.dtype.element_ty, bitcast=True)
 
 
@@ -1306,7 +1303,10 @@ def _dkdv_tile(dk, dv, cacc, k0, k1, v0, v1,
             cacc = DCAP(dsT, s_in, b, h, offs_m[None, :], offs_n[:, None], dkept, CAPS, DCS,
                         dslot + start_m // BM, dcs_g, cacc, BN, BM, NCP)
     if SMOD is not None:
-        dsT = dsT * dsmT                                      # through the score function
+        if MASKED:   # (0, not 0 * inf, where the function's slope is not finite)
+            dsT = tl.where(keep, dsT * dsmT, 0.0)             # through the score function
+        else:
+            dsT = dsT * dsmT
     if SOFTCAP:
         dsT = dsT * dtT                                       # through c tanh(x / c)
     ds0, ds1 = _op_parts(dsT, gam, qT0, PREC)
@@ -1560,7 +1560,10 @@ def _dq_tile(dq, q0, q1, do0, do1,
         else:
             tl.store(db_ptrs, db.to(DB.dtype.element_ty))
     if SMOD is not None:
-        ds = ds * dsm                                         # through the score function
+        if MASKED:   # (0, not 0 * inf, where the function's slope is not finite)
+            ds = tl.where(keep, ds * dsm, 0.0)                # through the score function
+        else:
+            ds = ds * dsm
     if SOFTCAP:
         ds = ds * dt                                          # through c tanh(x / c)
     ds0, ds1 = _op_parts(ds, gam, kT0, PREC)

@@ -128,16 +128,27 @@ class _Gen:
         if op == "gather":
             shape = self.layouts[n.attr]
             strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-            # a constant index is a Python int in the generated code (no .to)
-            idx = [x if arg.op == "const" else f"({x}).to({it})" for x, arg in zip(a, n.args)]
+            # a constant index is a Python int in the generated code (no .to); an index
+            # that varies per query, key or score (other than through a read, whose
+            # values the host checked as indices) is clamped to its axis: in range where
+            # the host checked it (every position below Sq / Sk), and at the tiles'
+            # padding too, whose results the kernels discard, so that no read is masked
+            idx = []
+            for x, arg, size in zip(a, n.args, shape):
+                if arg.op == "const":
+                    idx.append(x)
+                elif self._direct_inputs(arg) & {"q_idx", "kv_idx", "score"}:
+                    idx.append(f"tl.minimum(tl.maximum(({x}).to({it}), 0), {size - 1})")
+                else:
+                    idx.append(f"({x}).to({it})")
             parts = [f"{x} * {st}" if st != 1 else x for x, st in zip(idx, strides)]
             off = " + ".join(parts) if parts else "0"
             ptr = f"CAPS[{self.slots[n.attr]}]"
-            tile = any(self._varies(x) for x in n.args)
-            if tile and n.dtype != BOOL:   # kept out of the software pipeliner
-                ld = f"gather_tile({ptr} + ({off}), valid)"
-            elif tile:
-                ld = f"tl.load({ptr} + ({off}), mask=valid, other=0)"
+            tile = self._is_tile(n)
+            # unmasked: a read of q_idx or kv_idx alone stays a vector, and a tile of 32 /
+            # 64-bit values is kept out of the software pipeliner (kernels.gather_tile)
+            if tile and n.dtype != BOOL:
+                ld = f"gather_tile({ptr} + ({off}))"
             else:
                 ld = f"tl.load({ptr} + ({off}))"
             if n.dtype == BOOL:
@@ -216,9 +227,31 @@ class _Gen:
         else:  # pragma: no cover - every graph op is handled above
             raise NotImplementedError(f"graph operation {op!r} on Triton")
 
-    def _varies(self, n: Node) -> bool:
-        return any(x.op == "input" and x.attr in ("q_idx", "kv_idx", "score")
-                   for x in ordered([n]))
+    @staticmethod
+    def _inputs(n: Node) -> set:
+        """The inputs (score, b, h, q_idx, kv_idx) that ``n`` depends on."""
+        return {x.attr for x in ordered([n]) if x.op == "input"}
+
+    @staticmethod
+    def _direct_inputs(n: Node) -> set:
+        """The inputs that ``n`` depends on other than through a gather's value."""
+        seen, out, todo = set(), set(), [n]
+        while todo:
+            x = todo.pop()
+            if x.uid in seen:
+                continue
+            seen.add(x.uid)
+            if x.op == "input":
+                out.add(x.attr)
+            elif x.op != "gather":
+                todo.extend(x.args)
+        return out
+
+    @staticmethod
+    def _is_tile(n: Node) -> bool:
+        """Whether ``n`` is a full tile: it reads the scores, or both index vectors."""
+        inputs = _Gen._inputs(n)
+        return "score" in inputs or {"q_idx", "kv_idx"} <= inputs
 
     def body(self, outputs: Sequence[Node]) -> None:
         for n in ordered(outputs):
@@ -303,8 +336,7 @@ def _returned(n: Node, ref: str) -> str:
     where it already is one (it reads the score tile, or both index vectors: elementwise
     ops broadcast them to the tile), else broadcast.  The broadcast adds +0.0, an add per
     element that the compiler must keep (it turns -0.0 into +0.0)."""
-    inputs = {x.attr for x in ordered([n]) if x.op == "input"}
-    if n.dtype == FLOAT and ("score" in inputs or {"q_idx", "kv_idx"} <= inputs):
+    if n.dtype == FLOAT and _Gen._is_tile(n):
         return ref
     return _full_tile(ref, "s")
 
