@@ -149,6 +149,24 @@ def first_call(fn):
     return time.perf_counter() - t0
 
 
+def alt_forward_tile(spec, D, dtype, fwd, both, reps):
+    """anyattn's times with another forward tile (configs.set_override, dropped after)."""
+    from anyattn.backends.triton import configs
+
+    bm, bn, warps, stages = (int(x) for x in spec.split(","))
+    dp = configs.padded_dim(D)
+    precisions = ("highest", "tf32")
+    for prec in precisions:
+        configs.set_override(dp, dtype, prec, fwd=configs.KernelConfig(bm, bn, warps, stages))
+    try:
+        fwd()
+        return {"alt_fwd": spec, "alt_fwd_ms": round(timed(fwd, reps), 3),
+                "alt_fwd_bwd_ms": round(timed(both, reps), 3)}
+    finally:
+        for prec in precisions:
+            configs.set_override(dp, dtype, prec)
+
+
 def to_device(kw, dev):
     return {n: (torch.as_tensor(x, device=dev) if isinstance(x, np.ndarray) and n in
                 ("bias", "alibi_slopes") else x) for n, x in kw.items()}
@@ -164,6 +182,9 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--alt-fwd", default="",
+                    help="BM,BN,WARPS,STAGES: also time anyattn with this forward tile "
+                         "(alt_fwd_ms, alt_fwd_bwd_ms; at the first of --seqs only)")
     ap.add_argument("--device", default="cuda",
                     help="cpu: a dry run of the script (TRITON_INTERPRET=1, small --seqs)")
     a = ap.parse_args()
@@ -182,6 +203,7 @@ def main():
                         timing="CUDA-synchronised host medians, one process"),
            "rows": []}
     names = [n for n in gallery.GALLERY if not a.only or n in a.only.split(",")]
+    first_seq = int(a.seqs.split(",")[0])
     for S in (int(s) for s in a.seqs.split(",")):
         B = a.batch or max(1, 16384 // S)
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -207,6 +229,8 @@ def main():
                         tri_programs._block_cache.clear()
                         fwd()
                     row["tile_map_ms"] = round(timed(cold, 3) - row["fwd_ms"], 3)
+                if a.alt_fwd and S == first_seq:
+                    row.update(alt_forward_tile(a.alt_fwd, D, a.dtype, fwd, both, a.reps))
                 if entry.builtin is not None:
                     bkw = to_device(entry.builtin, dev)
                     row["builtin_fwd_ms"] = round(timed(

@@ -48,14 +48,14 @@ if [ "$PART" = 1 ]; then
                                        --caches 4096 32768 131072 --batches 1 8 32 --out $R/decode.json
 elif [ "$PART" = 3q ]; then
     R=$OUT                          # part 3 cut to ~280 s: the gallery at S=4096, the tests
-    step "gallery vs Flex bf16"; run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 \
+    step "gallery vs Flex bf16"; run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --alt-fwd 128,64,8,3 \
                                  --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
                                  tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py
 elif [ "$PART" = 3 ]; then
     R=$OUT                          # results straight under $OUT: a run cut short keeps them
-    step "gallery vs Flex bf16"; run 240 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
+    step "gallery vs Flex bf16"; run 260 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 --alt-fwd 128,64,8,3 \
                                  --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
                                  tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
