@@ -109,6 +109,39 @@ def test_gallery_capture_gradients_match_the_float64_reference(name, dtype):
         assert_close(got.cpu().numpy(), rg.dcaptures[n], dtype, f"{name} d{n}")
 
 
+def test_the_plans_capture_tile_runs_the_capture_backward(monkeypatch):
+    """Plan.dkdv_captures (the dK/dV tile where capture gradients are summed) is the one
+    that runs them, and gives the reference's results: a plan whose capture tile (32 query
+    rows, 16 keys) differs from its dK/dV tile (16 x 32)."""
+    from dataclasses import replace
+
+    from anyattn.backends.triton import capture_grads, configs
+
+    fixed = configs.fixed_plan
+    monkeypatch.setattr(configs, "fixed_plan", lambda fused_bwd=True: replace(
+        fixed(fused_bwd), dkdv_captures=configs.KernelConfig(32, 16, 4, 1)).check())
+    monkeypatch.setattr(configs, "_plan_cache", {})
+    tiles = []
+    real = capture_grads.CaptureGrads.scratch
+
+    def scratch(self, bm, bn):       # the slots are shaped by the tile that runs
+        tiles.append((bm, bn))
+        return real(self, bm, bn)
+    monkeypatch.setattr(capture_grads.CaptureGrads, "scratch", scratch)
+    make, _ = gallery.GALLERY["relative_position_bias"]
+    sq, sk = 24, 40
+    q, k, v, g = grad_inputs(3, 1, 4, 2, sq, sk, 16, "float32")
+    e = make(1, 4, sq, sk, np.random.default_rng(7))
+    wrt = ("k", "v") + e.wrt
+    gr = _backward(q, k, v, g, wrt, **e.kwargs)
+    rg = _reference(q, k, v, g, wrt, **e.kwargs)
+    assert tiles == [(32, 16)], tiles
+    for n in ("dk", "dv"):
+        assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
+    for n in e.wrt:
+        assert_close(gr.dcaptures[n].cpu().numpy(), rg.dcaptures[n], "float32", f"d{n}")
+
+
 def test_reads_of_batch_head_and_diagonal_and_a_scalar_capture():
     """Two reads of one table (per batch, at +d and -d), a table read at [b, h] and a
     capture of rank 0 (the score's factor), wrt naming the captures only."""

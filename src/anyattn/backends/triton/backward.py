@@ -186,10 +186,11 @@ def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
               **fkw)
     sig = prepared.signature(dt=str(q.dtype), dcap=(fns.key, tuple(sorted(cg.wrt))), **{
         n: (tuple(t.dtype for t in x) if n == "CAPS" else x) for n, x in kw.items()})
-    key = ("dkdv_kernel/captures", plan.dkdv, sig)
+    cfg = plan.dkdv_captures or plan.dkdv
+    key = ("dkdv_kernel/captures", cfg, sig)
     first = prepared.FALLBACK_CACHE.get(key)
     err = None
-    for c in ([first] if first is not None else list(prepared.fallbacks(plan.dkdv))):
+    for c in ([first] if first is not None else list(prepared.fallbacks(cfg))):
         dcs, dcs_g, dcol, ncp = cg.scratch(c.bm, c.bn)
         try:
             kernels.dkdv_kernel[(cdiv(Sk, c.bn), B * Hkv)](

@@ -48,11 +48,15 @@ class Plan:
     sbq: int = 128
     sbk: int = 128
     fused_bwd: bool = True      # dK/dV and dQ in one launch (dkdv's warps / stages)
+    #: dK/dV's config where it also sums a score function's capture gradients (None:
+    #: dkdv's): the slot sums add registers to the dK / dV accumulators
+    dkdv_captures: Optional[KernelConfig] = None
 
     def check(self) -> "Plan":
         for c in (self.fwd, self.dq):
             assert self.sbq % c.bm == 0 and self.sbk % c.bn == 0, (self, c)
-        assert self.sbq % self.dkdv.bm == 0 and self.sbk % self.dkdv.bn == 0, self
+        for c in (self.dkdv, self.dkdv_captures or self.dkdv):
+            assert self.sbq % c.bm == 0 and self.sbk % c.bn == 0, (self, c)
         return self
 
 
@@ -141,8 +145,10 @@ _PLANS: Dict[Tuple[int, bool], Plan] = {
     # D=64 exactly: a 128-row forward tile and a 64x64 dK/dV tile beat the wider ones
     (64, False): Plan(_K(128, 64, 8, 3), _K(64, 64, 4, 3), _K(128, 64, 4, 3), _K(64, 64, 4, 2),
                       fused_bwd=False),
+    # capture gradients: 32-row query tiles (64 rows spill ~700 stores per dK/dV kernel
+    # on sm_90 for a relative-position table; 32 rows none: bench/lab/gallery_sm90.py)
     (128, False): Plan(_K(128, 128, 8, 3), _K(64, 128, 8, 3), _K(128, 64, 8, 3),
-                       _K(128, 64, 8, 2)),
+                       _K(128, 64, 8, 2), dkdv_captures=_K(32, 128, 8, 3)),
     (256, False): Plan(_K(64, 64, 8, 2), _K(32, 64, 8, 2), _K(64, 32, 8, 2), _K(32, 32, 4, 2)),
     (64, True): Plan(_K(128, 64, 8, 2), _K(64, 128, 8, 2), _K(64, 64, 4, 2), _K(64, 64, 4, 2),
                      fused_bwd=False),

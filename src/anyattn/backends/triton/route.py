@@ -65,7 +65,8 @@ class ProblemFacts:
     """What the route reads of a call.  ``features``: the score features present (names
     of hopper/coverage.FEATURES); ``layout``: why the tensors cannot be read through TMA
     (hopper/coverage.layout_reason), None where they can; ``head_dim_v``: v's head dim
-    Dv (None: D, the same as q's and k's)."""
+    Dv (None: D, the same as q's and k's); ``capture_grads``: the backward sums a score
+    function's capture gradients."""
 
     batch: int
     heads_q: int
@@ -79,6 +80,7 @@ class ProblemFacts:
     precision: str = "highest"
     layout: Optional[str] = None
     head_dim_v: Optional[int] = None
+    capture_grads: bool = False
 
     def __post_init__(self):
         unknown = set(self.features) - set(coverage.FEATURES)
@@ -109,7 +111,8 @@ class ProblemFacts:
                    seq_k=p.seq_k, head_dim=p.head_dim, dtype=p.dtype,
                    mask_class=p.mask_class, features=feats, precision=p.precision,
                    layout=coverage.layout_reason(tensors),
-                   head_dim_v=None if p.head_dim_v == p.head_dim else p.head_dim_v)
+                   head_dim_v=None if p.head_dim_v == p.head_dim else p.head_dim_v,
+                   capture_grads=bool(p.capture_wrt))
 
 
 @dataclass(frozen=True)
@@ -162,16 +165,24 @@ def _kernel(c: configs.KernelConfig) -> str:
     return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}{chunks}"
 
 
-def plan_name(plan: configs.Plan, direction: str) -> str:
+def plan_name(plan: configs.Plan, direction: str, functions: bool = False,
+              captures: bool = False) -> str:
     """A portable plan's tiles in one word, BMxBN, warps and stages per kernel: e.g.
     'fwd128x128w8s3', 'dkdv64x128w8s1+dq128x64w8s1' (two backward launches) or
     'fused(dkdv64x128w8s3+dq128x64)' (one launch: dQ's tiles, dK/dV's warps and
-    stages)."""
+    stages).  With score / mask ``functions`` the backward is two launches; with
+    ``captures`` (capture gradients) dK/dV takes plan.dkdv_captures where set."""
     if direction == "forward":
         return f"fwd{_kernel(plan.fwd)}"
-    if plan.fused_bwd:
+    if plan.fused_bwd and not functions:
         return f"fused(dkdv{_kernel(plan.dkdv)}+dq{plan.dq.bm}x{plan.dq.bn})"
-    return f"dkdv{_kernel(plan.dkdv)}+dq{_kernel(plan.dq)}"
+    dkdv = (plan.dkdv_captures if captures else None) or plan.dkdv
+    return f"dkdv{_kernel(dkdv)}+dq{_kernel(plan.dq)}"
+
+
+def _plan_name(plan: configs.Plan, direction: str, problem: "ProblemFacts") -> str:
+    return plan_name(plan, direction, bool({"score_mod", "mask_mod"} & problem.features),
+                     problem.capture_grads)
 
 
 def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple[configs.Plan, str]:
@@ -387,7 +398,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
         return Route(direction, "hopper", cfg.name, tuple(reasons), hopper=cfg)
     portable, why_plan = _portable_plan(problem, plan)
     if not hop:
-        name = plan_name(portable, direction)
+        name = _plan_name(portable, direction, problem)
         reasons.append(f"config: {name} = {why_plan}")
         reasons += [no_split] if no_split else []
         return Route(direction, "portable", name, tuple(reasons), plan=portable)
@@ -398,7 +409,7 @@ def route(problem: ProblemFacts, direction: str, device: DeviceFacts,
                          "device's SM count")
     if tiles > device.sm_count // 2:
         cfg = hopper_configs.bwd_config_dkdv_only(problem.head_dim)
-        reasons.append(f"config: {cfg.name}, dQ portable ({plan_name(portable, direction)}"
+        reasons.append(f"config: {cfg.name}, dQ portable ({_plan_name(portable, direction, problem)}"
                        f"): {tiles} key tiles per (batch, kv head) > {device.sm_count} SMs "
                        "// 2")
     else:
