@@ -128,6 +128,10 @@ def _mask_mods(mask):
     return out
 
 
+class _Skipped(Exception):
+    """--no-flex: FlexAttention is not timed."""
+
+
 def timed(fn, reps):
     fn()
     torch.cuda.synchronize()
@@ -149,19 +153,25 @@ def first_call(fn):
     return time.perf_counter() - t0
 
 
-def alt_forward_tile(spec, D, dtype, fwd, both, reps):
-    """anyattn's times with another forward tile (configs.set_override, dropped after)."""
+def alt_tile(spec, D, dtype, fwd, both, reps):
+    """anyattn's times with one kernel's tile replaced (``KERNEL=BM,BN,WARPS,STAGES``,
+    configs.set_override, dropped after); the forward is timed only for a fwd tile."""
     from anyattn.backends.triton import configs
 
-    bm, bn, warps, stages = (int(x) for x in spec.split(","))
+    kernel, tile = spec.split("=")
+    bm, bn, warps, stages = (int(x) for x in tile.split(","))
+    field = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq"}[kernel]
     dp = configs.padded_dim(D)
     precisions = ("highest", "tf32")
     for prec in precisions:
-        configs.set_override(dp, dtype, prec, fwd=configs.KernelConfig(bm, bn, warps, stages))
+        configs.set_override(dp, dtype, prec,
+                             **{field: configs.KernelConfig(bm, bn, warps, stages)})
     try:
-        fwd()
-        return {"alt_fwd": spec, "alt_fwd_ms": round(timed(fwd, reps), 3),
-                "alt_fwd_bwd_ms": round(timed(both, reps), 3)}
+        out = {"fwd_ms": round(timed(fwd, reps), 3)} if kernel == "fwd" else {}
+        out["fwd_bwd_ms"] = round(timed(both, reps), 3)
+        return out
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
         for prec in precisions:
             configs.set_override(dp, dtype, prec)
@@ -182,9 +192,11 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--alt-fwd", default="",
-                    help="BM,BN,WARPS,STAGES: also time anyattn with this forward tile "
-                         "(alt_fwd_ms, alt_fwd_bwd_ms; at the first of --seqs only)")
+    ap.add_argument("--alt", action="append", default=[],
+                    help="KERNEL=BM,BN,WARPS,STAGES (KERNEL: fwd, dkdv or dq; repeatable): "
+                         "also time anyattn with that kernel's tile in place of the plan's "
+                         "(row['alt'][spec] = {fwd_ms, fwd_bwd_ms}; at the first of --seqs)")
+    ap.add_argument("--no-flex", action="store_true", help="time anyattn only")
     ap.add_argument("--device", default="cuda",
                     help="cpu: a dry run of the script (TRITON_INTERPRET=1, small --seqs)")
     a = ap.parse_args()
@@ -229,8 +241,9 @@ def main():
                         tri_programs._block_cache.clear()
                         fwd()
                     row["tile_map_ms"] = round(timed(cold, 3) - row["fwd_ms"], 3)
-                if a.alt_fwd and S == first_seq:
-                    row.update(alt_forward_tile(a.alt_fwd, D, a.dtype, fwd, both, a.reps))
+                if a.alt and S == first_seq:
+                    row["alt"] = {spec: alt_tile(spec, D, a.dtype, fwd, both, a.reps)
+                                  for spec in a.alt}
                 if entry.builtin is not None:
                     bkw = to_device(entry.builtin, dev)
                     row["builtin_fwd_ms"] = round(timed(
@@ -241,6 +254,8 @@ def main():
             except Exception as exc:
                 row["anyattn_error"] = f"{type(exc).__name__}: {exc}"[:300]
             try:
+                if a.no_flex:
+                    raise _Skipped
                 smod, mmod = flex_spelling(name, entry, S, H, p, dev)
                 bm = None
                 if mmod is not None:
@@ -267,6 +282,8 @@ def main():
                     row["fwd_max_abs_diff_vs_flex"] = float((o_ours - o_flex).abs().max())
                     row["fwd_vs_flex"] = round(row["fwd_ms"] / row["flex_fwd_ms"], 3)
                     row["fwd_bwd_vs_flex"] = round(row["fwd_bwd_ms"] / row["flex_fwd_bwd_ms"], 3)
+            except _Skipped:
+                pass
             except Exception as exc:
                 row["flex_error"] = f"{type(exc).__name__}: {exc}"[:300]
             res["rows"].append(row)

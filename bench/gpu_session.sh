@@ -8,7 +8,8 @@
 #   bash bench/gpu_session.sh 2     # standings vs cuDNN / flash, gallery vs Flex, varlen
 #   bash bench/gpu_session.sh 3     # score / mask functions only: the gallery vs Flex
 #                                   # (bf16 at S 4096 and 8192, fp32 at 4096), their CUDA
-#                                   # tests, capture-gradient cost (~450 s; JSON under $OUT)
+#                                   # tests, other fwd / dK/dV tiles, capture-gradient cost
+#                                   # (~550 s; JSON under $OUT)
 #   bash bench/gpu_session.sh 3q    # part 3 cut to ~280 s
 #
 # Wheels that the machine lacks (pytest, pytest-xdist, hypothesis, threadpoolctl, ...) are
@@ -48,21 +49,24 @@ if [ "$PART" = 1 ]; then
                                        --caches 4096 32768 131072 --batches 1 8 32 --out $R/decode.json
 elif [ "$PART" = 3q ]; then
     R=$OUT                          # part 3 cut to ~280 s: the gallery at S=4096, the tests
-    step "gallery vs Flex bf16"; run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --alt-fwd 128,64,8,3 \
+    step "gallery vs Flex bf16"; run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 \
                                  --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
                                  tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py
 elif [ "$PART" = 3 ]; then
     R=$OUT                          # results straight under $OUT: a run cut short keeps them
-    step "gallery vs Flex bf16"; run 260 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 --alt-fwd 128,64,8,3 \
+    step "gallery vs Flex bf16"; run 230 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
                                  --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
                                  tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py tests/triton/test_triton_value_dim.py
+    step "other tiles";   run 100 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --reps 5 \
+                                 --only relative_position_bias,t5_buckets,dilated,neighbourhood_2d,tanh_gate \
+                                 --alt fwd=128,64,8,3 --alt dkdv=32,128,8,3 --no-flex --out $R/tiles
+    step "capture gradients";      run 30 python3 bench/lab/capture_grads_time.py --json $R/capture_grads.json
     step "gallery vs Flex fp32"; run 110 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 \
                                  --dtype float32 --reps 3 --out $R
-    step "capture gradients";      run 30 python3 bench/lab/capture_grads_time.py --json $R/capture_grads.json
 else
     step "standings";        run 240 python3 bench/gpu_standings.py --no-flex --out $R
     step "gallery vs Flex";  run 200 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --reps 5 --out $R
