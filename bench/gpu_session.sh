@@ -56,11 +56,11 @@ elif [ "$PART" = 3q ]; then
                                  tests/triton/test_triton_score_mods.py
 elif [ "$PART" = 3 ]; then
     R=$OUT                          # results straight under $OUT: a run cut short keeps them
-    step "gallery vs Flex bf16"; run 230 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
-                                 --reps 5 --out $R
     step "functions on CUDA"; run 60 python3 -m pytest -q -n 15 -p no:cacheprovider -rf \
                                  tests/triton/test_triton_capture_grads.py tests/triton/test_triton_pair_reads.py \
                                  tests/triton/test_triton_score_mods.py tests/triton/test_triton_value_dim.py
+    step "gallery vs Flex bf16"; run 230 python3 bench/gpu_gallery_vs_flex.py --seqs 4096,8192 \
+                                 --reps 5 --out $R
     step "other tiles";   run 100 python3 bench/gpu_gallery_vs_flex.py --seqs 4096 --reps 5 \
                                  --only relative_position_bias,t5_buckets,dilated,neighbourhood_2d,tanh_gate \
                                  --alt fwd=128,64,8,3 --alt dkdv=32,128,8,3 --no-flex --out $R/tiles
