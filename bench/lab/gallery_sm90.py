@@ -5,7 +5,7 @@ spilled bytes (STL / LDL instructions), shared memory and SASS instruction count
 
     PYTHONPATH=src python3 bench/lab/gallery_sm90.py [--only alibi,softcap] [--json OUT]
 
-D = 128, bf16, the gallery parameters of gpu_gallery_vs_flex.sizes(4096) (recorded at a
+D = 128, bf16 (--dtype), the gallery parameters of gpu_gallery_vs_flex.sizes(4096) (recorded at a
 small B / H / S: the kernels do not specialise on S).  The launches are recorded with
 portable_hashes.py's recorder (every kernel of kernels.py replaced, the real launch
 code of the tree on PYTHONPATH) and compiled through Triton's compiler for sm_90a.
@@ -38,6 +38,8 @@ EXTRA_KERNELS = ("mask_blocks_kernel", "dcap_diag_kernel", "dcap_segment_kernel"
 #: launcher raises OutOfResources above it and the launch code then tries
 #: prepared.fallbacks(config) in turn
 SM90_SMEM = 232448
+#: the inputs' dtype (--dtype)
+DTYPE = ["bfloat16"]
 #: the constexprs / keywords that make a launch's config
 CONFIG_KEYS = ("BM", "BN", "BM2", "BN2", "num_warps", "num_stages")
 
@@ -70,7 +72,7 @@ def record(name, spelling):
     make, _ = gallery.GALLERY[name]
     entry = make(B, H, S, S, np.random.default_rng(0), **sizes(4096).get(name, {}))
     g = torch.Generator().manual_seed(1)
-    q, k, v, dout = (torch.randn(B, n, S, D, generator=g).to(torch.bfloat16)
+    q, k, v, dout = (torch.randn(B, n, S, D, generator=g).to(getattr(torch, DTYPE[0]))
                      for n in (H, Hkv, Hkv, H))
     if spelling == "builtin":
         kw = _tensors(entry.builtin, torch)
@@ -79,7 +81,7 @@ def record(name, spelling):
     wrt = ("q", "k", "v") + (tuple(entry.wrt) if spelling == "function+dcap" else ())
     bias = kw.pop("bias", None)
     if bias is not None:
-        bias = bias.to(torch.bfloat16)
+        bias = bias.to(getattr(torch, DTYPE[0]))
     # the modifiers as the API passes them (a function that spells ALiBi runs as the
     # built-in where its slopes are not differentiated: Problem.matched_alibi)
     slopes = kw.get("alibi_slopes")
@@ -162,7 +164,9 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated gallery entry names")
     ap.add_argument("--json", default="")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     a = ap.parse_args()
+    DTYPE[0] = a.dtype
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
     gallery, sizes = _gallery()
@@ -177,7 +181,7 @@ def main():
         for spelling in spellings:
             launches = []
             for kname, args, kw in record(name, spelling):
-                kw = ph._fast_tanh(kw, "bfloat16")
+                kw = ph._fast_tanh(kw, DTYPE[0])
                 lkey = ph._launch_key(kname, args, kw)
                 launches.append(lkey)
                 todo.setdefault(lkey, (lkey, kname, args, kw))
@@ -214,7 +218,7 @@ def main():
             out.append(dict(entry=name, spelling=spelling, **f))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"meta": dict(target="sm_90a", dtype="bfloat16", D=SHAPE[4],
+            json.dump({"meta": dict(target="sm_90a", dtype=DTYPE[0], D=SHAPE[4],
                                     recorded_shape=dict(zip("B H Hkv S D".split(), SHAPE)),
                                     params="gpu_gallery_vs_flex.sizes(4096)"),
                        "rows": out}, fh, indent=0)
