@@ -124,9 +124,9 @@ def test_the_plans_capture_tile_runs_the_capture_backward(monkeypatch):
     tiles = []
     real = capture_grads.CaptureGrads.scratch
 
-    def scratch(self, bm, bn):       # the slots are shaped by the tile that runs
+    def scratch(self, bm, bn, *chunk):   # the slots are shaped by the tile that runs
         tiles.append((bm, bn))
-        return real(self, bm, bn)
+        return real(self, bm, bn, *chunk)
     monkeypatch.setattr(capture_grads.CaptureGrads, "scratch", scratch)
     make, _ = gallery.GALLERY["relative_position_bias"]
     sq, sk = 24, 40

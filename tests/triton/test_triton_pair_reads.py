@@ -175,6 +175,43 @@ def test_pair_read_gradients_alone_with_a_mask_function_and_repeats_bitwise_equa
         assert torch.equal(runs[0].dcaptures[n], runs[1].dcaptures[n])
 
 
+def test_pair_slots_past_their_budget_run_per_batch_chunk(monkeypatch):
+    """Where the pair reads' slots pass capture_grads.PAIR_SLOT_BYTES, dK/dV runs per batch
+    chunk (here one batch each of three, with b-dependent pair, diagonal and column
+    reads): dk bit for bit and the capture gradients as without chunks, and as the
+    reference."""
+    from anyattn.backends.triton import capture_grads
+
+    rng = np.random.default_rng(8)
+    shapes = {"t": (3, HQ, SQ, SK), "u": (HQ, SQ, SK), "rel": (3, SQ + SK - 1),
+              "kb": (3, SK)}
+    caps = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    sm = aa.ScoreMod(lambda s, b, h, i, j, t, u, rel, kb:
+                     s * 0.5 + t[b, h, i, j] - u[h, i, j] * s + rel[b, i - j + SK - 1]
+                     + kb[b, j], **caps)
+    q, k, v, g = _inputs(9, B=3)
+    kw = dict(score_mod=sm, mask=aa.Causal("bottom_right"))
+    wrt = ("k",) + tuple(caps)
+    launches = []
+    real = capture_grads.CaptureGrads.scratch
+
+    def scratch(self, bm, bn, b0=0, batches=None):
+        launches.append((b0, batches))
+        return real(self, bm, bn, b0, batches)
+    monkeypatch.setattr(capture_grads.CaptureGrads, "scratch", scratch)
+    whole = _backward(q, k, v, g, wrt, **kw)
+    assert launches == [(0, 3)]
+    monkeypatch.setattr(capture_grads, "PAIR_SLOT_BYTES", 1)
+    chunked = _backward(q, k, v, g, wrt, **kw)
+    assert launches[1:] == [(0, 1), (1, 1), (2, 1)]
+    rg = _reference(q, k, v, g, wrt, **kw)
+    assert torch.equal(chunked.dk, whole.dk)
+    for n in caps:
+        got = chunked.dcaptures[n].cpu().numpy()
+        np.testing.assert_allclose(got, whole.dcaptures[n].cpu().numpy(), rtol=1e-6, atol=1e-7)
+        assert_close(got, rg.dcaptures[n], "float32", f"d{n}")
+
+
 def test_the_triton_backward_refuses_a_non_injective_read_before_any_work(monkeypatch):
     """t[q_idx // 2, kv_idx] is refused by the backend choice, naming the capture and its
     read and the forms supported (the pair form among them); no kernel runs."""

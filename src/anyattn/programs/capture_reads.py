@@ -164,7 +164,7 @@ def refusal(program, wrt) -> Optional[str]:
 
 
 def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_shape,
-               kind: str = "diag") -> np.ndarray:
+               kind: str = "diag", b0: int = 0) -> np.ndarray:
     """The flat capture index of read ``r`` of the bound score program ``bound`` at every
     (b, h, x) of its sums' shape [Bx, Hx, X] (an axis of 1 where the index does not
     read it; ``sizes`` = (B, H, Sq, Sk)): the index expressions evaluated once, with
@@ -172,7 +172,8 @@ def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_sha
     of q_idx - kv_idx, diagonal.py), q_idx = x for a row read, kv_idx = x for a column
     read (the other index 0: not read), integers in int64 and floats in fp32 as the
     kernels compute them (NumPy's fp32 functions may round an index computed through
-    float arithmetic differently from a device's at a boundary)."""
+    float arithmetic differently from a device's at a boundary).  ``b0``: the batch
+    index of the first row (a batch chunk's)."""
     from .evaluate import evaluate
 
     _, _, Sq, Sk = sizes
@@ -180,7 +181,7 @@ def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_sha
            "row": np.arange(Sq, dtype=np.int64),
            "col": np.arange(Sk, dtype=np.int64)}.get(kind)
     pos = np.int64(0) if pos is None or shape3[2] == 1 else pos[None, None, :]
-    env = {"b": np.arange(shape3[0], dtype=np.int64)[:, None, None],
+    env = {"b": b0 + np.arange(shape3[0], dtype=np.int64)[:, None, None],
            "h": np.arange(shape3[1], dtype=np.int64)[None, :, None],
            "q_idx": pos if kind in ("diag", "row") else np.int64(0),
            "kv_idx": pos if kind == "col" else np.int64(0)}
@@ -192,15 +193,16 @@ def flat_index(bound, sizes: Tuple[int, int, int, int], r: Read, shape3, cap_sha
     return np.ravel_multi_index(idx, cap_shape).reshape(-1)
 
 
-def pair_targets(bound, r: Read, sizes) -> List[Tuple[List[int], tuple, bool]]:
+def pair_targets(bound, r: Read, sizes, b0: int = 0) -> List[Tuple[List[int], tuple, bool]]:
     """Where pair read ``r``'s terms go, per capture slice: (rows, index, transposed)
     with ``rows`` the flat b·H + h whose b / h indices select that slice, in order of b,
     then h (the order their terms are summed in), ``index`` the slice's [Sq, Sk] view of
     the capture (``capture[index]``; [Sk, Sq] where ``transposed``: kv_idx's axis
-    first).  ``sizes`` = (B, H, Sq, Sk)."""
+    first).  ``sizes`` = (B, H, Sq, Sk); ``b0``: the batch index of row 0 (a batch
+    chunk of B batches from b0)."""
     B, H, Sq, Sk = sizes
     p = pair_index(r.node)
-    slices = pair_slices(bound, r, (B, H)).reshape(B * H, -1)
+    slices = pair_slices(bound, r, (B, H), b0).reshape(B * H, -1)
     rows_of: Dict[tuple, List[int]] = {}
     for bh, key in enumerate(map(tuple, slices.tolist())):
         rows_of.setdefault(key, []).append(bh)
@@ -215,18 +217,18 @@ def pair_targets(bound, r: Read, sizes) -> List[Tuple[List[int], tuple, bool]]:
     return out
 
 
-def pair_slices(bound, r: Read, shape2) -> np.ndarray:
+def pair_slices(bound, r: Read, shape2, b0: int = 0) -> np.ndarray:
     """The b / h indices of pair read ``r`` of the bound score program ``bound`` at every
     (b, h) of ``shape2`` = (Bx, Hx) (an axis of 1 where the read does not read it):
     int64 [Bx, Hx, len(bh_axes)] in :func:`pair_index`'s axis order, evaluated once as
-    :func:`flat_index` evaluates indices (float captures in fp32)."""
+    :func:`flat_index` evaluates indices (float captures in fp32); b from ``b0``."""
     from .evaluate import evaluate
 
     p = pair_index(r.node)
     out = np.zeros(tuple(shape2) + (len(p.bh_axes),), dtype=np.int64)
     if not p.bh_axes:
         return out
-    env = {"b": np.arange(shape2[0], dtype=np.int64)[:, None],
+    env = {"b": b0 + np.arange(shape2[0], dtype=np.int64)[:, None],
            "h": np.arange(shape2[1], dtype=np.int64)[None, :],
            "q_idx": np.int64(0), "kv_idx": np.int64(0)}
     f32 = np.dtype(np.float32)

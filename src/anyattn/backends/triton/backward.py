@@ -83,7 +83,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
             sdb = tuple(dbias.stride())
         else:
             dbias, sdb = pr.sc, (0, 0, 0, 0)
-        dk = dv = dq = dcs = None
+        dk = dv = dq = None
         if run_kv:
             dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=dev)
             dv = torch.empty((B, Hkv, Sk, Dv), dtype=q.dtype, device=dev)
@@ -102,8 +102,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
             qo, ko, vo, doo = q, k, v, dout
         if owner_db:
             if run_kv:
-                dcs = _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
-                                   tlists, sc, scalars, fkw, cg, fns)
+                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
+                             tlists, sc, scalars, fkw, cg, fns)
             res["dbias"] = _launch_dq_dbias(pr, p, plan, qo, ko, vo, doo, l2, delta, dq, bias,
                                             ma, md, tlists, sc, scalars, fkw)
         elif want_kv and want_q and plan.fused_bwd and not pr.hop and fns is None:
@@ -123,8 +123,8 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                     hopper_launch.dkdv(p, qo, ko, vo, doo, l2, delta, dk, dv, sites=sites,
                                        mods=mods)
             elif run_kv:
-                dcs = _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
-                                   tlists, sc, scalars, fkw, cg, fns)
+                _launch_dkdv(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, ma, md,
+                             tlists, sc, scalars, fkw, cg, fns)
             if want_q:
                 args = (qo, ko, vo, doo, l2, delta, dq, ma.bias, dbias, ma.qid, ma.kid, ma.km,
                         tlists.row_cnt, tlists.row_idx, tlists.row_fcnt, tlists.row_fidx, sc,
@@ -142,7 +142,7 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
         if want_kv:
             res["dk"], res["dv"] = dk, dv
         if cg is not None:
-            res["dcaptures"] = cg.finish(*dcs)
+            res["dcaptures"] = cg.finish()
         if "q" in p.wrt:
             res["dq"] = dq
         if full_bias:
@@ -155,14 +155,14 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
 def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, sc, scalars,
                  fkw, cg=None, fns=None):
     """dk, dv through kernels.dkdv_kernel (one program per key tile and kv head); with
-    ``cg`` (capture_grads.CaptureGrads) also the capture gradient slots and column
-    sums, returned."""
+    ``cg`` (capture_grads.CaptureGrads) also the capture gradients (added to ``cg``)."""
     args = (q, k, v, dout, l2, delta, dk, dv, ma.bias, ma.qid, ma.kid, ma.km,
             tlists.col_cnt, tlists.col_idx, tlists.col_fcnt, tlists.col_fidx, sc, md.slopes,
             *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dk), *s3(dv),
             *ma.sb, ma.sqid_b, ma.skid_b, *ma.skm, *tlists.col_strides(), *scalars)
     if cg is not None:
-        return _launch_dkdv_captures(p, plan, q, args, ma, pr.common, fkw, cg, fns)
+        _launch_dkdv_captures(p, plan, q, args, ma, pr.common, fkw, cg, fns)
+        return
 
     def first():
         kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias, **pr.common,
@@ -175,10 +175,10 @@ def _launch_dkdv(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, ma, md, tlists, 
 
 
 def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
-    """dkdv_kernel with the capture gradient function (fns.dcap) -> (DCS, DCOL), the
-    slots and column sums it wrote (shaped by the tile: allocated per config, so no
-    prepared.resolve_launch; the config that fits is remembered per signature, as
-    resolve_launch does)."""
+    """dkdv_kernel with the capture gradient function (fns.dcap), per batch chunk of
+    ``cg.chunks``, each chunk's slots and column sums added to ``cg`` (shaped by the tile:
+    allocated per config, so no prepared.resolve_launch; the config that fits is
+    remembered per signature, as resolve_launch does)."""
     from triton.runtime.errors import OutOfResources
 
     B, Hkv, Sk = p.batch, p.heads_kv, p.seq_k
@@ -191,13 +191,17 @@ def _launch_dkdv_captures(p, plan, q, args, ma, common, fkw, cg, fns):
     first = prepared.FALLBACK_CACHE.get(key)
     err = None
     for c in ([first] if first is not None else list(prepared.fallbacks(cfg))):
-        dcs, dcs_g, dcol, ncp = cg.scratch(c.bm, c.bn)
         try:
-            kernels.dkdv_kernel[(cdiv(Sk, c.bn), B * Hkv)](
-                *args, BM=c.bm, BN=c.bn, num_warps=c.num_warps, num_stages=c.num_stages,
-                DCS=dcs, dcs_g=dcs_g, DCAP=fns.dcap, DCOL=dcol, NCP=ncp, **kw)
+            # per batch chunk where pair reads' slots would pass PAIR_SLOT_BYTES (a
+            # config that does not fit raises at the first launch, before any add)
+            for b0, nb in cg.chunks(c.bm, c.bn):
+                dcs, dcs_g, dcol, ncp = cg.scratch(c.bm, c.bn, b0, nb)
+                kernels.dkdv_kernel[(cdiv(Sk, c.bn), nb * Hkv)](
+                    *args, BM=c.bm, BN=c.bn, num_warps=c.num_warps, num_stages=c.num_stages,
+                    DCS=dcs, dcs_g=dcs_g, DCAP=fns.dcap, DCOL=dcol, NCP=ncp, B0=b0, **kw)
+                cg.add(dcs, dcol)
             prepared.FALLBACK_CACHE[key] = c
-            return dcs, dcol
+            return
         except OutOfResources as e:
             err = e
     raise err

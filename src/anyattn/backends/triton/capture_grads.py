@@ -47,7 +47,11 @@ once per (b, h, position):
    fp32 (about B·H·Sq·Sk·(NG_diag·(1/BM + 1/BN) + NG_row/BN + NG_pair)) and DCOL
    B·H·Sk·NCP fp64: no [B, H, Sq, Sk] buffer without pair reads, and one
    B·H·nQ·BM·nK·BN fp32 buffer (4·B·H·Sq·Sk bytes, rounded up to whole tiles) per pair
-   read, whose gradient is O(Sq·Sk) per capture slice by nature.  A row read's slots
+   read, whose gradient is O(Sq·Sk) per capture slice by nature.  Where the pair reads'
+   slots pass PAIR_SLOT_BYTES, the launch runs per batch chunk (kernel argument B0, the
+   chunk's first batch; :meth:`CaptureGrads.chunks`): the scratch is one chunk's (at
+   least one batch's), and the chunks' gradients are added in order in fp64 (steps 2 to
+   5 per chunk, the host's indices evaluated from the chunk's b0).  A row read's slots
    hold its partial row sums per key tile
    (the program owns a key tile, not a row; the sums over the key tiles are step 2's),
    so that the capture gradients stay on the one dK/dV launch, which runs for them
@@ -126,14 +130,19 @@ def col_width(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
+#: the most bytes of pair-read slots one dK/dV launch fills: a call whose pair slots
+#: need more runs the dK/dV launch per batch chunk (``CaptureGrads.chunks``)
+PAIR_SLOT_BYTES = 1 << 30
+
 _MAP_CACHE_SIZE = 16
 _map_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _lock = threading.Lock()
 
 
 class CaptureGrads:
-    """The capture gradients of one backward call (module doc): ``scratch`` for the
-    dK/dV launch, ``finish`` after it."""
+    """The capture gradients of one backward call (module doc): per batch chunk
+    (``chunks``) ``scratch`` for the chunk's dK/dV launch and ``add`` after it; then
+    ``finish``."""
 
     def __init__(self, p, dev):
         self.bound = p.score_mod
@@ -145,16 +154,34 @@ class CaptureGrads:
         if None in self.kinds:        # the capability check refuses these first
             raise NotImplementedError(f"the Triton backward {refusal(self.prog, self.wrt)}")
         self.slotted, self.cols = layout(self.kinds)
+        self.batch = p.batch
+        #: the sizes of the current batch chunk (B its batches, from batch b0)
         self.sizes = (p.batch, p.heads_q, p.seq_q, p.seq_k)
+        self.b0 = 0
         self.dev = dev
         self.tile: Optional[Tuple[int, int]] = None
+        self._acc: Optional[Dict[str, object]] = None
 
-    def scratch(self, bm: int, bn: int):
-        """(DCS, dcs_g, DCOL, NCP) for tiles bm x bn: DCS fp32 zeros, the slotted reads'
+    def chunks(self, bm: int, bn: int) -> List[Tuple[int, int]]:
+        """(b0, batches) of the dK/dV launches for tiles bm x bn: one for the whole batch,
+        or, where the pair reads' slots (4 bytes per (b, h, padded query, padded key) per
+        pair read) pass PAIR_SLOT_BYTES, as many batches per launch as fit (at least 1)."""
+        B, H, Sq, Sk = self.batch, *self.sizes[1:]
+        pairs = sum(k == PAIR for k in self.kinds)
+        per_batch = 4 * pairs * H * (-(-Sq // bm) * bm) * (-(-Sk // bn) * bn)
+        nb = B if per_batch == 0 else max(1, min(B, PAIR_SLOT_BYTES // per_batch))
+        return [(b0, min(nb, B - b0)) for b0 in range(0, B, nb)]
+
+    def scratch(self, bm: int, bn: int, b0: int = 0, batches: Optional[int] = None):
+        """(DCS, dcs_g, DCOL, NCP) for tiles bm x bn and the batch chunk of ``batches``
+        batches from ``b0`` (default: the whole batch): DCS fp32 zeros, the slotted reads'
         regions one after another (module doc; dcs_g = B * H * nK * nQ, the slots of one
-        width unit), DCOL fp64 [B * H, Sk, NCP] (None without column reads)."""
+        width unit, B the chunk's), DCOL fp64 [B * H, Sk, NCP] (None without column
+        reads)."""
         import torch
 
+        nb = self.batch if batches is None else batches
+        self.b0, self.sizes = b0, (nb,) + self.sizes[1:]
         B, H, Sq, Sk = self.sizes
         nq, nk = -(-Sq // bm), -(-Sk // bn)
         nslots = B * H * nk * nq
@@ -208,9 +235,26 @@ class CaptureGrads:
             out[i] = dcol[:, :, n]
         return out
 
-    def finish(self, dcs, dcol) -> Dict[str, object]:
-        """{capture: gradient} (torch, the capture's shape and dtype, on the device) from
-        the slots and column sums the dK/dV launch wrote."""
+    def add(self, dcs, dcol) -> None:
+        """Add the current batch chunk's gradients (from the slots and column sums its
+        dK/dV launch wrote) to the call's, in fp64 (chunks in order: a fixed order)."""
+        part = self._chunk_grads(dcs, dcol)
+        if self._acc is None:
+            self._acc = part
+        else:
+            for name, g in part.items():
+                self._acc[name] += g
+
+    def finish(self) -> Dict[str, object]:
+        """{capture: gradient} (torch, the capture's shape and dtype, on the device) of
+        the chunks added."""
+        import torch
+
+        return {name: g.to(getattr(torch, str(self.bound.arrays[name].dtype)))
+                for name, g in self._acc.items()}
+
+    def _chunk_grads(self, dcs, dcol) -> Dict[str, object]:
+        """{capture: the current batch chunk's gradient} (fp64, the capture's shape)."""
         import torch
 
         from . import kernels
@@ -230,7 +274,6 @@ class CaptureGrads:
         out = {}
         for name, got in parts.items():
             arr = self.bound.arrays[name]
-            want = getattr(torch, str(arr.dtype))
             n = int(np.prod(arr.shape, dtype=np.int64))
             if not got:                       # no read summed per position: zeros
                 res = torch.zeros(n, dtype=torch.float64, device=self.dev)
@@ -246,7 +289,7 @@ class CaptureGrads:
             res = res.reshape(arr.shape)
             for r, x in pairs[name]:
                 self._add_pairs(res, r, x)
-            out[name] = res.to(want)
+            out[name] = res
         return out
 
     def _add_pairs(self, res, r: Read, x) -> None:
@@ -258,7 +301,7 @@ class CaptureGrads:
 
         _, _, Sq, Sk = self.sizes
         nk, nq, bn, bm = x.shape[1:]
-        for rows, at, transposed in pair_targets(self.bound, r, self.sizes):
+        for rows, at, transposed in pair_targets(self.bound, r, self.sizes, self.b0):
             acc = None
             for bh in rows:                       # [nK, nQ, BN, BM] -> [Sq, Sk]
                 t = x[bh].permute(1, 3, 0, 2).reshape(nq * bm, nk * bn)[:Sq, :Sk]
@@ -282,7 +325,7 @@ class CaptureGrads:
             h.update(f"{c}:{a.shape}:{a.dtype.str};".encode())
             h.update(memoryview(a).cast("B") if a.size else b"")
         key = (self.prog.key, name, tuple((tuple(sorted(r.uses)), k, s) for r, k, s in shaped),
-               self.sizes, h.hexdigest(), str(self.dev))
+               self.sizes, self.b0, h.hexdigest(), str(self.dev))
         with _lock:
             hit = _map_cache.get(key)
             if hit is not None:
@@ -305,4 +348,4 @@ class CaptureGrads:
     def _flat_index(self, r: Read, kind: str, shape3, cap_shape) -> np.ndarray:
         """The flat capture index of read ``r`` (of ``kind``) at every (b, h, x) of its
         sums' shape (:func:`anyattn.programs.capture_reads.flat_index`)."""
-        return flat_index(self.bound, self.sizes, r, shape3, cap_shape, kind)
+        return flat_index(self.bound, self.sizes, r, shape3, cap_shape, kind, self.b0)

@@ -1329,12 +1329,13 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PREC: tl.constexpr, CAPS, SMOD: tl.constexpr, MMOD: tl.constexpr,
                   DCS=None, dcs_g=None, DCAP: tl.constexpr = None, DCOL=None,
-                  NCP: tl.constexpr = 0):
+                  NCP: tl.constexpr = 0, B0=0):
     """dk [BN, D], dv [BN, VD] of key tile pid_n of kv head hk in batch b (int64), summed over
     the G query heads of the group and over every query tile.  DCAP: capture gradient
     slots into DCS (regions of dcs_g = B * H * cdiv(Sk, BN) * cdiv(Sq, BM) slots times a
     slot width, capture_grads.py; _dkdv_tile) and, with NCP > 0, per query head the
-    column reads' sums over every query tile into DCOL [B * H, Sk, NCP] (fp64)."""
+    column reads' sums over every query tile into DCOL [B * H, Sk, NCP] (fp64); both
+    indexed from batch B0 (a batch chunk's first: B there is the chunk's)."""
     mvo = 1.0
     gam = 1.0
     s_scale = scale
@@ -1376,7 +1377,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
         else:
             DWr = DW
         if DCAP is not None:                       # this (b, h, key tile)'s first slot
-            dslot = (bh * ((Sk + BN - 1) // BN) + pid_n) * ((Sq + BM - 1) // BM)
+            bhc = (b - B0) * H + h                 # (b, h) within the batch chunk
+            dslot = (bhc * ((Sk + BN - 1) // BN) + pid_n) * ((Sq + BM - 1) // BM)
         else:
             dslot = None
         if NCP > 0:                                # the column reads' sums of this head
@@ -1438,7 +1440,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, 
                                           b, h, CAPS, SMOD, MMOD, DCS, dslot, dcs_g, DCAP,
                                           BM, BN, NCP)
         if NCP > 0:
-            _dcap_cols_store(DCOL, cacc, bh, Sk, offs_n, NCP)
+            _dcap_cols_store(DCOL, cacc, bhc, Sk, offs_n, NCP)
     if PREC == "hsplit3":
         dv = dv * dv_mul
     if DROPOUT:
@@ -1475,11 +1477,15 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                  PREC: tl.constexpr,
                  CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None,
                  DCS=None, dcs_g=None, DCAP: tl.constexpr = None, DCOL=None,
-                 NCP: tl.constexpr = 0):
+                 NCP: tl.constexpr = 0, B0=0):
     """Grid (cdiv(Sk, BN), B * HKV): dk, dv of one key tile (no atomics); with DCAP also
-    the capture gradient slots of its tiles and its column sums (_dkdv_program)."""
+    the capture gradient slots of its tiles and its column sums (_dkdv_program), for
+    the batches B0, B0 + 1, ... (a batch chunk: the grid's B; its slots from 0)."""
     bhk = tl.program_id(1)
-    _dkdv_program(tl.program_id(0), (bhk // HKV).to(tl.int64), (bhk % HKV).to(tl.int64),
+    b = (bhk // HKV).to(tl.int64)
+    if DCAP is not None:
+        b = b + B0
+    _dkdv_program(tl.program_id(0), b, (bhk % HKV).to(tl.int64),
                   Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FCNT, FIDX, SC,
                   SLOPES,
                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
@@ -1488,7 +1494,7 @@ def dkdv_kernel(Q, K, V, DO, L2, DELTA, DK, DV, BIAS, QID, KID, KM, CNT, IDX, FC
                   sc_b, sc_h, si_b, si_h, si_r, H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs,
                   D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
                   HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD, DCS, dcs_g, DCAP,
-                  DCOL, NCP)
+                  DCOL, NCP, B0)
 
 
 @triton.jit
