@@ -183,13 +183,14 @@ def test_pair_slots_past_their_budget_run_per_batch_chunk(monkeypatch):
     from anyattn.backends.triton import capture_grads
 
     rng = np.random.default_rng(8)
-    shapes = {"t": (3, HQ, SQ, SK), "u": (HQ, SQ, SK), "rel": (3, SQ + SK - 1),
-              "kb": (3, SK)}
+    sq, sk = 24, 20
+    shapes = {"t": (3, HQ, sq, sk), "u": (HQ, sq, sk), "rel": (3, sq + sk - 1),
+              "kb": (3, sk)}
     caps = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     sm = aa.ScoreMod(lambda s, b, h, i, j, t, u, rel, kb:
-                     s * 0.5 + t[b, h, i, j] - u[h, i, j] * s + rel[b, i - j + SK - 1]
+                     s * 0.5 + t[b, h, i, j] - u[h, i, j] * s + rel[b, i - j + sk - 1]
                      + kb[b, j], **caps)
-    q, k, v, g = _inputs(9, B=3)
+    q, k, v, g = _inputs(9, B=3, Sq=sq, Sk=sk)
     kw = dict(score_mod=sm, mask=aa.Causal("bottom_right"))
     wrt = ("k",) + tuple(caps)
     launches = []

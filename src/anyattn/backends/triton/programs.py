@@ -397,8 +397,10 @@ def dcap_source(score_prog, wrt, kinds: Sequence[str], itype: str,
     of a score program, of the kinds ``kinds`` (capture_grads.classify, graph order):
     slotted reads store into their region of DCS (capture_grads.layout), column reads
     add to the accumulator ``cacc``, which the function returns."""
-    from .capture_grads import PAIR, SLOT_WIDTH, layout
+    from .capture_grads import PAIR, SLOT_WIDTH, layout, refusal
 
+    if None in kinds:     # (the capability check refuses these before any work)
+        raise NotImplementedError(f"the Triton backward {refusal(score_prog, frozenset(wrt))}")
     _, grads = score_prog.grad_nodes(frozenset(wrt))
     g = _Gen(itype, slots, layouts)
     g.body([d for _, d in grads])
