@@ -197,6 +197,27 @@ def test_a_slope_not_finite_at_masked_pairs_gives_no_nan():
         assert_close(getattr(gr, n).cpu().numpy(), getattr(rg, n), "float32", n)
 
 
+def test_functions_fused_backward_equals_two_launches(monkeypatch):
+    """A score function and a mask function in the fused backward (one launch: dK/dV and
+    dQ programs) give the two-launch backward's bits, and the reference's values."""
+    from tr_util import two_launch_backward
+
+    Sq, Sk = 37, 45
+    q, k, v = _inputs(22, 1, 4, 2, Sq, Sk, 16)
+    g = np.random.default_rng(23).standard_normal(q.shape).astype(np.float32)
+    kb = np.random.default_rng(24).standard_normal((4, Sk)).astype(np.float32)
+    kw = dict(score_mod=aa.ScoreMod(lambda s, b, h, i, j, kb: s * 0.75 + kb[h, j], kb=kb),
+              mask=aa.Causal() | aa.MaskMod(lambda b, h, i, j: (i - j) % 5 == 0))
+    fused = aa.attention_backward(T(q), T(k), T(v), T(g), backend="triton", **kw)
+    two_launch_backward(monkeypatch)
+    split = aa.attention_backward(T(q), T(k), T(v), T(g), backend="triton", **kw)
+    rg = aa.attention_backward(*(x.astype(np.float64) for x in (q, k, v, g)),
+                               backend="reference", **kw)
+    for n in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(fused, n), getattr(split, n)), n
+        assert_close(getattr(fused, n).cpu().numpy(), getattr(rg, n), "float32", n)
+
+
 @pytest.mark.parametrize("fn, score_bare, grad_bare", [
     # reads the score: a tile already; its derivative 0.5 is a constant (broadcast)
     (lambda s, b, h, i, j: s * 0.5 + h, True, False),

@@ -106,9 +106,9 @@ def backward(p, q, k, v, dout, out, stats: RowStats, bias, plan: Optional[config
                              tlists, sc, scalars, fkw, cg, fns)
             res["dbias"] = _launch_dq_dbias(pr, p, plan, qo, ko, vo, doo, l2, delta, dq, bias,
                                             ma, md, tlists, sc, scalars, fkw)
-        elif want_kv and want_q and plan.fused_bwd and not pr.hop and fns is None:
+        elif want_kv and want_q and plan.fused_bwd and not pr.hop and cg is None:
             _launch_fused_bwd(pr, p, plan, qo, ko, vo, doo, l2, delta, dk, dv, dq, dbias, sdb,
-                              ma, md, tlists, sc, scalars, full_bias)
+                              ma, md, tlists, sc, scalars, full_bias, fkw)
         else:
             if want_kv and pr.hop:
                 from .hopper import launch as hopper_launch
@@ -247,7 +247,7 @@ def _fused_fallbacks(c1: configs.KernelConfig, c2: configs.KernelConfig):
 
 
 def _launch_fused_bwd(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, sdb, ma, md,
-                      tlists, sc, scalars, full_bias):
+                      tlists, sc, scalars, full_bias, fkw):
     """dK/dV and dQ in one launch of kernels.bwd_kernel (plan.dkdv gives BM/BN, warps and
     stages; plan.dq gives BM2/BN2).  Falls back to cheaper configs on OutOfResources
     (remembered per signature); autotuned over config pairs with ANYATTN_TRITON_AUTOTUNE=1."""
@@ -260,19 +260,19 @@ def _launch_fused_bwd(pr, p, plan, q, k, v, dout, l2, delta, dk, dv, dq, dbias, 
     ready = pr.ready.get("bwd")
     if ready is None:     # launches once, with the first config pair that fits
         pr.ready["bwd"] = list(_resolve_fused_bwd(p, plan, q, args, ma, pr.common,
-                                                  full_bias))
+                                                  full_bias, fkw))
         return
     prepared.replay(pr, "bwd", ready, kernels.bwd_kernel, args)
 
 
-def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
+def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias, fkw) -> tuple:
     """Launch kernels.bwd_kernel once with the first config pair that fits (autotuned with
     ANYATTN_TRITON_AUTOTUNE=1) -> (grid, positional tail, keywords) of that launch."""
     from triton.runtime.errors import OutOfResources
 
     B, Hkv, G, Sq, Sk = p.batch, p.heads_kv, p.group, p.seq_q, p.seq_k
     kw = dict(SBQ=plan.sbq, SBK=plan.sbk, MODE=ma.mode, HAS_BIAS=ma.has_bias,
-              WRITE_DB=full_bias, **common)
+              WRITE_DB=full_bias, **common, **fkw)
 
     def resolved(pair):
         c1, c2 = pair
@@ -287,7 +287,9 @@ def _resolve_fused_bwd(p, plan, q, args, ma, common, full_bias) -> tuple:
 
     c1 = plan.dkdv
     c2 = configs.KernelConfig(plan.dq.bm, plan.dq.bn, c1.num_warps, c1.num_stages)
-    sig = prepared.signature(dt=str(q.dtype), **kw)
+    # (score / mask functions' captures: tensors, keyed by dtype only)
+    sig = prepared.signature(dt=str(q.dtype), **{
+        n: (tuple(t.dtype for t in x) if n == "CAPS" else x) for n, x in kw.items()})
     if configs.autotune_enabled():
         dp = max(kw["DP"], kw["VDP"])        # the wider of q/k's and v's tiles
         cands = [(c1, c2)] + [pair for pair in configs.fused_candidates(dp, p.dtype)

@@ -1781,8 +1781,10 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                 SBQ: tl.constexpr, SBK: tl.constexpr, MODE: tl.constexpr,
                 HAS_BAND: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KEEP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, WRITE_DB: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
-    """The whole backward after the delta pass in one launch.
+                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+                CAPS=None, SMOD: tl.constexpr = None, MMOD: tl.constexpr = None):
+    """The whole backward after the delta pass in one launch (score / mask functions
+    SMOD / MMOD over the captures CAPS as in dkdv_kernel and dq_kernel).
 
     Grid (NKV_TILES + G * NQ_TILES, B * HKV): programs [0, NKV_TILES) own a key tile
     (BN keys) of kv head hk and write its dk, dv (query tiles of BM); the rest own a
@@ -1801,7 +1803,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                       cc_b, cc_h, ci_b, ci_h, ci_r, H, G, Sq, Sk, scale, lo, hi,
                       sl_b, cap, adiag, DW, dthr, drs,
                       D, DP, VD, VDP, BM, BN, SBQ, SBK, MODE, HAS_BAND, HAS_DOCS, HAS_KEEP,
-                      HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, None, None, None)
+                      HAS_BIAS, SOFTCAP, ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
     else:
         r = pid - NKV_TILES
         h = hk * G + r // NQ_TILES
@@ -1813,7 +1815,7 @@ def bwd_kernel(Q, K, V, DO, L2, DELTA, DK, DV, DQ, BIAS, DB, QID, KID, KM,
                     H, G, Sq, Sk, scale, lo, hi, sl_b, cap, adiag, DW, dthr, drs, 0, D, DP, VD, VDP,
                     BM2, BN2, SBQ, SBK,
                     MODE, HAS_BAND, HAS_DOCS, HAS_KEEP, HAS_BIAS, WRITE_DB, False, SOFTCAP,
-                    ALIBI, DROPOUT, PREC, None, None, None)
+                    ALIBI, DROPOUT, PREC, CAPS, SMOD, MMOD)
 
 
 @triton.jit

@@ -165,24 +165,22 @@ def _kernel(c: configs.KernelConfig) -> str:
     return f"{c.bm}x{c.bn}w{c.num_warps}s{c.num_stages}{chunks}"
 
 
-def plan_name(plan: configs.Plan, direction: str, functions: bool = False,
-              captures: bool = False) -> str:
+def plan_name(plan: configs.Plan, direction: str, captures: bool = False) -> str:
     """A portable plan's tiles in one word, BMxBN, warps and stages per kernel: e.g.
     'fwd128x128w8s3', 'dkdv64x128w8s1+dq128x64w8s1' (two backward launches) or
     'fused(dkdv64x128w8s3+dq128x64)' (one launch: dQ's tiles, dK/dV's warps and
-    stages).  With score / mask ``functions`` the backward is two launches; with
-    ``captures`` (capture gradients) dK/dV takes plan.dkdv_captures where set."""
+    stages).  With ``captures`` (a score function's capture gradients) the backward is
+    two launches, dK/dV with plan.dkdv_captures where set."""
     if direction == "forward":
         return f"fwd{_kernel(plan.fwd)}"
-    if plan.fused_bwd and not functions:
+    if plan.fused_bwd and not captures:
         return f"fused(dkdv{_kernel(plan.dkdv)}+dq{plan.dq.bm}x{plan.dq.bn})"
     dkdv = (plan.dkdv_captures if captures else None) or plan.dkdv
     return f"dkdv{_kernel(dkdv)}+dq{_kernel(plan.dq)}"
 
 
 def _plan_name(plan: configs.Plan, direction: str, problem: "ProblemFacts") -> str:
-    return plan_name(plan, direction, bool({"score_mod", "mask_mod"} & problem.features),
-                     problem.capture_grads)
+    return plan_name(plan, direction, problem.capture_grads)
 
 
 def _portable_plan(problem: ProblemFacts, plan: Optional[configs.Plan]) -> Tuple[configs.Plan, str]:
