@@ -64,10 +64,13 @@ def _print_route(args) -> int:
     dv = args.route[6] if len(args.route) == 7 and args.route[6] != d else None
     mask = _ROUTE_MASKS.get(args.mask.split(":")[0], args.mask)
     feats = frozenset(f for f in args.features.split(",") if f)
+    grads = "score_mod_grad" in feats            # a capture gradient: a score function's
+    feats = (feats - {"score_mod_grad"}) | ({"score_mod"} if grads else frozenset())
     problem = triton_route.ProblemFacts(batch=b, heads_q=hq, heads_kv=hkv, seq_q=sq,
                                         seq_k=sk, head_dim=d, dtype=_ROUTE_DTYPES[args.dtype],
                                         mask_class=mask, features=feats,
-                                        precision=args.precision, head_dim_v=dv)
+                                        precision=args.precision, head_dim_v=dv,
+                                        capture_grads=grads)
     sms = args.sms if args.sms is not None else 132
     device = triton_route.DeviceFacts("cuda", args.cc, sms)
     print(f"problem: {problem}")
@@ -454,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "band+documents, ...) or causal / window / sliding (band)")
     inf.add_argument("--features", default="",
                      help="--route: score features, comma-separated: bias, softcap, alibi, "
-                          "sinks, dropout")
+                          "sinks, dropout, score_mod, mask_mod, score_mod_grad (a score "
+                          "function's capture gradients)")
     inf.add_argument("--precision", default="highest", choices=["highest", "tf32"],
                      help="--route: precision (fp32 inputs)")
     inf.add_argument("--cc", type=_capability_arg, default=None,

@@ -258,6 +258,10 @@ def test_info_route_prints_both_directions(capsys, heuristic):
     assert main(["info", "--route", "1,4,4,64,64,128", "--dtype", "fp32", "--cc", "9.0"]) == 0
     out = capsys.readouterr().out
     assert "forward: portable" in out and "dtype float32" in out
+    assert main(["info", "--route", "4,16,16,4096,4096,128", "--cc", "9.0", "--features",
+                 "score_mod_grad"]) == 0
+    out = capsys.readouterr().out
+    assert "backward: portable dkdv32x128w8s3+dq128x64w8s3" in out     # the capture tile
     with pytest.raises(SystemExit):
         main(["info", "--route", "1,4,4,64,64,128"])          # no --cc
     assert "--route needs --cc" in capsys.readouterr().err
