@@ -31,6 +31,16 @@ def _to_bhsd(x, layout):
     return x.swapaxes(1, 2)
 
 
+def _zeros_beside(x, arr):
+    """Zeros of the host array ``arr``'s shape and dtype, where the inputs ``x`` live (a
+    torch tensor on x's device for torch inputs), as a non-empty call returns them."""
+    if array_kind(x) == "torch":
+        import torch
+
+        return torch.zeros(arr.shape, dtype=getattr(torch, str(arr.dtype)), device=x.device)
+    return np.zeros(arr.shape, arr.dtype)
+
+
 def _lse_out(stats: RowStats, p: Problem):
     """The public lse: max + log_norm in float32 (float64 for float64 inputs); a backend
     may keep its statistics wider than that (the float64 reference does)."""
@@ -209,7 +219,7 @@ def attention_backward(q, k, v, dout, *, out=None, lse=None, mask: Optional[Mask
                "dsinks": None if sinks is None else be.zeros_like(sinks),
                "dcaptures": {n: be.zeros_like(p.score_mod.device[n])
                              if n in p.score_mod.device else
-                             np.zeros(p.score_mod.arrays[n].shape, p.score_mod.arrays[n].dtype)
+                             _zeros_beside(qb, p.score_mod.arrays[n])
                              for n in p.capture_wrt} or None}
     else:
         b4 = bias_4d(bias, p)

@@ -302,3 +302,15 @@ def test_torch_autograd_reaches_the_triton_capture_gradients():
                        match=r"capture 't' is read at t\[\(q_idx // 2\), kv_idx\]"):
         at.attention(q, k, v, backend="triton",
                      score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[i // 2, j], t=t))
+
+
+def test_an_empty_batch_gives_zero_capture_gradients_as_tensors():
+    """B = 0: the capture gradients are zeros in the capture's shape and dtype, torch
+    tensors beside the inputs (as a non-empty call returns them), not NumPy arrays."""
+    t = np.random.default_rng(0).standard_normal((2, 8, 8)).astype(np.float32)
+    q = torch.zeros(0, 2, 8, 16)
+    g = aa.attention_backward(q, q, q, q, wrt=("q", "t"), backend="triton",
+                              score_mod=aa.ScoreMod(lambda s, b, h, i, j, t: s + t[h, i, j], t=t))
+    got = g.dcaptures["t"]
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+    assert tuple(got.shape) == (2, 8, 8) and not got.any()

@@ -169,7 +169,7 @@ class CaptureGrads:
         B, H, Sq, Sk = self.batch, *self.sizes[1:]
         pairs = sum(k == PAIR for k in self.kinds)
         per_batch = 4 * pairs * H * (-(-Sq // bm) * bm) * (-(-Sk // bn) * bn)
-        nb = B if per_batch == 0 else max(1, min(B, PAIR_SLOT_BYTES // per_batch))
+        nb = max(1, B if per_batch == 0 else min(B, PAIR_SLOT_BYTES // per_batch))
         return [(b0, min(nb, B - b0)) for b0 in range(0, B, nb)]
 
     def scratch(self, bm: int, bn: int, b0: int = 0, batches: Optional[int] = None):
@@ -250,8 +250,14 @@ class CaptureGrads:
         the chunks added."""
         import torch
 
-        return {name: g.to(getattr(torch, str(self.bound.arrays[name].dtype)))
-                for name, g in self._acc.items()}
+        out = {}
+        for name in sorted(self.wrt):
+            arr = self.bound.arrays[name]
+            g = (self._acc or {}).get(name)
+            if g is None:                        # no chunk ran (an empty batch)
+                g = torch.zeros(arr.shape, dtype=torch.float64, device=self.dev)
+            out[name] = g.to(getattr(torch, str(arr.dtype)))
+        return out
 
     def _chunk_grads(self, dcs, dcol) -> Dict[str, object]:
         """{capture: the current batch chunk's gradient} (fp64, the capture's shape)."""
