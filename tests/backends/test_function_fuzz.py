@@ -25,9 +25,10 @@ SEEDS = {"numpy": range(12), "triton": range(4), "webgpu": range(1)}
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 21, 27, 16
 
 
-def _params():
+def _params(seeds_of):
+    """(backend, seed) parameters, skipped with the backend's reason where unavailable."""
     out = []
-    for name, seeds in SEEDS.items():
+    for name, seeds in seeds_of.items():
         why = unavailable_reason(name)
         marks = [pytest.mark.skip(reason=f"{name} unavailable: {why}")] if why else []
         out += [pytest.param(name, seed, marks=marks, id=f"{name}-{seed}") for seed in seeds]
@@ -78,7 +79,7 @@ def _mask(rng):
     return [None, aa.Causal(), aa.Window(5, 3)][int(rng.integers(0, 3))]
 
 
-@pytest.mark.parametrize("backend, seed", _params())
+@pytest.mark.parametrize("backend, seed", _params(SEEDS))
 def test_random_functions_match_the_float64_reference(backend, seed):
     hx = harness_for(backend)
     rng = np.random.default_rng(1000 + seed)
@@ -113,15 +114,6 @@ def test_random_functions_match_the_float64_reference(backend, seed):
 MASK_SEEDS = {"numpy": range(12), "triton": range(4), "webgpu": range(1)}
 
 
-def _mask_params():
-    out = []
-    for name, seeds in MASK_SEEDS.items():
-        why = unavailable_reason(name)
-        marks = [pytest.mark.skip(reason=f"{name} unavailable: {why}")] if why else []
-        out += [pytest.param(name, seed, marks=marks, id=f"{name}-{seed}") for seed in seeds]
-    return out
-
-
 def _conjunct(rng):
     """A random mask conjunct of (b, h, i, j, prefix, ids)."""
     k = int(rng.integers(0, 7))
@@ -135,7 +127,7 @@ def _conjunct(rng):
             lambda b, h, i, j, P, I: (h == 1) | (j >= i - 2 * w)][k]
 
 
-@pytest.mark.parametrize("backend, seed", _mask_params())
+@pytest.mark.parametrize("backend, seed", _params(MASK_SEEDS))
 def test_random_mask_functions_match_the_float64_reference(backend, seed):
     """Random mask functions (a union of conjunctions of bands, strides, a per-batch
     prefix, document ids, blocks and head conditions; empty rows included) beside a
