@@ -391,12 +391,12 @@ def gather_tile(p):
     """The values at the pointer tile p (a score or mask function's capture gather, any
     tile shape; every pointer in range: programs.py clamps the indices).  On CUDA a
     non-coherent load in the tile's own iteration, written as inline PTX: Triton's
-    software pipeliner stages every
-    tt.load of 32 or more bits that feeds a dot in shared memory beside K and V (an fp32
-    [128, 128] gather is 64 KiB per stage, over sm_90's 227 KiB at 3 stages), and inline
-    PTX is not a load to it.  Elements of 32 or 64 bits (narrower ones are below the
-    pipeliner's 32-bit minimum, so callers use tl.load).  The captures are read-only
-    while a kernel runs (capture gradients go elsewhere)."""
+    software pipeliner stages every tt.load of 32 or more bits that feeds a dot in
+    shared memory beside K and V (an fp32 [128, 128] gather is 64 KiB per stage, over
+    sm_90's 227 KiB at 3 stages), and inline PTX is not a load to it.  Elements of 32 or
+    64 bits (narrower ones are below the pipeliner's 32-bit minimum, so callers use
+    tl.load).  The captures are read-only while a kernel runs (capture gradients go
+    elsewhere)."""
     if _INTERPRETED:
         return tl.load(p)
     elif p.dtype.element_ty.primitive_bitwidth == 64:
