@@ -62,7 +62,6 @@ def record(name, spelling):
     float captures too) or "builtin" (the built-in spelling, wrt q, k, v)."""
     import torch
 
-    from anyattn.backends.triton import kernels as K
     from anyattn.backends.triton import launch as L
     from anyattn.arguments import score_mods
     from anyattn.problem import describe
@@ -85,21 +84,12 @@ def record(name, spelling):
     # the modifiers as the API passes them (a function that spells ALiBi runs as the
     # built-in where its slopes are not differentiated: Problem.matched_alibi)
     slopes = kw.get("alibi_slopes")
-    log = []
-    saved = {n: getattr(K, n) for n in ph.KERNEL_NAMES + EXTRA_KERNELS if hasattr(K, n)}
-    try:
-        for n in saved:
-            setattr(K, n, ph._Recorder(n, log))
-        L.clear_caches()
+    with ph.recording(ph.KERNEL_NAMES + EXTRA_KERNELS) as log:
         p = describe(q, k, v, bias=bias, **kw)
         out, st = L.forward(p, q, k, v, bias, mods=score_mods(p, slopes, None))
         pb = describe(q, k, v, dout=dout, out=out, lse=st.max, bias=bias, wrt=wrt, **kw)
         mods = score_mods(pb, slopes, None)
         L.backward(pb, q, k, v, dout, out, st, bias, mods=mods)
-    finally:
-        for n, fn in saved.items():
-            setattr(K, n, fn)
-        L.clear_caches()
     return log
 
 

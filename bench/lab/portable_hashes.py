@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,11 +107,31 @@ class _Recorder:
         return launch
 
 
+@contextmanager
+def recording(names=None):
+    """Within: the kernels ``names`` of kernels.py (default KERNEL_NAMES, those present)
+    replaced by recorders, the launch caches cleared; yields the log [(kernel name, args,
+    kw)] they fill.  After: the kernels restored, the caches cleared again."""
+    from anyattn.backends.triton import kernels as K
+    from anyattn.backends.triton import launch as L
+
+    log = []
+    saved = {n: getattr(K, n) for n in (names or KERNEL_NAMES) if hasattr(K, n)}
+    try:
+        for n in saved:
+            setattr(K, n, _Recorder(n, log))
+        L.clear_caches()
+        yield log
+    finally:
+        for n, fn in saved.items():
+            setattr(K, n, fn)
+        L.clear_caches()
+
+
 def record(case):
     """The launches of one case's forward and backward: [(kernel name, args, kw)]."""
     import torch
 
-    from anyattn.backends.triton import kernels as K
     from anyattn.backends.triton import launch as L
     from anyattn.modifiers import ScoreMods
     from anyattn.problem import describe
@@ -134,22 +155,13 @@ def record(case):
     kw = dict(mask=mask, bias=bias, precision=precision, softcap=softcap,
               alibi_slopes=mods.alibi_slopes, sinks=mods.sinks, dropout_p=drop,
               dropout_seed=7 if drop else None)
-    log = []
-    saved = {n: getattr(K, n) for n in KERNEL_NAMES if hasattr(K, n)}
-    try:
-        for n in saved:
-            setattr(K, n, _Recorder(n, log))
-        L.clear_caches()
+    with recording() as log:
         p = describe(q, k, v, **kw)
         out, stats = L.forward(p, q, k, v, bias, mods=mods)
         wrt = ("q", "k", "v") + (("bias",) if bias is not None else ()) + \
             (("sinks",) if sinks else ())
         pb = describe(q, k, v, dout=dout, out=out, lse=stats.max, wrt=wrt, **kw)
         L.backward(pb, q, k, v, dout, out, stats, bias, mods=mods)
-    finally:
-        for n, fn in saved.items():
-            setattr(K, n, fn)
-        L.clear_caches()
     return log
 
 

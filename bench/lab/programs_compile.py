@@ -22,7 +22,6 @@ def record():
     import torch
 
     import anyattn as aa
-    from anyattn.backends.triton import kernels as K
     from anyattn.backends.triton import launch as L
     from anyattn.modifiers import ScoreMods
     from anyattn.problem import describe
@@ -44,21 +43,12 @@ def record():
     kw = dict(score_mod=aa.ScoreMod(t5, table=table, bucket=bucket),
               mask=aa.Causal() | aa.MaskMod(lambda b, h, i, j, n: (j < n[b]) & ~(i % 7 == 3),
                                             n=prefix))
-    log = []
-    saved = {n: getattr(K, n) for n in ph.KERNEL_NAMES + (
-        "mask_blocks_kernel", "dcap_diag_kernel", "dcap_segment_kernel") if hasattr(K, n)}
-    try:
-        for n in saved:
-            setattr(K, n, ph._Recorder(n, log))
-        L.clear_caches()
+    with ph.recording(ph.KERNEL_NAMES + ("mask_blocks_kernel", "dcap_diag_kernel",
+                                         "dcap_segment_kernel")) as log:
         L.forward(describe(q, k, v, **kw), q, k, v, None, mods=ScoreMods())
         out, st = torch.zeros_like(q), torch.zeros(B, H, S)
         pb = describe(q, k, v, dout=dout, out=out, lse=st, wrt=("q", "k", "v", "table"), **kw)
         L.backward(pb, q, k, v, dout, out, RowStats(st, st), None, mods=ScoreMods())
-    finally:
-        for n, fn in saved.items():
-            setattr(K, n, fn)
-        L.clear_caches()
     return log
 
 

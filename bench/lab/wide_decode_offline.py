@@ -50,7 +50,6 @@ def record(dtype: str, sq: int, paged: bool):
 
     import anyattn as aa
     from anyattn.backends.triton import forward as F
-    from anyattn.backends.triton import kernels as K
     from anyattn.backends.triton import launch as L
     from anyattn.modifiers import ScoreMods
     from anyattn.paged import describe_paged
@@ -62,13 +61,8 @@ def record(dtype: str, sq: int, paged: bool):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, Hq, sq, D, generator=g).to(td)
     mask = aa.Causal(align="bottom_right")
-    log = []
     names = ("fwd_split_kernel", "fwd_combine_kernel", "split_f16_kernel", "row_stats_kernel")
-    saved = {n: getattr(K, n) for n in names}
-    try:
-        for n in saved:
-            setattr(K, n, PH._Recorder(n, log))
-        L.clear_caches()
+    with PH.recording(names) as log:
         if paged:
             P = 64
             M = Sk // P
@@ -82,10 +76,6 @@ def record(dtype: str, sq: int, paged: bool):
             v = torch.randn(B, Hkv, Sk, Dv, generator=g).to(td)
             p = describe(q, k, v, mask=mask)
             L.forward(p, q, k, v, None, mods=ScoreMods())
-    finally:
-        for n, fn in saved.items():
-            setattr(K, n, fn)
-        L.clear_caches()
     return [x for x in log if x[0] in ("fwd_split_kernel", "fwd_combine_kernel")]
 
 
